@@ -1,0 +1,50 @@
+"""The rewriter's view of a model: tensors with dtype and (possibly symbolic) shape, nodes in
+topological order, producer/consumer links and constant values. Built by `rewriter.shapes`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+import onnx
+
+Dim = int | str  # a static size, or the name of a symbolic dim ("batch", "seq")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: int  # onnx.TensorProto element type
+    shape: tuple[Dim, ...] | None  # None: rank unknown
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A shape-inferred model. `model` is a private copy (user shapes applied, value_info filled);
+    the caller's model is never touched."""
+
+    model: onnx.ModelProto
+    tensors: Mapping[str, TensorInfo]
+    constants: Mapping[str, np.ndarray]  # initializers and Constant-node outputs
+    nodes: tuple[onnx.NodeProto, ...]  # topological order, as in model.graph.node
+    producer: Mapping[str, int]  # tensor name -> index into nodes
+    consumers: Mapping[str, tuple[int, ...]]  # tensor name -> indices of consuming nodes
+    graph_inputs: tuple[str, ...]
+    graph_outputs: tuple[str, ...]
+    opset: int  # default-domain opset version
+    sym_hints: Mapping[str, int] = field(default_factory=dict)  # typical values for symbolic dims (cost model)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def node_label(self, index: int) -> str:
+        n = self.nodes[index]
+        return f"{n.op_type} '{n.name or n.output[0]}'"
