@@ -30,6 +30,15 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
+// A float from its IEEE bits (inf and nan literals).
+__device__ __forceinline__ float f32_bits(unsigned int b) {
+#ifdef ORTFUSE_EMU
+  float f; memcpy(&f, &b, sizeof f); return f;
+#else
+  return __uint_as_float(b);
+#endif
+}
+
 // Rounding through a narrower float type (an ONNX Cast to fp16/bf16 inside a region).
 __device__ __forceinline__ float round_f16(float x) { return __half2float(__float2half(x)); }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }

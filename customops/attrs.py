@@ -1,0 +1,88 @@
+"""The fused node's attributes (docs/design.md, "The fused node"): written from a KernelSpec and a
+CompiledKernel, read back for emulation and checks. The native library reads the same fields."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ortfuse.customops.compile import CompiledKernel
+from ortfuse.customops.lower import KernelSpec
+
+NODE_FORMAT_VERSION = 1
+DOMAIN = "ortfuse"
+
+
+def _bytes_tensor(name: str, data: bytes) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.frombuffer(data, dtype=np.uint8).copy(), name)
+
+
+def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.AttributeProto]:
+    a = [
+        helper.make_attribute("ortfuse_version", NODE_FORMAT_VERSION),
+        helper.make_attribute("entry", ck.entry),
+        helper.make_attribute("cubin_archs", [cc for cc, _ in ck.cubins]),
+        *[helper.make_attribute(f"cubin_{cc}", _bytes_tensor(f"cubin_{cc}", b)) for cc, b in ck.cubins],
+        helper.make_attribute("ptx", _bytes_tensor("ptx", ck.ptx)),
+        helper.make_attribute("block", spec.block),
+        helper.make_attribute("smem", 0),
+        helper.make_attribute("sym_dims", [v for pair in spec.sym_dims for v in pair]),
+        helper.make_attribute("units", list(spec.units)),
+        helper.make_attribute("units_per_block", spec.units_per_block),
+        helper.make_attribute("out_dtypes", list(spec.out_dtypes)),
+        helper.make_attribute("out_ranks", [len(s) for s in spec.out_shapes]),
+        helper.make_attribute("out_dims", [d for s in spec.out_shapes for d in s]),
+        helper.make_attribute("source", ck.source),
+    ]
+    for attr in a:  # empty int lists must still be typed INTS
+        if attr.name in ("sym_dims", "units", "out_dims", "out_ranks", "cubin_archs") and not attr.ints:
+            attr.type = onnx.AttributeProto.INTS
+    return a
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A fused node's launch rule, decoded."""
+
+    entry: str
+    source: str
+    block: int
+    sym_dims: tuple[tuple[int, int], ...]
+    units: tuple[int, ...]
+    units_per_block: int
+    out_dtypes: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+
+    def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
+        return [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
+
+    def resolve(self, terms: Sequence[int], dims: Sequence[int]) -> list[int]:
+        return [t if t >= 0 else dims[-t - 1] for t in terms]
+
+    def grid(self, dims: Sequence[int]) -> int:
+        units = math.prod(self.resolve(self.units, dims))
+        return -(-units // self.units_per_block)
+
+    def output_shapes(self, dims: Sequence[int]) -> list[list[int]]:
+        return [self.resolve(s, dims) for s in self.out_shapes]
+
+
+def read_launch(node: onnx.NodeProto) -> Launch:
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    if a.get("ortfuse_version") != NODE_FORMAT_VERSION:
+        raise ValueError(f"node '{node.name}': ortfuse node format {a.get('ortfuse_version')} is not {NODE_FORMAT_VERSION}")
+    sym = list(a["sym_dims"])
+    ranks, flat = list(a["out_ranks"]), list(a["out_dims"])
+    shapes, pos = [], 0
+    for r in ranks:
+        shapes.append(tuple(flat[pos:pos + r]))
+        pos += r
+    src = a["source"]
+    return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
+                  src.decode() if isinstance(src, bytes) else src, int(a["block"]),
+                  tuple(zip(sym[0::2], sym[1::2])), tuple(a["units"]), int(a["units_per_block"]),
+                  tuple(a["out_dtypes"]), tuple(shapes))

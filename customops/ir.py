@@ -1,0 +1,234 @@
+"""The kernel IR: scalar expressions and a few statements, printed to CUDA by `customops.printer`.
+
+Expressions are frozen dataclasses, so equal trees compare equal: the lowering uses that for CSE and
+for recognising the vector lane of an index. Index arithmetic is folded as it is built (`add`, `mul`,
+...), so the printed source stays readable and offsets that are constant cost nothing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+# Compute types. Storage types (what a tensor holds) add f16/bf16, which compute as f32.
+F32, I64, I32, BOOL, U8, I8 = "f32", "i64", "i32", "bool", "u8", "i8"
+STORAGE_TYPES = ("f32", "f16", "bf16", "i64", "i32", "bool", "u8", "i8")
+
+
+def compute_type(storage: str) -> str:
+    return F32 if storage in ("f16", "bf16") else storage
+
+
+@dataclass(frozen=True)
+class Const:
+    value: Union[float, int, bool]
+    ctype: str
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    ctype: str
+
+
+@dataclass(frozen=True)
+class Op:
+    """A pure operation from the printer's table (`add`, `exp`, `select`, `cast`, ...)."""
+
+    fn: str
+    args: tuple["Expr", ...]
+    ctype: str
+
+
+@dataclass(frozen=True)
+class Load:
+    """Element `offset` of kernel argument `arg`, converted to its compute type."""
+
+    arg: int
+    offset: "Expr"
+    storage: str
+
+    @property
+    def ctype(self) -> str:
+        return compute_type(self.storage)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Element `lane` of a vector loaded by `VecLoad`, converted to its compute type."""
+
+    vec: str
+    lane: int
+    storage: str
+
+    @property
+    def ctype(self) -> str:
+        return compute_type(self.storage)
+
+
+Expr = Union[Const, Var, Op, Load, Lane]
+
+
+# ----------------------------------------------------------------------------- statements
+@dataclass(frozen=True)
+class Let:
+    var: Var
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Decl:
+    """A mutable local (accumulators)."""
+
+    var: Var
+    init: Expr
+
+
+@dataclass(frozen=True)
+class Assign:
+    var: Var
+    value: Expr
+
+
+@dataclass(frozen=True)
+class For:
+    var: Var
+    start: Expr
+    stop: Expr
+    step: Expr
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class If:
+    cond: Expr
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class VecLoad:
+    name: str
+    arg: int
+    offset: Expr
+    width: int
+    storage: str
+
+
+@dataclass(frozen=True)
+class Store:
+    arg: int
+    offset: Expr
+    value: Expr
+    storage: str
+
+
+@dataclass(frozen=True)
+class VecStore:
+    arg: int
+    offset: Expr
+    values: tuple[Expr, ...]
+    storage: str
+
+
+@dataclass(frozen=True)
+class RowReduce:
+    """`var = ofz::row_reduce<op, tpr>(var, scratch)`: all threads of the block execute it."""
+
+    var: Var
+    op: str  # "sum" | "max" | "min"
+    tpr: int
+
+
+@dataclass(frozen=True)
+class Comment:
+    text: str
+
+
+Stmt = Union[Let, Decl, Assign, For, If, VecLoad, Store, VecStore, RowReduce, Comment]
+
+
+@dataclass(frozen=True)
+class Param:
+    arg: int
+    name: str
+    storage: str
+    is_output: bool
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    block: int
+    params: tuple[Param, ...]
+    num_dims: int
+    scratch_floats: int  # __shared__ floats for row reductions (0: none)
+    body: tuple[Stmt, ...]
+
+
+# ----------------------------------------------------------------------------- folding builders
+def const(value: Union[int, float, bool], ctype: str) -> Const:
+    return Const(value, ctype)
+
+
+def i64(value: int) -> Const:
+    return Const(int(value), I64)
+
+
+def _is(e: Expr, v: Union[int, float]) -> bool:
+    return isinstance(e, Const) and e.value == v and not isinstance(e.value, bool)
+
+
+def add(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const) and a.ctype == I64 == b.ctype:
+        return i64(int(a.value) + int(b.value))
+    if _is(a, 0):
+        return b
+    if _is(b, 0):
+        return a
+    return Op("add", (a, b), a.ctype)
+
+
+def mul(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const) and a.ctype == I64 == b.ctype:
+        return i64(int(a.value) * int(b.value))
+    if _is(a, 0) or _is(b, 0):
+        return i64(0) if a.ctype == I64 else Op("mul", (a, b), a.ctype)
+    if _is(a, 1):
+        return b
+    if _is(b, 1):
+        return a
+    return Op("mul", (a, b), a.ctype)
+
+
+def idiv(a: Expr, b: Expr) -> Expr:
+    """Index division (non-negative operands)."""
+    if _is(b, 1):
+        return a
+    if isinstance(a, Const) and isinstance(b, Const):
+        return i64(int(a.value) // int(b.value))
+    return Op("div", (a, b), I64)
+
+
+def imod(a: Expr, b: Expr) -> Expr:
+    if _is(b, 1):
+        return i64(0)
+    if isinstance(a, Const) and isinstance(b, Const):
+        return i64(int(a.value) % int(b.value))
+    return Op("mod", (a, b), I64)
+
+
+def imin(a: Expr, b: Expr) -> Expr:
+    return Op("min", (a, b), I64)
+
+
+def free_vars(e: Expr) -> frozenset[str]:
+    if isinstance(e, Var):
+        return frozenset((e.name,))
+    if isinstance(e, Op):
+        out: frozenset[str] = frozenset()
+        for a in e.args:
+            out |= free_vars(a)
+        return out
+    if isinstance(e, Load):
+        return free_vars(e.offset)
+    if isinstance(e, Lane):
+        return frozenset((e.vec,))
+    return frozenset()

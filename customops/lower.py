@@ -1,0 +1,488 @@
+"""Region -> kernel IR.
+
+The lowering evaluates the region's tensors element by element: `value(t, idx)` is the expression for
+`t[idx]`, built by walking back through producers (broadcasting, layout ops as index maps,
+reductions as row passes) to loads of the region's inputs. Each value is bound once (`Let`) in the
+outermost loop it can live in, so row-invariant work (reduction results, their rsqrt) is hoisted.
+
+Two kernel shapes:
+* pointwise: one thread per VEC consecutive elements of the iteration space (grid-stride loop);
+* rowreduce: TPR threads per row of the reduced tensor; each reduction is a pass over the row
+  (fp32 accumulation, warp shuffles + shared memory), then a last pass writes the outputs.
+Loads and stores along the innermost axis become 16-byte vector accesses when its size allows."""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import onnx
+
+from ortfuse.customops import ir, scalar, target as hw
+from ortfuse.customops.ir import F32, I64, Expr, Var
+from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.search import ops
+from ortfuse.search.plan import Region
+
+
+class LoweringError(Exception):
+    """The region cannot be one kernel of the shapes above; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A lowered region: the kernel and everything the fused node needs to launch it."""
+
+    kernel: ir.Kernel
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    sym_dims: tuple[tuple[int, int], ...]  # runtime dim k = inputs[i].shape[axis]
+    units: tuple[int, ...]  # product; t >= 0 constant, t < 0 -> dim[-t-1]
+    units_per_block: int
+    out_dtypes: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]  # encoded like units
+
+    @property
+    def block(self) -> int:
+        return self.kernel.block
+
+
+class _Scope:
+    def __init__(self, names: set[str]):
+        self.stmts: list[ir.Stmt] = []
+        self.memo: dict[object, Expr] = {}
+        self.names = names
+
+
+_IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+_COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
+
+
+def _storage(dtype: int, what: str) -> str:
+    s = scalar.STORAGE.get(dtype)
+    if s is None:
+        raise LoweringError(f"{what} has element type {onnx.TensorProto.DataType.Name(dtype)}, which ortfuse does not fuse")
+    return s
+
+
+class _Lowerer:
+    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, hints: dict[str, int]):
+        self.g, self.r, self.tgt, self.hints = graph, region, tgt, hints
+        self.producer = {o: graph.nodes[i] for i in region.nodes for o in graph.nodes[i].output if o}
+        self.args = {t: k for k, t in enumerate(region.inputs)}
+        self.out_args = {t: len(region.inputs) + k for k, t in enumerate(region.outputs)}
+        self.dims: dict[str, int] = {}
+        self.sym_pairs: list[tuple[int, int]] = []
+        for i, t in enumerate(region.inputs):
+            for axis, d in enumerate(self._shape(t)):
+                if isinstance(d, str) and d not in self.dims:
+                    self.dims[d] = len(self.sym_pairs)
+                    self.sym_pairs.append((i, axis))
+        self.scopes = [_Scope(set())]
+        self.count = 0
+        self.lanes: tuple[Expr, ...] = ()
+        self.vec = 1
+        self.inner_dim: Optional[Dim] = None
+        self.row_idx: Optional[tuple[Expr, ...]] = None
+        self.row_depth = 0
+        self.tpr = 0
+
+    # ------------------------------------------------------------------ shapes and dims
+    def _shape(self, t: str) -> tuple[Dim, ...]:
+        info = self.g.tensors.get(t)
+        if info is None or info.shape is None:
+            raise LoweringError(f"shape of '{t}' is unknown")
+        return info.shape
+
+    def dim(self, d: Dim) -> Expr:
+        if isinstance(d, int):
+            return ir.i64(d)
+        if d in self.dims:
+            return Var(f"d{self.dims[d]}", I64)
+        # exporters' derived dims such as "2*seq": products of known dims
+        terms = [p.strip() for p in d.split("*")]
+        if len(terms) > 1 and all(p.isdigit() or p in self.dims for p in terms):
+            out: Expr = ir.i64(1)
+            for p in terms:
+                out = ir.mul(out, ir.i64(int(p)) if p.isdigit() else Var(f"d{self.dims[p]}", I64))
+            return out
+        raise LoweringError(f"dim '{d}' cannot be computed from the region's inputs")
+
+    def encode(self, d: Dim) -> int:
+        if isinstance(d, int):
+            return d
+        if d in self.dims:
+            return -self.dims[d] - 1
+        raise LoweringError(f"output dim '{d}' is not a dim of any region input")
+
+    def hint(self, d: Dim) -> int:
+        return d if isinstance(d, int) else self.hints.get(d, 128)
+
+    # ------------------------------------------------------------------ emission
+    def fresh(self, stem: str) -> str:
+        self.count += 1
+        return f"{stem}{self.count}"
+
+    def _scope_for(self, e: Expr) -> _Scope:
+        fv = ir.free_vars(e)
+        for s in reversed(self.scopes):
+            if s.names & fv:
+                return s
+        return self.scopes[0]
+
+    def bind(self, e: Expr, stem: str = "v") -> Expr:
+        if isinstance(e, (ir.Const, Var)):
+            return e
+        scope = self._scope_for(e)
+        v = Var(self.fresh(stem), e.ctype)
+        scope.stmts.append(ir.Let(v, e))
+        scope.names.add(v.name)
+        return v
+
+    def emit(self, s: ir.Stmt) -> None:
+        self.scopes[-1].stmts.append(s)
+
+    def define(self, name: str) -> None:
+        self.scopes[-1].names.add(name)
+
+    def lookup(self, key: object) -> Optional[Expr]:
+        for s in reversed(self.scopes):
+            if key in s.memo:
+                return s.memo[key]
+        return None
+
+    def remember(self, key: object, e: Expr) -> Expr:
+        (self._scope_for(e) if not isinstance(e, ir.Const) else self.scopes[-1]).memo[key] = e
+        return e
+
+    def loop(self, var: str, start: Expr, stop: Expr, step: Expr, body: Callable[[Var], None]) -> None:
+        v = Var(var, I64)
+        self.scopes.append(_Scope({var}))
+        body(v)
+        inner = self.scopes.pop()
+        self.emit(ir.For(v, start, stop, step, tuple(inner.stmts)))
+
+    # ------------------------------------------------------------------ index math
+    def linearize(self, idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> Expr:
+        off: Expr = ir.i64(0)
+        stride: Expr = ir.i64(1)
+        for i, d in zip(reversed(idx), reversed(shape)):
+            if d != 1:
+                off = ir.add(off, ir.mul(i, stride))
+            stride = ir.mul(stride, self.dim(d))
+        return off
+
+    def unravel(self, lin: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
+        out: list[Expr] = []
+        for k, d in enumerate(reversed(shape)):
+            if d == 1:
+                out.append(ir.i64(0))
+            elif k == len(shape) - 1:
+                out.append(lin)
+            else:
+                de = self.dim(d)
+                out.append(self.bind(ir.imod(lin, de), "i"))
+                lin = self.bind(ir.idiv(lin, de), "i")
+        return tuple(reversed(out))
+
+    @staticmethod
+    def broadcast(idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
+        lead = len(idx) - len(shape)
+        if lead < 0:
+            raise LoweringError("input of higher rank than the output")
+        return tuple(ir.i64(0) if d == 1 else idx[lead + k] for k, d in enumerate(shape))
+
+    def reshape_index(self, idx: tuple[Expr, ...], out: tuple[Dim, ...], inp: tuple[Dim, ...]) -> tuple[Expr, ...]:
+        """Index into a Reshape/Squeeze/Unsqueeze/Flatten input: size-1 dims dropped, common leading
+        and trailing dims passed through, the middle re-linearized."""
+        keep_o = [k for k, d in enumerate(out) if d != 1]
+        keep_i = [k for k, d in enumerate(inp) if d != 1]
+        od, idim = [out[k] for k in keep_o], [inp[k] for k in keep_i]
+        oi = [idx[k] for k in keep_o]
+        p = 0
+        while p < min(len(od), len(idim)) and od[p] == idim[p]:
+            p += 1
+        s = 0
+        while s < min(len(od), len(idim)) - p and od[-1 - s] == idim[-1 - s]:
+            s += 1
+        mid_o, mid_i = od[p:len(od) - s], idim[p:len(idim) - s]
+        mid = self.unravel(self.linearize(tuple(oi[p:len(oi) - s]), tuple(mid_o)), tuple(mid_i)) if mid_i else ()
+        coords = oi[:p] + list(mid) + oi[len(oi) - s:]
+        full = [ir.i64(0)] * len(inp)
+        for k, c in zip(keep_i, coords):
+            full[k] = c
+        return tuple(full)
+
+    # ------------------------------------------------------------------ values
+    def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        key = (t, idx)
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        const = self.g.constants.get(t)
+        if t not in self.producer and const is not None and const.size == 1:
+            return self.remember(key, self.literal(const, t))
+        if t in self.producer:
+            node = self.producer[t]
+            e = self.node_value(node, list(node.output).index(t), idx)
+        else:
+            e = self.load(t, idx)
+        return self.remember(key, self.bind(e))
+
+    def literal(self, arr: np.ndarray, t: str) -> ir.Const:
+        st = ir.compute_type(_storage(self.g.tensors[t].dtype, f"constant '{t}'"))
+        v = arr.reshape(-1)[0].item()
+        return ir.Const(bool(v) if st == "bool" else float(v) if st == F32 else int(v), st)
+
+    def load(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        if t not in self.args:
+            raise LoweringError(f"'{t}' is read but is not a region input")
+        shape = self._shape(t)
+        storage = _storage(self.g.tensors[t].dtype, f"input '{t}'")
+        if self.vec > 1 and idx and idx[-1] in self.lanes and shape[-1] == self.inner_dim:
+            lane = self.lanes.index(idx[-1])
+            base = idx[:-1] + (self.lanes[0],)
+            key = ("vec", t, base)
+            name = self.lookup(key)
+            if name is None:
+                off = self.linearize(base, shape)
+                nm = self.fresh("x")
+                scope = self._scope_for(off)
+                scope.stmts.append(ir.VecLoad(nm, self.args[t], off, self.vec, storage))
+                scope.names.add(nm)
+                name = Var(nm, storage)
+                scope.memo[key] = name
+            return ir.Lane(name.name, lane, storage)
+        return ir.Load(self.args[t], self.linearize(idx, shape), storage)
+
+    def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
+        op = node.op_type
+        out_shape = self._shape(node.output[pos])
+        if op in ops.LAYOUT:
+            src = node.input[0]
+            in_shape = self._shape(src)
+            if op == "Transpose":
+                perm = scalar.attr(node, "perm") or list(reversed(range(len(in_shape))))
+                inv = [ir.i64(0)] * len(perm)
+                for j, p in enumerate(perm):
+                    inv[p] = idx[j]
+                return self.value(src, tuple(inv))
+            if op == "Expand":
+                return self.value(src, self.broadcast(idx, in_shape))
+            return self.value(src, self.reshape_index(idx, out_shape, in_shape))
+        if op in ops.REDUCTIONS:
+            return self.reduction_value(node, idx)
+        args: list[Optional[Expr]] = []
+        for x in node.input:
+            args.append(self.value(x, self.broadcast(idx, self._shape(x))) if x else None)
+        out_storage = _storage(self.g.tensors[node.output[pos]].dtype, f"output of {node.op_type}")
+        try:
+            return scalar.apply(node, args, out_storage)
+        except scalar.UnsupportedOp as e:
+            raise LoweringError(str(e)) from None
+
+    # ------------------------------------------------------------------ reductions
+    def reduction_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        if self.row_idx is None:
+            raise LoweringError(f"{node.op_type} needs a row-reduction kernel")
+        x = node.input[0]
+        xs = self._shape(x)
+        if xs != tuple(self.r.space):
+            raise LoweringError(f"{node.op_type} reduces a {xs} tensor, the region reduces {self.r.space}")
+        out_rank = len(self._shape(node.output[0]))
+        row = idx[:len(xs) - 1]
+        if tuple(row) != self.row_idx or (out_rank == len(xs) and node.op_type.startswith("Reduce") and idx[-1] != ir.i64(0)):
+            raise LoweringError(f"{node.op_type} result is consumed at another row (layout change after the reduction)")
+        n = ir.Op("cast", (self.dim(xs[-1]),), F32)
+        elem = lambda c: self.value(x, self.row_idx + (c,))  # noqa: E731
+        op = node.op_type
+        if op in ("ReduceSum", "ReduceMean"):
+            s = self.row_reduce("sum", elem, (node.name, x, "sum"))
+            return ir.Op("div", (s, n), F32) if op == "ReduceMean" else s
+        if op == "ReduceSumSquare":
+            return self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (node.name, "ssq"))
+        if op in ("ReduceMax", "ReduceMin"):
+            return self.row_reduce(op[6:].lower(), elem, (node.name, x, op))
+        m = self.row_reduce("max", elem, (x, "max"))
+        if op in ("Softmax", "LogSoftmax"):
+            shifted = lambda c: self.bind(ir.Op("sub", (elem(c), m), F32))  # noqa: E731
+            s = self.row_reduce("sum", lambda c: self.bind(ir.Op("exp", (shifted(c),), F32)), (x, "sumexp"))
+            if op == "Softmax":
+                inv = self.bind(ir.Op("div", (ir.Const(1.0, F32), s), F32))
+                return ir.Op("mul", (ir.Op("exp", (shifted(idx[-1]),), F32), inv), F32)
+            return ir.Op("sub", (shifted(idx[-1]), self.bind(ir.Op("log", (s,), F32))), F32)
+        # LayerNormalization (axis = -1): two passes, like ORT
+        mean = self.bind(ir.Op("div", (self.row_reduce("sum", elem, (x, "sum")), n), F32))
+        cent = lambda c: self.bind(ir.Op("sub", (elem(c), mean), F32))  # noqa: E731
+        var = ir.Op("div", (self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (cent(c), cent(c)), F32)),
+                                            (x, "var")), n), F32)
+        eps = float(scalar.attr(node, "epsilon", 1e-5))
+        inv = self.bind(ir.Op("rsqrt", (ir.Op("add", (var, ir.Const(eps, F32)), F32),), F32))
+        y: Expr = ir.Op("mul", (cent(idx[-1]), inv), F32)
+        for k, fn in ((1, "mul"), (2, "add")):
+            if len(node.input) > k and node.input[k]:
+                w = node.input[k]
+                y = ir.Op(fn, (y, self.value(w, self.broadcast(idx, self._shape(w)))), F32)
+        return y
+
+    def row_reduce(self, kind: str, elem: Callable[[Expr], Expr], key: object) -> Expr:
+        hit = self.lookup(("reduce", kind, key))
+        if hit is not None:
+            return hit
+        saved_scopes, saved_lanes = self.scopes, self.lanes
+        self.scopes = self.scopes[:self.row_depth]
+        acc = Var(self.fresh("acc"), F32)
+        self.emit(ir.Decl(acc, ir.Const(_IDENTITY[kind], F32)))
+        self.define(acc.name)
+        c_dim = self.dim(self.r.space[-1])
+
+        def body(cb: Var) -> None:
+            self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+            for lane in self.lanes:
+                self.emit(ir.Assign(acc, ir.Op(_COMBINE[kind], (acc, elem(lane)), F32)))
+
+        start = ir.mul(Var("rlane", I64), ir.i64(self.vec))
+        self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
+        self.emit(ir.RowReduce(acc, kind, self.tpr))
+        result = Var(self.fresh("r"), F32)
+        self.emit(ir.Let(result, acc))
+        self.define(result.name)
+        self.scopes[-1].memo[("reduce", kind, key)] = result
+        self.scopes, self.lanes = saved_scopes, saved_lanes
+        return result
+
+    # ------------------------------------------------------------------ kernels
+    def vector_width(self, inner: Dim) -> int:
+        if not isinstance(inner, int):
+            return 1
+        itemsize = max(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.g.tensors[t].dtype)).itemsize
+                       for t in (*self.r.inputs, *self.r.outputs))
+        vec = max(1, self.tgt.vector_bytes // itemsize)
+        while vec > 1 and inner % vec:
+            vec //= 2
+        return vec
+
+    def store_outputs(self, outs: list[str], idx_of: Callable[[Expr], tuple[Expr, ...]], guard: Optional[Expr]) -> None:
+        stores: list[ir.Stmt] = []
+        for o in outs:
+            shape = self._shape(o)
+            storage = _storage(self.g.tensors[o].dtype, f"output '{o}'")
+            vals = [self.value(o, idx_of(lane)) for lane in self.lanes]
+            off = self.linearize(idx_of(self.lanes[0]), shape)
+            if len(vals) > 1:
+                stores.append(ir.VecStore(self.out_args[o], off, tuple(vals), storage))
+            else:
+                stores.append(ir.Store(self.out_args[o], off, vals[0], storage))
+        if guard is None:
+            self.scopes[-1].stmts.extend(stores)
+        elif stores:
+            self.emit(ir.If(guard, tuple(stores)))
+
+    def pointwise(self) -> tuple[ir.Kernel, tuple[int, ...], int]:
+        space = tuple(self.r.space)
+        block = hw.POINTWISE_BLOCK
+        self.inner_dim = space[-1] if space else 1
+        self.vec = self.vector_width(self.inner_dim) if space else 1
+        units_terms = [self.encode(d) for d in space[:-1]]
+        if space:  # the innermost axis counts in vectors
+            units_terms.append(space[-1] // self.vec if isinstance(space[-1], int) else self.encode(space[-1]))
+        units = self.bind(self.product(units_terms), "units")
+        tid = ir.Op("add", (ir.Op("mul", (ir.Op("block_idx", (), I64), ir.i64(block)), I64), ir.Op("thread_idx", (), I64)), I64)
+        stride = ir.Op("mul", (ir.Op("grid_dim", (), I64), ir.i64(block)), I64)
+
+        def body(u: Var) -> None:
+            if not space:
+                self.lanes = (ir.i64(0),)
+                self.store_outputs(list(self.r.outputs), lambda lane: (), None)
+                return
+            inner_units = ir.idiv(self.dim(self.inner_dim), ir.i64(self.vec))
+            cb = self.bind(ir.mul(ir.imod(u, inner_units), ir.i64(self.vec)), "cb")
+            prefix = self.unravel(self.bind(ir.idiv(u, inner_units), "i"), space[:-1]) if len(space) > 1 else ()
+            self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+            self.store_outputs(list(self.r.outputs), lambda lane: prefix + (lane,), None)
+
+        self.loop("u", tid, units, stride, body)
+        return self.kernel(block, 0), tuple(units_terms), block
+
+    def product(self, terms: list[int]) -> Expr:
+        out: Expr = ir.i64(1)
+        for t in terms:
+            out = ir.mul(out, ir.i64(t) if t >= 0 else Var(f"d{-t - 1}", I64))
+        return out
+
+    def rowreduce(self) -> tuple[ir.Kernel, tuple[int, ...], int]:
+        space = tuple(self.r.space)
+        if not space:
+            raise LoweringError("reduction of a scalar")
+        c = space[-1]
+        self.inner_dim = c
+        self.vec = self.vector_width(c)
+        per_row = max(1, math.ceil(self.hint(c) / (self.vec * hw.ROW_VECTORS_PER_THREAD)))
+        self.tpr = min(hw.ROW_MAX_THREADS, max(32, 1 << (per_row - 1).bit_length()))
+        block = max(self.tpr, hw.ROW_MIN_BLOCK)
+        rpb = block // self.tpr
+        rows_terms = [self.encode(d) for d in space[:-1]]
+        rows = self.bind(self.product(rows_terms), "rows")
+        tid = ir.Op("thread_idx", (), I64)
+        self.bind_named("rlane", ir.Op("mod", (tid, ir.i64(self.tpr)), I64))
+        rsub = self.bind(ir.Op("div", (tid, ir.i64(self.tpr)), I64), "rsub")
+        start = ir.Op("mul", (ir.Op("block_idx", (), I64), ir.i64(rpb)), I64)
+        step = ir.Op("mul", (ir.Op("grid_dim", (), I64), ir.i64(rpb)), I64)
+        full = [o for o in self.r.outputs if self._shape(o) == space]
+        rowwise = [o for o in self.r.outputs if o not in full]
+
+        def row_body(row0: Var) -> None:
+            row = self.bind(ir.add(row0, rsub), "row")
+            active = self.bind(ir.Op("lt", (row, rows), "bool"), "active")
+            rowc = self.bind(ir.imin(row, ir.Op("sub", (rows, ir.i64(1)), I64)), "rowc")
+            self.row_depth = len(self.scopes)
+            self.row_idx = self.unravel(rowc, space[:-1])
+            for o in rowwise:
+                oshape = self._shape(o)
+                if oshape not in (space[:-1], space[:-1] + (1,)):
+                    raise LoweringError(f"output '{o}' of shape {oshape} is neither the reduced tensor's shape nor its row shape")
+            self.lanes = (ir.i64(0),)
+            lead = ir.Op("and", (active, ir.Op("eq", (Var("rlane", I64), ir.i64(0)), "bool")), "bool")
+            for o in rowwise:  # written once per row, by the row's first thread
+                keep = (ir.i64(0),) if len(self._shape(o)) == len(space) else ()
+                self.store_outputs([o], lambda lane: self.row_idx + keep, lead)
+            if full:
+                def col_body(cb: Var) -> None:
+                    self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+                    self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
+                self.loop(self.fresh("c"), ir.mul(Var("rlane", I64), ir.i64(self.vec)), self.dim(c),
+                          ir.i64(self.tpr * self.vec), col_body)
+
+        self.loop("row0", start, rows, step, row_body)
+        return self.kernel(block, block // 32), tuple(rows_terms), rpb
+
+    def bind_named(self, name: str, e: Expr) -> None:
+        self.emit(ir.Let(Var(name, e.ctype), e))
+        self.define(name)
+
+    def kernel(self, block: int, scratch: int) -> ir.Kernel:
+        params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
+        params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
+        body = tuple(self.scopes[0].stmts)
+        draft = ir.Kernel("ofz_kernel", block, params, len(self.sym_pairs), scratch, body)
+        digest = hashlib.sha256(repr(draft).encode()).hexdigest()[:10]
+        return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body)
+
+
+def lower(graph: Graph, region: Region, tgt: hw.Target) -> KernelSpec:
+    """Raises LoweringError with the reason when the region is not one kernel."""
+    if len(region.inputs) + len(region.outputs) > 32:
+        raise LoweringError("more than 32 tensors in one kernel")
+    lw = _Lowerer(graph, region, tgt, dict(graph.sym_hints))
+    if region.kind == "pointwise":
+        k, units, per_block = lw.pointwise()
+    else:
+        k, units, per_block = lw.rowreduce()
+    if len(lw.sym_pairs) > 16:
+        raise LoweringError("more than 16 symbolic dims in one kernel")
+    shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
+    return KernelSpec(k, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, per_block,
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes)
+

@@ -1,0 +1,161 @@
+"""Prints a `customops.ir.Kernel` as CUDA C. Deterministic: the same kernel prints the same source,
+so generated kernels can be golden-tested and content-addressed."""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Callable
+
+from ortfuse.customops import ir
+
+C_TYPE = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i64": "ofz_i64", "i32": "int",
+          "bool": "bool", "u8": "unsigned char", "i8": "signed char"}
+REDUCE_OP = {"sum": "ofz::SumOp", "max": "ofz::MaxOp", "min": "ofz::MinOp"}
+
+
+def _f32(args: list[str]) -> str:
+    return args[0]
+
+
+# fn -> printer of the already-printed arguments. Float functions are the fp32 CUDA math library.
+FN: dict[str, Callable[[list[str]], str]] = {
+    "add": lambda a: f"({a[0]} + {a[1]})",
+    "sub": lambda a: f"({a[0]} - {a[1]})",
+    "mul": lambda a: f"({a[0]} * {a[1]})",
+    "div": lambda a: f"({a[0]} / {a[1]})",
+    "mod": lambda a: f"({a[0]} % {a[1]})",
+    "fmod": lambda a: f"fmodf({a[0]}, {a[1]})",
+    "neg": lambda a: f"(-{a[0]})",
+    "min": lambda a: f"min({a[0]}, {a[1]})",
+    "max": lambda a: f"max({a[0]}, {a[1]})",
+    "fmin": lambda a: f"fminf({a[0]}, {a[1]})",
+    "fmax": lambda a: f"fmaxf({a[0]}, {a[1]})",
+    "lt": lambda a: f"({a[0]} < {a[1]})",
+    "le": lambda a: f"({a[0]} <= {a[1]})",
+    "gt": lambda a: f"({a[0]} > {a[1]})",
+    "ge": lambda a: f"({a[0]} >= {a[1]})",
+    "eq": lambda a: f"({a[0]} == {a[1]})",
+    "ne": lambda a: f"({a[0]} != {a[1]})",
+    "and": lambda a: f"({a[0]} && {a[1]})",
+    "or": lambda a: f"({a[0]} || {a[1]})",
+    "xor": lambda a: f"({a[0]} != {a[1]})",
+    "not": lambda a: f"(!{a[0]})",
+    "select": lambda a: f"({a[0]} ? {a[1]} : {a[2]})",
+    "abs": lambda a: f"fabsf({a[0]})",
+    "iabs": lambda a: f"({a[0]} < 0 ? -{a[0]} : {a[0]})",
+    "exp": lambda a: f"expf({a[0]})",
+    "log": lambda a: f"logf({a[0]})",
+    "sqrt": lambda a: f"sqrtf({a[0]})",
+    "rsqrt": lambda a: f"rsqrtf({a[0]})",
+    "pow": lambda a: f"powf({a[0]}, {a[1]})",
+    "erf": lambda a: f"erff({a[0]})",
+    "tanh": lambda a: f"tanhf({a[0]})",
+    "sin": lambda a: f"sinf({a[0]})",
+    "cos": lambda a: f"cosf({a[0]})",
+    "floor": lambda a: f"floorf({a[0]})",
+    "ceil": lambda a: f"ceilf({a[0]})",
+    "round": lambda a: f"rintf({a[0]})",
+    "log1p": lambda a: f"log1pf({a[0]})",
+    "isnan": lambda a: f"isnan({a[0]})",
+    "isinf": lambda a: f"isinf({a[0]})",
+    "thread_idx": lambda a: "((ofz_i64)threadIdx.x)",
+    "block_idx": lambda a: "((ofz_i64)blockIdx.x)",
+    "grid_dim": lambda a: "((ofz_i64)gridDim.x)",
+    "round_f16": lambda a: f"ofz::round_f16({a[0]})",
+    "round_bf16": lambda a: f"ofz::round_bf16({a[0]})",
+}
+
+
+def _literal(c: ir.Const) -> str:
+    v = c.value
+    if c.ctype == "bool":
+        return "true" if v else "false"
+    if c.ctype == "f32":
+        f = float(v)
+        if math.isnan(f) or math.isinf(f):
+            bits = struct.unpack("<I", struct.pack("<f", f))[0]
+            return f"ofz::f32_bits(0x{bits:08x}u)"
+        text = repr(float(struct.unpack("<f", struct.pack("<f", f))[0]))
+        return f"{text}f" if ("e" in text or "." in text) else f"{text}.0f"
+    if c.ctype == "i64":
+        return f"{int(v)}LL"
+    return f"(({C_TYPE[c.ctype]}){int(v)})"
+
+
+def expr(e: ir.Expr) -> str:
+    if isinstance(e, ir.Const):
+        return _literal(e)
+    if isinstance(e, ir.Var):
+        return e.name
+    if isinstance(e, ir.Load):
+        return _convert_in(f"t{e.arg}[{expr(e.offset)}]", e.storage)
+    if isinstance(e, ir.Lane):
+        return _convert_in(f"{e.vec}[{e.lane}]", e.storage)
+    if e.fn == "cast":
+        return f"(({C_TYPE[e.ctype]}){expr(e.args[0])})"
+    return FN[e.fn]([expr(a) for a in e.args])
+
+
+def _convert_in(text: str, storage: str) -> str:
+    return f"ofz::to_f32({text})" if storage in ("f16", "bf16") else text
+
+
+def _convert_out(text: str, storage: str) -> str:
+    if storage in ("f16", "bf16"):
+        return f"ofz::from_f32<{C_TYPE[storage]}>({text})"
+    return f"(({C_TYPE[storage]}){text})"
+
+
+def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
+    if isinstance(s, ir.Let):
+        out.append(f"{ind}const {C_TYPE[s.var.ctype]} {s.var.name} = {expr(s.value)};")
+    elif isinstance(s, ir.Decl):
+        out.append(f"{ind}{C_TYPE[s.var.ctype]} {s.var.name} = {expr(s.init)};")
+    elif isinstance(s, ir.Assign):
+        out.append(f"{ind}{s.var.name} = {expr(s.value)};")
+    elif isinstance(s, ir.For):
+        v = s.var.name
+        out.append(f"{ind}for (ofz_i64 {v} = {expr(s.start)}; {v} < {expr(s.stop)}; {v} += {expr(s.step)}) {{")
+        for b in s.body:
+            _stmt(b, ind + "  ", out)
+        out.append(f"{ind}}}")
+    elif isinstance(s, ir.If):
+        out.append(f"{ind}if ({expr(s.cond)}) {{")
+        for b in s.body:
+            _stmt(b, ind + "  ", out)
+        out.append(f"{ind}}}")
+    elif isinstance(s, ir.VecLoad):
+        out.append(f"{ind}{C_TYPE[s.storage]} {s.name}[{s.width}];")
+        out.append(f"{ind}ofz::load_vec<{s.width}>(t{s.arg} + {expr(s.offset)}, {s.name});")
+    elif isinstance(s, ir.Store):
+        out.append(f"{ind}t{s.arg}[{expr(s.offset)}] = {_convert_out(expr(s.value), s.storage)};")
+    elif isinstance(s, ir.VecStore):
+        vals = ", ".join(_convert_out(expr(v), s.storage) for v in s.values)
+        out.append(f"{ind}{{ const {C_TYPE[s.storage]} o_[{len(s.values)}] = {{{vals}}};")
+        out.append(f"{ind}  ofz::store_vec<{len(s.values)}>(t{s.arg} + {expr(s.offset)}, o_); }}")
+    elif isinstance(s, ir.RowReduce):
+        out.append(f"{ind}{s.var.name} = ofz::row_reduce<{REDUCE_OP[s.op]}, {s.tpr}>({s.var.name}, ofz_scratch);")
+    elif isinstance(s, ir.Comment):
+        out.append(f"{ind}// {s.text}")
+    else:  # pragma: no cover - the IR is closed
+        raise TypeError(f"unknown statement {s!r}")
+
+
+def render(k: ir.Kernel) -> str:
+    """CUDA source of the kernel, including the shared header and the emulation entry."""
+    out = ['#include "ortfuse_kernel.h"', "",
+           f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}(const OfzArgs a) {{']
+    for p in k.params:
+        qual = "" if p.is_output else "const "
+        restrict = " __restrict__"
+        out.append(f"  {qual}{C_TYPE[p.storage]}*{restrict} t{p.arg} = ({qual}{C_TYPE[p.storage]}*)a.ptr[{p.arg}];"
+                   f"  // {p.name}")
+    for d in range(k.num_dims):
+        out.append(f"  const ofz_i64 d{d} = a.dim[{d}];")
+    if k.scratch_floats:
+        out.append(f"  __shared__ float ofz_scratch[{k.scratch_floats}];")
+    for s in k.body:
+        _stmt(s, "  ", out)
+    out.append("}")
+    out.append(f"OFZ_EMU_ENTRY({k.name})")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,209 @@
+"""Per-element semantics of the element-wise ONNX ops, as kernel-IR expressions.
+
+Floats compute in fp32 (half types are widened on load and narrowed on store); integers and bools in
+their own C type. Each rule gets the node, its already-evaluated inputs (None for an absent optional
+input) and the ONNX storage type of its output, and returns one expression."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import onnx
+from onnx import helper
+
+from ortfuse.customops import ir
+from ortfuse.customops.ir import F32, Const, Expr, Op
+
+# ONNX element type -> IR storage type. Anything else is left to ORT.
+STORAGE = {
+    onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16", onnx.TensorProto.BFLOAT16: "bf16",
+    onnx.TensorProto.INT64: "i64", onnx.TensorProto.INT32: "i32", onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.UINT8: "u8", onnx.TensorProto.INT8: "i8",
+}
+FLOAT_STORAGE = ("f32", "f16", "bf16")
+
+
+class UnsupportedOp(Exception):
+    """The op (or this use of it) has no element-wise lowering; the message says why."""
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def f32(v: float) -> Const:
+    return Const(float(v), F32)
+
+
+def _op(fn: str, *args: Expr, ctype: Optional[str] = None) -> Expr:
+    return Op(fn, tuple(args), ctype or args[0].ctype)
+
+
+def _as(e: Expr, ctype: str) -> Expr:
+    if e.ctype == ctype:
+        return e
+    if isinstance(e, Const):
+        v = e.value
+        return Const(bool(v) if ctype == "bool" else float(v) if ctype == F32 else int(v), ctype)
+    if ctype == "bool":
+        return _op("ne", e, Const(0, e.ctype) if e.ctype != F32 else f32(0), ctype="bool")
+    return Op("cast", (e,), ctype)
+
+
+def _float_or_int(fn_float: str, fn_int: str) -> Callable[[Sequence[Expr]], Expr]:
+    def build(a: Sequence[Expr]) -> Expr:
+        return _op(fn_float if a[0].ctype == F32 else fn_int, *a)
+    return build
+
+
+def _binary(fn: str):
+    return lambda n, a, out: _op(fn, a[0], _as(a[1], a[0].ctype))
+
+
+def _compare(fn: str):
+    return lambda n, a, out: _op(fn, a[0], _as(a[1], a[0].ctype), ctype="bool")
+
+
+def _unary_float(fn: str):
+    def build(n, a, out):
+        if a[0].ctype != F32:
+            raise UnsupportedOp(f"{n.op_type} on integers")
+        return _op(fn, a[0])
+    return build
+
+
+def _pow(n, a, out):
+    x, y = a
+    if x.ctype != F32:
+        raise UnsupportedOp("Pow on integers")
+    if isinstance(y, Const):
+        e = float(y.value)
+        if e == 1.0:
+            return x
+        if e == 2.0:
+            return _op("mul", x, x)
+        if e == 3.0:
+            return _op("mul", _op("mul", x, x), x)
+        if e == 0.5:
+            return _op("sqrt", x)
+        if e == -1.0:
+            return _op("div", f32(1), x)
+    return _op("pow", x, _as(y, F32))
+
+
+def _variadic(fn_float: str, fn_int: str):
+    def build(n, a, out):
+        acc = a[0]
+        for b in a[1:]:
+            acc = _op(fn_float if acc.ctype == F32 else fn_int, acc, _as(b, acc.ctype))
+        return acc
+    return build
+
+
+def _clip(n, a, out):
+    x = a[0]
+    lo = a[1] if len(a) > 1 else None
+    hi = a[2] if len(a) > 2 else None
+    if lo is None and attr(n, "min") is not None:
+        lo = f32(attr(n, "min"))
+    if hi is None and attr(n, "max") is not None:
+        hi = f32(attr(n, "max"))
+    fmax, fmin = ("fmax", "fmin") if x.ctype == F32 else ("max", "min")
+    if lo is not None:
+        x = _op(fmax, x, _as(lo, x.ctype))
+    if hi is not None:
+        x = _op(fmin, x, _as(hi, x.ctype))
+    return x
+
+
+def _cast(n, a, out):
+    x = a[0]
+    target = STORAGE.get(attr(n, "to"))
+    if target is None:
+        raise UnsupportedOp(f"Cast to element type {attr(n, 'to')}")
+    if target == "f16":
+        return _op("round_f16", _as(x, F32))
+    if target == "bf16":
+        return _op("round_bf16", _as(x, F32))
+    return _as(x, target)
+
+
+def _gelu(n, a, out):
+    x = a[0]
+    if attr(n, "approximate", "none") in ("tanh", b"tanh"):
+        inner = _op("mul", f32(math.sqrt(2.0 / math.pi)),
+                    _op("add", x, _op("mul", f32(0.044715), _op("mul", _op("mul", x, x), x))))
+        return _op("mul", _op("mul", f32(0.5), x), _op("add", f32(1), _op("tanh", inner)))
+    return _op("mul", _op("mul", f32(0.5), x), _op("add", f32(1), _op("erf", _op("mul", x, f32(math.sqrt(0.5))))))
+
+
+def _sigmoid(x: Expr) -> Expr:
+    return _op("div", f32(1), _op("add", f32(1), _op("exp", _op("neg", x))))
+
+
+def _hard_sigmoid(x: Expr, alpha: float, beta: float) -> Expr:
+    return _op("fmax", f32(0), _op("fmin", f32(1), _op("add", _op("mul", f32(alpha), x), f32(beta))))
+
+
+def _softplus(x: Expr) -> Expr:
+    return _op("log1p", _op("exp", x))
+
+
+def _neg(n, a, out):
+    return _op("neg", a[0])
+
+
+def _abs(n, a, out):
+    return _op("abs" if a[0].ctype == F32 else "iabs", a[0])
+
+
+def _where(n, a, out):
+    c, x, y = a
+    ct = x.ctype if x.ctype == y.ctype else F32
+    return _op("select", _as(c, "bool"), _as(x, ct), _as(y, ct), ctype=ct)
+
+
+RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
+    "Add": _binary("add"), "Sub": _binary("sub"), "Mul": _binary("mul"),
+    "Div": _binary("div"), "Pow": _pow,
+    "Sqrt": _unary_float("sqrt"), "Exp": _unary_float("exp"), "Log": _unary_float("log"),
+    "Erf": _unary_float("erf"), "Tanh": _unary_float("tanh"), "Sin": _unary_float("sin"),
+    "Cos": _unary_float("cos"), "Floor": _unary_float("floor"), "Ceil": _unary_float("ceil"),
+    "Round": _unary_float("round"),
+    "Reciprocal": lambda n, a, out: _op("div", f32(1), a[0]),
+    "Sigmoid": lambda n, a, out: _sigmoid(a[0]),
+    "Relu": lambda n, a, out: _op("fmax", a[0], f32(0)) if a[0].ctype == F32 else _op("max", a[0], Const(0, a[0].ctype)),
+    "LeakyRelu": lambda n, a, out: _op("select", _op("ge", a[0], f32(0), ctype="bool"), a[0],
+                                       _op("mul", f32(attr(n, "alpha", 0.01)), a[0])),
+    "Elu": lambda n, a, out: _op("select", _op("ge", a[0], f32(0), ctype="bool"), a[0],
+                                 _op("mul", f32(attr(n, "alpha", 1.0)), _op("sub", _op("exp", a[0]), f32(1)))),
+    "HardSigmoid": lambda n, a, out: _hard_sigmoid(a[0], attr(n, "alpha", 0.2), attr(n, "beta", 0.5)),
+    "HardSwish": lambda n, a, out: _op("mul", a[0], _hard_sigmoid(a[0], 1.0 / 6.0, 0.5)),
+    "Softplus": lambda n, a, out: _softplus(a[0]),
+    "Mish": lambda n, a, out: _op("mul", a[0], _op("tanh", _softplus(a[0]))),
+    "Neg": _neg, "Abs": _abs, "Identity": lambda n, a, out: a[0],
+    "Sign": lambda n, a, out: _op("sub", _as(_op("gt", a[0], Const(0, a[0].ctype) if a[0].ctype != F32 else f32(0), ctype="bool"), a[0].ctype),
+                                  _as(_op("lt", a[0], Const(0, a[0].ctype) if a[0].ctype != F32 else f32(0), ctype="bool"), a[0].ctype)),
+    "Cast": _cast, "Where": _where, "Clip": _clip, "Gelu": _gelu,
+    "Min": _variadic("fmin", "min"), "Max": _variadic("fmax", "max"),
+    "Equal": _compare("eq"), "Less": _compare("lt"), "Greater": _compare("gt"),
+    "LessOrEqual": _compare("le"), "GreaterOrEqual": _compare("ge"),
+    "Not": lambda n, a, out: _op("not", _as(a[0], "bool")),
+    "And": lambda n, a, out: _op("and", _as(a[0], "bool"), _as(a[1], "bool")),
+    "Or": lambda n, a, out: _op("or", _as(a[0], "bool"), _as(a[1], "bool")),
+    "Xor": lambda n, a, out: _op("xor", _as(a[0], "bool"), _as(a[1], "bool")),
+    "IsNaN": lambda n, a, out: _op("isnan", a[0], ctype="bool"),
+}
+
+
+def apply(node: onnx.NodeProto, args: list[Optional[Expr]], out_storage: str) -> Expr:
+    """The element value of `node`'s output, converted to the output's compute type."""
+    rule = RULES.get(node.op_type)
+    if rule is None:
+        raise UnsupportedOp(f"{node.op_type} has no element-wise lowering")
+    if node.op_type != "Clip":  # Clip's optional min/max keep their positions
+        args = [a for a in args if a is not None]
+    return _as(rule(node, args, out_storage), ir.compute_type(out_storage))

@@ -1,0 +1,55 @@
+"""The one hardware table, keyed by compute capability. Every tuning constant the search and the
+code generator use lives here, with where it comes from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    cc: int  # compute capability * 10, e.g. 90
+    name: str
+    sm_count: int
+    max_threads_per_block: int  # CUDA limit, all listed archs
+    smem_per_block: int  # bytes usable by one block with opt-in (CUDA programming guide, table 21)
+    l1_bytes_per_sm: int  # unified L1/shared capacity per SM
+    l2_bytes: int
+    dram_gbps: float  # peak DRAM bandwidth of the reference board
+    launch_us: float  # ORT per-kernel launch+dispatch cost on the CUDA EP, measured order of magnitude
+    vector_bytes: int = 16  # widest global load per thread (LDG.128)
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.cc}"
+
+
+# Reference boards: A100-SXM4-80GB (sm_80), RTX A6000 (sm_86), L40S (sm_89), H100-SXM5 (sm_90).
+# Figures from NVIDIA's data sheets; launch_us is the typical ORT CUDA EP per-node overhead.
+TABLE: dict[int, Target] = {
+    80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0),
+    86: Target(86, "RTX A6000", 84, 1024, 99 * 1024, 128 * 1024, 6 * 2**20, 768.0, 4.0),
+    89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0),
+    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0),
+}
+
+# Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a
+# row of C elements gets C / (VEC * ROW_VECTORS_PER_THREAD) threads, rounded up to a power of two
+# and clamped to [32, ROW_MAX_THREADS]. Small rows share a block so it has >= ROW_MIN_BLOCK threads.
+ROW_VECTORS_PER_THREAD = 2
+ROW_MAX_THREADS = 512
+ROW_MIN_BLOCK = 128
+POINTWISE_BLOCK = 256
+
+
+def for_cc(cc: int) -> Target:
+    if cc not in TABLE:
+        raise KeyError(f"no hardware entry for compute capability {cc}; known: {sorted(TABLE)}")
+    return TABLE[cc]
+
+
+def parse_arch(arch: str) -> Target:
+    """'sm_90' / '90' / 'compute_90' -> Target."""
+    digits = arch.lower().replace("sm_", "").replace("compute_", "")
+    if not digits.isdigit():
+        raise ValueError(f"bad --arch '{arch}': expected e.g. sm_90")
+    return for_cc(int(digits))

@@ -1,0 +1,123 @@
+"""`optimize`: the whole pipeline as a recipe, one stage per line."""
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import onnx
+
+from ortfuse.config import Options
+from ortfuse.customops import attrs
+from ortfuse.customops.compile import CompiledKernel, compile_kernel
+from ortfuse.customops.lower import KernelSpec, lower
+from ortfuse.customops.printer import render
+from ortfuse.customops.target import parse_arch
+from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.load import load_model
+from ortfuse.rewriter.replace import FusedNode, replace
+from ortfuse.rewriter.shapes import build_graph, parse_input_shapes
+from ortfuse.search import ops
+from ortfuse.search.plan import Plan, Region
+from ortfuse.search.regions import plan as search_plan
+
+ModelLike = Union[str, Path, onnx.ModelProto]
+Shapes = Union[Mapping[str, Sequence[Union[int, str]]], Sequence[str], None]
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    region: Region
+    spec: KernelSpec
+    compiled: CompiledKernel
+    node: FusedNode
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    model: onnx.ModelProto
+    graph: Graph
+    plan: Plan
+    kernels: tuple[FusedKernel, ...]
+    nodes_before: int
+    nodes_after: int
+    memory_bound_ops: int  # ops of the classes ortfuse fuses (ORT-free layout ops excluded)
+    memory_bound_fused: int
+    kernels_compiled: int  # distinct kernel sources
+    bytes_saved: int  # estimated DRAM bytes per inference, symbolic dims at their hints
+    seconds: float
+    archs: tuple[int, ...]
+
+
+def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
+    names = arch.split(",") if isinstance(arch, str) else list(arch)
+    return tuple(sorted({parse_arch(a.strip()).cc for a in names if a.strip()}))
+
+
+def _shapes(input_shapes: Shapes) -> dict:
+    if input_shapes is None:
+        return {}
+    if isinstance(input_shapes, Mapping):
+        return {k: tuple(v) for k, v in input_shapes.items()}
+    return parse_input_shapes(list(input_shapes))
+
+
+def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) is not None \
+        and node.op_type not in ops.FREE_IN_ORT
+
+
+def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: Union[str, Sequence[str]] = "sm_90",
+                  options: Optional[Options] = None, progress: Optional[Progress] = None) -> OptimizeResult:
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    archs = _archs(arch)
+    opts = options or Options(archs=archs)
+    tgt = parse_arch(f"sm_{max(archs)}")
+
+    say("loading model")
+    model = load_model(model_or_path)
+    say("inferring shapes")
+    graph = build_graph(model, _shapes(input_shapes))
+    say(f"searching {len(graph.nodes)} nodes for fusion regions")
+    the_plan = search_plan(graph, tgt)
+    say(f"lowering {len(the_plan.regions)} regions")
+    specs = [(r, lower(graph, r, tgt)) for r in the_plan.regions]
+    sources = {spec.kernel.name: render(spec.kernel) for _, spec in specs}
+    say(f"compiling {len(sources)} kernels for {', '.join(f'sm_{a}' for a in archs)}")
+    if opts.dump:
+        opts.dump.mkdir(parents=True, exist_ok=True)
+        for name, src in sources.items():
+            (opts.dump / f"{name}.cu").write_text(src)
+    with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+        compiled = dict(zip(sources, pool.map(lambda kv: compile_kernel(kv[1], kv[0], archs, opts.cache),
+                                              sources.items())))
+    kernels = []
+    for region, spec in specs:
+        ck = compiled[spec.kernel.name]
+        tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
+        node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
+                         region.outputs, tuple(attrs.node_attributes(spec, ck)))
+        kernels.append(FusedKernel(region, spec, ck, node))
+    say("rewriting the graph")
+    out = replace(graph, [k.node for k in kernels])
+    mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]
+    fused = {i for r in the_plan.regions for i in r.nodes}
+    return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
+                          sum(1 for i in mb if i in fused), len(sources),
+                          sum(r.traffic.saved_bytes for r in the_plan.regions), time.perf_counter() - t0, archs)
+
+
+def optimize(model_or_path: ModelLike, input_shapes: Shapes = None, arch: Union[str, Sequence[str]] = "sm_90",
+             options: Optional[Options] = None) -> onnx.ModelProto:
+    """Fuse memory-bound chains of `model_or_path` into compiled CUDA custom ops; returns a new model
+    that runs in stock ONNX Runtime (our kernels with `ortfuse.InferenceSession`, the original
+    sub-graphs through model-local functions otherwise). The input is never modified."""
+    return compile_model(model_or_path, input_shapes, arch, options).model
+
+
+

@@ -1,0 +1,136 @@
+"""Parity checks: the optimized model against the original, and each fused kernel (run in CPU
+emulation) against ORT on its original sub-graph, on the same random inputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from ortfuse.errors import InputError
+from ortfuse.feeds import random_feeds
+from ortfuse.rewriter.load import load_model
+
+# Normwise relative error: max|out - ref| / max(max|ref|, 1e-6). fp32 kernels compute in fp32;
+# half-precision outputs are rounded once, where ORT rounds after every op.
+RTOL = {"fp32": 1e-5, "fp16": 1e-2}
+
+
+@dataclass(frozen=True)
+class Diff:
+    name: str
+    max_abs: float
+    max_rel: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.max_rel)) and self.max_rel <= self.tol
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'} {self.name}: max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g} (tol {self.tol:g})"
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    model: tuple[Diff, ...]
+    kernels: tuple[tuple[str, tuple[Diff, ...]], ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.model) and all(d.ok for _, ds in self.kernels for d in ds)
+
+    def lines(self) -> list[str]:
+        out = ["whole model:"] + [f"  {d.line()}" for d in self.model]
+        for node, diffs in self.kernels:
+            out += [f"kernel {node}:"] + [f"  {d.line()}" for d in diffs]
+        return out
+
+
+def _tol(a: np.ndarray) -> float:
+    return RTOL["fp16"] if a.dtype in (np.float16,) or a.dtype.name == "bfloat16" else RTOL["fp32"]
+
+
+def compare(name: str, out: np.ndarray, ref: np.ndarray, tol: Optional[float] = None) -> Diff:
+    if out.shape != ref.shape:
+        return Diff(f"{name} (shape {out.shape} vs {ref.shape})", float("inf"), float("inf"), 0.0)
+    if out.dtype == np.bool_ or out.dtype.kind in "iu":
+        bad = float(np.count_nonzero(out != ref))
+        return Diff(name, bad, bad, 0.0)
+    o, r = out.astype(np.float64), ref.astype(np.float64)
+    finite = np.isfinite(r)
+    if not np.array_equal(finite, np.isfinite(o)) or not np.array_equal(np.isnan(r), np.isnan(o)):
+        return Diff(f"{name} (non-finite values differ)", float("inf"), float("inf"), tol or _tol(ref))
+    err = np.abs(o - r)[finite]
+    max_abs = float(err.max()) if err.size else 0.0
+    scale = max(float(np.abs(r[finite]).max()) if err.size else 0.0, 1e-6)
+    return Diff(name, max_abs, max_abs / scale, tol if tol is not None else _tol(ref))
+
+
+def _session(model: onnx.ModelProto, providers: Sequence) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
+
+
+def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of `model` that also returns the named intermediate tensors."""
+    from ortfuse.rewriter.shapes import build_graph
+    g = build_graph(model, {})
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    for n in names:
+        if n not in have:
+            info = g.tensors[n]
+            m.graph.output.append(onnx.helper.make_tensor_value_info(n, info.dtype, None))
+            have.add(n)
+    return m
+
+
+def check_models(original, optimized, provider: str = "cpu", emulate: bool = False,
+                 input_shapes: Optional[Mapping[str, Sequence]] = None, seed: int = 0) -> CheckReport:
+    """Run both models on the same random inputs; with `emulate`, also run every fused kernel of
+    `optimized` in CPU emulation on the real tensors it sees and compare with ORT's sub-graph."""
+    src, opt = load_model(original), load_model(optimized)
+    feeds = random_feeds(src, input_shapes, seed)
+    fused = [n for n in opt.graph.node if n.domain == "ortfuse"]
+    if provider == "cuda":
+        from ortfuse.runtime import InferenceSession
+        cuda = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+        ref_sess, out_sess = _session(src, cuda), InferenceSession(opt, providers=cuda)
+    elif provider == "cpu":
+        ref_sess, out_sess = _session(src, ["CPUExecutionProvider"]), _session(opt, ["CPUExecutionProvider"])
+    else:
+        raise InputError(f"unknown provider '{provider}': expected cpu or cuda")
+    out_names = [o.name for o in opt.graph.output]
+    ref_vals = dict(zip(out_names, ref_sess.run(out_names, feeds)))
+    out_vals = out_sess.run(out_names, feeds)
+    model_diffs = tuple(compare(n, o, ref_vals[n]) for n, o in zip(out_names, out_vals))
+    kernels: tuple = ()
+    if emulate and fused:
+        # ORT CPU on the original model, also returning every fused node's inputs and outputs
+        probe = _with_outputs(src, [t for n in fused for t in (*n.input, *n.output)])
+        names = [o.name for o in probe.graph.output]
+        values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
+        kernels = tuple((n.name, _emulate_node(n, values)) for n in fused)
+    return CheckReport(model_diffs, kernels)
+
+
+def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tuple[Diff, ...]:
+    from ortfuse.customops.attrs import read_launch
+    from ortfuse.customops.emulate import compile_emulated
+    launch = read_launch(node)
+    inputs = [np.ascontiguousarray(values[t]) for t in node.input]
+    dims = launch.dims([a.shape for a in inputs])
+    outs = [np.zeros(s, dtype=onnx.helper.tensor_dtype_to_np_dtype(dt))
+            for s, dt in zip(launch.output_shapes(dims), launch.out_dtypes)]
+    for o in outs:  # poison, so an element the kernel never writes shows up
+        if o.dtype.kind == "f":
+            o.fill(np.nan)
+    grid = launch.grid(dims)
+    if grid:
+        compile_emulated(launch.source).launch(launch.entry, grid, launch.block, [*inputs, *outs], dims)
+    return tuple(compare(t, o, values[t]) for t, o in zip(node.output, outs))

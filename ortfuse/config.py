@@ -1,0 +1,38 @@
+"""All configuration: the frozen `Options` and the only place that reads environment variables."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """$ORTFUSE_CACHE_DIR, else $XDG_CACHE_HOME/ortfuse, else ~/.cache/ortfuse."""
+    env = os.environ.get("ORTFUSE_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ortfuse"
+
+
+def dump_dir() -> Path | None:
+    """$ORTFUSE_DUMP: a folder where every generated kernel source is written."""
+    env = os.environ.get("ORTFUSE_DUMP")
+    return Path(env) if env else None
+
+
+def debug() -> bool:
+    """$ORTFUSE_DEBUG=1: validate every stage boundary (also on in tests)."""
+    return os.environ.get("ORTFUSE_DEBUG", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Options:
+    archs: tuple[int, ...] = (90,)  # cubins built for these compute capabilities; PTX for the lowest
+    cache: Path = field(default_factory=cache_dir)
+    dump: Path | None = field(default_factory=dump_dir)
+    jobs: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+
+    def __post_init__(self) -> None:
+        if not self.archs:
+            raise ValueError("at least one target arch is needed")

@@ -1,0 +1,139 @@
+"""Legality: can a node join a fused kernel, and can two groups of nodes become one kernel?
+Only correctness lives here; whether fusing pays is `search.cost`'s call."""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+import onnx
+
+from ortfuse.customops import scalar
+from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.search import ops
+from ortfuse.search.plan import Region, Reject, Traffic
+
+
+def _axes(g: Graph, node: onnx.NodeProto) -> Optional[list[int]]:
+    """A Reduce node's axes, from the attribute or the constant second input (None: all axes)."""
+    if len(node.input) > 1 and node.input[1]:
+        return [int(a) for a in np.asarray(g.constants[node.input[1]]).reshape(-1)]
+    axes = scalar.attr(node, "axes")
+    return list(axes) if axes is not None else None
+
+
+def _reduction_verdict(g: Graph, node: onnx.NodeProto, rank: int) -> Optional[str]:
+    op = node.op_type
+    if op.startswith("Reduce"):
+        axes = _axes(g, node)
+        if axes is None or len(axes) == 0:
+            return "reduces over all axes; ortfuse fuses innermost-axis reductions only"
+        if sorted(a % rank for a in axes) != [rank - 1]:
+            return f"reduces over axes {axes}; ortfuse fuses innermost-axis reductions only"
+        return None
+    default = 1 if op in ("Softmax", "LogSoftmax") and g.opset < 13 else -1
+    axis = scalar.attr(node, "axis", default)
+    if axis % rank != rank - 1:
+        return f"{op} over axis {axis} of a rank-{rank} tensor; only the innermost axis is fused"
+    if op == "LayerNormalization" and any(o and (g.consumers.get(o) or o in g.graph_outputs) for o in node.output[1:]):
+        return "LayerNormalization's Mean/InvStdDev outputs are used"
+    return None
+
+
+def node_verdict(g: Graph, i: int) -> Optional[Reject]:
+    """None if node i may join a fused kernel, else the reason it may not."""
+    n = g.nodes[i]
+    label = g.node_label(i)
+    if n.domain not in ("", "ai.onnx"):
+        return Reject(label, f"op of domain '{n.domain}': left to ORT")
+    kind = ops.kind_of(n.op_type)
+    if kind is None:
+        return Reject(label, "not a memory-bound op ortfuse fuses: left to ORT")
+    used_outputs = [o for o in n.output if o][:1] if n.op_type == "LayerNormalization" else [o for o in n.output if o]
+    for t in [t for _, t in ops.data_inputs(n)] + used_outputs:
+        info = g.tensors.get(t)
+        if info is None or info.shape is None:
+            return Reject(label, f"shape of '{t}' could not be inferred")
+        if info.dtype not in scalar.STORAGE:
+            return Reject(label, f"'{t}' has element type {onnx.TensorProto.DataType.Name(info.dtype)}, not fused")
+    for t in ops.meta_inputs(n):
+        if t not in g.constants:
+            return Reject(label, f"its shape/axes input '{t}' is computed at run time, not a constant")
+    if n.op_type == "Cast" and scalar.attr(n, "to") not in scalar.STORAGE:
+        return Reject(label, f"Cast to element type {scalar.attr(n, 'to')}, not fused")
+    if kind == "reduction":
+        shape = g.tensors[n.input[0]].shape
+        assert shape is not None
+        if not shape:
+            return Reject(label, "reduction of a scalar")
+        if scalar.STORAGE[g.tensors[n.output[0]].dtype] not in scalar.FLOAT_STORAGE:
+            return Reject(label, "integer reductions are left to ORT")
+        why = _reduction_verdict(g, n, len(shape))
+        if why:
+            return Reject(label, why)
+    return None
+
+
+def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
+    """(data inputs in first-use order, outputs) of a group. Scalar constants become literals."""
+    produced = {o for i in nodes for o in g.nodes[i].output if o}
+    inputs: list[str] = []
+    outputs: list[str] = []
+    for i in sorted(nodes):
+        for _, t in ops.data_inputs(g.nodes[i]):
+            const = g.constants.get(t)
+            if t in produced or t in inputs or (const is not None and const.size == 1):
+                continue
+            inputs.append(t)
+        for o in g.nodes[i].output:
+            if o and o in g.tensors and (o in g.graph_outputs or any(c not in nodes for c in g.consumers.get(o, ()))):
+                outputs.append(o)
+    return inputs, outputs
+
+
+def classify(g: Graph, nodes: set[int]) -> Region | Reject:
+    """The kernel shape a group would take, or why it has none. Traffic is filled in by the caller."""
+    label = f"region of {len(nodes)} ops starting at {g.node_label(min(nodes))}"
+    inputs, outputs = region_io(g, nodes)
+    if not outputs:
+        return Reject(label, "computes nothing that is used")
+    if all(ops.kind_of(g.nodes[i].op_type) == "layout" for i in nodes):
+        return Reject(label, "only layout ops")
+    shapes = {o: g.tensors[o].shape for o in outputs}
+    reductions = [i for i in nodes if g.nodes[i].op_type in ops.REDUCTIONS]
+    empty = Traffic(0, 0, 0)
+    if not reductions:
+        space = shapes[outputs[0]]
+        if any(s != space for s in shapes.values()):
+            return Reject(label, "outputs of different shapes would need separate iteration spaces")
+        return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
+    spaces = {g.tensors[g.nodes[i].input[0]].shape for i in reductions}
+    if len(spaces) > 1:
+        return Reject(label, f"reductions over differently shaped tensors {sorted(map(str, spaces))}")
+    space: tuple[Dim, ...] = tuple(spaces.pop() or ())
+    row = space[:-1]
+    for o, s in shapes.items():
+        if s not in (space, row, row + (1,)):
+            return Reject(label, f"output '{o}' of shape {s} is neither the reduced tensor's shape nor its row shape")
+    return Region(-1, "rowreduce", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
+
+
+def creates_cycle(g: Graph, merged: set[int], group_of: Mapping[int, frozenset[int]]) -> bool:
+    """True if some path leaves `merged` and comes back (through other nodes or other groups):
+    the contracted graph would have a cycle."""
+    limit = max(merged)
+    stack = [c for n in merged for o in g.nodes[n].output if o for c in g.consumers.get(o, ()) if c not in merged]
+    seen: set[int] = set()
+    while stack:
+        x = stack.pop()
+        if x in seen or x > limit:
+            continue
+        members = group_of.get(x, frozenset((x,)))
+        seen |= members
+        for m in members:
+            for o in g.nodes[m].output:
+                for c in g.consumers.get(o, ()) if o else ():
+                    if c in merged:
+                        return True
+                    if c not in seen:
+                        stack.append(c)
+    return False

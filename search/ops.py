@@ -1,0 +1,46 @@
+"""What ortfuse knows about each ONNX op: which class of fusion it can join, and which of its inputs
+are element data (kernel arguments) versus shape/axes metadata (constant, folded into index math)."""
+from __future__ import annotations
+
+ELEMENTWISE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Erf", "Tanh", "Sigmoid", "Relu", "Exp",
+    "Log", "Neg", "Abs", "Cast", "Where", "Clip", "Min", "Max", "Gelu", "LeakyRelu", "Elu",
+    "HardSigmoid", "HardSwish", "Softplus", "Mish", "Sin", "Cos", "Floor", "Ceil", "Round", "Sign",
+    "Identity", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+    "IsNaN",
+})
+# Reductions over the innermost axis, with the row-wise composites exporters and ORT use.
+REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
+                        "Softmax", "LogSoftmax", "LayerNormalization"})
+# Pure data movement: folded into the index math of the ops around them.
+LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
+# Layout ops ORT runs without a kernel (it aliases the buffer): fusing them saves no traffic.
+FREE_IN_ORT = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+# Input positions that carry shapes or axes, not element data.
+META_INPUTS: dict[str, frozenset[int]] = {
+    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceSum": frozenset({1}),
+    "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "ReduceSumSquare": frozenset({1}),
+}
+
+
+def kind_of(op_type: str) -> str | None:
+    if op_type in ELEMENTWISE:
+        return "elementwise"
+    if op_type in REDUCTIONS:
+        return "reduction"
+    if op_type in LAYOUT:
+        return "layout"
+    return None
+
+
+def data_inputs(node) -> list[tuple[int, str]]:
+    """(position, tensor) of the inputs that are element data."""
+    meta = META_INPUTS.get(node.op_type, frozenset())
+    return [(i, t) for i, t in enumerate(node.input) if t and i not in meta]
+
+
+def meta_inputs(node) -> list[str]:
+    meta = META_INPUTS.get(node.op_type, frozenset())
+    return [t for i, t in enumerate(node.input) if t and i in meta]
