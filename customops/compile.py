@@ -41,9 +41,8 @@ def nvrtc_version() -> str:
     return ".".join(map(str, _nvrtc().getVersion()))
 
 
-def _options(arch: str) -> list[bytes]:
-    return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{_cuda_include()}".encode(),
-            f"-I{INCLUDE_DIR}".encode()]
+def _options(arch: str) -> list[str]:
+    return [f"--gpu-architecture={arch}", "-std=c++17", f"-I{_cuda_include()}", f"-I{INCLUDE_DIR}"]
 
 
 def _headers_digest() -> str:

@@ -1,0 +1,5 @@
+import sys
+
+from ortfuse.cli import main
+
+sys.exit(main())

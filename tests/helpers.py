@@ -1,0 +1,30 @@
+"""Small model builders shared by the tests (ir_version set on every model)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def model(nodes, inputs, outputs, inits=(), opset: int = 18) -> onnx.ModelProto:
+    g = helper.make_graph(list(nodes), "t", list(inputs), list(outputs), list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 9
+    # outputs declared without a shape get the inferred one (the checker wants a shape field)
+    inferred = onnx.shape_inference.infer_shapes(m)
+    for out, inf in zip(m.graph.output, inferred.graph.output):
+        if not out.type.tensor_type.HasField("shape"):
+            out.type.CopyFrom(inf.type)
+    return m
+
+
+def vi(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def const(name: str, value, dtype=np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def node(op: str, inputs, outputs, **attrs) -> onnx.NodeProto:
+    return helper.make_node(op, list(inputs), list(outputs), name=f"{op}_{'_'.join(outputs)}", **attrs)

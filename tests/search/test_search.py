@@ -1,0 +1,108 @@
+"""Search: legality verdicts, classification, the traffic model (hand-computed) and region growth."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+
+from ortfuse.customops.target import for_cc
+from ortfuse.demo import encoder
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import legal, plan
+from ortfuse.search.cost import CostModel, traffic
+
+H100 = for_cc(90)
+F = TP.FLOAT
+
+
+def _plan(m, shapes=None):
+    g = build_graph(m, shapes or {})
+    return g, plan(g, H100)
+
+
+def test_reduction_over_non_innermost_axis_is_refused_with_reason():
+    m = model([node("ReduceSum", ["x", "ax"], ["y"], keepdims=1), node("Relu", ["y"], ["z"])],
+              [vi("x", F, [4, 8])], [vi("z", F, None)], [const("ax", [0], np.int64)])
+    g, p = _plan(m)
+    assert not p.regions
+    assert any("innermost" in r.reason for r in p.rejects)
+
+
+def test_runtime_reshape_target_is_refused():
+    m = model([node("Shape", ["x"], ["s"]), node("Relu", ["x"], ["r"]), node("Reshape", ["r", "s"], ["y"]),
+               node("Exp", ["y"], ["z"])], [vi("x", F, ["n", 8])], [vi("z", F, None)])
+    g, p = _plan(m)
+    assert any("computed at run time" in r.reason for r in p.rejects)
+
+
+def test_single_op_is_not_profitable():
+    m = model([node("Relu", ["x"], ["y"])], [vi("x", F, [4, 8])], [vi("y", F, None)])
+    g, p = _plan(m)
+    assert not p.regions
+    assert any("single ORT kernel" in r.reason for r in p.refusals)
+
+
+def test_traffic_hand_computed():
+    # y = relu(x + b), x [64, 256] fp32, b [256]: unfused Add reads 64K+1K, writes 64K; Relu 64K+64K
+    m = model([node("Add", ["x", "b"], ["s"]), node("Relu", ["s"], ["y"])],
+              [vi("x", F, [64, 256])], [vi("y", F, None)], [const("b", np.ones(256))])
+    g, p = _plan(m)
+    (r,) = p.regions
+    n = 64 * 256 * 4
+    assert r.traffic.unfused_bytes == (n + 1024 + n) + (n + n)
+    assert r.traffic.fused_bytes == n + 1024 + n
+    assert r.traffic.unfused_launches == 2
+    cm = CostModel(H100)
+    assert cm.time_us(r.traffic.fused_bytes, 1) < cm.time_us(r.traffic.unfused_bytes, 2)
+    assert traffic(g, r) == r.traffic
+
+
+def test_outputs_of_different_shapes_refuse_merge():
+    m = model([node("Relu", ["x"], ["a"]), node("Reshape", ["a", "shp"], ["b"]), node("Exp", ["b"], ["c"])],
+              [vi("x", F, [4, 8])], [vi("a", F, None), vi("c", F, None)], [const("shp", [32], np.int64)])
+    g, p = _plan(m)
+    assert all(len({g.tensors[o].shape for o in r.outputs}) == 1 for r in p.regions)
+    assert any("different shapes" in r.reason for r in p.refusals)
+
+
+def test_cycle_through_outside_node_is_refused():
+    # a -> MatMul (not fusible) -> c, and a -> c directly: merging a's and c's groups makes a cycle
+    m = model([node("Relu", ["x"], ["a"]), node("MatMul", ["a", "w"], ["m"]), node("Add", ["a", "m"], ["c"]),
+               node("Exp", ["c"], ["y"])],
+              [vi("x", F, [4, 8])], [vi("y", F, None)], [const("w", np.ones((8, 8)))])
+    g, p = _plan(m)
+    assert any("cycle" in r.reason for r in p.refusals)
+    for r in p.regions:
+        assert not legal.creates_cycle(g, set(r.nodes), {})
+
+
+def test_demo_encoder_regions():
+    g, p = _plan(encoder(layers=2), {"hidden_states": (1, 128, 128), "attention_mask": (1, 128)})
+    kinds = [tuple(g.nodes[i].op_type for i in r.nodes) for r in p.regions]
+    ln = ("Add", "Add", "ReduceMean", "Sub", "Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul", "Add")
+    gelu = ("Add", "Div", "Erf", "Add", "Mul", "Mul")
+    softmax = ("Div", "Add", "ReduceMax", "Sub", "Exp", "ReduceSum", "Div")
+    assert kinds.count(ln) >= 3 and kinds.count(gelu) == 2 and kinds.count(softmax) == 2
+    assert {r.kind for r in p.regions if "ReduceMean" in [g.nodes[i].op_type for i in r.nodes]} == {"rowreduce"}
+    # bias add + head split (Reshape + Transpose) become one pointwise kernel per projection
+    assert kinds.count(("Add", "Reshape", "Transpose")) == 6
+    for r in p.regions:
+        assert r.traffic.fused_bytes < r.traffic.unfused_bytes
+
+
+def test_region_io_embeds_scalar_constants():
+    m = model([node("Mul", ["x", "two"], ["a"]), node("Add", ["a", "b"], ["y"])],
+              [vi("x", F, [4, 8])], [vi("y", F, None)], [const("two", 2.0), const("b", np.ones(8))])
+    g = build_graph(m, {})
+    ins, outs = legal.region_io(g, {0, 1})
+    assert ins == ["x", "b"] and outs == ["y"]
+
+
+@pytest.mark.parametrize("axis,ok", [(-1, True), (1, True), (0, False)])
+def test_softmax_axis(axis, ok):
+    m = model([node("Softmax", ["x"], ["s"], axis=axis), node("Mul", ["s", "x"], ["y"])],
+              [vi("x", F, [4, 8])], [vi("y", F, None)])
+    g, p = _plan(m)
+    assert bool(p.regions) == ok
