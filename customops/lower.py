@@ -466,8 +466,9 @@ class _Lowerer:
         params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
         params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
         body = tuple(self.scopes[0].stmts)
-        draft = ir.Kernel("ofz_kernel", block, params, len(self.sym_pairs), scratch, body)
-        digest = hashlib.sha256(repr(draft).encode()).hexdigest()[:10]
+        # named by content, tensor names left out: identical layers share one compiled kernel
+        anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
+        digest = hashlib.sha256(repr(ir.Kernel("", block, anon, len(self.sym_pairs), scratch, body)).encode()).hexdigest()[:10]
         return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body)
 
 

@@ -148,8 +148,7 @@ def render(k: ir.Kernel) -> str:
     for p in k.params:
         qual = "" if p.is_output else "const "
         restrict = " __restrict__"
-        out.append(f"  {qual}{C_TYPE[p.storage]}*{restrict} t{p.arg} = ({qual}{C_TYPE[p.storage]}*)a.ptr[{p.arg}];"
-                   f"  // {p.name}")
+        out.append(f"  {qual}{C_TYPE[p.storage]}*{restrict} t{p.arg} = ({qual}{C_TYPE[p.storage]}*)a.ptr[{p.arg}];")
     for d in range(k.num_dims):
         out.append(f"  const ofz_i64 d{d} = a.dim[{d}];")
     if k.scratch_floats:

@@ -1,0 +1,120 @@
+"""The command line end to end: optimize + check on the demo encoder, and every kind of bad input
+giving one line, exit code 2, and no output file."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+
+import onnx
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import model, node, vi
+from ortfuse.cli import main
+from ortfuse.demo import encoder
+
+
+def _save(m: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("demo")
+    src = _save(encoder(layers=1, hidden=64, heads=2, ffn=128), d / "in.onnx")
+    return src, d / "out.onnx"
+
+
+def test_optimize_then_check_emulate(demo, capsys):
+    src, dst = demo
+    before = hashlib.sha256(src.read_bytes()).hexdigest()
+    assert main(["optimize", str(src), str(dst), "--arch", "sm_80,sm_90", "--report", str(dst) + ".md",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "regions fused:" in out and "kernels compiled:" in out and "est. DRAM saved:" in out
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == before  # the input is never modified
+    m = onnx.load(str(dst))
+    onnx.checker.check_model(m)
+    assert m.ir_version <= 13 and any(o.domain == "ortfuse" for o in m.opset_import)
+    fused = [n for n in m.graph.node if n.domain == "ortfuse"]
+    assert fused and {f.name for f in m.functions} == {n.op_type for n in fused}
+    assert main(["check", str(src), str(dst), "--emulate", "--input-shape", "hidden_states:2x9x64",
+                 "--input-shape", "attention_mask:2x9"]) == 0
+    assert "parity PASS" in capsys.readouterr().out
+    assert "## Fused regions" in Path(str(dst) + ".md").read_text()
+
+
+def test_check_detects_a_wrong_kernel(demo, tmp_path, capsys):
+    """A fused node whose function body differs from its kernel must fail `check --emulate`."""
+    src, dst = demo
+    if not dst.exists():
+        main(["optimize", str(src), str(dst)])
+    m = onnx.load(str(dst))
+    f = next(f for f in m.functions if any(n.op_type == "Erf" for n in f.node))
+    for n in f.node:
+        if n.op_type == "Erf":
+            n.op_type = "Tanh"
+    bad = _save(m, tmp_path / "bad.onnx")
+    # whole-model parity runs the (now wrong) functions: it must fail too
+    assert main(["check", str(src), str(bad), "--emulate"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def _bad_cases(tmp: Path):
+    good = _save(encoder(layers=1, hidden=32, heads=2, ffn=64), tmp / "good.onnx")
+    (tmp / "text.onnx").write_text("this is not a model")
+    data = good.read_bytes()
+    (tmp / "trunc.onnx").write_bytes(data[: len(data) // 3])
+    unknown = model([node("Relu", ["x"], ["a"]), onnx.helper.make_node("NoSuchOp", ["a"], ["y"], name="mystery")],
+                    [vi("x", TP.FLOAT, [2, 4])], [vi("y", TP.FLOAT, [2, 4])])
+    _save(unknown, tmp / "unknown.onnx")
+    return [
+        (["optimize", str(tmp / "text.onnx")], "text.onnx"),
+        (["optimize", str(tmp / "trunc.onnx")], "trunc.onnx"),
+        (["optimize", str(tmp / "missing.onnx")], "missing.onnx"),
+        (["optimize", str(tmp / "unknown.onnx")], "NoSuchOp"),
+        (["optimize", str(good), "--input-shape", "hidden_states:1x8x99"], "hidden_states"),
+        (["optimize", str(good), "--input-shape", "nope:1x8"], "nope"),
+        (["optimize", str(good), "--input-shape", "hidden_states=1x8"], "hidden_states=1x8"),
+    ]
+
+
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys):
+    for argv, needle in _bad_cases(tmp_path):
+        out = tmp_path / "out.onnx"
+        rc = main(argv[:2] + [str(out)] + argv[2:])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2, argv
+        assert err and err[-1].startswith("ortfuse: error:") and needle in err[-1], (argv, err)
+        assert not out.exists()
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_unsupported_dtype_is_left_to_ort(tmp_path):
+    """Ops on element types ortfuse does not fuse (double) stay with ORT; the model still runs."""
+    m = model([node("Relu", ["x"], ["a"]), node("Exp", ["a"], ["y"])], [vi("x", TP.DOUBLE, [2, 4])],
+              [vi("y", TP.DOUBLE, [2, 4])])
+    src = _save(m, tmp_path / "d.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "o.onnx"), "--explain"]) == 0
+    out = onnx.load(str(tmp_path / "o.onnx"))
+    assert not [n for n in out.graph.node if n.domain == "ortfuse"]
+
+
+def test_console_script_and_module_entry(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ortfuse", "optimize", str(tmp_path / "none.onnx"),
+                        str(tmp_path / "o.onnx")], capture_output=True, text=True)
+    assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_python_api_returns_a_new_model():
+    m = encoder(layers=1, hidden=32, heads=2, ffn=64)
+    before = m.SerializeToString()
+    import ortfuse
+    out = ortfuse.optimize(m)
+    assert m.SerializeToString() == before
+    assert any(n.domain == "ortfuse" for n in out.graph.node)
+
