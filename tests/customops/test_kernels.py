@@ -176,3 +176,55 @@ def test_generated_source_is_deterministic():
 
 
 
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bit patterns, round to nearest even."""
+    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _as_bf16_model(m: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    for vi_ in (*out.graph.input, *out.graph.output):
+        if vi_.type.tensor_type.elem_type == F:
+            vi_.type.tensor_type.elem_type = B16
+    for k, t in enumerate(out.graph.initializer):
+        if t.data_type == F:
+            arr = onnx.numpy_helper.to_array(t)
+            out.graph.initializer[k].CopyFrom(onnx.helper.make_tensor(t.name, B16, arr.shape, arr.reshape(-1).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("hidden", [768, 50])
+def test_bf16_layernorm_against_fp32_reference(hidden):
+    """ORT's CPU EP has no bf16 kernels, so bf16 kernels are checked against the fp32 graph on the
+    same (bf16-representable) inputs, tolerance 1e-2."""
+    import onnxruntime as ort
+    from ortfuse.customops.attrs import read_launch
+    from ortfuse.customops.emulate import compile_emulated
+    from ortfuse.check import compare
+
+    m32 = _layernorm(F, hidden)
+    res = compile_model(_as_bf16_model(m32), None, "sm_90")
+    (k,) = res.kernels
+    rng = np.random.default_rng(1)
+    xs = {t: _bf16_bits(rng.standard_normal((3, 4, hidden))) for t in ("x", "r")}
+    sess = ort.InferenceSession(m32.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = dict(zip(["y", "s"], sess.run(["y", "s"], {t: _bf16_value(v) for t, v in xs.items()})))
+    assert k.region.kind == "rowreduce"
+    node = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    launch = read_launch(node)
+    feeds = [xs[t] if t in xs else _bf16_bits(onnx.numpy_helper.to_array(
+        next(i for i in m32.graph.initializer if i.name == t))) for t in node.input]
+    dims = launch.dims([a.shape for a in feeds])
+    outs = [np.zeros(s, np.uint16) for s in launch.output_shapes(dims)]
+    compile_emulated(launch.source).launch(launch.entry, launch.grid(dims), launch.block, [*feeds, *outs], dims)
+    for name, o in zip(node.output, outs):
+        d = compare(name, _bf16_value(o), ref[name], tol=1e-2)
+        assert d.ok, d.line()
