@@ -7,6 +7,9 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #define OFZ_EMU_ENTRY(name)
+#define OFZ_DYNAMIC_SMEM(type, name) \
+  extern __shared__ __align__(16) unsigned char ofz_dsmem_##name[]; \
+  type* const name = reinterpret_cast<type*>(ofz_dsmem_##name)
 #endif
 
 #define OFZ_MAX_TENSORS 32

@@ -1,0 +1,128 @@
+"""Run kernel sources on the CPU: g++ builds the very CUDA source NVRTC gets, through `ortfuse_emu.h`
+(-DORTFUSE_EMU), into a shared library loaded with ctypes. For tests and `ortfuse check --emulate`.
+
+Tensor arguments are C-contiguous numpy arrays whose memory the kernel reads and writes in place:
+fp32/fp64/int*/uint* as the matching numpy dtype, fp16 as np.float16, bf16 as np.uint16 bit patterns
+(or an ml_dtypes.bfloat16 array), bool as np.bool_ (one byte per element, as ONNX stores it).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ortfuse.config import cache_dir
+from ortfuse.errors import CompileError
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+CXX = "g++"
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-DORTFUSE_EMU", "-fno-strict-aliasing",
+             "-fvisibility=hidden", "-Wno-unknown-pragmas", "-Wno-attributes")
+MAX_TENSORS, MAX_DIMS = 32, 16  # OFZ_MAX_TENSORS / OFZ_MAX_DIMS in ortfuse_kernel.h
+
+
+class EmulationError(RuntimeError):
+    """A launch failed inside the emulator: deadlock, misuse of a warp primitive, bad launch shape."""
+
+
+class _OfzArgs(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p * MAX_TENSORS), ("dim", ctypes.c_longlong * MAX_DIMS)]
+
+
+class EmulatedModule:
+    """One compiled source; `launch` runs any of its `OFZ_EMU_ENTRY` kernels."""
+
+    def __init__(self, path: Path, source_path: Path) -> None:
+        self.path = path
+        self.source_path = source_path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.ofz_emu_last_error.restype = ctypes.c_char_p
+        self._lib.ofz_emu_set_dynamic_smem.argtypes = [ctypes.c_ulonglong]
+        self._lock = threading.Lock()  # smem setting + launch form one step
+
+    def launch(self, entry: str, grid: int, block: int, args: Sequence[np.ndarray], dims: Sequence[int] = (),
+               smem: int = 0) -> None:
+        """Run `entry` on a 1-D grid: `args` are the inputs then the (preallocated) outputs, `dims` the
+        runtime symbolic dims, `smem` the dynamic shared memory bytes."""
+        if len(args) > MAX_TENSORS or len(dims) > MAX_DIMS:
+            raise ValueError(f"{entry}: at most {MAX_TENSORS} tensors and {MAX_DIMS} dims "
+                             f"(got {len(args)}, {len(dims)})")
+        if not (0 < grid < 2**31 and 0 < block <= 1024 and smem >= 0):
+            raise ValueError(f"{entry}: invalid launch grid={grid} block={block} smem={smem}")
+        try:
+            fn = getattr(self._lib, f"ofz_emu_{entry}")
+        except AttributeError:
+            raise ValueError(f"{self.source_path} has no OFZ_EMU_ENTRY({entry})") from None
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(_OfzArgs)]
+        packed = _OfzArgs()
+        for i, a in enumerate(args):
+            if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+                raise ValueError(f"{entry}: argument {i} must be a C-contiguous numpy array")
+            packed.ptr[i] = a.ctypes.data
+        for i, d in enumerate(dims):
+            packed.dim[i] = int(d)
+        with self._lock:
+            self._lib.ofz_emu_set_dynamic_smem(smem)
+            rc = fn(grid, block, ctypes.byref(packed))
+            msg = self._lib.ofz_emu_last_error().decode(errors="replace") if rc else ""
+        if rc:
+            raise EmulationError(f"{msg} (source: {self.source_path})")
+
+
+def compile_emulated(source: str) -> EmulatedModule:
+    """Build `source` for the host (cached on disk by source, flags, headers and compiler) and load it."""
+    compiler = _compiler_version()
+    key = hashlib.sha256("\0".join([source, " ".join(CXX_FLAGS), compiler, _headers_digest()]).encode())
+    return _load(key.hexdigest()[:24], source)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(key: str, source: str) -> EmulatedModule:
+    folder = cache_dir() / "emu" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    cu, so = folder / "kernel.cu", folder / "kernel.so"
+    if not cu.exists():
+        _atomic_write(cu, source.encode())
+    if not so.exists():
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".so")
+        os.close(fd)
+        cmd = [CXX, *CXX_FLAGS, f"-I{INCLUDE_DIR}", "-x", "c++", str(cu), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
+            raise CompileError(f"g++ failed on {cu}: {first}\nrepro: {' '.join(cmd[:-1])} {so}\n{proc.stderr}")
+        os.replace(tmp, so)  # atomic: concurrent builders of the same key write identical files
+    return EmulatedModule(so, cu)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version() -> str:
+    if shutil.which(CXX) is None:
+        raise CompileError(f"{CXX} not found on PATH: the CPU emulation of kernels needs a C++17 host compiler")
+    out = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0] if out else CXX
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(INCLUDE_DIR.glob("*.h")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,641 @@
+// Host emulation of the CUDA subset generated kernels use. ortfuse_kernel.h includes this header when
+// compiled with g++ -DORTFUSE_EMU (C++17), so the very source given to NVRTC also runs on the CPU.
+//
+// Execution model: blocks run one after another. The threads of a block are cooperative fibers
+// (ucontext, one small stack each, reused across blocks) scheduled round-robin; __syncthreads, __syncwarp,
+// shuffles and votes are the only switch points. __shared__ expands to `static`: since only one block
+// runs at a time, a static is exactly block-shared storage. Errors (deadlock, misuse) abort the launch
+// and are reported through ofz_emu_last_error(). Launches of one module are serialized by a mutex.
+// Only 1-D grids and blocks are emulated (.y and .z are always 0 / 1).
+#pragma once
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+// ---- qualifiers -----------------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static  // block-shared because blocks never overlap; do not write `static __shared__`
+#define __constant__ static
+// __restrict__ is a g++ keyword already.
+
+// Dynamic shared memory (the `smem` bytes of a launch), 16-byte aligned. Use as a declaration statement
+// inside a kernel: OFZ_DYNAMIC_SMEM(float, buf); buf[i] = ...
+#define OFZ_DYNAMIC_SMEM(type, name) type* const name = reinterpret_cast<type*>(::ofz_emu::dynamic_smem())
+
+#ifndef OFZ_EMU_STACK_BYTES
+#define OFZ_EMU_STACK_BYTES (64 * 1024)
+#endif
+
+namespace ofz_emu {
+struct Dim3 {
+  unsigned int x, y, z;
+};
+}  // namespace ofz_emu
+
+// Set by the scheduler before it switches into a fiber.
+static ofz_emu::Dim3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1}, gridDim{1, 1, 1};
+constexpr int warpSize = 32;
+
+// ---- fiber scheduler ------------------------------------------------------------------------------------
+namespace ofz_emu {
+
+constexpr int kMaxThreads = 1024;
+enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone };             // thread states
+enum : unsigned char { kSync, kShfl, kBallot, kAny, kAll };          // warp operations
+static const char* const kOpName[] = {"__syncwarp", "a shuffle", "__ballot_sync", "__any_sync", "__all_sync"};
+
+struct Thread {
+  unsigned char state, op;
+  unsigned mask;     // lanes named by the pending warp op
+  int src;           // lane a shuffle reads, -1 for its own value
+  uint64_t val, out; // value posted to / result of the pending warp op
+};
+
+// Context switching. x86-64 uses a small hand-written switch (callee-saved registers, MXCSR and the x87
+// control word) because glibc's swapcontext makes a sigprocmask system call on every switch, which is
+// ~10x slower; elsewhere, or with -DOFZ_EMU_UCONTEXT, makecontext/swapcontext.
+#if defined(__x86_64__) && !defined(OFZ_EMU_UCONTEXT)
+extern "C" void ofz_emu_ctx_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl ofz_emu_ctx_switch
+  .hidden ofz_emu_ctx_switch
+  .type ofz_emu_ctx_switch, @function
+ofz_emu_ctx_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size ofz_emu_ctx_switch, .-ofz_emu_ctx_switch
+)");
+using Context = void*;  // the saved stack pointer
+inline void ctx_swap(Context* save, Context* load) { ofz_emu_ctx_switch(save, *load); }
+inline void ctx_make(Context* c, char* stack, size_t size, void (*fn)()) {
+  uint64_t* top = reinterpret_cast<uint64_t*>(stack + size);  // 16-byte aligned (page aligned)
+  top[-1] = 0;                                                 // fake return address of fn: it never returns
+  top[-2] = reinterpret_cast<uint64_t>(fn);                    // popped by `ret`
+  for (int r = 3; r <= 8; ++r) top[-r] = 0;                    // rbp rbx r12..r15
+  top[-9] = 0x1f80u | (uint64_t)0x037fu << 32;                 // default MXCSR, x87 control word
+  *c = top - 9;
+}
+#else
+using Context = ucontext_t;
+inline void ctx_swap(Context* save, Context* load) { swapcontext(save, load); }
+inline void ctx_make(Context* c, char* stack, size_t size, void (*fn)()) {
+  getcontext(c);
+  c->uc_stack.ss_sp = stack;
+  c->uc_stack.ss_size = size;
+  c->uc_link = nullptr;
+  makecontext(c, fn, 0);
+}
+#endif
+
+struct State {
+  Context main, dead;  // the launcher; where an aborted fiber saves itself (never resumed)
+  Context ctx[kMaxThreads];
+  char* stack[kMaxThreads] = {};   // guard page + OFZ_EMU_STACK_BYTES, allocated on first use
+  Thread th[kMaxThreads];
+  unsigned waiting[kMaxThreads / 32];  // per warp: lanes parked at a warp op
+  unsigned exited[kMaxThreads / 32];   // per warp: lanes that returned
+  int n = 0, live = 0, runnable = 0, at_block = 0, cur = 0;
+  void (*body)(const void*) = nullptr;
+  const void* args = nullptr;
+  bool aborted = false;
+  std::string error;
+  unsigned char* smem = nullptr;
+  size_t smem_cap = 0, smem_bytes = 0;
+  std::mutex mu;
+};
+static State S;
+
+inline void* dynamic_smem() { return S.smem; }
+
+inline std::string format(const char* fmt, va_list ap) {
+  char buf[1024];
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  return buf;
+}
+
+// Abort the launch from inside a fiber: record the message and jump back to the launcher.
+[[noreturn]] __attribute__((format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  S.error = format(fmt, ap);
+  va_end(ap);
+  S.aborted = true;
+  ctx_swap(&S.dead, &S.main);
+  abort();  // unreachable: a fresh context is made for every fiber at the next launch
+}
+
+inline unsigned lanes_of_warp(int w) {  // lanes that exist in warp w (the last warp may be partial)
+  int k = S.n - w * 32;
+  return k >= 32 ? 0xffffffffu : (1u << k) - 1;
+}
+
+[[noreturn]] inline void deadlock() {
+  int at_block = 0, at_warp = 0, done = 0, first_warp = -1;
+  for (int i = 0; i < S.n; ++i) {
+    unsigned char s = S.th[i].state;
+    at_block += s == kAtBlock;
+    done += s == kDone;
+    if (s == kAtWarp && at_warp++ == 0) first_warp = i;
+  }
+  std::string msg = "deadlock: " + std::to_string(at_block) + " thread(s) wait at __syncthreads, " +
+                    std::to_string(at_warp) + " at warp operations, " + std::to_string(done) + " exited";
+  if (first_warp >= 0) {
+    const Thread& t = S.th[first_warp];
+    int w = first_warp / 32;
+    unsigned missing = t.mask & ~S.waiting[w];
+    char buf[256];
+    snprintf(buf, sizeof buf, "; thread %d waits in %s with mask 0x%08x for lanes 0x%08x (exited 0x%08x)",
+             first_warp, kOpName[t.op], t.mask, missing, S.exited[w]);
+    msg += buf;
+  }
+  fail("%s", msg.c_str());
+}
+
+// Switch from the running fiber to fiber `next`; returns when someone switches back to this one.
+inline void switch_to(int next) {
+  int me = S.cur;
+  if (next == me) return;
+  S.cur = next;
+  threadIdx.x = (unsigned)next;
+  ctx_swap(&S.ctx[me], &S.ctx[next]);
+}
+
+// Park the running thread (its state is already set) and run the next runnable one, round-robin.
+inline void yield() {
+  if (S.runnable == 0) deadlock();
+  int i = S.cur;
+  do i = (i + 1 == S.n) ? 0 : i + 1;
+  while (S.th[i].state != kRun);
+  switch_to(i);
+}
+
+inline void release_block() {
+  for (int i = 0; i < S.n; ++i)
+    if (S.th[i].state == kAtBlock) S.th[i].state = kRun, ++S.runnable;
+  S.at_block = 0;
+}
+
+inline void sync_block() {
+  S.th[S.cur].state = kAtBlock;
+  --S.runnable;
+  if (++S.at_block == S.live) {  // live threads all here (exited ones do not count)
+    release_block();
+    return;
+  }
+  yield();
+}
+
+// All lanes in `need` of warp w have posted: compute every result, then wake them.
+inline void complete(int w, unsigned need, unsigned char op) {
+  Thread* t = &S.th[w * 32];
+  unsigned ballot = 0;
+  for (unsigned m = need; m; m &= m - 1) {
+    int j = __builtin_ctz(m);
+    if (t[j].val) ballot |= 1u << j;
+  }
+  for (unsigned m = need; m; m &= m - 1) {
+    Thread& x = t[__builtin_ctz(m)];
+    switch (op) {
+      case kShfl: x.out = x.src < 0 ? x.val : t[x.src].val; break;
+      case kBallot: x.out = ballot; break;
+      case kAny: x.out = ballot != 0; break;
+      case kAll: x.out = ballot == need; break;
+      default: break;
+    }
+    if (x.state == kAtWarp) x.state = kRun, ++S.runnable;
+  }
+  S.waiting[w] &= ~need;
+}
+
+// A warp-synchronous operation: wait until every lane named in `mask` arrives (exited lanes count as
+// arrived only for __syncwarp), exchanging `val`. Returns this lane's result.
+inline uint64_t warp_op(unsigned char op, unsigned mask, uint64_t val, int src) {
+  const int me = S.cur, w = me / 32, l = me % 32;
+  if (!(mask >> l & 1u))
+    fail("thread %d calls %s with mask 0x%08x, which excludes its own lane", me, kOpName[op], mask);
+  mask &= lanes_of_warp(w);
+  if (op != kSync && (mask & S.exited[w]))
+    fail("thread %d calls %s with mask 0x%08x but lanes 0x%08x of its warp have exited", me, kOpName[op], mask,
+         mask & S.exited[w]);
+  if (src >= 0 && !(mask >> src & 1u))
+    fail("thread %d: shuffle reads lane %d, which is not in mask 0x%08x or does not exist", me, src, mask);
+  for (unsigned m = S.waiting[w]; m; m &= m - 1) {  // parked lanes that share lanes with us must agree
+    const Thread& o = S.th[w * 32 + __builtin_ctz(m)];
+    if ((o.mask & mask) && (o.mask != mask || o.op != op))
+      fail("thread %d calls %s with mask 0x%08x while lane %d waits in %s with mask 0x%08x", me, kOpName[op],
+           mask, __builtin_ctz(m), kOpName[o.op], o.mask);
+  }
+  Thread& t = S.th[me];
+  t.op = op, t.mask = mask, t.val = val, t.src = src;
+  const unsigned need = mask & ~S.exited[w];
+  if (((S.waiting[w] | 1u << l) & need) == need) {
+    complete(w, need, op);
+    return t.out;
+  }
+  S.waiting[w] |= 1u << l;
+  t.state = kAtWarp;
+  --S.runnable;
+  yield();
+  return t.out;
+}
+
+// The running thread returned from the kernel.
+inline void thread_exit() {
+  const int me = S.cur, w = me / 32, l = me % 32;
+  S.th[me].state = kDone;
+  --S.runnable;
+  --S.live;
+  S.exited[w] |= 1u << l;
+  for (unsigned m = S.waiting[w]; m; m &= m - 1) {
+    const int j = __builtin_ctz(m);
+    const Thread& o = S.th[w * 32 + j];
+    if (!(o.mask >> l & 1u) || !(S.waiting[w] >> j & 1u)) continue;
+    if (o.op != kSync)
+      fail("thread %d exited while lane %d of its warp waits for it in %s (mask 0x%08x)", me, j, kOpName[o.op],
+           o.mask);
+    const unsigned need = o.mask & ~S.exited[w];  // a __syncwarp group may now be complete
+    if ((S.waiting[w] & need) == need) complete(w, need, kSync);
+  }
+  if (S.at_block && S.at_block == S.live) release_block();
+  if (S.live == 0) {
+    ctx_swap(&S.ctx[me], &S.main);  // block finished; the next block resumes this fiber here
+    return;
+  }
+  yield();
+}
+
+inline void fiber_main() {
+  for (;;) {
+    S.body(S.args);
+    thread_exit();
+  }
+}
+
+inline bool prepare_fibers(int n) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t bytes = page + ((OFZ_EMU_STACK_BYTES + page - 1) / page) * page;
+  for (int i = 0; i < n; ++i) {
+    if (!S.stack[i]) {
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) return false;
+      mprotect(p, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting memory
+      S.stack[i] = static_cast<char*>(p);
+    }
+    // Fresh context every launch: an aborted launch leaves fibers mid-kernel.
+    ctx_make(&S.ctx[i], S.stack[i] + page, bytes - page, fiber_main);
+  }
+  return true;
+}
+
+inline int launch(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name) {
+  std::lock_guard<std::mutex> lock(S.mu);
+  S.error.clear();
+  S.aborted = false;
+  char buf[160];
+  if (block == 0 || block > (unsigned)kMaxThreads || grid == 0 || grid > 0x7fffffffu || !args) {
+    snprintf(buf, sizeof buf, "kernel %s: invalid launch (grid %u, block %u, args %p)", name, grid, block, args);
+    S.error = buf;
+    return 1;
+  }
+  if (!prepare_fibers((int)block)) {
+    S.error = std::string("kernel ") + name + ": cannot allocate fiber stacks";
+    return 1;
+  }
+  const size_t want = S.smem_bytes < 16 ? 16 : S.smem_bytes;
+  if (want > S.smem_cap) {
+    free(S.smem);
+    S.smem = static_cast<unsigned char*>(aligned_alloc(128, (want + 127) / 128 * 128));
+    S.smem_cap = S.smem ? want : 0;
+    if (!S.smem) {
+      S.error = std::string("kernel ") + name + ": cannot allocate dynamic shared memory";
+      return 1;
+    }
+  }
+  memset(S.smem, 0xff, S.smem_cap);  // uninitialized on a GPU; 0xff reads as NaN / -1 to expose bugs
+  S.body = body;
+  S.args = args;
+  S.n = (int)block;
+  gridDim = {grid, 1, 1};
+  blockDim = {block, 1, 1};
+  for (unsigned b = 0; b < grid; ++b) {
+    for (int i = 0; i < S.n; ++i) S.th[i].state = kRun;
+    memset(S.waiting, 0, sizeof S.waiting);
+    memset(S.exited, 0, sizeof S.exited);
+    S.live = S.runnable = S.n;
+    S.at_block = 0;
+    S.cur = 0;
+    blockIdx = {b, 0, 0};
+    threadIdx = {0, 0, 0};
+    ctx_swap(&S.main, &S.ctx[0]);
+    if (S.aborted) {
+      snprintf(buf, sizeof buf, "kernel %s, block %u of %u (%u threads): ", name, b, grid, block);
+      S.error = buf + S.error;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+template <class T> struct ident { using type = T; };
+
+template <class T> inline uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "warp ops move at most 8 bytes");
+  uint64_t b = 0;
+  memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <class T> inline T from_bits(uint64_t b) {
+  T v;
+  memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+// Source lane of a shuffle with PTX semantics (width-sized segments); -1 means "own value".
+inline int shfl_lane(int mode, int arg, int width) {
+  if (width < 1 || width > 32 || (width & (width - 1)))
+    fail("thread %d: shuffle width %d is not a power of two in [1, 32]", S.cur, width);
+  const int lane = S.cur % 32, first = lane & ~(width - 1), last = first + width - 1;
+  int j;
+  switch (mode) {
+    case 0: j = first + (arg & (width - 1)); break;       // idx
+    case 1: j = lane - arg; if (j < first) j = -1; break;  // up
+    case 2: j = lane + arg; if (j > last) j = -1; break;   // down
+    default: j = lane ^ arg; if (j > last || j < 0) j = -1; break;  // xor: may read earlier segments
+  }
+  return j == lane ? -1 : j;
+}
+
+template <class T> inline T shfl(unsigned mask, T var, int mode, int arg, int width) {
+  return from_bits<T>(warp_op(kShfl, mask, to_bits(var), shfl_lane(mode, arg, width)));
+}
+
+// ---- IEEE conversions (bit-exact, round to nearest even; NaN -> canonical 0x7fff as on the GPU) --------
+inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+inline uint16_t f32_to_f16(float f) {
+  const uint32_t u = f2u(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7fffu;
+  if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u);  // >= 2^16 (incl. inf)
+  if (a >= 0x38800000u) {                                   // normal half; the carry may round up to inf
+    uint32_t h = (a >> 13) - (112u << 10), rem = a & 0x1fffu;
+    h += (rem > 0x1000u) || (rem == 0x1000u && (h & 1u));
+    return (uint16_t)(sign | h);
+  }
+  if (a < 0x33000000u) return (uint16_t)sign;  // below 2^-25: rounds to zero
+  const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, s = 126u - e;  // s in [14, 24]
+  uint32_t h = m >> s;
+  const uint32_t rem = m & ((1u << s) - 1), half = 1u << (s - 1);
+  h += (rem > half) || (rem == half && (h & 1u));
+  return (uint16_t)(sign | h);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return u2f(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
+    return sign ? -v : v;
+  }
+  return u2f(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+}  // namespace ofz_emu
+
+// ---- warp and block primitives ----------------------------------------------------------------------------
+inline void __syncthreads() { ofz_emu::sync_block(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ofz_emu::warp_op(ofz_emu::kSync, mask, 0, -1); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+[[noreturn]] inline void __trap() { ofz_emu::fail("thread %d called __trap()", ofz_emu::S.cur); }
+
+template <class T> inline T __shfl_sync(unsigned mask, T var, int src, int width = warpSize) {
+  return ofz_emu::shfl(mask, var, 0, src, width);
+}
+template <class T> inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
+  return ofz_emu::shfl(mask, var, 1, (int)delta, width);
+}
+template <class T> inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
+  return ofz_emu::shfl(mask, var, 2, (int)delta, width);
+}
+template <class T> inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {
+  return ofz_emu::shfl(mask, var, 3, lane_mask, width);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  return (unsigned)ofz_emu::warp_op(ofz_emu::kBallot, mask, pred != 0, -1);
+}
+inline int __any_sync(unsigned mask, int pred) { return (int)ofz_emu::warp_op(ofz_emu::kAny, mask, pred != 0, -1); }
+inline int __all_sync(unsigned mask, int pred) { return (int)ofz_emu::warp_op(ofz_emu::kAll, mask, pred != 0, -1); }
+
+// Fibers never run concurrently, so atomics are plain read-modify-writes.
+template <class T> inline T atomicAdd(T* p, typename ofz_emu::ident<T>::type v) { T o = *p; *p = o + v; return o; }
+template <class T> inline T atomicSub(T* p, typename ofz_emu::ident<T>::type v) { T o = *p; *p = o - v; return o; }
+template <class T> inline T atomicMax(T* p, typename ofz_emu::ident<T>::type v) { T o = *p; *p = o < v ? v : o; return o; }
+template <class T> inline T atomicMin(T* p, typename ofz_emu::ident<T>::type v) { T o = *p; *p = v < o ? v : o; return o; }
+template <class T> inline T atomicExch(T* p, typename ofz_emu::ident<T>::type v) { T o = *p; *p = v; return o; }
+template <class T> inline T atomicCAS(T* p, typename ofz_emu::ident<T>::type c, typename ofz_emu::ident<T>::type v) {
+  T o = *p;
+  if (o == c) *p = v;
+  return o;
+}
+template <class T> inline T __ldg(const T* p) { return *p; }
+
+// ---- half types -------------------------------------------------------------------------------------------
+struct __half_raw { unsigned short x; };
+struct __nv_bfloat16_raw { unsigned short x; };
+
+struct __align__(2) __half {
+  unsigned short __x;
+  __half() = default;
+  __half(float f) : __x(ofz_emu::f32_to_f16(f)) {}
+  __half(__half_raw r) : __x(r.x) {}
+  operator float() const { return ofz_emu::f16_to_f32(__x); }
+  operator __half_raw() const { return {__x}; }
+};
+
+struct __align__(2) __nv_bfloat16 {
+  unsigned short __x;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) : __x(ofz_emu::f32_to_bf16(f)) {}
+  __nv_bfloat16(__nv_bfloat16_raw r) : __x(r.x) {}
+  operator float() const { return ofz_emu::bf16_to_f32(__x); }
+  operator __nv_bfloat16_raw() const { return {__x}; }
+};
+
+// Same-type arithmetic and comparisons, computed in fp32 and rounded once (matches the GPU for + - * /).
+#define OFZ_EMU_HALF_OPS(H)                                                                                   \
+  inline H operator+(const H& a, const H& b) { return H(float(a) + float(b)); }                              \
+  inline H operator-(const H& a, const H& b) { return H(float(a) - float(b)); }                              \
+  inline H operator*(const H& a, const H& b) { return H(float(a) * float(b)); }                              \
+  inline H operator/(const H& a, const H& b) { return H(float(a) / float(b)); }                              \
+  inline H operator-(const H& a) { H r = a; r.__x ^= 0x8000u; return r; }                                    \
+  inline H& operator+=(H& a, const H& b) { return a = a + b; }                                                \
+  inline H& operator-=(H& a, const H& b) { return a = a - b; }                                                \
+  inline H& operator*=(H& a, const H& b) { return a = a * b; }                                                \
+  inline H& operator/=(H& a, const H& b) { return a = a / b; }                                                \
+  inline bool operator==(const H& a, const H& b) { return float(a) == float(b); }                            \
+  inline bool operator!=(const H& a, const H& b) { return float(a) != float(b); }                            \
+  inline bool operator<(const H& a, const H& b) { return float(a) < float(b); }                              \
+  inline bool operator<=(const H& a, const H& b) { return float(a) <= float(b); }                            \
+  inline bool operator>(const H& a, const H& b) { return float(a) > float(b); }                              \
+  inline bool operator>=(const H& a, const H& b) { return float(a) >= float(b); }
+OFZ_EMU_HALF_OPS(__half)
+OFZ_EMU_HALF_OPS(__nv_bfloat16)
+#undef OFZ_EMU_HALF_OPS
+
+inline float __half2float(__half h) { return float(h); }
+inline __half __float2half(float f) { return __half(f); }
+inline __half __float2half_rn(float f) { return __half(f); }
+inline unsigned short __half_as_ushort(__half h) { return h.__x; }
+inline __half __ushort_as_half(unsigned short x) { return __half_raw{x}; }
+inline bool __hisnan(__half h) { return (h.__x & 0x7fffu) > 0x7c00u; }
+inline bool __hisinf(__half h) { return (h.__x & 0x7fffu) == 0x7c00u; }
+inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short x) { return __nv_bfloat16_raw{x}; }
+inline bool __hisnan(__nv_bfloat16 h) { return (h.__x & 0x7fffu) > 0x7f80u; }
+
+// ---- math missing on the host -----------------------------------------------------------------------------
+// glibc's math.h already declares __expf, __logf, ... (its internal aliases), so these become macros that
+// name our own functions; math.h is included above, so its declarations are not affected.
+namespace ofz_emu {
+inline float fast_expf(float x) { return expf(x); }
+inline float fast_exp10f(float x) { return exp10f(x); }
+inline float fast_logf(float x) { return logf(x); }
+inline float fast_log2f(float x) { return log2f(x); }
+inline float fast_log10f(float x) { return log10f(x); }
+inline float fast_powf(float x, float y) { return powf(x, y); }
+inline float fast_sinf(float x) { return sinf(x); }
+inline float fast_cosf(float x) { return cosf(x); }
+inline float fast_tanf(float x) { return tanf(x); }
+}  // namespace ofz_emu
+#define __expf ofz_emu::fast_expf
+#define __exp10f ofz_emu::fast_exp10f
+#define __logf ofz_emu::fast_logf
+#define __log2f ofz_emu::fast_log2f
+#define __log10f ofz_emu::fast_log10f
+#define __powf ofz_emu::fast_powf
+#define __sinf ofz_emu::fast_sinf
+#define __cosf ofz_emu::fast_cosf
+#define __tanf ofz_emu::fast_tanf
+
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float rcbrtf(float x) { return 1.0f / cbrtf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float normcdff(float x) { return 0.5f * erfcf(-x * 0.70710678118654752f); }
+inline double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752); }
+inline float __saturatef(float x) { return x >= 1.0f ? 1.0f : (x > 0.0f ? x : 0.0f); }  // NaN -> 0
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rz(float x) { return (int)x; }
+inline long long __float2ll_rn(float x) { return (long long)nearbyintf(x); }
+inline long long __float2ll_rz(float x) { return (long long)x; }
+inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
+inline float __uint_as_float(unsigned x) { float f; memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned x; memcpy(&x, &f, 4); return x; }
+inline double __longlong_as_double(long long x) { double d; memcpy(&d, &x, 8); return d; }
+inline long long __double_as_longlong(double d) { long long x; memcpy(&x, &d, 8); return x; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+
+// CUDA's global min/max accept any pair of arithmetic types; the result has their common type.
+template <class A, class B, class = std::enable_if_t<std::is_arithmetic<A>::value && std::is_arithmetic<B>::value>>
+inline std::common_type_t<A, B> min(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  return C(b) < C(a) ? C(b) : C(a);
+}
+template <class A, class B, class = std::enable_if_t<std::is_arithmetic<A>::value && std::is_arithmetic<B>::value>>
+inline std::common_type_t<A, B> max(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  return C(a) < C(b) ? C(b) : C(a);
+}
+
+// ---- small vector types -------------------------------------------------------------------------------------
+struct __align__(8) float2 { float x, y; };
+struct float3 { float x, y, z; };
+struct __align__(16) float4 { float x, y, z, w; };
+struct __align__(8) int2 { int x, y; };
+struct __align__(16) int4 { int x, y, z, w; };
+struct __align__(8) uint2 { unsigned x, y; };
+struct __align__(16) uint4 { unsigned x, y, z, w; };
+struct __align__(16) double2 { double x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float3 make_float3(float x, float y, float z) { return {x, y, z}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return {x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// ---- exported entry points ----------------------------------------------------------------------------------
+#define OFZ_EMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+OFZ_EMU_EXPORT const char* ofz_emu_last_error() { return ofz_emu::S.error.c_str(); }
+// Dynamic shared memory bytes for the following launches (the `smem` launch parameter).
+OFZ_EMU_EXPORT void ofz_emu_set_dynamic_smem(unsigned long long bytes) { ofz_emu::S.smem_bytes = (size_t)bytes; }
+
+// Placed after the kernel (at the end of the .cu file), where OfzArgs and the kernel are declared.
+#define OFZ_EMU_ENTRY(name)                                                                                    \
+  OFZ_EMU_EXPORT int ofz_emu_##name(unsigned grid, unsigned block, const OfzArgs* a) {                         \
+    return ::ofz_emu::launch(grid, block, [](const void* p) { name(*static_cast<const OfzArgs*>(p)); }, a, #name); \
+  }
