@@ -1,0 +1,107 @@
+"""Running shape inference: ONNX Runtime's symbolic inference first (it resolves the Shape/Gather/Concat
+chains exporters use for Reshape targets and keeps dims symbolic), ONNX's own inference as fallback.
+
+Symbolic inference works on the in-memory proto (no 2 GB limit there) and reads initializer values
+freely, so it gets the whole model. ONNX's inference serializes the model, so for a model over the
+protobuf limit it runs on a skeleton with large weights reduced to dtype and dims, through
+onnx.shape_inference.infer_shapes_path if even the skeleton is too big."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import onnx
+
+from ortfuse.rewriter import _proto
+
+log = logging.getLogger(__name__)
+
+STRIP_BYTES = 1024  # ONNX data propagation only reads small integer tensors (shape values)
+_SHAPE_DTYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+_STRIPPED = "ortfuse-stripped-weight"  # reading it fails loudly rather than yielding wrong values
+
+
+class ShapeInferenceError(Exception):
+    """ONNX's strict inference rejected the model; the message names the node."""
+
+
+def infer_value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Type and shape of every tensor inference could determine, by name."""
+    inferred, complete = _symbolic(model)
+    onnx_input = _skeleton(model) if _proto.is_large(model) else model
+    if inferred is None:
+        inferred = _onnx(onnx_input, strict=True)
+    infos = _collect(inferred)
+    if not complete:  # symbolic gave up on some nodes: let ONNX fill what it can
+        try:
+            for name, vi in _collect(_onnx(onnx_input, strict=False)).items():
+                infos.setdefault(name, vi)
+        except ShapeInferenceError:
+            pass
+    return infos
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Everything inference reads, with big non-integer initializers reduced to dtype and dims."""
+    sk = onnx.ModelProto(ir_version=model.ir_version)
+    sk.opset_import.extend(model.opset_import)
+    sk.functions.extend(model.functions)
+    g, src = sk.graph, model.graph
+    g.name = src.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(g, field).extend(getattr(src, field))
+    for t in src.initializer:
+        if t.data_type in _SHAPE_DTYPES or t.ByteSize() <= STRIP_BYTES:
+            g.initializer.append(t)
+            continue
+        stub = g.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        stub.data_location = onnx.TensorProto.EXTERNAL
+        stub.external_data.add(key="location", value=_STRIPPED)
+    return sk
+
+
+def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
+    """(inferred model, complete) or (None, False) when symbolic inference fails.
+
+    Drives SymbolicShapeInference's loop ourselves: its infer_shapes() writes a debug model into the
+    current directory when inference is incomplete, and we want partial results instead of an error."""
+    if (_proto.opset_of(model) or 0) < 7:
+        return None, False
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        # guess_output_rank=False: an unknown shape is safer for fusion than a guessed one.
+        ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
+        ssi._preprocess(model)
+        complete = False
+        while ssi.run_:
+            complete = ssi._infer_impl()
+        ssi._update_output_from_vi()
+        return ssi.out_mp_, bool(complete)
+    except Exception as e:  # the tool raises bare Exception/AssertionError on models it cannot handle
+        log.debug("symbolic shape inference failed, falling back to ONNX: %s", e)
+        return None, False
+
+
+def _onnx(model: onnx.ModelProto, strict: bool) -> onnx.ModelProto:
+    try:
+        if not _proto.is_large(model):
+            return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
+        with tempfile.TemporaryDirectory(prefix="ortfuse-infer-") as tmp:
+            src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
+            _proto.save_external(model, src, "in.onnx.data")
+            onnx.shape_inference.infer_shapes_path(src, dst, strict_mode=strict, data_prop=True)
+            return onnx.load(dst, load_external_data=False)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
+        lines = str(e).strip().splitlines()
+        raise ShapeInferenceError(lines[0] if lines else type(e).__name__) from None
+
+
+def _collect(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    g = model.graph
+    out: dict[str, onnx.ValueInfoProto] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        if vi.type.WhichOneof("value") is not None:
+            out[vi.name] = vi
+    return out

@@ -1,0 +1,142 @@
+"""Protobuf-level helpers shared by load, shapes and replace: copies, reads, topological order, IR
+version, and checks that also work for models over the 2 GB protobuf limit."""
+from __future__ import annotations
+
+import heapq
+import os
+import tempfile
+from typing import Iterable, Sequence
+
+import onnx
+
+# Protobuf refuses to serialize a message of 2 GiB or more. A module attribute (not a constant folded
+# into callers) so tests can lower it and exercise the large-model paths with tiny models.
+PROTOBUF_LIMIT = 2**31 - 1
+
+# Functions need IR >= 8; ONNX Runtime 1.31 reads IR <= 13 while onnx 1.23 writes 14 by default.
+MIN_IR_VERSION = 8
+MAX_IR_VERSION = 13
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def is_large(model: onnx.ModelProto) -> bool:
+    return model.ByteSize() >= PROTOBUF_LIMIT
+
+
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:
+    domains = DEFAULT_DOMAINS if domain in DEFAULT_DOMAINS else (domain,)
+    versions = [o.version for o in model.opset_import if o.domain in domains]
+    return max(versions) if versions else None
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(True for _ in _subgraphs(node))
+
+
+def _outer_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph reads from enclosing scopes: read inside but defined nowhere inside."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {s.values.name for s in graph.sparse_initializer}
+    for n in graph.node:
+        defined.update(n.output)
+    return {x for n in graph.node for x in node_reads(n) if x and x not in defined}
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """Every tensor a node reads: its inputs plus outer-scope names used by its subgraphs (If/Loop/Scan
+    bodies), which are real dependencies for ordering and fusion even though they are not inputs."""
+    reads = [x for x in node.input if x]
+    extra = set().union(*(_outer_names(g) for g in _subgraphs(node))) - set(reads)
+    return reads + sorted(extra)
+
+
+def topo_order(nodes: Sequence[onnx.NodeProto]) -> list[int]:
+    """Indices of `nodes` in a topological order that keeps the given order wherever it is already
+    valid (Kahn's algorithm, smallest index first). Raises ValueError naming a node on a cycle."""
+    producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+    deps = [{producer[x] for x in node_reads(n) if x in producer} for n in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    missing = [len(d) for d in deps]
+    ready = [i for i, m in enumerate(missing) if m == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(nodes):
+        stuck = next(i for i, m in enumerate(missing) if m > 0)
+        n = nodes[stuck]
+        raise ValueError(f"the graph has a cycle through node {n.op_type} '{n.name or n.output[0]}'")
+    return order
+
+
+def sort_nodes(graph: onnx.GraphProto) -> bool:
+    """Put graph.node in topological order in place; returns whether anything moved."""
+    order = topo_order(graph.node)
+    if order == list(range(len(order))):
+        return False
+    nodes = [graph.node[i] for i in order]
+    copies = [onnx.NodeProto() for _ in nodes]
+    for c, n in zip(copies, nodes):
+        c.CopyFrom(n)
+    del graph.node[:]
+    graph.node.extend(copies)
+    return True
+
+
+def _min_ir_for(column: int, version: int) -> int:
+    """Smallest IR version whose release supports `version` of the opset in VERSION_TABLE `column`."""
+    rows = [r for r in onnx.helper.VERSION_TABLE if r[column] >= version]
+    return min(r[1] for r in rows) if rows else max(r[1] for r in onnx.helper.VERSION_TABLE)
+
+
+def target_ir_version(model: onnx.ModelProto) -> int:
+    """The IR version every written model gets: at least what its opsets need and what functions need,
+    never below the original (newer IR features may be in use), capped at what ORT 1.31 reads."""
+    need = [model.ir_version, MIN_IR_VERSION]
+    if (v := opset_of(model, "")) is not None:
+        need.append(_min_ir_for(2, v))
+    if (v := opset_of(model, "ai.onnx.ml")) is not None:
+        need.append(_min_ir_for(3, v))
+    return min(max(need), MAX_IR_VERSION)
+
+
+def save_external(model: onnx.ModelProto, path: str, location: str) -> None:
+    """Write `model` (left unchanged) with its tensors in one external data file beside it."""
+    clone = copy_model(model)  # onnx.save_model moves tensor bytes out of the proto it is given
+    onnx.save_model(clone, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=location, size_threshold=1024)
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """onnx.checker.check_model(full_check=False); over 2 GB the checker only accepts a path, so the
+    model is written with external data to a temporary folder first."""
+    if not is_large(model):
+        onnx.checker.check_model(model, full_check=False)
+        return
+    with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        save_external(model, path, "model.onnx.data")
+        onnx.checker.check_model(path, full_check=False)

@@ -1,0 +1,153 @@
+"""Reading a model: a private, validated copy with external data loaded.
+
+Dtype policy: ops ortfuse does not fuse stay with ONNX Runtime, so we refuse only what ORT itself cannot
+load. Observed on ORT 1.31: graph inputs/outputs of element types 1..26 (float .. int2) load (some have
+no kernels, which is ORT's business at session time); UNDEFINED, FLOAT6E2M3/FLOAT6E3M2 (27, 28) and
+unknown numbers fail at load ("Invalid tensor data type"). Non-tensor values (sequence, map, optional)
+pass through; they never enter a fused region.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterable
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from ortfuse.errors import InputError, UnsupportedError
+from ortfuse.rewriter import _proto
+
+log = logging.getLogger(__name__)
+
+ORT_LOADABLE_DTYPES = range(1, 27)  # see the module docstring
+# Domains whose ops ORT implements beyond the ONNX standard ones (names checked against ORT's schemas).
+ORT_CONTRIB_DOMAINS = ("com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc")
+FUSED_DOMAIN = "ortfuse"
+
+ModelSource = onnx.ModelProto | str | os.PathLike
+
+
+def load_model(model_or_path: ModelSource) -> onnx.ModelProto:
+    """A private copy of the model, external data loaded, nodes topologically sorted, checked.
+    Raises InputError (unreadable or invalid model) or UnsupportedError (an op no runtime knows)."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        label, path = "model", None
+        model = _proto.copy_model(model_or_path)
+        if any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
+            raise InputError("model: tensors refer to external data; pass the model's path instead")
+    else:
+        path = Path(os.fspath(model_or_path))
+        label = str(path)
+        model = _read(path)
+    check_ops(model, label)
+    check_io_dtypes(model, label)
+    try:
+        moved = _proto.sort_nodes(model.graph)
+    except ValueError as e:
+        raise InputError(f"{label}: {e}") from None
+    _check(model, label, path if not moved else None)
+    return model
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
+    return external_data_helper._get_all_tensors(model)  # initializers and tensor attributes, nested
+
+
+def _read(path: Path) -> onnx.ModelProto:
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise InputError(f"{path}: not an ONNX model or truncated ({_first_line(e)})") from None
+    # Protobuf parses many byte strings "successfully"; a real model has these fields, and a file cut
+    # after the graph loses opset_import (serialized after it).
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.opset_import:
+        raise InputError(f"{path}: not an ONNX model or truncated (no IR version, graph or opset import)")
+    try:
+        external_data_helper.load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError, onnx.checker.ValidationError) as e:
+        raise InputError(f"{path}: cannot load external data ({_first_line(e)})") from None
+    return model
+
+
+def _check(model: onnx.ModelProto, label: str, path: Path | None) -> None:
+    try:
+        if path is not None:  # the file as-is: works at any size without re-serializing
+            onnx.checker.check_model(str(path), full_check=False)
+        else:
+            _proto.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise InputError(f"{label}: invalid ONNX model: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _ort_contrib_ops() -> set[tuple[str, str]] | None:
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+        return {(s.domain, s.name) for s in C.get_all_operator_schema()}
+    except (ImportError, AttributeError):  # some ORT builds lack the schema export: trust the domain
+        return None
+
+
+def _walk_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                yield from _walk_nodes(g)
+
+
+def check_ops(model: onnx.ModelProto, label: str = "model") -> None:
+    """Every node's op must be known to ONNX (default and ai.onnx.ml domains, at the model's opset),
+    to ORT's contrib domains, or be a model-local function. UnsupportedError otherwise."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    contrib = None
+    for node in _walk_nodes(model.graph):
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (node.domain, node.op_type) in functions:
+            continue
+        if domain in ("", "ai.onnx.ml"):
+            known = _onnx_has(node.op_type, _proto.opset_of(model, domain), domain)
+        elif domain in ORT_CONTRIB_DOMAINS:
+            contrib = _ort_contrib_ops() if contrib is None else contrib
+            known = contrib is None or (domain, node.op_type) in contrib
+        else:
+            known = False
+        if not known:
+            where = f"{domain or 'ai.onnx'}::{node.op_type}"
+            raise UnsupportedError(f"{label}: node '{node.name or node.output[0]}' uses op {where}, "
+                                   "which neither ONNX nor ONNX Runtime defines")
+
+
+def _onnx_has(op_type: str, version: int | None, domain: str) -> bool:
+    if version is None:
+        return True  # a missing opset import is reported by the checker with its own message
+    try:
+        onnx.defs.get_schema(op_type, version, domain)
+        return True
+    except onnx.defs.SchemaError:
+        return False
+
+
+def check_io_dtypes(model: onnx.ModelProto, label: str = "model") -> None:
+    """Refuse graph inputs/outputs whose tensor element type ORT cannot load (module docstring)."""
+    for kind, values in (("input", model.graph.input), ("output", model.graph.output)):
+        for v in values:
+            if v.type.WhichOneof("value") != "tensor_type":
+                continue
+            dt = v.type.tensor_type.elem_type
+            if dt not in ORT_LOADABLE_DTYPES:
+                name = onnx.TensorProto.DataType.Name(dt) if dt in onnx.TensorProto.DataType.values() else dt
+                raise InputError(f"{label}: graph {kind} '{v.name}' has element type {name}, "
+                                 "which ONNX Runtime cannot load")

@@ -1,0 +1,274 @@
+"""Writing a model: fused regions become `ortfuse` nodes backed by model-local functions holding the
+original sub-graph (docs/design.md, "The fused node"), and an atomic save."""
+from __future__ import annotations
+
+import heapq
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+
+from ortfuse.errors import InputError
+from ortfuse.rewriter import _proto
+from ortfuse.rewriter.graph import Graph
+
+DOMAIN = "ortfuse"
+DOMAIN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FusedNode:
+    name: str  # node name, e.g. "ortfuse_region_3"
+    op_type: str  # "Fused_<10 hex>"; also the FunctionProto name
+    node_indices: tuple[int, ...]  # indices into graph.nodes that this node replaces
+    inputs: tuple[str, ...]  # kernel arguments in order: tensors defined outside the region
+    outputs: tuple[str, ...]  # tensors produced in the region and used outside it, or graph outputs
+    attributes: tuple[onnx.AttributeProto, ...] = ()
+
+
+def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
+    """A new model with each region's nodes replaced by its fused node. Raises ValueError when the
+    FusedNode set is inconsistent with the graph (an internal error of the caller)."""
+    fused = tuple(fused)
+    owner = _validate(graph, fused)
+    model = _proto.copy_model(graph.model)
+    g = model.graph
+    new_nodes = [_fused_node(fused[k]) if kind == "fused" else graph.nodes[k]
+                 for kind, k in _contracted_order(graph, fused, owner)]
+    del g.node[:]
+    g.node.extend(new_nodes)
+    _add_functions(model, graph, fused)
+    _drop_dead_constants(g, {x for f in fused for i in f.node_indices for x in _proto.node_reads(graph.nodes[i])})
+    _prune_value_info(g)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=DOMAIN, version=DOMAIN_VERSION)
+    model.ir_version = _proto.target_ir_version(model)
+    try:
+        _proto.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise ValueError(f"replace produced an invalid model: {str(e).strip().splitlines()[0]}") from None
+    return model
+
+
+# ---- validation --------------------------------------------------------------------------------------
+
+def _validate(graph: Graph, fused: tuple[FusedNode, ...]) -> dict[int, int]:
+    """Regions are disjoint, non-empty, free of control flow, and their inputs/outputs match what the
+    region's nodes read and produce. Returns node index -> region index."""
+    owner: dict[int, int] = {}
+    names = {n.name for n in graph.nodes if n.name}
+    for k, f in enumerate(fused):
+        if not f.node_indices:
+            raise ValueError(f"{f.name}: empty region")
+        if not f.op_type or f.name in names:
+            raise ValueError(f"{f.name}: missing op_type or node name already in use")
+        names.add(f.name)
+        for i in f.node_indices:
+            if not 0 <= i < len(graph.nodes):
+                raise ValueError(f"{f.name}: node index {i} out of range")
+            if i in owner:
+                raise ValueError(f"{f.name} and {fused[owner[i]].name} both contain {graph.node_label(i)}")
+            if _proto.has_subgraph(graph.nodes[i]):
+                raise ValueError(f"{f.name}: control-flow node {graph.node_label(i)} cannot be fused")
+            owner[i] = k
+        _check_interface(graph, f)
+    return owner
+
+
+def _check_interface(graph: Graph, f: FusedNode) -> None:
+    region = set(f.node_indices)
+    produced = {o for i in region for o in graph.nodes[i].output if o}
+    read = {x for i in region for x in _proto.node_reads(graph.nodes[i])}
+    for what, names in (("inputs", f.inputs), ("outputs", f.outputs)):
+        if len(set(names)) != len(names):
+            raise ValueError(f"{f.name}: duplicate {what}")
+    for x in f.inputs:
+        if x in produced or x not in read:
+            raise ValueError(f"{f.name}: input '{x}' is not read from outside the region")
+    for x in read - produced - set(f.inputs):
+        if x not in graph.constants:
+            raise ValueError(f"{f.name}: '{x}' is read by the region but is neither an input nor a constant")
+    for x in f.outputs:
+        if x not in produced:
+            raise ValueError(f"{f.name}: output '{x}' is not produced by the region")
+    graph_outputs = set(graph.graph_outputs)
+    for x in produced - set(f.outputs):
+        if x in graph_outputs or any(c not in region for c in graph.consumers.get(x, ())):
+            raise ValueError(f"{f.name}: '{x}' is used outside the region but is not an output")
+
+
+def _contracted_order(graph: Graph, fused: tuple[FusedNode, ...], owner: dict[int, int]) -> list[tuple[str, int]]:
+    """Topological order of the graph with each region contracted to one node, keeping the original
+    order where possible (a region sits at its first node's place). ValueError on a cycle."""
+    def unit(i: int) -> tuple[str, int]:
+        return ("fused", owner[i]) if i in owner else ("node", i)
+
+    units = {unit(i): i for i in reversed(range(len(graph.nodes)))}  # unit -> its smallest node index
+    deps: dict[tuple[str, int], set[tuple[str, int]]] = {u: set() for u in units}
+    for i, node in enumerate(graph.nodes):
+        for x in _proto.node_reads(node):
+            if x in graph.producer and unit(graph.producer[x]) != unit(i):
+                deps[unit(i)].add(unit(graph.producer[x]))
+    users: dict[tuple[str, int], list[tuple[str, int]]] = {u: [] for u in units}
+    for u, ds in deps.items():
+        for d in ds:
+            users[d].append(u)
+    missing = {u: len(ds) for u, ds in deps.items()}
+    ready = [(units[u], u) for u, m in missing.items() if m == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in users[u]:
+            missing[v] -= 1
+            if missing[v] == 0:
+                heapq.heappush(ready, (units[v], v))
+    if len(order) < len(units):
+        stuck = [fused[k].name for kind, k in units if kind == "fused" and missing[(kind, k)] > 0]
+        raise ValueError(f"contracting the regions creates a cycle (through {', '.join(stuck) or 'nodes'})")
+    return order
+
+
+# ---- building ----------------------------------------------------------------------------------------
+
+def _fused_node(f: FusedNode) -> onnx.NodeProto:
+    node = onnx.helper.make_node(f.op_type, list(f.inputs), list(f.outputs), name=f.name, domain=DOMAIN)
+    node.attribute.extend(f.attributes)
+    return node
+
+
+def _add_functions(model: onnx.ModelProto, graph: Graph, fused: tuple[FusedNode, ...]) -> None:
+    """One function per op_type. Regions sharing an op_type (same kernel) must have the same body,
+    which canonical tensor names make comparable."""
+    existing = {(fn.domain, fn.name): fn for fn in model.functions}
+    opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+    for f in fused:
+        fn = _function(graph, f, opsets)
+        prior = existing.get((DOMAIN, f.op_type))
+        if prior is None:
+            model.functions.append(fn)
+            existing[(DOMAIN, f.op_type)] = fn
+        elif prior != fn:
+            raise ValueError(f"{f.name}: op_type {f.op_type} is already used for a different sub-graph")
+
+
+def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
+    """Body = the region's nodes (graph order is topological) with tensors renamed in0.., out0..,
+    t0..; constants read but not passed become Constant nodes at the top of the body."""
+    rename = {x: f"in{k}" for k, x in enumerate(f.inputs)} | {x: f"out{k}" for k, x in enumerate(f.outputs)}
+    region = sorted(f.node_indices)
+    produced = {o for i in region for o in graph.nodes[i].output if o}
+    body: list[onnx.NodeProto] = []
+    for i in region:
+        for x in graph.nodes[i].input:
+            if x and x not in rename and x not in produced:
+                rename[x] = f"c{len(body)}"
+                body.append(_constant_node(graph, x, rename[x]))
+    for i in region:
+        node = onnx.NodeProto()
+        node.CopyFrom(graph.nodes[i])
+        node.name = ""  # names would make identical regions' bodies differ
+        for seq in (node.input, node.output):
+            for j, x in enumerate(seq):
+                if x:
+                    seq[j] = rename.setdefault(x, f"t{len(rename)}")
+        body.append(node)
+    return onnx.helper.make_function(DOMAIN, f.op_type, [f"in{k}" for k in range(len(f.inputs))],
+                                     [f"out{k}" for k in range(len(f.outputs))], body, opsets)
+
+
+def _constant_node(graph: Graph, name: str, new_name: str) -> onnx.NodeProto:
+    """A Constant node carrying the exact proto of an initializer or Constant node (dtype preserved)."""
+    if name in graph.producer:
+        node = onnx.NodeProto()
+        node.CopyFrom(graph.nodes[graph.producer[name]])
+        del node.output[:]
+        node.output.append(new_name)
+        node.name = ""
+        return node
+    tensor = next(t for t in graph.model.graph.initializer if t.name == name)
+    value = onnx.TensorProto()
+    value.CopyFrom(tensor)
+    value.name = new_name
+    return onnx.helper.make_node("Constant", [], [new_name], value=value)
+
+
+def _drop_dead_constants(g: onnx.GraphProto, candidates: set[str]) -> None:
+    """Initializers and Constant nodes the regions read that nothing reads any more. Initializers that
+    are also graph inputs (IR < 4 style) stay: removing them would change the model's interface."""
+    used = {x for n in g.node for x in _proto.node_reads(n)} | {v.name for v in g.output}
+    dead = candidates - used - {v.name for v in g.input}
+    keep_init = [t for t in g.initializer if t.name not in dead]
+    if len(keep_init) < len(g.initializer):
+        del g.initializer[:]  # rebuilt: repeated-field deletion by index is quadratic on big models
+        g.initializer.extend(keep_init)
+    for j in reversed(range(len(g.node))):
+        n = g.node[j]
+        if n.op_type == "Constant" and n.domain in _proto.DEFAULT_DOMAINS and set(n.output) <= dead:
+            del g.node[j]
+
+
+def _prune_value_info(g: onnx.GraphProto) -> None:
+    """Drop value_info of tensors that vanished inside regions (the fused outputs' entries stay)."""
+    alive = {o for n in g.node for o in n.output}
+    keep = [vi for vi in g.value_info if vi.name in alive]
+    del g.value_info[:]
+    g.value_info.extend(keep)
+
+
+# ---- saving ------------------------------------------------------------------------------------------
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write atomically (temporary file in the target folder, then os.replace) with the IR version
+    ORT reads; over 2 GB the tensors go to "<name>.data" beside the model. `model` is not modified."""
+    path = Path(os.fspath(path))
+    if not path.parent.is_dir():
+        raise InputError(f"{path}: folder does not exist")
+    try:
+        if _proto.is_large(model):
+            _save_large(model, path)
+        else:
+            _save_small(model, path)
+    except OSError as e:
+        raise InputError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _save_small(model: onnx.ModelProto, path: Path) -> None:
+    original = model.ir_version
+    model.ir_version = _proto.target_ir_version(model)
+    try:
+        data = model.SerializeToString()
+    finally:
+        model.ir_version = original
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _save_large(model: onnx.ModelProto, path: Path) -> None:
+    clone = _proto.copy_model(model)
+    clone.ir_version = _proto.target_ir_version(clone)
+    data_name = f"{path.name}.data"
+    tmp = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # onnx.save_model moves tensor bytes out of the proto it writes, hence the clone
+        onnx.save_model(clone, os.path.join(tmp, path.name), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        if os.path.exists(os.path.join(tmp, data_name)):  # absent when every tensor is under 1 KiB
+            os.replace(os.path.join(tmp, data_name), path.parent / data_name)  # data first: the model names it
+        os.replace(os.path.join(tmp, path.name), path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

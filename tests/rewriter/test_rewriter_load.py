@@ -1,0 +1,160 @@
+"""rewriter.load: reading files, external data, refusals."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import rw_models as M
+from ortfuse.errors import InputError, UnsupportedError
+from ortfuse.rewriter import build_graph, load_model
+
+
+def test_loads_file_and_leaves_it_untouched(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save_model(M.mlp(), path)
+    before = M.sha256(path)
+    model = load_model(path)
+    model.graph.node[0].name = "changed"  # a private copy: editing it changes nothing on disk
+    assert M.sha256(path) == before
+    assert len(model.graph.node) == 6
+
+
+def test_proto_argument_is_copied():
+    original = M.mlp()
+    model = load_model(original)
+    model.graph.ClearField("node")
+    assert len(original.graph.node) == 6
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="nope.onnx: no such file"):
+        load_model(tmp_path / "nope.onnx")
+
+
+def test_directory_is_not_a_model(tmp_path):
+    with pytest.raises(InputError, match="not a file"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"hello, this is not a model\n", b"\xff\xfe\x00garbage" * 10, b""])
+def test_not_onnx(tmp_path, content):
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=r"bad\.onnx: not an ONNX model") as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.9, 0.99])
+def test_truncated(tmp_path, fraction):
+    data = M.mlp().SerializeToString()
+    path = tmp_path / "cut.onnx"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(InputError, match=r"cut\.onnx: "):
+        load_model(path)
+
+
+def test_external_data_round_trip(tmp_path):
+    model = M.mlp()
+    want = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    path = tmp_path / "ext.onnx"
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="ext.weights", size_threshold=0)  # moves the bytes out of `model`
+    assert (tmp_path / "ext.weights").exists()
+    loaded = load_model(path)
+    for t in loaded.graph.initializer:
+        assert t.data_location == onnx.TensorProto.DEFAULT
+        np.testing.assert_array_equal(numpy_helper.to_array(t), want[t.name])
+    graph = build_graph(loaded)
+    np.testing.assert_array_equal(graph.constants["w"], want["w"])
+    assert graph.tensors["y"].shape == ("batch", 3)
+
+
+def test_external_data_file_missing(tmp_path):
+    path = tmp_path / "ext.onnx"
+    onnx.save_model(M.mlp(), path, save_as_external_data=True, location="ext.weights", size_threshold=0)
+    (tmp_path / "ext.weights").unlink()
+    with pytest.raises(InputError, match="ext.onnx"):
+        load_model(path)
+
+
+def test_proto_with_unloaded_external_data_is_refused(tmp_path):
+    path = tmp_path / "ext.onnx"
+    onnx.save_model(M.mlp(), path, save_as_external_data=True, location="ext.weights", size_threshold=0)
+    with pytest.raises(InputError, match="pass the model's path"):
+        load_model(onnx.load(path, load_external_data=False))
+
+
+def test_unknown_op_names_node_and_op():
+    model = M.make_model([helper.make_node("FancyOp", ["x"], ["y"], name="weird", domain="acme")],
+                         [M.vi("x", [2])], [M.vi("y", [2])])
+    model.opset_import.append(helper.make_opsetid("acme", 1))
+    with pytest.raises(UnsupportedError, match="'weird' uses op acme::FancyOp"):
+        load_model(model)
+
+
+def test_unknown_default_domain_op():
+    model = M.make_model([helper.make_node("Frobnicate", ["x"], ["y"], name="f")], [M.vi("x", [2])], [M.vi("y", [2])])
+    with pytest.raises(UnsupportedError, match="ai.onnx::Frobnicate"):
+        load_model(model)
+
+
+def test_op_newer_than_model_opset_is_unknown():
+    # Gelu joined the default domain at opset 20
+    model = M.make_model([helper.make_node("Gelu", ["x"], ["y"], name="g")], [M.vi("x", [2])], [M.vi("y", [2])])
+    with pytest.raises(UnsupportedError, match="Gelu"):
+        load_model(model)
+
+
+def test_contrib_and_function_ops_are_accepted():
+    fn = helper.make_function("local", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+                              [helper.make_opsetid("", M.OPSET)])
+    nodes = [helper.make_node("FastGelu", ["x"], ["g"], name="fg", domain="com.microsoft"),
+             helper.make_node("Twice", ["g"], ["y"], name="tw", domain="local")]
+    model = M.make_model(nodes, [M.vi("x", [2])], [M.vi("y", [2])])
+    model.opset_import.extend([helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("local", 1)])
+    model.functions.append(fn)
+    assert len(load_model(model).graph.node) == 2
+    model.graph.node[0].op_type = "NotAContribOp"
+    with pytest.raises(UnsupportedError, match="com.microsoft::NotAContribOp"):
+        load_model(model)
+
+
+def test_checker_failure_is_one_line():
+    model = M.make_model([helper.make_node("Relu", ["missing"], ["y"], name="r")], [M.vi("x", [2])], [M.vi("y", [2])])
+    with pytest.raises(InputError, match="invalid ONNX model") as e:
+        load_model(model)
+    assert "\n" not in str(e.value)
+
+
+def test_dtype_policy():
+    ok = M.make_model([helper.make_node("Identity", ["x"], ["y"])], [M.vi("x", [2], onnx.TensorProto.STRING)],
+                      [M.vi("y", [2], onnx.TensorProto.STRING)])
+    load_model(ok)  # strings are ORT's business: never fused, not refused
+    bad = M.make_model([helper.make_node("Identity", ["x"], ["y"])], [M.vi("x", [2], onnx.TensorProto.FLOAT6E2M3)],
+                       [M.vi("y", [2], onnx.TensorProto.FLOAT6E2M3)], opset=25)
+    with pytest.raises(InputError, match="graph input 'x' has element type FLOAT6E2M3"):
+        load_model(bad)
+
+
+def test_non_topological_model_is_sorted(tmp_path):
+    model = M.mlp()
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    path = tmp_path / "unsorted.onnx"
+    onnx.save_model(model, path)
+    loaded = load_model(path)
+    seen = {"x", "w", "b"}
+    for n in loaded.graph.node:
+        assert all(i in seen for i in n.input)
+        seen.update(n.output)
+
+
+def test_cycle_is_an_input_error():
+    nodes = [helper.make_node("Relu", ["b"], ["a"], name="ra"), helper.make_node("Relu", ["a"], ["b"], name="rb")]
+    model = M.make_model(nodes, [M.vi("x", [2])], [M.vi("b", [2])])
+    with pytest.raises(InputError, match="cycle through node Relu"):
+        load_model(model)

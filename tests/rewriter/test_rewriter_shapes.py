@@ -1,0 +1,255 @@
+"""rewriter.shapes: input-shape parsing, inference, constants, hints."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import rw_models as M
+from ortfuse.errors import InputError
+from ortfuse.rewriter import _infer, _proto, build_graph, load_model, parse_input_shapes
+
+
+# ---- parse_input_shapes ----
+
+def test_parse_ints_names_and_separators():
+    got = parse_input_shapes(["input_ids:1x128", "mask:Bx128", "img:1,3,224,224", "max_len:4", "t:0:2x3", "s:"])
+    assert got == {"input_ids": (1, 128), "mask": ("B", 128), "img": (1, 3, 224, 224), "max_len": (4,),
+                   "t:0": (2, 3), "s": ()}
+
+
+def test_parse_name_containing_x_needs_commas():
+    assert parse_input_shapes(["a:max_len,8"]) == {"a": ("max_len", 8)}
+
+
+@pytest.mark.parametrize("spec", ["noshape", ":1x2", "a:1xx2", "a:-1x2", "a:1x2.5", "a:1 2", "a:1x$"])
+def test_parse_bad_syntax(spec):
+    with pytest.raises(InputError, match="input shape"):
+        parse_input_shapes([spec])
+
+
+def test_parse_duplicate():
+    with pytest.raises(InputError, match="given twice"):
+        parse_input_shapes(["a:1", "a:2"])
+
+
+# ---- user shapes applied to the graph ----
+
+def test_user_shape_binds_symbols_across_inputs():
+    graph = build_graph(load_model(M.broadcast()), {"a": (2, 16, 8)})
+    assert graph.tensors["a"].shape == (2, 16, 8)
+    assert graph.tensors["mask"].shape == (2, 1, 1)  # 'batch' bound by a's shape
+    assert graph.tensors["y"].shape == (2, 16, 8)
+    assert graph.tensors["y"].is_static
+
+
+def test_user_shape_with_names_renames_dims():
+    graph = build_graph(load_model(M.broadcast()), {"a": ("B", "S", 8), "mask": ("B", 1, 1)})
+    assert graph.tensors["y"].shape == ("B", "S", 8)
+
+
+def test_unknown_input_name():
+    with pytest.raises(InputError, match="no such input.*inputs: a, mask"):
+        build_graph(M.broadcast(), {"b": (1, 2, 8)})
+
+
+def test_initializer_is_not_an_input():
+    with pytest.raises(InputError, match="'bias'"):
+        build_graph(M.broadcast(), {"bias": (8,)})
+
+
+def test_rank_mismatch():
+    with pytest.raises(InputError, match="'a': rank 2 given, the model declares rank 3"):
+        build_graph(M.broadcast(), {"a": (1, 8)})
+
+
+def test_contradicts_static_dim():
+    with pytest.raises(InputError, match="'a': dim 2 is 8 in the model, 9 given"):
+        build_graph(M.broadcast(), {"a": (1, 4, 9)})
+
+
+def test_contradicting_symbol_bindings():
+    with pytest.raises(InputError, match="'mask': dim 0 \\('batch'\\) is 3, but 'a' sets 'batch' to 2"):
+        build_graph(M.broadcast(), {"a": (2, 4, 8), "mask": (3, 1, 1)})
+
+
+def test_caller_model_untouched():
+    model = M.broadcast()
+    before = model.SerializeToString()
+    graph = build_graph(model, {"a": (2, 16, 8)})
+    assert model.SerializeToString() == before
+    assert graph.model is not model
+
+
+# ---- inference ----
+
+def test_symbolic_dims_survive_exporter_reshape_chain():
+    graph = build_graph(load_model(M.exporter_reshape()))
+    assert graph.tensors["r"].shape == ("batch_size", "sequence_length", 2, 4)
+    assert graph.tensors["y"].shape == ("batch_size", 2, "sequence_length", 4)
+    # the graph output's anonymous dims were filled in the model too
+    dims = graph.model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in dims] == ["batch_size", 2, "sequence_length", 4]
+
+
+def test_symbolic_dims_survive_broadcasting():
+    graph = build_graph(load_model(M.broadcast()))
+    assert graph.tensors["t"].shape == ("batch", "seq", 8)
+    assert graph.tensors["y"].shape == ("batch", "seq", 8)
+    assert graph.tensors["bias"].shape == (8,)
+
+
+def test_value_info_written_for_intermediates():
+    graph = build_graph(load_model(M.mlp()))
+    names = {vi.name for vi in graph.model.graph.value_info}
+    assert names == {"half", "mm", "h", "s"}
+    onnx.checker.check_model(graph.model)
+
+
+def test_graph_structure():
+    graph = build_graph(load_model(M.mlp()))
+    assert [n.name for n in graph.nodes] == ["c_half", "matmul", "add", "mul", "relu", "exp"]
+    assert graph.producer["h"] == 2 and graph.consumers["h"] == (3, 5)
+    assert graph.graph_inputs == ("x",) and graph.graph_outputs == ("y", "z")
+    assert graph.opset == M.OPSET
+    assert graph.info("y").dtype == onnx.TensorProto.FLOAT and graph.info("y").rank == 2
+
+
+def test_anonymous_dims_get_unique_names():
+    nodes = [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Relu", ["b"], ["z"])]
+    model = M.make_model(nodes, [M.vi("a", [None, 4]), M.vi("b", [None, 4])], [M.vi("y", [None, 4]), M.vi("z", [None, 4])])
+    graph = build_graph(load_model(model))
+    a0, b0 = graph.tensors["a"].shape[0], graph.tensors["b"].shape[0]
+    assert isinstance(a0, str) and isinstance(b0, str) and a0 != b0
+    assert graph.tensors["y"].shape[0] == a0 and graph.tensors["z"].shape[0] == b0
+
+
+def test_unknown_rank_is_none():
+    # NonZero's output dim is data dependent; a TopK k from a graph input has unknown extent too
+    model = M.make_model([helper.make_node("NonZero", ["x"], ["nz"]), helper.make_node("Shape", ["nz"], ["y"])],
+                         [M.vi("x", [3, 4])], [M.vi("y", [2], onnx.TensorProto.INT64)])
+    graph = build_graph(load_model(model))
+    assert graph.tensors["nz"].shape[0] == 2 and isinstance(graph.tensors["nz"].shape[1], str)
+    seq = M.make_model([helper.make_node("SequenceConstruct", ["x"], ["s"]),
+                        helper.make_node("SequenceAt", ["s", "i"], ["y"])],
+                       [M.vi("x", [3]), M.vi("i", [], onnx.TensorProto.INT64)], [M.vi("y", [3])])
+    graph = build_graph(load_model(seq))
+    assert graph.tensors["s"].shape is None and graph.tensors["s"].rank is None
+
+
+def test_fallback_to_onnx_inference(monkeypatch):
+    monkeypatch.setattr(_infer, "_symbolic", lambda m: (None, False))
+    graph = build_graph(load_model(M.exporter_reshape()))
+    assert graph.tensors["y"].shape[0] == "batch_size"  # ONNX data propagation keeps what it can
+    assert graph.tensors["y"].rank == 4
+
+
+def test_fallback_by_path_for_large_models(monkeypatch):
+    # A tiny limit makes the skeleton count as "over 2 GB": inference then goes through a file.
+    called = []
+    real = onnx.shape_inference.infer_shapes_path
+    monkeypatch.setattr(_infer, "_symbolic", lambda m: (None, False))
+    monkeypatch.setattr(_proto, "PROTOBUF_LIMIT", 64)
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes_path", lambda *a, **k: (called.append(a), real(*a, **k)))
+    graph = build_graph(M.mlp())
+    assert called and graph.tensors["y"].shape == ("batch", 3)
+
+
+def test_large_weights_are_stripped_for_inference():
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    model = M.make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [M.vi("x", ["n", 64])],
+                         [M.vi("y", ["n", 64])], [w])
+    skeleton = _infer._skeleton(model)
+    assert skeleton.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+    assert list(skeleton.graph.initializer[0].dims) == [64, 64]
+    assert build_graph(model).tensors["y"].shape == ("n", 64)
+
+
+def test_symbolic_inference_reads_float_initializers(monkeypatch):
+    # symbolic inference looks at Add's constant operand; it must see real data, not a stripped stub
+    bias = numpy_helper.from_array(np.ones(1024, np.float32), "bias")
+    model = M.make_model([helper.make_node("Add", ["x", "bias"], ["y"])], [M.vi("x", ["n", 1024])],
+                         [M.vi("y", ["n", 1024])], [bias])
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("symbolic inference should have succeeded")
+
+    monkeypatch.setattr(_infer, "_onnx", no_fallback)
+    assert build_graph(model).tensors["y"].shape == ("n", 1024)
+
+
+def test_inconsistent_model_names_the_node():
+    model = M.make_model([helper.make_node("Add", ["a", "b"], ["y"], name="bad_add")],
+                         [M.vi("a", [2, 3]), M.vi("b", [4, 5])], [M.vi("y", [2, 3])])
+    with pytest.raises(InputError, match="shape inference failed.*bad_add"):
+        build_graph(model)
+
+
+def test_unsorted_graph_is_sorted():
+    model = M.mlp()
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    graph = build_graph(model)
+    assert all(graph.producer.get(x, -1) < i for i, n in enumerate(graph.nodes) for x in n.input)
+
+
+def test_subgraph_reads_count_as_consumers():
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["o1"])], "then", [], [M.vi("o1", [2])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["o2"])], "else", [], [M.vi("o2", [2])])
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
+    model = M.make_model(nodes, [M.vi("c", [], onnx.TensorProto.BOOL), M.vi("x", [2])], [M.vi("y", [2])])
+    graph = build_graph(load_model(model))
+    assert graph.consumers["x"] == (0,)
+
+
+# ---- constants and hints ----
+
+def test_constants_from_every_constant_kind():
+    kinds = {"value": {"value": numpy_helper.from_array(np.array([[1, 2]], np.int32))},
+             "value_float": {"value_float": 1.5}, "value_floats": {"value_floats": [1.0, 2.0]},
+             "value_int": {"value_int": 7}, "value_ints": {"value_ints": [3, 4]},
+             "sparse_value": {"sparse_value": helper.make_sparse_tensor(
+                 numpy_helper.from_array(np.array([5.0], np.float32)), numpy_helper.from_array(np.array([2])), [4])}}
+    nodes = [helper.make_node("Constant", [], [k], **attrs) for k, attrs in kinds.items()]
+    nodes.append(helper.make_node("Identity", ["x"], ["y"]))
+    model = M.make_model(nodes, [M.vi("x", [1])], [M.vi("y", [1])],
+                         [numpy_helper.from_array(np.array([9], np.int64), "init")])
+    c = build_graph(load_model(model)).constants
+    assert set(c) == {"init", *kinds} and len(c) == 7
+    np.testing.assert_array_equal(c["value"], np.array([[1, 2]], np.int32))
+    assert c["value_float"].dtype == np.float32 and c["value_float"].shape == () and c["value_float"] == 1.5
+    np.testing.assert_array_equal(c["value_floats"], np.array([1, 2], np.float32))
+    assert c["value_int"].dtype == np.int64 and c["value_int"] == 7
+    np.testing.assert_array_equal(c["value_ints"], [3, 4])
+    np.testing.assert_array_equal(c["sparse_value"], [0, 0, 5, 0])
+    np.testing.assert_array_equal(c["init"], [9])
+    assert "x" not in c
+
+
+def test_sym_hints():
+    graph = build_graph(load_model(M.exporter_reshape()))
+    assert graph.sym_hints == {"batch_size": 1, "sequence_length": 128}
+    # axis 0 of a rank>=2 graph input counts as batch-like whatever its name
+    graph = build_graph(load_model(M.broadcast()), {"a": ("N", "S", 8), "mask": ("N", 1, 1)})
+    assert graph.sym_hints == {"N": 1, "S": 128}
+
+
+def test_sym_hints_evaluate_expressions():
+    # Concat along the symbolic axis gives "2*seq" style dims
+    model = M.make_model([helper.make_node("Concat", ["a", "a"], ["y"], axis=1)], [M.vi("a", ["batch", "seq"])],
+                         [M.vi("y", ["batch", None])])
+    graph = build_graph(load_model(model))
+    expr = graph.tensors["y"].shape[1]
+    assert isinstance(expr, str) and "seq" in expr
+    assert graph.sym_hints[expr] == 256
+
+
+@pytest.mark.parametrize("expr, hint", [("batch*sequence", 128), ("2*sequence_length", 256), ("Min(N, 4)", 1),
+                                        ("floor(seq/2)", 64), ("seq + past", 256),
+                                        ("__import__('os').getcwd()", 128), ("9**9**9", 128)])
+def test_expression_hints(expr, hint):
+    from ortfuse.rewriter.shapes import _expr_hint
+
+    assert _expr_hint(expr, {"batch": 1, "N": 1}, set()) == hint
