@@ -21,27 +21,27 @@ def _bytes_tensor(name: str, data: bytes) -> onnx.TensorProto:
     return numpy_helper.from_array(np.frombuffer(data, dtype=np.uint8).copy(), name)
 
 
+def _ints(name: str, values: Sequence[int]) -> onnx.AttributeProto:
+    return helper.make_attribute(name, [int(v) for v in values], attr_type=onnx.AttributeProto.INTS)
+
+
 def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.AttributeProto]:
-    a = [
+    return [
         helper.make_attribute("ortfuse_version", NODE_FORMAT_VERSION),
         helper.make_attribute("entry", ck.entry),
-        helper.make_attribute("cubin_archs", [cc for cc, _ in ck.cubins]),
+        _ints("cubin_archs", [cc for cc, _ in ck.cubins]),
         *[helper.make_attribute(f"cubin_{cc}", _bytes_tensor(f"cubin_{cc}", b)) for cc, b in ck.cubins],
         helper.make_attribute("ptx", _bytes_tensor("ptx", ck.ptx)),
         helper.make_attribute("block", spec.block),
         helper.make_attribute("smem", 0),
-        helper.make_attribute("sym_dims", [v for pair in spec.sym_dims for v in pair]),
-        helper.make_attribute("units", list(spec.units)),
+        _ints("sym_dims", [v for pair in spec.sym_dims for v in pair]),
+        _ints("units", list(spec.units)),
         helper.make_attribute("units_per_block", spec.units_per_block),
-        helper.make_attribute("out_dtypes", list(spec.out_dtypes)),
-        helper.make_attribute("out_ranks", [len(s) for s in spec.out_shapes]),
-        helper.make_attribute("out_dims", [d for s in spec.out_shapes for d in s]),
+        _ints("out_dtypes", list(spec.out_dtypes)),
+        _ints("out_ranks", [len(s) for s in spec.out_shapes]),
+        _ints("out_dims", [d for s in spec.out_shapes for d in s]),
         helper.make_attribute("source", ck.source),
     ]
-    for attr in a:  # empty int lists must still be typed INTS
-        if attr.name in ("sym_dims", "units", "out_dims", "out_ranks", "cubin_archs") and not attr.ints:
-            attr.type = onnx.AttributeProto.INTS
-    return a
 
 
 @dataclass(frozen=True)
