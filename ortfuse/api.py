@@ -16,6 +16,7 @@ from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import KernelSpec, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import parse_arch
+from ortfuse.rewriter.canonical import fold_runtime_shapes
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
@@ -83,6 +84,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     model = load_model(model_or_path)
     say("inferring shapes")
     graph = build_graph(model, _shapes(input_shapes))
+    graph, folded = fold_runtime_shapes(graph)
+    if folded:
+        say(f"{folded} Reshape targets computed at run time became constants")
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
     the_plan = search_plan(graph, tgt)
     say(f"lowering {len(the_plan.regions)} regions")

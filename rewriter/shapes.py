@@ -68,7 +68,11 @@ def build_graph(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[Dim, ..
         inferred = _infer.infer_value_infos(m)
     except _infer.ShapeInferenceError as e:
         raise InputError(f"model: shape inference failed: {e}") from None
-    tensors = _record_value_infos(m, inferred)
+    return assemble(m, _record_value_infos(m, inferred), opset)
+
+
+def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int) -> Graph:
+    """The Graph's links and constants over an already shape-inferred model `m` (taken, not copied)."""
     nodes = tuple(m.graph.node)
     init_names = {t.name for t in m.graph.initializer}
     producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}

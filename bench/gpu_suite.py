@@ -1,0 +1,213 @@
+"""GPU suite: everything that needs the lent H100/H200, in as few device calls as possible.
+
+    python -m ortfuse.bench.gpu_suite OUTDIR [--models bert vit ...] [--dtypes fp32 fp16] [--batches 1,32]
+    python -m ortfuse.bench.gpu_suite OUTDIR --merge A/report.json B/report.json   # join chunks, no GPU
+
+Steps, each recorded and never fatal to the next: `pytest -m gpu`; build the zoo on the machine (it has
+torch and transformers; nothing large is carried); per model and dtype: `ortfuse.optimize`, whole-model
+parity through `ortfuse.check.check_models(..., provider="cuda")`, and `harness.run_bench` in a fresh
+subprocess (so one model's imports, torch's above all, cannot perturb the next one's ORT timings).
+OUTDIR receives few files (the device tool returns at most 8): report.md, report.json, results.md,
+pytest-gpu.log, pytest-gpu.xml, chart.png. Per-model outputs stay in --work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from . import harness, zoo
+
+REGENERATE = ("python -m ortfuse.bench.gpu_suite OUTDIR  (on the GPU machine; bench/README.md gives the "
+              "device call), then copy OUTDIR/results.md to docs/results.md")
+
+
+def _pytest(out: Path) -> dict[str, Any]:
+  start = time.perf_counter()
+  cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={out / 'pytest-gpu.xml'}", "tests"]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  (out / "pytest-gpu.log").write_text(proc.stdout + proc.stderr)
+  tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+  return {"rc": proc.returncode, "summary": tail, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _parity(src: Path, opt: Path) -> dict[str, Any]:
+  try:
+    from ortfuse.check import check_models
+  except ImportError as err:
+    return {"ok": None, "note": f"ortfuse.check unavailable: {err}"}
+  try:
+    report = check_models(str(src), str(opt), provider="cuda")
+    return {"ok": bool(report.ok), "lines": report.lines()}
+  except Exception as err:  # noqa: BLE001 - recorded in the report
+    return {"ok": False, "note": f"{type(err).__name__}: {err}"}
+
+
+def _optimize(src: Path, work: Path) -> dict[str, Any]:
+  out = work / f"{src.stem}.ortfuse.onnx"
+  try:
+    import onnx
+    import ortfuse
+    start = time.perf_counter()
+    model = ortfuse.optimize(str(src), input_shapes=None, arch=harness._arch())  # type: ignore[attr-defined]
+    seconds = time.perf_counter() - start
+    onnx.save_model(model, str(out))
+    fused = sum(1 for n in model.graph.node if n.domain == "ortfuse")
+    return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused}
+  except Exception as err:  # noqa: BLE001 - the model is still benchmarked without an ortfuse row
+    return {"path": None, "note": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+
+
+def _bench(src: Path, opt: str | None, batches: str, work: Path, variants: str | None) -> dict[str, Any]:
+  """Run the harness in a subprocess; return its JSON result (or the failure)."""
+  cmd = [sys.executable, "-m", "ortfuse.bench.harness", str(src), "--provider", "cuda", "--batch", batches,
+         "--out", str(work)]
+  if opt:
+    cmd += ["--optimized", opt]
+  if variants:
+    cmd += ["--variants", variants]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  js = work / f"{src.stem}.cuda.json"
+  if proc.returncode != 0 or not js.exists():
+    return {"error": (proc.stdout + proc.stderr)[-3000:]}
+  return json.loads(js.read_text())
+
+
+def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
+              run_tests: bool, variants: str | None) -> dict[str, Any]:
+  out.mkdir(parents=True, exist_ok=True)
+  work.mkdir(parents=True, exist_ok=True)
+  report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
+  if run_tests:
+    report["pytest"] = _pytest(out)
+  for name in models:
+    for dtype in dtypes:
+      entry: dict[str, Any] = {"model": name, "dtype": dtype, "tiny": tiny}
+      report["entries"].append(entry)
+      try:
+        start = time.perf_counter()
+        src = zoo.build(name, dtype, tiny)
+        entry["build_s"] = round(time.perf_counter() - start, 1)
+      except Exception as err:  # noqa: BLE001
+        entry["error"] = f"zoo build failed: {type(err).__name__}: {err}"
+        continue
+      entry["optimize"] = _optimize(src, work)
+      opt = entry["optimize"].get("path")
+      entry["parity"] = _parity(src, Path(opt)) if opt else {"ok": None, "note": "no optimized model"}
+      entry["bench"] = _bench(src, opt, batches, work, variants)
+      _write(out, report)                        # after every model: a cut-off call keeps what it had
+  return report
+
+
+def _write(out: Path, report: dict[str, Any]) -> None:
+  (out / "report.json").write_text(json.dumps(report, indent=1))
+  (out / "report.md").write_text(render(report))
+  (out / "results.md").write_text(render(report, results=True))
+  results = [_as_result(e["bench"]) for e in report["entries"] if e.get("bench", {}).get("rows")]
+  if results:
+    harness.plot(results, out / "chart.png")
+
+
+def _as_result(d: dict[str, Any]) -> harness.BenchResult:
+  fields = {k: v for k, v in d.items() if k in harness.BenchResult.__dataclass_fields__}
+  fields["rows"] = [harness.Row(**r) for r in d["rows"]]
+  fields["work"] = {int(k): v for k, v in d.get("work", {}).items()}
+  return harness.BenchResult(**fields)
+
+
+def render(report: dict[str, Any], results: bool = False) -> str:
+  """Markdown for report.md, or for docs/results.md (`results`: the summary users read, with provenance)."""
+  env = report.get("env", {})
+  lines = ["# ortfuse results" if results else "# GPU suite report", "",
+           f"Measured {report.get('started', '?')} on {_device(report)}; onnxruntime-gpu "
+           f"{env.get('onnxruntime-gpu', env.get('onnxruntime', '?'))}, torch {env.get('torch', '?')}.",
+           f"Regenerate: `{REGENERATE}`.", "",
+           "Latency is the median of many runs after warm-up, inputs and outputs on the device (IOBinding); "
+           "'vs ORT' is stock ORT CUDA EP's median over this row's, from the same run (>1 is faster); "
+           "'of ideal' is the roofline limit (bytes at the measured copy bandwidth, matrix FLOPs at the "
+           "measured GEMM rate) over the median.", ""]
+  if "pytest" in report and not results:
+    p = report["pytest"]
+    lines += [f"`pytest -m gpu`: rc {p['rc']}, {p['summary']} ({p['seconds']} s).", ""]
+  lines += ["| model | dtype | batch | ORT ms | ORT+graph | ORT-transformers | torch.compile | ortfuse | "
+            "ortfuse of ideal | parity | optimize s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+  for e in report["entries"]:
+    rows = e.get("bench", {}).get("rows", [])
+    parity = e.get("parity", {}).get("ok")
+    ptxt = {True: "ok", False: "FAIL", None: "—"}[parity]
+    opt_s = e.get("optimize", {}).get("seconds")
+    for b in e.get("bench", {}).get("batches", []) or [None]:
+      by = {r["variant"]: r for r in rows if r["batch"] == b}
+      stock = by.get("ort", {})
+
+      def cell(v: str) -> str:
+        r = by.get(v, {})
+        return f"{r['median_ms']:.3f} ({r['vs_ort']:.2f}x)" if r.get("median_ms") and r.get("vs_ort") else "—"
+      ours = by.get("ortfuse", {})
+      frac = f"{100 * ours['ideal_fraction']:.0f}%" if ours.get("ideal_fraction") else "—"
+      lines.append(f"| {e['model']} | {e['dtype']} | {b if b is not None else '—'} | "
+                   f"{stock.get('median_ms') and format(stock['median_ms'], '.3f') or '—'} | "
+                   f"{cell('ort+cudagraph')} | {cell('ort-transformers')} | {cell('torch.compile')} | "
+                   f"{cell('ortfuse')} | {frac} | {ptxt} | {opt_s if opt_s is not None else '—'} |")
+  if not results:
+    for e in report["entries"]:
+      notes = [e.get("error"), e.get("optimize", {}).get("note"), e.get("parity", {}).get("note"),
+               e.get("bench", {}).get("error")] + e.get("bench", {}).get("notes", [])
+      notes += [f"{r['variant']} b{r['batch']}: {r['note']}" for r in e.get("bench", {}).get("rows", []) if r.get("note")]
+      notes = [n for n in notes if n]
+      if notes:
+        lines += ["", f"**{e['model']} {e['dtype']}**", ""] + [f"- {str(n)[:400]}" for n in notes]
+  return "\n".join(lines) + "\n"
+
+
+def _device(report: dict[str, Any]) -> str:
+  for e in report.get("entries", []):
+    dev = e.get("bench", {}).get("device")
+    if dev:
+      return str(dev.get("name"))
+  return "?"
+
+
+def merge(out: Path, parts: list[Path]) -> dict[str, Any]:
+  """Join the report.json of several calls (each under the 10-minute limit) into one report."""
+  reports = [json.loads(p.read_text()) for p in parts]
+  merged = {**reports[0], "entries": [e for r in reports for e in r["entries"]]}
+  out.mkdir(parents=True, exist_ok=True)
+  _write(out, merged)
+  return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m ortfuse.bench.gpu_suite", description=__doc__.splitlines()[0])
+  p.add_argument("out", type=Path)
+  p.add_argument("--models", nargs="+", default=list(zoo.MODELS), choices=list(zoo.MODELS))
+  p.add_argument("--dtypes", nargs="+", default=list(zoo.DTYPES), choices=list(zoo.DTYPES))
+  p.add_argument("--batches", default="1,32")
+  p.add_argument("--variants", help="harness variants (default: all)")
+  p.add_argument("--tiny", action="store_true", help="tiny zoo configs (a quick smoke run)")
+  p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
+  p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
+  p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
+  args = p.parse_args(argv)
+  if args.merge:
+    merge(args.out, args.merge)
+    return 0
+  work = args.work or Path(tempfile.mkdtemp(prefix="ortfuse-suite-"))
+  os.environ.setdefault("ORTFUSE_CACHE_DIR", str(work / "zoo"))
+  report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
+                     args.variants)
+  _write(args.out, report)
+  print((args.out / "report.md").read_text())
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,319 @@
+"""Model zoo: real architectures with seeded random weights, exported to ONNX and cached on disk.
+
+Models are never committed. `build(name, dtype, tiny)` exports once and returns the cached path; a
+sidecar `<file>.json` records how the file was made (source, exporter, opset, export seconds) and what
+the harness needs to feed it (input names, dtypes, dims, value ranges, head count for ORT's optimizer).
+
+Source: `transformers` model classes built from a config, the code users export (CNNs included: its
+ResNet, MobileNetV2 and ConvNeXt are plain PyTorch, so no torchvision). The GPU image ships transformers
+too, so the zoo is rebuilt there from the same code rather than carried (bench/README.md).
+fp16 models come from the fp32 export through onnxruntime's `convert_float_to_float16(keep_io_types=False)`:
+constants are clamped to the fp16 range, so the -inf-style attention masks stay finite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+SEED = 0
+EXPORTER = "torch.onnx.export(dynamo=False) (TorchScript)"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+  """One graph input: symbolic dims are strings resolved from `ModelInfo.dims` and the batch."""
+  name: str
+  dtype: str                      # numpy dtype name of the fp32 model's input ("int64", "float32")
+  shape: tuple[int | str, ...]
+  low: float = 0.0                # random values are drawn from [low, high)
+  high: float = 1.0
+  kind: str = "random"            # "random" | "mask" (ones with trailing padding) | "ids" (ints in range)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+  """What a zoo entry is; serialized next to every exported file."""
+  name: str
+  family: str                     # "bert" | "gpt2" | "vit" | "cnn"
+  ort_model_type: str | None      # onnxruntime.transformers.optimizer model_type, None where none fits
+  num_heads: int
+  hidden_size: int
+  inputs: tuple[InputSpec, ...]
+  outputs: tuple[str, ...]
+  dims: dict[str, int] = field(default_factory=dict)   # symbolic dim -> default value (batch excluded)
+
+
+@dataclass(frozen=True)
+class _Entry:
+  description: str
+  make: Callable[[bool], tuple[Any, ModelInfo]]      # tiny -> (torch module, info)
+
+
+def _transformers() -> Any:
+  try:
+    import transformers
+  except ImportError as err:
+    raise ImportError("the zoo needs torch and transformers: pip install -e '.[bench]' (on the GPU machine, "
+                      "carry their wheels as bench/README.md says)") from err
+  return transformers
+
+
+# --- builders: each returns (module in eval mode, ModelInfo) -------------------------------------------
+
+def _text_inputs(vocab: int, seq: int, with_mask: bool, with_types: bool) -> tuple[InputSpec, ...]:
+  ins = [InputSpec("input_ids", "int64", ("batch", "sequence"), 0, vocab, "ids")]
+  if with_mask:
+    ins.append(InputSpec("attention_mask", "int64", ("batch", "sequence"), 0, 2, "mask"))
+  if with_types:
+    ins.append(InputSpec("token_type_ids", "int64", ("batch", "sequence"), 0, 2, "ids"))
+  return tuple(ins)
+
+
+def _bert(tiny: bool) -> tuple[Any, ModelInfo]:
+  layers, hidden, heads, inter, vocab, seq = (2, 64, 4, 256, 1000, 16) if tiny else (12, 768, 12, 3072, 30522, 128)
+  tf = _transformers()
+  cfg = tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=inter, attn_implementation="eager")
+  module, source = tf.BertModel(cfg), "transformers.BertModel"
+  info = ModelInfo("bert", "bert", "bert", heads, hidden, _text_inputs(vocab, seq, True, True),
+                   ("last_hidden_state", "pooler_output"), {"sequence": seq})
+  return _tag(module, source), info
+
+
+def _gpt2(tiny: bool) -> tuple[Any, ModelInfo]:
+  layers, hidden, heads, vocab, seq = (2, 64, 4, 1000, 16) if tiny else (12, 768, 12, 50257, 128)
+  tf = _transformers()
+  cfg = tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=128 if tiny else 1024,
+                      use_cache=False, bos_token_id=vocab - 1, eos_token_id=vocab - 1, attn_implementation="eager")
+  module, source = tf.GPT2LMHeadModel(cfg), "transformers.GPT2LMHeadModel"
+  info = ModelInfo("gpt2", "gpt2", "gpt2", heads, hidden, _text_inputs(vocab, seq, True, False),
+                   ("logits",), {"sequence": seq})
+  return _tag(module, source), info
+
+
+def _image_input(size: int) -> tuple[InputSpec, ...]:
+  return (InputSpec("pixel_values", "float32", ("batch", 3, size, size), -1.0, 1.0),)
+
+
+def _vit(tiny: bool) -> tuple[Any, ModelInfo]:
+  hidden, layers, heads, inter, size, patch = (64, 2, 4, 256, 32, 8) if tiny else (768, 12, 12, 3072, 224, 16)
+  tf = _transformers()
+  cfg = tf.ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=inter,
+                     image_size=size, patch_size=patch, attn_implementation="eager")
+  module, source = tf.ViTModel(cfg, add_pooling_layer=False), "transformers.ViTModel"
+  info = ModelInfo("vit", "vit", "vit", heads, hidden, _image_input(size), ("last_hidden_state",))
+  return _tag(module, source), info
+
+
+def _cnn(name: str, cfg_of: Callable[[bool], tuple[str, dict[str, Any], int]]) -> Callable[[bool], tuple[Any, ModelInfo]]:
+  """CNNs come from transformers' pure-PyTorch image classifiers (no torchvision needed)."""
+  def make(tiny: bool) -> tuple[Any, ModelInfo]:
+    cls_name, kwargs, size = cfg_of(tiny)
+    tf = _transformers()
+    cfg = getattr(tf, cls_name.replace("ForImageClassification", "Config"))(num_labels=1000, **kwargs)
+    module, source = getattr(tf, cls_name)(cfg), f"transformers.{cls_name}"
+    return _tag(module, source), ModelInfo(name, "cnn", None, 0, 0, _image_input(size), ("logits",))
+  return make
+
+
+def _resnet_cfg(tiny: bool) -> tuple[str, dict[str, Any], int]:
+  if tiny:
+    return "ResNetForImageClassification", dict(embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1]), 32
+  return "ResNetForImageClassification", dict(depths=[3, 4, 6, 3], layer_type="bottleneck"), 224
+
+
+def _mobilenet_cfg(tiny: bool) -> tuple[str, dict[str, Any], int]:
+  return "MobileNetV2ForImageClassification", dict(depth_multiplier=0.35 if tiny else 1.0,
+                                                   image_size=32 if tiny else 224), 32 if tiny else 224
+
+
+def _convnext_cfg(tiny: bool) -> tuple[str, dict[str, Any], int]:
+  if tiny:
+    return "ConvNextForImageClassification", dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2,
+                                                  image_size=32), 32
+  return "ConvNextForImageClassification", dict(hidden_sizes=[96, 192, 384, 768], depths=[3, 3, 9, 3]), 224
+
+
+def _tag(module: Any, source: str) -> Any:
+  module.eval()
+  module._ortfuse_source = source  # recorded in the sidecar
+  return module
+
+
+MODELS: dict[str, _Entry] = {
+  "bert": _Entry("BERT-base (12 layers, hidden 768, 12 heads), seq 128; tiny: 2 layers, hidden 64", _bert),
+  "gpt2": _Entry("GPT-2 small with LM head, plain forward (no cache), seq 128; tiny: 2 layers, hidden 64", _gpt2),
+  "vit": _Entry("ViT-B/16 at 224x224, no pooler; tiny: 32x32, patch 8, 2 layers", _vit),
+  "resnet50": _Entry("ResNet-50 classifier at 224x224; tiny: 2 stages of 1 bottleneck", _cnn("resnet50", _resnet_cfg)),
+  "mobilenetv2": _Entry("MobileNetV2 1.0 at 224x224; tiny: width 0.35 at 32x32", _cnn("mobilenetv2", _mobilenet_cfg)),
+  "convnext_t": _Entry("ConvNeXt-T at 224x224; tiny: 2 stages of 1 block", _cnn("convnext_t", _convnext_cfg)),
+}
+DTYPES = ("fp32", "fp16")
+
+
+# --- paths and building ------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+  """`$ORTFUSE_CACHE_DIR` if set, else the user cache dir (`$XDG_CACHE_HOME` or ~/.cache)/ortfuse/zoo."""
+  env = os.environ.get("ORTFUSE_CACHE_DIR")
+  if env:
+    return Path(env)
+  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortfuse" / "zoo"
+
+
+def model_path(name: str, dtype: str = "fp32", tiny: bool = False) -> Path:
+  return cache_dir() / f"{name}{'-tiny' if tiny else ''}-{dtype}.onnx"
+
+
+def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+  """The sidecar of a zoo model, or None for a file that did not come from the zoo."""
+  side = Path(str(path) + ".json")
+  return json.loads(side.read_text()) if side.exists() else None
+
+
+def torch_module(name: str, tiny: bool = False) -> tuple[Any, ModelInfo]:
+  """The seeded PyTorch module behind a zoo entry (same weights as its export), for torch.compile."""
+  import torch
+  torch.manual_seed(SEED)
+  return MODELS[name].make(tiny)
+
+
+def example_inputs(info: ModelInfo, batch: int = 2) -> dict[str, Any]:
+  """Small valid inputs for export; ids in range, masks of ones."""
+  import torch
+  g = torch.Generator().manual_seed(SEED)
+  out: dict[str, Any] = {}
+  for spec in info.inputs:
+    shape = [batch if d == "batch" else info.dims[d] if isinstance(d, str) else d for d in spec.shape]
+    if spec.kind == "mask":
+      out[spec.name] = torch.ones(shape, dtype=torch.int64)
+    elif spec.dtype.startswith("int"):
+      out[spec.name] = torch.randint(int(spec.low), int(spec.high), shape, generator=g)
+    else:
+      out[spec.name] = torch.rand(shape, generator=g) * (spec.high - spec.low) + spec.low
+  return out
+
+
+def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = False) -> Path:
+  """Export (once) and return the path of zoo model `name` in `dtype` ("fp32" | "fp16")."""
+  if name not in MODELS:
+    raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+  path = model_path(name, dtype, tiny)
+  if path.exists() and Path(str(path) + ".json").exists() and not force:
+    return path
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if dtype == "fp16":
+    return _to_fp16(build(name, "fp32", tiny, force), path)
+  return _export(name, tiny, path)
+
+
+def _export(name: str, tiny: bool, path: Path) -> Path:
+  import torch
+  start = time.perf_counter()
+  module, info = torch_module(name, tiny)
+  example = example_inputs(info)
+  names = [s.name for s in info.inputs]
+  axes: dict[str, dict[int, str]] = {}
+  for spec in info.inputs:
+    axes[spec.name] = {i: d for i, d in enumerate(spec.shape) if isinstance(d, str)}
+  for out in info.outputs:
+    axes[out] = {0: "batch", 1: "sequence"} if info.family in ("bert", "gpt2") and out != "pooler_output" else {0: "batch"}
+  tmp = path.with_suffix(".tmp.onnx")
+  with torch.no_grad():
+    torch.onnx.export(_Positional(module, names, info.outputs), tuple(example[n] for n in names), str(tmp),
+                      dynamo=False, opset_version=OPSET, input_names=names, output_names=list(info.outputs),
+                      dynamic_axes=axes, do_constant_folding=True)
+  _finish(tmp, path, info, {"source": module._ortfuse_source, "exporter": EXPORTER, "opset": OPSET,
+                            "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 2),
+                            "tiny": tiny, "dtype": "fp32"})
+  return path
+
+
+class _Positional:
+  """Adapts a model taking keyword inputs and returning a ModelOutput to positional tensors in/out."""
+  def __new__(cls, module: Any, names: list[str], outputs: tuple[str, ...]) -> Any:
+    import torch
+
+    class Wrap(torch.nn.Module):
+      def __init__(self) -> None:
+        super().__init__()
+        self.inner = module
+
+      def forward(self, *args: Any) -> Any:
+        res = self.inner(**dict(zip(names, args)))
+        if isinstance(res, torch.Tensor):
+          return res
+        return tuple(res[o] for o in outputs)
+
+    return Wrap().eval()
+
+
+def _to_fp16(src: Path, path: Path) -> Path:
+  import onnx
+  from onnxruntime.transformers.float16 import convert_float_to_float16
+  start = time.perf_counter()
+  model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
+  tmp = path.with_suffix(".tmp.onnx")
+  onnx.save_model(model, str(tmp))
+  meta = dict(read_sidecar(src) or {})
+  info = meta.pop("info")
+  meta.update(dtype="fp16", fp32_source=str(src), fp16_converter="onnxruntime.transformers.float16."
+              "convert_float_to_float16(keep_io_types=False)", fp16_seconds=round(time.perf_counter() - start, 2))
+  _finish(tmp, path, info, meta)
+  return path
+
+
+def _finish(tmp: Path, path: Path, info: ModelInfo | dict[str, Any], meta: dict[str, Any]) -> None:
+  """Check the exported file, then move it and its sidecar into place (the sidecar last: it marks done)."""
+  import onnx
+  onnx.checker.check_model(str(tmp))
+  info_d = asdict(info) if not isinstance(info, dict) else info
+  meta = {**meta, "zoo": info_d["name"], "bytes": tmp.stat().st_size, "info": info_d}
+  os.replace(tmp, path)
+  Path(str(path) + ".json").write_text(json.dumps(meta, indent=1, default=list))
+  log.info("zoo: %s (%.1f MB, %s)", path, meta["bytes"] / 1e6, meta.get("source"))
+
+
+def info_from_sidecar(meta: dict[str, Any]) -> ModelInfo:
+  d = dict(meta["info"])
+  d["inputs"] = tuple(InputSpec(**{**s, "shape": tuple(s["shape"])}) for s in d["inputs"])
+  d["outputs"] = tuple(d["outputs"])
+  return ModelInfo(**d)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m ortfuse.bench.zoo", description="Build the ortfuse model zoo.")
+  p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+  p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+  p.add_argument("--tiny", action="store_true", help="tiny configs of the same architectures (for CI)")
+  p.add_argument("--force", action="store_true", help="re-export even when cached")
+  p.add_argument("--list", action="store_true", help="list the models and exit")
+  args = p.parse_args(argv)
+  if args.list:
+    for name, entry in MODELS.items():
+      print(f"{name:12s} {entry.description}")
+    return 0
+  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  for name in args.models:
+    for dtype in args.dtypes:
+      start = time.perf_counter()
+      path = build(name, dtype, args.tiny, args.force)
+      meta = read_sidecar(path) or {}
+      print(f"{path}  {meta.get('bytes', 0) / 1e6:8.1f} MB  {time.perf_counter() - start:6.1f} s  "
+            f"{meta.get('source')}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""The GPU suite's report plumbing, fed with a CPU benchmark (the suite itself needs CUDA)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from ortfuse.bench import gpu_suite, harness, zoo
+
+
+def test_report_results_and_merge(tmp_path):
+  path = zoo.build("bert", tiny=True)
+  res = harness.run_bench(path, optimized_path=path, batches=(1,), provider="cpu", runs=5, warmup=1,
+                          out_dir=tmp_path / "w", chart=False)
+  entry = {"model": "bert", "dtype": "fp32", "tiny": True, "optimize": {"seconds": 1.5},
+           "parity": {"ok": True}, "bench": json.loads(json.dumps(asdict(res)))}
+  part = tmp_path / "a"
+  part.mkdir()
+  (part / "report.json").write_text(json.dumps({"started": "now", "env": {}, "entries": [entry]}))
+  merged = gpu_suite.merge(tmp_path / "out", [part / "report.json", part / "report.json"])
+  assert len(merged["entries"]) == 2
+  results = (tmp_path / "out" / "results.md").read_text()
+  assert "| bert | fp32 | 1 |" in results and "(1.00x)" not in results.split("| bert")[1].split("|")[4]
+  assert "ok" in results and "python -m ortfuse.bench.gpu_suite" in results
+  assert (tmp_path / "out" / "chart.png").stat().st_size > 0

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from ortfuse.bench import harness, zoo
+
+
+def _run(path) -> list[np.ndarray]:
+  model = onnx.load(str(path))
+  feeds = harness.make_feeds(model, batch=2, meta=zoo.read_sidecar(path))
+  sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+  return sess.run(None, feeds)
+
+
+def test_tiny_bert_builds_loads_and_keeps_dynamic_axes(zoo_cache):
+  path = zoo.build("bert", tiny=True)
+  assert path.parent == zoo_cache and path.exists()
+  meta = zoo.read_sidecar(path)
+  assert meta["exporter"].startswith("torch.onnx.export(dynamo=False)") and meta["source"] == "transformers.BertModel"
+  model = onnx.load(str(path))
+  dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+  assert dims == {n: ["batch", "sequence"] for n in ("input_ids", "attention_mask", "token_type_ids")}
+  hidden, pooled = _run(path)
+  assert hidden.shape == (2, 16, 64) and pooled.shape == (2, 64)
+  assert np.isfinite(hidden).all() and np.abs(hidden).max() > 0
+  assert zoo.build("bert", tiny=True) == path           # cached: same file, no re-export
+
+
+def test_tiny_fp16_is_a_real_fp16_graph(zoo_cache):
+  path = zoo.build("bert", "fp16", tiny=True)
+  model = onnx.load(str(path))
+  types = {i.data_type for i in model.graph.initializer if i.dims and len(i.dims) >= 2}
+  assert types == {onnx.TensorProto.FLOAT16}
+  assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+  ref, out = _run(zoo.build("bert", "fp32", tiny=True))[0], _run(path)[0]
+  assert np.isfinite(out).all()
+  assert np.abs(out.astype(np.float32) - ref).max() < 5e-2   # same weights, fp16 rounding
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit", "resnet50"])
+def test_other_tiny_architectures_run(name):
+  outs = _run(zoo.build(name, tiny=True))
+  assert all(np.isfinite(o).all() for o in outs)
+
+
+def test_unknown_model_is_refused():
+  with pytest.raises(KeyError, match="unknown zoo model"):
+    zoo.build("alexnet")
