@@ -1,0 +1,45 @@
+// The CUDA driver API subset ortfuse uses, resolved lazily from libcuda.so.1 with dlopen so that the
+// library builds and loads on machines without CUDA.
+#pragma once
+#include <stddef.h>
+
+typedef int CUresult;  // 0 = CUDA_SUCCESS
+typedef int CUdevice;
+typedef struct CUctx_st* CUcontext;
+typedef struct CUmod_st* CUmodule;
+typedef struct CUfunc_st* CUfunction;
+typedef struct CUstream_st* CUstream;
+
+enum {
+  OFZ_CU_ATTR_MAX_SMEM_OPTIN = 97,        // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+  OFZ_CU_ATTR_CC_MAJOR = 75,              // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+  OFZ_CU_ATTR_CC_MINOR = 76,              // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+  OFZ_CU_FUNC_MAX_THREADS = 0,            // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+  OFZ_CU_FUNC_MAX_DYN_SMEM = 8,           // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+  OFZ_CU_JIT_ERROR_LOG_BUFFER = 5,        // CU_JIT_ERROR_LOG_BUFFER
+  OFZ_CU_JIT_ERROR_LOG_BUFFER_SIZE = 6,   // CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES
+};
+
+typedef struct OfzCuda {
+  CUresult (*Init)(unsigned);
+  CUresult (*DeviceGet)(CUdevice*, int);
+  CUresult (*DeviceGetAttribute)(int*, int, CUdevice);
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*CtxPushCurrent)(CUcontext);
+  CUresult (*CtxPopCurrent)(CUcontext*);
+  CUresult (*ModuleLoadDataEx)(CUmodule*, const void*, unsigned, int*, void**);
+  CUresult (*ModuleUnload)(CUmodule);
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*FuncGetAttribute)(int*, int, CUfunction);
+  CUresult (*FuncSetAttribute)(CUfunction, int, int);
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           CUstream, void**, void**);
+  CUresult (*GetErrorString)(CUresult, const char**);
+} OfzCuda;
+
+// The driver table, or NULL with a reason in `why` (libcuda.so.1 missing, a symbol missing, cuInit
+// failed). Thread-safe; the first call does the loading.
+const OfzCuda* ofz_cuda(const char** why);
+// "CUDA_ERROR_xxx"-style text for an error code (never NULL).
+const char* ofz_cuda_error(CUresult r);

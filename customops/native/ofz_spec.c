@@ -1,0 +1,233 @@
+#include "ofz_spec.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BAD(...) ofz_err(ORT_INVALID_ARGUMENT, __VA_ARGS__)
+#define TRY(expr)                    \
+  do {                               \
+    OrtStatus* st_ = (expr);         \
+    if (st_) return st_;             \
+  } while (0)
+
+// A term is a constant (t >= 0) or the symbolic dim d[-t-1].
+static OrtStatus* check_terms(const OfzSpec* s, const char* what, const int64_t* t, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (t[i] < 0 && (size_t)(-(t[i] + 1)) >= s->n_sym)
+      return BAD("ortfuse: node '%s': %s[%zu] = %lld names symbolic dim %lld but sym_dims defines %zu", s->node,
+                 what, i, (long long)t[i], (long long)(-(t[i] + 1)), s->n_sym);
+  return NULL;
+}
+
+OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, OfzSpec* s) {
+  memset(s, 0, sizeof *s);
+  snprintf(s->node, sizeof s->node, "%s", node);
+  s->n_in = n_in;
+  s->n_out = n_out;
+  if (n_in + n_out > OFZ_MAX_TENSORS)
+    return BAD("ortfuse: node '%s' has %zu inputs and %zu outputs; the kernel ABI allows at most %d tensors", node,
+               n_in, n_out, OFZ_MAX_TENSORS);
+  int64_t version = 0;
+  TRY(ofz_attr_int(info, node, "ortfuse_version", &version));
+  if (version != OFZ_NODE_VERSION)
+    return BAD("ortfuse: node '%s' has ortfuse_version %lld; this library reads version %d (rebuild the model "
+               "or the library)", node, (long long)version, OFZ_NODE_VERSION);
+  TRY(ofz_attr_string(info, node, "entry", s->entry, sizeof s->entry));
+  if (!s->entry[0]) return BAD("ortfuse: node '%s': attribute 'entry' is empty", node);
+  TRY(ofz_attr_ints(info, node, "cubin_archs", s->archs, OFZ_MAX_ARCHS, &s->n_archs));
+  for (size_t i = 0; i < s->n_archs; ++i)
+    if (s->archs[i] < 10 || s->archs[i] > 999)
+      return BAD("ortfuse: node '%s': cubin_archs[%zu] = %lld is not a compute capability", node, i,
+                 (long long)s->archs[i]);
+  TRY(ofz_attr_int(info, node, "block", &s->block));
+  TRY(ofz_attr_int(info, node, "smem", &s->smem));
+  TRY(ofz_attr_int(info, node, "units_per_block", &s->units_per_block));
+  if (s->block < 1 || s->block > 1024) return BAD("ortfuse: node '%s': block = %lld, expected 1..1024",
+                                                  node, (long long)s->block);
+  if (s->smem < 0 || s->smem > (1 << 30)) return BAD("ortfuse: node '%s': smem = %lld bytes is out of range",
+                                                     node, (long long)s->smem);
+  if (s->units_per_block < 1) return BAD("ortfuse: node '%s': units_per_block = %lld, expected >= 1",
+                                         node, (long long)s->units_per_block);
+
+  size_t n_sym2 = 0;
+  TRY(ofz_attr_ints(info, node, "sym_dims", s->sym, 2 * OFZ_MAX_DIMS, &n_sym2));
+  if (n_sym2 % 2) return BAD("ortfuse: node '%s': sym_dims has odd length %zu (expected (input, axis) pairs)",
+                             node, n_sym2);
+  s->n_sym = n_sym2 / 2;
+  for (size_t k = 0; k < s->n_sym; ++k)
+    if (s->sym[2 * k] < 0 || (size_t)s->sym[2 * k] >= n_in || s->sym[2 * k + 1] < 0)
+      return BAD("ortfuse: node '%s': sym_dims pair %zu = (%lld, %lld) does not name an input axis (%zu inputs)", node,
+                 k, (long long)s->sym[2 * k], (long long)s->sym[2 * k + 1], n_in);
+  TRY(ofz_attr_ints(info, node, "units", s->units, OFZ_MAX_TERMS, &s->n_units));
+  TRY(check_terms(s, "units", s->units, s->n_units));
+
+  size_t n_dt = 0, n_rk = 0;
+  TRY(ofz_attr_ints(info, node, "out_dtypes", s->out_dtypes, OFZ_MAX_TENSORS, &n_dt));
+  TRY(ofz_attr_ints(info, node, "out_ranks", s->out_ranks, OFZ_MAX_TENSORS, &n_rk));
+  TRY(ofz_attr_ints(info, node, "out_dims", s->out_dims, OFZ_MAX_OUT_DIMS, &s->n_out_dims));
+  if (n_dt != n_out || n_rk != n_out)
+    return BAD("ortfuse: node '%s' has %zu outputs but out_dtypes has %zu and out_ranks %zu entries", node, n_out,
+               n_dt, n_rk);
+  size_t total = 0;
+  for (size_t k = 0; k < n_out; ++k) {
+    if (ofz_dtype_size((int)s->out_dtypes[k]) == 0)
+      return BAD("ortfuse: node '%s': out_dtypes[%zu] = %lld is not a supported tensor type",
+                 node, k, (long long)s->out_dtypes[k]);
+    if (s->out_ranks[k] < 0 || s->out_ranks[k] > OFZ_MAX_DIMS)
+      return BAD("ortfuse: node '%s': out_ranks[%zu] = %lld, expected 0..%d",
+                 node, k, (long long)s->out_ranks[k], OFZ_MAX_DIMS);
+    total += (size_t)s->out_ranks[k];
+  }
+  if (total != s->n_out_dims)
+    return BAD("ortfuse: node '%s': out_dims has %zu entries but out_ranks sum to %zu", node, s->n_out_dims, total);
+  return check_terms(s, "out_dims", s->out_dims, s->n_out_dims);
+}
+
+OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, void** image, size_t* bytes,
+                          int* chosen_cc) {
+  int best = 0;
+  for (size_t i = 0; i < s->n_archs; ++i) {
+    int a = (int)s->archs[i];
+    if (a == cc || (a / 10 == cc / 10 && a < cc && a > best)) best = a;
+    if (a == cc) break;
+  }
+  char name[32];
+  if (best) snprintf(name, sizeof name, "cubin_%d", best);
+  else snprintf(name, sizeof name, "ptx");
+  OrtValue* value = NULL;
+  void* data = NULL;
+  int dtype = 0;
+  size_t count = 0;
+  TRY(ofz_attr_tensor(info, s->node, name, &value, &data, &dtype, &count));
+  OrtStatus* st = NULL;
+  if (dtype != OFZ_DT_UINT8 || count == 0)
+    st = BAD("ortfuse: node '%s': attribute '%s' must be a non-empty uint8 tensor (got type %d, %zu elements)",
+             s->node, name, dtype, count);
+  else if (!(*image = malloc(count + 1)))
+    st = ofz_err(ORT_FAIL, "ortfuse: node '%s': out of host memory for '%s'", s->node, name);
+  else {
+    memcpy(*image, data, count);
+    ((char*)*image)[count] = '\0';
+    *bytes = count;
+    *chosen_cc = best;
+  }
+  ofz_ort.ReleaseValue(value);
+  return st;
+}
+
+static int64_t term(int64_t t, const OfzArgs* a) { return t >= 0 ? t : (int64_t)a->dim[-(t + 1)]; }
+
+OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* args, OfzLaunch* launch) {
+  size_t n_in = 0, n_out = 0;
+  TRY(ofz_ort.KernelContext_GetInputCount(ctx, &n_in));
+  TRY(ofz_ort.KernelContext_GetOutputCount(ctx, &n_out));
+  if (n_in != s->n_in || n_out < s->n_out)
+    return BAD("ortfuse: node '%s': got %zu inputs and %zu outputs at run time, expected %zu and %zu", s->node, n_in,
+               n_out, s->n_in, s->n_out);
+  memset(args, 0, sizeof *args);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = NULL;
+    TRY(ofz_ort.KernelContext_GetInput(ctx, i, &v));
+    if (!v) return BAD("ortfuse: node '%s': input %zu is missing", s->node, i);
+    TRY(ofz_ort.GetTensorMutableData((OrtValue*)v, &args->ptr[i]));
+  }
+  for (size_t k = 0; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
+    const OrtValue* v = NULL;
+    TRY(ofz_ort.KernelContext_GetInput(ctx, (size_t)s->sym[2 * k], &v));
+    OrtTSI* tsi = NULL;
+    TRY(ofz_ort.GetTensorTypeAndShape(v, &tsi));
+    size_t rank = 0;
+    int64_t dims[64];
+    OrtStatus* st = ofz_ort.GetDimensionsCount(tsi, &rank);
+    if (!st && rank <= 64) st = ofz_ort.GetDimensions(tsi, dims, rank);
+    ofz_ort.ReleaseTSI(tsi);
+    if (st) return st;
+    size_t axis = (size_t)s->sym[2 * k + 1];
+    if (axis >= rank || rank > 64)
+      return BAD("ortfuse: node '%s': symbolic dim %zu reads axis %zu of input %lld, which has rank %zu", s->node, k,
+                 axis, (long long)s->sym[2 * k], rank);
+    if (dims[axis] < 0)
+      return BAD("ortfuse: node '%s': input %lld has negative dim %lld",
+                 s->node, (long long)s->sym[2 * k], (long long)dims[axis]);
+    args->dim[k] = dims[axis];
+  }
+  const int64_t* od = s->out_dims;
+  for (size_t k = 0; k < s->n_out; ++k) {  // allocate outputs through ORT
+    int64_t dims[OFZ_MAX_DIMS];
+    size_t rank = (size_t)s->out_ranks[k];
+    for (size_t j = 0; j < rank; ++j) dims[j] = term(*od++, args);
+    OrtValue* out = NULL;
+    TRY(ofz_ort.KernelContext_GetOutput(ctx, k, dims, rank, &out));
+    TRY(ofz_ort.GetTensorMutableData(out, &args->ptr[n_in + k]));
+  }
+  long long units = 1;
+  for (size_t i = 0; i < s->n_units; ++i) {
+    int64_t t = term(s->units[i], args);
+    if (t != 0 && units > (1LL << 62) / t)
+      return BAD("ortfuse: node '%s': work size overflows 2^62 units", s->node);
+    units *= t;
+  }
+  long long grid = (units + s->units_per_block - 1) / s->units_per_block;
+  if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops
+  launch->units = units;
+  launch->grid = (unsigned)grid;
+  launch->block = (unsigned)s->block;
+  launch->smem = (unsigned)s->smem;
+  return NULL;
+}
+
+OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t extra_len) {
+  int64_t dtypes[OFZ_MAX_TENSORS], ranks[OFZ_MAX_TENSORS], sym[2 * OFZ_MAX_DIMS];
+  static __thread int64_t odims[OFZ_MAX_OUT_DIMS];  // 4 KiB: keep it off the stack
+  size_t n_dt = 0, n_rk = 0, n_od = 0, n_sym2 = 0, n_in = 0;
+  TRY(ofz_infer_ints(ctx, "out_dtypes", dtypes, OFZ_MAX_TENSORS, &n_dt));
+  TRY(ofz_infer_ints(ctx, "out_ranks", ranks, OFZ_MAX_TENSORS, &n_rk));
+  TRY(ofz_infer_ints(ctx, "out_dims", odims, OFZ_MAX_OUT_DIMS, &n_od));
+  TRY(ofz_infer_ints(ctx, "sym_dims", sym, 2 * OFZ_MAX_DIMS, &n_sym2));
+  TRY(ofz_ort.ShapeInferContext_GetInputCount(ctx, &n_in));
+  if (n_dt != n_rk) return BAD("ortfuse: shape inference: out_dtypes has %zu entries, out_ranks %zu", n_dt, n_rk);
+  size_t used = 0;
+  for (size_t k = 0; k < n_dt + n_extra; ++k) {
+    int extra = k >= n_dt;
+    size_t rank = extra ? 1 : (size_t)ranks[k];
+    if (rank > OFZ_MAX_DIMS || used + (extra ? 0 : rank) > n_od)
+      return BAD("ortfuse: shape inference: out_ranks and out_dims disagree at output %zu", k);
+    int64_t dims[OFZ_MAX_DIMS];
+    const char* names[OFZ_MAX_DIMS];
+    int named = 0;
+    for (size_t j = 0; j < rank; ++j) {
+      int64_t t = extra ? extra_len : odims[used++];
+      dims[j] = t;
+      names[j] = "";
+      if (t >= 0) continue;
+      size_t p = (size_t)(-(t + 1));  // symbolic: copy the bound input dim (value or symbol)
+      dims[j] = -1;
+      if (2 * p + 1 >= n_sym2 || sym[2 * p] < 0 || (size_t)sym[2 * p] >= n_in) continue;
+      OrtTSI* in = NULL;  // owned by the context
+      size_t in_rank = 0, axis = (size_t)sym[2 * p + 1];
+      if (ofz_ort.ShapeInferContext_GetInputTypeShape(ctx, (size_t)sym[2 * p], &in) ||
+          ofz_ort.GetDimensionsCount(in, &in_rank) || axis >= in_rank || in_rank > 64)
+        return BAD("ortfuse: shape inference: symbolic dim %zu reads axis %zu of input %lld, which has no such axis",
+                   p, axis, (long long)sym[2 * p]);
+      int64_t in_dims[64];
+      const char* in_names[64];
+      TRY(ofz_ort.GetDimensions(in, in_dims, in_rank));
+      TRY(ofz_ort.GetSymbolicDimensions(in, in_names, in_rank));
+      dims[j] = in_dims[axis];
+      if (in_dims[axis] < 0 && in_names[axis] && in_names[axis][0]) {
+        names[j] = in_names[axis];
+        named = 1;
+      }
+    }
+    OrtTSI* out = NULL;
+    TRY(ofz_ort.CreateTSI(&out));
+    OrtStatus* st = ofz_ort.SetTensorElementType(out, extra ? OFZ_DT_INT64 : (int)dtypes[k]);
+    if (!st) st = ofz_ort.SetDimensions(out, dims, rank);
+    if (!st && named) st = ofz_ort.SetSymbolicDimensions(out, names, rank);
+    if (!st) st = ofz_ort.ShapeInferContext_SetOutputTypeShape(ctx, k, out);
+    ofz_ort.ReleaseTSI(out);
+    if (st) return st;
+  }
+  return NULL;
+}

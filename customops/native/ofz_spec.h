@@ -1,0 +1,57 @@
+// The fused-node format of docs/design.md: parsing and validation, image choice, shape resolution and
+// shape inference. No CUDA here, so the CPU probe op `ortfuse.probe::Plan` can test all of it.
+#pragma once
+#include "ofz_common.h"
+
+// Must match customops/include/ortfuse_kernel.h (that header is CUDA C++, so it is restated here).
+#define OFZ_MAX_TENSORS 32
+#define OFZ_MAX_DIMS 16
+typedef struct {
+  void* ptr[OFZ_MAX_TENSORS];
+  long long dim[OFZ_MAX_DIMS];
+} OfzArgs;
+
+#define OFZ_NODE_VERSION 1
+#define OFZ_MAX_ARCHS 16
+#define OFZ_MAX_TERMS 64
+#define OFZ_MAX_OUT_DIMS (OFZ_MAX_TENSORS * OFZ_MAX_DIMS)
+
+typedef struct OfzSpec {
+  char node[OFZ_NAME_MAX];
+  char entry[256];
+  size_t n_in, n_out;  // as wired in the graph
+  int64_t block, smem, units_per_block;
+  size_t n_archs;
+  int64_t archs[OFZ_MAX_ARCHS];
+  size_t n_sym;  // pairs (input, axis)
+  int64_t sym[2 * OFZ_MAX_DIMS];
+  size_t n_units;
+  int64_t units[OFZ_MAX_TERMS];
+  int64_t out_dtypes[OFZ_MAX_TENSORS];
+  int64_t out_ranks[OFZ_MAX_TENSORS];
+  size_t n_out_dims;
+  int64_t out_dims[OFZ_MAX_OUT_DIMS];
+} OfzSpec;
+
+typedef struct OfzLaunch {
+  unsigned grid, block, smem;  // grid 0 = nothing to launch
+  long long units;
+} OfzLaunch;
+
+// Reads and validates every non-image attribute. `n_out` is the number of kernel outputs (the probe
+// Plan op has one extra bookkeeping output).
+OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, OfzSpec* s);
+
+// The kernel image for a device of compute capability `cc` (e.g. 90): `cubin_<cc>` if listed, else
+// the newest listed cubin of the same major version not newer than the device, else `ptx`
+// (*chosen_cc = 0). *image is a malloc'd copy with a terminating NUL (PTX needs one); free() it.
+OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, void** image, size_t* bytes,
+                          int* chosen_cc);
+
+// Binds the symbolic dims from the inputs, allocates every output through ORT, fills the kernel
+// arguments and the launch geometry. Extra outputs beyond s->n_out are left to the caller.
+OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* args, OfzLaunch* launch);
+
+// InferOutputShapeFn body: output k gets out_dtypes[k] and its dims; a symbolic term copies the bound
+// input dim (its value or its symbol). `n_extra` int64 outputs of shape [extra_len] follow.
+OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t extra_len);

@@ -1,0 +1,309 @@
+// libortfuse_ops.so: registers ortfuse's ops with ONNX Runtime (no ORT headers, never links ORT).
+//   * domain `ortfuse`, EP "CUDAExecutionProvider": one generic fused op per name in the session config
+//     entry `ortfuse.op_types`. CreateKernelV2 parses the node, loads the cubin/PTX into the primary
+//     context of ORT's device; KernelComputeV2 binds shapes, allocates outputs and launches on ORT's stream.
+//   * domain `ortfuse.probe`, CPU EP: the probe ops of ofz_probe.c, always registered.
+// Domains and ops live in static storage for the life of the process (ORT keeps pointers to them).
+#include <ctype.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ofz_cuda.h"
+#include "ofz_probe.h"
+#include "ofz_spec.h"
+
+#define OFZ_CONFIG_KEY "ortfuse.op_types"
+#define OFZ_DOMAIN "ortfuse"
+#define OFZ_SMEM_DEFAULT_LIMIT (48 * 1024)
+
+// ---- the fused CUDA op ----
+
+typedef struct FusedKernel {
+  OfzSpec spec;
+  CUdevice dev;
+  CUcontext ctx;  // the device's primary context (retained), which ORT's CUDA EP also uses
+  CUmodule mod;
+  CUfunction fn;
+} FusedKernel;
+
+static OrtStatus* cu_fail(const FusedKernel* k, const char* what, CUresult r) {
+  return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': %s failed: %s (CUDA error %d)", k->spec.node, what,
+                 ofz_cuda_error(r), r);
+}
+
+// Device of ORT's default allocator for this node (the CUDA EP's device_id).
+static OrtStatus* node_device(const OrtKernelInfo* info, int* id) {
+  OrtAllocator* alloc = NULL;
+  const OrtMemoryInfo* mem = NULL;
+  OrtStatus* s = ofz_ort.KernelInfoGetAllocator(info, ORT_MEM_DEFAULT, &alloc);
+  if (s) return s;
+  s = ofz_ort.AllocatorGetInfo(alloc, &mem);
+  if (!s) s = ofz_ort.MemoryInfoGetId(mem, id);
+  ofz_ort.ReleaseAllocator(alloc);
+  return s;
+}
+
+// Loads the module and checks launch limits. Runs with k->ctx current.
+static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, FusedKernel* k) {
+  int major = 0, minor = 0, smem_optin = 0, max_threads = 0;
+  CUresult r = cu->DeviceGetAttribute(&major, OFZ_CU_ATTR_CC_MAJOR, k->dev);
+  if (!r) r = cu->DeviceGetAttribute(&minor, OFZ_CU_ATTR_CC_MINOR, k->dev);
+  if (!r) r = cu->DeviceGetAttribute(&smem_optin, OFZ_CU_ATTR_MAX_SMEM_OPTIN, k->dev);
+  if (r) return cu_fail(k, "cuDeviceGetAttribute", r);
+  void* image = NULL;
+  size_t bytes = 0;
+  int chosen = 0;
+  OrtStatus* s = ofz_spec_image(info, &k->spec, major * 10 + minor, &image, &bytes, &chosen);
+  if (s) return s;
+  char log[2048] = "";
+  int opts[2] = {OFZ_CU_JIT_ERROR_LOG_BUFFER, OFZ_CU_JIT_ERROR_LOG_BUFFER_SIZE};
+  void* vals[2] = {log, (void*)(size_t)sizeof log};
+  r = cu->ModuleLoadDataEx(&k->mod, image, 2, opts, vals);
+  free(image);
+  if (r) {
+    k->mod = NULL;
+    return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': loading the %s for sm_%d%d failed: %s%s%.1500s", k->spec.node,
+                   chosen ? "cubin" : "PTX", major, minor, ofz_cuda_error(r), log[0] ? "; JIT log: " : "", log);
+  }
+  r = cu->ModuleGetFunction(&k->fn, k->mod, k->spec.entry);
+  if (r) return cu_fail(k, "cuModuleGetFunction (entry not in the image?)", r);
+  r = cu->FuncGetAttribute(&max_threads, OFZ_CU_FUNC_MAX_THREADS, k->fn);
+  if (r) return cu_fail(k, "cuFuncGetAttribute", r);
+  if (k->spec.block > max_threads)
+    return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': block of %lld threads exceeds this kernel's limit of %d "
+                   "on sm_%d%d", k->spec.node, (long long)k->spec.block, max_threads, major, minor);
+  if (k->spec.smem > smem_optin)
+    return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': needs %lld bytes of shared memory, sm_%d%d allows %d",
+                   k->spec.node, (long long)k->spec.smem, major, minor, smem_optin);
+  if (k->spec.smem > OFZ_SMEM_DEFAULT_LIMIT) {
+    r = cu->FuncSetAttribute(k->fn, OFZ_CU_FUNC_MAX_DYN_SMEM, (int)k->spec.smem);
+    if (r) return cu_fail(k, "cuFuncSetAttribute(max dynamic shared memory)", r);
+  }
+  return NULL;
+}
+
+static void fused_destroy(void* kernel) {
+  FusedKernel* k = kernel;
+  if (!k) return;
+  const OfzCuda* cu = k->ctx ? ofz_cuda(NULL) : NULL;  // no context: the driver was never needed
+  if (cu) {
+    CUcontext prev = NULL;
+    if (k->mod && cu->CtxPushCurrent(k->ctx) == 0) {
+      cu->ModuleUnload(k->mod);
+      cu->CtxPopCurrent(&prev);
+    }
+    cu->DevicePrimaryCtxRelease(k->dev);
+  }
+  free(k);
+}
+
+static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  char node[OFZ_NAME_MAX];
+  ofz_node_name(info, node, sizeof node);
+  size_t ins = 0, outs = 0;
+  OrtStatus* s = ofz_ort.KernelInfo_GetInputCount(info, &ins);
+  if (!s) s = ofz_ort.KernelInfo_GetOutputCount(info, &outs);
+  if (s) return s;
+  FusedKernel* k = calloc(1, sizeof *k);
+  if (!k) return ofz_err(ORT_FAIL, "ortfuse: node '%s': out of host memory", node);
+  s = ofz_spec_parse(info, node, ins, outs, &k->spec);
+  const char* why = NULL;
+  const OfzCuda* cu = s ? NULL : ofz_cuda(&why);
+  if (!s && !cu) s = ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': CUDA driver unavailable: %s", node, why);
+  int device = 0;
+  if (!s) s = node_device(info, &device);
+  if (!s) {
+    CUresult r = cu->DeviceGet(&k->dev, device);
+    if (!r) r = cu->DevicePrimaryCtxRetain(&k->ctx, k->dev);
+    if (r) {
+      k->ctx = NULL;
+      s = cu_fail(k, "retaining the device's primary context", r);
+    }
+  }
+  if (!s) {
+    CUresult r = cu->CtxPushCurrent(k->ctx);
+    if (r) s = cu_fail(k, "cuCtxPushCurrent", r);
+    else {
+      CUcontext prev = NULL;
+      s = load_module(cu, info, k);
+      cu->CtxPopCurrent(&prev);
+    }
+  }
+  if (s) {
+    fused_destroy(k);
+    return s;
+  }
+  *out = k;
+  return NULL;
+}
+
+// No allocation outside ORT, no sync, no module loading: safe under CUDA graph capture.
+static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
+  FusedKernel* k = kernel;
+  OfzArgs args;
+  OfzLaunch launch;
+  OrtStatus* s = ofz_spec_resolve(&k->spec, ctx, &args, &launch);
+  if (s || launch.grid == 0) return s;
+  void* stream = NULL;
+  s = ofz_ort.KernelContext_GetGPUComputeStream(ctx, &stream);
+  if (s) return s;
+  const OfzCuda* cu = ofz_cuda(NULL);
+  CUcontext prev = NULL;
+  CUresult r = cu->CtxPushCurrent(k->ctx);
+  if (r) return cu_fail(k, "cuCtxPushCurrent", r);
+  void* params[1] = {&args};
+  r = cu->LaunchKernel(k->fn, launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, params, NULL);
+  cu->CtxPopCurrent(&prev);
+  return r ? cu_fail(k, "cuLaunchKernel", r) : NULL;
+}
+
+static OrtStatus* fused_infer(const OrtCustomOp* op, OrtShapeInferContext* ctx) {
+  (void)op;
+  return ofz_spec_infer(ctx, 0, 0);
+}
+
+// ---- registration ----
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static OrtCustomOpDomain* g_probe_domain;  // shared by every session options object
+static OfzOp** g_ops;                      // fused ops by name, never freed
+static size_t g_n_ops, g_cap_ops;
+static OrtCustomOpDomain** g_domains;      // one fused domain per registration, never freed
+static size_t g_n_domains, g_cap_domains;
+
+static int grow(void** arr, size_t* cap, size_t need, size_t elem) {
+  if (need <= *cap) return 1;
+  size_t n = *cap ? 2 * *cap : 16;
+  void* p = realloc(*arr, n * elem);
+  if (!p) return 0;
+  *arr = p;
+  *cap = n;
+  return 1;
+}
+
+static OfzOp* fused_op(const char* name) {
+  for (size_t i = 0; i < g_n_ops; ++i)
+    if (strcmp(g_ops[i]->name, name) == 0) return g_ops[i];
+  if (!grow((void**)&g_ops, &g_cap_ops, g_n_ops + 1, sizeof *g_ops)) return NULL;
+  OfzOp* op = malloc(sizeof *op);
+  if (!op) return NULL;
+  ofz_op_init(op, name, "CUDAExecutionProvider", fused_create, fused_compute, fused_destroy, fused_infer);
+  g_ops[g_n_ops++] = op;
+  return op;
+}
+
+static OrtStatus* probe_domain(OrtSessionOptions* options) {
+  if (!g_probe_domain) {
+    const OrtCustomOp *probe = NULL, *plan = NULL;
+    ofz_probe_ops(&probe, &plan);
+    OrtCustomOpDomain* d = NULL;
+    OrtStatus* s = ofz_ort.CreateCustomOpDomain(OFZ_PROBE_DOMAIN, &d);
+    if (!s) s = ofz_ort.CustomOpDomain_Add(d, probe);
+    if (!s) s = ofz_ort.CustomOpDomain_Add(d, plan);
+    if (s) {
+      if (d) ofz_ort.ReleaseCustomOpDomain(d);
+      return s;
+    }
+    g_probe_domain = d;
+  }
+  return ofz_ort.AddCustomOpDomain(options, g_probe_domain);
+}
+
+static int valid_op_name(const char* s) {
+  if (!*s || strlen(s) >= OFZ_NAME_MAX) return 0;
+  for (; *s; ++s)
+    if (!isalnum((unsigned char)*s) && *s != '_') return 0;
+  return 1;
+}
+
+// Builds the `ortfuse` domain from the comma-separated `list` (modified in place).
+static OrtStatus* fused_domain(OrtSessionOptions* options, char* list) {
+  OrtCustomOpDomain* d = NULL;
+  OrtStatus* s = ofz_ort.CreateCustomOpDomain(OFZ_DOMAIN, &d);
+  if (s) return s;
+  const OfzOp* added[1024];
+  size_t n_added = 0;
+  for (char* tok = strtok(list, ","); tok && !s; tok = strtok(NULL, ",")) {
+    while (isspace((unsigned char)*tok)) ++tok;
+    char* end = tok + strlen(tok);
+    while (end > tok && isspace((unsigned char)end[-1])) *--end = '\0';
+    if (!*tok) continue;
+    if (!valid_op_name(tok)) {
+      s = ofz_err(ORT_INVALID_ARGUMENT, "ortfuse: session config '%s': bad op type '%.100s'", OFZ_CONFIG_KEY, tok);
+      break;
+    }
+    OfzOp* op = fused_op(tok);
+    if (!op) {
+      s = ofz_err(ORT_FAIL, "ortfuse: out of memory registering '%s'", tok);
+      break;
+    }
+    int dup = 0;
+    for (size_t i = 0; i < n_added; ++i) dup |= added[i] == op;
+    if (dup) continue;
+    if (n_added == sizeof added / sizeof *added) {
+      s = ofz_err(ORT_INVALID_ARGUMENT, "ortfuse: more than %zu fused op types in one session", n_added);
+      break;
+    }
+    added[n_added++] = op;
+    s = ofz_ort.CustomOpDomain_Add(d, &op->base);
+  }
+  if (!s && n_added == 0) {  // nothing listed: no fused domain
+    ofz_ort.ReleaseCustomOpDomain(d);
+    return NULL;
+  }
+  if (!s && !grow((void**)&g_domains, &g_cap_domains, g_n_domains + 1, sizeof *g_domains))
+    s = ofz_err(ORT_FAIL, "ortfuse: out of memory");
+  if (!s) s = ofz_ort.AddCustomOpDomain(options, d);
+  if (s) {  // not handed to ORT: safe to release
+    ofz_ort.ReleaseCustomOpDomain(d);
+    return s;
+  }
+  g_domains[g_n_domains++] = d;
+  return NULL;
+}
+
+static OrtStatus* read_config(OrtSessionOptions* options, char** out) {
+  int has = 0;
+  *out = NULL;
+  OrtStatus* s = ofz_ort.HasSessionConfigEntry(options, OFZ_CONFIG_KEY, &has);
+  if (s || !has) return s;
+  size_t size = 0;
+  s = ofz_ort.GetSessionConfigEntry(options, OFZ_CONFIG_KEY, NULL, &size);
+  if (s) return s;
+  char* buf = calloc(size + 1, 1);
+  if (!buf) return ofz_err(ORT_FAIL, "ortfuse: out of memory");
+  s = ofz_ort.GetSessionConfigEntry(options, OFZ_CONFIG_KEY, buf, &size);
+  if (s) {
+    free(buf);
+    return s;
+  }
+  *out = buf;
+  return NULL;
+}
+
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                    const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(OFZ_ORT_API_VERSION);
+  if (!api) {  // API 1 still has CreateStatus (slot 0): say why instead of failing silently
+    const OrtApi* v1 = base->GetApi(1);
+    if (!v1) return NULL;
+    OrtStatus* (*create)(int, const char*) = (OrtStatus * (*)(int, const char*))((void (*const*)(void))v1)[0];
+    char msg[200];
+    snprintf(msg, sizeof msg, "ortfuse: ONNX Runtime %s is too old; libortfuse_ops needs ORT >= 1.20 (C API %d)",
+             base->GetVersionString(), OFZ_ORT_API_VERSION);
+    return create(ORT_FAIL, msg);
+  }
+  pthread_mutex_lock(&g_lock);
+  if (!ofz_ort.CreateStatus) ofz_ort_bind(api);  // one table per process; running kernels read it
+  char* list = NULL;
+  OrtStatus* s = probe_domain(options);
+  if (!s) s = read_config(options, &list);
+  if (!s && list) s = fused_domain(options, list);
+  free(list);
+  pthread_mutex_unlock(&g_lock);
+  return s;
+}

@@ -1,0 +1,32 @@
+"""Shared pytest setup: tests marked `gpu` are skipped unless the CUDA execution provider really works."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_ep_usable() -> bool:
+    """True if an ONNX Runtime session actually gets the CUDA EP (not just lists it as available)."""
+    try:
+        import onnxruntime as ort
+
+        if hasattr(ort, "preload_dlls"):
+            try:
+                ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when installed
+            except Exception:
+                pass
+        from ortfuse.runtime import _cuda_usable
+
+        return _cuda_usable(["CUDAExecutionProvider", "CPUExecutionProvider"], None)
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if gpu_items and not cuda_ep_usable():
+        skip = pytest.mark.skip(reason="needs a working CUDA execution provider")
+        for item in gpu_items:
+            item.add_marker(skip)

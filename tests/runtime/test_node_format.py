@@ -1,0 +1,136 @@
+"""The fused-node format (docs/design.md) through the CPU probe op `ortfuse.probe::Plan`, which shares the
+parse / image choice / shape binding / shape inference code of the CUDA op and reports its launch plan."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+
+from ortfuse.runtime import library_path
+from rt_models import PLAN_LEN, PROBE, fused_attrs, make_fused_node, model, vi
+
+CPU = ["CPUExecutionProvider"]
+
+
+def plan_model(n: Any = "N", cc: int = 90, name: str = "plan_node", inputs: list | None = None,
+               outputs: list | None = None, **overrides: Any):
+    attrs = fused_attrs(entry="ofz_test_axpy", sym_dims=[0, 0], units=[-1, 4], units_per_block=128,
+                        out_dtypes=[T.FLOAT, T.FLOAT16], out_ranks=[2, 2], out_dims=[-1, 4, -1, 4])
+    attrs.update(overrides)
+    attrs = {k: v for k, v in attrs.items() if v is not None}
+    inputs = inputs or [vi("X", T.FLOAT, [n, 4]), vi("Y", T.FLOAT, [n, 4])]
+    outputs = outputs or [vi("Z", T.FLOAT, None), vi("W", T.FLOAT16, None), vi("P", T.INT64, None)]
+    node = make_fused_node([i.name for i in inputs], [o.name for o in outputs], name=name, op_type="Plan",
+                           domain=PROBE[0], probe_cc=cc, **attrs)
+    return model([node], inputs, outputs, [PROBE])
+
+
+def session(m) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library_path())
+    return ort.InferenceSession(m.SerializeToString(), options, providers=CPU)
+
+
+def run(sess: ort.InferenceSession, n: int) -> list[np.ndarray]:
+    x = np.ones((n, 4), np.float32)
+    return sess.run(None, {"X": x, "Y": x})
+
+
+def test_symbolic_dims_bind_to_each_run() -> None:
+    sess = session(plan_model())
+    for n in (1, 33, 1000, 0):
+        z, w, plan = run(sess, n)
+        assert z.shape == (n, 4) and z.dtype == np.float32 and not z.any()
+        assert w.shape == (n, 4) and w.dtype == np.float16
+        grid, block, smem, _, _, units = plan[:6]
+        assert (units, block, smem) == (4 * n, 128, 0)
+        assert grid == -(-4 * n // 128)  # ceil; 0 means no launch
+        assert plan[6] == n and not plan[7:].any()
+
+
+def test_shape_inference_copies_symbols_and_values() -> None:
+    outs = {o.name: (o.type, o.shape) for o in session(plan_model()).get_outputs()}
+    assert outs == {"Z": ("tensor(float)", ["N", 4]), "W": ("tensor(float16)", ["N", 4]),
+                    "P": ("tensor(int64)", [PLAN_LEN])}
+    outs = {o.name: o.shape for o in session(plan_model(n=6)).get_outputs()}
+    assert outs["Z"] == [6, 4]
+
+
+def test_unknown_input_dims_stay_unknown() -> None:
+    inputs = [vi("X", T.FLOAT, None), vi("Y", T.FLOAT, None)]  # rank unknown: inference leaves dims open
+    sess = session(plan_model(inputs=inputs))
+    z, _, plan = run(sess, 5)
+    assert z.shape == (5, 4) and plan[6] == 5
+
+
+@pytest.mark.parametrize("cc,chosen,size", [(90, 90, 15), (80, 80, 14), (86, 80, 14), (89, 80, 14),
+                                            (75, 0, 8), (100, 0, 8), (120, 0, 8)])
+def test_image_choice(cc: int, chosen: int, size: int) -> None:
+    *_, plan = run(session(plan_model(cc=cc)), 1)  # fake cubins of 14/15 bytes, PTX 7 bytes (+NUL)
+    assert (plan[3], plan[4]) == (chosen, size - (1 if chosen == 0 else 0))
+
+
+def test_units_with_several_terms_and_constant_outputs() -> None:
+    sess = session(plan_model(sym_dims=[0, 0, 1, 1], units=[-1, -2, 3], units_per_block=7,
+                              out_ranks=[1, 2], out_dims=[5, -2, -1]))
+    z, w, plan = run(sess, 3)
+    assert z.shape == (5,) and w.shape == (4, 3)
+    assert plan[5] == 3 * 4 * 3 and plan[0] == -(-36 // 7) and list(plan[6:8]) == [3, 4]
+
+
+BAD_NODES = [
+    (dict(ortfuse_version=2), "ortfuse_version 2"),
+    (dict(entry=None), "attribute 'entry'"),
+    (dict(entry=""), "'entry' is empty"),
+    (dict(block=0), "block = 0"),
+    (dict(block=2048), "block = 2048"),
+    (dict(smem=-1), "smem"),
+    (dict(units_per_block=0), "units_per_block"),
+    (dict(sym_dims=[0]), "odd length"),
+    (dict(sym_dims=[2, 0]), "does not name an input"),
+    (dict(units=[-3]), "units\\[0\\] = -3"),
+    (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
+    (dict(out_ranks=[2]), "out_ranks 1 entries"),
+    (dict(out_ranks=[2, 1]), "out_ranks sum to 3"),
+    (dict(cubin_archs=[90, 95]), "cubin_95"),
+    (dict(cubin_archs=[5]), "not a compute capability"),
+    (dict(ptx=None, cubin_archs=[]), "attribute 'ptx'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_NODES)
+def test_bad_attributes_fail_at_create_naming_the_node(overrides: dict, message: str) -> None:
+    cc = 95 if overrides.get("cubin_archs") == [90, 95] else 90
+    with pytest.raises(Exception, match=f"node 'bad_node'.*{message}|{message}.*bad_node"):
+        session(plan_model(name="bad_node", cc=cc, **overrides))
+
+
+def test_string_outputs_are_refused() -> None:
+    outputs = [vi("Z", T.FLOAT, None), vi("W", T.STRING, None), vi("P", T.INT64, None)]
+    with pytest.raises(Exception, match="bad_node.*out_dtypes\\[1\\] = 8 is not a supported"):
+        session(plan_model(name="bad_node", outputs=outputs, out_dtypes=[T.FLOAT, T.STRING]))
+
+
+def test_cubin_must_be_uint8() -> None:
+    import onnx.numpy_helper as nh
+
+    with pytest.raises(Exception, match="bad_node.*'cubin_90' must be a non-empty uint8 tensor"):
+        session(plan_model(name="bad_node", cubin_90=nh.from_array(np.zeros(4, np.float32))))
+
+
+def test_too_many_tensors() -> None:
+    inputs = [vi(f"I{i}", T.FLOAT, [2]) for i in range(31)]
+    outputs = [vi("Z", T.FLOAT, None), vi("W", T.FLOAT, None), vi("P", T.INT64, None)]
+    with pytest.raises(Exception, match="big_node.*31 inputs and 2 outputs.*at most 32"):
+        session(plan_model(name="big_node", inputs=inputs, outputs=outputs, sym_dims=[], units=[8],
+                           out_dtypes=[T.FLOAT, T.FLOAT], out_dims=[2, 4, 2, 4]))
+
+
+def test_run_time_shape_error_names_node() -> None:
+    inputs = [vi("X", T.FLOAT, None), vi("Y", T.FLOAT, None)]
+    sess = session(plan_model(name="axis_node", inputs=inputs, sym_dims=[0, 5]))
+    with pytest.raises(Exception, match="axis_node.*axis 5 of input 0, which has rank 2"):
+        run(sess, 3)
