@@ -12,12 +12,7 @@
   type* const name = reinterpret_cast<type*>(ofz_dsmem_##name)
 #endif
 
-#define OFZ_MAX_TENSORS 32
-#define OFZ_MAX_DIMS 16
-typedef struct {
-  void* ptr[OFZ_MAX_TENSORS];
-  long long dim[OFZ_MAX_DIMS];
-} OfzArgs;
+#include "ortfuse_args.h"
 
 typedef long long ofz_i64;
 

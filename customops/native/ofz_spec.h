@@ -3,13 +3,7 @@
 #pragma once
 #include "ofz_common.h"
 
-// Must match customops/include/ortfuse_kernel.h (that header is CUDA C++, so it is restated here).
-#define OFZ_MAX_TENSORS 32
-#define OFZ_MAX_DIMS 16
-typedef struct {
-  void* ptr[OFZ_MAX_TENSORS];
-  long long dim[OFZ_MAX_DIMS];
-} OfzArgs;
+#include "../include/ortfuse_args.h"  // the kernel ABI, one definition for kernels and library
 
 #define OFZ_NODE_VERSION 1
 #define OFZ_MAX_ARCHS 16
