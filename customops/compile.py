@@ -45,7 +45,7 @@ def _options(arch: str) -> list[str]:
     return [f"--gpu-architecture={arch}", "-std=c++17", f"-I{_cuda_include()}", f"-I{INCLUDE_DIR}"]
 
 
-def _headers_digest() -> str:
+def headers_digest() -> str:
     h = hashlib.sha256()
     for p in sorted(INCLUDE_DIR.glob("*.h")):
         h.update(p.name.encode() + p.read_bytes())
@@ -71,7 +71,7 @@ def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -80,7 +80,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -> CompiledKernel:
     """Cubins for every arch and PTX for the lowest, cached under cache/kernels/<key>/."""
-    key = hashlib.sha256("\0".join([source, entry, ",".join(map(str, sorted(archs))), _headers_digest(),
+    key = hashlib.sha256("\0".join([source, entry, ",".join(map(str, sorted(archs))), headers_digest(),
                                     nvrtc_version()]).encode()).hexdigest()[:24]
     folder = cache / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,13 +89,13 @@ def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -
     for cc in sorted(archs):
         path = folder / f"sm_{cc}.cubin"
         if not path.exists():
-            _atomic_write(path, _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu"))
+            atomic_write(path, _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu"))
         cubins.append((cc, path.read_bytes()))
     ptx_path = folder / f"compute_{low}.ptx"
     if not ptx_path.exists():
-        _atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu"))
+        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu"))
     if not (folder / "kernel.cu").exists():
-        _atomic_write(folder / "kernel.cu", source.encode())
-        _atomic_write(folder / "meta.json", json.dumps({"entry": entry, "archs": sorted(archs),
+        atomic_write(folder / "kernel.cu", source.encode())
+        atomic_write(folder / "meta.json", json.dumps({"entry": entry, "archs": sorted(archs),
                                                         "nvrtc": nvrtc_version()}).encode())
     return CompiledKernel(entry, source, tuple(cubins), ptx_path.read_bytes(), low)

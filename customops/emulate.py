@@ -21,9 +21,9 @@ from typing import Sequence
 import numpy as np
 
 from ortfuse.config import cache_dir
+from ortfuse.customops.compile import INCLUDE_DIR, atomic_write, headers_digest
 from ortfuse.errors import CompileError
 
-INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 CXX = "g++"
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-DORTFUSE_EMU", "-fno-strict-aliasing",
              "-fvisibility=hidden", "-Wno-unknown-pragmas", "-Wno-attributes")
@@ -82,7 +82,7 @@ class EmulatedModule:
 def compile_emulated(source: str) -> EmulatedModule:
     """Build `source` for the host (cached on disk by source, flags, headers and compiler) and load it."""
     compiler = _compiler_version()
-    key = hashlib.sha256("\0".join([source, " ".join(CXX_FLAGS), compiler, _headers_digest()]).encode())
+    key = hashlib.sha256("\0".join([source, " ".join(CXX_FLAGS), compiler, headers_digest()]).encode())
     return _load(key.hexdigest()[:24], source)
 
 
@@ -92,7 +92,7 @@ def _load(key: str, source: str) -> EmulatedModule:
     folder.mkdir(parents=True, exist_ok=True)
     cu, so = folder / "kernel.cu", folder / "kernel.so"
     if not cu.exists():
-        _atomic_write(cu, source.encode())
+        atomic_write(cu, source.encode())
     if not so.exists():
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".so")
         os.close(fd)
@@ -112,17 +112,3 @@ def _compiler_version() -> str:
         raise CompileError(f"{CXX} not found on PATH: the CPU emulation of kernels needs a C++17 host compiler")
     out = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
     return out.splitlines()[0] if out else CXX
-
-
-def _headers_digest() -> str:
-    h = hashlib.sha256()
-    for p in sorted(INCLUDE_DIR.glob("*.h")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
