@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 // ---- qualifiers -----------------------------------------------------------------------------------------
 #define __global__
@@ -324,6 +325,8 @@ inline bool prepare_fibers(int n) {
   return true;
 }
 
+inline void async_reset(int n);  // tensor-core section below
+
 inline int launch(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name) {
   std::lock_guard<std::mutex> lock(S.mu);
   S.error.clear();
@@ -361,6 +364,7 @@ inline int launch(unsigned grid, unsigned block, void (*body)(const void*), cons
     S.live = S.runnable = S.n;
     S.at_block = 0;
     S.cur = 0;
+    async_reset(S.n);
     blockIdx = {b, 0, 0};
     threadIdx = {0, 0, 0};
     ctx_swap(&S.main, &S.ctx[0]);
@@ -626,6 +630,129 @@ inline int2 make_int2(int x, int y) { return {x, y}; }
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// ---- tensor cores and asynchronous copies (sm_80 mma.sync, ldmatrix, cp.async) --------------------------------
+// Warp-collective instructions post their operands per lane, meet at a warp barrier, compute each lane's
+// result from every lane's operands (fragment layouts of the PTX ISA), and meet again so no lane overwrites
+// its registers while another still reads them. cp.async copies are queued per thread and performed when
+// cp.async.wait_group retires their group, so a kernel that reads shared memory too early reads stale data
+// (0xff bytes: NaN) here too.
+namespace ofz_emu {
+
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;           // copied from src; the rest of the 16 bytes is zero-filled
+  unsigned group;      // index of the commit group it joins
+};
+static std::vector<AsyncCopy> async_queue[kMaxThreads];
+static unsigned async_groups[kMaxThreads];  // commit groups closed so far by the thread
+static const void* posted[kMaxThreads][2];   // per-lane operand pointers of a warp-collective op
+
+inline void async_reset(int n) {
+  for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0;
+}
+
+inline void async_copy(void* dst, const void* src, int src_bytes) {
+  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u)
+    fail("thread %d: cp.async of 16 bytes with a misaligned address (smem %p, global %p)", S.cur, dst, src);
+  if (src_bytes < 0 || src_bytes > 16) fail("thread %d: cp.async src-size %d outside [0, 16]", S.cur, src_bytes);
+  async_queue[S.cur].push_back({dst, src, src_bytes, async_groups[S.cur]});
+}
+
+inline void async_commit() { ++async_groups[S.cur]; }
+
+// Perform the copies of every committed group except the `keep` most recent ones.
+inline void async_wait(unsigned keep) {
+  std::vector<AsyncCopy>& q = async_queue[S.cur];
+  const unsigned closed = async_groups[S.cur], limit = closed > keep ? closed - keep : 0;
+  size_t kept = 0;
+  for (size_t i = 0; i < q.size(); ++i) {
+    const AsyncCopy& c = q[i];
+    if (c.group < limit) {
+      if (c.bytes) memcpy(c.dst, c.src, (size_t)c.bytes);
+      memset(static_cast<char*>(c.dst) + c.bytes, 0, (size_t)(16 - c.bytes));
+    } else {
+      q[kept++] = c;
+    }
+  }
+  q.resize(kept);
+}
+
+// A full-warp rendezvous for mma/ldmatrix: publishes two pointers, returns the lane's warp base index.
+inline int collective_begin(const char* what, const void* p0, const void* p1) {
+  const int w = S.cur / 32;
+  if (lanes_of_warp(w) != 0xffffffffu) fail("thread %d: %s needs a full warp (block of %d threads)", S.cur, what, S.n);
+  posted[S.cur][0] = p0;
+  posted[S.cur][1] = p1;
+  warp_op(kSync, 0xffffffffu, 0, -1);
+  return w * 32;
+}
+inline void collective_end() { warp_op(kSync, 0xffffffffu, 0, -1); }
+
+inline float half_bits(uint32_t reg, int hi, bool bf16) {
+  const uint16_t h = (uint16_t)(hi ? reg >> 16 : reg & 0xffffu);
+  return bf16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, D = A * B + C in fp32.
+inline void mma_16816(float* c, const unsigned* a, const unsigned* b, bool bf16) {
+  const int base = collective_begin("mma.sync", a, b), l = S.cur % 32, g = l / 4, t = l % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) {
+      const unsigned* ra = static_cast<const unsigned*>(posted[base + 4 * (row % 8) + (k % 8) / 2][0]);
+      const unsigned* rb = static_cast<const unsigned*>(posted[base + 4 * col + (k % 8) / 2][1]);
+      acc += half_bits(ra[row / 8 + 2 * (k / 8)], k % 2, bf16) * half_bits(rb[k / 8], k % 2, bf16);
+    }
+    c[i] = acc;
+  }
+  collective_end();
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: operands are fp32 bit patterns of which the
+// tensor core reads the top 19 bits.
+inline void mma_1688_tf32(float* c, const unsigned* a, const unsigned* b) {
+  const int base = collective_begin("mma.sync", a, b), l = S.cur % 32, g = l / 4, t = l % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+    float acc = c[i];
+    for (int k = 0; k < 8; ++k) {
+      const unsigned* ra = static_cast<const unsigned*>(posted[base + 4 * (row % 8) + k % 4][0]);
+      const unsigned* rb = static_cast<const unsigned*>(posted[base + 4 * col + k % 4][1]);
+      acc += u2f(ra[row / 8 + 2 * (k / 4)] & 0xffffe000u) * u2f(rb[k / 4] & 0xffffe000u);
+    }
+    c[i] = acc;
+  }
+  collective_end();
+}
+
+// cvt.rna.tf32.f32: round to nearest, ties away from zero, to 10 mantissa bits.
+inline unsigned to_tf32(float x) {
+  const uint32_t u = f2u(x);
+  if ((u & 0x7fffffffu) >= 0x7f800000u) return u;  // inf / nan unchanged
+  return (u + 0x1000u) & 0xffffe000u;
+}
+
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lanes 8i..8i+7 give the row addresses of
+// matrix i; lane l receives row l/4, columns 2(l%4) and 2(l%4)+1 of each matrix (.trans: the transpose).
+inline void ldmatrix(unsigned* r, const void* row, int count, bool trans) {
+  if (reinterpret_cast<uintptr_t>(row) & 15u) fail("thread %d: ldmatrix row address %p is not 16-byte aligned", S.cur, row);
+  const int base = collective_begin("ldmatrix", row, nullptr), l = S.cur % 32;
+  for (int i = 0; i < count; ++i) {
+    uint16_t e[2];
+    for (int j = 0; j < 2; ++j) {
+      const uint16_t* p = trans ? static_cast<const uint16_t*>(posted[base + 8 * i + 2 * (l % 4) + j][0]) + l / 4
+                                : static_cast<const uint16_t*>(posted[base + 8 * i + l / 4][0]) + 2 * (l % 4) + j;
+      e[j] = *p;
+    }
+    r[i] = (unsigned)e[0] | (unsigned)e[1] << 16;
+  }
+  collective_end();
+}
+
+}  // namespace ofz_emu
 
 // ---- exported entry points ----------------------------------------------------------------------------------
 #define OFZ_EMU_EXPORT extern "C" __attribute__((visibility("default")))

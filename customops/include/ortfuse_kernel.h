@@ -85,4 +85,65 @@ template <class Op, int TPR> __device__ __forceinline__ float row_reduce(float v
   return r;
 }
 
+// ---- tensor cores and asynchronous copies (sm_80 and newer) -------------------------------------------------
+// Fragment layouts are the PTX ISA's; the emulation header implements the same instructions on the host.
+#ifdef ORTFUSE_EMU
+__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { ofz_emu::mma_16816(c, a, b, false); }
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { ofz_emu::mma_16816(c, a, b, true); }
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { ofz_emu::mma_1688_tf32(c, a, b); }
+__device__ __forceinline__ unsigned to_tf32(float x) { return ofz_emu::to_tf32(x); }
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) { ofz_emu::ldmatrix(r, row, 4, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { ofz_emu::ldmatrix(r, row, 4, true); }
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) { ofz_emu::ldmatrix(r, row, 2, false); }
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) { ofz_emu::ldmatrix(r, row, 2, true); }
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) { ofz_emu::async_copy(smem, gmem, src_bytes); }
+__device__ __forceinline__ void cp_async_commit() { ofz_emu::async_commit(); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { ofz_emu::async_wait(N); }
+#else
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// D = A * B + D: m16n8k16, A row-major 16x16 (4 regs of 2 halves), B column-major 16x8 (2 regs), fp32 D.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// m16n8k8 on tf32 operands (fp32 bit patterns, see to_tf32).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(row)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(row)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(row)));
+}
+// 16 bytes global -> shared, bypassing L1; bytes past src_bytes are zero-filled (src_bytes 0: no read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+#endif
+
 }  // namespace ofz
