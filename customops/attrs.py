@@ -33,10 +33,12 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         *[helper.make_attribute(f"cubin_{cc}", _bytes_tensor(f"cubin_{cc}", b)) for cc, b in ck.cubins],
         helper.make_attribute("ptx", _bytes_tensor("ptx", ck.ptx)),
         helper.make_attribute("block", spec.block),
-        helper.make_attribute("smem", 0),
+        helper.make_attribute("smem", spec.smem),
         _ints("sym_dims", [v for pair in spec.sym_dims for v in pair]),
         _ints("units", list(spec.units)),
         helper.make_attribute("units_per_block", spec.units_per_block),
+        *([_ints("units_ceil", [v for terms, div in spec.units_ceil for v in (len(terms), *terms, div)])]
+          if spec.units_ceil else []),
         _ints("out_dtypes", list(spec.out_dtypes)),
         _ints("out_ranks", [len(s) for s in spec.out_shapes]),
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
@@ -51,9 +53,11 @@ class Launch:
     entry: str
     source: str
     block: int
+    smem: int
     sym_dims: tuple[tuple[int, int], ...]
     units: tuple[int, ...]
     units_per_block: int
+    units_ceil: tuple[tuple[tuple[int, ...], int], ...]  # (terms, divisor)
     out_dtypes: tuple[int, ...]
     out_shapes: tuple[tuple[int, ...], ...]
 
@@ -65,6 +69,8 @@ class Launch:
 
     def grid(self, dims: Sequence[int]) -> int:
         units = math.prod(self.resolve(self.units, dims))
+        for terms, div in self.units_ceil:
+            units *= -(-math.prod(self.resolve(terms, dims)) // div)
         return -(-units // self.units_per_block)
 
     def output_shapes(self, dims: Sequence[int]) -> list[list[int]]:
@@ -81,8 +87,14 @@ def read_launch(node: onnx.NodeProto) -> Launch:
     for r in ranks:
         shapes.append(tuple(flat[pos:pos + r]))
         pos += r
+    flat_ceil, ceil, k = list(a.get("units_ceil", [])), [], 0
+    while k < len(flat_ceil):
+        n = flat_ceil[k]
+        ceil.append((tuple(flat_ceil[k + 1:k + 1 + n]), flat_ceil[k + 1 + n]))
+        k += n + 2
     src = a["source"]
     return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
-                  src.decode() if isinstance(src, bytes) else src, int(a["block"]),
+                  src.decode() if isinstance(src, bytes) else src, int(a["block"]), int(a["smem"]),
                   tuple(zip(sym[0::2], sym[1::2])), tuple(a["units"]), int(a["units_per_block"]),
+                  tuple(ceil),
                   tuple(a["out_dtypes"]), tuple(shapes))

@@ -6,7 +6,7 @@ for recognising the vector lane of an index. Index arithmetic is folded as it is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 # Compute types. Storage types (what a tensor holds) add f16/bf16, which compute as f32.
 F32, I64, I32, BOOL, U8, I8 = "f32", "i64", "i32", "bool", "u8", "i8"
@@ -142,7 +142,28 @@ class Comment:
     text: str
 
 
-Stmt = Union[Let, Decl, Assign, For, If, VecLoad, Store, VecStore, RowReduce, Comment]
+@dataclass(frozen=True)
+class Call:
+    """The kernel body as one call of a header template: `fn<targs..., Ops>(a, args...)`, where `Ops` is
+    the struct of the kernel's `funcs` (omitted when there are none)."""
+
+    fn: str
+    targs: tuple[str, ...]
+    args: tuple["Expr", ...]
+
+
+Stmt = Union[Let, Decl, Assign, For, If, VecLoad, Store, VecStore, RowReduce, Comment, Call]
+
+
+@dataclass(frozen=True)
+class Func:
+    """A device function a template calls back, printed as a static member of the kernel's `Ops` struct.
+    Its body sees the kernel's tensors (t<k>) and dims (d<k>) as the kernel body does."""
+
+    name: str
+    params: tuple[Var, ...]
+    body: tuple[Stmt, ...]
+    result: Optional[Expr] = None  # None: void
 
 
 @dataclass(frozen=True)
@@ -161,6 +182,8 @@ class Kernel:
     num_dims: int
     scratch_floats: int  # __shared__ floats for row reductions (0: none)
     body: tuple[Stmt, ...]
+    headers: tuple[str, ...] = ()  # extra template headers from customops/include
+    funcs: tuple[Func, ...] = ()  # members of the `Ops` struct the body's template calls
 
 
 # ----------------------------------------------------------------------------- folding builders

@@ -43,6 +43,9 @@ class KernelSpec:
     units_per_block: int
     out_dtypes: tuple[int, ...]
     out_shapes: tuple[tuple[int, ...], ...]  # encoded like units
+    smem: int = 0  # dynamic shared memory bytes
+    units_ceil: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, div): units *= ceil(prod(terms) / div)
+    tiles: tuple[tuple[int, ...], ...] = ()  # GEMM: ranked tile candidates (BM, BN, BK, WM, WN, STAGES)
 
     @property
     def block(self) -> int:

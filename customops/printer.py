@@ -137,20 +137,49 @@ def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
         out.append(f"{ind}{s.var.name} = ofz::row_reduce<{REDUCE_OP[s.op]}, {s.tpr}>({s.var.name}, ofz_scratch);")
     elif isinstance(s, ir.Comment):
         out.append(f"{ind}// {s.text}")
+    elif isinstance(s, ir.Call):
+        targs = ", ".join(s.targs)
+        args = "".join(f", {expr(x)}" for x in s.args)
+        out.append(f"{ind}{s.fn}<{targs}>(a{args});")
     else:  # pragma: no cover - the IR is closed
         raise TypeError(f"unknown statement {s!r}")
 
 
-def render(k: ir.Kernel) -> str:
-    """CUDA source of the kernel, including the shared header and the emulation entry."""
-    out = ['#include "ortfuse_kernel.h"', "",
-           f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}(const OfzArgs a) {{']
+def _prelude(k: ir.Kernel, ind: str, out: list[str]) -> None:
+    """Typed tensor pointers t<k> and runtime dims d<k> from the argument struct `a`."""
     for p in k.params:
         qual = "" if p.is_output else "const "
-        restrict = " __restrict__"
-        out.append(f"  {qual}{C_TYPE[p.storage]}*{restrict} t{p.arg} = ({qual}{C_TYPE[p.storage]}*)a.ptr[{p.arg}];")
+        out.append(f"{ind}{qual}{C_TYPE[p.storage]}* __restrict__ t{p.arg} = ({qual}{C_TYPE[p.storage]}*)a.ptr[{p.arg}];")
     for d in range(k.num_dims):
-        out.append(f"  const ofz_i64 d{d} = a.dim[{d}];")
+        out.append(f"{ind}const ofz_i64 d{d} = a.dim[{d}];")
+
+
+def _ops_struct(k: ir.Kernel, out: list[str]) -> None:
+    out.append(f"struct {k.name}_ops {{")
+    for f in k.funcs:
+        ret = C_TYPE[f.result.ctype] if f.result is not None else "void"
+        params = "".join(f", {C_TYPE[v.ctype]} {v.name}" for v in f.params)
+        out.append(f"  static __device__ __forceinline__ {ret} {f.name}(const OfzArgs& a{params}) {{")
+        _prelude(k, "    ", out)
+        for s in f.body:
+            _stmt(s, "    ", out)
+        if f.result is not None:
+            out.append(f"    return {expr(f.result)};")
+        out.append("  }")
+    out.append("};")
+    out.append("")
+
+
+def render(k: ir.Kernel) -> str:
+    """CUDA source of the kernel, including the shared header and the emulation entry."""
+    out = ['#include "ortfuse_kernel.h"', *[f'#include "{h}"' for h in k.headers], ""]
+    if k.funcs:
+        _ops_struct(k, out)
+        k = ir.Kernel(k.name, k.block, k.params, k.num_dims, k.scratch_floats,
+                      tuple(ir.Call(s.fn, (*s.targs, f"{k.name}_ops"), s.args) if isinstance(s, ir.Call) else s
+                            for s in k.body), k.headers, k.funcs)
+    out.append(f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}(const OfzArgs a) {{')
+    _prelude(k, "  ", out)
     if k.scratch_floats:
         out.append(f"  __shared__ float ofz_scratch[{k.scratch_floats}];")
     for s in k.body:

@@ -16,6 +16,12 @@ class Target:
     l2_bytes: int
     dram_gbps: float  # peak DRAM bandwidth of the reference board
     launch_us: float  # ORT per-kernel launch+dispatch cost on the CUDA EP, measured order of magnitude
+    mma_f16_tflops: float  # dense fp16/bf16 tensor-core peak with fp32 accumulation
+    mma_tf32_tflops: float  # dense tf32 tensor-core peak
+    fp32_tflops: float  # SIMT fp32 FMA peak
+    regs_per_sm: int = 65536
+    max_threads_per_sm: int = 2048
+    l2_over_dram: float = 2.5  # L2 bandwidth / DRAM bandwidth, rough ratio for re-read tile traffic
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
 
     @property
@@ -24,12 +30,15 @@ class Target:
 
 
 # Reference boards: A100-SXM4-80GB (sm_80), RTX A6000 (sm_86), L40S (sm_89), H100-SXM5 (sm_90).
-# Figures from NVIDIA's data sheets; launch_us is the typical ORT CUDA EP per-node overhead.
+# Figures from NVIDIA's data sheets (dense, no sparsity); launch_us is the typical ORT CUDA EP per-node
+# overhead. sm_86/sm_89 have 1536 threads per SM.
 TABLE: dict[int, Target] = {
-    80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0),
-    86: Target(86, "RTX A6000", 84, 1024, 99 * 1024, 128 * 1024, 6 * 2**20, 768.0, 4.0),
-    89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0),
-    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0),
+    80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0, 312.0, 156.0, 19.5),
+    86: Target(86, "RTX A6000", 84, 1024, 99 * 1024, 128 * 1024, 6 * 2**20, 768.0, 4.0, 154.8, 77.4, 38.7,
+               max_threads_per_sm=1536),
+    89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6,
+               max_threads_per_sm=1536),
+    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0, 989.0, 494.0, 67.0),
 }
 
 # Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a

@@ -132,5 +132,6 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tup
             o.fill(np.nan)
     grid = launch.grid(dims)
     if grid:
-        compile_emulated(launch.source).launch(launch.entry, grid, launch.block, [*inputs, *outs], dims)
+        compile_emulated(launch.source).launch(launch.entry, grid, launch.block, [*inputs, *outs], dims,
+                                                 launch.smem)
     return tuple(compare(t, o, values[t]) for t, o in zip(node.output, outs))

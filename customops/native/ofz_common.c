@@ -125,6 +125,18 @@ OrtStatus* ofz_attr_ints(const OrtKernelInfo* info, const char* node, const char
   return attr_error(ofz_ort.KernelInfoGetAttributeArray_int64(info, name, buf, &size), node, name);
 }
 
+OrtStatus* ofz_attr_ints_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t* buf,
+                             size_t cap, size_t* n) {
+  size_t size = 0;
+  OrtStatus* s = ofz_ort.KernelInfoGetAttributeArray_int64(info, name, NULL, &size);
+  if (s) {  // absent (ORT has no cheaper presence test)
+    ofz_ort.ReleaseStatus(s);
+    *n = 0;
+    return NULL;
+  }
+  return ofz_attr_ints(info, node, name, buf, cap, n);
+}
+
 OrtStatus* ofz_attr_floats(const OrtKernelInfo* info, const char* node, const char* name, float* buf,
                            size_t cap, size_t* n) {
   size_t size = 0;

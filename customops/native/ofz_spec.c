@@ -61,6 +61,18 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                  k, (long long)s->sym[2 * k], (long long)s->sym[2 * k + 1], n_in);
   TRY(ofz_attr_ints(info, node, "units", s->units, OFZ_MAX_TERMS, &s->n_units));
   TRY(check_terms(s, "units", s->units, s->n_units));
+  TRY(ofz_attr_ints_opt(info, node, "units_ceil", s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
+  for (size_t k = 0; k < s->n_ceil;) {  // groups (count, terms..., divisor)
+    const int64_t count = s->units_ceil[k];
+    if (count < 1 || k + (size_t)count + 2 > s->n_ceil)
+      return BAD("ortfuse: node '%s': units_ceil group at %zu has count %lld but %zu values follow", node, k,
+                 (long long)count, s->n_ceil - k - 1);
+    TRY(check_terms(s, "units_ceil", &s->units_ceil[k + 1], (size_t)count));
+    if (s->units_ceil[k + 1 + count] < 1)
+      return BAD("ortfuse: node '%s': units_ceil divisor at %zu = %lld, expected >= 1", node,
+                 k + 1 + (size_t)count, (long long)s->units_ceil[k + 1 + count]);
+    k += (size_t)count + 2;
+  }
 
   size_t n_dt = 0, n_rk = 0;
   TRY(ofz_attr_ints(info, node, "out_dtypes", s->out_dtypes, OFZ_MAX_TENSORS, &n_dt));
@@ -167,6 +179,20 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* ar
     if (t != 0 && units > (1LL << 62) / t)
       return BAD("ortfuse: node '%s': work size overflows 2^62 units", s->node);
     units *= t;
+  }
+  for (size_t i = 0; i < s->n_ceil;) {  // tiles: ceil(product of the group's terms / divisor)
+    const size_t count = (size_t)s->units_ceil[i];
+    long long p = 1;
+    for (size_t j = 0; j < count; ++j) {
+      int64_t t = term(s->units_ceil[i + 1 + j], args);
+      if (t != 0 && p > (1LL << 62) / t) return BAD("ortfuse: node '%s': work size overflows 2^62 units", s->node);
+      p *= t;
+    }
+    const long long tiles = (p + s->units_ceil[i + 1 + count] - 1) / s->units_ceil[i + 1 + count];
+    if (tiles != 0 && units > (1LL << 62) / tiles)
+      return BAD("ortfuse: node '%s': work size overflows 2^62 units", s->node);
+    units *= tiles;
+    i += count + 2;
   }
   long long grid = (units + s->units_per_block - 1) / s->units_per_block;
   if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops

@@ -21,6 +21,8 @@ typedef struct OfzSpec {
   int64_t sym[2 * OFZ_MAX_DIMS];
   size_t n_units;
   int64_t units[OFZ_MAX_TERMS];
+  size_t n_ceil;  // groups (count, term * count, divisor): each multiplies the units by ceil(product / divisor)
+  int64_t units_ceil[OFZ_MAX_TERMS];
   int64_t out_dtypes[OFZ_MAX_TENSORS];
   int64_t out_ranks[OFZ_MAX_TENSORS];
   size_t n_out_dims;

@@ -81,6 +81,15 @@ def test_units_with_several_terms_and_constant_outputs() -> None:
     assert plan[5] == 3 * 4 * 3 and plan[0] == -(-36 // 7) and list(plan[6:8]) == [3, 4]
 
 
+def test_units_ceil_counts_tiles() -> None:
+    # GEMM grids: units = d0 * ceil(d1 / 3) * ceil(100 * d0 / 128) = 3 * 2 * 3 for inputs X [3, 4], Y [3, 4]
+    sess = session(plan_model(sym_dims=[0, 0, 1, 1], units=[-1], units_ceil=[1, -2, 3, 2, 100, -1, 128],
+                              units_per_block=1,
+                              out_ranks=[1, 2], out_dims=[5, -2, -1]))
+    *_, plan = run(sess, 3)
+    assert plan[5] == 3 * 2 * 3 and plan[0] == 18
+
+
 BAD_NODES = [
     (dict(ortfuse_version=2), "ortfuse_version 2"),
     (dict(entry=None), "attribute 'entry'"),
@@ -92,6 +101,9 @@ BAD_NODES = [
     (dict(sym_dims=[0]), "odd length"),
     (dict(sym_dims=[2, 0]), "does not name an input"),
     (dict(units=[-3]), "units\\[0\\] = -3"),
+    (dict(units_ceil=[2, -1]), "units_ceil group at 0 has count 2"),
+    (dict(units_ceil=[1, -1, 0]), "divisor at 2 = 0"),
+    (dict(units_ceil=[1, -5, 4]), "units_ceil\\[0\\] = -5"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
     (dict(out_ranks=[2]), "out_ranks 1 entries"),
     (dict(out_ranks=[2, 1]), "out_ranks sum to 3"),

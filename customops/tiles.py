@@ -1,0 +1,114 @@
+"""GEMM tile configurations, constructed rather than guessed (Roller's rTile).
+
+A tile is aligned to the hardware by construction: warp tiles are whole mma fragments (16 x 16 for
+m16n8k16, 4 x 8 lanes for SIMT), the k step copies whole 16-byte chunks and, for 16-bit types, rows of 64
+or 128 bytes (one or two 128-byte transactions per pair of rows). Candidates grow from the smallest such
+tile; each is kept only while registers, shared memory and threads fit the hardware table entry, and
+they are ranked by an analytic estimate: the larger of tensor/FMA time, DRAM time for the unique bytes
+and L2 time for the re-read tile traffic, divided by the wave efficiency (Roller's "aligned with the
+number of SMs") and inflated by the padding of partial tiles. The top K are kept with the kernel so a
+profiling step can pick among them on the real device."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortfuse.customops.target import Target
+
+MMA_F16, MMA_BF16, MMA_TF32, SIMT = 0, 1, 2, 3  # ofz::gemm::Math
+MAX_REGS = 255
+REG_OVERHEAD = 40  # addresses, loop counters, epilogue temporaries (estimate)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.wm) * (self.bn // self.wn) * 32
+
+    def smem_bytes(self, esize: int, b_nk: bool) -> int:
+        """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage."""
+        pad = 16 // esize
+        a = self.bm * (self.bk + pad)
+        b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
+        return self.stages * (a + b) * esize
+
+    def regs(self, math_: int) -> int:
+        acc = self.wm * self.wn // 32
+        frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
+        return acc + frags + REG_OVERHEAD
+
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
+        return (self.bm, self.bn, self.bk, self.wm, self.wn, self.stages)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    tile: GemmTile
+    est_us: float
+    blocks_per_sm: int
+
+
+def _candidates(math_: int, esize: int) -> list[GemmTile]:
+    out = []
+    if math_ == SIMT:
+        warp = [(wm, wn) for wm in (8, 16, 32) for wn in (16, 32, 64) if wm * wn // 32 <= 64]
+        bks = (16, 32)
+    else:
+        warp = [(wm, wn) for wm in (16, 32, 64) for wn in (16, 32, 64)]
+        bks = (32, 64) if esize == 2 else (16, 32)
+    for wm, wn in warp:
+        for wr in (1, 2, 4):
+            for wc in (1, 2, 4):
+                if wr * wc > 8:
+                    continue
+                for bk in bks:
+                    for stages in (2, 3, 4):
+                        out.append(GemmTile(wm * wr, wn * wc, bk, wm, wn, stages))
+    return out
+
+
+def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
+               top_k: int = 4) -> list[Ranked]:
+    """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values)."""
+    peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
+            SIMT: tgt.fp32_tflops}[math_] * 1e12
+    ranked = []
+    for t in _candidates(math_, esize):
+        smem = t.smem_bytes(esize, b_nk)
+        regs = t.regs(math_)
+        if smem > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
+            continue
+        # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
+        if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n):
+            continue
+        per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
+                     tgt.max_threads_per_sm // t.threads, 32)
+        if per_sm < 1:
+            continue
+        tiles_m, tiles_n = -(-m // t.bm), -(-n // t.bn)
+        tiles = batch * tiles_m * tiles_n
+        slots = tgt.sm_count * per_sm
+        waves = math.ceil(tiles / slots)
+        wave_eff = tiles / (waves * slots)
+        kp = -(-k // t.bk) * t.bk
+        flops = 2.0 * batch * tiles_m * t.bm * tiles_n * t.bn * kp
+        # a block runs on one SM: with few blocks the GPU's peak is out of reach
+        busy = min(1.0, tiles / tgt.sm_count)
+        t_math = flops / (peak * max(busy, 1e-3))
+        unique = esize * batch * (m * k + k * n + m * n)
+        reread = esize * tiles * (t.bm + t.bn) * kp
+        t_mem = max(unique / (tgt.dram_gbps * 1e9), reread / (tgt.dram_gbps * tgt.l2_over_dram * 1e9))
+        # deeper pipelines hide latency; a 2-stage pipeline exposes part of each load
+        hide = {2: 1.15, 3: 1.0, 4: 1.0}[t.stages]
+        est = max(t_math / max(wave_eff, 1e-3), t_mem) * hide * 1e6
+        ranked.append(Ranked(t, est, per_sm))
+    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, r.tile.stages, r.tile.as_tuple()))
+    return ranked[:top_k]

@@ -1,0 +1,274 @@
+"""Attention as exporters emit it: MatMul(Q, Kᵀ) → element-wise score ops (scale, mask) → Softmax over the
+last axis → (Cast) → MatMul(P, V), with the layout ops around it that fold into a kernel's addressing.
+
+One matcher serves every exporter variant. It starts at each Softmax and walks the graph one local rule
+at a time: back to the scores MatMul, forward to the MatMul with V, then along the layout paths of Q, K,
+V and the output. A path stops at the first tensor that is also used outside the pattern (that tensor
+becomes the kernel input) or at the first node that is not a layout op or a scalar scale. Every refusal
+is a `Reject` naming the Softmax and the rule that failed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, NoReturn
+
+import onnx
+
+from ortfuse.rewriter.graph import Graph
+from ortfuse.search.ops import ELEMENTWISE
+from ortfuse.search.plan import Reject
+
+# ortfuse_attention.h keeps one row of Q and of the output accumulator in registers per thread group.
+MAX_HEAD_DIM = 128
+# Longest element-wise chain between the two MatMuls we accept; exporters emit 1 to 3 (scale, mask, Cast).
+MAX_SCORE_OPS = 8
+# Ops between the Softmax and the MatMul with V: only value-preserving ones (exporters add Casts).
+PROB_OPS = frozenset({"Cast", "Identity"})
+# Layout ops that fold into a kernel's element-offset functions.
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze"})
+# Kernel storage types: fp32 accumulation of fp32 / fp16 / bf16 data.
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+
+
+@dataclass(frozen=True)
+class AttentionPattern:
+    qk: int  # the MatMul producing the scores [.., Sq, Sk]
+    pv: int  # the MatMul(probabilities, V)
+    softmax: int  # Softmax over the last axis
+    score_ops: tuple[int, ...]  # element-wise nodes between qk and softmax, topological order
+    prob_ops: tuple[int, ...]  # Cast/Identity nodes between softmax and pv, topological order
+    q_path: tuple[int, ...]  # layout and scalar-scale nodes from q to qk's first input, topological order
+    k_path: tuple[int, ...]  # same, from k to qk's second input (Kᵀ)
+    v_path: tuple[int, ...]  # same, from v to pv's second input
+    out_path: tuple[int, ...]  # layout nodes after pv, topological order; possibly empty
+    q: str  # kernel inputs: the tensors at the far ends of the paths
+    k: str
+    v: str
+    output: str  # the last tensor of out_path, or pv's output
+    extra_inputs: tuple[str, ...]  # non-scalar tensors the score ops read (masks), first use first
+    nodes: tuple[int, ...]  # every node above, sorted
+
+
+class _NoMatch(Exception):
+    """Internal: the reason one Softmax is not an attention pattern (becomes a Reject)."""
+
+
+def _refuse(reason: str) -> NoReturn:
+    raise _NoMatch(reason)
+
+
+def find_attention(g: Graph) -> tuple[list[AttentionPattern], list[Reject]]:
+    """Every Softmax either yields an AttentionPattern or a Reject saying why not."""
+    found: list[AttentionPattern] = []
+    rejects: list[Reject] = []
+    for i, n in enumerate(g.nodes):
+        if n.op_type != "Softmax" or n.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            found.append(_match(g, i))
+        except _NoMatch as e:
+            rejects.append(Reject(g.node_label(i), str(e)))
+    return found, rejects
+
+
+def _match(g: Graph, sm: int) -> AttentionPattern:
+    scores = _shape(g, g.nodes[sm].input[0])
+    axis = _attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
+    if len(scores) < 2 or axis % len(scores) != len(scores) - 1:
+        _refuse(f"Softmax over axis {axis} of a rank-{len(scores)} tensor, not the last axis")
+    qk, score_ops = _scores_back(g, sm)
+    prob_ops, pv = _probs_forward(g, sm)
+    q_path, q = _path_back(g, g.nodes[qk].input[0], qk)
+    k_path, k = _path_back(g, g.nodes[qk].input[1], qk)
+    v_path, v = _path_back(g, g.nodes[pv].input[1], pv)
+    out_path, output = _path_forward(g, g.nodes[pv].output[0])
+    nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)
+    _check_shapes(g, qk, pv, nodes)
+    for p in score_ops:
+        if _shape(g, g.nodes[p].output[0]) != _shape(g, g.nodes[qk].output[0]):
+            _refuse(f"{g.node_label(p)} broadcasts the scores {_shape(g, g.nodes[qk].output[0])} "
+                    f"to {_shape(g, g.nodes[p].output[0])}")
+    return AttentionPattern(qk, pv, sm, score_ops, prob_ops, q_path, k_path, v_path, out_path, q, k, v, output,
+                            _extra_inputs(g, qk, score_ops), tuple(sorted(nodes)))
+
+
+# ---- the score chain: MatMul → element-wise ops → Softmax ------------------------------------------------
+
+def _scores_back(g: Graph, sm: int) -> tuple[int, tuple[int, ...]]:
+    """(qk MatMul, score ops in topological order), walking back from the Softmax input."""
+    t, ops = g.nodes[sm].input[0], []
+    while True:
+        p = g.producer.get(t)
+        if p is None:
+            _refuse(f"the Softmax input '{t}' is not computed by a MatMul")
+        n = g.nodes[p]
+        _single_use(g, t, "scores")
+        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"):
+            return p, tuple(reversed(ops))
+        if n.op_type not in ELEMENTWISE or n.domain not in ("", "ai.onnx"):
+            _refuse(f"the scores come from {g.node_label(p)}, not from a MatMul through element-wise ops")
+        if len(ops) == MAX_SCORE_OPS:
+            _refuse(f"more than {MAX_SCORE_OPS} element-wise ops between the MatMul and the Softmax")
+        _check_score_op(g, p, t)
+        ops.append(p)
+        t = _chain_input(g, p, MAX_SCORE_OPS - len(ops))
+
+
+def _chain_input(g: Graph, p: int, depth: int) -> str:
+    """The input of score op `p` that leads back to the scores MatMul (the others are masks, constants)."""
+    n = g.nodes[p]
+    leads = [x for x in dict.fromkeys(n.input) if x and x not in g.constants and _reaches_matmul(g, x, depth)]
+    if not leads:
+        _refuse(f"no MatMul before {g.node_label(p)} within {MAX_SCORE_OPS} element-wise ops")
+    if len(leads) > 1:
+        _refuse(f"{g.node_label(p)} combines two MatMul results ({', '.join(leads)})")
+    external = [x for x in n.input if x and x != leads[0] and x not in g.constants]
+    if len(external) > 1:
+        _refuse(f"{g.node_label(p)} reads {len(external)} non-constant tensors besides the scores")
+    return leads[0]
+
+
+def _reaches_matmul(g: Graph, t: str, depth: int) -> bool:
+    p = g.producer.get(t)
+    if p is None:
+        return False
+    n = g.nodes[p]
+    if n.op_type == "MatMul":
+        return True
+    return depth > 0 and n.op_type in ELEMENTWISE and any(
+        _reaches_matmul(g, x, depth - 1) for x in n.input if x and x not in g.constants)
+
+
+def _check_score_op(g: Graph, p: int, out: str) -> None:
+    info = g.info(out)
+    if info.dtype not in FLOAT_TYPES:
+        _refuse(f"{g.node_label(p)} yields {onnx.TensorProto.DataType.Name(info.dtype)} scores")
+
+
+def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, ...]:
+    """Tensors the score ops read besides the chain itself, scalar constants excluded (they fold into code)."""
+    chain = {g.nodes[qk].output[0], *(g.nodes[p].output[0] for p in score_ops)}
+    extra: dict[str, None] = {}
+    for p in score_ops:
+        for x in g.nodes[p].input:
+            if x and x not in chain and not _scalar_const(g, x):
+                extra[x] = None
+    return tuple(extra)
+
+
+# ---- probabilities: Softmax → Cast/Identity → MatMul(P, V) ---------------------------------------------
+
+def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
+    t, ops = g.nodes[sm].output[0], []
+    while True:
+        users = set(g.consumers.get(t, ()))
+        if t in g.graph_outputs or len(users) != 1:
+            _refuse("probabilities used outside the attention")
+        c = next(iter(users))
+        n = g.nodes[c]
+        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"):
+            if n.input[0] != t or n.input[1] == t:
+                _refuse(f"probabilities are not the left operand of {g.node_label(c)}")
+            return tuple(ops), c
+        if n.op_type not in PROB_OPS or n.domain not in ("", "ai.onnx") or len(ops) == MAX_SCORE_OPS:
+            _refuse(f"probabilities feed {g.node_label(c)}, not a MatMul with V")
+        if g.info(n.output[0]).dtype not in FLOAT_TYPES:
+            _refuse(f"{g.node_label(c)} casts the probabilities to a non-float type")
+        ops.append(c)
+        t = n.output[0]
+
+
+# ---- layout paths -----------------------------------------------------------------------------------------
+
+def _path_back(g: Graph, t: str, user: int) -> tuple[tuple[int, ...], str]:
+    """Nodes from the path's input to `t` (consumed by `user`), and that input. The walk stops before a
+    tensor used anywhere else, and at the first node that is not a foldable layout op or scalar scale."""
+    path: list[int] = []
+    while t not in g.graph_outputs and set(g.consumers.get(t, ())) == {user}:
+        p = g.producer.get(t)
+        src = None if p is None else _path_source(g, p, scale_ok=True)
+        if src is None:
+            break
+        path.append(p)
+        t, user = src, p
+    return tuple(reversed(path)), t
+
+
+def _path_forward(g: Graph, t: str) -> tuple[tuple[int, ...], str]:
+    path: list[int] = []
+    while t not in g.graph_outputs:
+        users = set(g.consumers.get(t, ()))
+        if len(users) != 1:
+            break
+        c = next(iter(users))
+        if _path_source(g, c, scale_ok=False) != t:
+            break
+        path.append(c)
+        t = g.nodes[c].output[0]
+    return tuple(path), t
+
+
+def _path_source(g: Graph, p: int, scale_ok: bool) -> str | None:
+    """The data input of node `p` if it may sit on a path: a layout op whose shape/axes/perm are
+    constants, or (when `scale_ok`) a Mul/Div by a scalar constant (the 1/sqrt(d) scale applied to Q or K)."""
+    n = g.nodes[p]
+    if n.domain not in ("", "ai.onnx") or len(n.output) != 1:
+        return None
+    if n.op_type in LAYOUT_OPS:
+        if any(x and x not in g.constants for x in n.input[1:]):
+            return None  # a shape or axes computed at run time
+        if g.info(n.input[0]).shape is None or g.info(n.output[0]).shape is None:
+            return None
+        return n.input[0]
+    if scale_ok and n.op_type == "Mul" and len(n.input) == 2:
+        a, b = n.input
+        if _scalar_const(g, b) and a not in g.constants:
+            return a
+        if _scalar_const(g, a) and b not in g.constants:
+            return b
+    if scale_ok and n.op_type == "Div" and len(n.input) == 2:
+        if _scalar_const(g, n.input[1]) and n.input[0] not in g.constants:
+            return n.input[0]
+    return None
+
+
+# ---- checks -------------------------------------------------------------------------------------------------
+
+def _check_shapes(g: Graph, qk: int, pv: int, nodes: Iterable[int]) -> None:
+    for i in nodes:
+        n = g.nodes[i]
+        for t in (*n.input, *n.output):
+            if t and t not in g.constants:
+                _shape(g, t)
+    for m in (qk, pv):
+        for t in g.nodes[m].input:
+            if len(_shape(g, t)) < 2:
+                _refuse(f"{g.node_label(m)} has a 1-D operand '{t}'")
+    dtype = g.info(g.nodes[qk].output[0]).dtype
+    if dtype not in FLOAT_TYPES:
+        _refuse(f"scores of type {onnx.TensorProto.DataType.Name(dtype)}")
+    for what, dim in (("head size", _shape(g, g.nodes[qk].input[0])[-1]),
+                      ("value head size", _shape(g, g.nodes[pv].input[1])[-1])):
+        if not isinstance(dim, int):
+            _refuse(f"{what} '{dim}' is not static")
+        if dim > MAX_HEAD_DIM:
+            _refuse(f"{what} {dim} exceeds the kernel's {MAX_HEAD_DIM}")
+
+
+def _single_use(g: Graph, t: str, what: str) -> None:
+    if t in g.graph_outputs or len(set(g.consumers.get(t, ()))) != 1:
+        _refuse(f"{what} '{t}' used outside the attention")
+
+
+def _shape(g: Graph, t: str) -> tuple:
+    info = g.tensors.get(t)
+    if info is None or info.shape is None:
+        _refuse(f"shape of '{t}' unknown")
+    return info.shape
+
+
+def _scalar_const(g: Graph, t: str) -> bool:
+    return t in g.constants and g.constants[t].size == 1
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)

@@ -1,0 +1,251 @@
+"""Attention matcher (search/attention.py): hand-built graphs for each variant and each refusal, then every
+layer of the tiny BERT, GPT-2 and ViT exports (fp32 and fp16)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+
+from ortfuse.rewriter.canonical import fold_runtime_shapes
+from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.load import load_model
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search.attention import AttentionPattern, find_attention
+
+F = TP.FLOAT
+B, S, H, D = "batch", "seq", 4, 16
+
+
+def _graph(nodes, inputs, outputs, inits=()) -> Graph:
+    g, _ = fold_runtime_shapes(build_graph(model(nodes, inputs, outputs, inits), {}))
+    return g
+
+
+def _bert_like(scale_on_q: bool = False, extra_outputs=(), softmax_axis: int = -1, head: int = D) -> Graph:
+    """BERT's self-attention as the TorchScript exporter writes it: projections [B, S, H*D] reshaped and
+    transposed per head, Kᵀ as Transpose(0,2,3,1), scores scaled, plus a [B,1,1,S] padding mask."""
+    hd = H * head
+    nodes = [
+        node("Reshape", ["xq", "shp4"], ["q4"]), node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+        node("Reshape", ["xk", "shp4"], ["k4"]), node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        node("Reshape", ["xv", "shp4"], ["v4"]), node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+    ]
+    if scale_on_q:
+        nodes += [node("Mul", ["qh", "scale"], ["qs"]), node("MatMul", ["qs", "kt"], ["s0"]),
+                  node("Identity", ["s0"], ["s1"])]
+    else:
+        nodes += [node("MatMul", ["qh", "kt"], ["s0"]), node("Div", ["s0", "scale"], ["s1"])]
+    nodes += [
+        node("Add", ["s1", "mask"], ["s2"]), node("Softmax", ["s2"], ["p"], axis=softmax_axis),
+        node("MatMul", ["p", "vh"], ["o"]), node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]),
+        node("Reshape", ["o4", "shp3"], ["y"]),
+    ]
+    inputs = [vi(x, F, [B, S, hd]) for x in ("xq", "xk", "xv")] + [vi("mask", F, [B, 1, 1, S])]
+    outputs = [vi("y", F, None)] + [vi(t, F, None) for t in extra_outputs]
+    inits = [const("shp4", [0, 0, H, head], np.int64), const("shp3", [0, 0, hd], np.int64),
+             const("scale", np.sqrt(head))]
+    return _graph(nodes, inputs, outputs, inits)
+
+
+def _core(score_nodes, last: str, inputs=(), inits=(), k_shape=(2, H, D, 37)) -> Graph:
+    """q [2,H,37,D] · kt → score_nodes (ending in tensor `last`) → Softmax → · v [2,H,37,D]."""
+    nodes = [node("MatMul", ["q", "kt"], ["s0"]), *score_nodes, node("Softmax", [last], ["p"], axis=-1),
+             node("MatMul", ["p", "v"], ["y"])]
+    ins = [vi("q", F, [2, H, 37, D]), vi("kt", F, list(k_shape)), vi("v", F, [2, H, 37, D]), *inputs]
+    return _graph(nodes, ins, [vi("y", F, None)], inits)
+
+
+def _one(g: Graph) -> AttentionPattern:
+    found, rejects = find_attention(g)
+    assert not rejects, [str(r) for r in rejects]
+    assert len(found) == 1
+    return found[0]
+
+
+def _reason(g: Graph) -> str:
+    found, rejects = find_attention(g)
+    assert not found and len(rejects) == 1
+    assert rejects[0].subject.startswith("Softmax")
+    return rejects[0].reason
+
+
+def _ops(g: Graph, idx) -> list[str]:
+    return [g.nodes[i].op_type for i in idx]
+
+
+def test_bert_layout_matches_with_paths_and_mask():
+    g = _bert_like()
+    p = _one(g)
+    assert (p.q, p.k, p.v, p.output) == ("xq", "xk", "xv", "y")
+    assert _ops(g, p.q_path) == _ops(g, p.k_path) == _ops(g, p.v_path) == ["Reshape", "Transpose"]
+    assert _ops(g, p.score_ops) == ["Div", "Add"] and p.prob_ops == ()
+    assert _ops(g, p.out_path) == ["Transpose", "Reshape"]
+    assert p.extra_inputs == ("mask",)
+    assert p.nodes == tuple(range(len(g.nodes)))  # the whole graph is the pattern
+    assert _ops(g, [p.qk, p.softmax, p.pv]) == ["MatMul", "Softmax", "MatMul"]
+
+
+def test_scale_applied_to_q_joins_the_q_path():
+    g = _bert_like(scale_on_q=True)
+    p = _one(g)
+    assert _ops(g, p.q_path) == ["Reshape", "Transpose", "Mul"]
+    assert _ops(g, p.score_ops) == ["Identity", "Add"]
+    assert p.q == "xq"
+
+
+def test_transpose_of_transpose_on_k():
+    nodes = [node("Transpose", ["kb"], ["kh"], perm=[0, 2, 1, 3]), node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]),
+             node("MatMul", ["q", "kt"], ["s0"]), node("Mul", ["s0", "c"], ["s1"]), node("Softmax", ["s1"], ["p"]),
+             node("MatMul", ["p", "v"], ["y"])]
+    g = _graph(nodes, [vi("q", F, [2, H, 37, D]), vi("kb", F, [2, 37, H, D]), vi("v", F, [2, H, 37, D])],
+               [vi("y", F, None)], [const("c", 0.25)])
+    p = _one(g)
+    assert p.k == "kb" and _ops(g, p.k_path) == ["Transpose", "Transpose"]
+    assert p.q_path == p.v_path == p.out_path == () and p.extra_inputs == ()
+
+
+def test_causal_where_mask():
+    g = _core([node("Mul", ["s0", "c"], ["s1"]), node("Where", ["keep", "s1", "ninf"], ["s2"])], "s2",
+              [vi("keep", TP.BOOL, [1, 1, 37, 37])], [const("c", 0.25), const("ninf", -np.inf)])
+    p = _one(g)
+    assert _ops(g, p.score_ops) == ["Mul", "Where"] and p.extra_inputs == ("keep",)
+
+
+def test_non_scalar_constant_mask_is_an_extra_input():
+    g = _core([node("Add", ["bias", "s0"], ["s1"])], "s1", inits=[const("bias", np.zeros((1, 1, 37, 37)))])
+    assert _one(g).extra_inputs == ("bias",)
+
+
+def test_probability_casts_join_the_pattern():
+    nodes = [node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"]), node("Cast", ["p"], ["pc"], to=F),
+             node("Cast", ["pc"], ["pc2"], to=F), node("MatMul", ["pc2", "v"], ["y"])]
+    g = _graph(nodes, [vi("q", F, [2, H, 37, D]), vi("kt", F, [2, H, D, 37]), vi("v", F, [2, H, 37, D])],
+               [vi("y", F, None)])
+    assert _ops(g, _one(g).prob_ops) == ["Cast", "Cast"]
+
+
+def test_path_stops_where_a_tensor_is_shared():
+    # the transposed K is also a graph output: it becomes the kernel input, the path stays empty
+    p = _one(_bert_like(extra_outputs=("kt",)))
+    assert p.k == "kt" and p.k_path == ()
+    # the per-head V is used twice (by the pattern and as an output): V's path stops below it
+    p = _one(_bert_like(extra_outputs=("v4",)))
+    assert p.v == "v4" and len(p.v_path) == 1
+    # the attention output after the Transpose is used elsewhere: out_path ends there
+    p = _one(_bert_like(extra_outputs=("o4",)))
+    assert p.output == "o4" and len(p.out_path) == 1
+
+
+def test_bert_layout_with_head_size_128_matches_and_129_does_not():
+    assert _one(_bert_like(head=128)).q == "xq"
+    assert "head size 129 exceeds" in _reason(_bert_like(head=129))
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+
+def test_softmax_not_over_last_axis():
+    assert "Softmax over axis 1" in _reason(_bert_like(softmax_axis=1))
+
+
+def test_probabilities_used_outside():
+    assert _reason(_bert_like(extra_outputs=("p",))) == "probabilities used outside the attention"
+
+
+def test_scores_used_outside():
+    assert "'s1' used outside the attention" in _reason(_bert_like(extra_outputs=("s1",)))
+
+
+def test_softmax_of_a_graph_input_or_a_gemm():
+    g = _graph([node("Softmax", ["x"], ["y"])], [vi("x", F, [4, 8])], [vi("y", F, None)])
+    assert "not computed by a MatMul" in _reason(g)
+    g = _graph([node("Gemm", ["x", "w"], ["s"]), node("Softmax", ["s"], ["p"]), node("MatMul", ["p", "e"], ["y"])],
+               [vi("x", F, [4, 8]), vi("w", F, [8, 5]), vi("e", F, [5, 3])], [vi("y", F, None)])
+    assert "not from a MatMul through element-wise ops" in _reason(g)
+
+
+def test_non_elementwise_op_in_the_score_chain():
+    g = _core([node("Transpose", ["s0"], ["s1"], perm=[0, 1, 3, 2])], "s1")
+    assert "Transpose" in _reason(g) and "element-wise" in _reason(g)
+
+
+def test_scores_combining_two_matmuls():
+    g = _core([node("MatMul", ["q", "r"], ["s1"]), node("Add", ["s0", "s1"], ["s2"])], "s2",
+              [vi("r", F, [2, H, D, 37])])
+    assert "combines two MatMul results" in _reason(g)
+
+
+def test_score_op_with_two_outside_tensors():
+    g = _core([node("Where", ["keep", "s0", "fill"], ["s1"])], "s1",
+              [vi("keep", TP.BOOL, [1, 1, 37, 37]), vi("fill", F, [1, 1, 37, 37])])
+    assert "2 non-constant tensors besides the scores" in _reason(g)
+
+
+def test_mask_that_broadcasts_the_scores():
+    g = _core([node("Add", ["s0", "m"], ["s1"])], "s1", [vi("m", F, [2, H, 37, 37])], k_shape=(2, 1, D, 37))
+    assert _one(g).k == "kt"  # K shared by the heads: the scores are already [2, H, 37, 37]
+    nodes = [node("MatMul", ["q", "kt"], ["s0"]), node("Add", ["s0", "m"], ["s1"]), node("Softmax", ["s1"], ["p"]),
+             node("MatMul", ["p", "v"], ["y"])]
+    g = _graph(nodes, [vi("q", F, [2, 1, 37, D]), vi("kt", F, [2, 1, D, 37]), vi("v", F, [2, 1, 37, D]),
+                       vi("m", F, [2, H, 37, 37])], [vi("y", F, None)])
+    assert "broadcasts the scores" in _reason(g)
+
+
+def test_probabilities_not_multiplied_by_v():
+    g = _graph([node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"]), node("Relu", ["p"], ["y"])],
+               [vi("q", F, [2, H, 37, D]), vi("kt", F, [2, H, D, 37])], [vi("y", F, None)])
+    assert "probabilities feed Relu" in _reason(g)
+    g = _graph([node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"]), node("MatMul", ["w", "p"], ["y"])],
+               [vi("q", F, [2, H, 37, D]), vi("kt", F, [2, H, D, 37]), vi("w", F, [2, H, 5, 37])], [vi("y", F, None)])
+    assert "not the left operand" in _reason(g)
+
+
+def test_symbolic_head_size():
+    nodes = [node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"]), node("MatMul", ["p", "v"], ["y"])]
+    g = _graph(nodes, [vi("q", F, [2, H, 37, "d"]), vi("kt", F, [2, H, "d", 37]), vi("v", F, [2, H, 37, D])],
+               [vi("y", F, None)])
+    assert "head size 'd' is not static" in _reason(g)
+
+
+def test_double_scores():
+    Dt = TP.DOUBLE
+    g = _graph([node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"]), node("MatMul", ["p", "v"], ["y"])],
+               [vi("q", Dt, [2, 37, D]), vi("kt", Dt, [2, D, 37]), vi("v", Dt, [2, 37, D])], [vi("y", Dt, None)])
+    assert "scores of type DOUBLE" in _reason(g)
+
+
+# ---- real exports -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ORTFUSE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        from ortfuse.bench import zoo as z
+        yield z
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_every_layer_of_exported_models(zoo, name: str, dtype: str):
+    module, info = zoo.torch_module(name, tiny=True)
+    layers = module.config.num_hidden_layers
+    g, _ = fold_runtime_shapes(build_graph(load_model(zoo.build(name, dtype=dtype, tiny=True)), {}))
+    found, rejects = find_attention(g)
+    assert not rejects, [str(r) for r in rejects]
+    assert len(found) == layers
+    seen: set[int] = set()
+    for p in found:
+        assert not seen & set(p.nodes)
+        seen |= set(p.nodes)
+        hd = info.hidden_size
+        for t in (p.q, p.k, p.v, p.output):  # projections in, [B, S, H*D] out: all layout folded
+            assert g.info(t).shape[-1] == hd and g.info(t).rank == 3
+        assert _ops(g, p.k_path) == ["Reshape", "Transpose"]
+        assert g.nodes[p.k_path[-1]].attribute[0].ints == [0, 2, 3, 1]
+        assert _ops(g, p.out_path) == ["Transpose", "Reshape"]
+        assert _ops(g, p.score_ops) == (["Mul"] if name == "vit" else ["Mul", "Add"])
+        assert _ops(g, p.prob_ops) == {"bert": [], "gpt2": ["Cast"], "vit": ["Cast", "Cast"]}[name]
+        assert len(p.extra_inputs) == (0 if name == "vit" else 1)
