@@ -475,10 +475,14 @@ class _Lowerer:
         return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body)
 
 
-def lower(graph: Graph, region: Region, tgt: hw.Target) -> KernelSpec:
-    """Raises LoweringError with the reason when the region is not one kernel."""
+def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False) -> KernelSpec:
+    """Raises LoweringError with the reason when the region is not one kernel. `tf32`: fp32 GEMMs may
+    run on tf32 tensor cores (the user opted in)."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
+    if region.kind == "gemm":
+        from ortfuse.customops.lower_gemm import lower_gemm
+        return lower_gemm(graph, region, tgt, tf32)
     lw = _Lowerer(graph, region, tgt, dict(graph.sym_hints))
     if region.kind == "pointwise":
         k, units, per_block = lw.pointwise()

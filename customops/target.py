@@ -22,6 +22,9 @@ class Target:
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     l2_over_dram: float = 2.5  # L2 bandwidth / DRAM bandwidth, rough ratio for re-read tile traffic
+    # Our GEMM's speed relative to cuBLAS, assumed until measured on the device (issue 5's target: within
+    # 15%); `ortfuse optimize --profile` replaces the estimate with measurements.
+    gemm_vs_cublas: float = 0.85
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
 
     @property

@@ -68,7 +68,7 @@ def _shapes(input_shapes: Shapes) -> dict:
 
 
 def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
-    return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) is not None \
+    return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) not in (None, "gemm") \
         and node.op_type not in ops.FREE_IN_ORT
 
 

@@ -25,7 +25,7 @@ def summary(r: OptimizeResult) -> str:
 
 def _is_candidate(r: OptimizeResult, subject: str) -> bool:
     op = subject.split(" ", 1)[0]
-    return ops.kind_of(op) is not None
+    return ops.kind_of(op) not in (None, "gemm")
 
 
 def explain(r: OptimizeResult) -> list[str]:

@@ -39,6 +39,9 @@ def _reduction_verdict(g: Graph, node: onnx.NodeProto, rank: int) -> Optional[st
     return None
 
 
+GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+
+
 def node_verdict(g: Graph, i: int) -> Optional[Reject]:
     """None if node i may join a fused kernel, else the reason it may not."""
     n = g.nodes[i]
@@ -60,6 +63,12 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
             return Reject(label, f"its shape/axes input '{t}' is computed at run time, not a constant")
     if n.op_type == "Cast" and scalar.attr(n, "to") not in scalar.STORAGE:
         return Reject(label, f"Cast to element type {scalar.attr(n, 'to')}, not fused")
+    if kind == "gemm":
+        a, b = (g.tensors[t] for t in n.input[:2])
+        if a.dtype not in GEMM_TYPES:
+            return Reject(label, f"{onnx.TensorProto.DataType.Name(a.dtype)} GEMMs are left to ORT")
+        if (a.rank or 0) < 2 or (b.rank or 0) < 2:
+            return Reject(label, "matrix-vector product (rank-1 operand): left to ORT")
     if kind == "reduction":
         shape = g.tensors[n.input[0]].shape
         assert shape is not None
@@ -101,6 +110,17 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     shapes = {o: g.tensors[o].shape for o in outputs}
     reductions = [i for i in nodes if g.nodes[i].op_type in ops.REDUCTIONS]
     empty = Traffic(0, 0, 0)
+    gemms = [i for i in nodes if g.nodes[i].op_type in ops.GEMM]
+    if gemms:
+        if len(gemms) > 1:
+            return Reject(label, "two GEMMs in one region")
+        if reductions:
+            return Reject(label, "a reduction in a GEMM region (row-wise epilogues are not generated yet)")
+        space = g.tensors[g.nodes[gemms[0]].output[0]].shape
+        for o, s in shapes.items():
+            if s != space:
+                return Reject(label, f"output '{o}' of shape {s} is not the GEMM's shape {space}")
+        return Region(-1, "gemm", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space or ()), empty)
     if not reductions:
         space = shapes[outputs[0]]
         if any(s != space for s in shapes.values()):

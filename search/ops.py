@@ -12,6 +12,8 @@ ELEMENTWISE = frozenset({
 # Reductions over the innermost axis, with the row-wise composites exporters and ORT use.
 REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
                         "Softmax", "LogSoftmax", "LayerNormalization"})
+# Compute-bound anchors: one per region, with element-wise prologue/epilogue ops around it.
+GEMM = frozenset({"MatMul", "Gemm"})
 # Pure data movement: folded into the index math of the ops around them.
 LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
 # Layout ops ORT runs without a kernel (it aliases the buffer): fusing them saves no traffic.
@@ -32,6 +34,8 @@ def kind_of(op_type: str) -> str | None:
         return "reduction"
     if op_type in LAYOUT:
         return "layout"
+    if op_type in GEMM:
+        return "gemm"
     return None
 
 

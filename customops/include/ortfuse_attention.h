@@ -1,0 +1,311 @@
+// Fused attention, flash style: O = softmax(score(Q·Kᵀ)) · V with an online softmax, so the [Sq, Sk] score
+// matrix never reaches DRAM. fp32 accumulation; Q, K, V and O stored as float, __half or __nv_bfloat16.
+// Compiles under NVRTC and, through ortfuse_kernel.h, in the CPU emulation.
+//
+// Generated code supplies small functors (structs with static __device__ __forceinline__ functions):
+//
+//   layout (one each for Q, K, V, O; folds every Reshape/Transpose around the pattern into addressing):
+//     static ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d);
+//       element offset of row s, column d of head h in batch b (s a query row for Q and O, a key for K, V)
+//   score epilogue (the element-wise ops between the two MatMuls: scale, mask, Where, Cast):
+//     static float score(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 i, ofz_i64 j, float qk);
+//       the Softmax input for query i and key j; -inf (neg_inf()) masks the entry out. It is only called
+//       for i < Sq and j < Sk, so it may read masks without bounds checks.
+//
+// Then a kernel body is one call, e.g. ofz::attn::simt<__half, 64, 64, Q, K, V, O, S>(a, q, k, v, o, dims).
+// Launch rule: block = Tile::THREADS threads; one block computes BLOCK_M query rows of one (b, h), and
+// grid-strides over all batch * heads * ceil(Sq / BLOCK_M) such units, so `units` = batch * heads * Sq with
+// `units_per_block` = BLOCK_M gives enough blocks (never too many).
+//
+// Rows whose scores are all -inf produce 0 (ORT's Softmax gives NaN there); exporters mask with the
+// finite lowest float, which behaves exactly like the unfused graph.
+#pragma once
+#include "ortfuse_kernel.h"
+
+namespace ofz {
+namespace attn {
+
+// Runtime sizes: the scores are [batch, heads, sq, sk].
+struct Dims {
+  ofz_i64 batch, heads, sq, sk;
+};
+
+__device__ __forceinline__ float neg_inf() { return f32_bits(0xff800000u); }
+
+// Reduce over the G consecutive lanes that share one query row (all 32 lanes of the warp call it).
+template <class Op, int G> __device__ __forceinline__ float group_reduce(float v) {
+#pragma unroll
+  for (int off = G / 2; off > 0; off >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// One row's online-softmax state. `rescale` folds in a tile whose row max is `tile_max` and returns the
+// factor for the old accumulators; exponents are then taken against `base`, which stays 0 while every
+// score seen is -inf, so a masked tile never computes exp(-inf - -inf) = NaN.
+struct RowState {
+  float m, l, base;
+  __device__ __forceinline__ void init() { m = neg_inf(), l = 0.0f, base = 0.0f; }
+  __device__ __forceinline__ float rescale(float tile_max) {
+    const float m_new = fmaxf(m, tile_max);
+    const float new_base = m_new == neg_inf() ? 0.0f : m_new;
+    const float alpha = __expf(m - new_base);  // 0 while m is -inf
+    m = m_new, base = new_base, l *= alpha;
+    return alpha;
+  }
+  __device__ __forceinline__ float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
+};
+
+// ---- SIMT: any head size up to 128, any storage type -------------------------------------------------------
+// G = ROW_THREADS threads of one warp share a query row: each computes BLOCK_N / G of its scores per key
+// tile and owns DV / G of its output columns (column g + G * c). Q, K, V tiles sit in static shared memory
+// as fp32 (under 48 KiB for head sizes up to 128).
+template <int D, int DV> struct SimtTile {
+  static constexpr int THREADS = 128;
+  static constexpr int ROW_THREADS = 4;
+  static constexpr int BLOCK_M = THREADS / ROW_THREADS;
+  static constexpr int BLOCK_N = (D > 64 || DV > 64) ? 16 : 32;
+  static constexpr int KEYS = BLOCK_N / ROW_THREADS;                  // scores per thread per tile
+  static constexpr int COLS = (DV + ROW_THREADS - 1) / ROW_THREADS;   // output columns per thread
+};
+
+template <class T, int D, int DV, class Q, class K, class V, class O, class Score>
+__device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, const T* __restrict__ k,
+                                     const T* __restrict__ v, T* __restrict__ o, const Dims n) {
+  using Tile = SimtTile<D, DV>;
+  constexpr int BM = Tile::BLOCK_M, BN = Tile::BLOCK_N, G = Tile::ROW_THREADS, NT = Tile::THREADS;
+  static_assert(D >= 1 && D <= 128 && DV >= 1 && DV <= 128, "head sizes 1..128");
+  __shared__ float sq[BM][D + 1];  // +1: the rows a warp reads at once fall in different banks
+  __shared__ float sk[BN][D + 1];
+  __shared__ float sv[BN][DV];
+  __shared__ float sp[BM][BN + 1];  // this tile's probabilities, shared by the G threads of a row
+  const int tid = threadIdx.x, r = tid / G, g = tid % G;
+  const ofz_i64 tiles_m = (n.sq + BM - 1) / BM, units = n.batch * n.heads * tiles_m;
+  for (ofz_i64 u = blockIdx.x; u < units; u += gridDim.x) {
+    const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
+    const ofz_i64 i = i0 + r;
+    const bool row_ok = i < n.sq;
+    __syncthreads();  // the previous unit is done with sq
+    for (int e = tid; e < BM * D; e += NT) {
+      const ofz_i64 ie = i0 + e / D;
+      sq[e / D][e % D] = ie < n.sq ? to_f32(q[Q::offset(a, b, h, ie, e % D)]) : 0.0f;
+    }
+    RowState row;
+    row.init();
+    float acc[Tile::COLS];
+#pragma unroll
+    for (int c = 0; c < Tile::COLS; ++c) acc[c] = 0.0f;
+
+    for (ofz_i64 j0 = 0; j0 < n.sk; j0 += BN) {
+      __syncthreads();  // sk, sv, sp no longer read by the previous tile
+      for (int e = tid; e < BN * D; e += NT) {
+        const ofz_i64 je = j0 + e / D;
+        sk[e / D][e % D] = je < n.sk ? to_f32(k[K::offset(a, b, h, je, e % D)]) : 0.0f;
+      }
+      for (int e = tid; e < BN * DV; e += NT) {
+        const ofz_i64 je = j0 + e / DV;
+        sv[e / DV][e % DV] = je < n.sk ? to_f32(v[V::offset(a, b, h, je, e % DV)]) : 0.0f;
+      }
+      __syncthreads();
+
+      float s[Tile::KEYS];
+#pragma unroll
+      for (int kk = 0; kk < Tile::KEYS; ++kk) s[kk] = 0.0f;
+#pragma unroll 8
+      for (int d = 0; d < D; ++d) {
+        const float x = sq[r][d];
+#pragma unroll
+        for (int kk = 0; kk < Tile::KEYS; ++kk) s[kk] += x * sk[g + G * kk][d];
+      }
+      float tile_max = neg_inf();
+#pragma unroll
+      for (int kk = 0; kk < Tile::KEYS; ++kk) {
+        const ofz_i64 j = j0 + g + G * kk;
+        s[kk] = row_ok && j < n.sk ? Score::score(a, b, h, i, j, s[kk]) : neg_inf();
+        tile_max = fmaxf(tile_max, s[kk]);
+      }
+      const float alpha = row.rescale(group_reduce<MaxOp, G>(tile_max));
+      float psum = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < Tile::KEYS; ++kk) {
+        const float p = __expf(s[kk] - row.base);
+        sp[r][g + G * kk] = p;
+        psum += p;
+      }
+      row.l += group_reduce<SumOp, G>(psum);
+      __syncwarp();  // the row's probabilities, written by its G lanes, are visible to all of them
+#pragma unroll
+      for (int c = 0; c < Tile::COLS; ++c) acc[c] *= alpha;
+      const int keys = n.sk - j0 < BN ? (int)(n.sk - j0) : BN;
+      for (int jj = 0; jj < keys; ++jj) {
+        const float p = sp[r][jj];
+#pragma unroll
+        for (int c = 0; c < Tile::COLS; ++c)
+          if (g + G * c < DV) acc[c] += p * sv[jj][g + G * c];
+      }
+    }
+    if (row_ok) {
+      const float inv = row.inv_sum();
+#pragma unroll
+      for (int c = 0; c < Tile::COLS; ++c)
+        if (g + G * c < DV) o[O::offset(a, b, h, i, g + G * c)] = from_f32<T>(acc[c] * inv);
+    }
+  }
+}
+
+// ---- tensor cores: fp16 / bf16 storage, head sizes multiples of 16 up to 128 (sm_80+) ------------------------
+// Four warps, 16 query rows each (BLOCK_M = 64). Q·Kᵀ and P·V are mma.sync m16n8k16 with fp32 accumulators;
+// the score accumulators become P's A fragments in registers (their layouts coincide), so P never touches
+// shared memory. K and V tiles are double-buffered with cp.async: tile t+1 loads while tile t computes.
+// Preconditions the generated code guarantees: every layout is contiguous in d
+// (offset(b, h, s, d) == offset(b, h, s, 0) + d) and each row starts 16-byte aligned (8 elements).
+// Dynamic shared memory: launch with smem = Tile::SMEM_BYTES (above 48 KiB for head size 128: opt-in).
+template <int D, int DV> struct MmaTile {
+  static constexpr int THREADS = 128;
+  static constexpr int BLOCK_M = 64;
+  static constexpr int BLOCK_N = (D > 64 || DV > 64) ? 32 : 64;
+  static constexpr int PAD = 8;  // elements added to each shared row: the 8 rows of an ldmatrix hit distinct banks
+  static constexpr int SMEM_BYTES = 2 * (BLOCK_M * (D + PAD) + 2 * BLOCK_N * (D + PAD) + 2 * BLOCK_N * (DV + PAD));
+};
+
+template <class T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+  return (unsigned)__half_as_ushort(__float2half(lo)) | (unsigned)__half_as_ushort(__float2half(hi)) << 16;
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+  return (unsigned)__bfloat16_as_ushort(__float2bfloat16(lo)) | (unsigned)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16;
+}
+template <class T> __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+template <> __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  mma_f16(c, a, b);
+}
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  mma_bf16(c, a, b);
+}
+
+// Rows s0 .. s0+ROWS-1 of one head, W elements each, global -> shared rows of W + PAD elements, 16 bytes per
+// cp.async; rows at or past `limit` are zero-filled without a global read.
+template <class T, int ROWS, int W, int PAD, class L> __device__ __forceinline__ void load_rows(
+    T* dst, const T* src, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0, ofz_i64 limit) {
+  constexpr int CHUNKS = W / 8;
+  for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
+    const int row = e / CHUNKS, col = e % CHUNKS * 8;
+    const bool ok = s0 + row < limit;
+    cp_async16(dst + row * (W + PAD) + col, ok ? src + L::offset(a, b, h, s0 + row, col) : src, ok ? 16 : 0);
+  }
+}
+
+template <class T, int D, int DV, class Q, class K, class V, class O, class Score>
+__device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restrict__ q, const T* __restrict__ k,
+                                            const T* __restrict__ v, T* __restrict__ o, const Dims n) {
+  using Tile = MmaTile<D, DV>;
+  constexpr int BM = Tile::BLOCK_M, BN = Tile::BLOCK_N, P = Tile::PAD, QS = D + P, VS = DV + P;
+  static_assert(D % 16 == 0 && DV % 16 == 0 && D <= 128 && DV <= 128, "head sizes: multiples of 16 up to 128");
+  OFZ_DYNAMIC_SMEM(T, smem);
+  T* const sq = smem;               // [BM][QS]
+  T* const sk = sq + BM * QS;       // [2][BN][QS]
+  T* const sv = sk + 2 * BN * QS;   // [2][BN][VS]
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const ofz_i64 tiles_m = (n.sq + BM - 1) / BM, units = n.batch * n.heads * tiles_m, tiles_n = (n.sk + BN - 1) / BN;
+  for (ofz_i64 u = blockIdx.x; u < units; u += gridDim.x) {
+    const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
+    const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
+    __syncthreads();  // the previous unit is done with every buffer
+    load_rows<T, BM, D, P, Q>(sq, q, a, b, h, i0, n.sq);
+    load_rows<T, BN, D, P, K>(sk, k, a, b, h, 0, n.sk);
+    load_rows<T, BN, DV, P, V>(sv, v, a, b, h, 0, n.sk);
+    cp_async_commit();
+    unsigned qa[D / 16][4];
+    RowState st[2];
+    st[0].init(), st[1].init();
+    float acc[DV / 8][4];
+#pragma unroll
+    for (int c = 0; c < DV / 8; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
+
+    for (ofz_i64 tn = 0; tn < tiles_n; ++tn) {
+      const ofz_i64 j0 = tn * BN;
+      const T* kt = sk + (tn % 2) * BN * QS;
+      const T* vt = sv + (tn % 2) * BN * VS;
+      if (tn + 1 < tiles_n) {  // prefetch the next tile into the other buffer (freed at the end of tn - 1)
+        load_rows<T, BN, D, P, K>(sk + ((tn + 1) % 2) * BN * QS, k, a, b, h, j0 + BN, n.sk);
+        load_rows<T, BN, DV, P, V>(sv + ((tn + 1) % 2) * BN * VS, v, a, b, h, j0 + BN, n.sk);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      if (tn == 0) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], sq + (warp * 16 + lane % 16) * QS + ks * 16 + lane / 16 * 8);
+      }
+      // S = Q·Kᵀ for this warp's 16 rows: s[nt] is the m16n8 block of keys nt*8 .. nt*8+7.
+      float s[BN / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt += 2) {  // matrices: (keys nt, d lo), (nt, d hi), (nt+1, lo), (nt+1, hi)
+          unsigned kb[4];
+          ldmatrix_x4(kb, kt + (nt * 8 + lane / 16 * 8 + lane % 8) * QS + ks * 16 + lane / 8 % 2 * 8);
+          const unsigned b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+          mma16816<T>(s[nt], qa[ks], b0);
+          mma16816<T>(s[nt + 1], qa[ks], b1);
+        }
+      }
+      // Score epilogue and online softmax; element e of block nt is row g + 8 * (e / 2), key nt*8 + 2t + e % 2.
+      float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const ofz_i64 i = rows[e / 2], j = j0 + nt * 8 + 2 * t + e % 2;
+          s[nt][e] = i < n.sq && j < n.sk ? Score::score(a, b, h, i, j, s[nt][e]) : neg_inf();
+          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+        }
+      }
+      float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) alpha[r] = st[r].rescale(group_reduce<MaxOp, 4>(mx[r]));
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] = __expf(s[nt][e] - st[e / 2].base);
+          sum[e / 2] += s[nt][e];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) st[r].l += group_reduce<SumOp, 4>(sum[r]);
+#pragma unroll
+      for (int c = 0; c < DV / 8; ++c) acc[c][0] *= alpha[0], acc[c][1] *= alpha[0], acc[c][2] *= alpha[1], acc[c][3] *= alpha[1];
+      // O += P·V: the accumulators of key blocks 2kk and 2kk+1 are P's A fragment for keys kk*16 .. kk*16+15.
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const unsigned pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int c = 0; c < DV / 8; c += 2) {  // matrices: (keys lo, cols c), (keys hi, c), (lo, c+1), (hi, c+1)
+          unsigned vb[4];
+          ldmatrix_x4_trans(vb, vt + (kk * 16 + lane / 8 % 2 * 8 + lane % 8) * VS + (c + lane / 16) * 8);
+          const unsigned b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+          mma16816<T>(acc[c], pa, b0);
+          mma16816<T>(acc[c + 1], pa, b1);
+        }
+      }
+      __syncthreads();  // this tile's buffers may be refilled
+    }
+    const float inv[2] = {st[0].inv_sum(), st[1].inv_sum()};
+#pragma unroll
+    for (int c = 0; c < DV / 8; ++c) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const ofz_i64 i = rows[e / 2];
+        if (i < n.sq) o[O::offset(a, b, h, i, c * 8 + 2 * t + e % 2)] = from_f32<T>(acc[c][e] * inv[e / 2]);
+      }
+    }
+  }
+}
+
+}  // namespace attn
+}  // namespace ofz

@@ -1,0 +1,218 @@
+"""GEMM region -> kernel IR: one MatMul/Gemm (the anchor) with its prologue and epilogue ops.
+
+The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the region's own ops become the
+`Ops` callbacks, printed from IR by the same value walk as every other kernel:
+* operands the template copies itself (cp.async) when they are region inputs in plain row-major (A, B)
+  or column-major (Gemm transB) layout with 16-byte aligned rows; otherwise `a_load` / `b_load` evaluate
+  the operand element by element, through any prologue ops (casts, scaling, transposes, broadcasts);
+* `epi2` / `epi1` compute every region output at one or two adjacent columns from the accumulator, with
+  16-bit pairs stored as one access when the row length is even.
+When B has no batch dims, the batch dims of A fold into M, so the whole activation is one tall GEMM."""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional
+
+import onnx
+
+from ortfuse.customops import ir, scalar, target as hw, tiles as tl
+from ortfuse.customops.ir import F32, I64, Expr, Var
+from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
+from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.search.plan import Region
+
+GEMM_OPS = frozenset({"MatMul", "Gemm"})
+ROW, COL, GENERIC = 0, 1, 2  # ofz::gemm::Mode
+MATH_OF = {"f16": tl.MMA_F16, "bf16": tl.MMA_BF16}
+C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    v = scalar.attr(node, name)
+    return default if v is None else v
+
+
+class _GemmLowerer(_Lowerer):
+    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool):
+        super().__init__(graph, region, tgt, dict(graph.sym_hints))
+        anchors = [i for i in region.nodes if graph.nodes[i].op_type in GEMM_OPS]
+        if len(anchors) != 1:
+            raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm, this region has {len(anchors)}")
+        self.anchor = graph.nodes[anchors[0]]
+        self.tf32 = tf32
+        self.acc: dict[Expr, Expr] = {}  # column expression -> accumulator value at that column
+        self.out_idx: tuple[Expr, ...] = ()
+
+    # ------------------------------------------------------------------ the anchor's value in the epilogue
+    def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
+        if node is not self.anchor:
+            return super().node_value(node, pos, idx)
+        if idx[:-1] != self.out_idx[:-1] or idx[-1] not in self.acc:
+            raise LoweringError("the GEMM result is read at another element than the one being stored "
+                                "(a layout change or reduction after the GEMM)")
+        v = self.acc[idx[-1]]
+        if node.op_type == "Gemm":
+            alpha = float(_attr(node, "alpha", 1.0))
+            if alpha != 1.0:
+                v = ir.Op("mul", (v, ir.Const(alpha, F32)), F32)
+            if len(node.input) > 2 and node.input[2]:
+                c = node.input[2]
+                beta = float(_attr(node, "beta", 1.0))
+                cv = self.value(c, self.broadcast(idx, self._shape(c)))
+                v = ir.Op("add", (v, ir.Op("mul", (cv, ir.Const(beta, F32)), F32) if beta != 1.0 else cv), F32)
+        return v
+
+    # ------------------------------------------------------------------ helpers
+    def func(self, name: str, params: tuple[Var, ...], build) -> ir.Func:
+        """Lower `build()` (which returns the result expression or None) in a fresh scope."""
+        saved = self.scopes
+        self.scopes = [_Scope({p.name for p in params})]
+        result = build()
+        body = tuple(self.scopes[0].stmts)
+        self.scopes = saved
+        return ir.Func(name, params, body, result)
+
+    def esize(self, storage: str) -> int:
+        return {"f16": 2, "bf16": 2, "f32": 4}[storage]
+
+    def static(self, d: Dim) -> Optional[int]:
+        return d if isinstance(d, int) else None
+
+    # ------------------------------------------------------------------ the kernel
+    def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple]:
+        node, g = self.anchor, self.g
+        a_t, b_t, y_t = node.input[0], node.input[1], node.output[0]
+        a_s, b_s, y_s = self._shape(a_t), self._shape(b_t), self._shape(y_t)
+        if len(a_s) < 2 or len(b_s) < 2:
+            raise LoweringError("matrix-vector products (rank-1 MatMul operands) are left to ORT")
+        trans_a = node.op_type == "Gemm" and bool(_attr(node, "transA", 0))
+        trans_b = node.op_type == "Gemm" and bool(_attr(node, "transB", 0))
+        storage = _storage(g.tensors[a_t].dtype, f"GEMM operand '{a_t}'")
+        if storage != _storage(g.tensors[b_t].dtype, f"GEMM operand '{b_t}'"):
+            raise LoweringError("GEMM operands of different element types")
+        if storage not in C_ELEM:
+            raise LoweringError(f"{storage} GEMMs are left to ORT")
+        math_ = MATH_OF.get(storage, tl.MMA_TF32 if self.tf32 else tl.SIMT)
+        es = self.esize(storage)
+        M, N = y_s[-2], y_s[-1]
+        K = a_s[-2] if trans_a else a_s[-1]
+        for o in self.r.outputs:
+            if self._shape(o) != y_s:
+                raise LoweringError(f"output '{o}' of shape {self._shape(o)} is not the GEMM's shape {y_s}")
+
+        batch_shape = tuple(y_s[:-2])
+        fold = all(d == 1 for d in b_s[:-2]) and not trans_a
+        # kernel coordinates (b, m, n) -> output index; operand element indices
+        vb, vm, vn, vk = Var("gb", I64), Var("gm", I64), Var("gn", I64), Var("gk", I64)
+
+        def out_prefix(b: Expr, m: Expr) -> tuple[Expr, ...]:
+            if fold:
+                return self.unravel(m, batch_shape + (M,))
+            return self.unravel(b, batch_shape) + (m,) if batch_shape else (m,)
+
+        def operand_index(t: str, shape: tuple[Dim, ...], b: Expr, m_or_k: Expr, k_or_n: Expr, is_a: bool,
+                          trans: bool) -> tuple[Expr, ...]:
+            pre = out_prefix(b, m_or_k) if is_a else out_prefix(b, ir.i64(0))
+            batch_idx = self.broadcast(pre[:-1], shape[:-2]) if len(shape) > 2 else ()
+            if is_a:
+                row, col = pre[-1], k_or_n
+            else:
+                row, col = m_or_k, k_or_n
+            return batch_idx + ((col, row) if trans else (row, col))
+
+        # operand modes
+        k_static = self.static(K)
+        n_static = self.static(N)
+        a_direct = (a_t in self.args and a_t not in self.producer and not trans_a and k_static is not None
+                    and (k_static * es) % 16 == 0)
+        b_input = b_t in self.args and b_t not in self.producer
+        if b_input and trans_b and k_static is not None and (k_static * es) % 16 == 0:
+            b_mode = COL
+        elif b_input and not trans_b and n_static is not None and (n_static * es) % 16 == 0:
+            b_mode = ROW
+        else:
+            b_mode = GENERIC
+        a_mode = ROW if a_direct else GENERIC
+
+        funcs: list[ir.Func] = []
+        if a_mode == ROW:
+            funcs.append(self.func("a_base", (vb,), lambda: self.linearize(
+                operand_index(a_t, a_s, vb, ir.i64(0), ir.i64(0), True, False), a_s) if not fold else ir.i64(0)))
+        else:
+            funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
+                a_t, operand_index(a_t, a_s, vb, vm, vk, True, trans_a))))
+        if b_mode != GENERIC:
+            funcs.append(self.func("b_base", (vb,), lambda: self.linearize(
+                operand_index(b_t, b_s, vb, ir.i64(0), ir.i64(0), False, False), b_s)))
+        else:
+            funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.value(
+                b_t, operand_index(b_t, b_s, vb, vk, vn, False, trans_b))))
+
+        # epilogue: two adjacent columns, then one
+        v0, v1 = Var("acc0", F32), Var("acc1", F32)
+        self.inner_dim = N
+        outs = list(self.r.outputs)
+
+        def epilogue(cols: list[tuple[Expr, Var]], vec: int) -> None:
+            self.vec = vec
+            for chunk in ([cols] if vec > 1 else [[c] for c in cols]):
+                self.lanes = tuple(c for c, _ in chunk)
+                self.acc = {c: v for c, v in chunk}
+                prefix = out_prefix(vb, vm)
+                self.out_idx = prefix + (self.lanes[0],)
+                self.store_outputs(outs, lambda lane: prefix + (lane,), None)
+            return None
+
+        pair_vec = 2 if n_static is not None and n_static % 2 == 0 else 1
+        n1 = ir.add(vn, ir.i64(1))
+        funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: epilogue([(vn, v0), (n1, v1)], pair_vec)))
+        funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: epilogue([(vn, v0)], 1)))
+
+        # tile construction
+        hint = self.hint
+        m_hint = hint(M) * (math.prod(hint(d) for d in batch_shape) if fold else 1)
+        b_hint = 1 if fold else math.prod(hint(d) for d in batch_shape)
+        ranked = tl.rank_tiles(self.tgt, m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL)
+        if not ranked:
+            raise LoweringError("no GEMM tile fits the hardware table entry")
+        tile = ranked[0].tile
+
+        batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
+        m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
+        units_ceil = ((tuple(m_terms), tile.bm), ((self.encode(N),), tile.bn))
+        m_expr = self.product(m_terms)
+        batch_expr = self.product(batch_terms)
+        a_arg = self.args[a_t] if a_mode != GENERIC else 0
+        b_arg = self.args[b_t] if b_mode != GENERIC else 0
+        call = ir.Call("ofz::gemm::run",
+                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a_mode), str(b_mode), str(math_)),
+                       (ir.i64(a_arg), ir.i64(b_arg), batch_expr, m_expr, self.dim(N), self.dim(K)))
+        self.scopes = [_Scope(set())]
+        self.emit(call)
+        kernel = self.kernel(tile.threads, 0)
+        kernel = ir.Kernel(kernel.name, kernel.block, kernel.params, kernel.num_dims, 0, kernel.body,
+                           ("ortfuse_gemm.h",), tuple(funcs))
+        kernel = self.rename(kernel)
+        smem = tile.smem_bytes(es, b_mode == COL)
+        if smem > self.tgt.smem_per_block:
+            raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
+        return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)
+
+    def rename(self, k: ir.Kernel) -> ir.Kernel:
+        """Name by content including the callbacks (the base class hashes the body only)."""
+        anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in k.params)
+        key = repr((ir.Kernel("", k.block, anon, k.num_dims, 0, k.body, k.headers, k.funcs)))
+        return ir.Kernel(f"ofz_{hashlib.sha256(key.encode()).hexdigest()[:10]}", k.block, k.params, k.num_dims, 0,
+                         k.body, k.headers, k.funcs)
+
+
+def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False) -> KernelSpec:
+    lw = _GemmLowerer(graph, region, tgt, tf32)
+    kernel, units, units_ceil, smem, ranked = lw.gemm()
+    if len(lw.sym_pairs) > 16:
+        raise LoweringError("more than 16 symbolic dims in one kernel")
+    shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
+    return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked)
+

@@ -1,0 +1,191 @@
+"""The flash-attention template (customops/include/ortfuse_attention.h), hand-instantiated the way generated
+code will use it: layout functors for [B,H,S,D], BERT's [B,S,H*D] and a transposed K, score functors for a
+plain scale, an additive padding mask and a causal mask. Run in CPU emulation against numpy (Sq and Sk
+not multiples of the tiles, fp32/fp16/bf16 storage) and compiled with NVRTC for sm_90."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ortfuse.customops.compile import compile_kernel
+from ortfuse.customops.emulate import compile_emulated
+
+B, H, SQ, SK = 2, 2, 37, 45
+STORAGE = {"f32": ("float", np.float32), "f16": ("__half", np.float16), "bf16": ("__nv_bfloat16", ml_dtypes.bfloat16)}
+
+# Arguments: ptr = q, k, v, o, mask ([B, Sk] fp32, read by Padding only); dim = B, Sq, Sk.
+PRELUDE = r"""
+#include "ortfuse_kernel.h"
+#include "ortfuse_attention.h"
+#define DEV __device__ __forceinline__ static
+constexpr int H = 2;
+// [B, H, S, D]; S is dim[SDIM] (1: queries, 2: keys)
+template <int D, int SDIM> struct Bhsd {
+  DEV ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d) { return ((b * H + h) * a.dim[SDIM] + s) * D + d; }
+};
+// [B, S, H*D]: the projections as BERT, GPT-2 and ViT feed their Reshape + Transpose
+template <int D, int SDIM> struct Bshd {
+  DEV ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d) { return (b * a.dim[SDIM] + s) * (H * D) + h * D + d; }
+};
+// Kᵀ stored as [B, H, D, Sk] (a path that stopped at the transposed K)
+template <int D> struct Bhds {
+  DEV ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d) { return ((b * H + h) * D + d) * a.dim[2] + s; }
+};
+template <int D> struct Plain {
+  DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64, ofz_i64, float qk) { return qk * (1.0f / sqrtf((float)D)); }
+};
+template <int D> struct Padding {  // scores * scale + mask[b, j]
+  DEV float score(const OfzArgs& a, ofz_i64 b, ofz_i64, ofz_i64, ofz_i64 j, float qk) {
+    return qk * (1.0f / sqrtf((float)D)) + ((const float*)a.ptr[4])[b * a.dim[2] + j];
+  }
+};
+template <int D> struct Causal {  // Where(j <= i, scores * scale, -inf)
+  DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64 i, ofz_i64 j, float qk) {
+    return j > i ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
+  }
+};
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    d: int
+    dv: int
+    layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
+    score: str  # "plain" | "padding" | "causal"
+    kernel: str = "simt"  # "simt" | "tensor_core"
+
+    @property
+    def entry(self) -> str:
+        return f"attn_{self.kernel}_{self.dtype}_{self.d}_{self.dv}_{self.layout}_{self.score}"
+
+    @property
+    def block_m(self) -> int:  # SimtTile / MmaTile::BLOCK_M
+        return 32 if self.kernel == "simt" else 64
+
+    @property
+    def smem(self) -> int:  # MmaTile::SMEM_BYTES (the SIMT kernel uses static shared memory)
+        if self.kernel == "simt":
+            return 0
+        bn = 32 if max(self.d, self.dv) > 64 else 64
+        return 2 * (64 * (self.d + 8) + 2 * bn * (self.d + 8) + 2 * bn * (self.dv + 8))
+
+
+CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("plain", "padding", "causal")] + [
+    Case(dt, 32, 32, "bshd", sc) for dt in ("f16", "bf16") for sc in ("padding", "causal")] + [
+    Case("f32", 128, 128, "bhsd", "padding"), Case("f16", 128, 128, "bshd", "causal"),
+    Case("f32", 40, 24, "kt", "plain"), Case("f32", 3, 5, "bhsd", "padding")] + [
+    Case(dt, 64, 64, lay, sc, "tensor_core") for dt in ("f16", "bf16") for lay in ("bhsd", "bshd")
+    for sc in ("padding", "causal")] + [
+    Case("f16", 128, 128, "bshd", "padding", "tensor_core"), Case("bf16", 32, 64, "bhsd", "plain", "tensor_core"),
+    Case("f16", 16, 16, "bshd", "causal", "tensor_core")]
+
+
+def _kernel(c: Case) -> str:
+    t = STORAGE[c.dtype][0]
+    lay = {"bhsd": "Bhsd", "bshd": "Bshd", "kt": "Bshd"}[c.layout]
+    k = f"Bhds<{c.d}>" if c.layout == "kt" else f"{lay}<{c.d}, 2>"
+    score = {"plain": "Plain", "padding": "Padding", "causal": "Causal"}[c.score]
+    return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
+            f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
+            f"{score}<{c.d}>>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
+            f"ofz::attn::Dims{{a.dim[0], H, a.dim[1], a.dim[2]}});\n}}\nOFZ_EMU_ENTRY({c.entry})\n")
+
+
+SOURCE = PRELUDE + "".join(_kernel(c) for c in CASES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ORTFUSE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return compile_emulated(SOURCE)
+
+
+def _layout(x: np.ndarray, layout: str) -> np.ndarray:
+    """[B, H, S, D] -> the kernel's storage layout."""
+    if layout == "bhsd":
+        return np.ascontiguousarray(x)
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
+
+
+def _reference(q, k, v, mask, causal: bool) -> np.ndarray:
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1]) + mask[:, None, None, :]
+    if causal:
+        s = np.where(np.arange(s.shape[3])[None, :] > np.arange(s.shape[2])[:, None], -np.inf, s)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    tot = e.sum(-1, keepdims=True)
+    return (e / np.where(tot > 0, tot, 1.0)) @ v  # all-masked rows: 0, as the kernel documents
+
+
+def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    npt = STORAGE[c.dtype][1]
+    q, k, v = (rng.standard_normal((B, H, s, d)).astype(npt).astype(np.float64)
+               for s, d in ((sq, c.d), (sk, c.d), (sk, c.dv)))
+    lay = "bshd" if c.layout == "kt" else c.layout
+    store = [_layout(x, lay).astype(npt) for x in (q, k, v)]
+    if c.layout == "kt":
+        store[1] = np.ascontiguousarray(k.transpose(0, 1, 3, 2)).astype(npt)
+    out = np.zeros_like(_layout(np.zeros((B, H, sq, c.dv)), lay), dtype=npt)
+    args = [x.view(np.uint16) if c.dtype == "bf16" else x for x in (*store, out)]
+    grid = -(-B * H * sq // c.block_m)  # units B*H*Sq, BLOCK_M per block: may be fewer blocks than row tiles
+    mod.launch(c.entry, grid, 128, [*args, mask.astype(np.float32)], [B, sq, sk], c.smem)
+    got = out.astype(np.float64)
+    if lay == "bshd":
+        got = got.reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
+    return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask), c.score == "causal")
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def _padding_mask(sk: int = SK) -> np.ndarray:
+    m = np.zeros((B, sk))
+    m[0, 30:] = -np.inf  # trailing padding
+    m[1, :33] = -np.inf  # every key of the first tile masked, then live keys: the rescale guard
+    return m
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.entry)
+def test_matches_numpy(mod, c: Case):
+    got, ref = _run(mod, c, _padding_mask())
+    assert np.isfinite(got).all()
+    assert _rel(got, ref) <= (1e-5 if c.dtype == "f32" else 1e-2), _rel(got, ref)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (5, 3), (33, 70), (70, 130)])
+@pytest.mark.parametrize("kernel,dtype", [("simt", "f32"), ("tensor_core", "f16")])
+def test_odd_sizes(mod, sq: int, sk: int, kernel: str, dtype: str):
+    c = Case(dtype, 32, 32, "bshd", "padding") if kernel == "simt" else Case("f16", 64, 64, "bshd", "padding", kernel)
+    mask = np.zeros((B, sk))
+    mask[1, sk // 2:] = -1e30  # finite mask values, as exporters emit
+    got, ref = _run(mod, c, mask, sq, sk, seed=1)
+    assert _rel(got, ref) <= (1e-5 if dtype == "f32" else 1e-2)
+
+
+@pytest.mark.parametrize("c", [Case("f32", 32, 32, "bhsd", "padding"),
+                               Case("f16", 64, 64, "bhsd", "padding", "tensor_core")], ids=lambda c: c.kernel)
+def test_fully_masked_rows_are_zero_not_nan(mod, c: Case):
+    mask = np.zeros((B, SK))
+    mask[1] = -np.inf
+    got, ref = _run(mod, c, mask)
+    assert np.isfinite(got).all() and not got[1].any()
+    assert _rel(got, ref) <= (1e-5 if c.dtype == "f32" else 1e-2)
+
+
+def test_compiles_with_nvrtc(tmp_path):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    ck = compile_kernel(SOURCE, CASES[0].entry, (90,), tmp_path)
+    assert ck.cubins[0][0] == 90 and len(ck.cubins[0][1]) > 0
