@@ -144,8 +144,8 @@ class Comment:
 
 @dataclass(frozen=True)
 class Call:
-    """The kernel body as one call of a header template: `fn<targs..., Ops>(a, args...)`, where `Ops` is
-    the struct of the kernel's `funcs` (omitted when there are none)."""
+    """The kernel body as one call of a header template: `fn<targs...>(a, args...)`. A template argument
+    "OPS" (or "OPS::X") names the struct of the kernel's `funcs` (or its nested struct X)."""
 
     fn: str
     targs: tuple[str, ...]
@@ -157,8 +157,9 @@ Stmt = Union[Let, Decl, Assign, For, If, VecLoad, Store, VecStore, RowReduce, Co
 
 @dataclass(frozen=True)
 class Func:
-    """A device function a template calls back, printed as a static member of the kernel's `Ops` struct.
-    Its body sees the kernel's tensors (t<k>) and dims (d<k>) as the kernel body does."""
+    """A device function a template calls back, printed as a static member of the kernel's `Ops` struct
+    (a name "X.f" puts f in the nested struct X). Its body sees the kernel's tensors (t<k>) and dims
+    (d<k>) as the kernel body does."""
 
     name: str
     params: tuple[Var, ...]

@@ -483,6 +483,9 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False) -> K
     if region.kind == "gemm":
         from ortfuse.customops.lower_gemm import lower_gemm
         return lower_gemm(graph, region, tgt, tf32)
+    if region.kind == "attention":
+        from ortfuse.customops.lower_attention import lower_attention
+        return lower_attention(graph, region, tgt)
     lw = _Lowerer(graph, region, tgt, dict(graph.sym_hints))
     if region.kind == "pointwise":
         k, units, per_block = lw.pointwise()

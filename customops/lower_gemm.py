@@ -186,7 +186,7 @@ class _GemmLowerer(_Lowerer):
         a_arg = self.args[a_t] if a_mode != GENERIC else 0
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
         call = ir.Call("ofz::gemm::run",
-                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a_mode), str(b_mode), str(math_)),
+                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a_mode), str(b_mode), str(math_), "OPS"),
                        (ir.i64(a_arg), ir.i64(b_arg), batch_expr, m_expr, self.dim(N), self.dim(K)))
         self.scopes = [_Scope(set())]
         self.emit(call)

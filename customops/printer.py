@@ -63,6 +63,7 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "grid_dim": lambda a: "((ofz_i64)gridDim.x)",
     "round_f16": lambda a: f"ofz::round_f16({a[0]})",
     "round_bf16": lambda a: f"ofz::round_bf16({a[0]})",
+    "attn_dims": lambda a: f"ofz::attn::Dims{{{a[0]}, {a[1]}, {a[2]}, {a[3]}}}",
 }
 
 
@@ -156,16 +157,27 @@ def _prelude(k: ir.Kernel, ind: str, out: list[str]) -> None:
 
 def _ops_struct(k: ir.Kernel, out: list[str]) -> None:
     out.append(f"struct {k.name}_ops {{")
+    nested: dict[str, list[ir.Func]] = {}
     for f in k.funcs:
-        ret = C_TYPE[f.result.ctype] if f.result is not None else "void"
-        params = "".join(f", {C_TYPE[v.ctype]} {v.name}" for v in f.params)
-        out.append(f"  static __device__ __forceinline__ {ret} {f.name}(const OfzArgs& a{params}) {{")
-        _prelude(k, "    ", out)
-        for s in f.body:
-            _stmt(s, "    ", out)
-        if f.result is not None:
-            out.append(f"    return {expr(f.result)};")
-        out.append("  }")
+        nested.setdefault(f.name.split(".")[0] if "." in f.name else "", []).append(f)
+    for group, funcs in nested.items():
+        ind = "  "
+        if group:
+            out.append(f"  struct {group} {{")
+            ind = "    "
+        for f in funcs:
+            ret = C_TYPE[f.result.ctype] if f.result is not None else "void"
+            params = "".join(f", {C_TYPE[v.ctype]} {v.name}" for v in f.params)
+            name = f.name.split(".")[-1]
+            out.append(f"{ind}static __device__ __forceinline__ {ret} {name}(const OfzArgs& a{params}) {{")
+            _prelude(k, ind + "  ", out)
+            for s in f.body:
+                _stmt(s, ind + "  ", out)
+            if f.result is not None:
+                out.append(f"{ind}  return {expr(f.result)};")
+            out.append(f"{ind}}}")
+        if group:
+            out.append("  };")
     out.append("};")
     out.append("")
 
@@ -175,9 +187,10 @@ def render(k: ir.Kernel) -> str:
     out = ['#include "ortfuse_kernel.h"', *[f'#include "{h}"' for h in k.headers], ""]
     if k.funcs:
         _ops_struct(k, out)
+        ops = f"{k.name}_ops"
         k = ir.Kernel(k.name, k.block, k.params, k.num_dims, k.scratch_floats,
-                      tuple(ir.Call(s.fn, (*s.targs, f"{k.name}_ops"), s.args) if isinstance(s, ir.Call) else s
-                            for s in k.body), k.headers, k.funcs)
+                      tuple(ir.Call(s.fn, tuple(ops + t[3:] if t.startswith("OPS") else t for t in s.targs), s.args)
+                            if isinstance(s, ir.Call) else s for s in k.body), k.headers, k.funcs)
     out.append(f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}(const OfzArgs a) {{')
     _prelude(k, "  ", out)
     if k.scratch_floats:

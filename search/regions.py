@@ -1,6 +1,11 @@
-"""Region growth: greedy merging along producer->consumer edges in topological order. A merge is
-kept only if `legal` allows it and the merged group still lowers to one kernel; the cost model then
-keeps the regions that pay."""
+"""Region growth in three phases:
+0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed);
+1. memory-bound ops: greedy merging along producer->consumer edges in topological order. A merge is
+   kept only if `legal` allows it and the merged group still lowers to one kernel;
+2. GEMM epilogues: each MatMul/Gemm absorbs the element-wise group that consumes its result, when the
+   merged region lowers to one GEMM kernel; groups with a reduction stay separate (cuBLAS + our row
+   kernel moves the same bytes as our GEMM + our row kernel).
+The cost model then keeps the regions that pay."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -8,19 +13,20 @@ from typing import Callable, Optional
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import legal, ops
+from ortfuse.search.attention import find_attention
 from ortfuse.search.cost import CostModel, traffic
-from ortfuse.search.plan import Plan, Region, Reject
+from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Lowering check: raises with a reason when a candidate region is not one kernel.
 Check = Callable[[Graph, Region], Optional[str]]
 
 
-def _lowering_check(tgt: Target) -> Check:
+def _lowering_check(tgt: Target, tf32: bool) -> Check:
     from ortfuse.customops.lower import LoweringError, lower
 
     def check(g: Graph, region: Region) -> Optional[str]:
         try:
-            lower(g, region, tgt)
+            lower(g, region, tgt, tf32)
         except LoweringError as e:
             return str(e)
         return None
@@ -35,38 +41,81 @@ def _candidate(g: Graph, nodes: set[int], check: Check) -> Region | Reject:
     return Reject(f"region at {g.node_label(min(nodes))}", why) if why else r
 
 
-def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optional[Check] = None) -> Plan:
-    cost = cost or CostModel(tgt)
-    check = check or _lowering_check(tgt)
+def _attention(g: Graph, check: Check, refusals: list[Reject]) -> list[Region]:
+    found, rejects = find_attention(g)
+    refusals.extend(rejects)
+    out = []
+    for pat in found:
+        inputs, outputs = legal.region_io(g, set(pat.nodes))
+        if outputs != [pat.output]:
+            refusals.append(Reject(g.node_label(pat.softmax), f"attention has outputs {outputs}, not just its result"))
+            continue
+        shape = g.tensors[pat.output].shape
+        r = Region(-1, "attention", pat.nodes, tuple(inputs), tuple(outputs), tuple(shape or ()), Traffic(0, 0, 0))
+        why = check(g, r)
+        if why:
+            refusals.append(Reject(g.node_label(pat.softmax), f"attention not lowered: {why}"))
+            continue
+        out.append(r)
+    return out
+
+
+def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optional[Check] = None,
+         tf32: bool = False) -> Plan:
+    cost = cost or CostModel(tgt, tf32)
+    check = check or _lowering_check(tgt, tf32)
     rejects: list[Reject] = []
     refusals: list[Reject] = []
+    attention = _attention(g, check, refusals)
+    claimed = {n for r in attention for n in r.nodes}
     group_of: dict[int, frozenset[int]] = {}
+    gemms: list[int] = []
     for i in range(len(g.nodes)):
+        if i in claimed:
+            continue
         why = legal.node_verdict(g, i)
-        if why is None:
-            group_of[i] = frozenset((i,))
-        else:
+        if why is not None:
             rejects.append(why)
+        elif g.nodes[i].op_type in ops.GEMM:
+            gemms.append(i)
+        else:
+            group_of[i] = frozenset((i,))
+
+    def merge(a: set[int], label: str) -> bool:
+        if legal.creates_cycle(g, a, group_of):
+            refusals.append(Reject(label, "merging would create a cycle"))
+            return False
+        cand = _candidate(g, a, check)
+        if isinstance(cand, Reject):
+            refusals.append(Reject(label, cand.reason))
+            return False
+        frozen = frozenset(a)
+        for n in frozen:
+            group_of[n] = frozen
+        return True
 
     for i in sorted(group_of):
         for _, t in ops.data_inputs(g.nodes[i]):
             p = g.producer.get(t)
             if p is None or p not in group_of or group_of[p] == group_of[i]:
                 continue
-            merged = set(group_of[p] | group_of[i])
-            if legal.creates_cycle(g, merged, group_of):
-                refusals.append(Reject(f"{g.node_label(p)} + {g.node_label(i)}", "merging would create a cycle"))
+            merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}")
+
+    for i in gemms:  # phase 2: epilogues
+        group_of[i] = frozenset((i,))
+        for c in g.consumers.get(g.nodes[i].output[0], ()):
+            grp = group_of.get(c)
+            if grp is None or i in grp:
                 continue
-            cand = _candidate(g, merged, check)
-            if isinstance(cand, Reject):
-                refusals.append(Reject(f"{g.node_label(p)} + {g.node_label(i)}", cand.reason))
-                continue
-            frozen = frozenset(merged)
-            for n in frozen:
-                group_of[n] = frozen
+            merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}")
 
     regions: list[Region] = []
+    for r in attention:
+        regions.append(Region(len(regions), r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r)))
     for group in sorted(set(group_of.values()), key=min):
+        if len(group) == 1 and g.nodes[min(group)].op_type in ops.GEMM:
+            refusals.append(Reject(g.node_label(min(group)), "no epilogue to fuse: left to ORT (cuBLAS)"))
+            continue
         cand = _candidate(g, set(group), check)
         if isinstance(cand, Reject):
             refusals.append(cand)

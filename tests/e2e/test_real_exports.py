@@ -30,6 +30,12 @@ def test_exported_model(zoo, name, dtype, min_fused):
     assert frac >= min_fused, (frac, [str(r) for r in res.plan.refusals][:20])
     for k in res.kernels:
         assert [cc for cc, _ in k.compiled.cubins] == [80, 90]
+    kinds = [r.kind for r in res.plan.regions]
+    assert kinds.count("attention") == 2, kinds  # every layer's attention is one flash kernel
+    if name != "gpt2":  # GPT-2's Conv1D Gemms feed a head split: nothing to fuse into them
+        assert "gemm" in kinds
+    if dtype == "fp16":
+        assert all("ofz::attn::tensor_core" in k.compiled.source for k in res.kernels if k.region.kind == "attention")
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)

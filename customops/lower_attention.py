@@ -1,0 +1,215 @@
+"""Attention region -> kernel IR: one call of `ofz::attn::simt` or `ofz::attn::tensor_core`
+(include/ortfuse_attention.h) with callbacks printed from IR:
+* Q.offset / K.offset / V.offset: element offset of (b, h, s, d) in the tensor the kernel reads, walking
+  back through the pattern's Reshape/Transpose path (scalar scales on the path move into the score);
+* O.offset: the same for the result, walking forward through the output path;
+* S.score: the element-wise ops between the two MatMuls (scale, mask) at (b, h, i, j) from the Q·Kᵀ value.
+The tensor-core variant needs fp16/bf16 data, head sizes that are multiples of 16, and rows contiguous
+in d starting 16-byte aligned; the SIMT variant takes the rest."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import onnx
+
+from ortfuse.customops import ir, scalar, target as hw
+from ortfuse.customops.ir import F32, I64, Expr, Var
+from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
+from ortfuse.rewriter.graph import Graph
+from ortfuse.search.attention import AttentionPattern, find_attention
+from ortfuse.search.plan import Region
+
+C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
+THREADS = 128
+SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
+_PATTERNS: dict[int, list[AttentionPattern]] = {}
+
+
+def _pattern(g: Graph, region: Region) -> AttentionPattern:
+    found = _PATTERNS.get(id(g))
+    if found is None:
+        found = _PATTERNS[id(g)] = find_attention(g)[0]
+        if len(_PATTERNS) > 8:
+            _PATTERNS.pop(next(iter(_PATTERNS)))
+    for p in found:
+        if p.nodes == tuple(region.nodes):
+            return p
+    raise LoweringError("the region is not an attention pattern")
+
+
+def mma_smem_bytes(d: int, dv: int, esize: int = 2) -> int:
+    """MmaTile<D, DV>::SMEM_BYTES of ortfuse_attention.h."""
+    bn = 32 if d > 64 or dv > 64 else 64
+    pad = 8
+    return esize * (MMA_BLOCK_M * (d + pad) + 2 * bn * (d + pad) + 2 * bn * (dv + pad))
+
+
+def _eval(e: Expr, env: dict[str, int]) -> int:
+    if isinstance(e, ir.Const):
+        return int(e.value)
+    if isinstance(e, Var):
+        return env[e.name]
+    assert isinstance(e, ir.Op), e
+    a = [_eval(x, env) for x in e.args]
+    return {"add": lambda: a[0] + a[1], "sub": lambda: a[0] - a[1], "mul": lambda: a[0] * a[1],
+            "div": lambda: a[0] // a[1], "mod": lambda: a[0] % a[1], "min": lambda: min(a)}[e.fn]()
+
+
+def _run(f: ir.Func, env: dict[str, int]) -> int:
+    env = dict(env)
+    for s in f.body:
+        assert isinstance(s, ir.Let)
+        env[s.var.name] = _eval(s.value, env)
+    assert f.result is not None
+    return _eval(f.result, env)
+
+
+class _AttnLowerer(_Lowerer):
+    def __init__(self, graph: Graph, region: Region, tgt: hw.Target):
+        super().__init__(graph, region, tgt, dict(graph.sym_hints))
+        self.p = _pattern(graph, region)
+        self.qk_node = graph.nodes[self.p.qk]
+        self.qk_value: Expr = Var("qk", F32)
+
+    def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
+        if node is self.qk_node:
+            return self.qk_value
+        return super().node_value(node, pos, idx)
+
+    def func(self, name: str, params: tuple[Var, ...], build) -> ir.Func:
+        saved = self.scopes
+        self.scopes = [_Scope({p.name for p in params})]
+        result = build()
+        body = tuple(self.scopes[0].stmts)
+        self.scopes = saved
+        return ir.Func(name, params, body, result)
+
+    def back(self, t: str, idx: tuple[Expr, ...], source: str) -> tuple[Expr, float]:
+        """Offset in `source` of element `idx` of `t`, and the product of scalar scales on the way."""
+        scale = 1.0
+        shape = self._shape(t)
+        idx = tuple(ir.i64(0) if d == 1 else i for i, d in zip(idx, shape))
+        while t != source:
+            node = self.producer.get(t)
+            if node is None:
+                raise LoweringError(f"'{t}' is not produced inside the attention region")
+            op = node.op_type
+            if op == "Transpose":
+                perm = scalar.attr(node, "perm") or list(reversed(range(len(idx))))
+                inv: list[Expr] = [ir.i64(0)] * len(perm)
+                for j, p in enumerate(perm):
+                    inv[p] = idx[j]
+                idx, t = tuple(inv), node.input[0]
+            elif op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten"):
+                idx, t = self.reshape_index(idx, self._shape(t), self._shape(node.input[0])), node.input[0]
+            elif op in ("Mul", "Div"):
+                consts = [x for x in node.input if x in self.g.constants and self.g.constants[x].size == 1]
+                data = [x for x in node.input if x not in consts]
+                if len(consts) != 1 or len(data) != 1 or (op == "Div" and node.input[1] != consts[0]):
+                    raise LoweringError(f"{op} on an attention operand path is not a scale by a constant")
+                c = float(self.g.constants[consts[0]].reshape(-1)[0])
+                scale = scale * c if op == "Mul" else scale / c
+                t = data[0]
+            else:
+                raise LoweringError(f"{op} on an attention operand path")
+        return self.linearize(idx, self._shape(source)), scale
+
+    def forward(self, idx: tuple[Expr, ...]) -> Expr:
+        t = self.g.nodes[self.p.pv].output[0]
+        for n in self.p.out_path:
+            node = self.g.nodes[n]
+            out = node.output[0]
+            if node.op_type == "Transpose":
+                perm = scalar.attr(node, "perm") or list(reversed(range(len(idx))))
+                idx = tuple(idx[p] for p in perm)
+            else:
+                idx = self.reshape_index(idx, self._shape(t), self._shape(out))
+            t = out
+        return self.linearize(idx, self._shape(self.p.output))
+
+    def attention(self) -> tuple[ir.Kernel, tuple[int, ...], tuple, int]:
+        p, g = self.p, self.g
+        q_op, kt_op = self.qk_node.input[0], self.qk_node.input[1]
+        pv = g.nodes[p.pv]
+        v_op = pv.input[1]
+        qs, ks, vs, ss = (self._shape(t) for t in (q_op, kt_op, v_op, self.qk_node.output[0]))
+        if not all(len(s) == 4 for s in (qs, ks, vs, ss)):
+            raise LoweringError("attention operands are not [batch, heads, seq, head] tensors")
+        d, dv = qs[-1], vs[-1]
+        if not (isinstance(d, int) and isinstance(dv, int)) or max(d, dv) > 128:
+            raise LoweringError(f"head sizes {d}, {dv}: static sizes up to 128 are fused")
+        storage = _storage(g.tensors[p.q].dtype, f"attention input '{p.q}'")
+        if any(_storage(g.tensors[t].dtype, t) != storage for t in (p.k, p.v, p.output)):
+            raise LoweringError("attention inputs and output of different element types")
+        if storage not in C_ELEM:
+            raise LoweringError(f"{storage} attention is left to ORT")
+
+        vb, vh, vs_, vd = (Var(n, I64) for n in ("ab", "ah", "as", "ad"))
+        vi, vj = Var("ai", I64), Var("aj", I64)
+        scales = []
+
+        def layout(t: str, src: str, transposed: bool):
+            def build() -> Expr:
+                off, sc = self.back(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), src)
+                scales.append(sc)
+                return off
+            return build
+
+        params = (vb, vh, vs_, vd)
+        funcs = [self.func("Q.offset", params, layout(q_op, p.q, False)),
+                 self.func("K.offset", params, layout(kt_op, p.k, True)),
+                 self.func("V.offset", params, layout(v_op, p.v, False)),
+                 self.func("O.offset", params, lambda: self.forward((vb, vh, vs_, vd)))]
+        scale = scales[0] * scales[1] * scales[2]
+        if scales[2] != 1.0:
+            raise LoweringError("a scale on the V path")
+        qk = Var("qk", F32)
+        self.qk_value = ir.Op("mul", (qk, ir.Const(scale, F32)), F32) if scale != 1.0 else qk
+        softmax_in = g.nodes[p.softmax].input[0]
+        funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), lambda: self.value(softmax_in, (vb, vh, vi, vj))))
+
+        mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))
+        block_m = MMA_BLOCK_M if mma else SIMT_BLOCK_M
+        terms = [self.encode(x) for x in ss]
+        dims = ir.Op("attn_dims", tuple(self.dim(x) for x in ss), I64)
+        ptrs = tuple(Var(f"t{self.args[t]}", storage) for t in (p.q, p.k, p.v)) + (
+            Var(f"t{self.out_args[p.output]}", storage),)
+        call = ir.Call("ofz::attn::tensor_core" if mma else "ofz::attn::simt",
+                       (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S"),
+                       ptrs + (dims,))
+        self.scopes = [_Scope(set())]
+        self.emit(call)
+        k = self.kernel(THREADS, 0)
+        anon = tuple(ir.Param(x.arg, "", x.storage, x.is_output) for x in k.params)
+        key = repr(ir.Kernel("", THREADS, anon, k.num_dims, 0, k.body, ("ortfuse_attention.h",), tuple(funcs)))
+        name = f"ofz_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        kernel = ir.Kernel(name, THREADS, k.params, k.num_dims, 0, k.body, ("ortfuse_attention.h",), tuple(funcs))
+        smem = mma_smem_bytes(d, dv) if mma else 0
+        if smem > self.tgt.smem_per_block:
+            raise LoweringError(f"attention tile needs {smem} bytes of shared memory")
+        return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem
+
+    def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:
+        """Rows contiguous in d and starting on 16 bytes, probed at several sizes of every symbolic dim
+        (the offsets are polynomials in them; odd sizes expose an odd stride)."""
+        for values in ((1,), (3,), (7,), (13,)):
+            env = {f"d{k}": values[0] for k in range(len(self.sym_pairs))}
+            for f, w in zip(layouts, widths):
+                for b, h, s in itertools.product((0, 1), (0, 2), (0, 1, 5)):
+                    env.update(ab=b, ah=h, **{"as": s})
+                    base = _run(f, {**env, "ad": 0})
+                    if base % 8 or any(_run(f, {**env, "ad": x}) != base + x for x in (1, w - 1)):
+                        return False
+        return True
+
+
+def lower_attention(graph: Graph, region: Region, tgt: hw.Target) -> KernelSpec:
+    lw = _AttnLowerer(graph, region, tgt)
+    kernel, units, units_ceil, smem = lw.attention()
+    if len(lw.sym_pairs) > 16:
+        raise LoweringError("more than 16 symbolic dims in one kernel")
+    shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
+    return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil)
+
