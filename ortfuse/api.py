@@ -1,6 +1,7 @@
 """`optimize`: the whole pipeline as a recipe, one stage per line."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
 ModelLike = Union[str, Path, onnx.ModelProto]
+TF32_KEY = "ortfuse.tf32"
 Shapes = Union[Mapping[str, Sequence[Union[int, str]]], Sequence[str], None]
 Progress = Callable[[str], None]
 
@@ -78,6 +80,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     say = progress or (lambda msg: None)
     archs = _archs(arch)
     opts = options or Options(archs=archs)
+    if options is not None and options.archs != archs:
+        opts = dataclasses.replace(options, archs=archs)
     tgt = parse_arch(f"sm_{max(archs)}")
 
     say("loading model")
@@ -88,9 +92,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if folded:
         say(f"{folded} Reshape targets computed at run time became constants")
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
-    the_plan = search_plan(graph, tgt)
+    the_plan = search_plan(graph, tgt, tf32=opts.tf32)
     say(f"lowering {len(the_plan.regions)} regions")
-    specs = [(r, lower(graph, r, tgt)) for r in the_plan.regions]
+    specs = [(r, lower(graph, r, tgt, opts.tf32)) for r in the_plan.regions]
     sources = {spec.kernel.name: render(spec.kernel) for _, spec in specs}
     say(f"compiling {len(sources)} kernels for {', '.join(f'sm_{a}' for a in archs)}")
     if opts.dump:
@@ -109,6 +113,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         kernels.append(FusedKernel(region, spec, ck, node))
     say("rewriting the graph")
     out = replace(graph, [k.node for k in kernels])
+    if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
+        onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]
     fused = {i for r in the_plan.regions for i in r.nodes}
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),

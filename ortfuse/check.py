@@ -16,6 +16,8 @@ from ortfuse.rewriter.load import load_model
 # Normwise relative error: max|out - ref| / max(max|ref|, 1e-6). fp32 kernels compute in fp32;
 # half-precision outputs are rounded once, where ORT rounds after every op.
 RTOL = {"fp32": 1e-5, "fp16": 1e-2}
+# fp32 models optimized with tf32 GEMMs (metadata "ortfuse.tf32"): 10-bit mantissa operands, normwise
+TF32_RTOL = 5e-3
 
 
 @dataclass(frozen=True)
@@ -108,18 +110,25 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     out_names = [o.name for o in opt.graph.output]
     ref_vals = dict(zip(out_names, ref_sess.run(out_names, feeds)))
     out_vals = out_sess.run(out_names, feeds)
-    model_diffs = tuple(compare(n, o, ref_vals[n]) for n, o in zip(out_names, out_vals))
+    tf32 = any(p.key == "ortfuse.tf32" and p.value == "1" for p in opt.metadata_props)
+    tol32 = TF32_RTOL if tf32 else None
+    model_diffs = tuple(compare(n, o, ref_vals[n], _tol_for(ref_vals[n], tol32)) for n, o in zip(out_names, out_vals))
     kernels: tuple = ()
     if emulate and fused:
         # ORT CPU on the original model, also returning every fused node's inputs and outputs
         probe = _with_outputs(src, [t for n in fused for t in (*n.input, *n.output)])
         names = [o.name for o in probe.graph.output]
         values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
-        kernels = tuple((n.name, _emulate_node(n, values)) for n in fused)
+        kernels = tuple((n.name, _emulate_node(n, values, tol32)) for n in fused)
     return CheckReport(model_diffs, kernels)
 
 
-def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tuple[Diff, ...]:
+def _tol_for(ref: np.ndarray, tol32: Optional[float]) -> Optional[float]:
+    return tol32 if tol32 is not None and ref.dtype == np.float32 else None
+
+
+def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
+                  tol32: Optional[float] = None) -> tuple[Diff, ...]:
     from ortfuse.customops.attrs import read_launch
     from ortfuse.customops.emulate import compile_emulated
     launch = read_launch(node)
@@ -134,4 +143,4 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tup
     if grid:
         compile_emulated(launch.source).launch(launch.entry, grid, launch.block, [*inputs, *outs], dims,
                                                  launch.smem)
-    return tuple(compare(t, o, values[t]) for t, o in zip(node.output, outs))
+    return tuple(compare(t, o, values[t], _tol_for(values[t], tol32)) for t, o in zip(node.output, outs))

@@ -36,7 +36,10 @@ def cmd_optimize(a: argparse.Namespace) -> int:
 
     _check_paths(a.input, a.output)
     say = _progress()
-    result = compile_model(a.input, a.input_shape, a.arch, progress=say)
+    from ortfuse.api import _archs
+    from ortfuse.config import Options
+    opts = Options(archs=_archs(a.arch), tf32=a.tf32)
+    result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
     save_model(result.model, a.output)
     if a.report:
@@ -95,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--input-shape", action="append", default=[], metavar="NAME:1x128",
                    help="fix an input's shape (repeatable); dims not given stay symbolic")
     o.add_argument("--arch", default="sm_90", help="target arch(s), comma separated, e.g. sm_80,sm_90")
+    o.add_argument("--tf32", action="store_true",
+                   help="let fp32 MatMul/Gemm use tf32 tensor cores (10-bit mantissa, like ORT's use_tf32=1)")
     o.add_argument("--report", help="write a markdown report here")
     o.add_argument("--explain", action="store_true", help="list why candidate ops were not fused")
     o.set_defaults(fn=cmd_optimize)
