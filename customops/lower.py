@@ -475,14 +475,16 @@ class _Lowerer:
         return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body)
 
 
-def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False) -> KernelSpec:
+def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
+          tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
     """Raises LoweringError with the reason when the region is not one kernel. `tf32`: fp32 GEMMs may
-    run on tf32 tensor cores (the user opted in)."""
+    run on tf32 tensor cores (the user opted in). `tile`: a GEMM tile from `KernelSpec.tiles` to use
+    instead of the top-ranked one (profiling)."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
     if region.kind == "gemm":
         from ortfuse.customops.lower_gemm import lower_gemm
-        return lower_gemm(graph, region, tgt, tf32)
+        return lower_gemm(graph, region, tgt, tf32, tile)
     if region.kind == "attention":
         from ortfuse.customops.lower_attention import lower_attention
         return lower_attention(graph, region, tgt)

@@ -34,13 +34,15 @@ def _attr(node: onnx.NodeProto, name: str, default):
 
 
 class _GemmLowerer(_Lowerer):
-    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool):
+    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
+                 tile: Optional[tuple[int, ...]] = None):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
         anchors = [i for i in region.nodes if graph.nodes[i].op_type in GEMM_OPS]
         if len(anchors) != 1:
             raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm, this region has {len(anchors)}")
         self.anchor = graph.nodes[anchors[0]]
         self.tf32 = tf32
+        self.forced_tile = tile
         self.acc: dict[Expr, Expr] = {}  # column expression -> accumulator value at that column
         self.out_idx: tuple[Expr, ...] = ()
 
@@ -176,7 +178,7 @@ class _GemmLowerer(_Lowerer):
         ranked = tl.rank_tiles(self.tgt, m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL)
         if not ranked:
             raise LoweringError("no GEMM tile fits the hardware table entry")
-        tile = ranked[0].tile
+        tile = tl.GemmTile(*self.forced_tile) if self.forced_tile else ranked[0].tile
 
         batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
         m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
@@ -207,8 +209,9 @@ class _GemmLowerer(_Lowerer):
                          k.body, k.headers, k.funcs)
 
 
-def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False) -> KernelSpec:
-    lw = _GemmLowerer(graph, region, tgt, tf32)
+def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
+               tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
+    lw = _GemmLowerer(graph, region, tgt, tf32, tile)
     kernel, units, units_ceil, smem, ranked = lw.gemm()
     if len(lw.sym_pairs) > 16:
         raise LoweringError("more than 16 symbolic dims in one kernel")

@@ -54,6 +54,7 @@ class OptimizeResult:
     bytes_saved: int  # estimated DRAM bytes per inference, symbolic dims at their hints
     seconds: float
     archs: tuple[int, ...]
+    placements: tuple = ()  # ortfuse.profile.Placement per region when profiled on the GPU
 
 
 def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
@@ -104,22 +105,57 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
         compiled = dict(zip(sources, pool.map(lambda kv: compile_kernel(kv[1], kv[0], archs, opts.cache),
                                               sources.items())))
-    kernels = []
-    for region, spec in specs:
-        ck = compiled[spec.kernel.name]
-        tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
-        node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
-                         region.outputs, tuple(attrs.node_attributes(spec, ck)))
-        kernels.append(FusedKernel(region, spec, ck, node))
+    kernels = [_fused(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
+    placements: tuple = ()
+    if opts.profile:
+        kernels, placements = _profile(graph, tgt, opts, kernels, say)
+    kept = {k.region.id for k in kernels}
     say("rewriting the graph")
     out = replace(graph, [k.node for k in kernels])
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]
-    fused = {i for r in the_plan.regions for i in r.nodes}
+    fused = {i for r in the_plan.regions if r.id in kept for i in r.nodes}
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
-                          sum(1 for i in mb if i in fused), len(sources),
-                          sum(r.traffic.saved_bytes for r in the_plan.regions), time.perf_counter() - t0, archs)
+                          sum(1 for i in mb if i in fused), len({k.compiled.entry for k in kernels}),
+                          sum(r.traffic.saved_bytes for r in the_plan.regions if r.id in kept),
+                          time.perf_counter() - t0, archs, placements)
+
+
+def _fused(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
+    tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
+    node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
+                     region.outputs, tuple(attrs.node_attributes(spec, ck)))
+    return FusedKernel(region, spec, ck, node)
+
+
+def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: Progress):
+    """Measured placement on the GPU (ortfuse.profile): drop regions ORT runs faster, pick GEMM tiles."""
+    from ortfuse import profile as prof
+
+    variants: dict[tuple[int, tuple[int, ...]], FusedKernel] = {}
+
+    def candidates(region: Region):
+        k = next(k for k in kernels if k.region.id == region.id)
+        if region.kind != "gemm" or len(k.spec.tiles) < 2:
+            return [((), k.node)]
+        out = []
+        for tile in k.spec.tiles:
+            spec = lower(graph, region, tgt, opts.tf32, tile=tile)
+            fk = _fused(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+            variants[(region.id, tile)] = fk
+            out.append((tile, fk.node))
+        return out
+
+    say(f"profiling {len(kernels)} regions against ORT on the GPU")
+    placements = prof.place(graph, [k.region for k in kernels], candidates, {}, opts.cache / "profile.json")
+    chosen = []
+    for k, pl in zip(kernels, placements):
+        say(pl.line())
+        if pl.keep:
+            chosen.append(variants.get((k.region.id, pl.tile), k))
+    return chosen, tuple(placements)
+
 
 
 def optimize(model_or_path: ModelLike, input_shapes: Shapes = None, arch: Union[str, Sequence[str]] = "sm_90",

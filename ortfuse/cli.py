@@ -38,7 +38,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
     say = _progress()
     from ortfuse.api import _archs
     from ortfuse.config import Options
-    opts = Options(archs=_archs(a.arch), tf32=a.tf32)
+    opts = Options(archs=_archs(a.arch), tf32=a.tf32, profile=a.profile)
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
     save_model(result.model, a.output)
@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--arch", default="sm_90", help="target arch(s), comma separated, e.g. sm_80,sm_90")
     o.add_argument("--tf32", action="store_true",
                    help="let fp32 MatMul/Gemm use tf32 tensor cores (10-bit mantissa, like ORT's use_tf32=1)")
+    o.add_argument("--profile", action="store_true",
+                   help="on a GPU: time each fused region and each GEMM tile candidate against ORT's own "
+                        "kernels for the same sub-graph and keep the faster (cached per device)")
     o.add_argument("--report", help="write a markdown report here")
     o.add_argument("--explain", action="store_true", help="list why candidate ops were not fused")
     o.set_defaults(fn=cmd_optimize)

@@ -33,6 +33,7 @@ class Options:
     dump: Path | None = field(default_factory=dump_dir)
     jobs: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     tf32: bool = False  # fp32 GEMMs may use tf32 tensor cores (10-bit mantissa); recorded in the model
+    profile: bool = False  # time every region against ORT on the GPU and keep the faster (ortfuse.profile)
 
     def __post_init__(self) -> None:
         if not self.archs:

@@ -1,0 +1,183 @@
+"""`--profile`: measured placement (Collage) and tile choice (Roller's top-K) on the GPU at optimize time.
+
+Each fused region becomes two one-region models on the same random device-resident inputs: the stock-ORT
+sub-model (the region's original nodes) and the fused model (our node; one per kept tile candidate for
+GEMMs). Both run on ORT's CUDA EP through IOBinding, warm-up then the median of many runs. Our kernel is
+kept only where it is faster, with its fastest tile. Timings are cached in <cache>/profile.json keyed by
+the sub-model (ops, attributes, weights, concrete shapes), the kernel source and the device, so a second
+optimize of the same model measures nothing. Everything except the timer runs on the CPU too, which is
+how the tests check the sub-model construction and the decisions."""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ortfuse.customops.compile import atomic_write
+from ortfuse.errors import OrtfuseError
+from ortfuse.feeds import random_feeds
+from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.replace import FusedNode, replace
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search.plan import Region
+
+WARMUP, RUNS = 10, 50
+# A model -> median microseconds. The default times on the CUDA EP; tests pass a CPU stand-in.
+Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The measured verdict for one region."""
+
+    region: int
+    ort_us: float
+    ours_us: tuple[tuple[tuple[int, ...], float], ...]  # (tile, or () for non-GEMM kernels; median us)
+    keep: bool
+    tile: tuple[int, ...]  # the fastest tile (GEMMs), else ()
+
+    @property
+    def best_us(self) -> float:
+        return min(us for _, us in self.ours_us)
+
+    def line(self) -> str:
+        verdict = "ours" if self.keep else "ORT"
+        tiles = ", ".join(f"{'x'.join(map(str, t)) or 'kernel'} {us:.1f}" for t, us in self.ours_us)
+        return f"region {self.region}: ORT {self.ort_us:.1f} us, ours [{tiles}] us -> {verdict}"
+
+
+def _concrete(g: Graph, t: str, dims: Mapping[str, int]) -> list[int]:
+    shape = g.tensors[t].shape
+    assert shape is not None
+    return [d if isinstance(d, int) else int(dims.get(d, g.sym_hints.get(d, 1))) for d in shape]
+
+
+def region_model(g: Graph, region: Region, dims: Mapping[str, int]) -> onnx.ModelProto:
+    """The region's original nodes as a model of their own: non-constant inputs become graph inputs with
+    concrete shapes, constants become initializers."""
+    nodes = [g.nodes[i] for i in region.nodes]
+    needed = {t for n in nodes for t in n.input if t}
+    produced = {o for n in nodes for o in n.output}
+    inits = [onnx.numpy_helper.from_array(np.asarray(g.constants[t]), t)
+             for t in sorted(needed - produced) if t in g.constants]
+    inputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
+              for t in region.inputs if t not in g.constants]
+    outputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims)) for t in region.outputs]
+    graph = helper.make_graph(nodes, f"region_{region.id}", inputs, outputs, inits)
+    m = helper.make_model(graph, opset_imports=list(g.model.opset_import))
+    m.ir_version = min(g.model.ir_version or 10, 10)
+    return m
+
+
+def fused_model(sub: onnx.ModelProto, node: FusedNode) -> onnx.ModelProto:
+    """`sub` (from region_model) with its nodes replaced by the fused node."""
+    sg = build_graph(sub, {})
+    return replace(sg, [FusedNode(node.name, node.op_type, tuple(range(len(sg.nodes))), node.inputs, node.outputs,
+                                  node.attributes)])
+
+
+def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:
+    """Median microseconds per run on the CUDA EP, inputs and outputs on the device (IOBinding; the run
+    returns once the outputs are ready)."""
+    import onnxruntime as ort
+
+    from ortfuse.runtime import InferenceSession
+    providers = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+    if fused:
+        sess = InferenceSession(model, providers=providers)
+        if not sess.fused_kernels:
+            raise OrtfuseError("ortfuse: --profile needs the CUDA execution provider (onnxruntime-gpu on a GPU)")
+    else:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=providers)
+        if "CUDAExecutionProvider" not in sess.get_providers():
+            raise OrtfuseError("ortfuse: --profile needs the CUDA execution provider (onnxruntime-gpu on a GPU)")
+    io = sess.io_binding()
+    keep = []
+    for name, arr in feeds.items():
+        v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda", 0)
+        keep.append(v)
+        io.bind_ortvalue_input(name, v)
+    for o in sess.get_outputs():
+        io.bind_output(o.name, "cuda", 0)
+    for _ in range(WARMUP):
+        sess.run_with_iobinding(io)
+    times = []
+    for _ in range(RUNS):
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(io)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def device_name() -> str:
+    try:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no driver: the CPU stand-in timer
+        return "cpu"
+
+
+class _Cache:
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+        self.data: dict[str, float] = {}
+        if path is not None and path.exists():
+            try:
+                self.data = json.loads(path.read_text())
+            except ValueError:
+                self.data = {}
+
+    def get(self, key: str, measure: Callable[[], float]) -> float:
+        if key not in self.data:
+            self.data[key] = measure()
+        return self.data[key]
+
+    def save(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps(self.data, indent=0, sort_keys=True).encode())
+
+
+def _digest(*parts: bytes | str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Sequence[tuple[tuple[int, ...], FusedNode]]],
+          dims: Mapping[str, int], cache_path: Optional[Path], timer: Optional[Timer] = None,
+          device: Optional[str] = None) -> list[Placement]:
+    """Time every region against its stock-ORT sub-model. `candidates(region)` yields (tile, fused node)
+    pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
+    timer = timer or cuda_timer
+    dev = device or device_name()
+    cache = _Cache(cache_path)
+    out = []
+    try:
+        for r in regions:
+            sub = region_model(g, r, dims)
+            feeds = random_feeds(sub, None, seed=r.id)
+            sub_bytes = sub.SerializeToString()
+            ort_us = cache.get(_digest("ort", sub_bytes, dev), lambda: timer(sub, feeds, False))
+            ours = []
+            for tile, node in candidates(r):
+                src = next((helper.get_attribute_value(a) for a in node.attributes if a.name == "source"), b"")
+                key = _digest("ours", sub_bytes, src, dev)
+                ours.append((tile, cache.get(key, lambda: timer(fused_model(sub, node), feeds, True))))
+            best_tile, best = min(ours, key=lambda x: x[1])
+            out.append(Placement(r.id, ort_us, tuple(ours), best < ort_us, best_tile))
+    finally:
+        cache.save()
+    return out

@@ -1,0 +1,88 @@
+"""`--profile` without a GPU: the one-region sub-models and the placement decisions, with a stand-in timer
+(ORT CPU runs the sub-models; the timings it reports are set by the test). The CUDA timer itself only
+runs on a GPU (tests/runtime/test_gpu.py)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+from ortfuse import profile as prof
+from ortfuse.api import compile_model
+from ortfuse.config import Options
+from ortfuse.feeds import random_feeds
+
+
+def _encoder_block(k: int = 64):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((k, k)) * 0.2).astype(np.float16)
+    b = rng.standard_normal(k).astype(np.float16)
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Relu", ["z"], ["r"]),
+                  node("Sigmoid", ["r"], ["s"]), node("Mul", ["s", "r"], ["out"])],
+                 [vi("x", TP.FLOAT16, ["n", k])], [vi("out", TP.FLOAT16, None)],
+                 [const("w", w, np.float16), const("b", b, np.float16)])
+
+
+def _stand_in(times, calls):
+    """Runs the model on ORT CPU (so it must be a valid model) and reports the time the test set."""
+    def timer(m: onnx.ModelProto, feeds, fused: bool) -> float:
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        sess.run(None, dict(feeds))
+        calls.append(fused)
+        return times["ours"] if fused else times["ort"]
+    return timer
+
+
+def test_region_model_and_fused_model_agree_on_cpu():
+    m = _encoder_block()
+    res = compile_model(m, {"x": (4, 64)}, "sm_90")
+    k = res.kernels[0]
+    sub = prof.region_model(res.graph, k.region, {})
+    fused = prof.fused_model(sub, k.node)
+    feeds = random_feeds(sub, None, seed=1)
+    a = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    b = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert [n.domain for n in fused.graph.node] == ["ortfuse"]
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("ours,keep", [(5.0, True), (50.0, False)])
+def test_profile_keeps_only_regions_faster_than_ort(monkeypatch, tmp_path, ours, keep):
+    calls: list[bool] = []
+    monkeypatch.setattr(prof, "cuda_timer", _stand_in({"ort": 10.0, "ours": ours}, calls))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    opts = Options(archs=(90,), cache=tmp_path, profile=True)
+    res = compile_model(_encoder_block(), {"x": (4, 64)}, "sm_90", options=opts)
+    assert len(res.placements) == 1 and res.placements[0].keep == keep
+    assert len(res.kernels) == (1 if keep else 0)
+    assert any(n.domain == "ortfuse" for n in res.model.graph.node) == keep
+    # cached: the same optimize measures nothing again
+    n = len(calls)
+    compile_model(_encoder_block(), {"x": (4, 64)}, "sm_90", options=opts)
+    assert len(calls) == n
+
+
+def test_profile_picks_the_fastest_tile(monkeypatch, tmp_path):
+    res0 = compile_model(_encoder_block(), {"x": (512, 64)}, "sm_90")
+    tiles = res0.kernels[0].spec.tiles
+    assert len(tiles) >= 2
+    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
+
+    def by_tile(m, feeds, fused):  # the last candidate is the fastest
+        us = timer(m, feeds, fused)
+        if fused:
+            src = next(onnx.helper.get_attribute_value(a) for n in m.graph.node for a in n.attribute
+                       if a.name == "source").decode()
+            for i, t in enumerate(tiles):
+                if f"run<__half, {', '.join(map(str, t))}," in src:
+                    return 9.0 - i
+        return us
+    monkeypatch.setattr(prof, "cuda_timer", by_tile)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(_encoder_block(), {"x": (512, 64)}, "sm_90", options=Options(archs=(90,), cache=tmp_path,
+                                                                                    profile=True))
+    assert res.placements[0].tile == tiles[-1] and res.placements[0].keep
+    assert f"run<__half, {', '.join(map(str, tiles[-1]))}," in res.kernels[0].compiled.source
