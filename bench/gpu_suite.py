@@ -51,17 +51,25 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
     return {"ok": False, "note": f"{type(err).__name__}: {err}"}
 
 
-def _optimize(src: Path, work: Path) -> dict[str, Any]:
+def _optimize(src: Path, work: Path, profile: bool = True) -> dict[str, Any]:
   out = work / f"{src.stem}.ortfuse.onnx"
   try:
     import onnx
     import ortfuse
     start = time.perf_counter()
-    model = ortfuse.optimize(str(src), input_shapes=None, arch=harness._arch())  # type: ignore[attr-defined]
+    from ortfuse import report
+    from ortfuse.api import _archs, compile_model
+    from ortfuse.config import Options
+    arch = harness._arch()  # type: ignore[attr-defined]
+    # --profile: each region and GEMM tile is timed against ORT's own kernels for the same sub-graph
+    res = compile_model(str(src), None, arch, options=Options(archs=_archs(arch), profile=profile))
     seconds = time.perf_counter() - start
+    model = res.model
     onnx.save_model(model, str(out))
+    (work / f"{src.stem}.report.md").write_text(report.markdown(res, str(src)))
     fused = sum(1 for n in model.graph.node if n.domain == "ortfuse")
-    return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused}
+    placements = [pl.line() for pl in res.placements]
+    return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused, "placements": placements}
   except Exception as err:  # noqa: BLE001 - the model is still benchmarked without an ortfuse row
     return {"path": None, "note": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
 

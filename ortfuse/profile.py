@@ -4,8 +4,9 @@ Each fused region becomes two one-region models on the same random device-reside
 sub-model (the region's original nodes) and the fused model (our node; one per kept tile candidate for
 GEMMs). Both run on ORT's CUDA EP through IOBinding, warm-up then the median of many runs. Our kernel is
 kept only where it is faster, with its fastest tile. Timings are cached in <cache>/profile.json keyed by
-the sub-model (ops, attributes, weights, concrete shapes), the kernel source and the device, so a second
-optimize of the same model measures nothing. Everything except the timer runs on the CPU too, which is
+the sub-model's signature (ops, attributes, dtypes, concrete shapes; not names or weight values), the
+kernel source and the device, so identical layers are measured once and a second optimize measures
+nothing. Everything except the timer runs on the CPU too, which is
 how the tests check the sub-model construction and the decisions."""
 from __future__ import annotations
 
@@ -148,6 +149,24 @@ class _Cache:
             atomic_write(self.path, json.dumps(self.data, indent=0, sort_keys=True).encode())
 
 
+def signature(sub: onnx.ModelProto) -> str:
+    """What a region's timing depends on: ops, attributes, dtypes and shapes, with tensor names replaced by
+    their order of appearance and weights by their shape, so identical layers share one measurement."""
+    ids: dict[str, int] = {}
+
+    def tid(t: str) -> str:
+        return str(ids.setdefault(t, len(ids))) if t else "-"
+    g = sub.graph
+    parts = [f"in {tid(v.name)} {v.type.tensor_type.elem_type} {[d.dim_value for d in v.type.tensor_type.shape.dim]}"
+             for v in g.input]
+    parts += [f"w {tid(t.name)} {t.data_type} {list(t.dims)}" for t in g.initializer]
+    for n in g.node:
+        attrs = sorted((a.name, a.SerializeToString()) for a in n.attribute)
+        parts.append(f"{n.domain}:{n.op_type} {[tid(x) for x in n.input]} {[tid(x) for x in n.output]} {attrs}")
+    parts += [f"out {tid(v.name)}" for v in g.output]
+    return "\n".join(parts)
+
+
 def _digest(*parts: bytes | str) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -169,12 +188,12 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
         for r in regions:
             sub = region_model(g, r, dims)
             feeds = random_feeds(sub, None, seed=r.id)
-            sub_bytes = sub.SerializeToString()
-            ort_us = cache.get(_digest("ort", sub_bytes, dev), lambda: timer(sub, feeds, False))
+            sig = signature(sub)
+            ort_us = cache.get(_digest("ort", sig, dev), lambda: timer(sub, feeds, False))
             ours = []
             for tile, node in candidates(r):
                 src = next((helper.get_attribute_value(a) for a in node.attributes if a.name == "source"), b"")
-                key = _digest("ours", sub_bytes, src, dev)
+                key = _digest("ours", sig, src, dev)
                 ours.append((tile, cache.get(key, lambda: timer(fused_model(sub, node), feeds, True))))
             best_tile, best = min(ours, key=lambda x: x[1])
             out.append(Placement(r.id, ort_us, tuple(ours), best < ort_us, best_tile))

@@ -13,8 +13,12 @@ def summary(r: OptimizeResult) -> str:
     pct = 100.0 * r.memory_bound_fused / r.memory_bound_ops if r.memory_bound_ops else 0.0
     absorbed = sum(len(k.region.nodes) for k in r.kernels)
     hints = ", ".join(f"{k}={v}" for k, v in sorted(r.graph.sym_hints.items())) or "static shapes"
+    kinds = {}
+    for k in r.kernels:
+        kinds[k.region.kind] = kinds.get(k.region.kind, 0) + 1
+    by_kind = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     return "\n".join([
-        f"regions fused:        {len(r.kernels)}",
+        f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",
         f"nodes:                {r.nodes_before} -> {r.nodes_after}",
         f"kernels compiled:     {r.kernels_compiled} distinct, for {', '.join(f'sm_{a}' for a in r.archs)} (+PTX)",
@@ -44,5 +48,11 @@ def markdown(r: OptimizeResult, source: str) -> str:
         t = k.region.traffic
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}` | "
                    f"{k.spec.block} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
+    if r.placements:
+        out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
+                "| region | ORT | ours (per tile) | kept |", "|---|---|---|---|"]
+        for pl in r.placements:
+            tiles = "; ".join(f"{'x'.join(map(str, t)) or 'kernel'}: {us:.1f}" for t, us in pl.ours_us)
+            out.append(f"| {pl.region} | {pl.ort_us:.1f} | {tiles} | {'ours' if pl.keep else 'ORT'} |")
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

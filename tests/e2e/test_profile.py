@@ -86,3 +86,21 @@ def test_profile_picks_the_fastest_tile(monkeypatch, tmp_path):
                                                                                     profile=True))
     assert res.placements[0].tile == tiles[-1] and res.placements[0].keep
     assert f"run<__half, {', '.join(map(str, tiles[-1]))}," in res.kernels[0].compiled.source
+
+
+def test_identical_layers_are_measured_once(monkeypatch, tmp_path):
+    k = 32
+    rng = np.random.default_rng(5)
+    nodes, inits, src = [], [], "x"
+    for i in range(3):  # same shapes, different weights and names
+        nodes += [node("MatMul", [src, f"w{i}"], [f"y{i}"]), node("Add", [f"y{i}", f"b{i}"], [f"r{i}"])]
+        inits += [const(f"w{i}", rng.standard_normal((k, k)).astype(np.float16), np.float16),
+                  const(f"b{i}", rng.standard_normal(k).astype(np.float16), np.float16)]
+        src = f"r{i}"
+    m = model(nodes, [vi("x", TP.FLOAT16, [8, k])], [vi(src, TP.FLOAT16, None)], inits)
+    calls: list[bool] = []
+    monkeypatch.setattr(prof, "cuda_timer", _stand_in({"ort": 10.0, "ours": 5.0}, calls))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    assert len(res.placements) == 3 and all(p.keep for p in res.placements)
+    assert calls.count(False) == 1  # one ORT measurement for three identical regions

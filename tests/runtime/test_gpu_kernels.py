@@ -1,0 +1,81 @@
+"""Every kernel kind on the GPU: optimized models against the stock ORT CUDA EP on the original model
+(use_tf32=0), random non-zero inputs, fp32 normwise tolerance 1e-5 (tf32 models 5e-3), fp16/bf16 1e-2,
+also under CUDA-graph replay. Skipped without a working CUDA EP (tests/conftest.py)."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+
+import ortfuse
+from helpers import const, model, node, vi
+from ortfuse.api import compile_model
+from ortfuse.check import check_models, compare
+from ortfuse.config import Options
+from ortfuse.feeds import random_feeds
+
+pytestmark = pytest.mark.gpu
+F, H = TP.FLOAT, TP.FLOAT16
+NP = {F: np.float32, H: np.float16}
+
+
+def _w(shape, dt, seed):
+    return (np.random.default_rng(seed).standard_normal(shape) * 0.2).astype(NP[dt])
+
+
+def gemm_block(dt, k=768, n=3072):
+    """FFN-style GEMM with bias + GELU (erf form) epilogue, then a residual LayerNorm."""
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]),
+                  node("Div", ["z", "sq2"], ["d"]), node("Erf", ["d"], ["e"]), node("Add", ["e", "one"], ["e1"]),
+                  node("Mul", ["z", "e1"], ["g0"]), node("Mul", ["g0", "half"], ["g"])],
+                 [vi("x", dt, ["batch", "seq", k])], [vi("g", dt, None)],
+                 [const("w", _w((k, n), dt, 1), NP[dt]), const("b", _w(n, dt, 2), NP[dt]),
+                  const("sq2", 1.4142135, NP[dt]), const("one", 1.0, NP[dt]), const("half", 0.5, NP[dt])])
+
+
+@pytest.mark.parametrize("dt,tf32", [(H, False), (F, False), (F, True)])
+@pytest.mark.parametrize("shape", [(1, 128), (3, 77)])
+def test_gemm_epilogue_parity(dt, tf32, shape):
+    m = gemm_block(dt)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), tf32=tf32))
+    assert [r.kind for r in res.plan.regions] == ["gemm"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (*shape, 768)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32")])
+def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    from ortfuse.bench import zoo
+    path = zoo.build(name, dtype=dtype, tiny=True)
+    res = compile_model(path, None, "sm_90")
+    assert "attention" in [r.kind for r in res.plan.regions]
+    rep = check_models(path, res.model, provider="cuda")
+    assert rep.ok, "\n".join(rep.lines())
+
+
+def test_gemm_and_attention_under_cuda_graph_replay(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    from ortfuse.bench import zoo
+    path = zoo.build("bert", dtype="fp16", tiny=True)
+    res = compile_model(path, ["input_ids:2x16", "attention_mask:2x16", "token_type_ids:2x16"], "sm_90")
+    feeds = random_feeds(res.model, None, seed=3)
+    ref = ort.InferenceSession(path, providers=[("CUDAExecutionProvider", {"use_tf32": "0"})])
+    want = ref.run(None, feeds)
+    sess = ortfuse.InferenceSession(res.model, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+    assert sess.fused_kernels
+    io = sess.io_binding()
+    vals = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for k, v in feeds.items()}
+    for k, v in vals.items():
+        io.bind_ortvalue_input(k, v)
+    outs = {o.name: ort.OrtValue.ortvalue_from_shape_and_type(r.shape, r.dtype, "cuda", 0)
+            for o, r in zip(sess.get_outputs(), want)}
+    for k, v in outs.items():
+        io.bind_ortvalue_output(k, v)
+    for _ in range(3):  # capture, then replays
+        sess.run_with_iobinding(io)
+        for (k, v), r in zip(outs.items(), want):
+            assert compare(k, v.numpy(), r).ok
