@@ -461,6 +461,16 @@ class _Lowerer:
         self.loop("row0", start, rows, step, row_body)
         return self.kernel(block, block // 32), tuple(rows_terms), rpb
 
+    def func(self, name: str, params: tuple[Var, ...], build: Callable[[], Optional[Expr]]) -> ir.Func:
+        """A template callback: `build()` emits into a fresh scope where `params` are bound and returns
+        the result expression (None: void)."""
+        saved = self.scopes
+        self.scopes = [_Scope({p.name for p in params})]
+        result = build()
+        body = tuple(self.scopes[0].stmts)
+        self.scopes = saved
+        return ir.Func(name, params, body, result)
+
     def bind_named(self, name: str, e: Expr) -> None:
         self.emit(ir.Let(Var(name, e.ctype), e))
         self.define(name)

@@ -77,14 +77,6 @@ class _AttnLowerer(_Lowerer):
             return self.qk_value
         return super().node_value(node, pos, idx)
 
-    def func(self, name: str, params: tuple[Var, ...], build) -> ir.Func:
-        saved = self.scopes
-        self.scopes = [_Scope({p.name for p in params})]
-        result = build()
-        body = tuple(self.scopes[0].stmts)
-        self.scopes = saved
-        return ir.Func(name, params, body, result)
-
     def back(self, t: str, idx: tuple[Expr, ...], source: str) -> tuple[Expr, float]:
         """Offset in `source` of element `idx` of `t`, and the product of scalar scales on the way."""
         scale = 1.0

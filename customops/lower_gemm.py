@@ -66,15 +66,6 @@ class _GemmLowerer(_Lowerer):
         return v
 
     # ------------------------------------------------------------------ helpers
-    def func(self, name: str, params: tuple[Var, ...], build) -> ir.Func:
-        """Lower `build()` (which returns the result expression or None) in a fresh scope."""
-        saved = self.scopes
-        self.scopes = [_Scope({p.name for p in params})]
-        result = build()
-        body = tuple(self.scopes[0].stmts)
-        self.scopes = saved
-        return ir.Func(name, params, body, result)
-
     def esize(self, storage: str) -> int:
         return {"f16": 2, "bf16": 2, "f32": 4}[storage]
 

@@ -41,6 +41,20 @@ struct Layout {
   static_assert(MATH != kSimt || (WM % 4 == 0 && WN % 8 == 0), "SIMT warp tile: 4 x 8 lanes");
 };
 
+// Rows r0 .. r0+ROWS-1, columns c0 .. c0+COLS-1 of a row-major global matrix (`ld` elements per row) into
+// shared memory with LDS elements per row, 16 bytes per cp.async; chunks outside rows x cols are zeroed.
+template <class T, int ROWS, int COLS, int LDS, int NT>
+__device__ __forceinline__ void copy_tile(T* dst, const T* src, ofz_i64 r0, ofz_i64 c0, ofz_i64 rows, ofz_i64 cols,
+                                          ofz_i64 ld) {
+  constexpr int chunk = 16 / (int)sizeof(T), per_row = COLS / chunk;
+  for (int c = threadIdx.x; c < ROWS * per_row; c += NT) {
+    const int r = c / per_row, k = (c % per_row) * chunk;
+    const ofz_i64 gr = r0 + r, gc = c0 + k;
+    const bool ok = gr < rows && gc < cols;
+    cp_async16(dst + r * LDS + k, ok ? src + gr * ld + gc : src, ok ? 16 : 0);
+  }
+}
+
 // Copies (or, in generic mode, loads and converts) k-tile `kt` of A and B into pipeline stage `stage`.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops>
 __device__ __forceinline__ void load_tile(const OfzArgs& a, T* As, T* Bs, const T* A, const T* B, ofz_i64 b,
@@ -48,13 +62,7 @@ __device__ __forceinline__ void load_tile(const OfzArgs& a, T* As, T* Bs, const 
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
   const int tid = threadIdx.x;
   if constexpr (AMODE == kRowMajor) {
-    constexpr int per_row = BK / L::kChunk;
-    for (int c = tid; c < BM * per_row; c += L::kThreads) {
-      const int r = c / per_row, kc = (c % per_row) * L::kChunk;
-      const ofz_i64 gm = m0 + r, gk = k0 + kc;
-      const bool ok = gm < M && gk < K;
-      cp_async16(As + r * L::kALd + kc, ok ? A + gm * K + gk : A, ok ? 16 : 0);
-    }
+    copy_tile<T, BM, BK, L::kALd, L::kThreads>(As, A, m0, k0, M, K, K);
   } else {
     for (int e = tid; e < BM * BK; e += L::kThreads) {
       const int r = e / BK, kc = e % BK;
@@ -63,21 +71,9 @@ __device__ __forceinline__ void load_tile(const OfzArgs& a, T* As, T* Bs, const 
     }
   }
   if constexpr (BMODE == kRowMajor) {
-    constexpr int per_row = BN / L::kChunk;
-    for (int c = tid; c < BK * per_row; c += L::kThreads) {
-      const int r = c / per_row, nc = (c % per_row) * L::kChunk;
-      const ofz_i64 gk = k0 + r, gn = n0 + nc;
-      const bool ok = gk < K && gn < N;
-      cp_async16(Bs + r * L::kBLd + nc, ok ? B + gk * N + gn : B, ok ? 16 : 0);
-    }
+    copy_tile<T, BK, BN, L::kBLd, L::kThreads>(Bs, B, k0, n0, K, N, N);
   } else if constexpr (BMODE == kColMajor) {
-    constexpr int per_row = BK / L::kChunk;
-    for (int c = tid; c < BN * per_row; c += L::kThreads) {
-      const int r = c / per_row, kc = (c % per_row) * L::kChunk;
-      const ofz_i64 gn = n0 + r, gk = k0 + kc;
-      const bool ok = gn < N && gk < K;
-      cp_async16(Bs + r * L::kBLd + kc, ok ? B + gn * K + gk : B, ok ? 16 : 0);
-    }
+    copy_tile<T, BN, BK, L::kBLd, L::kThreads>(Bs, B, n0, k0, N, K, K);
   } else {
     for (int e = tid; e < BK * BN; e += L::kThreads) {
       const int r = e / BN, nc = e % BN;
@@ -93,7 +89,7 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
   constexpr bool kMma = MATH != kSimt;
   constexpr int kMT = kMma ? WM / 16 : WM / 4;   // per warp: mma tiles (16 rows) or SIMT rows per lane
-  constexpr int kNT = kMma ? WN / 8 : WN / 8;    // mma tiles (8 columns) or SIMT columns per lane
+  constexpr int kNT = WN / 8;                     // mma tiles (8 columns) or SIMT columns per lane
   OFZ_DYNAMIC_SMEM(T, smem);
   T* const As = smem;
   T* const Bs = smem + STAGES * L::kAStage;
