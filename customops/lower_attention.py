@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import weakref
 
 import onnx
 
@@ -23,16 +24,16 @@ from ortfuse.search.plan import Region
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 THREADS = 128
 SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
-_PATTERNS: dict[int, list[AttentionPattern]] = {}
+_PATTERNS: dict[int, tuple[weakref.ref, list[AttentionPattern]]] = {}  # id(graph) -> (graph, matches)
 
 
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
-    found = _PATTERNS.get(id(g))
-    if found is None:
-        found = _PATTERNS[id(g)] = find_attention(g)[0]
+    hit = _PATTERNS.get(id(g))
+    if hit is None or hit[0]() is not g:  # ids of collected graphs are reused
+        hit = _PATTERNS[id(g)] = (weakref.ref(g), find_attention(g)[0])
         if len(_PATTERNS) > 8:
             _PATTERNS.pop(next(iter(_PATTERNS)))
-    for p in found:
+    for p in hit[1]:
         if p.nodes == tuple(region.nodes):
             return p
     raise LoweringError("the region is not an attention pattern")
