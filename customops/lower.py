@@ -475,14 +475,17 @@ class _Lowerer:
         self.emit(ir.Let(Var(name, e.ctype), e))
         self.define(name)
 
-    def kernel(self, block: int, scratch: int) -> ir.Kernel:
+    def kernel(self, block: int, scratch: int, headers: tuple[str, ...] = (),
+               funcs: tuple[ir.Func, ...] = ()) -> ir.Kernel:
         params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
         params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
         body = tuple(self.scopes[0].stmts)
-        # named by content, tensor names left out: identical layers share one compiled kernel
+        # named by content (template callbacks included), tensor names left out: identical layers share
+        # one compiled kernel
         anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
-        digest = hashlib.sha256(repr(ir.Kernel("", block, anon, len(self.sym_pairs), scratch, body)).encode()).hexdigest()[:10]
-        return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body)
+        key = repr(ir.Kernel("", block, anon, len(self.sym_pairs), scratch, body, headers, funcs))
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body, headers, funcs)
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

@@ -8,7 +8,6 @@ The tensor-core variant needs fp16/bf16 data, head sizes that are multiples of 1
 in d starting 16-byte aligned; the SIMT variant takes the rest."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import weakref
 
@@ -173,11 +172,7 @@ class _AttnLowerer(_Lowerer):
                        ptrs + (dims,))
         self.scopes = [_Scope(set())]
         self.emit(call)
-        k = self.kernel(THREADS, 0)
-        anon = tuple(ir.Param(x.arg, "", x.storage, x.is_output) for x in k.params)
-        key = repr(ir.Kernel("", THREADS, anon, k.num_dims, 0, k.body, ("ortfuse_attention.h",), tuple(funcs)))
-        name = f"ofz_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-        kernel = ir.Kernel(name, THREADS, k.params, k.num_dims, 0, k.body, ("ortfuse_attention.h",), tuple(funcs))
+        kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs))
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"attention tile needs {smem} bytes of shared memory")

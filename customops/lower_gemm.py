@@ -10,7 +10,6 @@ The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the re
 When B has no batch dims, the batch dims of A fold into M, so the whole activation is one tall GEMM."""
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Optional
 
@@ -183,21 +182,11 @@ class _GemmLowerer(_Lowerer):
                        (ir.i64(a_arg), ir.i64(b_arg), batch_expr, m_expr, self.dim(N), self.dim(K)))
         self.scopes = [_Scope(set())]
         self.emit(call)
-        kernel = self.kernel(tile.threads, 0)
-        kernel = ir.Kernel(kernel.name, kernel.block, kernel.params, kernel.num_dims, 0, kernel.body,
-                           ("ortfuse_gemm.h",), tuple(funcs))
-        kernel = self.rename(kernel)
+        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
         smem = tile.smem_bytes(es, b_mode == COL)
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)
-
-    def rename(self, k: ir.Kernel) -> ir.Kernel:
-        """Name by content including the callbacks (the base class hashes the body only)."""
-        anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in k.params)
-        key = repr((ir.Kernel("", k.block, anon, k.num_dims, 0, k.body, k.headers, k.funcs)))
-        return ir.Kernel(f"ofz_{hashlib.sha256(key.encode()).hexdigest()[:10]}", k.block, k.params, k.num_dims, 0,
-                         k.body, k.headers, k.funcs)
 
 
 def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

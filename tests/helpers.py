@@ -28,3 +28,10 @@ def const(name: str, value, dtype=np.float32) -> onnx.TensorProto:
 
 def node(op: str, inputs, outputs, **attrs) -> onnx.NodeProto:
     return helper.make_node(op, list(inputs), list(outputs), name=f"{op}_{'_'.join(outputs)}", **attrs)
+
+
+def bf16(x) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 -> (bf16 bit patterns as uint16, round to nearest even; the fp32 values they hold)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32)

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, model, node, vi
+from helpers import bf16, const, model, node, vi
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
-from ortfuse.config import Options
+from ortfuse.config import Options, cache_dir
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 from ortfuse.customops.lower import lower
@@ -112,12 +112,6 @@ def test_lone_gemm_and_gemm_before_a_reduction_stay_with_ort():
     assert "reduction in a GEMM region" in reasons and "no epilogue to fuse" in reasons
 
 
-def _bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    u = x.astype(np.float32).view(np.uint32)
-    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def _launch(spec, arrays, dims):
     units = math.prod(t if t >= 0 else dims[-t - 1] for t in spec.units)
     for terms, div in spec.units_ceil:
@@ -138,15 +132,15 @@ def test_prologue_cast_and_transpose_fold_into_operand_loads():
     spec = lower(g, region, parse_arch("sm_90"))
     src = render(spec.kernel)
     assert "a_load" in src and "b_load" in src and "__nv_bfloat16" in src
-    compile_kernel(src, spec.kernel.name, (80, 90), __import__("ortfuse.config", fromlist=["cache_dir"]).cache_dir())
+    compile_kernel(src, spec.kernel.name, (80, 90), cache_dir())
     rng = np.random.default_rng(11)
     x = rng.standard_normal((13, 40)).astype(np.float32)
-    wt, wtv = _bf16(rng.standard_normal((24, 40)))
-    b, bv = _bf16(rng.standard_normal(24))
+    wt, wtv = bf16(rng.standard_normal((24, 40)))
+    b, bv = bf16(rng.standard_normal(24))
     out = np.zeros((13, 24), np.uint16)
     args = {"x": x, "wt": wt, "b": b}
     _launch(spec, [args[t] for t in spec.inputs] + [out], [13])
-    ref = _bf16(x)[1].astype(np.float64) @ wtv.T.astype(np.float64) + bv
+    ref = bf16(x)[1].astype(np.float64) @ wtv.T.astype(np.float64) + bv
     got = (out.astype(np.uint32) << 16).view(np.float32)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-2
 

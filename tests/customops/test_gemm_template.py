@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import bf16
+
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 from ortfuse.customops.tiles import MMA_BF16, MMA_F16, MMA_TF32, SIMT, GemmTile
@@ -41,19 +43,13 @@ OFZ_EMU_ENTRY(gemm_test)
 '''
 
 
-def _bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    u = x.astype(np.float32).view(np.uint32)
-    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def _operands(math_: int, shape: tuple[int, ...], rng) -> tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal(shape).astype(np.float32)
     if math_ == MMA_F16:
         h = x.astype(np.float16)
         return h, h.astype(np.float32)
     if math_ == MMA_BF16:
-        return _bf16(x)
+        return bf16(x)
     return x, x
 
 

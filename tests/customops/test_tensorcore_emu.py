@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import bf16
+
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 
@@ -75,13 +77,6 @@ OFZ_EMU_ENTRY(early)
 """
 
 
-def _bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(uint16 bits, the fp32 values they hold), round to nearest even."""
-    u = x.astype(np.float32).view(np.uint32)
-    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 @pytest.mark.parametrize("elem", ["__half", "__nv_bfloat16"])
 @pytest.mark.parametrize("b_nk", [0, 1])
 @pytest.mark.parametrize("valid", [8, 3])
@@ -92,7 +87,7 @@ def test_mma_m16n8k16(elem, b_nk, valid):
         a, b = a32.astype(np.float16), b32.astype(np.float16)
         av, bv = a.astype(np.float32), b.astype(np.float32)
     else:
-        (a, av), (b, bv) = _bf16(a32), _bf16(b32)
+        (a, av), (b, bv) = bf16(a32), bf16(b32)
     bmem = np.ascontiguousarray(b.T) if b_nk else b
     mma = "ofz::mma_f16" if elem == "__half" else "ofz::mma_bf16"
     src = f"#define ELEM {elem}\n#define MMA {mma}\n#define B_NK {b_nk}\n" + MMA16
