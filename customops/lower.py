@@ -308,8 +308,8 @@ class _Lowerer:
             return self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (node.name, "ssq"))
         if op in ("ReduceMax", "ReduceMin"):
             return self.row_reduce(op[6:].lower(), elem, (node.name, x, op))
-        m = self.row_reduce("max", elem, (x, "max"))
         if op in ("Softmax", "LogSoftmax"):
+            m = self.row_reduce("max", elem, (x, "max"))
             shifted = lambda c: self.bind(ir.Op("sub", (elem(c), m), F32))  # noqa: E731
             s = self.row_reduce("sum", lambda c: self.bind(ir.Op("exp", (shifted(c),), F32)), (x, "sumexp"))
             if op == "Softmax":
@@ -422,8 +422,7 @@ class _Lowerer:
         c = space[-1]
         self.inner_dim = c
         self.vec = self.vector_width(c)
-        per_row = max(1, math.ceil(self.hint(c) / (self.vec * hw.ROW_VECTORS_PER_THREAD)))
-        self.tpr = min(hw.ROW_MAX_THREADS, max(32, 1 << (per_row - 1).bit_length()))
+        self.tpr = self.row_threads(c, hw.ROW_MAX_THREADS)
         block = max(self.tpr, hw.ROW_MIN_BLOCK)
         rpb = block // self.tpr
         rows_terms = [self.encode(d) for d in space[:-1]]
@@ -433,33 +432,45 @@ class _Lowerer:
         rsub = self.bind(ir.Op("div", (tid, ir.i64(self.tpr)), I64), "rsub")
         start = ir.Op("mul", (ir.Op("block_idx", (), I64), ir.i64(rpb)), I64)
         step = ir.Op("mul", (ir.Op("grid_dim", (), I64), ir.i64(rpb)), I64)
-        full = [o for o in self.r.outputs if self._shape(o) == space]
-        rowwise = [o for o in self.r.outputs if o not in full]
 
         def row_body(row0: Var) -> None:
-            row = self.bind(ir.add(row0, rsub), "row")
-            active = self.bind(ir.Op("lt", (row, rows), "bool"), "active")
-            rowc = self.bind(ir.imin(row, ir.Op("sub", (rows, ir.i64(1)), I64)), "rowc")
-            self.row_depth = len(self.scopes)
-            self.row_idx = self.unravel(rowc, space[:-1])
-            for o in rowwise:
-                oshape = self._shape(o)
-                if oshape not in (space[:-1], space[:-1] + (1,)):
-                    raise LoweringError(f"output '{o}' of shape {oshape} is neither the reduced tensor's shape nor its row shape")
-            self.lanes = (ir.i64(0),)
-            lead = ir.Op("and", (active, ir.Op("eq", (Var("rlane", I64), ir.i64(0)), "bool")), "bool")
-            for o in rowwise:  # written once per row, by the row's first thread
-                keep = (ir.i64(0),) if len(self._shape(o)) == len(space) else ()
-                self.store_outputs([o], lambda lane: self.row_idx + keep, lead)
-            if full:
-                def col_body(cb: Var) -> None:
-                    self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
-                    self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
-                self.loop(self.fresh("c"), ir.mul(Var("rlane", I64), ir.i64(self.vec)), self.dim(c),
-                          ir.i64(self.tpr * self.vec), col_body)
+            self.row_pass(space, ir.add(row0, rsub), rows, lambda rowc: self.unravel(rowc, space[:-1]))
 
         self.loop("row0", start, rows, step, row_body)
         return self.kernel(block, block // 32), tuple(rows_terms), rpb
+
+    def row_pass(self, space: tuple[Dim, ...], row_expr: Expr, rows: Expr,
+                 row_index: Callable[[Expr], tuple[Expr, ...]]) -> None:
+        """One row of the reduced tensor per TPR threads (`rlane` bound): its reductions, then its row-shaped
+        outputs (by the row's first thread) and full outputs (the row's threads, VEC elements each).
+        Rows past `rows` compute on the last row and store nothing, so every thread joins every reduction."""
+        row = self.bind(row_expr, "row")
+        active = self.bind(ir.Op("lt", (row, rows), "bool"), "active")
+        rowc = self.bind(ir.imin(row, ir.Op("sub", (rows, ir.i64(1)), I64)), "rowc")
+        self.row_depth = len(self.scopes)
+        self.row_idx = row_index(rowc)
+        full = [o for o in self.r.outputs if self._shape(o) == space]
+        rowwise = [o for o in self.r.outputs if o not in full]
+        for o in rowwise:
+            oshape = self._shape(o)
+            if oshape not in (space[:-1], space[:-1] + (1,)):
+                raise LoweringError(f"output '{o}' of shape {oshape} is neither the reduced tensor's shape nor its row shape")
+        self.lanes = (ir.i64(0),)
+        lead = ir.Op("and", (active, ir.Op("eq", (Var("rlane", I64), ir.i64(0)), "bool")), "bool")
+        for o in rowwise:  # written once per row, by the row's first thread
+            keep = (ir.i64(0),) if len(self._shape(o)) == len(space) else ()
+            self.store_outputs([o], lambda lane: self.row_idx + keep, lead)
+        if full:
+            def col_body(cb: Var) -> None:
+                self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+                self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
+            self.loop(self.fresh("c"), ir.mul(Var("rlane", I64), ir.i64(self.vec)), self.dim(space[-1]),
+                      ir.i64(self.tpr * self.vec), col_body)
+
+    def row_threads(self, c: Dim, cap: int) -> int:
+        """Threads per row: about ROW_VECTORS_PER_THREAD vectors each, a power of two in [32, cap]."""
+        per_row = max(1, math.ceil(self.hint(c) / (self.vec * hw.ROW_VECTORS_PER_THREAD)))
+        return min(cap, max(32, 1 << (per_row - 1).bit_length()))
 
     def func(self, name: str, params: tuple[Var, ...], build: Callable[[], Optional[Expr]]) -> ir.Func:
         """A template callback: `build()` emits into a fresh scope where `params` are bound and returns
@@ -495,7 +506,7 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     instead of the top-ranked one (profiling)."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
-    if region.kind == "gemm":
+    if region.kind in ("gemm", "gemm_row"):
         from ortfuse.customops.lower_gemm import lower_gemm
         return lower_gemm(graph, region, tgt, tf32, tile)
     if region.kind == "attention":

@@ -6,7 +6,10 @@ The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the re
   or column-major (Gemm transB) layout with 16-byte aligned rows; otherwise `a_load` / `b_load` evaluate
   the operand element by element, through any prologue ops (casts, scaling, transposes, broadcasts);
 * `epi2` / `epi1` compute every region output at one or two adjacent columns from the accumulator, with
-  16-bit pairs stored as one access when the row length is even.
+  16-bit pairs stored as one access when the row length is even;
+* row-wise epilogue (region kind "gemm_row": a Softmax, LayerNorm or Reduce* over the GEMM's N axis): the
+  tile spans whole rows; `row_in` evaluates X, the one tensor between the GEMM and its reductions, into a
+  shared-memory row buffer, and `row` runs the rest of the region as a row-reduction pass over that buffer.
 When B has no batch dims, the batch dims of A fold into M, so the whole activation is one tall GEMM."""
 from __future__ import annotations
 
@@ -19,12 +22,39 @@ from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.search import ops
 from ortfuse.search.plan import Region
 
 GEMM_OPS = frozenset({"MatMul", "Gemm"})
 ROW, COL, GENERIC = 0, 1, 2  # ofz::gemm::Mode
 MATH_OF = {"f16": tl.MMA_F16, "bf16": tl.MMA_BF16}
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
+ROW_PTR = "f32p"  # float* parameters of the row-wise callbacks
+
+
+def row_input(graph: Graph, region: Region, anchor: int) -> str:
+    """X of a row-wise epilogue: the one tensor computed from the GEMM result, before any reduction, that
+    the rest of the region (or the outside) reads. Raises when there is not exactly one."""
+    nodes = set(region.nodes)
+
+    def downstream(seeds: set[int]) -> set[int]:
+        seen, stack = set(seeds), list(seeds)
+        while stack:
+            for o in graph.nodes[stack.pop()].output:
+                for c in graph.consumers.get(o, ()) if o else ():
+                    if c in nodes and c not in seen:
+                        seen.add(c)
+                        stack.append(c)
+        return seen
+
+    after = downstream({i for i in nodes if graph.nodes[i].op_type in ops.REDUCTIONS})
+    pre = downstream({anchor}) - after
+    frontier = sorted({o for i in pre for o in graph.nodes[i].output if o and (
+        o in region.outputs or any(c in nodes and c not in pre for c in graph.consumers.get(o, ())))})
+    if len(frontier) != 1:
+        raise LoweringError(f"a row-wise epilogue needs one tensor between the GEMM and its reductions, "
+                            f"found {frontier}")
+    return frontier[0]
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -44,6 +74,22 @@ class _GemmLowerer(_Lowerer):
         self.forced_tile = tile
         self.acc: dict[Expr, Expr] = {}  # column expression -> accumulator value at that column
         self.out_idx: tuple[Expr, ...] = ()
+        self.row_mode = any(graph.nodes[i].op_type in ops.REDUCTIONS for i in region.nodes)
+        self.row_tensor = row_input(graph, region, anchors[0]) if self.row_mode else None
+        self.row_local: Optional[Expr] = None  # row pass: the row within the tile (row buffer index)
+        self.row_ld = 0
+
+    # ------------------------------------------------------------------ X from the row buffer
+    def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        if t != self.row_tensor or self.row_local is None:
+            return super().value(t, idx)
+        if idx[:-1] != self.row_idx:
+            raise LoweringError(f"'{t}' is read at another row than the one being reduced")
+        hit = self.lookup((t, idx))
+        if hit is not None:
+            return hit
+        off = ir.add(ir.mul(self.row_local, ir.i64(self.row_ld)), idx[-1])
+        return self.remember((t, idx), self.bind(ir.Op("rowbuf", (off,), F32), "x"))
 
     # ------------------------------------------------------------------ the anchor's value in the epilogue
     def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
@@ -71,6 +117,75 @@ class _GemmLowerer(_Lowerer):
     def static(self, d: Dim) -> Optional[int]:
         return d if isinstance(d, int) else None
 
+    # ------------------------------------------------------------------ epilogues
+    def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, N: Dim,
+                 n_static: Optional[int]) -> None:
+        """epi2 / epi1: every region output at two adjacent columns (16-bit pairs as one store), or one."""
+        v0, v1 = Var("acc0", F32), Var("acc1", F32)
+        self.inner_dim = N
+        outs = list(self.r.outputs)
+
+        def store(cols: list[tuple[Expr, Var]], vec: int) -> None:
+            self.vec = vec
+            for chunk in ([cols] if vec > 1 else [[c] for c in cols]):
+                self.lanes = tuple(c for c, _ in chunk)
+                self.acc = {c: v for c, v in chunk}
+                prefix = out_prefix(vb, vm)
+                self.out_idx = prefix + (self.lanes[0],)
+                self.store_outputs(outs, lambda lane: prefix + (lane,), None)
+            return None
+
+        pair_vec = 2 if n_static is not None and n_static % 2 == 0 else 1
+        n1 = ir.add(vn, ir.i64(1))
+        funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: store([(vn, v0), (n1, v1)], pair_vec)))
+        funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: store([(vn, v0)], 1)))
+
+    def row_epilogue(self, funcs: list[ir.Func], vb: Var, out_prefix, y_s: tuple[Dim, ...],
+                     tile: tl.GemmTile) -> int:
+        """row_in (X from the accumulator) and row (the reductions and outputs over the row buffer);
+        returns the threads per row."""
+        assert self.row_tensor is not None
+        x = self.row_tensor
+        if self._shape(x) != y_s or tuple(self.r.space) != y_s:
+            raise LoweringError(f"the row-wise epilogue reduces '{x}' of shape {self._shape(x)}, "
+                                f"not the GEMM's shape {y_s}")
+        vm, vn, v0 = Var("gm", I64), Var("gn", I64), Var("acc0", F32)
+
+        def row_in() -> Expr:
+            self.vec, self.lanes, self.acc = 1, (vn,), {vn: v0}
+            self.out_idx = out_prefix(vb, vm) + (vn,)
+            v = self.value(x, self.out_idx)
+            if v.ctype != F32:
+                raise LoweringError(f"'{x}' is not a floating-point tensor")
+            return v
+
+        funcs.append(self.func("row_in", (vb, vm, vn, v0), row_in))
+        N = y_s[-1]
+        self.inner_dim = N
+        self.vec = self.vector_width(N)
+        self.tpr = self.row_threads(N, min(tile.threads, hw.ROW_MAX_THREADS))
+        self.row_ld = tile.bn + 4  # ortfuse_gemm.h Layout::kRowLd
+        rpb = tile.threads // self.tpr
+        vm0, vrows = Var("gm0", I64), Var("grows", I64)
+
+        def row() -> None:
+            self.acc = {}
+            tid = ir.Op("thread_idx", (), I64)
+            self.bind_named("rlane", ir.Op("mod", (tid, ir.i64(self.tpr)), I64))
+            rsub = self.bind(ir.Op("div", (tid, ir.i64(self.tpr)), I64), "rsub")
+
+            def index(rowc: Expr) -> tuple[Expr, ...]:
+                self.row_local = rowc
+                return out_prefix(vb, self.bind(ir.add(vm0, rowc), "gmr"))
+
+            self.loop("r0", ir.i64(0), ir.i64(tile.bm), ir.i64(rpb),
+                      lambda r0: self.row_pass(y_s, ir.add(r0, rsub), vrows, index))
+            self.row_local = None
+            return None
+
+        funcs.append(self.func("row", (vb, vm0, vrows, Var("ofz_row", ROW_PTR), Var("ofz_scratch", ROW_PTR)), row))
+        return self.tpr
+
     # ------------------------------------------------------------------ the kernel
     def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple]:
         node, g = self.anchor, self.g
@@ -90,8 +205,10 @@ class _GemmLowerer(_Lowerer):
         M, N = y_s[-2], y_s[-1]
         K = a_s[-2] if trans_a else a_s[-1]
         for o in self.r.outputs:
-            if self._shape(o) != y_s:
+            if self._shape(o) != y_s and not (self.row_mode and self._shape(o) in (y_s[:-1], y_s[:-1] + (1,))):
                 raise LoweringError(f"output '{o}' of shape {self._shape(o)} is not the GEMM's shape {y_s}")
+        if self.row_mode and self.static(N) is None:
+            raise LoweringError("a row-wise epilogue needs a static row length N")
 
         batch_shape = tuple(y_s[:-2])
         fold = all(d == 1 for d in b_s[:-2]) and not trans_a
@@ -141,34 +258,25 @@ class _GemmLowerer(_Lowerer):
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.value(
                 b_t, operand_index(b_t, b_s, vb, vk, vn, False, trans_b))))
 
-        # epilogue: two adjacent columns, then one
-        v0, v1 = Var("acc0", F32), Var("acc1", F32)
-        self.inner_dim = N
-        outs = list(self.r.outputs)
-
-        def epilogue(cols: list[tuple[Expr, Var]], vec: int) -> None:
-            self.vec = vec
-            for chunk in ([cols] if vec > 1 else [[c] for c in cols]):
-                self.lanes = tuple(c for c, _ in chunk)
-                self.acc = {c: v for c, v in chunk}
-                prefix = out_prefix(vb, vm)
-                self.out_idx = prefix + (self.lanes[0],)
-                self.store_outputs(outs, lambda lane: prefix + (lane,), None)
-            return None
-
-        pair_vec = 2 if n_static is not None and n_static % 2 == 0 else 1
-        n1 = ir.add(vn, ir.i64(1))
-        funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: epilogue([(vn, v0), (n1, v1)], pair_vec)))
-        funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: epilogue([(vn, v0)], 1)))
+        if not self.row_mode:
+            self.epilogue(funcs, vb, vm, vn, out_prefix, N, n_static)
 
         # tile construction
         hint = self.hint
         m_hint = hint(M) * (math.prod(hint(d) for d in batch_shape) if fold else 1)
         b_hint = 1 if fold else math.prod(hint(d) for d in batch_shape)
-        ranked = tl.rank_tiles(self.tgt, m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL)
+        ranked = tl.rank_tiles(self.tgt, m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL,
+                               row=self.row_mode)
         if not ranked:
-            raise LoweringError("no GEMM tile fits the hardware table entry")
+            raise LoweringError("no GEMM tile fits the hardware table entry" +
+                                (f" with a {N}-column row in one tile" if self.row_mode else ""))
         tile = tl.GemmTile(*self.forced_tile) if self.forced_tile else ranked[0].tile
+        targs: tuple[str, ...] = ()
+        if self.row_mode:
+            if tile.bn < int(N):
+                raise LoweringError(f"tile {tile.as_tuple()} does not span the {N}-column row")
+            tpr = self.row_epilogue(funcs, vb, out_prefix, y_s, tile)
+            targs = (str(tpr),)
 
         batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
         m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
@@ -178,12 +286,13 @@ class _GemmLowerer(_Lowerer):
         a_arg = self.args[a_t] if a_mode != GENERIC else 0
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
         call = ir.Call("ofz::gemm::run",
-                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a_mode), str(b_mode), str(math_), "OPS"),
+                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a_mode), str(b_mode), str(math_), "OPS",
+                        *targs),
                        (ir.i64(a_arg), ir.i64(b_arg), batch_expr, m_expr, self.dim(N), self.dim(K)))
         self.scopes = [_Scope(set())]
         self.emit(call)
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
-        smem = tile.smem_bytes(es, b_mode == COL)
+        smem = tile.smem_bytes(es, b_mode == COL, self.row_mode)
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)

@@ -9,7 +9,7 @@ from typing import Callable
 from ortfuse.customops import ir
 
 C_TYPE = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i64": "ofz_i64", "i32": "int",
-          "bool": "bool", "u8": "unsigned char", "i8": "signed char"}
+          "bool": "bool", "u8": "unsigned char", "i8": "signed char", "f32p": "float*"}
 REDUCE_OP = {"sum": "ofz::SumOp", "max": "ofz::MaxOp", "min": "ofz::MinOp"}
 
 
@@ -63,6 +63,7 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "grid_dim": lambda a: "((ofz_i64)gridDim.x)",
     "round_f16": lambda a: f"ofz::round_f16({a[0]})",
     "round_bf16": lambda a: f"ofz::round_bf16({a[0]})",
+    "rowbuf": lambda a: f"ofz_row[{a[0]}]",  # GEMM row-wise epilogue: the fp32 row buffer (ortfuse_gemm.h)
     "attn_dims": lambda a: f"ofz::attn::Dims{{{a[0]}, {a[1]}, {a[2]}, {a[3]}}}",
 }
 

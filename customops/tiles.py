@@ -33,12 +33,14 @@ class GemmTile:
     def threads(self) -> int:
         return (self.bm // self.wm) * (self.bn // self.wn) * 32
 
-    def smem_bytes(self, esize: int, b_nk: bool) -> int:
-        """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage."""
+    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False) -> int:
+        """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage; with a row-wise
+        epilogue, at least its fp32 [BM][BN + 4] buffer (which reuses the drained stages)."""
         pad = 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
-        return self.stages * (a + b) * esize
+        pipeline = self.stages * (a + b) * esize
+        return max(pipeline, self.bm * (self.bn + 4) * 4) if row else pipeline
 
     def regs(self, math_: int) -> int:
         acc = self.wm * self.wn // 32
@@ -75,19 +77,40 @@ def _candidates(math_: int, esize: int) -> list[GemmTile]:
     return out
 
 
+def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
+    """Tiles whose BN covers a whole row of N: the warps along N split it into whole fragments."""
+    out = []
+    frag = 8 if math_ == SIMT else 16
+    wms = (4, 8, 16) if math_ == SIMT else (16, 32)
+    bks = (16, 32) if math_ == SIMT or esize == 4 else (32, 64)
+    for wm in wms:
+        for wr in (1, 2, 4):
+            for wc in (1, 2, 4, 8):
+                if wr * wc > 8:
+                    continue
+                wn = -(-n // (wc * frag)) * frag
+                if math_ == SIMT and wm * wn // 32 > 64:
+                    continue
+                for bk in bks:
+                    for stages in (2, 3):
+                        out.append(GemmTile(wm * wr, wn * wc, bk, wm, wn, stages))
+    return out
+
+
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
-               top_k: int = 4) -> list[Ranked]:
-    """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values)."""
+               top_k: int = 4, row: bool = False) -> list[Ranked]:
+    """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values). `row`:
+    only tiles spanning whole rows (N <= BN), for a row-wise epilogue."""
     peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
             SIMT: tgt.fp32_tflops}[math_] * 1e12
     ranked = []
-    for t in _candidates(math_, esize):
-        smem = t.smem_bytes(esize, b_nk)
+    for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
+        smem = t.smem_bytes(esize, b_nk, row)
         regs = t.regs(math_)
         if smem > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
             continue
         # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
-        if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n):
+        if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
             continue
         per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
                      tgt.max_threads_per_sm // t.threads, 32)

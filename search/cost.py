@@ -2,12 +2,14 @@
 here decides correctness."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import onnx
 
+from ortfuse.customops import tiles
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import ops
@@ -38,16 +40,24 @@ def traffic(g: Graph, region: Region) -> Traffic:
     return Traffic(unfused, fused, launches)
 
 
+def gemm_dims(g: Graph, node: onnx.NodeProto) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a MatMul/Gemm as our kernel tiles it, symbolic dims at their hints: A's batch
+    dims fold into M when B has none."""
+    hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+    a, b, y = (g.tensors[t].shape for t in (node.input[0], node.input[1], node.output[0]))
+    assert a is not None and b is not None and y is not None
+    trans_a = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)
+    batch = int(np.prod([hint(d) for d in y[:-2]])) if len(y) > 2 else 1
+    m, n, k = hint(y[-2]), hint(y[-1]), hint(a[-2] if trans_a else a[-1])
+    if all(d == 1 for d in b[:-2]) and not trans_a:
+        m, batch = m * batch, 1
+    return batch, m, n, k
+
+
 def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
     """2 * M * N * K * batch of a MatMul/Gemm, symbolic dims at their hints."""
-    a, y = g.tensors[node.input[0]].shape, g.tensors[node.output[0]].shape
-    assert a is not None and y is not None
-    trans_a = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)
-    k = a[-2] if trans_a else a[-1]
-    n = 2.0 * (k if isinstance(k, int) else g.sym_hints.get(k, 128))
-    for d in y:
-        n *= d if isinstance(d, int) else g.sym_hints.get(d, 128)
-    return n
+    batch, m, n, k = gemm_dims(g, node)
+    return 2.0 * batch * m * n * k
 
 
 @dataclass(frozen=True)
@@ -58,32 +68,69 @@ class CostModel:
     def time_us(self, bytes_moved: int, launches: int) -> float:
         return bytes_moved / (self.target.dram_gbps * 1e3) + launches * self.target.launch_us
 
+    def _math(self, g: Graph, node: onnx.NodeProto) -> int:
+        dtype = g.tensors[node.input[0]].dtype
+        return tiles.MMA_F16 if dtype != onnx.TensorProto.FLOAT else (tiles.MMA_TF32 if self.tf32 else tiles.SIMT)
+
     def gemm_us(self, g: Graph, node: onnx.NodeProto) -> tuple[float, int]:
         """(roofline time of the bare GEMM as cuBLAS would run it, its DRAM bytes)."""
         tgt = self.target
-        dtype = g.tensors[node.input[0]].dtype
-        peak = tgt.mma_f16_tflops if dtype != onnx.TensorProto.FLOAT else (
-            tgt.mma_tf32_tflops if self.tf32 else tgt.fp32_tflops)
+        peak = {tiles.MMA_F16: tgt.mma_f16_tflops, tiles.MMA_TF32: tgt.mma_tf32_tflops,
+                tiles.SIMT: tgt.fp32_tflops}[self._math(g, node)]
         moved = sum(tensor_bytes(g, t) for t in (node.input[0], node.input[1], node.output[0]))
         return max(gemm_flops(g, node) / (peak * 1e6), moved / (tgt.dram_gbps * 1e3)), moved
 
+    def row_penalty(self, g: Graph, node: onnx.NodeProto) -> float:
+        """How much slower our GEMM gets when one tile must span a whole row (row-wise epilogue): the tile
+        model's best row-spanning tile over its best tile. Few, narrow tiles cost parallelism at small M."""
+        batch, m, n, k = gemm_dims(g, node)
+        es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
+        math_ = self._math(g, node)
+        free = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, False, top_k=1)
+        row = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, False, top_k=1, row=True)
+        if not free or not row:
+            return math.inf
+        return max(1.0, row[0].est_us / free[0].est_us)
+
+    def _anchor(self, g: Graph, region: Region) -> onnx.NodeProto:
+        return next(g.nodes[i] for i in region.nodes if g.nodes[i].op_type in ops.GEMM)
+
+    def ours_us(self, g: Graph, region: Region) -> float:
+        """Estimated time of the region as one of our kernels."""
+        tr = region.traffic
+        if region.kind not in ("gemm", "gemm_row"):
+            return self.time_us(tr.fused_bytes, 1)
+        node = self._anchor(g, region)
+        mm_us, mm_bytes = self.gemm_us(g, node)
+        mm_us /= self.target.gemm_vs_cublas  # assumed until --profile measures it
+        if region.kind == "gemm_row":
+            mm_us *= self.row_penalty(g, node)
+        return mm_us + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
+
+    def ort_us(self, g: Graph, region: Region) -> float:
+        """Estimated time of the region's nodes as stock ORT runs them: cuBLAS for a GEMM, one kernel per op."""
+        tr = region.traffic
+        if region.kind not in ("gemm", "gemm_row"):
+            return self.time_us(tr.unfused_bytes, tr.unfused_launches)
+        mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
+        return mm_us + self.time_us(max(tr.unfused_bytes - mm_bytes, 0), tr.unfused_launches)
+
     def verdict(self, g: Graph, region: Region) -> Optional[Reject]:
         """None if fusing the region pays, else why not."""
-        tr = region.traffic
         label = f"region at {g.node_label(region.nodes[0])}"
-        if tr.unfused_launches < 2:
+        if region.traffic.unfused_launches < 2:
             return Reject(label, "replaces a single ORT kernel: no traffic or launch saved")
-        if region.kind == "gemm":
-            # cuBLAS + separate epilogue kernels vs our GEMM (assumed gemm_vs_cublas as fast) with the
-            # epilogue's traffic gone
-            node = next(g.nodes[i] for i in region.nodes if g.nodes[i].op_type in ops.GEMM)
-            mm_us, mm_bytes = self.gemm_us(g, node)
-            unfused = mm_us + self.time_us(max(tr.unfused_bytes - mm_bytes, 0), tr.unfused_launches)
-            fused = mm_us / self.target.gemm_vs_cublas + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
-            if fused >= unfused:
-                return Reject(label, f"GEMM + epilogue estimated at {fused:.1f} us fused vs {unfused:.1f} us "
-                                     "as cuBLAS + ORT kernels")
-            return None
-        if self.time_us(tr.fused_bytes, 1) >= self.time_us(tr.unfused_bytes, tr.unfused_launches):
-            return Reject(label, "estimated no faster than the ORT kernels it replaces")
+        ours, ort = self.ours_us(g, region), self.ort_us(g, region)
+        if ours >= ort:
+            what = {"gemm": "GEMM + epilogue", "gemm_row": "GEMM + row-wise epilogue"}.get(region.kind, "fused kernel")
+            return Reject(label, f"{what} estimated at {ours:.1f} us vs {ort:.1f} us as ORT runs it")
+        return None
+
+    def split_verdict(self, g: Graph, merged: Region, group: Region) -> Optional[str]:
+        """None if a GEMM with `group` fused in beats cuBLAS followed by `group` as our own kernel."""
+        mm_us, _ = self.gemm_us(g, self._anchor(g, merged))
+        ours, split = self.ours_us(g, merged), mm_us + self.target.launch_us + self.ours_us(g, group)
+        if ours >= split:
+            return (f"estimated at {ours:.1f} us fused vs {split:.1f} us as cuBLAS + a separate "
+                    f"{group.kind} kernel")
         return None

@@ -114,13 +114,16 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     if gemms:
         if len(gemms) > 1:
             return Reject(label, "two GEMMs in one region")
-        if reductions:
-            return Reject(label, "a reduction in a GEMM region (row-wise epilogues are not generated yet)")
-        space = g.tensors[g.nodes[gemms[0]].output[0]].shape
+        space = tuple(g.tensors[g.nodes[gemms[0]].output[0]].shape or ())
+        rows = (space[:-1], space[:-1] + (1,)) if reductions else ()
+        for i in reductions:  # row-wise epilogue: reductions over the GEMM's rows
+            if g.tensors[g.nodes[i].input[0]].shape != space:
+                return Reject(label, f"{g.node_label(i)} reduces a tensor of another shape than the GEMM's {space}")
         for o, s in shapes.items():
-            if s != space:
+            if s != space and s not in rows:
                 return Reject(label, f"output '{o}' of shape {s} is not the GEMM's shape {space}")
-        return Region(-1, "gemm", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space or ()), empty)
+        kind = "gemm_row" if reductions else "gemm"
+        return Region(-1, kind, tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
     if not reductions:
         space = shapes[outputs[0]]
         if any(s != space for s in shapes.values()):

@@ -33,7 +33,7 @@ class Traffic:
 @dataclass(frozen=True)
 class Region:
     id: int
-    kind: str  # "pointwise" | "rowreduce"
+    kind: str  # "pointwise" | "rowreduce" | "gemm" | "gemm_row" (GEMM + row-wise epilogue) | "attention"
     nodes: tuple[int, ...]  # indices into Graph.nodes, topological order
     inputs: tuple[str, ...]  # element-data tensors read (kernel arguments), first use first
     outputs: tuple[str, ...]  # tensors written (used outside the region or graph outputs)

@@ -2,9 +2,10 @@
 0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed);
 1. memory-bound ops: greedy merging along producer->consumer edges in topological order. A merge is
    kept only if `legal` allows it and the merged group still lowers to one kernel;
-2. GEMM epilogues: each MatMul/Gemm absorbs the element-wise group that consumes its result, when the
-   merged region lowers to one GEMM kernel; groups with a reduction stay separate (cuBLAS + our row
-   kernel moves the same bytes as our GEMM + our row kernel).
+2. GEMM epilogues: each MatMul/Gemm absorbs the group that consumes its result when the merged region
+   lowers to one GEMM kernel (a group with a row reduction over the GEMM's N axis becomes a row-wise
+   epilogue, one tile spanning each row) and the cost model says it beats cuBLAS followed by the group
+   as its own kernel.
 The cost model then keeps the regions that pay."""
 from __future__ import annotations
 
@@ -81,13 +82,17 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         else:
             group_of[i] = frozenset((i,))
 
-    def merge(a: set[int], label: str) -> bool:
+    def merge(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]] = None) -> bool:
         if legal.creates_cycle(g, a, group_of):
             refusals.append(Reject(label, "merging would create a cycle"))
             return False
         cand = _candidate(g, a, check)
         if isinstance(cand, Reject):
             refusals.append(Reject(label, cand.reason))
+            return False
+        why = pays(cand) if pays else None
+        if why:
+            refusals.append(Reject(label, why))
             return False
         frozen = frozenset(a)
         for n in frozen:
@@ -101,13 +106,25 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
                 continue
             merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}")
 
-    for i in gemms:  # phase 2: epilogues
+    def with_traffic(r: Region) -> Region:
+        return Region(r.id, r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r))
+
+    def beats_split(grp: frozenset[int]) -> Callable[[Region], Optional[str]]:
+        """Fusing pays only if it beats cuBLAS followed by the group as its own kernel."""
+        def pays(merged: Region) -> Optional[str]:
+            alone = legal.classify(g, set(grp))
+            if isinstance(alone, Reject):
+                return None
+            return cost.split_verdict(g, with_traffic(merged), with_traffic(alone))
+        return pays
+
+    for i in gemms:  # phase 2: epilogues (element-wise, or row-wise when a reduction follows)
         group_of[i] = frozenset((i,))
         for c in g.consumers.get(g.nodes[i].output[0], ()):
             grp = group_of.get(c)
             if grp is None or i in grp:
                 continue
-            merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}")
+            merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}", beats_split(grp))
 
     regions: list[Region] = []
     for r in attention:
@@ -120,7 +137,8 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         if isinstance(cand, Reject):
             refusals.append(cand)
             continue
-        cand = Region(len(regions), cand.kind, cand.nodes, cand.inputs, cand.outputs, cand.space, traffic(g, cand))
+        cand = with_traffic(Region(len(regions), cand.kind, cand.nodes, cand.inputs, cand.outputs, cand.space,
+                                   cand.traffic))
         why = cost.verdict(g, cand)
         if why:
             refusals.append(why)

@@ -35,3 +35,21 @@ def bf16(x) -> tuple[np.ndarray, np.ndarray]:
     u = np.asarray(x, dtype=np.float32).view(np.uint32)
     bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     return bits, (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fused_parity(m: onnx.ModelProto, shapes, check_shapes, kinds, tf32: bool = False):
+    """Optimize `m` for sm_80 and sm_90, assert the region kinds, and check every kernel in CPU emulation
+    against ORT CPU on the original model (random non-zero inputs). Returns the OptimizeResult."""
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+
+    res = compile_model(m, shapes, "sm_80,sm_90", options=Options(archs=(80, 90), tf32=tf32))
+    got = sorted(r.kind for r in res.plan.regions)
+    assert got == sorted(kinds), (got, [str(r) for r in res.plan.refusals])
+    for ck in (k.compiled for k in res.kernels):
+        assert [cc for cc, _ in ck.cubins] == [80, 90]
+    rep = check_models(m, res.model, emulate=True, input_shapes=check_shapes)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)
+    return res

@@ -9,6 +9,14 @@
 //   static void    epi2(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v0, float v1)  C[b][m][n..n+1]
 //   static void    epi1(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v)              C[b][m][n]
 // The epilogue computes and stores every output of the fused region from the accumulator.
+//
+// Row-wise epilogue (ROW_TPR > 0; Welder's shared-memory connection): one tile spans whole rows (N <= BN),
+// so a Softmax or LayerNorm over N runs inside the GEMM kernel. The epilogue then uses instead
+//   static float   row_in(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v)   X[b][m][n] from C
+//   static void    row(const OfzArgs&, ofz_i64 b, ofz_i64 m0, ofz_i64 rows, float* ofz_row, float* ofz_scratch)
+// row_in's values (X: the tensor the row reductions read) go to an fp32 [BM][BN + 4] buffer that aliases
+// the drained pipeline stages; `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
+// row (row_reduce, scratch of kThreads / 32 floats) and stores every output.
 #pragma once
 #include "ortfuse_kernel.h"
 
@@ -35,6 +43,7 @@ struct Layout {
   static constexpr int kAStage = BM * kALd;
   static constexpr int kBStage = kBNK ? BN * kBLd : BK * kBLd;
   static constexpr int kSmemBytes = STAGES * (kAStage + kBStage) * (int)sizeof(T);
+  static constexpr int kRowLd = BN + 4;  // row-wise epilogue buffer: fp32, skewed by 4 banks per row
   static_assert(STAGES >= 2, "the pipeline needs two stages");
   static_assert(BM % WM == 0 && BN % WN == 0 && BK % kChunk == 0, "tile shape");
   static_assert(MATH == kSimt || (WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0), "tensor-core warp tile");
@@ -83,7 +92,43 @@ __device__ __forceinline__ void load_tile(const OfzArgs& a, T* As, T* Bs, const 
   }
 }
 
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops>
+// Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
+// thread of the block calls it (row reductions synchronise the block).
+template <int BM, int BN, int WM, int WN, bool kMma, int kMT, int kNT, int kThreads, int kRowLd, int ROW_TPR, class Ops,
+          class Acc, class SAcc>
+__device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, const Acc& acc, const SAcc& sacc,
+                                             ofz_i64 b, ofz_i64 m0, ofz_i64 n0, int wm0, int wn0, ofz_i64 M,
+                                             ofz_i64 N) {
+  static_assert(ROW_TPR % 32 == 0 && kThreads % ROW_TPR == 0, "rows are reduced by whole warps");
+  __shared__ float row_scratch[kThreads / 32];
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  if constexpr (kMma) {
+#pragma unroll
+    for (int i = 0; i < kMT; ++i)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = wm0 + i * 16 + g + 8 * (e / 2), c = wn0 + j * 8 + 2 * t + e % 2;
+          if (m0 + r < M && n0 + c < N) rowbuf[r * kRowLd + c] = Ops::row_in(a, b, m0 + r, n0 + c, acc[i][j][e]);
+        }
+  } else {
+    const int lr = lane / 8, lc = lane % 8;
+#pragma unroll
+    for (int i = 0; i < kMT; ++i)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const int r = wm0 + lr + 4 * i, c = wn0 + lc + 8 * j;
+        if (m0 + r < M && n0 + c < N) rowbuf[r * kRowLd + c] = Ops::row_in(a, b, m0 + r, n0 + c, sacc[i][j]);
+      }
+  }
+  __syncthreads();
+  Ops::row(a, b, m0, M - m0 < BM ? M - m0 : (ofz_i64)BM, rowbuf, row_scratch);
+  __syncthreads();  // the next tile's pipeline overwrites the buffer
+}
+
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
+          int ROW_TPR = 0>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K) {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
@@ -209,7 +254,10 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages
 
-    if constexpr (kMma) {
+    if constexpr (ROW_TPR > 0) {
+      row_epilogue<BM, BN, WM, WN, kMma, kMT, kNT, L::kThreads, L::kRowLd, ROW_TPR, Ops>(
+          a, reinterpret_cast<float*>(smem), acc, sacc, b, m0, n0, wm0, wn0, M, N);
+    } else if constexpr (kMma) {
 #pragma unroll
       for (int i = 0; i < kMT; ++i)
 #pragma unroll

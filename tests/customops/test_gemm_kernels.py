@@ -10,9 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import bf16, const, model, node, vi
+from helpers import bf16, const, fused_parity, model, node, vi
 from ortfuse.api import compile_model
-from ortfuse.check import check_models
 from ortfuse.config import Options, cache_dir
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
@@ -27,15 +26,7 @@ NP = {F: np.float32, H: np.float16}
 
 
 def _run(m, shapes, check_shapes, tf32=False, kinds=("gemm",)):
-    res = compile_model(m, shapes, "sm_80,sm_90", options=Options(archs=(80, 90), tf32=tf32))
-    got = sorted(r.kind for r in res.plan.regions)
-    assert got == sorted(kinds), (got, [str(r) for r in res.plan.refusals])
-    for ck in (k.compiled for k in res.kernels):
-        assert [cc for cc, _ in ck.cubins] == [80, 90]
-    rep = check_models(m, res.model, emulate=True, input_shapes=check_shapes)
-    assert rep.ok, "\n".join(rep.lines())
-    assert len(rep.kernels) == len(res.kernels)
-    return res
+    return fused_parity(m, shapes, check_shapes, kinds, tf32)
 
 
 def _w(shape, dt, seed, scale=0.2):
@@ -102,14 +93,12 @@ def test_gemm_transposes_alpha_beta(trans_a, trans_b):
     assert targs[7] == ("2" if trans_a else "0") and targs[8] == ("1" if trans_b else "0")  # A, B modes
 
 
-def test_lone_gemm_and_gemm_before_a_reduction_stay_with_ort():
+def test_lone_gemm_stays_with_ort_and_softmax_becomes_a_row_epilogue():
     m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "x"], ["z"]),
                node("Softmax", ["z"], ["out"], axis=-1), node("MatMul", ["out", "w"], ["y2"])],
               [vi("x", F, [8, 16])], [vi("y2", F, None)], [const("w", _w((16, 16), F, 9))])
-    res = compile_model(m, {}, "sm_90")
-    assert [r.kind for r in res.plan.regions] == ["rowreduce"]
-    reasons = " | ".join(r.reason for r in res.plan.refusals)
-    assert "reduction in a GEMM region" in reasons and "no epilogue to fuse" in reasons
+    res = _run(m, {}, None, kinds=("gemm_row",))
+    assert "no epilogue to fuse" in " | ".join(r.reason for r in res.plan.refusals)
 
 
 def _launch(spec, arrays, dims):

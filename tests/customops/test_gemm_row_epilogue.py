@@ -1,0 +1,91 @@
+"""GEMM with a row-wise epilogue (Softmax, LayerNorm, Reduce* over N inside the GEMM kernel), end to end:
+graph -> search -> lowering -> NVRTC (sm_80, sm_90) -> CPU emulation, against ORT CPU on the original graph
+(random non-zero inputs). Tolerances: fp32 1e-5 (SIMT), tf32 5e-3, fp16 1e-2 (check_models' defaults)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, fused_parity, model, node, vi
+from ortfuse.customops import tiles
+from ortfuse.customops.target import for_cc
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import plan
+
+F, H = TP.FLOAT, TP.FLOAT16
+NP = {F: np.float32, H: np.float16}
+
+
+def _w(shape, dt, seed, scale=0.2):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(NP[dt])
+
+
+def _layernorm_block(dt, k, n, rows="n"):
+    """x [rows, 7, k] @ w + b + residual r -> LayerNormalization; the residual sum is an output too."""
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Add", ["z", "r"], ["s"]),
+                  node("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1, epsilon=1e-5)],
+                 [vi("x", dt, [rows, 7, k]), vi("r", dt, [rows, 7, n])], [vi("out", dt, None), vi("s", dt, None)],
+                 [const("w", _w((k, n), dt, 1), NP[dt]), const("b", _w(n, dt, 2), NP[dt]),
+                  const("g", _w(n, dt, 3, 1.0), NP[dt]), const("beta", _w(n, dt, 4, 1.0), NP[dt])])
+
+
+@pytest.mark.parametrize("dt,tf32", [(F, False), (F, True), (H, False)])
+def test_bias_residual_layernorm_in_the_gemm_tile(dt, tf32):
+    k, n = 64, 96
+    m = _layernorm_block(dt, k, n)
+    for rows in (1, 3):  # 7 and 21 rows: partial tiles
+        res = fused_parity(m, {"x": ("n", 7, k), "r": ("n", 7, n)}, {"x": (rows, 7, k), "r": (rows, 7, n)},
+                           ("gemm_row",), tf32)
+    spec = res.kernels[0].spec
+    call = spec.kernel.body[0]
+    tile = tiles.GemmTile(*(int(t) for t in call.targs[1:7]))
+    assert tile.bn >= n and len(call.targs) == 12  # one tile spans the row; threads per row last
+    assert spec.smem >= tile.bm * (tile.bn + 4) * 4
+    assert all(t[1] >= n for t in spec.tiles)
+    assert sorted(res.kernels[0].region.outputs) == ["out", "s"]
+
+
+def test_softmax_over_odd_row_with_generic_operands():
+    # Gemm transB, K 33 and N 37: unaligned rows go through a_load / b_load; Softmax over the 37 columns
+    m = model([node("Gemm", ["x", "w", "c"], ["y"], transB=1, alpha=0.7), node("Softmax", ["y"], ["p"], axis=-1),
+               node("Mul", ["p", "x2"], ["out"])],
+              [vi("x", H, [19, 33]), vi("x2", H, [19, 37])], [vi("out", H, None)],
+              [const("w", _w((37, 33), H, 5), np.float16), const("c", _w(37, H, 6), np.float16)])
+    res = fused_parity(m, {}, None, ("gemm_row",))
+    src = res.kernels[0].compiled.source
+    assert "a_load" in src and "b_load" in src and "row_in" in src
+
+
+def test_decomposed_layernorm_and_row_shaped_output():
+    # ReduceMean / Sub / Pow / ReduceMean / Sqrt / Div as exporters emit LayerNorm; the row mean is an output
+    n = 64
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["h"]),
+               node("ReduceMean", ["h"], ["mu"], axes=[-1], keepdims=1), node("Sub", ["h", "mu"], ["d"]),
+               node("Pow", ["d", "two"], ["d2"]), node("ReduceMean", ["d2"], ["var"], axes=[-1], keepdims=1),
+               node("Add", ["var", "eps"], ["ve"]), node("Sqrt", ["ve"], ["sd"]), node("Div", ["d", "sd"], ["out"])],
+              [vi("x", F, ["n", 32])], [vi("out", F, None), vi("mu", F, None)],
+              [const("w", _w((32, n), F, 7)), const("two", 2.0), const("eps", 1e-5)], opset=17)
+    fused_parity(m, {"x": ("n", 32)}, {"x": (45, 32)}, ("gemm_row",))
+
+
+def test_two_tensors_between_gemm_and_reduction_stay_split():
+    # the GEMM result is an output and also feeds the LayerNorm through the bias add: the row buffer would
+    # need two tensors, so the GEMM stays with cuBLAS and the LayerNorm is our row kernel
+    n = 32
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]),
+               node("LayerNormalization", ["z", "g"], ["out"], axis=-1)],
+              [vi("x", F, [16, 32])], [vi("out", F, None), vi("y", F, None)],
+              [const("w", _w((32, n), F, 8)), const("b", _w(n, F, 9)), const("g", _w(n, F, 10, 1.0))])
+    res = fused_parity(m, {}, None, ("rowreduce",))
+    assert any("one tensor between the GEMM and its reductions" in r.reason for r in res.plan.refusals)
+
+
+def test_row_too_wide_for_one_tile_is_refused_with_reason():
+    n = 8192  # fp32 SIMT: no row-spanning warp tiling within the register budget
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Softmax", ["y"], ["out"], axis=-1)],
+              [vi("x", F, [4, 16])], [vi("out", F, None)], [const("w", _w((16, n), F, 11))])
+    g = build_graph(m, {})
+    p = plan(g, for_cc(90))
+    assert [r.kind for r in p.regions] == []  # a lone Softmax replaces one ORT kernel: not worth a node
+    assert any(f"{n}-column row in one tile" in r.reason for r in p.refusals)
