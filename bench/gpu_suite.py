@@ -3,7 +3,8 @@
     python -m ortfuse.bench.gpu_suite OUTDIR [--models bert vit ...] [--dtypes fp32 fp16] [--batches 1,32]
     python -m ortfuse.bench.gpu_suite OUTDIR --merge A/report.json B/report.json   # join chunks, no GPU
 
-Steps, each recorded and never fatal to the next: `pytest -m gpu`; build the zoo on the machine (it has
+Steps, each recorded and never fatal to the next: `pytest -m gpu`; the fused-node overhead (bench/overhead.py);
+build the zoo on the machine (it has
 torch and transformers; nothing large is carried); per model and dtype: `ortfuse.optimize`, whole-model
 parity through `ortfuse.check.check_models(..., provider="cuda")`, and `harness.run_bench` in a fresh
 subprocess (so one model's imports, torch's above all, cannot perturb the next one's ORT timings).
@@ -37,6 +38,19 @@ def _pytest(out: Path) -> dict[str, Any]:
   (out / "pytest-gpu.log").write_text(proc.stdout + proc.stderr)
   tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
   return {"rc": proc.returncode, "summary": tail, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _overhead(work: Path) -> dict[str, Any]:
+  """Issue 3's acceptance figure: per-call cost of a fused node over a native ORT op (bench/overhead.py),
+  in a subprocess so it runs on a fresh CUDA context."""
+  out = {}
+  for dtype in ("fp32", "fp16"):
+    js = work / f"overhead-{dtype}.json"
+    cmd = [sys.executable, "-m", "ortfuse.bench.overhead", "--dtype", dtype, "--json", str(js)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out[dtype] = json.loads(js.read_text()) if proc.returncode == 0 and js.exists() else {
+        "error": (proc.stdout + proc.stderr)[-2000:]}
+  return out
 
 
 def _parity(src: Path, opt: Path) -> dict[str, Any]:
@@ -96,6 +110,7 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
   if run_tests:
     report["pytest"] = _pytest(out)
+    report["overhead"] = _overhead(work)
   for name in models:
     for dtype in dtypes:
       entry: dict[str, Any] = {"model": name, "dtype": dtype, "tiny": tiny}
@@ -145,6 +160,15 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   if "pytest" in report and not results:
     p = report["pytest"]
     lines += [f"`pytest -m gpu`: rc {p['rc']}, {p['summary']} ({p['seconds']} s).", ""]
+  for dtype, o in report.get("overhead", {}).items():
+    if "per_node_us" in o:
+      lines.append(f"Fused-node overhead ({dtype}, {o['ops']} chained Neg[{o['size']}] nodes, bench/overhead.py): "
+                   f"{o['per_node_us']:+.2f} us per node over ORT's native op (native {o['native_us']:.1f} us, "
+                   f"fused {o['fused_us']:.1f} us per run; target <= 3 us).")
+    else:
+      lines.append(f"Fused-node overhead ({dtype}): failed: {str(o.get('error'))[-300:]}")
+  if report.get("overhead"):
+    lines.append("")
   lines += ["| model | dtype | batch | ORT ms | ORT+graph | ORT-transformers | torch.compile | ortfuse | "
             "ortfuse of ideal | parity | optimize s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
   for e in report["entries"]:

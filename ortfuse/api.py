@@ -83,7 +83,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     opts = options or Options(archs=archs)
     if options is not None and options.archs != archs:
         opts = dataclasses.replace(options, archs=archs)
-    tgt = parse_arch(f"sm_{max(archs)}")
+    # the newest arch's table entry, with the smallest shared memory of all targets: one kernel source
+    # (and its tiles) must launch on every arch it is compiled for
+    tgt = dataclasses.replace(parse_arch(f"sm_{max(archs)}"),
+                              smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs))
 
     say("loading model")
     model = load_model(model_or_path)
@@ -137,7 +140,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
 
     def candidates(region: Region):
         k = next(k for k in kernels if k.region.id == region.id)
-        if region.kind != "gemm" or len(k.spec.tiles) < 2:
+        if region.kind not in ("gemm", "gemm_row") or len(k.spec.tiles) < 2:
             return [((), k.node)]
         out = []
         for tile in k.spec.tiles:

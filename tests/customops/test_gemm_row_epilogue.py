@@ -46,6 +46,18 @@ def test_bias_residual_layernorm_in_the_gemm_tile(dt, tf32):
     assert sorted(res.kernels[0].region.outputs) == ["out", "s"]
 
 
+def test_bert_width_row_with_the_cost_model_overruled(monkeypatch):
+    # 768 columns in one tile (BERT-base's LayerNorm): 8 warps of 96 columns; forced, since at the default
+    # row hint the cost model prefers cuBLAS + our LayerNorm kernel
+    from ortfuse.search.cost import CostModel
+    monkeypatch.setattr(CostModel, "split_verdict", lambda *a: None)
+    monkeypatch.setattr(CostModel, "verdict", lambda *a: None)
+    k, n = 128, 768
+    res = fused_parity(_layernorm_block(H, k, n), {"x": ("n", 7, k), "r": ("n", 7, n)},
+                       {"x": (3, 7, k), "r": (3, 7, n)}, ("gemm_row",))
+    assert int(res.kernels[0].spec.kernel.body[0].targs[2]) == n
+
+
 def test_softmax_over_odd_row_with_generic_operands():
     # Gemm transB, K 33 and N 37: unaligned rows go through a_load / b_load; Softmax over the 37 columns
     m = model([node("Gemm", ["x", "w", "c"], ["y"], transB=1, alpha=0.7), node("Softmax", ["y"], ["p"], axis=-1),

@@ -44,6 +44,29 @@ def test_gemm_epilogue_parity(dt, tf32, shape):
     assert rep.ok, "\n".join(rep.lines())
 
 
+def ln_block(dt, k=512, n=768):
+    """Output projection + bias + residual, LayerNorm over BERT-base's 768 columns."""
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Add", ["z", "r"], ["s"]),
+                  node("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1, epsilon=1e-5)],
+                 [vi("x", dt, ["batch", "seq", k]), vi("r", dt, ["batch", "seq", n])], [vi("out", dt, None)],
+                 [const("w", _w((k, n), dt, 3), NP[dt]), const("b", _w(n, dt, 4), NP[dt]),
+                  const("g", _w(n, dt, 5) * 5, NP[dt]), const("beta", _w(n, dt, 6), NP[dt])])
+
+
+@pytest.mark.parametrize("dt", [H, F])
+@pytest.mark.parametrize("shape", [(1, 16), (3, 77)])
+def test_gemm_row_epilogue_parity(dt, shape, monkeypatch):
+    # correctness whatever the cost model would choose at these sizes: force the row-wise epilogue
+    from ortfuse.search.cost import CostModel
+    monkeypatch.setattr(CostModel, "split_verdict", lambda *a: None)
+    monkeypatch.setattr(CostModel, "verdict", lambda *a: None)
+    m = ln_block(dt)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [r.kind for r in res.plan.regions] == ["gemm_row"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (*shape, 512), "r": (*shape, 768)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32")])
 def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
