@@ -11,8 +11,7 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import bf16, const, fused_parity, model, node, vi
-from ortfuse.api import compile_model
-from ortfuse.config import Options, cache_dir
+from ortfuse.config import cache_dir
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 from ortfuse.customops.lower import lower
