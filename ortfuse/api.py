@@ -14,7 +14,7 @@ import onnx
 from ortfuse.config import Options
 from ortfuse.customops import attrs
 from ortfuse.customops.compile import CompiledKernel, compile_kernel
-from ortfuse.customops.lower import KernelSpec, lower
+from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import parse_arch
 from ortfuse.rewriter.canonical import fold_runtime_shapes
@@ -112,16 +112,15 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     placements: tuple = ()
     if opts.profile:
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
-    kept = {k.region.id for k in kernels}
     say("rewriting the graph")
     out = replace(graph, [k.node for k in kernels])
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]
-    fused = {i for r in the_plan.regions if r.id in kept for i in r.nodes}
+    fused = {i for k in kernels for i in k.region.nodes}
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
                           sum(1 for i in mb if i in fused), len({k.compiled.entry for k in kernels}),
-                          sum(r.traffic.saved_bytes for r in the_plan.regions if r.id in kept),
+                          sum(k.region.traffic.saved_bytes for k in kernels),
                           time.perf_counter() - t0, archs, placements)
 
 
@@ -151,13 +150,45 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
         return out
 
     say(f"profiling {len(kernels)} regions against ORT on the GPU")
-    placements = prof.place(graph, [k.region for k in kernels], candidates, {}, opts.cache / "profile.json")
-    chosen = []
+    cache = opts.cache / "profile.json"
+    placements = prof.place(graph, [k.region for k in kernels], candidates, {}, cache)
+    chosen, final = [], []
     for k, pl in zip(kernels, placements):
+        split = _row_split(graph, tgt, opts, k.region) if k.region.kind == "gemm_row" else None
+        if split is not None:  # Collage: also measure cuBLAS + our kernel for the rest
+            gemm, rest = split
+            split_us = prof.time_split(graph, gemm, rest.region, rest.node, {}, cache)
+            pl = dataclasses.replace(pl, split_us=split_us, split=split_us < min(pl.best_us, pl.ort_us))
+            pl = dataclasses.replace(pl, keep=pl.keep and not pl.split)
+            if pl.split:
+                chosen.append(rest)
         say(pl.line())
+        final.append(pl)
         if pl.keep:
             chosen.append(variants.get((k.region.id, pl.tile), k))
-    return chosen, tuple(placements)
+    return chosen, tuple(final)
+
+
+def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tuple[Region, FusedKernel]]:
+    """A row-wise epilogue region as (the GEMM alone, our kernel for the rest), or None if the rest is not
+    one kernel. The rest keeps the region's id: it takes the region's place when it wins."""
+    from ortfuse.search import legal
+    from ortfuse.search.cost import traffic
+
+    anchor = next(i for i in region.nodes if graph.nodes[i].op_type in ops.GEMM)
+    rest = legal.classify(graph, set(region.nodes) - {anchor})
+    if not isinstance(rest, Region):
+        return None
+    rest = dataclasses.replace(rest, id=region.id)
+    rest = dataclasses.replace(rest, traffic=traffic(graph, rest))
+    try:
+        spec = lower(graph, rest, tgt, opts.tf32)
+    except LoweringError:
+        return None
+    fk = _fused(rest, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+    i, o = legal.region_io(graph, {anchor})
+    gemm = Region(region.id, "gemm", (anchor,), tuple(i), tuple(o), region.space, rest.traffic)
+    return gemm, fk
 
 
 

@@ -44,15 +44,20 @@ class Placement:
     ours_us: tuple[tuple[tuple[int, ...], float], ...]  # (tile, or () for non-GEMM kernels; median us)
     keep: bool
     tile: tuple[int, ...]  # the fastest tile (GEMMs), else ()
+    # row-wise GEMM epilogues: cuBLAS (ORT) for the GEMM alone + our kernel for the rest, and whether
+    # that split won over both the fused kernel and ORT
+    split_us: Optional[float] = None
+    split: bool = False
 
     @property
     def best_us(self) -> float:
         return min(us for _, us in self.ours_us)
 
     def line(self) -> str:
-        verdict = "ours" if self.keep else "ORT"
+        verdict = "split: cuBLAS + ours" if self.split else "ours" if self.keep else "ORT"
         tiles = ", ".join(f"{'x'.join(map(str, t)) or 'kernel'} {us:.1f}" for t, us in self.ours_us)
-        return f"region {self.region}: ORT {self.ort_us:.1f} us, ours [{tiles}] us -> {verdict}"
+        split = f", split {self.split_us:.1f} us" if self.split_us is not None else ""
+        return f"region {self.region}: ORT {self.ort_us:.1f} us, ours [{tiles}] us{split} -> {verdict}"
 
 
 def _concrete(g: Graph, t: str, dims: Mapping[str, int]) -> list[int]:
@@ -200,3 +205,24 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     finally:
         cache.save()
     return out
+
+
+def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode, dims: Mapping[str, int],
+               cache_path: Optional[Path], timer: Optional[Timer] = None, device: Optional[str] = None) -> float:
+    """The alternative to a row-wise GEMM epilogue: ORT's time for the GEMM alone (cuBLAS) plus our kernel
+    for the rest of the region, measured and cached like `place`."""
+    timer = timer or cuda_timer
+    dev = device or device_name()
+    cache = _Cache(cache_path)
+    try:
+        sub = region_model(g, gemm, dims)
+        feeds = random_feeds(sub, None, seed=gemm.id)
+        t_gemm = cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False))
+        rsub = region_model(g, rest, dims)
+        rfeeds = random_feeds(rsub, None, seed=rest.id)
+        src = next((helper.get_attribute_value(a) for a in rest_node.attributes if a.name == "source"), b"")
+        t_rest = cache.get(_digest("ours", signature(rsub), src, dev),
+                           lambda: timer(fused_model(rsub, rest_node), rfeeds, True))
+    finally:
+        cache.save()
+    return t_gemm + t_rest

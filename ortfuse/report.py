@@ -50,9 +50,11 @@ def markdown(r: OptimizeResult, source: str) -> str:
                    f"{k.spec.block} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
     if r.placements:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
-                "| region | ORT | ours (per tile) | kept |", "|---|---|---|---|"]
+                "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept |", "|---|---|---|---|---|"]
         for pl in r.placements:
             tiles = "; ".join(f"{'x'.join(map(str, t)) or 'kernel'}: {us:.1f}" for t, us in pl.ours_us)
-            out.append(f"| {pl.region} | {pl.ort_us:.1f} | {tiles} | {'ours' if pl.keep else 'ORT'} |")
+            split = f"{pl.split_us:.1f}" if pl.split_us is not None else "—"
+            kept = "split" if pl.split else "ours" if pl.keep else "ORT"
+            out.append(f"| {pl.region} | {pl.ort_us:.1f} | {tiles} | {split} | {kept} |")
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

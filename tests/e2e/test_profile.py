@@ -104,3 +104,34 @@ def test_identical_layers_are_measured_once(monkeypatch, tmp_path):
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
     assert len(res.placements) == 3 and all(p.keep for p in res.placements)
     assert calls.count(False) == 1  # one ORT measurement for three identical regions
+
+
+def _layernorm_block(k: int = 32):
+    rng = np.random.default_rng(1)
+    c = lambda name, shape: const(name, (rng.standard_normal(shape) * 0.3).astype(np.float16), np.float16)  # noqa: E731
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Add", ["z", "x"], ["s"]),
+                  node("LayerNormalization", ["s", "g"], ["out"], axis=-1)],
+                 [vi("x", TP.FLOAT16, [16, k])], [vi("out", TP.FLOAT16, None)],
+                 [c("w", (k, k)), c("b", k), c("g", k)])
+
+
+@pytest.mark.parametrize("fused_us,split_wins", [(4.0, False), (8.0, True)])
+def test_row_epilogue_is_measured_against_cublas_plus_our_row_kernel(monkeypatch, tmp_path, fused_us, split_wins):
+    # ORT runs the whole region in 10 us and the GEMM alone in 3 us; our row kernel alone takes 2 us, so the
+    # split (5 us) wins unless the fused GEMM + LayerNorm kernel is faster still
+    def timer(m: onnx.ModelProto, feeds, fused: bool) -> float:
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
+        ops_ = [n.op_type for n in m.graph.node]
+        if not fused:
+            return 3.0 if ops_ == ["MatMul"] else 10.0
+        src = next(onnx.helper.get_attribute_value(a) for a in m.graph.node[0].attribute if a.name == "source")
+        return fused_us if b"ortfuse_gemm.h" in src else 2.0
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(_layernorm_block(), None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    [pl] = res.placements
+    assert pl.split_us == 5.0 and pl.split == split_wins and pl.keep == (not split_wins)
+    assert [k.region.kind for k in res.kernels] == (["rowreduce"] if split_wins else ["gemm_row"])
+    ops_ = [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"]
+    assert ops_ == (["MatMul"] if split_wins else [])
+    assert ("split: cuBLAS + ours" in pl.line()) == split_wins
