@@ -92,36 +92,39 @@ __device__ __forceinline__ void load_tile(const OfzArgs& a, T* As, T* Bs, const 
   }
 }
 
-// Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
-// thread of the block calls it (row reductions synchronise the block).
-template <int BM, int BN, int WM, int WN, bool kMma, int kMT, int kNT, int kThreads, int kRowLd, int ROW_TPR, class Ops,
-          class Acc, class SAcc>
-__device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, const Acc& acc, const SAcc& sacc,
-                                             ofz_i64 b, ofz_i64 m0, ofz_i64 n0, int wm0, int wn0, ofz_i64 M,
-                                             ofz_i64 N) {
-  static_assert(ROW_TPR % 32 == 0 && kThreads % ROW_TPR == 0, "rows are reduced by whole warps");
-  __shared__ float row_scratch[kThreads / 32];
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+// Visits the warp's accumulators as runs of adjacent columns: f(row, col, values, count), row and col within
+// the block tile; mma fragments give pairs (columns 2t, 2t+1), SIMT lanes single values.
+template <bool kMma, int kMT, int kNT, class Acc, class SAcc, class F>
+__device__ __forceinline__ void for_each_acc(const Acc& acc, const SAcc& sacc, int wm0, int wn0, F&& f) {
+  const int lane = threadIdx.x % 32;
   if constexpr (kMma) {
+    const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int i = 0; i < kMT; ++i)
 #pragma unroll
       for (int j = 0; j < kNT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = wm0 + i * 16 + g + 8 * (e / 2), c = wn0 + j * 8 + 2 * t + e % 2;
-          if (m0 + r < M && n0 + c < N) rowbuf[r * kRowLd + c] = Ops::row_in(a, b, m0 + r, n0 + c, acc[i][j][e]);
-        }
+        for (int h = 0; h < 2; ++h) f(wm0 + i * 16 + g + 8 * h, wn0 + j * 8 + 2 * t, &acc[i][j][2 * h], 2);
   } else {
     const int lr = lane / 8, lc = lane % 8;
 #pragma unroll
     for (int i = 0; i < kMT; ++i)
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-        const int r = wm0 + lr + 4 * i, c = wn0 + lc + 8 * j;
-        if (m0 + r < M && n0 + c < N) rowbuf[r * kRowLd + c] = Ops::row_in(a, b, m0 + r, n0 + c, sacc[i][j]);
-      }
+      for (int j = 0; j < kNT; ++j) f(wm0 + lr + 4 * i, wn0 + lc + 8 * j, &sacc[i][j], 1);
   }
+}
+
+// Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
+// thread of the block calls it (row reductions synchronise the block).
+template <int BM, int kThreads, int kRowLd, int ROW_TPR, class Ops, class Visit>
+__device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Visit&& visit, ofz_i64 b, ofz_i64 m0,
+                                             ofz_i64 n0, ofz_i64 M, ofz_i64 N) {
+  static_assert(ROW_TPR % 32 == 0 && kThreads % ROW_TPR == 0, "rows are reduced by whole warps");
+  __shared__ float row_scratch[kThreads / 32];
+  visit([&](int r, int c, const float* v, int count) {
+    for (int e = 0; e < count; ++e)
+      if (m0 + r < M && n0 + c + e < N) rowbuf[r * kRowLd + c + e] = Ops::row_in(a, b, m0 + r, n0 + c + e, v[e]);
+  });
   __syncthreads();
   Ops::row(a, b, m0, M - m0 < BM ? M - m0 : (ofz_i64)BM, rowbuf, row_scratch);
   __syncthreads();  // the next tile's pipeline overwrites the buffer
@@ -254,30 +257,18 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages
 
+    auto visit = [&](auto&& f) { for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, f); };
     if constexpr (ROW_TPR > 0) {
-      row_epilogue<BM, BN, WM, WN, kMma, kMT, kNT, L::kThreads, L::kRowLd, ROW_TPR, Ops>(
-          a, reinterpret_cast<float*>(smem), acc, sacc, b, m0, n0, wm0, wn0, M, N);
-    } else if constexpr (kMma) {
-#pragma unroll
-      for (int i = 0; i < kMT; ++i)
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const ofz_i64 m = m0 + wm0 + i * 16 + g + 8 * h, n = n0 + wn0 + j * 8 + 2 * t;
-            if (m >= M) continue;
-            if (n + 1 < N) Ops::epi2(a, b, m, n, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-            else if (n < N) Ops::epi1(a, b, m, n, acc[i][j][2 * h]);
-          }
+      row_epilogue<BM, L::kThreads, L::kRowLd, ROW_TPR, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0, M, N);
     } else {
-      const int lr = lane / 8, lc = lane % 8;
-#pragma unroll
-      for (int i = 0; i < kMT; ++i)
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-          const ofz_i64 m = m0 + wm0 + lr + 4 * i, n = n0 + wn0 + lc + 8 * j;
-          if (m < M && n < N) Ops::epi1(a, b, m, n, sacc[i][j]);
-        }
+      visit([&](int r, int c, const float* v, int count) {
+        const ofz_i64 m = m0 + r, n = n0 + c;
+        if (m >= M) return;
+        if (count == 2 && n + 1 < N) Ops::epi2(a, b, m, n, v[0], v[1]);
+        else
+          for (int e = 0; e < count; ++e)
+            if (n + e < N) Ops::epi1(a, b, m, n + e, v[e]);
+      });
     }
   }
 }
