@@ -21,12 +21,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ortfuse.api import _fused
+from ortfuse.api import _fused, target_for
 from ortfuse.config import cache_dir
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import render
-from ortfuse.customops.target import parse_arch
 from ortfuse.rewriter.replace import replace
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import legal
@@ -66,7 +65,7 @@ def chain_models(ops: int = 64, size: int = 4096, dtype: str = "fp32",
     native = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     native.ir_version = 9
     g = build_graph(native, {})
-    tgt = parse_arch(f"sm_{max(archs)}")
+    tgt = target_for(archs)
     fused_nodes = []
     for i in range(ops):
         region = legal.classify(g, {i})

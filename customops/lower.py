@@ -302,12 +302,12 @@ class _Lowerer:
         elem = lambda c: self.value(x, self.row_idx + (c,))  # noqa: E731
         op = node.op_type
         if op in ("ReduceSum", "ReduceMean"):
-            s = self.row_reduce("sum", elem, (node.name, x, "sum"))
+            s = self.row_reduce("sum", elem, (x, "sum"))
             return ir.Op("div", (s, n), F32) if op == "ReduceMean" else s
         if op == "ReduceSumSquare":
-            return self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (node.name, "ssq"))
+            return self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (x, "ssq"))
         if op in ("ReduceMax", "ReduceMin"):
-            return self.row_reduce(op[6:].lower(), elem, (node.name, x, op))
+            return self.row_reduce(op[6:].lower(), elem, (x, op[6:].lower()))
         if op in ("Softmax", "LogSoftmax"):
             m = self.row_reduce("max", elem, (x, "max"))
             shifted = lambda c: self.bind(ir.Op("sub", (elem(c), m), F32))  # noqa: E731

@@ -152,6 +152,7 @@ class _GemmLowerer(_Lowerer):
         vm, vn, v0 = Var("gm", I64), Var("gn", I64), Var("acc0", F32)
 
         def row_in() -> Expr:
+            # X stays fp32 in the buffer, like every intermediate of a fused chain (rounded only when stored)
             self.vec, self.lanes, self.acc = 1, (vn,), {vn: v0}
             self.out_idx = out_prefix(vb, vm) + (vn,)
             v = self.value(x, self.out_idx)
@@ -163,7 +164,9 @@ class _GemmLowerer(_Lowerer):
         N = y_s[-1]
         self.inner_dim = N
         self.vec = self.vector_width(N)
-        self.tpr = self.row_threads(N, min(tile.threads, hw.ROW_MAX_THREADS))
+        # enough threads per row that every thread of the block has a row of the tile
+        self.tpr = min(tile.threads, max(self.row_threads(N, min(tile.threads, hw.ROW_MAX_THREADS)),
+                                         tile.threads // tile.bm))
         self.row_ld = tile.bn + 4  # ortfuse_gemm.h Layout::kRowLd
         rpb = tile.threads // self.tpr
         vm0, vrows = Var("gm0", I64), Var("grows", I64)
@@ -293,7 +296,7 @@ class _GemmLowerer(_Lowerer):
         self.emit(call)
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
         smem = tile.smem_bytes(es, b_mode == COL, self.row_mode)
-        if smem > self.tgt.smem_per_block:
+        if smem + (tl.row_scratch_bytes(tile) if self.row_mode else 0) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)
 

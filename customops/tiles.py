@@ -77,6 +77,11 @@ def _candidates(math_: int, esize: int) -> list[GemmTile]:
     return out
 
 
+def row_scratch_bytes(t: GemmTile) -> int:
+    """Static shared memory of the row-wise epilogue (ortfuse_gemm.h row_scratch: a float per warp)."""
+    return 4 * (t.threads // 32)
+
+
 def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
     """Tiles whose BN covers a whole row of N: the warps along N split it into whole fragments."""
     out = []
@@ -89,6 +94,8 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
                 if wr * wc > 8:
                     continue
                 wn = -(-n // (wc * frag)) * frag
+                if (wc - 1) * wn >= n:  # the last warp column would hold only padding
+                    continue
                 if math_ == SIMT and wm * wn // 32 > 64:
                     continue
                 for bk in bks:
@@ -107,7 +114,7 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
         smem = t.smem_bytes(esize, b_nk, row)
         regs = t.regs(math_)
-        if smem > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
+        if smem + (row_scratch_bytes(t) if row else 0) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
             continue
         # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
         if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):

@@ -16,7 +16,7 @@ from ortfuse.customops import attrs
 from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
-from ortfuse.customops.target import parse_arch
+from ortfuse.customops.target import Target, parse_arch
 from ortfuse.rewriter.canonical import fold_runtime_shapes
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.load import load_model
@@ -62,6 +62,13 @@ def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
     return tuple(sorted({parse_arch(a.strip()).cc for a in names if a.strip()}))
 
 
+def target_for(archs: Sequence[int]) -> Target:
+    """The newest arch's table entry with the smallest shared memory of all targets: one kernel source (and
+    its tiles) must launch on every arch it is compiled for."""
+    return dataclasses.replace(parse_arch(f"sm_{max(archs)}"),
+                               smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs))
+
+
 def _shapes(input_shapes: Shapes) -> dict:
     if input_shapes is None:
         return {}
@@ -83,10 +90,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     opts = options or Options(archs=archs)
     if options is not None and options.archs != archs:
         opts = dataclasses.replace(options, archs=archs)
-    # the newest arch's table entry, with the smallest shared memory of all targets: one kernel source
-    # (and its tiles) must launch on every arch it is compiled for
-    tgt = dataclasses.replace(parse_arch(f"sm_{max(archs)}"),
-                              smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs))
+    tgt = target_for(archs)
 
     say("loading model")
     model = load_model(model_or_path)

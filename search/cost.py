@@ -86,8 +86,9 @@ class CostModel:
         batch, m, n, k = gemm_dims(g, node)
         es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
         math_ = self._math(g, node)
-        free = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, False, top_k=1)
-        row = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, False, top_k=1, row=True)
+        b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
+        free = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1)
+        row = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1, row=True)
         if not free or not row:
             return math.inf
         return max(1.0, row[0].est_us / free[0].est_us)
