@@ -296,7 +296,7 @@ class _GemmLowerer(_Lowerer):
         self.emit(call)
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
         smem = tile.smem_bytes(es, b_mode == COL, self.row_mode)
-        if smem + (tl.row_scratch_bytes(tile) if self.row_mode else 0) > self.tgt.smem_per_block:
+        if tile.block_smem_bytes(es, b_mode == COL, self.row_mode) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)
 

@@ -42,6 +42,10 @@ class GemmTile:
         pipeline = self.stages * (a + b) * esize
         return max(pipeline, self.bm * (self.bn + 4) * 4) if row else pipeline
 
+    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False) -> int:
+        """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch."""
+        return self.smem_bytes(esize, b_nk, row) + (row_scratch_bytes(self) if row else 0)
+
     def regs(self, math_: int) -> int:
         acc = self.wm * self.wn // 32
         frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
@@ -114,7 +118,7 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
         smem = t.smem_bytes(esize, b_nk, row)
         regs = t.regs(math_)
-        if smem + (row_scratch_bytes(t) if row else 0) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
+        if t.block_smem_bytes(esize, b_nk, row) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
             continue
         # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
         if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
