@@ -256,3 +256,57 @@ def free_vars(e: Expr) -> frozenset[str]:
     if isinstance(e, Lane):
         return frozenset((e.vec,))
     return frozenset()
+
+
+def _reads(s: Stmt) -> frozenset[str]:
+    """Names a statement (and anything nested in it) reads."""
+    exprs: tuple = ()
+    nested: tuple = ()
+    if isinstance(s, (Let, Assign)):
+        exprs = (s.value,)
+    elif isinstance(s, Decl):
+        exprs = (s.init,)
+    elif isinstance(s, For):
+        exprs, nested = (s.start, s.stop, s.step), s.body
+    elif isinstance(s, If):
+        exprs, nested = (s.cond,), s.body
+    elif isinstance(s, (VecLoad, Store)):
+        exprs = (s.offset,) + ((s.value,) if isinstance(s, Store) else ())
+    elif isinstance(s, VecStore):
+        exprs = (s.offset, *s.values)
+    elif isinstance(s, RowReduce):
+        return frozenset((s.var.name,))
+    elif isinstance(s, Call):
+        exprs = s.args
+    out: frozenset[str] = frozenset()
+    for e in exprs:
+        out |= free_vars(e)
+    for b in nested:
+        out |= _reads(b)
+    return out
+
+
+def live(body: tuple[Stmt, ...], result: Optional[Expr] = None) -> tuple[Stmt, ...]:
+    """`body` without the `Let`s nothing reads (index math made redundant by the div/mod merge, for
+    example); repeated until none is left, so whole dead chains go."""
+    while True:
+        used = free_vars(result) if result is not None else frozenset()
+        for s in body:
+            used |= _reads(s)
+        pruned = _drop_lets(body, used)
+        if pruned == body:
+            return body
+        body = pruned
+
+
+def _drop_lets(body: tuple[Stmt, ...], used: frozenset[str]) -> tuple[Stmt, ...]:
+    out: list[Stmt] = []
+    for s in body:
+        if isinstance(s, Let) and s.var.name not in used:
+            continue
+        if isinstance(s, For):
+            s = For(s.var, s.start, s.stop, s.step, _drop_lets(s.body, used))
+        elif isinstance(s, If):
+            s = If(s.cond, _drop_lets(s.body, used))
+        out.append(s)
+    return tuple(out)

@@ -84,6 +84,7 @@ class _Lowerer:
                     self.dims[d] = len(self.sym_pairs)
                     self.sym_pairs.append((i, axis))
         self.scopes = [_Scope(set())]
+        self.defs: dict[str, Expr] = {}  # what each bound variable holds (the div/mod merge reads it)
         self.count = 0
         self.lanes: tuple[Expr, ...] = ()
         self.vec = 1
@@ -140,6 +141,7 @@ class _Lowerer:
             return e
         scope = self._scope_for(e)
         v = Var(self.fresh(stem), e.ctype)
+        self.defs[v.name] = e
         scope.stmts.append(ir.Let(v, e))
         scope.names.add(v.name)
         return v
@@ -169,13 +171,30 @@ class _Lowerer:
 
     # ------------------------------------------------------------------ index math
     def linearize(self, idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> Expr:
+        coords = self._merge_divmod([(i, self.dim(d)) for i, d in zip(idx, shape) if d != 1])
         off: Expr = ir.i64(0)
         stride: Expr = ir.i64(1)
-        for i, d in zip(reversed(idx), reversed(shape)):
-            if d != 1:
-                off = ir.add(off, ir.mul(i, stride))
-            stride = ir.mul(stride, self.dim(d))
+        for i, de in reversed(coords):
+            off = ir.add(off, ir.mul(i, stride))
+            stride = ir.mul(stride, de)
         return off
+
+    def _merge_divmod(self, coords: list[tuple[Expr, Expr]]) -> list[tuple[Expr, Expr]]:
+        """Adjacent coordinates (x / D, x % D) over dims (A, D) become x over A * D: the offset is the same
+        for every x >= 0, and a contiguous access needs no division at all (an unravelled row index that is
+        linearized again, as in a GEMM epilogue storing [batch, seq, N] rows)."""
+        k = 0
+        while k + 1 < len(coords):
+            (hi, dh), (lo, dl) = coords[k], coords[k + 1]
+            q = self.defs.get(hi.name) if isinstance(hi, Var) else None
+            r = self.defs.get(lo.name) if isinstance(lo, Var) else None
+            if isinstance(q, ir.Op) and isinstance(r, ir.Op) and q.fn == "div" and r.fn == "mod" \
+                    and q.args == r.args and q.args[1] == dl:
+                coords[k:k + 2] = [(q.args[0], ir.mul(dh, dl))]
+                k = max(k - 1, 0)  # the merged coordinate may pair with the one before it
+            else:
+                k += 1
+        return coords
 
     def unravel(self, lin: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
         out: list[Expr] = []

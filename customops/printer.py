@@ -172,7 +172,7 @@ def _ops_struct(k: ir.Kernel, out: list[str]) -> None:
             name = f.name.split(".")[-1]
             out.append(f"{ind}static __device__ __forceinline__ {ret} {name}(const OfzArgs& a{params}) {{")
             _prelude(k, ind + "  ", out)
-            for s in f.body:
+            for s in ir.live(f.body, f.result):
                 _stmt(s, ind + "  ", out)
             if f.result is not None:
                 out.append(f"{ind}  return {expr(f.result)};")
@@ -196,7 +196,7 @@ def render(k: ir.Kernel) -> str:
     _prelude(k, "  ", out)
     if k.scratch_floats:
         out.append(f"  __shared__ float ofz_scratch[{k.scratch_floats}];")
-    for s in k.body:
+    for s in ir.live(k.body):
         _stmt(s, "  ", out)
     out.append("}")
     out.append(f"OFZ_EMU_ENTRY({k.name})")

@@ -7,6 +7,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
+import onnx.inliner
 import onnxruntime as ort
 
 from ortfuse.errors import InputError
@@ -115,8 +116,9 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     model_diffs = tuple(compare(n, o, ref_vals[n], _tol_for(ref_vals[n], tol32)) for n, o in zip(out_names, out_vals))
     kernels: tuple = ()
     if emulate and fused:
-        # ORT CPU on the original model, also returning every fused node's inputs and outputs
-        probe = _with_outputs(src, [t for n in fused for t in (*n.input, *n.output)])
+        # ORT CPU on the optimized model with its functions inlined (each fused node's original sub-graph,
+        # after the rewriter's canonicalization), also returning every fused node's inputs and outputs
+        probe = _with_outputs(onnx.inliner.inline_local_functions(opt), [t for n in fused for t in (*n.input, *n.output)])
         names = [o.name for o in probe.graph.output]
         values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
         kernels = tuple((n.name, _emulate_node(n, values, tol32)) for n in fused)

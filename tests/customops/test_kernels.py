@@ -134,6 +134,19 @@ def test_layout_ops_folded_into_index_math():
     assert any("Transpose" in [res.graph.nodes[i].op_type for i in k.region.nodes] for k in res.kernels)
 
 
+def test_unravelled_indices_merge_back_without_division():
+    # y[a, b, c, :] = relu(x[c, a, b, :] + r[a, b, c, :]): x's (a, b) pair merges into one coordinate below c;
+    # the contiguous r and y need no division by the runtime dims at all
+    m = model([node("Transpose", ["x"], ["xt"], perm=[1, 2, 0, 3]), node("Add", ["xt", "r"], ["s"]),
+               node("Relu", ["s"], ["y"])],
+              [vi("x", F, ["C", "A", "B", 8]), vi("r", F, ["A", "B", "C", 8])], [vi("y", F, None)])
+    res = _run(m, {}, {"x": (5, 3, 7, 8), "r": (3, 7, 5, 8)})
+    src = res.kernels[0].compiled.source
+    store = next(ln for ln in src.splitlines() if "store_vec" in ln or "t2[" in ln)
+    assert "/" not in store and "%" not in store, store
+    assert src.count("% d") + src.count("/ d") <= 2, src  # only x's c and (a, b) split of the row index
+
+
 @pytest.mark.parametrize("batch,seq", [(1, 1), (3, 17), (2, 128)])
 def test_symbolic_dims_bound_to_several_values(batch, seq):
     res = compile_model(_layernorm(F, 32), None, "sm_90")

@@ -6,7 +6,7 @@ import onnxruntime as ort
 from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
-from ortfuse.rewriter.canonical import _static_target, fold_runtime_shapes
+from ortfuse.rewriter.canonical import _static_target, fold_runtime_shapes, unflatten_gemms
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -37,3 +37,60 @@ def test_fold_keeps_the_function_and_drops_shape_ops():
     run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
     np.testing.assert_array_equal(run(m), run(g2.model))
     assert g.model.graph.node[0].op_type == "Shape"  # the input graph is untouched
+
+
+def _conv1d(trans_b: int = 0, alpha: float = 1.0, act: bool = True, dtype=TP.FLOAT, tail=(40,)):
+    """GPT-2's Conv1D as exported: x.view(-1, K) -> Gemm(W, b) -> .view(*x.shape[:-1], N) with the target
+    computed at run time, then a GELU-like epilogue."""
+    k, n = 24, 40
+    np_dt = np.float16 if dtype == TP.FLOAT16 else np.float32
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((n, k) if trans_b else (k, n)) * 0.2).astype(np_dt)
+    nodes = [node("Reshape", ["x", "flat"], ["x2"]),
+             node("Gemm", ["x2", "w", "b"], ["y2"], transB=trans_b, alpha=alpha),
+             node("Shape", ["x"], ["s"]), node("Slice", ["s", "s0", "s1"], ["lead"]),
+             node("Concat", ["lead", "nn"], ["shp"], axis=0), node("Reshape", ["y2", "shp"], ["y"])]
+    if act:
+        nodes += [node("Tanh", ["y"], ["t"]), node("Mul", ["y", "t"], ["out"])]
+    inits = [const("flat", [-1, k], np.int64), const("w", w, np_dt), const("b", rng.standard_normal(n) * 0.1, np_dt),
+             const("s0", [0], np.int64), const("s1", [-1], np.int64), const("nn", list(tail), np.int64)]
+    out = "out" if act else "y"
+    return model(nodes, [vi("x", dtype, ["batch", "seq", k])], [vi(out, dtype, ["batch", "seq", *tail])], inits)
+
+
+def _run(m, x):
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_unflatten_gemm_between_reshapes():
+    x = np.random.default_rng(0).standard_normal((2, 5, 24)).astype(np.float32)
+    for trans_b in (0, 1):
+        m = _conv1d(trans_b)
+        g = build_graph(m, {})
+        g2, n = unflatten_gemms(g)
+        assert n == 1
+        ops = [x.op_type for x in g2.nodes]
+        assert "Gemm" not in ops and "Shape" not in ops and ops.count("Reshape") == 0, ops
+        assert ops.count("MatMul") == 1 and ops.count("Add") == 1 and ops.count("Transpose") == trans_b
+        mm = next(x for x in g2.nodes if x.op_type == "MatMul")
+        assert list(mm.input)[0] == "x" and g2.tensors[mm.output[0]].shape == ("batch", "seq", 40)
+        np.testing.assert_allclose(_run(g2.model, x), _run(m, x), rtol=1e-5, atol=1e-6)
+        assert any(x.op_type == "Gemm" for x in g.model.graph.node)  # the input graph is untouched
+
+
+def test_unflatten_leaves_other_gemms_alone():
+    assert unflatten_gemms(build_graph(_conv1d(alpha=0.5), {}))[1] == 0  # alpha != 1 is no plain MatMul
+    assert unflatten_gemms(build_graph(_conv1d(act=False), {}))[1] == 1  # restoring a graph output is fine
+    assert unflatten_gemms(build_graph(_conv1d(act=False, tail=(4, 10)), {}))[1] == 0  # a head split, not a restore
+    # a second consumer of the flat result keeps the Gemm
+    m = _conv1d()
+    m.graph.node.append(node("Relu", ["y2"], ["r2"]))
+    m.graph.output.append(vi("r2", TP.FLOAT, ["batch*seq", 40]))
+    assert unflatten_gemms(build_graph(m, {}))[1] == 0
+
+
+def test_unflattened_gemm_fuses_its_epilogue():
+    # after the rewrite, bias + Tanh + Mul are the GEMM's epilogue: one gemm kernel, parity in emulation
+    from helpers import fused_parity
+    res = fused_parity(_conv1d(dtype=TP.FLOAT16), {"x": ("batch", "seq", 24)}, {"x": (3, 7, 24)}, ("gemm",))
+    assert {x.op_type for i in res.kernels[0].region.nodes for x in [res.graph.nodes[i]]} >= {"MatMul", "Add", "Tanh"}
