@@ -23,7 +23,7 @@ import onnx
 from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search import ops
+from ortfuse.search import legal, ops
 from ortfuse.search.plan import Region
 
 
@@ -83,6 +83,13 @@ class _Lowerer:
                 if isinstance(d, str) and d not in self.dims:
                     self.dims[d] = len(self.sym_pairs)
                     self.sym_pairs.append((i, axis))
+        # outputs that are transposes of the iteration space: stored at the permuted index
+        space = tuple(region.space)
+        self.perms: dict[str, tuple[int, ...]] = {}
+        for o in region.outputs:
+            p = legal.output_perm(graph, set(region.nodes), o, space) if self._shape(o) != space else None
+            if p is not None and p != tuple(range(len(space))):
+                self.perms[o] = p
         self.scopes = [_Scope(set())]
         self.defs: dict[str, Expr] = {}  # what each bound variable holds (the div/mod merge reads it)
         self.count = 0
@@ -180,18 +187,26 @@ class _Lowerer:
         return off
 
     def _merge_divmod(self, coords: list[tuple[Expr, Expr]]) -> list[tuple[Expr, Expr]]:
-        """Adjacent coordinates (x / D, x % D) over dims (A, D) become x over A * D: the offset is the same
-        for every x >= 0, and a contiguous access needs no division at all (an unravelled row index that is
-        linearized again, as in a GEMM epilogue storing [batch, seq, N] rows)."""
+        """Adjacent coordinates (x / D, x % D) over dims (A, D) become x over A * D, and ((x / D) % E, x % D)
+        over (E, D) become x % (E * D): the offset is the same for every x >= 0, and a contiguous access needs
+        no division at all (an unravelled row index that is linearized again, as in a GEMM epilogue storing
+        [batch, seq, N] rows)."""
         k = 0
         while k + 1 < len(coords):
             (hi, dh), (lo, dl) = coords[k], coords[k + 1]
             q = self.defs.get(hi.name) if isinstance(hi, Var) else None
             r = self.defs.get(lo.name) if isinstance(lo, Var) else None
+            # ((x / D) % E, x % D) over dims (E, D) is x % (E * D): the middle of an unravelled index
+            inner = self.defs.get(q.args[0].name) if isinstance(q, ir.Op) and q.fn == "mod" and \
+                isinstance(q.args[0], Var) and q.args[1] == dh else None
             if isinstance(q, ir.Op) and isinstance(r, ir.Op) and q.fn == "div" and r.fn == "mod" \
                     and q.args == r.args and q.args[1] == dl:
                 coords[k:k + 2] = [(q.args[0], ir.mul(dh, dl))]
                 k = max(k - 1, 0)  # the merged coordinate may pair with the one before it
+            elif isinstance(inner, ir.Op) and isinstance(r, ir.Op) and inner.fn == "div" and r.fn == "mod" \
+                    and inner.args == r.args and inner.args[1] == dl:
+                coords[k:k + 2] = [(ir.imod(r.args[0], ir.mul(dh, dl)), ir.mul(dh, dl))]
+                k = max(k - 1, 0)
             else:
                 k += 1
         return coords
@@ -387,16 +402,20 @@ class _Lowerer:
         return vec
 
     def store_outputs(self, outs: list[str], idx_of: Callable[[Expr], tuple[Expr, ...]], guard: Optional[Expr]) -> None:
+        """Every output at the iteration-space index idx_of(lane) of each lane: one vector store when the
+        lanes run along the output's innermost axis, else one store per lane (a transposed output)."""
         stores: list[ir.Stmt] = []
         for o in outs:
             shape = self._shape(o)
             storage = _storage(self.g.tensors[o].dtype, f"output '{o}'")
-            vals = [self.value(o, idx_of(lane)) for lane in self.lanes]
-            off = self.linearize(idx_of(self.lanes[0]), shape)
-            if len(vals) > 1:
-                stores.append(ir.VecStore(self.out_args[o], off, tuple(vals), storage))
+            perm = self.perms.get(o)
+            at = (lambda lane: tuple(idx_of(lane)[k] for k in perm)) if perm else idx_of  # noqa: E731
+            vals = [self.value(o, at(lane)) for lane in self.lanes]
+            if len(vals) > 1 and (perm is None or perm[-1] == len(perm) - 1):
+                stores.append(ir.VecStore(self.out_args[o], self.linearize(at(self.lanes[0]), shape), tuple(vals), storage))
             else:
-                stores.append(ir.Store(self.out_args[o], off, vals[0], storage))
+                stores.extend(ir.Store(self.out_args[o], self.linearize(at(lane), shape), v, storage)
+                              for lane, v in zip(self.lanes, vals))
         if guard is None:
             self.scopes[-1].stmts.extend(stores)
         elif stores:
@@ -468,7 +487,7 @@ class _Lowerer:
         rowc = self.bind(ir.imin(row, ir.Op("sub", (rows, ir.i64(1)), I64)), "rowc")
         self.row_depth = len(self.scopes)
         self.row_idx = row_index(rowc)
-        full = [o for o in self.r.outputs if self._shape(o) == space]
+        full = [o for o in self.r.outputs if self._shape(o) == space or o in self.perms]
         rowwise = [o for o in self.r.outputs if o not in full]
         for o in rowwise:
             oshape = self._shape(o)

@@ -208,8 +208,10 @@ class _GemmLowerer(_Lowerer):
         M, N = y_s[-2], y_s[-1]
         K = a_s[-2] if trans_a else a_s[-1]
         for o in self.r.outputs:
-            if self._shape(o) != y_s and not (self.row_mode and self._shape(o) in (y_s[:-1], y_s[:-1] + (1,))):
-                raise LoweringError(f"output '{o}' of shape {self._shape(o)} is not the GEMM's shape {y_s}")
+            if self._shape(o) != y_s and o not in self.perms and not (
+                    self.row_mode and self._shape(o) in (y_s[:-1], y_s[:-1] + (1,))):
+                raise LoweringError(f"output '{o}' of shape {self._shape(o)} is neither the GEMM's shape {y_s} "
+                                    f"nor a transpose of it")
         if self.row_mode and self.static(N) is None:
             raise LoweringError("a row-wise epilogue needs a static row length N")
 

@@ -82,6 +82,36 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
     return None
 
 
+def output_perm(g: Graph, nodes: set[int], t: str, space: tuple[Dim, ...]) -> Optional[tuple[int, ...]]:
+    """p such that tensor t, at the element a kernel computes for index idx of its iteration space, is read at
+    (idx[p[0]], idx[p[1]], ...): t is a space-shaped tensor seen through the region's Transposes (and the
+    element-wise ops around them). None when no such chain leads back to the space. The lowering's value
+    walk stays the judge: a GEMM epilogue that would read the accumulator elsewhere is refused."""
+    memo: dict[str, Optional[tuple[int, ...]]] = {}
+
+    def walk(x: str) -> Optional[tuple[int, ...]]:
+        if x in memo:
+            return memo[x]
+        memo[x] = None
+        shape = g.tensors[x].shape if x in g.tensors else None
+        i = g.producer.get(x)
+        n = g.nodes[i] if i is not None and i in nodes else None
+        p: Optional[tuple[int, ...]] = None
+        if shape is not None and n is not None and n.op_type == "Transpose":
+            perm = scalar.attr(n, "perm") or list(reversed(range(len(shape))))
+            p_in = walk(n.input[0])
+            p = None if p_in is None else tuple(p_in[k] for k in perm)
+        elif shape is not None and n is not None and ops.kind_of(n.op_type) == "elementwise":
+            p = next((q for _, y in ops.data_inputs(n) if y in g.tensors and g.tensors[y].shape == shape
+                      for q in [walk(y)] if q is not None), None)
+        if p is None and shape is not None and tuple(shape) == tuple(space):
+            p = tuple(range(len(space)))
+        memo[x] = p
+        return p
+
+    return walk(t)
+
+
 def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
     """(data inputs in first-use order, outputs) of a group. Scalar constants become literals."""
     produced = {o for i in nodes for o in g.nodes[i].output if o}
@@ -120,13 +150,16 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
             if g.tensors[g.nodes[i].input[0]].shape != space:
                 return Reject(label, f"{g.node_label(i)} reduces a tensor of another shape than the GEMM's {space}")
         for o, s in shapes.items():
-            if s != space and s not in rows:
-                return Reject(label, f"output '{o}' of shape {s} is not the GEMM's shape {space}")
+            if s != space and s not in rows and output_perm(g, nodes, o, space) is None:
+                return Reject(label, f"output '{o}' of shape {s} is neither the GEMM's shape {space} nor a "
+                                     f"transpose of it")
         kind = "gemm_row" if reductions else "gemm"
         return Region(-1, kind, tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
     if not reductions:
-        space = shapes[outputs[0]]
-        if any(s != space for s in shapes.values()):
+        # the iteration space: an output's shape that every other output is (a transpose of)
+        space = next((s for s in shapes.values() if all(
+            t == s or output_perm(g, nodes, o, s) is not None for o, t in shapes.items())), None)
+        if space is None:
             return Reject(label, "outputs of different shapes would need separate iteration spaces")
         return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
     spaces = {g.tensors[g.nodes[i].input[0]].shape for i in reductions}
@@ -135,8 +168,9 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     space: tuple[Dim, ...] = tuple(spaces.pop() or ())
     row = space[:-1]
     for o, s in shapes.items():
-        if s not in (space, row, row + (1,)):
-            return Reject(label, f"output '{o}' of shape {s} is neither the reduced tensor's shape nor its row shape")
+        if s not in (space, row, row + (1,)) and output_perm(g, nodes, o, space) is None:
+            return Reject(label, f"output '{o}' of shape {s} is neither the reduced tensor's shape (or a "
+                                 f"transpose of it) nor its row shape")
     return Region(-1, "rowreduce", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
 
 

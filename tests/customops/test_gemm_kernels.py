@@ -147,3 +147,41 @@ def test_kernels_named_by_content_share_compiles():
     res = _run(m, {"x": ("n", k)}, {"x": (5, k)}, kinds=("gemm", "gemm"))
     assert res.kernels_compiled == 1
     assert isinstance(res.model, onnx.ModelProto)
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_transposed_output_epilogue(dt):
+    # ConvNeXt's block end: x [n, 5, 6, 32] (NHWC) @ w + b, * gamma, back to NCHW, + residual r [n, 48, 5, 6].
+    # The output is stored transposed (one store per column); the NHWC intermediate is an output too.
+    k, n = 32, 48
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Mul", ["z", "gamma"], ["s"]),
+               node("Transpose", ["s"], ["st"], perm=[0, 3, 1, 2]), node("Add", ["st", "r"], ["out"])],
+              [vi("x", dt, ["n", 5, 6, k]), vi("r", dt, ["n", n, 5, 6])], [vi("out", dt, None), vi("s", dt, None)],
+              [const("w", _w((k, n), dt, 1), NP[dt]), const("b", _w(n, dt, 2), NP[dt]),
+               const("gamma", _w(n, dt, 3, 1.0), NP[dt])])
+    for rows in (1, 3):
+        res = _run(m, {"x": ("n", 5, 6, k), "r": ("n", n, 5, 6)}, {"x": (rows, 5, 6, k), "r": (rows, n, 5, 6)})
+    src = res.kernels[0].compiled.source
+    assert "Transpose" in [res.graph.nodes[i].op_type for i in res.kernels[0].region.nodes]
+    epi2 = src[src.index(" epi2("):src.index(" epi1(")]
+    # the NHWC output s (t5) stores two columns as one access; the NCHW output (t6) stores each column
+    assert epi2.count("store_vec<2>(t5") == 1 and epi2.count("t6[") == 2 and epi2.count("t4[") == 2, epi2
+    assert "(gm % 30LL)" in epi2  # (h, w) of the unravelled row merge back into one remainder
+
+
+def test_transpose_of_a_transpose_is_still_the_gemm_element():
+    # out = Transpose(Transpose(y)) reads y at the element being stored; a permuted index that reads the GEMM
+    # elsewhere (y + Transpose(y) of a square y) cannot be one epilogue: the region is refused, never wrong
+    k, n = 16, 16
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Transpose", ["y"], ["t1"], perm=[0, 2, 1]),
+               node("Relu", ["t1"], ["r1"]), node("Transpose", ["r1"], ["out"], perm=[2, 0, 1])],
+              [vi("x", F, [2, 16, k])], [vi("out", F, None)], [const("w", _w((k, n), F, 1))])
+    res = _run(m, {}, None)
+    assert res.kernels[0].spec.kernel.funcs
+    sq = model([node("MatMul", ["x", "w"], ["y"]), node("Transpose", ["y"], ["t1"], perm=[0, 2, 1]),
+                node("Add", ["y", "t1"], ["out"])], [vi("x", F, [2, 16, k])], [vi("out", F, None)],
+               [const("w", _w((k, n), F, 1))])
+    from ortfuse.api import compile_model
+    r = compile_model(sq, None, "sm_90")
+    assert all(x.region.kind != "gemm" or "Transpose" not in [r.graph.nodes[i].op_type for i in x.region.nodes]
+               for x in r.kernels)

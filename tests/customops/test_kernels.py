@@ -147,6 +147,24 @@ def test_unravelled_indices_merge_back_without_division():
     assert src.count("% d") + src.count("/ d") <= 2, src  # only x's c and (a, b) split of the row index
 
 
+@pytest.mark.parametrize("dt", [F, H])
+def test_transposed_outputs_of_row_and_pointwise_kernels(dt):
+    # ConvNeXt's LayerNorm2d: NCHW -> NHWC, LayerNorm over C, back to NCHW (one row kernel, the output stored
+    # transposed); and a pointwise kernel whose two outputs are the same values in two layouts
+    ln = model([node("Transpose", ["x"], ["xt"], perm=[0, 2, 3, 1]),
+                node("LayerNormalization", ["xt", "g", "b"], ["y"], axis=-1, epsilon=1e-6),
+                node("Transpose", ["y"], ["out"], perm=[0, 3, 1, 2])],
+               [vi("x", dt, ["n", 24, 3, 5])], [vi("out", dt, None)],
+               [const("g", np.linspace(0.5, 1.5, 24), NP[dt]), const("b", np.linspace(-1, 1, 24), NP[dt])])
+    res = _run(ln, {}, {"x": (2, 24, 3, 5)})
+    assert [r.kind for r in res.plan.regions] == ["rowreduce"] and len(res.plan.regions[0].nodes) == 3
+    pw = model([node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"]),
+                node("Transpose", ["y"], ["yt"], perm=[0, 2, 1]), node("Neg", ["yt"], ["out"])],
+               [vi("x", dt, ["n", 6, 40])], [vi("y", dt, None), vi("out", dt, None)])
+    res = _run(pw, {}, {"x": (3, 6, 40)})
+    assert [r.kind for r in res.plan.regions] == ["pointwise"] and len(res.plan.regions[0].outputs) == 2
+
+
 @pytest.mark.parametrize("batch,seq", [(1, 1), (3, 17), (2, 128)])
 def test_symbolic_dims_bound_to_several_values(batch, seq):
     res = compile_model(_layernorm(F, 32), None, "sm_90")

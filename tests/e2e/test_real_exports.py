@@ -41,3 +41,14 @@ def test_exported_model(zoo, name, dtype, min_fused):
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
+
+
+def test_exported_convnext_block_ends_fuse_through_the_transpose(zoo):
+    # ConvNeXt's second Linear: bias, layer scale, permute back to NCHW and the residual add, one GEMM kernel
+    path = zoo.build("convnext_t", dtype="fp32", tiny=True)
+    res = compile_model(path, None, "sm_80,sm_90")
+    ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions if r.kind == "gemm"]
+    assert any({"MatMul", "Transpose", "Mul"} <= o for o in ops), ops
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)

@@ -89,7 +89,7 @@ def test_demo_encoder_regions():
     assert {r.kind for r in p.regions if "ReduceMean" in [g.nodes[i].op_type for i in r.nodes]} == {"gemm_row"}
     assert {r.kind for r in p.regions if "Erf" in [g.nodes[i].op_type for i in r.nodes]} == {"gemm"}
     # epilogues that change the layout (the head split) stay with cuBLAS, with the reason
-    assert any("is not the GEMM's shape" in r.reason for r in p.refusals)
+    assert any("is neither the GEMM's shape" in r.reason for r in p.refusals)
     # bias add + head split (Reshape + Transpose) become one pointwise kernel per projection
     assert kinds.count(("Add", "Reshape", "Transpose")) == 6
     for r in p.regions:
