@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
 
@@ -61,10 +62,10 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
         folded += 1
     if not folded:
         return g, 0
-    _remove_dead(m)
     tensors = dict(g.tensors)
     for t in m.graph.initializer[len(g.model.graph.initializer):]:
         tensors[t.name] = TensorInfo(t.name, onnx.TensorProto.INT64, tuple(t.dims))
+    _remove_dead(m)
     return assemble(m, tensors, g.opset), folded
 
 
@@ -140,17 +141,14 @@ def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
 
 
 def _remove_dead(m: onnx.ModelProto) -> None:
-    """Drop nodes none of whose outputs is used (in reverse order, so whole chains go)."""
-    keep_names = {o.name for o in m.graph.output}
-    used: set[str] = set(keep_names)
+    """Drop nodes none of whose outputs is used (in reverse order, so whole chains go), and initializers
+    nothing reads. Initializers that are also graph inputs (IR < 4 style) stay: the interface is kept."""
+    used: set[str] = {o.name for o in m.graph.output} | {v.name for v in m.graph.input}
     alive: list[onnx.NodeProto] = []
     for node in reversed(list(m.graph.node)):
         if any(o and o in used for o in node.output) or _has_side_graph(node):
             alive.append(node)
-            used.update(i for i in node.input if i)
-            for a in node.attribute:  # names read inside subgraphs stay alive
-                if a.type == onnx.AttributeProto.GRAPH:
-                    used.update(i for n in a.g.node for i in n.input)
+            used.update(_proto.node_reads(node))  # names read inside subgraphs (at any depth) stay alive
     del m.graph.node[:]
     m.graph.node.extend(reversed(alive))
     inits = [t for t in m.graph.initializer if t.name in used]

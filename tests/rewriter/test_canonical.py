@@ -94,3 +94,16 @@ def test_unflattened_gemm_fuses_its_epilogue():
     from helpers import fused_parity
     res = fused_parity(_conv1d(dtype=TP.FLOAT16), {"x": ("batch", "seq", 24)}, {"x": (3, 7, 24)}, ("gemm",))
     assert {x.op_type for i in res.kernels[0].region.nodes for x in [res.graph.nodes[i]]} >= {"MatMul", "Add", "Tanh"}
+
+
+def test_initializers_listed_as_inputs_stay_in_the_interface():
+    # IR < 4 style: every initializer is also a graph input; the shape constants the rewrite no longer
+    # reads must not become inputs without a value
+    m = _conv1d()
+    m.graph.input.extend(vi(t.name, t.data_type, list(t.dims)) for t in m.graph.initializer)
+    g2, n = unflatten_gemms(build_graph(m, {}))
+    assert n == 1
+    inits = {t.name for t in g2.model.graph.initializer}
+    assert {v.name for v in g2.model.graph.input} - inits == {"x"}
+    x = np.random.default_rng(1).standard_normal((2, 5, 24)).astype(np.float32)
+    np.testing.assert_allclose(_run(g2.model, x), _run(m, x), rtol=1e-5, atol=1e-6)
