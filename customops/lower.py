@@ -196,19 +196,19 @@ class _Lowerer:
             (hi, dh), (lo, dl) = coords[k], coords[k + 1]
             q = self.defs.get(hi.name) if isinstance(hi, Var) else None
             r = self.defs.get(lo.name) if isinstance(lo, Var) else None
-            # ((x / D) % E, x % D) over dims (E, D) is x % (E * D): the middle of an unravelled index
-            inner = self.defs.get(q.args[0].name) if isinstance(q, ir.Op) and q.fn == "mod" and \
-                isinstance(q.args[0], Var) and q.args[1] == dh else None
-            if isinstance(q, ir.Op) and isinstance(r, ir.Op) and q.fn == "div" and r.fn == "mod" \
-                    and q.args == r.args and q.args[1] == dl:
-                coords[k:k + 2] = [(q.args[0], ir.mul(dh, dl))]
-                k = max(k - 1, 0)  # the merged coordinate may pair with the one before it
-            elif isinstance(inner, ir.Op) and isinstance(r, ir.Op) and inner.fn == "div" and r.fn == "mod" \
-                    and inner.args == r.args and inner.args[1] == dl:
-                coords[k:k + 2] = [(ir.imod(r.args[0], ir.mul(dh, dl)), ir.mul(dh, dl))]
-                k = max(k - 1, 0)
-            else:
+            merged: Optional[Expr] = None
+            if isinstance(r, ir.Op) and r.fn == "mod" and r.args[1] == dl:
+                quot = ir.Op("div", r.args, I64)  # x / D, as `unravel` binds it
+                if q == quot:
+                    merged = r.args[0]
+                elif isinstance(q, ir.Op) and q.fn == "mod" and q.args[1] == dh and isinstance(q.args[0], Var) \
+                        and self.defs.get(q.args[0].name) == quot:
+                    merged = ir.imod(r.args[0], ir.mul(dh, dl))
+            if merged is None:
                 k += 1
+                continue
+            coords[k:k + 2] = [(merged, ir.mul(dh, dl))]
+            k = max(k - 1, 0)  # the merged coordinate may pair with the one before it
         return coords
 
     def unravel(self, lin: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:

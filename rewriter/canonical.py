@@ -36,10 +36,6 @@ def _static_target(in_shape: tuple[Dim, ...], out_shape: tuple[Dim, ...]) -> Opt
     return target if target.count(-1) <= 1 else None
 
 
-def _allowzero(node: onnx.NodeProto) -> int:
-    return next((a.i for a in node.attribute if a.name == "allowzero"), 0)
-
-
 def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     """(new graph, number of Reshapes whose target became a constant). `g` is left untouched."""
     m = onnx.ModelProto()
@@ -48,7 +44,7 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     for node in m.graph.node:
         if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
-        if node.input[1] in g.constants or _allowzero(node):
+        if node.input[1] in g.constants or _attr(node, "allowzero", 0):
             continue
         src, out = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
         if src is None or out is None or src.shape is None or out.shape is None:
