@@ -1,4 +1,4 @@
-"""GEMM region -> kernel IR: one MatMul/Gemm (the anchor) with its prologue and epilogue ops.
+"""GEMM region -> kernel IR: one MatMul/Gemm/Conv (the anchor) with its prologue and epilogue ops.
 
 The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the region's own ops become the
 `Ops` callbacks, printed from IR by the same value walk as every other kernel:
@@ -10,7 +10,9 @@ The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the re
 * row-wise epilogue (region kind "gemm_row": a Softmax, LayerNorm or Reduce* over the GEMM's N axis): the
   tile spans whole rows; `row_in` evaluates X, the one tensor between the GEMM and its reductions, into a
   shared-memory row buffer, and `row` runs the rest of the region as a row-reduction pass over that buffer.
-When B has no batch dims, the batch dims of A fold into M, so the whole activation is one tall GEMM."""
+When B has no batch dims, the batch dims of A fold into M, so the whole activation is one tall GEMM.
+A 2-D Conv (group 1) is an implicit GEMM per image: the weight is A, im2col of the image is B (gathered
+with zero padding by `b_load`, or copied directly for a 1x1 convolution), the pixels are the columns."""
 from __future__ import annotations
 
 import math
@@ -22,10 +24,9 @@ from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search import ops
+from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region
 
-GEMM_OPS = frozenset({"MatMul", "Gemm"})
 ROW, COL, GENERIC = 0, 1, 2  # ofz::gemm::Mode
 MATH_OF = {"f16": tl.MMA_F16, "bf16": tl.MMA_BF16}
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -66,9 +67,9 @@ class _GemmLowerer(_Lowerer):
     def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
                  tile: Optional[tuple[int, ...]] = None):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
-        anchors = [i for i in region.nodes if graph.nodes[i].op_type in GEMM_OPS]
+        anchors = [i for i in region.nodes if graph.nodes[i].op_type in ops.ANCHORS]
         if len(anchors) != 1:
-            raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm, this region has {len(anchors)}")
+            raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm/Conv, this region has {len(anchors)}")
         self.anchor = graph.nodes[anchors[0]]
         self.tf32 = tf32
         self.forced_tile = tile
@@ -99,6 +100,8 @@ class _GemmLowerer(_Lowerer):
             raise LoweringError("the GEMM result is read at another element than the one being stored "
                                 "(a layout change or reduction after the GEMM)")
         v = self.acc[idx[-1]]
+        if node.op_type == "Conv" and len(node.input) > 2 and node.input[2]:
+            v = ir.Op("add", (v, self.value(node.input[2], (idx[1],))), F32)  # bias per output channel
         if node.op_type == "Gemm":
             alpha = float(_attr(node, "alpha", 1.0))
             if alpha != 1.0:
@@ -118,24 +121,29 @@ class _GemmLowerer(_Lowerer):
         return d if isinstance(d, int) else None
 
     # ------------------------------------------------------------------ epilogues
-    def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, N: Dim,
-                 n_static: Optional[int]) -> None:
-        """epi2 / epi1: every region output at two adjacent columns (16-bit pairs as one store), or one."""
+    def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, inner: Dim,
+                 col_index=lambda n: (n,)) -> None:
+        """epi2 / epi1: every region output at two adjacent columns (16-bit pairs as one store), or one.
+        Column n of the GEMM is output index out_prefix(b, m) + col_index(n); its last axis has `inner`
+        elements (a Conv's column is an (oh, ow) pixel). The template passes pairs at even n only, so a pair
+        shares its row when `inner` is even."""
         v0, v1 = Var("acc0", F32), Var("acc1", F32)
-        self.inner_dim = N
+        self.inner_dim = inner
         outs = list(self.r.outputs)
 
         def store(cols: list[tuple[Expr, Var]], vec: int) -> None:
             self.vec = vec
             for chunk in ([cols] if vec > 1 else [[c] for c in cols]):
-                self.lanes = tuple(c for c, _ in chunk)
-                self.acc = {c: v for c, v in chunk}
-                prefix = out_prefix(vb, vm)
+                first = col_index(chunk[0][0])
+                trail = [first[:-1] + (ir.add(first[-1], ir.i64(j)),) for j in range(len(chunk))]
+                self.lanes = tuple(t[-1] for t in trail)
+                self.acc = {t[-1]: v for t, (_, v) in zip(trail, chunk)}
+                prefix = out_prefix(vb, vm) + first[:-1]
                 self.out_idx = prefix + (self.lanes[0],)
                 self.store_outputs(outs, lambda lane: prefix + (lane,), None)
             return None
 
-        pair_vec = 2 if n_static is not None and n_static % 2 == 0 else 1
+        pair_vec = 2 if isinstance(inner, int) and inner % 2 == 0 else 1
         n1 = ir.add(vn, ir.i64(1))
         funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: store([(vn, v0), (n1, v1)], pair_vec)))
         funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: store([(vn, v0)], 1)))
@@ -189,8 +197,74 @@ class _GemmLowerer(_Lowerer):
         funcs.append(self.func("row", (vb, vm0, vrows, Var("ofz_row", ROW_PTR), Var("ofz_scratch", ROW_PTR)), row))
         return self.tpr
 
+    # ------------------------------------------------------------------ Conv as an implicit GEMM
+    def im2col(self, x: str, geo: conv.ConvGeom, vb: Expr, vk: Expr, vn: Expr) -> Expr:
+        """B[b][k][n] of the implicit GEMM: X at tap k = (c, kh, kw) of output pixel n = (oh, ow), zero in
+        the padding (read at an in-bounds index, then selected away)."""
+        c, kh, kw = self.unravel(vk, (geo.c, geo.kh, geo.kw))
+        oh, ow = self.unravel(vn, (geo.oh, geo.ow))
+        (sh, sw), (dh, dw), (ph, pw) = geo.stride, geo.dilation, geo.pad
+        h = self.bind(ir.add(ir.add(ir.mul(oh, ir.i64(sh)), ir.mul(kh, ir.i64(dh))), ir.i64(-ph)), "ih")
+        w = self.bind(ir.add(ir.add(ir.mul(ow, ir.i64(sw)), ir.mul(kw, ir.i64(dw))), ir.i64(-pw)), "iw")
+        if not geo.padded:
+            return self.value(x, (vb, c, h, w))
+
+        def within(i: Expr, n: int) -> Expr:
+            return ir.Op("and", (ir.Op("ge", (i, ir.i64(0)), ir.BOOL), ir.Op("lt", (i, ir.i64(n)), ir.BOOL)), ir.BOOL)
+
+        inside = self.bind(ir.Op("and", (within(h, geo.h), within(w, geo.w)), ir.BOOL), "inb")
+        at = tuple(self.bind(ir.Op("select", (inside, i, ir.i64(0)), I64), "i") for i in (h, w))
+        v = self.value(x, (vb, c) + at)
+        return ir.Op("select", (inside, v, ir.Const(0.0, F32)), F32)
+
+    def conv_gemm(self):
+        """Per image b: Y[b] (OC x OH*OW) = W (OC x C*KH*KW) . im2col(X[b]); the epilogue stores pixel n of
+        channel m at Y[b][m][n / OW][n % OW]. A 16-byte aligned 1x1 convolution copies both operands with
+        cp.async; otherwise the weight and/or the im2col operand are loaded element by element."""
+        node, g = self.anchor, self.g
+        geo = conv.conv_geometry(g, node)
+        if isinstance(geo, str):
+            raise LoweringError(geo)
+        if self.row_mode:
+            raise LoweringError("a reduction after a Conv: row-wise epilogues follow MatMul/Gemm only")
+        x_t, w_t, y_t = node.input[0], node.input[1], node.output[0]
+        storage = _storage(g.tensors[x_t].dtype, f"Conv input '{x_t}'")
+        if storage != _storage(g.tensors[w_t].dtype, f"Conv weight '{w_t}'"):
+            raise LoweringError("Conv data and weight of different element types")
+        if storage not in C_ELEM:
+            raise LoweringError(f"{storage} convolutions are left to ORT")
+        math_ = MATH_OF.get(storage, tl.MMA_TF32 if self.tf32 else tl.SIMT)
+        es = self.esize(storage)
+        y_s = self._shape(y_t)
+        for o in self.r.outputs:
+            if self._shape(o) != y_s and o not in self.perms:
+                raise LoweringError(f"output '{o}' of shape {self._shape(o)} is neither the Conv's shape {y_s} "
+                                    f"nor a transpose of it")
+        vb, vm, vn, vk = Var("gb", I64), Var("gm", I64), Var("gn", I64), Var("gk", I64)
+        region_input = lambda t: t in self.args and t not in self.producer  # noqa: E731
+        a_mode = ROW if region_input(w_t) and (geo.k * es) % 16 == 0 else GENERIC
+        b_mode = ROW if region_input(x_t) and geo.pointwise and (geo.pixels * es) % 16 == 0 else GENERIC
+        funcs: list[ir.Func] = []
+        if a_mode == ROW:
+            funcs.append(self.func("a_base", (vb,), lambda: ir.i64(0)))
+        else:
+            funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
+                w_t, (vm,) + self.unravel(vk, (geo.c, geo.kh, geo.kw)))))
+        if b_mode == ROW:
+            funcs.append(self.func("b_base", (vb,), lambda: self.linearize((vb,) + (ir.i64(0),) * 3, self._shape(x_t))))
+        else:
+            funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.im2col(x_t, geo, vb, vk, vn)))
+        self.epilogue(funcs, vb, vm, vn, lambda b, m: self.unravel(b, (geo.batch,)) + self.unravel(m, (geo.oc,)),
+                      geo.ow, lambda n: self.unravel(n, (geo.oh, geo.ow)))
+        ranked, tile = self.choose_tile(geo.oc, geo.pixels, geo.k, self.hint(geo.batch), es, math_, False)
+        return self.finish(funcs, tile, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
+                           (b_mode, self.args[x_t] if b_mode == ROW else 0), [self.encode(geo.batch)], [geo.oc],
+                           geo.pixels, geo.k)
+
     # ------------------------------------------------------------------ the kernel
     def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple]:
+        if self.anchor.op_type in ops.CONV:
+            return self.conv_gemm()
         node, g = self.anchor, self.g
         a_t, b_t, y_t = node.input[0], node.input[1], node.output[0]
         a_s, b_s, y_s = self._shape(a_t), self._shape(b_t), self._shape(y_t)
@@ -264,18 +338,13 @@ class _GemmLowerer(_Lowerer):
                 b_t, operand_index(b_t, b_s, vb, vk, vn, False, trans_b))))
 
         if not self.row_mode:
-            self.epilogue(funcs, vb, vm, vn, out_prefix, N, n_static)
+            self.epilogue(funcs, vb, vm, vn, out_prefix, N)
 
         # tile construction
         hint = self.hint
         m_hint = hint(M) * (math.prod(hint(d) for d in batch_shape) if fold else 1)
         b_hint = 1 if fold else math.prod(hint(d) for d in batch_shape)
-        ranked = tl.rank_tiles(self.tgt, m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL,
-                               row=self.row_mode)
-        if not ranked:
-            raise LoweringError("no GEMM tile fits the hardware table entry" +
-                                (f" with a {N}-column row in one tile" if self.row_mode else ""))
-        tile = tl.GemmTile(*self.forced_tile) if self.forced_tile else ranked[0].tile
+        ranked, tile = self.choose_tile(m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL)
         targs: tuple[str, ...] = ()
         if self.row_mode:
             if tile.bn < int(N):
@@ -285,20 +354,35 @@ class _GemmLowerer(_Lowerer):
 
         batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
         m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
-        units_ceil = ((tuple(m_terms), tile.bm), ((self.encode(N),), tile.bn))
-        m_expr = self.product(m_terms)
-        batch_expr = self.product(batch_terms)
         a_arg = self.args[a_t] if a_mode != GENERIC else 0
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
+        return self.finish(funcs, tile, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
+                           m_terms, N, K, targs)
+
+    def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, b_nk: bool
+                    ) -> tuple[list[tl.Ranked], tl.GemmTile]:
+        ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_nk, row=self.row_mode)
+        if not ranked:
+            raise LoweringError("no GEMM tile fits the hardware table entry" +
+                                (f" with a {n}-column row in one tile" if self.row_mode else ""))
+        return ranked, tl.GemmTile(*self.forced_tile) if self.forced_tile else ranked[0].tile
+
+    def finish(self, funcs: list[ir.Func], tile: tl.GemmTile, ranked: list[tl.Ranked], storage: str, math_: int,
+               a: tuple[int, int], b: tuple[int, int], batch_terms: list[int], m_terms: list[int], N: Dim, K: Dim,
+               targs: tuple[str, ...] = ()):
+        """The kernel: one `ofz::gemm::run` call over batch x M x N x K; a and b are (mode, argument)."""
+        es = self.esize(storage)
+        units_ceil = ((tuple(m_terms), tile.bm), ((self.encode(N),), tile.bn))
         call = ir.Call("ofz::gemm::run",
-                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a_mode), str(b_mode), str(math_), "OPS",
+                       (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a[0]), str(b[0]), str(math_), "OPS",
                         *targs),
-                       (ir.i64(a_arg), ir.i64(b_arg), batch_expr, m_expr, self.dim(N), self.dim(K)))
+                       (ir.i64(a[1]), ir.i64(b[1]), self.product(batch_terms), self.product(m_terms), self.dim(N),
+                        self.dim(K)))
         self.scopes = [_Scope(set())]
         self.emit(call)
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
-        smem = tile.smem_bytes(es, b_mode == COL, self.row_mode)
-        if tile.block_smem_bytes(es, b_mode == COL, self.row_mode) > self.tgt.smem_per_block:
+        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode)
+        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)
 

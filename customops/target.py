@@ -25,6 +25,9 @@ class Target:
     # Our GEMM's speed relative to cuBLAS, assumed until measured on the device (issue 5's target: within
     # 15%); `ortfuse optimize --profile` replaces the estimate with measurements.
     gemm_vs_cublas: float = 0.85
+    # A Conv whose im2col operand our kernel gathers element by element (no cp.async), relative to cuDNN:
+    # assumed, not measured; `--profile` measures it per region.
+    implicit_gemm_vs_cudnn: float = 0.6
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
 
     @property

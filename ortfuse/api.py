@@ -182,7 +182,7 @@ def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tup
     from ortfuse.search import legal
     from ortfuse.search.cost import traffic
 
-    anchor = next(i for i in region.nodes if graph.nodes[i].op_type in ops.GEMM)
+    anchor = next(i for i in region.nodes if graph.nodes[i].op_type in ops.ANCHORS)
     rest = legal.classify(graph, set(region.nodes) - {anchor})
     if not isinstance(rest, Region):
         return None

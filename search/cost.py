@@ -12,7 +12,7 @@ import onnx
 from ortfuse.customops import tiles
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
-from ortfuse.search import ops
+from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region, Reject, Traffic
 
 
@@ -28,22 +28,46 @@ def tensor_bytes(g: Graph, t: str) -> int:
 def traffic(g: Graph, region: Region) -> Traffic:
     """Unfused: each ORT kernel reads its data inputs and writes its outputs. Fused: the region reads
     its inputs and writes its outputs once (row passes re-read from L1/L2, not DRAM)."""
-    unfused = launches = 0
-    for i in region.nodes:
-        n = g.nodes[i]
-        if n.op_type in ops.FREE_IN_ORT:
-            continue
-        launches += 1
-        seen = {t for _, t in ops.data_inputs(n)} | {o for o in n.output if o and o in g.tensors}
-        unfused += sum(tensor_bytes(g, t) for t in seen if t in g.tensors and g.tensors[t].shape is not None)
+    kernels = [g.nodes[i] for i in region.nodes if g.nodes[i].op_type not in ops.FREE_IN_ORT]
     fused = sum(tensor_bytes(g, t) for t in (*region.inputs, *region.outputs))
-    return Traffic(unfused, fused, launches)
+    return Traffic(sum(node_bytes(g, n) for n in kernels), fused, len(kernels))
+
+
+def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
+    """DRAM bytes of one ORT kernel: its data inputs read and its outputs written."""
+    seen = {t for _, t in ops.data_inputs(n)} | {o for o in n.output if o and o in g.tensors}
+    return sum(tensor_bytes(g, t) for t in seen if t in g.tensors and g.tensors[t].shape is not None)
+
+
+def ort_conv_folds(g: Graph, region: Region) -> list[int]:
+    """Region nodes stock ORT folds into its own cuDNN FusedConv on the CUDA EP (ConvActivationFusion:
+    fp32 only; Conv -> Relu, or Conv -> Add -> Relu, each link the producer's only consumer)."""
+    anchor = next((i for i in region.nodes if g.nodes[i].op_type in ops.CONV), None)
+    if anchor is None or g.tensors[g.nodes[anchor].input[0]].dtype != onnx.TensorProto.FLOAT:
+        return []
+
+    def lone(i: int) -> Optional[int]:
+        out = g.nodes[i].output[0]
+        cs = g.consumers.get(out, ())
+        return cs[0] if len(cs) == 1 and out not in g.graph_outputs else None
+
+    nxt = lone(anchor)
+    if nxt is None:
+        return []
+    if g.nodes[nxt].op_type == "Relu":
+        return [nxt]
+    after = lone(nxt) if g.nodes[nxt].op_type == "Add" else None
+    return [nxt, after] if after is not None and g.nodes[after].op_type == "Relu" else []
 
 
 def gemm_dims(g: Graph, node: onnx.NodeProto) -> tuple[int, int, int, int]:
-    """(batch, M, N, K) of a MatMul/Gemm as our kernel tiles it, symbolic dims at their hints: A's batch
-    dims fold into M when B has none."""
+    """(batch, M, N, K) of a MatMul/Gemm/Conv as our kernel tiles it, symbolic dims at their hints: A's batch
+    dims fold into M when B has none; a Conv is one GEMM per image."""
     hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+    if node.op_type in ops.CONV:  # per image: (OC x C*KH*KW) . (C*KH*KW x OH*OW)
+        geo = conv.conv_geometry(g, node)
+        assert not isinstance(geo, str), geo
+        return hint(geo.batch), geo.oc, geo.pixels, geo.k
     a, b, y = (g.tensors[t].shape for t in (node.input[0], node.input[1], node.output[0]))
     assert a is not None and b is not None and y is not None
     trans_a = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)
@@ -55,7 +79,7 @@ def gemm_dims(g: Graph, node: onnx.NodeProto) -> tuple[int, int, int, int]:
 
 
 def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
-    """2 * M * N * K * batch of a MatMul/Gemm, symbolic dims at their hints."""
+    """2 * M * N * K * batch of a MatMul/Gemm/Conv, symbolic dims at their hints."""
     batch, m, n, k = gemm_dims(g, node)
     return 2.0 * batch * m * n * k
 
@@ -94,7 +118,7 @@ class CostModel:
         return max(1.0, row[0].est_us / free[0].est_us)
 
     def _anchor(self, g: Graph, region: Region) -> onnx.NodeProto:
-        return next(g.nodes[i] for i in region.nodes if g.nodes[i].op_type in ops.GEMM)
+        return next(g.nodes[i] for i in region.nodes if g.nodes[i].op_type in ops.ANCHORS)
 
     def ours_us(self, g: Graph, region: Region) -> float:
         """Estimated time of the region as one of our kernels."""
@@ -103,24 +127,43 @@ class CostModel:
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
         mm_us, mm_bytes = self.gemm_us(g, node)
-        mm_us /= self.target.gemm_vs_cublas  # assumed until --profile measures it
+        mm_us /= self.speed_vs_library(g, node)  # assumed until --profile measures it
         if region.kind == "gemm_row":
             mm_us *= self.row_penalty(g, node)
         return mm_us + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
 
+    def speed_vs_library(self, g: Graph, node: onnx.NodeProto) -> float:
+        """Our kernel's speed relative to cuBLAS/cuDNN: a Conv whose im2col operand is gathered element by
+        element (anything but a 16-byte aligned 1x1 convolution) gets the implicit-GEMM factor."""
+        if node.op_type in ops.CONV:
+            geo = conv.conv_geometry(g, node)
+            assert not isinstance(geo, str), geo
+            es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
+            if not conv.direct_operands(geo, es):
+                return self.target.implicit_gemm_vs_cudnn
+        return self.target.gemm_vs_cublas
+
     def ort_us(self, g: Graph, region: Region) -> float:
-        """Estimated time of the region's nodes as stock ORT runs them: cuBLAS for a GEMM, one kernel per op."""
+        """Estimated time of the region's nodes as stock ORT runs them: cuBLAS/cuDNN for the anchor (with the
+        activations ORT folds into its own FusedConv), one kernel per other op."""
         tr = region.traffic
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.unfused_bytes, tr.unfused_launches)
         mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
-        return mm_us + self.time_us(max(tr.unfused_bytes - mm_bytes, 0), tr.unfused_launches)
+        folded = [g.nodes[i] for i in ort_conv_folds(g, region)]
+        rest = tr.unfused_bytes - mm_bytes - sum(node_bytes(g, n) for n in folded)
+        residual = sum(tensor_bytes(g, t) for n in folded if n.op_type == "Add" for t in n.input
+                       if g.producer.get(t) not in region.nodes)  # FusedConv's Z input
+        return mm_us + self.time_us(max(rest, 0) + residual, tr.unfused_launches - len(folded))
 
     def verdict(self, g: Graph, region: Region) -> Optional[Reject]:
         """None if fusing the region pays, else why not."""
         label = f"region at {g.node_label(region.nodes[0])}"
         if region.traffic.unfused_launches < 2:
             return Reject(label, "replaces a single ORT kernel: no traffic or launch saved")
+        folded = ort_conv_folds(g, region)
+        if folded and len(region.nodes) == 1 + len(folded):
+            return Reject(label, "stock ORT fuses this itself (cuDNN FusedConv with its Relu, fp32)")
         ours, ort = self.ours_us(g, region), self.ort_us(g, region)
         if ours >= ort:
             what = {"gemm": "GEMM + epilogue", "gemm_row": "GEMM + row-wise epilogue"}.get(region.kind, "fused kernel")

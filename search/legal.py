@@ -9,7 +9,7 @@ import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search import ops
+from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region, Reject, Traffic
 
 
@@ -67,7 +67,11 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
         a, b = (g.tensors[t] for t in n.input[:2])
         if a.dtype not in GEMM_TYPES:
             return Reject(label, f"{onnx.TensorProto.DataType.Name(a.dtype)} GEMMs are left to ORT")
-        if (a.rank or 0) < 2 or (b.rank or 0) < 2:
+        if n.op_type in ops.CONV:
+            geo = conv.conv_geometry(g, n)
+            if isinstance(geo, str):
+                return Reject(label, geo)
+        elif (a.rank or 0) < 2 or (b.rank or 0) < 2:
             return Reject(label, "matrix-vector product (rank-1 operand): left to ORT")
     if kind == "reduction":
         shape = g.tensors[n.input[0]].shape
@@ -140,11 +144,13 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     shapes = {o: g.tensors[o].shape for o in outputs}
     reductions = [i for i in nodes if g.nodes[i].op_type in ops.REDUCTIONS]
     empty = Traffic(0, 0, 0)
-    gemms = [i for i in nodes if g.nodes[i].op_type in ops.GEMM]
+    gemms = [i for i in nodes if g.nodes[i].op_type in ops.ANCHORS]
     if gemms:
         if len(gemms) > 1:
             return Reject(label, "two GEMMs in one region")
         space = tuple(g.tensors[g.nodes[gemms[0]].output[0]].shape or ())
+        if reductions and g.nodes[gemms[0]].op_type in ops.CONV:
+            return Reject(label, "a reduction after a Conv: row-wise epilogues follow MatMul/Gemm only")
         rows = (space[:-1], space[:-1] + (1,)) if reductions else ()
         for i in reductions:  # row-wise epilogue: reductions over the GEMM's rows
             if g.tensors[g.nodes[i].input[0]].shape != space:

@@ -12,8 +12,11 @@ ELEMENTWISE = frozenset({
 # Reductions over the innermost axis, with the row-wise composites exporters and ORT use.
 REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
                         "Softmax", "LogSoftmax", "LayerNormalization"})
-# Compute-bound anchors: one per region, with element-wise prologue/epilogue ops around it.
+# Compute-bound anchors: one per region, with element-wise prologue/epilogue ops around it. A Conv runs as
+# an implicit GEMM (search.conv).
 GEMM = frozenset({"MatMul", "Gemm"})
+CONV = frozenset({"Conv"})
+ANCHORS = GEMM | CONV
 # Pure data movement: folded into the index math of the ops around them.
 LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
 # Layout ops ORT runs without a kernel (it aliases the buffer): fusing them saves no traffic.
@@ -34,7 +37,7 @@ def kind_of(op_type: str) -> str | None:
         return "reduction"
     if op_type in LAYOUT:
         return "layout"
-    if op_type in GEMM:
+    if op_type in ANCHORS:
         return "gemm"
     return None
 

@@ -2,7 +2,7 @@
 0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed);
 1. memory-bound ops: greedy merging along producer->consumer edges in topological order. A merge is
    kept only if `legal` allows it and the merged group still lowers to one kernel;
-2. GEMM epilogues: each MatMul/Gemm absorbs the group that consumes its result when the merged region
+2. GEMM epilogues: each MatMul/Gemm/Conv absorbs the group that consumes its result when the merged region
    lowers to one GEMM kernel (a group with a row reduction over the GEMM's N axis becomes a row-wise
    epilogue, one tile spanning each row) and the cost model says it beats cuBLAS followed by the group
    as its own kernel.
@@ -77,7 +77,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         why = legal.node_verdict(g, i)
         if why is not None:
             rejects.append(why)
-        elif g.nodes[i].op_type in ops.GEMM:
+        elif g.nodes[i].op_type in ops.ANCHORS:
             gemms.append(i)
         else:
             group_of[i] = frozenset((i,))
@@ -130,8 +130,9 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     for r in attention:
         regions.append(Region(len(regions), r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r)))
     for group in sorted(set(group_of.values()), key=min):
-        if len(group) == 1 and g.nodes[min(group)].op_type in ops.GEMM:
-            refusals.append(Reject(g.node_label(min(group)), "no epilogue to fuse: left to ORT (cuBLAS)"))
+        if len(group) == 1 and g.nodes[min(group)].op_type in ops.ANCHORS:
+            lib = "cuDNN" if g.nodes[min(group)].op_type in ops.CONV else "cuBLAS"
+            refusals.append(Reject(g.node_label(min(group)), f"no epilogue to fuse: left to ORT ({lib})"))
             continue
         cand = _candidate(g, set(group), check)
         if isinstance(cand, Reject):

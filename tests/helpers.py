@@ -53,3 +53,24 @@ def fused_parity(m: onnx.ModelProto, shapes, check_shapes, kinds, tf32: bool = F
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
     return res
+
+
+def _rand(shape, dtype: int, seed: int, scale: float = 0.2) -> np.ndarray:
+    arr = np.random.default_rng(seed).standard_normal(shape) * scale
+    return arr.astype(helper.tensor_dtype_to_np_dtype(dtype))
+
+
+def _out_hw(hw: int, k: int, s: int, pads: tuple[int, int], d: int) -> int:
+    return (hw + pads[0] + pads[1] - d * (k - 1) - 1) // s + 1
+
+
+def conv_silu_residual(dt, c, oc, k, s, pads, d, hw, bias=True):
+    """Conv (+ bias) + residual add + SiLU (x * sigmoid(x)): ORT runs four kernels, we run one."""
+    oh, ow = _out_hw(hw, k, s, (pads[0], pads[2]), d), _out_hw(hw, k, s, (pads[1], pads[3]), d)
+    inputs = ["x", "w", "b"] if bias else ["x", "w"]
+    w, b = _rand((oc, c, k, k), dt, 1), _rand((oc,), dt, 2)
+    inits = [const("w", w, w.dtype)] + ([const("b", b, b.dtype)] if bias else [])
+    m = model([node("Conv", inputs, ["y"], kernel_shape=[k, k], strides=[s, s], pads=list(pads), dilations=[d, d]),
+               node("Add", ["y", "r"], ["z"]), node("Sigmoid", ["z"], ["sg"]), node("Mul", ["z", "sg"], ["out"])],
+              [vi("x", dt, ["n", c, hw, hw]), vi("r", dt, ["n", oc, oh, ow])], [vi("out", dt, None)], inits)
+    return m, {"x": ("n", c, hw, hw), "r": ("n", oc, oh, ow)}, lambda n: {"x": (n, c, hw, hw), "r": (n, oc, oh, ow)}

@@ -52,3 +52,18 @@ def test_exported_convnext_block_ends_fuse_through_the_transpose(zoo):
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
+
+
+@pytest.mark.parametrize("name,dtype", [("resnet50", "fp16"), ("mobilenetv2", "fp32")])
+def test_exported_cnn_convolutions_run_as_implicit_gemms(zoo, name, dtype):
+    # ResNet fp16: Conv + Relu and Conv + residual Add + Relu; MobileNetV2: Conv + Clip (ReLU6), which ORT's
+    # CUDA EP does not fuse. (fp32 ResNet's Conv + Relu stays with ORT, whose FusedConv already does it.)
+    path = zoo.build(name, dtype=dtype, tiny=True)
+    res = compile_model(path, None, "sm_80,sm_90")
+    ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions]
+    assert ops and all("Conv" in o for o in ops), ops
+    want = {"Conv", "Add", "Relu"} if name == "resnet50" else {"Conv", "Clip"}
+    assert any(want <= o for o in ops), ops
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)

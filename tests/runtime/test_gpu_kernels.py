@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import const, model, node, vi
+from helpers import const, conv_silu_residual, model, node, vi
 from ortfuse.api import compile_model
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -44,6 +44,19 @@ def test_gemm_epilogue_parity(dt, tf32, shape):
     assert rep.ok, "\n".join(rep.lines())
 
 
+@pytest.mark.parametrize("dt", [H, F])
+@pytest.mark.parametrize("geom", [(64, 64, 3, 1, (1, 1, 1, 1), 1, 56), (256, 64, 1, 1, (0, 0, 0, 0), 1, 56),
+                                  (3, 64, 7, 2, (3, 3, 3, 3), 1, 224), (512, 1024, 1, 2, (0, 0, 0, 0), 1, 28)])
+def test_conv_epilogue_parity(dt, geom):
+    # ResNet-50's shapes: 3x3, 1x1 (cp.async operands), the 7x7 stem, a strided 1x1 shortcut
+    m, _, at = conv_silu_residual(dt, *geom)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [r.kind for r in res.plan.regions] == ["gemm"]
+    for n in (1, 3):
+        rep = check_models(m, res.model, provider="cuda", input_shapes=at(n))
+        assert rep.ok, "\n".join(rep.lines())
+
+
 def ln_block(dt, k=512, n=768):
     """Output projection + bias + residual, LayerNorm over BERT-base's 768 columns."""
     return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Add", ["z", "r"], ["s"]),
@@ -68,15 +81,16 @@ def test_gemm_row_epilogue_parity(dt, shape, monkeypatch):
 
 
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
-                                        ("convnext_t", "fp16")])
+                                        ("convnext_t", "fp16"), ("resnet50", "fp16"), ("mobilenetv2", "fp32")])
 def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
     from ortfuse.bench import zoo
     path = zoo.build(name, dtype=dtype, tiny=True)
     res = compile_model(path, None, "sm_90")
-    # transformers: flash attention; ConvNeXt: GEMM epilogues stored transposed (NHWC -> NCHW)
-    assert ("gemm" if name == "convnext_t" else "attention") in [r.kind for r in res.plan.regions]
+    # transformers: flash attention; ConvNeXt: GEMM epilogues stored transposed (NHWC -> NCHW); ResNet and
+    # MobileNetV2: convolutions as implicit GEMMs
+    assert ("attention" if name in ("bert", "gpt2", "vit") else "gemm") in [r.kind for r in res.plan.regions]
     rep = check_models(path, res.model, provider="cuda")
     assert rep.ok, "\n".join(rep.lines())
 

@@ -1,0 +1,87 @@
+"""2-D convolution as an implicit GEMM: per image b, Y[b] (OC x OH*OW) = W (OC x C*KH*KW) · im2col(X[b]).
+
+One place reads a Conv node's geometry, so legality (`legal`), cost (`cost`) and lowering (`lower_gemm`)
+agree on what is fused and how big the GEMM is."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from ortfuse.customops import scalar
+from ortfuse.rewriter.graph import Dim, Graph
+
+
+@dataclass(frozen=True)
+class ConvGeom:
+    batch: Dim
+    c: int  # input channels
+    h: int
+    w: int
+    oc: int  # output channels
+    kh: int
+    kw: int
+    oh: int
+    ow: int
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    pad: tuple[int, int]  # top, left (bottom/right padding only shows in OH, OW)
+
+    @property
+    def k(self) -> int:
+        return self.c * self.kh * self.kw
+
+    @property
+    def pixels(self) -> int:
+        return self.oh * self.ow
+
+    @property
+    def pointwise(self) -> bool:
+        """1x1, stride 1, no padding: im2col(X[b]) is X[b] itself, a row-major C x H*W matrix."""
+        return (self.kh, self.kw, self.stride, self.pad) == (1, 1, (1, 1), (0, 0))
+
+    @property
+    def padded(self) -> bool:
+        """Some tap of some output pixel falls outside the image (reads as zero)."""
+        reach_h = (self.oh - 1) * self.stride[0] + (self.kh - 1) * self.dilation[0] - self.pad[0]
+        reach_w = (self.ow - 1) * self.stride[1] + (self.kw - 1) * self.dilation[1] - self.pad[1]
+        return self.pad != (0, 0) or reach_h >= self.h or reach_w >= self.w
+
+
+def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
+    """The Conv's geometry, or why ortfuse does not run it as an implicit GEMM."""
+    x, w, y = (g.tensors.get(t) for t in (node.input[0], node.input[1], node.output[0]))
+    if x is None or w is None or y is None or x.shape is None or w.shape is None or y.shape is None:
+        return "shapes of the Conv's data, weight or output are unknown"
+    if len(x.shape) != 4 or len(w.shape) != 4:
+        return f"a {len(x.shape) - 2}-D convolution; ortfuse fuses 2-D convolutions only"
+    group = int(scalar.attr(node, "group", 1))
+    if group != 1:
+        return f"grouped convolution (group={group}): left to ORT (cuDNN)"
+    auto_pad = scalar.attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad not in ("NOTSET", "VALID"):
+        return f"auto_pad={auto_pad}: left to ORT"
+    dims = (*x.shape[1:], *w.shape, *y.shape[1:])
+    if not all(isinstance(d, int) for d in dims):
+        return "channels, image and kernel sizes must be static"
+    _, c, h, wd = x.shape
+    oc, wc, kh, kw = w.shape
+    if wc != c:
+        return f"weight has {wc} input channels, the data has {c}"
+    stride = tuple(scalar.attr(node, "strides") or (1, 1))
+    dil = tuple(scalar.attr(node, "dilations") or (1, 1))
+    pads = tuple(scalar.attr(node, "pads") or (0, 0, 0, 0)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
+    ks = scalar.attr(node, "kernel_shape")
+    if ks is not None and tuple(ks) != (kh, kw):
+        return f"kernel_shape {tuple(ks)} differs from the weight's {(kh, kw)}"
+    oh = (h + pads[0] + pads[2] - dil[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (wd + pads[1] + pads[3] - dil[1] * (kw - 1) - 1) // stride[1] + 1
+    if tuple(y.shape[1:]) != (oc, oh, ow):
+        return f"output shape {tuple(y.shape)} is not the convolution's (batch, {oc}, {oh}, {ow})"
+    return ConvGeom(x.shape[0], c, h, wd, oc, kh, kw, oh, ow, (int(stride[0]), int(stride[1])),
+                    (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])))
+
+
+def direct_operands(geo: ConvGeom, esize: int) -> bool:
+    """Both GEMM operands copied by cp.async: a 1x1 convolution with 16-byte aligned weight and image rows."""
+    return geo.pointwise and (geo.k * esize) % 16 == 0 and (geo.pixels * esize) % 16 == 0

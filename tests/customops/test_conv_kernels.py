@@ -1,0 +1,65 @@
+"""Conv as an implicit GEMM with its epilogue: graph -> search -> lowering -> NVRTC (sm_80, sm_90) -> CPU
+emulation, against ORT CPU on the original graph (random non-zero inputs). fp32 normwise tolerance 1e-5
+(SIMT fp32), fp16 1e-2 (tensor cores, fp32 accumulation)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, conv_silu_residual, fused_parity, model, node, vi
+
+F, H = TP.FLOAT, TP.FLOAT16
+NP = {F: np.float32, H: np.float16}
+
+
+def _w(shape, dt, seed, scale=0.2):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(NP[dt])
+
+
+@pytest.mark.parametrize("dt", [F, H])
+@pytest.mark.parametrize("geom,loads", [
+    ((8, 16, 3, 1, (1, 1, 1, 1), 1, 9), ("b_load",)),            # 3x3 same padding: im2col gathered
+    ((8, 16, 1, 1, (0, 0, 0, 0), 1, 8), ()),                      # 1x1: both operands by cp.async
+    ((3, 16, 7, 2, (3, 3, 3, 3), 1, 11), ("a_load", "b_load")),  # ResNet stem: 3 channels, weight rows unaligned
+    ((8, 24, 3, 2, (1, 1, 1, 1), 2, 10), ("b_load",)),           # stride 2, dilation 2
+    ((16, 8, 1, 2, (0, 0, 0, 0), 1, 9), ("b_load",)),            # 1x1 stride 2 (downsample shortcut)
+    ((8, 16, 3, 1, (0, 1, 2, 0), 1, 7), ("b_load",)),            # asymmetric padding
+])
+def test_conv_epilogue_parity(dt, geom, loads):
+    m, shapes, at = conv_silu_residual(dt, *geom)
+    for n in (1, 3):
+        res = fused_parity(m, shapes, at(n), ("gemm",))
+    src = res.kernels[0].compiled.source
+    for f in ("a_load", "b_load"):
+        assert (f in src) == (f in loads), f
+    assert "ofz::gemm::run<" in src
+
+
+def test_conv_without_bias_and_with_its_result_also_a_graph_output():
+    m, shapes, at = conv_silu_residual(H, 8, 16, 3, 1, (1, 1, 1, 1), 1, 6, bias=False)
+    m.graph.output.append(vi("y", H, ["n", 16, 6, 6]))
+    res = fused_parity(m, shapes, at(2), ("gemm",))
+    assert len(res.kernels[0].region.outputs) == 2
+
+
+def test_contiguous_store_needs_no_division():
+    # the pixel index n unravels to (oh, ow) for the epilogue's value walk, but the store of [b][oc][oh][ow]
+    # linearizes back to b * OC*OH*OW + oc * OH*OW + n
+    m, shapes, at = conv_silu_residual(H, 8, 16, 1, 1, (0, 0, 0, 0), 1, 8)
+    res = fused_parity(m, shapes, at(1), ("gemm",))
+    src = res.kernels[0].compiled.source
+    epi = src[src.index("epi2("):src.index("epi1(")]
+    assert not re.search(r"[/%] \d+LL", epi), epi
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_static_unit_dims(dt):
+    # batch 1, one output channel and a one-pixel-high output: size-1 dims the value walk broadcasts to 0
+    m = model([node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[3, 3], pads=[0, 1, 0, 1]),
+               node("Add", ["y", "r"], ["z"]), node("Tanh", ["z"], ["out"])],
+              [vi("x", dt, [1, 5, 3, 7]), vi("r", dt, [1, 1, 1, 7])], [vi("out", dt, None)],
+              [const("w", _w((1, 5, 3, 3), dt, 3), NP[dt]), const("b", _w(1, dt, 4), NP[dt])])
+    fused_parity(m, {}, None, ("gemm",))

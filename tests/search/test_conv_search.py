@@ -1,0 +1,91 @@
+"""Conv as a GEMM anchor in the search: geometry, refusals with reasons, the implicit-GEMM dims the cost
+model uses, and ORT's own Conv + Relu fusion (fp32 CUDA EP) counted on ORT's side."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+from ortfuse.customops.target import for_cc
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import conv, plan
+from ortfuse.search.cost import CostModel, gemm_dims, ort_conv_folds
+
+H100 = for_cc(90)
+F, H = TP.FLOAT, TP.FLOAT16
+NP = {F: np.float32, H: np.float16}
+
+
+def _conv_act(dt, act="Relu", x_shape=("n", 8, 10, 10), w_shape=(16, 8, 3, 3), **attrs):
+    attrs = {"pads": [1, 1, 1, 1], **attrs}
+    return model([node("Conv", ["x", "w"], ["y"], **attrs), node(act, ["y"], ["out"])],
+                 [vi("x", dt, list(x_shape))], [vi("out", dt, None)],
+                 [const("w", np.full(w_shape, 0.1), NP[dt])])
+
+
+def _plan(m):
+    g = build_graph(m, {})
+    return g, plan(g, H100)
+
+
+def test_geometry_and_gemm_dims():
+    m = _conv_act(H, strides=[2, 2], pads=[1, 0, 2, 1])
+    g = build_graph(m, {})
+    geo = conv.conv_geometry(g, g.nodes[0])
+    assert (geo.oh, geo.ow, geo.k, geo.pad, geo.padded, geo.pointwise) == (6, 5, 72, (1, 0), True, False)
+    assert gemm_dims(g, g.nodes[0]) == (g.sym_hints.get("n", 128), 16, 30, 72)  # symbolic batch at its hint
+    one = build_graph(_conv_act(H, x_shape=("n", 8, 8, 8), w_shape=(16, 8, 1, 1), pads=[0, 0, 0, 0]), {})
+    geo = conv.conv_geometry(one, one.nodes[0])
+    assert geo.pointwise and not geo.padded and conv.direct_operands(geo, 2)
+    assert not conv.direct_operands(dataclasses.replace(geo, h=10, w=10, oh=10, ow=10), 2)  # 200-byte rows
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(w_shape=(16, 4, 3, 3), group=2), "grouped convolution (group=2)"),
+    (dict(auto_pad="SAME_UPPER", pads=None), "auto_pad=SAME_UPPER"),
+    (dict(x_shape=("n", 8, 10), w_shape=(16, 8, 3), pads=[1, 1]), "1-D convolution"),
+    (dict(x_shape=("n", 8, "h", "w")), "must be static"),
+])
+def test_refusals_name_the_reason(kwargs, reason):
+    if kwargs.get("pads", 0) is None:
+        kwargs.pop("pads")
+        m = model([node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER"), node("Sigmoid", ["y"], ["out"])],
+                  [vi("x", H, ["n", 8, 10, 10])], [vi("out", H, None)], [const("w", np.full((16, 8, 3, 3), 0.1), np.float16)])
+    else:
+        m = _conv_act(H, "Sigmoid", **kwargs)
+    g, p = _plan(m)
+    assert not p.regions
+    assert any(reason in r.reason and r.subject.startswith("Conv") for r in p.rejects), [str(r) for r in p.rejects]
+
+
+def test_fp32_conv_relu_is_left_to_orts_fused_conv():
+    g, p = _plan(_conv_act(F))
+    assert not p.regions
+    assert any("stock ORT fuses this itself" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
+
+
+def test_fp16_conv_relu_fuses_and_fp32_conv_sigmoid_fuses():
+    # ORT's CUDA EP folds only Relu (and Add + Relu) into FusedConv, and only in fp32
+    for dt, act in ((H, "Relu"), (F, "Sigmoid")):
+        g, p = _plan(_conv_act(dt, act))
+        assert [r.kind for r in p.regions] == ["gemm"], [str(r) for r in p.refusals]
+        assert ort_conv_folds(g, p.regions[0]) == []
+
+
+def test_orts_folds_are_not_counted_as_extra_kernels():
+    # fp32 Conv -> Add(residual) -> Relu -> Mul: ORT runs FusedConv(+Z, Relu) and Mul, two kernels
+    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Add", ["y", "r"], ["z"]),
+               node("Relu", ["z"], ["a"]), node("Mul", ["a", "s"], ["out"])],
+              [vi("x", F, [1, 8, 10, 10]), vi("r", F, [1, 16, 10, 10])], [vi("out", F, None)],
+              [const("w", np.full((16, 8, 3, 3), 0.1)), const("s", np.full((16, 1, 1), 0.5))])
+    g, p = _plan(m)
+    (r,) = p.regions
+    assert ort_conv_folds(g, r) == [1, 2]
+    cm = CostModel(H100)
+    mm_us, _ = cm.gemm_us(g, g.nodes[0])
+    # ORT: FusedConv (+ the residual read) and one Mul kernel
+    assert cm.ort_us(g, r) < mm_us + 3 * H100.launch_us
+    assert cm.ort_us(g, r) > mm_us + 2 * H100.launch_us
