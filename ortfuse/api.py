@@ -17,7 +17,7 @@ from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
-from ortfuse.rewriter.canonical import fold_runtime_shapes, unflatten_gemms
+from ortfuse.rewriter.canonical import fold_conv_pads, fold_runtime_shapes, unflatten_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
@@ -102,6 +102,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, unflattened = unflatten_gemms(graph)
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
+    graph, padded = fold_conv_pads(graph)
+    if padded:
+        say(f"{padded} zero Pads became the padding of the Convs they feed")
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
     the_plan = search_plan(graph, tgt, tf32=opts.tf32)
     say(f"lowering {len(the_plan.regions)} regions")

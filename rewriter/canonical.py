@@ -6,6 +6,9 @@
   (GPT-2's Conv1D: `x.view(-1, K) @ W + b`, then `.view(*lead, N)`) becomes MatMul (+ Add of the bias) on
   the unflattened tensor, so the GEMM's consumers are its direct epilogue and no Reshape with a target
   computed at run time sits between them.
+* `fold_conv_pads`: a zero Pad of the spatial dims feeding only Convs (the TF-style "same" padding HF's
+  MobileNetV2 computes from constants) becomes the Convs' own `pads`, as ORT's PadFusion does after its
+  constant folding; otherwise a Conv we fuse would leave ORT a Pad kernel it never ran before.
 Shape computations left without consumers are removed."""
 from __future__ import annotations
 
@@ -155,3 +158,88 @@ def _remove_dead(m: onnx.ModelProto) -> None:
 def _has_side_graph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute) \
         and not node.output
+
+
+MAX_CHAIN = 32  # nodes evaluated to find one constant (a pad computation), more is not a small constant
+
+
+def _evaluate(g: Graph, t: str) -> Optional[np.ndarray]:
+    """Tensor t's value when it is a constant or computed from constants by at most MAX_CHAIN nodes of the
+    default domain (evaluated once with onnx's reference evaluator), else None."""
+    if t in g.constants:
+        return np.asarray(g.constants[t])
+    chain: dict[int, onnx.NodeProto] = {}
+    leaves: set[str] = set()
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if x in g.constants:
+            leaves.add(x)
+            continue
+        i = g.producer.get(x)
+        if i is None or g.nodes[i].domain not in ("", "ai.onnx") or not g.nodes[i].input \
+                or g.nodes[i].op_type.startswith("Random"):
+            return None
+        if i not in chain:
+            chain[i] = g.nodes[i]
+            if len(chain) > MAX_CHAIN:
+                return None
+            stack.extend(y for y in g.nodes[i].input if y)
+    inits = [numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in sorted(leaves)]
+    graph = onnx.helper.make_graph([chain[i] for i in sorted(chain)], "const", [],
+                                   [onnx.helper.make_empty_tensor_value_info(t)], inits)
+    m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", g.opset)])
+    try:
+        from onnx.reference import ReferenceEvaluator
+        return np.asarray(ReferenceEvaluator(m).run(None, {})[0])
+    except Exception:  # an op the reference evaluator lacks: the Pad simply stays
+        return None
+
+
+def _spatial_pads(g: Graph, pad: onnx.NodeProto) -> Optional[list[int]]:
+    """[top, left, bottom, right] of a constant-mode zero Pad of a 4-D tensor's last two dims, else None."""
+    x = g.tensors.get(pad.input[0])
+    if x is None or x.shape is None or len(x.shape) != 4 or _attr(pad, "mode", b"constant") != b"constant" \
+            or len(pad.input) < 2 or (len(pad.input) > 3 and pad.input[3]):
+        return None
+    if len(pad.input) > 2 and pad.input[2]:
+        value = _evaluate(g, pad.input[2])
+        if value is None or value.size != 1 or float(value.reshape(-1)[0]) != 0.0:
+            return None
+    pads = _evaluate(g, pad.input[1])
+    if pads is None or pads.shape != (8,):
+        return None
+    p = [int(v) for v in pads]
+    if p[0] or p[1] or p[4] or p[5] or min(p) < 0:
+        return None
+    return [p[2], p[3], p[6], p[7]]
+
+
+def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Pads folded into the Convs they feed). `g` is left untouched."""
+    plans: dict[int, list[int]] = {}
+    for i, n in enumerate(g.nodes):
+        if n.op_type != "Pad" or n.domain not in ("", "ai.onnx") or n.output[0] in g.graph_outputs:
+            continue
+        users = g.consumers.get(n.output[0], ())
+        if not users or any(g.nodes[c].op_type != "Conv" or g.nodes[c].input[0] != n.output[0]
+                            or _attr(g.nodes[c], "auto_pad", b"NOTSET") != b"NOTSET" for c in users):
+            continue
+        p = _spatial_pads(g, n)
+        if p is not None:
+            plans[i] = p
+    if not plans:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    for i, p in plans.items():
+        pad = g.nodes[i]
+        for c in g.consumers[pad.output[0]]:
+            conv = m.graph.node[c]
+            old = list(_attr(conv, "pads", [0, 0, 0, 0]))
+            keep = [a for a in conv.attribute if a.name != "pads"]
+            del conv.attribute[:]
+            conv.attribute.extend(keep + [onnx.helper.make_attribute("pads", [a + b for a, b in zip(old, p)])])
+            conv.input[0] = pad.input[0]
+    _remove_dead(m)
+    return assemble(m, dict(g.tensors), g.opset), len(plans)

@@ -1,12 +1,15 @@
-"""Run-time Reshape targets (Shape/Gather/Concat chains) become constants where shapes determine them."""
+"""Canonicalization: run-time Reshape targets become constants where shapes determine them, flattened Gemms
+become MatMuls, zero Pads become the padding of the Convs they feed."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
-from ortfuse.rewriter.canonical import _static_target, fold_runtime_shapes, unflatten_gemms
+from ortfuse.rewriter.canonical import _static_target, fold_conv_pads, fold_runtime_shapes, unflatten_gemms
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -107,3 +110,45 @@ def test_initializers_listed_as_inputs_stay_in_the_interface():
     assert {v.name for v in g2.model.graph.input} - inits == {"x"}
     x = np.random.default_rng(1).standard_normal((2, 5, 24)).astype(np.float32)
     np.testing.assert_allclose(_run(g2.model, x), _run(m, x), rtol=1e-5, atol=1e-6)
+
+
+def _pad_conv(begin=(1, 2), end=(3, 1), value=0.0, mode="constant", second_user="Conv", channels=(0, 0)):
+    """MobileNetV2-style padding: pads computed from constants (ConstantOfShape + Concat), a Pad feeding a
+    depthwise Conv that has padding of its own, and a second consumer of the padded tensor."""
+    c = 4 + sum(channels)
+    nodes = [node("ConstantOfShape", ["one"], ["zero"], value=onnx.helper.make_tensor("v", TP.INT64, [1], [0])),
+             node("Concat", ["zero", "cb", "hwb", "zero", "ce", "hwe"], ["pads"], axis=0),
+             node("Pad", ["x", "pads", "cval"], ["xp"], mode=mode),
+             node("Conv", ["xp", "w"], ["y"], group=c, kernel_shape=[3, 3], pads=[1, 0, 0, 1]),
+             node(second_user, ["xp", "w2"] if second_user == "Conv" else ["xp"], ["y2"])]
+    inits = [const("one", [1], np.int64), const("cb", [channels[0]], np.int64), const("ce", [channels[1]], np.int64),
+             const("hwb", list(begin), np.int64), const("hwe", list(end), np.int64), const("cval", value),
+             const("w", np.linspace(-1, 1, c * 9).reshape(c, 1, 3, 3)),
+             const("w2", np.linspace(-1, 1, 8 * c * 9).reshape(8, c, 3, 3))]
+    return model(nodes, [vi("x", TP.FLOAT, ["n", 4, 7, 6])], [vi("y", TP.FLOAT, None), vi("y2", TP.FLOAT, None)], inits)
+
+
+def _run(m, x):
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+def test_zero_pad_becomes_the_convs_padding():
+    m = _pad_conv()
+    g = build_graph(m, {})
+    g2, n = fold_conv_pads(g)
+    assert n == 1
+    assert [x.op_type for x in g2.nodes] == ["Conv", "Conv"]
+    assert [list(a.ints) for a in g2.nodes[0].attribute if a.name == "pads"] == [[1 + 1, 0 + 2, 0 + 3, 1 + 1]]
+    assert [list(a.ints) for a in g2.nodes[1].attribute if a.name == "pads"] == [[1, 2, 3, 1]]
+    x = np.random.default_rng(0).standard_normal((2, 4, 7, 6)).astype(np.float32)
+    for a, b in zip(_run(m, x), _run(g2.model, x)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert any(x.op_type == "Pad" for x in g.model.graph.node)  # the input graph is untouched
+
+
+@pytest.mark.parametrize("kwargs", [dict(value=0.5), dict(mode="reflect"), dict(second_user="Relu"),
+                                    dict(channels=(1, 0))])
+def test_pads_that_are_not_conv_padding_stay(kwargs):
+    # a non-zero value, another mode, a consumer that is not a Conv, padding of the channels
+    g = build_graph(_pad_conv(**kwargs), {})
+    assert fold_conv_pads(g)[1] == 0
