@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import ir, scalar, target as hw
-from ortfuse.customops.ir import F32, I64, Expr, Var
+from ortfuse.customops.ir import BOOL, F32, I64, Expr, Var
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search import legal, ops
+from ortfuse.search import conv, legal, ops
 from ortfuse.search.plan import Region
 
 
@@ -296,6 +296,8 @@ class _Lowerer:
 
     def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
         op = node.op_type
+        if op == "Conv":
+            return self.depthwise_value(node, idx)
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]
@@ -319,6 +321,40 @@ class _Lowerer:
             return scalar.apply(node, args, out_storage)
         except scalar.UnsupportedOp as e:
             raise LoweringError(str(e)) from None
+
+    def depthwise_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        """A depthwise Conv at (b, c, oh, ow): a loop over the KH x KW window of channel c (taps in the zero
+        padding read an in-bounds element and select zero) accumulating input x weight, from the bias."""
+        geo = conv.conv_geometry(self.g, node)
+        if isinstance(geo, str) or not geo.depthwise:
+            raise LoweringError(f"{node.op_type} '{node.name}': only depthwise convolutions join memory-bound kernels")
+        x, w = node.input[0], node.input[1]
+        b, c, oh, ow = idx
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        acc = Var(self.fresh("win"), F32)
+        self.emit(ir.Decl(acc, self.value(bias, (c,)) if bias else ir.Const(0.0, F32)))
+        self.define(acc.name)
+
+        def tap(t: Var) -> None:
+            kh, kw = self.unravel(t, (geo.kh, geo.kw))
+            coords = tuple(self.bind(ir.add(ir.mul(o, ir.i64(s)), ir.add(ir.mul(k, ir.i64(d)), ir.i64(-p))), "i")
+                           for o, k, s, d, p in zip((oh, ow), (kh, kw), geo.stride, geo.dilation, geo.pad))
+            wv = self.value(w, (c, ir.i64(0), kh, kw))
+            if geo.padded:
+                inside = self.bind(ir.Op("and", tuple(
+                    ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, ir.i64(n)), BOOL)), BOOL)
+                    for e, n in zip(coords, (geo.h, geo.w))), BOOL), "inb")
+                at = tuple(self.bind(ir.Op("select", (inside, e, ir.i64(0)), I64), "i") for e in coords)
+                xv: Expr = ir.Op("select", (inside, self.value(x, (b, c) + at), ir.Const(0.0, F32)), F32)
+            else:
+                xv = self.value(x, (b, c) + coords)
+            self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
+
+        self.loop(self.fresh("tap"), ir.i64(0), ir.i64(geo.kh * geo.kw), ir.i64(1), tap)
+        result = Var(self.fresh("dw"), F32)
+        self.emit(ir.Let(result, acc))
+        self.define(result.name)
+        return result
 
     # ------------------------------------------------------------------ reductions
     def reduction_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:

@@ -67,7 +67,7 @@ class _GemmLowerer(_Lowerer):
     def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
                  tile: Optional[tuple[int, ...]] = None):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
-        anchors = [i for i in region.nodes if graph.nodes[i].op_type in ops.ANCHORS]
+        anchors = [i for i in region.nodes if conv.is_anchor(graph, graph.nodes[i])]
         if len(anchors) != 1:
             raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm/Conv, this region has {len(anchors)}")
         self.anchor = graph.nodes[anchors[0]]

@@ -183,9 +183,10 @@ def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tup
     """A row-wise epilogue region as (the GEMM alone, our kernel for the rest), or None if the rest is not
     one kernel. The rest keeps the region's id: it takes the region's place when it wins."""
     from ortfuse.search import legal
+    from ortfuse.search.conv import is_anchor
     from ortfuse.search.cost import traffic
 
-    anchor = next(i for i in region.nodes if graph.nodes[i].op_type in ops.ANCHORS)
+    anchor = next(i for i in region.nodes if is_anchor(graph, graph.nodes[i]))
     rest = legal.classify(graph, set(region.nodes) - {anchor})
     if not isinstance(rest, Region):
         return None

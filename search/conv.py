@@ -1,7 +1,9 @@
-"""2-D convolution as an implicit GEMM: per image b, Y[b] (OC x OH*OW) = W (OC x C*KH*KW) · im2col(X[b]).
+"""2-D convolutions. A dense one (group 1) is an implicit GEMM: per image b, Y[b] (OC x OH*OW) =
+W (OC x C*KH*KW) · im2col(X[b]). A depthwise one (group = C = OC) is memory-bound: each output element is a
+KH x KW window of its own channel, computed in place by whatever kernel it joins (`lower`'s value walk).
 
-One place reads a Conv node's geometry, so legality (`legal`), cost (`cost`) and lowering (`lower_gemm`)
-agree on what is fused and how big the GEMM is."""
+One place reads a Conv node's geometry, so legality (`legal`), cost (`cost`) and lowering agree on what is
+fused and how big the GEMM is."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +11,7 @@ from typing import Union
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.search import ops
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,11 @@ class ConvGeom:
     stride: tuple[int, int]
     dilation: tuple[int, int]
     pad: tuple[int, int]  # top, left (bottom/right padding only shows in OH, OW)
+    depthwise: bool = False  # group = C = OC: weight [C, 1, KH, KW]
 
     @property
     def k(self) -> int:
-        return self.c * self.kh * self.kw
+        return (1 if self.depthwise else self.c) * self.kh * self.kw
 
     @property
     def pixels(self) -> int:
@@ -55,8 +59,6 @@ def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
     if len(x.shape) != 4 or len(w.shape) != 4:
         return f"a {len(x.shape) - 2}-D convolution; ortfuse fuses 2-D convolutions only"
     group = int(scalar.attr(node, "group", 1))
-    if group != 1:
-        return f"grouped convolution (group={group}): left to ORT (cuDNN)"
     auto_pad = scalar.attr(node, "auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if auto_pad not in ("NOTSET", "VALID"):
@@ -66,8 +68,11 @@ def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
         return "channels, image and kernel sizes must be static"
     _, c, h, wd = x.shape
     oc, wc, kh, kw = w.shape
-    if wc != c:
-        return f"weight has {wc} input channels, the data has {c}"
+    depthwise = group > 1 and group == c == oc and wc == 1
+    if group != 1 and not depthwise:
+        return f"grouped convolution (group={group}, {c} -> {oc} channels): left to ORT (cuDNN)"
+    if wc * group != c:
+        return f"weight has {wc} input channels per group, the data has {c}"
     stride = tuple(scalar.attr(node, "strides") or (1, 1))
     dil = tuple(scalar.attr(node, "dilations") or (1, 1))
     pads = tuple(scalar.attr(node, "pads") or (0, 0, 0, 0)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
@@ -79,7 +84,20 @@ def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
     if tuple(y.shape[1:]) != (oc, oh, ow):
         return f"output shape {tuple(y.shape)} is not the convolution's (batch, {oc}, {oh}, {ow})"
     return ConvGeom(x.shape[0], c, h, wd, oc, kh, kw, oh, ow, (int(stride[0]), int(stride[1])),
-                    (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])))
+                    (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])), depthwise)
+
+
+def is_depthwise(g: Graph, node) -> bool:
+    if node.op_type != "Conv":
+        return False
+    geo = conv_geometry(g, node)
+    return not isinstance(geo, str) and geo.depthwise
+
+
+def is_anchor(g: Graph, node) -> bool:
+    """A compute-bound anchor (one per GEMM region): MatMul, Gemm or a dense Conv. A depthwise Conv is
+    memory-bound and joins kernels like an element-wise op."""
+    return node.op_type in ops.ANCHORS and not is_depthwise(g, node)
 
 
 def direct_operands(geo: ConvGeom, esize: int) -> bool:

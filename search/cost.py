@@ -42,7 +42,7 @@ def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
 def ort_conv_folds(g: Graph, region: Region) -> list[int]:
     """Region nodes stock ORT folds into its own cuDNN FusedConv on the CUDA EP (ConvActivationFusion:
     fp32 only; Conv -> Relu, or Conv -> Add -> Relu, each link the producer's only consumer)."""
-    anchor = next((i for i in region.nodes if g.nodes[i].op_type in ops.CONV), None)
+    anchor = next((i for i in region.nodes if g.nodes[i].op_type in ops.CONV), None)  # dense or depthwise
     if anchor is None or g.tensors[g.nodes[anchor].input[0]].dtype != onnx.TensorProto.FLOAT:
         return []
 
@@ -118,7 +118,7 @@ class CostModel:
         return max(1.0, row[0].est_us / free[0].est_us)
 
     def _anchor(self, g: Graph, region: Region) -> onnx.NodeProto:
-        return next(g.nodes[i] for i in region.nodes if g.nodes[i].op_type in ops.ANCHORS)
+        return next(g.nodes[i] for i in region.nodes if conv.is_anchor(g, g.nodes[i]))
 
     def ours_us(self, g: Graph, region: Region) -> float:
         """Estimated time of the region as one of our kernels."""
@@ -147,14 +147,15 @@ class CostModel:
         """Estimated time of the region's nodes as stock ORT runs them: cuBLAS/cuDNN for the anchor (with the
         activations ORT folds into its own FusedConv), one kernel per other op."""
         tr = region.traffic
-        if region.kind not in ("gemm", "gemm_row"):
-            return self.time_us(tr.unfused_bytes, tr.unfused_launches)
-        mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
         folded = [g.nodes[i] for i in ort_conv_folds(g, region)]
-        rest = tr.unfused_bytes - mm_bytes - sum(node_bytes(g, n) for n in folded)
         residual = sum(tensor_bytes(g, t) for n in folded if n.op_type == "Add" for t in n.input
                        if g.producer.get(t) not in region.nodes)  # FusedConv's Z input
-        return mm_us + self.time_us(max(rest, 0) + residual, tr.unfused_launches - len(folded))
+        rest = tr.unfused_bytes - sum(node_bytes(g, n) for n in folded) + residual
+        launches = tr.unfused_launches - len(folded)
+        if region.kind not in ("gemm", "gemm_row"):
+            return self.time_us(rest, launches)
+        mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
+        return mm_us + self.time_us(max(rest - mm_bytes, 0), launches)
 
     def verdict(self, g: Graph, region: Region) -> Optional[Reject]:
         """None if fusing the region pays, else why not."""

@@ -144,7 +144,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     shapes = {o: g.tensors[o].shape for o in outputs}
     reductions = [i for i in nodes if g.nodes[i].op_type in ops.REDUCTIONS]
     empty = Traffic(0, 0, 0)
-    gemms = [i for i in nodes if g.nodes[i].op_type in ops.ANCHORS]
+    gemms = [i for i in nodes if conv.is_anchor(g, g.nodes[i])]
     if gemms:
         if len(gemms) > 1:
             return Reject(label, "two GEMMs in one region")
@@ -161,6 +161,10 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
                                      f"transpose of it")
         kind = "gemm_row" if reductions else "gemm"
         return Region(-1, kind, tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
+    for i in nodes:
+        if conv.is_depthwise(g, g.nodes[i]) and g.producer.get(g.nodes[i].input[0]) in nodes:
+            return Reject(label, f"{g.node_label(i)} reads its input at neighbouring pixels: its producer "
+                                 f"would be recomputed for every tap, so it stays a separate kernel")
     if not reductions:
         # the iteration space: an output's shape that every other output is (a transpose of)
         space = next((s for s in shapes.values() if all(

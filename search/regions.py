@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
-from ortfuse.search import legal, ops
+from ortfuse.search import conv, legal, ops
 from ortfuse.search.attention import find_attention
 from ortfuse.search.cost import CostModel, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
@@ -77,7 +77,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         why = legal.node_verdict(g, i)
         if why is not None:
             rejects.append(why)
-        elif g.nodes[i].op_type in ops.ANCHORS:
+        elif conv.is_anchor(g, g.nodes[i]):
             gemms.append(i)
         else:
             group_of[i] = frozenset((i,))
@@ -130,7 +130,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     for r in attention:
         regions.append(Region(len(regions), r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r)))
     for group in sorted(set(group_of.values()), key=min):
-        if len(group) == 1 and g.nodes[min(group)].op_type in ops.ANCHORS:
+        if len(group) == 1 and conv.is_anchor(g, g.nodes[min(group)]):
             lib = "cuDNN" if g.nodes[min(group)].op_type in ops.CONV else "cuBLAS"
             refusals.append(Reject(g.node_label(min(group)), f"no epilogue to fuse: left to ORT ({lib})"))
             continue

@@ -63,3 +63,29 @@ def test_static_unit_dims(dt):
               [vi("x", dt, [1, 5, 3, 7]), vi("r", dt, [1, 1, 1, 7])], [vi("out", dt, None)],
               [const("w", _w((1, 5, 3, 3), dt, 3), NP[dt]), const("b", _w(1, dt, 4), NP[dt])])
     fused_parity(m, {}, None, ("gemm",))
+
+
+@pytest.mark.parametrize("dt", [F, H])
+@pytest.mark.parametrize("c,k,s,p,d,hw", [(8, 3, 1, 1, 1, 9), (8, 3, 2, 1, 1, 10), (6, 7, 1, 3, 1, 8),
+                                          (4, 3, 1, 0, 2, 9)])
+def test_depthwise_conv_joins_a_pointwise_kernel(dt, c, k, s, p, d, hw):
+    # MobileNetV2's depthwise Conv + ReLU6: a window loop per output element, zero padding selected away
+    m = model([node("Conv", ["x", "w", "b"], ["y"], group=c, kernel_shape=[k, k], strides=[s, s], pads=[p] * 4,
+                    dilations=[d, d]), node("Clip", ["y", "lo", "hi"], ["out"])],
+              [vi("x", dt, ["n", c, hw, hw])], [vi("out", dt, None)],
+              [const("w", _w((c, 1, k, k), dt, 5, 0.3), NP[dt]), const("b", _w(c, dt, 6), NP[dt]),
+               const("lo", 0.0, NP[dt]), const("hi", 0.5, NP[dt])])
+    res = fused_parity(m, {}, {"x": (2, c, hw, hw)}, ("pointwise",))
+    assert "fmaf(" in res.kernels[0].compiled.source
+
+
+def test_depthwise_conv_inside_a_layernorm_kernel():
+    # ConvNeXt: depthwise 7x7 -> NCHW->NHWC Transpose -> LayerNorm over channels, one row kernel
+    c = 16
+    m = model([node("Conv", ["x", "w", "b"], ["y"], group=c, kernel_shape=[7, 7], pads=[3] * 4),
+               node("Transpose", ["y"], ["t"], perm=[0, 2, 3, 1]),
+               node("LayerNormalization", ["t", "g", "beta"], ["out"], axis=-1, epsilon=1e-6)],
+              [vi("x", F, ["n", c, 5, 6])], [vi("out", F, None)],
+              [const("w", _w((c, 1, 7, 7), F, 7)), const("b", _w(c, F, 8)), const("g", 1 + _w(c, F, 9)),
+               const("beta", _w(c, F, 10))])
+    fused_parity(m, {}, {"x": (2, c, 5, 6)}, ("rowreduce",))

@@ -49,6 +49,9 @@ def test_exported_convnext_block_ends_fuse_through_the_transpose(zoo):
     res = compile_model(path, None, "sm_80,sm_90")
     ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions if r.kind == "gemm"]
     assert any({"MatMul", "Transpose", "Mul"} <= o for o in ops), ops
+    # the depthwise 7x7 Conv is computed inside the LayerNorm kernel that follows it (through the Transpose)
+    assert any(r.kind == "rowreduce" and {"Conv", "LayerNormalization"} <= {res.graph.nodes[i].op_type for i in r.nodes}
+               for r in res.plan.regions)
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
@@ -64,6 +67,8 @@ def test_exported_cnn_convolutions_run_as_implicit_gemms(zoo, name, dtype):
     assert ops and all("Conv" in o for o in ops), ops
     want = {"Conv", "Add", "Relu"} if name == "resnet50" else {"Conv", "Clip"}
     assert any(want <= o for o in ops), ops
+    if name == "mobilenetv2":  # depthwise Convs join their Clip in a memory-bound kernel
+        assert any(r.kind == "pointwise" and "Conv" in o for r, o in zip(res.plan.regions, ops)), ops
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)

@@ -44,7 +44,7 @@ def test_geometry_and_gemm_dims():
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(w_shape=(16, 4, 3, 3), group=2), "grouped convolution (group=2)"),
+    (dict(w_shape=(16, 4, 3, 3), group=2), "grouped convolution (group=2, 8 -> 16 channels)"),
     (dict(auto_pad="SAME_UPPER", pads=None), "auto_pad=SAME_UPPER"),
     (dict(x_shape=("n", 8, 10), w_shape=(16, 8, 3), pads=[1, 1]), "1-D convolution"),
     (dict(x_shape=("n", 8, "h", "w")), "must be static"),
@@ -89,3 +89,23 @@ def test_orts_folds_are_not_counted_as_extra_kernels():
     # ORT: FusedConv (+ the residual read) and one Mul kernel
     assert cm.ort_us(g, r) < mm_us + 3 * H100.launch_us
     assert cm.ort_us(g, r) > mm_us + 2 * H100.launch_us
+
+
+def test_depthwise_conv_is_memory_bound_and_keeps_its_producer_apart():
+    # Relu -> depthwise Conv -> Clip: the Conv joins the Clip; the Relu would be recomputed for each of the
+    # 9 taps, so it is not merged in (and alone it does not pay)
+    m = model([node("Relu", ["x"], ["r"]), node("Conv", ["r", "w"], ["y"], group=8, pads=[1, 1, 1, 1]),
+               node("Clip", ["y", "lo", "hi"], ["out"])],
+              [vi("x", H, ["n", 8, 10, 10])], [vi("out", H, None)],
+              [const("w", np.full((8, 1, 3, 3), 0.1), np.float16), const("lo", 0.0, np.float16),
+               const("hi", 6.0, np.float16)])
+    g, p = _plan(m)
+    assert [(r.kind, r.nodes) for r in p.regions] == [("pointwise", (1, 2))]
+    assert any("neighbouring pixels" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
+    assert not conv.is_anchor(g, g.nodes[1]) and conv.is_depthwise(g, g.nodes[1])
+
+
+def test_fp32_depthwise_conv_relu_is_left_to_orts_fused_conv():
+    g, p = _plan(_conv_act(F, w_shape=(8, 1, 3, 3), group=8))
+    assert not p.regions
+    assert any("stock ORT fuses this itself" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
