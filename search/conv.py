@@ -40,8 +40,8 @@ class ConvGeom:
 
     @property
     def pointwise(self) -> bool:
-        """1x1, stride 1, no padding: im2col(X[b]) is X[b] itself, a row-major C x H*W matrix."""
-        return (self.kh, self.kw, self.stride, self.pad) == (1, 1, (1, 1), (0, 0))
+        """1x1, stride 1, no padding on any side: im2col(X[b]) is X[b] itself, a row-major C x H*W matrix."""
+        return (self.kh, self.kw, self.stride, self.pad, self.oh, self.ow) == (1, 1, (1, 1), (0, 0), self.h, self.w)
 
     @property
     def padded(self) -> bool:
@@ -76,11 +76,15 @@ def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
     stride = tuple(scalar.attr(node, "strides") or (1, 1))
     dil = tuple(scalar.attr(node, "dilations") or (1, 1))
     pads = tuple(scalar.attr(node, "pads") or (0, 0, 0, 0)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
+    if len(stride) != 2 or len(dil) != 2 or len(pads) != 4 or min(stride + dil) < 1 or min(pads) < 0:
+        return f"strides {stride}, dilations {dil} or pads {pads} are not those of a 2-D convolution"
     ks = scalar.attr(node, "kernel_shape")
     if ks is not None and tuple(ks) != (kh, kw):
         return f"kernel_shape {tuple(ks)} differs from the weight's {(kh, kw)}"
     oh = (h + pads[0] + pads[2] - dil[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (wd + pads[1] + pads[3] - dil[1] * (kw - 1) - 1) // stride[1] + 1
+    if oh < 1 or ow < 1:
+        return f"the kernel does not fit the padded {h}x{wd} image"
     if tuple(y.shape[1:]) != (oc, oh, ow):
         return f"output shape {tuple(y.shape)} is not the convolution's (batch, {oc}, {oh}, {ow})"
     return ConvGeom(x.shape[0], c, h, wd, oc, kh, kw, oh, ow, (int(stride[0]), int(stride[1])),

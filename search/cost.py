@@ -42,14 +42,15 @@ def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
 def ort_conv_folds(g: Graph, region: Region) -> list[int]:
     """Region nodes stock ORT folds into its own cuDNN FusedConv on the CUDA EP (ConvActivationFusion:
     fp32 only; Conv -> Relu, or Conv -> Add -> Relu, each link the producer's only consumer)."""
-    anchor = next((i for i in region.nodes if g.nodes[i].op_type in ops.CONV), None)  # dense or depthwise
+    convs = [i for i in region.nodes if g.nodes[i].op_type in ops.CONV]
+    anchor = next((i for i in convs if conv.is_anchor(g, g.nodes[i])), convs[0] if convs else None)
     if anchor is None or g.tensors[g.nodes[anchor].input[0]].dtype != onnx.TensorProto.FLOAT:
         return []
 
     def lone(i: int) -> Optional[int]:
         out = g.nodes[i].output[0]
         cs = g.consumers.get(out, ())
-        return cs[0] if len(cs) == 1 and out not in g.graph_outputs else None
+        return cs[0] if len(cs) == 1 and out not in g.graph_outputs and cs[0] in region.nodes else None
 
     nxt = lone(anchor)
     if nxt is None:

@@ -27,6 +27,7 @@ def _w(shape, dt, seed, scale=0.2):
     ((8, 24, 3, 2, (1, 1, 1, 1), 2, 10), ("b_load",)),           # stride 2, dilation 2
     ((16, 8, 1, 2, (0, 0, 0, 0), 1, 9), ("b_load",)),            # 1x1 stride 2 (downsample shortcut)
     ((8, 16, 3, 1, (0, 1, 2, 0), 1, 7), ("b_load",)),            # asymmetric padding
+    ((8, 16, 1, 1, (0, 0, 1, 1), 1, 7), ("b_load",)),            # 1x1 padded at the bottom/right only
 ])
 def test_conv_epilogue_parity(dt, geom, loads):
     m, shapes, at = conv_silu_residual(dt, *geom)
