@@ -117,6 +117,15 @@ class _GemmLowerer(_Lowerer):
     def esize(self, storage: str) -> int:
         return {"f16": 2, "bf16": 2, "f32": 4}[storage]
 
+    def operand_math(self, a: str, b: str, what: str) -> tuple[str, int, int]:
+        """(storage type, ofz::gemm::Math, element size) of a GEMM or Conv with operands a and b."""
+        storage = _storage(self.g.tensors[a].dtype, f"{what} operand '{a}'")
+        if storage != _storage(self.g.tensors[b].dtype, f"{what} operand '{b}'"):
+            raise LoweringError(f"{what} operands of different element types")
+        if storage not in C_ELEM:
+            raise LoweringError(f"{storage} {what}s are left to ORT")
+        return storage, MATH_OF.get(storage, tl.MMA_TF32 if self.tf32 else tl.SIMT), self.esize(storage)
+
     def static(self, d: Dim) -> Optional[int]:
         return d if isinstance(d, int) else None
 
@@ -228,13 +237,7 @@ class _GemmLowerer(_Lowerer):
         if self.row_mode:
             raise LoweringError("a reduction after a Conv: row-wise epilogues follow MatMul/Gemm only")
         x_t, w_t, y_t = node.input[0], node.input[1], node.output[0]
-        storage = _storage(g.tensors[x_t].dtype, f"Conv input '{x_t}'")
-        if storage != _storage(g.tensors[w_t].dtype, f"Conv weight '{w_t}'"):
-            raise LoweringError("Conv data and weight of different element types")
-        if storage not in C_ELEM:
-            raise LoweringError(f"{storage} convolutions are left to ORT")
-        math_ = MATH_OF.get(storage, tl.MMA_TF32 if self.tf32 else tl.SIMT)
-        es = self.esize(storage)
+        storage, math_, es = self.operand_math(x_t, w_t, "Conv")
         y_s = self._shape(y_t)
         for o in self.r.outputs:
             if self._shape(o) != y_s and o not in self.perms:
@@ -272,13 +275,7 @@ class _GemmLowerer(_Lowerer):
             raise LoweringError("matrix-vector products (rank-1 MatMul operands) are left to ORT")
         trans_a = node.op_type == "Gemm" and bool(_attr(node, "transA", 0))
         trans_b = node.op_type == "Gemm" and bool(_attr(node, "transB", 0))
-        storage = _storage(g.tensors[a_t].dtype, f"GEMM operand '{a_t}'")
-        if storage != _storage(g.tensors[b_t].dtype, f"GEMM operand '{b_t}'"):
-            raise LoweringError("GEMM operands of different element types")
-        if storage not in C_ELEM:
-            raise LoweringError(f"{storage} GEMMs are left to ORT")
-        math_ = MATH_OF.get(storage, tl.MMA_TF32 if self.tf32 else tl.SIMT)
-        es = self.esize(storage)
+        storage, math_, es = self.operand_math(a_t, b_t, "GEMM")
         M, N = y_s[-2], y_s[-1]
         K = a_s[-2] if trans_a else a_s[-1]
         for o in self.r.outputs:
