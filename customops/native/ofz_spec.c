@@ -144,17 +144,20 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* ar
     if (!v) return BAD("ortfuse: node '%s': input %zu is missing", s->node, i);
     TRY(ofz_ort.GetTensorMutableData((OrtValue*)v, &args->ptr[i]));
   }
-  for (size_t k = 0; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
-    const OrtValue* v = NULL;
-    TRY(ofz_ort.KernelContext_GetInput(ctx, (size_t)s->sym[2 * k], &v));
-    OrtTSI* tsi = NULL;
-    TRY(ofz_ort.GetTensorTypeAndShape(v, &tsi));
-    size_t rank = 0;
-    int64_t dims[64];
-    OrtStatus* st = ofz_ort.GetDimensionsCount(tsi, &rank);
-    if (!st && rank <= 64) st = ofz_ort.GetDimensions(tsi, dims, rank);
-    ofz_ort.ReleaseTSI(tsi);
-    if (st) return st;
+  size_t rank = 0;
+  int64_t dims[64];
+  for (size_t k = 0, have = SIZE_MAX; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
+    if ((size_t)s->sym[2 * k] != have) {  // one shape query per input: its dims are listed together
+      have = (size_t)s->sym[2 * k];
+      const OrtValue* v = NULL;
+      TRY(ofz_ort.KernelContext_GetInput(ctx, have, &v));
+      OrtTSI* tsi = NULL;
+      TRY(ofz_ort.GetTensorTypeAndShape(v, &tsi));
+      OrtStatus* st = ofz_ort.GetDimensionsCount(tsi, &rank);
+      if (!st && rank <= 64) st = ofz_ort.GetDimensions(tsi, dims, rank);
+      ofz_ort.ReleaseTSI(tsi);
+      if (st) return st;
+    }
     size_t axis = (size_t)s->sym[2 * k + 1];
     if (axis >= rank || rank > 64)
       return BAD("ortfuse: node '%s': symbolic dim %zu reads axis %zu of input %lld, which has rank %zu", s->node, k,

@@ -90,6 +90,17 @@ def test_units_ceil_counts_tiles() -> None:
     assert plan[5] == 3 * 2 * 3 and plan[0] == 18
 
 
+@pytest.mark.parametrize("sym", [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 1]])
+def test_several_dims_of_one_input(sym) -> None:
+    # dims of one input listed together (one shape query) or interleaved with another input's
+    inputs = [vi("X", T.FLOAT, ["a", "b"]), vi("Y", T.FLOAT, ["c", "d"])]
+    sess = session(plan_model(inputs=inputs, sym_dims=sym, units=[-1, -2, -3], out_dims=[-1, -2, -1, -2]))
+    shapes = ((3, 5), (7, 2))
+    *_, plan = sess.run(None, {"X": np.ones(shapes[0], np.float32), "Y": np.ones(shapes[1], np.float32)})
+    dims = [shapes[sym[2 * k]][sym[2 * k + 1]] for k in range(3)]
+    assert list(plan[6:9]) == dims and plan[5] == dims[0] * dims[1] * dims[2]
+
+
 BAD_NODES = [
     (dict(ortfuse_version=2), "ortfuse_version 2"),
     (dict(entry=None), "attribute 'entry'"),
