@@ -2,9 +2,13 @@
 with a content-addressed disk cache. The only module that touches NVRTC."""
 from __future__ import annotations
 
+import ctypes
+import functools
+import glob
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +17,7 @@ from typing import Sequence
 from ortfuse.errors import CompileError
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+CACHE_FORMAT = "2"  # bumped when cached files change meaning (2: whole cubins, see `read_cubin`)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,50 @@ def _cuda_include() -> str:
 def _nvrtc():
     from cupy_backends.cuda.libs import nvrtc
     return nvrtc
+
+
+@functools.lru_cache(maxsize=1)
+def _libnvrtc() -> ctypes.CDLL:
+    """The libnvrtc CuPy loaded (dlopen of a loaded path returns the same handle), else the wheel's."""
+    _nvrtc().getVersion()  # makes CuPy load it
+    try:
+        with open("/proc/self/maps") as f:
+            paths = [ln.split()[-1] for ln in f if "/libnvrtc.so" in ln]
+    except OSError:  # pragma: no cover - not Linux
+        paths = []
+    if not paths:  # pragma: no cover
+        import nvidia.cu13
+        paths = sorted(glob.glob(os.path.join(list(nvidia.cu13.__path__)[0], "lib", "libnvrtc.so*")))
+    if not paths:  # pragma: no cover
+        raise CompileError("libnvrtc is not loaded and the nvidia-cuda-nvrtc wheel has none")
+    return ctypes.CDLL(paths[0])
+
+
+def read_cubin(prog: int) -> bytes:
+    """The whole cubin. CuPy's `getCUBIN` drops its last byte (it strips a NUL as for PTX, but a cubin has
+    none), so the size comes from NVRTC itself."""
+    lib = _libnvrtc()
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
+        raise CompileError("nvrtcGetCUBINSize failed")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
+        raise CompileError("nvrtcGetCUBIN failed")
+    image = buf.raw
+    check_elf(image)
+    return image
+
+
+def check_elf(image: bytes) -> None:
+    """Raises CompileError unless `image` is a 64-bit ELF whose section and program header tables lie
+    inside it (a truncated cubin fails here instead of in the driver)."""
+    if len(image) < 64 or image[:5] != b"\x7fELF\x02":
+        raise CompileError("NVRTC returned something that is not a 64-bit ELF cubin")
+    phoff, shoff = struct.unpack_from("<QQ", image, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if end > len(image):
+        raise CompileError(f"cubin of {len(image)} bytes is truncated: its header tables end at byte {end}")
 
 
 def nvrtc_version() -> str:
@@ -66,7 +115,7 @@ def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> bytes:
             raise CompileError(f"NVRTC failed for {entry} ({arch}): {first.strip()} -- source: {dump}; "
                                f"repro: nvcc -arch={arch.replace('compute', 'sm')} -std=c++17 -I{INCLUDE_DIR} "
                                f"-cubin {dump}\n{log}") from None
-        return nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        return read_cubin(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -80,7 +129,7 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -> CompiledKernel:
     """Cubins for every arch and PTX for the lowest, cached under cache/kernels/<key>/."""
-    key = hashlib.sha256("\0".join([source, entry, ",".join(map(str, sorted(archs))), headers_digest(),
+    key = hashlib.sha256("\0".join([CACHE_FORMAT, source, entry, ",".join(map(str, sorted(archs))), headers_digest(),
                                     nvrtc_version()]).encode()).hexdigest()[:24]
     folder = cache / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)

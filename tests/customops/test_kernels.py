@@ -13,6 +13,8 @@ from onnx import TensorProto as TP
 from helpers import const, model, node, vi
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
+from ortfuse.customops.compile import check_elf
+from ortfuse.errors import CompileError
 
 F, H, B16 = TP.FLOAT, TP.FLOAT16, TP.BFLOAT16
 NP = {F: np.float32, H: np.float16}
@@ -188,6 +190,10 @@ def test_every_demo_kernel_compiles_for_sm80_and_sm90():
         assert [cc for cc, _ in k.compiled.cubins] == [80, 90]
         assert all(len(b) > 1000 for _, b in k.compiled.cubins)
         assert b".entry " + k.compiled.entry.encode() in k.compiled.ptx
+        for _, b in k.compiled.cubins:  # whole ELF images: the driver is given no size, only the bytes
+            check_elf(b)
+            with pytest.raises(CompileError, match="truncated"):
+                check_elf(b[:-1])
 
 
 def test_integer_and_bool_ops():

@@ -121,6 +121,8 @@ def nvrtc_compile(source: str, arch: str) -> bytes:
     import nvidia.cu13
     from cupy_backends.cuda.libs import nvrtc
 
+    from ortfuse.customops.compile import read_cubin
+
     includes = [os.path.join(nvidia.cu13.__path__[0], "include"), os.path.join(REPO, "customops", "include")]
     prog = nvrtc.createProgram(source, "ofz_test.cu", [], [])
     try:
@@ -129,6 +131,6 @@ def nvrtc_compile(source: str, arch: str) -> bytes:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed: {e}\n{nvrtc.getProgramLog(prog)}") from e
-        return nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        return read_cubin(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
