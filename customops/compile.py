@@ -8,16 +8,34 @@ import glob
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ortfuse.errors import CompileError
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 CACHE_FORMAT = "2"  # bumped when cached files change meaning (2: whole cubins, see `read_cubin`)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for one cubin: registers per thread, local-memory spill traffic, stack frame."""
+    regs: int
+    spill_bytes: int  # spill stores + spill loads
+    stack_bytes: int
+
+    @staticmethod
+    def parse(log: str) -> Optional["Resources"]:
+        regs = re.search(r"Used (\d+) registers", log)
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        if not regs or not frame:
+            return None
+        stack, stores, loads = map(int, frame.groups())
+        return Resources(int(regs.group(1)), stores + loads, stack)
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,7 @@ class CompiledKernel:
     cubins: tuple[tuple[int, bytes], ...]  # (compute capability, cubin)
     ptx: bytes  # for the lowest arch, JIT-compiled by the driver on newer GPUs
     ptx_arch: int
+    resources: tuple[tuple[int, Resources], ...] = ()  # (compute capability, ptxas report) per cubin
 
 
 def _cuda_include() -> str:
@@ -91,7 +110,8 @@ def nvrtc_version() -> str:
 
 
 def _options(arch: str) -> list[str]:
-    return [f"--gpu-architecture={arch}", "-std=c++17", f"-I{_cuda_include()}", f"-I{INCLUDE_DIR}"]
+    verbose = ["--ptxas-options=-v"] if arch.startswith("sm_") else []  # registers and spills, in the log
+    return [f"--gpu-architecture={arch}", "-std=c++17", f"-I{_cuda_include()}", f"-I{INCLUDE_DIR}", *verbose]
 
 
 def headers_digest() -> str:
@@ -101,7 +121,8 @@ def headers_digest() -> str:
     return h.hexdigest()
 
 
-def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> bytes:
+def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> tuple[bytes, str]:
+    """(cubin or PTX, NVRTC's log)."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(source, f"{entry}.cu", [], [])
     try:
@@ -115,7 +136,8 @@ def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> bytes:
             raise CompileError(f"NVRTC failed for {entry} ({arch}): {first.strip()} -- source: {dump}; "
                                f"repro: nvcc -arch={arch.replace('compute', 'sm')} -std=c++17 -I{INCLUDE_DIR} "
                                f"-cubin {dump}\n{log}") from None
-        return read_cubin(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        image = read_cubin(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        return image, nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -134,17 +156,23 @@ def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -
     folder = cache / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     low = min(archs)
-    cubins = []
+    cubins, resources = [], []
     for cc in sorted(archs):
-        path = folder / f"sm_{cc}.cubin"
-        if not path.exists():
-            atomic_write(path, _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu"))
+        path, info = folder / f"sm_{cc}.cubin", folder / f"sm_{cc}.json"
+        if not path.exists() or not info.exists():
+            image, log = _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu")
+            res = Resources.parse(log)
+            atomic_write(info, json.dumps(res.__dict__ if res else None).encode())
+            atomic_write(path, image)
         cubins.append((cc, path.read_bytes()))
+        fields = json.loads(info.read_text())
+        if fields:
+            resources.append((cc, Resources(**fields)))
     ptx_path = folder / f"compute_{low}.ptx"
     if not ptx_path.exists():
-        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu"))
+        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu")[0])
     if not (folder / "kernel.cu").exists():
         atomic_write(folder / "kernel.cu", source.encode())
         atomic_write(folder / "meta.json", json.dumps({"entry": entry, "archs": sorted(archs),
                                                         "nvrtc": nvrtc_version()}).encode())
-    return CompiledKernel(entry, source, tuple(cubins), ptx_path.read_bytes(), low)
+    return CompiledKernel(entry, source, tuple(cubins), ptx_path.read_bytes(), low, tuple(resources))

@@ -27,7 +27,8 @@ from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region
 
-ROW, COL, GENERIC = 0, 1, 2  # ofz::gemm::Mode
+ROW, COL, GENERIC, IM2COL = 0, 1, 2, 3  # ofz::gemm::Mode
+GATHER32_LIMIT = 2 ** 31  # kIm2col indexes one image with 32-bit ints
 MATH_OF = {"f16": tl.MMA_F16, "bf16": tl.MMA_BF16}
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 ROW_PTR = "f32p"  # float* parameters of the row-wise callbacks
@@ -246,23 +247,31 @@ class _GemmLowerer(_Lowerer):
         vb, vm, vn, vk = Var("gb", I64), Var("gm", I64), Var("gn", I64), Var("gk", I64)
         region_input = lambda t: t in self.args and t not in self.producer  # noqa: E731
         a_mode = ROW if region_input(w_t) and (geo.k * es) % 16 == 0 else GENERIC
-        b_mode = ROW if region_input(x_t) and geo.pointwise and (geo.pixels * es) % 16 == 0 else GENERIC
+        if region_input(x_t) and geo.pointwise and (geo.pixels * es) % 16 == 0:
+            b_mode = ROW
+        elif region_input(x_t) and max(geo.c * geo.h * geo.w, geo.pixels, geo.k) < GATHER32_LIMIT:
+            b_mode = IM2COL  # the template's 32-bit gather
+        else:
+            b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements, or X computed in-kernel
         funcs: list[ir.Func] = []
         if a_mode == ROW:
             funcs.append(self.func("a_base", (vb,), lambda: ir.i64(0)))
         else:
             funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
                 w_t, (vm,) + self.unravel(vk, (geo.c, geo.kh, geo.kw)))))
-        if b_mode == ROW:
+        if b_mode in (ROW, IM2COL):
             funcs.append(self.func("b_base", (vb,), lambda: self.linearize((vb,) + (ir.i64(0),) * 3, self._shape(x_t))))
         else:
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.im2col(x_t, geo, vb, vk, vn)))
         self.epilogue(funcs, vb, vm, vn, lambda b, m: self.unravel(b, (geo.batch,)) + self.unravel(m, (geo.oc,)),
                       geo.ow, lambda n: self.unravel(n, (geo.oh, geo.ow)))
-        ranked, tile = self.choose_tile(geo.oc, geo.pixels, geo.k, self.hint(geo.batch), es, math_, False)
+        ranked, tile = self.choose_tile(geo.oc, geo.pixels, geo.k, self.hint(geo.batch), es, math_, a_mode, b_mode)
+        (sh, sw), (dh, dw), (ph, pw) = geo.stride, geo.dilation, geo.pad
+        targs = ("0", f"ofz::gemm::Conv2d<{geo.c}, {geo.h}, {geo.w}, {geo.kh}, {geo.kw}, {sh}, {sw}, {dh}, {dw}, "
+                      f"{ph}, {pw}, {geo.ow}>") if b_mode == IM2COL else ()
         return self.finish(funcs, tile, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
-                           (b_mode, self.args[x_t] if b_mode == ROW else 0), [self.encode(geo.batch)], [geo.oc],
-                           geo.pixels, geo.k)
+                           (b_mode, self.args[x_t] if b_mode in (ROW, IM2COL) else 0), [self.encode(geo.batch)],
+                           [geo.oc], geo.pixels, geo.k, targs)
 
     # ------------------------------------------------------------------ the kernel
     def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple]:
@@ -341,7 +350,7 @@ class _GemmLowerer(_Lowerer):
         hint = self.hint
         m_hint = hint(M) * (math.prod(hint(d) for d in batch_shape) if fold else 1)
         b_hint = 1 if fold else math.prod(hint(d) for d in batch_shape)
-        ranked, tile = self.choose_tile(m_hint, hint(N), hint(K), b_hint, es, math_, b_mode == COL)
+        ranked, tile = self.choose_tile(m_hint, hint(N), hint(K), b_hint, es, math_, a_mode, b_mode)
         targs: tuple[str, ...] = ()
         if self.row_mode:
             if tile.bn < int(N):
@@ -356,9 +365,10 @@ class _GemmLowerer(_Lowerer):
         return self.finish(funcs, tile, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, N, K, targs)
 
-    def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, b_nk: bool
+    def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, a_mode: int, b_mode: int
                     ) -> tuple[list[tl.Ranked], tl.GemmTile]:
-        ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_nk, row=self.row_mode)
+        staged = (a_mode == GENERIC, b_mode in (GENERIC, IM2COL))
+        ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_mode == COL, row=self.row_mode, staged=staged)
         if not ranked:
             raise LoweringError("no GEMM tile fits the hardware table entry" +
                                 (f" with a {n}-column row in one tile" if self.row_mode else ""))

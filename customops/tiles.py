@@ -18,6 +18,17 @@ from ortfuse.customops.target import Target
 MMA_F16, MMA_BF16, MMA_TF32, SIMT = 0, 1, 2, 3  # ofz::gemm::Math
 MAX_REGS = 255
 REG_OVERHEAD = 40  # addresses, loop counters, epilogue temporaries (estimate)
+# Issue cost of one k tile, in instructions per thread (counted in the sm_90 SASS of generated kernels with
+# cuobjdump, rounded): a cp.async chunk (advance its address, check k, issue), an operand element staged
+# through registers (an im2col tap or an IR b_load: index math, bounds, load, shared store), the loop itself.
+ISSUE_PER_CHUNK = 8
+ISSUE_PER_STAGED = 30
+ISSUE_PER_KTILE = 30
+# Registers per thread and k tile: a cp.async chunk keeps its address (2), shared offset, k position and
+# live flag; a staged element costs about 4 (ptxas -v on sm_90 im2col kernels with 8 to 48 staged
+# elements: the value plus the index math the compiler keeps live to overlap the loads).
+REGS_PER_CHUNK = 5
+REGS_PER_STAGED = 4
 
 
 @dataclass(frozen=True)
@@ -46,10 +57,37 @@ class GemmTile:
         """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch."""
         return self.smem_bytes(esize, b_nk, row) + (row_scratch_bytes(self) if row else 0)
 
-    def regs(self, math_: int) -> int:
+    def regs(self, math_: int, esize: int = 2, staged: tuple[bool, bool] = (False, False)) -> int:
+        """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
         acc = self.wm * self.wn // 32
         frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
-        return acc + frags + REG_OVERHEAD
+        ops = self.operand_work(esize, staged)
+        return acc + frags + REG_OVERHEAD + ops[0] * REGS_PER_CHUNK + ops[1] * REGS_PER_STAGED
+
+    def operand_work(self, esize: int, staged: tuple[bool, bool]) -> tuple[int, int]:
+        """(cp.async chunks, staged elements) per thread and k tile; staged = (A, B) go through registers."""
+        chunk = 16 // esize
+        chunks = elems = 0
+        for on, size in zip(staged, (self.bm * self.bk, self.bk * self.bn)):
+            if on:
+                elems += -(-size // self.threads)
+            else:
+                chunks += -(-size // (chunk * self.threads))
+        return chunks, elems
+
+    def issue_per_ktile(self, math_: int, esize: int, staged: tuple[bool, bool]) -> int:
+        """Instructions each thread (so each warp) issues per k tile: the math's shared loads and MMA/FMA
+        instructions, the operand copies, the loop."""
+        if math_ == SIMT:
+            mt, nt = self.wm // 4, self.wn // 8
+            math_ops = self.bk * (mt + nt + mt * nt)
+        else:
+            mt, nt = self.wm // 16, self.wn // 8
+            step = 16 if math_ != MMA_TF32 else 8
+            frag = mt + -(-nt // 2) if math_ != MMA_TF32 else 4 * mt + 2 * nt  # ldmatrix, or tf32 converts
+            math_ops = (self.bk // step) * (frag + mt * nt)
+        chunks, elems = self.operand_work(esize, staged)
+        return math_ops + chunks * ISSUE_PER_CHUNK + elems * ISSUE_PER_STAGED + ISSUE_PER_KTILE
 
     def as_tuple(self) -> tuple[int, int, int, int, int, int]:
         return (self.bm, self.bn, self.bk, self.wm, self.wn, self.stages)
@@ -109,27 +147,28 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
 
 
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
-               top_k: int = 4, row: bool = False) -> list[Ranked]:
+               top_k: int = 4, row: bool = False, staged: tuple[bool, bool] = (False, False)) -> list[Ranked]:
     """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values). `row`:
-    only tiles spanning whole rows (N <= BN), for a row-wise epilogue."""
+    only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: whether A / B are loaded
+    element by element through registers (prologue loads, the im2col gather) rather than by cp.async."""
     peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
             SIMT: tgt.fp32_tflops}[math_] * 1e12
     ranked = []
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
         smem = t.smem_bytes(esize, b_nk, row)
-        regs = t.regs(math_)
+        regs = t.regs(math_, esize, staged)
         if t.block_smem_bytes(esize, b_nk, row) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
             continue
         # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
         if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
             continue
-        per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
-                     tgt.max_threads_per_sm // t.threads, 32)
-        if per_sm < 1:
+        blocks_per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
+                            tgt.max_threads_per_sm // t.threads, 32)
+        if blocks_per_sm < 1:
             continue
         tiles_m, tiles_n = -(-m // t.bm), -(-n // t.bn)
         tiles = batch * tiles_m * tiles_n
-        slots = tgt.sm_count * per_sm
+        slots = tgt.sm_count * blocks_per_sm
         waves = math.ceil(tiles / slots)
         wave_eff = tiles / (waves * slots)
         kp = -(-k // t.bk) * t.bk
@@ -140,9 +179,17 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
         unique = esize * batch * (m * k + k * n + m * n)
         reread = esize * tiles * (t.bm + t.bn) * kp
         t_mem = max(unique / (tgt.dram_gbps * 1e9), reread / (tgt.dram_gbps * tgt.l2_over_dram * 1e9))
+        # instruction issue: an SM issues at most one instruction per clock for each of its 4 schedulers,
+        # and a warp uses one; element-wise operand loads make a tile issue-bound long before the tensor
+        # cores are, and a block of one warp issues at a quarter of the SM's rate
+        ktiles = -(-k // t.bk)
+        warps = t.threads // 32
+        per_sm = math.ceil(tiles / tgt.sm_count)
+        rate = min(4, min(per_sm, blocks_per_sm) * warps)
+        t_issue = per_sm * ktiles * warps * t.issue_per_ktile(math_, esize, staged) / (rate * tgt.clock_ghz * 1e9)
         # deeper pipelines hide latency; a 2-stage pipeline exposes part of each load
         hide = {2: 1.15, 3: 1.0, 4: 1.0}[t.stages]
-        est = max(t_math / max(wave_eff, 1e-3), t_mem) * hide * 1e6
-        ranked.append(Ranked(t, est, per_sm))
+        est = max(t_math / max(wave_eff, 1e-3), t_mem, t_issue) * hide * 1e6
+        ranked.append(Ranked(t, est, blocks_per_sm))
     ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, r.tile.stages, r.tile.as_tuple()))
     return ranked[:top_k]

@@ -41,13 +41,16 @@ def explain(r: OptimizeResult) -> list[str]:
 
 def markdown(r: OptimizeResult, source: str) -> str:
     out = [f"# ortfuse report: {source}", "", "```", summary(r), "```", "", "## Fused regions", "",
-           "| node | kind | ops | iteration space | kernel | block | DRAM bytes unfused → fused |",
-           "|---|---|---|---|---|---|---|"]
+           "| node | kind | ops | iteration space | kernel | block | registers (spill bytes) | "
+           "DRAM bytes unfused → fused |",
+           "|---|---|---|---|---|---|---|---|"]
     for k in r.kernels:
         ops_list = " ".join(r.graph.nodes[i].op_type for i in k.region.nodes)
         t = k.region.traffic
+        res = ", ".join(f"sm_{cc}: {x.regs}" + (f" ({x.spill_bytes})" if x.spill_bytes else "")
+                        for cc, x in k.compiled.resources) or "-"
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}` | "
-                   f"{k.spec.block} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
+                   f"{k.spec.block} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
     if r.placements:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept |", "|---|---|---|---|---|"]

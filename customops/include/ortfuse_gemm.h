@@ -23,12 +23,36 @@
 namespace ofz {
 namespace gemm {
 
+template <bool C, class A, class B> struct Pick { using type = A; };
+template <class A, class B> struct Pick<false, A, B> { using type = B; };
+
 // Operand access modes.
 enum Mode : int {
   kRowMajor = 0,  // A [M][K] (K contiguous) or B [K][N] (N contiguous), copied with cp.async
   kColMajor = 1,  // B stored [N][K] (K contiguous), copied with cp.async
   kGeneric = 2,   // element loads through Ops::a_load / b_load (prologue ops, any layout), staged in registers
+  kIm2col = 3,    // B only: the implicit GEMM's gather from an NCHW image (geometry `Geo`), staged in registers
 };
+
+// Geometry of a 2-D convolution for kIm2col: B[k][n] of image b is X[b][c][ih][iw] with k = (c, kh, kw),
+// n = (oh, ow), ih = oh * SH - PH + kh * DH, iw = ow * SW - PW + kw * DW, zero outside the image. The lowering
+// guarantees C * H * W and the pixel count fit in 31 bits, so the gather runs on 32-bit indices.
+template <int C, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW, int PH, int PW, int OW>
+struct Conv2d {
+  static constexpr int kTaps = KH * KW, kK = C * kTaps, kPlane = H * W;
+  // (ih0, iw0) of output pixel n: the image row and column of tap (0, 0)
+  static __device__ __forceinline__ void origin(unsigned n, int& ih0, int& iw0) {
+    const unsigned oh = n / OW, ow = n - oh * OW;
+    ih0 = (int)oh * SH - PH, iw0 = (int)ow * SW - PW;
+  }
+  // element offset of tap k for a pixel with origin (ih0, iw0) in the image, or -1 in the padding
+  static __device__ __forceinline__ int offset(unsigned k, int ih0, int iw0) {
+    const unsigned c = k / kTaps, t = k - c * kTaps, kh = t / KW, kw = t - kh * KW;
+    const int ih = ih0 + (int)kh * DH, iw = iw0 + (int)kw * DW;
+    return (unsigned)ih < (unsigned)H && (unsigned)iw < (unsigned)W ? (int)c * kPlane + ih * W + iw : -1;
+  }
+};
+struct NoConv {};
 // Math of the warp tile.
 enum Math : int { kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3 };
 
@@ -45,52 +69,161 @@ struct Layout {
   static constexpr int kSmemBytes = STAGES * (kAStage + kBStage) * (int)sizeof(T);
   static constexpr int kRowLd = BN + 4;  // row-wise epilogue buffer: fp32, skewed by 4 banks per row
   static_assert(STAGES >= 2, "the pipeline needs two stages");
+  static_assert(AMODE != kIm2col, "kIm2col gathers B only");
   static_assert(BM % WM == 0 && BN % WN == 0 && BK % kChunk == 0, "tile shape");
   static_assert(MATH == kSimt || (WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0), "tensor-core warp tile");
   static_assert(MATH != kSimt || (WM % 4 == 0 && WN % 8 == 0), "SIMT warp tile: 4 x 8 lanes");
 };
 
-// Rows r0 .. r0+ROWS-1, columns c0 .. c0+COLS-1 of a row-major global matrix (`ld` elements per row) into
-// shared memory with LDS elements per row, 16 bytes per cp.async; chunks outside rows x cols are zeroed.
-template <class T, int ROWS, int COLS, int LDS, int NT>
-__device__ __forceinline__ void copy_tile(T* dst, const T* src, ofz_i64 r0, ofz_i64 c0, ofz_i64 rows, ofz_i64 cols,
-                                          ofz_i64 ld) {
-  constexpr int chunk = 16 / (int)sizeof(T), per_row = COLS / chunk;
-  for (int c = threadIdx.x; c < ROWS * per_row; c += NT) {
-    const int r = c / per_row, k = (c % per_row) * chunk;
-    const ofz_i64 gr = r0 + r, gc = c0 + k;
-    const bool ok = gr < rows && gc < cols;
-    cp_async16(dst + r * LDS + k, ok ? src + gr * ld + gc : src, ok ? 16 : 0);
+// Copies of one operand's ROWS x COLS tiles of a row-major global matrix (`ld` elements per row) into
+// shared memory (LDS elements per row), one 16-byte cp.async per chunk, NT threads. Each thread's chunks and
+// their addresses are worked out once per output tile (`init`); `copy` then issues one k tile and steps to
+// the next, so the mainloop adds a stride instead of redoing 64-bit index math. The k axis is the rows
+// (KROWS: B [K][N]) or the columns (A [M][K], B stored [N][K]); chunks past the matrix are zero-filled.
+template <class T, int ROWS, int COLS, int LDS, int NT, bool KROWS>
+struct TileCopy {
+  static constexpr int kChunk = 16 / (int)sizeof(T), kPerRow = COLS / kChunk, kChunks = ROWS * kPerRow;
+  static constexpr int kIters = (kChunks + NT - 1) / NT;
+  const T* base;
+  const T* src[kIters];
+  int dst[kIters];    // element offset in the stage
+  int kpos[kIters];   // chunk's k coordinate within the tile
+  bool live[kIters];  // the chunk exists and its other coordinate is inside the matrix
+  ofz_i64 step;       // elements from one k tile to the next
+
+  // r0/c0: the tile's first row/column on the fixed axis (the k axis starts at 0)
+  __device__ __forceinline__ void init(const T* mat, ofz_i64 r0, ofz_i64 c0, ofz_i64 rows, ofz_i64 cols, ofz_i64 ld) {
+    base = mat;
+    step = KROWS ? (ofz_i64)ROWS * ld : (ofz_i64)COLS;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = threadIdx.x + i * NT, r = c / kPerRow, k = (c % kPerRow) * kChunk;
+      live[i] = c < kChunks && (KROWS ? c0 + k < cols : r0 + r < rows);
+      kpos[i] = KROWS ? r : k;
+      dst[i] = r * LDS + k;
+      src[i] = mat + (r0 + r) * ld + c0 + k;
+    }
   }
+
+  // k tile starting at k0 (the next one in order) into `stage`; `kdim`: the k axis length
+  __device__ __forceinline__ void copy(T* stage, ofz_i64 k0, ofz_i64 kdim) {
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      if (kChunks % NT != 0 && threadIdx.x + i * NT >= kChunks) continue;
+      const bool ok = live[i] && k0 + kpos[i] < kdim;
+      cp_async16(stage + dst[i], ok ? src[i] : base, ok ? 16 : 0);
+      src[i] += step;
+    }
+  }
+};
+
+// The direct-mode operands' copiers: A [M][K], B [K][N] or B stored [N][K]; unused ones are empty.
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH>
+struct DirectCopies {
+  using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
+  struct None {
+    __device__ __forceinline__ void init(const T*, ofz_i64, ofz_i64, ofz_i64, ofz_i64, ofz_i64) {}
+    __device__ __forceinline__ void copy(T*, ofz_i64, ofz_i64) {}
+  };
+  using ACopy = typename Pick<AMODE == kRowMajor, TileCopy<T, BM, BK, L::kALd, L::kThreads, false>, None>::type;
+  using BCopy = typename Pick<BMODE == kRowMajor, TileCopy<T, BK, BN, L::kBLd, L::kThreads, true>,
+                              typename Pick<BMODE == kColMajor, TileCopy<T, BN, BK, L::kBLd, L::kThreads, false>,
+                                            None>::type>::type;
+  ACopy a;
+  BCopy b;
+
+  __device__ __forceinline__ void init(const T* A, const T* B, ofz_i64 m0, ofz_i64 n0, ofz_i64 M, ofz_i64 N,
+                                       ofz_i64 K) {
+    a.init(A, m0, 0, M, K, K);
+    if constexpr (BMODE == kRowMajor) b.init(B, 0, n0, K, N, N);
+    else b.init(B, n0, 0, N, K, K);
+  }
+  __device__ __forceinline__ void copy(T* As, T* Bs, ofz_i64 k0, ofz_i64 K) {
+    a.copy(As, k0, K);
+    b.copy(Bs, k0, K);
+  }
+};
+
+// Element i (0 .. ceil(ROWS * COLS / NT) - 1) of thread `tid` in a ROWS x COLS tile walked row by row, NT
+// threads side by side: (row, col), or row = -1 past the end. When NT and COLS divide one another the
+// split is compile-time arithmetic and a thread keeps one column (NT % COLS == 0) for every i.
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void tile_element(int tid, int i, int& row, int& col) {
+  if constexpr (NT % COLS == 0) {
+    row = tid / COLS + i * (NT / COLS), col = tid % COLS;
+  } else if constexpr (COLS % NT == 0) {
+    row = (i * NT) / COLS, col = (i * NT) % COLS + tid;
+  } else {
+    const int e = tid + i * NT;
+    row = e / COLS, col = e % COLS;
+  }
+  if ((ROWS * COLS) % NT != 0 && row >= ROWS) row = -1;
 }
 
-// Copies (or, in generic mode, loads and converts) k-tile `kt` of A and B into pipeline stage `stage`.
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops>
-__device__ __forceinline__ void load_tile(const OfzArgs& a, T* As, T* Bs, const T* A, const T* B, ofz_i64 b,
-                                          ofz_i64 m0, ofz_i64 n0, ofz_i64 k0, ofz_i64 M, ofz_i64 N, ofz_i64 K) {
+// Generic-mode operands are software-pipelined through registers: `fetch` issues the element loads (and
+// prologue math) of a later k-tile before the current tile's MMAs, `stash` stores them into their shared
+// memory stage after, so global latency overlaps the math as the cp.async stages do for direct operands.
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
+          class Geo>
+struct Staging {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
-  const int tid = threadIdx.x;
-  if constexpr (AMODE == kRowMajor) {
-    copy_tile<T, BM, BK, L::kALd, L::kThreads>(As, A, m0, k0, M, K, K);
-  } else {
-    for (int e = tid; e < BM * BK; e += L::kThreads) {
-      const int r = e / BK, kc = e % BK;
-      const ofz_i64 gm = m0 + r, gk = k0 + kc;
-      As[r * L::kALd + kc] = from_f32<T>(gm < M && gk < K ? Ops::a_load(a, b, gm, gk) : 0.0f);
+  static constexpr int kA = AMODE == kGeneric ? (BM * BK + L::kThreads - 1) / L::kThreads : 0;
+  static constexpr int kB = BMODE == kGeneric || BMODE == kIm2col ? (BK * BN + L::kThreads - 1) / L::kThreads : 0;
+  T av[kA > 0 ? kA : 1];
+  T bv[kB > 0 ? kB : 1];
+
+  __device__ __forceinline__ void fetch(const OfzArgs& a, const T* B, ofz_i64 b, ofz_i64 m0, ofz_i64 n0, ofz_i64 k0,
+                                        ofz_i64 M, ofz_i64 N, ofz_i64 K) {
+    const int tid = threadIdx.x;
+    if constexpr (kA > 0) {
+#pragma unroll
+      for (int i = 0; i < kA; ++i) {
+        int r, kc;
+        tile_element<BM, BK, L::kThreads>(tid, i, r, kc);
+        const ofz_i64 gm = m0 + r, gk = k0 + kc;
+        av[i] = from_f32<T>(r >= 0 && gm < M && gk < K ? Ops::a_load(a, b, gm, gk) : 0.0f);
+      }
+    }
+    if constexpr (BMODE == kIm2col) {
+      // 32-bit gather; B is image b. With NT % BN == 0 the thread's pixel is the same for every i and tile
+      // step, so its origin is computed once per tile.
+#pragma unroll
+      for (int i = 0; i < kB; ++i) {
+        int r, nc;
+        tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
+        const unsigned n = (unsigned)n0 + nc, k = (unsigned)k0 + r;
+        int ih0, iw0;
+        Geo::origin(n, ih0, iw0);
+        const int off = r >= 0 && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(k, ih0, iw0) : -1;
+        bv[i] = off >= 0 ? B[off] : from_f32<T>(0.0f);
+      }
+    } else if constexpr (kB > 0) {
+#pragma unroll
+      for (int i = 0; i < kB; ++i) {
+        int r, nc;
+        tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
+        const ofz_i64 gk = k0 + r, gn = n0 + nc;
+        bv[i] = from_f32<T>(r >= 0 && gk < K && gn < N ? Ops::b_load(a, b, gk, gn) : 0.0f);
+      }
     }
   }
-  if constexpr (BMODE == kRowMajor) {
-    copy_tile<T, BK, BN, L::kBLd, L::kThreads>(Bs, B, k0, n0, K, N, N);
-  } else if constexpr (BMODE == kColMajor) {
-    copy_tile<T, BN, BK, L::kBLd, L::kThreads>(Bs, B, n0, k0, N, K, K);
-  } else {
-    for (int e = tid; e < BK * BN; e += L::kThreads) {
-      const int r = e / BN, nc = e % BN;
-      const ofz_i64 gk = k0 + r, gn = n0 + nc;
-      Bs[r * L::kBLd + nc] = from_f32<T>(gk < K && gn < N ? Ops::b_load(a, b, gk, gn) : 0.0f);
+
+  __device__ __forceinline__ void stash(T* As, T* Bs) const {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < kA; ++i) {
+      int r, kc;
+      tile_element<BM, BK, L::kThreads>(tid, i, r, kc);
+      if (r >= 0) As[r * L::kALd + kc] = av[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      int r, nc;
+      tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
+      if (r >= 0) Bs[r * L::kBLd + nc] = bv[i];
     }
   }
-}
+};
 
 // Visits the warp's accumulators as runs of adjacent columns: f(row, col, values, count), row and col within
 // the block tile; mma fragments give pairs (columns 2t, 2t+1), SIMT lanes single values.
@@ -131,7 +264,7 @@ __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Vi
 }
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR = 0>
+          int ROW_TPR = 0, class Geo = NoConv>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K) {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
@@ -166,22 +299,32 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
         else sacc[i][j] = 0.0f;
       }
 
-    // prologue: stages 0 .. STAGES-2 in flight
+    // prologue: stages 0 .. STAGES-2 in flight (generic operands stored at once)
+    DirectCopies<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH> direct;
+    direct.init(A, B, m0, n0, M, N, K);
+    Staging<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, Geo> staged;
+    constexpr bool kStaged = AMODE == kGeneric || BMODE == kGeneric || BMODE == kIm2col;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ktiles)
-        load_tile<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops>(
-            a, As + s * L::kAStage, Bs + s * L::kBStage, A, B, b, m0, n0, (ofz_i64)s * BK, M, N, K);
+      if (s < ktiles) {
+        T* as = As + s * L::kAStage;
+        T* bs = Bs + s * L::kBStage;
+        direct.copy(as, bs, (ofz_i64)s * BK, K);
+        if constexpr (kStaged) {
+          staged.fetch(a, B, b, m0, n0, (ofz_i64)s * BK, M, N, K);
+          staged.stash(as, bs);
+        }
+      }
       cp_async_commit();
     }
     for (ofz_i64 kt = 0; kt < ktiles; ++kt) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // tile kt landed for every thread; stage (kt-1) % STAGES is free again
       const ofz_i64 next = kt + STAGES - 1;
+      const int ns = (int)(next % STAGES);
       if (next < ktiles) {
-        const int ns = (int)(next % STAGES);
-        load_tile<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops>(
-            a, As + ns * L::kAStage, Bs + ns * L::kBStage, A, B, b, m0, n0, next * BK, M, N, K);
+        direct.copy(As + ns * L::kAStage, Bs + ns * L::kBStage, next * BK, K);
+        if constexpr (kStaged) staged.fetch(a, B, b, m0, n0, next * BK, M, N, K);
       }
       cp_async_commit();
       const int st = (int)(kt % STAGES);
@@ -253,6 +396,9 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
             for (int j = 0; j < kNT; ++j) sacc[i][j] = fmaf(av[i], bv[j], sacc[i][j]);
         }
       }
+      // stage ns was drained before this iteration's barrier; it is read after iteration `next`'s
+      if constexpr (kStaged)
+        if (next < ktiles) staged.stash(As + ns * L::kAStage, Bs + ns * L::kBStage);
     }
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages

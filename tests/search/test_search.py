@@ -97,9 +97,10 @@ def test_demo_encoder_regions():
 
 
 def test_row_epilogue_refused_when_cublas_plus_row_kernel_is_faster():
-    # batch 32: the FFN output GEMM (K 512) has enough rows that narrow row-spanning tiles lose to cuBLAS
-    # followed by our LayerNorm kernel; the model keeps them apart and says why
-    g, p = _plan(encoder(layers=1), {"hidden_states": (32, 128, 128), "attention_mask": (32, 128)})
+    # BERT-base widths at batch 32: tiles spanning 768-column rows are too few and too narrow for the
+    # 4096-row GEMMs, so cuBLAS followed by our LayerNorm kernel wins; the model keeps them apart and says why
+    g, p = _plan(encoder(layers=1, hidden=768, heads=12, ffn=3072),
+                 {"hidden_states": (32, 128, 768), "attention_mask": (32, 128)})
     assert any("as cuBLAS + a separate rowreduce kernel" in r.reason for r in p.refusals)
     assert "rowreduce" in {r.kind for r in p.regions}
 

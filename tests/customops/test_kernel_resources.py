@@ -1,0 +1,60 @@
+"""What ptxas says about the generated GEMM kernels at real model shapes (sm_90, no GPU needed): every
+kernel fits in registers without spilling to local memory, and the compile records the figures the
+report shows. Spills in a mainloop cost more than any tile choice gains, so they are a regression."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, conv_silu_residual, model, node, vi
+from ortfuse.api import compile_model
+from ortfuse.customops.compile import Resources
+
+H = TP.FLOAT16
+
+# ResNet-50 at batch 1 (hint): the stem, 3x3 convs of every stage (stride 2 where a stage starts), 1x1s
+RESNET = [(3, 64, 7, 2, (3, 3, 3, 3), 1, 224), (64, 64, 3, 1, (1, 1, 1, 1), 1, 56),
+          (128, 128, 3, 2, (1, 1, 1, 1), 1, 56), (256, 256, 3, 1, (1, 1, 1, 1), 1, 14),
+          (512, 512, 3, 2, (1, 1, 1, 1), 1, 14), (1024, 256, 1, 1, (0, 0, 0, 0), 1, 14),
+          (512, 2048, 1, 1, (0, 0, 0, 0), 1, 7)]
+
+
+def _no_spills(res) -> list[Resources]:
+    out = []
+    for k in res.kernels:
+        by_cc = dict(k.compiled.resources)
+        assert 90 in by_cc, k.compiled.entry
+        r = by_cc[90]
+        assert r.spill_bytes == 0 and r.regs <= 255, (k.compiled.entry, r, k.spec.tiles[:1])
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("geom", RESNET)
+def test_resnet50_conv_kernels_do_not_spill(geom):
+    m, shapes, _ = conv_silu_residual(H, *geom)
+    res = compile_model(m, {k: (1,) + v[1:] for k, v in shapes.items()}, "sm_90")
+    assert [k.region.kind for k in res.kernels] == ["gemm"]
+    _no_spills(res)
+
+
+@pytest.mark.parametrize("n,k", [(768, 768), (3072, 768), (768, 3072)])
+def test_bert_base_gemm_kernels_do_not_spill(n, k):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float16)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Gelu", ["z"], ["out"])],
+              [vi("x", H, ["batch", 128, k])], [vi("out", H, None)],
+              [const("w", w, np.float16), const("b", np.full(n, 0.1), np.float16)], opset=20)
+    res = compile_model(m, {"x": (1, 128, k)}, "sm_90")
+    assert [k.region.kind for k in res.kernels] == ["gemm"]
+    _no_spills(res)
+
+
+def test_resources_parse_ptxas_log():
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+           "ptxas info    : Function properties for k\n"
+           "    16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
+           "ptxas info    : Used 64 registers, used 1 barriers, 16 bytes cumulative stack size\n")
+    assert Resources.parse(log) == Resources(64, 20, 16)
+    assert Resources.parse("no ptxas output") is None
