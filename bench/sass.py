@@ -1,0 +1,101 @@
+"""Static look at the GEMM kernels of a model, no GPU needed: ptxas's registers and spills, and the size of
+the k-loop in the sm_90 SASS (instructions per MMA/FMA: how issue-bound the mainloop is).
+
+    python -m ortfuse.bench.sass MODEL.onnx [--arch sm_90]
+
+Needs `cuobjdump` and the `nvdisasm` it calls (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm), a
+developer tool only; ortfuse itself never runs it."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from ortfuse import api
+
+
+def cuobjdump() -> str:
+    try:
+        import nvidia.cu13
+        for root in nvidia.cu13.__path__:
+            path = os.path.join(root, "bin", "cuobjdump")
+            if os.access(path, os.X_OK):
+                return path
+    except ImportError:
+        pass
+    path = shutil.which("cuobjdump")
+    if not path:
+        raise FileNotFoundError("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    return path
+
+
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction in the cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = cuobjdump()
+        env = {**os.environ, "NVDISASM_PATH": os.path.dirname(tool)}  # the wheels put both in one bin folder
+        run = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, env=env)
+        if run.returncode:
+            raise RuntimeError(f"cuobjdump failed: {run.stderr.strip()}")
+        out = run.stdout
+    return [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", out)]
+
+
+@dataclass(frozen=True)
+class KLoop:
+    instructions: int  # in the innermost loop holding the math
+    math: int  # HMMA / FFMA among them
+
+
+def k_loop(ins: list[tuple[int, str]]) -> Optional[KLoop]:
+    """The innermost backward branch's body that contains an MMA (or FFMA for SIMT kernels)."""
+    mathops = [a for a, t in ins if re.search(r"\b(HMMA|FFMA)\b", t)]
+    best: Optional[list[str]] = None
+    for a, t in ins:
+        m = re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)
+        if not m or int(m.group(1), 16) >= a:
+            continue
+        lo = int(m.group(1), 16)
+        if any(lo <= x <= a for x in mathops):
+            body = [u for b, u in ins if lo <= b <= a]
+            if best is None or len(body) < len(best):
+                best = body
+    if best is None:
+        return None
+    return KLoop(len(best), sum(1 for u in best if re.search(r"\b(HMMA|FFMA)\b", u)))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.sass", description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--arch", default="sm_90")
+    args = ap.parse_args(argv)
+    res = api.compile_model(args.model, arch=args.arch)
+    cc = int(args.arch.split("_")[-1])
+    seen = set()
+    print("| kernel | kind | template call | registers | spill bytes | k-loop instructions | MMA/FMA | per MMA |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k in res.kernels:
+        if k.compiled.entry in seen or k.region.kind not in ("gemm", "gemm_row"):
+            continue
+        seen.add(k.compiled.entry)
+        call = re.search(r"ofz::gemm::run<([^(]*)>\(", k.compiled.source)
+        tmpl = re.sub(r"ofz_\w+_ops", "Ops", call.group(1)) if call else ""
+        r = dict(k.compiled.resources).get(cc)
+        loop = k_loop(sass(dict(k.compiled.cubins)[cc]))
+        per = f"{loop.instructions / loop.math:.1f}" if loop and loop.math else "-"
+        print(f"| `{k.compiled.entry}` | {k.region.kind} | `{tmpl}` | {r.regs if r else '-'} | "
+              f"{r.spill_bytes if r else '-'} | {loop.instructions if loop else '-'} | "
+              f"{loop.math if loop else '-'} | {per} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
