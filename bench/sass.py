@@ -1,5 +1,6 @@
 """Static look at the GEMM kernels of a model, no GPU needed: ptxas's registers and spills, and the size of
-the k-loop in the sm_90 SASS (instructions per MMA/FMA: how issue-bound the mainloop is).
+the k-loop in the sm_90 SASS (instructions per MMA/FMA: how issue-bound the mainloop is). A loop with
+loops inside (runtime trip counts) counts their bodies once, so its figure is marked as a lower bound.
 
     python -m ortfuse.bench.sass MODEL.onnx [--arch sm_90]
 
@@ -52,24 +53,26 @@ def sass(cubin: bytes) -> list[tuple[int, str]]:
 class KLoop:
     instructions: int  # in the innermost loop holding the math
     math: int  # HMMA / FFMA among them
+    inner_loops: int  # backward branches inside it: its count is then a lower bound per iteration
 
 
 def k_loop(ins: list[tuple[int, str]]) -> Optional[KLoop]:
     """The innermost backward branch's body that contains an MMA (or FFMA for SIMT kernels)."""
     mathops = [a for a, t in ins if re.search(r"\b(HMMA|FFMA)\b", t)]
-    best: Optional[list[str]] = None
+    back = []  # (target, branch address) of every backward branch
     for a, t in ins:
         m = re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)
-        if not m or int(m.group(1), 16) >= a:
-            continue
-        lo = int(m.group(1), 16)
-        if any(lo <= x <= a for x in mathops):
-            body = [u for b, u in ins if lo <= b <= a]
-            if best is None or len(body) < len(best):
-                best = body
+        if m and int(m.group(1), 16) < a:
+            back.append((int(m.group(1), 16), a))
+    best: Optional[tuple[int, int]] = None
+    for lo, hi in back:
+        if any(lo <= x <= hi for x in mathops) and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
     if best is None:
         return None
-    return KLoop(len(best), sum(1 for u in best if re.search(r"\b(HMMA|FFMA)\b", u)))
+    body = [u for b, u in ins if best[0] <= b <= best[1]]
+    inner = sum(1 for lo, hi in back if best[0] <= lo and hi < best[1])
+    return KLoop(len(body), sum(1 for u in body if re.search(r"\b(HMMA|FFMA)\b", u)), inner)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -90,7 +93,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         tmpl = re.sub(r"ofz_\w+_ops", "Ops", call.group(1)) if call else ""
         r = dict(k.compiled.resources).get(cc)
         loop = k_loop(sass(dict(k.compiled.cubins)[cc]))
-        per = f"{loop.instructions / loop.math:.1f}" if loop and loop.math else "-"
+        bound = "≥ " if loop and loop.inner_loops else ""
+        per = f"{bound}{loop.instructions / loop.math:.1f}" if loop and loop.math else "-"
         print(f"| `{k.compiled.entry}` | {k.region.kind} | `{tmpl}` | {r.regs if r else '-'} | "
               f"{r.spill_bytes if r else '-'} | {loop.instructions if loop else '-'} | "
               f"{loop.math if loop else '-'} | {per} |")
