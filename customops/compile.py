@@ -29,7 +29,11 @@ class Resources:
     stack_bytes: int
 
     @staticmethod
-    def parse(log: str) -> Optional["Resources"]:
+    def parse(log: str, entry: Optional[str] = None) -> Optional["Resources"]:
+        """From ptxas -v output; with `entry`, only that kernel's part (not a non-inlined callee's)."""
+        if entry is not None:
+            parts = re.split(r"(?=ptxas info\s*: Compiling entry function )", log)
+            log = next((x for x in parts if f"entry function '{entry}'" in x), "")
         regs = re.search(r"Used (\d+) registers", log)
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
         if not regs or not frame:
@@ -161,7 +165,7 @@ def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -
         path, info = folder / f"sm_{cc}.cubin", folder / f"sm_{cc}.json"
         if not path.exists() or not info.exists():
             image, log = _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu")
-            res = Resources.parse(log)
+            res = Resources.parse(log, entry)
             atomic_write(info, json.dumps(res.__dict__ if res else None).encode())
             atomic_write(path, image)
         cubins.append((cc, path.read_bytes()))

@@ -111,9 +111,12 @@ class CostModel:
         batch, m, n, k = gemm_dims(g, node)
         es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
         math_ = self._math(g, node)
-        b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
-        free = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1)
-        row = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1, row=True)
+        trans = {x.name: x.i for x in node.attribute if x.name in ("transA", "transB")}
+        b_nk = node.op_type == "Gemm" and bool(trans.get("transB"))
+        # as the lowering picks operand modes: 16-byte aligned rows are copied, others staged in registers
+        staged = (bool(trans.get("transA")) or (k * es) % 16 != 0, ((k if b_nk else n) * es) % 16 != 0)
+        free = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1, staged=staged)
+        row = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1, row=True, staged=staged)
         if not free or not row:
             return math.inf
         return max(1.0, row[0].est_us / free[0].est_us)

@@ -57,4 +57,10 @@ def test_resources_parse_ptxas_log():
            "    16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
            "ptxas info    : Used 64 registers, used 1 barriers, 16 bytes cumulative stack size\n")
     assert Resources.parse(log) == Resources(64, 20, 16)
+    assert Resources.parse(log, "k") == Resources(64, 20, 16)
     assert Resources.parse("no ptxas output") is None
+    # a non-inlined callee listed first: the kernel's own figures are taken
+    callee = ("ptxas info    : Function properties for helper\n"
+              "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n")
+    assert Resources.parse(callee + log, "k") == Resources(64, 20, 16)
+    assert Resources.parse(log, "other") is None
