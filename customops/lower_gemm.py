@@ -12,7 +12,8 @@ The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the re
   shared-memory row buffer, and `row` runs the rest of the region as a row-reduction pass over that buffer.
 When B has no batch dims, the batch dims of A fold into M, so the whole activation is one tall GEMM.
 A 2-D Conv (group 1) is an implicit GEMM per image: the weight is A, im2col of the image is B (gathered
-with zero padding by `b_load`, or copied directly for a 1x1 convolution), the pixels are the columns."""
+with zero padding by the template's 32-bit `kIm2col` mode, by `b_load` for images past 2^31 elements, or
+copied directly for an aligned 1x1 convolution), the pixels are the columns."""
 from __future__ import annotations
 
 import math
