@@ -1,7 +1,8 @@
 """Attention region -> kernel IR: one call of `ofz::attn::simt` or `ofz::attn::tensor_core`
 (include/ortfuse_attention.h) with callbacks printed from IR:
 * Q.offset / K.offset / V.offset: element offset of (b, h, s, d) in the tensor the kernel reads, walking
-  back through the pattern's Reshape/Transpose path (scalar scales on the path move into the score);
+  back through the pattern's Reshape/Transpose path (scalar scales on the path move into the score; a
+  Split or Slice adds its start, so Q, K and V may be parts of one packed projection);
 * O.offset: the same for the result, walking forward through the output path;
 * S.score: the element-wise ops between the two MatMuls (scale, mask) at (b, h, i, j) from the Q·Kᵀ value.
 The tensor-core variant needs fp16/bf16 data, head sizes that are multiples of 16, and rows contiguous
@@ -17,7 +18,7 @@ from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Graph
-from ortfuse.search.attention import AttentionPattern, find_attention
+from ortfuse.search.attention import SELECT_OPS, AttentionPattern, find_attention, select_start
 from ortfuse.search.plan import Region
 
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -95,6 +96,13 @@ class _AttnLowerer(_Lowerer):
                 idx, t = tuple(inv), node.input[0]
             elif op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten"):
                 idx, t = self.reshape_index(idx, self._shape(t), self._shape(node.input[0])), node.input[0]
+            elif op in SELECT_OPS:
+                try:
+                    starts = select_start(self.g, node, t)
+                except ValueError as e:
+                    raise LoweringError(f"{op} on an attention operand path: {e}") from None
+                idx = tuple(ir.add(i, ir.i64(starts[a])) if starts.get(a) else i for a, i in enumerate(idx))
+                t = node.input[0]
             elif op in ("Mul", "Div"):
                 consts = [x for x in node.input if x in self.g.constants and self.g.constants[x].size == 1]
                 data = [x for x in node.input if x not in consts]

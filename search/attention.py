@@ -25,6 +25,10 @@ MAX_SCORE_OPS = 8
 PROB_OPS = frozenset({"Cast", "Identity"})
 # Layout ops that fold into a kernel's element-offset functions.
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze"})
+# Ops that select a part of their input, on operand paths only: the Split of a packed QKV projection
+# (GPT-2's c_attn, BERT's after `rewriter.canonical.pack_sibling_gemms`) and constant Slices fold into
+# the offset as a start along one axis. All of a Split's outputs must stay inside the pattern.
+SELECT_OPS = frozenset({"Split", "Slice"})
 # Kernel storage types: fp32 accumulation of fp32 / fp16 / bf16 data.
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
@@ -64,31 +68,46 @@ def find_attention(g: Graph) -> tuple[list[AttentionPattern], list[Reject]]:
         if n.op_type != "Softmax" or n.domain not in ("", "ai.onnx"):
             continue
         try:
-            found.append(_match(g, i))
+            pat = _match(g, i, select=True)
+            if _leaking_selects(g, pat):  # e.g. K and V also returned as a KV cache: stop at the Split
+                pat = _match(g, i, select=False)
+            found.append(pat)
         except _NoMatch as e:
             rejects.append(Reject(g.node_label(i), str(e)))
     return found, rejects
 
 
-def _match(g: Graph, sm: int) -> AttentionPattern:
+def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
+    """Whether a Split/Slice in the pattern has an output used outside it (then it cannot be absorbed)."""
+    inside = set(pat.nodes)
+    for i in inside:
+        n = g.nodes[i]
+        if n.op_type in SELECT_OPS:
+            for o in n.output:
+                if o in g.graph_outputs or not set(g.consumers.get(o, ())) <= inside:
+                    return True
+    return False
+
+
+def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
     scores = _shape(g, g.nodes[sm].input[0])
     axis = _attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
     if len(scores) < 2 or axis % len(scores) != len(scores) - 1:
         _refuse(f"Softmax over axis {axis} of a rank-{len(scores)} tensor, not the last axis")
     qk, score_ops = _scores_back(g, sm)
     prob_ops, pv = _probs_forward(g, sm)
-    q_path, q = _path_back(g, g.nodes[qk].input[0], qk)
-    k_path, k = _path_back(g, g.nodes[qk].input[1], qk)
-    v_path, v = _path_back(g, g.nodes[pv].input[1], pv)
+    q_path, q = _path_back(g, g.nodes[qk].input[0], qk, select)
+    k_path, k = _path_back(g, g.nodes[qk].input[1], qk, select)
+    v_path, v = _path_back(g, g.nodes[pv].input[1], pv, select)
     out_path, output = _path_forward(g, g.nodes[pv].output[0])
-    nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)
+    nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)  # paths may share a Split
     _check_shapes(g, qk, pv, nodes)
     for p in score_ops:
         if _shape(g, g.nodes[p].output[0]) != _shape(g, g.nodes[qk].output[0]):
             _refuse(f"{g.node_label(p)} broadcasts the scores {_shape(g, g.nodes[qk].output[0])} "
                     f"to {_shape(g, g.nodes[p].output[0])}")
     return AttentionPattern(qk, pv, sm, score_ops, prob_ops, q_path, k_path, v_path, out_path, q, k, v, output,
-                            _extra_inputs(g, qk, score_ops), tuple(sorted(nodes)))
+                            _extra_inputs(g, qk, score_ops), tuple(sorted(set(nodes))))
 
 
 # ---- the score chain: MatMul → element-wise ops → Softmax ------------------------------------------------
@@ -179,13 +198,14 @@ def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
 
 # ---- layout paths -----------------------------------------------------------------------------------------
 
-def _path_back(g: Graph, t: str, user: int) -> tuple[tuple[int, ...], str]:
+def _path_back(g: Graph, t: str, user: int, select: bool) -> tuple[tuple[int, ...], str]:
     """Nodes from the path's input to `t` (consumed by `user`), and that input. The walk stops before a
-    tensor used anywhere else, and at the first node that is not a foldable layout op or scalar scale."""
+    tensor used anywhere else, and at the first node that is not a foldable layout op, scalar scale or
+    (when `select`) Split/Slice."""
     path: list[int] = []
     while t not in g.graph_outputs and set(g.consumers.get(t, ())) == {user}:
         p = g.producer.get(t)
-        src = None if p is None else _path_source(g, p, scale_ok=True)
+        src = None if p is None else _path_source(g, p, scale_ok=True, select_ok=select)
         if src is None:
             break
         path.append(p)
@@ -207,11 +227,23 @@ def _path_forward(g: Graph, t: str) -> tuple[tuple[int, ...], str]:
     return tuple(path), t
 
 
-def _path_source(g: Graph, p: int, scale_ok: bool) -> str | None:
+def _path_source(g: Graph, p: int, scale_ok: bool, select_ok: bool = False) -> str | None:
     """The data input of node `p` if it may sit on a path: a layout op whose shape/axes/perm are
-    constants, or (when `scale_ok`) a Mul/Div by a scalar constant (the 1/sqrt(d) scale applied to Q or K)."""
+    constants, (when `scale_ok`) a Mul/Div by a scalar constant (the 1/sqrt(d) scale applied to Q or K),
+    or (when `select_ok`) a Split or unit-step Slice whose starts `select_start` can compute."""
     n = g.nodes[p]
-    if n.domain not in ("", "ai.onnx") or len(n.output) != 1:
+    if n.domain not in ("", "ai.onnx"):
+        return None
+    if select_ok and n.op_type in SELECT_OPS:
+        if any(x and x not in g.constants for x in n.input[1:]):
+            return None
+        try:
+            for o in n.output:
+                select_start(g, n, o)
+        except ValueError:
+            return None
+        return n.input[0]
+    if len(n.output) != 1:
         return None
     if n.op_type in LAYOUT_OPS:
         if any(x and x not in g.constants for x in n.input[1:]):
@@ -229,6 +261,42 @@ def _path_source(g: Graph, p: int, scale_ok: bool) -> str | None:
         if _scalar_const(g, n.input[1]) and n.input[0] not in g.constants:
             return n.input[0]
     return None
+
+
+def select_start(g: Graph, n: onnx.NodeProto, out: str) -> dict[int, int]:
+    """Where output `out` of Split/Slice `n` starts in its input: {axis: first index} (unit steps only).
+    Split starts come from the inferred sizes of the outputs before it, so every form of the op (sizes
+    as input, attribute or num_outputs) reads the same. Raises ValueError when they are not static."""
+    info = g.tensors.get(n.input[0])
+    src = None if info is None else info.shape
+    if src is None:
+        raise ValueError(f"shape of '{n.input[0]}' unknown")
+    rank = len(src)
+    if n.op_type == "Split":
+        axis = _attr(n, "axis", 0) % rank
+        start = 0
+        for o in n.output[:list(n.output).index(out)]:
+            shape = g.info(o).shape if o in g.tensors else None
+            if shape is None or not isinstance(shape[axis], int):
+                raise ValueError(f"Split output '{o}' has no static size along axis {axis}")
+            start += shape[axis]
+        return {axis: start}
+    assert n.op_type == "Slice"
+    if g.opset < 10:
+        raise ValueError("Slice before opset 10")
+    inputs = list(n.input) + [""] * (5 - len(n.input))
+    starts, _, axes, steps = (g.constants[x].reshape(-1).tolist() if x else None for x in inputs[1:5])
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    result: dict[int, int] = {}
+    for s0, a, st in zip(starts, axes, steps):
+        a %= rank
+        dim = src[a]
+        if st != 1 or not isinstance(dim, int):
+            raise ValueError(f"Slice of axis {a}: only unit steps on static dims fold into offsets")
+        first = min(max(s0 + dim if s0 < 0 else s0, 0), dim)
+        result[a] = first
+    return result
 
 
 # ---- checks -------------------------------------------------------------------------------------------------

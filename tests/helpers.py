@@ -74,3 +74,34 @@ def conv_silu_residual(dt, c, oc, k, s, pads, d, hw, bias=True):
                node("Add", ["y", "r"], ["z"]), node("Sigmoid", ["z"], ["sg"]), node("Mul", ["z", "sg"], ["out"])],
               [vi("x", dt, ["n", c, hw, hw]), vi("r", dt, ["n", oc, oh, ow])], [vi("out", dt, None)], inits)
     return m, {"x": ("n", c, hw, hw), "r": ("n", oc, oh, ow)}, lambda n: {"x": (n, c, hw, hw), "r": (n, oc, oh, ow)}
+
+
+def packed_attention(dt, heads: int, head: int, select: str = "split", kv_out: bool = False) -> onnx.ModelProto:
+    """Self-attention reading Q, K and V from one packed projection x [B, S, 3*H*D], as GPT-2's c_attn
+    (and BERT after QKV packing) feed it: `select` is "split" (one Split) or "slice" (three Slices).
+    Heads reshaped and transposed, Kᵀ by Transpose(0,2,3,1), scores scaled and masked by a [B,1,1,S]
+    padding mask. `kv_out`: K also returned (a KV cache), so the Split cannot be absorbed."""
+    hd = heads * head
+    if select == "split":
+        nodes = [node("Split", ["x", "sizes"], ["xq", "xk", "xv"], axis=2)]
+        inits = [const("sizes", [hd, hd, hd], np.int64)]
+    else:
+        nodes = [node("Slice", ["x", f"start{i}", f"end{i}", "ax"], [t]) for i, t in enumerate(("xq", "xk", "xv"))]
+        inits = [c for i in range(3) for c in (const(f"start{i}", [i * hd], np.int64),
+                                               const(f"end{i}", [(i + 1) * hd], np.int64))]
+        inits.append(const("ax", [-1], np.int64))
+    nodes += [
+        node("Reshape", ["xq", "shp4"], ["q4"]), node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+        node("Reshape", ["xk", "shp4"], ["k4"]), node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        node("Reshape", ["xv", "shp4"], ["v4"]), node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+        node("MatMul", ["qh", "kt"], ["s0"]), node("Div", ["s0", "scale"], ["s1"]),
+        node("Add", ["s1", "mask"], ["s2"]), node("Softmax", ["s2"], ["p"], axis=-1),
+        node("MatMul", ["p", "vh"], ["o"]), node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]),
+        node("Reshape", ["o4", "shp3"], ["y"]),
+    ]
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+    inits += [const("shp4", [0, 0, heads, head], np.int64), const("shp3", [0, 0, hd], np.int64),
+              const("scale", np.sqrt(head), npdt)]
+    inputs = [vi("x", dt, ["batch", "seq", 3 * hd]), vi("mask", dt, ["batch", 1, 1, "seq"])]
+    outputs = [vi("y", dt, None)] + ([vi("xk", dt, None)] if kv_out else [])
+    return model(nodes, inputs, outputs, inits)

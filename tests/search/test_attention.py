@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, model, node, vi
+from helpers import const, model, node, packed_attention, vi
 
 from ortfuse.rewriter.canonical import fold_runtime_shapes
 from ortfuse.rewriter.graph import Graph
@@ -215,6 +215,35 @@ def test_double_scores():
     assert "scores of type DOUBLE" in _reason(g)
 
 
+@pytest.mark.parametrize("select", ["split", "slice"])
+def test_packed_projection_is_read_through_its_split_or_slices(select):
+    g, _ = fold_runtime_shapes(build_graph(packed_attention(F, H, D, select), {}))
+    p = _one(g)
+    assert p.q == p.k == p.v == "x"
+    first = ["Split"] if select == "split" else ["Slice"]
+    assert _ops(g, p.q_path) == _ops(g, p.v_path) == first + ["Reshape", "Transpose"]
+    assert _ops(g, p.k_path) == first + ["Reshape", "Transpose"]
+    assert p.nodes == tuple(range(len(g.nodes)))  # the shared Split appears once
+
+
+def test_split_with_an_output_leaving_the_pattern_stays_outside():
+    g, _ = fold_runtime_shapes(build_graph(packed_attention(F, H, D, "split", kv_out=True), {}))
+    p = _one(g)
+    assert (p.q, p.k, p.v) == ("xq", "xk", "xv")
+    assert "Split" not in _ops(g, p.nodes)
+
+
+def test_slice_with_a_step_stays_outside():
+    m = packed_attention(F, H, D, "slice")
+    m.graph.node[1].input.append("two")  # the K slice: steps [2]
+    m.graph.initializer.append(const("two", [2], np.int64))
+    m.graph.node[1].input[2] = "e_far"
+    m.graph.initializer.append(const("e_far", [3 * H * D], np.int64))
+    g, _ = fold_runtime_shapes(build_graph(m, {}))
+    p = _one(g)
+    assert p.q == p.v == "x" and p.k == "xk"
+
+
 # ---- real exports -------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -241,9 +270,14 @@ def test_every_layer_of_exported_models(zoo, name: str, dtype: str):
         assert not seen & set(p.nodes)
         seen |= set(p.nodes)
         hd = info.hidden_size
-        for t in (p.q, p.k, p.v, p.output):  # projections in, [B, S, H*D] out: all layout folded
-            assert g.info(t).shape[-1] == hd and g.info(t).rank == 3
-        assert _ops(g, p.k_path) == ["Reshape", "Transpose"]
+        # projections in, [B, S, H*D] out: all layout folded; GPT-2's packed c_attn [B, S, 3*H*D] is read
+        # through its Split (one tensor for Q, K and V)
+        packed = name == "gpt2"
+        assert g.info(p.output).shape[-1] == hd and g.info(p.output).rank == 3
+        for t in (p.q, p.k, p.v):
+            assert g.info(t).shape[-1] == (3 * hd if packed else hd) and g.info(t).rank == 3
+        assert (p.q == p.k == p.v) == packed
+        assert _ops(g, p.k_path) == (["Split", "Reshape", "Transpose"] if packed else ["Reshape", "Transpose"])
         assert g.nodes[p.k_path[-1]].attribute[0].ints == [0, 2, 3, 1]
         assert _ops(g, p.out_path) == ["Transpose", "Reshape"]
         assert _ops(g, p.score_ops) == (["Mul"] if name == "vit" else ["Mul", "Add"])
