@@ -17,12 +17,14 @@ from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
-from ortfuse.rewriter.canonical import fold_conv_pads, fold_runtime_shapes, unflatten_gemms
+from ortfuse.rewriter.canonical import (fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
+                                       pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, parse_input_shapes
 from ortfuse.search import ops
+from ortfuse.search.attention import absorbed_selects
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -102,6 +104,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, unflattened = unflatten_gemms(graph)
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
+    graph, _ = fold_constant_identities(graph)
+    graph, packed = pack_sibling_gemms(graph, absorbed_selects)
+    if packed:
+        say(f"{packed} MatMuls sharing an input became one MatMul per group, split where attention reads them")
     graph, padded = fold_conv_pads(graph)
     if padded:
         say(f"{padded} zero Pads became the padding of the Convs they feed")

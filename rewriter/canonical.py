@@ -9,10 +9,18 @@
 * `fold_conv_pads`: a zero Pad of the spatial dims feeding only Convs (the TF-style "same" padding HF's
   MobileNetV2 computes from constants) becomes the Convs' own `pads`, as ORT's PadFusion does after its
   constant folding; otherwise a Conv we fuse would leave ORT a Pad kernel it never ran before.
+* `fold_constant_identities`: an Identity of a constant (the TorchScript exporter's way of sharing equal
+  weights, such as zero biases) is bypassed, so its consumers see a constant, as ORT's constant folding
+  gives them.
+* `pack_sibling_gemms`: MatMuls that multiply one activation by different constant weights (BERT's and
+  ViT's query, key and value projections), each with its bias Add, become one MatMul on the concatenated
+  weights, one Add and a Split: one GEMM launch with a wider N instead of several. The caller says which
+  packings to keep (only those whose Split a consumer reads through, so no copy kernel is added).
 Shape computations left without consumers are removed."""
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import onnx
@@ -243,3 +251,157 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             conv.input[0] = pad.input[0]
     _remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset), len(plans)
+
+
+# ---- Identity of a constant ---------------------------------------------------------------------------------
+
+def fold_constant_identities(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Identities bypassed). `g` is left untouched."""
+    alias: dict[str, str] = {}
+    for n in g.nodes:
+        if n.op_type != "Identity" or n.domain not in ("", "ai.onnx") or n.output[0] in g.graph_outputs:
+            continue
+        src = alias.get(n.input[0], n.input[0])
+        users = g.consumers.get(n.output[0], ())
+        if src in g.constants and all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads
+            alias[n.output[0]] = src
+    if not alias:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    for node in m.graph.node:
+        for k, x in enumerate(node.input):
+            if x in alias:
+                node.input[k] = alias[x]
+    _remove_dead(m)
+    return assemble(m, dict(g.tensors), g.opset), len(alias)
+
+
+# ---- sibling GEMMs ---------------------------------------------------------------------------------------
+
+def _packable_weight(g: Graph, i: int, x: str) -> Optional[str]:
+    """The weight of MatMul node i if it computes x @ W with W a 2-D constant used by this node alone."""
+    n = g.nodes[i]
+    if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or n.input[0] != x or n.input[1] == x:
+        return None
+    w = n.input[1]
+    info = g.tensors.get(w)
+    if w not in g.constants or w in g.graph_outputs or info is None or info.shape is None or len(info.shape) != 2 \
+            or set(g.consumers.get(w, ())) != {i}:
+        return None
+    return w
+
+
+def _bias_add(g: Graph, i: int, n_cols: int) -> Optional[tuple[int, str]]:
+    """(Add node, bias) when MatMul i's result is only consumed by an Add of a constant [N] bias."""
+    y = g.nodes[i].output[0]
+    users = set(g.consumers.get(y, ()))
+    if y in g.graph_outputs or len(users) != 1:
+        return None
+    a = next(iter(users))
+    add = g.nodes[a]
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2 or add.input[0] == add.input[1]:
+        return None
+    b = add.input[1] if add.input[0] == y else add.input[0]
+    info = g.tensors.get(b)
+    if b not in g.constants or info is None or info.shape != (n_cols,) or info.dtype != g.tensors[y].dtype:
+        return None
+    return a, b
+
+
+@dataclass(frozen=True)
+class _Pack:
+    x: str
+    matmuls: tuple[int, ...]
+    weights: tuple[str, ...]
+    adds: tuple[int, ...]  # one per MatMul, or empty when not every MatMul has a bias Add
+    biases: tuple[str, ...]
+
+    @property
+    def split_name(self) -> str:
+        return f"{self.x}__ortfuse_packed_{self.matmuls[0]}/Split"
+
+
+def _sibling_packs(g: Graph) -> list[_Pack]:
+    packs = []
+    for x, users in g.consumers.items():
+        info = g.tensors.get(x)
+        if x in g.constants or info is None or info.shape is None or len(info.shape) < 2:
+            continue
+        groups: dict[tuple, list[tuple[int, str]]] = {}
+        for i in sorted(set(users)):
+            w = _packable_weight(g, i, x)
+            if w is not None and g.tensors[w].shape[0] == info.shape[-1]:
+                groups.setdefault((g.tensors[w].dtype, g.tensors[w].shape[0]), []).append((i, w))
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            adds = [_bias_add(g, i, g.tensors[w].shape[1]) for i, w in members]
+            biased = all(a is not None for a in adds)
+            packs.append(_Pack(x, tuple(i for i, _ in members), tuple(w for _, w in members),
+                               tuple(a[0] for a in adds) if biased else (), tuple(a[1] for a in adds) if biased else ()))
+    return packs
+
+
+def _apply_packs(g: Graph, packs: list[_Pack]) -> Graph:
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    removed = {i for p in packs for i in (*p.matmuls, *p.adds)}
+    at = {p.matmuls[0]: p for p in packs}
+    new_nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(m.graph.node):
+        if i in at:
+            new_nodes.extend(_packed_nodes(g, at[i], m, tensors))
+        if i not in removed:
+            new_nodes.append(node)
+    del m.graph.node[:]
+    m.graph.node.extend(new_nodes)
+    _remove_dead(m)
+    return assemble(m, tensors, g.opset)
+
+
+def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, TensorInfo]) -> list[onnx.NodeProto]:
+    """MatMul on the concatenated weights (+ Add of the concatenated biases) + Split into the old results."""
+    base = f"{p.x}__ortfuse_packed_{p.matmuls[0]}"
+    sizes = [g.tensors[w].shape[1] for w in p.weights]
+    dtype = g.tensors[p.weights[0]].dtype
+    x_shape = g.tensors[p.x].shape
+    out_shape = (*x_shape[:-1], sum(sizes))
+    m.graph.initializer.append(numpy_helper.from_array(np.concatenate([g.constants[w] for w in p.weights], 1),
+                                                       f"{base}_w"))
+    nodes = [onnx.helper.make_node("MatMul", [p.x, f"{base}_w"], [f"{base}_mm"], name=f"{base}/MatMul")]
+    tensors[f"{base}_mm"] = TensorInfo(f"{base}_mm", dtype, out_shape)
+    tensors[f"{base}_w"] = TensorInfo(f"{base}_w", dtype, (x_shape[-1], sum(sizes)))
+    packed, results = f"{base}_mm", [g.nodes[i].output[0] for i in p.matmuls]
+    if p.adds:
+        m.graph.initializer.append(numpy_helper.from_array(np.concatenate([g.constants[b] for b in p.biases]),
+                                                           f"{base}_b"))
+        tensors[f"{base}_b"] = TensorInfo(f"{base}_b", dtype, (sum(sizes),))
+        nodes.append(onnx.helper.make_node("Add", [packed, f"{base}_b"], [f"{base}_add"], name=f"{base}/Add"))
+        tensors[f"{base}_add"] = TensorInfo(f"{base}_add", dtype, out_shape)
+        packed, results = f"{base}_add", [g.nodes[a].output[0] for a in p.adds]
+    axis = len(out_shape) - 1
+    if g.opset >= 13:
+        m.graph.initializer.append(numpy_helper.from_array(np.asarray(sizes, np.int64), f"{base}_sizes"))
+        tensors[f"{base}_sizes"] = TensorInfo(f"{base}_sizes", onnx.TensorProto.INT64, (len(sizes),))
+        nodes.append(onnx.helper.make_node("Split", [packed, f"{base}_sizes"], results, name=p.split_name, axis=axis))
+    else:
+        nodes.append(onnx.helper.make_node("Split", [packed], results, name=p.split_name, axis=axis, split=sizes))
+    return nodes
+
+
+def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = None) -> tuple[Graph, int]:
+    """(new graph, number of MatMuls packed). `keep(packed graph)` names the Split nodes worth keeping;
+    packings whose Split is not named are undone. `g` is left untouched."""
+    packs = _sibling_packs(g)
+    if not packs:
+        return g, 0
+    packed = _apply_packs(g, packs)
+    if keep is not None:
+        wanted = keep(packed)
+        kept = [p for p in packs if p.split_name in wanted]
+        if len(kept) != len(packs):
+            packs = kept
+            packed = _apply_packs(g, packs) if packs else g
+    return packed, sum(len(p.matmuls) for p in packs)

@@ -77,6 +77,11 @@ def find_attention(g: Graph) -> tuple[list[AttentionPattern], list[Reject]]:
     return found, rejects
 
 
+def absorbed_selects(g: Graph) -> set[str]:
+    """Names of the Split/Slice nodes that an attention pattern reads through (they cost no kernel)."""
+    return {g.nodes[i].name for p in find_attention(g)[0] for i in p.nodes if g.nodes[i].op_type in SELECT_OPS}
+
+
 def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
     """Whether a Split/Slice in the pattern has an output used outside it (then it cannot be absorbed)."""
     inside = set(pat.nodes)

@@ -32,6 +32,9 @@ def test_exported_model(zoo, name, dtype, min_fused):
         assert [cc for cc, _ in k.compiled.cubins] == [80, 90]
     kinds = [r.kind for r in res.plan.regions]
     assert kinds.count("attention") == 2, kinds  # every layer's attention is one flash kernel
+    # Q, K and V come from one projection GEMM (BERT's and ViT's packed by the rewriter), read through its Split
+    att_ops = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
+    assert all(o.count("Split") == 1 for o in att_ops), att_ops
     assert "gemm" in kinds
     if name == "gpt2":  # the Conv1D Gemms (flatten -> Gemm -> restore) became MatMuls with their GELU fused
         ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions if r.kind == "gemm"]

@@ -1,5 +1,6 @@
 """Canonicalization: run-time Reshape targets become constants where shapes determine them, flattened Gemms
-become MatMuls, zero Pads become the padding of the Convs they feed."""
+become MatMuls, zero Pads become the padding of the Convs they feed, Identities of constants are bypassed,
+sibling MatMuls sharing an input are packed into one."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
-from ortfuse.rewriter.canonical import _static_target, fold_conv_pads, fold_runtime_shapes, unflatten_gemms
+from ortfuse.rewriter.canonical import (_static_target, fold_constant_identities, fold_conv_pads,
+                                       fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -152,3 +154,103 @@ def test_pads_that_are_not_conv_padding_stay(kwargs):
     # a non-zero value, another mode, a consumer that is not a Conv, padding of the channels
     g = build_graph(_pad_conv(**kwargs), {})
     assert fold_conv_pads(g)[1] == 0
+
+
+# ---- Identity of a constant, sibling MatMuls ---------------------------------------------------------------
+
+def _siblings(biases=(True, True, True), shared_weight=False, opset=18, dtype=TP.FLOAT, extra_identity_out=False):
+    """x [b, s, 16] @ Wq / Wk / Wv [16, 8|8|12] (+ bias), each result consumed by its own Relu. The biases are
+    one zero initializer shared through Identities (as the TorchScript exporter writes equal weights)."""
+    np_dt = np.float16 if dtype == TP.FLOAT16 else np.float32
+    rng = np.random.default_rng(5)
+    widths = (8, 8, 12)
+    nodes, inits, outs = [], [], []
+    for k, (w, b) in enumerate(zip(widths, biases)):
+        nodes.append(node("MatMul", ["x", f"w{k}"], [f"y{k}"]))
+        inits.append(const(f"w{k}", rng.standard_normal((16, w)) * 0.3, np_dt))
+        last = f"y{k}"
+        if b:
+            nodes += [node("Identity", [f"bsrc{k}"], [f"b{k}"]), node("Add", [f"b{k}", last], [f"z{k}"])]
+            inits.append(const(f"bsrc{k}", rng.standard_normal(w) * 0.1, np_dt))
+            last = f"z{k}"
+        nodes.append(node("Relu", [last], [f"out{k}"]))
+        outs.append(vi(f"out{k}", dtype, None))
+    if shared_weight:
+        nodes.append(node("MatMul", ["x2", "w0"], ["extra"]))
+        outs.append(vi("extra", dtype, None))
+    if extra_identity_out:
+        nodes.append(node("Identity", ["bsrc0"], ["bcopy"]))
+        outs.append(vi("bcopy", dtype, None))
+    inputs = [vi("x", dtype, ["b", "s", 16])] + ([vi("x2", dtype, ["b", 16])] if shared_weight else [])
+    return model(nodes, inputs, outs, inits, opset=opset)
+
+
+def _feeds(m):
+    rng = np.random.default_rng(1)
+    out = {}
+    for v in m.graph.input:
+        shape = [3 if d.dim_param else d.dim_value for d in v.type.tensor_type.shape.dim]
+        np_dt = np.float16 if v.type.tensor_type.elem_type == TP.FLOAT16 else np.float32
+        out[v.name] = rng.standard_normal(shape).astype(np_dt)
+    return out
+
+
+def _same_function(m1, m2):
+    feeds = _feeds(m1)
+    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    for a, b in zip(run(m1), run(m2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_identities_of_constants_are_bypassed_unless_graph_outputs():
+    m = _siblings(extra_identity_out=True)
+    g2, n = fold_constant_identities(build_graph(m, {}))
+    assert n == 3
+    assert [x.output[0] for x in g2.nodes if x.op_type == "Identity"] == ["bcopy"]
+    assert {x.input[0] for x in g2.nodes if x.op_type == "Add"} == {"bsrc0", "bsrc1", "bsrc2"}
+    _same_function(m, g2.model)
+
+
+@pytest.mark.parametrize("opset", [11, 18])
+@pytest.mark.parametrize("dtype", [TP.FLOAT, TP.FLOAT16])
+def test_sibling_matmuls_with_biases_become_one_matmul_add_split(opset, dtype):
+    m = _siblings(opset=opset, dtype=dtype)
+    g = build_graph(m, {})
+    g1, _ = fold_constant_identities(g)
+    g2, n = pack_sibling_gemms(g1)
+    assert n == 3
+    assert [x.op_type for x in g2.nodes] == ["MatMul", "Add", "Split", "Relu", "Relu", "Relu"]
+    split = g2.nodes[2]
+    assert list(split.output) == ["z0", "z1", "z2"]
+    assert g2.tensors[g2.nodes[0].output[0]].shape == ("b", "s", 28)
+    assert g2.constants[g2.nodes[0].input[1]].dtype == (np.float16 if dtype == TP.FLOAT16 else np.float32)
+    _same_function(m, g2.model)
+    assert [x.op_type for x in g.model.graph.node].count("MatMul") == 3  # the input graph is untouched
+
+
+def test_siblings_without_a_bias_each_pack_only_the_matmuls():
+    m = _siblings(biases=(True, False, True))
+    g2, n = pack_sibling_gemms(fold_constant_identities(build_graph(m, {}))[0])
+    assert n == 3
+    assert [x.op_type for x in g2.nodes][:2] == ["MatMul", "Split"]
+    assert sum(x.op_type == "Add" for x in g2.nodes) == 2  # the biases stay on the split results
+    _same_function(m, g2.model)
+
+
+def test_a_weight_used_elsewhere_is_not_packed():
+    m = _siblings(shared_weight=True)
+    g2, n = pack_sibling_gemms(fold_constant_identities(build_graph(m, {}))[0])
+    assert n == 2  # Wk and Wv only
+    assert sum(x.op_type == "MatMul" for x in g2.nodes) == 3
+    _same_function(m, g2.model)
+
+
+def test_packings_the_caller_does_not_keep_are_undone():
+    g1, _ = fold_constant_identities(build_graph(_siblings(), {}))
+    seen = []
+
+    def keep(packed):
+        seen.append([x.op_type for x in packed.nodes].count("Split"))
+        return set()
+    g2, n = pack_sibling_gemms(g1, keep)
+    assert seen == [1] and n == 0 and g2 is g1
