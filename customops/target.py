@@ -20,6 +20,9 @@ class Target:
     mma_tf32_tflops: float  # dense tf32 tensor-core peak
     fp32_tflops: float  # SIMT fp32 FMA peak
     clock_ghz: float  # boost clock: instruction issue rate is 4 warp-instructions per SM per clock
+    # DRAM round trip of one load: ~600 core clocks at the boost clock on these parts (public
+    # microbenchmarks, e.g. Chips and Cheese's H100/A100 latency tests); assumed, not measured by us
+    mem_latency_ns: float
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     l2_over_dram: float = 2.5  # L2 bandwidth / DRAM bandwidth, rough ratio for re-read tile traffic
@@ -40,12 +43,14 @@ class Target:
 # Figures from NVIDIA's data sheets (dense, no sparsity); launch_us is the typical ORT CUDA EP per-node
 # overhead. sm_86/sm_89 have 1536 threads per SM.
 TABLE: dict[int, Target] = {
-    80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0, 312.0, 156.0, 19.5, 1.41),
+    80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0, 312.0, 156.0, 19.5, 1.41,
+               425.0),
     86: Target(86, "RTX A6000", 84, 1024, 99 * 1024, 128 * 1024, 6 * 2**20, 768.0, 4.0, 154.8, 77.4, 38.7, 1.80,
-               max_threads_per_sm=1536),
+               333.0, max_threads_per_sm=1536),
     89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
-               max_threads_per_sm=1536),
-    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0, 989.0, 494.0, 67.0, 1.98),
+               238.0, max_threads_per_sm=1536),
+    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0, 989.0, 494.0, 67.0, 1.98,
+               303.0),
 }
 
 # Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a

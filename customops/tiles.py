@@ -4,9 +4,10 @@ A tile is aligned to the hardware by construction: warp tiles are whole mma frag
 m16n8k16, 4 x 8 lanes for SIMT), the k step copies whole 16-byte chunks and, for 16-bit types, rows of 64
 or 128 bytes (one or two 128-byte transactions per pair of rows). Candidates grow from the smallest such
 tile; each is kept only while registers, shared memory and threads fit the hardware table entry, and
-they are ranked by an analytic estimate: the larger of tensor/FMA time, DRAM time for the unique bytes
-and L2 time for the re-read tile traffic, divided by the wave efficiency (Roller's "aligned with the
-number of SMs") and inflated by the padding of partial tiles. The top K are kept with the kernel so a
+they are ranked by an analytic estimate for the busiest SM (Roller's "aligned with the number of SMs":
+ceil(tiles / SMs) tiles of padded work each): the largest of its tensor/FMA time, its instruction-issue
+time, its memory latency not covered by the pipeline's stages, DRAM time for the unique bytes and L2
+time for the re-read tile traffic. The top K are kept with the kernel so a
 profiling step can pick among them on the real device."""
 from __future__ import annotations
 
@@ -168,28 +169,31 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
             continue
         tiles_m, tiles_n = -(-m // t.bm), -(-n // t.bn)
         tiles = batch * tiles_m * tiles_n
-        slots = tgt.sm_count * blocks_per_sm
-        waves = math.ceil(tiles / slots)
-        wave_eff = tiles / (waves * slots)
         kp = -(-k // t.bk) * t.bk
-        flops = 2.0 * batch * tiles_m * t.bm * tiles_n * t.bn * kp
-        # a block runs on one SM: with few blocks the GPU's peak is out of reach
-        busy = min(1.0, tiles / tgt.sm_count)
-        t_math = flops / (peak * max(busy, 1e-3))
+        # the busiest SM decides: it runs ceil(tiles / SMs) tiles, up to blocks_per_sm at once sharing its
+        # tensor cores (or FMA units), one per scheduler, so fewer than 4 resident warps leave some idle
+        per_sm = math.ceil(tiles / tgt.sm_count)
+        warps = t.threads // 32
+        resident_warps = min(per_sm, blocks_per_sm) * warps
+        sm_rate = peak / tgt.sm_count * min(1.0, resident_warps / 4)
+        t_math = per_sm * 2.0 * t.bm * t.bn * kp / sm_rate
         unique = esize * batch * (m * k + k * n + m * n)
         reread = esize * tiles * (t.bm + t.bn) * kp
         t_mem = max(unique / (tgt.dram_gbps * 1e9), reread / (tgt.dram_gbps * tgt.l2_over_dram * 1e9))
         # instruction issue: an SM issues at most one instruction per clock for each of its 4 schedulers,
         # and a warp uses one; element-wise operand loads make a tile issue-bound long before the tensor
-        # cores are, and a block of one warp issues at a quarter of the SM's rate
+        # cores are
         ktiles = -(-k // t.bk)
-        warps = t.threads // 32
-        per_sm = math.ceil(tiles / tgt.sm_count)
-        rate = min(4, min(per_sm, blocks_per_sm) * warps)
+        rate = min(4, resident_warps)
         t_issue = per_sm * ktiles * warps * t.issue_per_ktile(math_, esize, staged) / (rate * tgt.clock_ghz * 1e9)
-        # deeper pipelines hide latency; a 2-stage pipeline exposes part of each load
-        hide = {2: 1.15, 3: 1.0, 4: 1.0}[t.stages]
-        est = max(t_math / max(wave_eff, 1e-3), t_mem, t_issue) * hide * 1e6
+        # latency: a block keeps stages - 1 k tiles in flight, so each k tile waits at least a memory
+        # round trip / (stages - 1); the SM runs its tiles in ceil(per_sm / blocks_per_sm) rounds. This is
+        # what binds a long K loop over few tiles (small M at batch 1)
+        rounds = math.ceil(per_sm / blocks_per_sm)
+        t_lat = rounds * ktiles * tgt.mem_latency_ns * 1e-9 / (t.stages - 1)
+        est = max(t_math, t_mem, t_issue, t_lat) * 1e6
         ranked.append(Ranked(t, est, blocks_per_sm))
-    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, r.tile.stages, r.tile.as_tuple()))
+    # ties (issue- or DRAM-bound tiles): the larger tile, then 3 stages (CUTLASS's sm_80 default: latency
+    # the model does not see is still hidden, and a 2-stage ring of staged operands costs local memory)
+    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, abs(r.tile.stages - 3), r.tile.as_tuple()))
     return ranked[:top_k]

@@ -22,6 +22,7 @@ from ortfuse.rewriter import _infer, _proto
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 
 BATCH_HINT = 1
+THROUGHPUT_BATCH = 32  # the second batch size a fusion must pay at when the batch is symbolic (search.cost)
 DEFAULT_HINT = 128
 _SYMPY_FUNCS = ("Min", "Max", "floor", "ceiling", "Mod", "Abs")  # what symbolic_shape_infer writes
 _SAFE_EXPR = re.compile(r"[A-Za-z0-9_+\-*/(), ]+")
@@ -283,19 +284,21 @@ def _dense(sp: onnx.SparseTensorProto) -> np.ndarray:
 
 # ---- symbolic dim hints ------------------------------------------------------------------------------
 
-def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str]) -> dict[str, int]:
+def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], batch: int = BATCH_HINT) -> dict[str, int]:
+    """Typical values of the symbolic dims: `batch` for batch-like ones (named so, or leading a graph
+    input), DEFAULT_HINT for others, expressions evaluated from those."""
     batch_like = {t.shape[0] for name in graph_inputs if (t := tensors[name]).shape and len(t.shape) >= 2
                   and isinstance(t.shape[0], str)}
     names = {d for t in tensors.values() for d in t.shape or () if isinstance(d, str)}
-    base = {n: _base_hint(n, batch_like) for n in names if _DIM_NAME.fullmatch(n)}
-    return {n: base.get(n) or _expr_hint(n, base, batch_like) for n in sorted(names)}
+    base = {n: _base_hint(n, batch_like, batch) for n in names if _DIM_NAME.fullmatch(n)}
+    return {n: base.get(n) or _expr_hint(n, base, batch_like, batch) for n in sorted(names)}
 
 
-def _base_hint(name: str, batch_like: set[str]) -> int:
-    return BATCH_HINT if "batch" in name.lower() or name in batch_like else DEFAULT_HINT
+def _base_hint(name: str, batch_like: set[str], batch: int = BATCH_HINT) -> int:
+    return batch if "batch" in name.lower() or name in batch_like else DEFAULT_HINT
 
 
-def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str]) -> int:
+def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str], batch: int = BATCH_HINT) -> int:
     """Evaluate an expression like "2*sequence_length" with its symbols at their hints."""
     # dim names come from the model file and sympify evaluates Python: accept arithmetic only, with
     # every identifier bound to a Symbol (or a whitelisted function), and no "**" (huge powers hang)
@@ -306,7 +309,7 @@ def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str]) -> int:
         names = {n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)}
         names.update({f: getattr(sympy, f) for f in _SYMPY_FUNCS if f in names})
         expr = sympy.sympify(text, locals=names)
-        value = int(expr.subs({s: base.get(s.name, _base_hint(s.name, batch_like)) for s in expr.free_symbols}))
+        value = int(expr.subs({s: base.get(s.name, _base_hint(s.name, batch_like, batch)) for s in expr.free_symbols}))
     except (sympy.SympifyError, TypeError, ValueError, AttributeError, SyntaxError):
         return DEFAULT_HINT
     return value if value > 0 else DEFAULT_HINT

@@ -11,7 +11,7 @@ from ortfuse.customops.target import for_cc
 from ortfuse.demo import encoder
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import legal, plan
-from ortfuse.search.cost import CostModel, traffic
+from ortfuse.search.cost import CostModel, bindings, traffic
 
 H100 = for_cc(90)
 F = TP.FLOAT
@@ -105,6 +105,27 @@ def test_row_epilogue_refused_when_cublas_plus_row_kernel_is_faster():
     assert "rowreduce" in {r.kind for r in p.regions}
 
 
+def test_a_symbolic_batch_is_priced_at_batch_1_and_32():
+    # one model serves every batch: the FFN down-projection's row epilogue loses at batch 32 by more than
+    # it could win at batch 1, and the reason gives both figures; a fixed batch is priced alone
+    m = encoder(layers=1, hidden=768, heads=12, ffn=3072)
+    g, p = _plan(m)
+    assert [dict(b.sym_hints)["batch"] for _, b in bindings(g)] == [1, 32]
+    reasons = [r.reason for r in p.refusals if "as cuBLAS + a separate rowreduce kernel" in r.reason]
+    assert reasons and all(" at batch 32 " in r for r in reasons)
+    g1, p1 = _plan(m, {"hidden_states": (1, 128, 768), "attention_mask": (1, 128)})
+    assert len(bindings(g1)) == 1
+    assert not any("at batch 32" in r.reason for r in p1.refusals)
+
+
+def test_fusion_pays_by_the_geometric_mean_over_batches():
+    from ortfuse.search.cost import _pays
+    # (where, ours, alternative): 1.5x faster at batch 1 outweighs 1.25x slower at 32, not 1.67x slower
+    assert _pays([("", 4.0, 6.0), (" at batch 32", 20.0, 16.0)])
+    assert not _pays([("", 4.0, 6.0), (" at batch 32", 20.0, 12.0)])
+    assert not _pays([("", 6.0, 6.0)])
+
+
 def test_region_io_embeds_scalar_constants():
     m = model([node("Mul", ["x", "two"], ["a"]), node("Add", ["a", "b"], ["y"])],
               [vi("x", F, [4, 8])], [vi("y", F, None)], [const("two", 2.0), const("b", np.ones(8))])
@@ -134,5 +155,6 @@ def test_row_epilogue_over_unaligned_rows_is_priced_as_the_lowering_builds_it(n,
                const("be", np.zeros(n), np.float16)], opset=20)
     g, p = _plan(m, {"x": (1, 128, 768)})
     assert np.isfinite(CostModel(H100).row_penalty(g, g.nodes[0])) == fits
-    assert [r.kind for r in p.regions] == ["rowreduce"]
+    # at batch 1, 8 row tiles of 16 x 768 beat cuBLAS + a LayerNorm kernel (one launch fewer)
+    assert [r.kind for r in p.regions] == (["gemm_row"] if fits else ["rowreduce"])
     assert any("764-column row" in r.reason for r in p.refusals) != fits
