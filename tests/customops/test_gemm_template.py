@@ -63,6 +63,9 @@ CASES = [  # math, tile, (M, N, K, batch), a_mode, b_mode
     (MMA_F16, GemmTile(128, 32, 32, 32, 32, 4), (70, 40, 48, 1), GENERIC, GENERIC),
     (MMA_F16, GemmTile(16, 16, 64, 16, 16, 4), (5, 8, 40, 3), ROW, ROW),
     (MMA_F16, GemmTile(64, 128, 32, 32, 32, 3), (33, 136, 64, 1), ROW, ROW),  # 8 warps
+    (MMA_F16, GemmTile(64, 64, 128, 16, 32, 4), (70, 72, 328, 1), ROW, ROW),  # BK 128 (the template allows it)
+    (MMA_F16, GemmTile(32, 64, 128, 16, 32, 3), (37, 40, 200, 2), ROW, COL),
+    (MMA_F16, GemmTile(32, 32, 128, 16, 16, 3), (37, 40, 200, 1), GENERIC, GENERIC),
     (MMA_BF16, GemmTile(64, 32, 32, 32, 16, 3), (37, 40, 48, 2), ROW, COL),
     (MMA_BF16, GemmTile(32, 32, 32, 16, 16, 2), (37, 40, 48, 1), GENERIC, ROW),
     (MMA_TF32, GemmTile(32, 32, 16, 16, 16, 3), (37, 40, 48, 2), ROW, ROW),
