@@ -10,7 +10,6 @@ in d starting 16-byte aligned; the SIMT variant takes the rest."""
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import onnx
 
@@ -24,16 +23,8 @@ from ortfuse.search.plan import Region
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 THREADS = 128
 SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
-_PATTERNS: dict[int, tuple[weakref.ref, list[AttentionPattern]]] = {}  # id(graph) -> (graph, matches)
-
-
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
-    hit = _PATTERNS.get(id(g))
-    if hit is None or hit[0]() is not g:  # ids of collected graphs are reused
-        hit = _PATTERNS[id(g)] = (weakref.ref(g), find_attention(g)[0])
-        if len(_PATTERNS) > 8:
-            _PATTERNS.pop(next(iter(_PATTERNS)))
-    for p in hit[1]:
+    for p in find_attention(g)[0]:
         if p.nodes == tuple(region.nodes):
             return p
     raise LoweringError("the region is not an attention pattern")

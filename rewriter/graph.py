@@ -2,8 +2,10 @@
 topological order, producer/consumer links and constant values. Built by `rewriter.shapes`."""
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 import numpy as np
 import onnx
@@ -48,3 +50,24 @@ class Graph:
     def node_label(self, index: int) -> str:
         n = self.nodes[index]
         return f"{n.op_type} '{n.name or n.output[0]}'"
+
+
+R = TypeVar("R")
+
+
+def per_graph(fn: Callable[["Graph"], R]) -> Callable[["Graph"], R]:
+    """Memoizes fn(graph) for the last few graphs, by identity (ids of collected graphs are reused, hence
+    the weak reference). Graphs are immutable, so a result stays valid for the graph's life."""
+    memo: dict[int, tuple[weakref.ref, R]] = {}
+
+    @functools.wraps(fn)
+    def cached(g: "Graph") -> R:
+        hit = memo.get(id(g))
+        if hit is not None and hit[0]() is g:
+            return hit[1]
+        value = fn(g)
+        memo[id(g)] = (weakref.ref(g), value)
+        if len(memo) > 8:
+            memo.pop(next(iter(memo)))
+        return value
+    return cached

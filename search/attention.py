@@ -13,7 +13,7 @@ from typing import Iterable, NoReturn
 
 import onnx
 
-from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.search.ops import ELEMENTWISE
 from ortfuse.search.plan import Reject
 
@@ -60,8 +60,10 @@ def _refuse(reason: str) -> NoReturn:
     raise _NoMatch(reason)
 
 
-def find_attention(g: Graph) -> tuple[list[AttentionPattern], list[Reject]]:
-    """Every Softmax either yields an AttentionPattern or a Reject saying why not."""
+@per_graph
+def find_attention(g: Graph) -> tuple[tuple[AttentionPattern, ...], tuple[Reject, ...]]:
+    """Every Softmax either yields an AttentionPattern or a Reject saying why not (once per graph: the
+    search, the rewriter's packing check and the lowering all ask)."""
     found: list[AttentionPattern] = []
     rejects: list[Reject] = []
     for i, n in enumerate(g.nodes):
@@ -74,7 +76,7 @@ def find_attention(g: Graph) -> tuple[list[AttentionPattern], list[Reject]]:
             found.append(pat)
         except _NoMatch as e:
             rejects.append(Reject(g.node_label(i), str(e)))
-    return found, rejects
+    return tuple(found), tuple(rejects)
 
 
 def absorbed_selects(g: Graph) -> set[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,7 +13,7 @@ import onnx
 
 from ortfuse.customops import tiles
 from ortfuse.customops.target import Target
-from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
 from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region, Reject, Traffic
@@ -89,23 +88,14 @@ def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
     return 2.0 * batch * m * n * k
 
 
-_BINDINGS: dict[int, tuple[weakref.ref, tuple[tuple[str, Graph], ...]]] = {}  # id(graph) -> (graph, bindings)
-
-
+@per_graph
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
     when the batch is symbolic, batch THROUGHPUT_BATCH."""
-    hit = _BINDINGS.get(id(g))
-    if hit is not None and hit[0]() is g:  # ids of collected graphs are reused
-        return hit[1]
-    out: tuple[tuple[str, Graph], ...] = (("", g),)
     large = sym_hints(g.tensors, g.graph_inputs, THROUGHPUT_BATCH)
-    if large != dict(g.sym_hints):
-        out += ((f" at batch {THROUGHPUT_BATCH}", dataclasses.replace(g, sym_hints=large)),)
-    _BINDINGS[id(g)] = (weakref.ref(g), out)
-    if len(_BINDINGS) > 8:
-        _BINDINGS.pop(next(iter(_BINDINGS)))
-    return out
+    if large == dict(g.sym_hints):
+        return (("", g),)
+    return ("", g), (f" at batch {THROUGHPUT_BATCH}", dataclasses.replace(g, sym_hints=large))
 
 
 def _at(g: Graph, region: Region, base: Graph) -> Region:
