@@ -316,11 +316,21 @@ class _Lowerer:
         args: list[Optional[Expr]] = []
         for x in node.input:
             args.append(self.value(x, self.broadcast(idx, self._shape(x))) if x else None)
+        if scalar.sees_stored(node):
+            args = [self.as_stored(x, a) if a is not None else None for x, a in zip(node.input, args)]
         out_storage = _storage(self.g.tensors[node.output[pos]].dtype, f"output of {node.op_type}")
         try:
             return scalar.apply(node, args, out_storage)
         except scalar.UnsupportedOp as e:
             raise LoweringError(str(e)) from None
+
+    def as_stored(self, tensor: str, value: Expr) -> Expr:
+        """`value` rounded to `tensor`'s half-precision storage type, as ORT would have stored it (see
+        `scalar.sees_stored`); a no-op for other types and for values that are loads already."""
+        storage = _storage(self.g.tensors[tensor].dtype, f"input {tensor}")
+        if storage not in ("f16", "bf16") or isinstance(value, (ir.Load, ir.Lane, ir.Const)):
+            return value  # loads and constants are exact in their storage type already
+        return ir.Op(f"round_{storage}", (value,), value.ctype)
 
     def depthwise_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
         """A depthwise Conv at (b, c, oh, ow): a loop over the KH x KW window of channel c (taps in the zero

@@ -199,6 +199,18 @@ RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
 }
 
 
+STEP_OPS = frozenset({"Floor", "Ceil", "Round", "Sign", "Equal", "Less", "Greater", "LessOrEqual",
+                      "GreaterOrEqual"})
+
+
+def sees_stored(node: onnx.NodeProto) -> bool:
+    """Whether the op must see its inputs rounded to the tensors' storage type (`lower.as_stored`), where
+    the fused kernel otherwise keeps the fp32 value a half-precision tensor would round: a step op, where
+    an ulp can move the output by a step, and a Cast, whose fp32 (or integer) result must be the stored
+    value's (mixed-precision exports upcast fp16 tensors before LayerNorm or Softmax)."""
+    return node.op_type in STEP_OPS or node.op_type == "Cast"
+
+
 def apply(node: onnx.NodeProto, args: list[Optional[Expr]], out_storage: str) -> Expr:
     """The element value of `node`'s output, converted to the output's compute type."""
     rule = RULES.get(node.op_type)

@@ -195,15 +195,17 @@ class CostModel:
         return None
 
     def split_verdict(self, g: Graph, merged: Region, group: Region) -> Optional[str]:
-        """None if a GEMM with `group` fused in beats cuBLAS followed by `group` as our own kernel over the
-        bindings of `bindings` (`_pays`)."""
+        """None if a GEMM with `group` fused in beats cuBLAS/cuDNN followed by `group` as our own kernel over
+        the bindings of `bindings` (`_pays`). Leaving all of it to ORT (whose FusedConv may absorb the group)
+        is judged afterwards, by `verdict` on the merged region."""
+        lib = "cuDNN" if self._anchor(g, merged).op_type in ops.CONV else "cuBLAS"
         times = []
         for where, gb in bindings(g):
             m, grp = _at(gb, merged, g), _at(gb, group, g)
             mm_us, _ = self.gemm_us(gb, self._anchor(gb, m))
             times.append((where, self.ours_us(gb, m), mm_us + self.target.launch_us + self.ours_us(gb, grp)))
         if not _pays(times):
-            return f"estimated at {_figures(times)} as cuBLAS + a separate {group.kind} kernel"
+            return f"estimated at {_figures(times)} as {lib} + a separate {group.kind} kernel"
         return None
 
 

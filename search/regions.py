@@ -118,12 +118,14 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
             return cost.split_verdict(g, with_traffic(merged), with_traffic(alone))
         return pays
 
+    offered: set[int] = set()  # anchors with an epilogue candidate (fused or refused with its reason)
     for i in gemms:  # phase 2: epilogues (element-wise, or row-wise when a reduction follows)
         group_of[i] = frozenset((i,))
         for c in g.consumers.get(g.nodes[i].output[0], ()):
             grp = group_of.get(c)
             if grp is None or i in grp:
                 continue
+            offered.add(i)
             merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}", beats_split(grp))
 
     regions: list[Region] = []
@@ -132,7 +134,8 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     for group in sorted(set(group_of.values()), key=min):
         if len(group) == 1 and conv.is_anchor(g, g.nodes[min(group)]):
             lib = "cuDNN" if g.nodes[min(group)].op_type in ops.CONV else "cuBLAS"
-            refusals.append(Reject(g.node_label(min(group)), f"no epilogue to fuse: left to ORT ({lib})"))
+            why = "its epilogue was not fused (see above)" if min(group) in offered else "no epilogue to fuse"
+            refusals.append(Reject(g.node_label(min(group)), f"{why}: left to ORT ({lib})"))
             continue
         cand = _candidate(g, set(group), check)
         if isinstance(cand, Reject):

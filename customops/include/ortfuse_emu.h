@@ -128,7 +128,7 @@ inline void ctx_make(Context* c, char* stack, size_t size, void (*fn)()) {
 struct State {
   Context main, dead;  // the launcher; where an aborted fiber saves itself (never resumed)
   Context ctx[kMaxThreads];
-  char* stack[kMaxThreads] = {};   // guard page + OFZ_EMU_STACK_BYTES, allocated on first use
+  char* stack[kMaxThreads] = {};   // guard page + OFZ_EMU_STACK_BYTES, mapped for one launch
   Thread th[kMaxThreads];
   unsigned waiting[kMaxThreads / 32];  // per warp: lanes parked at a warp op
   unsigned exited[kMaxThreads / 32];   // per warp: lanes that returned
@@ -327,8 +327,31 @@ inline bool prepare_fibers(int n) {
 
 inline void async_reset(int n);  // tensor-core section below
 
+// Unmap the fiber stacks after a launch: every loaded module has its own State, and a process that loads
+// hundreds of them (a test session) would otherwise keep two mappings per thread each and run out of
+// vm.max_map_count.
+inline void release_fibers() {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t bytes = page + ((OFZ_EMU_STACK_BYTES + page - 1) / page) * page;
+  for (char*& p : S.stack) {
+    if (p) munmap(p, bytes);
+    p = nullptr;
+  }
+  free(S.smem);
+  S.smem = nullptr;
+  S.smem_cap = 0;
+}
+
+inline int run_blocks(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name);
+
 inline int launch(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name) {
   std::lock_guard<std::mutex> lock(S.mu);
+  const int rc = run_blocks(grid, block, body, args, name);
+  release_fibers();
+  return rc;
+}
+
+inline int run_blocks(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name) {
   S.error.clear();
   S.aborted = false;
   char buf[160];

@@ -401,3 +401,23 @@ def test_big_launch_is_fast(mods) -> None:
     elapsed = time.perf_counter() - t0
     assert (y == block).all()
     assert elapsed < 10, f"{grid}x{block} block reduction took {elapsed:.2f} s"
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_launch_releases_fiber_stacks(mods) -> None:
+    """A launch unmaps its fiber stacks: every loaded module has its own emulator state, and a session that
+    loads hundreds (the fuzz test, the whole suite) would otherwise keep 2 mappings per thread per module
+    and exhaust vm.max_map_count (65530 by default)."""
+    x = np.ones(1024, np.float32)
+    y = np.zeros(1, np.float32)
+    mods["reduce"].launch("block_sum", 1, 1024, [x, y], [x.size])  # warm: lazy loader mappings settle
+    before = _mappings()
+    mods["reduce"].launch("block_sum", 1, 1024, [x, y], [x.size])
+    mods["elementwise"].launch("rev_dyn", 4, 96, [x[:384], np.zeros(384, np.float32)], [], smem=96 * 4)
+    assert _mappings() - before < 64, "fiber stacks stay mapped after the launch"
+    assert y[0] == 1024

@@ -12,7 +12,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
 from ortfuse.api import compile_model
-from ortfuse.check import check_models
+from ortfuse.check import _emulate_node, check_models
 from ortfuse.customops.compile import check_elf
 from ortfuse.errors import CompileError
 
@@ -77,6 +77,32 @@ def test_binary_broadcast_where_clip_cast(dt):
     m = model(nodes, [vi("x", dt, [2, "n", 16]), vi("b", dt, [16]), vi("c", dt, ["n", 1])], [vi("y", dt, None)],
               inits)
     _run(m, {}, {"x": (2, 7, 16), "c": (7, 1)})
+
+
+def test_step_ops_see_stored_half_values():
+    """Floor, comparisons and integer Casts of an fp16 value computed in the kernel see it rounded to fp16,
+    as ONNX defines it and ORT's CUDA kernels store it: 2 + (1 - k/2048) is 3.0 in fp16 for k <= 2 but below
+    3 in fp32, so a kernel that kept the fp32 sum would floor it to 2. (ORT CPU is no reference here: it
+    runs fp16 Floor through inserted Casts to fp32 and drops the round trip in between.)"""
+    offs = (1.0 - np.arange(16) / 2048.0).astype(np.float16)  # exact in fp16
+    nodes = [node("Mul", ["x", "zero"], ["x0"]), node("Add", ["x0", "offs"], ["t"]), node("Add", ["t", "two"], ["u"]),
+             node("Floor", ["u"], ["fl"]), node("GreaterOrEqual", ["u", "three"], ["ge"]),
+             node("Cast", ["ge"], ["geh"], to=H), node("Cast", ["u"], ["i"], to=TP.INT32),
+             node("Cast", ["i"], ["ih"], to=H), node("Add", ["fl", "geh"], ["s"]), node("Add", ["s", "ih"], ["y"])]
+    inits = [const("zero", 0.0, np.float16), const("offs", offs, np.float16), const("two", 2.0, np.float16),
+             const("three", 3.0, np.float16)]
+    m = model(nodes, [vi("x", H, ["n", 16])], [vi("y", H, None)], inits)
+    res = compile_model(m, {}, "sm_90")
+    fused = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    assert len(fused) == 1 and "round_f16" in res.kernels[0].compiled.source
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float16)
+    u = ((x * np.float16(0) + offs) + np.float16(2)).astype(np.float16)  # numpy rounds each fp16 op
+    y = (np.floor(u) + (u >= 3).astype(np.float16)).astype(np.float16) + u.astype(np.int32).astype(np.float16)
+    assert (u[:, :3] == 3).all() and (y[:, :3] == 7).all() and (y[:, 3:] == 4).all()
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    values.update(x=x, y=y)
+    diffs = _emulate_node(fused[0], values)
+    assert all(d.ok and d.max_abs == 0 for d in diffs), diffs
 
 
 def _layernorm(dt, hidden, decomposed=True):

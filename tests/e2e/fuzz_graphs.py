@@ -1,0 +1,195 @@
+"""Random but valid ONNX graphs for the differential fuzz test: chains and DAGs of the element-wise,
+broadcast, reduction, row-wise, layout and GEMM ops ortfuse fuses, with ops it does not fuse mixed in, a
+symbolic batch dim, graph outputs in the middle of would-be regions, and shapes chosen to hit vector-width
+and tile edges. One seed gives one model; everything is deterministic in the seed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+Shape = tuple  # dims: int, or "n" (the symbolic batch)
+OPSET = 18
+UNARY = ("Relu", "Tanh", "Sigmoid", "Abs", "Neg", "Erf", "Softplus", "Sin", "Floor", "HardSwish", "Elu")
+# fp16 models get no step ops (Floor, comparisons): ORT's CPU reference is a few fp16 ulps off the ONNX
+# semantics the fused kernels follow (some fp16 ops run in fp16 arithmetic; others run in fp32 between
+# inserted Casts whose round trips ORT then removes, so an fp16 tensor is never rounded), and a step op
+# turns an ulp into a whole step. tests/customops/test_kernels.py checks those ops against numpy instead.
+STEP = ("Floor",)
+POSITIVE_ONLY = ("Sqrt", "Log", "Reciprocal")
+BINARY = ("Add", "Sub", "Mul", "Max", "Min")
+REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin")
+# Ops ortfuse leaves to ORT: regions must end at them and resume after.
+FOREIGN = ("CumSum", "Tile")
+LAST_DIMS = (1, 2, 3, 7, 8, 16, 17, 33, 64, 67)
+
+
+@dataclass
+class _Builder:
+    rng: np.random.Generator
+    dtype: int
+    nodes: list = field(default_factory=list)
+    inits: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)
+    values: dict = field(default_factory=dict)  # the pool later steps draw from: name -> shape
+    consts: dict = field(default_factory=dict)  # initializer name -> shape
+    produced: list = field(default_factory=list)  # names made by nodes, in order
+
+    @property
+    def np_dtype(self):
+        return helper.tensor_dtype_to_np_dtype(self.dtype)
+
+    def fresh(self, stem: str) -> str:
+        return f"{stem}{len(self.nodes)}_{len(self.inits)}"
+
+    def add(self, op: str, ins: list[str], shape: Shape, pool: bool = True, **attrs) -> str:
+        """Append a node; its output joins the pool of values later steps draw from unless `pool` is
+        False (a bool or a value of another dtype)."""
+        out = self.fresh(op.lower())
+        self.nodes.append(helper.make_node(op, ins, [out], name=f"{op}_{out}", **attrs))
+        if pool:
+            self.values[out] = shape
+            self.produced.append(out)
+        return out
+
+    def const(self, value: np.ndarray, stem: str = "c", dtype=None) -> str:
+        name = self.fresh(stem)
+        arr = np.asarray(value, dtype=dtype or self.np_dtype)
+        self.inits.append(numpy_helper.from_array(arr, name))
+        self.consts[name] = arr.shape
+        return name
+
+    def shape(self, name: str) -> Shape:
+        return self.values[name] if name in self.values else self.consts[name]
+
+    def axes(self, *axes: int) -> str:
+        return self.const(np.array(axes), "ax", np.int64)
+
+    def random_const(self, shape: tuple[int, ...]) -> str:
+        v = self.rng.uniform(0.3, 1.2, shape) * self.rng.choice([-1.0, 1.0], shape)
+        return self.const(v)
+
+    def pick(self) -> str:
+        """A live value, biased towards the newest so chains grow."""
+        names = list(self.values)
+        if self.produced and self.rng.random() < 0.7:
+            return self.produced[-1]
+        return names[int(self.rng.integers(len(names)))]
+
+    def broadcast_partner(self, shape: Shape) -> str:
+        """A value y with x op y valid for x of `shape`: an existing same-shape value, a new input or a
+        constant whose shape is `shape` with some dims set to 1 or leading dims dropped."""
+        same = [n for n, s in self.values.items() if s == shape]
+        r = self.rng.random()
+        if same and r < 0.35:
+            return same[int(self.rng.integers(len(same)))]
+        dims = [d if self.rng.random() < 0.5 else 1 for d in shape]
+        drop = int(self.rng.integers(0, len(dims)))
+        dims = dims[drop:] if self.rng.random() < 0.4 else dims
+        if r < 0.6 and any(d == "n" for d in dims):
+            name = f"in{len(self.inputs)}"
+            self.inputs.append(helper.make_tensor_value_info(name, self.dtype, list(dims)))
+            self.values[name] = tuple(dims)
+            return name
+        return self.random_const(tuple(1 if d == "n" else d for d in dims))
+
+    def positive(self, x: str) -> str:
+        a = self.add("Abs", [x], self.values[x])
+        return self.add("Add", [a, self.const(np.array(0.5))], self.values[x])
+
+    def step(self) -> None:
+        x = self.pick()
+        s = self.values[x]
+        r = self.rng.random()
+        rank = len(s)
+        static_last = isinstance(s[-1], int)
+        if r < 0.2:
+            unary = UNARY if self.dtype == TP.FLOAT else tuple(u for u in UNARY if u not in STEP)
+            self.add(str(self.rng.choice(unary)), [x], s)
+        elif r < 0.26:
+            self.add(str(self.rng.choice(POSITIVE_ONLY)), [self.positive(x)], s)
+        elif r < 0.5:
+            y = self.broadcast_partner(s)
+            out = np.broadcast_shapes(*(tuple(1 if d == "n" else d for d in v) for v in (s, self.shape(y))))
+            shape = tuple("n" if "n" in (_at(s, i, len(out)), _at(self.shape(y), i, len(out))) else d
+                          for i, d in enumerate(out))
+            self.add(str(self.rng.choice(BINARY)), [x, y] if self.rng.random() < 0.5 else [y, x], shape)
+        elif r < 0.55 and self.dtype == TP.FLOAT:
+            y = self.broadcast_partner(s)
+            if self.shape(y) != s:
+                y = self.add("Add", [x, self.add("Mul", [y, self.const(np.array(0.0))], self.shape(y))], s)
+            c = self.add("Greater", [x, y], s, pool=False)
+            self.add("Where", [c, x, self.add("Mul", [y, self.const(np.array(0.5))], s)], s)
+        elif r < 0.62 and static_last and s[-1] > 1:
+            keep = int(self.rng.random() < 0.6) or rank == 1
+            out = s[:-1] + ((1,) if keep else ())
+            self.add(str(self.rng.choice(REDUCE)), [x, self.axes(-1)], out, keepdims=keep)
+        elif r < 0.66 and rank >= 3 and isinstance(s[1], int):
+            out = (s[0], 1) + s[2:]
+            self.add(str(self.rng.choice(REDUCE)), [x, self.axes(1)], out, keepdims=1)
+        elif r < 0.71:
+            self.add("Softmax", [x], s, axis=-1)
+        elif r < 0.76 and static_last:
+            scale, bias = self.random_const((s[-1],)), self.random_const((s[-1],))
+            self.add("LayerNormalization", [x, scale, bias], s, axis=-1, epsilon=1e-5)
+        elif r < 0.81 and rank >= 2:
+            perm = list(self.rng.permutation(rank))
+            self.add("Transpose", [x], tuple(s[p] for p in perm), perm=perm)
+        elif r < 0.85 and rank >= 3 and isinstance(s[-1], int) and isinstance(s[-2], int):
+            out = s[:-2] + (s[-2] * s[-1],)
+            self.add("Reshape", [x, self.const(np.array([0] * (rank - 2) + [-1]), "shape", np.int64)], out)
+        elif r < 0.88:
+            if self.dtype == TP.FLOAT16:
+                f = self.add("Cast", [x], s, pool=False, to=TP.FLOAT)
+                self.add("Cast", [self.add("Tanh", [f], s, pool=False)], s, to=TP.FLOAT16)
+            else:
+                self.add("Clip", [x, self.const(np.array(-0.8)), self.const(np.array(0.9))], s)
+        elif r < 0.92 and static_last:
+            k = int(self.rng.choice([8, 16, 24, 40]))
+            w = self.const(self.rng.uniform(-1, 1, (s[-1], k)) / np.sqrt(s[-1]), "w")
+            out = self.add("MatMul", [x, w], s[:-1] + (k,))
+            if self.rng.random() < 0.7:
+                self.add("Add", [out, self.random_const((k,))], s[:-1] + (k,))
+        elif r < 0.96:
+            op = str(self.rng.choice(FOREIGN)) if static_last else "CumSum"
+            if op == "CumSum":
+                self.add(op, [x, self.const(np.array(rank - 1), "ax", np.int64)], s)
+            else:
+                reps = [1] * (rank - 1) + [2]
+                self.add(op, [x, self.const(np.array(reps), "reps", np.int64)], s[:-1] + (s[-1] * 2,))
+        else:
+            y = self.pick()
+            if self.values[y] == s and y != x:
+                self.add("Add", [x, y], s)  # joins two branches: a DAG, not a chain
+
+
+def _at(shape: Shape, i: int, rank: int):
+    """Dim i of `shape` right-aligned to `rank` dims (1 where it has none)."""
+    j = i - (rank - len(shape))
+    return shape[j] if j >= 0 else 1
+
+
+def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """(model, {input: shape with "n"}) for one seed."""
+    rng = np.random.default_rng(seed)
+    dtype = TP.FLOAT if rng.random() < 0.6 else TP.FLOAT16
+    b = _Builder(rng, dtype)
+    rank = int(rng.integers(2, 5))
+    shape = ("n",) + tuple(int(rng.choice([2, 3, 5, 8])) for _ in range(rank - 2)) + (int(rng.choice(LAST_DIMS[3:])),)
+    b.inputs.append(helper.make_tensor_value_info("x", dtype, list(shape)))
+    b.values["x"] = shape
+    for _ in range(int(rng.integers(4, 14))):
+        b.step()
+    outs = [b.produced[-1]] if b.produced else ["x"]
+    extra = [n for n in b.produced[:-1] if rng.random() < 0.15]
+    outputs = [helper.make_tensor_value_info(n, dtype, None) for n in outs + extra[:2]]
+    g = helper.make_graph(b.nodes, f"fuzz{seed}", b.inputs, outputs, b.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = 9
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    for out, inf in zip(m.graph.output, inferred.graph.output):
+        out.type.CopyFrom(inf.type)
+    return m, {i.name: b.values[i.name] for i in b.inputs}
