@@ -107,6 +107,9 @@ class _Builder:
         r = self.rng.random()
         rank = len(s)
         static_last = isinstance(s[-1], int)
+        if rank == 4 and s[0] == "n" and all(isinstance(d, int) for d in s[1:]) and self.rng.random() < 0.3:
+            self.conv(x, s)
+            return
         if r < 0.2:
             unary = UNARY if self.dtype == TP.FLOAT else tuple(u for u in UNARY if u not in STEP)
             self.add(str(self.rng.choice(unary)), [x], s)
@@ -154,6 +157,10 @@ class _Builder:
             out = self.add("MatMul", [x, w], s[:-1] + (k,))
             if self.rng.random() < 0.7:
                 self.add("Add", [out, self.random_const((k,))], s[:-1] + (k,))
+        elif r < 0.94 and rank >= 3 and all(isinstance(d, int) for d in s[-2:]):
+            perm = list(range(rank - 2)) + [rank - 1, rank - 2]  # x @ x^T per batch: attention-score shaped
+            xt = self.add("Transpose", [x], s[:-2] + (s[-1], s[-2]), perm=perm)
+            self.add("MatMul", [x, xt], s[:-1] + (s[-2],))
         elif r < 0.96:
             op = str(self.rng.choice(FOREIGN)) if static_last else "CumSum"
             if op == "CumSum":
@@ -165,6 +172,29 @@ class _Builder:
             y = self.pick()
             if self.values[y] == s and y != x:
                 self.add("Add", [x, y], s)  # joins two branches: a DAG, not a chain
+
+
+    def conv(self, x: str, s: Shape) -> None:
+        """A Conv on NCHW `s`: random kernel, stride, padding, dilation and groups (depthwise among them),
+        with a bias half of the time, then maybe an activation and a residual the epilogue can take."""
+        _, c, h, w = s
+        group = int(self.rng.choice([1, 1, c] + ([2] if c % 2 == 0 else [])))
+        oc = c if group == c else int(self.rng.choice([4, 8, 12]))  # divisible by the other groups (1, 2)
+        kh, kw = (int(self.rng.choice([1, 3])), int(self.rng.choice([1, 3]))) if self.rng.random() < 0.8 else (2, 5)
+        stride, dil = int(self.rng.choice([1, 1, 2])), int(self.rng.choice([1, 1, 2]))
+        pads = [int(self.rng.integers(0, k)) for k in (kh, kw)] * 2
+        oh = (h + pads[0] + pads[2] - dil * (kh - 1) - 1) // stride + 1
+        ow = (w + pads[1] + pads[3] - dil * (kw - 1) - 1) // stride + 1
+        if oh < 1 or ow < 1:
+            return
+        wt = self.const(self.rng.uniform(-1, 1, (oc, c // group, kh, kw)) / np.sqrt(c // group * kh * kw), "w")
+        ins = [x, wt] + ([self.random_const((oc,))] if self.rng.random() < 0.5 else [])
+        out = self.add("Conv", ins, ("n", oc, oh, ow), group=group, kernel_shape=[kh, kw], strides=[stride] * 2,
+                       pads=pads, dilations=[dil] * 2)
+        if self.rng.random() < 0.5:
+            out = self.add(str(self.rng.choice(["Relu", "Sigmoid", "HardSwish"])), [out], ("n", oc, oh, ow))
+        if (oc, oh, ow) == (c, h, w) and self.rng.random() < 0.5:
+            self.add("Add", [out, x], s)
 
 
 def _at(shape: Shape, i: int, rank: int):
@@ -180,6 +210,8 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     b = _Builder(rng, dtype)
     rank = int(rng.integers(2, 5))
     shape = ("n",) + tuple(int(rng.choice([2, 3, 5, 8])) for _ in range(rank - 2)) + (int(rng.choice(LAST_DIMS[3:])),)
+    if rank == 4 and rng.random() < 0.5:  # an image: channels, then a small spatial map
+        shape = ("n", int(rng.choice([3, 4, 8, 16])), int(rng.choice([5, 8, 9])), int(rng.choice([6, 7, 8])))
     b.inputs.append(helper.make_tensor_value_info("x", dtype, list(shape)))
     b.values["x"] = shape
     for _ in range(int(rng.integers(4, 14))):

@@ -1,6 +1,6 @@
 """Differential fuzzing: random graphs (`fuzz_graphs`) optimized end to end, every fused kernel run in CPU
 emulation against ORT on the same tensors, and the whole optimized model against the original, at two
-bindings of the symbolic batch. CI runs a fixed block of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi runs others.
+bindings of the symbolic batch (or, for every third seed, optimized and checked at a fixed batch). CI runs a fixed block of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi runs others.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2."""
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split("
 def test_random_graph_matches_ort(seed: int) -> None:
     m, shapes = random_model(seed)
     before = m.SerializeToString()
-    res = compile_model(m, shapes, "sm_90")
+    static = seed % 3 == 0  # every third seed is optimized for a fixed batch (`--input-shape`)
+    bound = {k: tuple(2 if d == "n" else d for d in v) for k, v in shapes.items()}
+    res = compile_model(m, bound if static else shapes, "sm_90")
     assert m.SerializeToString() == before, "the input model was modified"
-    for n in (2, 3):
+    for n in (2,) if static else (2, 3):
         bind = {k: tuple(n if d == "n" else d for d in v) for k, v in shapes.items()}
         rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
         assert rep.ok, f"seed {seed}, n={n}\n" + "\n".join(rep.lines())
