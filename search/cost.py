@@ -44,9 +44,10 @@ def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
 
 def ort_conv_folds(g: Graph, region: Region) -> list[int]:
     """Region nodes stock ORT folds into its own cuDNN FusedConv on the CUDA EP (ConvActivationFusion:
-    fp32 only; Conv -> Relu, or Conv -> Add -> Relu, each link the producer's only consumer)."""
-    convs = [i for i in region.nodes if g.nodes[i].op_type in ops.CONV]
-    anchor = next((i for i in convs if conv.is_anchor(g, g.nodes[i])), convs[0] if convs else None)
+    fp32 only; Conv -> Relu, or Conv -> Add -> Relu, each link the producer's only consumer). The Conv is
+    the region's anchor or, for a region without one, a Conv outside it that ORT runs and whose only
+    consumer starts the region: fusing such a region takes those ops out of ORT's FusedConv."""
+    anchor = _fold_anchor(g, region)
     if anchor is None or g.tensors[g.nodes[anchor].input[0]].dtype != onnx.TensorProto.FLOAT:
         return []
 
@@ -62,6 +63,16 @@ def ort_conv_folds(g: Graph, region: Region) -> list[int]:
         return [nxt]
     after = lone(nxt) if g.nodes[nxt].op_type == "Add" else None
     return [nxt, after] if after is not None and g.nodes[after].op_type == "Relu" else []
+
+
+def _fold_anchor(g: Graph, region: Region) -> Optional[int]:
+    """The Conv `ort_conv_folds` starts from: the region's own, else a Conv producer outside it."""
+    convs = [i for i in region.nodes if g.nodes[i].op_type in ops.CONV]
+    if convs:
+        return next((i for i in convs if conv.is_anchor(g, g.nodes[i])), convs[0])
+    return next((p for i in region.nodes for _, t in ops.data_inputs(g.nodes[i])
+                 for p in (g.producer.get(t),) if p is not None and p not in region.nodes
+                 and g.nodes[p].op_type in ops.CONV and conv.is_anchor(g, g.nodes[p])), None)
 
 
 def gemm_dims(g: Graph, node: onnx.NodeProto) -> tuple[int, int, int, int]:
@@ -170,8 +181,9 @@ class CostModel:
         activations ORT folds into its own FusedConv), one kernel per other op."""
         tr = region.traffic
         folded = [g.nodes[i] for i in ort_conv_folds(g, region)]
+        chain = {g.nodes[a].output[0] for a in (_fold_anchor(g, region),) if a is not None}
         residual = sum(tensor_bytes(g, t) for n in folded if n.op_type == "Add" for t in n.input
-                       if g.producer.get(t) not in region.nodes)  # FusedConv's Z input
+                       if g.producer.get(t) not in region.nodes and t not in chain)  # FusedConv's Z input
         rest = tr.unfused_bytes - sum(node_bytes(g, n) for n in folded) + residual
         launches = tr.unfused_launches - len(folded)
         if region.kind not in ("gemm", "gemm_row"):
@@ -185,7 +197,7 @@ class CostModel:
         if region.traffic.unfused_launches < 2:
             return Reject(label, "replaces a single ORT kernel: no traffic or launch saved")
         folded = ort_conv_folds(g, region)
-        if folded and len(region.nodes) == 1 + len(folded):
+        if folded and not set(region.nodes) - set(folded) - {i for i in region.nodes if g.nodes[i].op_type in ops.CONV}:
             return Reject(label, "stock ORT fuses this itself (cuDNN FusedConv with its Relu, fp32)")
         times = [(where, self.ours_us(gb, r), self.ort_us(gb, r))
                  for where, gb in bindings(g) for r in (_at(gb, region, g),)]

@@ -92,6 +92,25 @@ def test_orts_folds_are_not_counted_as_extra_kernels():
     assert cm.ort_us(g, r) > mm_us + 2 * H100.launch_us
 
 
+def test_add_relu_after_an_ort_conv_stays_in_orts_fused_conv():
+    # the Conv is not ours (symbolic spatial dims), so ORT runs it as FusedConv(+Z, Relu): fusing the
+    # Add + Relu into a kernel of ours would take them out of it and add a pass over the tensor
+    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Add", ["y", "r"], ["z"]),
+               node("Relu", ["z"], ["out"])],
+              [vi("x", F, ["n", 8, "h", "w"]), vi("r", F, ["n", 16, "h", "w"])], [vi("out", F, None)],
+              [const("w", np.full((16, 8, 3, 3), 0.1))])
+    g, p = _plan(m)
+    assert not p.regions, [str(r) for r in p.regions]
+    assert any("stock ORT fuses this itself" in r.reason and r.subject.startswith("region at Add")
+               for r in p.refusals), [str(r) for r in p.refusals]
+    # in fp16 ORT has no FusedConv, so the pair is worth one kernel
+    g, p = _plan(model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Add", ["y", "r"], ["z"]),
+                        node("Relu", ["z"], ["out"])],
+                       [vi("x", H, ["n", 8, "h", "w"]), vi("r", H, ["n", 16, "h", "w"])], [vi("out", H, None)],
+                       [const("w", np.full((16, 8, 3, 3), 0.1), np.float16)]))
+    assert [r.kind for r in p.regions] == ["pointwise"], [str(r) for r in p.refusals]
+
+
 def test_depthwise_conv_is_memory_bound_and_keeps_its_producer_apart():
     # Relu -> depthwise Conv -> Clip: the Conv joins the Clip; the Relu would be recomputed for each of the
     # 9 taps, so it is not merged in (and alone it does not pay)
