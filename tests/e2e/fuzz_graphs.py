@@ -226,3 +226,84 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     for out, inf in zip(m.graph.output, inferred.graph.output):
         out.type.CopyFrom(inf.type)
     return m, {i.name: b.values[i.name] for i in b.inputs}
+
+
+def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """(model, {input: shape}) of one self-attention block in one of the layouts exporters emit: Q/K/V
+    from projections of x (separate MatMuls, or one packed MatMul read through Split or Slices), heads
+    split by Reshape + Transpose, Kᵀ by one 4-D Transpose or two, a scale on the scores (Mul or Div) or on
+    Q, an optional padding mask (additive, from an input) or causal mask (Where on a constant), an
+    optional Cast around the Softmax (mixed precision), heads merged back. Batch is symbolic ("n"), the
+    sequence symbolic ("s") for half the seeds; sizes hit odd lengths and head dims up to 128."""
+    rng = np.random.default_rng(seed)
+    dtype = TP.FLOAT if rng.random() < 0.5 else TP.FLOAT16
+    npdt = helper.tensor_dtype_to_np_dtype(dtype)
+    heads, head = int(rng.choice([1, 2, 3, 4])), int(rng.choice([8, 16, 24, 32, 40, 64, 80, 128]))
+    seq = int(rng.choice([1, 5, 16, 33, 64, 77]))
+    sdim = "s" if rng.random() < 0.5 else seq
+    hidden = heads * head
+    nodes, inits = [], []
+
+    def const(name, value, dt=None):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dt or npdt), name))
+        return name
+
+    def add(op, ins, outs, **attrs):
+        nodes.append(helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", **attrs))
+        return outs[0]
+
+    def weight(name, cols):
+        return const(name, rng.uniform(-1, 1, (hidden, cols)) / np.sqrt(hidden))
+
+    packing = str(rng.choice(["separate", "split", "slice"]))
+    if packing == "separate":
+        q, k, v = (add("MatMul", ["x", weight(f"w{t}", hidden)], [f"x{t}"]) for t in "qkv")
+    else:
+        qkv = add("MatMul", ["x", weight("wqkv", 3 * hidden)], ["qkv"])
+        if rng.random() < 0.5:
+            qkv = add("Add", [qkv, const("bqkv", rng.uniform(-0.2, 0.2, 3 * hidden))], ["qkvb"])
+        if packing == "split":
+            q, k, v = (f"x{t}" for t in "qkv")
+            add("Split", [qkv, const("sizes", [hidden] * 3, np.int64)], [q, k, v], axis=2)
+        else:
+            q, k, v = (add("Slice", [qkv, const(f"st{i}", [i * hidden], np.int64),
+                                     const(f"en{i}", [(i + 1) * hidden], np.int64), const(f"ax{i}", [2], np.int64)],
+                           [f"x{t}"]) for i, t in enumerate("qkv"))
+    shp4 = const("shp4", [0, 0, heads, head], np.int64)
+    qh = add("Transpose", [add("Reshape", [q, shp4], ["q4"])], ["qh"], perm=[0, 2, 1, 3])
+    k4 = add("Reshape", [k, shp4], ["k4"])
+    if rng.random() < 0.5:
+        kt = add("Transpose", [k4], ["kt"], perm=[0, 2, 3, 1])
+    else:
+        kt = add("Transpose", [add("Transpose", [k4], ["kh"], perm=[0, 2, 1, 3])], ["kt"], perm=[0, 1, 3, 2])
+    vh = add("Transpose", [add("Reshape", [v, shp4], ["v4"])], ["vh"], perm=[0, 2, 1, 3])
+    scale = str(rng.choice(["mul", "div", "q", "none"]))
+    if scale == "q":
+        qh = add("Mul", [qh, const("qscale", 1 / np.sqrt(head))], ["qs"])
+    s = add("MatMul", [qh, kt], ["s0"])
+    if scale == "mul":
+        s = add("Mul", [s, const("scale", 1 / np.sqrt(head))], ["s1"])
+    elif scale == "div":
+        s = add("Div", [s, const("scale", np.sqrt(head))], ["s1"])
+    inputs = [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])]
+    mask = str(rng.choice(["none", "padding", "causal"])) if seq > 1 else "none"
+    if mask == "padding":
+        inputs.append(helper.make_tensor_value_info("mask", dtype, ["n", 1, 1, sdim]))
+        s = add("Add", [s, "mask"], ["s2"])
+    elif mask == "causal" and sdim == seq:
+        keep = np.tril(np.ones((seq, seq), bool))[None, None]
+        s = add("Where", [const("keep", keep, np.bool_), s, const("ninf", np.finfo(npdt).min)], ["s2"])
+    upcast = dtype == TP.FLOAT16 and rng.random() < 0.3
+    if upcast:
+        s = add("Cast", [s], ["s32"], to=TP.FLOAT)
+    p = add("Softmax", [s], ["p"], axis=-1)
+    if upcast:
+        p = add("Cast", [p], ["p16"], to=TP.FLOAT16)
+    o = add("Transpose", [add("MatMul", [p, vh], ["o"])], ["o4"], perm=[0, 2, 1, 3])
+    add("Reshape", [o, const("shp3", [0, 0, hidden], np.int64)], ["y"])
+    g = helper.make_graph(nodes, f"attn{seed}", inputs, [helper.make_tensor_value_info("y", dtype, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = 9
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    m.graph.output[0].type.CopyFrom(inferred.graph.output[0].type)
+    return m, {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}

@@ -1,6 +1,7 @@
 """Differential fuzzing: random graphs (`fuzz_graphs`) optimized end to end, every fused kernel run in CPU
 emulation against ORT on the same tensors, and the whole optimized model against the original, at two
-bindings of the symbolic batch (or, for every third seed, optimized and checked at a fixed batch). CI runs a fixed block of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi runs others.
+bindings of the symbolic batch (or, for every third seed, optimized and checked at a fixed batch). Random
+self-attention blocks (`random_attention`) must become one attention kernel each and match too. CI runs a fixed block of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi (ORTFUSE_FUZZ_ATTENTION_SEEDS) runs others.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2."""
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import os
 
 import pytest
 
-from fuzz_graphs import random_model
+from fuzz_graphs import random_attention, random_model
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
+_alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
 
 
 @pytest.mark.parametrize("seed", range(_lo, _hi))
@@ -37,3 +39,15 @@ def test_generator_covers_the_fusion_kinds() -> None:
         m, shapes = random_model(seed)
         kinds |= {r.kind for r in compile_model(m, shapes, "sm_90").plan.regions}
     assert {"pointwise", "rowreduce", "gemm"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("seed", range(_alo, _ahi))
+def test_random_attention_matches_ort(seed: int) -> None:
+    m, shapes = random_attention(seed)
+    res = compile_model(m, shapes, "sm_90")
+    assert [r.kind for r in res.plan.regions].count("attention") == 1, [str(r) for r in res.plan.refusals]
+    seq = shapes["x"][1]
+    for n, s in ((2, 7 if seq == "s" else seq), (1, 19 if seq == "s" else seq)):
+        bind = {k: tuple(n if d == "n" else s if d == "s" else d for d in v) for k, v in shapes.items()}
+        rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
+        assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
