@@ -110,6 +110,9 @@ class _Builder:
         if rank == 4 and s[0] == "n" and all(isinstance(d, int) for d in s[1:]) and self.rng.random() < 0.3:
             self.conv(x, s)
             return
+        if self.rng.random() < 0.2:
+            self.rare(x, s)
+            return
         if r < 0.2:
             unary = UNARY if self.dtype == TP.FLOAT else tuple(u for u in UNARY if u not in STEP)
             self.add(str(self.rng.choice(unary)), [x], s)
@@ -173,6 +176,50 @@ class _Builder:
             if self.values[y] == s and y != x:
                 self.add("Add", [x, y], s)  # joins two branches: a DAG, not a chain
 
+
+    def rare(self, x: str, s: Shape) -> None:
+        """The less common fusible forms: Expand, Unsqueeze/Squeeze, Flatten, Pow, Div, LogSoftmax, a
+        Softmax or sum of squares not over the last axis, Gemm with transB and alpha, MatMul with a batched
+        constant weight."""
+        rank, static = len(s), [isinstance(d, int) for d in s]
+        kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
+                                    "sumsquare", "gemm", "batched"]))
+        if kind == "expand":
+            ones = [i for i, d in enumerate(s) if d == 1]
+            if not ones:
+                x = self.add("Unsqueeze", [x, self.axes(rank)], s + (1,))
+                s, ones = s + (1,), [rank]
+            i = ones[int(self.rng.integers(len(ones)))]
+            target = [1] * len(s)
+            target[i] = 3
+            self.add("Expand", [x, self.const(np.array(target), "shape", np.int64)], s[:i] + (3,) + s[i + 1:])
+        elif kind == "unsqueeze" and rank < 5:
+            a = int(self.rng.integers(1, rank + 1))
+            u = self.add("Unsqueeze", [x, self.axes(a)], s[:a] + (1,) + s[a:])
+            self.add("Squeeze", [self.add("Relu", [u], s[:a] + (1,) + s[a:]), self.axes(a)], s)
+        elif kind == "flatten" and rank >= 3 and all(static[1:]):
+            self.add("Flatten", [x], (s[0], int(np.prod(s[1:]))), axis=1)
+        elif kind == "pow":
+            e = float(self.rng.choice([2.0, 3.0, 0.5]))
+            self.add("Pow", [self.positive(x), self.const(np.array(e))], s)
+        elif kind == "div":
+            y = self.broadcast_partner(s)
+            if self.shape(y) == s:
+                self.add("Div", [x, self.positive(y)], s)
+        elif kind == "logsoftmax":
+            self.add("LogSoftmax", [x], s, axis=-1)
+        elif kind == "softmax1" and rank >= 3:
+            self.add("Softmax", [x], s, axis=1)
+        elif kind == "sumsquare" and static[-1]:
+            self.add("ReduceSumSquare", [x, self.axes(-1)], s[:-1] + (1,), keepdims=1)
+        elif kind == "gemm" and rank == 2 and static[-1]:
+            k = int(self.rng.choice([8, 24]))
+            w = self.const(self.rng.uniform(-1, 1, (k, s[-1])) / np.sqrt(s[-1]), "w")
+            self.add("Gemm", [x, w, self.random_const((k,))], (s[0], k), transB=1, alpha=0.5, beta=1.5)
+        elif kind == "batched" and rank >= 3 and all(static[-3:]):
+            k = int(self.rng.choice([8, 16]))
+            w = self.const(self.rng.uniform(-1, 1, (s[-3], s[-1], k)) / np.sqrt(s[-1]), "w")
+            self.add("MatMul", [x, w], s[:-1] + (k,))
 
     def conv(self, x: str, s: Shape) -> None:
         """A Conv on NCHW `s`: random kernel, stride, padding, dilation and groups (depthwise among them),
