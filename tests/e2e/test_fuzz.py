@@ -1,6 +1,7 @@
 """Differential fuzzing: random graphs (`fuzz_graphs`) optimized end to end, every fused kernel run in CPU
 emulation against ORT on the same tensors, and the whole optimized model against the original, at two
-bindings of the symbolic batch (or, for every third seed, optimized and checked at a fixed batch). Random
+bindings of the symbolic batch (or, for every third seed, optimized and checked at a fixed batch; every
+fourth uses tf32, checked at the tf32 tolerance). Random
 self-attention blocks (`random_attention`) must become one attention kernel each and match too. CI runs a fixed block of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi (ORTFUSE_FUZZ_ATTENTION_SEEDS) runs others.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 from fuzz_graphs import random_attention, random_model
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
+from ortfuse.config import Options
 
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
 _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
@@ -23,7 +25,8 @@ def test_random_graph_matches_ort(seed: int) -> None:
     before = m.SerializeToString()
     static = seed % 3 == 0  # every third seed is optimized for a fixed batch (`--input-shape`)
     bound = {k: tuple(2 if d == "n" else d for d in v) for k, v in shapes.items()}
-    res = compile_model(m, bound if static else shapes, "sm_90")
+    tf32 = seed % 4 == 1  # and every fourth lets fp32 GEMMs use tf32 tensor cores (`--tf32`)
+    res = compile_model(m, bound if static else shapes, "sm_90", options=Options(archs=(90,), tf32=tf32))
     assert m.SerializeToString() == before, "the input model was modified"
     for n in (2,) if static else (2, 3):
         bind = {k: tuple(n if d == "n" else d for d in v) for k, v in shapes.items()}
