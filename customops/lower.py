@@ -330,7 +330,7 @@ class _Lowerer:
         storage = _storage(self.g.tensors[tensor].dtype, f"input {tensor}")
         if storage not in ("f16", "bf16") or isinstance(value, (ir.Load, ir.Lane, ir.Const)):
             return value  # loads and constants are exact in their storage type already
-        return ir.Op(f"round_{storage}", (value,), value.ctype)
+        return scalar.round_to(storage, value)
 
     def depthwise_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
         """A depthwise Conv at (b, c, oh, ow): a loop over the KH x KW window of channel c (taps in the zero

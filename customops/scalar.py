@@ -124,11 +124,15 @@ def _cast(n, a, out):
     target = STORAGE.get(attr(n, "to"))
     if target is None:
         raise UnsupportedOp(f"Cast to element type {attr(n, 'to')}")
-    if target == "f16":
-        return _op("round_f16", _as(x, F32))
-    if target == "bf16":
-        return _op("round_bf16", _as(x, F32))
+    if target in ("f16", "bf16"):
+        return round_to(target, _as(x, F32))
     return _as(x, target)
+
+
+def round_to(storage: str, e: Expr) -> Expr:
+    """fp32 `e` rounded to half-precision `storage` (once: rounding twice the same way is a no-op)."""
+    fn = f"round_{storage}"
+    return e if isinstance(e, Op) and e.fn == fn else _op(fn, e)
 
 
 def _gelu(n, a, out):
