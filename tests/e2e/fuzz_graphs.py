@@ -141,6 +141,9 @@ class _Builder:
             self.add("Softmax", [x], s, axis=-1)
         elif r < 0.76 and static_last:
             scale, bias = self.random_const((s[-1],)), self.random_const((s[-1],))
+            # a spread across the row first: LayerNorm of a row that is constant up to rounding (an Expand,
+            # a Gram matrix of near-equal rows) divides rounding noise by sqrt(eps), in ORT as in ours
+            x = self.add("Add", [x, self.random_const((s[-1],))], s)
             self.add("LayerNormalization", [x, scale, bias], s, axis=-1, epsilon=1e-5)
         elif r < 0.81 and rank >= 2:
             perm = list(self.rng.permutation(rank))
