@@ -27,18 +27,18 @@ class ShapeInferenceError(Exception):
 
 
 def infer_value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    """Type and shape of every tensor inference could determine, by name."""
+    """Type and shape of every tensor inference could determine, by name. ONNX's strict inference with
+    type checking always runs (on the skeleton: it needs dtypes, dims and small integer tensors only), so
+    a model ORT would refuse (an op's inputs bound to different types, a string fed to Abs, an axis out
+    of range) is refused here too, naming the node, whether or not symbolic inference coped with it."""
+    checked = _onnx(_skeleton(model))
     inferred, complete = _symbolic(model)
-    onnx_input = _skeleton(model) if _proto.is_large(model) else model
     if inferred is None:
-        inferred = _onnx(onnx_input, strict=True)
+        return _collect(checked)
     infos = _collect(inferred)
     if not complete:  # symbolic gave up on some nodes: let ONNX fill what it can
-        try:
-            for name, vi in _collect(_onnx(onnx_input, strict=False)).items():
-                infos.setdefault(name, vi)
-        except ShapeInferenceError:
-            pass
+        for name, vi in _collect(checked).items():
+            infos.setdefault(name, vi)
     return infos
 
 
@@ -84,14 +84,15 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
         return None, False
 
 
-def _onnx(model: onnx.ModelProto, strict: bool) -> onnx.ModelProto:
+def _onnx(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX's strict inference with type checking; ShapeInferenceError names the node it rejects."""
     try:
         if not _proto.is_large(model):
-            return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
+            return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
         with tempfile.TemporaryDirectory(prefix="ortfuse-infer-") as tmp:
             src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
             _proto.save_external(model, src, "in.onnx.data")
-            onnx.shape_inference.infer_shapes_path(src, dst, strict_mode=strict, data_prop=True)
+            onnx.shape_inference.infer_shapes_path(src, dst, check_type=True, strict_mode=True, data_prop=True)
             return onnx.load(dst, load_external_data=False)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
         lines = str(e).strip().splitlines()

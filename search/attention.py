@@ -99,7 +99,7 @@ def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
 def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
     scores = _shape(g, g.nodes[sm].input[0])
     axis = _attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
-    if len(scores) < 2 or axis % len(scores) != len(scores) - 1:
+    if len(scores) < 2 or not -len(scores) <= axis < len(scores) or axis % len(scores) != len(scores) - 1:
         _refuse(f"Softmax over axis {axis} of a rank-{len(scores)} tensor, not the last axis")
     qk, score_ops = _scores_back(g, sm)
     prob_ops, pv = _probs_forward(g, sm)

@@ -27,11 +27,15 @@ def _reduction_verdict(g: Graph, node: onnx.NodeProto, rank: int) -> Optional[st
         axes = _axes(g, node)
         if axes is None or len(axes) == 0:
             return "reduces over all axes; ortfuse fuses innermost-axis reductions only"
+        if any(not -rank <= a < rank for a in axes):
+            return f"axes {axes} out of range for a rank-{rank} tensor: left to ORT"
         if sorted(a % rank for a in axes) != [rank - 1]:
             return f"reduces over axes {axes}; ortfuse fuses innermost-axis reductions only"
         return None
     default = 1 if op in ("Softmax", "LogSoftmax") and g.opset < 13 else -1
     axis = scalar.attr(node, "axis", default)
+    if not -rank <= axis < rank:
+        return f"axis {axis} out of range for a rank-{rank} tensor: left to ORT"
     if axis % rank != rank - 1:
         return f"{op} over axis {axis} of a rank-{rank} tensor; only the innermost axis is fused"
     if op == "LayerNormalization" and any(o and (g.consumers.get(o) or o in g.graph_outputs) for o in node.output[1:]):

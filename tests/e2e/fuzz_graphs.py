@@ -357,3 +357,52 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
     m.graph.output[0].type.CopyFrom(inferred.graph.output[0].type)
     return m, {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}
+
+
+MUTATIONS = ("drop_initializer", "dangling_input", "bad_attribute", "cycle", "duplicate_output", "string_input",
+             "repeated_perm", "axis_out_of_range", "wrong_rank_initializer", "unknown_op", "truncated_bytes",
+             "no_opset", "double_initializer")
+
+
+def corrupt(m: onnx.ModelProto, seed: int) -> tuple[str, onnx.ModelProto | bytes]:
+    """(mutation, a copy of `m` broken one way, or its truncated bytes) for the bad-input fuzz test."""
+    rng = np.random.default_rng(seed)
+    kind = str(rng.choice(MUTATIONS))
+    if kind == "truncated_bytes":
+        return kind, m.SerializeToString()[: int(rng.integers(10, 200))]
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    g, nodes = m.graph, list(m.graph.node)
+    n = nodes[int(rng.integers(len(nodes)))]
+    if kind == "drop_initializer" and len(g.initializer):
+        del g.initializer[int(rng.integers(len(g.initializer)))]
+    elif kind == "dangling_input":
+        n.input[0] = "does_not_exist"
+    elif kind == "bad_attribute":
+        n.attribute.append(helper.make_attribute("axis", "not an int"))
+    elif kind == "cycle" and len(nodes) > 1:
+        nodes[0].input[0] = nodes[-1].output[0]
+    elif kind == "duplicate_output" and len(nodes) > 1:
+        nodes[1].output[0] = nodes[0].output[0]
+    elif kind == "string_input":
+        g.input[0].type.tensor_type.elem_type = TP.STRING
+    elif kind == "repeated_perm":
+        n.op_type, n.input[1:] = "Transpose", []
+        del n.attribute[:]
+        n.attribute.append(helper.make_attribute("perm", [0, 0]))
+    elif kind == "axis_out_of_range":
+        n.op_type, n.input[1:] = "Softmax", []
+        del n.attribute[:]
+        n.attribute.append(helper.make_attribute("axis", 7))
+    elif kind == "wrong_rank_initializer" and len(g.initializer):
+        t = g.initializer[0]
+        t.CopyFrom(numpy_helper.from_array(np.ones((5, 5, 5), helper.tensor_dtype_to_np_dtype(t.data_type)), t.name))
+    elif kind == "unknown_op":
+        n.op_type = "NoSuchOp"
+    elif kind == "no_opset":
+        del m.opset_import[:]
+    elif kind == "double_initializer":
+        for t in g.initializer:
+            if t.data_type in (TP.FLOAT, TP.FLOAT16):
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+                break
+    return kind, m

@@ -10,10 +10,11 @@ import os
 
 import pytest
 
-from fuzz_graphs import random_attention, random_model
+from fuzz_graphs import corrupt, random_attention, random_model
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.config import Options
+from ortfuse.errors import OrtfuseError
 
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
 _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
@@ -54,3 +55,18 @@ def test_random_attention_matches_ort(seed: int) -> None:
         bind = {k: tuple(n if d == "n" else s if d == "s" else d for d in v) for k, v in shapes.items()}
         rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
         assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("seed", range(_lo, _hi + 16))
+def test_corrupted_model_is_an_error_not_a_crash(seed: int, tmp_path) -> None:
+    """A random graph broken one way (`fuzz_graphs.corrupt`): optimizing it either works or raises one of
+    our errors (a one-line message, exit code 2 in the CLI), never another exception."""
+    m, shapes = random_model(seed)
+    kind, bad = corrupt(m, seed + 10**6)
+    if isinstance(bad, bytes):
+        (tmp_path / "bad.onnx").write_bytes(bad)
+        bad = str(tmp_path / "bad.onnx")
+    try:
+        compile_model(bad, shapes, "sm_90")
+    except OrtfuseError as e:
+        assert "\n" not in str(e), (kind, str(e))

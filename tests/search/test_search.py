@@ -30,6 +30,17 @@ def test_reduction_over_non_innermost_axis_is_refused_with_reason():
     assert any("innermost" in r.reason for r in p.rejects)
 
 
+def test_out_of_range_axis_is_left_to_ort_not_wrapped():
+    # ONNX's inference does not check LayerNormalization's axis; 7 % 2 would read as the last axis
+    m = model([node("Relu", ["x"], ["r"]),
+               node("LayerNormalization", ["r", "g", "b"], ["y"], axis=7, epsilon=1e-5),
+               node("Relu", ["y"], ["z"])],
+              [vi("x", F, [4, 8])], [vi("z", F, None)], [const("g", np.ones(8)), const("b", np.zeros(8))])
+    g, p = _plan(m)
+    assert all(1 not in r.nodes for r in p.regions)
+    assert any("axis 7 out of range" in r.reason for r in p.rejects), [str(r) for r in p.rejects]
+
+
 def test_runtime_reshape_target_is_refused():
     m = model([node("Shape", ["x"], ["s"]), node("Relu", ["x"], ["r"]), node("Reshape", ["r", "s"], ["y"]),
                node("Exp", ["y"], ["z"])], [vi("x", F, ["n", 8])], [vi("z", F, None)])
