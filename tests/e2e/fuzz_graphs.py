@@ -279,10 +279,12 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
 
 
 def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
-    """(model, {input: shape}) of one self-attention block in one of the layouts exporters emit: Q/K/V
-    from projections of x (separate MatMuls, or one packed MatMul read through Split or Slices), heads
+    """(model, {input: shape}) of one attention block in one of the layouts exporters emit: Q/K/V from
+    projections of x (separate MatMuls, or one packed MatMul read through Split or Slices; or K/V from a
+    memory of another length, cross-attention), heads
     split by Reshape + Transpose, Kᵀ by one 4-D Transpose or two, a scale on the scores (Mul or Div) or on
-    Q, an optional padding mask (additive, from an input) or causal mask (Where on a constant), an
+    Q, an optional mask (additive [n,1,1,Sk] or [n,1,Sq,Sk], a boolean keep-mask, or causal: Where on a
+    constant), an
     optional Cast around the Softmax (mixed precision), heads merged back. Batch is symbolic ("n"), the
     sequence symbolic ("s") for half the seeds; sizes hit odd lengths and head dims up to 128."""
     rng = np.random.default_rng(seed)
@@ -305,8 +307,13 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     def weight(name, cols):
         return const(name, rng.uniform(-1, 1, (hidden, cols)) / np.sqrt(hidden))
 
-    packing = str(rng.choice(["separate", "split", "slice"]))
-    if packing == "separate":
+    packing = str(rng.choice(["separate", "split", "slice", "cross"]))
+    kdim = sdim  # key/value length: the memory's for cross-attention (encoder-decoder exporters)
+    if packing == "cross":
+        kdim = "m" if rng.random() < 0.5 else int(rng.choice([3, 17, 40]))
+        q = add("MatMul", ["x", weight("wq", hidden)], ["xq"])
+        k, v = (add("MatMul", ["mem", weight(f"w{t}", hidden)], [f"x{t}"]) for t in "kv")
+    elif packing == "separate":
         q, k, v = (add("MatMul", ["x", weight(f"w{t}", hidden)], [f"x{t}"]) for t in "qkv")
     else:
         qkv = add("MatMul", ["x", weight("wqkv", 3 * hidden)], ["qkv"])
@@ -336,11 +343,19 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     elif scale == "div":
         s = add("Div", [s, const("scale", np.sqrt(head))], ["s1"])
     inputs = [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])]
-    mask = str(rng.choice(["none", "padding", "causal"])) if seq > 1 else "none"
+    if packing == "cross":
+        inputs.append(helper.make_tensor_value_info("mem", dtype, ["n", kdim, hidden]))
+    mask = str(rng.choice(["none", "padding", "full", "bool", "causal"])) if seq > 1 else "none"
     if mask == "padding":
-        inputs.append(helper.make_tensor_value_info("mask", dtype, ["n", 1, 1, sdim]))
+        inputs.append(helper.make_tensor_value_info("mask", dtype, ["n", 1, 1, kdim]))
         s = add("Add", [s, "mask"], ["s2"])
-    elif mask == "causal" and sdim == seq:
+    elif mask == "full":  # one additive mask per query row, shared by the heads
+        inputs.append(helper.make_tensor_value_info("mask", dtype, ["n", 1, sdim, kdim]))
+        s = add("Add", ["mask", s], ["s2"])
+    elif mask == "bool":  # keep-mask from an input, masked scores set to the dtype's lowest value
+        inputs.append(helper.make_tensor_value_info("keep", TP.BOOL, ["n", 1, 1, kdim]))
+        s = add("Where", ["keep", s, const("low", np.finfo(npdt).min)], ["s2"])
+    elif mask == "causal" and sdim == seq and packing != "cross":
         keep = np.tril(np.ones((seq, seq), bool))[None, None]
         s = add("Where", [const("keep", keep, np.bool_), s, const("ninf", np.finfo(npdt).min)], ["s2"])
     upcast = dtype == TP.FLOAT16 and rng.random() < 0.3
@@ -349,8 +364,12 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     p = add("Softmax", [s], ["p"], axis=-1)
     if upcast:
         p = add("Cast", [p], ["p16"], to=TP.FLOAT16)
-    o = add("Transpose", [add("MatMul", [p, vh], ["o"])], ["o4"], perm=[0, 2, 1, 3])
-    add("Reshape", [o, const("shp3", [0, 0, hidden], np.int64)], ["y"])
+    o = add("MatMul", [p, vh], ["o"])
+    if rng.random() < 0.8:  # heads merged back, or the per-head output [n, H, S, D] returned as it is
+        o = add("Transpose", [o], ["o4"], perm=[0, 2, 1, 3])
+        o = add("Reshape", [o, const("shp3", [0, 0, hidden], np.int64)], ["y"])
+    else:
+        o = add("Identity", [o], ["y"])
     g = helper.make_graph(nodes, f"attn{seed}", inputs, [helper.make_tensor_value_info("y", dtype, None)], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
     m.ir_version = 9

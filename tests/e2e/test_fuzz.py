@@ -52,7 +52,8 @@ def test_random_attention_matches_ort(seed: int) -> None:
     assert [r.kind for r in res.plan.regions].count("attention") == 1, [str(r) for r in res.plan.refusals]
     seq = shapes["x"][1]
     for n, s in ((2, 7 if seq == "s" else seq), (1, 19 if seq == "s" else seq)):
-        bind = {k: tuple(n if d == "n" else s if d == "s" else d for d in v) for k, v in shapes.items()}
+        bind = {k: tuple(n if d == "n" else s if d == "s" else 11 if d == "m" else d for d in v)
+                for k, v in shapes.items()}
         rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
         assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
 
