@@ -71,3 +71,16 @@ def test_corrupted_model_is_an_error_not_a_crash(seed: int, tmp_path) -> None:
         compile_model(bad, shapes, "sm_90")
     except OrtfuseError as e:
         assert "\n" not in str(e), (kind, str(e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(_lo, _hi))
+@pytest.mark.parametrize("attention", [False, True], ids=["graph", "attention"])
+def test_random_models_on_the_cuda_ep(seed: int, attention: bool) -> None:
+    """The same random models through ortfuse.InferenceSession on the CUDA EP (our kernels in ORT) against
+    stock ORT's CUDA EP on the original (use_tf32=0), at the first binding the CPU tests use."""
+    m, shapes = (random_attention if attention else random_model)(seed)
+    res = compile_model(m, shapes, "sm_90")
+    bind = {k: tuple(2 if d == "n" else 7 if d == "s" else 11 if d == "m" else d for d in v) for k, v in shapes.items()}
+    rep = check_models(m, res.model, provider="cuda", input_shapes=bind, seed=seed)
+    assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
