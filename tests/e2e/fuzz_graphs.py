@@ -1,7 +1,8 @@
 """Random but valid ONNX graphs for the differential fuzz test: chains and DAGs of the element-wise,
 broadcast, reduction, row-wise, layout and GEMM ops ortfuse fuses, with ops it does not fuse mixed in, a
-symbolic batch dim, graph outputs in the middle of would-be regions, and shapes chosen to hit vector-width
-and tile edges. One seed gives one model; everything is deterministic in the seed."""
+symbolic batch dim, graph outputs in the middle of would-be regions, shapes chosen to hit vector-width
+and tile edges, and opset 17 (reduction axes as attributes) for a quarter of the seeds. One seed gives one
+model; everything is deterministic in the seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from onnx import helper, numpy_helper
 
 Shape = tuple  # dims: int, or "n" (the symbolic batch)
 OPSET = 18
+OLD_OPSET = 17  # Reduce* other than ReduceSum still take axes as an attribute there
 UNARY = ("Relu", "Tanh", "Sigmoid", "Abs", "Neg", "Erf", "Softplus", "Sin", "Floor", "HardSwish", "Elu")
 # fp16 models get no step ops (Floor, comparisons): ORT's CPU reference is a few fp16 ulps off the ONNX
 # semantics the fused kernels follow (some fp16 ops run in fp16 arithmetic; others run in fp32 between
@@ -32,6 +34,7 @@ LAST_DIMS = (1, 2, 3, 7, 8, 16, 17, 33, 64, 67)
 class _Builder:
     rng: np.random.Generator
     dtype: int
+    opset: int = OPSET
     nodes: list = field(default_factory=list)
     inits: list = field(default_factory=list)
     inputs: list = field(default_factory=list)
@@ -68,6 +71,12 @@ class _Builder:
 
     def axes(self, *axes: int) -> str:
         return self.const(np.array(axes), "ax", np.int64)
+
+    def reduce(self, op: str, x: str, axes: tuple[int, ...], out: Shape, keepdims: int) -> str:
+        """A Reduce* node with `axes` as an input (opset 18; ReduceSum from 13) or, before, an attribute."""
+        if self.opset >= 18 or op == "ReduceSum":
+            return self.add(op, [x, self.axes(*axes)], out, keepdims=keepdims)
+        return self.add(op, [x], out, axes=list(axes), keepdims=keepdims)
 
     def random_const(self, shape: tuple[int, ...]) -> str:
         v = self.rng.uniform(0.3, 1.2, shape) * self.rng.choice([-1.0, 1.0], shape)
@@ -133,10 +142,10 @@ class _Builder:
         elif r < 0.62 and static_last and s[-1] > 1:
             keep = int(self.rng.random() < 0.6) or rank == 1
             out = s[:-1] + ((1,) if keep else ())
-            self.add(str(self.rng.choice(REDUCE)), [x, self.axes(-1)], out, keepdims=keep)
+            self.reduce(str(self.rng.choice(REDUCE)), x, (-1,), out, keep)
         elif r < 0.66 and rank >= 3 and isinstance(s[1], int):
             out = (s[0], 1) + s[2:]
-            self.add(str(self.rng.choice(REDUCE)), [x, self.axes(1)], out, keepdims=1)
+            self.reduce(str(self.rng.choice(REDUCE)), x, (1,), out, 1)
         elif r < 0.71:
             self.add("Softmax", [x], s, axis=-1)
         elif r < 0.76 and static_last:
@@ -214,7 +223,7 @@ class _Builder:
         elif kind == "softmax1" and rank >= 3:
             self.add("Softmax", [x], s, axis=1)
         elif kind == "sumsquare" and static[-1]:
-            self.add("ReduceSumSquare", [x, self.axes(-1)], s[:-1] + (1,), keepdims=1)
+            self.reduce("ReduceSumSquare", x, (-1,), s[:-1] + (1,), 1)
         elif kind == "gemm" and rank == 2 and static[-1]:
             k = int(self.rng.choice([8, 24]))
             w = self.const(self.rng.uniform(-1, 1, (k, s[-1])) / np.sqrt(s[-1]), "w")
@@ -257,7 +266,7 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """(model, {input: shape with "n"}) for one seed."""
     rng = np.random.default_rng(seed)
     dtype = TP.FLOAT if rng.random() < 0.6 else TP.FLOAT16
-    b = _Builder(rng, dtype)
+    b = _Builder(rng, dtype, OLD_OPSET if rng.random() < 0.25 else OPSET)
     rank = int(rng.integers(2, 5))
     shape = ("n",) + tuple(int(rng.choice([2, 3, 5, 8])) for _ in range(rank - 2)) + (int(rng.choice(LAST_DIMS[3:])),)
     if rank == 4 and rng.random() < 0.5:  # an image: channels, then a small spatial map
@@ -270,7 +279,7 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     extra = [n for n in b.produced[:-1] if rng.random() < 0.15]
     outputs = [helper.make_tensor_value_info(n, dtype, None) for n in outs + extra[:2]]
     g = helper.make_graph(b.nodes, f"fuzz{seed}", b.inputs, outputs, b.inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", b.opset)])
     m.ir_version = 9
     inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
     for out, inf in zip(m.graph.output, inferred.graph.output):
