@@ -117,10 +117,9 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     out_vals = out_sess.run(out_names, feeds)
     tf32 = any(p.key == "ortfuse.tf32" and p.value == "1" for p in opt.metadata_props)
     tol32 = TF32_RTOL if tf32 else None
-    if any(t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in src.graph.initializer) or \
-            any(_is_half(np.asarray(v)) for v in feeds.values()):
-        tol32 = RTOL["fp16"]  # fp32 outputs of a half-precision model carry its rounding
-    model_diffs = tuple(compare(n, o, ref_vals[n], _tol_for(ref_vals[n], tol32)) for n, o in zip(out_names, out_vals))
+    half_fed = _half_fed(src)  # fp32 outputs computed from half-precision data carry its rounding
+    model_diffs = tuple(compare(n, o, ref_vals[n], _tol_for(ref_vals[n], RTOL["fp16"] if n in half_fed else tol32))
+                        for n, o in zip(out_names, out_vals))
     kernels: tuple = ()
     if emulate and fused:
         # ORT CPU on the optimized model with its functions inlined (each fused node's original sub-graph,
@@ -130,6 +129,23 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
         kernels = tuple((n.name, _emulate_node(n, values, tol32)) for n in fused)
     return CheckReport(model_diffs, kernels)
+
+
+_HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def _half_fed(model: onnx.ModelProto) -> set[str]:
+    """Tensors computed from fp16/bf16 data: half graph inputs, initializers and Constants, Cast-to-half
+    outputs, and everything downstream of them (nodes in topological order, as load_model leaves them)."""
+    g = model.graph
+    fed = {v.name for v in g.input if v.type.tensor_type.elem_type in _HALF}
+    fed |= {t.name for t in g.initializer if t.data_type in _HALF}
+    for n in g.node:
+        to_half = n.op_type == "Cast" and any(a.name == "to" and a.i in _HALF for a in n.attribute)
+        const_half = n.op_type == "Constant" and any(a.name == "value" and a.t.data_type in _HALF for a in n.attribute)
+        if to_half or const_half or any(t in fed for t in n.input):
+            fed.update(o for o in n.output if o)
+    return fed
 
 
 def _tol_for(ref: np.ndarray, tol32: Optional[float]) -> Optional[float]:

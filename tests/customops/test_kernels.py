@@ -116,6 +116,13 @@ def test_fp32_output_of_half_data_is_checked_at_half_tolerance():
     assert d.tol == 1e-2 and 1e-5 < d.max_rel < 1e-3, d
 
 
+def test_model_outputs_get_the_half_tolerance_only_when_computed_from_half_data():
+    nodes = [node("Cast", ["e"], ["ef"], to=F), node("Add", ["x", "ef"], ["y"]), node("Relu", ["x"], ["z"])]
+    m = model(nodes, [vi("x", F, [4]), vi("e", H, [4])], [vi("y", F, None), vi("z", F, None)])
+    y, z = check_models(m, m).model
+    assert (y.name, y.tol) == ("y", 1e-2) and (z.name, z.tol) == ("z", 1e-5)
+
+
 def _layernorm(dt, hidden, decomposed=True):
     n = NP[dt]
     inits = [const("g", np.linspace(0.5, 1.5, hidden), n), const("beta", np.linspace(-0.2, 0.2, hidden), n),
