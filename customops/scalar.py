@@ -153,7 +153,8 @@ def _hard_sigmoid(x: Expr, alpha: float, beta: float) -> Expr:
 
 
 def _softplus(x: Expr) -> Expr:
-    return _op("log1p", _op("exp", x))
+    """log(1 + e^x) as max(x, 0) + log1p(e^-|x|): exp never overflows (log1p(exp(x)) is inf above 88)."""
+    return _op("add", _op("fmax", x, f32(0)), _op("log1p", _op("exp", _op("neg", _op("abs", x)))))
 
 
 def _neg(n, a, out):

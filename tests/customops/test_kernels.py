@@ -123,6 +123,15 @@ def test_model_outputs_get_the_half_tolerance_only_when_computed_from_half_data(
     assert (y.name, y.tol) == ("y", 1e-2) and (z.name, z.tol) == ("z", 1e-5)
 
 
+def test_softplus_and_mish_of_large_values_stay_finite():
+    # x * 300 spans about +-1000: log1p(exp(x)) would overflow to inf above 88, where ORT gives x. (fp16
+    # kernels compute in fp32 the same way; ORT CPU's fp16 Softplus is the one that overflows there.)
+    nodes = [node("Mul", ["x", "big"], ["xb"]), node("Softplus", ["xb"], ["sp"]), node("Mish", ["xb"], ["mi"]),
+             node("Add", ["sp", "mi"], ["y"])]
+    m = model(nodes, [vi("x", F, ["n", 64])], [vi("y", F, None)], [const("big", 300.0)], opset=18)
+    _run(m, {}, {"x": (4, 64)})
+
+
 def _layernorm(dt, hidden, decomposed=True):
     n = NP[dt]
     inits = [const("g", np.linspace(0.5, 1.5, hidden), n), const("beta", np.linspace(-0.2, 0.2, hidden), n),
