@@ -68,9 +68,10 @@ def compare(name: str, out: np.ndarray, ref: np.ndarray, tol: Optional[float] = 
         return Diff(name, bad, bad, 0.0)
     o, r = out.astype(np.float64), ref.astype(np.float64)
     finite = np.isfinite(r)
-    if not np.array_equal(finite, np.isfinite(o)) or not np.array_equal(np.isnan(r), np.isnan(o)):
+    # NaN where ORT has NaN, and infinities of the same sign
+    if not np.array_equal(finite, np.isfinite(o)) or not np.array_equal(o[~finite], r[~finite], equal_nan=True):
         return Diff(f"{name} (non-finite values differ)", float("inf"), float("inf"), tol or _tol(ref))
-    err = np.abs(o - r)[finite]
+    err = np.abs(o[finite] - r[finite])
     max_abs = float(err.max()) if err.size else 0.0
     scale = max(float(np.abs(r[finite]).max()) if err.size else 0.0, 1e-6)
     return Diff(name, max_abs, max_abs / scale, tol if tol is not None else _tol(ref))

@@ -12,7 +12,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
 from ortfuse.api import compile_model
-from ortfuse.check import _emulate_node, check_models
+from ortfuse.check import _emulate_node, check_models, compare
 from ortfuse.customops.compile import check_elf
 from ortfuse.errors import CompileError
 
@@ -130,6 +130,14 @@ def test_softplus_and_mish_of_large_values_stay_finite():
              node("Add", ["sp", "mi"], ["y"])]
     m = model(nodes, [vi("x", F, ["n", 64])], [vi("y", F, None)], [const("big", 300.0)], opset=18)
     _run(m, {}, {"x": (4, 64)})
+
+
+def test_compare_non_finite_values():
+    ref = np.array([1.0, np.inf, -np.inf, np.nan], np.float32)
+    assert compare("y", ref.copy(), ref).ok
+    assert not compare("y", np.array([1.0, -np.inf, np.inf, np.nan], np.float32), ref).ok  # signs swapped
+    assert not compare("y", np.array([1.0, np.inf, -np.inf, 0.0], np.float32), ref).ok
+    assert not compare("y", np.array([1.0, np.inf, 7.0, np.nan], np.float32), ref).ok
 
 
 def _layernorm(dt, hidden, decomposed=True):

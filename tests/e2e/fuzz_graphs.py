@@ -192,11 +192,14 @@ class _Builder:
     def rare(self, x: str, s: Shape) -> None:
         """The less common fusible forms: Expand, Unsqueeze/Squeeze, Flatten, Pow, Div, LogSoftmax, a
         Softmax or sum of squares not over the last axis, Gemm with transB and alpha, MatMul with a batched
-        constant weight."""
+        constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
-                                    "sumsquare", "gemm", "batched"]))
-        if kind == "expand":
+                                    "sumsquare", "gemm", "batched", "extreme"]))
+        if kind == "extreme" and self.dtype == TP.FLOAT:  # overflow and underflow paths (fp32: ORT CPU's
+            # fp16 kernels overflow in places of their own)
+            self.add("Mul", [x, self.const(np.array(self.rng.choice([300.0, 3000.0, 1e-4])))], s)
+        elif kind == "expand":
             ones = [i for i, d in enumerate(s) if d == 1]
             if not ones:
                 x = self.add("Unsqueeze", [x, self.axes(rank)], s + (1,))
