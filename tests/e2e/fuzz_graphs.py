@@ -197,8 +197,14 @@ class _Builder:
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
                                     "sumsquare", "gemm", "batched", "extreme"]))
         if kind == "extreme" and self.dtype == TP.FLOAT:  # overflow and underflow paths (fp32: ORT CPU's
-            # fp16 kernels overflow in places of their own)
-            self.add("Mul", [x, self.const(np.array(self.rng.choice([300.0, 3000.0, 1e-4])))], s)
+            # fp16 kernels overflow in places of their own), through ops that saturate there: a huge value
+            # left in the pool would meet Sin (whose result is noise at 1e8) or inf - inf later
+            big = self.add("Mul", [x, self.const(np.array(self.rng.choice([300.0, 3000.0, 1e-4])))], s, pool=False)
+            op = str(self.rng.choice(["Softplus", "Sigmoid", "Tanh", "Erf", "Elu", "HardSwish", "Softmax",
+                                      "LogSoftmax"]))
+            out = self.add(op, [big], s, **({"axis": -1} if "Softmax" in op else {}))
+            if op in ("Softplus", "Elu", "HardSwish", "LogSoftmax"):  # unbounded: bring it back to O(1)
+                self.add("Mul", [out, self.const(np.array(1e-3))], s)
         elif kind == "expand":
             ones = [i for i, d in enumerate(s) if d == 1]
             if not ones:
