@@ -309,9 +309,12 @@ inline void fiber_main() {
   }
 }
 
+// One fiber's mapping: a guard page, then OFZ_EMU_STACK_BYTES rounded up to whole pages.
+inline size_t fiber_map_bytes(size_t page) { return page + ((OFZ_EMU_STACK_BYTES + page - 1) / page) * page; }
+
 inline bool prepare_fibers(int n) {
   const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-  const size_t bytes = page + ((OFZ_EMU_STACK_BYTES + page - 1) / page) * page;
+  const size_t bytes = fiber_map_bytes(page);
   for (int i = 0; i < n; ++i) {
     if (!S.stack[i]) {
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -331,8 +334,7 @@ inline void async_reset(int n);  // tensor-core section below
 // hundreds of them (a test session) would otherwise keep two mappings per thread each and run out of
 // vm.max_map_count.
 inline void release_fibers() {
-  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-  const size_t bytes = page + ((OFZ_EMU_STACK_BYTES + page - 1) / page) * page;
+  const size_t bytes = fiber_map_bytes((size_t)sysconf(_SC_PAGESIZE));
   for (char*& p : S.stack) {
     if (p) munmap(p, bytes);
     p = nullptr;
