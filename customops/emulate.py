@@ -50,20 +50,21 @@ class EmulatedModule:
         self._lock = threading.Lock()  # smem setting + launch form one step
 
     def launch(self, entry: str, grid: int, block: int, args: Sequence[np.ndarray], dims: Sequence[int] = (),
-               smem: int = 0) -> None:
+               smem: int = 0, cluster: int = 1) -> None:
         """Run `entry` on a 1-D grid: `args` are the inputs then the (preallocated) outputs, `dims` the
-        runtime symbolic dims, `smem` the dynamic shared memory bytes."""
+        runtime symbolic dims, `smem` the dynamic shared memory bytes (per block), `cluster` the blocks per
+        thread-block cluster (a divisor of `grid`)."""
         if len(args) > MAX_TENSORS or len(dims) > MAX_DIMS:
             raise ValueError(f"{entry}: at most {MAX_TENSORS} tensors and {MAX_DIMS} dims "
                              f"(got {len(args)}, {len(dims)})")
-        if not (0 < grid < 2**31 and 0 < block <= 1024 and smem >= 0):
-            raise ValueError(f"{entry}: invalid launch grid={grid} block={block} smem={smem}")
+        if not (0 < grid < 2**31 and 0 < block <= 1024 and smem >= 0 and 1 <= cluster <= 8 and grid % cluster == 0):
+            raise ValueError(f"{entry}: invalid launch grid={grid} block={block} smem={smem} cluster={cluster}")
         try:
             fn = getattr(self._lib, f"ofz_emu_{entry}")
         except AttributeError:
             raise ValueError(f"{self.source_path} has no OFZ_EMU_ENTRY({entry})") from None
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(_OfzArgs)]
+        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(_OfzArgs)]
         packed = _OfzArgs()
         for i, a in enumerate(args):
             if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
@@ -73,7 +74,7 @@ class EmulatedModule:
             packed.dim[i] = int(d)
         with self._lock:
             self._lib.ofz_emu_set_dynamic_smem(smem)
-            rc = fn(grid, block, ctypes.byref(packed))
+            rc = fn(grid, block, cluster, ctypes.byref(packed))
             msg = self._lib.ofz_emu_last_error().decode(errors="replace") if rc else ""
         if rc:
             raise EmulationError(f"{msg} (source: {self.source_path})")

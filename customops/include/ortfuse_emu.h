@@ -1,10 +1,12 @@
 // Host emulation of the CUDA subset generated kernels use. ortfuse_kernel.h includes this header when
 // compiled with g++ -DORTFUSE_EMU (C++17), so the very source given to NVRTC also runs on the CPU.
 //
-// Execution model: blocks run one after another. The threads of a block are cooperative fibers
-// (ucontext, one small stack each, reused across blocks) scheduled round-robin; __syncthreads, __syncwarp,
-// shuffles and votes are the only switch points. __shared__ expands to `static`: since only one block
-// runs at a time, a static is exactly block-shared storage. Errors (deadlock, misuse) abort the launch
+// Execution model: blocks run one after another, or a cluster's blocks together (launches with a cluster
+// size, sm_90 thread-block clusters). The threads are cooperative fibers (one small stack each) scheduled
+// round-robin; __syncthreads, cluster_sync, __syncwarp, shuffles and votes are the only switch points.
+// __shared__ expands to `static`: with one block at a time, a static is exactly block-shared storage.
+// Blocks of one cluster would share it, so cluster kernels keep their shared data in dynamic shared
+// memory, which is per block (and reachable from the cluster's other blocks through cluster_map). Errors (deadlock, misuse) abort the launch
 // and are reported through ofz_emu_last_error(). Launches of one module are serialized by a mutex.
 // Only 1-D grids and blocks are emulated (.y and .z are always 0 / 1).
 #pragma once
@@ -57,8 +59,10 @@ constexpr int warpSize = 32;
 // ---- fiber scheduler ------------------------------------------------------------------------------------
 namespace ofz_emu {
 
-constexpr int kMaxThreads = 1024;
-enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone };             // thread states
+constexpr int kMaxThreads = 1024;          // per block
+constexpr int kMaxCluster = 8;             // blocks per cluster (the portable limit)
+constexpr int kMaxFibers = 4 * kMaxThreads;  // threads of one cluster, all live at once
+enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone, kAtCluster };  // thread states
 enum : unsigned char { kSync, kShfl, kBallot, kAny, kAll };          // warp operations
 static const char* const kOpName[] = {"__syncwarp", "a shuffle", "__ballot_sync", "__any_sync", "__all_sync"};
 
@@ -127,23 +131,27 @@ inline void ctx_make(Context* c, char* stack, size_t size, void (*fn)()) {
 
 struct State {
   Context main, dead;  // the launcher; where an aborted fiber saves itself (never resumed)
-  Context ctx[kMaxThreads];
-  char* stack[kMaxThreads] = {};   // guard page + OFZ_EMU_STACK_BYTES, mapped for one launch
-  Thread th[kMaxThreads];
-  unsigned waiting[kMaxThreads / 32];  // per warp: lanes parked at a warp op
-  unsigned exited[kMaxThreads / 32];   // per warp: lanes that returned
-  int n = 0, live = 0, runnable = 0, at_block = 0, cur = 0;
+  Context ctx[kMaxFibers];
+  char* stack[kMaxFibers] = {};   // guard page + OFZ_EMU_STACK_BYTES, mapped for one launch
+  Thread th[kMaxFibers];
+  unsigned waiting[kMaxFibers / 32];  // per warp: lanes parked at a warp op
+  unsigned exited[kMaxFibers / 32];   // per warp: lanes that returned
+  // n fibers = cluster blocks of `block` threads; fiber i is thread i % block of the cluster's block i / block
+  int n = 0, block = 0, cluster = 1, live = 0, runnable = 0, at_cluster = 0, cur = 0;
+  int live_in[kMaxCluster], at_block[kMaxCluster];  // per block of the cluster
+  unsigned first_block = 0;                          // blockIdx.x of the cluster's block 0
   void (*body)(const void*) = nullptr;
   const void* args = nullptr;
   bool aborted = false;
   std::string error;
   unsigned char* smem = nullptr;
-  size_t smem_cap = 0, smem_bytes = 0;
+  size_t smem_cap = 0, smem_bytes = 0, smem_stride = 0;  // dynamic shared memory: one stride per block
   std::mutex mu;
 };
 static State S;
 
-inline void* dynamic_smem() { return S.smem; }
+inline int block_of(int fiber) { return fiber / S.block; }
+inline void* dynamic_smem() { return S.smem + (size_t)block_of(S.cur) * S.smem_stride; }
 
 inline std::string format(const char* fmt, va_list ap) {
   char buf[1024];
@@ -162,20 +170,22 @@ inline std::string format(const char* fmt, va_list ap) {
   abort();  // unreachable: a fresh context is made for every fiber at the next launch
 }
 
-inline unsigned lanes_of_warp(int w) {  // lanes that exist in warp w (the last warp may be partial)
-  int k = S.n - w * 32;
+inline unsigned lanes_of_warp(int w) {  // lanes that exist in warp w (a block's last warp may be partial)
+  int k = S.n - w * 32;  // a cluster's blocks are whole warps (run_blocks checks)
   return k >= 32 ? 0xffffffffu : (1u << k) - 1;
 }
 
 [[noreturn]] inline void deadlock() {
-  int at_block = 0, at_warp = 0, done = 0, first_warp = -1;
+  int at_block = 0, at_cluster = 0, at_warp = 0, done = 0, first_warp = -1;
   for (int i = 0; i < S.n; ++i) {
     unsigned char s = S.th[i].state;
     at_block += s == kAtBlock;
+    at_cluster += s == kAtCluster;
     done += s == kDone;
     if (s == kAtWarp && at_warp++ == 0) first_warp = i;
   }
   std::string msg = "deadlock: " + std::to_string(at_block) + " thread(s) wait at __syncthreads, " +
+                    (S.cluster > 1 ? std::to_string(at_cluster) + " at cluster_sync, " : std::string()) +
                     std::to_string(at_warp) + " at warp operations, " + std::to_string(done) + " exited";
   if (first_warp >= 0) {
     const Thread& t = S.th[first_warp];
@@ -194,7 +204,8 @@ inline void switch_to(int next) {
   int me = S.cur;
   if (next == me) return;
   S.cur = next;
-  threadIdx.x = (unsigned)next;
+  threadIdx.x = (unsigned)(next % S.block);
+  blockIdx.x = S.first_block + (unsigned)block_of(next);
   ctx_swap(&S.ctx[me], &S.ctx[next]);
 }
 
@@ -207,17 +218,32 @@ inline void yield() {
   switch_to(i);
 }
 
-inline void release_block() {
-  for (int i = 0; i < S.n; ++i)
-    if (S.th[i].state == kAtBlock) S.th[i].state = kRun, ++S.runnable;
-  S.at_block = 0;
+// Wake every thread of block `b` (of the cluster) parked in state `at`.
+inline void release(int b, unsigned char at) {
+  const int lo = b < 0 ? 0 : b * S.block, hi = b < 0 ? S.n : lo + S.block;
+  for (int i = lo; i < hi; ++i)
+    if (S.th[i].state == at) S.th[i].state = kRun, ++S.runnable;
 }
 
 inline void sync_block() {
+  const int b = block_of(S.cur);
   S.th[S.cur].state = kAtBlock;
   --S.runnable;
-  if (++S.at_block == S.live) {  // live threads all here (exited ones do not count)
-    release_block();
+  if (++S.at_block[b] == S.live_in[b]) {  // the block's live threads all here (exited ones do not count)
+    S.at_block[b] = 0;
+    release(b, kAtBlock);
+    return;
+  }
+  yield();
+}
+
+// barrier.cluster: every live thread of every block of the cluster.
+inline void sync_cluster() {
+  S.th[S.cur].state = kAtCluster;
+  --S.runnable;
+  if (++S.at_cluster == S.live) {
+    S.at_cluster = 0;
+    release(-1, kAtCluster);
     return;
   }
   yield();
@@ -279,10 +305,11 @@ inline uint64_t warp_op(unsigned char op, unsigned mask, uint64_t val, int src) 
 
 // The running thread returned from the kernel.
 inline void thread_exit() {
-  const int me = S.cur, w = me / 32, l = me % 32;
+  const int me = S.cur, w = me / 32, l = me % 32, b = block_of(me);
   S.th[me].state = kDone;
   --S.runnable;
   --S.live;
+  --S.live_in[b];
   S.exited[w] |= 1u << l;
   for (unsigned m = S.waiting[w]; m; m &= m - 1) {
     const int j = __builtin_ctz(m);
@@ -294,9 +321,10 @@ inline void thread_exit() {
     const unsigned need = o.mask & ~S.exited[w];  // a __syncwarp group may now be complete
     if ((S.waiting[w] & need) == need) complete(w, need, kSync);
   }
-  if (S.at_block && S.at_block == S.live) release_block();
+  if (S.at_block[b] && S.at_block[b] == S.live_in[b]) S.at_block[b] = 0, release(b, kAtBlock);
+  if (S.at_cluster && S.at_cluster == S.live) S.at_cluster = 0, release(-1, kAtCluster);
   if (S.live == 0) {
-    ctx_swap(&S.ctx[me], &S.main);  // block finished; the next block resumes this fiber here
+    ctx_swap(&S.ctx[me], &S.main);  // block (cluster) finished; the next one resumes this fiber here
     return;
   }
   yield();
@@ -344,29 +372,36 @@ inline void release_fibers() {
   S.smem_cap = 0;
 }
 
-inline int run_blocks(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name);
+inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*body)(const void*), const void* args,
+                      const char* name);
 
-inline int launch(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name) {
+inline int launch(unsigned grid, unsigned block, unsigned cluster, void (*body)(const void*), const void* args,
+                  const char* name) {
   std::lock_guard<std::mutex> lock(S.mu);
-  const int rc = run_blocks(grid, block, body, args, name);
+  const int rc = run_blocks(grid, block, cluster, body, args, name);
   release_fibers();
   return rc;
 }
 
-inline int run_blocks(unsigned grid, unsigned block, void (*body)(const void*), const void* args, const char* name) {
+inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*body)(const void*), const void* args,
+                      const char* name) {
   S.error.clear();
   S.aborted = false;
-  char buf[160];
-  if (block == 0 || block > (unsigned)kMaxThreads || grid == 0 || grid > 0x7fffffffu || !args) {
-    snprintf(buf, sizeof buf, "kernel %s: invalid launch (grid %u, block %u, args %p)", name, grid, block, args);
+  char buf[200];
+  if (block == 0 || block > (unsigned)kMaxThreads || grid == 0 || grid > 0x7fffffffu || !args || cluster == 0 ||
+      cluster > (unsigned)kMaxCluster || grid % cluster != 0 || cluster * block > (unsigned)kMaxFibers ||
+      (cluster > 1 && block % 32 != 0)) {
+    snprintf(buf, sizeof buf, "kernel %s: invalid launch (grid %u, block %u, cluster %u, args %p)", name, grid, block,
+             cluster, args);
     S.error = buf;
     return 1;
   }
-  if (!prepare_fibers((int)block)) {
+  if (!prepare_fibers((int)(cluster * block))) {
     S.error = std::string("kernel ") + name + ": cannot allocate fiber stacks";
     return 1;
   }
-  const size_t want = S.smem_bytes < 16 ? 16 : S.smem_bytes;
+  S.smem_stride = ((S.smem_bytes < 16 ? 16 : S.smem_bytes) + 127) / 128 * 128;
+  const size_t want = S.smem_stride * cluster;
   if (want > S.smem_cap) {
     free(S.smem);
     S.smem = static_cast<unsigned char*>(aligned_alloc(128, (want + 127) / 128 * 128));
@@ -379,22 +414,30 @@ inline int run_blocks(unsigned grid, unsigned block, void (*body)(const void*), 
   memset(S.smem, 0xff, S.smem_cap);  // uninitialized on a GPU; 0xff reads as NaN / -1 to expose bugs
   S.body = body;
   S.args = args;
-  S.n = (int)block;
+  S.block = (int)block;
+  S.cluster = (int)cluster;
+  S.n = (int)(cluster * block);
   gridDim = {grid, 1, 1};
   blockDim = {block, 1, 1};
-  for (unsigned b = 0; b < grid; ++b) {
+  for (unsigned b = 0; b < grid; b += cluster) {
     for (int i = 0; i < S.n; ++i) S.th[i].state = kRun;
     memset(S.waiting, 0, sizeof S.waiting);
     memset(S.exited, 0, sizeof S.exited);
     S.live = S.runnable = S.n;
-    S.at_block = 0;
+    for (unsigned c = 0; c < cluster; ++c) S.live_in[c] = (int)block, S.at_block[c] = 0;
+    S.at_cluster = 0;
     S.cur = 0;
     async_reset(S.n);
+    S.first_block = b;
     blockIdx = {b, 0, 0};
     threadIdx = {0, 0, 0};
     ctx_swap(&S.main, &S.ctx[0]);
     if (S.aborted) {
-      snprintf(buf, sizeof buf, "kernel %s, block %u of %u (%u threads): ", name, b, grid, block);
+      if (cluster > 1)
+        snprintf(buf, sizeof buf, "kernel %s, cluster of blocks %u-%u of %u (%u threads each): ", name, b,
+                 b + cluster - 1, grid, block);
+      else
+        snprintf(buf, sizeof buf, "kernel %s, block %u of %u (%u threads): ", name, b, grid, block);
       S.error = buf + S.error;
       return 1;
     }
@@ -478,6 +521,23 @@ inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
 
 // ---- warp and block primitives ----------------------------------------------------------------------------
 inline void __syncthreads() { ofz_emu::sync_block(); }
+
+// Thread-block clusters (ortfuse_kernel.h's ofz::cluster_* call these under emulation).
+namespace ofz_emu {
+inline unsigned cluster_rank() { return (unsigned)block_of(S.cur); }
+inline unsigned cluster_size() { return (unsigned)S.cluster; }
+inline unsigned cluster_id() { return S.first_block / (unsigned)S.cluster; }
+inline unsigned cluster_count() { return gridDim.x / (unsigned)S.cluster; }
+// mapa: the same offset in block `rank`'s dynamic shared memory (the only shared storage that is per block here)
+inline const void* cluster_map(const void* p, unsigned rank) {
+  const unsigned char* own = static_cast<const unsigned char*>(dynamic_smem());
+  const unsigned char* q = static_cast<const unsigned char*>(p);
+  if (q < own || q >= own + S.smem_bytes)
+    fail("thread %d: cluster_map of %p, which is not in its block's dynamic shared memory", S.cur, p);
+  if (rank >= (unsigned)S.cluster) fail("thread %d: cluster_map to rank %u of a %d-block cluster", S.cur, rank, S.cluster);
+  return S.smem + (size_t)rank * S.smem_stride + (size_t)(q - own);
+}
+}  // namespace ofz_emu
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ofz_emu::warp_op(ofz_emu::kSync, mask, 0, -1); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
@@ -670,9 +730,9 @@ struct AsyncCopy {
   int bytes;           // copied from src; the rest of the 16 bytes is zero-filled
   unsigned group;      // index of the commit group it joins
 };
-static std::vector<AsyncCopy> async_queue[kMaxThreads];
-static unsigned async_groups[kMaxThreads];  // commit groups closed so far by the thread
-static const void* posted[kMaxThreads][2];   // per-lane operand pointers of a warp-collective op
+static std::vector<AsyncCopy> async_queue[kMaxFibers];
+static unsigned async_groups[kMaxFibers];  // commit groups closed so far by the thread
+static const void* posted[kMaxFibers][2];   // per-lane operand pointers of a warp-collective op
 
 inline void async_reset(int n) {
   for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0;
@@ -707,7 +767,7 @@ inline void async_wait(unsigned keep) {
 // A full-warp rendezvous for mma/ldmatrix: publishes two pointers, returns the lane's warp base index.
 inline int collective_begin(const char* what, const void* p0, const void* p1) {
   const int w = S.cur / 32;
-  if (lanes_of_warp(w) != 0xffffffffu) fail("thread %d: %s needs a full warp (block of %d threads)", S.cur, what, S.n);
+  if (lanes_of_warp(w) != 0xffffffffu) fail("thread %d: %s needs a full warp (block of %d threads)", S.cur, what, S.block);
   posted[S.cur][0] = p0;
   posted[S.cur][1] = p1;
   warp_op(kSync, 0xffffffffu, 0, -1);
@@ -788,6 +848,7 @@ OFZ_EMU_EXPORT void ofz_emu_set_dynamic_smem(unsigned long long bytes) { ofz_emu
 
 // Placed after the kernel (at the end of the .cu file), where OfzArgs and the kernel are declared.
 #define OFZ_EMU_ENTRY(name)                                                                                    \
-  OFZ_EMU_EXPORT int ofz_emu_##name(unsigned grid, unsigned block, const OfzArgs* a) {                         \
-    return ::ofz_emu::launch(grid, block, [](const void* p) { name(*static_cast<const OfzArgs*>(p)); }, a, #name); \
+  OFZ_EMU_EXPORT int ofz_emu_##name(unsigned grid, unsigned block, unsigned cluster, const OfzArgs* a) {       \
+    return ::ofz_emu::launch(grid, block, cluster, [](const void* p) { name(*static_cast<const OfzArgs*>(p)); }, a, \
+                             #name);                                                                           \
   }

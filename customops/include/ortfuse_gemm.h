@@ -17,6 +17,14 @@
 // row_in's values (X: the tensor the row reductions read) go to an fp32 [BM][BN + 4] buffer that aliases
 // the drained pipeline stages; `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
 // row (row_reduce, scratch of kThreads / 32 floats) and stores every output.
+//
+// Split-K (SPLIT > 1, sm_90 thread-block clusters): launched with clusters of S <= SPLIT blocks, the S
+// blocks of a cluster share one output tile and each runs 1/S of its k tiles. They then reduce through
+// distributed shared memory: each stores its fp32 partial tile [BM][BN + 4] in its own shared memory, and
+// after a cluster barrier block r sums rows r*BM/S .. (r+1)*BM/S - 1 over the cluster (in rank order, so
+// the result does not depend on which block sums) and runs the epilogue on them (the row-wise epilogue
+// too: Ops::row over those rows). No workspace, no atomics, one launch. Launched without clusters
+// (S = 1) the kernel runs unsplit.
 #pragma once
 #include "ortfuse_kernel.h"
 
@@ -132,11 +140,12 @@ struct DirectCopies {
   ACopy a;
   BCopy b;
 
+  // k0: the first k of the block's k range (a split-K block starts mid-K)
   __device__ __forceinline__ void init(const T* A, const T* B, ofz_i64 m0, ofz_i64 n0, ofz_i64 M, ofz_i64 N,
-                                       ofz_i64 K) {
-    a.init(A, m0, 0, M, K, K);
-    if constexpr (BMODE == kRowMajor) b.init(B, 0, n0, K, N, N);
-    else b.init(B, n0, 0, N, K, K);
+                                       ofz_i64 K, ofz_i64 k0) {
+    a.init(A, m0, k0, M, K, K);
+    if constexpr (BMODE == kRowMajor) b.init(B, k0, n0, K, N, N);
+    else b.init(B, n0, k0, N, K, K);
   }
   __device__ __forceinline__ void copy(T* As, T* Bs, ofz_i64 k0, ofz_i64 K) {
     a.copy(As, k0, K);
@@ -263,8 +272,49 @@ __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Vi
   __syncthreads();  // the next tile's pipeline overwrites the buffer
 }
 
+// Split-K's reduction and epilogue (see the top of this file). `part` is the block's dynamic shared memory:
+// the [BM][kRowLd] partial tile, then (row-wise epilogue) kThreads / 32 floats of reduction scratch.
+template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, class Ops, class Visit>
+__device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Visit&& visit, ofz_i64 b, ofz_i64 m0,
+                                               ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
+  visit([&](int r, int c, const float* v, int count) {
+    for (int e = 0; e < count; ++e) part[r * kRowLd + c + e] = v[e];
+  });
+  cluster_sync();  // every partial tile is complete and visible to the cluster
+  const int per = (BM + (int)splits - 1) / (int)splits;  // rows [r0, r1) of the tile are this block's
+  const int r0 = (int)rank * per < BM ? (int)rank * per : BM;
+  const int r1 = r0 + per < BM ? r0 + per : BM;
+  const int rows = (int)(M - m0 < (ofz_i64)r1 ? M - m0 : (ofz_i64)r1) - r0;  // may be <= 0
+  const int cols = (int)(N - n0 < (ofz_i64)BN ? N - n0 : (ofz_i64)BN);
+  const int pairs = (cols + 1) / 2;
+  for (int e = threadIdx.x; e < rows * pairs; e += kThreads) {  // adjacent threads: adjacent column pairs
+    const int r = r0 + e / pairs, c = 2 * (e % pairs), off = r * kRowLd + c;
+    float v0 = 0.0f, v1 = 0.0f;
+    for (unsigned q = 0; q < splits; ++q) {
+      const float* src = q == rank ? part : cluster_map(part, q);
+      v0 += src[off];
+      if (c + 1 < cols) v1 += src[off + 1];
+    }
+    const ofz_i64 m = m0 + r, n = n0 + c;
+    if constexpr (ROW_TPR > 0) {  // X into the block's own rows of its buffer (no other block reads them)
+      part[off] = Ops::row_in(a, b, m, n, v0);
+      if (c + 1 < cols) part[off + 1] = Ops::row_in(a, b, m, n + 1, v1);
+    } else if (c + 1 < cols) {
+      Ops::epi2(a, b, m, n, v0, v1);
+    } else {
+      Ops::epi1(a, b, m, n, v0);
+    }
+  }
+  if constexpr (ROW_TPR > 0) {
+    static_assert(ROW_TPR % 32 == 0 && kThreads % ROW_TPR == 0, "rows are reduced by whole warps");
+    __syncthreads();
+    if (rows > 0) Ops::row(a, b, m0 + r0, (ofz_i64)rows, part + r0 * kRowLd, part + BM * kRowLd);
+  }
+  cluster_sync();  // no block overwrites its partial tile (next tile) or exits while another reads it
+}
+
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR = 0, class Geo = NoConv>
+          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K) {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
@@ -280,8 +330,15 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
   const ofz_i64 tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const ofz_i64 tiles = batch * tiles_m * tiles_n;
   const ofz_i64 ktiles = (K + BK - 1) / BK;
+  // split-K: the cluster's blocks share tile u and split its k tiles; without it (or in clusters of one)
+  // a block owns whole tiles
+  constexpr bool kSplit = SPLIT > 1;
+  const unsigned splits = kSplit ? cluster_size() : 1u, rank = kSplit ? cluster_rank() : 0u;
+  const ofz_i64 first = kSplit ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x;
+  const ofz_i64 step = kSplit ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x;
+  const ofz_i64 kt0 = ktiles * rank / splits, nk = ktiles * (rank + 1) / splits - kt0;  // k tiles [kt0, kt0 + nk)
 
-  for (ofz_i64 u = blockIdx.x; u < tiles; u += gridDim.x) {
+  for (ofz_i64 u = first; u < tiles; u += step) {
     const ofz_i64 b = u / (tiles_m * tiles_n), rest = u % (tiles_m * tiles_n);
     const ofz_i64 m0 = (rest / tiles_n) * BM, n0 = (rest % tiles_n) * BN;
     const T* A = nullptr;
@@ -301,30 +358,30 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
 
     // prologue: stages 0 .. STAGES-2 in flight (generic operands stored at once)
     DirectCopies<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH> direct;
-    direct.init(A, B, m0, n0, M, N, K);
+    direct.init(A, B, m0, n0, M, N, K, kt0 * BK);
     Staging<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, Geo> staged;
     constexpr bool kStaged = AMODE == kGeneric || BMODE == kGeneric || BMODE == kIm2col;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ktiles) {
+      if (s < nk) {
         T* as = As + s * L::kAStage;
         T* bs = Bs + s * L::kBStage;
-        direct.copy(as, bs, (ofz_i64)s * BK, K);
+        direct.copy(as, bs, (kt0 + s) * BK, K);
         if constexpr (kStaged) {
-          staged.fetch(a, B, b, m0, n0, (ofz_i64)s * BK, M, N, K);
+          staged.fetch(a, B, b, m0, n0, (kt0 + s) * BK, M, N, K);
           staged.stash(as, bs);
         }
       }
       cp_async_commit();
     }
-    for (ofz_i64 kt = 0; kt < ktiles; ++kt) {
+    for (ofz_i64 kt = 0; kt < nk; ++kt) {  // the block's kt-th k tile, kt0 + kt of the whole K
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // tile kt landed for every thread; stage (kt-1) % STAGES is free again
       const ofz_i64 next = kt + STAGES - 1;
       const int ns = (int)(next % STAGES);
-      if (next < ktiles) {
-        direct.copy(As + ns * L::kAStage, Bs + ns * L::kBStage, next * BK, K);
-        if constexpr (kStaged) staged.fetch(a, B, b, m0, n0, next * BK, M, N, K);
+      if (next < nk) {
+        direct.copy(As + ns * L::kAStage, Bs + ns * L::kBStage, (kt0 + next) * BK, K);
+        if constexpr (kStaged) staged.fetch(a, B, b, m0, n0, (kt0 + next) * BK, M, N, K);
       }
       cp_async_commit();
       const int st = (int)(kt % STAGES);
@@ -398,12 +455,19 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
       }
       // stage ns was drained before this iteration's barrier; it is read after iteration `next`'s
       if constexpr (kStaged)
-        if (next < ktiles) staged.stash(As + ns * L::kAStage, Bs + ns * L::kBStage);
+        if (next < nk) staged.stash(As + ns * L::kAStage, Bs + ns * L::kBStage);
     }
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages
 
     auto visit = [&](auto&& f) { for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, f); };
+    if constexpr (kSplit) {
+      if (splits > 1) {
+        split_epilogue<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0,
+                                                                      n0, M, N, rank, splits);
+        continue;
+      }
+    }
     if constexpr (ROW_TPR > 0) {
       row_epilogue<BM, L::kThreads, L::kRowLd, ROW_TPR, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0, M, N);
     } else {

@@ -85,6 +85,50 @@ template <class Op, int TPR> __device__ __forceinline__ float row_reduce(float v
   return r;
 }
 
+// ---- thread-block clusters (sm_90) ------------------------------------------------------------------------------
+// A launch without a cluster size runs clusters of one block: rank 0 of 1, cluster id = blockIdx.x. Below
+// sm_90 there are no clusters and these report exactly that. cluster_sync is barrier.cluster with release /
+// acquire semantics: shared-memory writes before it are visible to the cluster's other blocks after it
+// (through cluster_map, PTX mapa: the same offset in block `rank`'s shared memory).
+#ifdef ORTFUSE_EMU
+__device__ __forceinline__ unsigned cluster_rank() { return ofz_emu::cluster_rank(); }
+__device__ __forceinline__ unsigned cluster_size() { return ofz_emu::cluster_size(); }
+__device__ __forceinline__ unsigned cluster_id() { return ofz_emu::cluster_id(); }
+__device__ __forceinline__ unsigned cluster_count() { return ofz_emu::cluster_count(); }
+__device__ __forceinline__ void cluster_sync() { ofz_emu::sync_cluster(); }
+template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned rank) {
+  return static_cast<const T*>(ofz_emu::cluster_map(p, rank));
+}
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned cluster_special(int which) {
+  unsigned r;
+  if (which == 0) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  else if (which == 1) asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  else if (which == 2) asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  else asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ unsigned cluster_rank() { return cluster_special(0); }
+__device__ __forceinline__ unsigned cluster_size() { return cluster_special(1); }
+__device__ __forceinline__ unsigned cluster_id() { return cluster_special(2); }
+__device__ __forceinline__ unsigned cluster_count() { return cluster_special(3); }
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned rank) {
+  unsigned long long out;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
+  return reinterpret_cast<const T*>(out);
+}
+#else
+__device__ __forceinline__ unsigned cluster_rank() { return 0; }
+__device__ __forceinline__ unsigned cluster_size() { return 1; }
+__device__ __forceinline__ unsigned cluster_id() { return blockIdx.x; }
+__device__ __forceinline__ unsigned cluster_count() { return gridDim.x; }
+__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned) { return p; }
+#endif
+
 // ---- tensor cores and asynchronous copies (sm_80 and newer) -------------------------------------------------
 // Fragment layouts are the PTX ISA's; the emulation header implements the same instructions on the host.
 #ifdef ORTFUSE_EMU

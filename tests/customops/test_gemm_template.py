@@ -16,9 +16,9 @@ ELEM = {MMA_F16: "__half", MMA_BF16: "__nv_bfloat16", MMA_TF32: "float", SIMT: "
 ROW, COL, GENERIC = 0, 1, 2
 
 
-def source(math_: int, tile: GemmTile, a_mode: int, b_mode: int) -> str:
+def source(math_: int, tile: GemmTile, a_mode: int, b_mode: int, split: int = 1) -> str:
     """C[b] = A[b] @ B[b]: t0 = A [B][M][K], t1 = B [B][K][N] (COL: [B][N][K]), t2 = C fp32 [B][M][N];
-    dims M, N, K, batch."""
+    dims M, N, K, batch. `split`: the template's SPLIT (split-K across the blocks of a cluster)."""
     t = ELEM[math_]
     b_index = "n * a.dim[2] + k" if b_mode == COL else "k * a.dim[1] + n"
     return f'''#include "ortfuse_kernel.h"
@@ -37,7 +37,7 @@ struct ops {{
 }};
 extern "C" __global__ void gemm_test(const OfzArgs a) {{
   ofz::gemm::run<{t}, {tile.bm}, {tile.bn}, {tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {a_mode}, {b_mode},
-                 {math_}, ops>(a, 0, 1, a.dim[3], a.dim[0], a.dim[1], a.dim[2]);
+                 {math_}, ops, 0, ofz::gemm::NoConv, {split}>(a, 0, 1, a.dim[3], a.dim[0], a.dim[1], a.dim[2]);
 }}
 OFZ_EMU_ENTRY(gemm_test)
 '''
@@ -109,8 +109,54 @@ def test_capped_grid_strides_over_tiles():
     np.testing.assert_allclose(c[0], av[0] @ bv[0], rtol=1e-5, atol=1e-5)
 
 
+SPLIT_CASES = [  # math, tile, (M, N, K, batch), a_mode, b_mode, cluster: ragged k ranges and tiles, empty ranks
+    (MMA_F16, GemmTile(32, 64, 32, 16, 32, 3), (37, 72, 520, 2), ROW, ROW, 4),
+    (MMA_F16, GemmTile(64, 32, 64, 32, 16, 2), (70, 40, 200, 1), ROW, COL, 3),
+    (MMA_BF16, GemmTile(16, 16, 32, 16, 16, 4), (5, 8, 72, 3), GENERIC, GENERIC, 8),  # 3 k tiles, 8 ranks
+    (MMA_TF32, GemmTile(32, 32, 16, 16, 16, 3), (37, 40, 152, 1), ROW, ROW, 2),
+    (SIMT, GemmTile(16, 16, 32, 8, 16, 2), (37, 40, 300, 1), ROW, GENERIC, 5),
+    (MMA_F16, GemmTile(32, 32, 32, 16, 16, 3), (37, 40, 296, 1), ROW, ROW, 1),  # split kernel, cluster of one
+]
+
+
+@pytest.mark.parametrize("math_,tile,dims,a_mode,b_mode,cluster", SPLIT_CASES)
+def test_split_k_across_a_cluster(math_, tile, dims, a_mode, b_mode, cluster):
+    """Clusters of `cluster` blocks split each tile's K and reduce through each other's shared memory: the
+    same result as one block per tile, for any cluster size (including ranks with no k tile)."""
+    m, n, k, batch = dims
+    rng = np.random.default_rng(m + n * k)
+    a, av = _operands(math_, (batch, m, k), rng)
+    b, bv = _operands(math_, (batch, k, n), rng)
+    b_mem = np.ascontiguousarray(b.transpose(0, 2, 1)) if b_mode == COL else b
+    esize = a.itemsize
+    tiles = batch * -(-m // tile.bm) * -(-n // tile.bn)
+    smem = max(tile.smem_bytes(esize, b_mode == COL), tile.bm * (tile.bn + 4) * 4)
+    mod = compile_emulated(source(math_, tile, a_mode, b_mode, split=8))
+    c = np.full((batch, m, n), np.nan, np.float32)
+    mod.launch("gemm_test", tiles * cluster, tile.threads, [a, b_mem, c], [m, n, k, batch], smem, cluster=cluster)
+    unsplit = np.full_like(c, np.nan)
+    compile_emulated(source(math_, tile, a_mode, b_mode)).launch(
+        "gemm_test", tiles, tile.threads, [a, b_mem, unsplit], [m, n, k, batch], tile.smem_bytes(esize, b_mode == COL))
+    ref = (_tf32(av) @ _tf32(bv)) if math_ == MMA_TF32 else av.astype(np.float64) @ bv.astype(np.float64)
+    assert np.linalg.norm(c - ref) / np.linalg.norm(ref) < 1e-6
+    assert np.isfinite(c).all()  # every element written
+    assert np.linalg.norm(c - unsplit) / np.linalg.norm(unsplit) < 1e-6  # only the summation order differs
+    if cluster > 1:  # two clusters per grid stride: the loop over tiles steps by clusters, not blocks
+        half = np.full_like(c, np.nan)
+        mod.launch("gemm_test", cluster * 2, tile.threads, [a, b_mem, half], [m, n, k, batch], smem, cluster=cluster)
+        np.testing.assert_array_equal(half, c)
+
+
 @pytest.mark.parametrize("math_", [MMA_F16, MMA_BF16, MMA_TF32, SIMT])
 def test_gemm_template_compiles_for_the_gpu(math_, tmp_path):
     tile = GemmTile(64, 64, 32, 32, 32, 3) if math_ != SIMT else GemmTile(32, 64, 16, 16, 32, 2)
     ck = compile_kernel(source(math_, tile, ROW, COL), "gemm_test", (80, 90), tmp_path)
     assert [cc for cc, _ in ck.cubins] == [80, 90] and ck.ptx
+
+
+def test_split_k_template_compiles_for_sm_90(tmp_path):
+    """The cluster instructions (special registers, barrier.cluster, mapa) assemble for sm_90; the same source
+    compiles for sm_80, where the cluster helpers report clusters of one."""
+    ck = compile_kernel(source(MMA_F16, GemmTile(64, 64, 32, 32, 32, 3), ROW, COL, split=4), "gemm_test", (80, 90),
+                        tmp_path)
+    assert [cc for cc, _ in ck.cubins] == [80, 90]
