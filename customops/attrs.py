@@ -42,8 +42,18 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         _ints("out_dtypes", list(spec.out_dtypes)),
         _ints("out_ranks", [len(s) for s in spec.out_shapes]),
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
+        *([helper.make_attribute("split_k", spec.split_k)] if spec.split_k > 1 else []),
         helper.make_attribute("source", ck.source),
     ]
+
+
+def cluster_for(split_k: int, grid: int, sm_count: int) -> int:
+    """Blocks per cluster for a grid of `grid` tiles on `sm_count` SMs: the largest power of two up to split_k
+    that keeps the split grid within one wave (the native library's ofz_spec_cluster)."""
+    c = 1
+    while grid > 0 and 2 * c <= split_k and grid * 2 * c <= sm_count:
+        c *= 2
+    return c
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,8 @@ class Launch:
     units_ceil: tuple[tuple[tuple[int, ...], int], ...]  # (terms, divisor)
     out_dtypes: tuple[int, ...]
     out_shapes: tuple[tuple[int, ...], ...]
+    split_k: int = 1  # most blocks per cluster that share a GEMM tile's K
+    archs: tuple[int, ...] = ()  # compute capabilities of the cubins
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         return [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
@@ -72,6 +84,9 @@ class Launch:
         for terms, div in self.units_ceil:
             units *= -(-math.prod(self.resolve(terms, dims)) // div)
         return -(-units // self.units_per_block)
+
+    def cluster(self, grid: int, sm_count: int) -> int:
+        return cluster_for(self.split_k, grid, sm_count)
 
     def output_shapes(self, dims: Sequence[int]) -> list[list[int]]:
         return [self.resolve(s, dims) for s in self.out_shapes]
@@ -97,4 +112,4 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   src.decode() if isinstance(src, bytes) else src, int(a["block"]), int(a["smem"]),
                   tuple(zip(sym[0::2], sym[1::2])), tuple(a["units"]), int(a["units_per_block"]),
                   tuple(ceil),
-                  tuple(a["out_dtypes"]), tuple(shapes))
+                  tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())))

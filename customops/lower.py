@@ -46,6 +46,8 @@ class KernelSpec:
     smem: int = 0  # dynamic shared memory bytes
     units_ceil: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, div): units *= ceil(prod(terms) / div)
     tiles: tuple[tuple[int, ...], ...] = ()  # GEMM: ranked tile candidates (BM, BN, BK, WM, WN, STAGES)
+    # GEMM split-K: launched in clusters of up to this many blocks that share each tile's K (1 = never)
+    split_k: int = 1
 
     @property
     def block(self) -> int:

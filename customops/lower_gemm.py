@@ -266,16 +266,16 @@ class _GemmLowerer(_Lowerer):
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.im2col(x_t, geo, vb, vk, vn)))
         self.epilogue(funcs, vb, vm, vn, lambda b, m: self.unravel(b, (geo.batch,)) + self.unravel(m, (geo.oc,)),
                       geo.ow, lambda n: self.unravel(n, (geo.oh, geo.ow)))
-        ranked, tile = self.choose_tile(geo.oc, geo.pixels, geo.k, self.hint(geo.batch), es, math_, a_mode, b_mode)
+        ranked, chosen = self.choose_tile(geo.oc, geo.pixels, geo.k, self.hint(geo.batch), es, math_, a_mode, b_mode)
         (sh, sw), (dh, dw), (ph, pw) = geo.stride, geo.dilation, geo.pad
         targs = ("0", f"ofz::gemm::Conv2d<{geo.c}, {geo.h}, {geo.w}, {geo.kh}, {geo.kw}, {sh}, {sw}, {dh}, {dw}, "
                       f"{ph}, {pw}, {geo.ow}>") if b_mode == IM2COL else ()
-        return self.finish(funcs, tile, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
+        return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
                            (b_mode, self.args[x_t] if b_mode in (ROW, IM2COL) else 0), [self.encode(geo.batch)],
                            [geo.oc], geo.pixels, geo.k, targs)
 
     # ------------------------------------------------------------------ the kernel
-    def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple]:
+    def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple, int]:
         if self.anchor.op_type in ops.CONV:
             return self.conv_gemm()
         node, g = self.anchor, self.g
@@ -351,36 +351,45 @@ class _GemmLowerer(_Lowerer):
         hint = self.hint
         m_hint = hint(M) * (math.prod(hint(d) for d in batch_shape) if fold else 1)
         b_hint = 1 if fold else math.prod(hint(d) for d in batch_shape)
-        ranked, tile = self.choose_tile(m_hint, hint(N), hint(K), b_hint, es, math_, a_mode, b_mode)
+        ranked, chosen = self.choose_tile(m_hint, hint(N), hint(K), b_hint, es, math_, a_mode, b_mode)
         targs: tuple[str, ...] = ()
         if self.row_mode:
-            if tile.bn < int(N):
-                raise LoweringError(f"tile {tile.as_tuple()} does not span the {N}-column row")
-            tpr = self.row_epilogue(funcs, vb, out_prefix, y_s, tile)
+            if chosen.tile.bn < int(N):
+                raise LoweringError(f"tile {chosen.tile.as_tuple()} does not span the {N}-column row")
+            tpr = self.row_epilogue(funcs, vb, out_prefix, y_s, chosen.tile)
             targs = (str(tpr),)
 
         batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
         m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
         a_arg = self.args[a_t] if a_mode != GENERIC else 0
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
-        return self.finish(funcs, tile, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
+        return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, N, K, targs)
 
     def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, a_mode: int, b_mode: int
-                    ) -> tuple[list[tl.Ranked], tl.GemmTile]:
+                    ) -> tuple[list[tl.Ranked], tl.Ranked]:
+        """The ranked candidates and the chosen one (the best, or the forced tile at its best split)."""
         staged = (a_mode == GENERIC, b_mode in (GENERIC, IM2COL))
         ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_mode == COL, row=self.row_mode, staged=staged)
         if not ranked:
             raise LoweringError("no GEMM tile fits the hardware table entry" +
                                 (f" with a {n}-column row in one tile" if self.row_mode else ""))
-        return ranked, tl.GemmTile(*self.forced_tile) if self.forced_tile else ranked[0].tile
+        if not self.forced_tile:
+            return ranked, ranked[0]
+        forced = tl.GemmTile(*self.forced_tile)
+        chosen = tl.estimate_tile(self.tgt, forced, m, n, k, batch, es, math_, b_mode == COL, self.row_mode, staged)
+        return ranked, chosen or tl.Ranked(forced, math.inf, 1)
 
-    def finish(self, funcs: list[ir.Func], tile: tl.GemmTile, ranked: list[tl.Ranked], storage: str, math_: int,
+    def finish(self, funcs: list[ir.Func], chosen: tl.Ranked, ranked: list[tl.Ranked], storage: str, math_: int,
                a: tuple[int, int], b: tuple[int, int], batch_terms: list[int], m_terms: list[int], N: Dim, K: Dim,
                targs: tuple[str, ...] = ()):
-        """The kernel: one `ofz::gemm::run` call over batch x M x N x K; a and b are (mode, argument)."""
+        """The kernel: one `ofz::gemm::run` call over batch x M x N x K; a and b are (mode, argument);
+        targs: the template's ROW_TPR and Geo arguments where they differ from the defaults."""
         es = self.esize(storage)
+        tile, split = chosen.tile, chosen.split
         units_ceil = ((tuple(m_terms), tile.bm), ((self.encode(N),), tile.bn))
+        if split > 1:  # ROW_TPR, Geo, SPLIT
+            targs = (targs[0] if targs else "0", targs[1] if len(targs) > 1 else "ofz::gemm::NoConv", str(split))
         call = ir.Call("ofz::gemm::run",
                        (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a[0]), str(b[0]), str(math_), "OPS",
                         *targs),
@@ -389,19 +398,19 @@ class _GemmLowerer(_Lowerer):
         self.scopes = [_Scope(set())]
         self.emit(call)
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
-        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode)
-        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode) > self.tgt.smem_per_block:
+        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
+        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
-        return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked)
+        return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked), split
 
 
 def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
                tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
     lw = _GemmLowerer(graph, region, tgt, tf32, tile)
-    kernel, units, units_ceil, smem, ranked = lw.gemm()
+    kernel, units, units_ceil, smem, ranked, split = lw.gemm()
     if len(lw.sym_pairs) > 16:
         raise LoweringError("more than 16 symbolic dims in one kernel")
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
-                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked)
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split)
 

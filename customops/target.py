@@ -33,6 +33,13 @@ class Target:
     # assumed, not measured; `--profile` measures it per region.
     implicit_gemm_vs_cudnn: float = 0.6
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
+    # Thread-block clusters (sm_90): the most blocks of one cluster that split a GEMM tile's K (8 is the
+    # portable cluster size; 1 = no clusters). The cost of their reduction through distributed shared memory
+    # is assumed, not measured: a cluster barrier (~400 core clocks) and remote shared-memory reads at about
+    # L2's per-SM rate (64 bytes per clock).
+    max_cluster: int = 1
+    cluster_sync_ns: float = 200.0
+    dsmem_gbps_per_sm: float = 120.0
 
     @property
     def arch(self) -> str:
@@ -50,7 +57,7 @@ TABLE: dict[int, Target] = {
     89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0, 989.0, 494.0, 67.0, 1.98,
-               303.0),
+               303.0, max_cluster=8),
 }
 
 # Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a

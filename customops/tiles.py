@@ -8,11 +8,17 @@ they are ranked by an analytic estimate for the busiest SM (Roller's "aligned wi
 ceil(tiles / SMs) tiles of padded work each): the largest of its tensor/FMA time, its instruction-issue
 time, its memory latency not covered by the pipeline's stages, DRAM time for the unique bytes and L2
 time for the re-read tile traffic. The top K are kept with the kernel so a
-profiling step can pick among them on the real device."""
+profiling step can pick among them on the real device.
+
+Split-K (sm_90 clusters, ortfuse_gemm.h): when a GEMM has fewer tiles than SMs and a long K, S blocks of a
+cluster can share each tile, each running 1/S of its k tiles, then reduce through distributed shared
+memory. Each tile is estimated at every S up to the target's cluster size that keeps the grid within one
+wave and each block at least two k tiles; its best S (plus the reduction's cost) is what it ranks by."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ortfuse.customops.target import Target
 
@@ -45,18 +51,22 @@ class GemmTile:
     def threads(self) -> int:
         return (self.bm // self.wm) * (self.bn // self.wn) * 32
 
-    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False) -> int:
+    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1) -> int:
         """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage; with a row-wise
-        epilogue, at least its fp32 [BM][BN + 4] buffer (which reuses the drained stages)."""
+        epilogue or split-K, at least the fp32 [BM][BN + 4] tile buffer (which reuses the drained stages),
+        followed under split-K by the row epilogue's reduction scratch."""
         pad = 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
         pipeline = self.stages * (a + b) * esize
-        return max(pipeline, self.bm * (self.bn + 4) * 4) if row else pipeline
+        buffer = self.bm * (self.bn + 4) * 4
+        if split > 1:
+            return max(pipeline, buffer + (row_scratch_bytes(self) if row else 0))
+        return max(pipeline, buffer) if row else pipeline
 
-    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False) -> int:
+    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1) -> int:
         """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch."""
-        return self.smem_bytes(esize, b_nk, row) + (row_scratch_bytes(self) if row else 0)
+        return self.smem_bytes(esize, b_nk, row, split) + (row_scratch_bytes(self) if row else 0)
 
     def regs(self, math_: int, esize: int = 2, staged: tuple[bool, bool] = (False, False)) -> int:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
@@ -99,6 +109,7 @@ class Ranked:
     tile: GemmTile
     est_us: float
     blocks_per_sm: int
+    split: int = 1  # blocks of a cluster that share each tile's K (the kernel's SPLIT)
 
 
 def _candidates(math_: int, esize: int) -> list[GemmTile]:
@@ -147,53 +158,86 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
     return out
 
 
-def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
-               top_k: int = 4, row: bool = False, staged: tuple[bool, bool] = (False, False)) -> list[Ranked]:
-    """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values). `row`:
-    only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: whether A / B are loaded
-    element by element through registers (prologue loads, the im2col gather) rather than by cp.async."""
+def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batch: int, esize: int, math_: int,
+              b_nk: bool, row: bool, staged: tuple[bool, bool]) -> Optional[Ranked]:
+    """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
+    smem = t.smem_bytes(esize, b_nk, row, split)
+    regs = t.regs(math_, esize, staged)
+    if t.block_smem_bytes(esize, b_nk, row, split) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
+        return None
+    # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
+    if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
+        return None
+    blocks_per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
+                        tgt.max_threads_per_sm // t.threads, 32)
+    if blocks_per_sm < 1:
+        return None
+    tiles = batch * -(-m // t.bm) * -(-n // t.bn)
+    ktiles_all = -(-k // t.bk)
+    if split > 1 and (tiles * split > tgt.sm_count or ktiles_all < 2 * split):
+        return None  # split only within one wave, and each block keeps a pipeline's worth of k tiles
+    blocks = tiles * split
+    ktiles = -(-ktiles_all // split)  # the busiest block's share
+    kp = ktiles * t.bk
     peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
             SIMT: tgt.fp32_tflops}[math_] * 1e12
+    # the busiest SM decides: it runs ceil(blocks / SMs) blocks, up to blocks_per_sm at once sharing its
+    # tensor cores (or FMA units), one per scheduler, so fewer than 4 resident warps leave some idle
+    per_sm = math.ceil(blocks / tgt.sm_count)
+    warps = t.threads // 32
+    resident_warps = min(per_sm, blocks_per_sm) * warps
+    sm_rate = peak / tgt.sm_count * min(1.0, resident_warps / 4)
+    t_math = per_sm * 2.0 * t.bm * t.bn * kp / sm_rate
+    unique = esize * batch * (m * k + k * n + m * n)
+    reread = esize * tiles * (t.bm + t.bn) * ktiles_all * t.bk
+    t_mem = max(unique / (tgt.dram_gbps * 1e9), reread / (tgt.dram_gbps * tgt.l2_over_dram * 1e9))
+    # instruction issue: an SM issues at most one instruction per clock for each of its 4 schedulers,
+    # and a warp uses one; element-wise operand loads make a tile issue-bound long before the tensor
+    # cores are
+    rate = min(4, resident_warps)
+    t_issue = per_sm * ktiles * warps * t.issue_per_ktile(math_, esize, staged) / (rate * tgt.clock_ghz * 1e9)
+    # latency: a block keeps stages - 1 k tiles in flight, so each k tile waits at least a memory
+    # round trip / (stages - 1); the SM runs its blocks in ceil(per_sm / blocks_per_sm) rounds. This is
+    # what binds a long K loop over few tiles (small M at batch 1), and what split-K divides
+    rounds = math.ceil(per_sm / blocks_per_sm)
+    t_lat = rounds * ktiles * tgt.mem_latency_ns * 1e-9 / (t.stages - 1)
+    est = max(t_math, t_mem, t_issue, t_lat) * 1e6
+    if split > 1:  # two cluster barriers, and each block reads its rows of the S - 1 other partial tiles
+        remote = (split - 1) / split * t.bm * t.bn * 4
+        est += 2 * tgt.cluster_sync_ns * 1e-3 + remote / (tgt.dsmem_gbps_per_sm * 1e3)
+    return Ranked(t, est, blocks_per_sm, split)
+
+
+def _best_split(tgt: Target, t: GemmTile, *args) -> Optional[Ranked]:
+    """The tile at its best split (1, 2, 4 ... up to the target's cluster size); ties keep the smaller."""
+    best = None
+    split = 1
+    while split <= tgt.max_cluster:
+        r = _estimate(tgt, t, split, *args)
+        if r is not None and (best is None or r.est_us < best.est_us):
+            best = r
+        split *= 2
+    return best
+
+
+def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
+                  row: bool = False, staged: tuple[bool, bool] = (False, False)) -> Optional[Ranked]:
+    """One given tile (a profiling candidate, a user's choice) at its best split; None if it does not fit."""
+    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
+
+
+def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
+               top_k: int = 4, row: bool = False, staged: tuple[bool, bool] = (False, False)) -> list[Ranked]:
+    """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values), each at its
+    best split-K. `row`: only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: whether
+    A / B are loaded element by element through registers (prologue loads, the im2col gather) rather than
+    by cp.async."""
     ranked = []
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
-        smem = t.smem_bytes(esize, b_nk, row)
-        regs = t.regs(math_, esize, staged)
-        if t.block_smem_bytes(esize, b_nk, row) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
-            continue
-        # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
-        if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
-            continue
-        blocks_per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
-                            tgt.max_threads_per_sm // t.threads, 32)
-        if blocks_per_sm < 1:
-            continue
-        tiles_m, tiles_n = -(-m // t.bm), -(-n // t.bn)
-        tiles = batch * tiles_m * tiles_n
-        kp = -(-k // t.bk) * t.bk
-        # the busiest SM decides: it runs ceil(tiles / SMs) tiles, up to blocks_per_sm at once sharing its
-        # tensor cores (or FMA units), one per scheduler, so fewer than 4 resident warps leave some idle
-        per_sm = math.ceil(tiles / tgt.sm_count)
-        warps = t.threads // 32
-        resident_warps = min(per_sm, blocks_per_sm) * warps
-        sm_rate = peak / tgt.sm_count * min(1.0, resident_warps / 4)
-        t_math = per_sm * 2.0 * t.bm * t.bn * kp / sm_rate
-        unique = esize * batch * (m * k + k * n + m * n)
-        reread = esize * tiles * (t.bm + t.bn) * kp
-        t_mem = max(unique / (tgt.dram_gbps * 1e9), reread / (tgt.dram_gbps * tgt.l2_over_dram * 1e9))
-        # instruction issue: an SM issues at most one instruction per clock for each of its 4 schedulers,
-        # and a warp uses one; element-wise operand loads make a tile issue-bound long before the tensor
-        # cores are
-        ktiles = -(-k // t.bk)
-        rate = min(4, resident_warps)
-        t_issue = per_sm * ktiles * warps * t.issue_per_ktile(math_, esize, staged) / (rate * tgt.clock_ghz * 1e9)
-        # latency: a block keeps stages - 1 k tiles in flight, so each k tile waits at least a memory
-        # round trip / (stages - 1); the SM runs its tiles in ceil(per_sm / blocks_per_sm) rounds. This is
-        # what binds a long K loop over few tiles (small M at batch 1)
-        rounds = math.ceil(per_sm / blocks_per_sm)
-        t_lat = rounds * ktiles * tgt.mem_latency_ns * 1e-9 / (t.stages - 1)
-        est = max(t_math, t_mem, t_issue, t_lat) * 1e6
-        ranked.append(Ranked(t, est, blocks_per_sm))
+        r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
+        if r is not None:
+            ranked.append(r)
     # ties (issue- or DRAM-bound tiles): the larger tile, then 3 stages (CUTLASS's sm_80 default: latency
     # the model does not see is still hidden, and a 2-stage ring of staged operands costs local memory)
-    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, abs(r.tile.stages - 3), r.tile.as_tuple()))
+    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, abs(r.tile.stages - 3), r.split, r.tile.as_tuple()))
     return ranked[:top_k]

@@ -65,10 +65,11 @@ def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
 
 
 def target_for(archs: Sequence[int]) -> Target:
-    """The newest arch's table entry with the smallest shared memory of all targets: one kernel source (and
-    its tiles) must launch on every arch it is compiled for."""
+    """The newest arch's table entry with the smallest shared memory and cluster size of all targets: one
+    kernel source (and its tiles) must launch on every arch it is compiled for."""
     return dataclasses.replace(parse_arch(f"sm_{max(archs)}"),
-                               smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs))
+                               smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs),
+                               max_cluster=min(parse_arch(f"sm_{a}").max_cluster for a in archs))
 
 
 def _shapes(input_shapes: Shapes) -> dict:

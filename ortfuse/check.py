@@ -157,6 +157,7 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
                   tol32: Optional[float] = None) -> tuple[Diff, ...]:
     from ortfuse.customops.attrs import read_launch
     from ortfuse.customops.emulate import compile_emulated
+    from ortfuse.customops.target import for_cc
     launch = read_launch(node)
     inputs = [np.ascontiguousarray(values[t]) for t in node.input]
     if any(_is_half(a) for a in inputs):
@@ -169,6 +170,8 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
             o.fill(np.nan)
     grid = launch.grid(dims)
     if grid:
-        compile_emulated(launch.source).launch(launch.entry, grid, launch.block, [*inputs, *outs], dims,
-                                                 launch.smem)
+        # split-K GEMMs: clusters as the native library would launch them on the newest compiled arch
+        cluster = launch.cluster(grid, for_cc(max(launch.archs)).sm_count) if launch.archs else 1
+        compile_emulated(launch.source).launch(launch.entry, grid * cluster, launch.block, [*inputs, *outs], dims,
+                                                 launch.smem, cluster)
     return tuple(compare(t, o, values[t], _tol_for(values[t], tol32)) for t, o in zip(node.output, outs))

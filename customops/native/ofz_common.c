@@ -125,6 +125,16 @@ OrtStatus* ofz_attr_ints(const OrtKernelInfo* info, const char* node, const char
   return attr_error(ofz_ort.KernelInfoGetAttributeArray_int64(info, name, buf, &size), node, name);
 }
 
+OrtStatus* ofz_attr_int_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t fallback,
+                            int64_t* out) {
+  OrtStatus* s = ofz_ort.KernelInfoGetAttribute_int64(info, name, out);
+  if (s) {  // absent (or not an int: the caller's range check sees the fallback)
+    ofz_ort.ReleaseStatus(s);
+    *out = fallback;
+  }
+  return NULL;
+}
+
 OrtStatus* ofz_attr_ints_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t* buf,
                              size_t cap, size_t* n) {
   size_t size = 0;

@@ -14,11 +14,32 @@ enum {
   OFZ_CU_ATTR_MAX_SMEM_OPTIN = 97,        // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
   OFZ_CU_ATTR_CC_MAJOR = 75,              // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
   OFZ_CU_ATTR_CC_MINOR = 76,              // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+  OFZ_CU_ATTR_SM_COUNT = 16,              // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+  OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM = 4,     // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
   OFZ_CU_FUNC_MAX_THREADS = 0,            // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
   OFZ_CU_FUNC_MAX_DYN_SMEM = 8,           // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
   OFZ_CU_JIT_ERROR_LOG_BUFFER = 5,        // CU_JIT_ERROR_LOG_BUFFER
   OFZ_CU_JIT_ERROR_LOG_BUFFER_SIZE = 6,   // CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES
 };
+
+// cuLaunchKernelEx's configuration (CUDA 12.0+ cuda.h: CUlaunchAttribute is an id padded to 8 bytes and a
+// 64-byte value union, of which a cluster dimension uses the first three unsigned ints).
+typedef struct OfzLaunchAttr {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    struct {
+      unsigned x, y, z;
+    } cluster;
+  } value;
+} OfzLaunchAttr;
+typedef struct OfzLaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, smem;
+  CUstream stream;
+  OfzLaunchAttr* attrs;
+  unsigned n_attrs;
+} OfzLaunchConfig;
 
 typedef struct OfzCuda {
   CUresult (*Init)(unsigned);
@@ -36,6 +57,8 @@ typedef struct OfzCuda {
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            CUstream, void**, void**);
   CUresult (*GetErrorString)(CUresult, const char**);
+  // optional (NULL on drivers before CUDA 12.0): cluster launches for split-K GEMMs
+  CUresult (*LaunchKernelEx)(const OfzLaunchConfig*, CUfunction, void**, void**);
 } OfzCuda;
 
 // The driver table, or NULL with a reason in `why` (libcuda.so.1 missing, a symbol missing, cuInit

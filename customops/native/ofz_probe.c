@@ -4,7 +4,8 @@
 //          shape inference. Outputs: Y = X*alpha + beta, FACTS (int64[PROBE_FACTS]), SUMS (float[4]).
 //   Plan:  a fused node (docs/design.md format) run through the same parse/resolve/infer code as the
 //          CUDA op, minus CUDA: outputs are zero-filled and one extra int64[PLAN_LEN] output reports
-//          the launch [grid, block, smem, chosen cubin cc (0 = PTX), image bytes, units, d0..d15].
+//          the launch [grid, block, smem, chosen cubin cc (0 = PTX), image bytes, units, d0..d15, cluster]
+//          for a device of compute capability `probe_cc` with `probe_sm_count` SMs (optional, 0).
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,7 +18,7 @@
     if (st_) return st_;     \
   } while (0)
 
-enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_LEN = 6 + OFZ_MAX_DIMS };
+enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 };
 
 // Index of each fact in Probe's FACTS output; the Python test mirrors this list.
 enum {
@@ -232,7 +233,7 @@ static OrtStatus* probe_infer(const OrtCustomOp* op, OrtShapeInferContext* ctx) 
 
 typedef struct PlanKernel {
   OfzSpec spec;
-  int64_t chosen_cc, image_bytes;
+  int64_t chosen_cc, image_bytes, sm_count;
 } PlanKernel;
 
 static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
@@ -252,6 +253,7 @@ static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const Or
   int chosen = 0;
   OrtStatus* s = ofz_spec_parse(info, node, ins, outs - 1, &k->spec);
   if (!s) s = ofz_attr_int(info, node, "probe_cc", &cc);
+  if (!s) s = ofz_attr_int_opt(info, node, "probe_sm_count", 0, &k->sm_count);
   if (!s) s = ofz_spec_image(info, &k->spec, (int)cc, &image, &bytes, &chosen);
   free(image);
   if (s) {
@@ -269,7 +271,7 @@ static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   const OfzSpec* s = &k->spec;
   OfzArgs args;
   OfzLaunch launch;
-  TRY(ofz_spec_resolve(s, ctx, &args, &launch));
+  TRY(ofz_spec_resolve(s, ctx, (int)k->sm_count, &args, &launch));
   const int64_t* od = s->out_dims;  // zero-fill the kernel outputs
   for (size_t o = 0; o < s->n_out; ++o) {
     size_t count = 1;
@@ -282,6 +284,7 @@ static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   int64_t head[6] = {launch.grid, launch.block, launch.smem, k->chosen_cc, k->image_bytes, launch.units};
   memcpy(rep, head, sizeof head);
   for (int d = 0; d < OFZ_MAX_DIMS; ++d) rep[6 + d] = args.dim[d];
+  rep[6 + OFZ_MAX_DIMS] = launch.cluster;
   return NULL;
 }
 

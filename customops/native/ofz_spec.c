@@ -49,6 +49,9 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                                                      node, (long long)s->smem);
   if (s->units_per_block < 1) return BAD("ortfuse: node '%s': units_per_block = %lld, expected >= 1",
                                          node, (long long)s->units_per_block);
+  TRY(ofz_attr_int_opt(info, node, "split_k", 1, &s->split_k));
+  if (s->split_k < 1 || s->split_k > OFZ_MAX_CLUSTER)
+    return BAD("ortfuse: node '%s': split_k = %lld, expected 1..%d", node, (long long)s->split_k, OFZ_MAX_CLUSTER);
 
   size_t n_sym2 = 0;
   TRY(ofz_attr_ints(info, node, "sym_dims", s->sym, 2 * OFZ_MAX_DIMS, &n_sym2));
@@ -130,7 +133,14 @@ OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, v
 
 static int64_t term(int64_t t, const OfzArgs* a) { return t >= 0 ? t : (int64_t)a->dim[-(t + 1)]; }
 
-OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* args, OfzLaunch* launch) {
+unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count) {
+  unsigned c = 1;
+  while (grid > 0 && 2 * (int64_t)c <= split_k && grid * 2 * (long long)c <= (long long)sm_count) c *= 2;
+  return c;
+}
+
+OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
+                            OfzLaunch* launch) {
   size_t n_in = 0, n_out = 0;
   TRY(ofz_ort.KernelContext_GetInputCount(ctx, &n_in));
   TRY(ofz_ort.KernelContext_GetOutputCount(ctx, &n_out));
@@ -199,8 +209,9 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* ar
   }
   long long grid = (units + s->units_per_block - 1) / s->units_per_block;
   if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops
+  launch->cluster = ofz_spec_cluster(s->split_k, grid, sm_count);  // > 1 only within one wave of SMs
   launch->units = units;
-  launch->grid = (unsigned)grid;
+  launch->grid = (unsigned)(grid * launch->cluster);
   launch->block = (unsigned)s->block;
   launch->smem = (unsigned)s->smem;
   return NULL;

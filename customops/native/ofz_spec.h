@@ -15,6 +15,7 @@ typedef struct OfzSpec {
   char entry[256];
   size_t n_in, n_out;  // as wired in the graph
   int64_t block, smem, units_per_block;
+  int64_t split_k;  // GEMM split-K: most blocks per cluster sharing a tile (1 = no clusters)
   size_t n_archs;
   int64_t archs[OFZ_MAX_ARCHS];
   size_t n_sym;  // pairs (input, axis)
@@ -30,9 +31,16 @@ typedef struct OfzSpec {
 } OfzSpec;
 
 typedef struct OfzLaunch {
-  unsigned grid, block, smem;  // grid 0 = nothing to launch
+  unsigned grid, block, smem;  // grid 0 = nothing to launch; a multiple of cluster
+  unsigned cluster;            // blocks per thread-block cluster (1 = launch without clusters)
   long long units;
 } OfzLaunch;
+
+#define OFZ_MAX_CLUSTER 8  // the portable cluster size
+
+// Blocks per cluster for `grid` blocks of a kernel with split_k on `sm_count` SMs: the largest power of two
+// up to split_k whose split grid stays within one wave (0 SMs: no clusters).
+unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count);
 
 // Reads and validates every non-image attribute. `n_out` is the number of kernel outputs (the probe
 // Plan op has one extra bookkeeping output).
@@ -45,8 +53,10 @@ OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, v
                           int* chosen_cc);
 
 // Binds the symbolic dims from the inputs, allocates every output through ORT, fills the kernel
-// arguments and the launch geometry. Extra outputs beyond s->n_out are left to the caller.
-OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* args, OfzLaunch* launch);
+// arguments and the launch geometry (clusters for `sm_count` SMs; 0 = none). Extra outputs beyond s->n_out
+// are left to the caller.
+OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
+                            OfzLaunch* launch);
 
 // InferOutputShapeFn body: output k gets out_dtypes[k] and its dims; a symbolic term copies the bound
 // input dim (its value or its symbol). `n_extra` int64 outputs of shape [extra_len] follow.

@@ -26,6 +26,7 @@ typedef struct FusedKernel {
   CUcontext ctx;  // the device's primary context (retained), which ORT's CUDA EP also uses
   CUmodule mod;
   CUfunction fn;
+  int sm_count;  // for split-K cluster launches; 0 = launch without clusters
 } FusedKernel;
 
 static OrtStatus* cu_fail(const FusedKernel* k, const char* what, CUresult r) {
@@ -80,6 +81,12 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, Fuse
   if (k->spec.smem > OFZ_SMEM_DEFAULT_LIMIT) {
     r = cu->FuncSetAttribute(k->fn, OFZ_CU_FUNC_MAX_DYN_SMEM, (int)k->spec.smem);
     if (r) return cu_fail(k, "cuFuncSetAttribute(max dynamic shared memory)", r);
+  }
+  // split-K kernels run in clusters where the device has them (sm_90+) and the driver can launch them;
+  // otherwise in clusters of one, which the kernel handles as no split
+  if (k->spec.split_k > 1 && major >= 9 && cu->LaunchKernelEx) {
+    r = cu->DeviceGetAttribute(&k->sm_count, OFZ_CU_ATTR_SM_COUNT, k->dev);
+    if (r) return cu_fail(k, "cuDeviceGetAttribute(multiprocessor count)", r);
   }
   return NULL;
 }
@@ -146,7 +153,7 @@ static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
   FusedKernel* k = kernel;
   OfzArgs args;
   OfzLaunch launch;
-  OrtStatus* s = ofz_spec_resolve(&k->spec, ctx, &args, &launch);
+  OrtStatus* s = ofz_spec_resolve(&k->spec, ctx, k->sm_count, &args, &launch);
   if (s || launch.grid == 0) return s;
   void* stream = NULL;
   s = ofz_ort.KernelContext_GetGPUComputeStream(ctx, &stream);
@@ -156,9 +163,16 @@ static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
   CUresult r = cu->CtxPushCurrent(k->ctx);
   if (r) return cu_fail(k, "cuCtxPushCurrent", r);
   void* params[1] = {&args};
-  r = cu->LaunchKernel(k->fn, launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, params, NULL);
+  if (launch.cluster > 1) {  // split-K GEMM: clusters of launch.cluster blocks share each tile
+    OfzLaunchAttr attr = {.id = OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM};
+    attr.value.cluster.x = launch.cluster, attr.value.cluster.y = 1, attr.value.cluster.z = 1;
+    OfzLaunchConfig cfg = {launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, &attr, 1};
+    r = cu->LaunchKernelEx(&cfg, k->fn, params, NULL);
+  } else {
+    r = cu->LaunchKernel(k->fn, launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, params, NULL);
+  }
   cu->CtxPopCurrent(&prev);
-  return r ? cu_fail(k, "cuLaunchKernel", r) : NULL;
+  return r ? cu_fail(k, launch.cluster > 1 ? "cuLaunchKernelEx (cluster launch)" : "cuLaunchKernel", r) : NULL;
 }
 
 static OrtStatus* fused_infer(const OrtCustomOp* op, OrtShapeInferContext* ctx) {

@@ -12,6 +12,7 @@ from onnx import TensorProto as TP
 
 from helpers import bf16, const, fused_parity, model, node, vi
 from ortfuse.config import cache_dir
+from ortfuse.customops.attrs import cluster_for
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 from ortfuse.customops.lower import lower
@@ -105,7 +106,9 @@ def _launch(spec, arrays, dims):
     for terms, div in spec.units_ceil:
         units *= -(-math.prod(t if t >= 0 else dims[-t - 1] for t in terms) // div)
     grid = -(-units // spec.units_per_block)
-    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid, spec.block, arrays, dims, spec.smem)
+    cluster = cluster_for(spec.split_k, grid, parse_arch("sm_90").sm_count)  # as the native library launches it
+    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid * cluster, spec.block, arrays, dims, spec.smem,
+                                                 cluster)
 
 
 def test_prologue_cast_and_transpose_fold_into_operand_loads():

@@ -1,7 +1,9 @@
 """The tile model (customops/tiles.py): every ranked tile fits the hardware table entry, and the estimate
 follows the busiest SM: idle SMs add nothing, one tile too many doubles the time, and a long K loop over
-few tiles is bound by memory latency, which deeper pipelines cover."""
+few tiles is bound by memory latency, which deeper pipelines and split-K (sm_90 clusters) cover."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -9,13 +11,13 @@ from ortfuse.customops import target, tiles
 from ortfuse.customops.tiles import MMA_F16, MMA_TF32, SIMT, GemmTile
 
 H100 = target.for_cc(90)
+H100_UNSPLIT = dataclasses.replace(H100, max_cluster=1)  # the tile model without split-K
 
 
-def _est(tile: GemmTile, m: int, n: int, k: int, math_: int = MMA_F16) -> float:
-    ranked = tiles.rank_tiles(H100, m, n, k, 1, 2 if math_ == MMA_F16 else 4, math_, False, top_k=10_000)
-    hit = [r.est_us for r in ranked if r.tile == tile]
-    assert hit, f"{tile} not feasible for {m}x{n}x{k}"
-    return hit[0]
+def _est(tile: GemmTile, m: int, n: int, k: int, math_: int = MMA_F16, tgt: target.Target = H100_UNSPLIT) -> float:
+    r = tiles.estimate_tile(tgt, tile, m, n, k, 1, 2 if math_ == MMA_F16 else 4, math_, False)
+    assert r is not None, f"{tile} not feasible for {m}x{n}x{k}"
+    return r.est_us
 
 
 @pytest.mark.parametrize("cc", sorted(target.TABLE))
@@ -53,3 +55,36 @@ def test_long_k_loops_over_few_tiles_want_deep_pipelines():
     assert _est(deep, 128, 768, 3072) < _est(shallow, 128, 768, 3072) / 2.5
     best = tiles.rank_tiles(H100, 128, 768, 3072, 1, 2, MMA_F16, False, top_k=1)[0].tile
     assert best.stages >= 3
+
+
+def test_split_k_where_few_tiles_run_a_long_k_loop():
+    # BERT-base FFN down-projection at batch 1 (128 x 768 x 3072): few tiles, 96 k tiles of 32. Splitting K
+    # over a cluster fills idle SMs; the grid stays within one wave and each block keeps >= 2 k tiles
+    best = tiles.rank_tiles(H100, 128, 768, 3072, 1, 2, MMA_F16, False, top_k=1)[0]
+    unsplit = tiles.rank_tiles(H100_UNSPLIT, 128, 768, 3072, 1, 2, MMA_F16, False, top_k=1)[0]
+    assert best.split > 1 and best.est_us < unsplit.est_us
+    t = best.tile
+    assert -(-128 // t.bm) * -(-768 // t.bn) * best.split <= H100.sm_count
+    assert -(-3072 // t.bk) >= 2 * best.split
+    # the same tile unsplit is slower by more than the reduction costs
+    assert _est(t, 128, 768, 3072) > best.est_us
+
+
+@pytest.mark.parametrize("m,n,k", [(4096, 768, 3072), (128, 768, 64)])
+def test_no_split_k_when_the_grid_is_full_or_k_is_short(m, n, k):
+    for r in tiles.rank_tiles(H100, m, n, k, 1, 2, MMA_F16, False, top_k=50):
+        assert r.split == 1
+
+
+def test_no_split_k_without_clusters():
+    for cc in (80, 86, 89):
+        assert all(r.split == 1 for r in tiles.rank_tiles(target.for_cc(cc), 128, 768, 3072, 1, 2, MMA_F16, False,
+                                                          top_k=50))
+
+
+def test_split_k_tiles_reserve_the_partial_tile():
+    t = GemmTile(16, 768, 32, 16, 96, 2)  # a row-wise epilogue's tile
+    assert t.smem_bytes(2, False, row=True, split=4) == max(t.smem_bytes(2, False),
+                                                             16 * 772 * 4 + tiles.row_scratch_bytes(t))
+    assert t.smem_bytes(2, False, split=4) == max(t.smem_bytes(2, False), 16 * 772 * 4)
+    assert t.smem_bytes(2, False, split=1) == t.smem_bytes(2, False)

@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 
+from ortfuse.customops.attrs import cluster_for
 from ortfuse.runtime import library_path
 from rt_models import PLAN_LEN, PROBE, fused_attrs, make_fused_node, model, vi
 
@@ -48,7 +49,7 @@ def test_symbolic_dims_bind_to_each_run() -> None:
         grid, block, smem, _, _, units = plan[:6]
         assert (units, block, smem) == (4 * n, 128, 0)
         assert grid == -(-4 * n // 128)  # ceil; 0 means no launch
-        assert plan[6] == n and not plan[7:].any()
+        assert plan[6] == n and not plan[7:22].any() and plan[22] == 1  # no clusters
 
 
 def test_shape_inference_copies_symbols_and_values() -> None:
@@ -90,6 +91,21 @@ def test_units_ceil_counts_tiles() -> None:
     assert plan[5] == 3 * 2 * 3 and plan[0] == 18
 
 
+@pytest.mark.parametrize("n,cluster", [(1, 8), (4, 8), (8, 4), (16, 2), (17, 1), (33, 1), (0, 1)])
+def test_split_k_clusters_fill_one_wave_of_sms(n: int, cluster: int) -> None:
+    # a split-K GEMM's 4 * n tiles on a 132-SM device: clusters of the largest power of two up to split_k = 8
+    # that keeps tiles * cluster <= 132; the grid counts blocks (tiles * cluster)
+    *_, plan = run(session(plan_model(units_per_block=1, split_k=8, probe_sm_count=132)), n)
+    assert plan[22] == cluster and plan[0] == 4 * n * cluster and plan[5] == 4 * n
+    assert cluster == cluster_for(8, 4 * n, 132)  # the rule the emulated checks launch with
+
+
+@pytest.mark.parametrize("overrides", [dict(split_k=8), dict(split_k=1, probe_sm_count=132), dict()])
+def test_no_clusters_without_split_k_or_without_a_device_that_has_them(overrides: dict) -> None:
+    *_, plan = run(session(plan_model(units_per_block=1, **overrides)), 2)
+    assert plan[22] == 1 and plan[0] == 8
+
+
 @pytest.mark.parametrize("sym", [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 1]])
 def test_several_dims_of_one_input(sym) -> None:
     # dims of one input listed together (one shape query) or interleaved with another input's
@@ -115,6 +131,8 @@ BAD_NODES = [
     (dict(units_ceil=[2, -1]), "units_ceil group at 0 has count 2"),
     (dict(units_ceil=[1, -1, 0]), "divisor at 2 = 0"),
     (dict(units_ceil=[1, -5, 4]), "units_ceil\\[0\\] = -5"),
+    (dict(split_k=0), "split_k = 0"),
+    (dict(split_k=16), "split_k = 16, expected 1..8"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
     (dict(out_ranks=[2]), "out_ranks 1 entries"),
     (dict(out_ranks=[2, 1]), "out_ranks sum to 3"),
