@@ -49,8 +49,9 @@ def markdown(r: OptimizeResult, source: str) -> str:
         t = k.region.traffic
         res = ", ".join(f"sm_{cc}: {x.regs}" + (f" ({x.spill_bytes})" if x.spill_bytes else "")
                         for cc, x in k.compiled.resources) or "-"
+        split = f", split-K up to {k.spec.split_k}" if k.spec.split_k > 1 else ""
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}` | "
-                   f"{k.spec.block} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
+                   f"{k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
     if r.placements:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept |", "|---|---|---|---|---|"]

@@ -14,6 +14,7 @@ from ortfuse.check import check_models
 from ortfuse.config import Options
 from ortfuse.customops.attrs import cluster_for, read_launch
 from ortfuse.customops.target import for_cc
+from ortfuse.report import markdown
 
 H100_SMS = for_cc(90).sm_count
 
@@ -66,6 +67,7 @@ def test_split_k_kernels_match_ort(name, build, kind):
     assert [r.kind for r in res.plan.regions] == [kind], [str(r) for r in res.plan.refusals]
     launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
     assert launch.split_k > 1, name
+    assert f"split-K up to {launch.split_k}" in markdown(res, name)  # the report shows it
     clusters = set()
     for batch in (1, 2, 5):
         feeds = at(batch)
