@@ -89,3 +89,69 @@ def test_no_split_k_when_an_arch_without_clusters_is_targeted():
     fused = next(n for n in res.model.graph.node if n.domain == "ortfuse")
     assert read_launch(fused).split_k == 1
     assert "split_k" not in {a.name for a in fused.attribute}
+
+
+def random_split_k_case(seed: int):
+    """A seeded GEMM or Conv with few tiles and a long K and a random epilogue: (model, shapes, shapes at a
+    batch). K sometimes breaks 16-byte row alignment, so operands are also staged element by element."""
+    rng = np.random.default_rng(seed)
+    dt = TP.FLOAT16 if rng.random() < 0.6 else TP.FLOAT
+    k = int(rng.choice([384, 520, 1000, 1001, 1536, 2056]))
+    n = int(rng.choice([24, 40, 64, 96, 136]))
+    form = str(rng.choice(["matmul", "gemm", "row", "conv"]))
+    inits, inputs, nodes = [], [], []
+
+    def weight(name, shape, scale=0.05):
+        w = _rand(shape, dt, int(rng.integers(1 << 30)), scale=scale)
+        inits.append(const(name, w, w.dtype))
+        return name
+
+    if form == "conv":
+        c, hw, ks = int(rng.choice([64, 112, 256])), int(rng.choice([4, 6, 9])), int(rng.choice([1, 3]))
+        x_shape, y_shape = ("b", c, hw, hw), ("b", n, hw, hw)
+        nodes.append(node("Conv", ["x", weight("w", (n, c, ks, ks)), weight("cb", (n,), 0.2)], ["y"],
+                          kernel_shape=[ks, ks], pads=[ks // 2] * 4))
+    elif form == "gemm":  # 2-D, B stored [N][K] (transB)
+        x_shape, y_shape = ("b", k), ("b", n)
+        nodes.append(node("Gemm", ["x", weight("w", (n, k)), weight("cb", (n,), 0.2)], ["y"], transB=1,
+                          alpha=float(rng.choice([1.0, 0.5]))))
+    else:
+        rows = int(rng.choice([1, 5, 16, 33]))
+        x_shape, y_shape = ("b", rows, k), ("b", rows, n)
+        nodes += [node("MatMul", ["x", weight("w", (k, n))], ["y0"]), node("Add", ["y0", weight("cb", (n,), 0.2)], ["y"])]
+    inputs.append(vi("x", dt, list(x_shape)))
+    last = "y"
+    if rng.random() < 0.5:  # residual
+        inputs.append(vi("r", dt, list(y_shape)))
+        nodes.append(node("Add", [last, "r"], ["res"]))
+        last = "res"
+    if form == "row":
+        if rng.random() < 0.5:
+            nodes.append(node("LayerNormalization", [last, weight("g", (n,), 1.0), weight("be", (n,), 0.2)], ["out"],
+                              axis=-1, epsilon=1e-5))
+        else:
+            nodes.append(node("Softmax", [last], ["out"], axis=-1))
+    else:
+        act = str(rng.choice(["Relu", "Tanh", "Sigmoid"]))
+        nodes.append(node(act, [last], ["out"]))
+    m = model(nodes, inputs, [vi("out", dt, None)], inits)
+    shapes = {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}
+    return m, shapes, lambda bs: {nm: tuple(bs if d == "b" else d for d in s) for nm, s in shapes.items()}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_split_k_geometry_matches_ort(seed):
+    m, shapes, at = random_split_k_case(seed)
+    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,)))
+    for batch in (1, 3):
+        rep = check_models(m, res.model, emulate=True, input_shapes=at(batch), seed=seed)
+        assert rep.ok, "\n".join(rep.lines())
+
+
+def test_random_split_k_cases_do_split():
+    splits = []
+    for seed in range(8):
+        m, shapes, _ = random_split_k_case(seed)
+        res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,)))
+        splits += [k.spec.split_k for k in res.kernels if k.spec.tiles]
+    assert sum(s > 1 for s in splits) >= 4, splits
