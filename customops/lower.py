@@ -45,7 +45,9 @@ class KernelSpec:
     out_shapes: tuple[tuple[int, ...], ...]  # encoded like units
     smem: int = 0  # dynamic shared memory bytes
     units_ceil: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, div): units *= ceil(prod(terms) / div)
-    tiles: tuple[tuple[int, ...], ...] = ()  # GEMM: ranked tile candidates (BM, BN, BK, WM, WN, STAGES)
+    # GEMM: ranked candidates (BM, BN, BK, WM, WN, STAGES, SPLIT) for --profile; a split best tile is
+    # followed by the same tile unsplit, so the split is measured too
+    tiles: tuple[tuple[int, ...], ...] = ()
     # GEMM split-K: launched in clusters of up to this many blocks that share each tile's K (1 = never)
     split_k: int = 1
 
@@ -588,8 +590,8 @@ class _Lowerer:
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
           tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
     """Raises LoweringError with the reason when the region is not one kernel. `tf32`: fp32 GEMMs may
-    run on tf32 tensor cores (the user opted in). `tile`: a GEMM tile from `KernelSpec.tiles` to use
-    instead of the top-ranked one (profiling)."""
+    run on tf32 tensor cores (the user opted in). `tile`: a GEMM candidate from `KernelSpec.tiles` to use
+    instead of the top-ranked one (profiling); without its 7th entry (SPLIT), at its best split."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
     if region.kind in ("gemm", "gemm_row"):

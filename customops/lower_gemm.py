@@ -376,8 +376,12 @@ class _GemmLowerer(_Lowerer):
                                 (f" with a {n}-column row in one tile" if self.row_mode else ""))
         if not self.forced_tile:
             return ranked, ranked[0]
-        forced = tl.GemmTile(*self.forced_tile)
-        chosen = tl.estimate_tile(self.tgt, forced, m, n, k, batch, es, math_, b_mode == COL, self.row_mode, staged)
+        forced = tl.GemmTile(*self.forced_tile[:6])
+        split = self.forced_tile[6] if len(self.forced_tile) > 6 else None
+        chosen = tl.estimate_tile(self.tgt, forced, m, n, k, batch, es, math_, b_mode == COL, self.row_mode, staged,
+                                  split)
+        if chosen is None and split not in (None, 1):
+            raise LoweringError(f"tile {self.forced_tile[:6]} cannot split K {split} ways here")
         return ranked, chosen or tl.Ranked(forced, math.inf, 1)
 
     def finish(self, funcs: list[ir.Func], chosen: tl.Ranked, ranked: list[tl.Ranked], storage: str, math_: int,
@@ -401,7 +405,10 @@ class _GemmLowerer(_Lowerer):
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
         if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
-        return kernel, tuple(batch_terms), units_ceil, smem, tuple(r.tile.as_tuple() for r in ranked), split
+        candidates = [(*r.tile.as_tuple(), r.split) for r in ranked]
+        if ranked[0].split > 1 and (*ranked[0].tile.as_tuple(), 1) not in candidates:
+            candidates.insert(1, (*ranked[0].tile.as_tuple(), 1))  # --profile measures the split itself
+        return kernel, tuple(batch_terms), units_ceil, smem, tuple(candidates), split
 
 
 def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

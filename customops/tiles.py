@@ -208,12 +208,13 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     return Ranked(t, est, blocks_per_sm, split)
 
 
-def _best_split(tgt: Target, t: GemmTile, *args) -> Optional[Ranked]:
-    """The tile at its best split (1, 2, 4 ... up to the target's cluster size); ties keep the smaller."""
+def _best_split(tgt: Target, t: GemmTile, *args, only: Optional[int] = None) -> Optional[Ranked]:
+    """The tile at its best split (1, 2, 4 ... up to the target's cluster size; or `only` that one); ties
+    keep the smaller."""
     best = None
     split = 1
     while split <= tgt.max_cluster:
-        r = _estimate(tgt, t, split, *args)
+        r = _estimate(tgt, t, split, *args) if only in (None, split) else None
         if r is not None and (best is None or r.est_us < best.est_us):
             best = r
         split *= 2
@@ -221,9 +222,11 @@ def _best_split(tgt: Target, t: GemmTile, *args) -> Optional[Ranked]:
 
 
 def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
-                  row: bool = False, staged: tuple[bool, bool] = (False, False)) -> Optional[Ranked]:
-    """One given tile (a profiling candidate, a user's choice) at its best split; None if it does not fit."""
-    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
+                  row: bool = False, staged: tuple[bool, bool] = (False, False),
+                  split: Optional[int] = None) -> Optional[Ranked]:
+    """One given tile (a profiling candidate, a user's choice) at its best split, or at `split`; None if it
+    does not fit (or that split does not apply)."""
+    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, only=split)
 
 
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,

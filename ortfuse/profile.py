@@ -35,6 +35,14 @@ WARMUP, RUNS = 10, 50
 Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 
 
+def tile_label(t: tuple[int, ...]) -> str:
+    """A GEMM candidate (BM, BN, BK, WM, WN, STAGES, SPLIT) as 'BMxBNxBK/WMxWN/STAGES' plus ' split-K S'."""
+    if not t:
+        return "kernel"
+    label = f"{t[0]}x{t[1]}x{t[2]}/{t[3]}x{t[4]}/{t[5]}"
+    return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "")
+
+
 @dataclass(frozen=True)
 class Placement:
     """The measured verdict for one region."""
@@ -55,7 +63,7 @@ class Placement:
 
     def line(self) -> str:
         verdict = "split: cuBLAS + ours" if self.split else "ours" if self.keep else "ORT"
-        tiles = ", ".join(f"{'x'.join(map(str, t)) or 'kernel'} {us:.1f}" for t, us in self.ours_us)
+        tiles = ", ".join(f"{tile_label(t)} {us:.1f}" for t, us in self.ours_us)
         split = f", split {self.split_us:.1f} us" if self.split_us is not None else ""
         return f"region {self.region}: ORT {self.ort_us:.1f} us, ours [{tiles}] us{split} -> {verdict}"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ortfuse.api import OptimizeResult
+from ortfuse.profile import tile_label
 from ortfuse.search import ops
 
 
@@ -56,7 +57,7 @@ def markdown(r: OptimizeResult, source: str) -> str:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept |", "|---|---|---|---|---|"]
         for pl in r.placements:
-            tiles = "; ".join(f"{'x'.join(map(str, t)) or 'kernel'}: {us:.1f}" for t, us in pl.ours_us)
+            tiles = "; ".join(f"{tile_label(t)}: {us:.1f}" for t, us in pl.ours_us)
             split = f"{pl.split_us:.1f}" if pl.split_us is not None else "—"
             kept = "split" if pl.split else "ours" if pl.keep else "ORT"
             out.append(f"| {pl.region} | {pl.ort_us:.1f} | {tiles} | {split} | {kept} |")

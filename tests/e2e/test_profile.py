@@ -13,6 +13,7 @@ from helpers import const, model, node, vi
 from ortfuse import profile as prof
 from ortfuse.api import compile_model
 from ortfuse.config import Options
+from ortfuse.customops.attrs import read_launch
 from ortfuse.feeds import random_feeds
 
 
@@ -77,7 +78,7 @@ def test_profile_picks_the_fastest_tile(monkeypatch, tmp_path):
             src = next(onnx.helper.get_attribute_value(a) for n in m.graph.node for a in n.attribute
                        if a.name == "source").decode()
             for i, t in enumerate(tiles):
-                if f"run<__half, {', '.join(map(str, t))}," in src:
+                if f"run<__half, {', '.join(map(str, t[:6]))}," in src:
                     return 9.0 - i
         return us
     monkeypatch.setattr(prof, "cuda_timer", by_tile)
@@ -85,7 +86,34 @@ def test_profile_picks_the_fastest_tile(monkeypatch, tmp_path):
     res = compile_model(_encoder_block(), {"x": (512, 64)}, "sm_90", options=Options(archs=(90,), cache=tmp_path,
                                                                                     profile=True))
     assert res.placements[0].tile == tiles[-1] and res.placements[0].keep
-    assert f"run<__half, {', '.join(map(str, tiles[-1]))}," in res.kernels[0].compiled.source
+    assert f"run<__half, {', '.join(map(str, tiles[-1][:6]))}," in res.kernels[0].compiled.source
+
+
+@pytest.mark.parametrize("split_wins", [True, False])
+def test_profile_measures_split_k_against_the_same_tile_unsplit(monkeypatch, tmp_path, split_wins):
+    # few tiles over a long K: the best tile splits K; --profile also times it unsplit and keeps the faster
+    m, k = _encoder_block(k=2048), 2048
+    res0 = compile_model(m, {"x": (16, k)}, "sm_90")
+    tiles = res0.kernels[0].spec.tiles
+    best = tiles[0]
+    assert best[6] > 1 and tiles[1] == (*best[:6], 1)
+
+    def timer(mm, feeds, fused):
+        src = next((onnx.helper.get_attribute_value(a).decode() for n in mm.graph.node for a in n.attribute
+                    if a.name == "source"), "")
+        if not fused:
+            return 100.0
+        if f"run<__half, {', '.join(map(str, best[:6]))}," not in src:
+            return 50.0  # other tiles
+        return (5.0 if split_wins else 9.0) if f"NoConv, {best[6]}>" in src else 7.0
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, {"x": (16, k)}, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    pl = res.placements[0]
+    assert pl.keep and pl.tile == (best if split_wins else tiles[1])
+    fused = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    assert read_launch(fused).split_k == (best[6] if split_wins else 1)
+    assert ("split-K" in pl.line()) and prof.tile_label(tiles[1]) in pl.line()
 
 
 def test_identical_layers_are_measured_once(monkeypatch, tmp_path):
