@@ -30,6 +30,8 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "max": lambda a: f"max({a[0]}, {a[1]})",
     "fmin": lambda a: f"fminf({a[0]}, {a[1]})",
     "fmax": lambda a: f"fmaxf({a[0]}, {a[1]})",
+    "fmax_nan": lambda a: f"ofz::fmax_nan({a[0]}, {a[1]})",
+    "fmin_nan": lambda a: f"ofz::fmin_nan({a[0]}, {a[1]})",
     "fma": lambda a: f"fmaf({a[0]}, {a[1]}, {a[2]})",
     "lt": lambda a: f"({a[0]} < {a[1]})",
     "le": lambda a: f"({a[0]} <= {a[1]})",

@@ -111,7 +111,7 @@ def _clip(n, a, out):
         lo = f32(attr(n, "min"))
     if hi is None and attr(n, "max") is not None:
         hi = f32(attr(n, "max"))
-    fmax, fmin = ("fmax", "fmin") if x.ctype == F32 else ("max", "min")
+    fmax, fmin = ("fmax_nan", "fmin_nan") if x.ctype == F32 else ("max", "min")
     if lo is not None:
         x = _op(fmax, x, _as(lo, x.ctype))
     if hi is not None:
@@ -149,7 +149,7 @@ def _sigmoid(x: Expr) -> Expr:
 
 
 def _hard_sigmoid(x: Expr, alpha: float, beta: float) -> Expr:
-    return _op("fmax", f32(0), _op("fmin", f32(1), _op("add", _op("mul", f32(alpha), x), f32(beta))))
+    return _op("fmax_nan", f32(0), _op("fmin_nan", f32(1), _op("add", _op("mul", f32(alpha), x), f32(beta))))
 
 
 def _softplus(x: Expr) -> Expr:
@@ -180,7 +180,7 @@ RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
     "Round": _unary_float("round"),
     "Reciprocal": lambda n, a, out: _op("div", f32(1), a[0]),
     "Sigmoid": lambda n, a, out: _sigmoid(a[0]),
-    "Relu": lambda n, a, out: _op("fmax", a[0], f32(0)) if a[0].ctype == F32 else _op("max", a[0], Const(0, a[0].ctype)),
+    "Relu": lambda n, a, out: _op("fmax_nan", a[0], f32(0)) if a[0].ctype == F32 else _op("max", a[0], Const(0, a[0].ctype)),
     "LeakyRelu": lambda n, a, out: _op("select", _op("ge", a[0], f32(0), ctype="bool"), a[0],
                                        _op("mul", f32(attr(n, "alpha", 0.01)), a[0])),
     "Elu": lambda n, a, out: _op("select", _op("ge", a[0], f32(0), ctype="bool"), a[0],
@@ -193,7 +193,7 @@ RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
     "Sign": lambda n, a, out: _op("sub", _as(_op("gt", a[0], Const(0, a[0].ctype) if a[0].ctype != F32 else f32(0), ctype="bool"), a[0].ctype),
                                   _as(_op("lt", a[0], Const(0, a[0].ctype) if a[0].ctype != F32 else f32(0), ctype="bool"), a[0].ctype)),
     "Cast": _cast, "Where": _where, "Clip": _clip, "Gelu": _gelu,
-    "Min": _variadic("fmin", "min"), "Max": _variadic("fmax", "max"),
+    "Min": _variadic("fmin_nan", "min"), "Max": _variadic("fmax_nan", "max"),
     "Equal": _compare("eq"), "Less": _compare("lt"), "Greater": _compare("gt"),
     "LessOrEqual": _compare("le"), "GreaterOrEqual": _compare("ge"),
     "Not": lambda n, a, out: _op("not", _as(a[0], "bool")),

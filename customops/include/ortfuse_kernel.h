@@ -57,6 +57,27 @@ template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const 
   *reinterpret_cast<Vec<T, N>*>(p) = w;
 }
 
+// ONNX Max / Min (and Relu, Clip, HardSigmoid built on them) as ORT's CPU and CUDA kernels compute them:
+// a NaN operand gives NaN, where fmaxf / fminf return the other operand. sm_80+: one max.NaN / min.NaN.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
+#endif
+}
+__device__ __forceinline__ float fmin_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? __int_as_float(0x7fffffff) : fminf(a, b);
+#endif
+}
+
 struct SumOp { __device__ __forceinline__ static float apply(float a, float b) { return a + b; } };
 struct MaxOp { __device__ __forceinline__ static float apply(float a, float b) { return fmaxf(a, b); } };
 struct MinOp { __device__ __forceinline__ static float apply(float a, float b) { return fminf(a, b); } };

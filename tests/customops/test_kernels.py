@@ -132,6 +132,32 @@ def test_softplus_and_mish_of_large_values_stay_finite():
     _run(m, {}, {"x": (4, 64)})
 
 
+@pytest.mark.parametrize("dt", [F, H])
+def test_nan_propagates_through_max_min_relu_clip_hardsigmoid(dt):
+    """ORT's CPU and CUDA kernels return NaN from Max/Min of a NaN (its CUDA _Max/_Min check isnan; Relu and
+    HardSigmoid are built on them, Clip compares); fmaxf/fminf would return the other operand."""
+    import onnxruntime as ort
+    nodes = [node("Relu", ["x"], ["r"]), node("Max", ["r", "y"], ["mx"]), node("Min", ["mx", "y"], ["mn"]),
+             node("Clip", ["mn", "lo", "hi"], ["c"]), node("HardSigmoid", ["x"], ["hs"]),
+             node("HardSwish", ["y"], ["hw"]), node("Add", ["c", "hs"], ["s"]), node("Add", ["s", "hw"], ["out"])]
+    np_dt = np.float32 if dt == F else np.float16
+    m = model(nodes, [vi("x", dt, ["n", 64]), vi("y", dt, ["n", 64])], [vi("out", dt, None), vi("r", dt, None)],
+              [const("lo", -0.5, np_dt), const("hi", 0.7, np_dt)])
+    res = compile_model(m, {}, "sm_90")
+    (fused,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((4, 64)).astype(np_dt) for _ in range(2))
+    x[0, :8] = np.nan
+    y[1, 8:16] = np.nan
+    out, r = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["out", "r"], {"x": x, "y": y})
+    assert np.isnan(out[0, :8]).all() and np.isnan(out[1, 8:16]).all() and np.isnan(r[0, :8]).all()
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    values.update(x=x, y=y, out=out, r=r)
+    diffs = _emulate_node(fused, values)
+    assert all(d.ok for d in diffs), diffs  # NaN-ness must match (compare), the rest within tolerance
+
+
 def test_compare_non_finite_values():
     ref = np.array([1.0, np.inf, -np.inf, np.nan], np.float32)
     assert compare("y", ref.copy(), ref).ok
