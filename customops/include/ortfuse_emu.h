@@ -6,8 +6,9 @@
 // round-robin; __syncthreads, cluster_sync, __syncwarp, shuffles and votes are the only switch points.
 // __shared__ expands to `static`: with one block at a time, a static is exactly block-shared storage.
 // Blocks of one cluster would share it, so cluster kernels keep their shared data in dynamic shared
-// memory, which is per block (and reachable from the cluster's other blocks through cluster_map). Errors (deadlock, misuse) abort the launch
-// and are reported through ofz_emu_last_error(). Launches of one module are serialized by a mutex.
+// memory, which is per block (and reachable from the cluster's other blocks through cluster_map).
+// Errors (deadlock, misuse) abort the launch and are reported through ofz_emu_last_error(). Launches of
+// one module are serialized by a mutex.
 // Only 1-D grids and blocks are emulated (.y and .z are always 0 / 1).
 #pragma once
 

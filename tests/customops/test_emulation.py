@@ -421,3 +421,68 @@ def test_launch_releases_fiber_stacks(mods) -> None:
     mods["elementwise"].launch("rev_dyn", 4, 96, [x[:384], np.zeros(384, np.float32)], [], smem=96 * 4)
     assert _mappings() - before < 64, "fiber stacks stay mapped after the launch"
     assert y[0] == 1024
+
+
+CLUSTER = r"""
+#include "ortfuse_kernel.h"
+// Each block writes its rank into its shared memory; after cluster_sync every thread reads every other
+// block's value through cluster_map and stores the cluster's sum, rank, size and id.
+extern "C" __global__ void gather(const OfzArgs a) {
+  OFZ_DYNAMIC_SMEM(float, s);
+  const unsigned rank = ofz::cluster_rank(), size = ofz::cluster_size();
+  if (threadIdx.x == 0) s[0] = (float)(rank + 1) * 10.0f + (float)ofz::cluster_id();
+  ofz::cluster_sync();
+  float sum = 0.0f;
+  for (unsigned q = 0; q < size; ++q) sum += *ofz::cluster_map(s, q);
+  float* out = (float*)a.ptr[0] + ((ofz_i64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  out[0] = sum, out[1] = (float)rank, out[2] = (float)size, out[3] = (float)ofz::cluster_count();
+  ofz::cluster_sync();  // keep s alive until every block has read it
+}
+// Half of block 1 waits at __syncthreads while everyone else waits at the cluster barrier: a deadlock.
+extern "C" __global__ void skip(const OfzArgs a) {
+  if (ofz::cluster_rank() == 1 && threadIdx.x < 16) __syncthreads();
+  ofz::cluster_sync();
+}
+// cluster_map of a pointer outside dynamic shared memory.
+extern "C" __global__ void bad_map(const OfzArgs a) {
+  __shared__ float st[4];
+  st[threadIdx.x % 4] = 0.0f;
+  const float* p = ofz::cluster_map(st, 0);
+  ((float*)a.ptr[0])[threadIdx.x] = *p;
+}
+OFZ_EMU_ENTRY(gather)
+OFZ_EMU_ENTRY(skip)
+OFZ_EMU_ENTRY(bad_map)
+"""
+
+
+@pytest.mark.parametrize("cluster,grid", [(1, 3), (2, 6), (4, 4), (8, 16)])
+def test_cluster_blocks_share_distributed_shared_memory(cluster: int, grid: int) -> None:
+    mod = compile_emulated(CLUSTER)
+    out = np.full((grid, 64, 4), np.nan, np.float32)
+    mod.launch("gather", grid, 64, [out], [], smem=16, cluster=cluster)
+    for b in range(grid):
+        cid, rank = b // cluster, b % cluster
+        want = sum((q + 1) * 10.0 + cid for q in range(cluster))
+        assert (out[b, :, 0] == want).all() and (out[b, :, 1] == rank).all(), (b, out[b, 0])
+        assert (out[b, :, 2] == cluster).all() and (out[b, :, 3] == grid // cluster).all()
+
+
+def test_cluster_misuse_is_an_error_not_a_hang() -> None:
+    mod = compile_emulated(CLUSTER)
+    y = np.zeros(64, np.float32)
+    with pytest.raises(EmulationError, match="deadlock: .* at cluster_sync"):
+        mod.launch("skip", 4, 32, [y], [], smem=16, cluster=2)
+    with pytest.raises(EmulationError, match="not in its block's dynamic shared memory"):
+        mod.launch("bad_map", 2, 32, [y], [], smem=16, cluster=2)
+    with pytest.raises(ValueError, match="invalid launch"):
+        mod.launch("gather", 6, 32, [np.zeros(6 * 32 * 4, np.float32)], [], smem=16, cluster=4)  # 6 % 4
+    out = np.zeros((2, 32, 4), np.float32)
+    mod.launch("gather", 2, 32, [out], [], smem=16, cluster=2)  # the module stays usable
+    assert (out[:, :, 0] == 30.0).all()
+
+
+def test_cluster_source_compiles_for_sm_90(tmp_path) -> None:
+    from ortfuse.customops.compile import compile_kernel
+    ck = compile_kernel(CLUSTER, "gather", (90,), tmp_path)
+    assert b"barrier.cluster" in ck.ptx and b"mapa" in ck.ptx
