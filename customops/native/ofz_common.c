@@ -125,14 +125,14 @@ OrtStatus* ofz_attr_ints(const OrtKernelInfo* info, const char* node, const char
   return attr_error(ofz_ort.KernelInfoGetAttributeArray_int64(info, name, buf, &size), node, name);
 }
 
-OrtStatus* ofz_attr_int_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t fallback,
-                            int64_t* out) {
-  OrtStatus* s = ofz_ort.KernelInfoGetAttribute_int64(info, name, out);
-  if (s) {  // absent (or not an int: the caller's range check sees the fallback)
+int64_t ofz_attr_int_or(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t v = fallback;
+  OrtStatus* s = ofz_ort.KernelInfoGetAttribute_int64(info, name, &v);
+  if (s) {
     ofz_ort.ReleaseStatus(s);
-    *out = fallback;
+    v = fallback;
   }
-  return NULL;
+  return v;
 }
 
 OrtStatus* ofz_attr_ints_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t* buf,

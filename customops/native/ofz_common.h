@@ -18,9 +18,8 @@ OrtStatus* ofz_attr_float(const OrtKernelInfo* info, const char* node, const cha
 // Reads up to `cap` values; more than `cap` is an error. `*n` gets the count.
 OrtStatus* ofz_attr_ints(const OrtKernelInfo* info, const char* node, const char* name, int64_t* buf,
                          size_t cap, size_t* n);
-// Like ofz_attr_int, but a missing attribute is not an error: *out = fallback.
-OrtStatus* ofz_attr_int_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t fallback,
-                            int64_t* out);
+// An int attribute, or `fallback` when it is missing (or not an int: callers range-check the value).
+int64_t ofz_attr_int_or(const OrtKernelInfo* info, const char* name, int64_t fallback);
 // Like ofz_attr_ints, but a missing attribute is not an error: *n = 0.
 OrtStatus* ofz_attr_ints_opt(const OrtKernelInfo* info, const char* node, const char* name, int64_t* buf,
                              size_t cap, size_t* n);

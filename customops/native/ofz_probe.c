@@ -253,7 +253,7 @@ static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const Or
   int chosen = 0;
   OrtStatus* s = ofz_spec_parse(info, node, ins, outs - 1, &k->spec);
   if (!s) s = ofz_attr_int(info, node, "probe_cc", &cc);
-  if (!s) s = ofz_attr_int_opt(info, node, "probe_sm_count", 0, &k->sm_count);
+  if (!s) k->sm_count = ofz_attr_int_or(info, "probe_sm_count", 0);
   if (!s) s = ofz_spec_image(info, &k->spec, (int)cc, &image, &bytes, &chosen);
   free(image);
   if (s) {

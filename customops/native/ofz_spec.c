@@ -49,7 +49,7 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                                                      node, (long long)s->smem);
   if (s->units_per_block < 1) return BAD("ortfuse: node '%s': units_per_block = %lld, expected >= 1",
                                          node, (long long)s->units_per_block);
-  TRY(ofz_attr_int_opt(info, node, "split_k", 1, &s->split_k));
+  s->split_k = ofz_attr_int_or(info, "split_k", 1);
   if (s->split_k < 1 || s->split_k > OFZ_MAX_CLUSTER)
     return BAD("ortfuse: node '%s': split_k = %lld, expected 1..%d", node, (long long)s->split_k, OFZ_MAX_CLUSTER);
 
