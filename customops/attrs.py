@@ -85,9 +85,6 @@ class Launch:
             units *= -(-math.prod(self.resolve(terms, dims)) // div)
         return -(-units // self.units_per_block)
 
-    def cluster(self, grid: int, sm_count: int) -> int:
-        return cluster_for(self.split_k, grid, sm_count)
-
     def output_shapes(self, dims: Sequence[int]) -> list[list[int]]:
         return [self.resolve(s, dims) for s in self.out_shapes]
 

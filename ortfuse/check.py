@@ -155,7 +155,7 @@ def _tol_for(ref: np.ndarray, tol32: Optional[float]) -> Optional[float]:
 
 def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
                   tol32: Optional[float] = None) -> tuple[Diff, ...]:
-    from ortfuse.customops.attrs import read_launch
+    from ortfuse.customops.attrs import cluster_for, read_launch
     from ortfuse.customops.emulate import compile_emulated
     from ortfuse.customops.target import for_cc
     launch = read_launch(node)
@@ -171,7 +171,7 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
     grid = launch.grid(dims)
     if grid:
         # split-K GEMMs: clusters as the native library would launch them on the newest compiled arch
-        cluster = launch.cluster(grid, for_cc(max(launch.archs)).sm_count) if launch.archs else 1
+        cluster = cluster_for(launch.split_k, grid, for_cc(max(launch.archs)).sm_count) if launch.archs else 1
         compile_emulated(launch.source).launch(launch.entry, grid * cluster, launch.block, [*inputs, *outs], dims,
                                                  launch.smem, cluster)
     return tuple(compare(t, o, values[t], _tol_for(values[t], tol32)) for t, o in zip(node.output, outs))
