@@ -27,16 +27,6 @@ enum {
   F_LAST_VALUE_TYPE, F_LAST_INT64_SUM, F_STREAM_IS_NULL, F_TABLE_DTYPE
 };
 
-static int64_t opt_int(const OrtKernelInfo* info, const char* name, int64_t dflt) {
-  int64_t v = dflt;
-  OrtStatus* s = ofz_ort.KernelInfoGetAttribute_int64(info, name, &v);
-  if (s) {
-    ofz_ort.ReleaseStatus(s);
-    v = dflt;
-  }
-  return v;
-}
-
 typedef struct ProbeKernel {
   char node[OFZ_NAME_MAX];
   float alpha;
@@ -104,14 +94,14 @@ static OrtStatus* probe_create(const OrtCustomOp* op, const OrtApi* api, const O
   if (!k) return ofz_err(ORT_FAIL, "probe: out of memory");
   ofz_node_name(info, k->node, sizeof k->node);
   OrtStatus* s = NULL;
-  if (opt_int(info, "fail_create", 0))
+  if (ofz_attr_int_or(info, "fail_create", 0))
     s = ofz_err(ORT_INVALID_ARGUMENT, "probe: node '%s' refused creation (fail_create=1)", k->node);
   if (!s) s = probe_info(info, k);
   if (s) {
     free(k);
     return s;
   }
-  k->fail = opt_int(info, "fail", 0);
+  k->fail = ofz_attr_int_or(info, "fail", 0);
   *out = k;
   return NULL;
 }
