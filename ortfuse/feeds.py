@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ortfuse.errors import InputError
+
 # Values for symbolic input dims when the user gives none: small, so CPU checks stay fast.
 DEFAULT_DIMS = {"batch": 2}
 DEFAULT_DIM = 8
@@ -40,7 +42,11 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None =
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        dims = [_dim_value(d, shapes.get(vi.name), k) for k, d in enumerate(tt.shape.dim)]
+        given = shapes.get(vi.name)
+        if given is not None and tt.HasField("shape") and len(given) != len(tt.shape.dim):
+            raise InputError(f"input '{vi.name}' has rank {len(tt.shape.dim)}; the shape given for it, "
+                             f"{'x'.join(map(str, given))}, has rank {len(given)}")
+        dims = [_dim_value(d, given, k) for k, d in enumerate(tt.shape.dim)]
         dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
         if dt.kind == "f":
             feeds[vi.name] = rng.standard_normal(dims).astype(dt)

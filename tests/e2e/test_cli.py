@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto as TP
@@ -118,3 +119,38 @@ def test_python_api_returns_a_new_model():
     assert m.SerializeToString() == before
     assert any(n.domain == "ortfuse" for n in out.graph.node)
 
+
+
+def _strided(tmp: Path) -> Path:
+    """x[n, 4] -> Reshape to [n/2, 8]: runs only for even n, so DEFAULT_DIMS' 8 works and 5 does not."""
+    shape = onnx.numpy_helper.from_array(np.array([-1, 8], dtype=np.int64), "s")
+    m = model([node("Reshape", ["x", "s"], ["r"]), node("Sigmoid", ["r"], ["y"])],
+              [vi("x", TP.FLOAT, ["n", 4])], [vi("y", TP.FLOAT, None)], [shape])
+    return _save(m, tmp / "strided.onnx")
+
+
+def test_check_feeds_the_shapes_the_optimized_model_was_compiled_for(tmp_path, capsys):
+    src = _strided(tmp_path)
+    dst = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), str(dst), "--input-shape", "x:6x4"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(src), str(dst), "--emulate"]) == 0  # 6x4 from the pins, not the default 8
+    assert "parity PASS" in capsys.readouterr().out
+    # a shape the optimized model was not compiled for: one line, exit 2
+    assert main(["check", str(src), str(dst), "--input-shape", "x:8x4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ortfuse: error: --input-shape x:8x4 contradicts") and "x:6x4" in err[-1]
+    assert main(["check", str(src), str(dst), "--input-shape", "x:6"]) == 2
+    assert "x:6x4" in capsys.readouterr().err
+
+
+def test_check_reports_shapes_the_original_cannot_run(tmp_path, capsys):
+    src = _strided(tmp_path)
+    dst = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), str(dst)]) == 0  # n stays symbolic
+    capsys.readouterr()
+    assert main(["check", str(src), str(dst), "--input-shape", "x:5x4"]) == 2  # 20 elements are not k*8
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ortfuse: error: ORT could not run") and "x:5x4" in err[0]
+    assert "--input-shape" in err[0] and "Traceback" not in err[0]
+    assert main(["check", str(src), str(dst), "--input-shape", "x:4x4", "--emulate"]) == 0
