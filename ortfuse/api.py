@@ -40,6 +40,7 @@ class FusedKernel:
     spec: KernelSpec
     compiled: CompiledKernel
     node: FusedNode
+    retiled: str = ""  # why the top-ranked GEMM tile was replaced after compiling (ptxas spilled it)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         compiled = dict(zip(sources, pool.map(lambda kv: compile_kernel(kv[1], kv[0], archs, opts.cache),
                                               sources.items())))
     kernels = [_fused(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
+    kernels = [_without_spills(graph, tgt, opts, k) for k in kernels]
     placements: tuple = ()
     if opts.profile:
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
@@ -146,6 +148,37 @@ def _fused(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
     node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
                      region.outputs, tuple(attrs.node_attributes(spec, ck)))
     return FusedKernel(region, spec, ck, node)
+
+
+def spill_bytes(ck: CompiledKernel) -> int:
+    """The most local-memory spill traffic ptxas reported for any of the kernel's cubins."""
+    return max((r.spill_bytes for _, r in ck.resources), default=0)
+
+
+def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKernel:
+    """Roller's tiles come from a register estimate; ptxas has the last word. A GEMM whose top-ranked tile
+    spills is rebuilt with the next ranked candidate that does not (or, failing that, spills least)."""
+    first = spill_bytes(k.compiled)
+    if k.region.kind not in ("gemm", "gemm_row") or not first or len(k.spec.tiles) < 2:
+        return k
+    from ortfuse.profile import tile_label
+
+    best, least, best_tile = k, first, k.spec.tiles[0]
+    for tile in k.spec.tiles[1:]:
+        try:
+            spec = lower(graph, k.region, tgt, opts.tf32, tile=tile)
+        except LoweringError:
+            continue
+        cand = _fused(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+        if spill_bytes(cand.compiled) < least:
+            best, least, best_tile = cand, spill_bytes(cand.compiled), tile
+        if not least:
+            break
+    if best is k:
+        return k
+    note = (f"tile {tile_label(k.spec.tiles[0])} spilled {first} bytes; {tile_label(best_tile)} "
+            + (f"spills {least}" if least else "does not"))
+    return dataclasses.replace(best, retiled=note)
 
 
 def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: Progress):

@@ -37,6 +37,7 @@ def explain(r: OptimizeResult) -> list[str]:
     """Why memory-bound ops (and candidate merges/regions) were not fused."""
     lines = [f"not fused: {x}" for x in r.plan.rejects if _is_candidate(r, x.subject)]
     lines += [f"refused:   {x}" for x in r.plan.refusals]
+    lines += [f"retiled:   {k.node.name}: {k.retiled}" for k in r.kernels if k.retiled]
     return lines
 
 

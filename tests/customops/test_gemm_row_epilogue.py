@@ -101,3 +101,35 @@ def test_row_too_wide_for_one_tile_is_refused_with_reason():
     p = plan(g, for_cc(90))
     assert [r.kind for r in p.regions] == []  # a lone Softmax replaces one ORT kernel: not worth a node
     assert any(f"{n}-column row in one tile" in r.reason for r in p.refusals)
+
+
+def _logits_block():
+    """Magika's head (fp32, jax2tf): x[1, 512] @ w[512, 214] + b, then the row max (a stable softmax's first
+    half), both outputs. Its top-ranked tile is split-K 8, which ptxas (NVRTC 13.x, sm_90) spills."""
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]),
+                  node("ReduceMax", ["z"], ["mx"], axes=[-1], keepdims=1)],
+                 [vi("x", F, [1, 512])], [vi("z", F, None), vi("mx", F, None)],
+                 [const("w", _w((512, 214), F, 1)), const("b", _w(214, F, 2))], opset=17)
+
+
+def test_a_tile_that_spills_is_replaced_by_the_next_candidate(monkeypatch):
+    """ptxas has the last word over the tile model's register estimate: a GEMM kernel whose top-ranked tile
+    spills is rebuilt with the next candidate that does not, and the report says so. Forced here (the first
+    kernel compiled for the region is said to spill) so it holds whatever ptxas version runs the test."""
+    from ortfuse import api, report
+    m = _logits_block()
+    top = api.compile_model(m, None, "sm_90").kernels[0]
+    real = api.spill_bytes
+    monkeypatch.setattr(api, "spill_bytes", lambda ck: 96 if ck.entry == top.compiled.entry else real(ck))
+    res = fused_parity(m, {}, None, ("gemm_row",))
+    k = res.kernels[0]
+    assert k.compiled.entry != top.compiled.entry and api.spill_bytes(k.compiled) == 0
+    assert k.retiled.startswith(f"tile {'x'.join(map(str, top.spec.tiles[0][:3]))}") and "spilled 96 bytes" in k.retiled
+    assert any(line.startswith("retiled:   ortfuse_region_") for line in report.explain(res))
+
+
+def test_no_shipped_gemm_kernel_spills_where_a_candidate_does_not():
+    """With the real ptxas report: the chosen kernel of Magika's head does not spill."""
+    from ortfuse import api
+    k = api.compile_model(_logits_block(), None, "sm_90").kernels[0]
+    assert api.spill_bytes(k.compiled) == 0, (k.retiled, k.compiled.resources)
