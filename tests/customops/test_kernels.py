@@ -369,3 +369,35 @@ def test_saturated_sigmoid_is_compared_on_its_range():
     assert floors == {"y": RANGE_FLOOR["Sigmoid"]}
     assert compare("y", exact, got, floor=floors["y"]).ok
     assert not compare("y", exact + 2e-6, got, floor=floors["y"]).ok  # 2e-6 off on a [0, 1] range still fails
+
+
+def test_half_outputs_fall_back_to_the_fp32_computation_where_ort_rounds_each_op():
+    """A variance as E[x^2] - E[x]^2 from fp16 sums (Magika's LayerNorm, as tf2onnx emits it): a reference
+    that rounds every op to fp16 (ONNX's semantics, ORT's CUDA EP; ORT CPU does at some region boundaries)
+    loses the difference's digits; the kernel rounds once. Such an output is judged against the sub-graph run
+    in fp32 (tolerance 1e-2, the fp16 contract); a kernel that computes something else still fails."""
+    H = TP.FLOAT16
+    m = model([node("Mul", ["s", "k"], ["mean"]), node("Mul", ["s2", "k"], ["ex2"]),
+               node("Mul", ["mean", "mean"], ["m2"]), node("Sub", ["ex2", "m2"], ["var"]),
+               node("Max", ["var", "z"], ["y"])],
+              [vi("s", H, [1, 256]), vi("s2", H, [1, 256])], [vi("y", H, None)],
+              [const("k", 1 / 256, np.float16), const("z", 0, np.float16)])
+    rng = np.random.default_rng(0)
+    mean, var = 10 + rng.standard_normal(256), 1 + rng.random(256)
+    feeds = {"s": (256 * mean).astype(np.float16)[None], "s2": (256 * (mean**2 + var)).astype(np.float16)[None]}
+    h, k16 = np.float16, np.float16(1 / 256)
+    mean16 = (feeds["s"] * k16).astype(h)
+    per_op = np.maximum(((feeds["s2"] * k16).astype(h) - (mean16 * mean16).astype(h)).astype(h), h(0))
+    res = compile_model(m, None, "sm_90")
+    (k,) = res.kernels
+    body = next(f for f in res.model.functions if f.name == k.node.op_type)
+    fused = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    values = {**feeds, "y": per_op}
+    (vs_ort,) = _emulate_node(fused, values)
+    assert not vs_ort.ok  # the per-op rounding (1.5e-2 normwise here), not the kernel
+    (vs_fp32,) = _emulate_node(fused, values, body=body)
+    assert vs_fp32.ok and "vs fp32" in vs_fp32.name and vs_fp32.max_rel < 1e-3
+    wrong = onnx.FunctionProto()
+    wrong.CopyFrom(body)
+    next(n for n in wrong.node if n.op_type == "Sub").op_type = "Add"
+    assert not _emulate_node(fused, values, body=wrong)[0].ok
