@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,10 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
   except ImportError as err:
     return {"ok": None, "note": f"ortfuse.check unavailable: {err}"}
   try:
-    report = check_models(str(src), str(opt), provider="cuda")
+    import onnx
+    meta = zoo.read_sidecar(src)
+    shapes = {k: v.shape for k, v in harness.make_feeds(onnx.load(str(src)), batch=2, meta=meta).items()}
+    report = check_models(str(src), str(opt), provider="cuda", input_shapes=shapes)
     return {"ok": bool(report.ok), "lines": report.lines()}
   except Exception as err:  # noqa: BLE001 - recorded in the report
     return {"ok": False, "note": f"{type(err).__name__}: {err}"}
@@ -228,12 +232,17 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
   p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
+  p.add_argument("--wheels", type=Path, help="folder of carried wheels for the shipped models (no registry there)")
   args = p.parse_args(argv)
   if args.merge:
     merge(args.out, args.merge)
     return 0
   work = args.work or Path(tempfile.mkdtemp(prefix="ortfuse-suite-"))
   os.environ.setdefault("ORTFUSE_CACHE_DIR", str(work / "zoo"))
+  if args.wheels:
+    zoo.wheel_dir().mkdir(parents=True, exist_ok=True)
+    for whl in args.wheels.glob("*.whl"):
+      shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
                      args.variants)
   _write(args.out, report)

