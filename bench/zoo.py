@@ -281,20 +281,22 @@ def _wheel(requirement: str) -> Path:
   import subprocess
   import sys
   pkg, _, version = requirement.partition("==")
-  stem = f"{pkg.replace('-', '_')}-{version}-"
-  found = sorted(p for p in wheel_dir().glob("*.whl") if p.name.lower().startswith(stem.lower()))
-  if found:
-    return found[0]
+  stem = f"{pkg.replace('-', '_')}-{version}-".lower()
+
+  def found() -> list[Path]:
+    return sorted(p for p in wheel_dir().glob("*.whl") if p.name.lower().startswith(stem))
+
+  if found():
+    return found()[0]
   wheel_dir().mkdir(parents=True, exist_ok=True)
   cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir()),
          requirement]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-  found = sorted(p for p in wheel_dir().glob("*.whl") if p.name.lower().startswith(stem.lower()))
-  if proc.returncode != 0 or not found:
+  if proc.returncode != 0 or not found():
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
     raise RuntimeError(f"could not download {requirement} (needs a package index; on a machine without one, "
                        f"put its wheel into {wheel_dir()}): {tail[0]}")
-  return found[0]
+  return found()[0]
 
 
 def _extract(name: str, tiny: bool, path: Path) -> Path:
@@ -364,8 +366,8 @@ class _Positional:
 def _to_fp16(src: Path, path: Path) -> Path:
   import onnx
   from onnxruntime.transformers.float16 import convert_float_to_float16
-  start = time.perf_counter()
   from ortfuse.rewriter._proto import sort_nodes
+  start = time.perf_counter()
   model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
   sort_nodes(model.graph)  # the converter appends the fp32 Casts it keeps for Resize's scales at the end
   tmp = path.with_suffix(".tmp.onnx")

@@ -110,11 +110,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     """Run both models on the same random inputs; with `emulate`, also run every fused kernel of
     `optimized` in CPU emulation on the real tensors it sees and compare with ORT's sub-graph."""
     src, opt = load_model(original), load_model(optimized)
-    pinned = pinned_shapes(opt)
-    _check_pins(pinned, input_shapes or {})
-    shapes = {**pinned, **{k: [g if isinstance(g, int) else (pinned.get(k) or [None] * len(v))[i]
-                               for i, g in enumerate(v)] for k, v in (input_shapes or {}).items()}}
-    feeds = random_feeds(src, shapes, seed)
+    feeds = random_feeds(src, _with_pins(pinned_shapes(opt), input_shapes or {}), seed)
     fused = [n for n in opt.graph.node if n.domain == "ortfuse"]
     if provider == "cuda":
         from ortfuse.runtime import InferenceSession
@@ -168,14 +164,18 @@ def _run(sess: ort.InferenceSession, names: Sequence[str], feeds: Mapping[str, n
         raise error(f"ORT could not run {where} on random inputs {shapes}{hint}: {msg}") from e
 
 
-def _check_pins(pinned: Mapping[str, Sequence], given: Mapping[str, Sequence]) -> None:
+def _with_pins(pinned: Mapping[str, Sequence], given: Mapping[str, Sequence]) -> dict[str, list]:
+    """The user's shapes over the optimized model's pinned dims (a symbolic dim given takes the pin);
+    a given dim that contradicts a pin is an error."""
+    shapes = {k: list(v) for k, v in pinned.items()}
     for name, dims in given.items():
-        fixed = pinned.get(name)
-        if fixed is not None and (len(fixed) != len(dims) or any(
-                f is not None and isinstance(g, int) and f != g for f, g in zip(fixed, dims))):
+        fixed = pinned.get(name) or [None] * len(dims)
+        if len(fixed) != len(dims) or any(f is not None and isinstance(g, int) and f != g for f, g in zip(fixed, dims)):
             want = "x".join("?" if f is None else str(f) for f in fixed)
             raise InputError(f"--input-shape {name}:{'x'.join(map(str, dims))} contradicts the optimized "
                              f"model, which was compiled for {name}:{want}")
+        shapes[name] = [g if isinstance(g, int) else f for f, g in zip(fixed, dims)]
+    return shapes
 
 
 def _range_floors(model: onnx.ModelProto) -> dict[str, float]:
@@ -216,9 +216,9 @@ def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: 
             if n2.op_type == "Cast" and a.name == "to" and a.i in to32:
                 a.i = to32[a.i]
             elif n2.op_type == "Constant" and a.name == "value" and a.t.data_type in to32:
-                a.t.CopyFrom(onnx.numpy_helper.from_array(_as_f32(onnx.numpy_helper.to_array(a.t)), a.t.name))
+                a.t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
         nodes.append(n2)
-    feeds = {name: (_as_f32(x) if _is_half(x) else x) for name, x in zip(body.input, inputs)}
+    feeds = {name: (x.astype(np.float32) if _is_half(x) else x) for name, x in zip(body.input, inputs)}
     ins = [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
            for k, v in feeds.items()]
     outs = [onnx.ValueInfoProto(name=o) for o in body.output]
@@ -226,12 +226,6 @@ def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: 
                                opset_imports=list(body.opset_import), ir_version=10)
     got = dict(zip(body.output, _session(m, ["CPUExecutionProvider"]).run(None, feeds)))
     return [got[o] for o in outputs]
-
-
-def _as_f32(x: np.ndarray) -> np.ndarray:
-    if x.dtype.name == "bfloat16" or x.dtype == np.uint16:  # bf16 carried as its bit pattern
-        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return x.astype(np.float32)
 
 
 def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
@@ -264,7 +258,7 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
         # kernel rounds once. The contract is fp16 within 1e-2 of the fp32 computation: judge against that.
         ref = _fp32_twin(body, inputs, [body.output[i] for i in half])
         for i, r in zip(half, ref):
-            d = compare(node.output[i], _as_f32(outs[i]), r, RTOL["fp16"], floors.get(node.output[i], 1e-6))
+            d = compare(node.output[i], outs[i].astype(np.float32), r, RTOL["fp16"], floors.get(node.output[i], 1e-6))
             diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs fp32: ORT's fp16 differs by "
                                                    f"{diffs[i].max_rel:.3g})")
     return tuple(diffs)
