@@ -13,7 +13,9 @@ def _mb(n: int) -> str:
 def summary(r: OptimizeResult) -> str:
     pct = 100.0 * r.memory_bound_fused / r.memory_bound_ops if r.memory_bound_ops else 0.0
     absorbed = sum(len(k.region.nodes) for k in r.kernels)
-    hints = ", ".join(f"{k}={v}" for k, v in sorted(r.graph.sym_hints.items())) or "static shapes"
+    g = r.graph
+    inputs = {d for t in g.graph_inputs for d in g.tensors[t].shape or () if isinstance(d, str)}
+    hints = ", ".join(f"{k}={v}" for k, v in sorted(g.sym_hints.items()) if k in inputs) or "static shapes"
     kinds = {}
     for k in r.kernels:
         kinds[k.region.kind] = kinds.get(k.region.kind, 0) + 1
@@ -28,14 +30,13 @@ def summary(r: OptimizeResult) -> str:
     ])
 
 
-def _is_candidate(r: OptimizeResult, subject: str) -> bool:
-    op = subject.split(" ", 1)[0]
-    return ops.kind_of(op) not in (None, "gemm")
+def _is_candidate(subject: str) -> bool:
+    return ops.kind_of(subject.split(" ", 1)[0]) is not None
 
 
 def explain(r: OptimizeResult) -> list[str]:
-    """Why memory-bound ops (and candidate merges/regions) were not fused."""
-    lines = [f"not fused: {x}" for x in r.plan.rejects if _is_candidate(r, x.subject)]
+    """Why ops ortfuse fuses (and candidate merges/regions) were not fused."""
+    lines = [f"not fused: {x}" for x in r.plan.rejects if _is_candidate(x.subject)]
     lines += [f"refused:   {x}" for x in r.plan.refusals]
     lines += [f"retiled:   {k.node.name}: {k.retiled}" for k in r.kernels if k.retiled]
     return lines

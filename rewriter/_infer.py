@@ -73,6 +73,7 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
 
         # guess_output_rank=False: an unknown shape is safer for fusion than a guessed one.
         ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
+        ssi.dispatcher_.setdefault("ConvTranspose", lambda node: _conv_transpose(ssi, node))
         ssi._preprocess(model)
         complete = False
         while ssi.run_:
@@ -82,6 +83,34 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
     except Exception as e:  # the tool raises bare Exception/AssertionError on models it cannot handle
         log.debug("symbolic shape inference failed, falling back to ONNX: %s", e)
         return None, False
+
+
+def _conv_transpose(ssi, node: onnx.NodeProto) -> None:
+    """ConvTranspose's output shape with symbolic spatial dims (the tool has no rule for it: its output
+    dims would be fresh names unrelated to the input). Only the explicit-pads form; others stay as the
+    tool leaves them."""
+    import sympy
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute, get_shape_from_sympy_shape
+
+    vi = ssi.known_vi_[node.output[0]]
+    auto_pad = get_attribute(node, "auto_pad", b"NOTSET")
+    x, w = ssi._get_sympy_shape(node, 0), ssi._get_sympy_shape(node, 1)
+    rank = len(x) - 2
+    if (get_attribute(node, "output_shape") is not None or auto_pad not in (b"NOTSET", b"VALID")
+            or rank < 1 or len(w) != rank + 2):
+        if len(vi.type.tensor_type.shape.dim) == 0:
+            vi.type.tensor_type.elem_type = onnx.TensorProto.UNDEFINED  # what the tool itself does
+        return
+    strides = get_attribute(node, "strides", [1] * rank)
+    dilations = get_attribute(node, "dilations", [1] * rank)
+    out_pad = get_attribute(node, "output_padding", [0] * rank)
+    pads = get_attribute(node, "pads", [0] * (2 * rank))
+    spatial = [s * (d - 1) + op + (k - 1) * dl + 1 - pads[i] - pads[i + rank]
+               for i, (d, k, s, dl, op) in enumerate(zip(x[2:], w[2:], strides, dilations, out_pad))]
+    shape = [x[0], w[1] * get_attribute(node, "group", 1), *[sympy.simplify(d) for d in spatial]]
+    ssi._update_computed_dims(shape)
+    elem = ssi.known_vi_[node.input[0]].type.tensor_type.elem_type
+    vi.CopyFrom(onnx.helper.make_tensor_value_info(node.output[0], elem, get_shape_from_sympy_shape(shape)))
 
 
 def _onnx(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -286,11 +286,13 @@ def _dense(sp: onnx.SparseTensorProto) -> np.ndarray:
 
 def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], batch: int = BATCH_HINT) -> dict[str, int]:
     """Typical values of the symbolic dims: `batch` for batch-like ones (named so, or leading a graph
-    input), DEFAULT_HINT for others, expressions evaluated from those."""
+    input), DEFAULT_HINT for others, expressions evaluated from those. Base names are identifiers or any
+    name a graph input declares (exporters write names like "p2o.DynamicDimension.0")."""
     batch_like = {t.shape[0] for name in graph_inputs if (t := tensors[name]).shape and len(t.shape) >= 2
                   and isinstance(t.shape[0], str)}
     names = {d for t in tensors.values() for d in t.shape or () if isinstance(d, str)}
-    base = {n: _base_hint(n, batch_like, batch) for n in names if _DIM_NAME.fullmatch(n)}
+    declared = {d for name in graph_inputs for d in tensors[name].shape or () if isinstance(d, str)}
+    base = {n: _base_hint(n, batch_like, batch) for n in names if _DIM_NAME.fullmatch(n) or n in declared}
     return {n: base.get(n) or _expr_hint(n, base, batch_like, batch) for n in sorted(names)}
 
 
@@ -300,6 +302,17 @@ def _base_hint(name: str, batch_like: set[str], batch: int = BATCH_HINT) -> int:
 
 def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str], batch: int = BATCH_HINT) -> int:
     """Evaluate an expression like "2*sequence_length" with its symbols at their hints."""
+    # base names that are not identifiers ("p2o.DynamicDimension.1") become placeholders first
+    odd = sorted((n for n in base if not _DIM_NAME.fullmatch(n)), key=len, reverse=True)
+    values: dict[str, int] = {}
+    if odd:
+        pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, odd)) + r")(?![\w.])")
+
+        def placeholder(m: re.Match) -> str:
+            key = f"_ofz_dim{odd.index(m.group(1))}"
+            values[key] = base[m.group(1)]
+            return key
+        text = pattern.sub(placeholder, text)
     # dim names come from the model file and sympify evaluates Python: accept arithmetic only, with
     # every identifier bound to a Symbol (or a whitelisted function), and no "**" (huge powers hang)
     if not _SAFE_EXPR.fullmatch(text) or "**" in text:
@@ -309,7 +322,8 @@ def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str], batch: 
         names = {n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)}
         names.update({f: getattr(sympy, f) for f in _SYMPY_FUNCS if f in names})
         expr = sympy.sympify(text, locals=names)
-        value = int(expr.subs({s: base.get(s.name, _base_hint(s.name, batch_like, batch)) for s in expr.free_symbols}))
+        value = int(expr.subs({s: values.get(s.name) or base.get(s.name, _base_hint(s.name, batch_like, batch))
+                               for s in expr.free_symbols}))
     except (sympy.SympifyError, TypeError, ValueError, AttributeError, SyntaxError):
         return DEFAULT_HINT
     return value if value > 0 else DEFAULT_HINT

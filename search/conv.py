@@ -63,6 +63,9 @@ def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if auto_pad not in ("NOTSET", "VALID"):
         return f"auto_pad={auto_pad}: left to ORT"
+    if not all(isinstance(d, int) for d in x.shape[2:]):
+        return (f"image size {x.shape[2]}x{x.shape[3]} is symbolic: Convs are compiled for static image sizes "
+                "(fix them with --input-shape)")
     dims = (*x.shape[1:], *w.shape, *y.shape[1:])
     if not all(isinstance(d, int) for d in dims):
         return "channels, image and kernel sizes must be static"

@@ -105,6 +105,22 @@ def test_unsupported_dtype_is_left_to_ort(tmp_path):
     assert not [n for n in out.graph.node if n.domain == "ortfuse"]
 
 
+def test_explain_names_convs_left_on_symbolic_images(tmp_path, capsys):
+    """A Conv on a symbolic image size is listed with the way out; fixing the size fuses it."""
+    from helpers import const
+
+    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Sigmoid", ["y"], ["z"])],
+              [vi("x", TP.FLOAT16, ["n", 8, "h", "w"])], [vi("z", TP.FLOAT16, None)],
+              [const("w", np.random.default_rng(0).standard_normal((16, 8, 3, 3)) * 0.1, np.float16)])
+    src = _save(m, tmp_path / "c.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "o.onnx"), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "not fused: Conv" in out and "fix them with --input-shape" in out, out
+    assert main(["optimize", str(src), str(tmp_path / "p.onnx"), "--explain", "--input-shape", "x:nx8x12x12"]) == 0
+    assert "not fused: Conv" not in capsys.readouterr().out
+    assert [n.op_type for n in onnx.load(str(tmp_path / "p.onnx")).graph.node if n.domain != "ortfuse"] == []
+
+
 def test_console_script_and_module_entry(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ortfuse", "optimize", str(tmp_path / "none.onnx"),
                         str(tmp_path / "o.onnx")], capture_output=True, text=True)

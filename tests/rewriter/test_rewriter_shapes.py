@@ -260,6 +260,18 @@ def test_sym_hints_evaluate_expressions():
     assert graph.sym_hints[expr] == 256
 
 
+def test_sym_hints_for_names_that_are_not_identifiers():
+    # paddle2onnx names dims "p2o.DynamicDimension.N"; a 3x3/2 Conv makes "floor(... - 1/2) + 1" of them
+    x = M.vi("x", ["p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.10"])
+    w = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w")
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], strides=[2, 2], pads=[1, 1, 1, 1])
+    graph = build_graph(load_model(M.make_model([conv], [x], [M.vi("y", [None] * 4)], [w])))
+    h = graph.sym_hints
+    assert h["p2o.DynamicDimension.0"] == 1 and h["p2o.DynamicDimension.1"] == 128
+    oh, ow = graph.tensors["y"].shape[2:]
+    assert isinstance(oh, str) and h[oh] == 64 and h[ow] == 64  # not the 128 of an unreadable name
+
+
 @pytest.mark.parametrize("expr, hint", [("batch*sequence", 128), ("2*sequence_length", 256), ("Min(N, 4)", 1),
                                         ("floor(seq/2)", 64), ("seq + past", 256),
                                         ("__import__('os').getcwd()", 128), ("9**9**9", 128)])
@@ -267,3 +279,26 @@ def test_expression_hints(expr, hint):
     from ortfuse.rewriter.shapes import _expr_hint
 
     assert _expr_hint(expr, {"batch": 1, "N": 1}, set()) == hint
+
+
+@pytest.mark.parametrize("attrs", [dict(strides=[2, 2]), dict(strides=[2, 3], pads=[1, 0, 1, 2], output_padding=[1, 0]),
+                                   dict(strides=[1, 2], dilations=[2, 1], group=2)])
+def test_conv_transpose_shapes_follow_symbolic_input(attrs):
+    """A ConvTranspose on symbolic H, W gives output dims in terms of H, W (not fresh names), and they
+    evaluate to what ORT produces."""
+    import onnxruntime as ort
+    import sympy
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 2)).astype(np.float32), "w")
+    ct = helper.make_node("ConvTranspose", ["x", "w"], ["y"], **attrs)
+    model = M.make_model([ct, helper.make_node("Relu", ["y"], ["z"])], [M.vi("x", ["n", 4, "h", "w"])],
+                         [M.vi("z", [None] * 4)], [w])
+    shape = build_graph(load_model(model)).tensors["z"].shape
+    x = rng.standard_normal((2, 4, 5, 7)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0].shape
+    values = {"n": 2, "h": 5, "w": 7}
+    got = tuple(d if isinstance(d, int) else int(sympy.sympify(d, locals={k: sympy.Symbol(k) for k in values})
+                                                 .subs({sympy.Symbol(k): v for k, v in values.items()}))
+                for d in shape)
+    assert got == want and {d for d in shape if isinstance(d, str)} - {"n"}  # spatial dims stay symbolic

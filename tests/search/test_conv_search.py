@@ -47,7 +47,7 @@ def test_geometry_and_gemm_dims():
     (dict(w_shape=(16, 4, 3, 3), group=2), "grouped convolution (group=2, 8 -> 16 channels)"),
     (dict(auto_pad="SAME_UPPER", pads=None), "auto_pad=SAME_UPPER"),
     (dict(x_shape=("n", 8, 10), w_shape=(16, 8, 3), pads=[1, 1]), "1-D convolution"),
-    (dict(x_shape=("n", 8, "h", "w")), "must be static"),
+    (dict(x_shape=("n", 8, "h", "w")), "image size hxw is symbolic"),
     (dict(x_shape=("n", 8, 3, 3), w_shape=(16, 8, 3, 3), pads=[0, 0, 0, 0], dilations=[2, 2]), "does not fit"),
 ])
 def test_refusals_name_the_reason(kwargs, reason):
