@@ -80,14 +80,16 @@ def _optimize(src: Path, work: Path, profile: bool = True) -> dict[str, Any]:
     from ortfuse.config import Options
     arch = harness._arch()  # type: ignore[attr-defined]
     # --profile: each region and GEMM tile is timed against ORT's own kernels for the same sub-graph
-    res = compile_model(str(src), None, arch, options=Options(archs=_archs(arch), profile=profile))
+    shapes = zoo.fixed_image_shapes(onnx.load(str(src), load_external_data=False), zoo.read_sidecar(src))
+    res = compile_model(str(src), shapes, arch, options=Options(archs=_archs(arch), profile=profile))
     seconds = time.perf_counter() - start
     model = res.model
     onnx.save_model(model, str(out))
     (work / f"{src.stem}.report.md").write_text(report.markdown(res, str(src)))
     fused = sum(1 for n in model.graph.node if n.domain == "ortfuse")
     placements = [pl.line() for pl in res.placements]
-    return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused, "placements": placements}
+    return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused, "placements": placements,
+            "input_shapes": {k: list(v) for k, v in (shapes or {}).items()}}
   except Exception as err:  # noqa: BLE001 - the model is still benchmarked without an ortfuse row
     return {"path": None, "note": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
 
@@ -193,6 +195,11 @@ def render(report: dict[str, Any], results: bool = False) -> str:
                    f"{stock.get('median_ms') and format(stock['median_ms'], '.3f') or '—'} | "
                    f"{cell('ort+cudagraph')} | {cell('ort-transformers')} | {cell('torch.compile')} | "
                    f"{cell('ortfuse')} | {frac} | {ptxt} | {opt_s if opt_s is not None else '—'} |")
+  fixed = [f"{e['model']} {e['dtype']}: " + ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items())
+           for e in report["entries"] if (shapes := e.get("optimize", {}).get("input_shapes"))]
+  if fixed:
+    lines += ["", "Optimized with image sizes fixed (`--input-shape`; ortfuse compiles Convs for static image "
+              "sizes, ORT's baselines run the model as shipped): " + "; ".join(fixed) + "."]
   if not results:
     for e in report["entries"]:
       notes = [e.get("error"), e.get("optimize", {}).get("note"), e.get("parity", {}).get("note"),

@@ -383,7 +383,11 @@ def _optimize(model_path: str, out_dir: Path, arch: str, notes: list[str]) -> tu
   try:
     import ortfuse
     start = time.perf_counter()
-    model = ortfuse.optimize(model_path, input_shapes=None, arch=arch)  # type: ignore[attr-defined]
+    shapes = zoo.fixed_image_shapes(onnx.load(model_path, load_external_data=False), zoo.read_sidecar(model_path))
+    if shapes:
+      notes.append("ortfuse optimized with image sizes fixed: " + ", ".join(
+        f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items()))
+    model = ortfuse.optimize(model_path, input_shapes=shapes, arch=arch)  # type: ignore[attr-defined]
     seconds = time.perf_counter() - start
     onnx.save_model(model, str(out))
     return str(out), seconds

@@ -391,6 +391,23 @@ def _finish(tmp: Path, path: Path, info: ModelInfo | dict[str, Any], meta: dict[
   log.info("zoo: %s (%.1f MB, %s)", path, meta["bytes"] / 1e6, meta.get("source"))
 
 
+def fixed_image_shapes(model: Any, meta: dict[str, Any] | None) -> dict[str, tuple[int | str, ...]] | None:
+  """`--input-shape` values an image model is optimized with: its image dims fixed at the zoo's sizes, the
+  batch left symbolic. ortfuse compiles Convs for static image sizes only (a detector served at one size
+  is fixed the same way); sequence lengths of the transformers stay symbolic."""
+  if not meta or info_from_sidecar(meta).family != "cnn":
+    return None
+  dims, shapes = info_from_sidecar(meta).dims, {}
+  inits = {t.name for t in model.graph.initializer}
+  for inp in model.graph.input:
+    declared = inp.type.tensor_type.shape.dim
+    if inp.name in inits or not any(d.dim_param in dims for d in declared):
+      continue
+    shapes[inp.name] = tuple(d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, d.dim_param or f"d{i}")
+                             for i, d in enumerate(declared))
+  return shapes or None
+
+
 def info_from_sidecar(meta: dict[str, Any]) -> ModelInfo:
   d = dict(meta["info"])
   d["inputs"] = tuple(InputSpec(**{**s, "shape": tuple(s["shape"])}) for s in d["inputs"])

@@ -11,7 +11,7 @@ def test_report_results_and_merge(tmp_path):
   path = zoo.build("bert", tiny=True)
   res = harness.run_bench(path, optimized_path=path, batches=(1,), provider="cpu", runs=5, warmup=1,
                           out_dir=tmp_path / "w", chart=False)
-  entry = {"model": "bert", "dtype": "fp32", "tiny": True, "optimize": {"seconds": 1.5},
+  entry = {"model": "bert", "dtype": "fp32", "tiny": True, "optimize": {"seconds": 1.5, "input_shapes": {"x": ["n", 3, 64, 64]}},
            "parity": {"ok": True}, "bench": json.loads(json.dumps(asdict(res)))}
   part = tmp_path / "a"
   part.mkdir()
@@ -20,5 +20,6 @@ def test_report_results_and_merge(tmp_path):
   assert len(merged["entries"]) == 2
   results = (tmp_path / "out" / "results.md").read_text()
   assert "| bert | fp32 | 1 |" in results and "(1.00x)" not in results.split("| bert")[1].split("|")[4]
+  assert "image sizes fixed" in results and "bert fp32: x:nx3x64x64" in results
   assert "ok" in results and "python -m ortfuse.bench.gpu_suite" in results
   assert (tmp_path / "out" / "chart.png").stat().st_size > 0

@@ -70,6 +70,17 @@ def test_a_wheel_whose_model_changed_is_refused(monkeypatch):
   assert not path.exists()
 
 
+def test_image_models_are_optimized_at_fixed_image_sizes():
+  """The bench fixes a detector's image size (ortfuse compiles Convs for static sizes), never the batch;
+  the transformers' sequence stays symbolic."""
+  det = _build("ppocr_det")
+  assert zoo.fixed_image_shapes(onnx.load(str(det)), zoo.read_sidecar(det)) == {"x": ("p2o.DynamicDimension.0", 3, 64, 64)}
+  rec = _build("ppocr_rec")
+  assert zoo.fixed_image_shapes(onnx.load(str(rec)), zoo.read_sidecar(rec)) == {"x": ("p2o.DynamicDimension.0", 3, 48, 64)}
+  bert = zoo.build("bert", tiny=True)
+  assert zoo.fixed_image_shapes(onnx.load(str(bert)), zoo.read_sidecar(bert)) is None
+
+
 # CI checks three (model, dtype) pairs (~2 min with a cold compile cache on 2 cores); ORTFUSE_SHIPPED_ALL=1
 # checks all six (ppocr_rec's 46 kernels alone take ~1.5 min more)
 _ALL = [(n, d) for n in SHIPPED for d in zoo.DTYPES]
@@ -83,7 +94,7 @@ def test_shipped_model_optimizes_and_every_kernel_matches_ort(name, dtype):
     pytest.skip("set ORTFUSE_SHIPPED_ALL=1 to check every shipped model in both dtypes")
   path = _build(name, dtype)
   shapes = {k: v.shape for k, v in _feeds(path).items()}
-  res = compile_model(path, None, "sm_90")
+  res = compile_model(path, zoo.fixed_image_shapes(onnx.load(str(path)), zoo.read_sidecar(path)), "sm_90")
   assert len(res.kernels) >= 9
   rep = check_models(path, res.model, emulate=True, input_shapes=shapes)
   assert rep.ok, "\n".join(rep.lines())
