@@ -17,6 +17,7 @@ from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
+from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
                                        pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.graph import Graph
@@ -113,6 +114,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, padded = fold_conv_pads(graph)
     if padded:
         say(f"{padded} zero Pads became the padding of the Convs they feed")
+    graph, normed = fold_batchnorms(graph)
+    if normed:
+        say(f"{normed} BatchNormalizations folded into their Convs or became a per-channel scale and shift")
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
     the_plan = search_plan(graph, tgt, tf32=opts.tf32)
     say(f"lowering {len(the_plan.regions)} regions")

@@ -25,6 +25,9 @@ TF32_RTOL = 5e-3
 # error of up to 1e-7 (measured against float64 on [-20, 0]: 23% relative at -15, 0 below -18), so an
 # output whose values are all saturated near 0 is compared on the scale of the op's range, not of its values.
 RANGE_FLOOR = {"Sigmoid": 0.1}
+# A half-precision model whose output ORT's own graph optimizations move past the tolerance (a BatchNorm
+# with variances near fp16's subnormal range, amplifying every rounding) is held to this multiple of that move.
+CONDITIONING_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     model_diffs = tuple(compare(n, o, ref_vals[n], _tol_for(ref_vals[n], RTOL["fp16"] if n in half_fed else tol32),
                                 floors.get(n, 1e-6))
                         for n, o in zip(out_names, out_vals))
+    if not all(d.ok for d in model_diffs):
+        model_diffs = _judged_by_conditioning(model_diffs, src, ref_sess.get_providers(), feeds, out_names, ref_vals,
+                                              out_vals, floors)
     kernels: tuple = ()
     if emulate and fused:
         # ORT CPU on the optimized model with its functions inlined (each fused node's original sub-graph,
@@ -142,6 +148,28 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
         kernels = tuple((n.name, _emulate_node(n, values, tol32, floors, bodies.get(n.op_type))) for n in fused)
     return CheckReport(model_diffs, kernels)
+
+
+def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, providers: Sequence[str],
+                            feeds: Mapping[str, np.ndarray], names: Sequence[str], ref: Mapping[str, np.ndarray],
+                            out: Sequence[np.ndarray], floors: Mapping[str, float]) -> tuple[Diff, ...]:
+    """Failing outputs of an ill-conditioned model: where ORT's own graph optimizations (ORT_ENABLE_ALL against
+    ORT_DISABLE_ALL, the same model and inputs) change a half-precision output by more than its tolerance, the
+    output cannot be held to that tolerance; ours is then held to CONDITIONING_FACTOR times ORT's change."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = dict(zip(names, ort.InferenceSession(src.SerializeToString(), so, providers=list(providers)).run(names, feeds)))
+    judged = []
+    for d, n, o in zip(diffs, names, out):
+        own = compare(n, plain[n], ref[n], d.tol, floors.get(n, 1e-6))
+        if d.ok or own.ok or not _is_half(ref[n]):
+            judged.append(d)
+            continue
+        redo = compare(n, o, ref[n], CONDITIONING_FACTOR * own.max_rel, floors.get(n, 1e-6))
+        judged.append(Diff(f"{n} (ill-conditioned: ORT's own graph optimizations change it by {own.max_rel:.3g})",
+                           redo.max_abs, redo.max_rel, redo.tol))
+    return tuple(judged)
 
 
 def pinned_shapes(model: onnx.ModelProto) -> dict[str, list]:

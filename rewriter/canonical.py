@@ -16,7 +16,7 @@
   ViT's query, key and value projections), each with its bias Add, become one MatMul on the concatenated
   weights, one Add and a Split: one GEMM launch with a wider N instead of several. The caller says which
   packings to keep (only those whose Split a consumer reads through, so no copy kernel is added).
-Shape computations left without consumers are removed."""
+Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,7 +72,7 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     tensors = dict(g.tensors)
     for t in m.graph.initializer[len(g.model.graph.initializer):]:
         tensors[t.name] = TensorInfo(t.name, onnx.TensorProto.INT64, tuple(t.dims))
-    _remove_dead(m)
+    remove_dead(m)
     return assemble(m, tensors, g.opset), folded
 
 
@@ -143,11 +143,11 @@ def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
             new_nodes.append(onnx.helper.make_node("Add", [mm, bias], [out], name=f"{node.name}/bias"))
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
-    _remove_dead(m)
+    remove_dead(m)
     return assemble(m, tensors, g.opset), len(plans)
 
 
-def _remove_dead(m: onnx.ModelProto) -> None:
+def remove_dead(m: onnx.ModelProto) -> None:
     """Drop nodes none of whose outputs is used (in reverse order, so whole chains go), and initializers
     nothing reads. Initializers that are also graph inputs (IR < 4 style) stay: the interface is kept."""
     used: set[str] = {o.name for o in m.graph.output} | {v.name for v in m.graph.input}
@@ -249,7 +249,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             del conv.attribute[:]
             conv.attribute.extend(keep + [onnx.helper.make_attribute("pads", [a + b for a, b in zip(old, p)])])
             conv.input[0] = pad.input[0]
-    _remove_dead(m)
+    remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset), len(plans)
 
 
@@ -273,7 +273,7 @@ def fold_constant_identities(g: Graph) -> tuple[Graph, int]:
         for k, x in enumerate(node.input):
             if x in alias:
                 node.input[k] = alias[x]
-    _remove_dead(m)
+    remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset), len(alias)
 
 
@@ -357,7 +357,7 @@ def _apply_packs(g: Graph, packs: list[_Pack]) -> Graph:
             new_nodes.append(node)
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
-    _remove_dead(m)
+    remove_dead(m)
     return assemble(m, tensors, g.opset)
 
 
