@@ -195,7 +195,7 @@ def render(report: dict[str, Any], results: bool = False) -> str:
                    f"{stock.get('median_ms') and format(stock['median_ms'], '.3f') or '—'} | "
                    f"{cell('ort+cudagraph')} | {cell('ort-transformers')} | {cell('torch.compile')} | "
                    f"{cell('ortfuse')} | {frac} | {ptxt} | {opt_s if opt_s is not None else '—'} |")
-  fixed = [f"{e['model']} {e['dtype']}: " + ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items())
+  fixed = [f"{e['model']} {e['dtype']}: " + zoo.shapes_text(shapes)
            for e in report["entries"] if (shapes := e.get("optimize", {}).get("input_shapes"))]
   if fixed:
     lines += ["", "Optimized with image sizes fixed (`--input-shape`; ortfuse compiles Convs for static image "

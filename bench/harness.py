@@ -385,8 +385,7 @@ def _optimize(model_path: str, out_dir: Path, arch: str, notes: list[str]) -> tu
     start = time.perf_counter()
     shapes = zoo.fixed_image_shapes(onnx.load(model_path, load_external_data=False), zoo.read_sidecar(model_path))
     if shapes:
-      notes.append("ortfuse optimized with image sizes fixed: " + ", ".join(
-        f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items()))
+      notes.append("ortfuse optimized with image sizes fixed: " + zoo.shapes_text(shapes))
     model = ortfuse.optimize(model_path, input_shapes=shapes, arch=arch)  # type: ignore[attr-defined]
     seconds = time.perf_counter() - start
     onnx.save_model(model, str(out))

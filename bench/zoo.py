@@ -395,9 +395,10 @@ def fixed_image_shapes(model: Any, meta: dict[str, Any] | None) -> dict[str, tup
   """`--input-shape` values an image model is optimized with: its image dims fixed at the zoo's sizes, the
   batch left symbolic. ortfuse compiles Convs for static image sizes only (a detector served at one size
   is fixed the same way); sequence lengths of the transformers stay symbolic."""
-  if not meta or info_from_sidecar(meta).family != "cnn":
+  info = info_from_sidecar(meta) if meta else None
+  if info is None or info.family != "cnn":
     return None
-  dims, shapes = info_from_sidecar(meta).dims, {}
+  dims, shapes = info.dims, {}
   inits = {t.name for t in model.graph.initializer}
   for inp in model.graph.input:
     declared = inp.type.tensor_type.shape.dim
@@ -406,6 +407,11 @@ def fixed_image_shapes(model: Any, meta: dict[str, Any] | None) -> dict[str, tup
     shapes[inp.name] = tuple(d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, d.dim_param or f"d{i}")
                              for i, d in enumerate(declared))
   return shapes or None
+
+
+def shapes_text(shapes: dict[str, Any]) -> str:
+  """{"x": ("batch", 3, 640, 640)} -> "x:batchx3x640x640" (the `--input-shape` spelling)."""
+  return ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items())
 
 
 def info_from_sidecar(meta: dict[str, Any]) -> ModelInfo:
