@@ -198,8 +198,8 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   fixed = [f"{e['model']} {e['dtype']}: " + zoo.shapes_text(shapes)
            for e in report["entries"] if (shapes := e.get("optimize", {}).get("input_shapes"))]
   if fixed:
-    lines += ["", "Optimized with image sizes fixed (`--input-shape`; ortfuse compiles Convs for static image "
-              "sizes, ORT's baselines run the model as shipped): " + "; ".join(fixed) + "."]
+    lines += ["", "Optimized with image sizes fixed (`--input-shape`: static sizes give ortfuse's Conv kernels "
+              "their static gather; ORT's baselines run the model as shipped): " + "; ".join(fixed) + "."]
   if not results:
     for e in report["entries"]:
       notes = [e.get("error"), e.get("optimize", {}).get("note"), e.get("parity", {}).get("note"),

@@ -393,8 +393,9 @@ def _finish(tmp: Path, path: Path, info: ModelInfo | dict[str, Any], meta: dict[
 
 def fixed_image_shapes(model: Any, meta: dict[str, Any] | None) -> dict[str, tuple[int | str, ...]] | None:
   """`--input-shape` values an image model is optimized with: its image dims fixed at the zoo's sizes, the
-  batch left symbolic. ortfuse compiles Convs for static image sizes only (a detector served at one size
-  is fixed the same way); sequence lengths of the transformers stay symbolic."""
+  batch left symbolic. Static sizes give the Convs' kernels the static 32-bit gather and cp.async (on
+  symbolic sizes they gather with runtime index math); a detector served at one size is fixed the same way.
+  Sequence lengths of the transformers stay symbolic."""
   info = info_from_sidecar(meta) if meta else None
   if info is None or info.family != "cnn":
     return None

@@ -43,6 +43,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         _ints("out_ranks", [len(s) for s in spec.out_shapes]),
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
         *([helper.make_attribute("split_k", spec.split_k)] if spec.split_k > 1 else []),
+        *([_ints("sym_derived", [v for rule in spec.sym_derived for v in rule])] if spec.sym_derived else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -72,9 +73,18 @@ class Launch:
     out_shapes: tuple[tuple[int, ...], ...]
     split_k: int = 1  # most blocks per cluster that share a GEMM tile's K
     archs: tuple[int, ...] = ()  # compute capabilities of the cubins
+    sym_derived: tuple[tuple[int, int, int], ...] = ()  # (term, add, div): floor((term + add) / div) + 1
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
-        return [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
+        """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
+        dims = [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
+        for t, add, div in self.sym_derived:
+            size = t if t >= 0 else dims[-t - 1]
+            if size + add < 0:
+                raise ValueError(f"{self.entry}: an image size of {size} is smaller than a Conv's padded kernel "
+                                 f"({-add} with padding)")
+            dims.append((size + add) // div + 1)
+        return dims
 
     def resolve(self, terms: Sequence[int], dims: Sequence[int]) -> list[int]:
         return [t if t >= 0 else dims[-t - 1] for t in terms]
@@ -104,9 +114,11 @@ def read_launch(node: onnx.NodeProto) -> Launch:
         n = flat_ceil[k]
         ceil.append((tuple(flat_ceil[k + 1:k + 1 + n]), flat_ceil[k + 1 + n]))
         k += n + 2
+    derived = list(a.get("sym_derived", []))
     src = a["source"]
     return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
                   src.decode() if isinstance(src, bytes) else src, int(a["block"]), int(a["smem"]),
                   tuple(zip(sym[0::2], sym[1::2])), tuple(a["units"]), int(a["units_per_block"]),
                   tuple(ceil),
-                  tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())))
+                  tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())),
+                  tuple(zip(derived[0::3], derived[1::3], derived[2::3])))

@@ -50,6 +50,9 @@ class KernelSpec:
     tiles: tuple[tuple[int, ...], ...] = ()
     # GEMM split-K: launched in clusters of up to this many blocks that share each tile's K (1 = never)
     split_k: int = 1
+    # runtime dims after sym_dims: dim len(sym_dims) + j = floor((term + add) / div) + 1 for (term, add, div):
+    # a Conv's output size on a symbolic image
+    sym_derived: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def block(self) -> int:
@@ -87,6 +90,20 @@ class _Lowerer:
                 if isinstance(d, str) and d not in self.dims:
                     self.dims[d] = len(self.sym_pairs)
                     self.sym_pairs.append((i, axis))
+        # a Conv's output size on a symbolic image, from its input's: dim n_sym + j is
+        # floor((d[src] + add) / div) + 1 for derived[j] = (src term, add, div)
+        self.derived: list[tuple[int, int, int]] = []
+        for i in region.nodes:
+            n = graph.nodes[i]
+            geo = conv.conv_geometry(graph, n) if n.op_type in ops.CONV else None
+            if geo is None or isinstance(geo, str):
+                continue
+            for axis, (size, out) in enumerate(((geo.h, geo.oh), (geo.w, geo.ow))):
+                if isinstance(out, str) and out not in self.dims and isinstance(size, str) and size in self.dims:
+                    add, div = geo.out_rule(axis)
+                    self.dims[out] = self.num_dims
+                    self.derived.append((-self.dims[size] - 1, add, div))
+                    self.hints.setdefault(out, (self.hint(size) + add) // div + 1)
         # outputs that are transposes of the iteration space: stored at the permuted index
         space = tuple(region.space)
         self.perms: dict[str, tuple[int, ...]] = {}
@@ -131,6 +148,11 @@ class _Lowerer:
         if d in self.dims:
             return -self.dims[d] - 1
         raise LoweringError(f"output dim '{d}' is not a dim of any region input")
+
+    @property
+    def num_dims(self) -> int:
+        """Runtime dims the kernel reads: those bound from input shapes, then the derived ones."""
+        return len(self.sym_pairs) + len(self.derived)
 
     def hint(self, d: Dim) -> int:
         return d if isinstance(d, int) else self.hints.get(d, 128)
@@ -356,8 +378,8 @@ class _Lowerer:
             wv = self.value(w, (c, ir.i64(0), kh, kw))
             if geo.padded:
                 inside = self.bind(ir.Op("and", tuple(
-                    ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, ir.i64(n)), BOOL)), BOOL)
-                    for e, n in zip(coords, (geo.h, geo.w))), BOOL), "inb")
+                    ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, n), BOOL)), BOOL)
+                    for e, n in zip(coords, (self.dim(geo.h), self.dim(geo.w)))), BOOL), "inb")
                 at = tuple(self.bind(ir.Op("select", (inside, e, ir.i64(0)), I64), "i") for e in coords)
                 xv: Expr = ir.Op("select", (inside, self.value(x, (b, c) + at), ir.Const(0.0, F32)), F32)
             else:
@@ -582,9 +604,9 @@ class _Lowerer:
         # named by content (template callbacks included), tensor names left out: identical layers share
         # one compiled kernel
         anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
-        key = repr(ir.Kernel("", block, anon, len(self.sym_pairs), scratch, body, headers, funcs))
+        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs))
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-        return ir.Kernel(f"ofz_{digest}", block, params, len(self.sym_pairs), scratch, body, headers, funcs)
+        return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs)
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
@@ -605,9 +627,10 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
         k, units, per_block = lw.pointwise()
     else:
         k, units, per_block = lw.rowreduce()
-    if len(lw.sym_pairs) > 16:
+    if lw.num_dims > 16:
         raise LoweringError("more than 16 symbolic dims in one kernel")
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(k, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, per_block,
-                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes)
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes,
+                      sym_derived=tuple(lw.derived))
 

@@ -220,8 +220,8 @@ class _GemmLowerer(_Lowerer):
         if not geo.padded:
             return self.value(x, (vb, c, h, w))
 
-        def within(i: Expr, n: int) -> Expr:
-            return ir.Op("and", (ir.Op("ge", (i, ir.i64(0)), ir.BOOL), ir.Op("lt", (i, ir.i64(n)), ir.BOOL)), ir.BOOL)
+        def within(i: Expr, n: Dim) -> Expr:
+            return ir.Op("and", (ir.Op("ge", (i, ir.i64(0)), ir.BOOL), ir.Op("lt", (i, self.dim(n)), ir.BOOL)), ir.BOOL)
 
         inside = self.bind(ir.Op("and", (within(h, geo.h), within(w, geo.w)), ir.BOOL), "inb")
         at = tuple(self.bind(ir.Op("select", (inside, i, ir.i64(0)), I64), "i") for i in (h, w))
@@ -231,7 +231,8 @@ class _GemmLowerer(_Lowerer):
     def conv_gemm(self):
         """Per image b: Y[b] (OC x OH*OW) = W (OC x C*KH*KW) . im2col(X[b]); the epilogue stores pixel n of
         channel m at Y[b][m][n / OW][n % OW]. A 16-byte aligned 1x1 convolution copies both operands with
-        cp.async; otherwise the weight and/or the im2col operand are loaded element by element."""
+        cp.async; otherwise the weight and/or the im2col operand are loaded element by element (the template's
+        32-bit gather for a static image, `b_load` with runtime sizes for a symbolic one)."""
         node, g = self.anchor, self.g
         geo = conv.conv_geometry(g, node)
         if isinstance(geo, str):
@@ -250,10 +251,11 @@ class _GemmLowerer(_Lowerer):
         a_mode = ROW if region_input(w_t) and (geo.k * es) % 16 == 0 else GENERIC
         if region_input(x_t) and geo.pointwise and (geo.pixels * es) % 16 == 0:
             b_mode = ROW
-        elif region_input(x_t) and max(geo.c * geo.h * geo.w, geo.pixels, geo.k) < GATHER32_LIMIT:
+        elif region_input(x_t) and geo.static_image and max(geo.c * geo.h * geo.w, geo.pixels, geo.k) < GATHER32_LIMIT:
             b_mode = IM2COL  # the template's 32-bit gather
         else:
-            b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements, or X computed in-kernel
+            b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements or of symbolic size, or X
+            # computed in-kernel
         funcs: list[ir.Func] = []
         if a_mode == ROW:
             funcs.append(self.func("a_base", (vb,), lambda: ir.i64(0)))
@@ -266,13 +268,14 @@ class _GemmLowerer(_Lowerer):
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.im2col(x_t, geo, vb, vk, vn)))
         self.epilogue(funcs, vb, vm, vn, lambda b, m: self.unravel(b, (geo.batch,)) + self.unravel(m, (geo.oc,)),
                       geo.ow, lambda n: self.unravel(n, (geo.oh, geo.ow)))
-        ranked, chosen = self.choose_tile(geo.oc, geo.pixels, geo.k, self.hint(geo.batch), es, math_, a_mode, b_mode)
+        ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_,
+                                          a_mode, b_mode)
         (sh, sw), (dh, dw), (ph, pw) = geo.stride, geo.dilation, geo.pad
         targs = ("0", f"ofz::gemm::Conv2d<{geo.c}, {geo.h}, {geo.w}, {geo.kh}, {geo.kw}, {sh}, {sw}, {dh}, {dw}, "
                       f"{ph}, {pw}, {geo.ow}>") if b_mode == IM2COL else ()
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
                            (b_mode, self.args[x_t] if b_mode in (ROW, IM2COL) else 0), [self.encode(geo.batch)],
-                           [geo.oc], geo.pixels, geo.k, targs)
+                           [geo.oc], [self.encode(geo.oh), self.encode(geo.ow)], geo.k, targs)
 
     # ------------------------------------------------------------------ the kernel
     def gemm(self) -> tuple[ir.Kernel, tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...], int, tuple, int]:
@@ -364,7 +367,7 @@ class _GemmLowerer(_Lowerer):
         a_arg = self.args[a_t] if a_mode != GENERIC else 0
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
-                           m_terms, N, K, targs)
+                           m_terms, [self.encode(N)], K, targs)
 
     def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, a_mode: int, b_mode: int
                     ) -> tuple[list[tl.Ranked], tl.Ranked]:
@@ -385,19 +388,20 @@ class _GemmLowerer(_Lowerer):
         return ranked, chosen or tl.Ranked(forced, math.inf, 1)
 
     def finish(self, funcs: list[ir.Func], chosen: tl.Ranked, ranked: list[tl.Ranked], storage: str, math_: int,
-               a: tuple[int, int], b: tuple[int, int], batch_terms: list[int], m_terms: list[int], N: Dim, K: Dim,
-               targs: tuple[str, ...] = ()):
-        """The kernel: one `ofz::gemm::run` call over batch x M x N x K; a and b are (mode, argument);
+               a: tuple[int, int], b: tuple[int, int], batch_terms: list[int], m_terms: list[int], n_terms: list[int],
+               K: Dim, targs: tuple[str, ...] = ()):
+        """The kernel: one `ofz::gemm::run` call over batch x M x N x K (M and N products of encoded dims);
+        a and b are (mode, argument);
         targs: the template's ROW_TPR and Geo arguments where they differ from the defaults."""
         es = self.esize(storage)
         tile, split = chosen.tile, chosen.split
-        units_ceil = ((tuple(m_terms), tile.bm), ((self.encode(N),), tile.bn))
+        units_ceil = ((tuple(m_terms), tile.bm), (tuple(n_terms), tile.bn))
         if split > 1:  # ROW_TPR, Geo, SPLIT
             targs = (targs[0] if targs else "0", targs[1] if len(targs) > 1 else "ofz::gemm::NoConv", str(split))
         call = ir.Call("ofz::gemm::run",
                        (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a[0]), str(b[0]), str(math_), "OPS",
                         *targs),
-                       (ir.i64(a[1]), ir.i64(b[1]), self.product(batch_terms), self.product(m_terms), self.dim(N),
+                       (ir.i64(a[1]), ir.i64(b[1]), self.product(batch_terms), self.product(m_terms), self.product(n_terms),
                         self.dim(K)))
         self.scopes = [_Scope(set())]
         self.emit(call)
@@ -415,9 +419,10 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
                tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
     lw = _GemmLowerer(graph, region, tgt, tf32, tile)
     kernel, units, units_ceil, smem, ranked, split = lw.gemm()
-    if len(lw.sym_pairs) > 16:
+    if lw.num_dims > 16:
         raise LoweringError("more than 16 symbolic dims in one kernel")
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
-                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split)
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
+                      tuple(lw.derived))
 

@@ -82,7 +82,7 @@ def gemm_dims(g: Graph, node: onnx.NodeProto) -> tuple[int, int, int, int]:
     if node.op_type in ops.CONV:  # per image: (OC x C*KH*KW) . (C*KH*KW x OH*OW)
         geo = conv.conv_geometry(g, node)
         assert not isinstance(geo, str), geo
-        return hint(geo.batch), geo.oc, geo.pixels, geo.k
+        return hint(geo.batch), geo.oc, geo.pixels_at(hint), geo.k
     a, b, y = (g.tensors[t].shape for t in (node.input[0], node.input[1], node.output[0]))
     assert a is not None and b is not None and y is not None
     trans_a = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)

@@ -11,13 +11,17 @@
     if (st_) return st_;             \
   } while (0)
 
-// A term is a constant (t >= 0) or the symbolic dim d[-t-1].
-static OrtStatus* check_terms(const OfzSpec* s, const char* what, const int64_t* t, size_t n) {
+// A term is a constant (t >= 0) or the runtime dim d[-t-1]: bound (sym_dims) or derived (sym_derived).
+static OrtStatus* check_terms_below(const OfzSpec* s, const char* what, const int64_t* t, size_t n, size_t dims) {
   for (size_t i = 0; i < n; ++i)
-    if (t[i] < 0 && (size_t)(-(t[i] + 1)) >= s->n_sym)
-      return BAD("ortfuse: node '%s': %s[%zu] = %lld names symbolic dim %lld but sym_dims defines %zu", s->node,
-                 what, i, (long long)t[i], (long long)(-(t[i] + 1)), s->n_sym);
+    if (t[i] < 0 && (size_t)(-(t[i] + 1)) >= dims)
+      return BAD("ortfuse: node '%s': %s[%zu] = %lld names runtime dim %lld but only %zu are defined before it",
+                 s->node, what, i, (long long)t[i], (long long)(-(t[i] + 1)), dims);
   return NULL;
+}
+
+static OrtStatus* check_terms(const OfzSpec* s, const char* what, const int64_t* t, size_t n) {
+  return check_terms_below(s, what, t, n, s->n_sym + s->n_derived);
 }
 
 OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, OfzSpec* s) {
@@ -62,6 +66,20 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
     if (s->sym[2 * k] < 0 || (size_t)s->sym[2 * k] >= n_in || s->sym[2 * k + 1] < 0)
       return BAD("ortfuse: node '%s': sym_dims pair %zu = (%lld, %lld) does not name an input axis (%zu inputs)", node,
                  k, (long long)s->sym[2 * k], (long long)s->sym[2 * k + 1], n_in);
+  size_t n_der3 = 0;
+  TRY(ofz_attr_ints_opt(info, node, "sym_derived", s->derived, 3 * OFZ_MAX_DIMS, &n_der3));
+  if (n_der3 % 3)
+    return BAD("ortfuse: node '%s': sym_derived has length %zu (expected (term, add, div) triples)", node, n_der3);
+  s->n_derived = n_der3 / 3;
+  if (s->n_sym + s->n_derived > OFZ_MAX_DIMS)
+    return BAD("ortfuse: node '%s': %zu runtime dims; the kernel ABI allows at most %d", node,
+               s->n_sym + s->n_derived, OFZ_MAX_DIMS);
+  for (size_t j = 0; j < s->n_derived; ++j) {  // each reads a dim defined before it
+    TRY(check_terms_below(s, "sym_derived", &s->derived[3 * j], 1, s->n_sym + j));
+    if (s->derived[3 * j + 2] < 1)
+      return BAD("ortfuse: node '%s': sym_derived rule %zu has divisor %lld, expected >= 1", node, j,
+                 (long long)s->derived[3 * j + 2]);
+  }
   TRY(ofz_attr_ints(info, node, "units", s->units, OFZ_MAX_TERMS, &s->n_units));
   TRY(check_terms(s, "units", s->units, s->n_units));
   TRY(ofz_attr_ints_opt(info, node, "units_ceil", s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
@@ -177,6 +195,14 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
                  s->node, (long long)s->sym[2 * k], (long long)dims[axis]);
     args->dim[k] = dims[axis];
   }
+  for (size_t j = 0; j < s->n_derived; ++j) {  // a Conv's output size from its input's
+    const int64_t* r = &s->derived[3 * j];
+    const int64_t size = term(r[0], args);
+    if (size + r[1] < 0)
+      return BAD("ortfuse: node '%s': an image size of %lld is smaller than a Conv's kernel with its padding (%lld)",
+                 s->node, (long long)size, (long long)-r[1]);
+    args->dim[s->n_sym + j] = (size + r[1]) / r[2] + 1;
+  }
   const int64_t* od = s->out_dims;
   for (size_t k = 0; k < s->n_out; ++k) {  // allocate outputs through ORT
     int64_t dims[OFZ_MAX_DIMS];
@@ -217,15 +243,58 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   return NULL;
 }
 
+typedef struct InferDims {
+  int64_t sym[2 * OFZ_MAX_DIMS], derived[3 * OFZ_MAX_DIMS];
+  size_t n_sym, n_derived, n_in;
+} InferDims;
+
+// Runtime dim p at shape inference: an input's dim (with its symbol when it has no value), or a derived
+// one computed from its source when that is known; -1 (no name) when unknown.
+static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_t p, int64_t* value,
+                            const char** name) {
+  *value = -1;
+  *name = "";
+  if (p >= d->n_sym) {
+    const size_t j = p - d->n_sym;
+    if (j >= d->n_derived) return NULL;
+    const int64_t t = d->derived[3 * j], add = d->derived[3 * j + 1], div = d->derived[3 * j + 2];
+    int64_t size = t;
+    const char* ignored = NULL;
+    if (t < 0 && (size_t)(-(t + 1)) < p) TRY(infer_dim(ctx, d, (size_t)(-(t + 1)), &size, &ignored));
+    else if (t < 0) return NULL;
+    if (size < 0 || div < 1 || size + add < 0) return NULL;  // unknown, or too small: Compute says so
+    *value = (size + add) / div + 1;
+    return NULL;
+  }
+  if (d->sym[2 * p] < 0 || (size_t)d->sym[2 * p] >= d->n_in) return NULL;
+  OrtTSI* in = NULL;  // owned by the context
+  size_t in_rank = 0, axis = (size_t)d->sym[2 * p + 1];
+  if (ofz_ort.ShapeInferContext_GetInputTypeShape(ctx, (size_t)d->sym[2 * p], &in) ||
+      ofz_ort.GetDimensionsCount(in, &in_rank) || axis >= in_rank || in_rank > 64)
+    return BAD("ortfuse: shape inference: symbolic dim %zu reads axis %zu of input %lld, which has no such axis",
+               p, axis, (long long)d->sym[2 * p]);
+  int64_t in_dims[64];
+  const char* in_names[64];
+  TRY(ofz_ort.GetDimensions(in, in_dims, in_rank));
+  TRY(ofz_ort.GetSymbolicDimensions(in, in_names, in_rank));
+  *value = in_dims[axis];
+  if (in_dims[axis] < 0 && in_names[axis] && in_names[axis][0]) *name = in_names[axis];
+  return NULL;
+}
+
 OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t extra_len) {
-  int64_t dtypes[OFZ_MAX_TENSORS], ranks[OFZ_MAX_TENSORS], sym[2 * OFZ_MAX_DIMS];
+  int64_t dtypes[OFZ_MAX_TENSORS], ranks[OFZ_MAX_TENSORS];
   static __thread int64_t odims[OFZ_MAX_OUT_DIMS];  // 4 KiB: keep it off the stack
-  size_t n_dt = 0, n_rk = 0, n_od = 0, n_sym2 = 0, n_in = 0;
+  size_t n_dt = 0, n_rk = 0, n_od = 0, n_sym2 = 0, n_der3 = 0;
+  InferDims d;
   TRY(ofz_infer_ints(ctx, "out_dtypes", dtypes, OFZ_MAX_TENSORS, &n_dt));
   TRY(ofz_infer_ints(ctx, "out_ranks", ranks, OFZ_MAX_TENSORS, &n_rk));
   TRY(ofz_infer_ints(ctx, "out_dims", odims, OFZ_MAX_OUT_DIMS, &n_od));
-  TRY(ofz_infer_ints(ctx, "sym_dims", sym, 2 * OFZ_MAX_DIMS, &n_sym2));
-  TRY(ofz_ort.ShapeInferContext_GetInputCount(ctx, &n_in));
+  TRY(ofz_infer_ints(ctx, "sym_dims", d.sym, 2 * OFZ_MAX_DIMS, &n_sym2));
+  TRY(ofz_infer_ints(ctx, "sym_derived", d.derived, 3 * OFZ_MAX_DIMS, &n_der3));
+  TRY(ofz_ort.ShapeInferContext_GetInputCount(ctx, &d.n_in));
+  d.n_sym = n_sym2 / 2;
+  d.n_derived = n_der3 / 3;
   if (n_dt != n_rk) return BAD("ortfuse: shape inference: out_dtypes has %zu entries, out_ranks %zu", n_dt, n_rk);
   size_t used = 0;
   for (size_t k = 0; k < n_dt + n_extra; ++k) {
@@ -241,24 +310,8 @@ OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t ext
       dims[j] = t;
       names[j] = "";
       if (t >= 0) continue;
-      size_t p = (size_t)(-(t + 1));  // symbolic: copy the bound input dim (value or symbol)
-      dims[j] = -1;
-      if (2 * p + 1 >= n_sym2 || sym[2 * p] < 0 || (size_t)sym[2 * p] >= n_in) continue;
-      OrtTSI* in = NULL;  // owned by the context
-      size_t in_rank = 0, axis = (size_t)sym[2 * p + 1];
-      if (ofz_ort.ShapeInferContext_GetInputTypeShape(ctx, (size_t)sym[2 * p], &in) ||
-          ofz_ort.GetDimensionsCount(in, &in_rank) || axis >= in_rank || in_rank > 64)
-        return BAD("ortfuse: shape inference: symbolic dim %zu reads axis %zu of input %lld, which has no such axis",
-                   p, axis, (long long)sym[2 * p]);
-      int64_t in_dims[64];
-      const char* in_names[64];
-      TRY(ofz_ort.GetDimensions(in, in_dims, in_rank));
-      TRY(ofz_ort.GetSymbolicDimensions(in, in_names, in_rank));
-      dims[j] = in_dims[axis];
-      if (in_dims[axis] < 0 && in_names[axis] && in_names[axis][0]) {
-        names[j] = in_names[axis];
-        named = 1;
-      }
+      TRY(infer_dim(ctx, &d, (size_t)(-(t + 1)), &dims[j], &names[j]));
+      named |= names[j][0] != '\0';
     }
     OrtTSI* out = NULL;
     TRY(ofz_ort.CreateTSI(&out));

@@ -71,7 +71,7 @@ def test_a_wheel_whose_model_changed_is_refused(monkeypatch):
 
 
 def test_image_models_are_optimized_at_fixed_image_sizes():
-  """The bench fixes a detector's image size (ortfuse compiles Convs for static sizes), never the batch;
+  """The bench fixes a detector's image size (static sizes give the Convs their static gather), never the batch;
   the transformers' sequence stays symbolic."""
   det = _build("ppocr_det")
   assert zoo.fixed_image_shapes(onnx.load(str(det)), zoo.read_sidecar(det)) == {"x": ("p2o.DynamicDimension.0", 3, 64, 64)}
@@ -97,5 +97,18 @@ def test_shipped_model_optimizes_and_every_kernel_matches_ort(name, dtype):
   res = compile_model(path, zoo.fixed_image_shapes(onnx.load(str(path)), zoo.read_sidecar(path)), "sm_90")
   assert len(res.kernels) >= 9
   rep = check_models(path, res.model, emulate=True, input_shapes=shapes)
+  assert rep.ok, "\n".join(rep.lines())
+  assert len(rep.kernels) == len(res.kernels)
+
+
+def test_detector_on_symbolic_image_sizes_fuses_its_convs_and_matches_ort():
+  """ppocr_det as shipped (batch, height and width symbolic: paddle2onnx's names, ORT's floor expressions
+  for every stride): its Convs fuse with output sizes computed at run time, checked at a size the cost
+  model never saw."""
+  path = _build("ppocr_det", "fp32")
+  res = compile_model(path, None, "sm_90")
+  convs = sum(1 for k in res.kernels for i in k.region.nodes if res.graph.nodes[i].op_type == "Conv")
+  assert convs >= 20 and any(k.spec.sym_derived for k in res.kernels)
+  rep = check_models(path, res.model, emulate=True, input_shapes={"x": (2, 3, 96, 160)})
   assert rep.ok, "\n".join(rep.lines())
   assert len(rep.kernels) == len(res.kernels)

@@ -104,3 +104,40 @@ def test_depthwise_conv_inside_a_layernorm_kernel():
               [const("w", _w((c, 1, 7, 7), F, 7)), const("b", _w(c, F, 8)), const("g", 1 + _w(c, F, 9)),
                const("beta", _w(c, F, 10))])
     fused_parity(m, {}, {"x": (2, c, 5, 6)}, ("rowreduce",))
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_convs_on_symbolic_images_compute_their_output_sizes_at_run_time(dt):
+    # a stride-2 dense Conv + SiLU (one GEMM kernel; im2col gathered by b_load at run-time sizes), then a
+    # depthwise Conv with stride (2, 1) and asymmetric pads + ReLU6 (one pointwise kernel): one optimized model,
+    # checked at several image sizes down to the smallest the kernels fit
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    from ortfuse.customops.attrs import read_launch
+
+    c, oc = 8, 16
+    m = model([node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+               node("Sigmoid", ["y"], ["sg"]), node("Mul", ["y", "sg"], ["a"]),
+               node("Conv", ["a", "dw"], ["d"], group=oc, kernel_shape=[3, 3], strides=[2, 1], pads=[0, 1, 1, 0]),
+               node("Clip", ["d", "lo", "hi"], ["out"])],
+              [vi("x", dt, ["n", c, "h", "w"])], [vi("out", dt, None)],
+              [const("w", _w((oc, c, 3, 3), dt, 1), NP[dt]), const("b", _w(oc, dt, 2), NP[dt]),
+               const("dw", _w((oc, 1, 3, 3), dt, 3, 0.3), NP[dt]), const("lo", 0.0, NP[dt]), const("hi", 0.5, NP[dt])])
+    res = compile_model(m, None, "sm_80,sm_90", options=Options(archs=(80, 90)))
+    assert sorted(r.kind for r in res.plan.regions) == ["gemm", "pointwise"], [str(r) for r in res.plan.refusals]
+    for k in res.kernels:
+        assert k.spec.sym_derived, k.region.kind  # the Conv's output size, from the input's
+    gemm = next(k for k in res.kernels if k.region.kind == "gemm").compiled.source
+    assert "b_load" in gemm and "ofz::gemm::Conv2d<" not in gemm
+    for shape in [(1, c, 9, 13), (2, c, 16, 5), (1, c, 3, 3)]:
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": shape})
+        assert rep.ok and len(rep.kernels) == 2, "\n".join(rep.lines())
+    # the depthwise Conv's window (3x3, pads 0 + 1 on each axis) needs a 2x2 input: smaller is an error, as in
+    # the native library
+    dw_node = next(n for n in res.model.graph.node if n.domain == "ortfuse" and "a" in n.input)
+    launch = read_launch(dw_node)
+    shapes = [(1, oc, 5, 2)] * len(dw_node.input)  # only the activation's dims are symbolic
+    assert launch.dims(shapes)[-2:] == [2, 1]  # floor((5 - 2) / 2) + 1, 2 - 1
+    with pytest.raises(ValueError, match="image size of 1 is smaller than a Conv's"):
+        launch.dims([(1, oc, 5, 1)] * len(dw_node.input))

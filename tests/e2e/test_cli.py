@@ -105,20 +105,25 @@ def test_unsupported_dtype_is_left_to_ort(tmp_path):
     assert not [n for n in out.graph.node if n.domain == "ortfuse"]
 
 
-def test_explain_names_convs_left_on_symbolic_images(tmp_path, capsys):
-    """A Conv on a symbolic image size is listed with the way out; fixing the size fuses it."""
+def test_convs_on_symbolic_images_fuse_and_explain_lists_refused_anchors(tmp_path, capsys):
+    """A Conv on a symbolic image size fuses (its output size is computed at run time); a Conv refused as an
+    anchor (grouped) is listed with its reason."""
     from helpers import const
 
-    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Sigmoid", ["y"], ["z"])],
-              [vi("x", TP.FLOAT16, ["n", 8, "h", "w"])], [vi("z", TP.FLOAT16, None)],
-              [const("w", np.random.default_rng(0).standard_normal((16, 8, 3, 3)) * 0.1, np.float16)])
+    rng = np.random.default_rng(0)
+    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2]), node("Sigmoid", ["y"], ["z"]),
+               node("Conv", ["z", "g"], ["u"], group=2), node("Tanh", ["u"], ["v"])],
+              [vi("x", TP.FLOAT16, ["n", 8, "h", "w"])], [vi("v", TP.FLOAT16, None)],
+              [const("w", rng.standard_normal((16, 8, 3, 3)) * 0.1, np.float16),
+               const("g", rng.standard_normal((16, 8, 1, 1)) * 0.1, np.float16)])
     src = _save(m, tmp_path / "c.onnx")
     assert main(["optimize", str(src), str(tmp_path / "o.onnx"), "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "not fused: Conv" in out and "fix them with --input-shape" in out, out
-    assert main(["optimize", str(src), str(tmp_path / "p.onnx"), "--explain", "--input-shape", "x:nx8x12x12"]) == 0
-    assert "not fused: Conv" not in capsys.readouterr().out
-    assert [n.op_type for n in onnx.load(str(tmp_path / "p.onnx")).graph.node if n.domain != "ortfuse"] == []
+    assert "not fused: Conv" in out and "grouped convolution (group=2" in out, out
+    out_nodes = onnx.load(str(tmp_path / "o.onnx")).graph.node
+    assert len([n for n in out_nodes if n.domain == "ortfuse"]) == 1
+    kept = [(n.op_type, list(n.input)) for n in out_nodes if n.domain != "ortfuse"]
+    assert kept == [("Conv", ["z", "g"]), ("Tanh", ["u"])], kept  # the grouped Conv, and a Tanh alone
 
 
 def test_console_script_and_module_entry(tmp_path):

@@ -67,6 +67,39 @@ def test_unknown_input_dims_stay_unknown() -> None:
     assert z.shape == (5, 4) and plan[6] == 5
 
 
+# a Conv's output size on a symbolic image: d1 = floor((d0 - 1) / 2) + 1 (3x3, stride 2, pads 1 + 1) and
+# d2 = floor((d1 + 0) / 3) + 1 from it, as sym_derived (term, add, div) triples
+DERIVED = dict(sym_derived=[-1, -1, 2, -2, 0, 3], units=[-2, -3], out_dims=[-2, 4, -3, 4])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 640])
+def test_derived_dims_follow_the_conv_output_rule(n: int) -> None:
+    z, w, plan = run(session(plan_model(**DERIVED)), n)
+    d1 = (n - 1) // 2 + 1
+    d2 = d1 // 3 + 1
+    assert list(plan[6:9]) == [n, d1, d2] and not plan[9:22].any()
+    assert z.shape == (d1, 4) and w.shape == (d2, 4) and plan[5] == d1 * d2
+
+
+def test_shape_inference_computes_derived_dims_from_known_sizes() -> None:
+    outs = {o.name: o.shape for o in session(plan_model(n=13, **DERIVED)).get_outputs()}
+    assert outs["Z"] == [7, 4] and outs["W"] == [3, 4]
+    outs = {o.name: o.shape for o in session(plan_model(**DERIVED)).get_outputs()}
+    assert outs["Z"][1] == 4 and outs["Z"][0] in (-1, None)  # from a symbol: unknown to ORT
+
+
+def test_an_image_smaller_than_the_kernel_is_an_error_naming_the_node() -> None:
+    # 7x7 kernel, no padding: the input size must be at least 7
+    rule = dict(sym_derived=[-1, -7, 1], units=[-2], out_dims=[-2, 4, -2, 4])
+    sess = session(plan_model(name="small_node", **rule))
+    assert run(sess, 7)[0].shape == (1, 4)
+    with pytest.raises(Exception, match="small_node.*image size of 6 is smaller than a Conv's kernel"):
+        run(sess, 6)
+    sess = session(plan_model(name="small_node", n=5, **rule))  # shape inference leaves the size unknown
+    with pytest.raises(Exception, match="small_node.*image size of 5 is smaller than a Conv's kernel"):
+        run(sess, 5)
+
+
 @pytest.mark.parametrize("cc,chosen,size", [(90, 90, 15), (80, 80, 14), (86, 80, 14), (89, 80, 14),
                                             (75, 0, 8), (100, 0, 8), (120, 0, 8)])
 def test_image_choice(cc: int, chosen: int, size: int) -> None:
@@ -131,6 +164,10 @@ BAD_NODES = [
     (dict(units_ceil=[2, -1]), "units_ceil group at 0 has count 2"),
     (dict(units_ceil=[1, -1, 0]), "divisor at 2 = 0"),
     (dict(units_ceil=[1, -5, 4]), "units_ceil\\[0\\] = -5"),
+    (dict(sym_derived=[-1, 0]), "sym_derived has length 2"),
+    (dict(sym_derived=[-2, 0, 1]), "sym_derived\\[0\\] = -2 names runtime dim 1 but only 1"),
+    (dict(sym_derived=[-1, 0, 0]), "rule 0 has divisor 0"),
+    (dict(sym_derived=[-1, 0, 1], units=[-3]), "units\\[0\\] = -3 names runtime dim 2 but only 2"),
     (dict(split_k=0), "split_k = 0"),
     (dict(split_k=16), "split_k = 16, expected 1..8"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),

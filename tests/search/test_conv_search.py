@@ -43,11 +43,30 @@ def test_geometry_and_gemm_dims():
     assert not conv.direct_operands(dataclasses.replace(geo, h=10, w=10, oh=10, ow=10), 2)  # 200-byte rows
 
 
+def test_symbolic_image_sizes_follow_the_output_rule():
+    # ORT's inference writes the output sizes as expressions of the input's
+    g = build_graph(_conv_act(H, x_shape=("n", 8, "h", "w"), strides=[2, 1], pads=[1, 0, 2, 1]), {})
+    geo = conv.conv_geometry(g, g.nodes[0])
+    assert not isinstance(geo, str) and not geo.static_image and geo.padded and not geo.pointwise
+    assert (geo.oh, geo.ow) == ("floor(h/2) + 1", "w - 1")
+    assert (geo.out_rule(0), geo.out_rule(1)) == ((0, 2), (-2, 1))  # floor((h + 3 - 2 - 1) / 2) + 1; w + 1 - 2
+    assert geo.pixels_at(lambda d: {"floor(h/2) + 1": 6, "w - 1": 9}[d]) == 54
+    g, p = _plan(_conv_act(H, "Sigmoid", x_shape=("n", 8, "h", "w")))
+    assert [r.kind for r in p.regions] == ["gemm"], [str(r) for r in p.rejects]
+
+
+def test_an_inferred_size_that_contradicts_the_conv_is_refused():
+    # a stride-2 Conv whose output size the graph gives as the input's own "h"
+    g = build_graph(_conv_act(H, "Sigmoid", x_shape=("n", 8, "h", "w"), strides=[2, 2]), {})
+    g.tensors["y"] = dataclasses.replace(g.tensors["y"], shape=("n", 16, "h", "w"))
+    assert "output size h along axis 2 does not follow from the symbolic input size h" in \
+        conv.conv_geometry(g, g.nodes[0])
+
+
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(w_shape=(16, 4, 3, 3), group=2), "grouped convolution (group=2, 8 -> 16 channels)"),
     (dict(auto_pad="SAME_UPPER", pads=None), "auto_pad=SAME_UPPER"),
     (dict(x_shape=("n", 8, 10), w_shape=(16, 8, 3), pads=[1, 1]), "1-D convolution"),
-    (dict(x_shape=("n", 8, "h", "w")), "image size hxw is symbolic"),
     (dict(x_shape=("n", 8, 3, 3), w_shape=(16, 8, 3, 3), pads=[0, 0, 0, 0], dilations=[2, 2]), "does not fit"),
 ])
 def test_refusals_name_the_reason(kwargs, reason):
@@ -93,21 +112,21 @@ def test_orts_folds_are_not_counted_as_extra_kernels():
 
 
 def test_add_relu_after_an_ort_conv_stays_in_orts_fused_conv():
-    # the Conv is not ours (symbolic spatial dims), so ORT runs it as FusedConv(+Z, Relu): fusing the
+    # the Conv is not ours (grouped), so ORT runs it as FusedConv(+Z, Relu): fusing the
     # Add + Relu into a kernel of ours would take them out of it and add a pass over the tensor
-    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Add", ["y", "r"], ["z"]),
+    m = model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], group=2), node("Add", ["y", "r"], ["z"]),
                node("Relu", ["z"], ["out"])],
               [vi("x", F, ["n", 8, "h", "w"]), vi("r", F, ["n", 16, "h", "w"])], [vi("out", F, None)],
-              [const("w", np.full((16, 8, 3, 3), 0.1))])
+              [const("w", np.full((16, 4, 3, 3), 0.1))])
     g, p = _plan(m)
     assert not p.regions, [str(r) for r in p.regions]
     assert any("stock ORT fuses this itself" in r.reason and r.subject.startswith("region at Add")
                for r in p.refusals), [str(r) for r in p.refusals]
     # in fp16 ORT has no FusedConv, so the pair is worth one kernel
-    g, p = _plan(model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), node("Add", ["y", "r"], ["z"]),
+    g, p = _plan(model([node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], group=2), node("Add", ["y", "r"], ["z"]),
                         node("Relu", ["z"], ["out"])],
                        [vi("x", H, ["n", 8, "h", "w"]), vi("r", H, ["n", 16, "h", "w"])], [vi("out", H, None)],
-                       [const("w", np.full((16, 8, 3, 3), 0.1), np.float16)]))
+                       [const("w", np.full((16, 4, 3, 3), 0.1), np.float16)]))
     assert [r.kind for r in p.regions] == ["pointwise"], [str(r) for r in p.refusals]
 
 
