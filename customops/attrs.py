@@ -44,6 +44,8 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
         *([helper.make_attribute("split_k", spec.split_k)] if spec.split_k > 1 else []),
         *([_ints("sym_derived", [v for rule in spec.sym_derived for v in rule])] if spec.sym_derived else []),
+        *([_ints("dim_limits", [v for terms, lim in spec.dim_limits for v in (len(terms), *terms, lim)])]
+          if spec.dim_limits else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -74,6 +76,7 @@ class Launch:
     split_k: int = 1  # most blocks per cluster that share a GEMM tile's K
     archs: tuple[int, ...] = ()  # compute capabilities of the cubins
     sym_derived: tuple[tuple[int, int, int], ...] = ()  # (term, add, div): floor((term + add) / div) + 1
+    dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, limit): product below limit
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
@@ -84,6 +87,11 @@ class Launch:
                 raise ValueError(f"{self.entry}: an image size of {size} is smaller than a Conv's padded kernel "
                                  f"({-add} with padding)")
             dims.append((size + add) // div + 1)
+        for terms, limit in self.dim_limits:
+            if math.prod(self.resolve(terms, dims)) >= limit:
+                raise ValueError(f"{self.entry}: an image of {math.prod(self.resolve(terms, dims))} elements or "
+                                 f"pixels exceeds this kernel's 32-bit gather (< {limit}); optimize the model with "
+                                 f"this image size fixed (--input-shape)")
         return dims
 
     def resolve(self, terms: Sequence[int], dims: Sequence[int]) -> list[int]:
@@ -109,11 +117,7 @@ def read_launch(node: onnx.NodeProto) -> Launch:
     for r in ranks:
         shapes.append(tuple(flat[pos:pos + r]))
         pos += r
-    flat_ceil, ceil, k = list(a.get("units_ceil", [])), [], 0
-    while k < len(flat_ceil):
-        n = flat_ceil[k]
-        ceil.append((tuple(flat_ceil[k + 1:k + 1 + n]), flat_ceil[k + 1 + n]))
-        k += n + 2
+    ceil, limits = _groups(a.get("units_ceil", [])), _groups(a.get("dim_limits", []))
     derived = list(a.get("sym_derived", []))
     src = a["source"]
     return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
@@ -121,4 +125,14 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(zip(sym[0::2], sym[1::2])), tuple(a["units"]), int(a["units_per_block"]),
                   tuple(ceil),
                   tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())),
-                  tuple(zip(derived[0::3], derived[1::3], derived[2::3])))
+                  tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits))
+
+
+def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
+    """(count, terms..., value) groups: units_ceil's and dim_limits' encoding."""
+    out, k = [], 0
+    while k < len(flat):
+        n = flat[k]
+        out.append((tuple(flat[k + 1:k + 1 + n]), flat[k + 1 + n]))
+        k += n + 2
+    return out

@@ -53,6 +53,9 @@ class KernelSpec:
     # runtime dims after sym_dims: dim len(sym_dims) + j = floor((term + add) / div) + 1 for (term, add, div):
     # a Conv's output size on a symbolic image
     sym_derived: tuple[tuple[int, int, int], ...] = ()
+    # (terms, limit): the product of the terms must stay below limit (a symbolic image in a 32-bit gather),
+    # checked before each launch
+    dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     @property
     def block(self) -> int:

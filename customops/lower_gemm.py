@@ -80,6 +80,8 @@ class _GemmLowerer(_Lowerer):
         self.row_mode = any(graph.nodes[i].op_type in ops.REDUCTIONS for i in region.nodes)
         self.row_tensor = row_input(graph, region, anchors[0]) if self.row_mode else None
         self.row_local: Optional[Expr] = None  # row pass: the row within the tile (row buffer index)
+        # (terms, limit): products of runtime dims the kernel needs below limit (its 32-bit gather)
+        self.limits: list[tuple[tuple[int, ...], int]] = []
         self.row_ld = 0
 
     # ------------------------------------------------------------------ X from the row buffer
@@ -232,7 +234,8 @@ class _GemmLowerer(_Lowerer):
         """Per image b: Y[b] (OC x OH*OW) = W (OC x C*KH*KW) . im2col(X[b]); the epilogue stores pixel n of
         channel m at Y[b][m][n / OW][n % OW]. A 16-byte aligned 1x1 convolution copies both operands with
         cp.async; otherwise the weight and/or the im2col operand are loaded element by element (the template's
-        32-bit gather for a static image, `b_load` with runtime sizes for a symbolic one)."""
+        32-bit gather, image sizes static or read at run time; `b_load`'s 64-bit gather for an image past 2^31
+        elements or one computed in the kernel)."""
         node, g = self.anchor, self.g
         geo = conv.conv_geometry(g, node)
         if isinstance(geo, str):
@@ -251,11 +254,14 @@ class _GemmLowerer(_Lowerer):
         a_mode = ROW if region_input(w_t) and (geo.k * es) % 16 == 0 else GENERIC
         if region_input(x_t) and geo.pointwise and (geo.pixels * es) % 16 == 0:
             b_mode = ROW
-        elif region_input(x_t) and geo.static_image and max(geo.c * geo.h * geo.w, geo.pixels, geo.k) < GATHER32_LIMIT:
-            b_mode = IM2COL  # the template's 32-bit gather
+        elif region_input(x_t) and geo.k < GATHER32_LIMIT and (not geo.static_image or max(
+                geo.c * geo.h * geo.w, geo.pixels) < GATHER32_LIMIT):
+            b_mode = IM2COL  # the template's 32-bit gather; on a symbolic image its sizes are checked at launch
+            if not geo.static_image:
+                self.limits = [((self.encode(geo.c), self.encode(geo.h), self.encode(geo.w)), GATHER32_LIMIT),
+                               ((self.encode(geo.oh), self.encode(geo.ow)), GATHER32_LIMIT)]
         else:
-            b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements or of symbolic size, or X
-            # computed in-kernel
+            b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements, or X computed in-kernel
         funcs: list[ir.Func] = []
         if a_mode == ROW:
             funcs.append(self.func("a_base", (vb,), lambda: ir.i64(0)))
@@ -271,8 +277,9 @@ class _GemmLowerer(_Lowerer):
         ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_,
                                           a_mode, b_mode)
         (sh, sw), (dh, dw), (ph, pw) = geo.stride, geo.dilation, geo.pad
-        targs = ("0", f"ofz::gemm::Conv2d<{geo.c}, {geo.h}, {geo.w}, {geo.kh}, {geo.kw}, {sh}, {sw}, {dh}, {dw}, "
-                      f"{ph}, {pw}, {geo.ow}>") if b_mode == IM2COL else ()
+        h, w, ow = (self.encode(d) for d in (geo.h, geo.w, geo.ow))  # runtime dims as -(k + 1)
+        targs = ("0", f"ofz::gemm::Conv2d<{geo.c}, {h}, {w}, {geo.kh}, {geo.kw}, {sh}, {sw}, {dh}, {dw}, "
+                      f"{ph}, {pw}, {ow}>") if b_mode == IM2COL else ()
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
                            (b_mode, self.args[x_t] if b_mode in (ROW, IM2COL) else 0), [self.encode(geo.batch)],
                            [geo.oc], [self.encode(geo.oh), self.encode(geo.ow)], geo.k, targs)
@@ -424,5 +431,5 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
-                      tuple(lw.derived))
+                      tuple(lw.derived), tuple(lw.limits))
 

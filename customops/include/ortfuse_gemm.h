@@ -43,21 +43,30 @@ enum Mode : int {
 };
 
 // Geometry of a 2-D convolution for kIm2col: B[k][n] of image b is X[b][c][ih][iw] with k = (c, kh, kw),
-// n = (oh, ow), ih = oh * SH - PH + kh * DH, iw = ow * SW - PW + kw * DW, zero outside the image. The lowering
-// guarantees C * H * W and the pixel count fit in 31 bits, so the gather runs on 32-bit indices.
+// n = (oh, ow), ih = oh * SH - PH + kh * DH, iw = ow * SW - PW + kw * DW, zero outside the image. H, W and OW
+// are sizes (>= 0) or, on a symbolic image, runtime dims -(k + 1) read from the kernel's arguments. The
+// lowering guarantees C * H * W and the pixel count fit in 31 bits (statically, or by the node's
+// `dim_limits` checked before the launch), so the gather runs on 32-bit indices.
+template <int T>
+__device__ __forceinline__ int conv_size(const OfzArgs& a) {
+  if constexpr (T >= 0) return T;
+  else return (int)a.dim[-T - 1];
+}
 template <int C, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW, int PH, int PW, int OW>
 struct Conv2d {
-  static constexpr int kTaps = KH * KW, kK = C * kTaps, kPlane = H * W;
+  static constexpr int kTaps = KH * KW, kK = C * kTaps;
   // (ih0, iw0) of output pixel n: the image row and column of tap (0, 0)
-  static __device__ __forceinline__ void origin(unsigned n, int& ih0, int& iw0) {
-    const unsigned oh = n / OW, ow = n - oh * OW;
+  static __device__ __forceinline__ void origin(const OfzArgs& a, unsigned n, int& ih0, int& iw0) {
+    const unsigned ow_n = (unsigned)conv_size<OW>(a);
+    const unsigned oh = n / ow_n, ow = n - oh * ow_n;
     ih0 = (int)oh * SH - PH, iw0 = (int)ow * SW - PW;
   }
   // element offset of tap k for a pixel with origin (ih0, iw0) in the image, or -1 in the padding
-  static __device__ __forceinline__ int offset(unsigned k, int ih0, int iw0) {
+  static __device__ __forceinline__ int offset(const OfzArgs& a, unsigned k, int ih0, int iw0) {
+    const int h = conv_size<H>(a), w = conv_size<W>(a);
     const unsigned c = k / kTaps, t = k - c * kTaps, kh = t / KW, kw = t - kh * KW;
     const int ih = ih0 + (int)kh * DH, iw = iw0 + (int)kw * DW;
-    return (unsigned)ih < (unsigned)H && (unsigned)iw < (unsigned)W ? (int)c * kPlane + ih * W + iw : -1;
+    return (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)w ? (int)c * (h * w) + ih * w + iw : -1;
   }
 };
 struct NoConv {};
@@ -202,8 +211,8 @@ struct Staging {
         tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
         const unsigned n = (unsigned)n0 + nc, k = (unsigned)k0 + r;
         int ih0, iw0;
-        Geo::origin(n, ih0, iw0);
-        const int off = r >= 0 && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(k, ih0, iw0) : -1;
+        Geo::origin(a, n, ih0, iw0);
+        const int off = r >= 0 && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(a, k, ih0, iw0) : -1;
         bv[i] = off >= 0 ? B[off] : from_f32<T>(0.0f);
       }
     } else if constexpr (kB > 0) {

@@ -24,6 +24,22 @@ static OrtStatus* check_terms(const OfzSpec* s, const char* what, const int64_t*
   return check_terms_below(s, what, t, n, s->n_sym + s->n_derived);
 }
 
+// Groups (count, terms..., value) with count >= 1 terms and a value >= 1 (units_ceil, dim_limits).
+static OrtStatus* check_groups(const OfzSpec* s, const char* what, const char* value, const int64_t* g, size_t n) {
+  for (size_t k = 0; k < n;) {
+    const int64_t count = g[k];
+    if (count < 1 || k + (size_t)count + 2 > n)
+      return BAD("ortfuse: node '%s': %s group at %zu has count %lld but %zu values follow", s->node, what, k,
+                 (long long)count, n - k - 1);
+    TRY(check_terms(s, what, &g[k + 1], (size_t)count));
+    if (g[k + 1 + count] < 1)
+      return BAD("ortfuse: node '%s': %s %s at %zu = %lld, expected >= 1", s->node, what, value,
+                 k + 1 + (size_t)count, (long long)g[k + 1 + count]);
+    k += (size_t)count + 2;
+  }
+  return NULL;
+}
+
 OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, OfzSpec* s) {
   memset(s, 0, sizeof *s);
   snprintf(s->node, sizeof s->node, "%s", node);
@@ -83,17 +99,9 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   TRY(ofz_attr_ints(info, node, "units", s->units, OFZ_MAX_TERMS, &s->n_units));
   TRY(check_terms(s, "units", s->units, s->n_units));
   TRY(ofz_attr_ints_opt(info, node, "units_ceil", s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
-  for (size_t k = 0; k < s->n_ceil;) {  // groups (count, terms..., divisor)
-    const int64_t count = s->units_ceil[k];
-    if (count < 1 || k + (size_t)count + 2 > s->n_ceil)
-      return BAD("ortfuse: node '%s': units_ceil group at %zu has count %lld but %zu values follow", node, k,
-                 (long long)count, s->n_ceil - k - 1);
-    TRY(check_terms(s, "units_ceil", &s->units_ceil[k + 1], (size_t)count));
-    if (s->units_ceil[k + 1 + count] < 1)
-      return BAD("ortfuse: node '%s': units_ceil divisor at %zu = %lld, expected >= 1", node,
-                 k + 1 + (size_t)count, (long long)s->units_ceil[k + 1 + count]);
-    k += (size_t)count + 2;
-  }
+  TRY(check_groups(s, "units_ceil", "divisor", s->units_ceil, s->n_ceil));
+  TRY(ofz_attr_ints_opt(info, node, "dim_limits", s->dim_limits, OFZ_MAX_TERMS, &s->n_limits));
+  TRY(check_groups(s, "dim_limits", "limit", s->dim_limits, s->n_limits));
 
   size_t n_dt = 0, n_rk = 0;
   TRY(ofz_attr_ints(info, node, "out_dtypes", s->out_dtypes, OFZ_MAX_TENSORS, &n_dt));
@@ -202,6 +210,19 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
       return BAD("ortfuse: node '%s': an image size of %lld is smaller than a Conv's kernel with its padding (%lld)",
                  s->node, (long long)size, (long long)-r[1]);
     args->dim[s->n_sym + j] = (size + r[1]) / r[2] + 1;
+  }
+  for (size_t i = 0; i < s->n_limits;) {  // sizes the kernel's 32-bit index math can hold
+    const size_t count = (size_t)s->dim_limits[i];
+    const long long limit = s->dim_limits[i + 1 + count];
+    long long p = 1;
+    for (size_t j = 0; j < count && p < limit; ++j) {  // stops at the limit: no overflow
+      const int64_t t = term(s->dim_limits[i + 1 + j], args);
+      p = t != 0 && p > limit / t ? limit : p * t;
+    }
+    if (p >= limit)
+      return BAD("ortfuse: node '%s': an image of %lld elements or pixels (or more) exceeds this kernel's 32-bit "
+                 "gather (< %lld); optimize the model with this image size fixed (--input-shape)", s->node, p, limit);
+    i += count + 2;
   }
   const int64_t* od = s->out_dims;
   for (size_t k = 0; k < s->n_out; ++k) {  // allocate outputs through ORT

@@ -108,7 +108,7 @@ def test_depthwise_conv_inside_a_layernorm_kernel():
 
 @pytest.mark.parametrize("dt", [F, H])
 def test_convs_on_symbolic_images_compute_their_output_sizes_at_run_time(dt):
-    # a stride-2 dense Conv + SiLU (one GEMM kernel; im2col gathered by b_load at run-time sizes), then a
+    # a stride-2 dense Conv + SiLU (one GEMM kernel; im2col gathered at run-time sizes), then a
     # depthwise Conv with stride (2, 1) and asymmetric pads + ReLU6 (one pointwise kernel): one optimized model,
     # checked at several image sizes down to the smallest the kernels fit
     from ortfuse.api import compile_model
@@ -128,8 +128,10 @@ def test_convs_on_symbolic_images_compute_their_output_sizes_at_run_time(dt):
     assert sorted(r.kind for r in res.plan.regions) == ["gemm", "pointwise"], [str(r) for r in res.plan.refusals]
     for k in res.kernels:
         assert k.spec.sym_derived, k.region.kind  # the Conv's output size, from the input's
-    gemm = next(k for k in res.kernels if k.region.kind == "gemm").compiled.source
-    assert "b_load" in gemm and "ofz::gemm::Conv2d<" not in gemm
+    gemm = next(k for k in res.kernels if k.region.kind == "gemm")
+    assert "b_load" not in gemm.compiled.source  # the template's gather, its sizes read at run time
+    assert re.search(r"ofz::gemm::Conv2d<8, -\d+, -\d+, 3, 3, 2, 2, 1, 1, 1, 1, -\d+>", gemm.compiled.source)
+    assert len(gemm.spec.dim_limits) == 2  # C*H*W and the pixel count below 2^31, checked at launch
     for shape in [(1, c, 9, 13), (2, c, 16, 5), (1, c, 3, 3)]:
         rep = check_models(m, res.model, emulate=True, input_shapes={"x": shape})
         assert rep.ok and len(rep.kernels) == 2, "\n".join(rep.lines())
@@ -141,3 +143,21 @@ def test_convs_on_symbolic_images_compute_their_output_sizes_at_run_time(dt):
     assert launch.dims(shapes)[-2:] == [2, 1]  # floor((5 - 2) / 2) + 1, 2 - 1
     with pytest.raises(ValueError, match="image size of 1 is smaller than a Conv's"):
         launch.dims([(1, oc, 5, 1)] * len(dw_node.input))
+
+
+def test_symbolic_image_past_the_32_bit_gather_is_refused_at_launch(monkeypatch):
+    # the limit is lowered so that an image the emulator holds crosses it: below it the kernel runs, above it
+    # the launch is refused with the reason (the native library checks the same dim_limits)
+    from ortfuse.customops import lower_gemm
+    from ortfuse.customops.attrs import read_launch
+
+    monkeypatch.setattr(lower_gemm, "GATHER32_LIMIT", 1000)
+    m, _, _ = conv_silu_residual(F, 8, 16, 3, 1, (1, 1, 1, 1), 1, 9)
+    m.graph.input[0].CopyFrom(vi("x", F, ["n", 8, "h", "w"]))
+    m.graph.input[1].CopyFrom(vi("r", F, ["n", 16, "h", "w"]))
+    res = fused_parity(m, {}, {"x": (2, 8, 10, 12), "r": (2, 16, 10, 12)}, ("gemm",))  # 8 * 10 * 12 < 1000
+    (k,) = res.kernels
+    assert "ofz::gemm::Conv2d<" in k.compiled.source and k.spec.dim_limits
+    launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
+    with pytest.raises(ValueError, match="image of 1056 elements or pixels exceeds this kernel's 32-bit gather"):
+        launch.dims([(1, 8, 11, 12)] * 4)  # 8 * 11 * 12 = 1056

@@ -297,6 +297,23 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     return m, {i.name: b.values[i.name] for i in b.inputs}
 
 
+def symbolic_image(m: onnx.ModelProto, shapes: dict[str, tuple]) -> tuple[onnx.ModelProto, dict[str, tuple]] | None:
+    """The random model with its image input's height and width declared symbolic ("h", "w") and its outputs'
+    shapes left to inference, if it has an image input and a Conv; shapes map "h", "w" to the sizes the
+    graph was built for (its constants fit those)."""
+    x = shapes.get("x", ())
+    if len(x) != 4 or not any(n.op_type == "Conv" for n in m.graph.node):
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    dims = out.graph.input[0].type.tensor_type.shape.dim
+    dims[2].dim_param, dims[3].dim_param = "h", "w"
+    for o in out.graph.output:
+        for d in o.type.tensor_type.shape.dim:
+            d.Clear()
+    return out, {**shapes, "x": ("n", x[1], "h", "w"), "sizes": (x[2], x[3])}
+
+
 def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """(model, {input: shape}) of one attention block in one of the layouts exporters emit: Q/K/V from
     projections of x (separate MatMuls, or one packed MatMul read through Split or Slices; or K/V from a

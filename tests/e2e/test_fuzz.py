@@ -5,14 +5,15 @@ every fourth lets fp32 GEMMs use tf32 and is checked at the tf32 tolerance). Ran
 (`random_attention`) must become one attention kernel each and match too; corrupted models (`corrupt`)
 must give our input errors, never a crash. CI runs fixed blocks of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi and
 ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi run others. Tolerances are check_models': fp32 normwise relative 1e-5,
-fp16 1e-2. On a GPU the same models also run against stock ORT's CUDA EP."""
+fp16 1e-2. Seeds whose graph has an image input and a Conv also run with the image size declared symbolic.
+On a GPU the same models also run against stock ORT's CUDA EP."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from fuzz_graphs import corrupt, random_attention, random_model
+from fuzz_graphs import corrupt, random_attention, random_model, symbolic_image
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.config import Options
@@ -20,6 +21,7 @@ from ortfuse.errors import InputError, UnsupportedError
 
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
 _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
+_image = [s for s in range(_lo, _hi) if symbolic_image(*random_model(s)) is not None]  # seeds with a Conv
 
 
 def _bind(shapes: dict[str, tuple], n: int = 2, s: int = 7) -> dict[str, tuple]:
@@ -41,6 +43,32 @@ def test_random_graph_matches_ort(seed: int) -> None:
         rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n), seed=seed)
         assert rep.ok, f"seed {seed}, n={n}\n" + "\n".join(rep.lines())
         assert len(rep.kernels) == len(res.kernels)
+
+
+def _symbolic_case(seed: int):
+    """(model with a symbolic image size, its shapes, the shapes bound at the sizes it was built for)."""
+    m, shapes = symbolic_image(*random_model(seed))
+    h, w = shapes.pop("sizes")
+    return m, shapes, {k: tuple({"h": h, "w": w}.get(d, d) for d in v) for k, v in _bind(shapes).items()}
+
+
+@pytest.mark.parametrize("seed", _image)
+def test_random_conv_graph_on_a_symbolic_image_matches_ort(seed: int) -> None:
+    """The seed's graph with its image size declared symbolic: Conv output sizes become runtime dims."""
+    m, shapes, bound = _symbolic_case(seed)
+    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,)))
+    rep = check_models(m, res.model, emulate=True, input_shapes=bound, seed=seed)
+    assert rep.ok, f"seed {seed}\n" + "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)
+
+
+def test_symbolic_image_seeds_reach_runtime_conv_sizes() -> None:
+    """Those seeds fuse Convs whose output size is derived at run time and whose gather is range-checked."""
+    specs = []
+    for seed in [s for s in range(0, 24) if symbolic_image(*random_model(s))]:
+        m, shapes, _ = _symbolic_case(seed)
+        specs += [k.spec for k in compile_model(m, shapes, "sm_90").kernels]
+    assert any(s.sym_derived for s in specs) and any(s.dim_limits for s in specs)
 
 
 def test_generator_covers_the_fusion_kinds() -> None:
@@ -89,3 +117,13 @@ def test_random_models_on_the_cuda_ep(seed: int, attention: bool) -> None:
     bind = _bind(shapes)
     rep = check_models(m, res.model, provider="cuda", input_shapes=bind, seed=seed)
     assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", _image)
+def test_random_conv_graphs_on_symbolic_images_on_the_cuda_ep(seed: int) -> None:
+    """The symbolic-image variants on the CUDA EP: sym_derived and dim_limits resolved by the native library."""
+    m, shapes, bound = _symbolic_case(seed)
+    res = compile_model(m, shapes, "sm_90")
+    rep = check_models(m, res.model, provider="cuda", input_shapes=bound, seed=seed)
+    assert rep.ok, f"seed {seed}, {bound}\n" + "\n".join(rep.lines())

@@ -100,6 +100,14 @@ def test_an_image_smaller_than_the_kernel_is_an_error_naming_the_node() -> None:
         run(sess, 5)
 
 
+def test_dim_limits_refuse_a_launch_past_a_kernels_32_bit_range() -> None:
+    # 4 * d0 must stay below 100 (a 32-bit gather's image size, scaled down)
+    sess = session(plan_model(name="limit_node", dim_limits=[2, -1, 4, 100]))
+    assert run(sess, 24)[2][5] == 96
+    with pytest.raises(Exception, match="limit_node.*image of 100 elements or pixels.*exceeds this kernel's 32-bit"):
+        run(sess, 25)
+
+
 @pytest.mark.parametrize("cc,chosen,size", [(90, 90, 15), (80, 80, 14), (86, 80, 14), (89, 80, 14),
                                             (75, 0, 8), (100, 0, 8), (120, 0, 8)])
 def test_image_choice(cc: int, chosen: int, size: int) -> None:
@@ -168,6 +176,9 @@ BAD_NODES = [
     (dict(sym_derived=[-2, 0, 1]), "sym_derived\\[0\\] = -2 names runtime dim 1 but only 1"),
     (dict(sym_derived=[-1, 0, 0]), "rule 0 has divisor 0"),
     (dict(sym_derived=[-1, 0, 1], units=[-3]), "units\\[0\\] = -3 names runtime dim 2 but only 2"),
+    (dict(dim_limits=[2, -1]), "dim_limits group at 0 has count 2"),
+    (dict(dim_limits=[1, -1, 0]), "dim_limits limit at 2 = 0"),
+    (dict(dim_limits=[1, -9, 5]), "dim_limits\\[0\\] = -9"),
     (dict(split_k=0), "split_k = 0"),
     (dict(split_k=16), "split_k = 16, expected 1..8"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
