@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label
-from ortfuse.search import ops
+from ortfuse.search import conv, ops
 
 
 def _mb(n: int) -> str:
@@ -20,7 +20,11 @@ def summary(r: OptimizeResult) -> str:
     for k in r.kernels:
         kinds[k.region.kind] = kinds.get(k.region.kind, 0) + 1
     by_kind = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    return "\n".join([
+    runtime_convs = sum(1 for k in r.kernels for i in k.region.nodes if g.nodes[i].op_type in ops.CONV
+                        and not isinstance(geo := conv.conv_geometry(g, g.nodes[i]), str) and not geo.static_image)
+    note = ([f"symbolic image sizes: {runtime_convs} fused Convs index images of run-time size (fix the sizes with "
+             "--input-shape for static index math)"] if runtime_convs else [])
+    return "\n".join(note + [
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",
         f"nodes:                {r.nodes_before} -> {r.nodes_after}",

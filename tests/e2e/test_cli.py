@@ -120,6 +120,7 @@ def test_convs_on_symbolic_images_fuse_and_explain_lists_refused_anchors(tmp_pat
     assert main(["optimize", str(src), str(tmp_path / "o.onnx"), "--explain"]) == 0
     out = capsys.readouterr().out
     assert "not fused: Conv" in out and "grouped convolution (group=2" in out, out
+    assert "symbolic image sizes: 1 fused Convs index images of run-time size" in out, out
     out_nodes = onnx.load(str(tmp_path / "o.onnx")).graph.node
     assert len([n for n in out_nodes if n.domain == "ortfuse"]) == 1
     kept = [(n.op_type, list(n.input)) for n in out_nodes if n.domain != "ortfuse"]
