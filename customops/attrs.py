@@ -46,6 +46,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         *([_ints("sym_derived", [v for rule in spec.sym_derived for v in rule])] if spec.sym_derived else []),
         *([_ints("dim_limits", [v for terms, lim in spec.dim_limits for v in (len(terms), *terms, lim)])]
           if spec.dim_limits else []),
+        *([_ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -77,6 +78,7 @@ class Launch:
     archs: tuple[int, ...] = ()  # compute capabilities of the cubins
     sym_derived: tuple[tuple[int, int, int], ...] = ()  # (term, add, div): floor((term + add) / div) + 1
     dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, limit): product below limit
+    arg_align: tuple[int, ...] = ()  # per argument (inputs, then outputs): the byte alignment it needs
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
@@ -125,7 +127,8 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(zip(sym[0::2], sym[1::2])), tuple(a["units"]), int(a["units_per_block"]),
                   tuple(ceil),
                   tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())),
-                  tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits))
+                  tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits),
+                  tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))))
 
 
 def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -50,10 +50,21 @@ class EmulatedModule:
         self._lock = threading.Lock()  # smem setting + launch form one step
 
     def launch(self, entry: str, grid: int, block: int, args: Sequence[np.ndarray], dims: Sequence[int] = (),
-               smem: int = 0, cluster: int = 1) -> None:
+               smem: int = 0, cluster: int = 1, align: Optional[Sequence[int]] = None) -> None:
         """Run `entry` on a 1-D grid: `args` are the inputs then the (preallocated) outputs, `dims` the
         runtime symbolic dims, `smem` the dynamic shared memory bytes (per block), `cluster` the blocks per
-        thread-block cluster (a divisor of `grid`)."""
+        thread-block cluster (a divisor of `grid`). `align`: the node's arg_align (1 for none); each argument
+        then runs from a copy at the weakest address it allows, so a vector access wider than declared
+        fails here as it would fault on a GPU."""
+        if align is not None:
+            if len(align) != len(args):
+                raise ValueError(f"{entry}: {len(align)} alignments for {len(args)} arguments")
+            placed = [_placed(a, int(n)) for a, n in zip(args, align)]
+            self.launch(entry, grid, block, placed, dims, smem, cluster)
+            for a, p in zip(args, placed):
+                if a.flags.writeable:  # the outputs (read-only inputs stay as they are)
+                    a[...] = p
+            return
         if len(args) > MAX_TENSORS or len(dims) > MAX_DIMS:
             raise ValueError(f"{entry}: at most {MAX_TENSORS} tensors and {MAX_DIMS} dims "
                              f"(got {len(args)}, {len(dims)})")
@@ -78,6 +89,16 @@ class EmulatedModule:
             msg = self._lib.ofz_emu_last_error().decode(errors="replace") if rc else ""
         if rc:
             raise EmulationError(f"{msg} (source: {self.source_path})")
+
+
+def _placed(a: np.ndarray, align: int) -> np.ndarray:
+    """A copy of `a` at an address that is a multiple of max(align, itemsize) but not of twice that."""
+    n = max(align, a.itemsize)
+    raw = np.empty(a.nbytes + 4 * n, np.uint8)
+    off = (-raw.ctypes.data) % (2 * n) + n
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def compile_emulated(source: str) -> EmulatedModule:

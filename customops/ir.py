@@ -11,6 +11,7 @@ from typing import Optional, Union
 # Compute types. Storage types (what a tensor holds) add f16/bf16, which compute as f32.
 F32, I64, I32, BOOL, U8, I8 = "f32", "i64", "i32", "bool", "u8", "i8"
 STORAGE_TYPES = ("f32", "f16", "bf16", "i64", "i32", "bool", "u8", "i8")
+STORAGE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "bool": 1, "u8": 1, "i8": 1}
 
 
 def compute_type(storage: str) -> str:
@@ -185,6 +186,31 @@ class Kernel:
     body: tuple[Stmt, ...]
     headers: tuple[str, ...] = ()  # extra template headers from customops/include
     funcs: tuple[Func, ...] = ()  # members of the `Ops` struct the body's template calls
+    # (argument, bytes): tensors the template code itself reads in aligned vectors (cp.async's 16 bytes)
+    aligned: tuple[tuple[int, int], ...] = ()
+
+
+def arg_alignment(kernel: Kernel, n_args: int) -> tuple[int, ...]:
+    """The byte alignment each argument's address needs (1: none): the widest vector access on it, from
+    the body's and the template callbacks' VecLoad/VecStore and the template's own `aligned` accesses.
+    A GPU faults on a misaligned vector access, so the fused node carries this and the launch checks it."""
+    need = [1] * n_args
+    for arg, nbytes in kernel.aligned:
+        need[arg] = max(need[arg], nbytes)
+
+    def visit(body: tuple[Stmt, ...]) -> None:
+        for s in body:
+            if isinstance(s, VecLoad):
+                need[s.arg] = max(need[s.arg], s.width * STORAGE_BYTES[s.storage])
+            elif isinstance(s, VecStore):
+                need[s.arg] = max(need[s.arg], len(s.values) * STORAGE_BYTES[s.storage])
+            elif isinstance(s, (For, If)):
+                visit(s.body)
+
+    visit(kernel.body)
+    for f in kernel.funcs:
+        visit(f.body)
+    return tuple(need)
 
 
 # ----------------------------------------------------------------------------- folding builders

@@ -12,6 +12,7 @@ Two kernel shapes:
 Loads and stores along the innermost axis become 16-byte vector accesses when its size allows."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class KernelSpec:
     # (terms, limit): the product of the terms must stay below limit (a symbolic image in a 32-bit gather),
     # checked before each launch
     dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()
+    # per argument (inputs, then outputs): the byte alignment its address needs for the kernel's vector
+    # accesses (1: none), checked before each launch
+    arg_align: tuple[int, ...] = ()
 
     @property
     def block(self) -> int:
@@ -600,16 +604,16 @@ class _Lowerer:
         self.define(name)
 
     def kernel(self, block: int, scratch: int, headers: tuple[str, ...] = (),
-               funcs: tuple[ir.Func, ...] = ()) -> ir.Kernel:
+               funcs: tuple[ir.Func, ...] = (), aligned: tuple[tuple[int, int], ...] = ()) -> ir.Kernel:
         params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
         params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
         body = tuple(self.scopes[0].stmts)
         # named by content (template callbacks included), tensor names left out: identical layers share
         # one compiled kernel
         anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
-        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs))
+        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs, aligned))
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-        return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs)
+        return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs, aligned)
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
@@ -619,6 +623,12 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     instead of the top-ranked one (profiling); without its 7th entry (SPLIT), at its best split."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
+    spec = _lower_kind(graph, region, tgt, tf32, tile)
+    return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)))
+
+
+def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
+                tile: Optional[tuple[int, ...]]) -> KernelSpec:
     if region.kind in ("gemm", "gemm_row"):
         from ortfuse.customops.lower_gemm import lower_gemm
         return lower_gemm(graph, region, tgt, tf32, tile)

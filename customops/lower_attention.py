@@ -171,7 +171,9 @@ class _AttnLowerer(_Lowerer):
                        ptrs + (dims,))
         self.scopes = [_Scope(set())]
         self.emit(call)
-        kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs))
+        # the tensor-core kernel copies Q, K and V tiles with 16-byte cp.async
+        aligned = tuple((self.args[t], 16) for t in (p.q, p.k, p.v)) if mma else ()
+        kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs), aligned)
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"attention tile needs {smem} bytes of shared memory")

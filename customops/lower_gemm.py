@@ -412,7 +412,9 @@ class _GemmLowerer(_Lowerer):
                         self.dim(K)))
         self.scopes = [_Scope(set())]
         self.emit(call)
-        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs))
+        # cp.async reads the row- and column-major operands in 16-byte chunks
+        aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
+        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned)
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
         if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")

@@ -739,6 +739,11 @@ inline void async_reset(int n) {
   for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0;
 }
 
+inline void check_vector(const void* p, size_t bytes) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes)
+    fail("thread %d: a %zu-byte vector access at %p is misaligned (a GPU faults)", S.cur, bytes, p);
+}
+
 inline void async_copy(void* dst, const void* src, int src_bytes) {
   if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u)
     fail("thread %d: cp.async of 16 bytes with a misaligned address (smem %p, global %p)", S.cur, dst, src);

@@ -44,7 +44,16 @@ __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(_
 // N consecutive elements moved as one aligned access (16 bytes for float4 / 8 halves).
 template <class T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
 
+// The emulator checks what the GPU enforces: a vector access on an address that is not a multiple of its
+// size faults ("misaligned address").
+#ifdef ORTFUSE_EMU
+#define OFZ_CHECK_VEC(p, bytes) ofz_emu::check_vector(p, bytes)
+#else
+#define OFZ_CHECK_VEC(p, bytes)
+#endif
+
 template <int N, class T> __device__ __forceinline__ void load_vec(const T* p, T (&out)[N]) {
+  OFZ_CHECK_VEC(p, sizeof(Vec<T, N>));
   Vec<T, N> w = *reinterpret_cast<const Vec<T, N>*>(p);
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = w.v[i];
@@ -54,6 +63,7 @@ template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const 
   Vec<T, N> w;
 #pragma unroll
   for (int i = 0; i < N; ++i) w.v[i] = in[i];
+  OFZ_CHECK_VEC(p, sizeof(Vec<T, N>));
   *reinterpret_cast<Vec<T, N>*>(p) = w;
 }
 

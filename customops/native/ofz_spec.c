@@ -1,5 +1,6 @@
 #include "ofz_spec.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -103,6 +104,15 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   TRY(ofz_attr_ints_opt(info, node, "dim_limits", s->dim_limits, OFZ_MAX_TERMS, &s->n_limits));
   TRY(check_groups(s, "dim_limits", "limit", s->dim_limits, s->n_limits));
 
+  TRY(ofz_attr_ints_opt(info, node, "arg_align", s->align, OFZ_MAX_TENSORS, &s->n_align));
+  if (s->n_align && s->n_align != n_in + n_out)
+    return BAD("ortfuse: node '%s': arg_align has %zu entries, expected one per input and output (%zu)", node,
+               s->n_align, n_in + n_out);
+  for (size_t i = 0; i < s->n_align; ++i)
+    if (s->align[i] < 1 || s->align[i] > 256 || (s->align[i] & (s->align[i] - 1)))
+      return BAD("ortfuse: node '%s': arg_align[%zu] = %lld, expected a power of two in 1..256", node, i,
+                 (long long)s->align[i]);
+
   size_t n_dt = 0, n_rk = 0;
   TRY(ofz_attr_ints(info, node, "out_dtypes", s->out_dtypes, OFZ_MAX_TENSORS, &n_dt));
   TRY(ofz_attr_ints(info, node, "out_ranks", s->out_ranks, OFZ_MAX_TENSORS, &n_rk));
@@ -159,6 +169,16 @@ OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, v
 
 static int64_t term(int64_t t, const OfzArgs* a) { return t >= 0 ? t : (int64_t)a->dim[-(t + 1)]; }
 
+// The kernel reads or writes argument i in vectors: a misaligned address (a buffer a user bound through
+// IOBinding at an offset) would fault on the GPU, so it is refused here.
+static OrtStatus* check_aligned(const OfzSpec* s, size_t i, const void* p) {
+  if (i >= s->n_align || ((uintptr_t)p & (uintptr_t)(s->align[i] - 1)) == 0) return NULL;
+  const int out = i >= s->n_in;
+  return BAD("ortfuse: node '%s': %s %zu is at address %p, which is not %lld-byte aligned; this kernel accesses it "
+             "in %lld-byte vectors (bind buffers at aligned addresses)", s->node, out ? "output" : "input",
+             out ? i - s->n_in : i, p, (long long)s->align[i], (long long)s->align[i]);
+}
+
 unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count) {
   unsigned c = 1;
   while (grid > 0 && 2 * (int64_t)c <= split_k && grid * 2 * (long long)c <= (long long)sm_count) c *= 2;
@@ -179,6 +199,7 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
     TRY(ofz_ort.KernelContext_GetInput(ctx, i, &v));
     if (!v) return BAD("ortfuse: node '%s': input %zu is missing", s->node, i);
     TRY(ofz_ort.GetTensorMutableData((OrtValue*)v, &args->ptr[i]));
+    TRY(check_aligned(s, i, args->ptr[i]));
   }
   size_t rank = 0;
   int64_t dims[64];
@@ -232,6 +253,7 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
     OrtValue* out = NULL;
     TRY(ofz_ort.KernelContext_GetOutput(ctx, k, dims, rank, &out));
     TRY(ofz_ort.GetTensorMutableData(out, &args->ptr[n_in + k]));
+    TRY(check_aligned(s, n_in + k, args->ptr[n_in + k]));
   }
   long long units = 1;
   for (size_t i = 0; i < s->n_units; ++i) {

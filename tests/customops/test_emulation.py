@@ -226,6 +226,17 @@ def test_elementwise_vectorized(mods, n: int) -> None:
                                       want.view(np.uint16 if dt != np.float32 else np.uint32), err_msg=entry)
 
 
+def test_vector_access_on_a_misaligned_address_fails_as_on_a_gpu(mods) -> None:
+    # ew_f32 reads and writes float4: 16-byte placement runs, 8-byte placement faults on a GPU and fails here
+    x, y = np.ones(64, np.float32), np.zeros(64, np.float32)
+    mods["elementwise"].launch("ew_f32", 1, 128, [x, y], [64], align=[16, 16])
+    assert (y == 1.75).all()
+    with pytest.raises(EmulationError, match="16-byte vector access at 0x[0-9a-f]+ is misaligned"):
+        mods["elementwise"].launch("ew_f32", 1, 128, [x, y], [64], align=[8, 16])
+    with pytest.raises(ValueError, match="1 alignments for 2 arguments"):
+        mods["elementwise"].launch("ew_f32", 1, 128, [x, y], [64], align=[16])
+
+
 def test_dynamic_shared_memory(mods) -> None:
     x = np.arange(4 * 96, dtype=np.float32)
     y = np.zeros_like(x)

@@ -108,7 +108,7 @@ def _launch(spec, arrays, dims):
     grid = -(-units // spec.units_per_block)
     cluster = cluster_for(spec.split_k, grid, parse_arch("sm_90").sm_count)  # as the native library launches it
     compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid * cluster, spec.block, arrays, dims, spec.smem,
-                                                 cluster)
+                                                 cluster, spec.arg_align)
 
 
 def test_prologue_cast_and_transpose_fold_into_operand_loads():

@@ -349,7 +349,8 @@ def test_bf16_layernorm_against_fp32_reference(hidden):
         next(i for i in m32.graph.initializer if i.name == t))) for t in node.input]
     dims = launch.dims([a.shape for a in feeds])
     outs = [np.zeros(s, np.uint16) for s in launch.output_shapes(dims)]
-    compile_emulated(launch.source).launch(launch.entry, launch.grid(dims), launch.block, [*feeds, *outs], dims)
+    compile_emulated(launch.source).launch(launch.entry, launch.grid(dims), launch.block, [*feeds, *outs], dims,
+                                           align=launch.arg_align)
     for name, o in zip(node.output, outs):
         d = compare(name, _bf16_value(o), ref[name], tol=1e-2)
         assert d.ok, d.line()
@@ -426,3 +427,18 @@ def test_ill_conditioned_half_outputs_are_held_to_orts_own_variation():
     assert not j.ok  # 24% off: more than twice ORT's own variation
     d, j = judge((plain * 1.001).astype(np.float16), (plain * 1.05).astype(np.float16))
     assert not j.ok and "ill-conditioned" not in j.name  # ORT stable: the 1e-2 stands
+
+
+@pytest.mark.parametrize("cols,dt,want", [(64, F, 16), (64, H, 16), (3, F, None), (6, H, 4)])
+def test_fused_node_states_the_alignment_its_vector_accesses_need(cols, dt, want):
+    """A kernel moving 16-byte vectors (or 4-byte half pairs) carries arg_align, so the native library can
+    refuse a misaligned buffer before the GPU faults; the check's emulation places every tensor at the
+    weakest address allowed, so an access wider than declared fails there."""
+    from ortfuse.customops.attrs import read_launch
+    m = model([node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"])],
+              [vi("x", dt, ["n", cols])], [vi("y", dt, None)])
+    res = _run(m, {"x": ("n", cols)}, {"x": (3, cols)})
+    fused = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    has = any(a.name == "arg_align" for a in fused.attribute)
+    assert has == (want is not None)
+    assert read_launch(fused).arg_align == ((want, want) if want else (1, 1))

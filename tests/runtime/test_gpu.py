@@ -110,6 +110,24 @@ def test_io_binding_with_device_tensors() -> None:
     check(io.copy_outputs_to_cpu(), f)
 
 
+def test_misaligned_device_buffer_is_refused_and_the_session_keeps_working() -> None:
+    # the node declares 16-byte vector access on X: a buffer bound 4 bytes past an allocation must give an
+    # error naming the node, not a GPU fault that would poison the CUDA context
+    sess = fused_session(gpu_model(n=64, arg_align=[16, 4, 4, 2]))
+    f = feeds(64)
+    big = ort.OrtValue.ortvalue_from_numpy(np.concatenate([[0.0], f["X"].ravel()]).astype(np.float32), "cuda", 0)
+    io = sess.io_binding()
+    io.bind_input("X", "cuda", 0, np.float32, [64, 4], big.data_ptr() + 4)
+    io.bind_ortvalue_input("Y", ort.OrtValue.ortvalue_from_numpy(f["Y"], "cuda", 0))
+    io.bind_output("Z", "cuda", 0)
+    io.bind_output("W", "cuda", 0)
+    with pytest.raises(Exception, match="input 0 is at address 0x[0-9a-f]+, which is not 16-byte aligned"):
+        sess.run_with_iobinding(io)
+    io.bind_ortvalue_input("X", ort.OrtValue.ortvalue_from_numpy(f["X"], "cuda", 0))
+    sess.run_with_iobinding(io)
+    check(io.copy_outputs_to_cpu(), f)
+
+
 def test_cuda_graph_capture_and_replay() -> None:
     providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1", "use_tf32": "0"}), "CPUExecutionProvider"]
     sess = fused_session(gpu_model(n=64), providers=providers)

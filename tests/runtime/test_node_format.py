@@ -108,6 +108,35 @@ def test_dim_limits_refuse_a_launch_past_a_kernels_32_bit_range() -> None:
         run(sess, 25)
 
 
+def _bound_at(io: ort.IOBinding, name: str, buf: np.ndarray, offset: int, n: int, output: bool = False) -> None:
+    """Binds `name` as an [n, 4] fp32 tensor `offset` bytes past a 256-byte boundary inside `buf`."""
+    start = (-buf.ctypes.data) % 256 + offset
+    args = (name, "cpu", 0, np.float32, [n, 4], buf.ctypes.data + start)
+    (io.bind_output if output else io.bind_input)(*args)
+
+
+@pytest.mark.parametrize("offset,where", [(0, None), (16, None), (4, "input 0"), (8, "input 0"),
+                                          (-4, "output 0")])
+def test_arg_align_refuses_a_misaligned_buffer_naming_the_node_and_argument(offset: int, where: str | None) -> None:
+    # X is read in 16-byte vectors, Z written in 8-byte ones; Y and W are accessed element by element
+    sess = session(plan_model(name="align_node", arg_align=[16, 4, 8, 2]))
+    buf = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    io = sess.io_binding()
+    _bound_at(io, "X", buf, max(offset, 0), 3)
+    _bound_at(io, "Y", buf, 1024 + 4, 3)  # 4-byte aligned only: enough for Y
+    out = np.empty(2048, np.float32)
+    _bound_at(io, "Z", out, 4 if offset < 0 else 8, 3, output=True)
+    io.bind_output("W")
+    io.bind_output("P")
+    if where is None:
+        sess.run_with_iobinding(io)
+        assert io.copy_outputs_to_cpu()[2][0] == 1  # grid: one block for 12 units
+    else:
+        with pytest.raises(Exception, match=f"align_node.*{where} is at address 0x[0-9a-f]+, which is not "
+                                            f"{16 if where == 'input 0' else 8}-byte aligned"):
+            sess.run_with_iobinding(io)
+
+
 @pytest.mark.parametrize("cc,chosen,size", [(90, 90, 15), (80, 80, 14), (86, 80, 14), (89, 80, 14),
                                             (75, 0, 8), (100, 0, 8), (120, 0, 8)])
 def test_image_choice(cc: int, chosen: int, size: int) -> None:
@@ -179,6 +208,10 @@ BAD_NODES = [
     (dict(dim_limits=[2, -1]), "dim_limits group at 0 has count 2"),
     (dict(dim_limits=[1, -1, 0]), "dim_limits limit at 2 = 0"),
     (dict(dim_limits=[1, -9, 5]), "dim_limits\\[0\\] = -9"),
+    (dict(arg_align=[16, 4]), "arg_align has 2 entries, expected one per input and output \\(4\\)"),
+    (dict(arg_align=[16, 4, 3, 1]), "arg_align\\[2\\] = 3, expected a power of two"),
+    (dict(arg_align=[512, 4, 4, 1]), "arg_align\\[0\\] = 512"),
+    (dict(arg_align=[0, 4, 4, 1]), "arg_align\\[0\\] = 0"),
     (dict(split_k=0), "split_k = 0"),
     (dict(split_k=16), "split_k = 16, expected 1..8"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
