@@ -160,21 +160,54 @@ class CostModel:
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
         mm_us, mm_bytes = self.gemm_us(g, node)
-        mm_us /= self.speed_vs_library(g, node)  # assumed until --profile measures it
+        mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
         if region.kind == "gemm_row":
             mm_us *= self.row_penalty(g, node)
         return mm_us + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
 
-    def speed_vs_library(self, g: Graph, node: onnx.NodeProto) -> float:
+    def speed_vs_library(self, g: Graph, node: onnx.NodeProto, region: Optional[Region] = None) -> float:
         """Our kernel's speed relative to cuBLAS/cuDNN: a Conv whose im2col operand is gathered element by
-        element (anything but a 16-byte aligned 1x1 convolution) gets the implicit-GEMM factor."""
+        element (anything but a 16-byte aligned 1x1 convolution of an image read from memory) gets the
+        implicit-GEMM factor."""
         if node.op_type in ops.CONV:
             geo = conv.conv_geometry(g, node)
             assert not isinstance(geo, str), geo
             es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
-            if not conv.direct_operands(geo, es):
+            computed = region is not None and g.producer.get(node.input[0]) in region.nodes
+            if computed or not conv.direct_operands(geo, es):
                 return self.target.implicit_gemm_vs_cudnn
         return self.target.gemm_vs_cublas
+
+    def recompute_us(self, g: Graph, merged: Region, prologue: Region) -> float:
+        """Extra time of a Conv computing its image in its gather: every tile of output channels evaluates
+        each image element once per kernel tap, re-reading the prologue's inputs (from L2) that often."""
+        node = self._anchor(g, merged)
+        batch, m, n, k = gemm_dims(g, node)
+        es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
+        best = tiles.rank_tiles(self.target, m, n, k, batch, es, self._math(g, node), False, top_k=1,
+                                staged=(False, True))
+        m_tiles = -(-m // best[0].tile.bm) if best else m
+        geo = conv.conv_geometry(g, node)
+        assert not isinstance(geo, str), geo
+        reads = m_tiles * geo.kh * geo.kw - 1
+        inputs = sum(tensor_bytes(g, t) for t in prologue.inputs)
+        return reads * inputs / (self.target.dram_gbps * self.target.l2_over_dram * 1e3)
+
+    def prologue_verdict(self, g: Graph, merged: Region, conv_region: Region, prologue: Region) -> Optional[str]:
+        """None if a Conv that computes its image in its gather (`merged`) beats the image computed by its own
+        kernel (`prologue`, ours) followed by the Conv as it stood (`conv_region`: ours with its epilogue, or
+        cuDNN when it is the bare Conv) over the bindings of `bindings` (`_pays`)."""
+        node = self._anchor(g, merged)
+        times = []
+        for where, gb in bindings(g):
+            m, pr, cr = _at(gb, merged, g), _at(gb, prologue, g), _at(gb, conv_region, g)
+            fused = self.ours_us(gb, m) + self.recompute_us(gb, m, pr)
+            alone = (self.gemm_us(gb, node)[0] + self.target.launch_us if len(cr.nodes) == 1
+                     else self.ours_us(gb, cr))
+            times.append((where, fused, alone + self.ours_us(gb, pr)))
+        if not _pays(times):
+            return f"estimated at {_figures(times)} with the image computed by its own kernel"
+        return None
 
     def ort_us(self, g: Graph, region: Region) -> float:
         """Estimated time of the region's nodes as stock ORT runs them: cuBLAS/cuDNN for the anchor (with the
@@ -197,7 +230,7 @@ class CostModel:
         if region.traffic.unfused_launches < 2:
             return Reject(label, "replaces a single ORT kernel: no traffic or launch saved")
         folded = ort_conv_folds(g, region)
-        if folded and not set(region.nodes) - set(folded) - {i for i in region.nodes if g.nodes[i].op_type in ops.CONV}:
+        if folded and not set(region.nodes) - set(folded) - {_fold_anchor(g, region)}:
             return Reject(label, "stock ORT fuses this itself (cuDNN FusedConv with its Relu, fp32)")
         times = [(where, self.ours_us(gb, r), self.ort_us(gb, r))
                  for where, gb in bindings(g) for r in (_at(gb, region, g),)]

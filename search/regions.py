@@ -5,7 +5,12 @@
 2. GEMM epilogues: each MatMul/Gemm/Conv absorbs the group that consumes its result when the merged region
    lowers to one GEMM kernel (a group with a row reduction over the GEMM's N axis becomes a row-wise
    epilogue, one tile spanning each row) and the cost model says it beats cuBLAS followed by the group
-   as its own kernel.
+   as its own kernel;
+3. conv chains: a Conv whose image is computed by a group of element-wise ops (a depthwise Conv with its
+   activation, typically: MobileNet's depthwise -> pointwise pair) takes that group into its im2col gather
+   when nothing else reads the group's result, so the intermediate image is never written; the cost model
+   weighs the recomputation (once per tile of output channels, per tap) against the saved write, read and
+   launch.
 The cost model then keeps the regions that pay."""
 from __future__ import annotations
 
@@ -128,6 +133,9 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
             offered.add(i)
             merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}", beats_split(grp))
 
+    for i in gemms:  # phase 3: conv chains
+        _take_prologue(g, i, group_of, merge, cost, with_traffic, refusals)
+
     regions: list[Region] = []
     for r in attention:
         regions.append(Region(len(regions), r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r)))
@@ -151,3 +159,30 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     result = Plan(tuple(regions), tuple(rejects), tuple(refusals))
     result.validate(len(g.nodes))
     return result
+
+
+def _take_prologue(g: Graph, anchor: int, group_of: dict[int, frozenset[int]],
+                   merge: Callable[..., bool], cost: CostModel, with_traffic: Callable[[Region], Region],
+                   refusals: list[Reject]) -> None:
+    """Phase 3 for one Conv: fold the element-wise group computing its image into its gather."""
+    node = g.nodes[anchor]
+    if node.op_type not in ops.CONV:
+        return
+    p = g.producer.get(node.input[0])
+    grp, mine = group_of.get(p) if p is not None else None, group_of[anchor]
+    if grp is None or anchor in grp or any(conv.is_anchor(g, g.nodes[n]) for n in grp):
+        return
+    label = f"{g.node_label(p)} into {g.node_label(anchor)} as its image"
+    prologue = legal.classify(g, set(grp))
+    if isinstance(prologue, Reject) or prologue.kind != "pointwise":
+        return  # reductions stay separate kernels
+    for t in prologue.outputs:
+        if t in g.graph_outputs or any(c not in mine for c in g.consumers.get(t, ())):
+            refusals.append(Reject(label, f"'{t}' is also read outside the Conv's kernel, so it is written anyway"))
+            return
+    rest = legal.classify(g, set(mine))
+    rest_region = with_traffic(rest) if not isinstance(rest, Reject) else None
+
+    def pays(merged: Region) -> Optional[str]:
+        return cost.prologue_verdict(g, with_traffic(merged), rest_region, with_traffic(prologue))
+    merge(set(grp | mine), label, pays)
