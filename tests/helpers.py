@@ -105,3 +105,22 @@ def packed_attention(dt, heads: int, head: int, select: str = "split", kv_out: b
     inputs = [vi("x", dt, ["batch", "seq", 3 * hd]), vi("mask", dt, ["batch", 1, 1, "seq"])]
     outputs = [vi("y", dt, None)] + ([vi("xk", dt, None)] if kv_out else [])
     return model(nodes, inputs, outputs, inits)
+
+
+def conv_chain(dt, c, oc, s, k2=1, hw=("h", "w"), residual=True, also_out=False):
+    """MobileNet's inverted-residual tail: depthwise 3x3 (stride s) + ReLU6 -> k2 x k2 Conv to oc channels
+    (+ the block's input when shapes allow)."""
+    nodes = [node("Conv", ["x", "dw", "db"], ["d"], group=c, kernel_shape=[3, 3], strides=[s, s], pads=[1] * 4),
+             node("Clip", ["d", "lo", "hi"], ["a"]),
+             node("Conv", ["a", "pw", "pb"], ["y"], kernel_shape=[k2, k2], pads=[k2 // 2] * 4)]
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+    inits = [const("dw", _rand((c, 1, 3, 3), dt, 1, 0.3), npdt), const("db", _rand(c, dt, 2), npdt),
+             const("lo", 0.0, npdt), const("hi", 6.0, npdt),
+             const("pw", _rand((oc, c, k2, k2), dt, 3, 0.3), npdt), const("pb", _rand(oc, dt, 4), npdt)]
+    outs = ["y"]
+    if residual and s == 1 and oc == c:
+        nodes.append(node("Add", ["y", "x"], ["z"]))
+        outs = ["z"]
+    if also_out:
+        outs.append("a")
+    return model(nodes, [vi("x", dt, ["n", c, *hw])], [vi(o, dt, None) for o in outs], inits)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, conv_silu_residual, fused_parity, model, node, vi
+from helpers import const, conv_chain, conv_silu_residual, fused_parity, model, node, vi
 
 F, H = TP.FLOAT, TP.FLOAT16
 NP = {F: np.float32, H: np.float16}
@@ -163,24 +163,6 @@ def test_symbolic_image_past_the_32_bit_gather_is_refused_at_launch(monkeypatch)
         launch.dims([(1, 8, 11, 12)] * 4)  # 8 * 11 * 12 = 1056
 
 
-def _conv_chain(dt, c, oc, s, k2=1, hw=("h", "w"), residual=True, also_out=False):
-    """MobileNet's inverted-residual tail: depthwise 3x3 (stride s) + ReLU6 -> k2 x k2 Conv to oc channels
-    (+ the block's input when shapes allow)."""
-    nodes = [node("Conv", ["x", "dw", "db"], ["d"], group=c, kernel_shape=[3, 3], strides=[s, s], pads=[1] * 4),
-             node("Clip", ["d", "lo", "hi"], ["a"]),
-             node("Conv", ["a", "pw", "pb"], ["y"], kernel_shape=[k2, k2], pads=[k2 // 2] * 4)]
-    inits = [const("dw", _w((c, 1, 3, 3), dt, 1, 0.3), NP[dt]), const("db", _w(c, dt, 2), NP[dt]),
-             const("lo", 0.0, NP[dt]), const("hi", 6.0, NP[dt]),
-             const("pw", _w((oc, c, k2, k2), dt, 3, 0.3), NP[dt]), const("pb", _w(oc, dt, 4), NP[dt])]
-    outs = ["y"]
-    if residual and s == 1 and oc == c:
-        nodes.append(node("Add", ["y", "x"], ["z"]))
-        outs = ["z"]
-    if also_out:
-        outs.append("a")
-    return model(nodes, [vi("x", dt, ["n", c, *hw])], [vi(o, dt, None) for o in outs], inits)
-
-
 @pytest.mark.parametrize("dt", [F, H])
 @pytest.mark.parametrize("c,oc,s,hw,check", [
     (16, 16, 1, ("h", "w"), [(2, 16, 9, 11), (1, 16, 4, 3)]),  # + residual Add; image size read at run time
@@ -189,7 +171,7 @@ def _conv_chain(dt, c, oc, s, k2=1, hw=("h", "w"), residual=True, also_out=False
 ])
 def test_depthwise_conv_is_computed_in_the_pointwise_convs_gather(dt, c, oc, s, hw, check):
     # the depthwise Conv + ReLU6 image never reaches memory: the 1x1 Conv's b_load evaluates it per element
-    m = _conv_chain(dt, c, oc, s, hw=hw)
+    m = conv_chain(dt, c, oc, s, hw=hw)
     for shape in check:
         res = fused_parity(m, None, {"x": shape}, ("gemm",))
     src = res.kernels[0].compiled.source
@@ -198,7 +180,7 @@ def test_depthwise_conv_is_computed_in_the_pointwise_convs_gather(dt, c, oc, s, 
 
 
 def test_conv_chain_stays_two_kernels_when_the_image_is_also_read_elsewhere():
-    m = _conv_chain(H, 16, 32, 1, hw=(8, 8), also_out=True)
+    m = conv_chain(H, 16, 32, 1, hw=(8, 8), also_out=True)
     res = fused_parity(m, None, {"x": (1, 16, 8, 8)}, ("pointwise",))
     assert any("is also read outside the Conv's kernel" in r.reason for r in res.plan.refusals)
 
@@ -206,7 +188,7 @@ def test_conv_chain_stays_two_kernels_when_the_image_is_also_read_elsewhere():
 def test_conv_chain_into_a_3x3_conv_is_weighed_by_the_cost_model():
     # a 3x3 Conv evaluates each image element at 9 taps per tile of output channels: at batch 32 in fp32
     # (SIMT) that recomputation costs more than writing the image once
-    m = _conv_chain(F, 16, 32, 1, k2=3, hw=("h", "w"))
+    m = conv_chain(F, 16, 32, 1, k2=3, hw=("h", "w"))
     res = fused_parity(m, None, {"x": (2, 16, 9, 11)}, ("pointwise",))
     why = next(r.reason for r in res.plan.refusals if "as its image" in r.subject)
     assert "with the image computed by its own kernel" in why and "at batch 32" in why

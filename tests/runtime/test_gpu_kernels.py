@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import const, conv_silu_residual, model, node, vi
+from helpers import const, conv_chain, conv_silu_residual, model, node, vi
 from ortfuse.api import compile_model
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -54,6 +54,24 @@ def test_conv_epilogue_parity(dt, geom):
     assert [r.kind for r in res.plan.regions] == ["gemm"]
     for n in (1, 3):
         rep = check_models(m, res.model, provider="cuda", input_shapes=at(n))
+        assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt,c,oc,s,hw,check", [
+    *[(dt, 144, 24, 1, (56, 56), [(1, 144, 56, 56), (4, 144, 56, 56)]) for dt in (H, F)],  # MobileNetV2 block 2
+    *[(dt, 96, 24, 2, (112, 112), [(1, 96, 112, 112)]) for dt in (H, F)],  # block 1: stride-2 depthwise
+    *[(dt, 32, 32, 1, (28, 28), [(3, 32, 28, 28)]) for dt in (H, F)],      # + the residual Add
+    # several tiles of output channels, image size read at run time (fp16 only: in fp32 the cost model keeps
+    # the depthwise kernel at this size)
+    (H, 960, 160, 1, ("h", "w"), [(1, 960, 7, 7), (2, 960, 20, 12)]),
+])
+def test_conv_chain_parity(dt, c, oc, s, hw, check):
+    # depthwise 3x3 + ReLU6 computed in the 1x1 Conv's gather: one kernel per inverted-residual tail
+    m = conv_chain(dt, c, oc, s, hw=hw)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [r.kind for r in res.plan.regions] == ["gemm"], [str(r) for r in res.plan.refusals]
+    for shape in check:
+        rep = check_models(m, res.model, provider="cuda", input_shapes={"x": shape})
         assert rep.ok, "\n".join(rep.lines())
 
 
