@@ -24,6 +24,11 @@ def summary(r: OptimizeResult) -> str:
                         and not isinstance(geo := conv.conv_geometry(g, g.nodes[i]), str) and not geo.static_image)
     note = ([f"symbolic image sizes: {runtime_convs} fused Convs index images of run-time size (fix the sizes with "
              "--input-shape for static index math)"] if runtime_convs else [])
+    chains = sum(1 for k in r.kernels if k.region.kind == "gemm" for i in k.region.nodes
+                 if conv.is_anchor(g, g.nodes[i]) and g.nodes[i].op_type in ops.CONV
+                 and g.producer.get(g.nodes[i].input[0]) in k.region.nodes)
+    if chains:
+        note.append(f"conv chains:          {chains} Convs compute their input image in their gather (never written)")
     return "\n".join(note + [
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",

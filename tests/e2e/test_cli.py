@@ -127,6 +127,16 @@ def test_convs_on_symbolic_images_fuse_and_explain_lists_refused_anchors(tmp_pat
     assert kept == [("Conv", ["z", "g"]), ("Tanh", ["u"])], kept  # the grouped Conv, and a Tanh alone
 
 
+def test_summary_counts_conv_chains(tmp_path, capsys):
+    from helpers import conv_chain
+
+    src = _save(conv_chain(TP.FLOAT16, 16, 32, 1, hw=(8, 8)), tmp_path / "c.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "o.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "conv chains:          1 Convs compute their input image in their gather" in out, out
+    assert "regions fused:        1 (1 gemm)" in out, out
+
+
 def test_console_script_and_module_entry(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ortfuse", "optimize", str(tmp_path / "none.onnx"),
                         str(tmp_path / "o.onnx")], capture_output=True, text=True)
