@@ -60,6 +60,9 @@ class KernelSpec:
     # per argument (inputs, then outputs): the byte alignment its address needs for the kernel's vector
     # accesses (1: none), checked before each launch
     arg_align: tuple[int, ...] = ()
+    # constant inputs the kernel reads in another layout: (tensor, perm) -> the fused node is given
+    # Transpose(tensor, perm), which the rewriter stores as a new initializer
+    input_perms: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def block(self) -> int:

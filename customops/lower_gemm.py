@@ -33,6 +33,12 @@ GATHER32_LIMIT = 2 ** 31  # kIm2col indexes one image with 32-bit ints
 MATH_OF = {"f16": tl.MMA_F16, "bf16": tl.MMA_BF16}
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 ROW_PTR = "f32p"  # float* parameters of the row-wise callbacks
+TAP_MAJOR_PERM = (0, 2, 3, 1)  # a Conv weight [OC][C][KH][KW] as the tap-major gather's A: [OC][KH][KW][C]
+
+
+def _tap_major(khwc: tuple[Expr, Expr, Expr]) -> tuple[Expr, Expr, Expr]:
+    """(kh, kw, c) of a tap-major k as the weight's (c, kh, kw) index."""
+    return khwc[2], khwc[0], khwc[1]
 
 
 def row_input(graph: Graph, region: Region, anchor: int) -> str:
@@ -83,6 +89,8 @@ class _GemmLowerer(_Lowerer):
         # (terms, limit): products of runtime dims the kernel needs below limit (its 32-bit gather)
         self.limits: list[tuple[tuple[int, ...], int]] = []
         self.row_ld = 0
+        # constant inputs the kernel reads transposed: (tensor, perm), materialized by the rewriter
+        self.input_perms: list[tuple[str, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -262,9 +270,25 @@ class _GemmLowerer(_Lowerer):
                                ((self.encode(geo.oh), self.encode(geo.ow)), GATHER32_LIMIT)]
         else:
             b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements, or X computed in-kernel
+        # tap-major K when each k tile can lie in one tap and a copied weight can be permuted offline (a 1x1
+        # weight is tap-major as it is)
+        one_tap = geo.kh * geo.kw == 1
+        taps = b_mode == IM2COL and geo.c % 16 == 0 and (a_mode == GENERIC or one_tap or w_t in g.constants)
+        ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_,
+                                          a_mode, b_mode, geo.c if taps else 0)
+        if taps and chosen is None:  # no tile's BK divides C
+            taps = False
+        if not taps:
+            ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es,
+                                              math_, a_mode, b_mode)
+        if taps and a_mode == ROW and not one_tap:
+            self.input_perms.append((w_t, TAP_MAJOR_PERM))
         funcs: list[ir.Func] = []
         if a_mode == ROW:
             funcs.append(self.func("a_base", (vb,), lambda: ir.i64(0)))
+        elif taps:  # k = (kh, kw, c)
+            funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
+                w_t, (vm,) + _tap_major(self.unravel(vk, (geo.kh, geo.kw, geo.c))))))
         else:
             funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
                 w_t, (vm,) + self.unravel(vk, (geo.c, geo.kh, geo.kw)))))
@@ -274,12 +298,10 @@ class _GemmLowerer(_Lowerer):
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.im2col(x_t, geo, vb, vk, vn)))
         self.epilogue(funcs, vb, vm, vn, lambda b, m: self.unravel(b, (geo.batch,)) + self.unravel(m, (geo.oc,)),
                       geo.ow, lambda n: self.unravel(n, (geo.oh, geo.ow)))
-        ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_,
-                                          a_mode, b_mode)
         (sh, sw), (dh, dw), (ph, pw) = geo.stride, geo.dilation, geo.pad
         h, w, ow = (self.encode(d) for d in (geo.h, geo.w, geo.ow))  # runtime dims as -(k + 1)
         targs = ("0", f"ofz::gemm::Conv2d<{geo.c}, {h}, {w}, {geo.kh}, {geo.kw}, {sh}, {sw}, {dh}, {dw}, "
-                      f"{ph}, {pw}, {ow}>") if b_mode == IM2COL else ()
+                      f"{ph}, {pw}, {ow}{', 1' if taps else ''}>") if b_mode == IM2COL else ()
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, self.args[w_t] if a_mode == ROW else 0),
                            (b_mode, self.args[x_t] if b_mode in (ROW, IM2COL) else 0), [self.encode(geo.batch)],
                            [geo.oc], [self.encode(geo.oh), self.encode(geo.ow)], geo.k, targs)
@@ -376,11 +398,16 @@ class _GemmLowerer(_Lowerer):
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, [self.encode(N)], K, targs)
 
-    def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, a_mode: int, b_mode: int
-                    ) -> tuple[list[tl.Ranked], tl.Ranked]:
-        """The ranked candidates and the chosen one (the best, or the forced tile at its best split)."""
-        staged = (a_mode == GENERIC, b_mode in (GENERIC, IM2COL))
-        ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_mode == COL, row=self.row_mode, staged=staged)
+    def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, a_mode: int, b_mode: int,
+                    taps: int = 0) -> tuple[list[tl.Ranked], Optional[tl.Ranked]]:
+        """The ranked candidates and the chosen one (the best, or the forced tile at its best split). `taps`:
+        the channel count of a tap-major gather, which BK must divide; then (_, None) where no tile fits."""
+        staged = (tl.ELEMENTS if a_mode == GENERIC else tl.DIRECT,
+                  tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT)
+        ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_mode == COL, row=self.row_mode, staged=staged,
+                               bk_divides=taps)
+        if taps and (not ranked or (self.forced_tile and taps % self.forced_tile[2])):
+            return ranked, None
         if not ranked:
             raise LoweringError("no GEMM tile fits the hardware table entry" +
                                 (f" with a {n}-column row in one tile" if self.row_mode else ""))
@@ -433,5 +460,5 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
-                      tuple(lw.derived), tuple(lw.limits))
+                      tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms))
 

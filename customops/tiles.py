@@ -30,12 +30,18 @@ REG_OVERHEAD = 40  # addresses, loop counters, epilogue temporaries (estimate)
 # through registers (an im2col tap or an IR b_load: index math, bounds, load, shared store), the loop itself.
 ISSUE_PER_CHUNK = 8
 ISSUE_PER_STAGED = 30
+# An element of the tap-major im2col gather (predicated load at a fixed channel stride, zero select, shared
+# store): 7.8 per element in ResNet-50's 3x3 Conv kernels (cuobjdump, 2026-11-24), against 30 before.
+ISSUE_PER_TAP = 8
 ISSUE_PER_KTILE = 30
 # Registers per thread and k tile: a cp.async chunk keeps its address (2), shared offset, k position and
 # live flag; a staged element costs about 4 (ptxas -v on sm_90 im2col kernels with 8 to 48 staged
 # elements: the value plus the index math the compiler keeps live to overlap the loads).
 REGS_PER_CHUNK = 5
 REGS_PER_STAGED = 4
+# How an operand reaches shared memory (the `staged` pair, A then B): copied by cp.async, loaded element
+# by element through registers (prologue math, the im2col gather), or by the tap-major im2col gather.
+DIRECT, ELEMENTS, TAPS = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -72,19 +78,18 @@ class GemmTile:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
         acc = self.wm * self.wn // 32
         frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
-        ops = self.operand_work(esize, staged)
-        return acc + frags + REG_OVERHEAD + ops[0] * REGS_PER_CHUNK + ops[1] * REGS_PER_STAGED
+        chunks, elems, taps = self.operand_work(esize, staged)
+        return acc + frags + REG_OVERHEAD + chunks * REGS_PER_CHUNK + (elems + taps) * REGS_PER_STAGED
 
-    def operand_work(self, esize: int, staged: tuple[bool, bool]) -> tuple[int, int]:
-        """(cp.async chunks, staged elements) per thread and k tile; staged = (A, B) go through registers."""
+    def operand_work(self, esize: int, staged: tuple[int, int]) -> tuple[int, int, int]:
+        """(cp.async chunks, staged elements, tap-major gather elements) per thread and k tile; `staged` says
+        how A and B are loaded (DIRECT, ELEMENTS or TAPS; a bool reads as DIRECT / ELEMENTS)."""
         chunk = 16 // esize
-        chunks = elems = 0
-        for on, size in zip(staged, (self.bm * self.bk, self.bk * self.bn)):
-            if on:
-                elems += -(-size // self.threads)
-            else:
-                chunks += -(-size // (chunk * self.threads))
-        return chunks, elems
+        counts = [0, 0, 0]
+        for how, size in zip(staged, (self.bm * self.bk, self.bk * self.bn)):
+            per = -(-size // self.threads)
+            counts[int(how)] += per if how else -(-per // chunk)
+        return counts[0], counts[1], counts[2]
 
     def issue_per_ktile(self, math_: int, esize: int, staged: tuple[bool, bool]) -> int:
         """Instructions each thread (so each warp) issues per k tile: the math's shared loads and MMA/FMA
@@ -97,8 +102,8 @@ class GemmTile:
             step = 16 if math_ != MMA_TF32 else 8
             frag = mt + -(-nt // 2) if math_ != MMA_TF32 else 4 * mt + 2 * nt  # ldmatrix, or tf32 converts
             math_ops = (self.bk // step) * (frag + mt * nt)
-        chunks, elems = self.operand_work(esize, staged)
-        return math_ops + chunks * ISSUE_PER_CHUNK + elems * ISSUE_PER_STAGED + ISSUE_PER_KTILE
+        chunks, elems, taps = self.operand_work(esize, staged)
+        return math_ops + chunks * ISSUE_PER_CHUNK + elems * ISSUE_PER_STAGED + taps * ISSUE_PER_TAP + ISSUE_PER_KTILE
 
     def as_tuple(self) -> tuple[int, int, int, int, int, int]:
         return (self.bm, self.bn, self.bk, self.wm, self.wn, self.stages)
@@ -230,13 +235,16 @@ def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, 
 
 
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
-               top_k: int = 4, row: bool = False, staged: tuple[bool, bool] = (False, False)) -> list[Ranked]:
+               top_k: int = 4, row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
+               bk_divides: int = 0) -> list[Ranked]:
     """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values), each at its
-    best split-K. `row`: only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: whether
-    A / B are loaded element by element through registers (prologue loads, the im2col gather) rather than
-    by cp.async."""
+    best split-K. `row`: only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: how A and
+    B reach shared memory (DIRECT: cp.async; ELEMENTS: element loads through registers, for prologue math
+    or the im2col gather; TAPS: the tap-major gather). `bk_divides`: only tiles whose BK divides it (the tap-major gather's channel count)."""
     ranked = []
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
+        if bk_divides and bk_divides % t.bk:
+            continue
         r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
         if r is not None:
             ranked.append(r)

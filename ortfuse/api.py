@@ -150,7 +150,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
 def _fused(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
     tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
     node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
-                     region.outputs, tuple(attrs.node_attributes(spec, ck)))
+                     region.outputs, tuple(attrs.node_attributes(spec, ck)), spec.input_perms)
     return FusedKernel(region, spec, ck, node)
 
 

@@ -10,6 +10,8 @@ nothing. Everything except the timer runs on the CPU too, which is
 how the tests check the sub-model construction and the decisions."""
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import statistics
@@ -94,8 +96,7 @@ def region_model(g: Graph, region: Region, dims: Mapping[str, int]) -> onnx.Mode
 def fused_model(sub: onnx.ModelProto, node: FusedNode) -> onnx.ModelProto:
     """`sub` (from region_model) with its nodes replaced by the fused node."""
     sg = build_graph(sub, {})
-    return replace(sg, [FusedNode(node.name, node.op_type, tuple(range(len(sg.nodes))), node.inputs, node.outputs,
-                                  node.attributes)])
+    return replace(sg, [dataclasses.replace(node, node_indices=tuple(range(len(sg.nodes))))])
 
 
 def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:

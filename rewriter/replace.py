@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ortfuse.errors import InputError
 from ortfuse.rewriter import _proto
@@ -28,6 +30,9 @@ class FusedNode:
     inputs: tuple[str, ...]  # kernel arguments in order: tensors defined outside the region
     outputs: tuple[str, ...]  # tensors produced in the region and used outside it, or graph outputs
     attributes: tuple[onnx.AttributeProto, ...] = ()
+    # constant inputs the kernel reads transposed: (tensor, perm). The node is given a new initializer
+    # holding the transposed data; its function transposes it back before the original sub-graph.
+    input_perms: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
@@ -37,7 +42,8 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
     owner = _validate(graph, fused)
     model = _proto.copy_model(graph.model)
     g = model.graph
-    new_nodes = [_fused_node(fused[k]) if kind == "fused" else graph.nodes[k]
+    permuted = _permuted_constants(graph, fused, g)
+    new_nodes = [_fused_node(fused[k], permuted) if kind == "fused" else graph.nodes[k]
                  for kind, k in _contracted_order(graph, fused, owner)]
     del g.node[:]
     g.node.extend(new_nodes)
@@ -136,10 +142,38 @@ def _contracted_order(graph: Graph, fused: tuple[FusedNode, ...], owner: dict[in
 
 # ---- building ----------------------------------------------------------------------------------------
 
-def _fused_node(f: FusedNode) -> onnx.NodeProto:
-    node = onnx.helper.make_node(f.op_type, list(f.inputs), list(f.outputs), name=f.name, domain=DOMAIN)
+def _fused_node(f: FusedNode, permuted: dict[tuple[str, tuple[int, ...]], str]) -> onnx.NodeProto:
+    perm_of = dict(f.input_perms)
+    inputs = [permuted[(x, perm_of[x])] if x in perm_of else x for x in f.inputs]
+    node = onnx.helper.make_node(f.op_type, inputs, list(f.outputs), name=f.name, domain=DOMAIN)
     node.attribute.extend(f.attributes)
     return node
+
+
+def _permuted_constants(graph: Graph, fused: tuple[FusedNode, ...],
+                        g: onnx.GraphProto) -> dict[tuple[str, tuple[int, ...]], str]:
+    """Each (constant, perm) some fused node reads as a new initializer in `g`: {(name, perm): new name}."""
+    out: dict[tuple[str, tuple[int, ...]], str] = {}
+    taken = set(graph.tensors) | {t.name for t in g.initializer}
+    for f in fused:
+        for name, perm in f.input_perms:
+            if (name, perm) in out:
+                continue
+            if name not in f.inputs or name not in graph.constants:
+                raise ValueError(f"{f.name}: '{name}' is not a constant input of the region")
+            data = np.asarray(graph.constants[name])
+            if sorted(perm) != list(range(data.ndim)):
+                raise ValueError(f"{f.name}: {perm} is not a permutation of '{name}' (rank {data.ndim})")
+            new = f"{name}__ortfuse_t{''.join(map(str, perm))}"
+            while new in taken:
+                new += "_"
+            tensor = numpy_helper.from_array(np.ascontiguousarray(np.transpose(data, perm)), new)
+            if tensor.data_type != graph.tensors[name].dtype:
+                raise ValueError(f"{f.name}: '{name}' would change dtype when transposed")
+            g.initializer.append(tensor)
+            taken.add(new)
+            out[(name, perm)] = new
+    return out
 
 
 def _add_functions(model: onnx.ModelProto, graph: Graph, fused: tuple[FusedNode, ...]) -> None:
@@ -164,6 +198,11 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
     region = sorted(f.node_indices)
     produced = {o for i in region for o in graph.nodes[i].output if o}
     body: list[onnx.NodeProto] = []
+    for x, perm in f.input_perms:  # the node is given the transposed constant: transpose it back
+        k = f.inputs.index(x)
+        inverse = [perm.index(a) for a in range(len(perm))]
+        body.append(onnx.helper.make_node("Transpose", [f"in{k}"], [f"p{k}"], perm=inverse))
+        rename[x] = f"p{k}"
     for i in region:
         for x in graph.nodes[i].input:
             if x and x not in rename and x not in produced:

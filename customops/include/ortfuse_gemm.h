@@ -52,9 +52,16 @@ __device__ __forceinline__ int conv_size(const OfzArgs& a) {
   if constexpr (T >= 0) return T;
   else return (int)a.dim[-T - 1];
 }
-template <int C, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW, int PH, int PW, int OW>
+// TAPS (tap-major K): k = (kh * KW + kw) * C + c instead of (c * KH + kh) * KW + kw, with A the weight
+// permuted offline to [OC][KH][KW][C] and BK dividing C, so every k tile lies in one tap: the gather works
+// out the tap once per k tile and each element is one load at a fixed channel stride.
+template <int C, int H, int W, int KH, int KW, int SH, int SW, int DH, int DW, int PH, int PW, int OW, int TAPS = 0>
 struct Conv2d {
   static constexpr int kTaps = KH * KW, kK = C * kTaps;
+  static constexpr bool kTapMajor = TAPS != 0;
+  static constexpr int kC = C, kKW = KW, kDH = DH, kDW = DW;
+  static __device__ __forceinline__ int height(const OfzArgs& a) { return conv_size<H>(a); }
+  static __device__ __forceinline__ int width(const OfzArgs& a) { return conv_size<W>(a); }
   // (ih0, iw0) of output pixel n: the image row and column of tap (0, 0)
   static __device__ __forceinline__ void origin(const OfzArgs& a, unsigned n, int& ih0, int& iw0) {
     const unsigned ow_n = (unsigned)conv_size<OW>(a);
@@ -69,7 +76,9 @@ struct Conv2d {
     return (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)w ? (int)c * (h * w) + ih * w + iw : -1;
   }
 };
-struct NoConv {};
+struct NoConv {
+  static constexpr bool kTapMajor = false;
+};
 // Math of the warp tile.
 enum Math : int { kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3 };
 
@@ -189,6 +198,50 @@ struct Staging {
   static constexpr int kB = BMODE == kGeneric || BMODE == kIm2col ? (BK * BN + L::kThreads - 1) / L::kThreads : 0;
   T av[kA > 0 ? kA : 1];
   T bv[kB > 0 ? kB : 1];
+  // tap-major gather: the thread's pixels (kP of them: its columns of the B tile) as the image row and
+  // column of tap (0, 0); a pixel past N gets a row no tap can bring inside the image
+  static constexpr bool kTaps = BMODE == kIm2col && Geo::kTapMajor;
+  static constexpr int kP = !kTaps ? 1 : L::kThreads % BN == 0 ? 1 : BN / L::kThreads;
+  int ih0[kP], iw0[kP];
+
+  // once per output tile, before its first fetch
+  __device__ __forceinline__ void begin(const OfzArgs& a, ofz_i64 n0, ofz_i64 N) {
+    if constexpr (kTaps) {
+      static_assert(L::kThreads % BN == 0 || BN % L::kThreads == 0, "tap-major gather: threads and BN nest");
+      static_assert(Geo::kC % BK == 0, "tap-major gather: k tiles within one tap");
+      const int tid = threadIdx.x;
+#pragma unroll
+      for (int p = 0; p < kP; ++p) {
+        const unsigned n = (unsigned)n0 + (kP == 1 ? tid % BN : p * L::kThreads + tid);
+        Geo::origin(a, n, ih0[p], iw0[p]);
+        if (n >= (unsigned)N) ih0[p] = -(1 << 30);
+      }
+    }
+  }
+
+  // tap-major: k tile k0 is channels c0 .. c0 + BK - 1 of tap k0 / C
+  __device__ __forceinline__ void gather_taps(const OfzArgs& a, const T* B, ofz_i64 k0) {
+    const int tid = threadIdx.x;
+    const unsigned k = (unsigned)k0, tap = k / Geo::kC, c0 = k - tap * Geo::kC;
+    const unsigned kh = tap / Geo::kKW, kw = tap - kh * Geo::kKW;
+    const int h = Geo::height(a), w = Geo::width(a), hw = h * w;
+    int base[kP];
+    bool inside[kP];
+#pragma unroll
+    for (int p = 0; p < kP; ++p) {
+      const int ih = ih0[p] + (int)kh * Geo::kDH, iw = iw0[p] + (int)kw * Geo::kDW;
+      inside[p] = (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)w;
+      base[p] = (int)c0 * hw + ih * w + iw;
+    }
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      // the thread's element i: row r of the tile (channel c0 + r) at its pixel p
+      const int p = kP == 1 ? 0 : i % kP;
+      const int r = kP == 1 ? tid / BN + i * (L::kThreads / BN) : i / kP;
+      const bool live = (BK * BN) % L::kThreads == 0 || r < BK;  // compile-time true unless the tile is ragged
+      bv[i] = live && inside[p] ? B[base[p] + r * hw] : from_f32<T>(0.0f);
+    }
+  }
 
   __device__ __forceinline__ void fetch(const OfzArgs& a, const T* B, ofz_i64 b, ofz_i64 m0, ofz_i64 n0, ofz_i64 k0,
                                         ofz_i64 M, ofz_i64 N, ofz_i64 K) {
@@ -199,10 +252,12 @@ struct Staging {
         int r, kc;
         tile_element<BM, BK, L::kThreads>(tid, i, r, kc);
         const ofz_i64 gm = m0 + r, gk = k0 + kc;
-        av[i] = from_f32<T>(r >= 0 && gm < M && gk < K ? Ops::a_load(a, b, gm, gk) : 0.0f);
+        av[i] = from_f32<T>(((BM * BK) % L::kThreads == 0 || r >= 0) && gm < M && gk < K ? Ops::a_load(a, b, gm, gk) : 0.0f);
       }
     }
-    if constexpr (BMODE == kIm2col) {
+    if constexpr (kTaps) {
+      gather_taps(a, B, k0);
+    } else if constexpr (BMODE == kIm2col) {
       // 32-bit gather; B is image b. With NT % BN == 0 the thread's pixel is the same for every i and tile
       // step, so its origin is computed once per tile.
 #pragma unroll
@@ -212,7 +267,7 @@ struct Staging {
         const unsigned n = (unsigned)n0 + nc, k = (unsigned)k0 + r;
         int ih0, iw0;
         Geo::origin(a, n, ih0, iw0);
-        const int off = r >= 0 && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(a, k, ih0, iw0) : -1;
+        const int off = ((BK * BN) % L::kThreads == 0 || r >= 0) && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(a, k, ih0, iw0) : -1;
         bv[i] = off >= 0 ? B[off] : from_f32<T>(0.0f);
       }
     } else if constexpr (kB > 0) {
@@ -221,24 +276,25 @@ struct Staging {
         int r, nc;
         tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
         const ofz_i64 gk = k0 + r, gn = n0 + nc;
-        bv[i] = from_f32<T>(r >= 0 && gk < K && gn < N ? Ops::b_load(a, b, gk, gn) : 0.0f);
+        bv[i] = from_f32<T>(((BK * BN) % L::kThreads == 0 || r >= 0) && gk < K && gn < N ? Ops::b_load(a, b, gk, gn) : 0.0f);
       }
     }
   }
 
   __device__ __forceinline__ void stash(T* As, T* Bs) const {
     const int tid = threadIdx.x;
+    // r is -1 only past the end of a tile the threads do not divide evenly (decided at compile time)
 #pragma unroll
     for (int i = 0; i < kA; ++i) {
       int r, kc;
       tile_element<BM, BK, L::kThreads>(tid, i, r, kc);
-      if (r >= 0) As[r * L::kALd + kc] = av[i];
+      if ((BM * BK) % L::kThreads == 0 || r >= 0) As[r * L::kALd + kc] = av[i];
     }
 #pragma unroll
     for (int i = 0; i < kB; ++i) {
       int r, nc;
       tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
-      if (r >= 0) Bs[r * L::kBLd + nc] = bv[i];
+      if ((BK * BN) % L::kThreads == 0 || r >= 0) Bs[r * L::kBLd + nc] = bv[i];
     }
   }
 };
@@ -370,6 +426,7 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     direct.init(A, B, m0, n0, M, N, K, kt0 * BK);
     Staging<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, Geo> staged;
     constexpr bool kStaged = AMODE == kGeneric || BMODE == kGeneric || BMODE == kIm2col;
+    staged.begin(a, n0, N);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < nk) {

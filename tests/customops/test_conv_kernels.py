@@ -203,3 +203,102 @@ def test_fp32_conv_chain_is_fused_though_ort_folds_its_relu():
               [const("dw", _w((16, 1, 3, 3), F, 1, 0.3)), const("pw", _w((32, 16, 1, 1), F, 2, 0.3)),
                const("pb", _w(32, F, 3))])
     fused_parity(m, None, {"x": (2, 16, 8, 8)}, ("gemm",))
+
+
+TAPS_FLAG = re.compile(r"ofz::gemm::Conv2d<[^>]*, 1>")  # the template's tap-major gather
+
+
+@pytest.mark.parametrize("dt", [F, H])
+@pytest.mark.parametrize("geom,permuted", [
+    ((32, 16, 3, 1, (1, 1, 1, 1), 1, 9), True),     # 3x3 same padding
+    ((64, 24, 3, 2, (0, 1, 2, 0), 2, 13), True),    # stride 2, dilation 2, asymmetric padding, 5x5 output
+    ((32, 8, 5, 1, (2, 2, 2, 2), 1, 6), True),      # 5x5 taps, output columns fewer than a tile
+    ((32, 16, 1, 1, (0, 0, 0, 0), 1, 7), False),    # 1x1 on 49 pixels (rows unaligned: gathered), weight as is
+    ((64, 16, 1, 2, (0, 0, 0, 0), 1, 9), False),    # 1x1 stride 2 (downsample shortcut)
+])
+def test_tap_major_gather(dt, geom, permuted):
+    # C a multiple of BK: k runs over (kh, kw, c), each k tile in one tap, and the weight is given to the
+    # fused node permuted offline to [OC][KH][KW][C]; the optimized model still runs without CUDA (its
+    # function transposes the weight back)
+    m, shapes, at = conv_silu_residual(dt, *geom)
+    for n in (1, 3):
+        res = fused_parity(m, shapes, at(n), ("gemm",))
+    assert TAPS_FLAG.search(res.kernels[0].compiled.source)
+    (fn,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    inits = {t.name: t for t in res.model.graph.initializer}
+    if permuted:
+        assert res.kernels[0].spec.input_perms == (("w", (0, 2, 3, 1)),)
+        assert fn.input[1] == "w__ortfuse_t0231" and "w" not in inits  # the original is no longer read
+        oc, c, k = geom[1], geom[0], geom[2]
+        assert list(inits[fn.input[1]].dims) == [oc, k, k, c]
+        assert res.model.functions[0].node[0].op_type == "Transpose"
+    else:
+        assert res.kernels[0].spec.input_perms == () and fn.input[1] == "w"
+
+
+@pytest.mark.parametrize("dt,taps", [(H, False), (F, True)])
+def test_tap_major_gather_needs_a_bk_that_divides_the_channels(dt, taps):
+    # 16 channels: fp16 tiles have BK 32 or 64 (channel-major gather, weight as is); fp32 tiles BK 16
+    m, shapes, at = conv_silu_residual(dt, 16, 16, 3, 1, (1, 1, 1, 1), 1, 8)
+    res = fused_parity(m, shapes, at(2), ("gemm",))
+    src = res.kernels[0].compiled.source
+    assert bool(TAPS_FLAG.search(src)) == taps and "ofz::gemm::Conv2d<16," in src
+    assert bool(res.kernels[0].spec.input_perms) == taps
+    for tile in res.kernels[0].spec.tiles:  # every --profile candidate keeps the layout the weight was given
+        assert not taps or 16 % tile[2] == 0
+
+
+def test_tap_major_gather_on_symbolic_images():
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+
+    c, oc = 32, 16
+    m = model([node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+               node("Relu", ["y"], ["out"])],
+              [vi("x", H, ["n", c, "h", "w"])], [vi("out", H, None)],
+              [const("w", _w((oc, c, 3, 3), H, 1), np.float16), const("b", _w(oc, H, 2), np.float16)])
+    res = compile_model(m, None, "sm_80,sm_90", options=Options(archs=(80, 90)))
+    (k,) = res.kernels
+    assert re.search(r"ofz::gemm::Conv2d<32, -\d+, -\d+, 3, 3, 2, 2, 1, 1, 1, 1, -\d+, 1>", k.compiled.source)
+    for shape in [(1, c, 9, 13), (2, c, 16, 5), (1, c, 2, 2)]:
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": shape})
+        assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+
+
+def test_tap_major_weight_shared_with_a_conv_left_to_ort():
+    # one weight, two Convs: the fused one reads a permuted copy, the bare one (no epilogue: left to ORT)
+    # still reads the original
+    c, oc = 32, 32
+    m = model([node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]), node("Relu", ["y"], ["a"]),
+               node("Conv", ["a", "w"], ["out"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])],
+              [vi("x", H, ["n", c, 8, 8])], [vi("out", H, None)], [const("w", _w((oc, c, 3, 3), H, 1), np.float16)])
+    res = fused_parity(m, {"x": ("n", c, 8, 8)}, {"x": (2, c, 8, 8)}, ("gemm",))
+    inits = {t.name for t in res.model.graph.initializer}
+    assert inits == {"w", "w__ortfuse_t0231"}
+    assert [n.input[1] for n in res.model.graph.node if n.op_type == "Conv"] == ["w"]
+
+
+@pytest.mark.parametrize("dt,tile,c,oc,hw", [
+    (F, (16, 128, 16, 16, 64, 2), 64, 16, 11),   # 64 threads, BN 128: each thread gathers two pixels
+    (H, (64, 16, 64, 16, 16, 2), 64, 64, 11),    # 128 threads, BN 16: one pixel, 8 channels apart per element
+    (H, (16, 16, 32, 16, 16, 3), 256, 16, 4),    # one output tile, 2304-long K: split across a cluster
+])
+def test_tap_major_gather_tiles(dt, tile, c, oc, hw, monkeypatch):
+    from ortfuse.customops import tiles
+    monkeypatch.setattr(tiles, "_candidates", lambda math_, esize: [tiles.GemmTile(*tile)])
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+
+    m, shapes, at = conv_silu_residual(dt, c, oc, 3, 1, (1, 1, 1, 1), 1, hw)
+    split = hw == 4  # split-K needs sm_90 alone, and batch 1 at optimize time (not the symbolic batch's hint)
+    if split:
+        res = compile_model(m, at(1), "sm_90", options=Options(archs=(90,)))
+        rep = check_models(m, res.model, emulate=True, input_shapes=at(1))
+        assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+    else:
+        res = fused_parity(m, shapes, at(2), ("gemm",))
+    k = res.kernels[0]
+    assert TAPS_FLAG.search(k.compiled.source) and k.spec.tiles[0][:6] == tile
+    assert (k.spec.split_k > 1) == split

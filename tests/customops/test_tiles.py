@@ -88,3 +88,14 @@ def test_split_k_tiles_reserve_the_partial_tile():
                                                              16 * 772 * 4 + tiles.row_scratch_bytes(t))
     assert t.smem_bytes(2, False, split=4) == max(t.smem_bytes(2, False), 16 * 772 * 4)
     assert t.smem_bytes(2, False, split=1) == t.smem_bytes(2, False)
+
+
+def test_tap_major_gather_is_cheaper_to_issue_and_keeps_bk_dividing_the_channels():
+    t = GemmTile(128, 64, 64, 32, 32, 3)
+    staged = t.issue_per_ktile(MMA_F16, 2, (tiles.DIRECT, tiles.ELEMENTS))
+    taps = t.issue_per_ktile(MMA_F16, 2, (tiles.DIRECT, tiles.TAPS))
+    assert t.operand_work(2, (tiles.DIRECT, tiles.TAPS)) == (4, 0, 16)
+    assert taps == staged - 16 * (tiles.ISSUE_PER_STAGED - tiles.ISSUE_PER_TAP)
+    ranked = tiles.rank_tiles(H100, 256, 3136, 576, 1, 2, MMA_F16, False, top_k=50,
+                              staged=(tiles.DIRECT, tiles.TAPS), bk_divides=32)
+    assert ranked and {r.tile.bk for r in ranked} == {32}

@@ -61,6 +61,34 @@ def test_function_body_embeds_scalar_constant(mlp_graph):
     assert {t.name for t in model.graph.initializer} == {"w", "b"}
 
 
+def test_constant_input_passed_transposed(mlp_graph):
+    # the MatMul's region reads w [4, 3] transposed: the node gets a new [3, 4] initializer, the function
+    # transposes it back, the original (read by nothing else now) goes
+    import dataclasses
+    f = dataclasses.replace(fused([1, 2], ["x", "w", "b"], ["h"]), input_perms=(("w", (1, 0)),))
+    model = replace(mlp_graph, [f])
+    node = next(n for n in model.graph.node if n.domain == "ortfuse")
+    assert list(node.input) == ["x", "w__ortfuse_t10", "b"]
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(inits["w__ortfuse_t10"], mlp_graph.constants["w"].T)
+    assert "w" not in inits
+    (fn,) = model.functions
+    assert fn.node[0].op_type == "Transpose" and list(fn.node[0].input) == ["in1"]
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    for got, want in zip(run(model, {"x": x}), run(mlp_graph.model, {"x": x})):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("perms,message", [
+    ((("w", (0, 0)),), "not a permutation"),
+    ((("x", (1, 0)),), "not a constant input"),
+])
+def test_bad_input_perms_are_refused(mlp_graph, perms, message):
+    import dataclasses
+    with pytest.raises(ValueError, match=message):
+        replace(mlp_graph, [dataclasses.replace(fused([1, 2], ["x", "w", "b"], ["h"]), input_perms=perms)])
+
+
 def test_unused_initializer_is_removed_and_value_info_pruned(mlp_graph):
     model = replace(mlp_graph, [fused([1, 2, 3, 4], ["x"], ["h", "y"])])  # w and b embedded
     assert not model.graph.initializer
