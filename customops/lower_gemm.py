@@ -36,11 +36,6 @@ ROW_PTR = "f32p"  # float* parameters of the row-wise callbacks
 TAP_MAJOR_PERM = (0, 2, 3, 1)  # a Conv weight [OC][C][KH][KW] as the tap-major gather's A: [OC][KH][KW][C]
 
 
-def _tap_major(khwc: tuple[Expr, Expr, Expr]) -> tuple[Expr, Expr, Expr]:
-    """(kh, kw, c) of a tap-major k as the weight's (c, kh, kw) index."""
-    return khwc[2], khwc[0], khwc[1]
-
-
 def row_input(graph: Graph, region: Region, anchor: int) -> str:
     """X of a row-wise epilogue: the one tensor computed from the GEMM result, before any reduction, that
     the rest of the region (or the outside) reads. Raises when there is not exactly one."""
@@ -78,6 +73,7 @@ class _GemmLowerer(_Lowerer):
         anchors = [i for i in region.nodes if conv.is_anchor(graph, graph.nodes[i])]
         if len(anchors) != 1:
             raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm/Conv, this region has {len(anchors)}")
+        self.anchor_index = anchors[0]
         self.anchor = graph.nodes[anchors[0]]
         self.tf32 = tf32
         self.forced_tile = tile
@@ -270,25 +266,24 @@ class _GemmLowerer(_Lowerer):
                                ((self.encode(geo.oh), self.encode(geo.ow)), GATHER32_LIMIT)]
         else:
             b_mode = GENERIC  # b_load's 64-bit gather: an image past 2^31 elements, or X computed in-kernel
-        # tap-major K when each k tile can lie in one tap and a copied weight can be permuted offline (a 1x1
-        # weight is tap-major as it is)
+        # tap-major K (each k tile in one tap) when C allows it and the copied weight is tap-major as it is (1x1)
+        # or may be permuted offline: a constant no user can feed, read by nothing else in the region
         one_tap = geo.kh * geo.kw == 1
-        taps = b_mode == IM2COL and geo.c % 16 == 0 and (a_mode == GENERIC or one_tap or w_t in g.constants)
-        ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_,
-                                          a_mode, b_mode, geo.c if taps else 0)
-        if taps and chosen is None:  # no tile's BK divides C
-            taps = False
-        if not taps:
-            ranked, chosen = self.choose_tile(geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es,
-                                              math_, a_mode, b_mode)
-        if taps and a_mode == ROW and not one_tap:
+        readers = [i for i in g.consumers.get(w_t, ()) if i in self.r.nodes]
+        fed = any(v.name == w_t for v in g.model.graph.input)  # an initializer a user may override
+        permutable = w_t in g.constants and not fed and readers == [self.anchor_index]
+        dims = (geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_, a_mode, b_mode)
+        ranked, chosen = self.choose_tile(*dims)
+        taps = False
+        if b_mode == IM2COL and a_mode == ROW and geo.c % 16 == 0 and (one_tap or permutable):
+            t_ranked, t_chosen = self.choose_tile(*dims, geo.c)
+            if t_chosen is not None and (self.forced_tile or t_chosen.est_us <= chosen.est_us):
+                ranked, chosen, taps = t_ranked, t_chosen, True
+        if taps and not one_tap:
             self.input_perms.append((w_t, TAP_MAJOR_PERM))
         funcs: list[ir.Func] = []
         if a_mode == ROW:
             funcs.append(self.func("a_base", (vb,), lambda: ir.i64(0)))
-        elif taps:  # k = (kh, kw, c)
-            funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
-                w_t, (vm,) + _tap_major(self.unravel(vk, (geo.kh, geo.kw, geo.c))))))
         else:
             funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
                 w_t, (vm,) + self.unravel(vk, (geo.c, geo.kh, geo.kw)))))

@@ -74,7 +74,7 @@ class GemmTile:
         """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch."""
         return self.smem_bytes(esize, b_nk, row, split) + (row_scratch_bytes(self) if row else 0)
 
-    def regs(self, math_: int, esize: int = 2, staged: tuple[bool, bool] = (False, False)) -> int:
+    def regs(self, math_: int, esize: int = 2, staged: tuple[int, int] = (DIRECT, DIRECT)) -> int:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
         acc = self.wm * self.wn // 32
         frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
@@ -91,7 +91,7 @@ class GemmTile:
             counts[int(how)] += per if how else -(-per // chunk)
         return counts[0], counts[1], counts[2]
 
-    def issue_per_ktile(self, math_: int, esize: int, staged: tuple[bool, bool]) -> int:
+    def issue_per_ktile(self, math_: int, esize: int, staged: tuple[int, int]) -> int:
         """Instructions each thread (so each warp) issues per k tile: the math's shared loads and MMA/FMA
         instructions, the operand copies, the loop."""
         if math_ == SIMT:
@@ -164,7 +164,7 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
 
 
 def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batch: int, esize: int, math_: int,
-              b_nk: bool, row: bool, staged: tuple[bool, bool]) -> Optional[Ranked]:
+              b_nk: bool, row: bool, staged: tuple[int, int]) -> Optional[Ranked]:
     """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
     smem = t.smem_bytes(esize, b_nk, row, split)
     regs = t.regs(math_, esize, staged)
@@ -227,7 +227,7 @@ def _best_split(tgt: Target, t: GemmTile, *args, only: Optional[int] = None) -> 
 
 
 def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
-                  row: bool = False, staged: tuple[bool, bool] = (False, False),
+                  row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
                   split: Optional[int] = None) -> Optional[Ranked]:
     """One given tile (a profiling candidate, a user's choice) at its best split, or at `split`; None if it
     does not fit (or that split does not apply)."""
@@ -240,7 +240,8 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
     """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values), each at its
     best split-K. `row`: only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: how A and
     B reach shared memory (DIRECT: cp.async; ELEMENTS: element loads through registers, for prologue math
-    or the im2col gather; TAPS: the tap-major gather). `bk_divides`: only tiles whose BK divides it (the tap-major gather's channel count)."""
+    or the im2col gather; TAPS: the tap-major gather). `bk_divides`: only tiles whose BK divides it (the
+    tap-major gather's channel count)."""
     ranked = []
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
         if bk_divides and bk_divides % t.bk:

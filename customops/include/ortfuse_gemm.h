@@ -199,23 +199,20 @@ struct Staging {
   T av[kA > 0 ? kA : 1];
   T bv[kB > 0 ? kB : 1];
   // tap-major gather: the thread's pixels (kP of them: its columns of the B tile) as the image row and
-  // column of tap (0, 0); a pixel past N gets a row no tap can bring inside the image
+  // column of tap (0, 0). A pixel past N still reads inside the image (or zero): its column is never stored.
   static constexpr bool kTaps = BMODE == kIm2col && Geo::kTapMajor;
   static constexpr int kP = !kTaps ? 1 : L::kThreads % BN == 0 ? 1 : BN / L::kThreads;
-  int ih0[kP], iw0[kP];
+  int px_h[kP], px_w[kP];
 
   // once per output tile, before its first fetch
-  __device__ __forceinline__ void begin(const OfzArgs& a, ofz_i64 n0, ofz_i64 N) {
+  __device__ __forceinline__ void begin(const OfzArgs& a, ofz_i64 n0) {
     if constexpr (kTaps) {
       static_assert(L::kThreads % BN == 0 || BN % L::kThreads == 0, "tap-major gather: threads and BN nest");
       static_assert(Geo::kC % BK == 0, "tap-major gather: k tiles within one tap");
       const int tid = threadIdx.x;
 #pragma unroll
-      for (int p = 0; p < kP; ++p) {
-        const unsigned n = (unsigned)n0 + (kP == 1 ? tid % BN : p * L::kThreads + tid);
-        Geo::origin(a, n, ih0[p], iw0[p]);
-        if (n >= (unsigned)N) ih0[p] = -(1 << 30);
-      }
+      for (int p = 0; p < kP; ++p)
+        Geo::origin(a, (unsigned)n0 + (kP == 1 ? tid % BN : p * L::kThreads + tid), px_h[p], px_w[p]);
     }
   }
 
@@ -229,7 +226,7 @@ struct Staging {
     bool inside[kP];
 #pragma unroll
     for (int p = 0; p < kP; ++p) {
-      const int ih = ih0[p] + (int)kh * Geo::kDH, iw = iw0[p] + (int)kw * Geo::kDW;
+      const int ih = px_h[p] + (int)kh * Geo::kDH, iw = px_w[p] + (int)kw * Geo::kDW;
       inside[p] = (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)w;
       base[p] = (int)c0 * hw + ih * w + iw;
     }
@@ -252,7 +249,8 @@ struct Staging {
         int r, kc;
         tile_element<BM, BK, L::kThreads>(tid, i, r, kc);
         const ofz_i64 gm = m0 + r, gk = k0 + kc;
-        av[i] = from_f32<T>(((BM * BK) % L::kThreads == 0 || r >= 0) && gm < M && gk < K ? Ops::a_load(a, b, gm, gk) : 0.0f);
+        const bool live = (BM * BK) % L::kThreads == 0 || r >= 0;  // compile-time true unless the tile is ragged
+        av[i] = from_f32<T>(live && gm < M && gk < K ? Ops::a_load(a, b, gm, gk) : 0.0f);
       }
     }
     if constexpr (kTaps) {
@@ -267,7 +265,8 @@ struct Staging {
         const unsigned n = (unsigned)n0 + nc, k = (unsigned)k0 + r;
         int ih0, iw0;
         Geo::origin(a, n, ih0, iw0);
-        const int off = ((BK * BN) % L::kThreads == 0 || r >= 0) && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(a, k, ih0, iw0) : -1;
+        const bool live = (BK * BN) % L::kThreads == 0 || r >= 0;
+        const int off = live && n < (unsigned)N && k < (unsigned)Geo::kK ? Geo::offset(a, k, ih0, iw0) : -1;
         bv[i] = off >= 0 ? B[off] : from_f32<T>(0.0f);
       }
     } else if constexpr (kB > 0) {
@@ -276,7 +275,8 @@ struct Staging {
         int r, nc;
         tile_element<BK, BN, L::kThreads>(tid, i, r, nc);
         const ofz_i64 gk = k0 + r, gn = n0 + nc;
-        bv[i] = from_f32<T>(((BK * BN) % L::kThreads == 0 || r >= 0) && gk < K && gn < N ? Ops::b_load(a, b, gk, gn) : 0.0f);
+        const bool live = (BK * BN) % L::kThreads == 0 || r >= 0;
+        bv[i] = from_f32<T>(live && gk < K && gn < N ? Ops::b_load(a, b, gk, gn) : 0.0f);
       }
     }
   }
@@ -426,7 +426,7 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     direct.init(A, B, m0, n0, M, N, K, kt0 * BK);
     Staging<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, Geo> staged;
     constexpr bool kStaged = AMODE == kGeneric || BMODE == kGeneric || BMODE == kIm2col;
-    staged.begin(a, n0, N);
+    staged.begin(a, n0);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < nk) {

@@ -302,3 +302,29 @@ def test_tap_major_gather_tiles(dt, tile, c, oc, hw, monkeypatch):
     k = res.kernels[0]
     assert TAPS_FLAG.search(k.compiled.source) and k.spec.tiles[0][:6] == tile
     assert (k.spec.split_k > 1) == split
+
+
+def test_weight_a_user_can_feed_is_not_permuted():
+    # an initializer also listed as a graph input (older exporters) may be fed at run time: gathered
+    # channel-major, the weight passed as it is
+    m, shapes, at = conv_silu_residual(H, 32, 16, 3, 1, (1, 1, 1, 1), 1, 6)
+    m.graph.input.append(vi("w", H, [16, 32, 3, 3]))
+    res = fused_parity(m, shapes, at(1), ("gemm",))
+    assert not TAPS_FLAG.search(res.kernels[0].compiled.source) and res.kernels[0].spec.input_perms == ()
+
+
+def test_forced_tile_whose_bk_does_not_divide_the_channels_gathers_channel_major():
+    # --profile and the spill fallback re-lower with a forced tile: BK 64 on 32 channels cannot be tap-major
+    from ortfuse.api import compile_model
+    from ortfuse.customops.lower import lower
+    from ortfuse.customops.printer import render
+    from ortfuse.customops.target import for_cc
+
+    m, _, at = conv_silu_residual(H, 32, 16, 3, 1, (1, 1, 1, 1), 1, 6)
+    res = compile_model(m, at(1), "sm_90")
+    spec = lower(res.graph, res.kernels[0].region, for_cc(90), tile=(32, 32, 64, 16, 16, 3))
+    src = render(spec.kernel)
+    assert spec.input_perms == ()
+    assert not TAPS_FLAG.search(src) and "ofz::gemm::run<__half, 32, 32, 64," in src
+    spec = lower(res.graph, res.kernels[0].region, for_cc(90), tile=(32, 32, 32, 16, 16, 3))
+    assert spec.input_perms == (("w", (0, 2, 3, 1)),) and TAPS_FLAG.search(render(spec.kernel))

@@ -50,6 +50,22 @@ def test_region_model_and_fused_model_agree_on_cpu():
     np.testing.assert_array_equal(a[0], b[0])
 
 
+def test_fused_model_of_a_tap_major_conv_gets_its_permuted_weight():
+    # the profiled sub-model carries the weight transposed for the kernel, and still runs on ORT CPU
+    from helpers import conv_silu_residual
+    m, _, at = conv_silu_residual(TP.FLOAT16, 32, 16, 3, 1, (1, 1, 1, 1), 1, 6)
+    res = compile_model(m, at(1), "sm_90")
+    k = res.kernels[0]
+    assert k.node.input_perms == (("w", (0, 2, 3, 1)),)
+    sub = prof.region_model(res.graph, k.region, {})
+    fused = prof.fused_model(sub, k.node)
+    assert [n.input[1] for n in fused.graph.node] == ["w__ortfuse_t0231"]
+    feeds = random_feeds(sub, None, seed=1)
+    a = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    b = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_array_equal(a[0], b[0])
+
+
 @pytest.mark.parametrize("ours,keep", [(5.0, True), (50.0, False)])
 def test_profile_keeps_only_regions_faster_than_ort(monkeypatch, tmp_path, ours, keep):
     calls: list[bool] = []

@@ -79,6 +79,22 @@ def test_constant_input_passed_transposed(mlp_graph):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_constant_transposed_by_a_perm_that_is_not_its_own_inverse():
+    # y = x + w with w [2, 3, 4] passed as [3, 4, 2] (perm 1, 2, 0; its inverse is 2, 0, 1)
+    w = np.random.default_rng(2).standard_normal((2, 3, 4)).astype(np.float16)
+    f16 = onnx.TensorProto.FLOAT16
+    m = M.make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [M.vi("x", [2, 3, 4], f16)],
+                     [M.vi("y", [2, 3, 4], f16)], [numpy_helper.from_array(w, "w")])
+    import dataclasses
+    g = build_graph(load_model(m))
+    model = replace(g, [dataclasses.replace(fused([0], ["x", "w"], ["y"]), input_perms=(("w", (1, 2, 0)),))])
+    t = next(t for t in model.graph.initializer if t.name == "w__ortfuse_t120")
+    assert t.data_type == onnx.TensorProto.FLOAT16 and list(t.dims) == [3, 4, 2]
+    assert helper.get_attribute_value(model.functions[0].node[0].attribute[0]) == [2, 0, 1]
+    x = np.random.default_rng(3).standard_normal((2, 3, 4)).astype(np.float16)
+    np.testing.assert_array_equal(run(model, {"x": x})[0], x + w)
+
+
 @pytest.mark.parametrize("perms,message", [
     ((("w", (0, 0)),), "not a permutation"),
     ((("x", (1, 0)),), "not a constant input"),
