@@ -167,6 +167,18 @@ def test_compare_non_finite_values():
     assert not compare("y", np.array([1.0, np.inf, 7.0, np.nan], np.float32), ref).ok
 
 
+def test_compare_fp16_in_the_subnormal_range():
+    # fp16 values near 1e-6 are subnormal (2^-24 apart): one step off passes, three do not; normal-range
+    # values keep the plain normwise measure
+    step = 2.0 ** -24
+    ref = (np.arange(1, 33) * 3e-8).astype(np.float16)
+    assert compare("y", ref + np.float16(step), ref).ok
+    assert not compare("y", ref + np.float16(3 * step), ref).ok
+    assert compare("y", ref.astype(np.float32) + step, ref.astype(np.float32), tol=1e-2, fp16=True).ok
+    normal = np.linspace(0.5, 1.0, 32).astype(np.float16)
+    assert not compare("y", normal * np.float16(1.02), normal).ok
+
+
 def _layernorm(dt, hidden, decomposed=True):
     n = NP[dt]
     inits = [const("g", np.linspace(0.5, 1.5, hidden), n), const("beta", np.linspace(-0.2, 0.2, hidden), n),

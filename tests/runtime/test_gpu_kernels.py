@@ -99,7 +99,8 @@ def test_gemm_row_epilogue_parity(dt, shape, monkeypatch):
 
 
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
-                                        ("convnext_t", "fp16"), ("resnet50", "fp16"), ("mobilenetv2", "fp32")])
+                                        ("convnext_t", "fp16"), ("resnet50", "fp16"), ("mobilenetv2", "fp32"),
+                                        ("mobilenetv2", "fp16")])
 def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
