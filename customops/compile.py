@@ -125,8 +125,10 @@ def headers_digest() -> str:
     return h.hexdigest()
 
 
-def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> tuple[bytes, str]:
-    """(cubin or PTX, NVRTC's log)."""
+def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> tuple[bytes, str, bytes]:
+    """(cubin or PTX, NVRTC's log, PTX). A real arch (sm_XX) yields both its cubin and the PTX ptxas read,
+    which is the PTX a compute_XX compile gives (tests/customops/test_kernels.py checks it): one NVRTC run
+    serves both."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(source, f"{entry}.cu", [], [])
     try:
@@ -140,8 +142,9 @@ def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> tuple[bytes, s
             raise CompileError(f"NVRTC failed for {entry} ({arch}): {first.strip()} -- source: {dump}; "
                                f"repro: nvcc -arch={arch.replace('compute', 'sm')} -std=c++17 -I{INCLUDE_DIR} "
                                f"-cubin {dump}\n{log}") from None
-        image = read_cubin(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
-        return image, nvrtc.getProgramLog(prog)
+        ptx = nvrtc.getPTX(prog)
+        image = read_cubin(prog) if arch.startswith("sm_") else ptx
+        return image, nvrtc.getProgramLog(prog), ptx
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -164,17 +167,19 @@ def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -
     for cc in sorted(archs):
         path, info = folder / f"sm_{cc}.cubin", folder / f"sm_{cc}.json"
         if not path.exists() or not info.exists():
-            image, log = _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu")
+            image, log, ptx = _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu")
             res = Resources.parse(log, entry)
             atomic_write(info, json.dumps(res.__dict__ if res else None).encode())
             atomic_write(path, image)
+            if cc == low:
+                atomic_write(folder / f"compute_{low}.ptx", ptx)
         cubins.append((cc, path.read_bytes()))
         fields = json.loads(info.read_text())
         if fields:
             resources.append((cc, Resources(**fields)))
     ptx_path = folder / f"compute_{low}.ptx"
     if not ptx_path.exists():
-        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu")[0])
+        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu")[0])  # older cache
     if not (folder / "kernel.cu").exists():
         atomic_write(folder / "kernel.cu", source.encode())
         atomic_write(folder / "meta.json", json.dumps({"entry": entry, "archs": sorted(archs),

@@ -15,8 +15,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -108,6 +109,52 @@ def compile_emulated(source: str) -> EmulatedModule:
     return _load(key.hexdigest()[:24], source)
 
 
+def compile_emulated_all(sources: Iterable[str], jobs: Optional[int] = None) -> None:
+    """Build many sources at once, `jobs` g++ processes at a time (default: one per CPU), so later
+    `compile_emulated` calls find them built."""
+    todo = list(dict.fromkeys(sources))
+    workers = max(1, min(len(todo), jobs or os.cpu_count() or 1))
+    if workers == 1:
+        for src in todo:
+            compile_emulated(src)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for _ in pool.map(compile_emulated, todo):
+            pass
+
+
+# The kernel headers, parsed once into a precompiled header: they are a third of each kernel's build time.
+PCH_HEADERS = ("ortfuse_kernel.h", "ortfuse_gemm.h", "ortfuse_attention.h")
+_pch_lock = threading.Lock()
+
+
+def _pch_flags() -> tuple[str, ...]:
+    """`-include` flags for the precompiled kernel headers (built on first use, cached by headers, flags and
+    compiler); () if g++ cannot build one, and kernels then parse the headers themselves."""
+    key = hashlib.sha256("\0".join([" ".join(CXX_FLAGS), " ".join(PCH_HEADERS), _compiler_version(),
+                                    headers_digest()]).encode())
+    folder = cache_dir() / "emu" / f"pch-{key.hexdigest()[:16]}"
+    header, gch = folder / "ortfuse_pch.h", folder / "ortfuse_pch.h.gch"
+    with _pch_lock:
+        if header.exists() and gch.exists():
+            return ("-include", str(header))
+        if folder.exists() and (folder / "failed").exists():
+            return ()
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(header, "".join(f'#include "{h}"\n' for h in PCH_HEADERS).encode())
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".gch")
+        os.close(fd)
+        flags = [f for f in CXX_FLAGS if f != "-shared"]
+        proc = subprocess.run([CXX, *flags, f"-I{INCLUDE_DIR}", "-x", "c++-header", str(header), "-o", tmp],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            Path(tmp).unlink(missing_ok=True)  # g++ may have removed it
+            atomic_write(folder / "failed", proc.stderr.encode())
+            return ()
+        os.replace(tmp, gch)
+        return ("-include", str(header))
+
+
 @functools.lru_cache(maxsize=None)
 def _load(key: str, source: str) -> EmulatedModule:
     folder = cache_dir() / "emu" / key
@@ -118,10 +165,10 @@ def _load(key: str, source: str) -> EmulatedModule:
     if not so.exists():
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".so")
         os.close(fd)
-        cmd = [CXX, *CXX_FLAGS, f"-I{INCLUDE_DIR}", "-x", "c++", str(cu), "-o", tmp]
+        cmd = [CXX, *CXX_FLAGS, f"-I{INCLUDE_DIR}", *_pch_flags(), "-x", "c++", str(cu), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            os.unlink(tmp)
+            Path(tmp).unlink(missing_ok=True)  # g++ may have removed it
             first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
             raise CompileError(f"g++ failed on {cu}: {first}\nrepro: {' '.join(cmd[:-1])} {so}\n{proc.stderr}")
         os.replace(tmp, so)  # atomic: concurrent builders of the same key write identical files

@@ -130,8 +130,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
         compiled = dict(zip(sources, pool.map(lambda kv: compile_kernel(kv[1], kv[0], archs, opts.cache),
                                               sources.items())))
-    kernels = [_fused(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
-    kernels = [_without_spills(graph, tgt, opts, k) for k in kernels]
+        kernels = [_fused(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
+        kernels = list(pool.map(lambda k: _without_spills(graph, tgt, opts, k), kernels))
     placements: tuple = ()
     if opts.profile:
         kernels, placements = _profile(graph, tgt, opts, kernels, say)

@@ -156,6 +156,9 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
         floors = _range_floors(probe)
         bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
+        from ortfuse.customops.attrs import read_launch
+        from ortfuse.customops.emulate import compile_emulated_all
+        compile_emulated_all(read_launch(n).source for n in fused)  # g++ in parallel, then one by one
         kernels = tuple((n.name, _emulate_node(n, values, tol32, floors, bodies.get(n.op_type))) for n in fused)
     return CheckReport(model_diffs, kernels)
 

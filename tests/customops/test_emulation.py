@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -391,6 +392,30 @@ def test_concurrent_builds_of_one_source() -> None:
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # bypass the in-process cache: 3 real builds
         paths = list(pool.map(lambda _: emulate._load.__wrapped__("concurrent", src).path, range(3)))
     assert len(set(paths)) == 1 and paths[0].exists()
+
+
+def test_kernel_headers_come_precompiled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    flags = emulate._pch_flags()
+    assert flags[0] == "-include" and Path(flags[1] + ".gch").stat().st_size > 1_000_000
+    src = tmp_path / "k.cu"
+    src.write_text(ELEMENTWISE)
+    # g++ falls back to parsing the headers without a word when a PCH does not fit: -H says which it took
+    proc = subprocess.run([emulate.CXX, *emulate.CXX_FLAGS, f"-I{INCLUDE}", *flags, "-Winvalid-pch", "-H",
+                           "-x", "c++", str(src), "-o", str(tmp_path / "k.so")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"! {flags[1]}.gch" in proc.stderr.splitlines()[0] and "invalid" not in proc.stderr
+
+
+def test_kernels_build_without_a_precompiled_header(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(emulate, "PCH_HEADERS", ("ortfuse_kernel.h", "no_such_header.h"))
+    assert emulate._pch_flags() == () and len(list(tmp_path.glob("emu/pch-*/failed"))) == 1
+    mod = compile_emulated(ELEMENTWISE + "\n// built without a precompiled header\n")
+    x = np.linspace(-3, 3, 1000, dtype=np.float32)
+    y = np.zeros_like(x)
+    mod.launch("ew_f32", 2, 128, [x, y], [x.size])
+    np.testing.assert_allclose(y, x * 1.5 + 0.25, rtol=1e-6)
 
 
 def test_missing_compiler(monkeypatch: pytest.MonkeyPatch) -> None:

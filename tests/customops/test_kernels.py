@@ -3,7 +3,7 @@ through the emulation header against ORT on the original sub-graph (random, non-
 Tolerances: fp32 normwise relative error <= 1e-5; fp16/bf16 <= 1e-2 (against fp32 math)."""
 from __future__ import annotations
 
-
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,7 +14,7 @@ from onnx import TensorProto as TP
 from helpers import const, model, node, vi
 from ortfuse.api import compile_model
 from ortfuse.check import _emulate_node, check_models, compare
-from ortfuse.customops.compile import check_elf
+from ortfuse.customops.compile import _run_nvrtc, check_elf
 from ortfuse.errors import CompileError
 
 F, H, B16 = TP.FLOAT, TP.FLOAT16, TP.BFLOAT16
@@ -294,6 +294,9 @@ def test_every_demo_kernel_compiles_for_sm80_and_sm90():
             check_elf(b)
             with pytest.raises(CompileError, match="truncated"):
                 check_elf(b[:-1])
+    # the stored PTX comes from the sm_80 cubin's NVRTC run: the same text a compute_80 compile gives
+    k = res.kernels[0].compiled
+    assert k.ptx_arch == 80 and k.ptx == _run_nvrtc(k.source, k.entry, "compute_80", Path("unused.cu"))[0]
 
 
 def test_integer_and_bool_ops():
