@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 OPSET = 17
 SEED = 0
 EXPORTER = "torch.onnx.export(dynamo=False) (TorchScript)"
+# torch.onnx.export's exporters: TorchScript (the zoo's default: deterministic, the graphs most deployed models
+# have) and torch.export ("dynamo", torch's default since 2.9: opset 20 with Gelu, Reshapes that merge heads
+# and flatten in one step, axes as inputs); the dynamo export is built on request, from the same module
+EXPORTERS = ("torchscript", "dynamo")
 
 
 @dataclass(frozen=True)
@@ -219,8 +223,9 @@ def cache_dir() -> Path:
   return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ortfuse" / "zoo"
 
 
-def model_path(name: str, dtype: str = "fp32", tiny: bool = False) -> Path:
-  return cache_dir() / f"{name}{'-tiny' if tiny else ''}-{dtype}.onnx"
+def model_path(name: str, dtype: str = "fp32", tiny: bool = False, exporter: str = "torchscript") -> Path:
+  via = "" if exporter == "torchscript" else f"-{exporter}"
+  return cache_dir() / f"{name}{'-tiny' if tiny else ''}{via}-{dtype}.onnx"
 
 
 def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -254,21 +259,27 @@ def example_inputs(info: ModelInfo, batch: int = 2) -> dict[str, Any]:
   return out
 
 
-def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = False) -> Path:
-  """Export (once) and return the path of zoo model `name` in `dtype` ("fp32" | "fp16")."""
+def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = False,
+          exporter: str = "torchscript") -> Path:
+  """Export (once) and return the path of zoo model `name` in `dtype` ("fp32" | "fp16"), exported by
+  `exporter` (one of EXPORTERS; shipped models have their own)."""
   if name not in MODELS:
     raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-  path = model_path(name, dtype, tiny)
+  if exporter not in EXPORTERS:
+    raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
+  if exporter != "torchscript" and MODELS[name].shipped is not None:
+    raise ValueError(f"zoo model {name!r} ships as an ONNX file: it is not exported")
+  path = model_path(name, dtype, tiny, exporter)
   if path.exists() and Path(str(path) + ".json").exists() and not force:
     return path
   path.parent.mkdir(parents=True, exist_ok=True)
   if dtype == "fp16":
-    return _to_fp16(build(name, "fp32", tiny, force), path)
+    return _to_fp16(build(name, "fp32", tiny, force, exporter), path)
   if MODELS[name].shipped is not None:
     return _extract(name, tiny, path)
-  return _export(name, tiny, path)
+  return _export(name, tiny, path, exporter)
 
 
 def wheel_dir() -> Path:
@@ -322,7 +333,7 @@ def _extract(name: str, tiny: bool, path: Path) -> Path:
   return path
 
 
-def _export(name: str, tiny: bool, path: Path) -> Path:
+def _export(name: str, tiny: bool, path: Path, exporter: str = "torchscript") -> Path:
   import torch
   start = time.perf_counter()
   module, info = torch_module(name, tiny)
@@ -334,14 +345,44 @@ def _export(name: str, tiny: bool, path: Path) -> Path:
   for out in info.outputs:
     axes[out] = {0: "batch", 1: "sequence"} if info.family in ("bert", "gpt2") and out != "pooler_output" else {0: "batch"}
   tmp = path.with_suffix(".tmp.onnx")
+  wrapped, args = _Positional(module, names, info.outputs), tuple(example[n] for n in names)
   with torch.no_grad():
-    torch.onnx.export(_Positional(module, names, info.outputs), tuple(example[n] for n in names), str(tmp),
-                      dynamo=False, opset_version=OPSET, input_names=names, output_names=list(info.outputs),
-                      dynamic_axes=axes, do_constant_folding=True)
-  _finish(tmp, path, info, {"source": module._ortfuse_source, "exporter": EXPORTER, "opset": OPSET,
+    if exporter == "dynamo":
+      _export_dynamo(wrapped, args, names, info.outputs, axes, tmp)
+      how, opset = DYNAMO_EXPORTER, None
+    else:
+      torch.onnx.export(wrapped, args, str(tmp), dynamo=False, opset_version=OPSET, input_names=names,
+                        output_names=list(info.outputs), dynamic_axes=axes, do_constant_folding=True)
+      how, opset = EXPORTER, OPSET
+  _finish(tmp, path, info, {"source": module._ortfuse_source, "exporter": how, "opset": opset or _opset(tmp),
                             "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 2),
                             "tiny": tiny, "dtype": "fp32"})
   return path
+
+
+DYNAMO_EXPORTER = "torch.onnx.export(dynamo=True) (torch.export), torch's default opset"
+
+
+def _export_dynamo(module: Any, args: tuple, names: list[str], outputs: tuple[str, ...],
+                   axes: dict[str, dict[int, str]], tmp: Path) -> None:
+  """torch.export with one named Dim per symbolic dim (so "batch" and "sequence" are shared by all inputs
+  and named in the graph, as with dynamic_axes); needs onnxscript."""
+  import torch
+  try:
+    import onnxscript  # noqa: F401
+  except ImportError as err:
+    raise ImportError("the dynamo exporter needs onnxscript (pip install onnxscript)") from err
+  dims = {d: torch.export.Dim(d) for spec in axes.values() for d in spec.values()}
+  shapes = (tuple({i: dims[d] for i, d in axes[n].items()} for n in names),)  # the wrapper's *args
+  program = torch.onnx.export(module, args, input_names=names, output_names=list(outputs), dynamic_shapes=shapes,
+                              dynamo=True, verbose=False)
+  program.save(str(tmp))
+
+
+def _opset(path: Path) -> int:
+  import onnx
+  m = onnx.load(str(path), load_external_data=False)
+  return next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
 
 
 class _Positional:
@@ -427,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
   p.add_argument("--tiny", action="store_true", help="tiny configs of the same architectures (for CI)")
+  p.add_argument("--exporter", default="torchscript", choices=EXPORTERS,
+                 help="torch.onnx.export's TorchScript exporter (default) or torch.export ('dynamo')")
   p.add_argument("--force", action="store_true", help="re-export even when cached")
   p.add_argument("--list", action="store_true", help="list the models and exit")
   args = p.parse_args(argv)
@@ -438,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
   for name in args.models:
     for dtype in args.dtypes:
       start = time.perf_counter()
-      path = build(name, dtype, args.tiny, args.force)
+      if args.exporter != "torchscript" and MODELS[name].shipped is not None:
+        continue  # shipped models are not exported
+      path = build(name, dtype, args.tiny, args.force, args.exporter)
       meta = read_sidecar(path) or {}
       print(f"{path}  {meta.get('bytes', 0) / 1e6:8.1f} MB  {time.perf_counter() - start:6.1f} s  "
             f"{meta.get('source')}")

@@ -1,11 +1,14 @@
 """Canonicalization before the search; each pass gives the same function in a form the search fuses.
 
 * `fold_runtime_shapes`: Reshape targets computed at run time from Shape/Gather/Concat chains (as the
-  TorchScript exporter emits them) become constants wherever the inferred shapes determine them.
+  TorchScript exporter emits them, or torch.export with `allowzero=1`) become constants wherever the inferred
+  shapes determine them.
 * `unflatten_gemms`: a Gemm between a Reshape that flattens the leading dims and one that restores them
   (GPT-2's Conv1D: `x.view(-1, K) @ W + b`, then `.view(*lead, N)`) becomes MatMul (+ Add of the bias) on
   the unflattened tensor, so the GEMM's consumers are its direct epilogue and no Reshape with a target
-  computed at run time sits between them.
+  computed at run time sits between them. Where the flattening Reshape also merges static inner dims into K
+  (torch.export's `[B, S, H, D] -> [B*S, H*D]` before the attention's output projection), a Reshape to
+  `[B, S, H*D]` takes its place.
 * `fold_conv_pads`: a zero Pad of the spatial dims feeding only Convs (the TF-style "same" padding HF's
   MobileNetV2 computes from constants) becomes the Convs' own `pads`, as ORT's PadFusion does after its
   constant folding; otherwise a Conv we fuse would leave ORT a Pad kernel it never ran before.
@@ -55,7 +58,7 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     for node in m.graph.node:
         if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
-        if node.input[1] in g.constants or _attr(node, "allowzero", 0):
+        if node.input[1] in g.constants:
             continue
         src, out = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
         if src is None or out is None or src.shape is None or out.shape is None:
@@ -66,6 +69,11 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
         name = f"{node.output[0]}__ortfuse_shape"
         m.graph.initializer.append(numpy_helper.from_array(np.asarray(target, np.int64), name))
         node.input[1] = name
+        # torch.export writes allowzero=1 with targets of actual sizes; the constant's 0 entries copy dims
+        # (the shapes say the output dim is the input's there, so a 0-sized dim still stays 0)
+        keep = [a for a in node.attribute if a.name != "allowzero"]
+        del node.attribute[:]
+        node.attribute.extend(keep)
         folded += 1
     if not folded:
         return g, 0
@@ -81,9 +89,11 @@ def _attr(node: onnx.NodeProto, name: str, default):
     return default if a is None else onnx.helper.get_attribute_value(a)
 
 
-def _unflatten_plan(g: Graph, i: int) -> Optional[tuple[str, int]]:
-    """(x, index of the restoring Reshape) when Gemm node i computes `Reshape(x) @ B (+ C)` with x of shape
-    (*lead, K) flattened to (P, K), and its only consumer reshapes the result back to (*lead, N)."""
+def _unflatten_plan(g: Graph, i: int) -> Optional[tuple[str, int, int]]:
+    """(x, index of the restoring Reshape, how many trailing dims of x form K) when Gemm node i computes
+    `Reshape(x) @ B (+ C)` with x of shape (*lead, *inner), prod(inner) = K, flattened to (P, K), and its only
+    consumer reshapes the result back to (*lead, N). inner is x's last dim alone (GPT-2's Conv1D through
+    TorchScript) or several static dims (torch.export merges the attention heads in the same Reshape)."""
     n = g.nodes[i]
     if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or _attr(n, "transA", 0) \
             or _attr(n, "alpha", 1.0) != 1.0 or _attr(n, "beta", 1.0) != 1.0:
@@ -101,13 +111,17 @@ def _unflatten_plan(g: Graph, i: int) -> Optional[tuple[str, int]]:
     if any(s is None for s in shapes):
         return None
     xs, fs, ys, rs = shapes
-    if len(xs) < 3 or len(fs) != 2 or fs[1] != xs[-1] or rs != tuple(xs[:-1]) + (ys[1],):
+    if len(fs) != 2 or len(rs) < 2 or rs[-1] != ys[1]:
+        return None
+    lead, inner = tuple(rs[:-1]), tuple(xs[len(rs) - 1:])
+    if not inner or tuple(xs[:len(lead)]) != lead or not all(isinstance(d, int) for d in inner) \
+            or fs[1] != int(np.prod(inner)):
         return None
     if len(n.input) > 2 and n.input[2]:
         cs = g.tensors[n.input[2]].shape if n.input[2] in g.tensors else None
         if cs is None or tuple(cs) not in ((ys[1],), (1, ys[1])):  # a bias along N broadcasts the same in N-D
             return None
-    return x, users[0]
+    return x, users[0], len(inner)
 
 
 def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
@@ -118,7 +132,7 @@ def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     tensors = dict(g.tensors)
-    restores = {r for _, r in plans.values()}
+    restores = {p[1] for p in plans.values()}
     new_nodes: list[onnx.NodeProto] = []
     for i, node in enumerate(m.graph.node):
         if i in restores:
@@ -126,8 +140,16 @@ def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
         if i not in plans:
             new_nodes.append(node)
             continue
-        x, r = plans[i]
+        x, r, n_inner = plans[i]
         out = g.nodes[r].output[0]
+        if n_inner > 1:  # x's inner dims become K first: (*lead, *inner) -> (*lead, K), lead dims copied
+            lead, k = g.tensors[x].shape[:-n_inner], int(np.prod(g.tensors[x].shape[-n_inner:]))
+            xk, target = f"{x}__ortfuse_k{i}", f"{x}__ortfuse_k{i}_shape"
+            m.graph.initializer.append(numpy_helper.from_array(np.asarray([0] * len(lead) + [k], np.int64), target))
+            tensors[target] = TensorInfo(target, onnx.TensorProto.INT64, (len(lead) + 1,))
+            tensors[xk] = TensorInfo(xk, g.tensors[x].dtype, (*lead, k))
+            new_nodes.append(onnx.helper.make_node("Reshape", [x, target], [xk], name=f"{node.name}/merge"))
+            x = xk
         b = node.input[1]
         if _attr(node, "transB", 0):
             bt = f"{b}__ortfuse_T{i}"

@@ -49,3 +49,23 @@ def test_other_tiny_architectures_run(name):
 def test_unknown_model_is_refused():
   with pytest.raises(KeyError, match="unknown zoo model"):
     zoo.build("alexnet")
+
+
+def test_dynamo_export_names_the_dims_and_matches_the_torchscript_export(zoo_cache):
+  pytest.importorskip("onnxscript")
+  path = zoo.build("bert", tiny=True, exporter="dynamo")
+  assert path != zoo.build("bert", tiny=True) and "dynamo" in path.name
+  meta = zoo.read_sidecar(path)
+  assert meta["exporter"].startswith("torch.onnx.export(dynamo=True)") and meta["opset"] >= 18
+  model = onnx.load(str(path))
+  dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+  assert dims == {n: ["batch", "sequence"] for n in ("input_ids", "attention_mask", "token_type_ids")}
+  for a, b in zip(_run(path), _run(zoo.build("bert", tiny=True))):  # the same module, seeded the same
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_exporter_requests_are_refused():
+  with pytest.raises(ValueError, match="exporter must be one of"):
+    zoo.build("bert", exporter="tflite")
+  with pytest.raises(ValueError, match="ships as an ONNX file"):
+    zoo.build("magika", exporter="dynamo")

@@ -15,11 +15,11 @@ from ortfuse.rewriter.canonical import (_static_target, fold_constant_identities
 from ortfuse.rewriter.shapes import build_graph
 
 
-def _exporter_style_split_heads():
+def _exporter_style_split_heads(allowzero: int = 0):
     nodes = [node("Shape", ["x"], ["s"]), node("Gather", ["s", "i0"], ["b"], axis=0),
              node("Gather", ["s", "i1"], ["n"], axis=0), node("Unsqueeze", ["b", "ax"], ["b1"]),
              node("Unsqueeze", ["n", "ax"], ["n1"]), node("Concat", ["b1", "n1", "heads", "dh"], ["shp"], axis=0),
-             node("Add", ["x", "bias"], ["xb"]), node("Reshape", ["xb", "shp"], ["r"]),
+             node("Add", ["x", "bias"], ["xb"]), node("Reshape", ["xb", "shp"], ["r"], allowzero=allowzero),
              node("Transpose", ["r"], ["y"], perm=[0, 2, 1, 3])]
     inits = [const("i0", 0, np.int64), const("i1", 1, np.int64), const("ax", [0], np.int64),
              const("heads", [4], np.int64), const("dh", [8], np.int64), const("bias", np.arange(32) / 32)]
@@ -32,15 +32,19 @@ def test_static_target():
     assert _static_target(("b", "s", 32), ("s", "b", 32)) is None  # two unknowns
 
 
-def test_fold_keeps_the_function_and_drops_shape_ops():
-    m = _exporter_style_split_heads()
+@pytest.mark.parametrize("allowzero", [0, 1])  # torch.export writes allowzero=1 with targets of actual sizes
+def test_fold_keeps_the_function_and_drops_shape_ops(allowzero):
+    m = _exporter_style_split_heads(allowzero)
     g = build_graph(m, {})
     g2, n = fold_runtime_shapes(g)
     assert n == 1
     assert {x.op_type for x in g2.nodes} == {"Add", "Reshape", "Transpose"}
-    x = np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32)
-    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
-    np.testing.assert_array_equal(run(m), run(g2.model))
+    reshape = next(x for x in g2.nodes if x.op_type == "Reshape")
+    assert not any(a.name == "allowzero" for a in reshape.attribute)  # its 0 entries copy dims
+    for shape in ((2, 5, 32), (0, 5, 32), (3, 0, 32)):  # 0-sized dims stay 0-sized
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+        np.testing.assert_array_equal(run(m), run(g2.model))
     assert g.model.graph.node[0].op_type == "Shape"  # the input graph is untouched
 
 
@@ -99,6 +103,47 @@ def test_unflattened_gemm_fuses_its_epilogue():
     from helpers import fused_parity
     res = fused_parity(_conv1d(dtype=TP.FLOAT16), {"x": ("batch", "seq", 24)}, {"x": (3, 7, 24)}, ("gemm",))
     assert {x.op_type for i in res.kernels[0].region.nodes for x in [res.graph.nodes[i]]} >= {"MatMul", "Add", "Tanh"}
+
+
+def _merged_heads_projection(dtype=TP.FLOAT):
+    """torch.export's attention output projection: [B, H, S, D] -> Transpose -> one Reshape to [B*S, H*D]
+    (constant target), Gemm, then back to [B, S, N] through a Reshape with allowzero=1 whose target holds the
+    actual sizes, computed at run time; a Relu epilogue."""
+    h, d, n = 4, 6, 40
+    np_dt = np.float16 if dtype == TP.FLOAT16 else np.float32
+    rng = np.random.default_rng(5)
+    nodes = [node("Transpose", ["x"], ["xt"], perm=[0, 2, 1, 3]),
+             node("Reshape", ["xt", "flat"], ["x2"], allowzero=1),
+             node("Gemm", ["x2", "w", "b"], ["y2"]),
+             node("Shape", ["x"], ["s"]), node("Gather", ["s", "bs"], ["lead"], axis=0),
+             node("Concat", ["lead", "nn"], ["shp"], axis=0),
+             node("Reshape", ["y2", "shp"], ["y"], allowzero=1), node("Relu", ["y"], ["out"])]
+    inits = [const("flat", [-1, h * d], np.int64), const("w", rng.standard_normal((h * d, n)) * 0.2, np_dt),
+             const("b", rng.standard_normal(n) * 0.1, np_dt), const("bs", [0, 2], np.int64), const("nn", [n], np.int64)]
+    return model(nodes, [vi("x", dtype, ["batch", h, "seq", d])], [vi("out", dtype, ["batch", "seq", n])], inits)
+
+
+def test_unflatten_a_gemm_whose_flatten_also_merges_the_heads():
+    m = _merged_heads_projection()
+    g = build_graph(m, {})
+    g2, n = unflatten_gemms(g)
+    assert n == 1
+    ops = [x.op_type for x in g2.nodes]
+    assert "Gemm" not in ops and "Shape" not in ops and ops.count("Reshape") == 1, ops
+    merge = next(x for x in g2.nodes if x.op_type == "Reshape")
+    assert g2.tensors[merge.output[0]].shape == ("batch", "seq", 24)
+    mm = next(x for x in g2.nodes if x.op_type == "MatMul")
+    assert list(mm.input)[0] == merge.output[0] and g2.tensors[mm.output[0]].shape == ("batch", "seq", 40)
+    for shape in ((2, 4, 5, 6), (1, 4, 1, 6), (0, 4, 3, 6)):  # a 0-sized batch stays 0-sized
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(_run(g2.model, x)[0], _run(m, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_merged_heads_projection_fuses_its_epilogue():
+    from helpers import fused_parity
+    shapes = {"x": ("batch", 4, "seq", 6)}
+    res = fused_parity(_merged_heads_projection(TP.FLOAT16), shapes, {"x": (3, 4, 7, 6)}, ("gemm",))
+    assert {res.graph.nodes[i].op_type for i in res.kernels[0].region.nodes} >= {"MatMul", "Add", "Relu"}
 
 
 def test_initializers_listed_as_inputs_stay_in_the_interface():
