@@ -110,7 +110,7 @@ def _bench(src: Path, opt: str | None, batches: str, work: Path, variants: str |
 
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
-              run_tests: bool, variants: str | None) -> dict[str, Any]:
+              run_tests: bool, variants: str | None, exporter: str = "torchscript") -> dict[str, Any]:
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -118,12 +118,15 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
     report["pytest"] = _pytest(out)
     report["overhead"] = _overhead(work)
   for name in models:
+    if exporter != "torchscript" and zoo.MODELS[name].shipped is not None:
+      continue  # shipped files are not exported
     for dtype in dtypes:
-      entry: dict[str, Any] = {"model": name, "dtype": dtype, "tiny": tiny}
+      label = name if exporter == "torchscript" else f"{name} ({exporter})"
+      entry: dict[str, Any] = {"model": label, "dtype": dtype, "tiny": tiny}
       report["entries"].append(entry)
       try:
         start = time.perf_counter()
-        src = zoo.build(name, dtype, tiny)
+        src = zoo.build(name, dtype, tiny, exporter=exporter)
         entry["build_s"] = round(time.perf_counter() - start, 1)
       except Exception as err:  # noqa: BLE001
         entry["error"] = f"zoo build failed: {type(err).__name__}: {err}"
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--batches", default="1,32")
   p.add_argument("--variants", help="harness variants (default: all)")
   p.add_argument("--tiny", action="store_true", help="tiny zoo configs (a quick smoke run)")
+  p.add_argument("--exporter", default="torchscript", choices=zoo.EXPORTERS,
+                 help="how the zoo's PyTorch models are exported (dynamo needs onnxscript on the machine)")
   p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
   p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants)
+                     args.variants, args.exporter)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0
