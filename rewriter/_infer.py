@@ -42,6 +42,15 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return infos
 
 
+def infer_dtypes(model: onnx.ModelProto) -> dict[str, int]:
+    """The element type of every tensor ONNX's strict type inference reaches, initializers included: no
+    symbolic shapes (sympy can take tens of seconds on an inlined model with Resizes)."""
+    types = {n: vi.type.tensor_type.elem_type for n, vi in _collect(_onnx(_skeleton(model))).items()
+             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return types
+
+
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """Everything inference reads, with big non-integer initializers reduced to dtype and dims."""
     sk = onnx.ModelProto(ir_version=model.ir_version)
@@ -74,6 +83,9 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
         # guess_output_rank=False: an unknown shape is safer for fusion than a guessed one.
         ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
         ssi.dispatcher_.setdefault("ConvTranspose", lambda node: _conv_transpose(ssi, node))
+        own_resize = ssi.dispatcher_.get("Resize")
+        if own_resize is not None:
+            ssi.dispatcher_["Resize"] = lambda node: _resize(ssi, node, own_resize)
         ssi._preprocess(model)
         complete = False
         while ssi.run_:
@@ -111,6 +123,37 @@ def _conv_transpose(ssi, node: onnx.NodeProto) -> None:
     ssi._update_computed_dims(shape)
     elem = ssi.known_vi_[node.input[0]].type.tensor_type.elem_type
     vi.CopyFrom(onnx.helper.make_tensor_value_info(node.output[0], elem, get_shape_from_sympy_shape(shape)))
+
+
+def _resize(ssi, node: onnx.NodeProto, fallback) -> None:
+    """Resize to whole-number sizes (a feature pyramid upsampling to its lateral map's dims) or by whole-number
+    scales (each output dim is the input dim times the scale, exactly). The tool's own rule simplifies
+    floor(...) with sympy, which on the nested floor expressions of strided Convs over symbolic image sizes
+    took 25 s for PP-OCR's detector; other forms still go to it."""
+    import sympy
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute, get_opset, get_shape_from_sympy_shape
+
+    scales = ssi._try_get_value(node, 2) if len(node.input) > 2 and node.input[2] else None
+    sizes = ssi._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
+    whole = scales is not None and len(scales) > 0 and all(float(k) == int(k) and k >= 1 for k in scales)
+    exact = sizes is not None and len(sizes) > 0 and all(sympy.sympify(d).is_integer for d in sizes)
+    if get_opset(ssi.out_mp_) <= 10 or not (exact or (sizes is None and whole)) \
+            or get_attribute(node, "coordinate_transformation_mode") == b"tf_crop_and_resize" \
+            or get_attribute(node, "axes") is not None:
+        fallback(node)
+        return
+    x = ssi._get_sympy_shape(node, 0)
+    if exact:  # sizes that are already whole (the lateral map's own dims, from its Shape): used as they are
+        shape = [sympy.sympify(d) for d in sizes]
+    elif len(x) == len(scales):
+        shape = [d * sympy.Integer(int(k)) for d, k in zip(x, scales)]
+    else:
+        fallback(node)
+        return
+    ssi._update_computed_dims(shape)
+    elem = ssi.known_vi_[node.input[0]].type.tensor_type.elem_type
+    ssi.known_vi_[node.output[0]].CopyFrom(
+        onnx.helper.make_tensor_value_info(node.output[0], elem, get_shape_from_sympy_shape(shape)))
 
 
 def _onnx(model: onnx.ModelProto) -> onnx.ModelProto:

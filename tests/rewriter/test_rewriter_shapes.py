@@ -302,3 +302,43 @@ def test_conv_transpose_shapes_follow_symbolic_input(attrs):
                                                  .subs({sympy.Symbol(k): v for k, v in values.items()}))
                 for d in shape)
     assert got == want and {d for d in shape if isinstance(d, str)} - {"n"}  # spatial dims stay symbolic
+
+
+def _pyramid() -> onnx.ModelProto:
+    """A feature-pyramid step over a symbolic image: a stride-2 Conv, then Resizes back up by whole scales, to
+    the sizes of another map (read through Shape), and by a fractional scale."""
+    t = onnx.TensorProto
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["y", "w"], ["z"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["z", "", "two"], ["up"], mode="nearest"),
+             helper.make_node("Shape", ["y"], ["ys"]),
+             helper.make_node("Resize", ["z", "", "", "ys"], ["to_y"], mode="nearest"),
+             helper.make_node("Resize", ["z", "", "frac"], ["up_frac"], mode="nearest")]
+    inits = [numpy_helper.from_array(np.ones((4, 4, 3, 3), np.float32), "w"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "two"),
+             numpy_helper.from_array(np.array([1, 1, 1.5, 1.5], np.float32), "frac")]
+    outs = [helper.make_tensor_value_info(n, t.FLOAT, None) for n in ("up", "to_y", "up_frac")]
+    g = helper.make_graph(nodes, "pyramid", [helper.make_tensor_value_info("x", t.FLOAT, ["n", 4, "h", "w"])], outs,
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def test_resize_shapes_by_whole_scales_and_sizes(monkeypatch):
+    # ours for whole scales and whole sizes (no sympy simplify: 25 s on PP-OCR's detector), the tool's otherwise
+    import sympy
+    ours = build_graph(_pyramid(), {})
+    calls: list[str] = []
+
+    def tools_rule(ssi, node, fallback):
+        calls.append(node.output[0])
+        fallback(node)
+    monkeypatch.setattr(_infer, "_resize", tools_rule)
+    theirs = build_graph(_pyramid(), {})
+    assert sorted(calls) == ["to_y", "up", "up_frac"]
+    z = ours.tensors["z"].shape
+    # 2x: exactly twice the dims, and the batch stays 'n' (the tool's float scales give 'floor(1.0*n)', a dim
+    # that equals nothing else in the graph)
+    assert ours.tensors["up"].shape == ("n", 4, *(str(2 * sympy.sympify(d)) for d in z[2:]))
+    assert theirs.tensors["up"].shape[0] == "floor(1.0*n)"
+    assert ours.tensors["to_y"].shape == theirs.tensors["to_y"].shape == ours.tensors["y"].shape
+    assert ours.tensors["up_frac"].shape == theirs.tensors["up_frac"].shape  # floor(1.5 * d): the tool's rule
