@@ -138,7 +138,7 @@ def _pch_flags() -> tuple[str, ...]:
     with _pch_lock:
         if header.exists() and gch.exists():
             return ("-include", str(header))
-        if folder.exists() and (folder / "failed").exists():
+        if (folder / "failed").exists():
             return ()
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(header, "".join(f'#include "{h}"\n' for h in PCH_HEADERS).encode())
