@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 OPSET = 17
 SEED = 0
 EXPORTER = "torch.onnx.export(dynamo=False) (TorchScript)"
+DYNAMO_EXPORTER = "torch.onnx.export(dynamo=True) (torch.export), torch's default opset"
 # torch.onnx.export's exporters: TorchScript (the zoo's default: deterministic, the graphs most deployed models
 # have) and torch.export ("dynamo", torch's default since 2.9: opset 20 with Gelu, Reshapes that merge heads
 # and flatten in one step, axes as inputs); the dynamo export is built on request, from the same module
@@ -358,9 +359,6 @@ def _export(name: str, tiny: bool, path: Path, exporter: str = "torchscript") ->
                             "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 2),
                             "tiny": tiny, "dtype": "fp32"})
   return path
-
-
-DYNAMO_EXPORTER = "torch.onnx.export(dynamo=True) (torch.export), torch's default opset"
 
 
 def _export_dynamo(module: Any, args: tuple, names: list[str], outputs: tuple[str, ...],

@@ -113,12 +113,7 @@ def compile_emulated_all(sources: Iterable[str], jobs: Optional[int] = None) -> 
     """Build many sources at once, `jobs` g++ processes at a time (default: one per CPU), so later
     `compile_emulated` calls find them built."""
     todo = list(dict.fromkeys(sources))
-    workers = max(1, min(len(todo), jobs or os.cpu_count() or 1))
-    if workers == 1:
-        for src in todo:
-            compile_emulated(src)
-        return
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), jobs or os.cpu_count() or 1))) as pool:
         for _ in pool.map(compile_emulated, todo):
             pass
 
