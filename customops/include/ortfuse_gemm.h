@@ -321,6 +321,17 @@ __device__ __forceinline__ void for_each_acc(const Acc& acc, const SAcc& sacc, i
   }
 }
 
+// for_each_acc bound to one warp's accumulators: visit(f). A functor, not a generic lambda: NVRTC 13.0 takes a
+// generic lambda's call operator for a host function.
+template <bool kMma, int kMT, int kNT, class Acc, class SAcc>
+struct AccVisitor {
+  const Acc& acc;
+  const SAcc& sacc;
+  int wm0, wn0;
+  template <class F>
+  __device__ __forceinline__ void operator()(F&& f) const { for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, f); }
+};
+
 // Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
 // thread of the block calls it (row reductions synchronise the block).
 template <int BM, int kThreads, int kRowLd, int ROW_TPR, class Ops, class Visit>
@@ -526,7 +537,7 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages
 
-    auto visit = [&](auto&& f) { for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, f); };
+    const AccVisitor<kMma, kMT, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
     if constexpr (kSplit) {
       if (splits > 1) {
         split_epilogue<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0,

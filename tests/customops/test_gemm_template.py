@@ -3,6 +3,8 @@ operand mode, tiles of one to eight warps, 2-4 pipeline stages, partial tiles in
 emulator against numpy. fp16/bf16/fp32 results agree to fp32 rounding; tf32 to its 10-bit mantissa."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -160,3 +162,13 @@ def test_split_k_template_compiles_for_sm_90(tmp_path):
     ck = compile_kernel(source(MMA_F16, GemmTile(64, 64, 32, 32, 32, 3), ROW, COL, split=4), "gemm_test", (80, 90),
                         tmp_path)
     assert [cc for cc, _ in ck.cubins] == [80, 90]
+
+
+def test_headers_have_no_generic_lambdas():
+  """NVRTC 13.0 (pyproject allows >= 13.0) takes a generic lambda's call operator for a host function and
+  rejects the kernel; 13.5 accepts it, so only this check keeps CI honest about the older compiler."""
+  import re
+  from ortfuse.customops.compile import INCLUDE_DIR
+  for header in sorted(Path(INCLUDE_DIR).glob("*.h")):
+    for no, line in enumerate(header.read_text().splitlines(), 1):
+      assert not re.search(r"\[[&=]?[\w, &]*\]\s*\(\s*(const\s+)?auto\b", line), f"{header.name}:{no}: {line.strip()}"
