@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
-from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.rewriter.graph import Dim, Graph, per_graph
 from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region, Reject, Traffic
 
@@ -135,6 +135,49 @@ def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
             if o and o in g.tensors and (o in g.graph_outputs or any(c not in nodes for c in g.consumers.get(o, ()))):
                 outputs.append(o)
     return inputs, outputs
+
+
+SMALL_CONSTANT = 100  # elements: what ORT's CPU fallback counts as a small initializer
+_DEVICE_ONLY = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})  # ORT never moves these to the CPU
+
+
+@per_graph
+def host_tensors(g: Graph) -> frozenset[str]:
+    """Tensors ORT's CUDA EP computes in host memory: Shape/Size outputs and what nodes derive from them alone.
+    ORT (framework/fallback_cpu_capability.cc) places a node that reads such a tensor on the CPU when every
+    other input is a small constant or a graph input and none is fp16/bf16. Over-approximated: inputs that
+    a CUDA kernel itself reads on the host (Reshape's shape, ...) would keep some of these nodes on the GPU."""
+    host: set[str] = set()
+    for n in g.nodes:
+        if n.op_type in ("Shape", "Size") and n.domain in ("", "ai.onnx"):
+            host.update(o for o in n.output if o)
+        elif _host_placed(g, [t for t in n.input if t], host):
+            host.update(o for o in n.output if o)
+    return frozenset(host)
+
+
+def _host_placed(g: Graph, inputs: list[str], host: set[str] | frozenset[str]) -> bool:
+    if not any(t in host for t in inputs):
+        return False  # not reached by ORT's walk from host tensors
+    for t in inputs:
+        info = g.tensors.get(t)
+        if info is not None and info.dtype in _DEVICE_ONLY:
+            return False
+        const = g.constants.get(t)
+        if t not in host and t not in g.graph_inputs and (const is None or const.size > SMALL_CONSTANT):
+            return False
+    return True
+
+
+def host_verdict(g: Graph, inputs: tuple[str, ...] | list[str]) -> Optional[str]:
+    """Why a fused node with these inputs cannot run: ORT's CUDA EP would hand it to the CPU EP, which has no
+    kernel for it (session creation fails), or None."""
+    if not inputs:
+        return "reads no tensor (a constant): left to ORT's constant folding"
+    if _host_placed(g, list(inputs), host_tensors(g)):
+        return ("shape arithmetic on host tensors (Shape/Size-derived): ORT's CUDA EP places it on the CPU, "
+                "where a fused node has no kernel")
+    return None
 
 
 def classify(g: Graph, nodes: set[int]) -> Region | Reject:

@@ -43,7 +43,7 @@ def _candidate(g: Graph, nodes: set[int], check: Check) -> Region | Reject:
     r = legal.classify(g, nodes)
     if isinstance(r, Reject):
         return r
-    why = check(g, r)
+    why = legal.host_verdict(g, r.inputs) or check(g, r)
     return Reject(f"region at {g.node_label(min(nodes))}", why) if why else r
 
 
@@ -58,7 +58,7 @@ def _attention(g: Graph, check: Check, refusals: list[Reject]) -> list[Region]:
             continue
         shape = g.tensors[pat.output].shape
         r = Region(-1, "attention", pat.nodes, tuple(inputs), tuple(outputs), tuple(shape or ()), Traffic(0, 0, 0))
-        why = check(g, r)
+        why = legal.host_verdict(g, r.inputs) or check(g, r)
         if why:
             refusals.append(Reject(g.node_label(pat.softmax), f"attention not lowered: {why}"))
             continue

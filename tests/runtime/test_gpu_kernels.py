@@ -51,7 +51,10 @@ def test_conv_epilogue_parity(dt, geom):
     # ResNet-50's shapes: 3x3, 1x1 (cp.async operands), the 7x7 stem, a strided 1x1 shortcut
     m, _, at = conv_silu_residual(dt, *geom)
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
-    assert [r.kind for r in res.plan.regions] == ["gemm"]
+    kinds = [r.kind for r in res.plan.regions]
+    # fp32: the cost model may leave a Conv to cuDNN, whose TF32 (ORT's default) beats our fp32 SIMT kernel
+    # (its choice on the H100 run of 2026-11-24 for 3x3 64->64 and the strided 1x1 512->1024); the epilogue is then fused
+    assert kinds == ["gemm"] or (dt == F and kinds == ["pointwise"]), kinds
     for n in (1, 3):
         rep = check_models(m, res.model, provider="cuda", input_shapes=at(n))
         assert rep.ok, "\n".join(rep.lines())

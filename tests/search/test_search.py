@@ -169,3 +169,23 @@ def test_row_epilogue_over_unaligned_rows_is_priced_as_the_lowering_builds_it(n,
     # at batch 1, 8 row tiles of 16 x 768 beat cuBLAS + a LayerNorm kernel (one launch fewer)
     assert [r.kind for r in p.regions] == (["gemm_row"] if fits else ["rowreduce"])
     assert any("764-column row" in r.reason for r in p.refusals) != fits
+
+
+def test_shape_arithmetic_is_left_to_ort_on_the_host():
+    # ORT's CUDA EP places nodes fed only by Shape-derived tensors, graph inputs and small constants on the CPU,
+    # where a fused node has no kernel (session creation fails): such a region is refused; one that also reads
+    # a tensor computed on the GPU (xr) is not
+    m = model([node("Shape", ["x"], ["s"]), node("Gather", ["s", "i"], ["d"], axis=0),
+               node("Cast", ["d"], ["df"], to=F), node("Sqrt", ["df"], ["r"]), node("Neg", ["r"], ["scale"]),
+               node("Relu", ["x"], ["xr"]), node("Mul", ["xr", "r"], ["xs"]), node("Exp", ["xs"], ["y"])],
+              [vi("x", F, ["n", 8, 64])], [vi("y", F, None), vi("scale", F, None)],
+              [const("i", np.array(2, np.int64), np.int64)])
+    g, p = _plan(m)
+    assert legal.host_tensors(g) >= {"s", "d", "df", "r", "scale"} and "xs" not in legal.host_tensors(g)
+    assert [r.inputs for r in p.regions] == [("xr", "r")]  # Relu joining would leave it graph input + host
+    for r in p.regions:
+        assert legal.host_verdict(g, r.inputs) is None
+    assert legal.host_verdict(g, ["x", "r"])  # a graph input does not keep a node on the GPU
+    assert any("host tensors" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
+    assert legal.host_verdict(g, ["d"]) and not legal.host_verdict(g, ["d", "xr"])
+    assert "constant" in legal.host_verdict(g, [])
