@@ -25,6 +25,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import harness, zoo
 
 REGENERATE = ("python -m ortfuse.bench.gpu_suite OUTDIR  (on the GPU machine; bench/README.md gives the "
@@ -33,8 +35,13 @@ REGENERATE = ("python -m ortfuse.bench.gpu_suite OUTDIR  (on the GPU machine; be
 
 def _pytest(out: Path) -> dict[str, Any]:
   start = time.perf_counter()
-  cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+  cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
          f"--junitxml={out / 'pytest-gpu.xml'}", "tests"]
+  try:  # a hung kernel fails its test instead of the whole call (pytest-timeout is on the GPU image)
+    import pytest_timeout  # noqa: F401
+    cmd[5:5] = ["--timeout", "180"]
+  except ImportError:
+    pass
   proc = subprocess.run(cmd, capture_output=True, text=True)
   (out / "pytest-gpu.log").write_text(proc.stdout + proc.stderr)
   tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -159,7 +166,8 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   """Markdown for report.md, or for docs/results.md (`results`: the summary users read, with provenance)."""
   env = report.get("env", {})
   lines = ["# ortfuse results" if results else "# GPU suite report", "",
-           f"Measured {report.get('started', '?')} on {_device(report)}; onnxruntime-gpu "
+           f"Measured {', '.join(map(str, report.get('merged_from') or [report.get('started', '?')]))} on "
+           f"{_device(report)}; onnxruntime-gpu "
            f"{env.get('onnxruntime-gpu', env.get('onnxruntime', '?'))}, torch {env.get('torch', '?')}.",
            f"Regenerate: `{REGENERATE}`.", "",
            "Latency is the median of many runs after warm-up, inputs and outputs on the device (IOBinding); "
@@ -179,7 +187,8 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   if report.get("overhead"):
     lines.append("")
   lines += ["| model | dtype | batch | ORT ms | ORT+graph | ORT-transformers | torch.compile | ortfuse | "
-            "ortfuse of ideal | parity | optimize s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+            "ortfuse+graph | ortfuse of ideal | parity | optimize s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
   for e in report["entries"]:
     rows = e.get("bench", {}).get("rows", [])
     parity = e.get("parity", {}).get("ok")
@@ -197,7 +206,9 @@ def render(report: dict[str, Any], results: bool = False) -> str:
       lines.append(f"| {e['model']} | {e['dtype']} | {b if b is not None else '—'} | "
                    f"{stock.get('median_ms') and format(stock['median_ms'], '.3f') or '—'} | "
                    f"{cell('ort+cudagraph')} | {cell('ort-transformers')} | {cell('torch.compile')} | "
-                   f"{cell('ortfuse')} | {frac} | {ptxt} | {opt_s if opt_s is not None else '—'} |")
+                   f"{cell('ortfuse')} | {cell('ortfuse+cudagraph')} | {frac} | {ptxt} | "
+                   f"{opt_s if opt_s is not None else '—'} |")
+  lines += geomean_lines(report)
   fixed = [f"{e['model']} {e['dtype']}: " + zoo.shapes_text(shapes)
            for e in report["entries"] if (shapes := e.get("optimize", {}).get("input_shapes"))]
   if fixed:
@@ -214,6 +225,31 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   return "\n".join(lines) + "\n"
 
 
+# (variant, its baseline): ortfuse against stock ORT, and with CUDA graphs on both sides
+GEOMEANS = (("ortfuse", "ort"), ("ortfuse+cudagraph", "ort+cudagraph"), ("ortfuse", "ort+cudagraph"))
+
+
+def geomean_lines(report: dict[str, Any]) -> list[str]:
+  """Per batch: the geometric mean over the model rows (every dtype) of baseline median / variant median,
+  only over rows where both ran."""
+  out = []
+  batches = sorted({r["batch"] for e in report["entries"] for r in e.get("bench", {}).get("rows", [])})
+  for b in batches:
+    parts = []
+    for variant, base in GEOMEANS:
+      ratios = []
+      for e in report["entries"]:
+        by = {r["variant"]: r for r in e.get("bench", {}).get("rows", []) if r["batch"] == b}
+        if by.get(variant, {}).get("median_ms") and by.get(base, {}).get("median_ms"):
+          ratios.append(by[base]["median_ms"] / by[variant]["median_ms"])
+      if ratios:
+        gm = float(np.exp(np.mean(np.log(ratios))))
+        parts.append(f"{variant} over {base} {gm:.2f}x ({len(ratios)} rows)")
+    if parts:
+      out.append(f"Geometric mean at batch {b}: " + "; ".join(parts) + ".")
+  return ["", *out] if out else []
+
+
 def _device(report: dict[str, Any]) -> str:
   for e in report.get("entries", []):
     dev = e.get("bench", {}).get("device")
@@ -225,7 +261,18 @@ def _device(report: dict[str, Any]) -> str:
 def merge(out: Path, parts: list[Path]) -> dict[str, Any]:
   """Join the report.json of several calls (each under the 10-minute limit) into one report."""
   reports = [json.loads(p.read_text()) for p in parts]
-  merged = {**reports[0], "entries": [e for r in reports for e in r["entries"]]}
+  entries: dict[tuple[str, str], dict[str, Any]] = {}
+  for r in reports:  # a later call's measurement of a model and dtype replaces an earlier one's
+    for e in r["entries"]:
+      entries.pop((e["model"], e["dtype"]), None)
+      entries[(e["model"], e["dtype"])] = {**e, "measured": r.get("started")}
+  merged = {**reports[0], "entries": list(entries.values()), "merged_from": [r.get("started") for r in reports]}
+  for key in ("pytest", "overhead"):  # from the last call that ran them
+    found = [r[key] for r in reports if key in r]
+    if found:
+      merged[key] = found[-1]
+    else:
+      merged.pop(key, None)
   out.mkdir(parents=True, exist_ok=True)
   _write(out, merged)
   return merged

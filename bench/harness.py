@@ -6,6 +6,8 @@ Variants (each a row per batch; any that cannot run here becomes a row with a no
   ort-transformers  after onnxruntime.transformers.optimizer.optimize_model (bert / gpt2 / vit only)
   torch.compile  the zoo's PyTorch source module through torch.compile (CUDA torch only)
   ortfuse        ortfuse's optimized model through ortfuse.InferenceSession
+  ortfuse+cudagraph  the same with enable_cuda_graph=1, like ort+cudagraph (CUDA only): the like-for-like
+                 comparison where launch overhead is what separates stock ORT from ortfuse
 
 Timing: host clock around each synchronous Run (ORT synchronizes its stream at the end of Run; torch is
 synchronized explicitly), after warm-up; median and p90 of many runs. On CUDA, inputs and outputs stay on
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # torch.compile runs last: importing torch slows ORT's CPU thread pool 2-4x on the 2-core CI machine
 # (measured here), so nothing in a CPU run imports torch and GPU runs import it only at the end.
-VARIANTS = ("ort", "ort+cudagraph", "ort-transformers", "ortfuse", "torch.compile")
+VARIANTS = ("ort", "ort+cudagraph", "ort-transformers", "ortfuse", "ortfuse+cudagraph", "torch.compile")
 CPU_VARIANTS = ("ort", "ortfuse")
 DEFAULTS = {"cuda": dict(runs=200, warmup=20, max_seconds=10.0), "cpu": dict(runs=20, warmup=3, max_seconds=3.0)}
 INPUT_SETS = 3                     # rotated on CUDA so repeated runs do not measure one cached input
@@ -335,14 +337,18 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
   try:
     if variant == "ort":
       runner = _ort_runner(_session(ctx.model_path, ctx.provider), feed_sets, ctx.provider)
-    elif variant == "ort+cudagraph":
+    elif variant in ("ort+cudagraph", "ortfuse+cudagraph"):
       if ctx.provider != "cuda":
         raise _Skip("CUDA only")
       if ref is None:
         raise _Skip("needs the stock ORT row's output shapes")
+      fused = variant == "ortfuse+cudagraph"
+      if fused and ctx.optimized is None:
+        raise _Skip("no optimized model (see notes)")
       static = {d.dim_param: feed_sets[0][i.name].shape[k] for i in ctx.model.graph.input if i.name in feed_sets[0]
                 for k, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param}
-      sess = _session(ctx.model_path, "cuda", cuda_opts={"enable_cuda_graph": "1"}, static_dims=static)
+      sess = _session(ctx.optimized if fused else ctx.model_path, "cuda", cuda_opts={"enable_cuda_graph": "1"},
+                      static_dims=static, cls=_ortfuse_session_cls(ctx) if fused else None)
       shapes = {o.name: (r.shape, r.dtype) for o, r in zip(sess.get_outputs(), ref)}
       runner = _ort_runner(sess, feed_sets[:1], "cuda", shapes)
     elif variant == "ort-transformers":

@@ -205,14 +205,17 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
 
     say(f"profiling {len(kernels)} regions against ORT on the GPU")
     cache = opts.cache / "profile.json"
-    placements = prof.place(graph, [k.region for k in kernels], candidates, {}, cache)
+    bindings = prof.profile_bindings(graph, opts.profile_batch)
+    say("profiling at " + "; ".join(label for label, _ in bindings))
+    placements = prof.place(graph, [k.region for k in kernels], candidates, bindings, cache)
     chosen, final = [], []
     for k, pl in zip(kernels, placements):
         split = _row_split(graph, tgt, opts, k.region) if k.region.kind == "gemm_row" else None
         if split is not None:  # Collage: also measure cuBLAS + our kernel for the rest
             gemm, rest = split
-            split_us = prof.time_split(graph, gemm, rest.region, rest.node, {}, cache)
-            pl = dataclasses.replace(pl, split_us=split_us, split=split_us < min(pl.best_us, pl.ort_us))
+            split_us = prof.time_split(graph, gemm, rest.region, rest.node, bindings, cache)
+            split_wins = prof.wins(split_us, pl.ort_us) and prof.wins(split_us, pl.best_us)
+            pl = dataclasses.replace(pl, split_us=split_us, split=split_wins)
             pl = dataclasses.replace(pl, keep=pl.keep and not pl.split)
             if pl.split:
                 chosen.append(rest)

@@ -34,6 +34,7 @@ class Options:
     jobs: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     tf32: bool = False  # fp32 GEMMs may use tf32 tensor cores (10-bit mantissa); recorded in the model
     profile: bool = False  # time every region against ORT on the GPU and keep the faster (ortfuse.profile)
+    profile_batch: int = 32  # --profile also times a symbolic batch dim at this value (0: at its hint only)
 
     def __post_init__(self) -> None:
         if not self.archs:

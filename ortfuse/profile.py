@@ -7,7 +7,12 @@ kept only where it is faster, with its fastest tile. Timings are cached in <cach
 the sub-model's signature (ops, attributes, dtypes, concrete shapes; not names or weight values), the
 kernel source and the device, so identical layers are measured once and a second optimize measures
 nothing. Everything except the timer runs on the CPU too, which is
-how the tests check the sub-model construction and the decisions."""
+how the tests check the sub-model construction and the decisions.
+
+A kernel serves every batch size, so each region is timed at several bindings of the symbolic dims
+(`profile_bindings`: the cost model's hints, usually batch 1, and the batch dim at `Options.profile_batch`):
+a GEMM tile that wins at batch 1 can lose to cuBLAS at batch 32 (seen on the H100, 2026-11-24). Verdicts
+use the geometric mean over the bindings of the time ratios, each binding weighing the same."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,29 +50,71 @@ def tile_label(t: tuple[int, ...]) -> str:
     return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "")
 
 
+Times = tuple[float, ...]  # median us per call, one per profiled binding
+
+
+def geomean(xs: Sequence[float]) -> float:
+    return float(np.exp(np.mean(np.log(np.maximum(np.asarray(xs, dtype=np.float64), 1e-9)))))
+
+
+def us_text(ts: Times) -> str:
+    return "/".join(f"{t:.1f}" for t in ts)
+
+
 @dataclass(frozen=True)
 class Placement:
-    """The measured verdict for one region."""
+    """The measured verdict for one region: every time is a tuple over `bindings`."""
 
     region: int
-    ort_us: float
-    ours_us: tuple[tuple[tuple[int, ...], float], ...]  # (tile, or () for non-GEMM kernels; median us)
+    bindings: tuple[str, ...]  # e.g. ("batch=1", "batch=32")
+    ort_us: Times
+    ours_us: tuple[tuple[tuple[int, ...], Times], ...]  # (tile, or () for non-GEMM kernels; times)
     keep: bool
     tile: tuple[int, ...]  # the fastest tile (GEMMs), else ()
     # row-wise GEMM epilogues: cuBLAS (ORT) for the GEMM alone + our kernel for the rest, and whether
     # that split won over both the fused kernel and ORT
-    split_us: Optional[float] = None
+    split_us: Optional[Times] = None
     split: bool = False
 
     @property
-    def best_us(self) -> float:
-        return min(us for _, us in self.ours_us)
+    def best_us(self) -> Times:
+        return min((ts for _, ts in self.ours_us), key=geomean)
+
+    @property
+    def speedup(self) -> float:
+        """ORT over the kept choice (ours, the split, or ORT itself: 1.0), geometric mean over the bindings."""
+        kept = self.split_us if self.split else self.best_us if self.keep else self.ort_us
+        assert kept is not None
+        return geomean([o / k for o, k in zip(self.ort_us, kept)])
 
     def line(self) -> str:
         verdict = "split: cuBLAS + ours" if self.split else "ours" if self.keep else "ORT"
-        tiles = ", ".join(f"{tile_label(t)} {us:.1f}" for t, us in self.ours_us)
-        split = f", split {self.split_us:.1f} us" if self.split_us is not None else ""
-        return f"region {self.region}: ORT {self.ort_us:.1f} us, ours [{tiles}] us{split} -> {verdict}"
+        tiles = ", ".join(f"{tile_label(t)} {us_text(ts)}" for t, ts in self.ours_us)
+        split = f", split {us_text(self.split_us)} us" if self.split_us is not None else ""
+        return (f"region {self.region} ({' / '.join(self.bindings)}): ORT {us_text(self.ort_us)} us, "
+                f"ours [{tiles}] us{split} -> {verdict}")
+
+
+def wins(ours: Times, ort: Times) -> bool:
+    """Ours is faster: the geometric mean of ours/ORT over the bindings is below 1."""
+    return geomean([a / b for a, b in zip(ours, ort)]) < 1.0
+
+
+def profile_bindings(g: Graph, batch: int) -> list[tuple[str, dict[str, int]]]:
+    """(label, dims) to profile at: the symbolic dims at their hints, then also the graph inputs' leading
+    (batch) dims at `batch` when they are symbolic and `batch` differs from their hint (0: hints only)."""
+    names = [d for t in g.graph_inputs if (s := g.tensors[t].shape) for d in s if isinstance(d, str)]
+    names = list(dict.fromkeys(names))
+    hints = {d: int(g.sym_hints.get(d, 1)) for d in names}
+
+    def label(dims: Mapping[str, int]) -> str:
+        return ", ".join(f"{d}={v}" for d, v in {**hints, **dims}.items()) or "static shapes"
+    out = [(label({}), {})]
+    lead = list(dict.fromkeys(s[0] for t in g.graph_inputs if (s := g.tensors[t].shape) and isinstance(s[0], str)))
+    big = {d: batch for d in lead if batch and hints[d] != batch}
+    if big:
+        out.append((label(big), big))
+    return out
 
 
 def _concrete(g: Graph, t: str, dims: Mapping[str, int]) -> list[int]:
@@ -189,49 +236,60 @@ def _digest(*parts: bytes | str) -> str:
     return h.hexdigest()[:24]
 
 
+def _source(node: FusedNode) -> bytes:
+    return next((helper.get_attribute_value(a) for a in node.attributes if a.name == "source"), b"")
+
+
 def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Sequence[tuple[tuple[int, ...], FusedNode]]],
-          dims: Mapping[str, int], cache_path: Optional[Path], timer: Optional[Timer] = None,
-          device: Optional[str] = None) -> list[Placement]:
-    """Time every region against its stock-ORT sub-model. `candidates(region)` yields (tile, fused node)
-    pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
+          bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
+          timer: Optional[Timer] = None, device: Optional[str] = None) -> list[Placement]:
+    """Time every region against its stock-ORT sub-model at each binding. `candidates(region)` yields
+    (tile, fused node) pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
     timer = timer or cuda_timer
     dev = device or device_name()
     cache = _Cache(cache_path)
     out = []
     try:
         for r in regions:
-            sub = region_model(g, r, dims)
-            feeds = random_feeds(sub, None, seed=r.id)
-            sig = signature(sub)
-            ort_us = cache.get(_digest("ort", sig, dev), lambda: timer(sub, feeds, False))
-            ours = []
-            for tile, node in candidates(r):
-                src = next((helper.get_attribute_value(a) for a in node.attributes if a.name == "source"), b"")
-                key = _digest("ours", sig, src, dev)
-                ours.append((tile, cache.get(key, lambda: timer(fused_model(sub, node), feeds, True))))
-            best_tile, best = min(ours, key=lambda x: x[1])
-            out.append(Placement(r.id, ort_us, tuple(ours), best < ort_us, best_tile))
+            cands = list(candidates(r))
+            ort_us: list[float] = []
+            ours: list[list[float]] = [[] for _ in cands]
+            for _, dims in bindings:
+                sub = region_model(g, r, dims)
+                feeds = random_feeds(sub, None, seed=r.id)
+                sig = signature(sub)
+                ort_us.append(cache.get(_digest("ort", sig, dev), lambda: timer(sub, feeds, False)))
+                for (_, node), ts in zip(cands, ours):
+                    key = _digest("ours", sig, _source(node), dev)
+                    ts.append(cache.get(key, lambda: timer(fused_model(sub, node), feeds, True)))
+            per_tile = tuple((tile, tuple(ts)) for (tile, _), ts in zip(cands, ours))
+            best_tile, best = min(per_tile, key=lambda x: geomean(x[1]))
+            out.append(Placement(r.id, tuple(label for label, _ in bindings), tuple(ort_us), per_tile,
+                                 wins(best, tuple(ort_us)), best_tile))
     finally:
         cache.save()
     return out
 
 
-def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode, dims: Mapping[str, int],
-               cache_path: Optional[Path], timer: Optional[Timer] = None, device: Optional[str] = None) -> float:
+def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
+               bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
+               timer: Optional[Timer] = None, device: Optional[str] = None) -> Times:
     """The alternative to a row-wise GEMM epilogue: ORT's time for the GEMM alone (cuBLAS) plus our kernel
-    for the rest of the region, measured and cached like `place`."""
+    for the rest of the region, at each binding, measured and cached like `place`."""
     timer = timer or cuda_timer
     dev = device or device_name()
     cache = _Cache(cache_path)
+    out = []
     try:
-        sub = region_model(g, gemm, dims)
-        feeds = random_feeds(sub, None, seed=gemm.id)
-        t_gemm = cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False))
-        rsub = region_model(g, rest, dims)
-        rfeeds = random_feeds(rsub, None, seed=rest.id)
-        src = next((helper.get_attribute_value(a) for a in rest_node.attributes if a.name == "source"), b"")
-        t_rest = cache.get(_digest("ours", signature(rsub), src, dev),
-                           lambda: timer(fused_model(rsub, rest_node), rfeeds, True))
+        for _, dims in bindings:
+            sub = region_model(g, gemm, dims)
+            feeds = random_feeds(sub, None, seed=gemm.id)
+            t_gemm = cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False))
+            rsub = region_model(g, rest, dims)
+            rfeeds = random_feeds(rsub, None, seed=rest.id)
+            t_rest = cache.get(_digest("ours", signature(rsub), _source(rest_node), dev),
+                               lambda: timer(fused_model(rsub, rest_node), rfeeds, True))
+            out.append(t_gemm + t_rest)
     finally:
         cache.save()
-    return t_gemm + t_rest
+    return tuple(out)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ortfuse.api import OptimizeResult
-from ortfuse.profile import tile_label
+from ortfuse.profile import tile_label, us_text
 from ortfuse.search import conv, ops
 
 
@@ -66,11 +66,14 @@ def markdown(r: OptimizeResult, source: str) -> str:
                    f"{k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
     if r.placements:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
-                "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept |", "|---|---|---|---|---|"]
+                f"Each cell gives one time per binding ({' / '.join(r.placements[0].bindings)}); 'ORT / kept' "
+                "is the geometric mean over the bindings of ORT's time over the kept choice's.", "",
+                "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept | ORT / kept |",
+                "|---|---|---|---|---|---:|"]
         for pl in r.placements:
-            tiles = "; ".join(f"{tile_label(t)}: {us:.1f}" for t, us in pl.ours_us)
-            split = f"{pl.split_us:.1f}" if pl.split_us is not None else "—"
+            tiles = "; ".join(f"{tile_label(t)}: {us_text(ts)}" for t, ts in pl.ours_us)
+            split = us_text(pl.split_us) if pl.split_us is not None else "—"
             kept = "split" if pl.split else "ours" if pl.keep else "ORT"
-            out.append(f"| {pl.region} | {pl.ort_us:.1f} | {tiles} | {split} | {kept} |")
+            out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x |")
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

@@ -174,8 +174,34 @@ def test_row_epilogue_is_measured_against_cublas_plus_our_row_kernel(monkeypatch
     monkeypatch.setattr(prof, "device_name", lambda: "test-device")
     res = compile_model(_layernorm_block(), None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
     [pl] = res.placements
-    assert pl.split_us == 5.0 and pl.split == split_wins and pl.keep == (not split_wins)
+    assert pl.split_us == (5.0,) and pl.split == split_wins and pl.keep == (not split_wins)
     assert [k.region.kind for k in res.kernels] == (["rowreduce"] if split_wins else ["gemm_row"])
     ops_ = [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"]
     assert ops_ == (["MatMul"] if split_wins else [])
     assert ("split: cuBLAS + ours" in pl.line()) == split_wins
+
+
+@pytest.mark.parametrize("big_ours,keep", [(100.0, False), (30.0, True)])
+def test_profile_times_a_symbolic_batch_at_its_hint_and_at_profile_batch(monkeypatch, tmp_path, big_ours, keep):
+    # ours wins at batch 1 (5 vs 10 us); at batch 32 ORT takes 40 us: ours at 100 us loses overall
+    # (geometric mean of 0.5 and 2.5 > 1), at 30 us wins
+    def timer(m: onnx.ModelProto, feeds, fused: bool) -> float:
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
+        batch = m.graph.input[0].type.tensor_type.shape.dim[0].dim_value
+        return {(1, False): 10.0, (1, True): 5.0, (32, False): 40.0, (32, True): big_ours}[(batch, fused)]
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(_encoder_block(), None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    [pl] = res.placements
+    assert pl.bindings == ("n=1", "n=32") and pl.ort_us == (10.0, 40.0) and pl.keep == keep
+    assert pl.best_us == (5.0, big_ours) and "region 0 (n=1 / n=32): ORT 10.0/40.0 us" in pl.line()
+    assert abs(pl.speedup - (np.sqrt(2 * 40 / big_ours) if keep else 1.0)) < 1e-9
+    assert len(res.kernels) == (1 if keep else 0)
+    from ortfuse.report import markdown
+    row = "| 0 | 10.0/40.0 |"
+    md = markdown(res, "m.onnx")
+    assert "(n=1 / n=32)" in md and row in md and (f"{pl.speedup:.2f}x |" in md)
+    # --profile-batch 0: the hint alone, where ours wins
+    res = compile_model(_encoder_block(), None, "sm_90",
+                        options=Options(archs=(90,), cache=tmp_path, profile=True, profile_batch=0))
+    assert res.placements[0].bindings == ("n=1",) and res.placements[0].keep
