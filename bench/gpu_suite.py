@@ -116,8 +116,24 @@ def _bench(src: Path, opt: str | None, batches: str, work: Path, variants: str |
   return json.loads(js.read_text())
 
 
+def _kernels(src: Path, work: Path, batches: str) -> dict[str, Any]:
+  """Issue 5's per-kernel figures (bench/kernels.py) in a subprocess: each GEMM/Conv kernel with its
+  epilogue against the library's bare call, each attention against ORT's MultiHeadAttention."""
+  big = max(int(b) for b in batches.split(","))
+  js, md = work / f"{src.stem}.kernels.json", work / f"{src.stem}.kernels.md"
+  cmd = [sys.executable, "-m", "ortfuse.bench.kernels", str(src), "--batch", str(big), "--json", str(js), "--md", str(md)]
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode != 0 or not js.exists():
+    return {"error": (proc.stdout + proc.stderr)[-3000:]}
+  text = md.read_text()
+  return {"rows": json.loads(js.read_text()), "table": text, "seconds": round(time.perf_counter() - start, 1),
+          "summary": [ln for ln in text.splitlines() if ln and not ln.startswith("|")]}
+
+
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
-              run_tests: bool, variants: str | None, exporter: str = "torchscript") -> dict[str, Any]:
+              run_tests: bool, variants: str | None, exporter: str = "torchscript",
+              kernels: bool = False) -> dict[str, Any]:
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -142,6 +158,8 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       opt = entry["optimize"].get("path")
       entry["parity"] = _parity(src, Path(opt)) if opt else {"ok": None, "note": "no optimized model"}
       entry["bench"] = _bench(src, opt, batches, work, variants)
+      if kernels:
+        entry["kernels"] = _kernels(src, work, batches)
       _write(out, report)                        # after every model: a cut-off call keeps what it had
   return report
 
@@ -214,6 +232,15 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   if fixed:
     lines += ["", "Optimized with image sizes fixed (`--input-shape`: static sizes give ortfuse's Conv kernels "
               "their static gather; ORT's baselines run the model as shipped): " + "; ".join(fixed) + "."]
+  per_kernel = [(e, e["kernels"]) for e in report["entries"] if e.get("kernels")]
+  if per_kernel:
+    lines += ["", "## Per kernel (bench/kernels.py: device time, L2 flushed; GEMM + epilogue against the library's "
+              "bare call, attention against ORT's MultiHeadAttention)", ""]
+    for e, k in per_kernel:
+      body = k.get("summary") or [f"failed: {str(k.get('error'))[-300:]}"]
+      lines += [f"**{e['model']} {e['dtype']}**: " + " ".join(body)]
+      if not results and k.get("table"):
+        lines += ["", k["table"]]
   if not results:
     for e in report["entries"]:
       notes = [e.get("error"), e.get("optimize", {}).get("note"), e.get("parity", {}).get("note"),
@@ -289,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--exporter", default="torchscript", choices=zoo.EXPORTERS,
                  help="how the zoo's PyTorch models are exported (dynamo needs onnxscript on the machine)")
   p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
+  p.add_argument("--kernels", action="store_true",
+                 help="also time every GEMM/Conv/attention kernel against cuBLAS/cuDNN/MultiHeadAttention")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
   p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
   p.add_argument("--wheels", type=Path, help="folder of carried wheels for the shipped models (no registry there)")
@@ -303,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants, args.exporter)
+                     args.variants, args.exporter, args.kernels)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

@@ -8,6 +8,8 @@ Variants (each a row per batch; any that cannot run here becomes a row with a no
   ortfuse        ortfuse's optimized model through ortfuse.InferenceSession
   ortfuse+cudagraph  the same with enable_cuda_graph=1, like ort+cudagraph (CUDA only): the like-for-like
                  comparison where launch overhead is what separates stock ORT from ortfuse
+  ort+static     diagnostic, not run by default: stock ORT with the symbolic dims pinned as ort+cudagraph
+                 pins them, but no graph; separates what pinning changes from what the graph does
 
 Timing: host clock around each synchronous Run (ORT synchronizes its stream at the end of Run; torch is
 synchronized explicitly), after warm-up; median and p90 of many runs. On CUDA, inputs and outputs stay on
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 # torch.compile runs last: importing torch slows ORT's CPU thread pool 2-4x on the 2-core CI machine
 # (measured here), so nothing in a CPU run imports torch and GPU runs import it only at the end.
 VARIANTS = ("ort", "ort+cudagraph", "ort-transformers", "ortfuse", "ortfuse+cudagraph", "torch.compile")
+DIAGNOSTIC = ("ort+static",)  # only when asked for (--variants)
 CPU_VARIANTS = ("ort", "ortfuse")
 DEFAULTS = {"cuda": dict(runs=200, warmup=20, max_seconds=10.0), "cpu": dict(runs=20, warmup=3, max_seconds=3.0)}
 INPUT_SETS = 3                     # rotated on CUDA so repeated runs do not measure one cached input
@@ -328,6 +331,12 @@ class _Skip(Exception):
   """A variant that does not apply here; its message becomes the row's note."""
 
 
+def _static_dims(ctx: _Ctx, feed_sets: list[dict[str, np.ndarray]]) -> dict[str, int]:
+  """Each symbolic input dim at its size in this batch's inputs (free-dimension overrides)."""
+  return {d.dim_param: feed_sets[0][i.name].shape[k] for i in ctx.model.graph.input if i.name in feed_sets[0]
+          for k, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param}
+
+
 def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.ndarray]],
              ref: list[np.ndarray] | None, opts: dict[str, Any]) -> tuple[Row, list[np.ndarray] | None]:
   row = Row(variant, batch)
@@ -337,6 +346,9 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
   try:
     if variant == "ort":
       runner = _ort_runner(_session(ctx.model_path, ctx.provider), feed_sets, ctx.provider)
+    elif variant == "ort+static":
+      runner = _ort_runner(_session(ctx.model_path, ctx.provider, static_dims=_static_dims(ctx, feed_sets)),
+                           feed_sets, ctx.provider)
     elif variant in ("ort+cudagraph", "ortfuse+cudagraph"):
       if ctx.provider != "cuda":
         raise _Skip("CUDA only")
@@ -345,8 +357,7 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
       fused = variant == "ortfuse+cudagraph"
       if fused and ctx.optimized is None:
         raise _Skip("no optimized model (see notes)")
-      static = {d.dim_param: feed_sets[0][i.name].shape[k] for i in ctx.model.graph.input if i.name in feed_sets[0]
-                for k, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param}
+      static = _static_dims(ctx, feed_sets)
       sess = _session(ctx.optimized if fused else ctx.model_path, "cuda", cuda_opts={"enable_cuda_graph": "1"},
                       static_dims=static, cls=_ortfuse_session_cls(ctx) if fused else None)
       shapes = {o.name: (r.shape, r.dtype) for o, r in zip(sess.get_outputs(), ref)}
@@ -507,7 +518,7 @@ def plot(results: Sequence[BenchResult], path: str | Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   groups = [(Path(r.model).stem, b, r) for r in results for b in r.batches]
-  variants = [v for v in VARIANTS if any(r.row(v, b) and r.row(v, b).median_ms for _, b, r in groups)]
+  variants = [v for v in (*VARIANTS, *DIAGNOSTIC) if any(r.row(v, b) and r.row(v, b).median_ms for _, b, r in groups)]
   fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(groups) + 4), 4.5))
   width = 0.8 / max(1, len(variants))
   for i, v in enumerate(variants):
@@ -539,7 +550,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default="bench-out", help="folder for the .md, .json and .png results")
   parser.add_argument("--runs", type=int, help="timed runs per row (default 200 on CUDA, 20 on CPU)")
   parser.add_argument("--warmup", type=int, help="untimed runs first (default 20 on CUDA, 3 on CPU)")
-  parser.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
+  parser.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS + DIAGNOSTIC)}")
   parser.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                       help="value of a symbolic input dim other than the batch, e.g. sequence=128")
 

@@ -91,8 +91,8 @@ def measure(native: onnx.ModelProto, fused: onnx.ModelProto, feeds: Mapping[str,
 def run(ops: int = 64, size: int = 4096, dtype: str = "fp32", batch: int = 1, timer: Timer | None = None,
         rounds: int = 7, archs: Sequence[int] = (80, 90)) -> Overhead:
     if timer is None:
-        from ortfuse.profile import cuda_timer
-        timer = cuda_timer
+        from ortfuse.profile import host_timer
+        timer = host_timer
     native, fused = chain_models(ops, size, dtype, archs)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((batch, size)) + 0.5).astype(onnx.helper.tensor_dtype_to_np_dtype(DTYPES[dtype]))

@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 
 from ortfuse.customops.compile import CompiledKernel
 from ortfuse.customops.lower import KernelSpec
+from ortfuse.customops.tiles import runtime_split
 
 NODE_FORMAT_VERSION = 1
 DOMAIN = "ortfuse"
@@ -54,10 +55,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
 def cluster_for(split_k: int, grid: int, sm_count: int) -> int:
     """Blocks per cluster for a grid of `grid` tiles on `sm_count` SMs: the largest power of two up to split_k
     that keeps the split grid within one wave (the native library's ofz_spec_cluster)."""
-    c = 1
-    while grid > 0 and 2 * c <= split_k and grid * 2 * c <= sm_count:
-        c *= 2
-    return c
+    return runtime_split(split_k, grid, sm_count)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
 from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region
 
@@ -70,6 +71,10 @@ class _GemmLowerer(_Lowerer):
     def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
                  tile: Optional[tuple[int, ...]] = None):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
+        # one kernel serves every batch: with a symbolic batch its tile is chosen for batch 1 and batch 32
+        # together (search.cost.bindings prices the fusion at the same two)
+        large = sym_hints(graph.tensors, graph.graph_inputs, THROUGHPUT_BATCH)
+        self.large_hints = large if large != self.hints else None
         anchors = [i for i in region.nodes if conv.is_anchor(graph, graph.nodes[i])]
         if len(anchors) != 1:
             raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm/Conv, this region has {len(anchors)}")
@@ -272,7 +277,8 @@ class _GemmLowerer(_Lowerer):
         readers = [i for i in g.consumers.get(w_t, ()) if i in self.r.nodes]
         fed = any(v.name == w_t for v in g.model.graph.input)  # an initializer a user may override
         permutable = w_t in g.constants and not fed and readers == [self.anchor_index]
-        dims = (geo.oc, geo.pixels_at(self.hint), geo.k, self.hint(geo.batch), es, math_, a_mode, b_mode)
+        shapes = [(geo.oc, geo.pixels_at(h), geo.k, h(geo.batch)) for h in self.binding_hints()]
+        dims = (shapes, es, math_, a_mode, b_mode)
         ranked, chosen = self.choose_tile(*dims)
         taps = False
         if b_mode == IM2COL and a_mode == ROW and geo.c % 16 == 0 and (one_tap or permutable):
@@ -375,10 +381,9 @@ class _GemmLowerer(_Lowerer):
             self.epilogue(funcs, vb, vm, vn, out_prefix, N)
 
         # tile construction
-        hint = self.hint
-        m_hint = hint(M) * (math.prod(hint(d) for d in batch_shape) if fold else 1)
-        b_hint = 1 if fold else math.prod(hint(d) for d in batch_shape)
-        ranked, chosen = self.choose_tile(m_hint, hint(N), hint(K), b_hint, es, math_, a_mode, b_mode)
+        shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
+                   1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints()]
+        ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
         targs: tuple[str, ...] = ()
         if self.row_mode:
             if chosen.tile.bn < int(N):
@@ -393,14 +398,24 @@ class _GemmLowerer(_Lowerer):
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, [self.encode(N)], K, targs)
 
-    def choose_tile(self, m: int, n: int, k: int, batch: int, es: int, math_: int, a_mode: int, b_mode: int,
+    def binding_hints(self) -> list:
+        """Dim -> value at each binding a tile is chosen for: the hints, then batch 32 if the batch is symbolic."""
+        out = [self.hint]
+        if self.large_hints is not None:
+            large = self.large_hints
+            out.append(lambda d: d if isinstance(d, int) else large.get(d, 128))
+        return out
+
+    def choose_tile(self, shapes: list[tl.Shape], es: int, math_: int, a_mode: int, b_mode: int,
                     taps: int = 0) -> tuple[list[tl.Ranked], Optional[tl.Ranked]]:
-        """The ranked candidates and the chosen one (the best, or the forced tile at its best split). `taps`:
-        the channel count of a tap-major gather, which BK must divide; then (_, None) where no tile fits."""
+        """The ranked candidates and the chosen one (the best over the bindings' (m, n, k, batch) `shapes`, or
+        the forced tile at its best split). `taps`: the channel count of a tap-major gather, which BK must
+        divide; then (_, None) where no tile fits."""
+        m, n, k, batch = shapes[0]
         staged = (tl.ELEMENTS if a_mode == GENERIC else tl.DIRECT,
                   tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT)
-        ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, math_, b_mode == COL, row=self.row_mode, staged=staged,
-                               bk_divides=taps)
+        ranked = tl.rank_for_bindings(self.tgt, shapes, es, math_, b_mode == COL, row=self.row_mode, staged=staged,
+                                      bk_divides=taps)
         if taps and (not ranked or (self.forced_tile and taps % self.forced_tile[2])):
             return ranked, None
         if not ranked:

@@ -16,9 +16,10 @@ memory. Each tile is estimated at every S up to the target's cluster size that k
 wave and each block at least two k tiles; its best S (plus the reduction's cost) is what it ranks by."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ortfuse.customops.target import Target
 
@@ -185,7 +186,7 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     ktiles = -(-ktiles_all // split)  # the busiest block's share
     kp = ktiles * t.bk
     peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
-            SIMT: tgt.fp32_tflops}[math_] * 1e12
+            SIMT: tgt.fp32_tflops}[math_] * 1e12 * (1.0 if math_ == SIMT else tgt.mma_sync_share)
     # the busiest SM decides: it runs ceil(blocks / SMs) blocks, up to blocks_per_sm at once sharing its
     # tensor cores (or FMA units), one per scheduler, so fewer than 4 resident warps leave some idle
     per_sm = math.ceil(blocks / tgt.sm_count)
@@ -242,6 +243,13 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
     B reach shared memory (DIRECT: cp.async; ELEMENTS: element loads through registers, for prologue math
     or the im2col gather; TAPS: the tap-major gather). `bk_divides`: only tiles whose BK divides it (the
     tap-major gather's channel count)."""
+    return list(_ranked(tgt, m, n, k, batch, esize, math_, b_nk, row, tuple(staged), bk_divides)[:top_k])
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool, row: bool,
+            staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
+    """Every feasible tile, best first (memoized: a model's repeated layers lower the same GEMM many times)."""
     ranked = []
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
         if bk_divides and bk_divides % t.bk:
@@ -252,4 +260,67 @@ def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math
     # ties (issue- or DRAM-bound tiles): the larger tile, then 3 stages (CUTLASS's sm_80 default: latency
     # the model does not see is still hidden, and a 2-stage ring of staged operands costs local memory)
     ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, abs(r.tile.stages - 3), r.split, r.tile.as_tuple()))
-    return ranked[:top_k]
+    return tuple(ranked)
+
+
+def runtime_split(split_k: int, grid: int, sm_count: int) -> int:
+    """Blocks per cluster a kernel compiled for `split_k` launches with on a grid of `grid` tiles: the largest
+    power of two up to split_k that keeps the split grid within one wave (the native library's
+    ofz_spec_cluster; `attrs.cluster_for`)."""
+    c = 1
+    while grid > 0 and 2 * c <= split_k and grid * 2 * c <= sm_count:
+        c *= 2
+    return c
+
+
+Shape = tuple[int, int, int, int]  # (m, n, k, batch) at one binding of the symbolic dims
+
+
+def clear_caches() -> None:
+    """Forget memoized rankings (tests that swap the candidate generator)."""
+    _ranked.cache_clear()
+    _joint.cache_clear()
+
+
+def estimate_at(tgt: Target, r: Ranked, shape: Shape, esize: int, math_: int, b_nk: bool, row: bool = False,
+                staged: tuple[int, int] = (DIRECT, DIRECT)) -> float:
+    """A ranked tile's estimate at another binding, at the split the runtime launches it with there."""
+    m, n, k, batch = shape
+    split = runtime_split(r.split, batch * -(-m // r.tile.bm) * -(-n // r.tile.bn), tgt.sm_count)
+    for s in dict.fromkeys((split, 1)):
+        e = estimate_tile(tgt, r.tile, m, n, k, batch, esize, math_, b_nk, row, staged, s)
+        if e is not None:
+            return e.est_us
+    return math.inf
+
+
+def rank_for_bindings(tgt: Target, shapes: Sequence[Shape], esize: int, math_: int, b_nk: bool, top_k: int = 4,
+                      row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
+                      bk_divides: int = 0) -> list[Ranked]:
+    """`rank_tiles` for a kernel that serves several bindings of its symbolic dims (batch 1 and batch 32: one
+    compiled tile runs both). Tiles are ranked by the geometric mean over the bindings of their estimate
+    over that binding's best tile's, so a tile that is best at batch 1 but half as fast as another at batch
+    32 loses to one a little slower at batch 1. `est_us` stays the first binding's. The first binding's best
+    tile is always among the `top_k`, last if it did not rank there."""
+    return list(_joint(tgt, tuple(map(tuple, shapes)), esize, math_, b_nk, top_k, row, tuple(staged), bk_divides))
+
+
+@functools.lru_cache(maxsize=1024)
+def _joint(tgt: Target, shapes: tuple[Shape, ...], esize: int, math_: int, b_nk: bool, top_k: int, row: bool,
+           staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
+    m, n, k, batch = shapes[0]
+    ranked = rank_tiles(tgt, m, n, k, batch, esize, math_, b_nk, 10**6, row, staged, bk_divides)
+    if len(shapes) < 2 or not ranked:
+        return tuple(ranked[:top_k])
+    score = {id(r): math.log(r.est_us / ranked[0].est_us) for r in ranked}
+    for shape in shapes[1:]:
+        best = rank_tiles(tgt, *shape[:3], shape[3], esize, math_, b_nk, 1, row, staged, bk_divides)
+        if not best:
+            continue
+        for r in ranked:
+            score[id(r)] += math.log(max(estimate_at(tgt, r, shape, esize, math_, b_nk, row, staged), 1e-9)
+                                     / best[0].est_us)
+    order = sorted(range(len(ranked)), key=lambda i: (score[id(ranked[i])], i))  # ties: rank_tiles's order
+    out = [ranked[i] for i in order][:top_k]
+    # the first binding's own best stays a candidate, so `--profile` can overrule the model's other figures
+    return tuple(out if ranked[0] in out else [*out[:top_k - 1], ranked[0]])

@@ -206,7 +206,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
     say(f"profiling {len(kernels)} regions against ORT on the GPU")
     cache = opts.cache / "profile.json"
     bindings = prof.profile_bindings(graph, opts.profile_batch)
-    say("profiling at " + "; ".join(label for label, _ in bindings))
+    say("profiling at " + "; ".join(label for label, _ in bindings) + f"; timer: {prof.clock()}")
     placements = prof.place(graph, [k.region for k in kernels], candidates, bindings, cache)
     chosen, final = [], []
     for k, pl in zip(kernels, placements):

@@ -19,6 +19,7 @@ import dataclasses
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -146,13 +147,11 @@ def fused_model(sub: onnx.ModelProto, node: FusedNode) -> onnx.ModelProto:
     return replace(sg, [dataclasses.replace(node, node_indices=tuple(range(len(sg.nodes))))])
 
 
-def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:
-    """Median microseconds per run on the CUDA EP, inputs and outputs on the device (IOBinding; the run
-    returns once the outputs are ready)."""
+def _session(model: onnx.ModelProto, fused: bool, cuda_options: Mapping[str, str]):
     import onnxruntime as ort
 
     from ortfuse.runtime import InferenceSession
-    providers = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+    providers = [("CUDAExecutionProvider", {"use_tf32": "0", **cuda_options})]
     if fused:
         sess = InferenceSession(model, providers=providers)
         if not sess.fused_kernels:
@@ -161,6 +160,15 @@ def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: b
         sess = ort.InferenceSession(model.SerializeToString(), providers=providers)
         if "CUDAExecutionProvider" not in sess.get_providers():
             raise OrtfuseError("ortfuse: --profile needs the CUDA execution provider (onnxruntime-gpu on a GPU)")
+    return sess
+
+
+def bound_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool,
+              cuda_options: Optional[Mapping[str, str]] = None, run_options=None) -> Callable[[], None]:
+    """A session of `model` on the CUDA EP with `feeds` and its outputs bound on the device (IOBinding), as
+    one call that runs it once."""
+    import onnxruntime as ort
+    sess = _session(model, fused, cuda_options or {})
     io = sess.io_binding()
     keep = []
     for name, arr in feeds.items():
@@ -169,14 +177,70 @@ def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: b
         io.bind_ortvalue_input(name, v)
     for o in sess.get_outputs():
         io.bind_output(o.name, "cuda", 0)
+
+    def run() -> None:
+        sess.run_with_iobinding(io, run_options)
+    run.keep = (sess, io, keep)  # type: ignore[attr-defined]
+    return run
+
+
+def host_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:
+    """Median microseconds of a synchronous run on the CUDA EP by the host clock, inputs and outputs on the
+    device: what a caller waits, ORT's per-run overhead included (the fused-node overhead measurement)."""
+    run = bound_run(model, feeds, fused)
     for _ in range(WARMUP):
-        sess.run_with_iobinding(io)
+        run()
     times = []
     for _ in range(RUNS):
         t0 = time.perf_counter()
-        sess.run_with_iobinding(io)
+        run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
+
+
+def _floor_model() -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    m = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "floor", [x], [y]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:
+    """Microseconds the region costs a pipelined model run (ortfuse.gpu_timer): the longer of its median
+    device time and its median enqueue time past ORT's per-run floor. The host clock where CuPy cannot
+    reach the GPU."""
+    from ortfuse import gpu_timer
+    if clock() != gpu_timer.CLOCK:
+        return host_timer(model, feeds, fused)
+    t = gpu_timer.shared()
+    opts, ro = t.cuda_options(), t.run_options()
+    try:
+        floor = t.session_floor_us(lambda: bound_run(_floor_model(), {"x": np.ones(1, np.float32)}, False, opts, ro))
+        return t.time(bound_run(model, feeds, fused, opts, ro), WARMUP, RUNS).cost_us(floor)
+    except RuntimeError as e:
+        raise OrtfuseError(f"ortfuse --profile: the device clock failed ({e}); set {CLOCK_ENV}=host to profile "
+                           "with the host clock") from e
+
+
+def device_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:
+    """Median device microseconds of one run (ortfuse.gpu_timer), host overhead excluded: kernel against
+    kernel (bench/kernels.py). Needs the GPU."""
+    from ortfuse import gpu_timer
+    t = gpu_timer.shared()
+    return t.time(bound_run(model, feeds, fused, t.cuda_options(), t.run_options()), WARMUP, RUNS).gpu_us
+
+
+CLOCK_ENV = "ORTFUSE_PROFILE_CLOCK"  # "host" forces the host clock
+
+
+def clock() -> str:
+    """Which clock `cuda_timer` uses here (part of every cache key: the two do not mix)."""
+    from ortfuse import gpu_timer
+    if os.environ.get(CLOCK_ENV, "").lower() == "host" or not gpu_timer.available():
+        return "host clock"
+    return gpu_timer.CLOCK
 
 
 def device_name() -> str:
@@ -246,7 +310,7 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     """Time every region against its stock-ORT sub-model at each binding. `candidates(region)` yields
     (tile, fused node) pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
     timer = timer or cuda_timer
-    dev = device or device_name()
+    dev = device or f"{device_name()} / {clock()}"
     cache = _Cache(cache_path)
     out = []
     try:
@@ -277,7 +341,7 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
     """The alternative to a row-wise GEMM epilogue: ORT's time for the GEMM alone (cuBLAS) plus our kernel
     for the rest of the region, at each binding, measured and cached like `place`."""
     timer = timer or cuda_timer
-    dev = device or device_name()
+    dev = device or f"{device_name()} / {clock()}"
     cache = _Cache(cache_path)
     out = []
     try:

@@ -126,11 +126,15 @@ class CostModel:
         dtype = g.tensors[node.input[0]].dtype
         return tiles.MMA_F16 if dtype != onnx.TensorProto.FLOAT else (tiles.MMA_TF32 if self.tf32 else tiles.SIMT)
 
-    def gemm_us(self, g: Graph, node: onnx.NodeProto) -> tuple[float, int]:
-        """(roofline time of the bare GEMM as cuBLAS would run it, its DRAM bytes)."""
+    def gemm_us(self, g: Graph, node: onnx.NodeProto, ours: bool = False) -> tuple[float, int]:
+        """(roofline time of the bare GEMM as cuBLAS would run it, its DRAM bytes); `ours`: at the tensor-core
+        rate our mma.sync kernels can reach (`Target.mma_sync_share`)."""
         tgt = self.target
+        math_ = self._math(g, node)
         peak = {tiles.MMA_F16: tgt.mma_f16_tflops, tiles.MMA_TF32: tgt.mma_tf32_tflops,
-                tiles.SIMT: tgt.fp32_tflops}[self._math(g, node)]
+                tiles.SIMT: tgt.fp32_tflops}[math_]
+        if ours and math_ != tiles.SIMT:
+            peak *= tgt.mma_sync_share
         moved = sum(tensor_bytes(g, t) for t in (node.input[0], node.input[1], node.output[0]))
         return max(gemm_flops(g, node) / (peak * 1e6), moved / (tgt.dram_gbps * 1e3)), moved
 
@@ -159,7 +163,7 @@ class CostModel:
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
-        mm_us, mm_bytes = self.gemm_us(g, node)
+        mm_us, mm_bytes = self.gemm_us(g, node, ours=True)
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
         if region.kind == "gemm_row":
             mm_us *= self.row_penalty(g, node)

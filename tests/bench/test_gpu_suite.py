@@ -34,3 +34,23 @@ def test_report_results_and_merge(tmp_path):
   assert "image sizes fixed" in results and "bert fp32: x:nx3x64x64" in results
   assert "ok" in results and "python -m ortfuse.bench.gpu_suite" in results
   assert (tmp_path / "out" / "chart.png").stat().st_size > 0
+
+
+def test_per_kernel_section(tmp_path):
+  from ortfuse.bench import kernels
+  rows = [kernels.KernelRow((0, 4), "gemm", "MatMul 4096x768x768 fp16 + Add", "batch=32", 12.0,
+                            "cuBLAS (ORT MatMul alone)", 10.0, 20.0, 2 * 4096 * 768 * 768),
+          kernels.KernelRow((1,), "attention", "attention 32x12 heads", "batch=32", 30.0,
+                            "ORT MultiHeadAttention (mask as attention_bias)", 40.0, 90.0, 1e9,
+                            {"MHA, no mask": 25.0})]
+  text = kernels.render(rows)
+  assert "0 of 1 (kernel, binding) rows; median ours/library 1.20" in text
+  assert "with the same mask: 1 of 1" in text and "fastest MHA variant (any mask form, or none) 0 of 1" in text
+  entry = {"model": "bert", "dtype": "fp16", "kernels": {"rows": kernels.as_json(rows), "table": text,
+                                                          "summary": kernels.summary(rows)}}
+  (tmp_path / "a").mkdir()
+  (tmp_path / "a" / "report.json").write_text(json.dumps({"started": "now", "env": {}, "entries": [entry]}))
+  gpu_suite.merge(tmp_path / "out", [tmp_path / "a" / "report.json"])
+  report, results = ((tmp_path / "out" / f).read_text() for f in ("report.md", "results.md"))
+  assert "## Per kernel" in results and "**bert fp16**: GEMM/Conv + epilogue within 15%" in results
+  assert "| 0, 4 | MatMul 4096x768x768" in report and "| 0, 4 |" not in results

@@ -44,6 +44,15 @@ def test_cpu_bench_writes_table_json_and_chart(tmp_path):
   assert "| 4 | ortfuse |" in res.to_markdown()
 
 
+def test_pinned_dims_diagnostic_runs_the_same_model(tmp_path):
+  path = zoo.build("bert", tiny=True)
+  res = harness.run_bench(path, optimized_path=path, batches=(2,), provider="cpu", runs=5, warmup=1,
+                          out_dir=tmp_path, variants=["ort+static"], chart=False)
+  row = res.row("ort+static", 2)
+  assert row.median_ms and row.max_abs_diff is not None and row.max_abs_diff < 1e-4
+  assert "| 2 | ort+static |" in res.to_markdown()
+
+
 def test_missing_optimizer_or_variant_is_a_note_not_a_crash(tmp_path):
   path = zoo.build("bert", tiny=True)
   res = harness.run_bench(path, batches=(1,), provider="cpu", runs=5, warmup=1, out_dir=tmp_path,

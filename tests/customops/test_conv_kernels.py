@@ -284,9 +284,11 @@ def test_tap_major_weight_shared_with_a_conv_left_to_ort():
     (H, (64, 16, 64, 16, 16, 2), 64, 64, 11),    # 128 threads, BN 16: one pixel, 8 channels apart per element
     (H, (16, 16, 32, 16, 16, 3), 256, 16, 4),    # one output tile, 2304-long K: split across a cluster
 ])
-def test_tap_major_gather_tiles(dt, tile, c, oc, hw, monkeypatch):
+def test_tap_major_gather_tiles(dt, tile, c, oc, hw, monkeypatch, request):
     from ortfuse.customops import tiles
     monkeypatch.setattr(tiles, "_candidates", lambda math_, esize: [tiles.GemmTile(*tile)])
+    tiles.clear_caches()  # rankings are memoized: none from before, none of this tile after
+    request.addfinalizer(tiles.clear_caches)
     from ortfuse.api import compile_model
     from ortfuse.check import check_models
     from ortfuse.config import Options

@@ -99,3 +99,26 @@ def test_tap_major_gather_is_cheaper_to_issue_and_keeps_bk_dividing_the_channels
     ranked = tiles.rank_tiles(H100, 256, 3136, 576, 1, 2, MMA_F16, False, top_k=50,
                               staged=(tiles.DIRECT, tiles.TAPS), bk_divides=32)
     assert ranked and {r.tile.bk for r in ranked} == {32}
+
+
+@pytest.mark.parametrize("n, k, row", [(2304, 768, False), (3072, 768, False), (768, 768, True), (768, 3072, True)])
+def test_a_symbolic_batch_gets_a_tile_for_batch_1_and_batch_32(n, k, row):
+    """BERT-base's GEMMs (M = batch x 128): the batch-1 best tile is about twice the batch-32 best's time at
+    batch 32 in the model; the tile chosen for both stays near the best at each."""
+    b1, b32 = (128, n, k, 1), (4096, n, k, 1)
+    both = tiles.rank_for_bindings(H100, [b1, b32], 2, MMA_F16, False, row=row)
+    only1 = tiles.rank_tiles(H100, *b1[:3], 1, 2, MMA_F16, False, top_k=1, row=row)[0]
+    best32 = tiles.rank_tiles(H100, *b32[:3], 1, 2, MMA_F16, False, top_k=1, row=row)[0].est_us
+    assert len(both) == 4 and both[0].est_us == tiles.estimate_tile(
+        H100, both[0].tile, *b1[:3], 1, 2, MMA_F16, False, row, split=both[0].split).est_us  # batch 1's figure
+    at32 = lambda r: tiles.estimate_at(H100, r, b32, 2, MMA_F16, False, row)  # noqa: E731
+    assert at32(only1) > 1.5 * best32 and both[-1] == only1  # still a --profile candidate
+    assert at32(both[0]) < 1.15 * best32 and both[0].est_us < 1.4 * only1.est_us
+    # one binding: exactly rank_tiles
+    assert tiles.rank_for_bindings(H100, [b1], 2, MMA_F16, False, row=row) == tiles.rank_tiles(
+        H100, *b1[:3], 1, 2, MMA_F16, False, row=row)
+
+
+def test_runtime_split_keeps_the_split_grid_in_one_wave():
+    assert [tiles.runtime_split(8, g, 132) for g in (1, 16, 17, 33, 66, 67, 200)] == [8, 8, 4, 4, 2, 1, 1]
+    assert tiles.runtime_split(1, 4, 132) == 1
