@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 
 from ortfuse.customops.compile import CompiledKernel
 from ortfuse.customops.lower import KernelSpec
-from ortfuse.customops.tiles import runtime_split
+from ortfuse.customops.tiles import runtime_split as cluster_for  # noqa: F401 - the launch rule, re-exported
 
 NODE_FORMAT_VERSION = 1
 DOMAIN = "ortfuse"
@@ -50,12 +50,6 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         *([_ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
         helper.make_attribute("source", ck.source),
     ]
-
-
-def cluster_for(split_k: int, grid: int, sm_count: int) -> int:
-    """Blocks per cluster for a grid of `grid` tiles on `sm_count` SMs: the largest power of two up to split_k
-    that keeps the split grid within one wave (the native library's ofz_spec_cluster)."""
-    return runtime_split(split_k, grid, sm_count)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
 from ortfuse.search import conv, ops
+from ortfuse.search.cost import bindings
 from ortfuse.search.plan import Region
 
 ROW, COL, GENERIC, IM2COL = 0, 1, 2, 3  # ofz::gemm::Mode
@@ -71,10 +71,10 @@ class _GemmLowerer(_Lowerer):
     def __init__(self, graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
                  tile: Optional[tuple[int, ...]] = None):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
-        # one kernel serves every batch: with a symbolic batch its tile is chosen for batch 1 and batch 32
-        # together (search.cost.bindings prices the fusion at the same two)
-        large = sym_hints(graph.tensors, graph.graph_inputs, THROUGHPUT_BATCH)
-        self.large_hints = large if large != self.hints else None
+        # one kernel serves every batch: its tile is chosen at the bindings the cost model prices the fusion at
+        # (batch 1, and batch 32 when the batch is symbolic)
+        self.binding_hints = [self.hint] + [
+            (lambda d, h=gb.sym_hints: d if isinstance(d, int) else h.get(d, 128)) for _, gb in bindings(graph)[1:]]
         anchors = [i for i in region.nodes if conv.is_anchor(graph, graph.nodes[i])]
         if len(anchors) != 1:
             raise LoweringError(f"a GEMM kernel holds exactly one MatMul/Gemm/Conv, this region has {len(anchors)}")
@@ -277,7 +277,7 @@ class _GemmLowerer(_Lowerer):
         readers = [i for i in g.consumers.get(w_t, ()) if i in self.r.nodes]
         fed = any(v.name == w_t for v in g.model.graph.input)  # an initializer a user may override
         permutable = w_t in g.constants and not fed and readers == [self.anchor_index]
-        shapes = [(geo.oc, geo.pixels_at(h), geo.k, h(geo.batch)) for h in self.binding_hints()]
+        shapes = [(geo.oc, geo.pixels_at(h), geo.k, h(geo.batch)) for h in self.binding_hints]
         dims = (shapes, es, math_, a_mode, b_mode)
         ranked, chosen = self.choose_tile(*dims)
         taps = False
@@ -382,7 +382,7 @@ class _GemmLowerer(_Lowerer):
 
         # tile construction
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
-                   1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints()]
+                   1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
         targs: tuple[str, ...] = ()
         if self.row_mode:
@@ -397,14 +397,6 @@ class _GemmLowerer(_Lowerer):
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, [self.encode(N)], K, targs)
-
-    def binding_hints(self) -> list:
-        """Dim -> value at each binding a tile is chosen for: the hints, then batch 32 if the batch is symbolic."""
-        out = [self.hint]
-        if self.large_hints is not None:
-            large = self.large_hints
-            out.append(lambda d: d if isinstance(d, int) else large.get(d, 128))
-        return out
 
     def choose_tile(self, shapes: list[tl.Shape], es: int, math_: int, a_mode: int, b_mode: int,
                     taps: int = 0) -> tuple[list[tl.Ranked], Optional[tl.Ranked]]:

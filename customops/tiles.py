@@ -266,7 +266,7 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
 def runtime_split(split_k: int, grid: int, sm_count: int) -> int:
     """Blocks per cluster a kernel compiled for `split_k` launches with on a grid of `grid` tiles: the largest
     power of two up to split_k that keeps the split grid within one wave (the native library's
-    ofz_spec_cluster; `attrs.cluster_for`)."""
+    ofz_spec_cluster; re-exported as `attrs.cluster_for`)."""
     c = 1
     while grid > 0 and 2 * c <= split_k and grid * 2 * c <= sm_count:
         c *= 2
@@ -312,15 +312,12 @@ def _joint(tgt: Target, shapes: tuple[Shape, ...], esize: int, math_: int, b_nk:
     ranked = rank_tiles(tgt, m, n, k, batch, esize, math_, b_nk, 10**6, row, staged, bk_divides)
     if len(shapes) < 2 or not ranked:
         return tuple(ranked[:top_k])
-    score = {id(r): math.log(r.est_us / ranked[0].est_us) for r in ranked}
+    score = [math.log(r.est_us / ranked[0].est_us) for r in ranked]
     for shape in shapes[1:]:
         best = rank_tiles(tgt, *shape[:3], shape[3], esize, math_, b_nk, 1, row, staged, bk_divides)
-        if not best:
-            continue
-        for r in ranked:
-            score[id(r)] += math.log(max(estimate_at(tgt, r, shape, esize, math_, b_nk, row, staged), 1e-9)
-                                     / best[0].est_us)
-    order = sorted(range(len(ranked)), key=lambda i: (score[id(ranked[i])], i))  # ties: rank_tiles's order
+        for i, r in enumerate(ranked if best else ()):
+            score[i] += math.log(max(estimate_at(tgt, r, shape, esize, math_, b_nk, row, staged), 1e-9) / best[0].est_us)
+    order = sorted(range(len(ranked)), key=lambda i: (score[i], i))  # ties: rank_tiles's order
     out = [ranked[i] for i in order][:top_k]
     # the first binding's own best stays a candidate, so `--profile` can overrule the model's other figures
     return tuple(out if ranked[0] in out else [*out[:top_k - 1], ranked[0]])
