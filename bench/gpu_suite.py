@@ -131,6 +131,11 @@ def _kernels(src: Path, work: Path, batches: str) -> dict[str, Any]:
           "summary": [ln for ln in text.splitlines() if ln and not ln.startswith("|")]}
 
 
+def _wgmma() -> bool:
+  from ortfuse.config import Options
+  return Options(archs=(90,)).wgmma  # $ORTFUSE_WGMMA, which --wgmma sets for this process and its children
+
+
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
               kernels: bool = False) -> dict[str, Any]:
@@ -145,6 +150,8 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       continue  # shipped files are not exported
     for dtype in dtypes:
       label = name if exporter == "torchscript" else f"{name} ({exporter})"
+      if _wgmma():
+        label += " +wgmma"  # optimized with `--wgmma`: merged with a run without it, both rows show
       entry: dict[str, Any] = {"model": label, "dtype": dtype, "tiny": tiny}
       report["entries"].append(entry)
       try:
@@ -318,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
   p.add_argument("--kernels", action="store_true",
                  help="also time every GEMM/Conv/attention kernel against cuBLAS/cuDNN/MultiHeadAttention")
+  p.add_argument("--wgmma", action="store_true",
+                 help="optimize with sm_90a wgmma GEMM kernels (sets ORTFUSE_WGMMA=1; model rows read 'NAME +wgmma')")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
   p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
   p.add_argument("--wheels", type=Path, help="folder of carried wheels for the shipped models (no registry there)")
@@ -325,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.merge:
     merge(args.out, args.merge)
     return 0
+  if args.wgmma:
+    os.environ["ORTFUSE_WGMMA"] = "1"
   work = args.work or Path(tempfile.mkdtemp(prefix="ortfuse-suite-"))
   os.environ.setdefault("ORTFUSE_CACHE_DIR", str(work / "zoo"))
   if args.wheels:

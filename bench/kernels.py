@@ -5,6 +5,8 @@ For every GEMM, Conv and attention region of a model's cost-model plan (not only
 keeps), at each binding of `ortfuse.profile.profile_bindings`:
 
 * ours: the region as our one fused node (the top-ranked tile);
+* with wgmma enabled (`--wgmma`), a GEMM's best tile of the other family (mma.sync when wgmma ranked
+  first, and the reverse) as a further column, so the two instruction families compare side by side;
 * library: the anchor alone as ORT runs it (cuBLAS for MatMul/Gemm, cuDNN for Conv), i.e. the GEMM
   without its epilogue; for attention, ORT's `com.microsoft.MultiHeadAttention` of the same batch, heads,
   lengths, head sizes and dtype, with the graph's mask as its additive `attention_bias` (the same
@@ -18,7 +20,7 @@ Times are device time (ortfuse.gpu_timer: events around the run, behind a spin k
 before each run), medians of many runs on random device-resident inputs. Identical regions (same
 sub-model signature and kernel) are measured once and listed together.
 
-    python -m ortfuse.bench.kernels MODEL.onnx [--batch 32] [--arch sm_90] [--json OUT] [--md OUT]
+    python -m ortfuse.bench.kernels MODEL.onnx [--batch 32] [--arch sm_90] [--wgmma] [--json OUT] [--md OUT]
 
 The issue's targets read off the table: ours / library <= 1.15 for GEMMs (within 15% of cuBLAS while
 doing the epilogue too), ours < MultiHeadAttention for attention."""
@@ -36,9 +38,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ortfuse.api import OptimizeResult, compile_model
+from ortfuse.api import FusedKernel, OptimizeResult, _archs, fused_kernel, compile_model, target_for
+from ortfuse.config import Options
+from ortfuse.customops.compile import compile_kernel
+from ortfuse.customops.lower import lower
+from ortfuse.customops.printer import render as render_source
 from ortfuse.feeds import random_feeds
-from ortfuse.profile import fused_model, profile_bindings, region_model, signature
+from ortfuse.profile import fused_model, profile_bindings, region_model, signature, tile_label
+from ortfuse.rewriter.replace import FusedNode
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import legal
 from ortfuse.search.attention import AttentionPattern, find_attention
@@ -195,6 +202,24 @@ def mha_model(s: AttentionSize, mask: Optional[str] = None, seed: int = 0) -> tu
 
 # --- measurement -------------------------------------------------------------------------------------------
 
+def _is_wgmma(tile: Sequence[int]) -> bool:
+    return len(tile) > 7 and tile[7] == 1
+
+
+def other_family(res: OptimizeResult, k: FusedKernel) -> Optional[tuple[str, FusedNode]]:
+    """For a GEMM ranked with wgmma enabled (its candidates hold both instruction families): the best tile
+    of the family not chosen, as (label, fused node); None otherwise."""
+    tiles = k.spec.tiles
+    if k.region.kind != "gemm" or not tiles:
+        return None
+    alt = next((t for t in tiles[1:] if _is_wgmma(t) != _is_wgmma(tiles[0])), None)
+    if alt is None:
+        return None
+    spec = lower(res.graph, k.region, target_for(res.archs, True), tile=alt)
+    ck = compile_kernel(render_source(spec.kernel), spec.kernel.name, res.archs, Options(archs=res.archs).cache)
+    return f"{'wgmma' if _is_wgmma(alt) else 'mma.sync'} {tile_label(alt)}", fused_kernel(k.region, spec, ck).node
+
+
 def measure(res: OptimizeResult, batch: int = 32, timer: Optional[Timer] = None) -> list[KernelRow]:
     """One row per distinct (region sub-model, kernel) and binding."""
     if timer is None:
@@ -206,6 +231,7 @@ def measure(res: OptimizeResult, batch: int = 32, timer: Optional[Timer] = None)
         r = k.region
         if r.kind not in KINDS:
             continue
+        alt = other_family(res, k)
         for label, dims in profile_bindings(g, batch):
             gb = _at(g, dims)
             sub = region_model(g, r, dims)
@@ -231,6 +257,8 @@ def measure(res: OptimizeResult, batch: int = 32, timer: Optional[Timer] = None)
                 alone = region_model(g, anchor_region(g, r), dims)
                 library_us = timer(alone, random_feeds(alone, None, seed=r.id), False)
                 library = f"{'cuDNN' if node.op_type == 'Conv' else 'cuBLAS'} (ORT {node.op_type} alone)"
+            if alt is not None:
+                extra[alt[0]] = timer(fused_model(sub, alt[1]), feeds, True)
             rows[key] = KernelRow((r.id,), r.kind, what, label, ours, library, library_us, ort_region, flops, extra)
     return list(rows.values())
 
@@ -272,13 +300,15 @@ def as_json(rows: Sequence[KernelRow]) -> list[dict]:
             for r in rows]
 
 
-def run(model: str, batch: int = 32, arch: str = "sm_90", timer: Optional[Timer] = None) -> list[KernelRow]:
+def run(model: str, batch: int = 32, arch: str = "sm_90", timer: Optional[Timer] = None,
+        wgmma: Optional[bool] = None) -> list[KernelRow]:
     """`model` optimized by the cost model (image sizes fixed as the GPU suite fixes them for zoo CNNs),
-    then measured."""
+    then measured. `wgmma`: Options.wgmma (None: its default, $ORTFUSE_WGMMA)."""
     from ortfuse.bench import zoo
     meta = zoo.read_sidecar(Path(model))
     shapes = zoo.fixed_image_shapes(onnx.load(model, load_external_data=False), meta) if meta else None
-    return measure(compile_model(model, shapes, arch), batch, timer)
+    opts = Options(archs=_archs(arch), **({} if wgmma is None else {"wgmma": wgmma}))
+    return measure(compile_model(model, shapes, arch, options=opts), batch, timer)
 
 
 def _device_arch() -> str:
@@ -294,10 +324,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("model")
     ap.add_argument("--batch", type=int, default=32, help="also time the symbolic batch dim at N (0: hints only)")
     ap.add_argument("--arch", default=None, help="default: the GPU's, else sm_90")
+    ap.add_argument("--wgmma", action="store_true", help="enable sm_90a wgmma GEMM kernels (as `optimize --wgmma`)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
-    rows = run(a.model, a.batch, a.arch or _device_arch())
+    rows = run(a.model, a.batch, a.arch or _device_arch(), wgmma=True if a.wgmma else None)
     text = render(rows)
     print(text)
     if a.md:

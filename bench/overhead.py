@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ortfuse.api import _fused, target_for
+from ortfuse.api import fused_kernel, target_for
 from ortfuse.config import cache_dir
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.lower import lower
@@ -74,7 +74,7 @@ def chain_models(ops: int = 64, size: int = 4096, dtype: str = "fp32",
                               region.traffic)
         spec = lower(g, region, tgt)
         ck = compile_kernel(render(spec.kernel), spec.kernel.name, tuple(archs), cache_dir())
-        fused_nodes.append(_fused(region, spec, ck).node)
+        fused_nodes.append(fused_kernel(region, spec, ck).node)
     return native, replace(g, fused_nodes)
 
 

@@ -149,6 +149,18 @@ def _run_nvrtc(source: str, entry: str, arch: str, dump: Path) -> tuple[bytes, s
         nvrtc.destroyProgram(prog)
 
 
+def arch_suffix(source: str, archs: Sequence[int], entry: str) -> str:
+    """'a' for a kernel with arch-specific instructions (printer.ARCH_SPECIFIC_LINE: sm_90a's wgmma), which
+    is built for sm_90a and runs on sm_90 devices only; '' otherwise."""
+    from ortfuse.customops.printer import ARCH_SPECIFIC_LINE
+    if not source.startswith(ARCH_SPECIFIC_LINE):
+        return ""
+    if set(archs) != {90}:
+        raise CompileError(f"{entry} uses sm_90a instructions (wgmma) and cannot be built for "
+                           f"{', '.join(f'sm_{a}' for a in sorted(archs))}")
+    return "a"
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as f:
@@ -163,11 +175,12 @@ def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -
     folder = cache / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     low = min(archs)
+    suffix = arch_suffix(source, archs, entry)
     cubins, resources = [], []
     for cc in sorted(archs):
         path, info = folder / f"sm_{cc}.cubin", folder / f"sm_{cc}.json"
         if not path.exists() or not info.exists():
-            image, log, ptx = _run_nvrtc(source, entry, f"sm_{cc}", folder / "kernel.cu")
+            image, log, ptx = _run_nvrtc(source, entry, f"sm_{cc}{suffix}", folder / "kernel.cu")
             res = Resources.parse(log, entry)
             atomic_write(info, json.dumps(res.__dict__ if res else None).encode())
             atomic_write(path, image)
@@ -179,7 +192,7 @@ def compile_kernel(source: str, entry: str, archs: Sequence[int], cache: Path) -
             resources.append((cc, Resources(**fields)))
     ptx_path = folder / f"compute_{low}.ptx"
     if not ptx_path.exists():
-        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}", folder / "kernel.cu")[0])  # older cache
+        atomic_write(ptx_path, _run_nvrtc(source, entry, f"compute_{low}{suffix}", folder / "kernel.cu")[0])  # older cache
     if not (folder / "kernel.cu").exists():
         atomic_write(folder / "kernel.cu", source.encode())
         atomic_write(folder / "meta.json", json.dumps({"entry": entry, "archs": sorted(archs),

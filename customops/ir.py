@@ -188,6 +188,8 @@ class Kernel:
     funcs: tuple[Func, ...] = ()  # members of the `Ops` struct the body's template calls
     # (argument, bytes): tensors the template code itself reads in aligned vectors (cp.async's 16 bytes)
     aligned: tuple[tuple[int, int], ...] = ()
+    # arch-specific instructions (sm_90a's wgmma): the cubin is built for sm_90a, which runs on sm_90 only
+    arch_specific: bool = False
 
 
 def arg_alignment(kernel: Kernel, n_args: int) -> tuple[int, ...]:

@@ -607,16 +607,18 @@ class _Lowerer:
         self.define(name)
 
     def kernel(self, block: int, scratch: int, headers: tuple[str, ...] = (),
-               funcs: tuple[ir.Func, ...] = (), aligned: tuple[tuple[int, int], ...] = ()) -> ir.Kernel:
+               funcs: tuple[ir.Func, ...] = (), aligned: tuple[tuple[int, int], ...] = (),
+               arch_specific: bool = False) -> ir.Kernel:
         params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
         params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
         body = tuple(self.scopes[0].stmts)
         # named by content (template callbacks included), tensor names left out: identical layers share
         # one compiled kernel
         anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
-        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs, aligned))
+        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs, aligned, arch_specific))
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-        return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs, aligned)
+        return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs, aligned,
+                         arch_specific)
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

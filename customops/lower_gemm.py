@@ -384,6 +384,27 @@ class _GemmLowerer(_Lowerer):
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
+        if chosen is None and (self.forced_tile is None or not tl.GemmTile.of_candidate(self.forced_tile).wgmma):
+            raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
+        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode)
+        if wg_b is not None:
+            wg_math = tl.WGMMA_OF[math_]
+            wg_ranked, wg_chosen = self.choose_tile(shapes, es, wg_math, a_mode, COL)
+            # ties go to wgmma (the user opted in): where traffic or latency binds both families alike, its
+            # lower issue cost is what the estimate does not see
+            use = (self.forced_tile is not None and tl.GemmTile.of_candidate(self.forced_tile).wgmma) or (
+                self.forced_tile is None and wg_chosen is not None and
+                self.joint_us(wg_chosen, shapes, es, wg_math, True) <= self.joint_us(chosen, shapes, es, math_, b_mode == COL))
+            # --profile measures the other family's best too
+            if use:
+                if wg_chosen is None:
+                    raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
+                ranked, chosen, math_ = wg_ranked + ranked[:1], wg_chosen, wg_math
+                if b_mode == ROW:
+                    self.input_perms.append((b_t, (1, 0)))
+                b_mode = COL
+            elif wg_ranked:
+                ranked = ranked + wg_ranked[:1]
         targs: tuple[str, ...] = ()
         if self.row_mode:
             if chosen.tile.bn < int(N):
@@ -397,6 +418,26 @@ class _GemmLowerer(_Lowerer):
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, [self.encode(N)], K, targs)
+
+    def wgmma_operand(self, b_t: str, b_s: tuple[Dim, ...], b_mode: int, math_: int, a_mode: int) -> Optional[int]:
+        """B's mode before a warpgroup-MMA kernel may run this GEMM, or None: the target has wgmma (and the user
+        opted in), 16-bit operands, A copied, no row-wise epilogue, and B K-major: stored [N][K] (Gemm transB)
+        or a constant [K][N] weight that nothing else reads and no user can feed, transposed offline."""
+        if not self.tgt.wgmma or math_ not in tl.WGMMA_OF or a_mode != ROW or self.row_mode:
+            return None
+        if b_mode == COL:
+            return COL
+        g = self.g
+        fed = any(v.name == b_t for v in g.model.graph.input)
+        readers = [i for i in g.consumers.get(b_t, ()) if i in self.r.nodes]
+        if b_mode == ROW and len(b_s) == 2 and b_t in g.constants and not fed and readers == [self.anchor_index]:
+            return ROW
+        return None
+
+    def joint_us(self, r: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int, b_nk: bool) -> float:
+        """A chosen tile's estimate over the bindings (geometric mean), to compare tile families."""
+        ts = [tl.estimate_at(self.tgt, r, sh, es, math_, b_nk) for sh in shapes]
+        return math.exp(sum(math.log(max(t, 1e-9)) for t in ts) / len(ts))
 
     def choose_tile(self, shapes: list[tl.Shape], es: int, math_: int, a_mode: int, b_mode: int,
                     taps: int = 0) -> tuple[list[tl.Ranked], Optional[tl.Ranked]]:
@@ -415,7 +456,9 @@ class _GemmLowerer(_Lowerer):
                                 (f" with a {n}-column row in one tile" if self.row_mode else ""))
         if not self.forced_tile:
             return ranked, ranked[0]
-        forced = tl.GemmTile(*self.forced_tile[:6])
+        forced = tl.GemmTile.of_candidate(self.forced_tile)
+        if forced.wgmma != (math_ in tl.WGMMA):
+            return ranked, None  # the forced tile is of the other family
         split = self.forced_tile[6] if len(self.forced_tile) > 6 else None
         chosen = tl.estimate_tile(self.tgt, forced, m, n, k, batch, es, math_, b_mode == COL, self.row_mode, staged,
                                   split)
@@ -443,13 +486,13 @@ class _GemmLowerer(_Lowerer):
         self.emit(call)
         # cp.async reads the row- and column-major operands in 16-byte chunks
         aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
-        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned)
+        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma)
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
         if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
-        candidates = [(*r.tile.as_tuple(), r.split) for r in ranked]
-        if ranked[0].split > 1 and (*ranked[0].tile.as_tuple(), 1) not in candidates:
-            candidates.insert(1, (*ranked[0].tile.as_tuple(), 1))  # --profile measures the split itself
+        candidates = [r.tile.candidate(r.split) for r in ranked]
+        if ranked[0].split > 1 and ranked[0].tile.candidate(1) not in candidates:
+            candidates.insert(1, ranked[0].tile.candidate(1))  # --profile measures the split itself
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(candidates), split
 
 

@@ -186,9 +186,14 @@ def _ops_struct(k: ir.Kernel, out: list[str]) -> None:
     out.append("")
 
 
+# First line of a kernel built for the arch-specific target (sm_90a): compile.py reads it.
+ARCH_SPECIFIC_LINE = "// ortfuse: arch-specific (sm_90a) kernel"
+
+
 def render(k: ir.Kernel) -> str:
     """CUDA source of the kernel, including the shared header and the emulation entry."""
-    out = ['#include "ortfuse_kernel.h"', *[f'#include "{h}"' for h in k.headers], ""]
+    out = ([ARCH_SPECIFIC_LINE] if k.arch_specific else []) + [
+        '#include "ortfuse_kernel.h"', *[f'#include "{h}"' for h in k.headers], ""]
     if k.funcs:
         _ops_struct(k, out)
         ops = f"{k.name}_ops"

@@ -31,6 +31,13 @@ class Target:
     # microbenchmarks put mma.sync at about 50-65% of it there. Assumed, not measured by us
     # (bench/kernels.py reports our TFLOP/s on the device).
     mma_sync_share: float = 1.0
+    # Hopper's warpgroup MMA (wgmma.mma_async, sm_90a cubins): the device has it. Our wgmma kernels are used
+    # only when every target arch has it and the user opts in (`--wgmma`: correct in emulation and through
+    # ptxas, not yet verified on a GPU); api.target_for folds both into this flag.
+    wgmma: bool = False
+    # Share of the dense peak our wgmma kernel (cp.async pipeline, no TMA or warp specialization) reaches:
+    # assumed, not measured (CUTLASS's TMA + warp-specialized kernels reach ~75-80%).
+    wgmma_share: float = 0.7
     # Our GEMM's speed relative to cuBLAS on the same instructions, assumed until measured on the device (issue 5's target: within
     # 15%); `ortfuse optimize --profile` replaces the estimate with measurements.
     gemm_vs_cublas: float = 0.85
@@ -62,7 +69,7 @@ TABLE: dict[int, Target] = {
     89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0, 989.0, 494.0, 67.0, 1.98,
-               303.0, max_cluster=8, mma_sync_share=0.6),
+               303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True),
 }
 
 # Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a

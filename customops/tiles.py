@@ -10,6 +10,11 @@ time, its memory latency not covered by the pipeline's stages, DRAM time for the
 time for the re-read tile traffic. The top K are kept with the kernel so a
 profiling step can pick among them on the real device.
 
+Hopper (sm_90a, opt-in): warpgroup tiles for `wgmma.mma_async` (ortfuse_gemm.h run_wgmma): BK 64, warps of
+16 rows x WN (64, 128 or 256) columns, four of them along M per warpgroup, 4-6 stages; ranked by the same
+estimate at the wgmma peak share, alongside the mma.sync tiles (lower_gemm keeps the faster family and
+offers the other's best to --profile).
+
 Split-K (sm_90 clusters, ortfuse_gemm.h): when a GEMM has fewer tiles than SMs and a long K, S blocks of a
 cluster can share each tile, each running 1/S of its k tiles, then reduce through distributed shared
 memory. Each tile is estimated at every S up to the target's cluster size that keeps the grid within one
@@ -23,7 +28,11 @@ from typing import Optional, Sequence
 
 from ortfuse.customops.target import Target
 
-MMA_F16, MMA_BF16, MMA_TF32, SIMT = 0, 1, 2, 3  # ofz::gemm::Math
+MMA_F16, MMA_BF16, MMA_TF32, SIMT, WGMMA_F16, WGMMA_BF16 = 0, 1, 2, 3, 4, 5  # ofz::gemm::Math
+WGMMA = (WGMMA_F16, WGMMA_BF16)
+WGMMA_OF = {MMA_F16: WGMMA_F16, MMA_BF16: WGMMA_BF16}
+WGMMA_BK = 64  # one 128-byte swizzle row of 16-bit elements
+WGMMA_SLACK = 1024  # dynamic shared memory added so the stages can start 1024-byte aligned
 MAX_REGS = 255
 REG_OVERHEAD = 40  # addresses, loop counters, epilogue temporaries (estimate)
 # Issue cost of one k tile, in instructions per thread (counted in the sm_90 SASS of generated kernels with
@@ -58,14 +67,17 @@ class GemmTile:
     def threads(self) -> int:
         return (self.bm // self.wm) * (self.bn // self.wn) * 32
 
+    wgmma: bool = False  # a warpgroup-MMA tile (sm_90a): see the module docstring
+
     def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1) -> int:
-        """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage; with a row-wise
-        epilogue or split-K, at least the fp32 [BM][BN + 4] tile buffer (which reuses the drained stages),
-        followed under split-K by the row epilogue's reduction scratch."""
-        pad = 16 // esize
+        """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage (wgmma: swizzled,
+        unskewed, plus alignment slack); with a row-wise epilogue or split-K, at least the fp32 [BM][BN + 4]
+        tile buffer (which reuses the drained stages), followed under split-K by the row epilogue's
+        reduction scratch."""
+        pad = 0 if self.wgmma else 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
-        pipeline = self.stages * (a + b) * esize
+        pipeline = self.stages * (a + b) * esize + (WGMMA_SLACK if self.wgmma else 0)
         buffer = self.bm * (self.bn + 4) * 4
         if split > 1:
             return max(pipeline, buffer + (row_scratch_bytes(self) if row else 0))
@@ -78,6 +90,8 @@ class GemmTile:
     def regs(self, math_: int, esize: int = 2, staged: tuple[int, int] = (DIRECT, DIRECT)) -> int:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
         acc = self.wm * self.wn // 32
+        if self.wgmma:  # operands stay in shared memory; a copy's chunk steps from one pointer per operand
+            return acc + REG_OVERHEAD + 8
         frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
         chunks, elems, taps = self.operand_work(esize, staged)
         return acc + frags + REG_OVERHEAD + chunks * REGS_PER_CHUNK + (elems + taps) * REGS_PER_STAGED
@@ -95,7 +109,9 @@ class GemmTile:
     def issue_per_ktile(self, math_: int, esize: int, staged: tuple[int, int]) -> int:
         """Instructions each thread (so each warp) issues per k tile: the math's shared loads and MMA/FMA
         instructions, the operand copies, the loop."""
-        if math_ == SIMT:
+        if self.wgmma:  # per warp: one wgmma per k16 step, the fences, commit and wait
+            math_ops = self.bk // 16 + 6
+        elif math_ == SIMT:
             mt, nt = self.wm // 4, self.wn // 8
             math_ops = self.bk * (mt + nt + mt * nt)
         else:
@@ -109,6 +125,14 @@ class GemmTile:
     def as_tuple(self) -> tuple[int, int, int, int, int, int]:
         return (self.bm, self.bn, self.bk, self.wm, self.wn, self.stages)
 
+    def candidate(self, split: int) -> tuple[int, ...]:
+        """The --profile candidate: (BM, BN, BK, WM, WN, STAGES, SPLIT), plus a trailing 1 for a wgmma tile."""
+        return (*self.as_tuple(), split, 1) if self.wgmma else (*self.as_tuple(), split)
+
+    @staticmethod
+    def of_candidate(t: Sequence[int]) -> "GemmTile":
+        return GemmTile(*t[:6], wgmma=len(t) > 7 and t[7] == 1)
+
 
 @dataclass(frozen=True)
 class Ranked:
@@ -120,6 +144,15 @@ class Ranked:
 
 def _candidates(math_: int, esize: int) -> list[GemmTile]:
     out = []
+    if math_ in WGMMA:  # warpgroups of 64 x WN; at most 4 of them (512 threads)
+        for wn in (64, 128, 256):
+            for wg_m in (1, 2, 4):
+                for wg_n in (1, 2):
+                    if wg_m * wg_n > 4:
+                        continue
+                    for stages in (4, 5, 6):
+                        out.append(GemmTile(64 * wg_m, wn * wg_n, WGMMA_BK, 16, wn, stages, wgmma=True))
+        return out
     if math_ == SIMT:
         warp = [(wm, wn) for wm in (8, 16, 32) for wn in (16, 32, 64) if wm * wn // 32 <= 64]
         bks = (16, 32)
@@ -185,8 +218,9 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     blocks = tiles * split
     ktiles = -(-ktiles_all // split)  # the busiest block's share
     kp = ktiles * t.bk
+    share = 1.0 if math_ == SIMT else tgt.wgmma_share if math_ in WGMMA else tgt.mma_sync_share
     peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
-            SIMT: tgt.fp32_tflops}[math_] * 1e12 * (1.0 if math_ == SIMT else tgt.mma_sync_share)
+            SIMT: tgt.fp32_tflops, WGMMA_F16: tgt.mma_f16_tflops, WGMMA_BF16: tgt.mma_f16_tflops}[math_] * 1e12 * share
     # the busiest SM decides: it runs ceil(blocks / SMs) blocks, up to blocks_per_sm at once sharing its
     # tensor cores (or FMA units), one per scheduler, so fewer than 4 resident warps leave some idle
     per_sm = math.ceil(blocks / tgt.sm_count)
@@ -251,6 +285,8 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
             staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
     """Every feasible tile, best first (memoized: a model's repeated layers lower the same GEMM many times)."""
     ranked = []
+    if row and math_ in WGMMA:
+        return ()  # a whole row per tile leaves no room for the wgmma pipeline's stages
     for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
         if bk_divides and bk_divides % t.bk:
             continue

@@ -66,12 +66,14 @@ def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
     return tuple(sorted({parse_arch(a.strip()).cc for a in names if a.strip()}))
 
 
-def target_for(archs: Sequence[int]) -> Target:
+def target_for(archs: Sequence[int], wgmma: bool = False) -> Target:
     """The newest arch's table entry with the smallest shared memory and cluster size of all targets: one
-    kernel source (and its tiles) must launch on every arch it is compiled for."""
+    kernel source (and its tiles) must launch on every arch it is compiled for. wgmma kernels only where
+    every arch has them and `wgmma` (the user's opt-in) is set."""
     return dataclasses.replace(parse_arch(f"sm_{max(archs)}"),
                                smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs),
-                               max_cluster=min(parse_arch(f"sm_{a}").max_cluster for a in archs))
+                               max_cluster=min(parse_arch(f"sm_{a}").max_cluster for a in archs),
+                               wgmma=wgmma and all(parse_arch(f"sm_{a}").wgmma for a in archs))
 
 
 def _shapes(input_shapes: Shapes) -> dict:
@@ -95,7 +97,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     opts = options or Options(archs=archs)
     if options is not None and options.archs != archs:
         opts = dataclasses.replace(options, archs=archs)
-    tgt = target_for(archs)
+    tgt = target_for(archs, opts.wgmma)
 
     say("loading model")
     model = load_model(model_or_path)
@@ -130,7 +132,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
         compiled = dict(zip(sources, pool.map(lambda kv: compile_kernel(kv[1], kv[0], archs, opts.cache),
                                               sources.items())))
-        kernels = [_fused(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
+        kernels = [fused_kernel(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
         kernels = list(pool.map(lambda k: _without_spills(graph, tgt, opts, k), kernels))
     placements: tuple = ()
     if opts.profile:
@@ -147,7 +149,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                           time.perf_counter() - t0, archs, placements)
 
 
-def _fused(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
+def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
     tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
     node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
                      region.outputs, tuple(attrs.node_attributes(spec, ck)), spec.input_perms)
@@ -173,7 +175,7 @@ def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKe
             spec = lower(graph, k.region, tgt, opts.tf32, tile=tile)
         except LoweringError:
             continue
-        cand = _fused(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+        cand = fused_kernel(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
         if spill_bytes(cand.compiled) < least:
             best, least, best_tile = cand, spill_bytes(cand.compiled), tile
         if not least:
@@ -198,7 +200,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
         out = []
         for tile in k.spec.tiles:
             spec = lower(graph, region, tgt, opts.tf32, tile=tile)
-            fk = _fused(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+            fk = fused_kernel(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
             variants[(region.id, tile)] = fk
             out.append((tile, fk.node))
         return out
@@ -243,7 +245,7 @@ def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tup
         spec = lower(graph, rest, tgt, opts.tf32)
     except LoweringError:
         return None
-    fk = _fused(rest, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+    fk = fused_kernel(rest, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
     i, o = legal.region_io(graph, {anchor})
     gemm = Region(region.id, "gemm", (anchor,), tuple(i), tuple(o), region.space, rest.traffic)
     return gemm, fk

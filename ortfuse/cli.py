@@ -38,7 +38,8 @@ def cmd_optimize(a: argparse.Namespace) -> int:
     say = _progress()
     from ortfuse.api import _archs
     from ortfuse.config import Options
-    opts = Options(archs=_archs(a.arch), tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch)
+    opts = Options(archs=_archs(a.arch), tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch,
+                   **({"wgmma": True} if a.wgmma else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
     save_model(result.model, a.output)
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--input-shape", action="append", default=[], metavar="NAME:1x128",
                    help="fix an input's shape (repeatable); dims not given stay symbolic")
     o.add_argument("--arch", default="sm_90", help="target arch(s), comma separated, e.g. sm_80,sm_90")
+    o.add_argument("--wgmma", action="store_true",
+                   help="sm_90: GEMMs may run as Hopper warpgroup-MMA (wgmma) kernels, sm_90a cubins that run on "
+                        "sm_90 GPUs only (experimental: verified in emulation, not yet on a GPU; also ORTFUSE_WGMMA=1)")
     o.add_argument("--tf32", action="store_true",
                    help="let fp32 MatMul/Gemm use tf32 tensor cores (10-bit mantissa, like ORT's use_tf32=1)")
     o.add_argument("--profile", action="store_true",

@@ -35,6 +35,9 @@ class Options:
     tf32: bool = False  # fp32 GEMMs may use tf32 tensor cores (10-bit mantissa); recorded in the model
     profile: bool = False  # time every region against ORT on the GPU and keep the faster (ortfuse.profile)
     profile_batch: int = 32  # --profile also times a symbolic batch dim at this value (0: at its hint only)
+    # sm_90a warpgroup-MMA GEMM kernels where every target arch is sm_90 (opt-in until verified on a GPU;
+    # $ORTFUSE_WGMMA=1 turns it on too)
+    wgmma: bool = field(default_factory=lambda: os.environ.get("ORTFUSE_WGMMA", "0") not in ("", "0"))
 
     def __post_init__(self) -> None:
         if not self.archs:

@@ -44,11 +44,12 @@ Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 
 
 def tile_label(t: tuple[int, ...]) -> str:
-    """A GEMM candidate (BM, BN, BK, WM, WN, STAGES, SPLIT) as 'BMxBNxBK/WMxWN/STAGES' plus ' split-K S'."""
+    """A GEMM candidate (BM, BN, BK, WM, WN, STAGES, SPLIT[, WGMMA]) as 'BMxBNxBK/WMxWN/STAGES' plus
+    ' split-K S' and ' wgmma'."""
     if not t:
         return "kernel"
     label = f"{t[0]}x{t[1]}x{t[2]}/{t[3]}x{t[4]}/{t[5]}"
-    return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "")
+    return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "") + (" wgmma" if len(t) > 7 and t[7] else "")
 
 
 Times = tuple[float, ...]  # median us per call, one per profiled binding

@@ -128,13 +128,16 @@ class CostModel:
 
     def gemm_us(self, g: Graph, node: onnx.NodeProto, ours: bool = False) -> tuple[float, int]:
         """(roofline time of the bare GEMM as cuBLAS would run it, its DRAM bytes); `ours`: at the tensor-core
-        rate our mma.sync kernels can reach (`Target.mma_sync_share`)."""
+        rate our kernels can reach (`Target.mma_sync_share`, or `wgmma_share` for 16-bit GEMMs where wgmma
+        kernels are enabled)."""
         tgt = self.target
         math_ = self._math(g, node)
         peak = {tiles.MMA_F16: tgt.mma_f16_tflops, tiles.MMA_TF32: tgt.mma_tf32_tflops,
                 tiles.SIMT: tgt.fp32_tflops}[math_]
         if ours and math_ != tiles.SIMT:
-            peak *= tgt.mma_sync_share
+            # wgmma lowers MatMul/Gemm only (Conv's implicit GEMM stays on mma.sync)
+            wg = tgt.wgmma and math_ == tiles.MMA_F16 and node.op_type in ("MatMul", "Gemm")
+            peak *= tgt.wgmma_share if wg else tgt.mma_sync_share
         moved = sum(tensor_bytes(g, t) for t in (node.input[0], node.input[1], node.output[0]))
         return max(gemm_flops(g, node) / (peak * 1e6), moved / (tgt.dram_gbps * 1e3)), moved
 

@@ -147,6 +147,12 @@ struct State {
   std::string error;
   unsigned char* smem = nullptr;
   size_t smem_cap = 0, smem_bytes = 0, smem_stride = 0;  // dynamic shared memory: one stride per block
+  // Proxy fences (wgmma reads shared memory through the async proxy): a thread whose cp.async writes
+  // landed is `unfenced` until it runs fence.proxy.async; a block barrier passed by such a thread leaves
+  // the block's shared memory unfenced for the async proxy until the next barrier.
+  bool unfenced[kMaxFibers];
+  int unfenced_arrivals[kMaxCluster];
+  bool block_unfenced[kMaxCluster];
   std::mutex mu;
 };
 static State S;
@@ -230,8 +236,11 @@ inline void sync_block() {
   const int b = block_of(S.cur);
   S.th[S.cur].state = kAtBlock;
   --S.runnable;
+  S.unfenced_arrivals[b] += S.unfenced[S.cur];
   if (++S.at_block[b] == S.live_in[b]) {  // the block's live threads all here (exited ones do not count)
     S.at_block[b] = 0;
+    S.block_unfenced[b] = S.unfenced_arrivals[b] > 0;
+    S.unfenced_arrivals[b] = 0;
     release(b, kAtBlock);
     return;
   }
@@ -425,7 +434,8 @@ inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*bo
     memset(S.waiting, 0, sizeof S.waiting);
     memset(S.exited, 0, sizeof S.exited);
     S.live = S.runnable = S.n;
-    for (unsigned c = 0; c < cluster; ++c) S.live_in[c] = (int)block, S.at_block[c] = 0;
+    for (unsigned c = 0; c < cluster; ++c)
+      S.live_in[c] = (int)block, S.at_block[c] = 0, S.unfenced_arrivals[c] = 0, S.block_unfenced[c] = false;
     S.at_cluster = 0;
     S.cur = 0;
     async_reset(S.n);
@@ -735,8 +745,11 @@ static std::vector<AsyncCopy> async_queue[kMaxFibers];
 static unsigned async_groups[kMaxFibers];  // commit groups closed so far by the thread
 static const void* posted[kMaxFibers][2];   // per-lane operand pointers of a warp-collective op
 
+inline void wgmma_reset(int n);
+
 inline void async_reset(int n) {
-  for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0;
+  for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0, S.unfenced[i] = false;
+  wgmma_reset(n);
 }
 
 inline void check_vector(const void* p, size_t bytes) {
@@ -753,21 +766,29 @@ inline void async_copy(void* dst, const void* src, int src_bytes) {
 
 inline void async_commit() { ++async_groups[S.cur]; }
 
-// Perform the copies of every committed group except the `keep` most recent ones.
-inline void async_wait(unsigned keep) {
-  std::vector<AsyncCopy>& q = async_queue[S.cur];
-  const unsigned closed = async_groups[S.cur], limit = closed > keep ? closed - keep : 0;
+// `*.wait_group keep`: completes (`done`) every queued operation of a committed group but the `keep` most
+// recent ones, in issue order; the rest stay queued.
+template <class Op, class Done> inline void retire_groups(std::vector<Op>& q, unsigned closed, unsigned keep, Done done) {
+  const unsigned limit = closed > keep ? closed - keep : 0;
   size_t kept = 0;
   for (size_t i = 0; i < q.size(); ++i) {
-    const AsyncCopy& c = q[i];
-    if (c.group < limit) {
-      if (c.bytes) memcpy(c.dst, c.src, (size_t)c.bytes);
-      memset(static_cast<char*>(c.dst) + c.bytes, 0, (size_t)(16 - c.bytes));
+    if (q[i].group < limit) {
+      done(q[i]);
     } else {
-      q[kept++] = c;
+      if (kept != i) q[kept] = std::move(q[i]);
+      ++kept;
     }
   }
   q.resize(kept);
+}
+
+// Perform the copies of every committed group except the `keep` most recent ones.
+inline void async_wait(unsigned keep) {
+  retire_groups(async_queue[S.cur], async_groups[S.cur], keep, [](const AsyncCopy& c) {
+    S.unfenced[S.cur] = true;
+    if (c.bytes) memcpy(c.dst, c.src, (size_t)c.bytes);
+    memset(static_cast<char*>(c.dst) + c.bytes, 0, (size_t)(16 - c.bytes));
+  });
 }
 
 // A full-warp rendezvous for mma/ldmatrix: publishes two pointers, returns the lane's warp base index.
@@ -841,6 +862,122 @@ inline void ldmatrix(unsigned* r, const void* row, int count, bool trans) {
     r[i] = (unsigned)e[0] | (unsigned)e[1] << 16;
   }
   collective_end();
+}
+
+
+// ---- Hopper warpgroup MMA (sm_90a wgmma.mma_async, both operands in shared memory) --------------------------
+// Shared-memory addresses (smem_u32, the 14-bit descriptor fields) are offsets into a shared window in which
+// the block's dynamic shared memory starts at kSmemWindowBase: 512, not 1024, as when static shared memory
+// precedes it on a GPU, so a kernel that assumes its dynamic shared memory is 1024-byte aligned reads
+// swizzled tiles wrongly here. Only the descriptors ortfuse_gemm.h builds are emulated: K-major operands in
+// the 128-byte swizzle (8-row atoms of 128-byte rows, 1024-byte aligned; chunk c of row r stored at c ^ r % 8,
+// i.e. address bits 4-6 XOR bits 7-9), stride byte offset between 8-row groups.
+// Each thread computes its own accumulator fragment (the PTX ISA's m64nNk16 layout: warp w of the warpgroup
+// holds rows 16w + lane/4 (+8), columns 8j + 2(lane%4) (+1)) when it issues the instruction, from the
+// shared memory it reads then, and records it; wgmma.wait_group adds the retired results to the registers,
+// so registers read early hold stale values, and fails if any operand byte changed in between (a stage
+// overwritten while the tensor cores may still read it). Issuing requires wgmma.fence since the thread's
+// last wait and fence.proxy.async by every thread whose cp.async writes landed before the last barrier.
+constexpr unsigned kSmemWindowBase = 512;
+
+inline unsigned smem_addr(const void* p) {
+  const unsigned char* own = static_cast<const unsigned char*>(dynamic_smem());
+  const unsigned char* q = static_cast<const unsigned char*>(p);
+  if (q < own || q > own + S.smem_stride)
+    fail("thread %d: shared-window address of %p, which is not in its block's dynamic shared memory", S.cur, p);
+  return kSmemWindowBase + (unsigned)(q - own);
+}
+
+struct WgmmaOp {
+  float* d;
+  int n;                                   // accumulator registers (N / 2)
+  unsigned group;
+  float prod[128];                         // A * B of this thread's fragment
+  std::vector<std::pair<unsigned, uint16_t>> read;  // (window address, bits) of every operand element read
+};
+static std::vector<WgmmaOp> wgmma_queue[kMaxFibers];
+static unsigned wgmma_groups[kMaxFibers];
+static bool wgmma_fenced[kMaxFibers];
+
+inline void wgmma_reset(int n) {
+  for (int i = 0; i < n; ++i) wgmma_queue[i].clear(), wgmma_groups[i] = 0, wgmma_fenced[i] = false;
+}
+
+inline uint16_t smem_bits(unsigned addr) {
+  if (addr < kSmemWindowBase || addr + 2 > kSmemWindowBase + S.smem_bytes)
+    fail("thread %d: wgmma reads shared address 0x%x outside the block's %zu dynamic bytes", S.cur, addr,
+         S.smem_bytes);
+  uint16_t v;
+  memcpy(&v, static_cast<const unsigned char*>(dynamic_smem()) + (addr - kSmemWindowBase), 2);
+  return v;
+}
+
+// Window address of element (row, k) (k < 16) of the K-major 128-byte-swizzled operand `desc` describes.
+inline unsigned wgmma_element(unsigned long long desc, int row, int k, const char* which) {
+  const unsigned start = (unsigned)(desc & 0x3fffu) << 4, sbo = (unsigned)(desc >> 32 & 0x3fffu) << 4;
+  if ((desc >> 62) != 1u || (desc >> 49 & 7u) != 0)
+    fail("thread %d: wgmma %s descriptor 0x%016llx: only the 128-byte swizzle with base offset 0 is emulated", S.cur,
+         which, desc);
+  if ((start & 0x380u) != 0 || (start & 0x7fu) > 96)
+    fail("thread %d: wgmma %s descriptor starts at 0x%x: not within the first row of a 1024-byte aligned "
+         "swizzle atom with 16 elements to its end", S.cur, which, start);
+  const unsigned addr = start + (unsigned)(row / 8) * sbo + (unsigned)(row % 8) * 128u + (unsigned)k * 2u;
+  return addr ^ ((addr >> 7 & 7u) << 4);
+}
+
+inline void wgmma_fence() { wgmma_fenced[S.cur] = true; }
+inline void fence_proxy_async() { S.unfenced[S.cur] = false; }
+
+// wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{f16,bf16}, scale-d 1, no negation, both operands K-major.
+inline void wgmma(float* d, int N, unsigned long long da, unsigned long long db, bool bf16) {
+  const int me = S.cur, tid = me % S.block;
+  if (S.block % 128) fail("thread %d: wgmma needs whole warpgroups (block of %d threads)", me, S.block);
+  if (!wgmma_fenced[me]) fail("thread %d: wgmma.mma_async without wgmma.fence since its last wait_group", me);
+  if (S.block_unfenced[block_of(me)])
+    fail("thread %d: wgmma.mma_async reads shared memory that cp.async wrote without fence.proxy.async before "
+         "the last barrier", me);
+  if (N % 8 || N < 8 || N > 256) fail("thread %d: wgmma N = %d", me, N);
+  WgmmaOp op;
+  op.d = d, op.n = N / 2, op.group = wgmma_groups[me];
+  const int w = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float a[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 16; ++k) {
+      const unsigned at = wgmma_element(da, 16 * w + g + 8 * h, k, "A");
+      const uint16_t v = smem_bits(at);
+      op.read.push_back({at, v});
+      a[h][k] = bf16 ? bf16_to_f32(v) : f16_to_f32(v);
+    }
+  for (int j = 0; j < N / 8; ++j)
+    for (int c = 0; c < 2; ++c) {
+      float b[16];
+      for (int k = 0; k < 16; ++k) {
+        const unsigned at = wgmma_element(db, 8 * j + 2 * t + c, k, "B");
+        const uint16_t v = smem_bits(at);
+        op.read.push_back({at, v});
+        b[k] = bf16 ? bf16_to_f32(v) : f16_to_f32(v);
+      }
+      for (int h = 0; h < 2; ++h) {
+        float acc = 0.0f;
+        for (int k = 0; k < 16; ++k) acc += a[h][k] * b[k];
+        op.prod[4 * j + 2 * h + c] = acc;
+      }
+    }
+  wgmma_queue[me].push_back(std::move(op));
+}
+
+inline void wgmma_commit() { ++wgmma_groups[S.cur]; }
+
+// wgmma.wait_group N: every committed group but the N most recent completes.
+inline void wgmma_wait(unsigned keep) {
+  retire_groups(wgmma_queue[S.cur], wgmma_groups[S.cur], keep, [](const WgmmaOp& op) {
+    for (const auto& r : op.read)
+      if (smem_bits(r.first) != r.second)
+        fail("thread %d: shared address 0x%x, an operand of a wgmma in flight, changed before wgmma.wait_group "
+             "retired it", S.cur, r.first);
+    for (int e = 0; e < op.n; ++e) op.d[e] += op.prod[e];
+  });
+  wgmma_fenced[S.cur] = false;
 }
 
 }  // namespace ofz_emu

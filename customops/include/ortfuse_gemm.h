@@ -80,7 +80,8 @@ struct NoConv {
   static constexpr bool kTapMajor = false;
 };
 // Math of the warp tile.
-enum Math : int { kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3 };
+// kWgmma*: sm_90a warpgroup MMA (run_wgmma below); the others are run's warp-level math.
+enum Math : int { kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3, kWgmmaF16 = 4, kWgmmaBF16 = 5 };
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH>
 struct Layout {
@@ -389,10 +390,61 @@ __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Vi
   cluster_sync();  // no block overwrites its partial tile (next tile) or exits while another reads it
 }
 
+// The tile's epilogue from the accumulators: split-K's reduction, the row-wise epilogue, or epi2 / epi1 per
+// run of columns. `buf`: the block's dynamic shared memory (the drained pipeline stages).
+template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int SPLIT, class Ops, class Visit>
+__device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const Visit& visit, ofz_i64 b, ofz_i64 m0,
+                                           ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
+  if constexpr (SPLIT > 1) {
+    if (splits > 1) {
+      split_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, Ops>(a, buf, visit, b, m0, n0, M, N, rank, splits);
+      return;
+    }
+  }
+  if constexpr (ROW_TPR > 0) {
+    row_epilogue<BM, kThreads, kRowLd, ROW_TPR, Ops>(a, buf, visit, b, m0, n0, M, N);
+  } else {
+    visit([&](int r, int c, const float* v, int count) {
+      const ofz_i64 m = m0 + r, n = n0 + c;
+      if (m >= M) return;
+      if (count == 2 && n + 1 < N) Ops::epi2(a, b, m, n, v[0], v[1]);
+      else
+        for (int e = 0; e < count; ++e)
+          if (n + e < N) Ops::epi1(a, b, m, n + e, v[e]);
+    });
+  }
+}
+
+// Which output tiles a block computes, and which of their k tiles: tile u = first, first + step, ... of
+// batch x tiles_m x tiles_n. Split-K: the cluster's blocks share tile u and each takes a contiguous share of
+// its k tiles, [kt0, kt0 + nk); without it (or in clusters of one) a block owns whole tiles.
+template <int BM, int BN, int BK, int SPLIT> struct Schedule {
+  static constexpr bool kSplit = SPLIT > 1;
+  ofz_i64 tiles_m, tiles_n, tiles, first, step, kt0, nk;
+  unsigned splits, rank;
+  __device__ __forceinline__ Schedule(ofz_i64 batch, ofz_i64 M, ofz_i64 N, ofz_i64 K)
+      : tiles_m((M + BM - 1) / BM), tiles_n((N + BN - 1) / BN), tiles(batch * tiles_m * tiles_n),
+        first(kSplit ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x),
+        step(kSplit ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x),
+        splits(kSplit ? cluster_size() : 1u), rank(kSplit ? cluster_rank() : 0u) {
+    const ofz_i64 ktiles = (K + BK - 1) / BK;
+    kt0 = ktiles * rank / splits;
+    nk = ktiles * (rank + 1) / splits - kt0;
+  }
+  // tile u's batch item and first row and column
+  __device__ __forceinline__ void at(ofz_i64 u, ofz_i64& b, ofz_i64& m0, ofz_i64& n0) const {
+    const ofz_i64 rest = u % (tiles_m * tiles_n);
+    b = u / (tiles_m * tiles_n);
+    m0 = (rest / tiles_n) * BM;
+    n0 = (rest % tiles_n) * BN;
+  }
+};
+
+// The warp-level mainloop (mma.sync, tf32 or SIMT): see the top of this file.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1>
-__device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
-                                    ofz_i64 K) {
+          int ROW_TPR, class Geo, int SPLIT>
+__device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
+                                        ofz_i64 K) {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
   constexpr bool kMma = MATH != kSimt;
   constexpr int kMT = kMma ? WM / 16 : WM / 4;   // per warp: mma tiles (16 rows) or SIMT rows per lane
@@ -403,20 +455,12 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm0 = (warp % (BM / WM)) * WM, wn0 = (warp / (BM / WM)) * WN;
   const int g = lane / 4, t = lane % 4;
-  const ofz_i64 tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const ofz_i64 tiles = batch * tiles_m * tiles_n;
-  const ofz_i64 ktiles = (K + BK - 1) / BK;
-  // split-K: the cluster's blocks share tile u and split its k tiles; without it (or in clusters of one)
-  // a block owns whole tiles
-  constexpr bool kSplit = SPLIT > 1;
-  const unsigned splits = kSplit ? cluster_size() : 1u, rank = kSplit ? cluster_rank() : 0u;
-  const ofz_i64 first = kSplit ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x;
-  const ofz_i64 step = kSplit ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x;
-  const ofz_i64 kt0 = ktiles * rank / splits, nk = ktiles * (rank + 1) / splits - kt0;  // k tiles [kt0, kt0 + nk)
+  const Schedule<BM, BN, BK, SPLIT> sch(batch, M, N, K);
+  const ofz_i64 kt0 = sch.kt0, nk = sch.nk;  // the block's k tiles: [kt0, kt0 + nk)
 
-  for (ofz_i64 u = first; u < tiles; u += step) {
-    const ofz_i64 b = u / (tiles_m * tiles_n), rest = u % (tiles_m * tiles_n);
-    const ofz_i64 m0 = (rest / tiles_n) * BM, n0 = (rest % tiles_n) * BN;
+  for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step) {
+    ofz_i64 b, m0, n0;
+    sch.at(u, b, m0, n0);
     const T* A = nullptr;
     const T* B = nullptr;
     if constexpr (AMODE != kGeneric) A = static_cast<const T*>(a.ptr[a_arg]) + Ops::a_base(a, b);
@@ -538,26 +582,147 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     __syncthreads();  // the next tile's prologue overwrites the stages
 
     const AccVisitor<kMma, kMT, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
-    if constexpr (kSplit) {
-      if (splits > 1) {
-        split_epilogue<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0,
-                                                                      n0, M, N, rank, splits);
-        continue;
-      }
-    }
-    if constexpr (ROW_TPR > 0) {
-      row_epilogue<BM, L::kThreads, L::kRowLd, ROW_TPR, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0, M, N);
-    } else {
-      visit([&](int r, int c, const float* v, int count) {
-        const ofz_i64 m = m0 + r, n = n0 + c;
-        if (m >= M) return;
-        if (count == 2 && n + 1 < N) Ops::epi2(a, b, m, n, v[0], v[1]);
-        else
-          for (int e = 0; e < count; ++e)
-            if (n + e < N) Ops::epi1(a, b, m, n + e, v[e]);
-      });
+    store_tile<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0,
+                                                                    M, N, sch.rank, sch.splits);
+  }
+}
+
+
+// ---- sm_90a: the warpgroup-MMA mainloop (MATH kWgmmaF16 / kWgmmaBF16) ----------------------------------------
+// A [M][K] and B stored [N][K] (both K-contiguous, copied with cp.async; a MatMul's constant [K][N] weight is
+// transposed offline by the lowering), BK = 64: a tile row is one 128-byte swizzle row (ortfuse_kernel.h's
+// wgmma section). WM = 16: warp w owns rows 16w' .. 16w'+15 (w' = w mod BM/16) and WN columns, and four
+// consecutive warps along M form a warpgroup whose 64 x WN tile is one wgmma.mma_async m64nWNk16 per k16
+// step. The accumulators are then laid out as run_mma's with kMT = 1, so AccVisitor and every epilogue are
+// shared. Stages start 1024-byte aligned in the shared window (the dynamic bytes carry 1024 of slack).
+// Pipeline (STAGES >= 4): while tile kt is multiplied, the wgmma group of tile kt - 1 may still run and
+// tiles kt + 1 .. kt + STAGES - 2 are in flight; the stage of tile kt - 2 is refilled after the barrier that
+// follows every warpgroup's wait for the group that read it.
+
+// Copies of a ROWS x 64 tile of a K-contiguous matrix (`ld` elements per row) into the 128-byte swizzle, NT
+// threads: 8 threads per row (one 16-byte chunk each), NT / 8 rows per pass. A thread's chunk keeps its
+// column and its row's position in the 8-row atom across passes, so its destination only steps by whole
+// atoms. Rows past the matrix and k past K are zero-filled.
+template <class T, int ROWS, int NT>
+struct SwizzledCopy {
+  static_assert(sizeof(T) == 2 && NT % 64 == 0 && ROWS % 8 == 0, "16-bit K-major tile, whole atoms per pass");
+  static constexpr int kPer = NT / 8, kPasses = (ROWS + kPer - 1) / kPer;
+  const T* src;      // the thread's first chunk at the block's first k
+  ofz_i64 row_step;  // elements from one pass to the next
+  ofz_i64 kpos;      // the chunk's k at the block's first k tile
+  int live;          // passes whose row lies inside the matrix
+  int dst;           // element offset of the first chunk in a stage
+
+  __device__ __forceinline__ void init(const T* mat, ofz_i64 r0, ofz_i64 rows, ofz_i64 ld, ofz_i64 k0) {
+    const int tid = threadIdx.x, r = tid / 8, c = tid % 8;
+    src = mat + (r0 + r) * ld + k0 + c * 8;
+    row_step = (ofz_i64)kPer * ld;
+    kpos = k0 + c * 8;
+    const ofz_i64 left = rows - r0 - r;  // rows of the matrix from the thread's first one on
+    live = left <= 0 ? 0 : (int)((left + kPer - 1) / kPer < kPasses ? (left + kPer - 1) / kPer : kPasses);
+    dst = (r / 8) * 512 + (r % 8) * 64 + (c ^ (r % 8)) * 8;
+  }
+
+  // k tile `koff` elements past the block's first into `stage`
+  __device__ __forceinline__ void copy(T* stage, ofz_i64 koff, ofz_i64 K) const {
+    const bool kin = kpos + koff < K;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      if (ROWS % kPer != 0 && (int)threadIdx.x / 8 + i * kPer >= ROWS) continue;
+      const bool ok = kin && i < live;
+      cp_async16(stage + dst + i * (kPer / 8) * 512, ok ? src + i * row_step + koff : src, ok ? 16 : 0);
     }
   }
+};
+
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
+          int ROW_TPR, class Geo, int SPLIT>
+__device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
+                                          ofz_i64 K) {
+#if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(BM < 0, "wgmma kernels compile for sm_90a only");
+#endif
+  static_assert(AMODE == kRowMajor && BMODE == kColMajor, "wgmma: A [M][K] and B [N][K], both copied");
+  static_assert(sizeof(T) == 2 && BK == 64 && WM == 16 && BM % 64 == 0 && BN % WN == 0, "wgmma tile shape");
+  static_assert(WN == 64 || WN == 128 || WN == 256, "wgmma N per warpgroup");
+  static_assert(STAGES >= 4, "the wgmma pipeline refills a stage two k tiles after it was read");
+  static_assert((MATH == kWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
+  constexpr int kThreads = (BM / WM) * (BN / WN) * 32;
+  constexpr int kNT = WN / 8;
+  constexpr int kAStage = BM * BK, kBStage = BN * BK;  // elements
+  constexpr int kRowLd = BN + 4;
+  OFZ_DYNAMIC_SMEM(T, smem);
+  T* const As = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) / sizeof(T);
+  T* const Bs = As + STAGES * kAStage;
+  const unsigned as_addr = smem_u32(As), bs_addr = smem_u32(Bs);
+  const int warp = threadIdx.x / 32;
+  const int wm0 = (warp % (BM / WM)) * WM, wn0 = (warp / (BM / WM)) * WN;
+  const unsigned a_group = (unsigned)(wm0 & ~63) * BK * 2u, b_group = (unsigned)wn0 * BK * 2u;  // bytes in a stage
+  const Schedule<BM, BN, BK, SPLIT> sch(batch, M, N, K);
+  const ofz_i64 kt0 = sch.kt0, nk = sch.nk;  // the block's k tiles: [kt0, kt0 + nk)
+
+  for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step) {
+    ofz_i64 b, m0, n0;
+    sch.at(u, b, m0, n0);
+    const T* A = static_cast<const T*>(a.ptr[a_arg]) + Ops::a_base(a, b);
+    const T* B = static_cast<const T*>(a.ptr[b_arg]) + Ops::b_base(a, b);
+    float acc[1][kNT][4];
+    float (&d)[kNT * 4] = reinterpret_cast<float (&)[kNT * 4]>(acc);
+#pragma unroll
+    for (int i = 0; i < kNT * 4; ++i) d[i] = 0.0f;
+    SwizzledCopy<T, BM, kThreads> ca;
+    SwizzledCopy<T, BN, kThreads> cb;
+    ca.init(A, m0, M, K, kt0 * BK);
+    cb.init(B, n0, N, K, kt0 * BK);
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+      if (s < nk) {
+        ca.copy(As + s * kAStage, (ofz_i64)s * BK, K);
+        cb.copy(Bs + s * kBStage, (ofz_i64)s * BK, K);
+      }
+      cp_async_commit();
+    }
+    for (ofz_i64 kt = 0; kt < nk; ++kt) {
+      cp_async_wait<STAGES - 3>();  // this thread's copies of tile kt landed
+      fence_proxy_async();          // ... and are visible to the tensor cores' (async) proxy
+      __syncthreads();              // everyone's; and every warpgroup finished tile kt - 2's group
+      const ofz_i64 next = kt + STAGES - 2;
+      if (next < nk) {
+        const int ns = (int)(next % STAGES);
+        ca.copy(As + ns * kAStage, next * BK, K);
+        cb.copy(Bs + ns * kBStage, next * BK, K);
+      }
+      cp_async_commit();
+      const unsigned st = (unsigned)(kt % STAGES);
+      const unsigned a_at = as_addr + st * kAStage * 2u + a_group, b_at = bs_addr + st * kBStage * 2u + b_group;
+      wgmma_fence_operand(d);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64k16<WN, T>(d, wgmma_desc(a_at + kk * 32u), wgmma_desc(b_at + kk * 32u));
+      wgmma_commit();
+      wgmma_fence_operand(d);
+      wgmma_wait<1>();  // tile kt - 1's group is done: its stage may be refilled after the next barrier
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operand(d);
+    cp_async_wait<0>();
+    __syncthreads();  // the epilogue buffer and the next tile's copies reuse the stages
+
+    float sacc[1][1];
+    const AccVisitor<true, 1, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
+    store_tile<BM, BN, kThreads, kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0, M, N,
+                                                              sch.rank, sch.splits);
+  }
+}
+
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
+          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1>
+__device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
+                                    ofz_i64 K) {
+  if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
+    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT>(a, a_arg, b_arg, batch, M, N, K);
+  else
+    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT>(a, a_arg, b_arg, batch, M, N, K);
 }
 
 }  // namespace gemm

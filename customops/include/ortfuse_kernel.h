@@ -221,4 +221,85 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
 
+
+// ---- Hopper warpgroup MMA (sm_90a): wgmma.mma_async with both operands in shared memory -------------------
+// Operands are K-major tiles in the 128-byte swizzle: rows of 64 16-bit elements (128 bytes), 8-row atoms of
+// 1024 bytes aligned to 1024 in the shared window, chunk c (16 bytes) of row r stored at chunk c ^ (r % 8).
+// A descriptor names the atom column's first row plus the k offset (32 bytes per k16 step); the stride
+// byte offset is the 1024 bytes between 8-row groups; the leading byte offset is unused for this layout (1).
+// D is m64nN in fp32, the PTX ISA's layout (the mma.m16n8 accumulator layout per warp, repeated over N/8).
+// The order the PTX ISA asks for: cp.async writes land (cp.async.wait_group), fence.proxy.async (they were
+// made by the generic proxy; wgmma reads through the async proxy), a block barrier, wgmma.fence, the
+// wgmma.mma_async group, commit, wait_group before the accumulators or the read stages are touched.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned window_addr) {
+  return (unsigned long long)((window_addr & 0x3ffffu) >> 4) | 1ull << 16 | (1024ull >> 4) << 32 | 1ull << 62;
+}
+template <int N, class T> __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long da, unsigned long long db);
+template <class A, class B> struct SameType { static constexpr bool value = false; };
+template <class A> struct SameType<A, A> { static constexpr bool value = true; };
+#ifdef ORTFUSE_EMU
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return ofz_emu::smem_addr(p); }
+__device__ __forceinline__ void wgmma_fence() { ofz_emu::wgmma_fence(); }
+__device__ __forceinline__ void wgmma_commit() { ofz_emu::wgmma_commit(); }
+template <int N> __device__ __forceinline__ void wgmma_wait() { ofz_emu::wgmma_wait(N); }
+__device__ __forceinline__ void fence_proxy_async() { ofz_emu::fence_proxy_async(); }
+template <int N> __device__ __forceinline__ void wgmma_fence_operand(float (&)[N]) {}
+template <int N, class T> __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long da, unsigned long long db) {
+  ofz_emu::wgmma(d, N, da, db, SameType<T, __nv_bfloat16>::value);
+}
+#elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins the accumulators at this point of the instruction stream: the compiler may not move their reads or
+// writes across it (the registers change asynchronously between wgmma.mma_async and wait_group).
+template <int N> __device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// One m64nNk16 wgmma per specialization: the accumulator operands "+f"(d[i]) and their PTX names %i,
+// then the descriptors and the scale-d predicate (1: accumulate).
+#define OFZ_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                    "+f"(d[i + 6]), "+f"(d[i + 7])
+#define OFZ_ACC32(i) OFZ_ACC8(i), OFZ_ACC8(i + 8), OFZ_ACC8(i + 16), OFZ_ACC8(i + 24)
+#define OFZ_ACC64 OFZ_ACC32(0), OFZ_ACC32(32)
+#define OFZ_ACC128 OFZ_ACC64, OFZ_ACC32(64), OFZ_ACC32(96)
+#define OFZ_REGS32 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define OFZ_REGS64 OFZ_REGS32 \
+  ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+  "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define OFZ_REGS128 OFZ_REGS64 \
+  ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, " \
+  "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, " \
+  "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, " \
+  "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define OFZ_WGMMA_M64K16(N, T, PTX_T, ACC, REGS, DA, DB, SCALE)                                                 \
+  template <>                                                                                                   \
+  __device__ __forceinline__ void wgmma_m64k16<N, T>(float(&d)[N / 2], unsigned long long da,                   \
+                                                     unsigned long long db) {                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE ", 0;\n"                                          \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " {" REGS "}, %" #DA ", %" #DB \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                                         \
+                 : ACC                                                                                          \
+                 : "l"(da), "l"(db), "r"(1));                                                                   \
+  }
+OFZ_WGMMA_M64K16(64, __half, "f16", OFZ_ACC32(0), OFZ_REGS32, 32, 33, 34)
+OFZ_WGMMA_M64K16(64, __nv_bfloat16, "bf16", OFZ_ACC32(0), OFZ_REGS32, 32, 33, 34)
+OFZ_WGMMA_M64K16(128, __half, "f16", OFZ_ACC64, OFZ_REGS64, 64, 65, 66)
+OFZ_WGMMA_M64K16(128, __nv_bfloat16, "bf16", OFZ_ACC64, OFZ_REGS64, 64, 65, 66)
+OFZ_WGMMA_M64K16(256, __half, "f16", OFZ_ACC128, OFZ_REGS128, 128, 129, 130)
+OFZ_WGMMA_M64K16(256, __nv_bfloat16, "bf16", OFZ_ACC128, OFZ_REGS128, 128, 129, 130)
+#else  // declared only: a wgmma kernel compiles for sm_90a (ortfuse_gemm.h says so at compile time)
+__device__ void wgmma_fence();
+__device__ void wgmma_commit();
+template <int N> __device__ void wgmma_wait();
+__device__ void fence_proxy_async();
+template <int N> __device__ void wgmma_fence_operand(float (&d)[N]);
+#endif
+
 }  // namespace ofz

@@ -89,3 +89,24 @@ def test_device_times_on_the_gpu():
     assert rows and all(r.ours_us > 0 and r.library_us > 0 and r.ort_region_us > 0 for r in rows)
     assert all(v > 0 for r in rows for v in r.extra.values())
     assert any(r.kind == "attention" for r in rows)
+
+
+def test_with_wgmma_the_other_instruction_family_is_timed_alongside():
+    # fp16 MatMul + bias + Relu with wgmma enabled: each GEMM row also times the best mma.sync tile (or, if
+    # mma.sync ranked first, the best wgmma tile), both as fused nodes
+    from helpers import const, model, node, vi
+    from ortfuse.config import Options
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Relu", ["z"], ["out"])],
+              [vi("x", TensorProto.FLOAT16, ["n", 256, 512])], [vi("out", TensorProto.FLOAT16, None)],
+              [const("w", rng.standard_normal((512, 1024)) * 0.05, np.float16),
+               const("b", rng.standard_normal(1024), np.float16)])
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=True))
+    calls: list = []
+    rows = kernels.measure(res, batch=2, timer=_cpu_timer(calls))
+    assert rows and all(r.kind == "gemm" for r in rows)
+    for r in rows:
+        (label,) = r.extra
+        assert label.split()[0] in ("mma.sync", "wgmma") and r.extra[label] == 10.0
+    first = res.kernels[0].spec.tiles[0]
+    assert rows[0].extra and (len(first) > 7) == next(iter(rows[0].extra)).startswith("mma.sync")

@@ -3,18 +3,15 @@ ORT CPU on the original graph (random non-zero inputs). fp32 normwise tolerance 
 1e-2, tf32 (opt-in) 5e-3; bf16 against numpy in fp64 on the bf16-rounded operands, 1e-2."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import bf16, const, fused_parity, model, node, vi
+from helpers import bf16, const, fused_parity, launch_spec, model, node, vi
 from ortfuse.config import cache_dir
-from ortfuse.customops.attrs import cluster_for
 from ortfuse.customops.compile import compile_kernel
-from ortfuse.customops.emulate import compile_emulated
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import parse_arch
@@ -101,16 +98,6 @@ def test_lone_gemm_stays_with_ort_and_softmax_becomes_a_row_epilogue():
     assert "no epilogue to fuse" in " | ".join(r.reason for r in res.plan.refusals)
 
 
-def _launch(spec, arrays, dims):
-    units = math.prod(t if t >= 0 else dims[-t - 1] for t in spec.units)
-    for terms, div in spec.units_ceil:
-        units *= -(-math.prod(t if t >= 0 else dims[-t - 1] for t in terms) // div)
-    grid = -(-units // spec.units_per_block)
-    cluster = cluster_for(spec.split_k, grid, parse_arch("sm_90").sm_count)  # as the native library launches it
-    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid * cluster, spec.block, arrays, dims, spec.smem,
-                                                 cluster, spec.arg_align)
-
-
 def test_prologue_cast_and_transpose_fold_into_operand_loads():
     # y = Cast(x fp32 -> bf16) @ Transpose(wt) + b: both prologues become a_load / b_load (no ORT Cast or
     # Transpose kernel); bf16 tensor cores; checked against numpy on the rounded operands
@@ -130,7 +117,7 @@ def test_prologue_cast_and_transpose_fold_into_operand_loads():
     b, bv = bf16(rng.standard_normal(24))
     out = np.zeros((13, 24), np.uint16)
     args = {"x": x, "wt": wt, "b": b}
-    _launch(spec, [args[t] for t in spec.inputs] + [out], [13])
+    launch_spec(spec, [args[t] for t in spec.inputs] + [out], [13])
     ref = bf16(x)[1].astype(np.float64) @ wtv.T.astype(np.float64) + bv
     got = (out.astype(np.uint32) << 16).view(np.float32)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-2
