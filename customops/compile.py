@@ -23,10 +23,12 @@ CACHE_FORMAT = "2"  # bumped when cached files change meaning (2: whole cubins, 
 
 @dataclass(frozen=True)
 class Resources:
-    """What ptxas reports for one cubin: registers per thread, local-memory spill traffic, stack frame."""
+    """What ptxas reports for one cubin: registers per thread, local-memory spill traffic, stack frame, and
+    why it serialized the kernel's wgmma instructions if it did (each then waits for the previous one)."""
     regs: int
     spill_bytes: int  # spill stores + spill loads
     stack_bytes: int
+    wgmma_serialized: str = ""  # ptxas's reason ("Potential Performance Loss: ..."); "" when pipelined
 
     @staticmethod
     def parse(log: str, entry: Optional[str] = None) -> Optional["Resources"]:
@@ -39,7 +41,9 @@ class Resources:
         if not regs or not frame:
             return None
         stack, stores, loads = map(int, frame.groups())
-        return Resources(int(regs.group(1)), stores + loads, stack)
+        serial = re.search(r"wgmma\.mma_async instructions are serialized due to ([^\n]*?)(?: in the function|$)", log,
+                           re.M)
+        return Resources(int(regs.group(1)), stores + loads, stack, serial.group(1).strip() if serial else "")
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ def markdown(r: OptimizeResult, source: str) -> str:
         ops_list = " ".join(r.graph.nodes[i].op_type for i in k.region.nodes)
         t = k.region.traffic
         res = ", ".join(f"sm_{cc}: {x.regs}" + (f" ({x.spill_bytes})" if x.spill_bytes else "")
+                        + (f", wgmma serialized: {x.wgmma_serialized}" if x.wgmma_serialized else "")
                         for cc, x in k.compiled.resources) or "-"
         split = f", split-K up to {k.spec.split_k}" if k.spec.split_k > 1 else ""
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}` | "

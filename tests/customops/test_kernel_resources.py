@@ -64,3 +64,8 @@ def test_resources_parse_ptxas_log():
               "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n")
     assert Resources.parse(callee + log, "k") == Resources(64, 20, 16)
     assert Resources.parse(log, "other") is None
+    # ptxas's wgmma serialization notice (its wording in NVRTC 13.5's ptxas) is kept as the reason
+    serial = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+              "to insufficient register resources for the wgmma pipeline in the function 'k' in line 12\n")
+    assert Resources.parse(log + serial, "k").wgmma_serialized == "insufficient register resources for the wgmma pipeline"
+    assert Resources.parse(log, "k").wgmma_serialized == ""

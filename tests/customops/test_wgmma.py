@@ -20,7 +20,7 @@ from ortfuse.customops import tiles as tl
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import EmulationError, compile_emulated
 from ortfuse.customops.lower import lower
-from ortfuse.customops.printer import ARCH_SPECIFIC_LINE
+from ortfuse.customops.printer import ARCH_SPECIFIC_LINE, render
 from ortfuse.errors import CompileError
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search.regions import plan
@@ -53,7 +53,7 @@ def test_matmul_epilogue_on_wgmma_with_the_weight_transposed_offline():
     assert k.spec.tiles[0][-1] == 1 and k.spec.block % 128 == 0
     assert k.spec.tiles[-1][-1] != 1 or len(k.spec.tiles[-1]) == 7  # mma.sync's best stays a --profile candidate
     (cc, r), = k.compiled.resources
-    assert cc == 90 and r.spill_bytes == 0
+    assert cc == 90 and r.spill_bytes == 0 and r.wgmma_serialized == ""
     for rows in (1, 2):
         rep = check_models(m, res.model, emulate=True, input_shapes={"x": (rows, 200, 136)})
         assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
@@ -124,6 +124,10 @@ def test_every_warpgroup_layout(tile, dt):
     ref = np.asarray(xv, np.float64) @ np.asarray(wv, np.float64) + np.asarray(bv, np.float64)
     got = out.astype(np.float64) if dt == H else (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    if dt == H:  # ptxas keeps the wgmma pipeline (no serialization) and spills nothing
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WGMMA_OPTS.cache)
+        ((_, res),) = ck.resources
+        assert res.spill_bytes == 0 and res.wgmma_serialized == "", res
 
 
 def test_split_k_in_clusters():
