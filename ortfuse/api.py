@@ -98,6 +98,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if options is not None and options.archs != archs:
         opts = dataclasses.replace(options, archs=archs)
     tgt = target_for(archs, opts.wgmma)
+    if opts.wgmma and not tgt.wgmma:
+        say("wgmma kernels not used: every target arch must be sm_90 (" + ", ".join(f"sm_{a}" for a in archs) + ")")
 
     say("loading model")
     model = load_model(model_or_path)

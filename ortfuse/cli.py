@@ -38,7 +38,11 @@ def cmd_optimize(a: argparse.Namespace) -> int:
     say = _progress()
     from ortfuse.api import _archs
     from ortfuse.config import Options
-    opts = Options(archs=_archs(a.arch), tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch,
+    archs = _archs(a.arch)
+    if a.wgmma and archs != (90,):
+        raise InputError(f"--wgmma builds sm_90a kernels, which run on sm_90 only: use --arch sm_90 "
+                         f"(got {a.arch})")
+    opts = Options(archs=archs, tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch,
                    **({"wgmma": True} if a.wgmma else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")

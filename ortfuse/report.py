@@ -16,6 +16,7 @@ def summary(r: OptimizeResult) -> str:
     g = r.graph
     inputs = {d for t in g.graph_inputs for d in g.tensors[t].shape or () if isinstance(d, str)}
     hints = ", ".join(f"{k}={v}" for k, v in sorted(g.sym_hints.items()) if k in inputs) or "static shapes"
+    wgmma = len({k.compiled.entry for k in r.kernels if k.spec.kernel.arch_specific})
     kinds = {}
     for k in r.kernels:
         kinds[k.region.kind] = kinds.get(k.region.kind, 0) + 1
@@ -33,7 +34,8 @@ def summary(r: OptimizeResult) -> str:
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",
         f"nodes:                {r.nodes_before} -> {r.nodes_after}",
-        f"kernels compiled:     {r.kernels_compiled} distinct, for {', '.join(f'sm_{a}' for a in r.archs)} (+PTX)",
+        f"kernels compiled:     {r.kernels_compiled} distinct, for {', '.join(f'sm_{a}' for a in r.archs)} (+PTX)"
+        + (f"; {wgmma} wgmma kernels for sm_90a only" if wgmma else ""),
         f"est. DRAM saved:      {_mb(r.bytes_saved)} per inference ({hints})",
         f"time:                 {r.seconds:.1f} s",
     ])

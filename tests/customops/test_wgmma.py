@@ -22,6 +22,7 @@ from ortfuse.customops.emulate import EmulationError, compile_emulated
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import ARCH_SPECIFIC_LINE, render
 from ortfuse.errors import CompileError
+from ortfuse.report import summary
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search.regions import plan
 
@@ -258,5 +259,6 @@ def test_tiny_bert_with_wgmma_end_to_end():
     path = str(zoo.build("bert", "fp16", tiny=True))
     res = compile_model(path, None, "sm_90", options=WGMMA_OPTS)
     assert _wgmma_kernels(res)
+    assert f"; {len({k.compiled.entry for k in _wgmma_kernels(res)})} wgmma kernels for sm_90a only" in summary(res)
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())

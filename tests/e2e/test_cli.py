@@ -81,6 +81,7 @@ def _bad_cases(tmp: Path):
         (["optimize", str(good), "--input-shape", "hidden_states:1x8x99"], "hidden_states"),
         (["optimize", str(good), "--input-shape", "nope:1x8"], "nope"),
         (["optimize", str(good), "--input-shape", "hidden_states=1x8"], "hidden_states=1x8"),
+        (["optimize", str(good), "--wgmma", "--arch", "sm_80,sm_90"], "--arch sm_90"),
     ]
 
 
