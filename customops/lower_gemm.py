@@ -384,8 +384,6 @@ class _GemmLowerer(_Lowerer):
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
-        if chosen is None and (self.forced_tile is None or not tl.GemmTile.of_candidate(self.forced_tile).wgmma):
-            raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
         wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode)
         if wg_b is not None:
             wg_math = tl.WGMMA_OF[math_]
@@ -397,14 +395,14 @@ class _GemmLowerer(_Lowerer):
                 self.joint_us(wg_chosen, shapes, es, wg_math, True) <= self.joint_us(chosen, shapes, es, math_, b_mode == COL))
             # --profile measures the other family's best too
             if use:
-                if wg_chosen is None:
-                    raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
                 ranked, chosen, math_ = wg_ranked + ranked[:1], wg_chosen, wg_math
                 if b_mode == ROW:
                     self.input_perms.append((b_t, (1, 0)))
                 b_mode = COL
             elif wg_ranked:
                 ranked = ranked + wg_ranked[:1]
+        if chosen is None:  # a forced tile of a family this GEMM cannot use, or that does not fit it
+            raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
         targs: tuple[str, ...] = ()
         if self.row_mode:
             if chosen.tile.bn < int(N):

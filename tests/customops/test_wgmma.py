@@ -262,3 +262,13 @@ def test_tiny_bert_with_wgmma_end_to_end():
     assert f"; {len({k.compiled.entry for k in _wgmma_kernels(res)})} wgmma kernels for sm_90a only" in summary(res)
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_a_forced_wgmma_tile_where_wgmma_cannot_run_is_a_lowering_error():
+    # fp32: no wgmma form; the forced wgmma tile is refused by name, not lowered as something else
+    from ortfuse.customops.lower import LoweringError
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["out"])], [vi("x", TP.FLOAT, [64, 64])],
+              [vi("out", TP.FLOAT, None)], [const("w", np.ones((64, 64)) * 0.1)])
+    g, r, tgt = _region(m)
+    with pytest.raises(LoweringError, match="does not apply"):
+        lower(g, r, tgt, tile=(64, 64, 64, 16, 64, 4, 1, 1))
