@@ -68,7 +68,7 @@ def test_torch_export_graphs_fuse_like_torchscript_ones(zoo, name, dtype):
 def test_exported_convnext_block_ends_fuse_through_the_transpose(zoo):
     # ConvNeXt's second Linear: bias, layer scale, permute back to NCHW and the residual add, one GEMM kernel
     path = zoo.build("convnext_t", dtype="fp32", tiny=True)
-    res = compile_model(path, None, "sm_80,sm_90")
+    res = compile_model(path, None, "sm_90")
     ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions if r.kind == "gemm"]
     assert any({"MatMul", "Transpose", "Mul"} <= o for o in ops), ops
     # the depthwise 7x7 Conv is computed inside the LayerNorm kernel that follows it (through the Transpose)
@@ -85,7 +85,8 @@ def test_exported_cnn_convolutions_run_as_implicit_gemms(zoo, name, dtype):
     # CUDA EP does not fuse. (fp32 ResNet's Conv + Relu stays with ORT, whose FusedConv already does it.)
     # MobileNetV2 fp16: its random-weight activations sit in fp16's subnormal range (check.FP16_SUBNORMAL_STEP).
     path = zoo.build(name, dtype=dtype, tiny=True)
-    res = compile_model(path, None, "sm_80,sm_90")
+    # sm_90 only: these are the suite's heaviest compiles (the unit tests build every kernel kind for sm_80 too)
+    res = compile_model(path, None, "sm_90")
     ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions]
     assert ops and all("Conv" in o for o in ops), ops
     want = {"Conv", "Add", "Relu"} if name == "resnet50" else {"Conv", "Clip"}
