@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -35,6 +36,18 @@ class EmulationError(RuntimeError):
     """A launch failed inside the emulator: deadlock, misuse of a warp primitive, bad launch shape."""
 
 
+@dataclass(frozen=True)
+class SmemTraffic:
+    """Shared-memory wavefronts (128 bytes per clock per SM) of an emulated launch's ldmatrix loads and
+    cp.async stores, as the banks served them and as they would be without bank conflicts (ortfuse_emu.h).
+    `exact`: every warp's cp.async stores could be paired into instructions (no lane issued fewer)."""
+    ldmatrix: int
+    ldmatrix_ideal: int
+    cp_async: int
+    cp_async_ideal: int
+    exact: bool
+
+
 class _OfzArgs(ctypes.Structure):
     _fields_ = [("ptr", ctypes.c_void_p * MAX_TENSORS), ("dim", ctypes.c_longlong * MAX_DIMS)]
 
@@ -48,15 +61,20 @@ class EmulatedModule:
         self._lib = ctypes.CDLL(str(path))
         self._lib.ofz_emu_last_error.restype = ctypes.c_char_p
         self._lib.ofz_emu_set_dynamic_smem.argtypes = [ctypes.c_ulonglong]
+        self._lib.ofz_emu_smem_traffic_enable.argtypes = [ctypes.c_int]
+        self._lib.ofz_emu_smem_traffic.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
         self._lock = threading.Lock()  # smem setting + launch form one step
 
     def launch(self, entry: str, grid: int, block: int, args: Sequence[np.ndarray], dims: Sequence[int] = (),
-               smem: int = 0, cluster: int = 1, align: Optional[Sequence[int]] = None) -> None:
+               smem: int = 0, cluster: int = 1, align: Optional[Sequence[int]] = None,
+               count_smem: bool = False) -> Optional[SmemTraffic]:
         """Run `entry` on a 1-D grid: `args` are the inputs then the (preallocated) outputs, `dims` the
         runtime symbolic dims, `smem` the dynamic shared memory bytes (per block), `cluster` the blocks per
         thread-block cluster (a divisor of `grid`). `align`: the node's arg_align (1 for none); each argument
         then runs from a copy at the weakest address it allows, so a vector access wider than declared
-        fails here as it would fault on a GPU."""
+        fails here as it would fault on a GPU. `count_smem`: return the launch's shared-memory traffic."""
+        if align is not None and count_smem:
+            raise ValueError(f"{entry}: count_smem with align is not supported")
         if align is not None:
             if len(align) != len(args):
                 raise ValueError(f"{entry}: {len(align)} alignments for {len(args)} arguments")
@@ -84,12 +102,19 @@ class EmulatedModule:
             packed.ptr[i] = a.ctypes.data
         for i, d in enumerate(dims):
             packed.dim[i] = int(d)
+        counts = (ctypes.c_ulonglong * 5)()
         with self._lock:
             self._lib.ofz_emu_set_dynamic_smem(smem)
-            rc = fn(grid, block, cluster, ctypes.byref(packed))
+            self._lib.ofz_emu_smem_traffic_enable(int(count_smem))
+            try:
+                rc = fn(grid, block, cluster, ctypes.byref(packed))
+                self._lib.ofz_emu_smem_traffic(counts)
+            finally:
+                self._lib.ofz_emu_smem_traffic_enable(0)
             msg = self._lib.ofz_emu_last_error().decode(errors="replace") if rc else ""
         if rc:
             raise EmulationError(f"{msg} (source: {self.source_path})")
+        return SmemTraffic(*map(int, counts[:4]), bool(counts[4])) if count_smem else None
 
 
 def _placed(a: np.ndarray, align: int) -> np.ndarray:

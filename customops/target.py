@@ -45,6 +45,10 @@ class Target:
     # assumed, not measured; `--profile` measures it per region.
     implicit_gemm_vs_cudnn: float = 0.6
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
+    # Shared memory serves one 128-byte wavefront per clock per SM: 32 banks of 4 bytes each (CUDA C++
+    # Programming Guide, "Shared Memory"; 128 B/clk/SM on sm_80 through sm_90, e.g. H100's 32.3 TB/s at 144
+    # SMs x 1.755 GHz). ldmatrix.x4 and a warp's 16-byte cp.async are 4 wavefronts each.
+    smem_bytes_per_clk: int = 128
     # Thread-block clusters (sm_90): the most blocks of one cluster that split a GEMM tile's K (8 is the
     # portable cluster size; 1 = no clusters). The cost of their reduction through distributed shared memory
     # is assumed, not measured: a cluster barrier (~400 core clocks) and remote shared-memory reads at about

@@ -6,8 +6,9 @@ or 128 bytes (one or two 128-byte transactions per pair of rows). Candidates gro
 tile; each is kept only while registers, shared memory and threads fit the hardware table entry, and
 they are ranked by an analytic estimate for the busiest SM (Roller's "aligned with the number of SMs":
 ceil(tiles / SMs) tiles of padded work each): the largest of its tensor/FMA time, its instruction-issue
-time, its memory latency not covered by the pipeline's stages, DRAM time for the unique bytes and L2
-time for the re-read tile traffic. The top K are kept with the kernel so a
+time, its shared-memory time (operand writes and fragment reads at one 128-byte wavefront per clock),
+its memory latency not covered by the pipeline's stages, DRAM time for the unique bytes and L2 time for
+the re-read tile traffic. The top K are kept with the kernel so a
 profiling step can pick among them on the real device.
 
 Hopper (sm_90a, opt-in): warpgroup tiles for `wgmma.mma_async` (ortfuse_gemm.h run_wgmma): BK 64, warps of
@@ -121,6 +122,35 @@ class GemmTile:
             math_ops = (self.bk // step) * (frag + mt * nt)
         chunks, elems, taps = self.operand_work(esize, staged)
         return math_ops + chunks * ISSUE_PER_CHUNK + elems * ISSUE_PER_STAGED + taps * ISSUE_PER_TAP + ISSUE_PER_KTILE
+
+    def smem_wavefronts_per_ktile(self, math_: int, esize: int, staged: tuple[int, int], line: int = 128) -> int:
+        """Shared-memory wavefronts (one `line`-byte access per clock per SM) a block spends per k tile: its
+        operand writes and its warps' fragment reads (below). ortfuse_emu.h counts both for ldmatrix and
+        cp.async launches (tests/customops/test_smem_traffic.py)."""
+        return self.smem_writes_per_ktile(esize, staged, line) + self.smem_reads_per_ktile(math_)
+
+    def smem_writes_per_ktile(self, esize: int, staged: tuple[int, int], line: int = 128) -> int:
+        """The operands written into the stage: cp.async chunks by the byte (TileCopy places every
+        quarter-warp's chunks in distinct banks), register-staged elements one warp store each."""
+        warps = self.threads // 32
+        writes = 0
+        for how, size in zip(staged, (self.bm * self.bk, self.bk * self.bn)):
+            writes += -(-size * esize // line) if how == DIRECT else -(-size // self.threads) * warps
+        return writes
+
+    def smem_reads_per_ktile(self, math_: int) -> int:
+        """Every warp's fragment reads: ldmatrix.x4 is 4 wavefronts (one per 8 x 8 matrix), a warp's scalar
+        or broadcast load 1. wgmma reads its operands through the async proxy, whose shared-memory
+        bandwidth NVIDIA does not document: not charged (to measure on the device)."""
+        if self.wgmma:
+            return 0
+        if math_ == SIMT:
+            per_warp = self.bk * (self.wm // 4 + self.wn // 8)
+        elif math_ == MMA_TF32:  # scalar fragment loads: 4 per A tile, 2 per B tile per k8 step
+            per_warp = (self.bk // 8) * (4 * (self.wm // 16) + 2 * (self.wn // 8))
+        else:  # ldmatrix.x4: one per 16 x 16 A tile, one per pair of 16 x 8 B tiles, per k16 step
+            per_warp = (self.bk // 16) * 4 * (self.wm // 16 + -(-(self.wn // 8) // 2))
+        return (self.threads // 32) * per_warp
 
     def as_tuple(self) -> tuple[int, int, int, int, int, int]:
         return (self.bm, self.bn, self.bk, self.wm, self.wn, self.stages)
@@ -241,7 +271,12 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     # what binds a long K loop over few tiles (small M at batch 1), and what split-K divides
     rounds = math.ceil(per_sm / blocks_per_sm)
     t_lat = rounds * ktiles * tgt.mem_latency_ns * 1e-9 / (t.stages - 1)
-    est = max(t_math, t_mem, t_issue, t_lat) * 1e6
+    # shared memory (Roller's L1 level): the SM's one wavefront per clock carries every block's operand
+    # writes and its warps' fragment reads, so narrow warp tiles, which re-read A or B per warp, are
+    # bound here long before the tensor cores are (a 16 x 64 warp tile at about 1.4x the mma.sync time)
+    t_smem = per_sm * ktiles * t.smem_wavefronts_per_ktile(math_, esize, staged, tgt.smem_bytes_per_clk) / (
+        tgt.clock_ghz * 1e9)
+    est = max(t_math, t_mem, t_issue, t_lat, t_smem) * 1e6
     if split > 1:  # two cluster barriers, and each block reads its rows of the S - 1 other partial tiles
         remote = (split - 1) / split * t.bm * t.bn * 4
         est += 2 * tgt.cluster_sync_ns * 1e-3 + remote / (tgt.dsmem_gbps_per_sm * 1e3)

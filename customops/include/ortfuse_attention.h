@@ -183,12 +183,16 @@ template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4
 }
 
 // Rows s0 .. s0+ROWS-1 of one head, W elements each, global -> shared rows of W + PAD elements, 16 bytes per
-// cp.async; rows at or past `limit` are zero-filled without a global read.
+// cp.async (placed by chunk_place: a quarter-warp's stores in distinct banks); rows at or past `limit` are
+// zero-filled without a global read.
 template <class T, int ROWS, int W, int PAD, class L> __device__ __forceinline__ void load_rows(
     T* dst, const T* src, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0, ofz_i64 limit) {
   constexpr int CHUNKS = W / 8;
+  static_assert(PAD == 8, "chunk_place assumes rows padded by one 16-byte chunk");
   for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
-    const int row = e / CHUNKS, col = e % CHUNKS * 8;
+    int row, col;
+    chunk_place<ROWS, CHUNKS>(e, row, col);
+    col *= 8;
     const bool ok = s0 + row < limit;
     cp_async16(dst + row * (W + PAD) + col, ok ? src + L::offset(a, b, h, s0 + row, col) : src, ok ? 16 : 0);
   }

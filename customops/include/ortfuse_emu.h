@@ -367,6 +367,7 @@ inline bool prepare_fibers(int n) {
 }
 
 inline void async_reset(int n);  // tensor-core section below
+inline void smem_traffic_block_done();
 
 // Unmap the fiber stacks after a launch: every loaded module has its own State, and a process that loads
 // hundreds of them (a test session) would otherwise keep two mappings per thread each and run out of
@@ -443,6 +444,7 @@ inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*bo
     blockIdx = {b, 0, 0};
     threadIdx = {0, 0, 0};
     ctx_swap(&S.main, &S.ctx[0]);
+    smem_traffic_block_done();
     if (S.aborted) {
       if (cluster > 1)
         snprintf(buf, sizeof buf, "kernel %s, cluster of blocks %u-%u of %u (%u threads each): ", name, b,
@@ -747,6 +749,65 @@ static const void* posted[kMaxFibers][2];   // per-lane operand pointers of a wa
 
 inline void wgmma_reset(int n);
 
+// ---- shared-memory traffic (opt-in statistics: ofz_emu_smem_traffic) ----------------------------------------
+// Shared memory serves one 128-byte wavefront per clock: 32 banks of 4-byte words. The accesses of one phase
+// (one 8 x 8 matrix of an ldmatrix: 8 rows of 16 bytes; a quarter-warp's 16-byte cp.async stores) take as
+// many wavefronts as the most distinct words that fall in one bank; conflict-free, ceil(bytes / 128).
+// ldmatrix phases are exact (the warp meets at the instruction); a warp's cp.async stores are paired by
+// their order in each lane, which matches the instruction when every lane issued the same number of them
+// (otherwise `exact` turns false). The dynamic shared memory is 128-byte aligned, so bank = address / 4 % 32.
+struct SmemTraffic {
+  unsigned long long ldmatrix = 0, ldmatrix_ideal = 0, cp_async = 0, cp_async_ideal = 0;
+  bool exact = true;
+};
+static SmemTraffic traffic;
+static bool traffic_on = false;
+static std::vector<const void*> traffic_log[kMaxFibers];  // the block's cp.async destinations, per thread
+
+// Wavefronts for `n` accesses of `bytes` each (a multiple of 4) starting at addr[i].
+inline int phase_wavefronts(const void* const* addr, int n, int bytes) {
+  uintptr_t words[32 * 4];
+  int count = 0;
+  for (int i = 0; i < n; ++i)
+    for (int w = 0; w < bytes / 4; ++w) words[count++] = reinterpret_cast<uintptr_t>(addr[i]) / 4 + w;
+  int most = 0;
+  for (int bank = 0; bank < 32; ++bank) {
+    int distinct = 0;
+    for (int i = 0; i < count; ++i) {
+      if (words[i] % 32 != (uintptr_t)bank) continue;
+      bool seen = false;
+      for (int j = 0; j < i && !seen; ++j) seen = words[j] == words[i];
+      distinct += !seen;
+    }
+    most = distinct > most ? distinct : most;
+  }
+  return most;
+}
+
+// After each block (cluster): pair the warps' cp.async stores into quarter-warp phases.
+inline void smem_traffic_block_done() {
+  if (!traffic_on) return;
+  for (int w = 0; w * 32 < S.n; ++w) {
+    size_t len = 0;
+    bool same = true;
+    for (int l = 0; l < 32 && w * 32 + l < S.n; ++l) {
+      const size_t k = traffic_log[w * 32 + l].size();
+      if (l == 0) len = k;
+      same = same && k == len;
+    }
+    if (!same) traffic.exact = false;
+    for (size_t k = 0; same && k < len; ++k)
+      for (int q = 0; q < 4 && w * 32 + 8 * q < S.n; ++q) {
+        const void* addr[8];
+        int n = 0;
+        for (int l = 8 * q; l < 8 * q + 8 && w * 32 + l < S.n; ++l) addr[n++] = traffic_log[w * 32 + l][k];
+        traffic.cp_async += (unsigned long long)phase_wavefronts(addr, n, 16);
+        traffic.cp_async_ideal += (unsigned long long)((n * 16 + 127) / 128);
+      }
+  }
+  for (int i = 0; i < S.n; ++i) traffic_log[i].clear();
+}
+
 inline void async_reset(int n) {
   for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0, S.unfenced[i] = false;
   wgmma_reset(n);
@@ -762,6 +823,7 @@ inline void async_copy(void* dst, const void* src, int src_bytes) {
     fail("thread %d: cp.async of 16 bytes with a misaligned address (smem %p, global %p)", S.cur, dst, src);
   if (src_bytes < 0 || src_bytes > 16) fail("thread %d: cp.async src-size %d outside [0, 16]", S.cur, src_bytes);
   async_queue[S.cur].push_back({dst, src, src_bytes, async_groups[S.cur]});
+  if (traffic_on) traffic_log[S.cur].push_back(dst);
 }
 
 inline void async_commit() { ++async_groups[S.cur]; }
@@ -852,6 +914,13 @@ inline unsigned to_tf32(float x) {
 inline void ldmatrix(unsigned* r, const void* row, int count, bool trans) {
   if (reinterpret_cast<uintptr_t>(row) & 15u) fail("thread %d: ldmatrix row address %p is not 16-byte aligned", S.cur, row);
   const int base = collective_begin("ldmatrix", row, nullptr), l = S.cur % 32;
+  if (traffic_on && l == 0)
+    for (int i = 0; i < count; ++i) {
+      const void* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = posted[base + 8 * i + r][0];
+      traffic.ldmatrix += (unsigned long long)phase_wavefronts(rows, 8, 16);
+      traffic.ldmatrix_ideal += 1;
+    }
   for (int i = 0; i < count; ++i) {
     uint16_t e[2];
     for (int j = 0; j < 2; ++j) {
@@ -988,6 +1057,17 @@ inline void wgmma_wait(unsigned keep) {
 OFZ_EMU_EXPORT const char* ofz_emu_last_error() { return ofz_emu::S.error.c_str(); }
 // Dynamic shared memory bytes for the following launches (the `smem` launch parameter).
 OFZ_EMU_EXPORT void ofz_emu_set_dynamic_smem(unsigned long long bytes) { ofz_emu::S.smem_bytes = (size_t)bytes; }
+// Shared-memory traffic of the following launches (see SmemTraffic): `on` starts counting from zero; out[] is
+// ldmatrix wavefronts, their conflict-free count, cp.async wavefronts, theirs, and 1 if every cp.async
+// phase was paired exactly.
+OFZ_EMU_EXPORT void ofz_emu_smem_traffic_enable(int on) {
+  ofz_emu::traffic = ofz_emu::SmemTraffic();
+  ofz_emu::traffic_on = on != 0;
+}
+OFZ_EMU_EXPORT void ofz_emu_smem_traffic(unsigned long long* out) {
+  const ofz_emu::SmemTraffic& t = ofz_emu::traffic;
+  out[0] = t.ldmatrix, out[1] = t.ldmatrix_ideal, out[2] = t.cp_async, out[3] = t.cp_async_ideal, out[4] = t.exact;
+}
 
 // Placed after the kernel (at the end of the .cu file), where OfzArgs and the kernel are declared.
 #define OFZ_EMU_ENTRY(name)                                                                                    \

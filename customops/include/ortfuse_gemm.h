@@ -124,7 +124,11 @@ struct TileCopy {
     step = KROWS ? (ofz_i64)ROWS * ld : (ofz_i64)COLS;
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
-      const int c = threadIdx.x + i * NT, r = c / kPerRow, k = (c % kPerRow) * kChunk;
+      const int c = threadIdx.x + i * NT;
+      int r, k;
+      if constexpr (LDS == COLS + kChunk) chunk_place<ROWS, kPerRow>(c, r, k);  // bank-conflict-free stores
+      else r = c / kPerRow, k = c % kPerRow;
+      k *= kChunk;
       live[i] = c < kChunks && (KROWS ? c0 + k < cols : r0 + r < rows);
       kpos[i] = KROWS ? r : k;
       dst[i] = r * LDS + k;

@@ -221,6 +221,24 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
 
+// Where copy chunk c goes in a shared tile of ROWS rows x PER_ROW 16-byte chunks, each row padded by one
+// chunk: its row and chunk column. Chunk (r, j) then lands in bank group (r * (PER_ROW + 1) + j) % 8 of the
+// 8 groups of 4 banks, and the eight 16-byte stores of a quarter-warp (consecutive c) are one wavefront only
+// when their groups differ. Consecutive chunks of one row do when a row holds a multiple of 8 chunks; rows of
+// 2 or 4 chunks would wrap onto the next row's groups (two wavefronts), so a quarter-warp takes its chunks
+// from rows PER_ROW apart instead: rows r and r + 4 (4 chunks) or r, r + 2, r + 4, r + 6 (2 chunks) of each
+// group of 8 rows, whose bank groups are disjoint. (The 1-chunk padding keeps ldmatrix's 8 rows in 8 groups.)
+template <int ROWS, int PER_ROW>
+__device__ __forceinline__ void chunk_place(int c, int& row, int& col) {
+  if constexpr ((PER_ROW == 2 || PER_ROW == 4) && ROWS % 8 == 0) {
+    const int e = c % 8;
+    row = c / (8 * PER_ROW) * 8 + c / 8 % PER_ROW + PER_ROW * (e / PER_ROW);
+    col = e % PER_ROW;
+  } else {
+    row = c / PER_ROW, col = c % PER_ROW;
+  }
+}
+
 
 // ---- Hopper warpgroup MMA (sm_90a): wgmma.mma_async with both operands in shared memory -------------------
 // Operands are K-major tiles in the 128-byte swizzle: rows of 64 16-bit elements (128 bytes), 8-row atoms of

@@ -5,6 +5,7 @@ not multiples of the tiles, fp32/fp16/bf16 storage) and compiled with NVRTC for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -128,7 +129,8 @@ def _reference(q, k, v, mask, causal: bool) -> np.ndarray:
     return (e / np.where(tot > 0, tot, 1.0)) @ v  # all-masked rows: 0, as the kernel documents
 
 
-def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int = 0,
+         traffic: Optional[list] = None) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     npt = STORAGE[c.dtype][1]
     q, k, v = (rng.standard_normal((B, H, s, d)).astype(npt).astype(np.float64)
@@ -140,7 +142,10 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
     out = np.zeros_like(_layout(np.zeros((B, H, sq, c.dv)), lay), dtype=npt)
     args = [x.view(np.uint16) if c.dtype == "bf16" else x for x in (*store, out)]
     grid = -(-B * H * sq // c.block_m)  # units B*H*Sq, BLOCK_M per block: may be fewer blocks than row tiles
-    mod.launch(c.entry, grid, 128, [*args, mask.astype(np.float32)], [B, sq, sk], c.smem)
+    t = mod.launch(c.entry, grid, 128, [*args, mask.astype(np.float32)], [B, sq, sk], c.smem,
+                   count_smem=traffic is not None)
+    if traffic is not None:
+        traffic.append(t)
     got = out.astype(np.float64)
     if lay == "bshd":
         got = got.reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
@@ -189,3 +194,15 @@ def test_compiles_with_nvrtc(tmp_path):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     ck = compile_kernel(SOURCE, CASES[0].entry, (90,), tmp_path)
     assert ck.cubins[0][0] == 90 and len(ck.cubins[0][1]) > 0
+
+
+@pytest.mark.parametrize("c", [c for c in CASES if c.kernel == "tensor_core"], ids=lambda c: c.entry)
+def test_tensor_core_shared_memory_traffic_is_conflict_free(mod, c: Case):
+    # every ldmatrix and cp.async is served without bank conflicts (ortfuse_emu.h counts the wavefronts);
+    # head sizes 16 and 32 (rows of 2 and 4 chunks) needed chunk_place's quarter-warp rows
+    traffic: list = []
+    got, ref = _run(mod, c, np.zeros((B, 128)), 64, 128, traffic=traffic)
+    (t,) = traffic
+    assert t.exact and t.cp_async == t.cp_async_ideal and t.ldmatrix == t.ldmatrix_ideal, t
+    assert t.ldmatrix > 0 and t.cp_async > 0
+    assert _rel(got, ref) <= 1e-2

@@ -12,9 +12,10 @@ from helpers import bf16
 
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
-from ortfuse.customops.tiles import MMA_BF16, MMA_F16, MMA_TF32, SIMT, GemmTile
+from ortfuse.customops import tiles
+from ortfuse.customops.tiles import MMA_BF16, MMA_F16, MMA_TF32, SIMT, WGMMA_F16, GemmTile
 
-ELEM = {MMA_F16: "__half", MMA_BF16: "__nv_bfloat16", MMA_TF32: "float", SIMT: "float"}
+ELEM = {MMA_F16: "__half", MMA_BF16: "__nv_bfloat16", MMA_TF32: "float", SIMT: "float", WGMMA_F16: "__half"}
 ROW, COL, GENERIC = 0, 1, 2
 
 
@@ -47,7 +48,7 @@ OFZ_EMU_ENTRY(gemm_test)
 
 def _operands(math_: int, shape: tuple[int, ...], rng) -> tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal(shape).astype(np.float32)
-    if math_ == MMA_F16:
+    if math_ in (MMA_F16, WGMMA_F16):
         h = x.astype(np.float16)
         return h, h.astype(np.float32)
     if math_ == MMA_BF16:
@@ -172,3 +173,40 @@ def test_headers_have_no_generic_lambdas():
   for header in sorted(Path(INCLUDE_DIR).glob("*.h")):
     for no, line in enumerate(header.read_text().splitlines(), 1):
       assert not re.search(r"\[[&=]?[\w, &]*\]\s*\(\s*(const\s+)?auto\b", line), f"{header.name}:{no}: {line.strip()}"
+
+
+TRAFFIC_CASES = [  # tile, a_mode, b_mode: rows of 4 chunks (BK 32), 8 chunks (BK 64), 2 chunks (BN 16), fp32 rows
+    (MMA_F16, GemmTile(128, 128, 32, 32, 64, 3), ROW, ROW),
+    (MMA_F16, GemmTile(128, 128, 32, 32, 64, 3), ROW, COL),
+    (MMA_BF16, GemmTile(64, 128, 64, 32, 64, 3), ROW, COL),
+    (MMA_F16, GemmTile(32, 256, 32, 32, 64, 3), ROW, ROW),
+    (MMA_F16, GemmTile(64, 64, 64, 16, 32, 4), ROW, ROW),
+    (MMA_F16, GemmTile(16, 16, 64, 16, 16, 4), ROW, ROW),
+    (MMA_TF32, GemmTile(32, 32, 16, 16, 16, 3), ROW, COL),
+    (WGMMA_F16, GemmTile(128, 128, 64, 16, 128, 4, wgmma=True), ROW, COL),
+]
+
+
+@pytest.mark.parametrize("math_,tile,a_mode,b_mode", TRAFFIC_CASES)
+def test_shared_memory_traffic_is_conflict_free_and_what_the_tile_model_charges(math_, tile, a_mode, b_mode):
+    """The emulator counts the shared-memory wavefronts of every ldmatrix and cp.async (ortfuse_emu.h): each
+    is served without bank conflicts, and their conflict-free count is the tile model's charge
+    (GemmTile.smem_*_per_ktile) per k tile and block. Before chunk_place, the cp.async stores of 64-byte rows
+    (BK 32 in fp16) took two wavefronts per quarter-warp."""
+    m, n, k, grid = 2 * tile.bm, tile.bn, 4 * tile.bk, 2
+    rng = np.random.default_rng(3)
+    a, _ = _operands(math_, (1, m, k), rng)
+    b, _ = _operands(math_, (1, k, n), rng)
+    b_mem = np.ascontiguousarray(b.transpose(0, 2, 1)) if b_mode == COL else b
+    c = np.zeros((1, m, n), np.float32)
+    esize = a.itemsize
+    t = compile_emulated(source(math_, tile, a_mode, b_mode)).launch(
+        "gemm_test", grid, tile.threads, [a, b_mem, c], [m, n, k, 1], tile.smem_bytes(esize, b_mode == COL),
+        count_smem=True)
+    assert t.exact and t.cp_async == t.cp_async_ideal and t.ldmatrix == t.ldmatrix_ideal, t
+    ktiles = grid * (k // tile.bk)
+    assert t.cp_async_ideal == ktiles * tile.smem_writes_per_ktile(esize, (tiles.DIRECT, tiles.DIRECT))
+    if math_ in (MMA_F16, MMA_BF16):  # fragments through ldmatrix (tf32 loads scalars; wgmma reads no registers)
+        assert t.ldmatrix_ideal == ktiles * tile.smem_reads_per_ktile(math_)
+    else:
+        assert t.ldmatrix == 0

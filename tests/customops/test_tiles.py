@@ -50,9 +50,10 @@ def test_one_tile_more_than_the_sms_doubles_the_time():
 
 
 def test_long_k_loops_over_few_tiles_want_deep_pipelines():
-    # BERT-base FFN down-projection at batch 1: 24 tiles, 48 k tiles each; latency binds, not math
-    shallow, deep = GemmTile(64, 64, 64, 16, 32, 2), GemmTile(64, 64, 64, 16, 32, 4)
-    assert _est(deep, 128, 768, 3072) < _est(shallow, 128, 768, 3072) / 2.5
+    # BERT-base FFN down-projection at batch 1: 24 tiles, 48 k tiles each; latency binds, not math, until
+    # the deep pipeline meets the shared-memory bound
+    shallow, deep = GemmTile(64, 64, 64, 32, 32, 2), GemmTile(64, 64, 64, 32, 32, 4)
+    assert _est(deep, 128, 768, 3072) < _est(shallow, 128, 768, 3072) / 1.5
     best = tiles.rank_tiles(H100, 128, 768, 3072, 1, 2, MMA_F16, False, top_k=1)[0].tile
     assert best.stages >= 3
 
@@ -103,7 +104,7 @@ def test_tap_major_gather_is_cheaper_to_issue_and_keeps_bk_dividing_the_channels
 
 @pytest.mark.parametrize("n, k, row", [(2304, 768, False), (3072, 768, False), (768, 768, True), (768, 3072, True)])
 def test_a_symbolic_batch_gets_a_tile_for_batch_1_and_batch_32(n, k, row):
-    """BERT-base's GEMMs (M = batch x 128): the batch-1 best tile is about twice the batch-32 best's time at
+    """BERT-base's GEMMs (M = batch x 128): the batch-1 best tile takes 1.2-2x the batch-32 best's time at
     batch 32 in the model; the tile chosen for both stays near the best at each."""
     b1, b32 = (128, n, k, 1), (4096, n, k, 1)
     both = tiles.rank_for_bindings(H100, [b1, b32], 2, MMA_F16, False, row=row)
@@ -112,7 +113,7 @@ def test_a_symbolic_batch_gets_a_tile_for_batch_1_and_batch_32(n, k, row):
     assert len(both) == 4 and both[0].est_us == tiles.estimate_tile(
         H100, both[0].tile, *b1[:3], 1, 2, MMA_F16, False, row, split=both[0].split).est_us  # batch 1's figure
     at32 = lambda r: tiles.estimate_at(H100, r, b32, 2, MMA_F16, False, row)  # noqa: E731
-    assert at32(only1) > 1.5 * best32 and both[-1] == only1  # still a --profile candidate
+    assert at32(only1) > 1.2 * best32 and only1 in both  # still a --profile candidate
     assert at32(both[0]) < 1.15 * best32 and both[0].est_us < 1.4 * only1.est_us
     # one binding: exactly rank_tiles
     assert tiles.rank_for_bindings(H100, [b1], 2, MMA_F16, False, row=row) == tiles.rank_tiles(
@@ -122,3 +123,21 @@ def test_a_symbolic_batch_gets_a_tile_for_batch_1_and_batch_32(n, k, row):
 def test_runtime_split_keeps_the_split_grid_in_one_wave():
     assert [tiles.runtime_split(8, g, 132) for g in (1, 16, 17, 33, 66, 67, 200)] == [8, 8, 4, 4, 2, 1, 1]
     assert tiles.runtime_split(1, 4, 132) == 1
+
+
+def test_narrow_warp_tiles_are_bound_by_shared_memory():
+    # BERT-base FFN up-projection at batch 32 (4096 x 3072 x 768): a 16 x 64 warp tile re-reads B for every 16
+    # rows, so its ldmatrix traffic outruns the tensor cores; 64 x 64 warp tiles are math-bound. Without the
+    # shared-memory term both were priced at the mma.sync peak.
+    narrow, wide = GemmTile(64, 128, 64, 16, 64, 3), GemmTile(128, 256, 32, 64, 64, 3)
+    for t in (narrow, wide):  # 128 B per clock per SM: ldmatrix.x4 = 4 wavefronts
+        mt, nt, warps = t.wm // 16, t.wn // 8, t.threads // 32
+        assert t.smem_reads_per_ktile(MMA_F16) == warps * (t.bk // 16) * 4 * (mt + nt // 2)
+        assert t.smem_writes_per_ktile(2, (tiles.DIRECT, tiles.DIRECT)) == (t.bm + t.bn) * t.bk * 2 // 128
+    assert _est(narrow, 4096, 3072, 768) > 1.5 * _est(wide, 4096, 3072, 768)
+    best = tiles.rank_tiles(H100, 4096, 3072, 768, 1, 2, MMA_F16, False, top_k=5)
+    assert all(r.tile.wm * r.tile.wn >= 64 * 64 for r in best), best
+    # the narrow tile's time is its busiest SM's wavefronts at one per clock
+    per_sm = -(-(4096 // 64) * (3072 // 128) // H100.sm_count)
+    waves = per_sm * (768 // 64) * narrow.smem_wavefronts_per_ktile(MMA_F16, 2, (tiles.DIRECT, tiles.DIRECT))
+    assert _est(narrow, 4096, 3072, 768) == pytest.approx(waves / (H100.clock_ghz * 1e3))
