@@ -18,9 +18,10 @@ from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
 from ortfuse.rewriter.batchnorm import fold_batchnorms
-from ortfuse.rewriter.canonical import (fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
-                                       pack_sibling_gemms, unflatten_gemms)
+from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
+                                       fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.iota import fold_iota_gathers
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, parse_input_shapes
@@ -105,6 +106,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     model = load_model(model_or_path)
     say("inferring shapes")
     graph = build_graph(model, _shapes(input_shapes))
+    graph, gathers = fold_iota_gathers(graph)
+    if gathers:
+        say(f"{gathers} Gathers of a flattened tensor at its own index (exported masks) became Reshapes")
     graph, folded = fold_runtime_shapes(graph)
     if folded:
         say(f"{folded} Reshape targets computed at run time became constants")
@@ -112,6 +116,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
     graph, _ = fold_constant_identities(graph)
+    graph, _ = bypass_noop_expands(graph)
     graph, packed = pack_sibling_gemms(graph, absorbed_selects)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split where attention reads them")

@@ -2,7 +2,8 @@
 
 * `fold_runtime_shapes`: Reshape targets computed at run time from Shape/Gather/Concat chains (as the
   TorchScript exporter emits them, or torch.export with `allowzero=1`) become constants wherever the inferred
-  shapes determine them.
+  shapes determine them, if need be for a source further back through a chain of reshapes.
+  (`rewriter.iota.fold_iota_gathers` runs first: Gathers at a tensor's own index become Reshapes.)
 * `unflatten_gemms`: a Gemm between a Reshape that flattens the leading dims and one that restores them
   (GPT-2's Conv1D: `x.view(-1, K) @ W + b`, then `.view(*lead, N)`) becomes MatMul (+ Add of the bias) on
   the unflattened tensor, so the GEMM's consumers are its direct epilogue and no Reshape with a target
@@ -12,6 +13,8 @@
 * `fold_conv_pads`: a zero Pad of the spatial dims feeding only Convs (the TF-style "same" padding HF's
   MobileNetV2 computes from constants) becomes the Convs' own `pads`, as ORT's PadFusion does after its
   constant folding; otherwise a Conv we fuse would leave ORT a Pad kernel it never ran before.
+* `bypass_noop_expands`: an Expand to the shape its input already has is bypassed (its host-computed
+  target goes with it).
 * `fold_constant_identities`: an Identity of a constant (the TorchScript exporter's way of sharing equal
   weights, such as zero biases) is bypassed, so its consumers see a constant, as ORT's constant folding
   gives them.
@@ -50,8 +53,25 @@ def _static_target(in_shape: tuple[Dim, ...], out_shape: tuple[Dim, ...]) -> Opt
     return target if target.count(-1) <= 1 else None
 
 
+RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")  # row-major reshapes: any chain of them is one
+
+
+def _reshape_sources(g: Graph, t: str) -> list[str]:
+    """t, then the inputs of the reshape-like ops that produce it one after another, as long as each
+    intermediate is read by nothing else (so it goes once a Reshape reads further back)."""
+    out = [t]
+    while len(g.consumers.get(out[-1], ())) == 1 and out[-1] in g.producer:
+        node = g.nodes[g.producer[out[-1]]]
+        if node.op_type not in RESHAPES or node.domain not in ("", "ai.onnx"):
+            break
+        out.append(node.input[0])
+    return out
+
+
 def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
-    """(new graph, number of Reshapes whose target became a constant). `g` is left untouched."""
+    """(new graph, number of Reshapes whose target became a constant). `g` is left untouched. Where the
+    Reshape's own input does not determine a target, it may read further back through a chain of
+    reshapes (transformers 5's masks flatten to [-1] first) and take the target from there."""
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     folded = 0
@@ -60,10 +80,16 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
             continue
         if node.input[1] in g.constants:
             continue
-        src, out = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
-        if src is None or out is None or src.shape is None or out.shape is None:
+        out = g.tensors.get(node.output[0])
+        if out is None or out.shape is None:
             continue
-        target = _static_target(src.shape, out.shape)
+        target = None
+        for src in _reshape_sources(g, node.input[0]):
+            info = g.tensors.get(src)
+            target = None if info is None or info.shape is None else _static_target(info.shape, out.shape)
+            if target is not None:
+                node.input[0] = src
+                break
         if target is None:
             continue
         name = f"{node.output[0]}__ortfuse_shape"
@@ -287,6 +313,11 @@ def fold_constant_identities(g: Graph) -> tuple[Graph, int]:
         users = g.consumers.get(n.output[0], ())
         if src in g.constants and all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads
             alias[n.output[0]] = src
+    return _bypass(g, alias)
+
+
+def _bypass(g: Graph, alias: dict[str, str]) -> tuple[Graph, int]:
+    """Consumers of each tensor in `alias` read its value instead; what is left unread goes."""
     if not alias:
         return g, 0
     m = onnx.ModelProto()
@@ -297,6 +328,25 @@ def fold_constant_identities(g: Graph) -> tuple[Graph, int]:
                 node.input[k] = alias[x]
     remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset), len(alias)
+
+
+# ---- Expand to the shape its input already has -------------------------------------------------------------
+
+def bypass_noop_expands(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Expands bypassed): an Expand whose input already has the output's (inferred,
+    possibly symbolic) shape copies it. transformers 5 expands its mask to [B, 1, S, S] after an And that
+    broadcast it there already, with the target computed on the host by a dozen shape ops, which go too."""
+    alias: dict[str, str] = {}
+    for n in g.nodes:
+        if n.op_type != "Expand" or n.domain not in ("", "ai.onnx") or n.output[0] in g.graph_outputs:
+            continue
+        src, out = g.tensors.get(n.input[0]), g.tensors.get(n.output[0])
+        users = g.consumers.get(n.output[0], ())
+        if src is None or out is None or src.shape is None or src.shape != out.shape or src.dtype != out.dtype:
+            continue
+        if all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads it
+            alias[n.output[0]] = alias.get(n.input[0], n.input[0])
+    return _bypass(g, alias)
 
 
 # ---- sibling GEMMs ---------------------------------------------------------------------------------------

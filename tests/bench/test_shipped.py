@@ -96,7 +96,7 @@ def test_shipped_model_optimizes_and_every_kernel_matches_ort(name, dtype):
   path = _build(name, dtype)
   shapes = {k: v.shape for k, v in _feeds(path).items()}
   res = compile_model(path, zoo.fixed_image_shapes(onnx.load(str(path)), zoo.read_sidecar(path)), "sm_90")
-  assert len(res.kernels) >= 9
+  assert len(res.kernels) >= 7  # Magika: 7 (9 before its tf2onnx Expands to the same shape were bypassed)
   rep = check_models(path, res.model, emulate=True, input_shapes=shapes)
   assert rep.ok, "\n".join(rep.lines())
   assert len(rep.kernels) == len(res.kernels)

@@ -1,6 +1,6 @@
 """Canonicalization: run-time Reshape targets become constants where shapes determine them, flattened Gemms
-become MatMuls, zero Pads become the padding of the Convs they feed, Identities of constants are bypassed,
-sibling MatMuls sharing an input are packed into one."""
+become MatMuls, zero Pads become the padding of the Convs they feed, Identities of constants and Expands to
+the shape their input has are bypassed, sibling MatMuls sharing an input are packed into one."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
-from ortfuse.rewriter.canonical import (_static_target, fold_constant_identities, fold_conv_pads,
-                                       fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
+from ortfuse.rewriter.canonical import (_static_target, bypass_noop_expands, fold_constant_identities,
+                                       fold_conv_pads, fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -299,3 +299,33 @@ def test_packings_the_caller_does_not_keep_are_undone():
         return set()
     g2, n = pack_sibling_gemms(g1, keep)
     assert seen == [1] and n == 0 and g2 is g1
+
+
+def _mask_expand(src: str):
+    """transformers 5's mask tail: And broadcasts [B,1,S,1] & [B,1,1,S] to [B,1,S,S], then an Expand to
+    [B,1,S,S] computed on the host from the dims, then Where. `src` is what the Expand reads."""
+    nodes = [node("And", ["a", "b"], ["ab"]),
+             node("Shape", ["b"], ["sb"]), node("Shape", ["a"], ["sa"]),
+             node("Gather", ["sb", "i0"], ["nb"], axis=0), node("Gather", ["sb", "i3"], ["ns"], axis=0),
+             node("Unsqueeze", ["nb", "ax0"], ["nb1"]), node("Unsqueeze", ["ns", "ax0"], ["ns1"]),
+             node("Concat", ["nb1", "one", "ns1", "ns1"], ["target"], axis=0),
+             node("Expand", [src, "target"], ["e"]),
+             node("Where", ["e", "zero", "low"], ["y"])]
+    inits = [const("i0", 0, np.int64), const("i3", 3, np.int64), const("ax0", [0], np.int64),
+             const("one", [1], np.int64), const("zero", 0.0), const("low", -1e9)]
+    return model(nodes, [vi("a", TP.BOOL, ["B", 1, "S", 1]), vi("b", TP.BOOL, ["B", 1, 1, "S"])],
+                 [vi("y", TP.FLOAT, ["B", 1, "S", "S"])], inits)
+
+
+@pytest.mark.parametrize("src,bypassed", [("ab", True), ("b", False)])
+def test_an_expand_to_the_shape_its_input_has_is_bypassed(src, bypassed):
+    m = _mask_expand(src)
+    g = build_graph(m, {})
+    g2, n = bypass_noop_expands(g)
+    assert n == int(bypassed)
+    ops = {x.op_type for x in g2.nodes}
+    assert ops == ({"And", "Where"} if bypassed else {x.op_type for x in g.nodes})  # the host shape ops go too
+    rng = np.random.default_rng(2)
+    feeds = {"a": rng.integers(0, 2, (2, 1, 5, 1)).astype(bool), "b": rng.integers(0, 2, (2, 1, 1, 5)).astype(bool)}
+    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
+    np.testing.assert_array_equal(run(g2.model), run(m))

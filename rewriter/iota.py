@@ -1,0 +1,260 @@
+"""Index arithmetic built from Range: integer tensors whose value is an affine function of their position.
+
+transformers 5 builds its attention masks from index functions traced over iotas: the padding mask is
+`Gather(Flatten(mask), b * S + j)` with `b` = Range(0, B) and `j` = Range(0, S) unsqueezed to [B, 1, 1, 1]
+and [1, 1, 1, S]. That gathers the whole mask at its own row-major index: a Reshape of it to [B, 1, 1, S].
+Through torch.export the same mask is `GatherND(mask, stack(b, j))` over the iotas expanded to [B, 1, 1, S].
+`fold_iota_gathers` rewrites both into that Reshape, so the index tensor (shape arithmetic ORT runs on
+the CPU), its copy to the device and the Gather kernel all go, and the mask's element-wise ops can fuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ortfuse.rewriter.canonical import _attr, _static_target, remove_dead
+from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
+from ortfuse.rewriter.shapes import assemble
+
+# An integer coefficient: value * the product of the named symbolic dims (names sorted).
+Coef = tuple[int, tuple[str, ...]]
+MAX_DEPTH = 24  # producers followed from one tensor; index arithmetic is a handful of nodes
+_INT_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+
+
+def coef_of(d: Dim) -> Coef:
+    return (d, ()) if isinstance(d, int) else (1, (d,))
+
+
+def coef_mul(a: Coef, b: Coef) -> Coef:
+    return a[0] * b[0], tuple(sorted(a[1] + b[1]))
+
+
+def stride(shape: tuple[Dim, ...], axis: int) -> Coef:
+    """Row-major stride of `axis`: the product of the dims after it."""
+    out: Coef = (1, ())
+    for d in shape[axis + 1:]:
+        out = coef_mul(out, coef_of(d))
+    return out
+
+
+@dataclass(frozen=True)
+class Affine:
+    """An integer tensor of `shape` whose element at position p is const + sum(coef * p[axis])."""
+    shape: tuple[Dim, ...]
+    terms: tuple[tuple[int, Coef], ...]  # (axis, coefficient), one per axis at most
+    const: int
+
+
+def _const_int(g: Graph, t: str) -> Optional[int]:
+    v = g.constants.get(t)
+    if v is None or np.asarray(v).size != 1 or not np.issubdtype(np.asarray(v).dtype, np.integer):
+        return None
+    return int(np.asarray(v).reshape(()))
+
+
+def _ints(g: Graph, node: onnx.NodeProto, pos: int, attr: str) -> Optional[list[int]]:
+    """An axes-like operand: the constant input at `pos` (newer opsets) or the attribute."""
+    if len(node.input) > pos and node.input[pos]:
+        v = g.constants.get(node.input[pos])
+        return None if v is None else [int(x) for x in np.asarray(v).reshape(-1)]
+    a = next((a for a in node.attribute if a.name == attr), None)
+    return None if a is None else list(onnx.helper.get_attribute_value(a))
+
+
+def _producer(g: Graph, t: str) -> Optional[onnx.NodeProto]:
+    i = g.producer.get(t)
+    node = None if i is None else g.nodes[i]
+    return node if node is not None and node.domain in ("", "ai.onnx") else None
+
+
+def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
+    """A one-element integer tensor's value as a Coef: a constant, a dim read through Shape + Gather, and
+    products of those (through Cast, Reshape, Squeeze, Unsqueeze), else None."""
+    c = _const_int(g, t)
+    if c is not None:
+        return c, ()
+    node = _producer(g, t)
+    if node is None or depth > MAX_DEPTH:
+        return None
+    op = node.op_type
+    if op in ("Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze"):
+        if op == "Cast" and onnx.helper.get_attribute_value(node.attribute[0]) not in _INT_TYPES:
+            return None
+        return scalar(g, node.input[0], depth + 1)
+    if op == "Mul":
+        a, b = (scalar(g, x, depth + 1) for x in node.input)
+        return None if a is None or b is None else coef_mul(a, b)
+    if op == "Gather":
+        shape_node = _producer(g, node.input[0])
+        k = _const_int(g, node.input[1])
+        if shape_node is None or shape_node.op_type != "Shape" or k is None or shape_node.attribute:
+            return None  # Shape's start/end attributes: not followed
+        dims = g.tensors.get(shape_node.input[0])
+        if dims is None or dims.shape is None or not -len(dims.shape) <= k < len(dims.shape):
+            return None
+        return coef_of(dims.shape[k])
+    return None
+
+
+def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
+    """Tensor t as an Affine when it is built from Range(c, n, d) with constant c and d by Unsqueeze, integer
+    Casts, Add and Mul by a scalar (`scalar`), else None."""
+    info = g.tensors.get(t)
+    if info is None or info.shape is None or info.dtype not in _INT_TYPES or depth > MAX_DEPTH:
+        return None
+    c = _const_int(g, t)
+    if c is not None:
+        return Affine(info.shape, (), c)
+    node = _producer(g, t)
+    if node is None:
+        return None
+    op = node.op_type
+    if op == "Range":
+        start, delta = _const_int(g, node.input[0]), _const_int(g, node.input[2])
+        if start is None or delta is None or len(info.shape) != 1:
+            return None
+        return Affine(info.shape, ((0, (delta, ())),), start)
+    if op in ("Cast", "Identity", "Expand"):  # Expand broadcasts: the value at each position is unchanged
+        src = affine(g, node.input[0], depth + 1)
+        if src is None:
+            return None
+        shift = len(info.shape) - len(src.shape)
+        return Affine(info.shape, tuple((a + shift, cf) for a, cf in src.terms), src.const)
+    if op == "Unsqueeze":
+        src, axes = affine(g, node.input[0], depth + 1), _ints(g, node, 1, "axes")
+        if src is None or axes is None:
+            return None
+        rank = len(info.shape)
+        inserted = sorted(a % rank for a in axes)
+        kept = [k for k in range(rank) if k not in inserted]  # where the input's axes land
+        return Affine(info.shape, tuple((kept[a], cf) for a, cf in src.terms), src.const)
+    if op == "Mul":
+        for x, y in (node.input, reversed(node.input)):
+            src, s = affine(g, x, depth + 1), scalar(g, y, depth + 1)
+            if src is not None and s is not None and (src.const == 0 or not s[1]):
+                shift = len(info.shape) - len(src.shape)
+                return Affine(info.shape, tuple((a + shift, coef_mul(cf, s)) for a, cf in src.terms),
+                              src.const * s[0])
+        return None
+    if op == "Add":
+        a, b = (affine(g, x, depth + 1) for x in node.input)
+        if a is None or b is None:
+            return None
+        terms: dict[int, Coef] = {}
+        for src in (a, b):
+            shift = len(info.shape) - len(src.shape)
+            for ax, cf in src.terms:
+                if ax + shift in terms:
+                    return None  # two terms on one axis: not needed by any exporter we know
+                terms[ax + shift] = cf
+        return Affine(info.shape, tuple(sorted(terms.items())), a.const + b.const)
+    return None
+
+
+def _iota_gather(g: Graph, node: onnx.NodeProto) -> Optional[tuple[str, tuple[Dim, ...], list[int]]]:
+    """(X, output shape, constant Reshape target) when `node` gathers every element of a row-major
+    flattened X at its own index (see the module docstring), else None."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or _attr(node, "axis", 0) != 0:
+        return None
+    flat = _producer(g, node.input[0])
+    if flat is None or flat.op_type not in ("Flatten", "Reshape"):
+        return None
+    x = flat.input[0]
+    xs = g.tensors[x].shape if x in g.tensors else None
+    if not xs:
+        return None
+    if flat.op_type == "Flatten" and _attr(flat, "axis", 1) == len(xs):
+        tail: tuple[Dim, ...] = (1,)  # [N, 1]
+    elif flat.op_type == "Reshape" and g.constants.get(flat.input[1]) is not None \
+            and np.asarray(g.constants[flat.input[1]]).tolist() == [-1]:
+        tail = ()  # [N]
+    else:
+        return None
+    idx = affine(g, node.input[1])
+    if idx is None or not _identity_index([idx], xs, [stride(xs, k) for k in range(len(xs))]):
+        return None
+    out_shape = tuple(idx.shape) + tail
+    target = _static_target(xs, out_shape)
+    return None if target is None else (x, out_shape, target)
+
+
+def _identity_index(idx: list[Affine], xs: tuple[Dim, ...], strides: list[Coef]) -> bool:
+    """Whether the index terms address X = xs row-major at each position's own coordinates: term k runs along
+    its own axis of the index (in X's axis order) over X's dim k with coefficient strides[k], other index
+    axes have size 1, nothing is added."""
+    terms = [t for a in idx for t in a.terms]
+    if any(a.const != 0 for a in idx) or len(terms) != len(xs) or not idx:
+        return False
+    axes = [a for a, _ in terms]
+    if axes != sorted(axes) or len(set(axes)) != len(axes):
+        return False  # the iotas in another order than X's axes: a transpose, not a Reshape
+    shape = idx[0].shape
+    if any(cf != strides[k] or shape[a] != xs[k] for k, (a, cf) in enumerate(terms)):
+        return False
+    return all(d == 1 for a, d in enumerate(shape) if a not in axes)
+
+
+def _index_columns(g: Graph, t: str, r: int) -> Optional[list[Affine]]:
+    """GatherND's indices [..., r] built as Concat(Unsqueeze(A_0, -1), ..., axis=-1): the A_k, else None."""
+    node = _producer(g, t)
+    info = g.tensors.get(t)
+    if node is None or node.op_type != "Concat" or info is None or not info.shape or info.shape[-1] != r \
+            or _attr(node, "axis", 0) not in (-1, len(info.shape) - 1) or len(node.input) != r:
+        return None
+    cols = []
+    for x in node.input:
+        u = _producer(g, x)
+        axes = None if u is None or u.op_type != "Unsqueeze" else _ints(g, u, 1, "axes")
+        if axes is None or [a % len(info.shape) for a in axes] != [len(info.shape) - 1]:
+            return None
+        a = affine(g, u.input[0])
+        if a is None or tuple(a.shape) != tuple(info.shape[:-1]):
+            return None
+        cols.append(a)
+    return cols
+
+
+def _iota_gather_nd(g: Graph, node: onnx.NodeProto) -> Optional[tuple[str, tuple[Dim, ...], list[int]]]:
+    """GatherND(X, indices) whose index tuple at each position is the position's own coordinates in X
+    (torch.export's form of the padding mask: stacked iotas), as `_iota_gather`'s result, else None."""
+    if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx") or _attr(node, "batch_dims", 0) != 0:
+        return None
+    x = node.input[0]
+    xs = g.tensors[x].shape if x in g.tensors else None
+    if not xs:
+        return None
+    cols = _index_columns(g, node.input[1], len(xs))
+    if cols is None:
+        return None
+    # column k is X's coordinate k: one term of coefficient 1 each
+    if any(len(c.terms) != 1 for c in cols) or not _identity_index(cols, xs, [(1, ())] * len(xs)):
+        return None
+    out_shape = tuple(cols[0].shape)
+    target = _static_target(xs, out_shape)
+    return None if target is None else (x, out_shape, target)
+
+
+def fold_iota_gathers(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Gathers and GatherNDs that became Reshapes). `g` is left untouched."""
+    plans = {i: p for i, n in enumerate(g.nodes) if (p := _iota_gather(g, n) or _iota_gather_nd(g, n)) is not None}
+    if not plans:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    for i, (x, out_shape, target) in plans.items():
+        node = m.graph.node[i]
+        out = node.output[0]
+        name = f"{out}__ortfuse_shape"
+        m.graph.initializer.append(numpy_helper.from_array(np.asarray(target, np.int64), name))
+        tensors[name] = TensorInfo(name, onnx.TensorProto.INT64, (len(target),))
+        tensors[out] = TensorInfo(out, g.tensors[out].dtype, out_shape)
+        reshape = onnx.helper.make_node("Reshape", [x, name], [out], name=f"{node.name or out}/iota_gather")
+        node.CopyFrom(reshape)
+    remove_dead(m)
+    return assemble(m, tensors, g.opset), len(plans)

@@ -1,0 +1,125 @@
+"""fold_iota_gathers (rewriter/iota.py): transformers 5's padding mask gathers the flattened mask at its own
+row-major index, b * S + j over iotas from Range; that Gather becomes a Reshape of the mask, and the index
+arithmetic (host shape ops) goes. Index forms that are not the identity stay Gathers."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+from ortfuse.rewriter.canonical import fold_runtime_shapes
+from ortfuse.rewriter.iota import Affine, affine, fold_iota_gathers, stride
+from ortfuse.rewriter.shapes import build_graph
+
+
+def _padding_mask(b_dim: int = 0, s_dim: int = 1, scale: str = "S", start: int = 0, delta: int = 1,
+                  flatten: str = "flatten"):
+    """mask [B, S] int64 -> bool [B, 1, 1, S] as transformers 5 exports it (torch.onnx, TorchScript):
+    Gather(Flatten(Cast(mask)), Unsqueeze(Range(B)) * S + Unsqueeze(Range(S))), then Reshape(-1) and
+    Reshape to the index's runtime shape. The keyword arguments break the identity for negative tests."""
+    nodes = [node("Cast", ["mask"], ["mb"], to=TP.BOOL),
+             node("Shape", ["mb"], ["shp"]),
+             node("Gather", ["shp", "i0"], ["nb"], axis=0), node("Gather", ["shp", "i1"], ["ns"], axis=0),
+             node("Range", ["r0", "nb" if b_dim == 0 else "ns", "r1"], ["ib"]),
+             node("Range", ["rs", "ns", "rd"], ["js"]),
+             node("Unsqueeze", ["ib", "ax123"], ["ib4"]), node("Unsqueeze", ["js", "ax012"], ["js4"]),
+             node("Gather", ["shp", "i1v"], ["stride"], axis=0),
+             node("Mul", ["ib4", "stride" if scale == "S" else "seven"], ["off"]),
+             node("Add", ["js4", "off"], ["idx"]),
+             node("Flatten", ["mb"], ["flat"], axis=2) if flatten == "flatten"
+             else node("Reshape", ["mb", "minus1"], ["flat"]),
+             node("Gather", ["flat", "idx"], ["g"], axis=0),
+             node("Reshape", ["g", "minus1"], ["g1"]),
+             node("Shape", ["idx"], ["ishape"]),
+             node("Reshape", ["g1", "ishape"], ["out"])]
+    inits = [const("i0", 0, np.int64), const("i1", 1, np.int64), const("i1v", [1], np.int64),
+             const("r0", 0, np.int64), const("r1", 1, np.int64), const("rs", start, np.int64),
+             const("rd", delta, np.int64), const("ax123", [1, 2, 3], np.int64), const("ax012", [0, 1, 2], np.int64),
+             const("seven", 7, np.int64), const("minus1", [-1], np.int64)]
+    return model(nodes, [vi("mask", TP.INT64, ["B", "S"])], [vi("out", TP.BOOL, None)], inits)
+
+
+def _run(m, mask):
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"mask": mask})[0]
+
+
+def _fold(m):
+    g = build_graph(m, {})
+    g2, n = fold_iota_gathers(g)
+    g3, _ = fold_runtime_shapes(g2)
+    return g, g3, n
+
+
+@pytest.mark.parametrize("flatten", ["flatten", "reshape"])
+def test_padding_mask_gather_becomes_a_reshape(flatten):
+    m = _padding_mask(flatten=flatten)
+    g, g3, n = _fold(m)
+    a = affine(g, "idx")
+    assert a == Affine(("B", 1, 1, "S"), ((0, (1, ("S",))), (3, (1, ()))), 0)
+    assert n == 1
+    assert {x.op_type for x in g3.nodes} == {"Cast", "Reshape"}  # the index arithmetic and both Gathers went
+    assert g3.tensors["out"].shape == ("B", 1, 1, "S")
+    rng = np.random.default_rng(0)
+    for shape in ((3, 5), (1, 7), (2, 1)):
+        mask = rng.integers(0, 2, shape).astype(np.int64)
+        want = _run(m, mask)
+        np.testing.assert_array_equal(want, mask.astype(bool)[:, None, None, :])
+        np.testing.assert_array_equal(_run(g3.model, mask), want)
+    assert g.model.graph.node[-1].op_type == "Reshape" and len(g.nodes) == len(m.graph.node)  # input untouched
+
+
+@pytest.mark.parametrize("kw", [dict(b_dim=1), dict(scale="7"), dict(start=1), dict(delta=2)],
+                         ids=["iota-over-S-on-the-batch-axis", "wrong-stride", "range-from-1", "range-step-2"])
+def test_other_index_forms_stay_gathers(kw):
+    m = _padding_mask(**kw)
+    g = build_graph(m, {})
+    g2, n = fold_iota_gathers(g)
+    assert n == 0 and g2 is g
+
+
+def test_stride_and_affine_of_symbolic_dims():
+    assert stride(("B", "S", 4), 0) == (4, ("S",)) and stride(("B", "S", 4), 2) == (1, ())
+    g = build_graph(_padding_mask(), {})
+    assert affine(g, "js4") == Affine((1, 1, 1, "S"), ((3, (1, ())),), 0)
+    assert affine(g, "off") == Affine(("B", 1, 1, 1), ((0, (1, ("S",))),), 0)
+    assert affine(g, "mb") is None  # not an integer tensor
+
+
+def _padding_mask_nd(swap: bool = False, offset: bool = False):
+    """The same mask as torch.export writes it: GatherND(Cast(mask), Concat(Unsqueeze(Expand(b), -1),
+    Unsqueeze(Expand(j), -1))) with the iotas expanded to [B, 1, 1, S]. `swap`: (j, b) columns; `offset`:
+    b + j in the first column."""
+    nodes = [node("Cast", ["mask"], ["mb"], to=TP.BOOL),
+             node("Shape", ["mask"], ["nb1"], start=0, end=1), node("Squeeze", ["nb1"], ["nb"]),
+             node("Shape", ["mask"], ["ns1"], start=1, end=2), node("Squeeze", ["ns1"], ["ns"]),
+             node("Range", ["r0", "nb", "r1"], ["ib"]), node("Range", ["r0", "ns", "r1"], ["js"]),
+             node("Unsqueeze", ["ib", "ax123"], ["ib4"]), node("Unsqueeze", ["js", "ax012"], ["js4"]),
+             node("Max", ["ib4", "js4"], ["mx"]), node("Shape", ["mx"], ["full"]),
+             node("Expand", ["ib4", "full"], ["ibx"]), node("Expand", ["js4", "full"], ["jsx"])]
+    first, second = ("jsx", "ibx") if swap else ("ibx", "jsx")
+    if offset:
+        nodes.append(node("Add", ["ibx", "jsx"], ["sum"]))
+        first = "sum"
+    nodes += [node("Unsqueeze", [first, "last"], ["c0"]), node("Unsqueeze", [second, "last"], ["c1"]),
+              node("Concat", ["c0", "c1"], ["idx"], axis=-1), node("GatherND", ["mb", "idx"], ["out"])]
+    inits = [const("r0", 0, np.int64), const("r1", 1, np.int64), const("ax123", [1, 2, 3], np.int64),
+             const("ax012", [0, 1, 2], np.int64), const("last", [-1], np.int64)]
+    return model(nodes, [vi("mask", TP.INT64, ["B", "S"])], [vi("out", TP.BOOL, None)], inits)
+
+
+def test_torch_export_gather_nd_mask_becomes_a_reshape():
+    m = _padding_mask_nd()
+    g, g3, n = _fold(m)
+    assert n == 1 and {x.op_type for x in g3.nodes} == {"Cast", "Reshape"}
+    mask = np.random.default_rng(1).integers(0, 2, (3, 6)).astype(np.int64)
+    np.testing.assert_array_equal(_run(g3.model, mask), _run(m, mask))
+    np.testing.assert_array_equal(_run(m, mask), mask.astype(bool)[:, None, None, :])
+
+
+@pytest.mark.parametrize("kw", [dict(swap=True), dict(offset=True)], ids=["columns-swapped", "b-plus-j"])
+def test_other_gather_nd_indices_stay(kw):
+    g = build_graph(_padding_mask_nd(**kw), {})
+    assert fold_iota_gathers(g) == (g, 0)
