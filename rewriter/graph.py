@@ -51,6 +51,15 @@ class Graph:
         n = self.nodes[index]
         return f"{n.op_type} '{n.name or n.output[0]}'"
 
+    def axes(self, node: onnx.NodeProto, pos: int = 1) -> list[int] | str | None:
+        """An axes operand: the constant input at `pos` (newer opsets) or the `axes` attribute; None when
+        neither is given, "runtime" when the input is computed at run time."""
+        if len(node.input) > pos and node.input[pos]:
+            v = self.constants.get(node.input[pos])
+            return "runtime" if v is None else [int(x) for x in np.asarray(v).reshape(-1)]
+        a = next((a for a in node.attribute if a.name == "axes"), None)
+        return None if a is None else [int(x) for x in onnx.helper.get_attribute_value(a)]
+
 
 R = TypeVar("R")
 

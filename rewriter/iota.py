@@ -57,15 +57,6 @@ def _const_int(g: Graph, t: str) -> Optional[int]:
     return int(np.asarray(v).reshape(()))
 
 
-def _ints(g: Graph, node: onnx.NodeProto, pos: int, attr: str) -> Optional[list[int]]:
-    """An axes-like operand: the constant input at `pos` (newer opsets) or the attribute."""
-    if len(node.input) > pos and node.input[pos]:
-        v = g.constants.get(node.input[pos])
-        return None if v is None else [int(x) for x in np.asarray(v).reshape(-1)]
-    a = next((a for a in node.attribute if a.name == attr), None)
-    return None if a is None else list(onnx.helper.get_attribute_value(a))
-
-
 def _producer(g: Graph, t: str) -> Optional[onnx.NodeProto]:
     i = g.producer.get(t)
     node = None if i is None else g.nodes[i]
@@ -83,7 +74,7 @@ def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
         return None
     op = node.op_type
     if op in ("Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze"):
-        if op == "Cast" and onnx.helper.get_attribute_value(node.attribute[0]) not in _INT_TYPES:
+        if op == "Cast" and _attr(node, "to", None) not in _INT_TYPES:
             return None
         return scalar(g, node.input[0], depth + 1)
     if op == "Mul":
@@ -126,8 +117,8 @@ def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
         shift = len(info.shape) - len(src.shape)
         return Affine(info.shape, tuple((a + shift, cf) for a, cf in src.terms), src.const)
     if op == "Unsqueeze":
-        src, axes = affine(g, node.input[0], depth + 1), _ints(g, node, 1, "axes")
-        if src is None or axes is None:
+        src, axes = affine(g, node.input[0], depth + 1), g.axes(node)
+        if src is None or not isinstance(axes, list):
             return None
         rank = len(info.shape)
         inserted = sorted(a % rank for a in axes)
@@ -209,8 +200,8 @@ def _index_columns(g: Graph, t: str, r: int) -> Optional[list[Affine]]:
     cols = []
     for x in node.input:
         u = _producer(g, x)
-        axes = None if u is None or u.op_type != "Unsqueeze" else _ints(g, u, 1, "axes")
-        if axes is None or [a % len(info.shape) for a in axes] != [len(info.shape) - 1]:
+        axes = None if u is None or u.op_type != "Unsqueeze" else g.axes(u)
+        if not isinstance(axes, list) or [a % len(info.shape) for a in axes] != [len(info.shape) - 1]:
             return None
         a = affine(g, u.input[0])
         if a is None or tuple(a.shape) != tuple(info.shape[:-1]):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
@@ -13,18 +12,12 @@ from ortfuse.search import conv, ops
 from ortfuse.search.plan import Region, Reject, Traffic
 
 
-def _axes(g: Graph, node: onnx.NodeProto) -> Optional[list[int]]:
-    """A Reduce node's axes, from the attribute or the constant second input (None: all axes)."""
-    if len(node.input) > 1 and node.input[1]:
-        return [int(a) for a in np.asarray(g.constants[node.input[1]]).reshape(-1)]
-    axes = scalar.attr(node, "axes")
-    return list(axes) if axes is not None else None
-
-
 def _reduction_verdict(g: Graph, node: onnx.NodeProto, rank: int) -> Optional[str]:
     op = node.op_type
     if op.startswith("Reduce"):
-        axes = _axes(g, node)
+        axes = g.axes(node)
+        if axes == "runtime":
+            return "axes computed at run time: left to ORT"
         if axes is None or len(axes) == 0:
             return "reduces over all axes; ortfuse fuses innermost-axis reductions only"
         if any(not -rank <= a < rank for a in axes):
