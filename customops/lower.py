@@ -23,6 +23,7 @@ import onnx
 
 from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.ir import BOOL, F32, I64, Expr, Var
+from ortfuse.rewriter import iota
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.search import conv, legal, ops
 from ortfuse.search.plan import Region
@@ -63,6 +64,9 @@ class KernelSpec:
     # constant inputs the kernel reads in another layout: (tensor, perm) -> the fused node is given
     # Transpose(tensor, perm), which the rewriter stores as a new initializer
     input_perms: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # (tensor, k, axis): run-time Range lengths the region's ops read, each inputs[k].shape[axis]
+    # (`legal.shape_reads`); the fused node's function body computes them from that input's shape
+    shape_reads: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def block(self) -> int:
@@ -334,6 +338,13 @@ class _Lowerer:
         op = node.op_type
         if op == "Conv":
             return self.depthwise_value(node, idx)
+        if op == "Range":  # an iota: start + i * delta (legal.range_length_verdict checked the length)
+            start, delta = (iota.const_int(self.g, x) for x in (node.input[0], node.input[2]))
+            ct = ir.compute_type(_storage(self.g.tensors[node.output[0]].dtype, "Range output"))
+            v = ir.add(ir.i64(start), ir.mul(idx[0], ir.i64(delta)))
+            return v if ct == I64 else ir.Op("cast", (v,), ct)
+        if op == "Gather":
+            return self.gather_value(node, idx)
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]
@@ -359,6 +370,24 @@ class _Lowerer:
             return scalar.apply(node, args, out_storage)
         except scalar.UnsupportedOp as e:
             raise LoweringError(str(e)) from None
+
+    def gather_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        """Gather at idx: the index j read from `indices` at idx's axis..axis+q coordinates (negative j counts
+        from the end), then `data` at j on `axis`. An index still out of range gives 0, as ORT's CUDA kernel
+        does (its CPU kernel raises); the load itself then reads element 0, never out of bounds."""
+        data, indices = node.input[0], node.input[1]
+        ds, q = self._shape(data), len(self._shape(indices))
+        axis = scalar.attr(node, "axis", 0) % len(ds)
+        j = self.value(indices, tuple(idx[axis:axis + q]))
+        if j.ctype != I64:
+            j = ir.Op("cast", (j,), I64)
+        n = self.dim(ds[axis])
+        j = self.bind(ir.Op("select", (ir.Op("lt", (j, ir.i64(0)), BOOL), ir.add(j, n), j), I64), "g")
+        inside = self.bind(ir.Op("and", (ir.Op("ge", (j, ir.i64(0)), BOOL), ir.Op("lt", (j, n), BOOL)), BOOL), "inb")
+        at = self.bind(ir.Op("select", (inside, j, ir.i64(0)), I64), "i")
+        v = self.value(data, tuple(idx[:axis]) + (at,) + tuple(idx[axis + q:]))
+        zero = ir.Const(False if v.ctype == BOOL else 0.0 if v.ctype == F32 else 0, v.ctype)
+        return ir.Op("select", (inside, v, zero), v.ctype)
 
     def as_stored(self, tensor: str, value: Expr) -> Expr:
         """`value` rounded to `tensor`'s half-precision storage type, as ORT would have stored it (see
@@ -628,8 +657,12 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     instead of the top-ranked one (profiling); without its 7th entry (SPLIT), at its best split."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
+    reads = legal.shape_reads(graph, region.nodes, region.inputs)
+    if reads is None:
+        raise LoweringError("a Range's length is not a dim of the region's inputs")
     spec = _lower_kind(graph, region, tgt, tf32, tile)
-    return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)))
+    return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
+                               shape_reads=reads)
 
 
 def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,

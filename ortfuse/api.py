@@ -21,7 +21,7 @@ from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
                                        fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.graph import Graph
-from ortfuse.rewriter.iota import fold_iota_gathers
+from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, parse_input_shapes
@@ -117,6 +117,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
     graph, _ = fold_constant_identities(graph)
     graph, _ = bypass_noop_expands(graph)
+    graph, _ = isolate_iotas(graph)
     graph, packed = pack_sibling_gemms(graph, absorbed_selects)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split where attention reads them")
@@ -159,7 +160,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
 def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
     tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
     node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
-                     region.outputs, tuple(attrs.node_attributes(spec, ck)), spec.input_perms)
+                     region.outputs, tuple(attrs.node_attributes(spec, ck)), spec.input_perms,
+                     spec.shape_reads)
     return FusedKernel(region, spec, ck, node)
 
 

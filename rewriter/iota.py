@@ -50,7 +50,7 @@ class Affine:
     const: int
 
 
-def _const_int(g: Graph, t: str) -> Optional[int]:
+def const_int(g: Graph, t: str) -> Optional[int]:
     v = g.constants.get(t)
     if v is None or np.asarray(v).size != 1 or not np.issubdtype(np.asarray(v).dtype, np.integer):
         return None
@@ -66,7 +66,7 @@ def _producer(g: Graph, t: str) -> Optional[onnx.NodeProto]:
 def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
     """A one-element integer tensor's value as a Coef: a constant, a dim read through Shape + Gather, and
     products of those (through Cast, Reshape, Squeeze, Unsqueeze), else None."""
-    c = _const_int(g, t)
+    c = const_int(g, t)
     if c is not None:
         return c, ()
     node = _producer(g, t)
@@ -82,7 +82,7 @@ def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
         return None if a is None or b is None else coef_mul(a, b)
     if op == "Gather":
         shape_node = _producer(g, node.input[0])
-        k = _const_int(g, node.input[1])
+        k = const_int(g, node.input[1])
         if shape_node is None or shape_node.op_type != "Shape" or k is None or shape_node.attribute:
             return None  # Shape's start/end attributes: not followed
         dims = g.tensors.get(shape_node.input[0])
@@ -98,7 +98,7 @@ def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
     info = g.tensors.get(t)
     if info is None or info.shape is None or info.dtype not in _INT_TYPES or depth > MAX_DEPTH:
         return None
-    c = _const_int(g, t)
+    c = const_int(g, t)
     if c is not None:
         return Affine(info.shape, (), c)
     node = _producer(g, t)
@@ -106,7 +106,7 @@ def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
         return None
     op = node.op_type
     if op == "Range":
-        start, delta = _const_int(g, node.input[0]), _const_int(g, node.input[2])
+        start, delta = const_int(g, node.input[0]), const_int(g, node.input[2])
         if start is None or delta is None or len(info.shape) != 1:
             return None
         return Affine(info.shape, ((0, (delta, ())),), start)
@@ -249,3 +249,100 @@ def fold_iota_gathers(g: Graph) -> tuple[Graph, int]:
         node.CopyFrom(reshape)
     remove_dead(m)
     return assemble(m, tensors, g.opset), len(plans)
+
+
+_CLONABLE = frozenset({"Range", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity", "Add", "Sub", "Mul", "Neg",
+                       "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or"})
+
+
+def _iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> Optional[frozenset[int]]:
+    """The nodes computing t from constants and Range iotas alone (at least one Range), else None. Inputs
+    that only carry shapes (a Range's limit, an Unsqueeze's axes) are not followed: they stay shared."""
+    if t in memo:
+        return memo[t]
+    memo[t] = None
+    i = g.producer.get(t)
+    node = g.nodes[i] if i is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _CLONABLE:
+        return None
+    data = [node.input[0]] if node.op_type in ("Unsqueeze", "Squeeze", "Reshape") else \
+        [] if node.op_type == "Range" else [x for x in node.input if x]
+    cone = {i}
+    ranged = node.op_type == "Range"
+    for x in data:
+        if x in g.constants:
+            continue
+        sub = _iota_cone(g, x, memo)
+        if sub is None:
+            return None
+        cone |= sub
+        ranged = ranged or any(g.nodes[k].op_type == "Range" for k in sub)
+    memo[t] = frozenset(cone) if ranged else None
+    return memo[t]
+
+
+def isolate_iotas(g: Graph) -> tuple[Graph, int]:
+    """Two rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
+    * a dim read as Gather(Shape(x), k) from an intermediate tensor x is read from a graph input with the
+      same symbolic dim instead, so x need not be written just for its shape;
+    * an iota (a Range and the ops on it) read by several nodes is copied for each reader, so each kernel
+      can absorb its own copy. Copies that stay unfused are merged again by ORT's common-subexpression
+      elimination.
+    Returns (new graph, rewrites); `g` is left untouched."""
+    where = {d: (t, a) for t in g.graph_inputs for a, d in enumerate(g.tensors[t].shape or ())
+             if t in g.tensors and isinstance(d, str)}
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    count = 0
+    shape_of: dict[str, str] = {}
+    head: list[onnx.NodeProto] = []
+    for i, node in enumerate(g.nodes):
+        src = _producer(g, node.input[0]) if node.op_type == "Gather" and node.input else None
+        k = const_int(g, node.input[1]) if src is not None else None
+        if src is None or src.op_type != "Shape" or src.attribute or k is None or src.input[0] in g.graph_inputs:
+            continue
+        dims = g.tensors[src.input[0]].shape if src.input[0] in g.tensors else None
+        if not dims or not -len(dims) <= k < len(dims) or dims[k] not in where:
+            continue
+        x, axis = where[dims[k]]
+        if x not in shape_of:
+            shape_of[x] = f"{x}__ortfuse_shape_of"
+            tensors[shape_of[x]] = TensorInfo(shape_of[x], onnx.TensorProto.INT64, (len(g.tensors[x].shape),))
+            head.append(onnx.helper.make_node("Shape", [x], [shape_of[x]], name=f"{x}/ortfuse_shape"))
+        pos = f"{shape_of[x]}_{axis}"
+        if pos not in tensors:
+            m.graph.initializer.append(numpy_helper.from_array(np.asarray(axis, np.int64), pos))
+            tensors[pos] = TensorInfo(pos, onnx.TensorProto.INT64, ())
+        m.graph.node[i].input[0], m.graph.node[i].input[1] = shape_of[x], pos
+        count += 1
+    memo: dict[str, Optional[frozenset[int]]] = {}
+    copies: dict[int, list[onnx.NodeProto]] = {}  # node index -> copies to insert before it
+    for t, readers in g.consumers.items():
+        cone = _iota_cone(g, t, memo) if len(readers) > 1 else None
+        if cone is None:
+            continue
+        for r in readers[1:]:
+            rename: dict[str, str] = {}
+            for j in sorted(cone):
+                c = onnx.NodeProto()
+                c.CopyFrom(g.nodes[j])
+                c.name = f"{c.name or c.output[0]}/ortfuse_copy{r}"
+                for s, x in enumerate(c.input):
+                    c.input[s] = rename.get(x, x)
+                for s, o in enumerate(c.output):
+                    rename[o] = c.output[s] = f"{o}__ortfuse_copy{r}"
+                    tensors[rename[o]] = TensorInfo(rename[o], g.tensors[o].dtype, g.tensors[o].shape)
+                copies.setdefault(r, []).append(c)
+            reader = m.graph.node[r]
+            for s, x in enumerate(reader.input):
+                if x == t:
+                    reader.input[s] = rename[t]
+            count += 1
+    if not count:
+        return g, 0
+    nodes = head + [c for i, n in enumerate(m.graph.node) for c in (*copies.get(i, ()), n)]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    remove_dead(m)
+    return assemble(m, tensors, g.opset), count

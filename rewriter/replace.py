@@ -33,6 +33,10 @@ class FusedNode:
     # constant inputs the kernel reads transposed: (tensor, perm). The node is given a new initializer
     # holding the transposed data; its function transposes it back before the original sub-graph.
     input_perms: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # (tensor, k, axis): a scalar the region reads (a Range's length) that equals inputs[k].shape[axis]; the
+    # kernel knows it as a dim, the function body computes it from that input's shape (Shape + Gather), so
+    # the shape arithmetic outside the region that computed it can go
+    shape_reads: tuple[tuple[str, int, int], ...] = ()
 
 
 def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
@@ -48,7 +52,7 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
     del g.node[:]
     g.node.extend(new_nodes)
     _add_functions(model, graph, fused)
-    _drop_dead_constants(g, {x for f in fused for i in f.node_indices for x in _proto.node_reads(graph.nodes[i])})
+    _drop_dead(g, {x for f in fused for i in f.node_indices for x in _proto.node_reads(graph.nodes[i])})
     _prune_value_info(g)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=DOMAIN, version=DOMAIN_VERSION)
@@ -95,7 +99,11 @@ def _check_interface(graph: Graph, f: FusedNode) -> None:
     for x in f.inputs:
         if x in produced or x not in read:
             raise ValueError(f"{f.name}: input '{x}' is not read from outside the region")
-    for x in read - produced - set(f.inputs):
+    for x, k, axis in f.shape_reads:
+        shape = graph.tensors[f.inputs[k]].shape if 0 <= k < len(f.inputs) and f.inputs[k] in graph.tensors else None
+        if x not in read or x in produced or shape is None or not 0 <= axis < len(shape):
+            raise ValueError(f"{f.name}: shape read '{x}' <- input {k} axis {axis} does not fit the region")
+    for x in read - produced - set(f.inputs) - {x for x, _, _ in f.shape_reads}:
         if x not in graph.constants:
             raise ValueError(f"{f.name}: '{x}' is read by the region but is neither an input nor a constant")
     for x in f.outputs:
@@ -203,6 +211,15 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
         inverse = [perm.index(a) for a in range(len(perm))]
         body.append(onnx.helper.make_node("Transpose", [f"in{k}"], [f"p{k}"], perm=inverse))
         rename[x] = f"p{k}"
+    for x, k, axis in f.shape_reads:  # a dim of an input, as the scalar tensor x the region reads
+        shape, pos = f"s{len(body)}", f"s{len(body)}_axis"
+        body.append(onnx.helper.make_node("Shape", [f"in{k}"], [shape]))
+        body.append(onnx.helper.make_node("Constant", [], [pos], value=numpy_helper.from_array(np.asarray(axis, np.int64))))
+        rename[x] = f"{shape}_dim"
+        body.append(onnx.helper.make_node("Gather", [shape, pos], [rename[x]]))
+        if graph.tensors[x].dtype != onnx.TensorProto.INT64:
+            body.append(onnx.helper.make_node("Cast", [rename[x]], [f"{shape}_cast"], to=graph.tensors[x].dtype))
+            rename[x] = f"{shape}_cast"
     for i in region:
         for x in graph.nodes[i].input:
             if x and x not in rename and x not in produced:
@@ -237,19 +254,27 @@ def _constant_node(graph: Graph, name: str, new_name: str) -> onnx.NodeProto:
     return onnx.helper.make_node("Constant", [], [new_name], value=value)
 
 
-def _drop_dead_constants(g: onnx.GraphProto, candidates: set[str]) -> None:
-    """Initializers and Constant nodes the regions read that nothing reads any more. Initializers that
-    are also graph inputs (IR < 4 style) stay: removing them would change the model's interface."""
-    used = {x for n in g.node for x in _proto.node_reads(n)} | {v.name for v in g.output}
-    dead = candidates - used - {v.name for v in g.input}
+def _drop_dead(g: onnx.GraphProto, candidates: set[str]) -> None:
+    """Initializers and nodes the regions read that nothing reads any more: Constants, and the shape
+    arithmetic of a Range the kernel now computes itself (followed back through the nodes removed).
+    Initializers that are also graph inputs (IR < 4 style) stay: removing them would change the model's
+    interface."""
+    inputs = {v.name for v in g.input}
+    while True:
+        used = {x for n in g.node for x in _proto.node_reads(n)} | {v.name for v in g.output}
+        dead = candidates - used - inputs
+        gone = [n.domain in _proto.DEFAULT_DOMAINS and not _proto.has_subgraph(n) and any(o in dead for o in n.output)
+                and not any(o and o in used for o in n.output) for n in g.node]
+        if not any(gone):
+            break
+        candidates = candidates | {x for n, x_gone in zip(g.node, gone) if x_gone for x in _proto.node_reads(n)}
+        keep = [n for n, x_gone in zip(g.node, gone) if not x_gone]
+        del g.node[:]
+        g.node.extend(keep)
     keep_init = [t for t in g.initializer if t.name not in dead]
     if len(keep_init) < len(g.initializer):
         del g.initializer[:]  # rebuilt: repeated-field deletion by index is quadratic on big models
         g.initializer.extend(keep_init)
-    for j in reversed(range(len(g.node))):
-        n = g.node[j]
-        if n.op_type == "Constant" and n.domain in _proto.DEFAULT_DOMAINS and set(n.output) <= dead:
-            del g.node[j]
 
 
 def _prune_value_info(g: onnx.GraphProto) -> None:

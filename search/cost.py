@@ -32,14 +32,26 @@ def traffic(g: Graph, region: Region) -> Traffic:
     """Unfused: each ORT kernel reads its data inputs and writes its outputs. Fused: the region reads
     its inputs and writes its outputs once (row passes re-read from L1/L2, not DRAM)."""
     kernels = [g.nodes[i] for i in region.nodes if g.nodes[i].op_type not in ops.FREE_IN_ORT]
-    fused = sum(tensor_bytes(g, t) for t in (*region.inputs, *region.outputs))
+    members = [g.nodes[i] for i in region.nodes]
+    fused = sum(read_bytes(g, members, t) for t in region.inputs) + sum(tensor_bytes(g, t) for t in region.outputs)
     return Traffic(sum(node_bytes(g, n) for n in kernels), fused, len(kernels))
+
+
+def read_bytes(g: Graph, readers: list[onnx.NodeProto], t: str) -> int:
+    """Bytes of t that `readers` read: all of it, except a table only Gathers read (an embedding), of
+    which they read the rows they gather: at most their outputs' size."""
+    users = [n for n in readers if t in n.input]
+    if users and all(n.op_type == "Gather" and list(n.input).index(t) == 0 and t not in n.input[1:] for n in users):
+        return min(tensor_bytes(g, t), sum(tensor_bytes(g, n.output[0]) for n in users))
+    return tensor_bytes(g, t)
 
 
 def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
     """DRAM bytes of one ORT kernel: its data inputs read and its outputs written."""
-    seen = {t for _, t in ops.data_inputs(n)} | {o for o in n.output if o and o in g.tensors}
-    return sum(tensor_bytes(g, t) for t in seen if t in g.tensors and g.tensors[t].shape is not None)
+    known = lambda t: t in g.tensors and g.tensors[t].shape is not None  # noqa: E731
+    reads = {t for _, t in ops.data_inputs(n) if known(t)}
+    writes = {o for o in n.output if o and known(o)} - reads
+    return sum(read_bytes(g, [n], t) for t in reads) + sum(tensor_bytes(g, t) for t in writes)
 
 
 def ort_conv_folds(g: Graph, region: Region) -> list[int]:

@@ -2,7 +2,7 @@
 Only correctness lives here; whether fusing pays is `search.cost`'s call."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import onnx
 
@@ -36,6 +36,46 @@ def _reduction_verdict(g: Graph, node: onnx.NodeProto, rank: int) -> Optional[st
     return None
 
 
+def range_length_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
+    """None when a Range's output length is a dim the kernel knows: its start and delta are integer
+    constants and its limit is a constant or, for Range(0, n, 1), a dim read through Shape (`iota.scalar`)
+    equal to the output's dim. The limit itself is never read by the kernel."""
+    from ortfuse.rewriter import iota
+
+    start, delta = (iota.const_int(g, t) for t in (node.input[0], node.input[2]))
+    out = g.tensors.get(node.output[0])
+    if start is None or delta is None or delta == 0:
+        return "start or delta is not an integer constant"
+    if out is None or out.shape is None or len(out.shape) != 1:
+        return "output length unknown"
+    limit, length = iota.scalar(g, node.input[1]), out.shape[0]
+    if limit is None:
+        return "its limit is computed at run time by ops ortfuse does not follow"
+    if not limit[1]:
+        if length != max(-(-(limit[0] - start) // delta), 0):
+            return f"output length {length} disagrees with Range({start}, {limit[0]}, {delta})"
+        return None
+    if (start, delta) != (0, 1) or limit != iota.coef_of(length):
+        return f"a run-time length other than a dim ({length}) of Range({start}, n, {delta})"
+    return None
+
+
+def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
+    if node.op_type == "Range":
+        why = range_length_verdict(g, node)
+        return f"Range not computed in a kernel: {why}" if why else None
+    data, indices = (g.tensors[t] for t in node.input[:2])
+    rank = len(data.shape or ())
+    axis = scalar.attr(node, "axis", 0)
+    if not rank:
+        return "Gather from a scalar"
+    if not -rank <= axis < rank:
+        return f"axis {axis} out of range for a rank-{rank} tensor: left to ORT"
+    if indices.dtype not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        return "indices are not int32/int64"
+    return None
+
+
 GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
@@ -55,6 +95,9 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
             return Reject(label, f"shape of '{t}' could not be inferred")
         if info.dtype not in scalar.STORAGE:
             return Reject(label, f"'{t}' has element type {onnx.TensorProto.DataType.Name(info.dtype)}, not fused")
+    if kind == "indexing":
+        why = _indexing_verdict(g, n)
+        return Reject(label, why) if why else None
     for t in ops.meta_inputs(n):
         if t not in g.constants:
             return Reject(label, f"its shape/axes input '{t}' is computed at run time, not a constant")
@@ -173,12 +216,32 @@ def host_verdict(g: Graph, inputs: tuple[str, ...] | list[str]) -> Optional[str]
     return None
 
 
+def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[tuple[str, int, int], ...]]:
+    """(limit, k, axis) for each Range in `nodes` whose limit is computed at run time: the limit is the
+    length of the Range (`range_length_verdict`), which is inputs[k].shape[axis]. None when some length
+    is no input's dim."""
+    out: list[tuple[str, int, int]] = []
+    for i in nodes:
+        n = g.nodes[i]
+        if n.op_type != "Range" or n.input[1] in g.constants or any(x == n.input[1] for x, _, _ in out):
+            continue
+        length = (g.tensors[n.output[0]].shape or (None,))[0]
+        found = next(((k, a) for k, t in enumerate(inputs) for a, d in enumerate(g.tensors[t].shape or ())
+                      if d == length), None)
+        if found is None:
+            return None
+        out.append((n.input[1], *found))
+    return tuple(out)
+
+
 def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     """The kernel shape a group would take, or why it has none. Traffic is filled in by the caller."""
     label = f"region of {len(nodes)} ops starting at {g.node_label(min(nodes))}"
     inputs, outputs = region_io(g, nodes)
     if not outputs:
         return Reject(label, "computes nothing that is used")
+    if shape_reads(g, nodes, inputs) is None:
+        return Reject(label, "a Range's length is not a dim of the region's inputs")
     if all(ops.kind_of(g.nodes[i].op_type) == "layout" for i in nodes):
         return Reject(label, "only layout ops")
     shapes = {o: g.tensors[o].shape for o in outputs}

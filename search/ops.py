@@ -17,6 +17,9 @@ REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "Re
 GEMM = frozenset({"MatMul", "Gemm"})
 CONV = frozenset({"Conv"})
 ANCHORS = GEMM | CONV
+# Index ops: Gather reads its data input at positions given by its (integer) indices, evaluated in the
+# kernel; Range is an iota computed from the element's coordinate (its length comes from the region's dims).
+INDEXING = frozenset({"Gather", "Range"})
 # Pure data movement: folded into the index math of the ops around them.
 LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
 # Layout ops ORT runs without a kernel (it aliases the buffer): fusing them saves no traffic.
@@ -27,6 +30,7 @@ META_INPUTS: dict[str, frozenset[int]] = {
     "Reshape": frozenset({1}), "Expand": frozenset({1}), "Squeeze": frozenset({1}),
     "Unsqueeze": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceSum": frozenset({1}),
     "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "ReduceSumSquare": frozenset({1}),
+    "Range": frozenset({0, 1, 2}),  # start and delta become literals; limit only sets the length
 }
 
 
@@ -37,6 +41,8 @@ def kind_of(op_type: str) -> str | None:
         return "reduction"
     if op_type in LAYOUT:
         return "layout"
+    if op_type in INDEXING:
+        return "indexing"
     if op_type in ANCHORS:
         return "gemm"
     return None

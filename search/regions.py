@@ -87,7 +87,26 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         else:
             group_of[i] = frozenset((i,))
 
+    # nodes computed from constants and Range iotas alone: no kernel of their own (nothing binds their dims),
+    # but recomputed inside the kernel that reads them (an iota costs an add), so a group taking their
+    # result takes them along
+    sourceless: set[int] = set()
+    for i in sorted(group_of):
+        if all(t in g.constants or g.producer.get(t) in sourceless for _, t in ops.data_inputs(g.nodes[i])):
+            sourceless.add(i)
+
+    def closure(a: set[int]) -> set[int]:
+        stack = list(a)
+        while stack:
+            for _, t in ops.data_inputs(g.nodes[stack.pop()]):
+                p = g.producer.get(t)
+                if p in sourceless and p not in a and group_of[p] <= sourceless:
+                    a |= group_of[p]
+                    stack.extend(group_of[p])
+        return a
+
     def merge(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]] = None) -> bool:
+        a = closure(a)
         if legal.creates_cycle(g, a, group_of):
             refusals.append(Reject(label, "merging would create a cycle"))
             return False
@@ -105,6 +124,8 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         return True
 
     for i in sorted(group_of):
+        if i not in sourceless and closure(set(group_of[i])) != group_of[i]:
+            merge(set(group_of[i]), f"{g.node_label(i)} + the iota it reads")
         for _, t in ops.data_inputs(g.nodes[i]):
             p = g.producer.get(t)
             if p is None or p not in group_of or group_of[p] == group_of[i]:

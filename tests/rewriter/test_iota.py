@@ -10,7 +10,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
 from ortfuse.rewriter.canonical import fold_runtime_shapes
-from ortfuse.rewriter.iota import Affine, affine, fold_iota_gathers, stride
+from ortfuse.rewriter.iota import Affine, affine, fold_iota_gathers, isolate_iotas, stride
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -123,3 +123,52 @@ def test_torch_export_gather_nd_mask_becomes_a_reshape():
 def test_other_gather_nd_indices_stay(kw):
     g = build_graph(_padding_mask_nd(**kw), {})
     assert fold_iota_gathers(g) == (g, 0)
+
+
+def _shared_iota():
+    """x [B, S, 4] -> Relu; the sequence length read from Relu's output (an intermediate), a Range over it
+    read by two consumers: a position lookup and a causal comparison."""
+    nodes = [node("Relu", ["x"], ["h"]),
+             node("Shape", ["h"], ["shp"]), node("Gather", ["shp", "i1"], ["ns"], axis=0),
+             node("Range", ["r0", "ns", "r1"], ["pos"]),
+             node("Unsqueeze", ["pos", "ax0"], ["row"]), node("Unsqueeze", ["pos", "ax1"], ["col"]),
+             node("LessOrEqual", ["row", "col"], ["causal"]),
+             node("Gather", ["table", "row"], ["pe"]),
+             node("Add", ["h", "pe"], ["y"])]
+    inits = [const("i1", 1, np.int64), const("r0", 0, np.int64), const("r1", 1, np.int64),
+             const("ax0", [0], np.int64), const("ax1", [1], np.int64),
+             const("table", np.arange(40, dtype=np.float32).reshape(10, 4))]
+    return model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("y", TP.FLOAT, None), vi("causal", TP.BOOL, None)],
+                 inits)
+
+
+def test_isolate_iotas_reads_dims_from_inputs_and_copies_shared_iotas():
+    m = _shared_iota()
+    g = build_graph(m, {})
+    g2, n = isolate_iotas(g)
+    # one dim read moved to the graph input; the Range copied for its second Unsqueeze, and the Range +
+    # Unsqueeze read by both the comparison and the lookup copied for the lookup
+    assert n == 3
+    shapes = [x for x in g2.nodes if x.op_type == "Shape"]
+    assert [s.input[0] for s in shapes] == ["x"]
+    ranges = [x for x in g2.nodes if x.op_type == "Range"]
+    assert len(ranges) == 3 and all(len(g2.consumers[r.output[0]]) == 1 for r in ranges)
+    assert g2.tensors[ranges[1].output[0]].shape == ("S",)
+    x = np.random.default_rng(0).standard_normal((2, 7, 4)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    assert isolate_iotas(g2)[1] == 0  # nothing left to do
+
+
+def test_isolate_iotas_leaves_static_dims_and_non_iota_sharing():
+    nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"]), node("Gather", ["shp", "i2"], ["n4"], axis=0),
+             node("Range", ["r0", "n4", "r1"], ["pos"]), node("Cast", ["pos"], ["pf"], to=TP.FLOAT),
+             node("Add", ["h", "pf"], ["y"]), node("Mul", ["h", "pf"], ["z"])]
+    inits = [const("i2", 2, np.int64), const("r0", 0, np.int64), const("r1", 1, np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("y", TP.FLOAT, None), vi("z", TP.FLOAT, None)], inits)
+    g = build_graph(m, {})
+    g2, n = isolate_iotas(g)
+    assert n == 1  # the Cast of the iota is shared: copied; the static dim 4 is not a graph input's symbol
+    assert [x.input[0] for x in g2.nodes if x.op_type == "Shape"] == ["h"]

@@ -1,0 +1,137 @@
+"""Index ops inside kernels: Gather (embedding lookups, any axis, int32/int64, negative indices) and Range
+iotas (transformers' position ids and masks), each checked in CPU emulation and through the fused node's
+function body (ORT CPU, functions inlined) against ORT on the original model. Tolerances: fp32 1e-5,
+fp16 1e-2 normwise."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, fused_parity, launch_spec, model, node, vi
+from ortfuse.api import compile_model
+from ortfuse.customops.lower import lower
+from ortfuse.customops.target import parse_arch
+
+F, H = TP.FLOAT, TP.FLOAT16
+NP = {F: np.float32, H: np.float16}
+I64 = np.int64
+
+
+def _embeddings(dt: int, index_dtype=TP.INT64) -> onnx.ModelProto:
+    """BERT/GPT-2 embeddings: word and token-type lookups, positions from Range(0, seq) (the dim read from
+    input_ids' shape), summed and normalized."""
+    rng = np.random.default_rng(3)
+    tab = lambda *s: rng.standard_normal(s).astype(NP[dt])  # noqa: E731
+    ids = "ids" if index_dtype == TP.INT64 else "ids32"
+    nodes = ([] if index_dtype == TP.INT64 else [node("Cast", ["ids"], ["ids32"], to=index_dtype)]) + [
+        node("Gather", ["words", ids], ["we"]),
+        node("Gather", ["types", "tt"], ["te"]),
+        node("Shape", ["ids"], ["sh"]), node("Gather", ["sh", "one"], ["seq"]),
+        node("Range", ["zero", "seq", "one"], ["pos"]), node("Unsqueeze", ["pos", "ax0"], ["pos2"]),
+        node("Gather", ["positions", "pos2"], ["pe"]),
+        node("Add", ["we", "te"], ["s1"]), node("Add", ["s1", "pe"], ["s2"]),
+        node("LayerNormalization", ["s2", "gamma", "beta"], ["y"], axis=-1)]
+    inits = [const("words", tab(1000, 64), NP[dt]), const("types", tab(2, 64), NP[dt]),
+             const("positions", tab(40, 64), NP[dt]), const("gamma", tab(64), NP[dt]), const("beta", tab(64), NP[dt]),
+             const("one", 1, I64), const("zero", 0, I64), const("ax0", [0], I64)]
+    return model(nodes, [vi("ids", TP.INT64, ["batch", "seq"]), vi("tt", TP.INT64, ["batch", "seq"])],
+                 [vi("y", dt, None)], inits)
+
+
+@pytest.mark.parametrize("dt,index_dtype", [(F, TP.INT64), (H, TP.INT64), (H, TP.INT32)])
+def test_embeddings_are_one_kernel(dt, index_dtype):
+    m = _embeddings(dt, index_dtype)
+    shapes = {"ids": ("batch", "seq"), "tt": ("batch", "seq")}
+    res = fused_parity(m, shapes, {"ids": (3, 17), "tt": (3, 17)}, ["rowreduce"])
+    # the Range's length comes from input_ids' shape inside the function body; nothing else is left
+    assert [n.op_type for n in res.model.graph.node] == [res.kernels[0].node.op_type]
+    node_ = res.kernels[0].node
+    assert [(x, node_.inputs[k], axis) for x, k, axis in node_.shape_reads] == [("seq", "ids", 1)]
+    # an embedding table is charged for the rows gathered (at the hints: batch 1, seq 128), at most itself
+    item, rows = np.dtype(NP[dt]).itemsize, 128
+    want = sum(min(n, rows) * 64 * item for n in (1000, 2, 40)) + 2 * 64 * item + 2 * rows * 8 + rows * 64 * item
+    assert res.kernels[0].region.traffic.fused_bytes == want
+
+
+def test_gather_on_inner_axis_with_negative_indices():
+    """Gather along axis 1 of a [R, C] tensor computed in the region, indices negative (k - 4, k random in
+    {0, 1}: counted from the end)."""
+    m = model([node("Mul", ["x", "two"], ["x2"]), node("Sub", ["k", "four"], ["kn"]),
+               node("Gather", ["x2", "kn"], ["g"], axis=1), node("Add", ["g", "b"], ["y"])],
+              [vi("x", F, ["r", 4]), vi("k", TP.INT64, [2, 2]), vi("b", F, ["r", 2, 2])], [vi("y", F, None)],
+              [const("two", 2.0), const("four", 4, I64)])
+    fused_parity(m, {"x": ("r", 4), "k": (2, 2), "b": ("r", 2, 2)}, {"x": (5, 4), "k": (2, 2), "b": (5, 2, 2)},
+                 ["pointwise"])
+
+
+def test_out_of_range_index_gives_zero_like_the_cuda_ep():
+    """ORT's CUDA Gather writes 0 for an index outside [-n, n) (its CPU kernel raises): so do we, and the
+    load stays in bounds."""
+    m = model([node("Gather", ["tab", "ids"], ["g"]), node("Add", ["g", "one"], ["y"])],
+              [vi("tab", F, [6, 8]), vi("ids", TP.INT64, ["n"])], [vi("y", F, None)], [const("one", 1.0)])
+    res = compile_model(m, {"tab": (6, 8), "ids": ("n",)}, "sm_90")
+    spec = lower(res.graph, res.plan.regions[0], parse_arch("sm_90"))
+    tab = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
+    ids = np.array([0, 5, -1, -6, 6, -7, 1000, -(2 ** 40)], I64)
+    out = np.full((len(ids), 8), np.nan, np.float32)
+    launch_spec(spec, [tab, ids, out], [len(ids)])
+    inside = (ids >= -6) & (ids < 6)
+    want = np.where(inside[:, None], tab[np.where(inside, ids % 6, 0)], 0.0) + 1.0
+    np.testing.assert_array_equal(out, want)
+
+
+def _causal_mask(dt: int) -> onnx.ModelProto:
+    """GPT-2's mask as transformers 5 exports it: key position <= query position (two iotas over the
+    sequence dim read from the mask's shape) and the padding mask, as an additive bias."""
+    nodes = [node("Shape", ["mask"], ["sh"]), node("Gather", ["sh", "one"], ["s"]),
+             node("Range", ["zero", "s", "one"], ["q"]),
+             node("Unsqueeze", ["q", "ax1"], ["q2"]),  # [S, 1]
+             node("Unsqueeze", ["q", "ax0"], ["k2"]),  # [1, S]
+             node("LessOrEqual", ["k2", "q2"], ["causal"]),  # [S, S]
+             node("Cast", ["mask"], ["mb"], to=TP.BOOL), node("Unsqueeze", ["mb", "ax1"], ["mb2"]),  # [B, 1, S]
+             node("And", ["causal", "mb2"], ["keep"]),  # [B, S, S]
+             node("Where", ["keep", "z", "ninf"], ["bias"])]
+    return model(nodes, [vi("mask", TP.INT64, ["batch", "seq"])], [vi("bias", dt, None)],
+                 [const("one", 1, I64), const("zero", 0, I64), const("ax0", [0], I64), const("ax1", [1], I64),
+                  const("z", 0.0, NP[dt]), const("ninf", -10000.0, NP[dt])])
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_causal_mask_from_iotas_is_one_kernel(dt):
+    m = _causal_mask(dt)
+    res = fused_parity(m, {"mask": ("batch", "seq")}, {"mask": (3, 9)}, ["pointwise"])
+    assert [n.op_type for n in res.model.graph.node] == [res.kernels[0].node.op_type]
+
+
+def test_shared_iota_is_copied_for_each_kernel():
+    """One Range read by an embedding lookup and by a mask: each kernel computes its own copy."""
+    m = _causal_mask(F)
+    g = m.graph
+    g.node.extend([node("Unsqueeze", ["q", "ax0"], ["q3"]), node("Gather", ["positions", "q3"], ["pe"]),
+                   node("Add", ["pe", "x"], ["h"]), node("Softmax", ["h"], ["y"], axis=-1)])
+    g.input.append(vi("x", F, ["batch", "seq", 16]))
+    g.output.append(vi("y", F, ["batch", "seq", 16]))
+    g.initializer.append(const("positions", np.random.default_rng(1).standard_normal((32, 16))))
+    res = fused_parity(m, {"mask": ("batch", "seq"), "x": ("batch", "seq", 16)},
+                       {"mask": (2, 7), "x": (2, 7, 16)}, ["pointwise", "rowreduce"])
+    assert len(res.model.graph.node) == 2
+
+
+@pytest.mark.parametrize("start,delta,why", [
+    (1, 1, "a run-time length other than a dim"),
+    (0, 2, "a run-time length other than a dim"),
+])
+def test_range_whose_length_is_not_a_dim_stays_with_ort(start, delta, why):
+    m = _causal_mask(F)
+    for i in m.graph.initializer:
+        if i.name == "zero":
+            i.CopyFrom(const("zero", start, I64))
+    m.graph.initializer.append(const("step", delta, I64))
+    for n in m.graph.node:
+        if n.op_type == "Range":
+            n.input[2] = "step"
+    res = compile_model(m, {"mask": ("batch", "seq")}, "sm_90")
+    assert any("Range" in r.subject and why in r.reason for r in res.plan.rejects), [str(r) for r in res.plan.rejects]
+    assert any(n.op_type == "Range" for n in res.model.graph.node)
