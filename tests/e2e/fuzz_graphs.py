@@ -195,7 +195,7 @@ class _Builder:
         constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
-                                    "sumsquare", "gemm", "batched", "extreme"]))
+                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota"]))
         if kind == "extreme" and self.dtype == TP.FLOAT:
             # overflow paths (fp32 only: ORT CPU's fp16 kernels overflow in places of their own), through ops
             # that saturate there; a huge value left in the pool would meet Sin (noise at 1e8) or inf - inf.
@@ -206,6 +206,25 @@ class _Builder:
             out = self.add(op, [big], s, **({"axis": -1} if "Softmax" in op else {}))
             if op in ("Softplus", "Elu", "HardSwish", "LogSoftmax"):  # unbounded: bring it back to O(1)
                 self.add("Mul", [out, self.const(np.array(1e-3))], s)
+        elif kind == "gather":  # constant indices (some negative) along an axis of static size
+            axes = [i for i in range(rank) if static[i] and s[i] > 1]
+            if axes:
+                a = axes[int(self.rng.integers(len(axes)))]
+                k = int(self.rng.choice([1, 3, s[a]]))
+                idx = self.const(self.rng.integers(-s[a], s[a], (k,)), "idx", np.int64)
+                out = s[:a] + (k,) + s[a + 1:]
+                self.add("Mul", [self.add("Gather", [x, idx], out, pool=False, axis=a), self.const(np.array(1.5))], out)
+        elif kind == "iota":  # x + 0.1 * position along an axis, its length read from x's shape at run time
+            a = int(self.rng.integers(rank))
+            dim = self.add("Gather", [self.add("Shape", [x], (rank,), pool=False), self.const(np.array(a), "i", np.int64)],
+                           (), pool=False)
+            pos = self.add("Range", [self.const(np.array(0), "r", np.int64), dim, self.const(np.array(1), "r", np.int64)],
+                           (s[a],), pool=False)
+            pos = self.add("Cast", [pos], (s[a],), pool=False, to=self.dtype)
+            if a < rank - 1:
+                pos = self.add("Unsqueeze", [pos, self.axes(*range(1, rank - a))], (s[a],) + (1,) * (rank - 1 - a),
+                               pool=False)
+            self.add("Add", [x, self.add("Mul", [pos, self.const(np.array(0.1))], (s[a],), pool=False)], s)
         elif kind == "expand":
             ones = [i for i, d in enumerate(s) if d == 1]
             if not ones:

@@ -73,11 +73,14 @@ def test_symbolic_image_seeds_reach_runtime_conv_sizes() -> None:
 
 def test_generator_covers_the_fusion_kinds() -> None:
     """The default seeds reach every memory-bound and GEMM region kind, so the block is worth its time."""
-    kinds = set()
+    kinds, index_ops = set(), set()
     for seed in range(0, 24):
         m, shapes = random_model(seed)
-        kinds |= {r.kind for r in compile_model(m, shapes, "sm_90").plan.regions}
+        res = compile_model(m, shapes, "sm_90")
+        kinds |= {r.kind for r in res.plan.regions}
+        index_ops |= {res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes} & {"Gather", "Range"}
     assert {"pointwise", "rowreduce", "gemm"} <= kinds, kinds
+    assert index_ops == {"Gather", "Range"}, index_ops
 
 
 @pytest.mark.parametrize("seed", range(_alo, _ahi))
