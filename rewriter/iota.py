@@ -282,7 +282,8 @@ def _iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> O
 
 
 def isolate_iotas(g: Graph) -> tuple[Graph, int]:
-    """Two rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
+    """Rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
+    * a Range limit that is a static dim read through Shape becomes a constant;
     * a dim read as Gather(Shape(x), k) from an intermediate tensor x is read from a graph input with the
       same symbolic dim instead, so x need not be written just for its shape;
     * an iota (a Range and the ops on it) read by several nodes is copied for each reader, so each kernel
@@ -316,6 +317,17 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             tensors[pos] = TensorInfo(pos, onnx.TensorProto.INT64, ())
         m.graph.node[i].input[0], m.graph.node[i].input[1] = shape_of[x], pos
         count += 1
+    for i, node in enumerate(g.nodes):
+        limit = node.input[1] if node.op_type == "Range" and node.domain in ("", "ai.onnx") else None
+        value = scalar(g, limit) if limit and limit not in g.constants and limit in g.tensors else None
+        if value is not None and not value[1]:
+            name = f"{limit}__ortfuse_static"
+            if name not in tensors:
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(g.tensors[limit].dtype)
+                m.graph.initializer.append(numpy_helper.from_array(np.asarray(value[0], dtype), name))
+                tensors[name] = TensorInfo(name, g.tensors[limit].dtype, ())
+            m.graph.node[i].input[1] = name
+            count += 1
     memo: dict[str, Optional[frozenset[int]]] = {}
     copies: dict[int, list[onnx.NodeProto]] = {}  # node index -> copies to insert before it
     for t, readers in g.consumers.items():
@@ -326,7 +338,7 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             rename: dict[str, str] = {}
             for j in sorted(cone):
                 c = onnx.NodeProto()
-                c.CopyFrom(g.nodes[j])
+                c.CopyFrom(m.graph.node[j])  # with the rewrites above
                 c.name = f"{c.name or c.output[0]}/ortfuse_copy{r}"
                 for s, x in enumerate(c.input):
                     c.input[s] = rename.get(x, x)

@@ -87,12 +87,14 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         else:
             group_of[i] = frozenset((i,))
 
-    # nodes computed from constants and Range iotas alone: no kernel of their own (nothing binds their dims),
-    # but recomputed inside the kernel that reads them (an iota costs an add), so a group taking their
-    # result takes them along
+    # nodes computed from Range iotas (and constants) alone: no kernel of their own (nothing binds their
+    # dims), but recomputed inside the kernel that reads them (an iota costs an add), so a group taking their
+    # result takes them along. Constant-only cones stay out: ORT folds them at session start.
     sourceless: set[int] = set()
     for i in sorted(group_of):
-        if all(t in g.constants or g.producer.get(t) in sourceless for _, t in ops.data_inputs(g.nodes[i])):
+        reads = [t for _, t in ops.data_inputs(g.nodes[i])]
+        if all(t in g.constants or g.producer.get(t) in sourceless for t in reads) and \
+                (g.nodes[i].op_type == "Range" or any(g.producer.get(t) in sourceless for t in reads)):
             sourceless.add(i)
 
     def closure(a: set[int]) -> set[int]:

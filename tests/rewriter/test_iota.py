@@ -162,7 +162,7 @@ def test_isolate_iotas_reads_dims_from_inputs_and_copies_shared_iotas():
     assert isolate_iotas(g2)[1] == 0  # nothing left to do
 
 
-def test_isolate_iotas_leaves_static_dims_and_non_iota_sharing():
+def test_isolate_iotas_makes_static_limits_constant():
     nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"]), node("Gather", ["shp", "i2"], ["n4"], axis=0),
              node("Range", ["r0", "n4", "r1"], ["pos"]), node("Cast", ["pos"], ["pf"], to=TP.FLOAT),
              node("Add", ["h", "pf"], ["y"]), node("Mul", ["h", "pf"], ["z"])]
@@ -170,5 +170,11 @@ def test_isolate_iotas_leaves_static_dims_and_non_iota_sharing():
     m = model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("y", TP.FLOAT, None), vi("z", TP.FLOAT, None)], inits)
     g = build_graph(m, {})
     g2, n = isolate_iotas(g)
-    assert n == 1  # the Cast of the iota is shared: copied; the static dim 4 is not a graph input's symbol
-    assert [x.input[0] for x in g2.nodes if x.op_type == "Shape"] == ["h"]
+    assert n == 2  # the static dim 4 became the Range's constant limit, and the shared Cast of the iota copied
+    assert not [x for x in g2.nodes if x.op_type == "Shape"]
+    assert [int(g2.constants[x.input[1]]) for x in g2.nodes if x.op_type == "Range"] == [4, 4]
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
