@@ -175,3 +175,36 @@ def test_split_k_under_cuda_graph_replay():
     for _ in range(3):  # capture, then replays
         sess.run_with_iobinding(io)
         assert compare("out", out.numpy(), want).ok
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_index_ops_match_the_cuda_ep_out_of_range_too(dt):
+    """Embedding lookups (Gather) and position/causal iotas (Range) computed in kernels, against stock ORT's
+    CUDA EP, with indices negative and out of range (ORT's CUDA Gather gives 0 there, as ours)."""
+    words, pos = _w((50, 64), dt, 1), _w((40, 64), dt, 2)
+    m = model([node("Gather", ["words", "ids"], ["we"]),
+               node("Shape", ["ids"], ["sh"]), node("Gather", ["sh", "one"], ["s"]),
+               node("Range", ["zero", "s", "one"], ["p"]), node("Unsqueeze", ["p", "ax0"], ["p2"]),
+               node("Gather", ["pos", "p2"], ["pe"]), node("Add", ["we", "pe"], ["x"]),
+               node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1),
+               node("Unsqueeze", ["p", "ax1"], ["q2"]), node("LessOrEqual", ["p2", "q2"], ["causal"]),
+               node("Cast", ["mask"], ["mb"], to=TP.BOOL), node("Unsqueeze", ["mb", "ax1"], ["mb2"]),
+               node("And", ["causal", "mb2"], ["keep"]), node("Where", ["keep", "z", "ninf"], ["bias"])],
+              [vi("ids", TP.INT64, ["batch", "seq"]), vi("mask", TP.INT64, ["batch", "seq"])],
+              [vi("y", dt, None), vi("bias", dt, None)],
+              [const("words", words, NP[dt]), const("pos", pos, NP[dt]), const("g", _w(64, dt, 3) + 1, NP[dt]),
+               const("b", _w(64, dt, 4), NP[dt]), const("one", 1, np.int64), const("zero", 0, np.int64),
+               const("ax0", [0], np.int64), const("ax1", [1], np.int64), const("z", 0.0, NP[dt]),
+               const("ninf", -10000.0, NP[dt])])
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert sorted(r.kind for r in res.plan.regions) == ["pointwise", "rowreduce"], [str(r) for r in res.plan.refusals]
+    ids = np.random.default_rng(5).integers(-50, 50, (3, 19)).astype(np.int64)
+    ids[0, :4] = [50, -51, 1000, -(2 ** 40)]  # out of range
+    mask = np.ones((3, 19), np.int64)
+    mask[1, 12:] = 0
+    feeds = {"ids": ids, "mask": mask}
+    want = ort.InferenceSession(m.SerializeToString(), providers=[("CUDAExecutionProvider", {"use_tf32": "0"})]).run(None, feeds)
+    sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
+    assert len(sess.fused_kernels) == 2
+    for name, got, ref in zip(("y", "bias"), sess.run(None, feeds), want):
+        assert compare(name, got, ref).ok
