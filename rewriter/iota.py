@@ -311,10 +311,11 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             shape_of[x] = f"{x}__ortfuse_shape_of"
             tensors[shape_of[x]] = TensorInfo(shape_of[x], onnx.TensorProto.INT64, (len(g.tensors[x].shape),))
             head.append(onnx.helper.make_node("Shape", [x], [shape_of[x]], name=f"{x}/ortfuse_shape"))
-        pos = f"{shape_of[x]}_{axis}"
+        rank = np.asarray(g.constants[node.input[1]]).ndim  # the index is a scalar or [k]: keep the output's rank
+        pos = f"{shape_of[x]}_{axis}" + ("_1d" if rank else "")
         if pos not in tensors:
-            m.graph.initializer.append(numpy_helper.from_array(np.asarray(axis, np.int64), pos))
-            tensors[pos] = TensorInfo(pos, onnx.TensorProto.INT64, ())
+            m.graph.initializer.append(numpy_helper.from_array(np.asarray(axis, np.int64).reshape((1,) * rank), pos))
+            tensors[pos] = TensorInfo(pos, onnx.TensorProto.INT64, (1,) * rank)
         m.graph.node[i].input[0], m.graph.node[i].input[1] = shape_of[x], pos
         count += 1
     for i, node in enumerate(g.nodes):
@@ -329,28 +330,29 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             m.graph.node[i].input[1] = name
             count += 1
     memo: dict[str, Optional[frozenset[int]]] = {}
-    copies: dict[int, list[onnx.NodeProto]] = {}  # node index -> copies to insert before it
+    shared: dict[int, dict[str, frozenset[int]]] = {}  # reader -> the shared iotas it gets copies of (cones)
     for t, readers in g.consumers.items():
         cone = _iota_cone(g, t, memo) if len(readers) > 1 else None
-        if cone is None:
-            continue
-        for r in readers[1:]:
-            rename: dict[str, str] = {}
-            for j in sorted(cone):
-                c = onnx.NodeProto()
-                c.CopyFrom(m.graph.node[j])  # with the rewrites above
-                c.name = f"{c.name or c.output[0]}/ortfuse_copy{r}"
-                for s, x in enumerate(c.input):
-                    c.input[s] = rename.get(x, x)
-                for s, o in enumerate(c.output):
-                    rename[o] = c.output[s] = f"{o}__ortfuse_copy{r}"
-                    tensors[rename[o]] = TensorInfo(rename[o], g.tensors[o].dtype, g.tensors[o].shape)
-                copies.setdefault(r, []).append(c)
-            reader = m.graph.node[r]
-            for s, x in enumerate(reader.input):
-                if x == t:
-                    reader.input[s] = rename[t]
-            count += 1
+        for r in readers[1:] if cone is not None else ():
+            shared.setdefault(r, {})[t] = cone
+    copies: dict[int, list[onnx.NodeProto]] = {}  # node index -> copies to insert before it
+    for r, cones in shared.items():  # one copy of the union of a reader's cones: overlapping cones share it
+        rename: dict[str, str] = {}
+        for j in sorted(frozenset().union(*cones.values())):
+            c = onnx.NodeProto()
+            c.CopyFrom(m.graph.node[j])  # with the rewrites above
+            c.name = f"{c.name or c.output[0]}/ortfuse_copy{r}"
+            for s, x in enumerate(c.input):
+                c.input[s] = rename.get(x, x)
+            for s, o in enumerate(c.output):
+                rename[o] = c.output[s] = f"{o}__ortfuse_copy{r}"
+                tensors[rename[o]] = TensorInfo(rename[o], g.tensors[o].dtype, g.tensors[o].shape)
+            copies.setdefault(r, []).append(c)
+        reader = m.graph.node[r]
+        for s, x in enumerate(reader.input):
+            if x in cones:
+                reader.input[s] = rename[x]
+        count += len(cones)
     if not count:
         return g, 0
     nodes = head + [c for i, n in enumerate(m.graph.node) for c in (*copies.get(i, ()), n)]

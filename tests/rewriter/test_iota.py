@@ -178,3 +178,29 @@ def test_isolate_iotas_makes_static_limits_constant():
     got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+def test_isolate_iotas_copies_overlapping_cones_once_per_reader():
+    """A reader of two shared iotas built on one Range (Add(row, col), row and col also read elsewhere) gets
+    one copy of the Range, not two with the same name; a dim read as Gather(Shape(h), [1]) keeps its rank."""
+    nodes = [node("Relu", ["x"], ["h"]),
+             node("Shape", ["h"], ["shp"]), node("Gather", ["shp", "i1v"], ["ns1"], axis=0),
+             node("Squeeze", ["ns1", "ax0"], ["ns"]),
+             node("Range", ["r0", "ns", "r1"], ["pos"]),
+             node("Unsqueeze", ["pos", "ax0"], ["row"]), node("Unsqueeze", ["pos", "ax1"], ["col"]),
+             node("Neg", ["row"], ["nrow"]), node("Neg", ["col"], ["ncol"]),
+             node("Add", ["row", "col"], ["grid"]),
+             node("Cast", ["grid"], ["gf"], to=TP.FLOAT), node("Add", ["h", "gf"], ["y"])]
+    inits = [const("i1v", [1], np.int64), const("r0", 0, np.int64), const("r1", 1, np.int64),
+             const("ax0", [0], np.int64), const("ax1", [1], np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["B", "S", "S"])],
+              [vi("y", TP.FLOAT, None), vi("nrow", TP.INT64, None), vi("ncol", TP.INT64, None)], inits)
+    g = build_graph(m, {})
+    g2, n = isolate_iotas(g)
+    assert n == 4  # the dim read; pos copied for col; row and col copied for the Add, on one Range copy
+    assert len([x for x in g2.nodes if x.op_type == "Range"]) == 3
+    x = np.random.default_rng(0).standard_normal((2, 5, 5)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
