@@ -345,6 +345,8 @@ class _Lowerer:
             return v if ct == I64 else ir.Op("cast", (v,), ct)
         if op == "Gather":
             return self.gather_value(node, idx)
+        if op == "Concat":
+            return self.concat_value(node, idx)
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]
@@ -388,6 +390,32 @@ class _Lowerer:
         v = self.value(data, tuple(idx[:axis]) + (at,) + tuple(idx[axis + q:]))
         zero = ir.Const(False if v.ctype == BOOL else 0.0 if v.ctype == F32 else 0, v.ctype)
         return ir.Op("select", (inside, v, zero), v.ctype)
+
+    def concat_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        """Concat at idx: the input whose span along the axis holds idx's coordinate there. Every input is
+        read (at a coordinate clamped into its span, so in bounds) and the value selected: a handful of
+        inputs at most (`ops.MAX_CONCAT_INPUTS`)."""
+        ins = [x for x in node.input if x]
+        rank = len(idx)
+        axis = scalar.attr(node, "axis", 0) % rank
+        c, start = idx[axis], ir.i64(0)
+        picks: list[tuple[Optional[Expr], Expr]] = []
+        for k, x in enumerate(ins):
+            n = self.dim(self._shape(x)[axis])
+            end = ir.add(start, n)
+            local = self.bind(ir.add(c, ir.mul(start, ir.i64(-1))), "i") if start != ir.i64(0) else c
+            if k < len(ins) - 1:  # clamp into [0, n - 1]; the last input is reached only past the others
+                local = self.bind(ir.Op("select", (ir.Op("lt", (local, n), BOOL), local,
+                                                   ir.add(n, ir.i64(-1))), I64), "i")
+            if k:
+                local = self.bind(ir.Op("select", (ir.Op("lt", (local, ir.i64(0)), BOOL), ir.i64(0), local), I64), "i")
+            v = self.value(x, tuple(idx[:axis]) + (local,) + tuple(idx[axis + 1:]))
+            picks.append((self.bind(ir.Op("lt", (c, end), BOOL), "inb") if k < len(ins) - 1 else None, v))
+            start = end
+        out = picks[-1][1]
+        for cond, v in reversed(picks[:-1]):
+            out = ir.Op("select", (cond, v, out), v.ctype)
+        return out
 
     def as_stored(self, tensor: str, value: Expr) -> Expr:
         """`value` rounded to `tensor`'s half-precision storage type, as ORT would have stored it (see

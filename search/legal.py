@@ -64,6 +64,17 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
     if node.op_type == "Range":
         why = range_length_verdict(g, node)
         return f"Range not computed in a kernel: {why}" if why else None
+    if node.op_type == "Concat":
+        ins = [x for x in node.input if x]
+        rank = len(g.tensors[node.output[0]].shape or ())
+        axis = scalar.attr(node, "axis", 0)
+        if not -rank <= axis < rank:
+            return f"axis {axis} out of range for a rank-{rank} tensor: left to ORT"
+        if not 1 < len(ins) <= ops.MAX_CONCAT_INPUTS:
+            return f"Concat of {len(ins)} inputs: ortfuse fuses 2 to {ops.MAX_CONCAT_INPUTS}"
+        if any(len(g.tensors[x].shape or ()) != rank for x in ins):
+            return "inputs of different ranks"
+        return None
     data, indices = (g.tensors[t] for t in node.input[:2])
     rank = len(data.shape or ())
     axis = scalar.attr(node, "axis", 0)

@@ -18,8 +18,10 @@ GEMM = frozenset({"MatMul", "Gemm"})
 CONV = frozenset({"Conv"})
 ANCHORS = GEMM | CONV
 # Index ops: Gather reads its data input at positions given by its (integer) indices, evaluated in the
-# kernel; Range is an iota computed from the element's coordinate (its length comes from the region's dims).
-INDEXING = frozenset({"Gather", "Range"})
+# kernel; Range is an iota computed from the element's coordinate (its length comes from the region's dims);
+# Concat reads the input whose span along the axis holds the coordinate.
+INDEXING = frozenset({"Gather", "Range", "Concat"})
+MAX_CONCAT_INPUTS = 4  # a fused Concat evaluates every input at each element and selects one
 # Pure data movement: folded into the index math of the ops around them.
 LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
 # Layout ops ORT runs without a kernel (it aliases the buffer): fusing them saves no traffic.

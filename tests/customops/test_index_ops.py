@@ -135,3 +135,40 @@ def test_range_whose_length_is_not_a_dim_stays_with_ort(start, delta, why):
     res = compile_model(m, {"mask": ("batch", "seq")}, "sm_90")
     assert any("Range" in r.subject and why in r.reason for r in res.plan.rejects), [str(r) for r in res.plan.rejects]
     assert any(n.op_type == "Range" for n in res.model.graph.node)
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_vit_class_token_concat_fuses_with_the_position_add_and_layernorm(dt):
+    """ViT's embeddings: the class token [B, 1, D] concatenated before the patches [B, N, D] (read through
+    the patch projection's Reshape + Transpose), plus position embeddings, then LayerNorm."""
+    rng = np.random.default_rng(4)
+    w = lambda *s: rng.standard_normal(s).astype(NP[dt])  # noqa: E731
+    m = model([node("Reshape", ["conv", "flat"], ["r"]), node("Transpose", ["r"], ["p"], perm=[0, 2, 1]),
+               node("Concat", ["cls", "p"], ["x"], axis=1), node("Add", ["x", "pos"], ["e"]),
+               node("LayerNormalization", ["e", "g", "b"], ["y"], axis=-1)],
+              [vi("conv", dt, ["batch", 32, 7, 7]), vi("cls", dt, ["batch", 1, 32])], [vi("y", dt, None)],
+              [const("flat", [0, 32, -1], I64), const("pos", w(1, 50, 32), NP[dt]), const("g", w(32), NP[dt]),
+               const("b", w(32), NP[dt])])
+    res = fused_parity(m, {"conv": ("batch", 32, 7, 7), "cls": ("batch", 1, 32)},
+                       {"conv": (3, 32, 7, 7), "cls": (3, 1, 32)}, ["rowreduce"])
+    # the Transpose and Concat kernels are in ours; the Reshape before them is left to ORT, which aliases it
+    assert [n.op_type for n in res.model.graph.node] == ["Reshape", res.kernels[0].node.op_type]
+
+
+def test_concat_of_computed_tensors_on_any_axis():
+    """Three inputs along axis 1 (spans 5, 3, 2) and two along the last axis, the ops on either side in the
+    same kernel. Spans of symbolic size give an output dim such as 's + t + 2', which a fused node cannot
+    compute from its inputs' dims yet: that Concat is left to ORT, the one after it (whose input carries the
+    dim) still fuses."""
+    def build(s, t):
+        return model([node("Relu", ["a"], ["ra"]), node("Neg", ["b"], ["nb"]),
+                      node("Concat", ["ra", "nb", "c"], ["x"], axis=1), node("Mul", ["x", "two"], ["y"]),
+                      node("Concat", ["y", "y"], ["z0"], axis=-1), node("Sigmoid", ["z0"], ["z"])],
+                     [vi("a", F, ["n", s, 6]), vi("b", F, ["n", t, 6]), vi("c", F, ["n", 2, 6])], [vi("z", F, None)],
+                     [const("two", 2.0)])
+    shapes = {"a": ("n", 5, 6), "b": ("n", 3, 6), "c": ("n", 2, 6)}
+    res = fused_parity(build(5, 3), shapes, {k: (2, *v[1:]) for k, v in shapes.items()}, ["pointwise"])
+    assert len(res.model.graph.node) == 1
+    res = compile_model(build("s", "t"), None, "sm_90")
+    assert any("'s + t + 2' is not a dim of any region input" in r.reason for r in res.plan.refusals)
+    assert [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions] == [["Mul", "Concat", "Sigmoid"]]

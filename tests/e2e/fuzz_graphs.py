@@ -195,7 +195,7 @@ class _Builder:
         constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
-                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota"]))
+                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat"]))
         if kind == "extreme" and self.dtype == TP.FLOAT:
             # overflow paths (fp32 only: ORT CPU's fp16 kernels overflow in places of their own), through ops
             # that saturate there; a huge value left in the pool would meet Sin (noise at 1e8) or inf - inf.
@@ -214,6 +214,18 @@ class _Builder:
                 idx = self.const(self.rng.integers(-s[a], s[a], (k,)), "idx", np.int64)
                 out = s[:a] + (k,) + s[a + 1:]
                 self.add("Mul", [self.add("Gather", [x, idx], out, pool=False, axis=a), self.const(np.array(1.5))], out)
+        elif kind == "concat":  # x between a constant and a computed tensor along a static axis
+            axes = [i for i in range(rank) if static[i]]
+            if axes:
+                a = axes[int(self.rng.integers(len(axes)))]
+                k = int(self.rng.choice([1, 2, 5]))
+                c = self.random_const(tuple(1 if d == "n" else d for d in s[:a]) + (k,) + s[a + 1:])
+                if "n" in s[:a]:  # a constant cannot carry the symbolic batch: broadcast it from x
+                    c = self.add("Add", [c, self.add("Mul", [x, self.const(np.array(0.0))], s, pool=False)],
+                                 s, pool=False) if k == s[a] else None
+                if c is not None:
+                    y = self.add("Neg", [x], s, pool=False)
+                    self.add("Concat", [c, x, y], s[:a] + (k + 2 * s[a],) + s[a + 1:], axis=a)
         elif kind == "iota":  # x + 0.1 * position along an axis, its length read from x's shape at run time
             a = int(self.rng.integers(rank))
             dim = self.add("Gather", [self.add("Shape", [x], (rank,), pool=False), self.const(np.array(a), "i", np.int64)],
