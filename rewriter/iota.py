@@ -281,17 +281,47 @@ def _iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> O
     return memo[t]
 
 
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "PRelu",
+                           "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor"})
+
+
+def broadcast_merged_dims(g: Graph) -> frozenset[str]:
+    """Symbolic dims shape inference may have merged with another one. ORT's symbolic shape inference
+    (auto_merge) gives two symbolic dims that meet in a broadcast one name, though at run time either may be
+    1: their equality is an assumption, not a fact, and nothing may be rewritten on it. Found where a graph
+    input's inferred dim is not the name it was declared with, and where two names still meet."""
+    merged: set[str] = set()
+    for v in g.model.graph.input:
+        inferred = g.tensors[v.name].shape if v.name in g.tensors else None
+        dims = v.type.tensor_type.shape.dim if v.type.tensor_type.HasField("shape") else ()
+        for d, e in zip(dims, inferred or ()):
+            if isinstance(e, str) and d.dim_param != e:
+                merged |= {e} | ({d.dim_param} if d.dim_param else set())
+    for n in g.nodes:
+        if n.op_type not in _BROADCASTING or n.domain not in ("", "ai.onnx"):
+            continue
+        shapes = [g.tensors[x].shape for x in n.input if x in g.tensors and g.tensors[x].shape is not None]
+        rank = max((len(s) for s in shapes), default=0)
+        for k in range(1, rank + 1):
+            names = {s[-k] for s in shapes if len(s) >= k and isinstance(s[-k], str)}
+            if len(names) > 1:
+                merged |= names
+    return frozenset(merged)
+
+
 def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     """Rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
     * a Range limit that is a static dim read through Shape becomes a constant;
     * a dim read as Gather(Shape(x), k) from an intermediate tensor x is read from a graph input with the
-      same symbolic dim instead, so x need not be written just for its shape;
+      same symbolic dim instead, so x need not be written just for its shape (not for dims shape inference
+      merged in a broadcast: `broadcast_merged_dims`);
     * an iota (a Range and the ops on it) read by several nodes is copied for each reader, so each kernel
       can absorb its own copy. Copies that stay unfused are merged again by ORT's common-subexpression
       elimination.
     Returns (new graph, rewrites); `g` is left untouched."""
+    merged = broadcast_merged_dims(g)
     where = {d: (t, a) for t in g.graph_inputs for a, d in enumerate(g.tensors[t].shape or ())
-             if t in g.tensors and isinstance(d, str)}
+             if t in g.tensors and isinstance(d, str) and d not in merged}
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     tensors = dict(g.tensors)
@@ -318,6 +348,7 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             tensors[pos] = TensorInfo(pos, onnx.TensorProto.INT64, (1,) * rank)
         m.graph.node[i].input[0], m.graph.node[i].input[1] = shape_of[x], pos
         count += 1
+    static: dict[int, str] = {}  # Range node -> its constant limit
     for i, node in enumerate(g.nodes):
         limit = node.input[1] if node.op_type == "Range" and node.domain in ("", "ai.onnx") else None
         value = scalar(g, limit) if limit and limit not in g.constants and limit in g.tensors else None
@@ -327,7 +358,7 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(g.tensors[limit].dtype)
                 m.graph.initializer.append(numpy_helper.from_array(np.asarray(value[0], dtype), name))
                 tensors[name] = TensorInfo(name, g.tensors[limit].dtype, ())
-            m.graph.node[i].input[1] = name
+            m.graph.node[i].input[1] = static[i] = name
             count += 1
     memo: dict[str, Optional[frozenset[int]]] = {}
     shared: dict[int, dict[str, frozenset[int]]] = {}  # reader -> the shared iotas it gets copies of (cones)
@@ -340,7 +371,9 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
         rename: dict[str, str] = {}
         for j in sorted(frozenset().union(*cones.values())):
             c = onnx.NodeProto()
-            c.CopyFrom(m.graph.node[j])  # with the rewrites above
+            c.CopyFrom(g.nodes[j])  # as it was: a cone node that is itself a later reader reads the original
+            if j in static:
+                c.input[1] = static[j]
             c.name = f"{c.name or c.output[0]}/ortfuse_copy{r}"
             for s, x in enumerate(c.input):
                 c.input[s] = rename.get(x, x)

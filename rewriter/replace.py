@@ -214,7 +214,9 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
     for x, k, axis in f.shape_reads:  # a dim of an input, as the scalar tensor x the region reads
         shape, pos = f"s{len(body)}", f"s{len(body)}_axis"
         body.append(onnx.helper.make_node("Shape", [f"in{k}"], [shape]))
-        body.append(onnx.helper.make_node("Constant", [], [pos], value=numpy_helper.from_array(np.asarray(axis, np.int64))))
+        rank = len(graph.tensors[x].shape or ())  # a scalar, or [1]: the Gather index has that rank
+        index = np.asarray(axis, np.int64).reshape((1,) * rank)
+        body.append(onnx.helper.make_node("Constant", [], [pos], value=numpy_helper.from_array(index)))
         rename[x] = f"{shape}_dim"
         body.append(onnx.helper.make_node("Gather", [shape, pos], [rename[x]]))
         if graph.tensors[x].dtype != onnx.TensorProto.INT64:

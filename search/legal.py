@@ -231,12 +231,17 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
     """(limit, k, axis) for each Range in `nodes` whose limit is computed at run time: the limit is the
     length of the Range (`range_length_verdict`), which is inputs[k].shape[axis]. None when some length
     is no input's dim."""
+    from ortfuse.rewriter import iota
+
     out: list[tuple[str, int, int]] = []
     for i in nodes:
         n = g.nodes[i]
         if n.op_type != "Range" or n.input[1] in g.constants or any(x == n.input[1] for x, _, _ in out):
             continue
         length = (g.tensors[n.output[0]].shape or (None,))[0]
+        if not isinstance(length, str) or iota.scalar(g, n.input[1]) != iota.coef_of(length) \
+                or [iota.const_int(g, x) for x in (n.input[0], n.input[2])] != [0, 1]:
+            return None  # a limit computed at run time must be a dim itself (static ones are constants by now)
         found = next(((k, a) for k, t in enumerate(inputs) for a, d in enumerate(g.tensors[t].shape or ())
                       if d == length), None)
         if found is None:

@@ -98,7 +98,8 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
             sourceless.add(i)
 
     def closure(a: set[int]) -> set[int]:
-        stack = list(a)
+        """a with the iota cones its nodes read (not a GEMM's operands: their prologue is not an iota)."""
+        stack = [n for n in a if not conv.is_anchor(g, g.nodes[n])]
         while stack:
             for _, t in ops.data_inputs(g.nodes[stack.pop()]):
                 p = g.producer.get(t)
@@ -108,17 +109,24 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         return a
 
     def merge(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]] = None) -> bool:
-        a = closure(a)
-        if legal.creates_cycle(g, a, group_of):
-            refusals.append(Reject(label, "merging would create a cycle"))
-            return False
-        cand = _candidate(g, a, check)
+        closed = closure(set(a))
+        if closed != a and attempt(closed, label, pays, quiet=True):
+            return True
+        return attempt(a, label, pays)
+
+    def attempt(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]],
+                quiet: bool = False) -> bool:
+        """Merge a into one group if it is a legal candidate that pays; refusals are recorded unless quiet
+        (the caller tries without the iotas next)."""
+        why: Optional[str] = "merging would create a cycle" if legal.creates_cycle(g, a, group_of) else None
+        cand = _candidate(g, a, check) if why is None else None
         if isinstance(cand, Reject):
-            refusals.append(Reject(label, cand.reason))
-            return False
-        why = pays(cand) if pays else None
+            why = cand.reason
+        elif cand is not None and pays:
+            why = pays(cand)
         if why:
-            refusals.append(Reject(label, why))
+            if not quiet:
+                refusals.append(Reject(label, why))
             return False
         frozen = frozenset(a)
         for n in frozen:
@@ -127,7 +135,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
 
     for i in sorted(group_of):
         if i not in sourceless and closure(set(group_of[i])) != group_of[i]:
-            merge(set(group_of[i]), f"{g.node_label(i)} + the iota it reads")
+            attempt(closure(set(group_of[i])), f"{g.node_label(i)} + the iota it reads", None)
         for _, t in ops.data_inputs(g.nodes[i]):
             p = g.producer.get(t)
             if p is None or p not in group_of or group_of[p] == group_of[i]:

@@ -172,3 +172,35 @@ def test_concat_of_computed_tensors_on_any_axis():
     res = compile_model(build("s", "t"), None, "sm_90")
     assert any("'s + t + 2' is not a dim of any region input" in r.reason for r in res.plan.refusals)
     assert [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions] == [["Mul", "Concat", "Sigmoid"]]
+
+
+def test_gemm_reading_a_gathered_iota_keeps_its_epilogue():
+    """Gather(pos, Range) feeding a MatMul: the iota is not a GEMM prologue, so the GEMM + bias + Relu region
+    forms as it would without it, and the lookup is its own kernel."""
+    rng = np.random.default_rng(0)
+    m = model([node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "one"], ["s"]),
+               node("Range", ["zero", "s", "one"], ["q"]), node("Gather", ["pos", "q"], ["e"]),
+               node("Add", ["e", "x"], ["ex"]), node("MatMul", ["ex", "w"], ["mm"]), node("Add", ["mm", "bias"], ["y0"]),
+               node("Relu", ["y0"], ["y"])],
+              [vi("x", H, ["b", "s", 64])], [vi("y", H, None)],
+              [const("bias", rng.standard_normal(64), np.float16), const("one", 1, I64), const("zero", 0, I64),
+               const("pos", rng.standard_normal((128, 64)), np.float16),
+               const("w", rng.standard_normal((64, 64)) * 0.1, np.float16)])
+    fused_parity(m, {"x": ("b", "s", 64)}, {"x": (2, 16, 64)}, ["gemm", "pointwise"])
+
+
+def test_nested_shared_iotas_give_each_kernel_its_own_copy():
+    """q = Range; a, b = Unsqueezes of q; a causal Where + Softmax reads a and b, another Softmax reads b:
+    both kernels take their iotas in (the copies of b's cone and of q's must not share a Range)."""
+    m = model([node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "one"], ["s"]),
+               node("Range", ["zero", "s", "one"], ["q"]),
+               node("Unsqueeze", ["q", "ax0"], ["a"]), node("Unsqueeze", ["q", "ax1"], ["b"]),
+               node("LessOrEqual", ["a", "b"], ["le"]), node("Where", ["le", "x", "ninf"], ["w"]),
+               node("Softmax", ["w"], ["y1"], axis=-1),
+               node("Cast", ["b"], ["bf"], to=H), node("Add", ["bf", "x2"], ["t"]), node("Softmax", ["t"], ["y2"], axis=-1)],
+              [vi("x", H, ["b", "s", "s"]), vi("x2", H, ["b", "s", 8])], [vi("y1", H, None), vi("y2", H, None)],
+              [const("one", 1, I64), const("zero", 0, I64), const("ax0", [0], I64), const("ax1", [1], I64),
+               const("ninf", -1e4, np.float16)])
+    res = fused_parity(m, {"x": ("b", "s", "s"), "x2": ("b", "s", 8)}, {"x": (2, 6, 6), "x2": (2, 6, 8)},
+                       ["rowreduce", "rowreduce"])
+    assert len(res.model.graph.node) == 2

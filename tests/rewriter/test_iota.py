@@ -10,7 +10,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
 from ortfuse.rewriter.canonical import fold_runtime_shapes
-from ortfuse.rewriter.iota import Affine, affine, fold_iota_gathers, isolate_iotas, stride
+from ortfuse.rewriter.iota import Affine, affine, broadcast_merged_dims, fold_iota_gathers, isolate_iotas, stride
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -204,3 +204,18 @@ def test_isolate_iotas_copies_overlapping_cones_once_per_reader():
     got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+def test_dims_merged_in_a_broadcast_are_not_rebased():
+    """Sum(a[s], b[t]): shape inference merges s and t, though either may be 1 at run time (a = [1], b = [5]
+    gives 5 elements). A dim read from the sum must stay read from the sum."""
+    m = model([node("Sum", ["a", "b"], ["c"]), node("Shape", ["c"], ["sh"]), node("Gather", ["sh", "zero"], ["n"])],
+              [vi("b", TP.FLOAT, ["t"]), vi("a", TP.FLOAT, ["s"])], [vi("n", TP.INT64, None), vi("c", TP.FLOAT, None)],
+              [const("zero", 0, np.int64)])
+    g = build_graph(m, {})
+    assert {"s", "t"} <= broadcast_merged_dims(g)
+    g2, n = isolate_iotas(g)
+    assert n == 0 and g2 is g
+    feeds = {"a": np.ones(1, np.float32), "b": np.ones(5, np.float32)}
+    got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert int(got[0]) == 5
