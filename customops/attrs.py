@@ -48,6 +48,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         *([_ints("dim_limits", [v for terms, lim in spec.dim_limits for v in (len(terms), *terms, lim)])]
           if spec.dim_limits else []),
         *([_ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
+        *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -71,10 +72,18 @@ class Launch:
     sym_derived: tuple[tuple[int, int, int], ...] = ()  # (term, add, div): floor((term + add) / div) + 1
     dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, limit): product below limit
     arg_align: tuple[int, ...] = ()  # per argument (inputs, then outputs): the byte alignment it needs
+    dim_checks: tuple[tuple[int, int, int], ...] = ()  # (input, axis, k): must equal runtime dim k
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
         dims = [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
+        for i, axis, k in self.dim_checks:
+            shape = input_shapes[i]
+            if axis >= len(shape) or int(shape[axis]) != dims[k]:
+                src = self.sym_dims[k]
+                raise ValueError(f"{self.entry}: input {i} has {'size ' + str(shape[axis]) if axis < len(shape) else 'no axis'} "
+                                 f"at axis {axis}, but the kernel was built for it to equal axis {src[1]} of input "
+                                 f"{src[0]} ({dims[k]}): shape inference took these dims for one symbolic dim")
         for t, add, div in self.sym_derived:
             size = t if t >= 0 else dims[-t - 1]
             if size + add < 0:
@@ -112,7 +121,7 @@ def read_launch(node: onnx.NodeProto) -> Launch:
         shapes.append(tuple(flat[pos:pos + r]))
         pos += r
     ceil, limits = _groups(a.get("units_ceil", [])), _groups(a.get("dim_limits", []))
-    derived = list(a.get("sym_derived", []))
+    derived, checks = list(a.get("sym_derived", [])), list(a.get("dim_checks", []))
     src = a["source"]
     return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
                   src.decode() if isinstance(src, bytes) else src, int(a["block"]), int(a["smem"]),
@@ -120,7 +129,8 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(ceil),
                   tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())),
                   tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits),
-                  tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))))
+                  tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
+                  tuple(zip(checks[0::3], checks[1::3], checks[2::3])))
 
 
 def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:

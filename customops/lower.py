@@ -67,6 +67,9 @@ class KernelSpec:
     # (tensor, k, axis): run-time Range lengths the region's ops read, each inputs[k].shape[axis]
     # (`legal.shape_reads`); the fused node's function body computes them from that input's shape
     shape_reads: tuple[tuple[str, int, int], ...] = ()
+    # (input, axis, k): an input axis with the symbolic dim that runtime dim k was bound from elsewhere; the
+    # launch checks they are equal (shape inference may have merged two dims that differ at run time)
+    dim_checks: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def block(self) -> int:
@@ -690,7 +693,22 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
         raise LoweringError("a Range's length is not a dim of the region's inputs")
     spec = _lower_kind(graph, region, tgt, tf32, tile)
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
-                               shape_reads=reads)
+                               shape_reads=reads, dim_checks=dim_checks(graph, spec))
+
+
+MAX_DIM_CHECKS = 64  # the native library's bound (OFZ_MAX_TERMS triples)
+
+
+def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ...]:
+    """(input, axis, k) for every input axis carrying the symbolic dim that runtime dim k is bound from at
+    another input (`KernelSpec.sym_dims`): the kernel reads both with the one size, so the launch checks it."""
+    bound: dict[str, int] = {}
+    for k, (i, axis) in enumerate(spec.sym_dims):
+        bound.setdefault(graph.tensors[spec.inputs[i]].shape[axis], k)
+    out = [(i, axis, bound[d]) for i, t in enumerate(spec.inputs)
+           for axis, d in enumerate(graph.tensors[t].shape or ())
+           if isinstance(d, str) and d in bound and spec.sym_dims[bound[d]] != (i, axis)]
+    return tuple(out[:MAX_DIM_CHECKS])
 
 
 def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,

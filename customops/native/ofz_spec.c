@@ -104,6 +104,18 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   TRY(ofz_attr_ints_opt(info, node, "dim_limits", s->dim_limits, OFZ_MAX_TERMS, &s->n_limits));
   TRY(check_groups(s, "dim_limits", "limit", s->dim_limits, s->n_limits));
 
+  size_t n_chk3 = 0;
+  TRY(ofz_attr_ints_opt(info, node, "dim_checks", s->dim_checks, 3 * OFZ_MAX_TERMS, &n_chk3));
+  if (n_chk3 % 3)
+    return BAD("ortfuse: node '%s': dim_checks has length %zu (expected (input, axis, dim) triples)", node, n_chk3);
+  s->n_checks = n_chk3 / 3;
+  for (size_t j = 0; j < s->n_checks; ++j) {
+    const int64_t* c = &s->dim_checks[3 * j];
+    if (c[0] < 0 || (size_t)c[0] >= n_in || c[1] < 0 || c[1] >= 64 || c[2] < 0 || (size_t)c[2] >= s->n_sym)
+      return BAD("ortfuse: node '%s': dim_checks triple %zu = (%lld, %lld, %lld) does not name an input axis and a "
+                 "bound dim", node, j, (long long)c[0], (long long)c[1], (long long)c[2]);
+  }
+
   TRY(ofz_attr_ints_opt(info, node, "arg_align", s->align, OFZ_MAX_TENSORS, &s->n_align));
   if (s->n_align && s->n_align != n_in + n_out)
     return BAD("ortfuse: node '%s': arg_align has %zu entries, expected one per input and output (%zu)", node,
@@ -185,6 +197,18 @@ unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count) {
   return c;
 }
 
+// Input i's dims (at most 64).
+static OrtStatus* input_dims(OrtKernelContext* ctx, size_t i, int64_t* dims, size_t* rank) {
+  const OrtValue* v = NULL;
+  TRY(ofz_ort.KernelContext_GetInput(ctx, i, &v));
+  OrtTSI* tsi = NULL;
+  TRY(ofz_ort.GetTensorTypeAndShape(v, &tsi));
+  OrtStatus* st = ofz_ort.GetDimensionsCount(tsi, rank);
+  if (!st && *rank <= 64) st = ofz_ort.GetDimensions(tsi, dims, *rank);
+  ofz_ort.ReleaseTSI(tsi);
+  return st;
+}
+
 OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
                             OfzLaunch* launch) {
   size_t n_in = 0, n_out = 0;
@@ -206,14 +230,7 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   for (size_t k = 0, have = SIZE_MAX; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
     if ((size_t)s->sym[2 * k] != have) {  // one shape query per input: its dims are listed together
       have = (size_t)s->sym[2 * k];
-      const OrtValue* v = NULL;
-      TRY(ofz_ort.KernelContext_GetInput(ctx, have, &v));
-      OrtTSI* tsi = NULL;
-      TRY(ofz_ort.GetTensorTypeAndShape(v, &tsi));
-      OrtStatus* st = ofz_ort.GetDimensionsCount(tsi, &rank);
-      if (!st && rank <= 64) st = ofz_ort.GetDimensions(tsi, dims, rank);
-      ofz_ort.ReleaseTSI(tsi);
-      if (st) return st;
+      TRY(input_dims(ctx, have, dims, &rank));
     }
     size_t axis = (size_t)s->sym[2 * k + 1];
     if (axis >= rank || rank > 64)
@@ -223,6 +240,22 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
       return BAD("ortfuse: node '%s': input %lld has negative dim %lld",
                  s->node, (long long)s->sym[2 * k], (long long)dims[axis]);
     args->dim[k] = dims[axis];
+  }
+  for (size_t j = 0, have = SIZE_MAX; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims
+    const int64_t* c = &s->dim_checks[3 * j];
+    if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each
+      have = (size_t)c[0];
+      TRY(input_dims(ctx, have, dims, &rank));
+    }
+    if ((size_t)c[1] >= rank || dims[c[1]] != args->dim[c[2]]) {
+      const int64_t* src = &s->sym[2 * c[2]];
+      return BAD("ortfuse: node '%s': input %lld has %s %lld at axis %lld, but the kernel was built for it to equal "
+                 "axis %lld of input %lld (%lld): shape inference took these dims for one symbolic dim; run the "
+                 "original model, or optimize with the input shapes fixed (--input-shape)",
+                 s->node, (long long)c[0], (size_t)c[1] >= rank ? "no axis" : "size",
+                 (size_t)c[1] >= rank ? (long long)rank : (long long)dims[c[1]], (long long)c[1],
+                 (long long)src[1], (long long)src[0], (long long)args->dim[c[2]]);
+    }
   }
   for (size_t j = 0; j < s->n_derived; ++j) {  // a Conv's output size from its input's
     const int64_t* r = &s->derived[3 * j];

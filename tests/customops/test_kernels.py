@@ -457,3 +457,22 @@ def test_fused_node_states_the_alignment_its_vector_accesses_need(cols, dt, want
     has = any(a.name == "arg_align" for a in fused.attribute)
     assert has == (want is not None)
     assert read_launch(fused).arg_align == ((want, want) if want else (1, 1))
+
+
+def test_inputs_sharing_a_symbolic_dim_are_checked_at_launch():
+    """Add(a[s, 8], b[t, 8]): shape inference merges s and t (either may be 1 at run time, which the kernel,
+    built for equal dims, would read out of bounds). The node carries a check: equal sizes run, others are
+    an error naming the kernel's inputs."""
+    from ortfuse.customops.attrs import read_launch
+
+    m = model([node("Add", ["a", "b"], ["c"]), node("Relu", ["c"], ["y"])],
+              [vi("a", F, ["s", 8]), vi("b", F, ["t", 8])], [vi("y", F, None)])
+    res = _run(m, None, {"a": (5, 8), "b": (5, 8)})
+    spec = res.kernels[0].spec
+    assert spec.dim_checks == ((1, 0, 0),)
+    launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
+    assert launch.dim_checks == ((1, 0, 0),)
+    assert launch.dims([(5, 8), (5, 8)]) == [5]
+    with pytest.raises(ValueError, match="input 1 has size 1 at axis 0, but the kernel was built for it to equal "
+                                         "axis 0 of input 0 \\(5\\)"):
+        launch.dims([(5, 8), (1, 8)])

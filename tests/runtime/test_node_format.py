@@ -212,6 +212,9 @@ BAD_NODES = [
     (dict(arg_align=[16, 4, 3, 1]), "arg_align\\[2\\] = 3, expected a power of two"),
     (dict(arg_align=[512, 4, 4, 1]), "arg_align\\[0\\] = 512"),
     (dict(arg_align=[0, 4, 4, 1]), "arg_align\\[0\\] = 0"),
+    (dict(dim_checks=[1, 0]), "dim_checks has length 2"),
+    (dict(dim_checks=[2, 0, 0]), "dim_checks triple 0 = \\(2, 0, 0\\) does not name"),
+    (dict(dim_checks=[1, 0, 1]), "dim_checks triple 0 = \\(1, 0, 1\\) does not name"),
     (dict(split_k=0), "split_k = 0"),
     (dict(split_k=16), "split_k = 16, expected 1..8"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
@@ -256,3 +259,13 @@ def test_run_time_shape_error_names_node() -> None:
     sess = session(plan_model(name="axis_node", inputs=inputs, sym_dims=[0, 5]))
     with pytest.raises(Exception, match="axis_node.*axis 5 of input 0, which has rank 2"):
         run(sess, 3)
+
+
+def test_dim_checks_refuse_inputs_whose_shared_symbolic_dim_differs() -> None:
+    """X and Y carry one symbolic dim (X's binds it); a Y of another size at run time is an error naming the
+    node, not a kernel reading Y out of bounds."""
+    sess = session(plan_model(name="merged_node", dim_checks=[1, 0, 0]))
+    assert run(sess, 3)[0].shape == (3, 4)
+    with pytest.raises(Exception, match="merged_node.*input 1 has size 5 at axis 0, but the kernel was built for it "
+                                        "to equal axis 0 of input 0 \\(3\\)"):
+        sess.run(None, {"X": np.ones((3, 4), np.float32), "Y": np.ones((5, 4), np.float32)})
