@@ -701,13 +701,16 @@ MAX_DIM_CHECKS = 64  # the native library's bound (OFZ_MAX_TERMS triples)
 
 def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ...]:
     """(input, axis, k) for every input axis carrying the symbolic dim that runtime dim k is bound from at
-    another input (`KernelSpec.sym_dims`): the kernel reads both with the one size, so the launch checks it."""
+    another input (`KernelSpec.sym_dims`): the kernel reads both with the one size, so the launch checks it.
+    Dims shape inference cannot have merged (`iota.trusted_dims`) need no check: each costs the launch a
+    shape query (about 0.1 us on the host)."""
+    trusted = iota.trusted_dims(graph)
     bound: dict[str, int] = {}
     for k, (i, axis) in enumerate(spec.sym_dims):
         bound.setdefault(graph.tensors[spec.inputs[i]].shape[axis], k)
     out = [(i, axis, bound[d]) for i, t in enumerate(spec.inputs)
            for axis, d in enumerate(graph.tensors[t].shape or ())
-           if isinstance(d, str) and d in bound and spec.sym_dims[bound[d]] != (i, axis)]
+           if isinstance(d, str) and d in bound and d not in trusted and spec.sym_dims[bound[d]] != (i, axis)]
     return tuple(out[:MAX_DIM_CHECKS])
 
 

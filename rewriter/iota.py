@@ -17,7 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from ortfuse.rewriter.canonical import _attr, _static_target, remove_dead
-from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
+from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 from ortfuse.rewriter.shapes import assemble
 
 # An integer coefficient: value * the product of the named symbolic dims (names sorted).
@@ -285,6 +285,7 @@ _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min
                            "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor"})
 
 
+@per_graph
 def broadcast_merged_dims(g: Graph) -> frozenset[str]:
     """Symbolic dims shape inference may have merged with another one. ORT's symbolic shape inference
     (auto_merge) gives two symbolic dims that meet in a broadcast one name, though at run time either may be
@@ -309,6 +310,13 @@ def broadcast_merged_dims(g: Graph) -> frozenset[str]:
     return frozenset(merged)
 
 
+def trusted_dims(g: Graph) -> frozenset[str]:
+    """Symbolic dims that are a graph input's declared dim and that shape inference merged with no other:
+    every tensor inferred with such a dim has that input's size at run time."""
+    return frozenset(d for t in g.graph_inputs for d in (g.tensors[t].shape or ()) if t in g.tensors
+                     and isinstance(d, str)) - broadcast_merged_dims(g)
+
+
 def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     """Rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
     * a Range limit that is a static dim read through Shape becomes a constant;
@@ -319,9 +327,9 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
       can absorb its own copy. Copies that stay unfused are merged again by ORT's common-subexpression
       elimination.
     Returns (new graph, rewrites); `g` is left untouched."""
-    merged = broadcast_merged_dims(g)
+    trusted = trusted_dims(g)
     where = {d: (t, a) for t in g.graph_inputs for a, d in enumerate(g.tensors[t].shape or ())
-             if t in g.tensors and isinstance(d, str) and d not in merged}
+             if t in g.tensors and d in trusted}
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     tensors = dict(g.tensors)
