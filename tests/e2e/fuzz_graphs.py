@@ -219,13 +219,14 @@ class _Builder:
             if axes:
                 a = axes[int(self.rng.integers(len(axes)))]
                 k = int(self.rng.choice([1, 2, 5]))
-                c = self.random_const(tuple(1 if d == "n" else d for d in s[:a]) + (k,) + s[a + 1:])
-                if "n" in s[:a]:  # a constant cannot carry the symbolic batch: broadcast it from x
-                    c = self.add("Add", [c, self.add("Mul", [x, self.const(np.array(0.0))], s, pool=False)],
-                                 s, pool=False) if k == s[a] else None
-                if c is not None:
-                    y = self.add("Neg", [x], s, pool=False)
-                    self.add("Concat", [c, x, y], s[:a] + (k + 2 * s[a],) + s[a + 1:], axis=a)
+                if "n" in s:  # a constant cannot carry the symbolic batch: broadcast one of x's shape from x
+                    k = s[a]
+                    c = self.add("Add", [self.random_const(tuple(1 if d == "n" else d for d in s)),
+                                         self.add("Mul", [x, self.const(np.array(0.0))], s, pool=False)], s, pool=False)
+                else:
+                    c = self.random_const(s[:a] + (k,) + s[a + 1:])
+                y = self.add("Neg", [x], s, pool=False)
+                self.add("Concat", [c, x, y], s[:a] + (k + 2 * s[a],) + s[a + 1:], axis=a)
         elif kind == "iota":  # x + 0.1 * position along an axis, its length read from x's shape at run time
             a = int(self.rng.integers(rank))
             dim = self.add("Gather", [self.add("Shape", [x], (rank,), pool=False), self.const(np.array(a), "i", np.int64)],
