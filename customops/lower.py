@@ -64,9 +64,9 @@ class KernelSpec:
     # constant inputs the kernel reads in another layout: (tensor, perm) -> the fused node is given
     # Transpose(tensor, perm), which the rewriter stores as a new initializer
     input_perms: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    # (tensor, k, axis): run-time Range lengths the region's ops read, each inputs[k].shape[axis]
-    # (`legal.shape_reads`); the fused node's function body computes them from that input's shape
-    shape_reads: tuple[tuple[str, int, int], ...] = ()
+    # run-time shape tensors the region's ops read (Range limits, Expand targets), as dims of the inputs
+    # (`legal.shape_reads`); the fused node's function body rebuilds them from the inputs' shapes
+    shape_reads: tuple["legal.ShapeRead", ...] = ()
     # (input, axis, k): an input axis with the symbolic dim that runtime dim k was bound from elsewhere; the
     # launch checks they are equal (shape inference may have merged two dims that differ at run time)
     dim_checks: tuple[tuple[int, int, int], ...] = ()
@@ -690,7 +690,7 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
         raise LoweringError("more than 32 tensors in one kernel")
     reads = legal.shape_reads(graph, region.nodes, region.inputs)
     if reads is None:
-        raise LoweringError("a Range's length is not a dim of the region's inputs")
+        raise LoweringError("a Range's length or an Expand's run-time shape is not made of the region's input dims")
     spec = _lower_kind(graph, region, tgt, tf32, tile)
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
                                shape_reads=reads, dim_checks=dim_checks(graph, spec))

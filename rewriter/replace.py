@@ -33,10 +33,11 @@ class FusedNode:
     # constant inputs the kernel reads transposed: (tensor, perm). The node is given a new initializer
     # holding the transposed data; its function transposes it back before the original sub-graph.
     input_perms: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    # (tensor, k, axis): a scalar the region reads (a Range's length) that equals inputs[k].shape[axis]; the
-    # kernel knows it as a dim, the function body computes it from that input's shape (Shape + Gather), so
-    # the shape arithmetic outside the region that computed it can go
-    shape_reads: tuple[tuple[str, int, int], ...] = ()
+    # (tensor, parts): a shape tensor the region reads (a Range's length, an Expand's target) made of dims
+    # of the inputs: part (k, axis) = inputs[k].shape[axis], (-1, v) = v; a rank-0 tensor has one part. The
+    # kernel knows them as dims; the function body rebuilds them from the inputs' shapes (Shape + Gather,
+    # Concat), so the shape arithmetic outside the region that computed them can go
+    shape_reads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
 
 
 def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
@@ -99,11 +100,13 @@ def _check_interface(graph: Graph, f: FusedNode) -> None:
     for x in f.inputs:
         if x in produced or x not in read:
             raise ValueError(f"{f.name}: input '{x}' is not read from outside the region")
-    for x, k, axis in f.shape_reads:
-        shape = graph.tensors[f.inputs[k]].shape if 0 <= k < len(f.inputs) and f.inputs[k] in graph.tensors else None
-        if x not in read or x in produced or shape is None or not 0 <= axis < len(shape):
-            raise ValueError(f"{f.name}: shape read '{x}' <- input {k} axis {axis} does not fit the region")
-    for x in read - produced - set(f.inputs) - {x for x, _, _ in f.shape_reads}:
+    for x, parts in f.shape_reads:
+        for k, axis in parts:
+            shape = graph.tensors[f.inputs[k]].shape if 0 <= k < len(f.inputs) and f.inputs[k] in graph.tensors else None
+            if x not in read or x in produced or not parts or (k >= 0 and (shape is None or not 0 <= axis < len(shape))) \
+                    or k < -1 or (not graph.tensors[x].shape and len(parts) != 1):
+                raise ValueError(f"{f.name}: shape read '{x}' <- {parts} does not fit the region")
+    for x in read - produced - set(f.inputs) - {x for x, _ in f.shape_reads}:
         if x not in graph.constants:
             raise ValueError(f"{f.name}: '{x}' is read by the region but is neither an input nor a constant")
     for x in f.outputs:
@@ -211,17 +214,8 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
         inverse = [perm.index(a) for a in range(len(perm))]
         body.append(onnx.helper.make_node("Transpose", [f"in{k}"], [f"p{k}"], perm=inverse))
         rename[x] = f"p{k}"
-    for x, k, axis in f.shape_reads:  # a dim of an input, as the scalar tensor x the region reads
-        shape, pos = f"s{len(body)}", f"s{len(body)}_axis"
-        body.append(onnx.helper.make_node("Shape", [f"in{k}"], [shape]))
-        rank = len(graph.tensors[x].shape or ())  # a scalar, or [1]: the Gather index has that rank
-        index = np.asarray(axis, np.int64).reshape((1,) * rank)
-        body.append(onnx.helper.make_node("Constant", [], [pos], value=numpy_helper.from_array(index)))
-        rename[x] = f"{shape}_dim"
-        body.append(onnx.helper.make_node("Gather", [shape, pos], [rename[x]]))
-        if graph.tensors[x].dtype != onnx.TensorProto.INT64:
-            body.append(onnx.helper.make_node("Cast", [rename[x]], [f"{shape}_cast"], to=graph.tensors[x].dtype))
-            rename[x] = f"{shape}_cast"
+    for x, parts in f.shape_reads:  # dims of inputs, as the shape tensor x the region reads
+        rename[x] = _shape_read(body, graph.tensors[x], parts)
     for i in region:
         for x in graph.nodes[i].input:
             if x and x not in rename and x not in produced:
@@ -238,6 +232,32 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
         body.append(node)
     return onnx.helper.make_function(DOMAIN, f.op_type, [f"in{k}" for k in range(len(f.inputs))],
                                      [f"out{k}" for k in range(len(f.outputs))], body, opsets)
+
+
+def _shape_read(body: list[onnx.NodeProto], info, parts: tuple[tuple[int, int], ...]) -> str:
+    """Appends to `body` the nodes computing a shape tensor of `info`'s rank and type from the function's
+    inputs' shapes: one dim of an input (Shape + Gather), a constant, or a vector of those (Concat)."""
+    stem = f"s{len(body)}"
+    vector = bool(info.shape)
+    pieces = []
+    for j, (k, axis) in enumerate(parts):
+        name = f"{stem}_{j}"
+        index = np.asarray(axis, np.int64).reshape((1,) if vector else ())
+        if k < 0:
+            body.append(onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(index)))
+        else:
+            body.append(onnx.helper.make_node("Shape", [f"in{k}"], [f"{name}_shape"]))
+            body.append(onnx.helper.make_node("Constant", [], [f"{name}_axis"], value=numpy_helper.from_array(index)))
+            body.append(onnx.helper.make_node("Gather", [f"{name}_shape", f"{name}_axis"], [name]))
+        pieces.append(name)
+    out = pieces[0]
+    if vector and len(pieces) > 1:
+        out = f"{stem}_vec"
+        body.append(onnx.helper.make_node("Concat", pieces, [out], axis=0))
+    if info.dtype != onnx.TensorProto.INT64:
+        body.append(onnx.helper.make_node("Cast", [out], [f"{stem}_cast"], to=info.dtype))
+        out = f"{stem}_cast"
+    return out
 
 
 def _constant_node(graph: Graph, name: str, new_name: str) -> onnx.NodeProto:

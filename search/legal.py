@@ -110,6 +110,8 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
         why = _indexing_verdict(g, n)
         return Reject(label, why) if why else None
     for t in ops.meta_inputs(n):
+        if n.op_type == "Expand" and expand_target(g, n) is not None:
+            continue  # a run-time target: the kernel broadcasts to the inferred shape (`shape_reads`)
         if t not in g.constants:
             return Reject(label, f"its shape/axes input '{t}' is computed at run time, not a constant")
     if n.op_type == "Cast" and scalar.attr(n, "to") not in scalar.STORAGE:
@@ -227,27 +229,56 @@ def host_verdict(g: Graph, inputs: tuple[str, ...] | list[str]) -> Optional[str]
     return None
 
 
-def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[tuple[str, int, int], ...]]:
-    """(limit, k, axis) for each Range in `nodes` whose limit is computed at run time: the limit is the
-    length of the Range (`range_length_verdict`), which is inputs[k].shape[axis]. None when some length
-    is no input's dim."""
+# A run-time shape tensor a region reads, rebuilt from its inputs' shapes: (tensor, parts), each part
+# (k, axis) = inputs[k].shape[axis], or (-1, v) = the constant v. A rank-0 tensor has one part.
+ShapeRead = tuple[str, tuple[tuple[int, int], ...]]
+
+
+def expand_target(g: Graph, node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
+    """A target that gives an Expand its inferred output shape: 1 where its input already has the output's
+    dim, the output's dim elsewhere; None when the output shape is not known."""
+    out, src = g.tensors[node.output[0]].shape, g.tensors[node.input[0]].shape
+    if out is None or src is None or len(out) < len(src):
+        return None
+    lead = len(out) - len(src)
+    return tuple(1 if k >= lead and src[k - lead] == d else d for k, d in enumerate(out))
+
+
+def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
+    """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
+    each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`) and each
+    Expand target computed at run time, rebuilt from the inputs' shapes. None when a dim is no input's."""
     from ortfuse.rewriter import iota
 
-    out: list[tuple[str, int, int]] = []
-    for i in nodes:
+    def part(d: Dim) -> Optional[tuple[int, int]]:
+        if isinstance(d, int):
+            return (-1, d)
+        return next(((k, a) for k, t in enumerate(inputs) for a, e in enumerate(g.tensors[t].shape or ())
+                     if e == d), None)
+
+    out: dict[str, tuple[tuple[int, int], ...]] = {}
+    members = set(nodes)
+    for i in sorted(members):
         n = g.nodes[i]
-        if n.op_type != "Range" or n.input[1] in g.constants or any(x == n.input[1] for x, _, _ in out):
+        if n.op_type not in ("Range", "Expand") or n.input[1] in g.constants or n.input[1] in out:
             continue
-        length = (g.tensors[n.output[0]].shape or (None,))[0]
-        if not isinstance(length, str) or iota.scalar(g, n.input[1]) != iota.coef_of(length) \
-                or [iota.const_int(g, x) for x in (n.input[0], n.input[2])] != [0, 1]:
-            return None  # a limit computed at run time must be a dim itself (static ones are constants by now)
-        found = next(((k, a) for k, t in enumerate(inputs) for a, d in enumerate(g.tensors[t].shape or ())
-                      if d == length), None)
-        if found is None:
+        if n.op_type == "Range":
+            length = (g.tensors[n.output[0]].shape or (None,))[0]
+            if not isinstance(length, str) or iota.scalar(g, n.input[1]) != iota.coef_of(length) \
+                    or [iota.const_int(g, x) for x in (n.input[0], n.input[2])] != [0, 1]:
+                return None  # a limit computed at run time must be a dim itself (static ones are constants by now)
+            dims: Optional[tuple[Dim, ...]] = (length,)
+        else:
+            dims = expand_target(g, n)
+            readers = [c for c in g.consumers.get(n.input[1], ()) if c in members]
+            if dims is None or any(g.nodes[c].op_type != "Expand" or list(g.nodes[c].input).index(n.input[1]) != 1
+                                   for c in readers):
+                return None  # the rebuilt target is only the same for Expand's purpose
+        parts = [part(d) for d in dims]
+        if any(p is None for p in parts) or (n.op_type == "Range" and parts[0][0] < 0):
             return None
-        out.append((n.input[1], *found))
-    return tuple(out)
+        out[n.input[1]] = tuple(p for p in parts if p is not None)
+    return tuple(out.items())
 
 
 def classify(g: Graph, nodes: set[int]) -> Region | Reject:
@@ -257,7 +288,8 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     if not outputs:
         return Reject(label, "computes nothing that is used")
     if shape_reads(g, nodes, inputs) is None:
-        return Reject(label, "a Range's length is not a dim of the region's inputs")
+        return Reject(label, "a Range's length or an Expand's run-time shape is not made of the region's "
+                             "input dims")
     if all(ops.kind_of(g.nodes[i].op_type) == "layout" for i in nodes):
         return Reject(label, "only layout ops")
     shapes = {o: g.tensors[o].shape for o in outputs}

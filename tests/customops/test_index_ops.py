@@ -48,7 +48,8 @@ def test_embeddings_are_one_kernel(dt, index_dtype):
     # the Range's length comes from input_ids' shape inside the function body; nothing else is left
     assert [n.op_type for n in res.model.graph.node] == [res.kernels[0].node.op_type]
     node_ = res.kernels[0].node
-    assert [(x, node_.inputs[k], axis) for x, k, axis in node_.shape_reads] == [("seq", "ids", 1)]
+    assert [(x, [(node_.inputs[k], axis) for k, axis in parts]) for x, parts in node_.shape_reads] == \
+        [("seq", [("ids", 1)])]
     # an embedding table is charged for the rows gathered (at the hints: batch 1, seq 128), at most itself
     item, rows = np.dtype(NP[dt]).itemsize, 128
     want = sum(min(n, rows) * 64 * item for n in (1000, 2, 40)) + 2 * 64 * item + 2 * rows * 8 + rows * 64 * item
@@ -204,3 +205,27 @@ def test_nested_shared_iotas_give_each_kernel_its_own_copy():
     res = fused_parity(m, {"x": ("b", "s", "s"), "x2": ("b", "s", 8)}, {"x": (2, 6, 6), "x2": (2, 6, 8)},
                        ["rowreduce", "rowreduce"])
     assert len(res.model.graph.node) == 2
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_class_token_expanded_to_a_run_time_batch_joins_the_kernel(dt):
+    """torch's cls_token.expand(B, -1, -1) as exported: the target [B, -1, -1] built from the image's shape,
+    its -1s replaced through Equal/Where; the Expand joins the Concat + position add + LayerNorm kernel, the
+    function body rebuilds its target from the patches' shape, and the shape arithmetic goes."""
+    rng = np.random.default_rng(5)
+    w = lambda *s: rng.standard_normal(s).astype(NP[dt])  # noqa: E731
+    m = model([node("Shape", ["p"], ["sh"]), node("Gather", ["sh", "zero"], ["b"]),
+               node("Unsqueeze", ["b", "ax0"], ["b1"]), node("Concat", ["b1", "m1", "m1"], ["tgt0"], axis=0),
+               node("Equal", ["tgt0", "m1"], ["eq"]), node("Where", ["eq", "ones", "tgt0"], ["tgt"]),
+               node("Expand", ["cls", "tgt"], ["clsb"]),
+               node("Concat", ["clsb", "p"], ["x"], axis=1), node("Add", ["x", "pos"], ["e"]),
+               node("LayerNormalization", ["e", "g", "beta"], ["y"], axis=-1)],
+              [vi("p", dt, ["batch", 49, 32])], [vi("y", dt, None)],
+              [const("cls", w(1, 1, 32), NP[dt]), const("pos", w(1, 50, 32), NP[dt]), const("g", w(32), NP[dt]),
+               const("beta", w(32), NP[dt]), const("zero", 0, I64), const("ax0", [0], I64),
+               const("m1", [-1], I64), const("ones", [1, 1, 1], I64)])
+    res = fused_parity(m, {"p": ("batch", 49, 32)}, {"p": (3, 49, 32)}, ["rowreduce"])
+    fused = res.kernels[0].node
+    assert [n.op_type for n in res.model.graph.node] == [fused.op_type]
+    assert [(x, [(fused.inputs[k] if k >= 0 else None, a) for k, a in parts]) for x, parts in fused.shape_reads] == \
+        [("tgt", [("p", 0), (None, 1), (None, 1)])]
