@@ -247,12 +247,17 @@ def expand_target(g: Graph, node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
     """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
     each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`) and each
-    Expand target computed at run time, rebuilt from the inputs' shapes. None when a dim is no input's."""
+    Expand target computed at run time, rebuilt from the inputs' shapes. None when a dim is no input's, or
+    one shape inference may have merged (`iota.trusted_dims`)."""
     from ortfuse.rewriter import iota
+
+    trusted = iota.trusted_dims(g)  # a dim shape inference merged in a broadcast may differ between inputs
 
     def part(d: Dim) -> Optional[tuple[int, int]]:
         if isinstance(d, int):
             return (-1, d)
+        if d not in trusted:
+            return None
         return next(((k, a) for k, t in enumerate(inputs) for a, e in enumerate(g.tensors[t].shape or ())
                      if e == d), None)
 
