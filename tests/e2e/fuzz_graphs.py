@@ -195,7 +195,7 @@ class _Builder:
         constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
-                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat"]))
+                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat", "expand_rt"]))
         if kind == "extreme" and self.dtype == TP.FLOAT:
             # overflow paths (fp32 only: ORT CPU's fp16 kernels overflow in places of their own), through ops
             # that saturate there; a huge value left in the pool would meet Sin (noise at 1e8) or inf - inf.
@@ -227,6 +227,16 @@ class _Builder:
                     c = self.random_const(s[:a] + (k,) + s[a + 1:])
                 y = self.add("Neg", [x], s, pool=False)
                 self.add("Concat", [c, x, y], s[:a] + (k + 2 * s[a],) + s[a + 1:], axis=a)
+        elif kind == "expand_rt" and s[0] == "n" and all(static[1:]):
+            # a constant expanded to x's batch read at run time (torch's expand(B, -1, ...)), then added
+            b = self.add("Gather", [self.add("Shape", [x], (rank,), pool=False), self.const(np.array([0]), "i", np.int64)],
+                         (1,), pool=False)
+            tgt = self.add("Concat", [b, self.const(np.array([-1] * (rank - 1)), "m", np.int64)], (rank,), pool=False,
+                           axis=0)
+            tgt = self.add("Where", [self.add("Equal", [tgt, self.const(np.array(-1), "m", np.int64)], (rank,), pool=False),
+                                     self.const(np.ones(rank), "one", np.int64), tgt], (rank,), pool=False)
+            c = self.add("Expand", [self.random_const((1,) + s[1:]), tgt], s, pool=False)
+            self.add("Add", [x, c], s)
         elif kind == "iota":  # x + 0.1 * position along an axis, its length read from x's shape at run time
             a = int(self.rng.integers(rank))
             dim = self.add("Gather", [self.add("Shape", [x], (rank,), pool=False), self.const(np.array(a), "i", np.int64)],

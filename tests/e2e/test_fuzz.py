@@ -73,7 +73,7 @@ def test_symbolic_image_seeds_reach_runtime_conv_sizes() -> None:
 
 def test_generator_covers_the_fusion_kinds() -> None:
     """The default seeds reach every memory-bound and GEMM region kind, so the block is worth its time."""
-    kinds, index_ops, wanted = set(), set(), {"Gather", "Range", "Concat"}
+    kinds, index_ops, wanted = set(), set(), {"Gather", "Range", "Concat", "Expand"}
     for seed in range(0, 60):  # index ops are rarer: seeds past the default block count for them only
         m, shapes = random_model(seed)
         if seed >= 24 and not wanted & {n.op_type for n in m.graph.node}:
@@ -82,7 +82,7 @@ def test_generator_covers_the_fusion_kinds() -> None:
         kinds |= {r.kind for r in res.plan.regions} if seed < 24 else set()
         index_ops |= {res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes} & wanted
     assert {"pointwise", "rowreduce", "gemm"} <= kinds, kinds
-    assert index_ops == {"Gather", "Range", "Concat"}, index_ops
+    assert index_ops == wanted, index_ops
 
 
 @pytest.mark.parametrize("seed", range(_alo, _ahi))
