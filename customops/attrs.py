@@ -72,18 +72,18 @@ class Launch:
     sym_derived: tuple[tuple[int, int, int], ...] = ()  # (term, add, div): floor((term + add) / div) + 1
     dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, limit): product below limit
     arg_align: tuple[int, ...] = ()  # per argument (inputs, then outputs): the byte alignment it needs
-    dim_checks: tuple[tuple[int, int, int], ...] = ()  # (input, axis, k): must equal runtime dim k
+    dim_checks: tuple[tuple[int, int, int], ...] = ()  # (input, axis, term): must equal the term (like units)
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
         dims = [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
-        for i, axis, k in self.dim_checks:
-            shape = input_shapes[i]
-            if axis >= len(shape) or int(shape[axis]) != dims[k]:
-                src = self.sym_dims[k]
-                raise ValueError(f"{self.entry}: input {i} has {'size ' + str(shape[axis]) if axis < len(shape) else 'no axis'} "
-                                 f"at axis {axis}, but the kernel was built for it to equal axis {src[1]} of input "
-                                 f"{src[0]} ({dims[k]}): shape inference took these dims for one symbolic dim")
+        for i, axis, t in self.dim_checks:
+            shape, want = input_shapes[i], self.resolve([t], dims)[0]
+            if axis >= len(shape) or int(shape[axis]) != want:
+                got = f"size {shape[axis]} at axis {axis}" if axis < len(shape) else f"rank {len(shape)}, no axis {axis}"
+                raise ValueError(f"{self.entry}: input {i} has {got}, but the kernel was built for {want} there "
+                                 f"({'axis %d of input %d' % self.sym_dims[-t - 1][::-1] if t < 0 else 'a size'} "
+                                 f"shape inference took for it)")
         for t, add, div in self.sym_derived:
             size = t if t >= 0 else dims[-t - 1]
             if size + add < 0:

@@ -67,8 +67,8 @@ class KernelSpec:
     # run-time shape tensors the region's ops read (Range limits, Expand targets), as dims of the inputs
     # (`legal.shape_reads`); the fused node's function body rebuilds them from the inputs' shapes
     shape_reads: tuple["legal.ShapeRead", ...] = ()
-    # (input, axis, k): an input axis with the symbolic dim that runtime dim k was bound from elsewhere; the
-    # launch checks they are equal (shape inference may have merged two dims that differ at run time)
+    # (input, axis, term): an input axis whose size the kernel assumes, checked at launch: term < 0 is runtime
+    # dim -(term + 1), else a size (shape inference may have merged dims that differ at run time)
     dim_checks: tuple[tuple[int, int, int], ...] = ()
 
     @property
@@ -700,18 +700,21 @@ MAX_DIM_CHECKS = 64  # the native library's bound (OFZ_MAX_TERMS triples)
 
 
 def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ...]:
-    """(input, axis, k) for every input axis carrying the symbolic dim that runtime dim k is bound from at
-    another input (`KernelSpec.sym_dims`): the kernel reads both with the one size, so the launch checks it.
-    Dims shape inference cannot have merged (`iota.trusted_dims`) need no check: each costs the launch a
-    shape query (about 0.1 us on the host)."""
+    """(input, axis, term) for every input axis carrying a symbolic dim bound at another input (term -(k + 1):
+    runtime dim k), which shape inference may have merged with it in a broadcast: checked at each launch.
+    Dims it cannot have merged (`iota.trusted_dims`) need no check: each checked input costs the launch a
+    shape query (about 0.1 us). (A graph input inferred static where it is declared symbolic is refused by
+    `legal.classify`; the node format's checks also take sizes, term >= 0.)"""
     trusted = iota.trusted_dims(graph)
     bound: dict[str, int] = {}
     for k, (i, axis) in enumerate(spec.sym_dims):
         bound.setdefault(graph.tensors[spec.inputs[i]].shape[axis], k)
-    out = [(i, axis, bound[d]) for i, t in enumerate(spec.inputs)
+    out = [(i, axis, -bound[d] - 1) for i, t in enumerate(spec.inputs)
            for axis, d in enumerate(graph.tensors[t].shape or ())
            if isinstance(d, str) and d in bound and d not in trusted and spec.sym_dims[bound[d]] != (i, axis)]
-    return tuple(out[:MAX_DIM_CHECKS])
+    if len(out) > MAX_DIM_CHECKS:
+        raise LoweringError(f"{len(out)} input dims to check at launch; the node format holds {MAX_DIM_CHECKS}")
+    return tuple(out)
 
 
 def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,

@@ -7,6 +7,7 @@ protobuf limit it runs on a skeleton with large weights reduced to dtype and dim
 onnx.shape_inference.infer_shapes_path if even the skeleton is too big."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -32,7 +33,8 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     a model ORT would refuse (an op's inputs bound to different types, a string fed to Abs, an axis out
     of range) is refused here too, naming the node, whether or not symbolic inference coped with it."""
     checked = _onnx(_skeleton(model))
-    inferred, complete = _symbolic(model)
+    inferred, complete, merges = _symbolic(model)
+    record_merges(model, merges)
     if inferred is None:
         return _collect(checked)
     infos = _collect(inferred)
@@ -70,8 +72,26 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return sk
 
 
-def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
-    """(inferred model, complete) or (None, False) when symbolic inference fails.
+MERGES_KEY = "ortfuse.shape_merges"  # on the rewriter's private copy only; `replace` drops it
+
+
+def record_merges(model: onnx.ModelProto, merges: dict) -> None:
+    """Notes on `model` (metadata) which symbolic dims inference merged into which (a name or a size)."""
+    props = [p for p in model.metadata_props if p.key != MERGES_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    if merges:
+        model.metadata_props.add(key=MERGES_KEY, value=json.dumps({str(k): v for k, v in merges.items()}))
+
+
+def recorded_merges(model: onnx.ModelProto) -> dict:
+    """{symbol: the name or size it was merged into} as `record_merges` noted it."""
+    return next((json.loads(p.value) for p in model.metadata_props if p.key == MERGES_KEY), {})
+
+
+def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dict]:
+    """(inferred model, complete, merges) or (None, False, {}) when symbolic inference fails. merges: the
+    symbolic dims the tool merged (auto_merge: dims meeting in a broadcast) into another name or a size.
 
     Drives SymbolicShapeInference's loop ourselves: its infer_shapes() writes a debug model into the
     current directory when inference is incomplete, and we want partial results instead of an error."""
@@ -91,10 +111,11 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool]:
         while ssi.run_:
             complete = ssi._infer_impl()
         ssi._update_output_from_vi()
-        return ssi.out_mp_, bool(complete)
+        merges = {str(k): (int(v) if isinstance(v, int) else str(v)) for k, v in ssi.suggested_merge_.items()}
+        return ssi.out_mp_, bool(complete), merges
     except Exception as e:  # the tool raises bare Exception/AssertionError on models it cannot handle
         log.debug("symbolic shape inference failed, falling back to ONNX: %s", e)
-        return None, False
+        return None, False, {}
 
 
 def _conv_transpose(ssi, node: onnx.NodeProto) -> None:

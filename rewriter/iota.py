@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ortfuse.rewriter import _infer
 from ortfuse.rewriter.canonical import _attr, _static_target, remove_dead
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 from ortfuse.rewriter.shapes import assemble
@@ -289,15 +290,20 @@ _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min
 def broadcast_merged_dims(g: Graph) -> frozenset[str]:
     """Symbolic dims shape inference may have merged with another one. ORT's symbolic shape inference
     (auto_merge) gives two symbolic dims that meet in a broadcast one name, though at run time either may be
-    1: their equality is an assumption, not a fact, and nothing may be rewritten on it. Found where a graph
-    input's inferred dim is not the name it was declared with, and where two names still meet."""
+    1: their equality is an assumption, not a fact, and nothing may be rewritten on it. Found in the tool's
+    own record (`_infer.recorded_merges`), where a graph input's inferred dim is not the name it was
+    declared with, and where two names still meet. A computed dim merged into a declared one (BERT's
+    Min(512, sequence) into sequence: equal unless the model fails anyway) leaves the declared one trusted."""
     merged: set[str] = set()
-    for v in g.model.graph.input:
-        inferred = g.tensors[v.name].shape if v.name in g.tensors else None
-        dims = v.type.tensor_type.shape.dim if v.type.tensor_type.HasField("shape") else ()
-        for d, e in zip(dims, inferred or ()):
-            if isinstance(e, str) and d.dim_param != e:
-                merged |= {e} | ({d.dim_param} if d.dim_param else set())
+    declared = {d for d in declared_dims(g).values() if isinstance(d, str)}
+    for k, v in _infer.recorded_merges(g.model).items():  # what the tool says it merged: k into v
+        # a tensor labelled v may really have k; v itself stays what the inputs declaring it have, unless two
+        # declared dims were merged (then neither is known)
+        merged |= {k} | ({v} if isinstance(v, str) and k in declared else set())
+    for (t, axis), d in declared_dims(g).items():
+        e = g.tensors[t].shape[axis]
+        if isinstance(e, str) and d != e:
+            merged |= {e} | ({d} if isinstance(d, str) else set())
     for n in g.nodes:
         if n.op_type not in _BROADCASTING or n.domain not in ("", "ai.onnx"):
             continue
@@ -308,6 +314,19 @@ def broadcast_merged_dims(g: Graph) -> frozenset[str]:
             if len(names) > 1:
                 merged |= names
     return frozenset(merged)
+
+
+@per_graph
+def declared_dims(g: Graph) -> dict[tuple[str, int], Optional[Dim]]:
+    """(graph input, axis) -> the dim the model declares there (a size, a name, or None when unnamed), for
+    the axes shape inference also knows."""
+    out: dict[tuple[str, int], Optional[Dim]] = {}
+    for v in g.model.graph.input:
+        inferred = g.tensors[v.name].shape if v.name in g.tensors and v.name in g.graph_inputs else None
+        dims = v.type.tensor_type.shape.dim if v.type.tensor_type.HasField("shape") else ()
+        for axis, (d, _) in enumerate(zip(dims, inferred or ())):
+            out[(v.name, axis)] = d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+    return out
 
 
 def trusted_dims(g: Graph) -> frozenset[str]:

@@ -15,7 +15,7 @@ import onnx
 from onnx import numpy_helper
 
 from ortfuse.errors import InputError
-from ortfuse.rewriter import _proto
+from ortfuse.rewriter import _infer, _proto
 from ortfuse.rewriter.graph import Graph
 
 DOMAIN = "ortfuse"
@@ -46,7 +46,11 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
     fused = tuple(fused)
     owner = _validate(graph, fused)
     model = _proto.copy_model(graph.model)
+    merged = _infer.recorded_merges(model)
+    _infer.record_merges(model, {})  # the rewriter's note, not the user's metadata
     g = model.graph
+    if merged:  # inferred shapes then rest on assumed equalities: ORT's optimizers must not take them as facts
+        del g.value_info[:]  # (its Expand elimination would drop an Expand that broadcasts a merged dim)
     permuted = _permuted_constants(graph, fused, g)
     new_nodes = [_fused_node(fused[k], permuted) if kind == "fused" else graph.nodes[k]
                  for kind, k in _contracted_order(graph, fused, owner)]

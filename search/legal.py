@@ -74,6 +74,9 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
             return f"Concat of {len(ins)} inputs: ortfuse fuses 2 to {ops.MAX_CONCAT_INPUTS}"
         if any(len(g.tensors[x].shape or ()) != rank for x in ins):
             return "inputs of different ranks"
+        spans = [g.tensors[x].shape[axis % rank] for x in ins]
+        if any(not isinstance(d, int) or d < 1 for d in spans):
+            return f"spans {spans} along the axis: ortfuse fuses Concats of static, non-empty spans"
         return None
     data, indices = (g.tensors[t] for t in node.input[:2])
     rank = len(data.shape or ())
@@ -276,14 +279,35 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
         else:
             dims = expand_target(g, n)
             readers = [c for c in g.consumers.get(n.input[1], ()) if c in members]
-            if dims is None or any(g.nodes[c].op_type != "Expand" or list(g.nodes[c].input).index(n.input[1]) != 1
-                                   for c in readers):
-                return None  # the rebuilt target is only the same for Expand's purpose
+            if not dims or any(g.nodes[c].op_type != "Expand" or list(g.nodes[c].input).index(n.input[1]) != 1
+                               or expand_target(g, g.nodes[c]) != dims for c in readers):
+                return None  # the rebuilt target is the same only for Expands that it gives one shape
+            out_dims = g.tensors[n.output[0]].shape or ()
+            if any(isinstance(d, str) and d not in trusted for d in out_dims):
+                return None  # a 1 kept for an input dim equal to a merged output dim may not be 1 at run time
         parts = [part(d) for d in dims]
         if any(p is None for p in parts) or (n.op_type == "Range" and parts[0][0] < 0):
             return None
         out[n.input[1]] = tuple(p for p in parts if p is not None)
     return tuple(out.items())
+
+
+def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
+    """An input whose static dim may be a symbolic one shape inference merged into that size where they met
+    in a broadcast (`_infer.recorded_merges`): at run time it may be 1 there, and a kernel built for the size
+    would read past it, so the region is left to ORT. Constants and declared sizes are facts."""
+    from ortfuse.rewriter import _infer, iota
+
+    sizes = {v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int) and v != 1}
+    if not sizes:
+        return None
+    declared = iota.declared_dims(g)
+    for t in inputs:
+        for axis, d in enumerate(g.tensors[t].shape or ()):
+            if d in sizes and t not in g.constants and declared.get((t, axis)) != d:
+                return (f"input '{t}' axis {axis}: shape inference took it for {d}, a size it merged a symbolic "
+                        f"dim into (it may be 1 at run time): left to ORT")
+    return None
 
 
 def classify(g: Graph, nodes: set[int]) -> Region | Reject:
@@ -292,6 +316,9 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     inputs, outputs = region_io(g, nodes)
     if not outputs:
         return Reject(label, "computes nothing that is used")
+    why = _merged_input_verdict(g, inputs)
+    if why:
+        return Reject(label, why)
     if shape_reads(g, nodes, inputs) is None:
         return Reject(label, "a Range's length or an Expand's run-time shape is not made of the region's "
                              "input dims")

@@ -111,9 +111,9 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   s->n_checks = n_chk3 / 3;
   for (size_t j = 0; j < s->n_checks; ++j) {
     const int64_t* c = &s->dim_checks[3 * j];
-    if (c[0] < 0 || (size_t)c[0] >= n_in || c[1] < 0 || c[1] >= 64 || c[2] < 0 || (size_t)c[2] >= s->n_sym)
+    if (c[0] < 0 || (size_t)c[0] >= n_in || c[1] < 0 || c[1] >= 64 || (c[2] < 0 && (size_t)(-(c[2] + 1)) >= s->n_sym))
       return BAD("ortfuse: node '%s': dim_checks triple %zu = (%lld, %lld, %lld) does not name an input axis and a "
-                 "bound dim", node, j, (long long)c[0], (long long)c[1], (long long)c[2]);
+                 "size or bound dim", node, j, (long long)c[0], (long long)c[1], (long long)c[2]);
   }
 
   TRY(ofz_attr_ints_opt(info, node, "arg_align", s->align, OFZ_MAX_TENSORS, &s->n_align));
@@ -206,6 +206,7 @@ static OrtStatus* input_dims(OrtKernelContext* ctx, size_t i, int64_t* dims, siz
   OrtStatus* st = ofz_ort.GetDimensionsCount(tsi, rank);
   if (!st && *rank <= 64) st = ofz_ort.GetDimensions(tsi, dims, *rank);
   ofz_ort.ReleaseTSI(tsi);
+  if (!st && *rank > 64) return BAD("ortfuse: input %zu has rank %zu; at most 64 is supported", i, *rank);
   return st;
 }
 
@@ -247,14 +248,17 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
       have = (size_t)c[0];
       TRY(input_dims(ctx, have, dims, &rank));
     }
-    if ((size_t)c[1] >= rank || dims[c[1]] != args->dim[c[2]]) {
-      const int64_t* src = &s->sym[2 * c[2]];
-      return BAD("ortfuse: node '%s': input %lld has %s %lld at axis %lld, but the kernel was built for it to equal "
-                 "axis %lld of input %lld (%lld): shape inference took these dims for one symbolic dim; run the "
-                 "original model, or optimize with the input shapes fixed (--input-shape)",
-                 s->node, (long long)c[0], (size_t)c[1] >= rank ? "no axis" : "size",
-                 (size_t)c[1] >= rank ? (long long)rank : (long long)dims[c[1]], (long long)c[1],
-                 (long long)src[1], (long long)src[0], (long long)args->dim[c[2]]);
+    const int64_t want = term(c[2], args);
+    if ((size_t)c[1] >= rank || dims[c[1]] != want) {
+      char got[64], from[64];
+      if ((size_t)c[1] >= rank) snprintf(got, sizeof got, "rank %zu, no axis %lld", rank, (long long)c[1]);
+      else snprintf(got, sizeof got, "size %lld at axis %lld", (long long)dims[c[1]], (long long)c[1]);
+      if (c[2] < 0) snprintf(from, sizeof from, "axis %lld of input %lld", (long long)s->sym[2 * -(c[2] + 1) + 1],
+                             (long long)s->sym[2 * -(c[2] + 1)]);
+      else snprintf(from, sizeof from, "a size");
+      return BAD("ortfuse: node '%s': input %lld has %s, but the kernel was built for %lld there (%s shape "
+                 "inference took for it); run the original model, or optimize with the input shapes fixed "
+                 "(--input-shape)", s->node, (long long)c[0], got, (long long)want, from);
     }
   }
   for (size_t j = 0; j < s->n_derived; ++j) {  // a Conv's output size from its input's

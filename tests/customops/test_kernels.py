@@ -462,17 +462,21 @@ def test_fused_node_states_the_alignment_its_vector_accesses_need(cols, dt, want
 def test_inputs_sharing_a_symbolic_dim_are_checked_at_launch():
     """Add(a[s, 8], b[t, 8]): shape inference merges s and t (either may be 1 at run time, which the kernel,
     built for equal dims, would read out of bounds). The node carries a check: equal sizes run, others are
-    an error naming the kernel's inputs."""
+    an error naming the kernel's inputs. Add(a[s, 8], b[4, 8]) makes s 4 for the kernel: left to ORT."""
     from ortfuse.customops.attrs import read_launch
 
     m = model([node("Add", ["a", "b"], ["c"]), node("Relu", ["c"], ["y"])],
               [vi("a", F, ["s", 8]), vi("b", F, ["t", 8])], [vi("y", F, None)])
     res = _run(m, None, {"a": (5, 8), "b": (5, 8)})
-    spec = res.kernels[0].spec
-    assert spec.dim_checks == ((1, 0, 0),)
+    assert res.kernels[0].spec.dim_checks == ((1, 0, -1),)
     launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
-    assert launch.dim_checks == ((1, 0, 0),)
+    assert launch.dim_checks == ((1, 0, -1),)
     assert launch.dims([(5, 8), (5, 8)]) == [5]
-    with pytest.raises(ValueError, match="input 1 has size 1 at axis 0, but the kernel was built for it to equal "
-                                         "axis 0 of input 0 \\(5\\)"):
+    with pytest.raises(ValueError, match="input 1 has size 1 at axis 0, but the kernel was built for 5 there "
+                                         "\\(axis 0 of input 0"):
         launch.dims([(5, 8), (1, 8)])
+    m = model([node("Add", ["a", "b"], ["c"]), node("Relu", ["c"], ["y"])],
+              [vi("a", F, ["s", 8]), vi("b", F, [4, 8])], [vi("y", F, None)])
+    res = compile_model(m, None, "sm_90")
+    assert not res.kernels and any("input 'a' axis 0: shape inference took it for 4, a size it merged" in r.reason
+                                   for r in res.plan.refusals), [str(r) for r in res.plan.refusals]

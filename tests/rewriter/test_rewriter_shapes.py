@@ -139,7 +139,7 @@ def test_unknown_rank_is_none():
 
 
 def test_fallback_to_onnx_inference(monkeypatch):
-    monkeypatch.setattr(_infer, "_symbolic", lambda m: (None, False))
+    monkeypatch.setattr(_infer, "_symbolic", lambda m: (None, False, {}))
     graph = build_graph(load_model(M.exporter_reshape()))
     assert graph.tensors["y"].shape[0] == "batch_size"  # ONNX data propagation keeps what it can
     assert graph.tensors["y"].rank == 4
@@ -149,7 +149,7 @@ def test_fallback_by_path_for_large_models(monkeypatch):
     # A tiny limit makes the skeleton count as "over 2 GB": inference then goes through a file.
     called = []
     real = onnx.shape_inference.infer_shapes_path
-    monkeypatch.setattr(_infer, "_symbolic", lambda m: (None, False))
+    monkeypatch.setattr(_infer, "_symbolic", lambda m: (None, False, {}))
     monkeypatch.setattr(_proto, "PROTOBUF_LIMIT", 64)
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes_path", lambda *a, **k: (called.append(a), real(*a, **k)))
     graph = build_graph(M.mlp())
@@ -342,3 +342,30 @@ def test_resize_shapes_by_whole_scales_and_sizes(monkeypatch):
     assert theirs.tensors["up"].shape[0] == "floor(1.0*n)"
     assert ours.tensors["to_y"].shape == theirs.tensors["to_y"].shape == ours.tensors["y"].shape
     assert ours.tensors["up_frac"].shape == theirs.tensors["up_frac"].shape  # floor(1.5 * d): the tool's rule
+
+
+def test_merged_dims_are_recorded_and_their_shapes_not_written_out():
+    """Expand(x[n, 1, w], [1, 3, 1]) after Conv-free broadcasting: symbolic inference merges a symbolic dim
+    into the Expand's size (auto_merge), so the inferred shapes are assumptions: the merges are recorded,
+    no Expand is bypassed on them, and the optimized model carries no inferred value_info ORT's optimizers
+    could take as facts (its Expand elimination would drop the broadcast)."""
+    from helpers import const, model, node, vi
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.rewriter.canonical import bypass_noop_expands
+
+    F = onnx.TensorProto.FLOAT
+    m = model([node("Relu", ["x"], ["r"]), node("Expand", ["r", "tgt"], ["e"]), node("Add", ["e", "y"], ["z"]),
+               node("Sigmoid", ["z"], ["out"])],
+              [vi("x", F, ["n", "h", 8]), vi("y", F, ["n", 3, 8])], [vi("out", F, None)],
+              [const("tgt", [1, 3, 1], np.int64)])
+    g = build_graph(m, {})
+    merges = _infer.recorded_merges(g.model)
+    if not merges:
+        pytest.skip("this ORT's symbolic inference merged nothing here")
+    assert bypass_noop_expands(g)[1] == 0
+    res = compile_model(m, None, "sm_90")
+    assert not res.model.graph.value_info and not _infer.recorded_merges(res.model)
+    for h in (1, 3):  # the Expand broadcasts at h = 1: regions reading x are left to ORT
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, h, 8), "y": (2, 3, 8)})
+        assert rep.ok, "\n".join(rep.lines())

@@ -214,7 +214,7 @@ BAD_NODES = [
     (dict(arg_align=[0, 4, 4, 1]), "arg_align\\[0\\] = 0"),
     (dict(dim_checks=[1, 0]), "dim_checks has length 2"),
     (dict(dim_checks=[2, 0, 0]), "dim_checks triple 0 = \\(2, 0, 0\\) does not name"),
-    (dict(dim_checks=[1, 0, 1]), "dim_checks triple 0 = \\(1, 0, 1\\) does not name"),
+    (dict(dim_checks=[1, 0, -2]), "dim_checks triple 0 = \\(1, 0, -2\\) does not name"),
     (dict(split_k=0), "split_k = 0"),
     (dict(split_k=16), "split_k = 16, expected 1..8"),
     (dict(out_dims=[-1, 4, -1, -7]), "out_dims\\[3\\]"),
@@ -262,10 +262,14 @@ def test_run_time_shape_error_names_node() -> None:
 
 
 def test_dim_checks_refuse_inputs_whose_shared_symbolic_dim_differs() -> None:
-    """X and Y carry one symbolic dim (X's binds it); a Y of another size at run time is an error naming the
-    node, not a kernel reading Y out of bounds."""
-    sess = session(plan_model(name="merged_node", dim_checks=[1, 0, 0]))
+    """X and Y carry one symbolic dim (X's binds it, term -1), and Y's second axis is assumed 4 (term 4); a Y
+    of another size at run time is an error naming the node, not a kernel reading Y out of bounds."""
+    sess = session(plan_model(name="merged_node", dim_checks=[1, 0, -1, 1, 1, 4]))
     assert run(sess, 3)[0].shape == (3, 4)
-    with pytest.raises(Exception, match="merged_node.*input 1 has size 5 at axis 0, but the kernel was built for it "
-                                        "to equal axis 0 of input 0 \\(3\\)"):
+    with pytest.raises(Exception, match="merged_node.*input 1 has size 5 at axis 0, but the kernel was built for 3 "
+                                        "there \\(axis 0 of input 0"):
         sess.run(None, {"X": np.ones((3, 4), np.float32), "Y": np.ones((5, 4), np.float32)})
+    sess = session(plan_model(name="static_node", dim_checks=[1, 1, 5]))
+    with pytest.raises(Exception, match="static_node.*input 1 has size 4 at axis 1, but the kernel was built for 5 "
+                                        "there \\(a size"):
+        run(sess, 3)
