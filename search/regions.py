@@ -1,7 +1,8 @@
 """Region growth in three phases:
 0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed);
 1. memory-bound ops: greedy merging along producer->consumer edges in topological order. A merge is
-   kept only if `legal` allows it and the merged group still lowers to one kernel;
+   kept only if `legal` allows it and the merged group still lowers to one kernel; a group takes along the
+   iota cones it reads (Range and the ops computed from it alone), which have no kernel of their own;
 2. GEMM epilogues: each MatMul/Gemm/Conv absorbs the group that consumes its result when the merged region
    lowers to one GEMM kernel (a group with a row reduction over the GEMM's N axis becomes a row-wise
    epilogue, one tile spanning each row) and the cost model says it beats cuBLAS followed by the group
