@@ -92,9 +92,10 @@ class Launch:
             dims.append((size + add) // div + 1)
         for terms, limit in self.dim_limits:
             if math.prod(self.resolve(terms, dims)) >= limit:
-                raise ValueError(f"{self.entry}: an image of {math.prod(self.resolve(terms, dims))} elements or "
-                                 f"pixels exceeds this kernel's 32-bit gather (< {limit}); optimize the model with "
-                                 f"this image size fixed (--input-shape)")
+                raise ValueError(f"{self.entry}: a size of {math.prod(self.resolve(terms, dims))} exceeds what this "
+                                 f"kernel was built for (< {limit}: an image's elements or pixels for its 32-bit "
+                                 f"gather, or a sequence for a table it slices); fix the size when optimizing "
+                                 f"(--input-shape), or give a shorter input")
         return dims
 
     def resolve(self, terms: Sequence[int], dims: Sequence[int]) -> list[int]:

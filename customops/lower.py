@@ -350,6 +350,9 @@ class _Lowerer:
             return self.gather_value(node, idx)
         if op == "Concat":
             return self.concat_value(node, idx)
+        if op == "Slice":  # unit steps: the coordinate plus the start (legal.slice_verdict)
+            starts = legal.slice_starts(self.g, node)
+            return self.value(node.input[0], tuple(ir.add(c, ir.i64(starts.get(a, 0))) for a, c in enumerate(idx)))
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]
@@ -693,7 +696,24 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
         raise LoweringError("a Range's length or an Expand's run-time shape is not made of the region's input dims")
     spec = _lower_kind(graph, region, tgt, tf32, tile)
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
-                               shape_reads=reads, dim_checks=dim_checks(graph, spec))
+                               shape_reads=reads, dim_checks=dim_checks(graph, spec),
+                               dim_limits=spec.dim_limits + slice_limits(graph, region, spec))
+
+
+def slice_limits(graph: Graph, region: Region, spec: KernelSpec) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """dim_limits for each Slice with a run-time end (`legal.slice_runtime_end`): the dim it is read as
+    must fit the sliced axis, or the kernel would read past it where ORT's Slice would have clamped (and
+    the model failed further on): the launch is refused instead."""
+    bound = {graph.tensors[spec.inputs[i]].shape[axis]: k for k, (i, axis) in reversed(list(enumerate(spec.sym_dims)))}
+    out = []
+    for i in region.nodes:
+        n = graph.nodes[i]
+        run_time = legal.slice_runtime_end(graph, n) if n.op_type == "Slice" else None
+        if run_time is not None:
+            if run_time[1] not in bound:
+                raise LoweringError(f"Slice '{n.name}': its length {run_time[1]} is not a dim of the kernel")
+            out.append(((-bound[run_time[1]] - 1,), run_time[2] + 1))
+    return tuple(out)
 
 
 MAX_DIM_CHECKS = 64  # the native library's bound (OFZ_MAX_TERMS triples)

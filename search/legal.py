@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence
 
+import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
@@ -60,10 +61,56 @@ def range_length_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
     return None
 
 
+def slice_runtime_end(g: Graph, node: onnx.NodeProto) -> Optional[tuple[int, Dim, int]]:
+    """(axis, output dim, room) of a Slice whose one end is computed at run time: Slice(x, [0], [n], [axis])
+    with n a dim read through Shape, equal to the output's dim there (`iota.scalar`), on an axis of static
+    size `room`; None for a Slice whose ends are constants. Raises ValueError for other forms."""
+    from ortfuse.rewriter import iota
+
+    ends = node.input[2] if len(node.input) > 2 else ""
+    if ends in g.constants:
+        return None
+    src, out = g.tensors[node.input[0]].shape or (), g.tensors[node.output[0]].shape or ()
+    starts = g.constants.get(node.input[1])
+    axes = g.constants.get(node.input[3]) if len(node.input) > 3 and node.input[3] else np.zeros(1, np.int64)
+    if starts is None or axes is None or np.asarray(starts).size != 1 or np.asarray(axes).size != 1:
+        raise ValueError("its starts and axes are not one constant each")
+    axis = int(np.asarray(axes).reshape(())) % len(src)
+    n = out[axis]
+    if int(np.asarray(starts).reshape(())) != 0 or not isinstance(src[axis], int) or not isinstance(n, str) \
+            or iota.scalar(g, ends) != iota.coef_of(n):
+        raise ValueError("a run-time end other than a dim of the output, from 0, along an axis of static size")
+    return axis, n, src[axis]
+
+
+def slice_starts(g: Graph, node: onnx.NodeProto) -> dict[int, int]:
+    """{axis: first index read} of a unit-step Slice with constant starts (`attention.select_start`), or
+    {axis: 0} for the run-time-end form (`slice_runtime_end`). Raises ValueError for other forms."""
+    from ortfuse.search.attention import select_start
+
+    run_time = slice_runtime_end(g, node)
+    return {run_time[0]: 0} if run_time is not None else select_start(g, node, node.output[0])
+
+
+def slice_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
+    """None when a Slice is an index op (`slice_starts`: unit steps, constant starts, and constant ends or
+    one run-time end that is a dim, whose fit the launch checks)."""
+    if any(x and x not in g.constants for x in list(node.input[1:2]) + list(node.input[3:5])):
+        return "its starts, axes or steps are computed at run time"
+    try:
+        slice_starts(g, node)
+    except (ValueError, KeyError, IndexError) as e:
+        return str(e)
+    return None
+
+
 def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
     if node.op_type == "Range":
         why = range_length_verdict(g, node)
         return f"Range not computed in a kernel: {why}" if why else None
+    if node.op_type == "Slice":
+        why = slice_verdict(g, node)
+        return f"Slice not computed in a kernel: {why}" if why else None
     if node.op_type == "Concat":
         ins = [x for x in node.input if x]
         rank = len(g.tensors[node.output[0]].shape or ())
@@ -268,6 +315,14 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
     members = set(nodes)
     for i in sorted(members):
         n = g.nodes[i]
+        if n.op_type == "Slice":
+            run_time = slice_runtime_end(g, n)
+            if run_time is not None and n.input[2] not in out:
+                p = part(run_time[1])
+                if p is None or p[0] < 0:
+                    return None
+                out[n.input[2]] = (p,)
+            continue
         if n.op_type not in ("Range", "Expand") or n.input[1] in g.constants or n.input[1] in out:
             continue
         if n.op_type == "Range":

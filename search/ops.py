@@ -19,8 +19,9 @@ CONV = frozenset({"Conv"})
 ANCHORS = GEMM | CONV
 # Index ops: Gather reads its data input at positions given by its (integer) indices, evaluated in the
 # kernel; Range is an iota computed from the element's coordinate (its length comes from the region's dims);
-# Concat reads the input whose span along the axis holds the coordinate.
-INDEXING = frozenset({"Gather", "Range", "Concat"})
+# Concat reads the input whose span along the axis holds the coordinate; a unit-step Slice reads its input
+# at the coordinate plus its start.
+INDEXING = frozenset({"Gather", "Range", "Concat", "Slice"})
 MAX_CONCAT_INPUTS = 4  # a fused Concat evaluates every input at each element and selects one
 # Pure data movement: folded into the index math of the ops around them.
 LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
@@ -33,6 +34,7 @@ META_INPUTS: dict[str, frozenset[int]] = {
     "Unsqueeze": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceSum": frozenset({1}),
     "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "ReduceSumSquare": frozenset({1}),
     "Range": frozenset({0, 1, 2}),  # start and delta become literals; limit only sets the length
+    "Slice": frozenset({1, 2, 3, 4}),  # starts fold into the index; ends only set the length
 }
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import onnx
+
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import conv, legal, ops
@@ -88,14 +90,17 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         else:
             group_of[i] = frozenset((i,))
 
-    # nodes computed from Range iotas (and constants) alone: no kernel of their own (nothing binds their
+    # nodes computed from Range iotas (and constants, and Slices of them sized by a dim) alone: no kernel of their own (nothing binds their
     # dims), but recomputed inside the kernel that reads them (an iota costs an add), so a group taking their
     # result takes them along. Constant-only cones stay out: ORT folds them at session start.
+    def sized_by_dims(n: onnx.NodeProto) -> bool:  # a Range, or a Slice of a constant with a run-time end
+        return n.op_type == "Range" or (n.op_type == "Slice" and legal.slice_runtime_end(g, n) is not None)
+
     sourceless: set[int] = set()
     for i in sorted(group_of):
         reads = [t for _, t in ops.data_inputs(g.nodes[i])]
         if all(t in g.constants or g.producer.get(t) in sourceless for t in reads) and \
-                (g.nodes[i].op_type == "Range" or any(g.producer.get(t) in sourceless for t in reads)):
+                (sized_by_dims(g.nodes[i]) or any(g.producer.get(t) in sourceless for t in reads)):
             sourceless.add(i)
 
     def closure(a: set[int]) -> set[int]:

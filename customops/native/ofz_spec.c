@@ -269,7 +269,7 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
                  s->node, (long long)size, (long long)-r[1]);
     args->dim[s->n_sym + j] = (size + r[1]) / r[2] + 1;
   }
-  for (size_t i = 0; i < s->n_limits;) {  // sizes the kernel's 32-bit index math can hold
+  for (size_t i = 0; i < s->n_limits;) {  // sizes the kernel was built for: 32-bit index math, sliced tables
     const size_t count = (size_t)s->dim_limits[i];
     const long long limit = s->dim_limits[i + 1 + count];
     long long p = 1;
@@ -278,8 +278,9 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
       p = t != 0 && p > limit / t ? limit : p * t;
     }
     if (p >= limit)
-      return BAD("ortfuse: node '%s': an image of %lld elements or pixels (or more) exceeds this kernel's 32-bit "
-                 "gather (< %lld); optimize the model with this image size fixed (--input-shape)", s->node, p, limit);
+      return BAD("ortfuse: node '%s': a size of %lld (or more) exceeds what this kernel was built for (< %lld: an "
+                 "image's elements or pixels for its 32-bit gather, or a sequence for a table it slices); fix the "
+                 "size when optimizing (--input-shape), or give a shorter input", s->node, p, limit);
     i += count + 2;
   }
   const int64_t* od = s->out_dims;

@@ -228,3 +228,41 @@ def test_class_token_expanded_to_a_run_time_batch_joins_the_kernel(dt):
     assert [n.op_type for n in res.model.graph.node] == [fused.op_type]
     assert [(x, [(fused.inputs[k] if k >= 0 else None, a) for k, a in parts]) for x, parts in fused.shape_reads] == \
         [("tgt", [("p", 0), (None, 1), (None, 1)])]
+
+
+def test_position_ids_sliced_from_a_buffer_fuse_and_a_too_long_sequence_is_refused():
+    """BERT's position ids: a Slice of a constant arange buffer [1, 16] up to the sequence length read
+    from input_ids' shape, then the position lookup. The Slice joins the embeddings kernel (its end rebuilt
+    in the function body); a sequence past the buffer, where ORT's Slice would clamp and the model fail
+    further on, is refused at launch instead of read past the buffer."""
+    from ortfuse.customops.attrs import read_launch
+
+    rng = np.random.default_rng(6)
+    m = model([node("Gather", ["words", "ids"], ["we"]),
+               node("Shape", ["ids"], ["sh"]), node("Gather", ["sh", "one"], ["s"]),
+               node("Unsqueeze", ["s", "ax0"], ["s1"]),
+               node("Slice", ["buf", "zero1", "s1", "one1"], ["pid"]),
+               node("Gather", ["positions", "pid"], ["pe"]), node("Add", ["we", "pe"], ["x"]),
+               node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)],
+              [vi("ids", TP.INT64, ["batch", "seq"])], [vi("y", F, None)],
+              [const("words", rng.standard_normal((30, 16))), const("positions", rng.standard_normal((16, 16))),
+               const("buf", np.arange(16).reshape(1, 16), I64), const("g", rng.standard_normal(16)),
+               const("b", rng.standard_normal(16)), const("one", 1, I64), const("ax0", [0], I64),
+               const("zero1", [0], I64), const("one1", [1], I64)])
+    res = fused_parity(m, {"ids": ("batch", "seq")}, {"ids": (2, 9)}, ["rowreduce"])
+    assert [n.op_type for n in res.model.graph.node] == [res.kernels[0].node.op_type]
+    launch = read_launch(res.model.graph.node[0])
+    shapes = {"ids": (2, 16), "words": (30, 16), "buf": (1, 16), "positions": (16, 16), "g": (16,), "b": (16,)}
+    args = [shapes[t] for t in res.kernels[0].node.inputs]
+    launch.dims(args)  # a sequence of 16 fits the buffer
+    with pytest.raises(ValueError, match="a size of 17 exceeds what this kernel was built for \\(< 17"):
+        launch.dims([(2, 17) if t == "ids" else shapes[t] for t in res.kernels[0].node.inputs])
+
+
+def test_slice_with_constant_bounds_is_an_index_op():
+    m = model([node("Slice", ["x", "st", "en", "ax"], ["s"]), node("Mul", ["s", "two"], ["y0"]),
+               node("Add", ["y0", "r"], ["y"])],
+              [vi("x", F, ["n", 9, 8]), vi("r", F, ["n", 3, 4])], [vi("y", F, ["n", 3, 4])],
+              [const("st", [2, -6], I64), const("en", [5, -2], I64), const("ax", [1, 2], I64), const("two", 2.0)])
+    res = fused_parity(m, {"x": ("n", 9, 8), "r": ("n", 3, 4)}, {"x": (2, 9, 8), "r": (2, 3, 4)}, ["pointwise"])
+    assert len(res.model.graph.node) == 1
