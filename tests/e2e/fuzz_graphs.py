@@ -195,7 +195,7 @@ class _Builder:
         constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
-                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat", "expand_rt"]))
+                                    "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat", "expand_rt", "slice"]))
         if kind == "extreme" and self.dtype == TP.FLOAT:
             # overflow paths (fp32 only: ORT CPU's fp16 kernels overflow in places of their own), through ops
             # that saturate there; a huge value left in the pool would meet Sin (noise at 1e8) or inf - inf.
@@ -227,6 +227,16 @@ class _Builder:
                     c = self.random_const(s[:a] + (k,) + s[a + 1:])
                 y = self.add("Neg", [x], s, pool=False)
                 self.add("Concat", [c, x, y], s[:a] + (k + 2 * s[a],) + s[a + 1:], axis=a)
+        elif kind == "slice":  # constant bounds (negative starts, ends past the dim) on a static axis
+            axes = [i for i in range(rank) if static[i] and s[i] > 2]
+            if axes:
+                a = axes[int(self.rng.integers(len(axes)))]
+                lo = int(self.rng.integers(-s[a], s[a] - 1))
+                start = lo + s[a] if lo < 0 else lo
+                out = s[:a] + (s[a] - start,) + s[a + 1:]
+                self.add("Relu", [self.add("Slice", [x, self.const(np.array([lo]), "st", np.int64),
+                                                     self.const(np.array([s[a] + 7]), "en", np.int64),
+                                                     self.axes(a)], out, pool=False)], out)
         elif kind == "expand_rt" and s[0] == "n" and all(static[1:]):
             # a constant expanded to x's batch read at run time (torch's expand(B, -1, ...)), then added
             b = self.add("Gather", [self.add("Shape", [x], (rank,), pool=False), self.const(np.array([0]), "i", np.int64)],
