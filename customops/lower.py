@@ -704,7 +704,7 @@ def slice_limits(graph: Graph, region: Region, spec: KernelSpec) -> tuple[tuple[
     """dim_limits for each Slice with a run-time end (`legal.slice_runtime_end`): the dim it is read as
     must fit the sliced axis, or the kernel would read past it where ORT's Slice would have clamped (and
     the model failed further on): the launch is refused instead."""
-    bound = {graph.tensors[spec.inputs[i]].shape[axis]: k for k, (i, axis) in reversed(list(enumerate(spec.sym_dims)))}
+    bound = _bound_dims(graph, spec)
     out = []
     for i in region.nodes:
         n = graph.nodes[i]
@@ -716,6 +716,14 @@ def slice_limits(graph: Graph, region: Region, spec: KernelSpec) -> tuple[tuple[
     return tuple(out)
 
 
+def _bound_dims(graph: Graph, spec: KernelSpec) -> dict[Dim, int]:
+    """symbolic dim -> the runtime dim k the kernel binds it to (`KernelSpec.sym_dims`, first binding)."""
+    bound: dict[Dim, int] = {}
+    for k, (i, axis) in enumerate(spec.sym_dims):
+        bound.setdefault(graph.tensors[spec.inputs[i]].shape[axis], k)
+    return bound
+
+
 MAX_DIM_CHECKS = 64  # the native library's bound (OFZ_MAX_TERMS triples)
 
 
@@ -725,10 +733,7 @@ def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ..
     Dims it cannot have merged (`iota.trusted_dims`) need no check: each checked input costs the launch a
     shape query (about 0.1 us). (A graph input inferred static where it is declared symbolic is refused by
     `legal.classify`; the node format's checks also take sizes, term >= 0.)"""
-    trusted = iota.trusted_dims(graph)
-    bound: dict[str, int] = {}
-    for k, (i, axis) in enumerate(spec.sym_dims):
-        bound.setdefault(graph.tensors[spec.inputs[i]].shape[axis], k)
+    trusted, bound = iota.trusted_dims(graph), _bound_dims(graph, spec)
     out = [(i, axis, -bound[d] - 1) for i, t in enumerate(spec.inputs)
            for axis, d in enumerate(graph.tensors[t].shape or ())
            if isinstance(d, str) and d in bound and d not in trusted and spec.sym_dims[bound[d]] != (i, axis)]

@@ -32,9 +32,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ortfuse.rewriter import _infer, _proto
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
-from ortfuse.rewriter.shapes import assemble
+from ortfuse.rewriter.shapes import assemble, merged_sizes
 
 
 def _static_target(in_shape: tuple[Dim, ...], out_shape: tuple[Dim, ...]) -> Optional[list[int]]:
@@ -339,7 +339,7 @@ def bypass_noop_expands(g: Graph) -> tuple[Graph, int]:
     alias: dict[str, str] = {}
     # sizes shape inference merged a symbolic dim into: an input dim of that size may be the symbol, 1 at
     # run time, which the Expand broadcasts
-    merged_sizes = {v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int)}
+    merged = merged_sizes(g)
     for n in g.nodes:
         if n.op_type != "Expand" or n.domain not in ("", "ai.onnx") or n.output[0] in g.graph_outputs:
             continue
@@ -347,7 +347,7 @@ def bypass_noop_expands(g: Graph) -> tuple[Graph, int]:
         users = g.consumers.get(n.output[0], ())
         if src is None or out is None or src.shape is None or src.shape != out.shape or src.dtype != out.dtype:
             continue
-        if any(isinstance(d, int) and d in merged_sizes for d in src.shape):
+        if any(isinstance(d, int) and d in merged for d in src.shape):
             continue
         if all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads it
             alias[n.output[0]] = alias.get(n.input[0], n.input[0])

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 from ortfuse.errors import InputError
 from ortfuse.rewriter import _infer, _proto
-from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
+from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 
 BATCH_HINT = 1
 THROUGHPUT_BATCH = 32  # the second batch size a fusion must pay at when the batch is symbolic (search.cost)
@@ -70,6 +70,13 @@ def build_graph(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[Dim, ..
     except _infer.ShapeInferenceError as e:
         raise InputError(f"model: shape inference failed: {e}") from None
     return assemble(m, _record_value_infos(m, inferred), opset)
+
+
+@per_graph
+def merged_sizes(g: Graph) -> frozenset[int]:
+    """Sizes other than 1 that symbolic inference merged a symbolic dim into (`_infer.recorded_merges`): a
+    tensor inferred with such a size may have 1 there at run time."""
+    return frozenset(v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int) and v != 1)
 
 
 def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int) -> Graph:

@@ -327,8 +327,7 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
             continue
         if n.op_type == "Range":
             length = (g.tensors[n.output[0]].shape or (None,))[0]
-            if not isinstance(length, str) or iota.scalar(g, n.input[1]) != iota.coef_of(length) \
-                    or [iota.const_int(g, x) for x in (n.input[0], n.input[2])] != [0, 1]:
+            if range_length_verdict(g, n) or not isinstance(length, str):
                 return None  # a limit computed at run time must be a dim itself (static ones are constants by now)
             dims: Optional[tuple[Dim, ...]] = (length,)
         else:
@@ -351,9 +350,10 @@ def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
     """An input whose static dim may be a symbolic one shape inference merged into that size where they met
     in a broadcast (`_infer.recorded_merges`): at run time it may be 1 there, and a kernel built for the size
     would read past it, so the region is left to ORT. Constants and declared sizes are facts."""
-    from ortfuse.rewriter import _infer, iota
+    from ortfuse.rewriter import iota
+    from ortfuse.rewriter.shapes import merged_sizes
 
-    sizes = {v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int) and v != 1}
+    sizes = merged_sizes(g)
     if not sizes:
         return None
     declared = iota.declared_dims(g)

@@ -228,7 +228,8 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   }
   size_t rank = 0;
   int64_t dims[64];
-  for (size_t k = 0, have = SIZE_MAX; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
+  size_t have = SIZE_MAX;  // the input whose dims are in `dims`
+  for (size_t k = 0; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
     if ((size_t)s->sym[2 * k] != have) {  // one shape query per input: its dims are listed together
       have = (size_t)s->sym[2 * k];
       TRY(input_dims(ctx, have, dims, &rank));
@@ -242,7 +243,7 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
                  s->node, (long long)s->sym[2 * k], (long long)dims[axis]);
     args->dim[k] = dims[axis];
   }
-  for (size_t j = 0, have = SIZE_MAX; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims
+  for (size_t j = 0; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims
     const int64_t* c = &s->dim_checks[3 * j];
     if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each
       have = (size_t)c[0];

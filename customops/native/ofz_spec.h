@@ -28,7 +28,7 @@ typedef struct OfzSpec {
   int64_t units_ceil[OFZ_MAX_TERMS];
   size_t n_limits;  // groups (count, term * count, limit): the product of the terms must stay below limit
   int64_t dim_limits[OFZ_MAX_TERMS];
-  size_t n_checks;  // triples (input, axis, k): that axis must equal runtime dim k (the same symbolic dim)
+  size_t n_checks;  // triples (input, axis, term): that axis must equal the term (a size, or a runtime dim)
   int64_t dim_checks[3 * OFZ_MAX_TERMS];
   size_t n_align;  // 0, or one per input then output: the byte alignment its address needs (arg_align)
   int64_t align[OFZ_MAX_TENSORS];
