@@ -25,6 +25,7 @@ from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.ir import BOOL, F32, I64, Expr, Var
 from ortfuse.rewriter import iota
 from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.rewriter.layernorm_fold import LayerNormFold
 from ortfuse.search import conv, legal, ops
 from ortfuse.search.plan import Region
 
@@ -70,6 +71,8 @@ class KernelSpec:
     # (input, axis, term): an input axis whose size the kernel assumes, checked at launch: term < 0 is runtime
     # dim -(term + 1), else a size (shape inference may have merged dims that differ at run time)
     dim_checks: tuple[tuple[int, int, int], ...] = ()
+    # a LayerNorm folded into the GEMM: the rewriter gives the kernel folded constants in three input slots
+    ln_fold: Optional[LayerNormFold] = None
 
     @property
     def block(self) -> int:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import onnx
 
 from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search import conv, ops
+from ortfuse.rewriter.layernorm_fold import LayerNormFold
+from ortfuse.search import conv, norm_fold, ops
 from ortfuse.search.cost import bindings
 from ortfuse.search.plan import Region
 
@@ -52,8 +54,9 @@ def row_input(graph: Graph, region: Region, anchor: int) -> str:
                         stack.append(c)
         return seen
 
-    after = downstream({i for i in nodes if graph.nodes[i].op_type in ops.REDUCTIONS})
-    pre = downstream({anchor}) - after
+    result = downstream({anchor})  # (a LayerNorm prologue's reduction is upstream)
+    after = downstream({i for i in result if graph.nodes[i].op_type in ops.REDUCTIONS})
+    pre = result - after
     frontier = sorted({o for i in pre for o in graph.nodes[i].output if o and (
         o in region.outputs or any(c in nodes and c not in pre for c in graph.consumers.get(o, ())))})
     if len(frontier) != 1:
@@ -84,7 +87,9 @@ class _GemmLowerer(_Lowerer):
         self.forced_tile = tile
         self.acc: dict[Expr, Expr] = {}  # column expression -> accumulator value at that column
         self.out_idx: tuple[Expr, ...] = ()
-        self.row_mode = any(graph.nodes[i].op_type in ops.REDUCTIONS for i in region.nodes)
+        self.fold = norm_fold.in_region(graph, region.nodes)  # a LayerNorm prologue (search/norm_fold.py)
+        self.row_mode = any(graph.nodes[i].op_type in ops.REDUCTIONS for i in region.nodes
+                            if not (self.fold and i == self.fold.norm))
         self.row_tensor = row_input(graph, region, anchors[0]) if self.row_mode else None
         self.row_local: Optional[Expr] = None  # row pass: the row within the tile (row buffer index)
         # (terms, limit): products of runtime dims the kernel needs below limit (its 32-bit gather)
@@ -92,6 +97,7 @@ class _GemmLowerer(_Lowerer):
         self.row_ld = 0
         # constant inputs the kernel reads transposed: (tensor, perm), materialized by the rewriter
         self.input_perms: list[tuple[str, tuple[int, ...]]] = []
+        self.ln_fold: Optional[LayerNormFold] = None
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -354,6 +360,9 @@ class _GemmLowerer(_Lowerer):
         n_static = self.static(N)
         a_direct = (a_t in self.args and a_t not in self.producer and not trans_a and k_static is not None
                     and (k_static * es) % 16 == 0)
+        fold_targ = self.fold_operand(es, b_s) if self.fold else None
+        if fold_targ:  # the kernel multiplies the LayerNorm's input X, copied like any row-major A
+            a_t, a_direct = self.fold.x, True
         b_input = b_t in self.args and b_t not in self.producer
         if b_input and trans_b and k_static is not None and (k_static * es) % 16 == 0:
             b_mode = COL
@@ -384,7 +393,7 @@ class _GemmLowerer(_Lowerer):
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
-        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode)
+        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode) if not fold_targ else None
         if wg_b is not None:
             wg_math = tl.WGMMA_OF[math_]
             wg_ranked, wg_chosen = self.choose_tile(shapes, es, wg_math, a_mode, COL)
@@ -409,6 +418,10 @@ class _GemmLowerer(_Lowerer):
                 raise LoweringError(f"tile {chosen.tile.as_tuple()} does not span the {N}-column row")
             tpr = self.row_epilogue(funcs, vb, out_prefix, y_s, chosen.tile)
             targs = (str(tpr),)
+        if fold_targ:
+            if chosen.split > 1:
+                raise LoweringError("the LayerNorm fold cannot split K")
+            targs = (targs[0] if targs else "0", "ofz::gemm::NoConv", "1", fold_targ)
 
         batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
         m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
@@ -416,6 +429,27 @@ class _GemmLowerer(_Lowerer):
         b_arg = self.args[b_t] if b_mode != GENERIC else 0
         return self.finish(funcs, chosen, ranked, storage, math_, (a_mode, a_arg), (b_mode, b_arg), batch_terms,
                            m_terms, [self.encode(N)], K, targs)
+
+    def fold_operand(self, es: int, b_s: tuple[Dim, ...]) -> str:
+        """The template's Fold argument for the region's LayerNorm prologue, or a LoweringError: X is a region
+        input with 16-byte rows, the weight 2-D, and the scale and bias slots read by the LayerNorm alone
+        (the rewriter puts the folded c and d there)."""
+        f = self.fold
+        assert f is not None
+        if f.x not in self.args or f.x in self.producer:
+            raise LoweringError("the LayerNorm's input is computed in the region")
+        if (f.k * es) % 16:
+            raise LoweringError(f"the LayerNorm fold copies rows of X whole: {f.k} elements are not 16-byte rows")
+        if len(b_s) != 2:
+            raise LoweringError("the LayerNorm fold needs a 2-D weight")
+        for t in (f.scale, f.bias):
+            if t and [i for i in self.g.consumers.get(t, ()) if i in self.r.nodes] != [f.norm]:
+                raise LoweringError(f"'{t}' is also read by another op of the region")
+        bits = int(np.float32(f.epsilon).view(np.uint32))
+        d = self.args[f.bias] if f.bias else -1
+        self.ln_fold = LayerNormFold(self.g.nodes[f.norm].output[0], self.anchor.output[0], f.weight, f.scale, f.bias,
+                                     f.trans_b)
+        return f"ofz::gemm::LayerNormFold<{self.args[f.scale]}, {d}, {bits}u>"
 
     def wgmma_operand(self, b_t: str, b_s: tuple[Dim, ...], b_mode: int, math_: int, a_mode: int) -> Optional[int]:
         """B's mode before a warpgroup-MMA kernel may run this GEMM, or None: the target has wgmma (and the user
@@ -443,7 +477,7 @@ class _GemmLowerer(_Lowerer):
         the forced tile at its best split). `taps`: the channel count of a tap-major gather, which BK must
         divide; then (_, None) where no tile fits."""
         m, n, k, batch = shapes[0]
-        staged = (tl.ELEMENTS if a_mode == GENERIC else tl.DIRECT,
+        staged = (tl.ELEMENTS if a_mode == GENERIC else tl.NORMED if self.fold else tl.DIRECT,
                   tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT)
         ranked = tl.rank_for_bindings(self.tgt, shapes, es, math_, b_mode == COL, row=self.row_mode, staged=staged,
                                       bk_divides=taps)
@@ -503,5 +537,5 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
-                      tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms))
+                      tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold)
 

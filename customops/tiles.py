@@ -51,8 +51,14 @@ ISSUE_PER_KTILE = 30
 REGS_PER_CHUNK = 5
 REGS_PER_STAGED = 4
 # How an operand reaches shared memory (the `staged` pair, A then B): copied by cp.async, loaded element
-# by element through registers (prologue math, the im2col gather), or by the tap-major im2col gather.
-DIRECT, ELEMENTS, TAPS = 0, 1, 2
+# by element through registers (prologue math, the im2col gather), by the tap-major im2col gather, or (A
+# only) copied by cp.async and read back once for the LayerNorm fold's row moments (no split-K).
+DIRECT, ELEMENTS, TAPS, NORMED = 0, 1, 2, 3
+# The row moments of one 16-byte chunk of A (ortfuse_gemm.h RowMoments::add: a shared load, conversions,
+# the chunk's mean and squared deviations, two divisions and the merge), instructions per thread; and the
+# registers each chunk slot keeps (count, mean, M2). Estimates, to count in SASS.
+ISSUE_PER_MOMENT_CHUNK = 70
+REGS_PER_MOMENT_CHUNK = 3
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,12 @@ class GemmTile:
             return acc + REG_OVERHEAD + 8
         frags = (self.wm // 16) * 4 + (self.wn // 8) * 2 if math_ != SIMT else self.wm // 4 + self.wn // 8
         chunks, elems, taps = self.operand_work(esize, staged)
-        return acc + frags + REG_OVERHEAD + chunks * REGS_PER_CHUNK + (elems + taps) * REGS_PER_STAGED
+        moments = self.moment_chunks(esize) * REGS_PER_MOMENT_CHUNK if staged[0] == NORMED else 0
+        return acc + frags + REG_OVERHEAD + chunks * REGS_PER_CHUNK + (elems + taps) * REGS_PER_STAGED + moments
+
+    def moment_chunks(self, esize: int) -> int:
+        """A's 16-byte chunks per thread and k tile (the LayerNorm fold's row moments read each once)."""
+        return -(-(self.bm * self.bk * esize // 16) // self.threads)
 
     def operand_work(self, esize: int, staged: tuple[int, int]) -> tuple[int, int, int]:
         """(cp.async chunks, staged elements, tap-major gather elements) per thread and k tile; `staged` says
@@ -104,6 +115,7 @@ class GemmTile:
         counts = [0, 0, 0]
         for how, size in zip(staged, (self.bm * self.bk, self.bk * self.bn)):
             per = -(-size // self.threads)
+            how = DIRECT if how == NORMED else how
             counts[int(how)] += per if how else -(-per // chunk)
         return counts[0], counts[1], counts[2]
 
@@ -121,13 +133,16 @@ class GemmTile:
             frag = mt + -(-nt // 2) if math_ != MMA_TF32 else 4 * mt + 2 * nt  # ldmatrix, or tf32 converts
             math_ops = (self.bk // step) * (frag + mt * nt)
         chunks, elems, taps = self.operand_work(esize, staged)
-        return math_ops + chunks * ISSUE_PER_CHUNK + elems * ISSUE_PER_STAGED + taps * ISSUE_PER_TAP + ISSUE_PER_KTILE
+        moments = self.moment_chunks(esize) * ISSUE_PER_MOMENT_CHUNK if staged[0] == NORMED else 0
+        return (math_ops + chunks * ISSUE_PER_CHUNK + elems * ISSUE_PER_STAGED + taps * ISSUE_PER_TAP + ISSUE_PER_KTILE
+                + moments)
 
     def smem_wavefronts_per_ktile(self, math_: int, esize: int, staged: tuple[int, int], line: int = 128) -> int:
         """Shared-memory wavefronts (one `line`-byte access per clock per SM) a block spends per k tile: its
         operand writes and its warps' fragment reads (below). ortfuse_emu.h counts both for ldmatrix and
         cp.async launches (tests/customops/test_smem_traffic.py)."""
-        return self.smem_writes_per_ktile(esize, staged, line) + self.smem_reads_per_ktile(math_)
+        moments = -(-self.bm * self.bk * esize // line) if staged[0] == NORMED else 0  # A read back once
+        return self.smem_writes_per_ktile(esize, staged, line) + self.smem_reads_per_ktile(math_) + moments
 
     def smem_writes_per_ktile(self, esize: int, staged: tuple[int, int], line: int = 128) -> int:
         """The operands written into the stage: cp.async chunks by the byte (TileCopy places every
@@ -135,7 +150,7 @@ class GemmTile:
         warps = self.threads // 32
         writes = 0
         for how, size in zip(staged, (self.bm * self.bk, self.bk * self.bn)):
-            writes += -(-size * esize // line) if how == DIRECT else -(-size // self.threads) * warps
+            writes += -(-size * esize // line) if how in (DIRECT, NORMED) else -(-size // self.threads) * warps
         return writes
 
     def smem_reads_per_ktile(self, math_: int) -> int:
@@ -243,8 +258,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
         return None
     tiles = batch * -(-m // t.bm) * -(-n // t.bn)
     ktiles_all = -(-k // t.bk)
-    if split > 1 and (tiles * split > tgt.sm_count or ktiles_all < 2 * split):
-        return None  # split only within one wave, and each block keeps a pipeline's worth of k tiles
+    if split > 1 and (tiles * split > tgt.sm_count or ktiles_all < 2 * split or staged[0] == NORMED):
+        return None  # split only within one wave, each block keeps a pipeline's worth of k tiles, whole rows of A
     blocks = tiles * split
     ktiles = -(-ktiles_all // split)  # the busiest block's share
     kp = ktiles * t.bk

@@ -161,7 +161,7 @@ def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedK
     tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
     node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
                      region.outputs, tuple(attrs.node_attributes(spec, ck)), spec.input_perms,
-                     spec.shape_reads)
+                     spec.shape_reads, spec.ln_fold)
     return FusedKernel(region, spec, ck, node)
 
 

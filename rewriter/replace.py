@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import onnx
@@ -16,6 +16,7 @@ from onnx import numpy_helper
 
 from ortfuse.errors import InputError
 from ortfuse.rewriter import _infer, _proto
+from ortfuse.rewriter.layernorm_fold import LayerNormFold, fold_body, folded_constants
 from ortfuse.rewriter.graph import Graph
 
 DOMAIN = "ortfuse"
@@ -38,6 +39,9 @@ class FusedNode:
     # kernel knows them as dims; the function body rebuilds them from the inputs' shapes (Shape + Gather,
     # Concat), so the shape arithmetic outside the region that computed them can go
     shape_reads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    # a LayerNorm folded into the region's GEMM: the weight, scale and bias slots carry folded constants
+    # (new initializers), and the function body is rewritten to match (rewriter/layernorm_fold.py)
+    ln_fold: Optional[LayerNormFold] = None
 
 
 def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
@@ -52,7 +56,8 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
     if merged:  # inferred shapes then rest on assumed equalities: ORT's optimizers must not take them as facts
         del g.value_info[:]  # (its Expand elimination would drop an Expand that broadcasts a merged dim)
     permuted = _permuted_constants(graph, fused, g)
-    new_nodes = [_fused_node(fused[k], permuted) if kind == "fused" else graph.nodes[k]
+    folded = _folded_constants(graph, fused, g)
+    new_nodes = [_fused_node(fused[k], permuted, folded.get(k, {})) if kind == "fused" else graph.nodes[k]
                  for kind, k in _contracted_order(graph, fused, owner)]
     del g.node[:]
     g.node.extend(new_nodes)
@@ -157,9 +162,9 @@ def _contracted_order(graph: Graph, fused: tuple[FusedNode, ...], owner: dict[in
 
 # ---- building ----------------------------------------------------------------------------------------
 
-def _fused_node(f: FusedNode, permuted: dict[tuple[str, tuple[int, ...]], str]) -> onnx.NodeProto:
+def _fused_node(f: FusedNode, permuted: dict[tuple[str, tuple[int, ...]], str], folded: dict[str, str]) -> onnx.NodeProto:
     perm_of = dict(f.input_perms)
-    inputs = [permuted[(x, perm_of[x])] if x in perm_of else x for x in f.inputs]
+    inputs = [folded[x] if x in folded else permuted[(x, perm_of[x])] if x in perm_of else x for x in f.inputs]
     node = onnx.helper.make_node(f.op_type, inputs, list(f.outputs), name=f.name, domain=DOMAIN)
     node.attribute.extend(f.attributes)
     return node
@@ -188,6 +193,35 @@ def _permuted_constants(graph: Graph, fused: tuple[FusedNode, ...],
             g.initializer.append(tensor)
             taken.add(new)
             out[(name, perm)] = new
+    return out
+
+
+def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphProto) -> dict[int, dict[str, str]]:
+    """The new initializers of each LayerNorm fold, by fused node: {slot tensor: new initializer}."""
+    out: dict[int, dict[str, str]] = {}
+    taken = set(graph.tensors) | {t.name for t in g.initializer}
+    for i, f in enumerate(fused):
+        fold = f.ln_fold
+        if fold is None:
+            continue
+        slots = [t for t in (fold.weight, fold.scale, fold.bias) if t]
+        if any(t not in f.inputs or t not in graph.constants for t in slots) or len(set(slots)) != len(slots) or \
+                f.input_perms or fold.norm_output in f.outputs:
+            raise ValueError(f"{f.name}: the LayerNorm fold does not fit the region's inputs")
+        w, gamma = np.asarray(graph.constants[fold.weight]), np.asarray(graph.constants[fold.scale])
+        beta = np.asarray(graph.constants[fold.bias]) if fold.bias else None
+        wf, c, d = folded_constants(w, gamma, beta, fold.trans_b)
+        names = {}
+        for slot, data, tag in ((fold.weight, wf, "w"), (fold.scale, c, "c"), (fold.bias, d, "d")):
+            if not slot:
+                continue
+            new = f"{fold.weight}__ortfuse_ln{tag}"
+            while new in taken:
+                new += "_"
+            taken.add(new)
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(data), new))
+            names[slot] = new
+        out[i] = names
     return out
 
 
@@ -234,6 +268,9 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
                 if x:
                     seq[j] = rename.setdefault(x, f"t{len(rename)}")
         body.append(node)
+    if f.ln_fold is not None:
+        info = graph.tensors[f.ln_fold.scale]
+        fold_body(body, f.ln_fold, rename, int(np.prod(info.shape)), info.dtype)
     return onnx.helper.make_function(DOMAIN, f.op_type, [f"in{k}" for k in range(len(f.inputs))],
                                      [f"out{k}" for k in range(len(f.outputs))], body, opsets)
 

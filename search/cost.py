@@ -15,8 +15,11 @@ from ortfuse.customops import tiles
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
-from ortfuse.search import conv, ops
-from ortfuse.search.plan import Region, Reject, Traffic
+from ortfuse.search import conv, norm_fold, ops
+from ortfuse.search.plan import Plan, Region, Reject, Traffic
+
+# Ops ORT runs on shape metadata (on the host, or folded at session start): no kernel time.
+_HOST_OPS = frozenset({"Shape", "Size", "Constant", "ConstantOfShape"})
 
 
 def tensor_bytes(g: Graph, t: str) -> int:
@@ -169,6 +172,49 @@ class CostModel:
             return math.inf
         return max(1.0, row[0].est_us / free[0].est_us)
 
+    def fold_penalty(self, g: Graph, node: onnx.NodeProto) -> float:
+        """How much slower our GEMM gets with a LayerNorm folded in (the row moments it gathers from A, no
+        split-K): the tile model's best folded tile over its best plain one."""
+        batch, m, n, k = gemm_dims(g, node)
+        es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
+        b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
+        b_staged = ((k if b_nk else n) * es) % 16 != 0
+        args = (self.target, m, n, k, batch, es, self._math(g, node), b_nk)
+        free = tiles.rank_tiles(*args, top_k=1, staged=(tiles.DIRECT, b_staged))
+        folded = tiles.rank_tiles(*args, top_k=1, staged=(tiles.NORMED, b_staged))
+        if not free or not folded:
+            return math.inf
+        return max(1.0, folded[0].est_us / free[0].est_us)
+
+    def plan_times(self, g: Graph, plan: Plan, other: Plan) -> list[tuple[str, float, float]]:
+        """(binding, plan's time, other's time) for two plans of the same graph: each region as ours_us, each
+        node outside the regions as ORT runs it (cuBLAS/cuDNN for an anchor, one kernel for any other op;
+        the ops ORT aliases or runs on the host cost nothing)."""
+        out = []
+        for where, gb in bindings(g):
+            out.append((where, *(self._plan_us(gb, g, p) for p in (plan, other))))
+        return out
+
+    def _plan_us(self, gb: Graph, g: Graph, plan: Plan) -> float:
+        inside = {i for r in plan.regions for i in r.nodes}
+        total = sum(self.ours_us(gb, _at(gb, r, g)) for r in plan.regions)
+        for i, n in enumerate(g.nodes):
+            if i in inside or n.op_type in ops.FREE_IN_ORT or n.op_type in _HOST_OPS:
+                continue
+            if conv.is_anchor(g, n):
+                total += self.gemm_us(gb, n)[0] + self.target.launch_us
+            else:
+                total += self.time_us(node_bytes(gb, n), 1)
+        return total
+
+    @staticmethod
+    def pays(times: list[tuple[str, float, float]]) -> bool:
+        return _pays(times)
+
+    @staticmethod
+    def figures(times: list[tuple[str, float, float]]) -> str:
+        return ", ".join(f"{ours:.1f} us vs {alt:.1f} us{where}" for where, ours, alt in times)
+
     def _anchor(self, g: Graph, region: Region) -> onnx.NodeProto:
         return next(g.nodes[i] for i in region.nodes if conv.is_anchor(g, g.nodes[i]))
 
@@ -182,6 +228,8 @@ class CostModel:
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
         if region.kind == "gemm_row":
             mm_us *= self.row_penalty(g, node)
+        if norm_fold.in_region(g, region.nodes) is not None:
+            mm_us *= self.fold_penalty(g, node)
         return mm_us + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
 
     def speed_vs_library(self, g: Graph, node: onnx.NodeProto, region: Optional[Region] = None) -> float:
@@ -258,16 +306,18 @@ class CostModel:
             return Reject(label, f"{what} estimated at {_figures(times)} as ORT runs it")
         return None
 
-    def split_verdict(self, g: Graph, merged: Region, group: Region) -> Optional[str]:
+    def split_verdict(self, g: Graph, merged: Region, group: Region, base: Optional[Region] = None) -> Optional[str]:
         """None if a GEMM with `group` fused in beats cuBLAS/cuDNN followed by `group` as our own kernel over
-        the bindings of `bindings` (`_pays`). Leaving all of it to ORT (whose FusedConv may absorb the group)
-        is judged afterwards, by `verdict` on the merged region."""
-        lib = "cuDNN" if self._anchor(g, merged).op_type in ops.CONV else "cuBLAS"
+        the bindings of `bindings` (`_pays`); `base`: the GEMM's region before the merge where it is already
+        ours (a LayerNorm folded in), instead of cuBLAS. Leaving all of it to ORT (whose FusedConv may absorb
+        the group) is judged afterwards, by `verdict` on the merged region."""
+        lib = "our GEMM" if base is not None else "cuDNN" if self._anchor(g, merged).op_type in ops.CONV else "cuBLAS"
         times = []
         for where, gb in bindings(g):
             m, grp = _at(gb, merged, g), _at(gb, group, g)
-            mm_us, _ = self.gemm_us(gb, self._anchor(gb, m))
-            times.append((where, self.ours_us(gb, m), mm_us + self.target.launch_us + self.ours_us(gb, grp)))
+            first = self.ours_us(gb, _at(gb, base, g)) if base is not None else \
+                self.gemm_us(gb, self._anchor(gb, m))[0] + self.target.launch_us
+            times.append((where, self.ours_us(gb, m), first + self.ours_us(gb, grp)))
         if not _pays(times):
             return f"estimated at {_figures(times)} as {lib} + a separate {group.kind} kernel"
         return None

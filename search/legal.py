@@ -9,7 +9,7 @@ import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
-from ortfuse.search import conv, ops
+from ortfuse.search import conv, norm_fold, ops
 from ortfuse.search.plan import Region, Reject, Traffic
 
 
@@ -380,9 +380,10 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     if all(ops.kind_of(g.nodes[i].op_type) == "layout" for i in nodes):
         return Reject(label, "only layout ops")
     shapes = {o: g.tensors[o].shape for o in outputs}
-    reductions = [i for i in nodes if g.nodes[i].op_type in ops.REDUCTIONS]
-    empty = Traffic(0, 0, 0)
     gemms = [i for i in nodes if conv.is_anchor(g, g.nodes[i])]
+    fold = norm_fold.in_region(g, nodes) if gemms else None  # a LayerNorm prologue is not a row epilogue
+    reductions = [i for i in nodes if g.nodes[i].op_type in ops.REDUCTIONS and not (fold and i == fold.norm)]
+    empty = Traffic(0, 0, 0)
     if gemms:
         if len(gemms) > 1:
             return Reject(label, "two GEMMs in one region")

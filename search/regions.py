@@ -1,5 +1,9 @@
 """Region growth in three phases:
 0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed);
+   LayerNorm prologues: a LayerNormalization read only by a MatMul/Gemm's A operand joins that GEMM's
+   region (`search.norm_fold`). Whether the folds pay depends on what their absence leaves the kernels
+   that produce X (a row-wise epilogue, or a separate kernel), so the search runs with and without them
+   and the cost model keeps the plan it estimates faster for the whole model;
 1. memory-bound ops: greedy merging along producer->consumer edges in topological order. A merge is
    kept only if `legal` allows it and the merged group still lowers to one kernel; a group takes along the
    iota cones it reads (Range and the ops computed from it alone), which have no kernel of their own;
@@ -15,13 +19,14 @@
 The cost model then keeps the regions that pay."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import onnx
 
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
-from ortfuse.search import conv, legal, ops
+from ortfuse.search import conv, legal, norm_fold, ops
 from ortfuse.search.attention import find_attention
 from ortfuse.search.cost import CostModel, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
@@ -73,6 +78,23 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
          tf32: bool = False) -> Plan:
     cost = cost or CostModel(tgt, tf32)
     check = check or _lowering_check(tgt, tf32)
+    found = {i: norm_fold.find(g, i) for i in range(len(g.nodes)) if g.nodes[i].op_type in ops.GEMM}
+    folds = {i: f for i, f in found.items() if isinstance(f, norm_fold.NormFold)}
+    unfit = tuple(Reject(f"LayerNorm before {g.node_label(i)}", f) for i, f in found.items() if isinstance(f, str))
+    without = _grow(g, cost, check, {})
+    if not folds:
+        return dataclasses.replace(without, refusals=without.refusals + unfit)
+    folded = _grow(g, cost, check, folds)
+    times = cost.plan_times(g, folded, without)
+    if cost.pays(times):
+        return dataclasses.replace(folded, refusals=folded.refusals + unfit)
+    why = Reject(f"{len(folds)} LayerNorm prologues", f"the whole model estimated at {cost.figures(times)} with "
+                                                      f"the LayerNorms folded into their GEMMs")
+    return dataclasses.replace(without, refusals=without.refusals + unfit + (why,))
+
+
+def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"]) -> Plan:
+    """The phases above, with `folds` (by anchor) as LayerNorm prologues."""
     rejects: list[Reject] = []
     refusals: list[Reject] = []
     attention = _attention(g, check, refusals)
@@ -89,6 +111,11 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
             gemms.append(i)
         else:
             group_of[i] = frozenset((i,))
+    claimed_folds = {i: frozenset(f.nodes) for i, f in folds.items()
+                     if i in gemms and all(n in group_of for n in f.nodes)}  # not rejected, nor attention's
+    for nodes in claimed_folds.values():
+        for n in nodes:
+            del group_of[n]
 
     # nodes computed from Range iotas (and constants, and Slices of them sized by a dim) alone: no kernel of their own (nothing binds their
     # dims), but recomputed inside the kernel that reads them (an iota costs an add), so a group taking their
@@ -151,24 +178,30 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     def with_traffic(r: Region) -> Region:
         return Region(r.id, r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r))
 
-    def beats_split(grp: frozenset[int]) -> Callable[[Region], Optional[str]]:
-        """Fusing pays only if it beats cuBLAS followed by the group as its own kernel."""
+    def beats_split(grp: frozenset[int], mine: Optional[frozenset[int]] = None) -> Callable[[Region], Optional[str]]:
+        """Fusing pays only if it beats cuBLAS (or the GEMM's own kernel `mine`, with its LayerNorm folded in)
+        followed by the group as its own kernel."""
         def pays(merged: Region) -> Optional[str]:
             alone = legal.classify(g, set(grp))
-            if isinstance(alone, Reject):
+            base = legal.classify(g, set(mine)) if mine is not None else None
+            if isinstance(alone, Reject) or isinstance(base, Reject):
                 return None
-            return cost.split_verdict(g, with_traffic(merged), with_traffic(alone))
+            return cost.split_verdict(g, with_traffic(merged), with_traffic(alone),
+                                      with_traffic(base) if base is not None else None)
         return pays
 
     offered: set[int] = set()  # anchors with an epilogue candidate (fused or refused with its reason)
     for i in gemms:  # phase 2: epilogues (element-wise, or row-wise when a reduction follows)
-        group_of[i] = frozenset((i,))
+        group_of[i] = frozenset((i,)) | claimed_folds.get(i, frozenset())
+        for n in claimed_folds.get(i, ()):
+            group_of[n] = group_of[i]
         for c in g.consumers.get(g.nodes[i].output[0], ()):
             grp = group_of.get(c)
             if grp is None or i in grp:
                 continue
             offered.add(i)
-            merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}", beats_split(grp))
+            merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}",
+                  beats_split(grp, group_of[i] if i in claimed_folds else None))
 
     for i in gemms:  # phase 3: conv chains
         _take_prologue(g, i, group_of, merge, cost, with_traffic, refusals)

@@ -18,6 +18,14 @@
 // the drained pipeline stages; `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
 // row (row_reduce, scratch of kThreads / 32 floats) and stores every output.
 //
+// LayerNorm folded in (Fold = LayerNormFold<...>; lower_gemm.py, docs/design.md "LayerNorm prologues"): A is
+// X, the LayerNormalization's input, and B the weight scaled offline by its gamma along K, W' = diag(gamma) W.
+// Then LN(X) W = rstd * (X W' - mean * c) + d per row, with c = colsum(W') and d = beta W given as fp32
+// vectors of N. The block gathers each row's mean and sum of squared deviations from the A tiles as they
+// pass through shared memory (RowMoments: Chan's pairwise update per 16-byte chunk, which does not cancel
+// where E[x^2] - mean^2 would), and corrects the accumulators before any epilogue sees them. Not with
+// split-K (a block sees only part of each row).
+//
 // Split-K (SPLIT > 1, sm_90 thread-block clusters): launched with clusters of S <= SPLIT blocks, the S
 // blocks of a cluster share one output tile and each runs 1/S of its k tiles. They then reduce through
 // distributed shared memory: each stores its fp32 partial tile [BM][BN + 4] in its own shared memory, and
@@ -79,6 +87,105 @@ struct Conv2d {
 struct NoConv {
   static constexpr bool kTapMajor = false;
 };
+
+// The LayerNorm fold (see the top of this file): c and d are fp32 kernel arguments C_ARG and D_ARG (D_ARG
+// -1: the LayerNorm has no beta), epsilon is EPS_BITS as an IEEE float.
+struct NoFold {
+  static constexpr bool kOn = false;
+};
+template <int C_ARG, int D_ARG, unsigned EPS_BITS>
+struct LayerNormFold {
+  static constexpr bool kOn = true;
+  static constexpr int kC = C_ARG, kD = D_ARG;
+  static __device__ __forceinline__ float eps() { return f32_bits(EPS_BITS); }
+};
+
+// Per-row moments of the A operand, gathered k tile by k tile from its shared-memory stage: thread tid
+// owns chunks c = tid + i * NT of the BM x (BK / chunk) grid of 16-byte chunks, so the kG threads of a row
+// are adjacent lanes of one warp and keep that row for every k tile. Each keeps (count, mean, M2) per chunk
+// slot, merged per chunk with Chan's update; `finish` merges the row's lanes and stores (mean, 1/sqrt(var +
+// eps)) per row of the tile.
+template <class T, int BM, int BK, int ALD, int NT>
+struct RowMoments {
+  static constexpr int kChunk = 16 / (int)sizeof(T), kG = BK / kChunk, kChunks = BM * kG;
+  static constexpr int kI = (kChunks + NT - 1) / NT;
+  static_assert(BK % kChunk == 0 && 32 % kG == 0 && NT % kG == 0, "a row's chunks are adjacent lanes of one warp");
+  float cnt[kI], mean[kI], m2[kI];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < kI; ++i) cnt[i] = mean[i] = m2[i] = 0.0f;
+  }
+
+  // (count, mean, M2) += (nb, mb, m2b), Chan et al.'s pairwise update
+  static __device__ __forceinline__ void merge(float& n, float& mu, float& s, float nb, float mb, float m2b) {
+    const float nn = n + nb;
+    if (nb > 0.0f) {
+      const float d = mb - mu, w = nb / nn;
+      mu += d * w;
+      s += m2b + d * d * n * w;
+      n = nn;
+    }
+  }
+
+  // the stage holding the k tile that starts at k0; K: the row length (chunks past it hold zeros, not data)
+  __device__ __forceinline__ void add(const T* stage, ofz_i64 k0, ofz_i64 K) {
+#pragma unroll
+    for (int i = 0; i < kI; ++i) {
+      const int c = threadIdx.x + i * NT;
+      if (kChunks % NT != 0 && c >= kChunks) continue;
+      const int r = c / kG, q = c % kG;
+      const ofz_i64 left = K - (k0 + q * kChunk);
+      if (left <= 0) continue;
+      const int valid = left < kChunk ? (int)left : kChunk;
+      T e[kChunk];
+      load_vec<kChunk>(stage + r * ALD + q * kChunk, e);
+      float v[kChunk], sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        v[j] = to_f32(e[j]);
+        sum += j < valid ? v[j] : 0.0f;
+      }
+      const float nb = (float)valid, mb = sum / nb;
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float d = v[j] - mb;
+        s += j < valid ? d * d : 0.0f;
+      }
+      merge(cnt[i], mean[i], m2[i], nb, mb, s);
+    }
+  }
+
+  // every thread of the block calls it (warp shuffles); stats[2 * r] = mean, stats[2 * r + 1] = rstd
+  __device__ __forceinline__ void finish(float* stats, float eps) {
+#pragma unroll
+    for (int i = 0; i < kI; ++i) {
+      float n = cnt[i], mu = mean[i], s = m2[i];
+#pragma unroll
+      for (int off = 1; off < kG; off *= 2) {
+        const float nb = __shfl_xor_sync(0xffffffffu, n, off), mb = __shfl_xor_sync(0xffffffffu, mu, off);
+        const float sb = __shfl_xor_sync(0xffffffffu, s, off);
+        // both lanes merge in the same order (the lower lane's moments first), so they agree on the result
+        const bool upper = (threadIdx.x & off) != 0;
+        float n1 = upper ? nb : n, m1 = upper ? mb : mu, s1 = upper ? sb : s;
+        merge(n1, m1, s1, upper ? n : nb, upper ? mu : mb, upper ? s : sb);
+        n = n1, mu = m1, s = s1;
+      }
+      const int c = threadIdx.x + i * NT;
+      if ((kChunks % NT == 0 || c < kChunks) && c % kG == 0) {
+        stats[2 * (c / kG)] = mu;
+        stats[2 * (c / kG) + 1] = 1.0f / sqrtf((n > 0.0f ? s / n : 0.0f) + eps);
+      }
+    }
+  }
+};
+struct NoMoments {
+  __device__ __forceinline__ void clear() {}
+  template <class T> __device__ __forceinline__ void add(const T*, ofz_i64, ofz_i64) {}
+  __device__ __forceinline__ void finish(float*, float) {}
+};
+
 // Math of the warp tile.
 // kWgmma*: sm_90a warpgroup MMA (run_wgmma below); the others are run's warp-level math.
 enum Math : int { kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3, kWgmmaF16 = 4, kWgmmaBF16 = 5 };
@@ -306,8 +413,9 @@ struct Staging {
 
 // Visits the warp's accumulators as runs of adjacent columns: f(row, col, values, count), row and col within
 // the block tile; mma fragments give pairs (columns 2t, 2t+1), SIMT lanes single values.
+// (Acc and SAcc may be const: f then gets const values.)
 template <bool kMma, int kMT, int kNT, class Acc, class SAcc, class F>
-__device__ __forceinline__ void for_each_acc(const Acc& acc, const SAcc& sacc, int wm0, int wn0, F&& f) {
+__device__ __forceinline__ void for_each_acc(Acc& acc, SAcc& sacc, int wm0, int wn0, F&& f) {
   const int lane = threadIdx.x % 32;
   if constexpr (kMma) {
     const int g = lane / 4, t = lane % 4;
@@ -445,8 +553,30 @@ template <int BM, int BN, int BK, int SPLIT> struct Schedule {
 };
 
 // The warp-level mainloop (mma.sync, tf32 or SIMT): see the top of this file.
+// The LayerNorm fold's per-row (mean, rstd) of the tile: static shared memory, only in kernels that fold
+template <int BM> __device__ __forceinline__ float* fold_stats() {
+  __shared__ float stats[2 * BM];
+  return stats;
+}
+
+// The LayerNorm fold's correction of the accumulators (see the top of this file): row r of the tile has
+// stats[2r] = mean and stats[2r + 1] = rstd; c and d are indexed by the output column.
+template <class Fold, bool kMma, int kMT, int kNT, class Acc, class SAcc>
+__device__ __forceinline__ void fold_correct(const OfzArgs& a, Acc& acc, SAcc& sacc, int wm0, int wn0, const float* stats,
+                                             ofz_i64 n0, ofz_i64 N) {
+  const float* cv = static_cast<const float*>(a.ptr[Fold::kC]);
+  const float* dv = Fold::kD >= 0 ? static_cast<const float*>(a.ptr[Fold::kD >= 0 ? Fold::kD : 0]) : nullptr;
+  for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, [&](int r, int c, float* v, int count) {
+    const float mu = stats[2 * r], rstd = stats[2 * r + 1];
+    for (int e = 0; e < count; ++e) {
+      const ofz_i64 n = n0 + c + e;
+      if (n < N) v[e] = rstd * (v[e] - mu * cv[n]) + (Fold::kD >= 0 ? dv[n] : 0.0f);
+    }
+  });
+}
+
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR, class Geo, int SPLIT>
+          int ROW_TPR, class Geo, int SPLIT, class Fold>
 __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                         ofz_i64 K) {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
@@ -461,10 +591,14 @@ __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, 
   const int g = lane / 4, t = lane % 4;
   const Schedule<BM, BN, BK, SPLIT> sch(batch, M, N, K);
   const ofz_i64 kt0 = sch.kt0, nk = sch.nk;  // the block's k tiles: [kt0, kt0 + nk)
+  static_assert(!(Fold::kOn && SPLIT > 1), "the LayerNorm fold needs whole rows of A in one block");
+  using Moments = typename Pick<Fold::kOn, RowMoments<T, BM, BK, L::kALd, L::kThreads>, NoMoments>::type;
 
   for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step) {
     ofz_i64 b, m0, n0;
     sch.at(u, b, m0, n0);
+    Moments moments;
+    moments.clear();
     const T* A = nullptr;
     const T* B = nullptr;
     if constexpr (AMODE != kGeneric) A = static_cast<const T*>(a.ptr[a_arg]) + Ops::a_base(a, b);
@@ -578,12 +712,15 @@ __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, 
             for (int j = 0; j < kNT; ++j) sacc[i][j] = fmaf(av[i], bv[j], sacc[i][j]);
         }
       }
+      moments.add(as, (kt0 + kt) * BK, K);  // the LayerNorm fold's row moments (nothing otherwise)
       // stage ns was drained before this iteration's barrier; it is read after iteration `next`'s
       if constexpr (kStaged)
         if (next < nk) staged.stash(As + ns * L::kAStage, Bs + ns * L::kBStage);
     }
+    if constexpr (Fold::kOn) moments.finish(fold_stats<BM>(), Fold::eps());
     cp_async_wait<0>();
-    __syncthreads();  // the next tile's prologue overwrites the stages
+    __syncthreads();  // the next tile's prologue overwrites the stages; the row moments are complete
+    if constexpr (Fold::kOn) fold_correct<Fold, kMma, kMT, kNT>(a, acc, sacc, wm0, wn0, fold_stats<BM>(), n0, N);
 
     const AccVisitor<kMma, kMT, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
     store_tile<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0,
@@ -640,7 +777,7 @@ struct SwizzledCopy {
 };
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR, class Geo, int SPLIT>
+          int ROW_TPR, class Geo, int SPLIT, class Fold>
 __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                           ofz_i64 K) {
 #if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -650,6 +787,7 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
   static_assert(sizeof(T) == 2 && BK == 64 && WM == 16 && BM % 64 == 0 && BN % WN == 0, "wgmma tile shape");
   static_assert(WN == 64 || WN == 128 || WN == 256, "wgmma N per warpgroup");
   static_assert(STAGES >= 4, "the wgmma pipeline refills a stage two k tiles after it was read");
+  static_assert(!Fold::kOn, "the LayerNorm fold runs on the mma.sync mainloop");
   static_assert((MATH == kWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
   constexpr int kThreads = (BM / WM) * (BN / WN) * 32;
   constexpr int kNT = WN / 8;
@@ -720,13 +858,14 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
 }
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1>
+          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K) {
   if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
-    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT>(a, a_arg, b_arg, batch, M, N, K);
+    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(a, a_arg, b_arg, batch, M, N,
+                                                                                                K);
   else
-    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT>(a, a_arg, b_arg, batch, M, N, K);
+    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(a, a_arg, b_arg, batch, M, N, K);
 }
 
 }  // namespace gemm
