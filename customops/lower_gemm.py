@@ -432,8 +432,8 @@ class _GemmLowerer(_Lowerer):
 
     def fold_operand(self, es: int, b_s: tuple[Dim, ...]) -> str:
         """The template's Fold argument for the region's LayerNorm prologue, or a LoweringError: X is a region
-        input with 16-byte rows, the weight 2-D, and the scale and bias slots read by the LayerNorm alone
-        (the rewriter puts the folded c and d there)."""
+        input with 16-byte rows, the weight 2-D, and the slots the rewriter fills with folded constants
+        (gamma, beta, the GEMM's bias) read by their own op alone in the region."""
         f = self.fold
         assert f is not None
         if f.x not in self.args or f.x in self.producer:
@@ -442,14 +442,12 @@ class _GemmLowerer(_Lowerer):
             raise LoweringError(f"the LayerNorm fold copies rows of X whole: {f.k} elements are not 16-byte rows")
         if len(b_s) != 2:
             raise LoweringError("the LayerNorm fold needs a 2-D weight")
-        for t in (f.scale, f.bias):
-            if t and [i for i in self.g.consumers.get(t, ()) if i in self.r.nodes] != [f.norm]:
+        owner = {f.scale: f.norm, f.bias: f.norm, f.gemm_bias: f.bias_add if f.bias_add is not None else f.anchor}
+        for t, reader in owner.items():
+            if t and [i for i in self.g.consumers.get(t, ()) if i in self.r.nodes] != [reader]:
                 raise LoweringError(f"'{t}' is also read by another op of the region")
-        bits = int(np.float32(f.epsilon).view(np.uint32))
-        d = self.args[f.bias] if f.bias else -1
-        self.ln_fold = LayerNormFold(self.g.nodes[f.norm].output[0], self.anchor.output[0], f.weight, f.scale, f.bias,
-                                     f.trans_b)
-        return f"ofz::gemm::LayerNormFold<{self.args[f.scale]}, {d}, {bits}u>"
+        self.ln_fold = LayerNormFold(f.weight, f.scale, f.bias, f.gemm_bias, f.trans_b)
+        return f"ofz::gemm::LayerNormFold<{int(np.float32(f.epsilon).view(np.uint32))}u>"
 
     def wgmma_operand(self, b_t: str, b_s: tuple[Dim, ...], b_mode: int, math_: int, a_mode: int) -> Optional[int]:
         """B's mode before a warpgroup-MMA kernel may run this GEMM, or None: the target has wgmma (and the user

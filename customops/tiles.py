@@ -55,10 +55,11 @@ REGS_PER_STAGED = 4
 # only) copied by cp.async and read back once for the LayerNorm fold's row moments (no split-K).
 DIRECT, ELEMENTS, TAPS, NORMED = 0, 1, 2, 3
 # The row moments of one 16-byte chunk of A (ortfuse_gemm.h RowMoments::add: a shared load, conversions,
-# the chunk's mean and squared deviations, two divisions and the merge), instructions per thread; and the
-# registers each chunk slot keeps (count, mean, M2). Estimates, to count in SASS.
-ISSUE_PER_MOMENT_CHUNK = 70
-REGS_PER_MOMENT_CHUNK = 3
+# deviations from the shift, their sum and sum of squares), instructions per thread: the sm_90 SASS k loop of
+# a 64x64x64 fp16 tile (4 chunks per thread) holds 238 instructions more than the plain tile's 190, of which
+# ~18 per chunk sit in the branch taken once per tile (2026-11-25). And the registers a chunk slot keeps.
+ISSUE_PER_MOMENT_CHUNK = 45
+REGS_PER_MOMENT_CHUNK = 4
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ def debug() -> bool:
     return os.environ.get("ORTFUSE_DEBUG", "0") not in ("", "0")
 
 
+LN_FOLD_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class Options:
     archs: tuple[int, ...] = (90,)  # cubins built for these compute capabilities; PTX for the lowest
@@ -38,7 +41,13 @@ class Options:
     # sm_90a warpgroup-MMA GEMM kernels where every target arch is sm_90 (opt-in until verified on a GPU;
     # $ORTFUSE_WGMMA=1 turns it on too)
     wgmma: bool = field(default_factory=lambda: os.environ.get("ORTFUSE_WGMMA", "0") not in ("", "0"))
+    # LayerNorms folded into the GEMMs that read them: "auto" where the cost model says the whole model gains,
+    # "on" wherever they can, "off" never ($ORTFUSE_LN_FOLD; docs/design.md, LayerNorm prologues)
+    ln_fold: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LN_FOLD", "auto") or "auto")
 
     def __post_init__(self) -> None:
         if not self.archs:
             raise ValueError("at least one target arch is needed")
+        if self.ln_fold not in LN_FOLD_MODES:
+            raise ValueError(f"LayerNorm fold mode '{self.ln_fold}' (ORTFUSE_LN_FOLD): expected one of "
+                             f"{', '.join(LN_FOLD_MODES)}")

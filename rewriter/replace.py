@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from ortfuse.errors import InputError
 from ortfuse.rewriter import _infer, _proto
-from ortfuse.rewriter.layernorm_fold import LayerNormFold, fold_body, folded_constants
+from ortfuse.rewriter.layernorm_fold import LayerNormFold, fold_constants
 from ortfuse.rewriter.graph import Graph
 
 DOMAIN = "ortfuse"
@@ -39,8 +39,8 @@ class FusedNode:
     # kernel knows them as dims; the function body rebuilds them from the inputs' shapes (Shape + Gather,
     # Concat), so the shape arithmetic outside the region that computed them can go
     shape_reads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
-    # a LayerNorm folded into the region's GEMM: the weight, scale and bias slots carry folded constants
-    # (new initializers), and the function body is rewritten to match (rewriter/layernorm_fold.py)
+    # a LayerNorm folded into the region's GEMM: the weight, gamma, beta and GEMM-bias slots carry folded
+    # constants (new initializers) on which the function body computes the same (rewriter/layernorm_fold.py)
     ln_fold: Optional[LayerNormFold] = None
 
 
@@ -204,22 +204,20 @@ def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphP
         fold = f.ln_fold
         if fold is None:
             continue
-        slots = [t for t in (fold.weight, fold.scale, fold.bias) if t]
+        slots = [t for t in (fold.weight, fold.scale, fold.bias, fold.gemm_bias) if t]
         if any(t not in f.inputs or t not in graph.constants for t in slots) or len(set(slots)) != len(slots) or \
-                f.input_perms or fold.norm_output in f.outputs:
+                any(x in dict(f.input_perms) for x in slots):
             raise ValueError(f"{f.name}: the LayerNorm fold does not fit the region's inputs")
-        w, gamma = np.asarray(graph.constants[fold.weight]), np.asarray(graph.constants[fold.scale])
-        beta = np.asarray(graph.constants[fold.bias]) if fold.bias else None
-        wf, c, d = folded_constants(w, gamma, beta, fold.trans_b)
         names = {}
-        for slot, data, tag in ((fold.weight, wf, "w"), (fold.scale, c, "c"), (fold.bias, d, "d")):
-            if not slot:
-                continue
-            new = f"{fold.weight}__ortfuse_ln{tag}"
+        for slot, data in fold_constants(fold, graph.constants).items():
+            new = f"{slot}__ortfuse_ln_{fold.weight}" if slot != fold.weight else f"{slot}__ortfuse_ln"
             while new in taken:
                 new += "_"
             taken.add(new)
-            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(data), new))
+            tensor = numpy_helper.from_array(np.ascontiguousarray(data), new)
+            if tensor.data_type != graph.tensors[slot].dtype:
+                raise ValueError(f"{f.name}: the folded '{slot}' would change dtype")
+            g.initializer.append(tensor)
             names[slot] = new
         out[i] = names
     return out
@@ -268,9 +266,6 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
                 if x:
                     seq[j] = rename.setdefault(x, f"t{len(rename)}")
         body.append(node)
-    if f.ln_fold is not None:
-        info = graph.tensors[f.ln_fold.scale]
-        fold_body(body, f.ln_fold, rename, int(np.prod(info.shape)), info.dtype)
     return onnx.helper.make_function(DOMAIN, f.op_type, [f"in{k}" for k in range(len(f.inputs))],
                                      [f"out{k}" for k in range(len(f.outputs))], body, opsets)
 

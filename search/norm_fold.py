@@ -1,13 +1,15 @@
 """LayerNorm prologues: a LayerNormalization whose only reader is a MatMul/Gemm's A operand (pre-LN
 transformers: ln_1 -> QKV, ln_2 -> FC1) folds into that GEMM's kernel (docs/design.md, "LayerNorm
-prologues"). With W' = diag(gamma) W, c = colsum(W') and d = beta W made offline,
+prologues"). With W'' = diag(gamma) W centered per column and b' = b + beta W made offline
+(rewriter/layernorm_fold.py),
 
-    LN(X) W = rstd * (X W' - mean * c) + d    (per row of X),
+    LN(X) W + b = rstd * (X W'') + b'    (per row of X),
 
-so the kernel multiplies X itself, gathers each row's mean and rstd from the A tiles it already streams
-through shared memory, and corrects the accumulators before the epilogue (ortfuse_gemm.h). The normalized
-tensor is never written, and the kernel that produced X no longer needs a row-spanning tile for the
-LayerNorm. This module says which LayerNorms qualify; the lowering and the rewriter do the rest."""
+so the kernel multiplies X itself, gathers each row's rstd from the A tiles it already streams through
+shared memory, and scales the accumulators before the epilogue (ortfuse_gemm.h). The normalized tensor is
+never written, and the kernel that produced X no longer needs a row-spanning tile for the LayerNorm. A
+non-zero beta needs a bias vector added to the GEMM's result to carry beta W (the Add that follows, or a
+Gemm's C). This module says which LayerNorms qualify; the lowering and the rewriter do the rest."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,13 +19,16 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
-from ortfuse.rewriter.layernorm_fold import folded_weight
+from ortfuse.rewriter.layernorm_fold import needs_bias
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.search import ops
 
 # Layout ops between the LayerNorm and the GEMM that keep the last axis (HF Conv1D's view(-1, hidden)).
 ROW_LAYOUT = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
-DTYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+# 16-bit data only: folding changes where the product rounds (W'' is rounded, the normalized activations are
+# not), by about one rounding of either, well inside fp16/bf16 parity but at the size of fp32's 1e-5; and
+# fp32 GEMMs (SIMT) gain nothing from it (the cost model rejected every fp32 zoo fold).
+DTYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,13 @@ class NormFold:
     weight: str  # the GEMM's B, a constant read by nothing else
     trans_b: bool
     k: int  # the normalized length = the GEMM's K
+    gemm_bias: str  # the bias vector that carries beta W ("" where beta is absent or zero)
+    bias_add: Optional[int]  # the Add of gemm_bias to the GEMM's result (None: none, or a Gemm's C)
 
     @property
     def nodes(self) -> tuple[int, ...]:
-        return (self.norm, *self.chain)
+        """The nodes that join the GEMM's region with it."""
+        return (self.norm, *self.chain) + ((self.bias_add,) if self.bias_add is not None else ())
 
 
 def _fed(g: Graph, t: str) -> bool:
@@ -84,8 +92,8 @@ def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
         chain.append(p)
         t = pn.input[0]
     norm = g.nodes[p]
-    users = chain[::-1][1:] + [anchor]  # each tensor of the chain, LayerNorm output first, has one reader
-    for producer, reader in zip([p] + chain[::-1], users):
+    forward = [p] + chain[::-1]  # the LayerNorm, then the layout ops in order: each has one reader, the next
+    for producer, reader in zip(forward, forward[1:] + [anchor]):
         out = g.nodes[producer].output[0]
         if out in g.graph_outputs or list(g.consumers.get(out, ())) != [reader]:
             return "the LayerNorm's result is also read elsewhere, so it is written anyway"
@@ -113,14 +121,14 @@ def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
     scale, bias, weight = norm.input[1], norm.input[2] if len(norm.input) > 2 else "", node.input[1]
     dtype = g.tensors[x].dtype
     if dtype not in DTYPES:
-        return f"{onnx.TensorProto.DataType.Name(dtype)} data"
+        return f"{onnx.TensorProto.DataType.Name(dtype)} data: LayerNorms fold into 16-bit GEMMs only"
     for what, c in (("scale", scale), ("bias", bias), ("weight", weight)):
         if c and (c not in g.constants or _fed(g, c)):
             return f"the {what} '{c}' is not a constant"
         if c and g.tensors[c].dtype != dtype:
             return f"the {what} '{c}' has another element type than the data"
     if len({scale, bias, weight} - {""}) < 2 + bool(bias):
-        return "the scale, bias and weight are not distinct tensors"
+        return "the scale, bias and weight are not distinct tensors"  # each slot gets its own folded data
     for c in (scale, bias):
         if c and np.asarray(g.constants[c]).shape != (k,):
             return f"'{c}' is not a vector of the normalized length {k}"
@@ -129,10 +137,47 @@ def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
         return f"the weight '{weight}' is not a {k}-row matrix"
     if list(g.consumers.get(weight, ())) != [anchor]:
         return f"the weight '{weight}' is also read elsewhere: scaling it by the LayerNorm's gamma would copy it"
-    if not np.isfinite(folded_weight(w, np.asarray(g.constants[scale]), trans_b)).all():
-        return "the weight scaled by the LayerNorm's gamma overflows its element type"
+    gamma = np.asarray(g.constants[scale], dtype=np.float64)
+    if not 2 * np.abs(gamma).max() * np.abs(w.astype(np.float64)).max() < 65504:  # fp16's largest (bf16's is more)
+        return "the weight scaled by the LayerNorm's gamma could overflow its element type"
+    gemm_bias, bias_add = "", None
+    n_out = w.shape[0 if trans_b else 1]
+    if needs_bias(g.constants[bias] if bias else None):
+        found = _gemm_bias(g, anchor, n_out, dtype)
+        if isinstance(found, str):
+            return found
+        gemm_bias, bias_add = found
     return NormFold(p, tuple(chain[::-1]), anchor, x, scale, bias, float(scalar.attr(norm, "epsilon", 1e-5)), weight,
-                    trans_b, k)
+                    trans_b, k, gemm_bias, bias_add)
+
+
+def _gemm_bias(g: Graph, anchor: int, n: int, dtype: int) -> Union[tuple[str, Optional[int]], str]:
+    """The constant bias vector added to the GEMM's result, which takes beta W: a Gemm's C, or the one Add
+    reading the result with a constant of N elements along the last axis. A reason where there is none."""
+    node = g.nodes[anchor]
+    why = "the LayerNorm's beta needs a bias vector added to the GEMM's result to fold into"
+
+    def vector(t: str) -> bool:
+        if t not in g.constants or _fed(g, t) or g.tensors[t].dtype != dtype:
+            return False
+        shape = np.asarray(g.constants[t]).shape
+        return len(shape) >= 1 and shape[-1] == n and int(np.prod(shape)) == n
+
+    if node.op_type == "Gemm":
+        if len(node.input) > 2 and node.input[2]:
+            c = node.input[2]
+            ok = vector(c) and float(scalar.attr(node, "beta", 1.0)) == 1.0
+            return (c, None) if ok else why + " (a Gemm's C of N elements, with beta 1)"
+        return why
+    out = node.output[0]
+    users = g.consumers.get(out, ())
+    if out in g.graph_outputs or len(users) != 1 or g.nodes[users[0]].op_type != "Add":
+        return why
+    add = g.nodes[users[0]]
+    other = add.input[1] if add.input[0] == out else add.input[0]
+    if other == out or not vector(other):
+        return why
+    return other, users[0]  # (other readers keep reading b: the fused node is given its own b')
 
 
 def in_region(g: Graph, nodes: frozenset[int] | set[int] | tuple[int, ...]) -> Optional[NormFold]:

@@ -75,16 +75,30 @@ def _attention(g: Graph, check: Check, refusals: list[Reject]) -> list[Region]:
 
 
 def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optional[Check] = None,
-         tf32: bool = False) -> Plan:
+         tf32: bool = False, ln_fold: str = "auto") -> Plan:
+    """The regions to fuse. `ln_fold`: LayerNorm prologues where the whole model gains ("auto"), wherever
+    they apply ("on"), or never ("off")."""
     cost = cost or CostModel(tgt, tf32)
     check = check or _lowering_check(tgt, tf32)
-    found = {i: norm_fold.find(g, i) for i in range(len(g.nodes)) if g.nodes[i].op_type in ops.GEMM}
+    found = {i: norm_fold.find(g, i) for i in range(len(g.nodes))
+             if g.nodes[i].op_type in ops.GEMM and ln_fold != "off"}
     folds = {i: f for i, f in found.items() if isinstance(f, norm_fold.NormFold)}
     unfit = tuple(Reject(f"LayerNorm before {g.node_label(i)}", f) for i, f in found.items() if isinstance(f, str))
-    without = _grow(g, cost, check, {})
+    without = _grow(g, cost, check, {}) if ln_fold != "on" or not folds else None
     if not folds:
+        assert without is not None
         return dataclasses.replace(without, refusals=without.refusals + unfit)
     folded = _grow(g, cost, check, folds)
+    kept = {i: f for i, f in folds.items() if any(i in r.nodes for r in folded.regions)}
+    if len(kept) < len(folds):  # a fold whose GEMM went to ORT took its LayerNorm along: grow again without it
+        unfit += tuple(Reject(f"{g.node_label(f.norm)} into {g.node_label(i)} as its prologue",
+                              "the GEMM's region with it does not pay against ORT, so the LayerNorm stays out")
+                       for i, f in folds.items() if i not in kept)
+        folds = kept
+        folded = _grow(g, cost, check, folds)
+    if ln_fold == "on" or not folds:
+        return dataclasses.replace(folded, refusals=folded.refusals + unfit)
+    without = without or _grow(g, cost, check, {})
     times = cost.plan_times(g, folded, without)
     if cost.pays(times):
         return dataclasses.replace(folded, refusals=folded.refusals + unfit)
@@ -195,7 +209,8 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
         group_of[i] = frozenset((i,)) | claimed_folds.get(i, frozenset())
         for n in claimed_folds.get(i, ()):
             group_of[n] = group_of[i]
-        for c in g.consumers.get(g.nodes[i].output[0], ()):
+        add = folds[i].bias_add if i in claimed_folds else None  # a fold's bias Add is part of the GEMM's result
+        for c in g.consumers.get(g.nodes[i if add is None else add].output[0], ()):
             grp = group_of.get(c)
             if grp is None or i in grp:
                 continue

@@ -18,13 +18,13 @@
 // the drained pipeline stages; `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
 // row (row_reduce, scratch of kThreads / 32 floats) and stores every output.
 //
-// LayerNorm folded in (Fold = LayerNormFold<...>; lower_gemm.py, docs/design.md "LayerNorm prologues"): A is
-// X, the LayerNormalization's input, and B the weight scaled offline by its gamma along K, W' = diag(gamma) W.
-// Then LN(X) W = rstd * (X W' - mean * c) + d per row, with c = colsum(W') and d = beta W given as fp32
-// vectors of N. The block gathers each row's mean and sum of squared deviations from the A tiles as they
-// pass through shared memory (RowMoments: Chan's pairwise update per 16-byte chunk, which does not cancel
-// where E[x^2] - mean^2 would), and corrects the accumulators before any epilogue sees them. Not with
-// split-K (a block sees only part of each row).
+// LayerNorm folded in (Fold = LayerNormFold<EPS>; lower_gemm.py, rewriter/layernorm_fold.py, docs/design.md
+// "LayerNorm prologues"): A is X, the LayerNormalization's input, and B the weight scaled offline by its
+// gamma along K and centered per column (W''), beta's part having gone into the bias the epilogue adds.
+// Each column of W'' sums to zero, so X W'' = (X - mean) W'' and LN(X) W'' = rstd * (X W''): the block
+// gathers each row's moments from the A tiles as they pass through shared memory (RowMoments) and scales
+// the accumulators by the row's rstd before any epilogue sees them. Not with split-K (a block sees only
+// part of each row).
 //
 // Split-K (SPLIT > 1, sm_90 thread-block clusters): launched with clusters of S <= SPLIT blocks, the S
 // blocks of a cluster share one output tile and each runs 1/S of its k tiles. They then reduce through
@@ -88,33 +88,33 @@ struct NoConv {
   static constexpr bool kTapMajor = false;
 };
 
-// The LayerNorm fold (see the top of this file): c and d are fp32 kernel arguments C_ARG and D_ARG (D_ARG
-// -1: the LayerNorm has no beta), epsilon is EPS_BITS as an IEEE float.
+// The LayerNorm fold (see the top of this file); epsilon is EPS_BITS as an IEEE float.
 struct NoFold {
   static constexpr bool kOn = false;
 };
-template <int C_ARG, int D_ARG, unsigned EPS_BITS>
+template <unsigned EPS_BITS>
 struct LayerNormFold {
   static constexpr bool kOn = true;
-  static constexpr int kC = C_ARG, kD = D_ARG;
   static __device__ __forceinline__ float eps() { return f32_bits(EPS_BITS); }
 };
 
 // Per-row moments of the A operand, gathered k tile by k tile from its shared-memory stage: thread tid
 // owns chunks c = tid + i * NT of the BM x (BK / chunk) grid of 16-byte chunks, so the kG threads of a row
-// are adjacent lanes of one warp and keep that row for every k tile. Each keeps (count, mean, M2) per chunk
-// slot, merged per chunk with Chan's update; `finish` merges the row's lanes and stores (mean, 1/sqrt(var +
-// eps)) per row of the tile.
+// are adjacent lanes of one warp and keep that row for every k tile. Each sums its elements' deviations
+// from a shift, the mean of its first chunk (an element of the row's own range, so the sum of squares
+// does not cancel as E[x^2] - mean^2 would; in sm_90 SASS about 45 instructions per chunk, half what a
+// Chan update per chunk took). `finish` turns each thread's sums into (count, mean, M2), merges the
+// row's lanes with Chan's pairwise update and stores (mean, 1/sqrt(var + eps)) per row of the tile.
 template <class T, int BM, int BK, int ALD, int NT>
 struct RowMoments {
   static constexpr int kChunk = 16 / (int)sizeof(T), kG = BK / kChunk, kChunks = BM * kG;
   static constexpr int kI = (kChunks + NT - 1) / NT;
   static_assert(BK % kChunk == 0 && 32 % kG == 0 && NT % kG == 0, "a row's chunks are adjacent lanes of one warp");
-  float cnt[kI], mean[kI], m2[kI];
+  float cnt[kI], shift[kI], sum[kI], sq[kI];  // elements seen, shift, sum of (x - shift), sum of (x - shift)^2
 
   __device__ __forceinline__ void clear() {
 #pragma unroll
-    for (int i = 0; i < kI; ++i) cnt[i] = mean[i] = m2[i] = 0.0f;
+    for (int i = 0; i < kI; ++i) cnt[i] = shift[i] = sum[i] = sq[i] = 0.0f;
   }
 
   // (count, mean, M2) += (nb, mb, m2b), Chan et al.'s pairwise update
@@ -130,30 +130,43 @@ struct RowMoments {
 
   // the stage holding the k tile that starts at k0; K: the row length (chunks past it hold zeros, not data)
   __device__ __forceinline__ void add(const T* stage, ofz_i64 k0, ofz_i64 K) {
+    if (k0 + BK <= K) add_tile<false>(stage, 0);  // every k tile but a ragged last one
+    else add_tile<true>(stage, K - k0);
+  }
+
+  // kMasked: only the first `left` columns of the tile are data
+  template <bool kMasked>
+  __device__ __forceinline__ void add_tile(const T* stage, ofz_i64 left) {
 #pragma unroll
     for (int i = 0; i < kI; ++i) {
       const int c = threadIdx.x + i * NT;
       if (kChunks % NT != 0 && c >= kChunks) continue;
       const int r = c / kG, q = c % kG;
-      const ofz_i64 left = K - (k0 + q * kChunk);
-      if (left <= 0) continue;
-      const int valid = left < kChunk ? (int)left : kChunk;
+      int valid = kChunk;
+      if constexpr (kMasked) {
+        const ofz_i64 rest = left - q * kChunk;
+        if (rest <= 0) continue;
+        valid = rest < kChunk ? (int)rest : kChunk;
+      }
       T e[kChunk];
       load_vec<kChunk>(stage + r * ALD + q * kChunk, e);
-      float v[kChunk], sum = 0.0f;
+      float v[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) v[j] = !kMasked || j < valid ? to_f32(e[j]) : 0.0f;
+      if (cnt[i] == 0.0f) {  // the first chunk: its mean is the shift
+        float s0 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) s0 += v[j];
+        shift[i] = s0 / (float)valid;
+      }
+      float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
-        v[j] = to_f32(e[j]);
-        sum += j < valid ? v[j] : 0.0f;
+        const float d = !kMasked || j < valid ? v[j] - shift[i] : 0.0f;
+        s1 += d;
+        s2 = fmaf(d, d, s2);
       }
-      const float nb = (float)valid, mb = sum / nb;
-      float s = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const float d = v[j] - mb;
-        s += j < valid ? d * d : 0.0f;
-      }
-      merge(cnt[i], mean[i], m2[i], nb, mb, s);
+      sum[i] += s1, sq[i] += s2, cnt[i] += (float)valid;
     }
   }
 
@@ -161,7 +174,11 @@ struct RowMoments {
   __device__ __forceinline__ void finish(float* stats, float eps) {
 #pragma unroll
     for (int i = 0; i < kI; ++i) {
-      float n = cnt[i], mu = mean[i], s = m2[i];
+      float n = cnt[i], mu = shift[i], s = 0.0f;
+      if (n > 0.0f) {
+        mu = shift[i] + sum[i] / n;
+        s = fmaxf(sq[i] - sum[i] * sum[i] / n, 0.0f);
+      }
 #pragma unroll
       for (int off = 1; off < kG; off *= 2) {
         const float nb = __shfl_xor_sync(0xffffffffu, n, off), mb = __shfl_xor_sync(0xffffffffu, mu, off);
@@ -553,25 +570,18 @@ template <int BM, int BN, int BK, int SPLIT> struct Schedule {
 };
 
 // The warp-level mainloop (mma.sync, tf32 or SIMT): see the top of this file.
-// The LayerNorm fold's per-row (mean, rstd) of the tile: static shared memory, only in kernels that fold
+// The LayerNorm fold's per-row (mean, rstd) of the tile (the mean only sets the variance's reference): static shared memory, only in kernels that fold
 template <int BM> __device__ __forceinline__ float* fold_stats() {
   __shared__ float stats[2 * BM];
   return stats;
 }
 
-// The LayerNorm fold's correction of the accumulators (see the top of this file): row r of the tile has
-// stats[2r] = mean and stats[2r + 1] = rstd; c and d are indexed by the output column.
-template <class Fold, bool kMma, int kMT, int kNT, class Acc, class SAcc>
-__device__ __forceinline__ void fold_correct(const OfzArgs& a, Acc& acc, SAcc& sacc, int wm0, int wn0, const float* stats,
-                                             ofz_i64 n0, ofz_i64 N) {
-  const float* cv = static_cast<const float*>(a.ptr[Fold::kC]);
-  const float* dv = Fold::kD >= 0 ? static_cast<const float*>(a.ptr[Fold::kD >= 0 ? Fold::kD : 0]) : nullptr;
-  for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, [&](int r, int c, float* v, int count) {
-    const float mu = stats[2 * r], rstd = stats[2 * r + 1];
-    for (int e = 0; e < count; ++e) {
-      const ofz_i64 n = n0 + c + e;
-      if (n < N) v[e] = rstd * (v[e] - mu * cv[n]) + (Fold::kD >= 0 ? dv[n] : 0.0f);
-    }
+// The LayerNorm fold's scaling of the accumulators: row r of the tile by its rstd (stats[2r + 1]).
+template <bool kMma, int kMT, int kNT, class Acc, class SAcc>
+__device__ __forceinline__ void fold_scale(Acc& acc, SAcc& sacc, int wm0, int wn0, const float* stats) {
+  for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, [&](int r, int, float* v, int count) {
+    const float rstd = stats[2 * r + 1];
+    for (int e = 0; e < count; ++e) v[e] *= rstd;
   });
 }
 
@@ -720,7 +730,7 @@ __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, 
     if constexpr (Fold::kOn) moments.finish(fold_stats<BM>(), Fold::eps());
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages; the row moments are complete
-    if constexpr (Fold::kOn) fold_correct<Fold, kMma, kMT, kNT>(a, acc, sacc, wm0, wn0, fold_stats<BM>(), n0, N);
+    if constexpr (Fold::kOn) fold_scale<kMma, kMT, kNT>(acc, sacc, wm0, wn0, fold_stats<BM>());
 
     const AccVisitor<kMma, kMT, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
     store_tile<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0,

@@ -68,10 +68,29 @@ def test_torch_export_graphs_fuse_like_torchscript_ones(zoo, name, dtype):
     assert len(rep.kernels) == len(res.kernels)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_pre_ln_models_fold_their_layernorms(zoo, name):
+    # pre-LN layers: ln_1 -> QKV and ln_2 -> FC1 fold into their GEMMs (forced here; the whole-model estimate
+    # decides in use), so each layer is 5 kernels with no row-wise epilogue inside the layers
+    from ortfuse.config import Options
+    path = zoo.build(name, dtype="fp16", tiny=True)
+    res = compile_model(path, None, "sm_90", options=Options(archs=(90,), ln_fold="on"))
+    folded = [k for k in res.kernels if "LayerNormFold<" in k.compiled.source]
+    want = {"gpt2": 5, "vit": 4}[name]  # 2 layers x 2, and GPT-2's ln_f into its LM head
+    assert len(folded) == want, [str(r) for r in res.plan.refusals if "LayerNorm" in str(r)]
+    rows = [r for r in res.plan.regions if r.kind == "gemm_row"]  # ViT's final LayerNorm (a graph output) only
+    assert len(rows) == (name == "vit"), [str(r) for r in rows]
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+
+
 def test_exported_convnext_block_ends_fuse_through_the_transpose(zoo):
-    # ConvNeXt's second Linear: bias, layer scale, permute back to NCHW and the residual add, one GEMM kernel
+    # ConvNeXt's second Linear: bias, layer scale, permute back to NCHW and the residual add, one GEMM kernel.
+    # Its LayerNorm stays out of the first Linear's kernel (as the whole-model estimate decides at full size;
+    # at this tiny size it would fold, tested in tests/customops/test_layernorm_fold.py)
+    from ortfuse.config import Options
     path = zoo.build("convnext_t", dtype="fp32", tiny=True)
-    res = compile_model(path, None, "sm_90")
+    res = compile_model(path, None, "sm_90", options=Options(archs=(90,), ln_fold="off"))
     ops = [{res.graph.nodes[i].op_type for i in r.nodes} for r in res.plan.regions if r.kind == "gemm"]
     assert any({"MatMul", "Transpose", "Mul"} <= o for o in ops), ops
     # the depthwise 7x7 Conv is computed inside the LayerNorm kernel that follows it (through the Transpose)

@@ -101,6 +101,29 @@ def test_gemm_row_epilogue_parity(dt, shape, monkeypatch):
     assert rep.ok, "\n".join(rep.lines())
 
 
+def pre_ln_layer(dt, k=768, f=3072):
+    """x1 = x + LN1(x) W1 + b1; out = GELU(LN2(x1) W2 + b2), gamma and beta random (not 1 and 0)."""
+    w = lambda shape, seed, off=0.0: _w(shape, dt, seed) + NP[dt](off)  # noqa: E731
+    return model([node("LayerNormalization", ["x", "g1", "e1"], ["y1"], axis=-1),
+                  node("MatMul", ["y1", "w1"], ["p1"]), node("Add", ["p1", "b1"], ["z1"]), node("Add", ["z1", "x"], ["x1"]),
+                  node("LayerNormalization", ["x1", "g2", "e2"], ["y2"], axis=-1),
+                  node("MatMul", ["y2", "w2"], ["p2"]), node("Add", ["p2", "b2"], ["z2"]), node("Tanh", ["z2"], ["out"])],
+                 [vi("x", dt, ["batch", "seq", k])], [vi("out", dt, None), vi("x1", dt, None)],
+                 [const("w1", w((k, k), 1), NP[dt]), const("b1", w(k, 2), NP[dt]), const("w2", w((k, f), 3), NP[dt]),
+                  const("b2", w(f, 4), NP[dt]), const("g1", w(k, 5, 1.0), NP[dt]), const("e1", w(k, 6), NP[dt]),
+                  const("g2", w(k, 7, 1.0), NP[dt]), const("e2", w(k, 8), NP[dt])])
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (3, 77)])
+def test_layernorm_fold_parity(shape):
+    # both LayerNorms folded into their GEMMs (forced: the whole-model estimate decides in use; 16-bit only)
+    m = pre_ln_layer(H)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), ln_fold="on"))
+    assert sum("LayerNormFold<" in k.compiled.source for k in res.kernels) == 2
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (*shape, 768)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
                                         ("convnext_t", "fp16"), ("resnet50", "fp16"), ("mobilenetv2", "fp32"),
                                         ("mobilenetv2", "fp16")])
