@@ -240,10 +240,12 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
 def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tuple[Region, FusedKernel]]:
     """A row-wise epilogue region as (the GEMM alone, our kernel for the rest), or None if the rest is not
     one kernel. The rest keeps the region's id: it takes the region's place when it wins."""
-    from ortfuse.search import legal
+    from ortfuse.search import legal, norm_fold
     from ortfuse.search.conv import is_anchor
     from ortfuse.search.cost import traffic
 
+    if norm_fold.in_region(graph, region.nodes) is not None:
+        return None  # the rest would hold the LayerNorm before the GEMM and the epilogue after it
     anchor = next(i for i in region.nodes if is_anchor(graph, graph.nodes[i]))
     rest = legal.classify(graph, set(region.nodes) - {anchor})
     if not isinstance(rest, Region):

@@ -104,7 +104,7 @@ struct LayerNormFold {
 // from a shift, the mean of its first chunk (an element of the row's own range, so the sum of squares
 // does not cancel as E[x^2] - mean^2 would; in sm_90 SASS about 45 instructions per chunk, half what a
 // Chan update per chunk took). `finish` turns each thread's sums into (count, mean, M2), merges the
-// row's lanes with Chan's pairwise update and stores (mean, 1/sqrt(var + eps)) per row of the tile.
+// row's lanes with Chan's pairwise update and stores 1/sqrt(var + eps) per row of the tile.
 template <class T, int BM, int BK, int ALD, int NT>
 struct RowMoments {
   static constexpr int kChunk = 16 / (int)sizeof(T), kG = BK / kChunk, kChunks = BM * kG;
@@ -170,8 +170,8 @@ struct RowMoments {
     }
   }
 
-  // every thread of the block calls it (warp shuffles); stats[2 * r] = mean, stats[2 * r + 1] = rstd
-  __device__ __forceinline__ void finish(float* stats, float eps) {
+  // every thread of the block calls it (warp shuffles); rstd[r]: row r's 1 / sqrt(var + eps)
+  __device__ __forceinline__ void finish(float* rstd, float eps) {
 #pragma unroll
     for (int i = 0; i < kI; ++i) {
       float n = cnt[i], mu = shift[i], s = 0.0f;
@@ -190,10 +190,8 @@ struct RowMoments {
         n = n1, mu = m1, s = s1;
       }
       const int c = threadIdx.x + i * NT;
-      if ((kChunks % NT == 0 || c < kChunks) && c % kG == 0) {
-        stats[2 * (c / kG)] = mu;
-        stats[2 * (c / kG) + 1] = 1.0f / sqrtf((n > 0.0f ? s / n : 0.0f) + eps);
-      }
+      if ((kChunks % NT == 0 || c < kChunks) && c % kG == 0)
+        rstd[c / kG] = 1.0f / sqrtf((n > 0.0f ? s / n : 0.0f) + eps);
     }
   }
 };
@@ -569,22 +567,21 @@ template <int BM, int BN, int BK, int SPLIT> struct Schedule {
   }
 };
 
-// The warp-level mainloop (mma.sync, tf32 or SIMT): see the top of this file.
-// The LayerNorm fold's per-row (mean, rstd) of the tile (the mean only sets the variance's reference): static shared memory, only in kernels that fold
-template <int BM> __device__ __forceinline__ float* fold_stats() {
-  __shared__ float stats[2 * BM];
-  return stats;
+// The LayerNorm fold's rstd per row of the tile: static shared memory, only in kernels that fold.
+template <int BM> __device__ __forceinline__ float* fold_rstd() {
+  __shared__ float rstd[BM];
+  return rstd;
 }
 
-// The LayerNorm fold's scaling of the accumulators: row r of the tile by its rstd (stats[2r + 1]).
+// The LayerNorm fold's scaling of the accumulators: row r of the tile by its rstd.
 template <bool kMma, int kMT, int kNT, class Acc, class SAcc>
-__device__ __forceinline__ void fold_scale(Acc& acc, SAcc& sacc, int wm0, int wn0, const float* stats) {
+__device__ __forceinline__ void fold_scale(Acc& acc, SAcc& sacc, int wm0, int wn0, const float* rstd) {
   for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, [&](int r, int, float* v, int count) {
-    const float rstd = stats[2 * r + 1];
-    for (int e = 0; e < count; ++e) v[e] *= rstd;
+    for (int e = 0; e < count; ++e) v[e] *= rstd[r];
   });
 }
 
+// The warp-level mainloop (mma.sync, tf32 or SIMT): see the top of this file.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
           int ROW_TPR, class Geo, int SPLIT, class Fold>
 __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
@@ -727,10 +724,10 @@ __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, 
       if constexpr (kStaged)
         if (next < nk) staged.stash(As + ns * L::kAStage, Bs + ns * L::kBStage);
     }
-    if constexpr (Fold::kOn) moments.finish(fold_stats<BM>(), Fold::eps());
+    if constexpr (Fold::kOn) moments.finish(fold_rstd<BM>(), Fold::eps());
     cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages; the row moments are complete
-    if constexpr (Fold::kOn) fold_scale<kMma, kMT, kNT>(acc, sacc, wm0, wn0, fold_stats<BM>());
+    if constexpr (Fold::kOn) fold_scale<kMma, kMT, kNT>(acc, sacc, wm0, wn0, fold_rstd<BM>());
 
     const AccVisitor<kMma, kMT, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
     store_tile<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0,

@@ -231,3 +231,39 @@ def test_fold_modes():
         assert len(_folded(res)) == folded
     with pytest.raises(ValueError, match="LayerNorm fold mode 'sometimes'"):
         Options(ln_fold="sometimes")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_pre_ln_blocks(seed):
+    # random shapes and structure: K (ragged k tiles), N, rows, epsilon, beta zero or not, the bias Add in
+    # either operand order or a Gemm's C, an Unsqueeze between the LayerNorm and the MatMul
+    rng = np.random.default_rng(100 + seed)
+    k, n = int(rng.choice([16, 24, 40, 64, 72, 136])), int(rng.choice([8, 24, 48, 80]))
+    gemm, chain, zero_beta = rng.random() < 0.3, rng.random() < 0.4, rng.random() < 0.3
+    w = lambda shape, s=0.3, off=0.0: (rng.standard_normal(shape) * s + off).astype(np.float16)  # noqa: E731
+    nodes = [node("LayerNormalization", ["x", "g", "beta"], ["y"], axis=-1, epsilon=float(rng.choice([1e-5, 1e-12])))]
+    a = "y"
+    if chain and not gemm:
+        nodes.append(node("Unsqueeze", ["y", "ax0"], ["y2"]))
+        a = "y2"
+    if gemm:
+        nodes.append(node("Gemm", [a, "wt", "c"], ["out0"], transB=1))
+        x_shape, inits = ["n", k], [const("wt", w((n, k)), np.float16), const("c", w(n), np.float16)]
+    else:
+        order = ["p", "b"] if rng.random() < 0.5 else ["b", "p"]
+        nodes += [node("MatMul", [a, "w"], ["p"]), node("Add", order, ["out0"])]
+        x_shape, inits = ["n", 5, k], [const("w", w((k, n)), np.float16), const("b", w(n), np.float16)]
+    nodes.append(node("Tanh", ["out0"], ["out"]))
+    beta = np.zeros(k, np.float16) if zero_beta else w(k)
+    inits += [const("g", w(k, 0.3, 1.0), np.float16), const("beta", beta, np.float16),
+              const("ax0", [0], np.int64)]
+    used = {t for nd in nodes for t in nd.input}
+    m = model(nodes, [vi("x", H, x_shape)], [vi("out", H, None)], [i for i in inits if i.name in used])
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), ln_fold="on"))
+    assert len(_folded(res)) == 1, [str(r) for r in res.plan.refusals]
+    rows = int(rng.integers(1, 40))
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": [rows] + x_shape[1:]})
+    assert rep.ok, "\n".join(rep.lines())
