@@ -39,9 +39,10 @@ ROW_PTR = "f32p"  # float* parameters of the row-wise callbacks
 TAP_MAJOR_PERM = (0, 2, 3, 1)  # a Conv weight [OC][C][KH][KW] as the tap-major gather's A: [OC][KH][KW][C]
 
 
-def row_input(graph: Graph, region: Region, anchor: int) -> str:
+def row_input(graph: Graph, region: Region, anchor: int, prologue: Optional[int] = None) -> str:
     """X of a row-wise epilogue: the one tensor computed from the GEMM result, before any reduction, that
-    the rest of the region (or the outside) reads. Raises when there is not exactly one."""
+    the rest of the region (or the outside) reads (`prologue`: a folded LayerNorm, not one of those
+    reductions). Raises when there is not exactly one."""
     nodes = set(region.nodes)
 
     def downstream(seeds: set[int]) -> set[int]:
@@ -54,9 +55,8 @@ def row_input(graph: Graph, region: Region, anchor: int) -> str:
                         stack.append(c)
         return seen
 
-    result = downstream({anchor})  # (a LayerNorm prologue's reduction is upstream)
-    after = downstream({i for i in result if graph.nodes[i].op_type in ops.REDUCTIONS})
-    pre = result - after
+    after = downstream({i for i in nodes if graph.nodes[i].op_type in ops.REDUCTIONS and i != prologue})
+    pre = downstream({anchor}) - after
     frontier = sorted({o for i in pre for o in graph.nodes[i].output if o and (
         o in region.outputs or any(c in nodes and c not in pre for c in graph.consumers.get(o, ())))})
     if len(frontier) != 1:
@@ -90,7 +90,8 @@ class _GemmLowerer(_Lowerer):
         self.fold = norm_fold.in_region(graph, region.nodes)  # a LayerNorm prologue (search/norm_fold.py)
         self.row_mode = any(graph.nodes[i].op_type in ops.REDUCTIONS for i in region.nodes
                             if not (self.fold and i == self.fold.norm))
-        self.row_tensor = row_input(graph, region, anchors[0]) if self.row_mode else None
+        self.row_tensor = row_input(graph, region, anchors[0], self.fold.norm if self.fold else None) \
+            if self.row_mode else None
         self.row_local: Optional[Expr] = None  # row pass: the row within the tile (row buffer index)
         # (terms, limit): products of runtime dims the kernel needs below limit (its 32-bit gather)
         self.limits: list[tuple[tuple[int, ...], int]] = []
@@ -518,7 +519,8 @@ class _GemmLowerer(_Lowerer):
         aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma)
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
-        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split) > self.tgt.smem_per_block:
+        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None) > \
+                self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         candidates = [r.tile.candidate(r.split) for r in ranked]
         if ranked[0].split > 1 and ranked[0].tile.candidate(1) not in candidates:

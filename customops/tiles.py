@@ -91,9 +91,11 @@ class GemmTile:
             return max(pipeline, buffer + (row_scratch_bytes(self) if row else 0))
         return max(pipeline, buffer) if row else pipeline
 
-    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1) -> int:
-        """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch."""
-        return self.smem_bytes(esize, b_nk, row, split) + (row_scratch_bytes(self) if row else 0)
+    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, fold: bool = False) -> int:
+        """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch and the
+        LayerNorm fold's rstd per row."""
+        fold_rstd = 4 * self.bm if fold else 0
+        return self.smem_bytes(esize, b_nk, row, split) + (row_scratch_bytes(self) if row else 0) + fold_rstd
 
     def regs(self, math_: int, esize: int = 2, staged: tuple[int, int] = (DIRECT, DIRECT)) -> int:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
@@ -248,7 +250,7 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
     smem = t.smem_bytes(esize, b_nk, row, split)
     regs = t.regs(math_, esize, staged)
-    if t.block_smem_bytes(esize, b_nk, row, split) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
+    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
         return None
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):

@@ -19,7 +19,7 @@ import numpy as np
 # Making a column of W'' sum to zero as stored: rounds of flipping elements to their other neighbour (each
 # to the side it was rounded away from, so its error stays within one ulp), the cheapest flips first, from
 # the CANDIDATES cheapest per column.
-FLIP_ROUNDS = 4
+FLIP_ROUNDS = 6
 CANDIDATES = 64
 
 
@@ -52,30 +52,34 @@ def _zero_sums(out: np.ndarray, exact: np.ndarray) -> None:
     becomes at most one step, and the cheapest flips (errors nearest half a step) go first."""
     if out.shape[1] < 2:
         return
-    rows = np.arange(out.shape[0])[:, None]
     c = min(CANDIDATES, out.shape[1])
-    exact32 = exact.astype(np.float32)  # element values and their errors: fp32 resolves a 16-bit ulp exactly
+    live = np.arange(out.shape[0])
     for _ in range(FLIP_ROUNDS):
-        r32 = out.astype(np.float32)
+        sub = out[live]
+        r32 = sub.astype(np.float32)  # element values and their errors: fp32 resolves a 16-bit ulp exactly
         res = r32.sum(axis=1, dtype=np.float64)
-        if not np.any(res):
+        live, sub, r32, res = live[res != 0], sub[res != 0], r32[res != 0], res[res != 0]
+        if not len(live):
             return
+        exact32 = exact[live].astype(np.float32)
+        rows = np.arange(len(live))[:, None]
         side = np.sign(res).astype(np.float32)[:, None]
-        moved = _neighbour(out, -side)
+        moved = _neighbour(sub, -side)
         m32 = moved.astype(np.float32)
         step = np.abs(m32 - r32)
         err = (r32 - exact32) * side  # > 0: rounded towards the residue's side
-        cost = np.where((err > 0) & np.isfinite(m32) & (step <= 2 * np.abs(res)[:, None]), step - 2 * err, np.inf)
+        cost = np.where((err > 0) & np.isfinite(m32) & (step < 2 * np.abs(res)[:, None]), step - 2 * err, np.inf)
         pick = np.argpartition(cost, c - 1, axis=1)[:, :c]
         pick = np.take_along_axis(pick, np.argsort(np.take_along_axis(cost, pick, axis=1), axis=1), axis=1)
         ok = np.isfinite(np.take_along_axis(cost, pick, axis=1))
         st = np.where(ok, np.take_along_axis(step, pick, axis=1), 0.0).astype(np.float64)
         cum = np.cumsum(st, axis=1)
-        take = ok & (cum - st / 2 <= np.abs(res)[:, None])  # each flip still brings the sum nearer zero
+        take = ok & (cum - st / 2 < np.abs(res)[:, None])  # each flip brings the sum strictly nearer zero
         if not take.any():
             return
         r, k = np.broadcast_to(rows, pick.shape)[take], pick[take]
-        out[r, k] = moved[r, k]
+        sub[r, k] = moved[r, k]
+        out[live] = sub
 
 
 def _neighbour(a: np.ndarray, direction: np.ndarray) -> np.ndarray:

@@ -147,6 +147,8 @@ def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
         if isinstance(found, str):
             return found
         gemm_bias, bias_add = found
+        if gemm_bias in (scale, bias, weight):
+            return f"the GEMM's bias '{gemm_bias}' is also the LayerNorm's scale, bias or the weight"
     return NormFold(p, tuple(chain[::-1]), anchor, x, scale, bias, float(scalar.attr(norm, "epsilon", 1e-5)), weight,
                     trans_b, k, gemm_bias, bias_add)
 
@@ -175,7 +177,7 @@ def _gemm_bias(g: Graph, anchor: int, n: int, dtype: int) -> Union[tuple[str, Op
         return why
     add = g.nodes[users[0]]
     other = add.input[1] if add.input[0] == out else add.input[0]
-    if other == out or not vector(other):
+    if other == out or not vector(other) or g.tensors[add.output[0]].shape != g.tensors[out].shape:
         return why
     return other, users[0]  # (other readers keep reading b: the fused node is given its own b')
 

@@ -91,8 +91,11 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     folded = _grow(g, cost, check, folds)
     kept = {i: f for i, f in folds.items() if any(i in r.nodes for r in folded.regions)}
     if len(kept) < len(folds):  # a fold whose GEMM went to ORT took its LayerNorm along: grow again without it
-        unfit += tuple(Reject(f"{g.node_label(f.norm)} into {g.node_label(i)} as its prologue",
-                              "the GEMM's region with it does not pay against ORT, so the LayerNorm stays out")
+        def why(i: int, f: norm_fold.NormFold) -> str:  # the last refusal that names its LayerNorm or GEMM
+            said = [r.reason for r in folded.refusals
+                    if g.node_label(f.norm) in r.subject or g.node_label(i) in r.subject]
+            return f"its GEMM's region was refused ({said[-1] if said else 'see above'}), so the LayerNorm stays out"
+        unfit += tuple(Reject(f"{g.node_label(f.norm)} into {g.node_label(i)} as its prologue", why(i, f))
                        for i, f in folds.items() if i not in kept)
         folds = kept
         folded = _grow(g, cost, check, folds)

@@ -190,8 +190,10 @@ struct RowMoments {
         n = n1, mu = m1, s = s1;
       }
       const int c = threadIdx.x + i * NT;
+      // a constant row (no deviation at all) normalizes to 0, whatever rounding left in its accumulators
+      // (mean * colsum(W''), scaled by 1/sqrt(eps) it would be large for a tiny eps)
       if ((kChunks % NT == 0 || c < kChunks) && c % kG == 0)
-        rstd[c / kG] = 1.0f / sqrtf((n > 0.0f ? s / n : 0.0f) + eps);
+        rstd[c / kG] = s > 0.0f ? 1.0f / sqrtf(s / n + eps) : 0.0f;
     }
   }
 };

@@ -133,3 +133,15 @@ def test_no_shipped_gemm_kernel_spills_where_a_candidate_does_not():
     from ortfuse import api
     k = api.compile_model(_logits_block(), None, "sm_90").kernels[0]
     assert api.spill_bytes(k.compiled) == 0, (k.retiled, k.compiled.resources)
+
+
+def test_reduction_of_a_side_input_in_the_epilogue():
+    # out = (x @ w + b) + LayerNorm(r): the LayerNorm reads another input, not the GEMM's result; the region
+    # is still one row-wise kernel (X is the GEMM's sum, the LayerNorm is computed in the row pass)
+    k = n = 64
+    m = model([node("MatMul", ["x", "w"], ["p"]), node("Add", ["p", "b"], ["z"]),
+               node("LayerNormalization", ["r", "g", "e"], ["lr"], axis=-1), node("Add", ["z", "lr"], ["out"])],
+              [vi("x", H, ["n", k]), vi("r", H, ["n", n])], [vi("out", H, None)],
+              [const("w", _w((k, n), H, 1), np.float16), const("b", _w(n, H, 2), np.float16),
+               const("g", _w(n, H, 3, 1.0), np.float16), const("e", _w(n, H, 4), np.float16)])
+    fused_parity(m, {"x": ("n", k), "r": ("n", n)}, {"x": (19, k), "r": (19, n)}, ("gemm_row",))

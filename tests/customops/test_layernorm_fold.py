@@ -267,3 +267,27 @@ def test_random_pre_ln_blocks(seed):
     rows = int(rng.integers(1, 40))
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": [rows] + x_shape[1:]})
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_constant_rows_with_a_tiny_epsilon():
+    # a row with no deviation normalizes to 0 (ORT: beta): the kernel's accumulator still holds the rounding
+    # of mean * colsum(W''), which 1/sqrt(1e-12) would blow up; its rstd is 0 instead
+    k, n = 128, 64
+    m = _pre_ln(H, k, n)
+    ln = next(nd for nd in m.graph.node if nd.op_type == "LayerNormalization")
+    next(a for a in ln.attribute if a.name == "epsilon").f = 1e-12
+    x = np.random.default_rng(2).standard_normal((2, 7, k)).astype(np.float16)
+    x[0, :3] = np.float16(1.5)
+    x[1, 4] = np.float16(-40)
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    import onnxruntime as ort
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), ln_fold="on"))
+    assert len(_folded(res)) == 1
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    node_ = next(nd for nd in res.model.graph.node if nd.domain == "ortfuse")
+    vals = {t.name: onnx.numpy_helper.to_array(t) for t in res.model.graph.initializer} | {"x": x}
+    out = np.zeros((2, 7, n), np.float16)
+    launch_spec(res.kernels[0].spec, [vals[t] for t in node_.input] + [out], [2])
+    ref = want.astype(np.float64)
+    assert np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max() < 1e-2
