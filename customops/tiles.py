@@ -250,7 +250,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
     smem = t.smem_bytes(esize, b_nk, row, split)
     regs = t.regs(math_, esize, staged)
-    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) > tgt.smem_per_block or regs > MAX_REGS or t.threads > tgt.max_threads_per_block:
+    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) > tgt.smem_per_block or regs > MAX_REGS or \
+            t.threads > tgt.max_threads_per_block:
         return None
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):

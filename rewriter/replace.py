@@ -162,7 +162,8 @@ def _contracted_order(graph: Graph, fused: tuple[FusedNode, ...], owner: dict[in
 
 # ---- building ----------------------------------------------------------------------------------------
 
-def _fused_node(f: FusedNode, permuted: dict[tuple[str, tuple[int, ...]], str], folded: dict[str, str]) -> onnx.NodeProto:
+def _fused_node(f: FusedNode, permuted: dict[tuple[str, tuple[int, ...]], str],
+                folded: dict[str, str]) -> onnx.NodeProto:
     perm_of = dict(f.input_perms)
     inputs = [folded[x] if x in folded else permuted[(x, perm_of[x])] if x in perm_of else x for x in f.inputs]
     node = onnx.helper.make_node(f.op_type, inputs, list(f.outputs), name=f.name, domain=DOMAIN)

@@ -871,10 +871,11 @@ template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K) {
   if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
-    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(a, a_arg, b_arg, batch, M, N,
-                                                                                                K);
+    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(
+        a, a_arg, b_arg, batch, M, N, K);
   else
-    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(a, a_arg, b_arg, batch, M, N, K);
+    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(
+        a, a_arg, b_arg, batch, M, N, K);
 }
 
 }  // namespace gemm
