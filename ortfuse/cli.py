@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ortfuse.config import LN_FOLD_MODES
 from ortfuse.errors import InputError, OrtfuseError
 
 
@@ -43,7 +44,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
         raise InputError(f"--wgmma builds sm_90a kernels, which run on sm_90 only: use --arch sm_90 "
                          f"(got {a.arch})")
     opts = Options(archs=archs, tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch,
-                   **({"wgmma": True} if a.wgmma else {}))
+                   **({"wgmma": True} if a.wgmma else {}), **({"ln_fold": a.ln_fold} if a.ln_fold else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
     save_model(result.model, a.output)
@@ -106,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--wgmma", action="store_true",
                    help="sm_90: GEMMs may run as Hopper warpgroup-MMA (wgmma) kernels, sm_90a cubins that run on "
                         "sm_90 GPUs only (experimental: verified in emulation, not yet on a GPU; also ORTFUSE_WGMMA=1)")
+    o.add_argument("--ln-fold", choices=LN_FOLD_MODES, default=None,
+                   help="LayerNorms folded into the 16-bit GEMMs that read them: where the whole-model estimate "
+                        "gains (auto, the default), wherever they can (on), or never (off); also ORTFUSE_LN_FOLD")
     o.add_argument("--tf32", action="store_true",
                    help="let fp32 MatMul/Gemm use tf32 tensor cores (10-bit mantissa, like ORT's use_tf32=1)")
     o.add_argument("--profile", action="store_true",

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ortfuse.errors import InputError
+
 
 def cache_dir() -> Path:
     """$ORTFUSE_CACHE_DIR, else $XDG_CACHE_HOME/ortfuse, else ~/.cache/ortfuse."""
@@ -48,6 +50,6 @@ class Options:
     def __post_init__(self) -> None:
         if not self.archs:
             raise ValueError("at least one target arch is needed")
-        if self.ln_fold not in LN_FOLD_MODES:
-            raise ValueError(f"LayerNorm fold mode '{self.ln_fold}' (ORTFUSE_LN_FOLD): expected one of "
+        if self.ln_fold not in LN_FOLD_MODES:  # (a user's setting, so an input error)
+            raise InputError(f"LayerNorm fold mode '{self.ln_fold}' (ORTFUSE_LN_FOLD): expected one of "
                              f"{', '.join(LN_FOLD_MODES)}")

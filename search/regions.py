@@ -32,6 +32,8 @@ from ortfuse.search.cost import CostModel, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Lowering check: raises with a reason when a candidate region is not one kernel.
+# Times the regions are grown again after dropping the LayerNorm folds whose GEMM region was refused.
+REGROWS = 3
 Check = Callable[[Graph, Region], Optional[str]]
 
 
@@ -89,8 +91,11 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         assert without is not None
         return dataclasses.replace(without, refusals=without.refusals + unfit)
     folded = _grow(g, cost, check, folds)
-    kept = {i: f for i, f in folds.items() if any(i in r.nodes for r in folded.regions)}
-    if len(kept) < len(folds):  # a fold whose GEMM went to ORT took its LayerNorm along: grow again without it
+    for _ in range(REGROWS):  # a fold whose GEMM went to ORT took its LayerNorm along: grow again without it
+        kept = {i: f for i, f in folds.items() if any(i in r.nodes for r in folded.regions)}
+        if len(kept) == len(folds):
+            break
+
         def why(i: int, f: norm_fold.NormFold) -> str:  # the last refusal that names its LayerNorm or GEMM
             said = [r.reason for r in folded.refusals
                     if g.node_label(f.norm) in r.subject or g.node_label(i) in r.subject]

@@ -13,6 +13,7 @@ from onnx import TensorProto as TP
 from helpers import bf16, const, fused_parity, launch_spec, model, node, vi
 from ortfuse.customops import tiles
 from ortfuse.customops.lower import lower
+from ortfuse.errors import InputError
 from ortfuse.customops.target import for_cc, parse_arch
 from ortfuse.rewriter.layernorm_fold import LayerNormFold, fold_constants, folded_weight
 from ortfuse.rewriter.shapes import build_graph
@@ -229,7 +230,7 @@ def test_fold_modes():
     for mode, folded in (("on", 1), ("off", 0)):
         res = compile_model(m, {"x": ("n", 7, 64)}, "sm_90", options=Options(archs=(90,), ln_fold=mode))
         assert len(_folded(res)) == folded
-    with pytest.raises(ValueError, match="LayerNorm fold mode 'sometimes'"):
+    with pytest.raises(InputError, match="LayerNorm fold mode 'sometimes'"):
         Options(ln_fold="sometimes")
 
 

@@ -187,3 +187,25 @@ def test_check_reports_shapes_the_original_cannot_run(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("ortfuse: error: ORT could not run") and "x:5x4" in err[0]
     assert "--input-shape" in err[0] and "Traceback" not in err[0]
     assert main(["check", str(src), str(dst), "--input-shape", "x:4x4", "--emulate"]) == 0
+
+
+def test_ln_fold_switch(tmp_path, monkeypatch, capsys):
+    # a pre-LN fp16 block: --ln-fold on folds gamma into the weight (a new initializer), off leaves it;
+    # a bad ORTFUSE_LN_FOLD is one line and exit 2
+    k, n = 64, 96
+    rng = np.random.default_rng(0)
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal(s) * 0.2 + o).astype(np.float16), name)
+             for name, s, o in (("w", (k, n), 0.0), ("b", (n,), 0.0), ("g", (k,), 1.0), ("e", (k,), 0.0))]
+    m = model([node("LayerNormalization", ["x", "g", "e"], ["y"], axis=-1), node("MatMul", ["y", "w"], ["p"]),
+               node("Add", ["p", "b"], ["z"]), node("Relu", ["z"], ["out"])],
+              [vi("x", TP.FLOAT16, ["n", k])], [vi("out", TP.FLOAT16, None)], inits)
+    src = _save(m, tmp_path / "ln.onnx")
+    for mode, folded in (("on", True), ("off", False)):
+        dst = tmp_path / f"{mode}.onnx"
+        assert main(["optimize", str(src), str(dst), "--ln-fold", mode]) == 0
+        names = {t.name for t in onnx.load(str(dst)).graph.initializer}
+        assert ("w__ortfuse_ln" in names) == folded, names
+    monkeypatch.setenv("ORTFUSE_LN_FOLD", "sometimes")
+    capsys.readouterr()
+    assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
+    assert "LayerNorm fold mode 'sometimes'" in capsys.readouterr().err
