@@ -32,9 +32,9 @@ from ortfuse.search.cost import CostModel, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Lowering check: raises with a reason when a candidate region is not one kernel.
+Check = Callable[[Graph, Region], Optional[str]]
 # Times the regions are grown again after dropping the LayerNorm folds whose GEMM region was refused.
 REGROWS = 3
-Check = Callable[[Graph, Region], Optional[str]]
 
 
 def _lowering_check(tgt: Target, tf32: bool) -> Check:
@@ -96,12 +96,13 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
         if len(kept) == len(folds):
             break
 
-        def why(i: int, f: norm_fold.NormFold) -> str:  # the last refusal that names its LayerNorm or GEMM
+        def dropped(i: int, f: norm_fold.NormFold) -> Reject:  # with the last refusal naming its LN or GEMM
             said = [r.reason for r in folded.refusals
                     if g.node_label(f.norm) in r.subject or g.node_label(i) in r.subject]
-            return f"its GEMM's region was refused ({said[-1] if said else 'see above'}), so the LayerNorm stays out"
-        unfit += tuple(Reject(f"{g.node_label(f.norm)} into {g.node_label(i)} as its prologue", why(i, f))
-                       for i, f in folds.items() if i not in kept)
+            return Reject(f"{g.node_label(f.norm)} into {g.node_label(i)} as its prologue",
+                          f"its GEMM's region was refused ({said[-1] if said else 'see above'}), so the LayerNorm "
+                          f"stays out")
+        unfit += tuple(dropped(i, f) for i, f in folds.items() if i not in kept)
         folds = kept
         folded = _grow(g, cost, check, folds)
     if ln_fold == "on" or not folds:
