@@ -732,14 +732,28 @@ MAX_DIM_CHECKS = 64  # the native library's bound (OFZ_MAX_TERMS triples)
 
 def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ...]:
     """(input, axis, term) for every input axis carrying a symbolic dim bound at another input (term -(k + 1):
-    runtime dim k), which shape inference may have merged with it in a broadcast: checked at each launch.
-    Dims it cannot have merged (`iota.trusted_dims`) need no check: each checked input costs the launch a
-    shape query (about 0.1 us). (A graph input inferred static where it is declared symbolic is refused by
+    runtime dim k), which shape inference may have merged with it in a broadcast, or which graph inputs
+    declare alike though a user may feed them unalike (the two tensors computed from different ones of
+    them: attention's mask beside its hidden states): checked at each launch. Dims it cannot have merged
+    (`iota.trusted_dims`), read where they come from the same inputs as where bound, need no check: each
+    checked input costs the launch a shape query (about 0.1 us). (A graph input inferred static where it is declared symbolic is refused by
     `legal.classify`; the node format's checks also take sizes, term >= 0.)"""
     trusted, bound = iota.trusted_dims(graph), _bound_dims(graph, spec)
+    shared, ancestry = iota.shared_declarers(graph), iota.input_ancestry(graph)
+
+    def sources(t: str, d: str) -> frozenset[str]:  # the graph inputs declaring d that t is computed from
+        return ancestry.get(t, frozenset()) & shared[d]
+
+    def unchecked(i: int, d: str) -> bool:
+        """d at input i is the size the kernel bound: a trusted dim that, where several graph inputs
+        declare it, comes from the same ones as at the binding input."""
+        if d not in trusted:
+            return False
+        return d not in shared or sources(spec.inputs[i], d) == sources(spec.inputs[spec.sym_dims[bound[d]][0]], d)
+
     out = [(i, axis, -bound[d] - 1) for i, t in enumerate(spec.inputs)
            for axis, d in enumerate(graph.tensors[t].shape or ())
-           if isinstance(d, str) and d in bound and d not in trusted and spec.sym_dims[bound[d]] != (i, axis)]
+           if isinstance(d, str) and d in bound and spec.sym_dims[bound[d]] != (i, axis) and not unchecked(i, d)]
     if len(out) > MAX_DIM_CHECKS:
         raise LoweringError(f"{len(out)} input dims to check at launch; the node format holds {MAX_DIM_CHECKS}")
     return tuple(out)

@@ -329,6 +329,31 @@ def declared_dims(g: Graph) -> dict[tuple[str, int], Optional[Dim]]:
     return out
 
 
+@per_graph
+def shared_declarers(g: Graph) -> dict[str, frozenset[str]]:
+    """Dim names that two or more graph inputs declare -> those inputs. ONNX reads a shared name as equal
+    sizes, but nothing checks what a user feeds: a kernel that binds the name at one input's axis and reads
+    another's must check it (`lower.dim_checks`)."""
+    by_name: dict[str, set[str]] = {}
+    for (t, _), d in declared_dims(g).items():
+        if isinstance(d, str):
+            by_name.setdefault(d, set()).add(t)
+    return {d: frozenset(ts) for d, ts in by_name.items() if len(ts) > 1}
+
+
+@per_graph
+def input_ancestry(g: Graph) -> dict[str, frozenset[str]]:
+    """Tensor -> the graph inputs it is computed from (nodes are in topological order)."""
+    anc: dict[str, frozenset[str]] = {t: frozenset((t,)) for t in g.graph_inputs}
+    none: frozenset[str] = frozenset()
+    for n in g.nodes:
+        reads = none.union(*(anc.get(x, none) for x in n.input if x))
+        for o in n.output:
+            if o:
+                anc[o] = reads
+    return anc
+
+
 def trusted_dims(g: Graph) -> frozenset[str]:
     """Symbolic dims that are a graph input's declared dim and that shape inference merged with no other:
     every tensor inferred with such a dim has that input's size at run time."""

@@ -480,3 +480,24 @@ def test_inputs_sharing_a_symbolic_dim_are_checked_at_launch():
     res = compile_model(m, None, "sm_90")
     assert not res.kernels and any("input 'a' axis 0: shape inference took it for 4, a size it merged" in r.reason
                                    for r in res.plan.refusals), [str(r) for r in res.plan.refusals]
+
+
+def test_inputs_declaring_one_dim_name_are_checked_where_they_meet():
+    """a[b, s] and m[b, s] declare the same names, which ONNX reads as equal sizes; nothing stops a user
+    from feeding a[2, 5] with m[2, 3]. A kernel reading a tensor computed from each checks the second one's
+    axes at launch (an error naming them, not a read out of bounds); a kernel whose inputs all come from
+    the same input (Relu(a) + a) needs no check."""
+    from ortfuse.customops.attrs import read_launch
+
+    m = model([node("Relu", ["a"], ["r"]), node("Sigmoid", ["m"], ["g"]), node("Mul", ["r", "g"], ["y"]),
+               node("Add", ["y", "a"], ["z"])],
+              [vi("a", F, ["b", "s"]), vi("m", F, ["b", "s"])], [vi("z", F, None)])
+    res = _run(m, None, {"a": (2, 5), "m": (2, 5)})
+    launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
+    assert launch.dim_checks == ((1, 0, -1), (1, 1, -2))
+    with pytest.raises(ValueError, match="input 1 has size 3 at axis 1, but the kernel was built for 5 there"):
+        launch.dims([(2, 5), (2, 3)])
+    alone = model([node("Relu", ["a"], ["r"]), node("Add", ["r", "a"], ["y"]), node("Sigmoid", ["m"], ["z"])],
+                  [vi("a", F, ["b", "s"]), vi("m", F, ["b", "s"])], [vi("y", F, None), vi("z", F, None)])
+    res = _run(alone, None, {"a": (2, 5), "m": (2, 5)})
+    assert all(not k.spec.dim_checks for k in res.kernels)
