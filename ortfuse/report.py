@@ -30,6 +30,9 @@ def summary(r: OptimizeResult) -> str:
                  and g.producer.get(g.nodes[i].input[0]) in k.region.nodes)
     if chains:
         note.append(f"conv chains:          {chains} Convs compute their input image in their gather (never written)")
+    folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
+    if folds:
+        note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")
     return "\n".join(note + [
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",

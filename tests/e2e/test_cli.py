@@ -202,9 +202,11 @@ def test_ln_fold_switch(tmp_path, monkeypatch, capsys):
     src = _save(m, tmp_path / "ln.onnx")
     for mode, folded in (("on", True), ("off", False)):
         dst = tmp_path / f"{mode}.onnx"
+        capsys.readouterr()
         assert main(["optimize", str(src), str(dst), "--ln-fold", mode]) == 0
         names = {t.name for t in onnx.load(str(dst)).graph.initializer}
         assert ("w__ortfuse_ln" in names) == folded, names
+        assert ("1 LayerNorms folded into the GEMMs" in capsys.readouterr().out) == folded
     monkeypatch.setenv("ORTFUSE_LN_FOLD", "sometimes")
     capsys.readouterr()
     assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
