@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -201,16 +202,19 @@ def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphP
     """The new initializers of each LayerNorm fold, by fused node: {slot tensor: new initializer}."""
     out: dict[int, dict[str, str]] = {}
     taken = set(graph.tensors) | {t.name for t in g.initializer}
-    for i, f in enumerate(fused):
+    folds = [(i, f) for i, f in enumerate(fused) if f.ln_fold is not None]
+    for _, f in folds:
         fold = f.ln_fold
-        if fold is None:
-            continue
         slots = [t for t in (fold.weight, fold.scale, fold.bias, fold.gemm_bias) if t]
         if any(t not in f.inputs or t not in graph.constants for t in slots) or len(set(slots)) != len(slots) or \
                 any(x in dict(f.input_perms) for x in slots):
             raise ValueError(f"{f.name}: the LayerNorm fold does not fit the region's inputs")
+    with ThreadPoolExecutor(max_workers=max(1, min(len(folds), os.cpu_count() or 1))) as pool:  # numpy, GIL free
+        made = list(pool.map(lambda f: fold_constants(f[1].ln_fold, graph.constants), folds))
+    for (i, f), data_of in zip(folds, made):
+        fold = f.ln_fold
         names = {}
-        for slot, data in fold_constants(fold, graph.constants).items():
+        for slot, data in data_of.items():
             new = f"{slot}__ortfuse_ln_{fold.weight}" if slot != fold.weight else f"{slot}__ortfuse_ln"
             while new in taken:
                 new += "_"

@@ -130,15 +130,16 @@ def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
     if len({scale, bias, weight} - {""}) < 2 + bool(bias):
         return "the scale, bias and weight are not distinct tensors"  # each slot gets its own folded data
     for c in (scale, bias):
-        if c and np.asarray(g.constants[c]).shape != (k,):
+        if c and tuple(g.tensors[c].shape or ()) != (k,):
             return f"'{c}' is not a vector of the normalized length {k}"
-    w = np.asarray(g.constants[weight])
-    if w.ndim != 2 or w.shape[1 if trans_b else 0] != k:
+    ws = tuple(g.tensors[weight].shape or ())
+    if len(ws) != 2 or ws[1 if trans_b else 0] != k:
         return f"the weight '{weight}' is not a {k}-row matrix"
     if list(g.consumers.get(weight, ())) != [anchor]:
         return f"the weight '{weight}' is also read elsewhere: scaling it by the LayerNorm's gamma would copy it"
+    w = np.asarray(g.constants[weight])
     gamma = np.asarray(g.constants[scale], dtype=np.float64)
-    if not 2 * np.abs(gamma).max() * np.abs(w.astype(np.float64)).max() < 65504:  # fp16's largest (bf16's is more)
+    if not 2 * np.abs(gamma).max() * float(np.abs(w).max()) < 65504:  # fp16's largest (bf16's is more)
         return "the weight scaled by the LayerNorm's gamma could overflow its element type"
     gemm_bias, bias_add = "", None
     n_out = w.shape[0 if trans_b else 1]
