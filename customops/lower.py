@@ -736,8 +736,8 @@ def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ..
     declare alike though a user may feed them unalike (the two tensors computed from different ones of
     them: attention's mask beside its hidden states): checked at each launch. Dims it cannot have merged
     (`iota.trusted_dims`), read where they come from the same inputs as where bound, need no check: each
-    checked input costs the launch a shape query (about 0.1 us). (A graph input inferred static where it is declared symbolic is refused by
-    `legal.classify`; the node format's checks also take sizes, term >= 0.)"""
+    checked input costs the launch a shape query (about 0.1 us). (A graph input inferred static where it is
+    declared symbolic is refused by `legal.classify`; the node format's checks also take sizes, term >= 0.)"""
     trusted, bound = iota.trusted_dims(graph), _bound_dims(graph, spec)
     shared, ancestry = iota.shared_declarers(graph), iota.input_ancestry(graph)
 

@@ -282,8 +282,7 @@ class _GemmLowerer(_Lowerer):
         # or may be permuted offline: a constant no user can feed, read by nothing else in the region
         one_tap = geo.kh * geo.kw == 1
         readers = [i for i in g.consumers.get(w_t, ()) if i in self.r.nodes]
-        fed = any(v.name == w_t for v in g.model.graph.input)  # an initializer a user may override
-        permutable = w_t in g.constants and not fed and readers == [self.anchor_index]
+        permutable = w_t in g.constants and not g.fed(w_t) and readers == [self.anchor_index]
         shapes = [(geo.oc, geo.pixels_at(h), geo.k, h(geo.batch)) for h in self.binding_hints]
         dims = (shapes, es, math_, a_mode, b_mode)
         ranked, chosen = self.choose_tile(*dims)
@@ -459,9 +458,9 @@ class _GemmLowerer(_Lowerer):
         if b_mode == COL:
             return COL
         g = self.g
-        fed = any(v.name == b_t for v in g.model.graph.input)
         readers = [i for i in g.consumers.get(b_t, ()) if i in self.r.nodes]
-        if b_mode == ROW and len(b_s) == 2 and b_t in g.constants and not fed and readers == [self.anchor_index]:
+        if b_mode == ROW and len(b_s) == 2 and b_t in g.constants and not g.fed(b_t) and \
+                readers == [self.anchor_index]:
             return ROW
         return None
 

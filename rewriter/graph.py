@@ -47,6 +47,11 @@ class Graph:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
+    def fed(self, name: str) -> bool:
+        """An initializer that is also a graph input (IR < 4 style): a user may feed it at run time, so it is
+        not a fixed constant to rewrite."""
+        return name in _listed_inputs(self)
+
     def node_label(self, index: int) -> str:
         n = self.nodes[index]
         return f"{n.op_type} '{n.name or n.output[0]}'"
@@ -62,6 +67,8 @@ class Graph:
 
 
 R = TypeVar("R")
+
+
 
 
 def per_graph(fn: Callable[["Graph"], R]) -> Callable[["Graph"], R]:
@@ -80,3 +87,9 @@ def per_graph(fn: Callable[["Graph"], R]) -> Callable[["Graph"], R]:
             memo.pop(next(iter(memo)))
         return value
     return cached
+
+
+@per_graph
+def _listed_inputs(g: Graph) -> frozenset[str]:
+    """Every name the model lists as a graph input, initializers included."""
+    return frozenset(v.name for v in g.model.graph.input)

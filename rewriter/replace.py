@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import heapq
 import os
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -56,8 +56,9 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
     g = model.graph
     if merged:  # inferred shapes then rest on assumed equalities: ORT's optimizers must not take them as facts
         del g.value_info[:]  # (its Expand elimination would drop an Expand that broadcasts a merged dim)
-    permuted = _permuted_constants(graph, fused, g)
-    folded = _folded_constants(graph, fused, g)
+    taken = set(graph.tensors) | {t.name for t in g.initializer}  # names a new initializer must avoid
+    permuted = _permuted_constants(graph, fused, g, taken)
+    folded = _folded_constants(graph, fused, g, taken)
     new_nodes = [_fused_node(fused[k], permuted, folded.get(k, {})) if kind == "fused" else graph.nodes[k]
                  for kind, k in _contracted_order(graph, fused, owner)]
     del g.node[:]
@@ -172,11 +173,24 @@ def _fused_node(f: FusedNode, permuted: dict[tuple[str, tuple[int, ...]], str],
     return node
 
 
-def _permuted_constants(graph: Graph, fused: tuple[FusedNode, ...],
-                        g: onnx.GraphProto) -> dict[tuple[str, tuple[int, ...]], str]:
+def _new_initializer(g: onnx.GraphProto, taken: set[str], name: str, data: np.ndarray, dtype: int,
+                     what: str) -> str:
+    """Appends `data` to `g` as an initializer named `name` (suffixed until unused) of element type `dtype`
+    (ValueError naming `what` if numpy would store another); returns its name."""
+    while name in taken:
+        name += "_"
+    tensor = numpy_helper.from_array(np.ascontiguousarray(data), name)
+    if tensor.data_type != dtype:
+        raise ValueError(f"{what} would change dtype")
+    g.initializer.append(tensor)
+    taken.add(name)
+    return name
+
+
+def _permuted_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphProto,
+                        taken: set[str]) -> dict[tuple[str, tuple[int, ...]], str]:
     """Each (constant, perm) some fused node reads as a new initializer in `g`: {(name, perm): new name}."""
     out: dict[tuple[str, tuple[int, ...]], str] = {}
-    taken = set(graph.tensors) | {t.name for t in g.initializer}
     for f in fused:
         for name, perm in f.input_perms:
             if (name, perm) in out:
@@ -186,22 +200,16 @@ def _permuted_constants(graph: Graph, fused: tuple[FusedNode, ...],
             data = np.asarray(graph.constants[name])
             if sorted(perm) != list(range(data.ndim)):
                 raise ValueError(f"{f.name}: {perm} is not a permutation of '{name}' (rank {data.ndim})")
-            new = f"{name}__ortfuse_t{''.join(map(str, perm))}"
-            while new in taken:
-                new += "_"
-            tensor = numpy_helper.from_array(np.ascontiguousarray(np.transpose(data, perm)), new)
-            if tensor.data_type != graph.tensors[name].dtype:
-                raise ValueError(f"{f.name}: '{name}' would change dtype when transposed")
-            g.initializer.append(tensor)
-            taken.add(new)
-            out[(name, perm)] = new
+            out[(name, perm)] = _new_initializer(g, taken, f"{name}__ortfuse_t{''.join(map(str, perm))}",
+                                                 np.transpose(data, perm), graph.tensors[name].dtype,
+                                                 f"{f.name}: '{name}' transposed")
     return out
 
 
-def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphProto) -> dict[int, dict[str, str]]:
+def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphProto,
+                      taken: set[str]) -> dict[int, dict[str, str]]:
     """The new initializers of each LayerNorm fold, by fused node: {slot tensor: new initializer}."""
     out: dict[int, dict[str, str]] = {}
-    taken = set(graph.tensors) | {t.name for t in g.initializer}
     folds = [(i, f) for i, f in enumerate(fused) if f.ln_fold is not None]
     for _, f in folds:
         fold = f.ln_fold
@@ -212,19 +220,10 @@ def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphP
     with ThreadPoolExecutor(max_workers=max(1, min(len(folds), os.cpu_count() or 1))) as pool:  # numpy, GIL free
         made = list(pool.map(lambda f: fold_constants(f[1].ln_fold, graph.constants), folds))
     for (i, f), data_of in zip(folds, made):
-        fold = f.ln_fold
-        names = {}
-        for slot, data in data_of.items():
-            new = f"{slot}__ortfuse_ln_{fold.weight}" if slot != fold.weight else f"{slot}__ortfuse_ln"
-            while new in taken:
-                new += "_"
-            taken.add(new)
-            tensor = numpy_helper.from_array(np.ascontiguousarray(data), new)
-            if tensor.data_type != graph.tensors[slot].dtype:
-                raise ValueError(f"{f.name}: the folded '{slot}' would change dtype")
-            g.initializer.append(tensor)
-            names[slot] = new
-        out[i] = names
+        weight = f.ln_fold.weight
+        out[i] = {slot: _new_initializer(g, taken, f"{slot}__ortfuse_ln" + ("" if slot == weight else f"_{weight}"),
+                                         data, graph.tensors[slot].dtype, f"{f.name}: the folded '{slot}'")
+                  for slot, data in data_of.items()}
     return out
 
 

@@ -52,19 +52,15 @@ class NormFold:
         return (self.norm, *self.chain) + ((self.bias_add,) if self.bias_add is not None else ())
 
 
-def _fed(g: Graph, t: str) -> bool:
-    """An initializer the user may override at run time (also a graph input)."""
-    return any(v.name == t for v in g.model.graph.input)
-
-
 def find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
     """The LayerNorm feeding `anchor`'s A operand as a NormFold; a reason (str) when there is one that cannot
     fold; None when A does not come from a LayerNormalization."""
-    return _all(g).get(anchor)
+    return candidates(g).get(anchor)
 
 
 @per_graph
-def _all(g: Graph) -> dict[int, Union[NormFold, str]]:
+def candidates(g: Graph) -> dict[int, Union[NormFold, str]]:
+    """`find` for every MatMul/Gemm whose A comes from a LayerNormalization, by anchor."""
     found = {}
     for i, n in enumerate(g.nodes):
         if n.op_type in ops.GEMM:
@@ -76,8 +72,6 @@ def _all(g: Graph) -> dict[int, Union[NormFold, str]]:
 
 def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
     node = g.nodes[anchor]
-    if node.op_type not in ops.GEMM:
-        return None
     chain: list[int] = []
     t = node.input[0]
     while True:
@@ -123,7 +117,7 @@ def _find(g: Graph, anchor: int) -> Union[NormFold, str, None]:
     if dtype not in DTYPES:
         return f"{onnx.TensorProto.DataType.Name(dtype)} data: LayerNorms fold into 16-bit GEMMs only"
     for what, c in (("scale", scale), ("bias", bias), ("weight", weight)):
-        if c and (c not in g.constants or _fed(g, c)):
+        if c and (c not in g.constants or g.fed(c)):
             return f"the {what} '{c}' is not a constant"
         if c and g.tensors[c].dtype != dtype:
             return f"the {what} '{c}' has another element type than the data"
@@ -161,7 +155,7 @@ def _gemm_bias(g: Graph, anchor: int, n: int, dtype: int) -> Union[tuple[str, Op
     why = "the LayerNorm's beta needs a bias vector added to the GEMM's result to fold into"
 
     def vector(t: str) -> bool:
-        if t not in g.constants or _fed(g, t) or g.tensors[t].dtype != dtype:
+        if t not in g.constants or g.fed(t) or g.tensors[t].dtype != dtype:
             return False
         shape = np.asarray(g.constants[t]).shape
         return len(shape) >= 1 and shape[-1] == n and int(np.prod(shape)) == n
@@ -186,7 +180,7 @@ def _gemm_bias(g: Graph, anchor: int, n: int, dtype: int) -> Union[tuple[str, Op
 def in_region(g: Graph, nodes: frozenset[int] | set[int] | tuple[int, ...]) -> Optional[NormFold]:
     """The NormFold a region holds (its LayerNorm and the GEMM it feeds both inside), if any."""
     members = set(nodes)
-    for i, f in _all(g).items():
+    for i, f in candidates(g).items():
         if i in members and isinstance(f, NormFold) and set(f.nodes) <= members:
             return f
     return None

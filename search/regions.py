@@ -82,8 +82,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     they apply ("on"), or never ("off")."""
     cost = cost or CostModel(tgt, tf32)
     check = check or _lowering_check(tgt, tf32)
-    found = {i: norm_fold.find(g, i) for i in range(len(g.nodes))
-             if g.nodes[i].op_type in ops.GEMM and ln_fold != "off"}
+    found = norm_fold.candidates(g) if ln_fold != "off" else {}
     folds = {i: f for i, f in found.items() if isinstance(f, norm_fold.NormFold)}
     unfit = tuple(Reject(f"LayerNorm before {g.node_label(i)}", f) for i, f in found.items() if isinstance(f, str))
     without = _grow(g, cost, check, {}) if ln_fold != "on" or not folds else None
