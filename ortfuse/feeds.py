@@ -61,4 +61,4 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None =
         else:
             hi = _index_bound(model, vi.name) or 2
             feeds[vi.name] = rng.integers(0, hi, dims).astype(dt)
-    return feeds
+    return {k: np.asarray(v) for k, v in feeds.items()}  # rank 0: numpy scalars, which ORT refuses

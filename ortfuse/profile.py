@@ -36,6 +36,7 @@ from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import legal
 from ortfuse.search.plan import Region
 
 WARMUP, RUNS = 10, 50
@@ -125,14 +126,26 @@ def _concrete(g: Graph, t: str, dims: Mapping[str, int]) -> list[int]:
     return [d if isinstance(d, int) else int(dims.get(d, g.sym_hints.get(d, 1))) for d in shape]
 
 
+def _shape_reads(g: Graph, region: Region, dims: Mapping[str, int]) -> list[onnx.TensorProto]:
+    """The run-time shape tensors the region reads but the kernel does not (`legal.shape_reads`: a Range's
+    length, an Expand's target), as constants at this binding: the sub-model has no producer for them."""
+    out = []
+    for x, parts in legal.shape_reads(g, region.nodes, region.inputs) or ():
+        vals = [v if k < 0 else _concrete(g, region.inputs[k], dims)[v] for k, v in parts]
+        dtype = helper.tensor_dtype_to_np_dtype(g.tensors[x].dtype)
+        out.append(onnx.numpy_helper.from_array(np.array(vals if g.tensors[x].shape else vals[0], dtype), x))
+    return out
+
+
 def region_model(g: Graph, region: Region, dims: Mapping[str, int]) -> onnx.ModelProto:
     """The region's original nodes as a model of their own: non-constant inputs become graph inputs with
-    concrete shapes, constants become initializers."""
+    concrete shapes, constants and the shape tensors the region reads become initializers."""
     nodes = [g.nodes[i] for i in region.nodes]
     needed = {t for n in nodes for t in n.input if t}
     produced = {o for n in nodes for o in n.output}
     inits = [onnx.numpy_helper.from_array(np.asarray(g.constants[t]), t)
              for t in sorted(needed - produced) if t in g.constants]
+    inits += _shape_reads(g, region, dims)
     inputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
               for t in region.inputs if t not in g.constants]
     outputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims)) for t in region.outputs]

@@ -15,6 +15,7 @@ from ortfuse.api import compile_model
 from ortfuse.config import Options
 from ortfuse.customops.attrs import read_launch
 from ortfuse.feeds import random_feeds
+from ortfuse.search import legal
 
 
 def _encoder_block(k: int = 64):
@@ -205,3 +206,48 @@ def test_profile_times_a_symbolic_batch_at_its_hint_and_at_profile_batch(monkeyp
     res = compile_model(_encoder_block(), None, "sm_90",
                         options=Options(archs=(90,), cache=tmp_path, profile=True, profile_batch=0))
     assert res.placements[0].bindings == ("n=1",) and res.placements[0].keep
+
+
+def test_profiled_sub_models_get_the_shape_tensors_their_region_reads(monkeypatch, tmp_path):
+    # A Range whose length is a run-time dim (Shape -> Gather outside the region) and a bool Where: the
+    # region reads the length but the kernel does not (`legal.shape_reads`), so the stock-ORT sub-model must
+    # carry it as a constant of the binding (2026-11-25, H100: every zoo transformer failed here with "not a
+    # graph input, initializer, or output"); the rank-0 bool feed must reach ORT as an array.
+    m = model([node("Shape", ["ids"], ["sh"]), node("Gather", ["sh", "one"], ["s"]),
+               node("Range", ["zero", "s", "one"], ["p"]), node("Unsqueeze", ["p", "ax0"], ["p2"]),
+               node("Unsqueeze", ["p", "ax1"], ["q2"]), node("LessOrEqual", ["p2", "q2"], ["causal"]),
+               node("Cast", ["mask"], ["mb"], to=TP.BOOL), node("Unsqueeze", ["mb", "ax1"], ["mb2"]),
+               node("And", ["causal", "mb2"], ["keep"]), node("Where", ["keep", "z", "ninf"], ["bias"]),
+               node("Neg", ["ids_f"], ["n"]), node("Add", ["n", "bias"], ["out"])],
+              [vi("ids", TP.INT64, ["batch", "seq"]), vi("mask", TP.INT64, ["batch", "seq"]),
+               vi("ids_f", TP.FLOAT, ["batch", 1, "seq", "seq"])],
+              [vi("out", TP.FLOAT, None)],
+              [const("one", 1, np.int64), const("zero", 0, np.int64), const("ax0", [0], np.int64),
+               const("ax1", [1], np.int64), const("z", 0.0, np.float32), const("ninf", -10000.0, np.float32)])
+    plain = compile_model(m, None, "sm_90")
+    reads = [legal.shape_reads(plain.graph, k.region.nodes, k.region.inputs) for k in plain.kernels]
+    assert any(reads), "the region must read a run-time shape tensor for this test to mean anything"
+    calls: list[bool] = []
+    monkeypatch.setattr(prof, "cuda_timer", _stand_in({"ort": 10.0, "ours": 5.0}, calls))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    assert calls and all(p.keep for p in res.placements)
+    for k in res.kernels:  # at two bindings, the sub-model's outputs match the fused model's
+        for dims in ({"batch": 2, "seq": 5}, {"batch": 3, "seq": 9}):
+            sub = prof.region_model(res.graph, k.region, dims)
+            feeds = random_feeds(sub, None, seed=2)
+            a = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+            b = ort.InferenceSession(prof.fused_model(sub, k.node).SerializeToString(),
+                                     providers=["CPUExecutionProvider"]).run(None, feeds)
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+
+
+def test_random_feeds_of_rank_0_inputs_are_arrays():
+    # ORT refuses numpy scalars ("Unable to handle object of type numpy.bool"): a profiled sub-model can
+    # have rank-0 inputs (BERT's and GPT-2's mask regions, 2026-11-25)
+    m = model([node("Where", ["c", "x", "y"], ["out"])],
+              [vi("c", TP.BOOL, []), vi("x", TP.FLOAT, []), vi("y", TP.FLOAT, [])], [vi("out", TP.FLOAT, None)], [])
+    feeds = random_feeds(m, None, seed=0)
+    assert all(isinstance(v, np.ndarray) and v.shape == () for v in feeds.values())
+    ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)

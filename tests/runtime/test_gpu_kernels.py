@@ -4,6 +4,7 @@ also under CUDA-graph replay. Skipped without a working CUDA EP (tests/conftest.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
@@ -120,8 +121,33 @@ def test_layernorm_fold_parity(shape):
     m = pre_ln_layer(H)
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,), ln_fold="on"))
     assert sum("LayerNormFold<" in k.compiled.source for k in res.kernels) == 2
-    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (*shape, 768)})
-    assert rep.ok, "\n".join(rep.lines())
+    # Against an fp32 reference (the same weights in fp32 on the CUDA EP), not against the fp16 CUDA EP: both
+    # are about 1e-2 off it at the Tanh's output, in different places (measured 2026-11-25, H100: 0.0139
+    # apart). Ours must be no further from it than stock ORT's fp16 result is, with 25% + 2e-3 of slack.
+    x = np.random.default_rng(11).standard_normal((*shape, 768)).astype(np.float16)
+    cuda = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+    ref = ort.InferenceSession(_as_fp32(m).SerializeToString(), providers=cuda).run(None, {"x": x.astype(np.float32)})
+    stock = ort.InferenceSession(m.SerializeToString(), providers=cuda).run(None, {"x": x})
+    sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
+    assert sess.fused_kernels
+    ours = sess.run(None, {"x": x})
+    for name, r, s, o in zip(("out", "x1"), ref, stock, ours):
+        err_stock = float(np.abs(s.astype(np.float32) - r).max())
+        err_ours = float(np.abs(o.astype(np.float32) - r).max())
+        assert err_ours <= 1.25 * err_stock + 2e-3, (name, err_ours, err_stock)
+
+
+def _as_fp32(m: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model with its fp16 tensors and initializers in fp32."""
+    m32 = onnx.ModelProto()
+    m32.CopyFrom(m)
+    for init in m32.graph.initializer:
+        if init.data_type == TP.FLOAT16:
+            init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init).astype(np.float32), init.name))
+    for v in (*m32.graph.input, *m32.graph.output, *m32.graph.value_info):
+        if v.type.tensor_type.elem_type == TP.FLOAT16:
+            v.type.tensor_type.elem_type = TP.FLOAT
+    return m32
 
 
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
@@ -228,6 +254,6 @@ def test_index_ops_match_the_cuda_ep_out_of_range_too(dt):
     feeds = {"ids": ids, "mask": mask}
     want = ort.InferenceSession(m.SerializeToString(), providers=[("CUDAExecutionProvider", {"use_tf32": "0"})]).run(None, feeds)
     sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
-    assert len(sess.fused_kernels) == 2
+    assert sess.fused_kernels and sum(n.domain == "ortfuse" for n in res.model.graph.node) == 2
     for name, got, ref in zip(("y", "bias"), sess.run(None, feeds), want):
         assert compare(name, got, ref).ok
