@@ -28,18 +28,23 @@ class Target:
     l2_over_dram: float = 2.5  # L2 bandwidth / DRAM bandwidth, rough ratio for re-read tile traffic
     # Share of the dense tensor-core peak that warp-level mma.sync (what our kernels issue) can reach. On
     # sm_90 the peak needs Hopper's warpgroup wgmma, which cuBLAS uses and we do not; public
-    # microbenchmarks put mma.sync at about 50-65% of it there. Assumed, not measured by us
-    # (bench/kernels.py reports our TFLOP/s on the device).
+    # microbenchmarks put mma.sync at about 50-65% of it there. Measured (H100, 2026-11-25, fp16 M=4096
+    # tile sweep, docs/gpu/2026-11-25-h100-gemm-sweep.txt): our mma.sync tiles reach 0.11-0.18 of the peak,
+    # cuBLAS 0.38-0.57. The cost model prices cuBLAS at the full peak, so this share is kept as a ratio (ours
+    # vs cuBLAS, with `gemm_vs_cublas`) until both sides are calibrated together (bench/README.md).
     mma_sync_share: float = 1.0
     # Hopper's warpgroup MMA (wgmma.mma_async, sm_90a cubins): the device has it. Our wgmma kernels are used
-    # only when every target arch has it and the user opts in (`--wgmma`: correct in emulation and through
-    # ptxas, not yet verified on a GPU); api.target_for folds both into this flag.
+    # only when every target arch has it and the user opts in (`--wgmma`: parity verified on an H100,
+    # 2026-11-25); api.target_for folds both into this flag.
     wgmma: bool = False
     # Share of the dense peak our wgmma kernel (cp.async pipeline, no TMA or warp specialization) reaches:
-    # assumed, not measured (CUTLASS's TMA + warp-specialized kernels reach ~75-80%).
+    # measured 0.12-0.23 (H100, 2026-11-25, same sweep; about 1.3x our mma.sync tiles), kept as a ratio as
+    # mma_sync_share is (CUTLASS's TMA + warp-specialized kernels reach ~75-80%).
     wgmma_share: float = 0.7
-    # Our GEMM's speed relative to cuBLAS on the same instructions, assumed until measured on the device (issue 5's target: within
-    # 15%); `ortfuse optimize --profile` replaces the estimate with measurements.
+    # Our GEMM's speed relative to cuBLAS on the same instructions (issue 5's target: within 15%). Measured on
+    # an H100 (2026-11-25): our best tile over bare cuBLAS 2.2-2.5x (wgmma) and 2.8-3.2x (mma.sync) at M=4096,
+    # 1.4-2.4x at batch 1; kept at the assumed figure until the ORT side of the model is calibrated with it
+    # (ORT's measured regions cost 1.5-2.8x their bare GEMM); `ortfuse optimize --profile` measures instead.
     gemm_vs_cublas: float = 0.85
     # A Conv whose im2col operand our kernel gathers element by element (no cp.async), relative to cuDNN:
     # assumed, not measured; `--profile` measures it per region.

@@ -70,7 +70,7 @@ class GpuTimer:
         l2 = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["l2CacheSize"])
         self._flush = cupy.empty(2 * l2, dtype=cupy.uint8) if flush_l2 and l2 else None
         self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
-        self.floor_us: Optional[float] = None
+        self._floor_run: Optional[Callable[[], None]] = None
 
     def cuda_options(self) -> dict[str, str]:
         return {"user_compute_stream": str(self.stream.ptr)}
@@ -116,11 +116,14 @@ class GpuTimer:
             enq.append(took * 1e6)
         return Timing(statistics.median(gpu), statistics.median(enq), runs, spin_ns / 1e3)
 
-    def session_floor_us(self, make_run: Callable[[], Callable[[], None]]) -> float:
-        """The enqueue time of a one-node model's run (cached): ORT's per-run host cost."""
-        if self.floor_us is None:
-            self.floor_us = self.time(make_run(), warmup=20, runs=100).enqueue_us
-        return self.floor_us
+    def session_floor_us(self, make_run: Callable[[], Callable[[], None]], runs: int = 50) -> float:
+        """The enqueue time of a one-node model's run: ORT's per-run host cost. Its session is made once; the
+        time is taken afresh at each call, next to the run it is subtracted from: enqueue times drift by tens
+        of microseconds between measurements (H100 2026-11-25: a floor cached at 95 us, one-node runs timed
+        later at 46-72 us, docs/gpu/2026-11-25-h100-timer-diag.txt)."""
+        if self._floor_run is None:
+            self._floor_run = make_run()
+        return self.time(self._floor_run, warmup=5, runs=runs).enqueue_us
 
 
 _shared: Optional[GpuTimer] = None

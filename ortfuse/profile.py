@@ -231,8 +231,10 @@ def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: b
     t = gpu_timer.shared()
     opts, ro = t.cuda_options(), t.run_options()
     try:
-        floor = t.session_floor_us(lambda: bound_run(_floor_model(), {"x": np.ones(1, np.float32)}, False, opts, ro))
-        return t.time(bound_run(model, feeds, fused, opts, ro), WARMUP, RUNS).cost_us(floor)
+        timing = t.time(bound_run(model, feeds, fused, opts, ro), WARMUP, RUNS)
+        floor = t.session_floor_us(lambda: bound_run(_floor_model(), {"x": np.ones(1, np.float32)}, False, opts, ro),
+                                   RUNS)
+        return timing.cost_us(floor)
     except RuntimeError as e:
         raise OrtfuseError(f"ortfuse --profile: the device clock failed ({e}); set {CLOCK_ENV}=host to profile "
                            "with the host clock") from e

@@ -294,6 +294,14 @@ def expand_target(g: Graph, node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
     return tuple(1 if k >= lead and src[k - lead] == d else d for k, d in enumerate(out))
 
 
+# A kernel's lanes walk its innermost axis: in a row reduction the reduced one, in a pointwise kernel the
+# output's. Where that is the channel axis of a depthwise Conv's NCHW image, every tap of every lane is its
+# own memory transaction (ConvNeXt-T's depthwise 7x7 + Transpose + LayerNorm as one row kernel, H100
+# 2026-11-25: 5.8x slower than cuDNN + ORT's Transpose and LayerNorm at batch 1, 28x at batch 32).
+_DEPTHWISE_ACROSS = ("{}: a depthwise Conv computed {} reads its taps across channels, one memory transaction "
+                     "per element, so it stays a separate kernel")
+
+
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
     """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
     each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`) and each
@@ -404,12 +412,18 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
         if conv.is_depthwise(g, g.nodes[i]) and g.producer.get(g.nodes[i].input[0]) in nodes:
             return Reject(label, f"{g.node_label(i)} reads its input at neighbouring pixels: its producer "
                                  f"would be recomputed for every tap, so it stays a separate kernel")
+        if reductions and conv.is_depthwise(g, g.nodes[i]):
+            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(i), "inside a row reduction"))
     if not reductions:
         # the iteration space: an output's shape that every other output is (a transpose of)
         space = next((s for s in shapes.values() if all(
             t == s or output_perm(g, nodes, o, s) is not None for o, t in shapes.items())), None)
         if space is None:
             return Reject(label, "outputs of different shapes would need separate iteration spaces")
+        for i in nodes:
+            n = g.nodes[i]
+            if conv.is_depthwise(g, n) and g.tensors[n.output[0]].shape != tuple(space):
+                return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(i), "in a transposed order"))
         return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
     spaces = {g.tensors[g.nodes[i].input[0]].shape for i in reductions}
     if len(spaces) > 1:
