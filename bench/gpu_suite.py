@@ -96,9 +96,40 @@ def _optimize(src: Path, work: Path, profile: bool = True) -> dict[str, Any]:
     fused = sum(1 for n in model.graph.node if n.domain == "ortfuse")
     placements = [pl.line() for pl in res.placements]
     return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused, "placements": placements,
-            "input_shapes": {k: list(v) for k, v in (shapes or {}).items()}}
+            "model_check": model_check(res), "input_shapes": {k: list(v) for k, v in (shapes or {}).items()}}
   except Exception as err:  # noqa: BLE001 - the model is still benchmarked without an ortfuse row
     return {"path": None, "note": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+
+
+def model_check(res: Any) -> list[dict[str, Any]]:
+  """Per profiled region: the measured times (ORT's, our fastest candidate) next to the cost model's."""
+  kinds = {r.id: r.kind for r in res.plan.regions}
+  kinds.update({k.region.id: k.region.kind for k in res.kernels})
+  return [{"region": pl.region, "kind": kinds.get(pl.region, "?"), "bindings": list(pl.bindings),
+           "ort_us": list(pl.ort_us), "ours_us": list(pl.best_us), "model_ort_us": list(pl.model_ort_us),
+           "model_ours_us": list(pl.model_ours_us)}
+          for pl in res.placements if pl.model_ort_us is not None and pl.model_ours_us is not None]
+
+
+def model_check_lines(rows: list[dict[str, Any]]) -> list[str]:
+  """Per region kind and binding: the median of measured / estimated, ours and ORT's (1 = the cost model
+  was right; 3 = it assumed a third of the time). Identical layers count once."""
+  seen, groups = set(), {}
+  for r in rows:
+    key = (r["kind"], tuple(r["ort_us"]), tuple(r["ours_us"]))
+    if key in seen:
+      continue
+    seen.add(key)
+    groups.setdefault(r["kind"], []).append(r)
+  out = []
+  for kind, rs in sorted(groups.items()):
+    cells = []
+    for i, b in enumerate(rs[0]["bindings"]):
+      ours = float(np.median([r["ours_us"][i] / r["model_ours_us"][i] for r in rs]))
+      ort = float(np.median([r["ort_us"][i] / r["model_ort_us"][i] for r in rs]))
+      cells.append(f"{b}: ours {ours:.2f}, ORT {ort:.2f}")
+    out.append(f"{kind} ({len(rs)} distinct): " + "; ".join(cells))
+  return out
 
 
 def _bench(src: Path, opt: str | None, batches: str, work: Path, variants: str | None) -> dict[str, Any]:
@@ -248,6 +279,11 @@ def render(report: dict[str, Any], results: bool = False) -> str:
       lines += [f"**{e['model']} {e['dtype']}**: " + " ".join(body)]
       if not results and k.get("table"):
         lines += ["", k["table"]]
+  checks = [(e, rows) for e in report["entries"] if (rows := e.get("optimize", {}).get("model_check"))]
+  if checks and not results:
+    lines += ["", "## Cost model against --profile (median of measured / estimated per region kind)", ""]
+    for e, rows in checks:
+      lines += [f"**{e['model']} {e['dtype']}**: " + " | ".join(model_check_lines(rows))]
   if not results:
     for e in report["entries"]:
       notes = [e.get("error"), e.get("optimize", {}).get("note"), e.get("parity", {}).get("note"),

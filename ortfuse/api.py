@@ -221,6 +221,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
     placements = prof.place(graph, [k.region for k in kernels], candidates, bindings, cache)
     chosen, final = [], []
     for k, pl in zip(kernels, placements):
+        pl = dataclasses.replace(pl, **_model_estimates(graph, tgt, opts, k.region, bindings))
         split = _row_split(graph, tgt, opts, k.region) if k.region.kind == "gemm_row" else None
         if split is not None:  # Collage: also measure cuBLAS + our kernel for the rest
             gemm, rest = split
@@ -235,6 +236,21 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
         if pl.keep:
             chosen.append(variants.get((k.region.id, pl.tile), k))
     return chosen, tuple(final)
+
+
+def _model_estimates(graph: Graph, tgt: Target, opts: Options, region: Region,
+                     bindings: Sequence[tuple[str, Mapping[str, int]]]) -> dict[str, tuple[float, ...]]:
+    """The cost model's times for the region at the profiled bindings, ORT's and ours, for the placement
+    report: what --profile measured next to what the search assumed."""
+    from ortfuse.search.cost import CostModel, traffic
+    cm = CostModel(tgt, opts.tf32)
+    ort_us, ours_us = [], []
+    for _, dims in bindings:
+        gb = dataclasses.replace(graph, sym_hints={**graph.sym_hints, **dims})
+        r = dataclasses.replace(region, traffic=traffic(gb, region))
+        ort_us.append(cm.ort_us(gb, r))
+        ours_us.append(cm.ours_us(gb, r))
+    return {"model_ort_us": tuple(ort_us), "model_ours_us": tuple(ours_us)}
 
 
 def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tuple[Region, FusedKernel]]:

@@ -78,6 +78,10 @@ class Placement:
     # that split won over both the fused kernel and ORT
     split_us: Optional[Times] = None
     split: bool = False
+    # the cost model's estimates at the same bindings (ORT's kernels, our kernel), to calibrate it against
+    # what was measured
+    model_ort_us: Optional[Times] = None
+    model_ours_us: Optional[Times] = None
 
     @property
     def best_us(self) -> Times:
@@ -94,8 +98,10 @@ class Placement:
         verdict = "split: cuBLAS + ours" if self.split else "ours" if self.keep else "ORT"
         tiles = ", ".join(f"{tile_label(t)} {us_text(ts)}" for t, ts in self.ours_us)
         split = f", split {us_text(self.split_us)} us" if self.split_us is not None else ""
+        model = (f"; cost model: ORT {us_text(self.model_ort_us)}, ours {us_text(self.model_ours_us)} us"
+                 if self.model_ort_us is not None and self.model_ours_us is not None else "")
         return (f"region {self.region} ({' / '.join(self.bindings)}): ORT {us_text(self.ort_us)} us, "
-                f"ours [{tiles}] us{split} -> {verdict}")
+                f"ours [{tiles}] us{split} -> {verdict}{model}")
 
 
 def wins(ours: Times, ort: Times) -> bool:

@@ -74,12 +74,14 @@ def markdown(r: OptimizeResult, source: str) -> str:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 f"Each cell gives one time per binding ({' / '.join(r.placements[0].bindings)}); 'ORT / kept' "
                 "is the geometric mean over the bindings of ORT's time over the kept choice's.", "",
-                "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept | ORT / kept |",
-                "|---|---|---|---|---|---:|"]
+                "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept | ORT / kept | cost model: ORT, ours |",
+                "|---|---|---|---|---|---:|---|"]
         for pl in r.placements:
             tiles = "; ".join(f"{tile_label(t)}: {us_text(ts)}" for t, ts in pl.ours_us)
             split = us_text(pl.split_us) if pl.split_us is not None else "—"
             kept = "split" if pl.split else "ours" if pl.keep else "ORT"
-            out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x |")
+            model = (f"{us_text(pl.model_ort_us)}, {us_text(pl.model_ours_us)}"
+                     if pl.model_ort_us is not None and pl.model_ours_us is not None else "—")
+            out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x | {model} |")
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

@@ -54,3 +54,19 @@ def test_per_kernel_section(tmp_path):
   report, results = ((tmp_path / "out" / f).read_text() for f in ("report.md", "results.md"))
   assert "## Per kernel" in results and "**bert fp16**: GEMM/Conv + epilogue within 15%" in results
   assert "| 0, 4 | MatMul 4096x768x768" in report and "| 0, 4 |" not in results
+
+
+def test_cost_model_check_against_the_profile():
+  # measured / estimated per kind and binding, identical layers once (the second gemm row repeats the first)
+  row = {"kind": "gemm", "bindings": ["batch=1", "batch=32"], "ort_us": [10.0, 80.0], "ours_us": [12.0, 90.0],
+         "model_ort_us": [5.0, 40.0], "model_ours_us": [4.0, 30.0]}
+  other = {**row, "ort_us": [20.0, 40.0], "ours_us": [6.0, 60.0]}
+  attn = {**row, "kind": "attention", "ours_us": [8.0, 45.0]}
+  lines = gpu_suite.model_check_lines([row, dict(row), other, attn])
+  assert lines == ["attention (1 distinct): batch=1: ours 2.00, ORT 2.00; batch=32: ours 1.50, ORT 2.00",
+                   "gemm (2 distinct): batch=1: ours 2.25, ORT 3.00; batch=32: ours 2.50, ORT 1.50"]
+  report = {"started": "now", "env": {}, "entries": [
+      {"model": "bert", "dtype": "fp16", "optimize": {"model_check": [row, attn]}, "bench": {}}]}
+  text = gpu_suite.render(report)
+  assert "## Cost model against --profile" in text and "**bert fp16**: attention (1 distinct)" in text
+  assert "Cost model against" not in gpu_suite.render(report, results=True)

@@ -251,3 +251,20 @@ def test_random_feeds_of_rank_0_inputs_are_arrays():
     feeds = random_feeds(m, None, seed=0)
     assert all(isinstance(v, np.ndarray) and v.shape == () for v in feeds.values())
     ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_placements_carry_the_cost_models_estimates(monkeypatch, tmp_path):
+    # what the search assumed next to what was measured, at the same bindings, in the line and the report
+    from ortfuse import report
+    from ortfuse.bench.gpu_suite import model_check
+    monkeypatch.setattr(prof, "cuda_timer", _stand_in({"ort": 10.0, "ours": 5.0}, []))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    m = _encoder_block()
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    pl = res.placements[0]
+    assert len(pl.bindings) == 2 and len(pl.model_ort_us) == 2 and len(pl.model_ours_us) == 2
+    assert all(t > 0 for t in (*pl.model_ort_us, *pl.model_ours_us))
+    assert pl.model_ours_us[1] > pl.model_ours_us[0]  # the batch-32 binding is estimated slower than the hint
+    assert "cost model: ORT" in pl.line() and "cost model: ORT, ours" in report.markdown(res, "m.onnx")
+    rows = model_check(res)
+    assert [(r["kind"], r["ours_us"], r["ort_us"]) for r in rows] == [("gemm", [5.0, 5.0], [10.0, 10.0])]
