@@ -43,9 +43,15 @@ class Target:
     wgmma_share: float = 0.7
     # Our GEMM's speed relative to cuBLAS on the same instructions (issue 5's target: within 15%). Measured on
     # an H100 (2026-11-25): our best tile over bare cuBLAS 2.2-2.5x (wgmma) and 2.8-3.2x (mma.sync) at M=4096,
-    # 1.4-2.4x at batch 1; kept at the assumed figure until the ORT side of the model is calibrated with it
-    # (ORT's measured regions cost 1.5-2.8x their bare GEMM); `ortfuse optimize --profile` measures instead.
+    # 1.4-2.4x at batch 1. What the cost model uses it for is the ratio ours / ORT per region: at batch 32 the
+    # measured ratio of 10 fp16 MatMul regions (BERT, GPT-2, ViT with --wgmma) was a median 1.5x the model's
+    # with 0.85, so sm_90 has 0.55 (bench/README.md, "Cost model against --profile"); elsewhere assumed.
+    # `ortfuse optimize --profile` measures instead.
     gemm_vs_cublas: float = 0.85
+    # A Conv whose operands our kernel copies as they are (a 16-byte aligned 1x1 convolution), relative to
+    # cuDNN: assumed; on the H100 (2026-11-25) the model's ours / ORT ratio for ResNet-50's and MobileNetV2's
+    # Conv regions matched the measured one within a median 1.1x with it.
+    direct_conv_vs_cudnn: float = 0.85
     # A Conv whose im2col operand our kernel gathers element by element (no cp.async), relative to cuDNN:
     # assumed, not measured; `--profile` measures it per region.
     implicit_gemm_vs_cudnn: float = 0.6
@@ -69,7 +75,8 @@ class Target:
 
 # Reference boards: A100-SXM4-80GB (sm_80), RTX A6000 (sm_86), L40S (sm_89), H100-SXM5 (sm_90).
 # Figures from NVIDIA's data sheets (dense, no sparsity); launch_us is the typical ORT CUDA EP per-node
-# overhead. sm_86/sm_89 have 1536 threads per SM.
+# overhead: on sm_90 the one measured on the H100 machine (bench/overhead.py: 5.5-6.3 us per node,
+# 2026-11-24/25), elsewhere assumed. sm_86/sm_89 have 1536 threads per SM.
 TABLE: dict[int, Target] = {
     80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0, 312.0, 156.0, 19.5, 1.41,
                425.0),
@@ -77,7 +84,7 @@ TABLE: dict[int, Target] = {
                333.0, max_threads_per_sm=1536),
     89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
                238.0, max_threads_per_sm=1536),
-    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 3.0, 989.0, 494.0, 67.0, 1.98,
+    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True),
 }
 

@@ -40,8 +40,8 @@ class Options:
     tf32: bool = False  # fp32 GEMMs may use tf32 tensor cores (10-bit mantissa); recorded in the model
     profile: bool = False  # time every region against ORT on the GPU and keep the faster (ortfuse.profile)
     profile_batch: int = 32  # --profile also times a symbolic batch dim at this value (0: at its hint only)
-    # sm_90a warpgroup-MMA GEMM kernels where every target arch is sm_90 (opt-in until verified on a GPU;
-    # $ORTFUSE_WGMMA=1 turns it on too)
+    # sm_90a warpgroup-MMA GEMM kernels where every target arch is sm_90 (verified on an H100; opt-in since
+    # sm_90a code runs on sm_90 only, not on later GPUs through PTX; $ORTFUSE_WGMMA=1 turns it on too)
     wgmma: bool = field(default_factory=lambda: os.environ.get("ORTFUSE_WGMMA", "0") not in ("", "0"))
     # LayerNorms folded into the GEMMs that read them: "auto" where the cost model says the whole model gains,
     # "on" wherever they can, "off" never ($ORTFUSE_LN_FOLD; docs/design.md, LayerNorm prologues)

@@ -171,7 +171,10 @@ def _session(model: onnx.ModelProto, fused: bool, cuda_options: Mapping[str, str
     import onnxruntime as ort
 
     from ortfuse.runtime import InferenceSession
-    providers = [("CUDAExecutionProvider", {"use_tf32": "0", **cuda_options})]
+    # ORT as it runs by default, which is what a region left to it runs: its CUDA EP's use_tf32 is on, so
+    # fp32 MatMul/Conv run on TF32. (Timed with use_tf32 0 until 2026-11-25, the profile kept fp32 GEMMs
+    # that tied with exact-fp32 cuBLAS while the default ORT beat them: ViT fp32 at batch 32, 0.45x.)
+    providers = [("CUDAExecutionProvider", dict(cuda_options))]
     if fused:
         sess = InferenceSession(model, providers=providers)
         if not sess.fused_kernels:

@@ -147,6 +147,8 @@ class CostModel:
         kernels are enabled)."""
         tgt = self.target
         math_ = self._math(g, node)
+        if not ours and math_ == tiles.SIMT:
+            math_ = tiles.MMA_TF32  # ORT's CUDA EP runs fp32 MatMul/Conv on TF32 by default (use_tf32)
         peak = {tiles.MMA_F16: tgt.mma_f16_tflops, tiles.MMA_TF32: tgt.mma_tf32_tflops,
                 tiles.SIMT: tgt.fp32_tflops}[math_]
         if ours and math_ != tiles.SIMT:
@@ -243,6 +245,7 @@ class CostModel:
             computed = region is not None and g.producer.get(node.input[0]) in region.nodes
             if computed or not conv.direct_operands(geo, es):
                 return self.target.implicit_gemm_vs_cudnn
+            return self.target.direct_conv_vs_cudnn
         return self.target.gemm_vs_cublas
 
     def recompute_us(self, g: Graph, merged: Region, prologue: Region) -> float:

@@ -189,3 +189,23 @@ def test_shape_arithmetic_is_left_to_ort_on_the_host():
     assert any("host tensors" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
     assert legal.host_verdict(g, ["d"]) and not legal.host_verdict(g, ["d", "xr"])
     assert "constant" in legal.host_verdict(g, [])
+
+
+def test_ort_runs_fp32_gemms_on_tf32_in_the_cost_model():
+    # ORT's CUDA EP default (use_tf32): a compute-bound fp32 GEMM is priced at the TF32 rate for ORT, at the
+    # exact-fp32 (SIMT) rate for ours unless the user opts in to tf32; 16-bit GEMMs are unaffected
+    for dt, tf32_apart in ((F, True), (TP.FLOAT16, False)):
+        m = model([node("MatMul", ["x", "w"], ["y"])], [vi("x", dt, [4096, 1024])], [vi("y", dt, None)],
+                  [const("w", np.ones((1024, 1024)), np.float32 if dt == F else np.float16)])
+        g = build_graph(m, {})
+        mm = g.nodes[0]
+        flops = 2 * 4096 * 1024 * 1024
+        ort_us = CostModel(H100).gemm_us(g, mm)[0]
+        ours_us = CostModel(H100).gemm_us(g, mm, ours=True)[0]
+        if tf32_apart:
+            assert ort_us == pytest.approx(flops / (H100.mma_tf32_tflops * 1e6))
+            assert ours_us == pytest.approx(flops / (H100.fp32_tflops * 1e6))
+            tf32_ours = CostModel(H100, tf32=True).gemm_us(g, mm, ours=True)[0]
+            assert tf32_ours == pytest.approx(flops / (H100.mma_tf32_tflops * H100.mma_sync_share * 1e6))
+        else:
+            assert ort_us == pytest.approx(flops / (H100.mma_f16_tflops * 1e6))
