@@ -302,6 +302,15 @@ _DEPTHWISE_ACROSS = ("{}: a depthwise Conv computed {} reads its taps across cha
                      "per element, so it stays a separate kernel")
 
 
+def _depthwise_across(g: Graph, nodes: Iterable[int], space: tuple[Dim, ...]) -> Optional[int]:
+    """A depthwise Conv of `nodes` that a kernel iterating `space` would not walk in its own layout: its
+    output is not `space` itself, or reaches it through a Transpose (which can keep the shape)."""
+    members = set(nodes)
+    transposed = any(g.nodes[i].op_type == "Transpose" for i in members)
+    return next((i for i in sorted(members) if conv.is_depthwise(g, g.nodes[i]) and
+                 (transposed or g.tensors[g.nodes[i].output[0]].shape != space)), None)
+
+
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
     """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
     each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`) and each
@@ -412,23 +421,24 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
         if conv.is_depthwise(g, g.nodes[i]) and g.producer.get(g.nodes[i].input[0]) in nodes:
             return Reject(label, f"{g.node_label(i)} reads its input at neighbouring pixels: its producer "
                                  f"would be recomputed for every tap, so it stays a separate kernel")
-        if reductions and conv.is_depthwise(g, g.nodes[i]):
-            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(i), "inside a row reduction"))
     if not reductions:
         # the iteration space: an output's shape that every other output is (a transpose of)
         space = next((s for s in shapes.values() if all(
             t == s or output_perm(g, nodes, o, s) is not None for o, t in shapes.items())), None)
         if space is None:
             return Reject(label, "outputs of different shapes would need separate iteration spaces")
-        for i in nodes:
-            n = g.nodes[i]
-            if conv.is_depthwise(g, n) and g.tensors[n.output[0]].shape != tuple(space):
-                return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(i), "in a transposed order"))
+        across = _depthwise_across(g, nodes, tuple(space))
+        if across is not None:
+            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across), "in a transposed order"))
         return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
     spaces = {g.tensors[g.nodes[i].input[0]].shape for i in reductions}
     if len(spaces) > 1:
         return Reject(label, f"reductions over differently shaped tensors {sorted(map(str, spaces))}")
     space: tuple[Dim, ...] = tuple(spaces.pop() or ())
+    across = _depthwise_across(g, nodes, space)
+    if across is not None:
+        return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across), "inside a row reduction over a "
+                                                                           "transpose of its image"))
     row = space[:-1]
     for o, s in shapes.items():
         if s not in (space, row, row + (1,)) and output_perm(g, nodes, o, space) is None:

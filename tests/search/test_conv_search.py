@@ -148,3 +148,24 @@ def test_fp32_depthwise_conv_relu_is_left_to_orts_fused_conv():
     g, p = _plan(_conv_act(F, w_shape=(8, 1, 3, 3), group=8))
     assert not p.regions
     assert any("stock ORT fuses this itself" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_depthwise_conv_joins_a_row_kernel_only_in_its_own_layout(transposed):
+    # lanes of a row kernel walk the reduced axis: W of the Conv's NCHW output is fine (Softmax over W); the
+    # channels after a Transpose (ConvNeXt's dwconv -> NHWC -> LayerNorm) would make each tap its own memory
+    # transaction, so that group is refused with its reason
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
+    nodes = [node("Conv", ["x", "w"], ["c"], group=8, pads=[1, 1, 1, 1], kernel_shape=[3, 3])]
+    if transposed:
+        nodes += [node("Transpose", ["c"], ["t"], perm=[0, 2, 3, 1]), node("Softmax", ["t"], ["y"], axis=-1)]
+    else:
+        nodes += [node("Softmax", ["c"], ["y"], axis=-1)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["n", 8, 6, 6])], [vi("y", TP.FLOAT, None)], [const("w", w)])
+    g = build_graph(m, {})
+    p = plan(g, H100)
+    rows = [r for r in p.regions if r.kind == "rowreduce"]
+    conv_in_row = any(any(g.nodes[i].op_type == "Conv" for i in r.nodes) for r in rows)
+    assert conv_in_row != transposed, [str(x) for x in p.refusals]
+    assert transposed == any("a depthwise Conv computed" in str(x) and "across channels" in str(x) for x in p.refusals)
