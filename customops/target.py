@@ -45,8 +45,8 @@ class Target:
     # an H100 (2026-11-25): our best tile over bare cuBLAS 2.2-2.5x (wgmma) and 2.8-3.2x (mma.sync) at M=4096,
     # 1.4-2.4x at batch 1. What the cost model uses it for is the ratio ours / ORT per region: at batch 32 the
     # measured ratio of 10 fp16 MatMul regions (BERT, GPT-2, ViT with --wgmma) was a median 1.5x the model's
-    # with 0.85, so sm_90 has 0.55 (bench/README.md, "Cost model against --profile"); elsewhere assumed.
-    # `ortfuse optimize --profile` measures instead.
+    # with 0.85; 0.55 on sm_90 was tried and not kept (it contradicted the measured batch-1 verdicts:
+    # bench/README.md, "Cost model against --profile"). Assumed; `ortfuse optimize --profile` measures.
     gemm_vs_cublas: float = 0.85
     # A Conv whose operands our kernel copies as they are (a 16-byte aligned 1x1 convolution), relative to
     # cuDNN: assumed; on the H100 (2026-11-25) the model's ours / ORT ratio for ResNet-50's and MobileNetV2's

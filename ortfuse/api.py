@@ -221,7 +221,10 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
     placements = prof.place(graph, [k.region for k in kernels], candidates, bindings, cache)
     chosen, final = [], []
     for k, pl in zip(kernels, placements):
-        pl = dataclasses.replace(pl, **_model_estimates(graph, tgt, opts, k.region, bindings))
+        try:  # a diagnostic: never what decides, so never what fails a profile
+            pl = dataclasses.replace(pl, **_model_estimates(graph, tgt, opts, k.region, bindings))
+        except Exception as e:  # noqa: BLE001
+            say(f"region {k.region.id}: no cost-model estimate for the placement report ({type(e).__name__}: {e})")
         split = _row_split(graph, tgt, opts, k.region) if k.region.kind == "gemm_row" else None
         if split is not None:  # Collage: also measure cuBLAS + our kernel for the rest
             gemm, rest = split

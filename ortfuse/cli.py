@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--arch", default="sm_90", help="target arch(s), comma separated, e.g. sm_80,sm_90")
     o.add_argument("--wgmma", action="store_true",
                    help="sm_90: GEMMs may run as Hopper warpgroup-MMA (wgmma) kernels, sm_90a cubins that run on "
-                        "sm_90 GPUs only (H100/H200: parity verified, ~1.3x faster GEMM tiles; also ORTFUSE_WGMMA=1)")
+                        "sm_90 GPUs only (parity verified on an H100, ~1.3x faster GEMM tiles there; also ORTFUSE_WGMMA=1)")
     o.add_argument("--ln-fold", choices=LN_FOLD_MODES, default=None,
                    help="LayerNorms folded into the 16-bit GEMMs that read them: where the whole-model estimate "
                         "gains (auto, the default), wherever they can (on), or never (off); also ORTFUSE_LN_FOLD")

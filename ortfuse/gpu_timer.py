@@ -80,6 +80,10 @@ class GpuTimer:
         import onnxruntime as ort
         ro = ort.RunOptions()
         ro.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        # the default CUDA-graph annotation, stated: onnxruntime 1.31's Python run_with_iobinding looks this
+        # key up on every run, and a RunOptions without it costs a C++ exception turned into a Python one
+        # (~35 us of host time per run, which made a one-node run's enqueue read 46-72 us on the H100)
+        ro.add_run_config_entry("gpu_graph_id", "0")
         return ro
 
     def _prepare(self, spin_ns: int) -> None:
@@ -118,9 +122,9 @@ class GpuTimer:
 
     def session_floor_us(self, make_run: Callable[[], Callable[[], None]], runs: int = 50) -> float:
         """The enqueue time of a one-node model's run: ORT's per-run host cost. Its session is made once; the
-        time is taken afresh at each call, next to the run it is subtracted from: enqueue times drift by tens
-        of microseconds between measurements (H100 2026-11-25: a floor cached at 95 us, one-node runs timed
-        later at 46-72 us, docs/gpu/2026-11-25-h100-timer-diag.txt)."""
+        time is taken afresh at each call, next to the run it is subtracted from (H100 2026-11-25: a floor
+        cached at 95 us, one-node runs timed later at 46-72 us, docs/gpu/2026-11-25-h100-timer-diag.txt;
+        most of that was the RunOptions lookup `run_options` now avoids)."""
         if self._floor_run is None:
             self._floor_run = make_run()
         return self.time(self._floor_run, warmup=5, runs=runs).enqueue_us

@@ -35,7 +35,7 @@ from ortfuse.errors import OrtfuseError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.replace import FusedNode, replace
-from ortfuse.rewriter.shapes import build_graph
+from ortfuse.rewriter.shapes import build_graph, sym_hints
 from ortfuse.search import legal
 from ortfuse.search.plan import Region
 
@@ -119,10 +119,13 @@ def profile_bindings(g: Graph, batch: int) -> list[tuple[str, dict[str, int]]]:
     def label(dims: Mapping[str, int]) -> str:
         return ", ".join(f"{d}={v}" for d, v in {**hints, **dims}.items()) or "static shapes"
     out = [(label({}), {})]
-    lead = list(dict.fromkeys(s[0] for t in g.graph_inputs if (s := g.tensors[t].shape) and isinstance(s[0], str)))
-    big = {d: batch for d in lead if batch and hints[d] != batch}
+    if not batch:
+        return out
+    # every dim at the large batch, expressions of it ("128*batch" after a flatten) included, as the cost
+    # model's own bindings evaluate them (`cost.bindings`)
+    big = {d: v for d, v in sym_hints(g.tensors, g.graph_inputs, batch).items() if v != g.sym_hints.get(d)}
     if big:
-        out.append((label(big), big))
+        out.append((label({d: v for d, v in big.items() if d in hints}), big))
     return out
 
 
@@ -136,7 +139,10 @@ def _shape_reads(g: Graph, region: Region, dims: Mapping[str, int]) -> list[onnx
     """The run-time shape tensors the region reads but the kernel does not (`legal.shape_reads`: a Range's
     length, an Expand's target), as constants at this binding: the sub-model has no producer for them."""
     out = []
-    for x, parts in legal.shape_reads(g, region.nodes, region.inputs) or ():
+    reads = legal.shape_reads(g, region.nodes, region.inputs)
+    if reads is None:  # lowering refuses such a region first; say so rather than build a broken sub-model
+        raise OrtfuseError(f"region {region.id}: a run-time shape it reads is not made of its inputs' dims")
+    for x, parts in reads:
         vals = [v if k < 0 else _concrete(g, region.inputs[k], dims)[v] for k, v in parts]
         dtype = helper.tensor_dtype_to_np_dtype(g.tensors[x].dtype)
         out.append(onnx.numpy_helper.from_array(np.array(vals if g.tensors[x].shape else vals[0], dtype), x))
@@ -260,6 +266,11 @@ def device_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused:
 CLOCK_ENV = "ORTFUSE_PROFILE_CLOCK"  # "host" forces the host clock
 
 
+# How a cached timing was measured, in every cache key: bumped when the measurement changes (2026-11-25:
+# ORT with its default options (TF32), the floor re-timed, RunOptions without the per-run exception)
+MEASURE = "m2"
+
+
 def clock() -> str:
     """Which clock `cuda_timer` uses here (part of every cache key: the two do not mix)."""
     from ortfuse import gpu_timer
@@ -335,7 +346,7 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     """Time every region against its stock-ORT sub-model at each binding. `candidates(region)` yields
     (tile, fused node) pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
     timer = timer or cuda_timer
-    dev = device or f"{device_name()} / {clock()}"
+    dev = device or f"{device_name()} / {clock()} / {MEASURE}"
     cache = _Cache(cache_path)
     out = []
     try:
@@ -366,7 +377,7 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
     """The alternative to a row-wise GEMM epilogue: ORT's time for the GEMM alone (cuBLAS) plus our kernel
     for the rest of the region, at each binding, measured and cached like `place`."""
     timer = timer or cuda_timer
-    dev = device or f"{device_name()} / {clock()}"
+    dev = device or f"{device_name()} / {clock()} / {MEASURE}"
     cache = _Cache(cache_path)
     out = []
     try:

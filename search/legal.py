@@ -297,18 +297,29 @@ def expand_target(g: Graph, node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
 # A kernel's lanes walk its innermost axis: in a row reduction the reduced one, in a pointwise kernel the
 # output's. Where that is the channel axis of a depthwise Conv's NCHW image, every tap of every lane is its
 # own memory transaction (ConvNeXt-T's depthwise 7x7 + Transpose + LayerNorm as one row kernel, H100
-# 2026-11-25: 5.8x slower than cuDNN + ORT's Transpose and LayerNorm at batch 1, 28x at batch 32).
+# 2026-11-25: 1.0-5.8x slower than cuDNN + ORT's Transpose and LayerNorm at batch 1, 9.7-28x at batch 32).
 _DEPTHWISE_ACROSS = ("{}: a depthwise Conv computed {} reads its taps across channels, one memory transaction "
                      "per element, so it stays a separate kernel")
 
 
-def _depthwise_across(g: Graph, nodes: Iterable[int], space: tuple[Dim, ...]) -> Optional[int]:
-    """A depthwise Conv of `nodes` that a kernel iterating `space` would not walk in its own layout: its
-    output is not `space` itself, or reaches it through a Transpose (which can keep the shape)."""
+def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[int]:
+    """A depthwise Conv of `nodes` whose output reaches a Transpose inside them: the kernel then iterates a
+    transposed order of the Conv's image. Without one it walks the image in memory order (element-wise ops
+    and Reshapes keep that order), which is what a depthwise window reads well."""
     members = set(nodes)
-    transposed = any(g.nodes[i].op_type == "Transpose" for i in members)
-    return next((i for i in sorted(members) if conv.is_depthwise(g, g.nodes[i]) and
-                 (transposed or g.tensors[g.nodes[i].output[0]].shape != space)), None)
+    for i in sorted(members):
+        if not conv.is_depthwise(g, g.nodes[i]):
+            continue
+        stack, seen = [i], set()
+        while stack:
+            j = stack.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            if g.nodes[j].op_type == "Transpose":
+                return i
+            stack += [c for o in g.nodes[j].output if o for c in g.consumers.get(o, ()) if c in members]
+    return None
 
 
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
@@ -427,7 +438,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
             t == s or output_perm(g, nodes, o, s) is not None for o, t in shapes.items())), None)
         if space is None:
             return Reject(label, "outputs of different shapes would need separate iteration spaces")
-        across = _depthwise_across(g, nodes, tuple(space))
+        across = _depthwise_across(g, nodes)
         if across is not None:
             return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across), "in a transposed order"))
         return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
@@ -435,7 +446,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     if len(spaces) > 1:
         return Reject(label, f"reductions over differently shaped tensors {sorted(map(str, spaces))}")
     space: tuple[Dim, ...] = tuple(spaces.pop() or ())
-    across = _depthwise_across(g, nodes, space)
+    across = _depthwise_across(g, nodes)
     if across is not None:
         return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across), "inside a row reduction over a "
                                                                            "transpose of its image"))

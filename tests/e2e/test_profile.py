@@ -268,3 +268,22 @@ def test_placements_carry_the_cost_models_estimates(monkeypatch, tmp_path):
     assert "cost model: ORT" in pl.line() and "cost model: ORT, ours" in report.markdown(res, "m.onnx")
     rows = model_check(res)
     assert [(r["kind"], r["ours_us"], r["ort_us"]) for r in rows] == [("gemm", [5.0, 5.0], [10.0, 10.0])]
+
+
+def test_large_batch_binding_evaluates_dims_derived_from_the_batch():
+    # a flatten before the GEMM gives its input a dim "128*batch": at the batch-32 binding the sub-model must
+    # be 4096 rows, not the hint's 128 (as cost.bindings evaluates it)
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 64)) * 0.2).astype(np.float16)
+    m = model([node("Reshape", ["x", "shp"], ["r"]), node("MatMul", ["r", "w"], ["y"]), node("Add", ["y", "b"], ["z"]),
+               node("Relu", ["z"], ["out"])],
+              [vi("x", TP.FLOAT16, ["batch", 128, 64])], [vi("out", TP.FLOAT16, None)],
+              [const("shp", [-1, 64], np.int64), const("w", w, np.float16),
+               const("b", rng.standard_normal(64).astype(np.float16), np.float16)])
+    res = compile_model(m, None, "sm_90")
+    k = next(k for k in res.kernels if k.region.kind == "gemm")
+    (hint, _), (big_label, big) = prof.profile_bindings(res.graph, 32)
+    assert big_label == "batch=32"
+    rows = [prof.region_model(res.graph, k.region, dims).graph.input[0].type.tensor_type.shape.dim[0].dim_value
+            for dims in ({}, big)]
+    assert rows == [128, 4096]

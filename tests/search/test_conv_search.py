@@ -150,19 +150,24 @@ def test_fp32_depthwise_conv_relu_is_left_to_orts_fused_conv():
     assert any("stock ORT fuses this itself" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_depthwise_conv_joins_a_row_kernel_only_in_its_own_layout(transposed):
-    # lanes of a row kernel walk the reduced axis: W of the Conv's NCHW output is fine (Softmax over W); the
-    # channels after a Transpose (ConvNeXt's dwconv -> NHWC -> LayerNorm) would make each tap its own memory
-    # transaction, so that group is refused with its reason
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
-    nodes = [node("Conv", ["x", "w"], ["c"], group=8, pads=[1, 1, 1, 1], kernel_shape=[3, 3])]
+@pytest.mark.parametrize("after,transposed", [("softmax", False), ("flatten", False), ("transpose", True),
+                                               ("square", True)])
+def test_depthwise_conv_joins_a_row_kernel_only_in_its_own_layout(after, transposed):
+    # lanes of a row kernel walk the reduced axis: W of the Conv's NCHW output is fine (Softmax over W, or
+    # over H*W after a Reshape); the channels after a Transpose (ConvNeXt's dwconv -> NHWC -> LayerNorm, also
+    # when C = H = W keeps the shape) would make each tap its own memory transaction: refused, with its reason
+    c = 6 if after == "square" else 8
+    w = np.random.default_rng(0).standard_normal((c, 1, 3, 3)).astype(np.float32)
+    nodes = [node("Conv", ["x", "w"], ["c"], group=c, pads=[1, 1, 1, 1], kernel_shape=[3, 3])]
+    inits = [const("w", w)]
     if transposed:
         nodes += [node("Transpose", ["c"], ["t"], perm=[0, 2, 3, 1]), node("Softmax", ["t"], ["y"], axis=-1)]
+    elif after == "flatten":
+        nodes += [node("Reshape", ["c", "shp"], ["t"]), node("Softmax", ["t"], ["y"], axis=-1)]
+        inits.append(const("shp", [0, c, 36], np.int64))
     else:
         nodes += [node("Softmax", ["c"], ["y"], axis=-1)]
-    m = model(nodes, [vi("x", TP.FLOAT, ["n", 8, 6, 6])], [vi("y", TP.FLOAT, None)], [const("w", w)])
+    m = model(nodes, [vi("x", TP.FLOAT, ["n", c, 6, 6])], [vi("y", TP.FLOAT, None)], inits)
     g = build_graph(m, {})
     p = plan(g, H100)
     rows = [r for r in p.regions if r.kind == "rowreduce"]
