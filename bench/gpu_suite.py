@@ -162,9 +162,13 @@ def _kernels(src: Path, work: Path, batches: str) -> dict[str, Any]:
           "summary": [ln for ln in text.splitlines() if ln and not ln.startswith("|")]}
 
 
-def _wgmma() -> bool:
+def variant_label() -> str:
+  """What the rows' optimize used beyond the defaults, appended to the model name so runs of one model with
+  and without it merge side by side: " +wgmma" ($ORTFUSE_WGMMA, which --wgmma sets for this process and its
+  children), " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold)."""
   from ortfuse.config import Options
-  return Options(archs=(90,)).wgmma  # $ORTFUSE_WGMMA, which --wgmma sets for this process and its children
+  opts = Options(archs=(90,))
+  return (" +wgmma" if opts.wgmma else "") + (f" ln-fold={opts.ln_fold}" if opts.ln_fold != "auto" else "")
 
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
@@ -181,8 +185,7 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       continue  # shipped files are not exported
     for dtype in dtypes:
       label = name if exporter == "torchscript" else f"{name} ({exporter})"
-      if _wgmma():
-        label += " +wgmma"  # optimized with `--wgmma`: merged with a run without it, both rows show
+      label += variant_label()  # e.g. optimized with `--wgmma`: merged with a run without it, both rows show
       entry: dict[str, Any] = {"model": label, "dtype": dtype, "tiny": tiny}
       report["entries"].append(entry)
       try:
@@ -363,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="also time every GEMM/Conv/attention kernel against cuBLAS/cuDNN/MultiHeadAttention")
   p.add_argument("--wgmma", action="store_true",
                  help="optimize with sm_90a wgmma GEMM kernels (sets ORTFUSE_WGMMA=1; model rows read 'NAME +wgmma')")
+  p.add_argument("--ln-fold", choices=("auto", "on", "off"),
+                 help="LayerNorm folds for the optimize (sets ORTFUSE_LN_FOLD; rows read 'NAME ln-fold=off')")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
   p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
   p.add_argument("--wheels", type=Path, help="folder of carried wheels for the shipped models (no registry there)")
@@ -372,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if args.wgmma:
     os.environ["ORTFUSE_WGMMA"] = "1"
+  if args.ln_fold:
+    os.environ["ORTFUSE_LN_FOLD"] = args.ln_fold
   work = args.work or Path(tempfile.mkdtemp(prefix="ortfuse-suite-"))
   os.environ.setdefault("ORTFUSE_CACHE_DIR", str(work / "zoo"))
   if args.wheels:

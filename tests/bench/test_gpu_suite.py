@@ -70,3 +70,14 @@ def test_cost_model_check_against_the_profile():
   text = gpu_suite.render(report)
   assert "## Cost model against --profile" in text and "**bert fp16**: attention (1 distinct)" in text
   assert "Cost model against" not in gpu_suite.render(report, results=True)
+
+
+def test_rows_say_what_the_optimize_used_beyond_the_defaults(monkeypatch):
+  # so a run with folds off (or wgmma on) merges next to the default one instead of replacing it
+  monkeypatch.delenv("ORTFUSE_WGMMA", raising=False)
+  monkeypatch.delenv("ORTFUSE_LN_FOLD", raising=False)
+  assert gpu_suite.variant_label() == ""
+  monkeypatch.setenv("ORTFUSE_LN_FOLD", "off")
+  assert gpu_suite.variant_label() == " ln-fold=off"
+  monkeypatch.setenv("ORTFUSE_WGMMA", "1")
+  assert gpu_suite.variant_label() == " +wgmma ln-fold=off"
