@@ -220,9 +220,12 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
     say("profiling at " + "; ".join(label for label, _ in bindings) + f"; timer: {prof.clock()}")
     placements = prof.place(graph, [k.region for k in kernels], candidates, bindings, cache)
     chosen, final = [], []
+    # the graph at each binding, made once (each is a new Graph: its per-graph analyses start afresh)
+    at_binding = [dataclasses.replace(graph, sym_hints={**graph.sym_hints, **dims}) if dims else graph
+                  for _, dims in bindings]
     for k, pl in zip(kernels, placements):
         try:  # a diagnostic: never what decides, so never what fails a profile
-            pl = dataclasses.replace(pl, **_model_estimates(graph, tgt, opts, k.region, bindings))
+            pl = dataclasses.replace(pl, **_model_estimates(tgt, opts, k.region, at_binding))
         except Exception as e:  # noqa: BLE001
             say(f"region {k.region.id}: no cost-model estimate for the placement report ({type(e).__name__}: {e})")
         split = _row_split(graph, tgt, opts, k.region) if k.region.kind == "gemm_row" else None
@@ -241,15 +244,14 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
     return chosen, tuple(final)
 
 
-def _model_estimates(graph: Graph, tgt: Target, opts: Options, region: Region,
-                     bindings: Sequence[tuple[str, Mapping[str, int]]]) -> dict[str, tuple[float, ...]]:
-    """The cost model's times for the region at the profiled bindings, ORT's and ours, for the placement
-    report: what --profile measured next to what the search assumed."""
+def _model_estimates(tgt: Target, opts: Options, region: Region,
+                     at_binding: Sequence[Graph]) -> dict[str, tuple[float, ...]]:
+    """The cost model's times for the region at the profiled bindings (the graph at each), ORT's and ours,
+    for the placement report: what --profile measured next to what the search assumed."""
     from ortfuse.search.cost import CostModel, traffic
     cm = CostModel(tgt, opts.tf32)
     ort_us, ours_us = [], []
-    for _, dims in bindings:
-        gb = dataclasses.replace(graph, sym_hints={**graph.sym_hints, **dims})
+    for gb in at_binding:
         r = dataclasses.replace(region, traffic=traffic(gb, region))
         ort_us.append(cm.ort_us(gb, r))
         ours_us.append(cm.ours_us(gb, r))

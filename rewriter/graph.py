@@ -69,8 +69,6 @@ class Graph:
 R = TypeVar("R")
 
 
-
-
 def per_graph(fn: Callable[["Graph"], R]) -> Callable[["Graph"], R]:
     """Memoizes fn(graph) for the last few graphs, by identity (ids of collected graphs are reused, hence
     the weak reference). Graphs are immutable, so a result stays valid for the graph's life."""

@@ -211,6 +211,8 @@ def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphP
     """The new initializers of each LayerNorm fold, by fused node: {slot tensor: new initializer}."""
     out: dict[int, dict[str, str]] = {}
     folds = [(i, f) for i, f in enumerate(fused) if f.ln_fold is not None]
+    if not folds:
+        return out
     for _, f in folds:
         fold = f.ln_fold
         slots = [t for t in (fold.weight, fold.scale, fold.bias, fold.gemm_bias) if t]
