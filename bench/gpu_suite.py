@@ -162,6 +162,20 @@ def _kernels(src: Path, work: Path, batches: str) -> dict[str, Any]:
           "summary": [ln for ln in text.splitlines() if ln and not ln.startswith("|")]}
 
 
+def _sweep(out: Path, work: Path) -> dict[str, Any]:
+  """Issue 5's GEMM tile sweep (bench/sweep.py) in a subprocess: every family's best tiles forced on the zoo's
+  GEMM shapes against cuBLAS. OUTDIR gets sweep.md."""
+  js = work / "sweep.json"
+  cmd = [sys.executable, "-m", "ortfuse.bench.sweep", "--json", str(js), "--md", str(out / "sweep.md")]
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if not js.exists():
+    return {"error": (proc.stdout + proc.stderr)[-3000:]}
+  text = (out / "sweep.md").read_text()
+  return {"shapes": json.loads(js.read_text()), "seconds": round(time.perf_counter() - start, 1),
+          "summary": [ln for ln in text.splitlines() if ln and not ln.startswith(("|", "#"))]}
+
+
 def variant_label() -> str:
   """What the rows' optimize used beyond the defaults, appended to the model name so runs of one model with
   and without it merge side by side: " +wgmma" ($ORTFUSE_WGMMA, which --wgmma sets for this process and its
@@ -173,13 +187,16 @@ def variant_label() -> str:
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
-              kernels: bool = False) -> dict[str, Any]:
+              kernels: bool = False, sweep: bool = False) -> dict[str, Any]:
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
   if run_tests:
     report["pytest"] = _pytest(out)
     report["overhead"] = _overhead(work)
+  if sweep:
+    report["sweep"] = _sweep(out, work)
+    _write(out, report)
   for name in models:
     if exporter != "torchscript" and zoo.MODELS[name].shipped is not None:
       continue  # shipped files are not exported
@@ -245,6 +262,10 @@ def render(report: dict[str, Any], results: bool = False) -> str:
       lines.append(f"Fused-node overhead ({dtype}): failed: {str(o.get('error'))[-300:]}")
   if report.get("overhead"):
     lines.append("")
+  sw = report.get("sweep")
+  if sw and not results:
+    lines += ["GEMM tile sweep (bench/sweep.py, sweep.md): " + ("; ".join(sw.get("summary", [])) or
+                                                            f"failed: {str(sw.get('error'))[-300:]}"), ""]
   lines += ["| model | dtype | batch | ORT ms | ORT+graph | ORT-transformers | torch.compile | ortfuse | "
             "ortfuse+graph | ortfuse of ideal | parity | optimize s |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -340,7 +361,7 @@ def merge(out: Path, parts: list[Path]) -> dict[str, Any]:
       entries.pop((e["model"], e["dtype"]), None)
       entries[(e["model"], e["dtype"])] = {**e, "measured": r.get("started")}
   merged = {**reports[0], "entries": list(entries.values()), "merged_from": [r.get("started") for r in reports]}
-  for key in ("pytest", "overhead"):  # from the last call that ran them
+  for key in ("pytest", "overhead", "sweep"):  # from the last call that ran them
     found = [r[key] for r in reports if key in r]
     if found:
       merged[key] = found[-1]
@@ -354,7 +375,8 @@ def merge(out: Path, parts: list[Path]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m ortfuse.bench.gpu_suite", description=__doc__.splitlines()[0])
   p.add_argument("out", type=Path)
-  p.add_argument("--models", nargs="+", default=list(zoo.MODELS), choices=list(zoo.MODELS))
+  p.add_argument("--models", nargs="*", default=list(zoo.MODELS), choices=list(zoo.MODELS),
+                 help="zoo models (none: only the tests, the overhead and the sweep)")
   p.add_argument("--dtypes", nargs="+", default=list(zoo.DTYPES), choices=list(zoo.DTYPES))
   p.add_argument("--batches", default="1,32")
   p.add_argument("--variants", help="harness variants (default: all)")
@@ -368,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="optimize with sm_90a wgmma GEMM kernels (sets ORTFUSE_WGMMA=1; model rows read 'NAME +wgmma')")
   p.add_argument("--ln-fold", choices=("auto", "on", "off"),
                  help="LayerNorm folds for the optimize (sets ORTFUSE_LN_FOLD; rows read 'NAME ln-fold=off')")
+  p.add_argument("--sweep", action="store_true",
+                 help="also run the GEMM tile sweep (bench/sweep.py: every family's tiles against cuBLAS)")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
   p.add_argument("--merge", nargs="+", type=Path, metavar="REPORT_JSON", help="only merge earlier reports")
   p.add_argument("--wheels", type=Path, help="folder of carried wheels for the shipped models (no registry there)")
@@ -386,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants, args.exporter, args.kernels)
+                     args.variants, args.exporter, args.kernels, args.sweep)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

@@ -5,8 +5,8 @@ For every GEMM, Conv and attention region of a model's cost-model plan (not only
 keeps), at each binding of `ortfuse.profile.profile_bindings`:
 
 * ours: the region as our one fused node (the top-ranked tile);
-* with wgmma enabled (`--wgmma`), a GEMM's best tile of the other family (mma.sync when wgmma ranked
-  first, and the reverse) as a further column, so the two instruction families compare side by side;
+* with wgmma enabled (`--wgmma`), a GEMM's best tile of each other family (mma.sync; wgmma fed by cp.async;
+  wgmma fed by TMA) as further columns, so the mainloops compare side by side;
 * library: the anchor alone as ORT runs it (cuBLAS for MatMul/Gemm, cuDNN for Conv), i.e. the GEMM
   without its epilogue; for attention, ORT's `com.microsoft.MultiHeadAttention` of the same batch, heads,
   lengths, head sizes and dtype, with the graph's mask as its additive `attention_bias` (the same
@@ -202,22 +202,26 @@ def mha_model(s: AttentionSize, mask: Optional[str] = None, seed: int = 0) -> tu
 
 # --- measurement -------------------------------------------------------------------------------------------
 
-def _is_wgmma(tile: Sequence[int]) -> bool:
-    return len(tile) > 7 and tile[7] == 1
+def _family(tile: Sequence[int]) -> int:
+    return tile[7] if len(tile) > 7 else 0  # GemmTile.family: mma.sync, wgmma, wgmma fed by TMA
 
 
-def other_family(res: OptimizeResult, k: FusedKernel) -> Optional[tuple[str, FusedNode]]:
-    """For a GEMM ranked with wgmma enabled (its candidates hold both instruction families): the best tile
-    of the family not chosen, as (label, fused node); None otherwise."""
+def other_families(res: OptimizeResult, k: FusedKernel) -> list[tuple[str, FusedNode]]:
+    """For a GEMM ranked with wgmma enabled (its candidates hold several families): the best tile of each
+    family not chosen, as (label, fused node)."""
     tiles = k.spec.tiles
     if k.region.kind != "gemm" or not tiles:
-        return None
-    alt = next((t for t in tiles[1:] if _is_wgmma(t) != _is_wgmma(tiles[0])), None)
-    if alt is None:
-        return None
-    spec = lower(res.graph, k.region, target_for(res.archs, True), tile=alt)
-    ck = compile_kernel(render_source(spec.kernel), spec.kernel.name, res.archs, Options(archs=res.archs).cache)
-    return f"{'wgmma' if _is_wgmma(alt) else 'mma.sync'} {tile_label(alt)}", fused_kernel(k.region, spec, ck).node
+        return []
+    out, seen = [], {_family(tiles[0])}
+    for alt in tiles[1:]:
+        if _family(alt) in seen:
+            continue
+        seen.add(_family(alt))
+        spec = lower(res.graph, k.region, target_for(res.archs, True), tile=alt)
+        ck = compile_kernel(render_source(spec.kernel), spec.kernel.name, res.archs, Options(archs=res.archs).cache)
+        label = f"{'mma.sync ' if not _family(alt) else ''}{tile_label(alt)}"
+        out.append((label, fused_kernel(k.region, spec, ck).node))
+    return out
 
 
 def measure(res: OptimizeResult, batch: int = 32, timer: Optional[Timer] = None) -> list[KernelRow]:
@@ -231,7 +235,7 @@ def measure(res: OptimizeResult, batch: int = 32, timer: Optional[Timer] = None)
         r = k.region
         if r.kind not in KINDS:
             continue
-        alt = other_family(res, k)
+        alts = other_families(res, k)
         for label, dims in profile_bindings(g, batch):
             gb = _at(g, dims)
             sub = region_model(g, r, dims)
@@ -257,8 +261,8 @@ def measure(res: OptimizeResult, batch: int = 32, timer: Optional[Timer] = None)
                 alone = region_model(g, anchor_region(g, r), dims)
                 library_us = timer(alone, random_feeds(alone, None, seed=r.id), False)
                 library = f"{'cuDNN' if node.op_type == 'Conv' else 'cuBLAS'} (ORT {node.op_type} alone)"
-            if alt is not None:
-                extra[alt[0]] = timer(fused_model(sub, alt[1]), feeds, True)
+            for label_alt, node_alt in alts:
+                extra[label_alt] = timer(fused_model(sub, node_alt), feeds, True)
             rows[key] = KernelRow((r.id,), r.kind, what, label, ours, library, library_us, ort_region, flops, extra)
     return list(rows.values())
 

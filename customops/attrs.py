@@ -49,6 +49,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
           if spec.dim_limits else []),
         *([_ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
         *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
+        *([_ints("tma", [v for t in spec.tma for v in t])] if spec.tma else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -73,6 +74,7 @@ class Launch:
     dim_limits: tuple[tuple[tuple[int, ...], int], ...] = ()  # (terms, limit): product below limit
     arg_align: tuple[int, ...] = ()  # per argument (inputs, then outputs): the byte alignment it needs
     dim_checks: tuple[tuple[int, int, int], ...] = ()  # (input, axis, term): must equal the term (like units)
+    tma: tuple[tuple[int, int, int], ...] = ()  # (input, box rows, element type): KernelSpec.tma
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
@@ -122,7 +124,7 @@ def read_launch(node: onnx.NodeProto) -> Launch:
         shapes.append(tuple(flat[pos:pos + r]))
         pos += r
     ceil, limits = _groups(a.get("units_ceil", [])), _groups(a.get("dim_limits", []))
-    derived, checks = list(a.get("sym_derived", [])), list(a.get("dim_checks", []))
+    derived, checks, tma = list(a.get("sym_derived", [])), list(a.get("dim_checks", [])), list(a.get("tma", []))
     src = a["source"]
     return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
                   src.decode() if isinstance(src, bytes) else src, int(a["block"]), int(a["smem"]),
@@ -131,7 +133,7 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())),
                   tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits),
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
-                  tuple(zip(checks[0::3], checks[1::3], checks[2::3])))
+                  tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])))
 
 
 def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:

@@ -52,6 +52,34 @@ class _OfzArgs(ctypes.Structure):
     _fields_ = [("ptr", ctypes.c_void_p * MAX_TENSORS), ("dim", ctypes.c_longlong * MAX_DIMS)]
 
 
+class _OfzTma(ctypes.Structure):  # OfzTma: two 128-byte tensor maps, 128-byte aligned
+    _fields_ = [("map", (ctypes.c_ulonglong * 16) * 2)]
+
+
+TENSOR_MAP_MAGIC = 0x50414d4f53544f46  # ortfuse_emu.h kTensorMapMagic
+TMA_BOX_INNER = 64  # elements along K per box: one 128-byte swizzle row of 16-bit elements
+
+
+def tma_geometry(shape: Sequence[int], itemsize: int, box_rows: int) -> tuple[int, int, int, int, int]:
+    """A TMA operand's 2-D tensor map as the native library encodes it (ofz_spec_tma): (dim0, dim1,
+    stride1 in bytes, box0, box1): the last dim by the product of the others."""
+    dim0 = int(shape[-1]) if len(shape) else 1
+    dim1 = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    return dim0, dim1, dim0 * itemsize, TMA_BOX_INNER, box_rows
+
+
+def _tensor_maps(args: Sequence[np.ndarray], tma: Sequence[tuple[int, int, int]]) -> ctypes.Array:
+    """OfzTma for an emulated launch, in 128-byte aligned memory (the emulator's own map layout)."""
+    raw = (ctypes.c_ubyte * (ctypes.sizeof(_OfzTma) + 128))()
+    maps = _OfzTma.from_buffer(raw, (-ctypes.addressof(raw)) % 128)
+    for j, (i, box_rows, _) in enumerate(tma):
+        a = args[i]
+        dim0, dim1, stride1, box0, box1 = tma_geometry(a.shape, a.itemsize, box_rows)
+        for k, v in enumerate((TENSOR_MAP_MAGIC, a.ctypes.data, dim0, dim1, stride1, box0, box1, a.itemsize)):
+            maps.map[j][k] = v
+    return maps
+
+
 class EmulatedModule:
     """One compiled source; `launch` runs any of its `OFZ_EMU_ENTRY` kernels."""
 
@@ -67,19 +95,20 @@ class EmulatedModule:
 
     def launch(self, entry: str, grid: int, block: int, args: Sequence[np.ndarray], dims: Sequence[int] = (),
                smem: int = 0, cluster: int = 1, align: Optional[Sequence[int]] = None,
-               count_smem: bool = False) -> Optional[SmemTraffic]:
+               count_smem: bool = False, tma: Sequence[tuple[int, int, int]] = ()) -> Optional[SmemTraffic]:
         """Run `entry` on a 1-D grid: `args` are the inputs then the (preallocated) outputs, `dims` the
         runtime symbolic dims, `smem` the dynamic shared memory bytes (per block), `cluster` the blocks per
         thread-block cluster (a divisor of `grid`). `align`: the node's arg_align (1 for none); each argument
         then runs from a copy at the weakest address it allows, so a vector access wider than declared
-        fails here as it would fault on a GPU. `count_smem`: return the launch's shared-memory traffic."""
+        fails here as it would fault on a GPU. `count_smem`: return the launch's shared-memory traffic. `tma`:
+        the kernel's TMA operands (KernelSpec.tma), whose tensor maps are built here from the arguments."""
         if align is not None and count_smem:
             raise ValueError(f"{entry}: count_smem with align is not supported")
         if align is not None:
             if len(align) != len(args):
                 raise ValueError(f"{entry}: {len(align)} alignments for {len(args)} arguments")
             placed = [_placed(a, int(n)) for a, n in zip(args, align)]
-            self.launch(entry, grid, block, placed, dims, smem, cluster)
+            self.launch(entry, grid, block, placed, dims, smem, cluster, tma=tma)
             for a, p in zip(args, placed):
                 if a.flags.writeable:  # the outputs (read-only inputs stay as they are)
                     a[...] = p
@@ -94,7 +123,8 @@ class EmulatedModule:
         except AttributeError:
             raise ValueError(f"{self.source_path} has no OFZ_EMU_ENTRY({entry})") from None
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(_OfzArgs)]
+        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(_OfzArgs)] + (
+            [ctypes.POINTER(_OfzTma)] if tma else [])
         packed = _OfzArgs()
         for i, a in enumerate(args):
             if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
@@ -107,7 +137,8 @@ class EmulatedModule:
             self._lib.ofz_emu_set_dynamic_smem(smem)
             self._lib.ofz_emu_smem_traffic_enable(int(count_smem))
             try:
-                rc = fn(grid, block, cluster, ctypes.byref(packed))
+                rc = fn(grid, block, cluster, ctypes.byref(packed), *((ctypes.byref(_tensor_maps(args, tma)),) if tma
+                                                                        else ()))
                 self._lib.ofz_emu_smem_traffic(counts)
             finally:
                 self._lib.ofz_emu_smem_traffic_enable(0)

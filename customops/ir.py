@@ -190,6 +190,8 @@ class Kernel:
     aligned: tuple[tuple[int, int], ...] = ()
     # arch-specific instructions (sm_90a's wgmma): the cubin is built for sm_90a, which runs on sm_90 only
     arch_specific: bool = False
+    # the kernel takes tensor maps (OfzTma `ofz_tma`) as a second parameter: its TMA operands
+    tma: bool = False
 
 
 def arg_alignment(kernel: Kernel, n_args: int) -> tuple[int, ...]:

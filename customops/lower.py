@@ -73,6 +73,10 @@ class KernelSpec:
     dim_checks: tuple[tuple[int, int, int], ...] = ()
     # a LayerNorm folded into the GEMM: the rewriter gives the kernel folded constants in three input slots
     ln_fold: Optional[LayerNormFold] = None
+    # operands the tensor memory accelerator copies (sm_90a TMA GEMMs): (input, box rows, ONNX element type)
+    # for A then B; the library encodes a 2-D tensor map of each per launch: the input's last dim by the
+    # product of the others, boxes of 64 x box rows in the 128-byte swizzle (kernel parameter OfzTma)
+    tma: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def block(self) -> int:
@@ -674,17 +678,18 @@ class _Lowerer:
 
     def kernel(self, block: int, scratch: int, headers: tuple[str, ...] = (),
                funcs: tuple[ir.Func, ...] = (), aligned: tuple[tuple[int, int], ...] = (),
-               arch_specific: bool = False) -> ir.Kernel:
+               arch_specific: bool = False, tma: bool = False) -> ir.Kernel:
         params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
         params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
         body = tuple(self.scopes[0].stmts)
         # named by content (template callbacks included), tensor names left out: identical layers share
         # one compiled kernel
         anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
-        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs, aligned, arch_specific))
+        key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs, aligned, arch_specific,
+                             tma))
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
         return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs, aligned,
-                         arch_specific)
+                         arch_specific, tma)
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

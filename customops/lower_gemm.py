@@ -99,6 +99,7 @@ class _GemmLowerer(_Lowerer):
         # constant inputs the kernel reads transposed: (tensor, perm), materialized by the rewriter
         self.input_perms: list[tuple[str, tuple[int, ...]]] = []
         self.ln_fold: Optional[LayerNormFold] = None
+        self.tma: tuple[tuple[int, int, int], ...] = ()  # KernelSpec.tma
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -395,21 +396,27 @@ class _GemmLowerer(_Lowerer):
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
         wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode) if not fold_targ else None
         if wg_b is not None:
-            wg_math = tl.WGMMA_OF[math_]
-            wg_ranked, wg_chosen = self.choose_tile(shapes, es, wg_math, a_mode, COL)
-            # ties go to wgmma (the user opted in): where traffic or latency binds both families alike, its
-            # lower issue cost is what the estimate does not see
-            use = (self.forced_tile is not None and tl.GemmTile.of_candidate(self.forced_tile).wgmma) or (
-                self.forced_tile is None and wg_chosen is not None and
-                self.joint_us(wg_chosen, shapes, es, wg_math, True) <= self.joint_us(chosen, shapes, es, math_, b_mode == COL))
-            # --profile measures the other family's best too
-            if use:
-                ranked, chosen, math_ = wg_ranked + ranked[:1], wg_chosen, wg_math
+            # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
+            # (the batch folded into M, the weight 2-D: one tensor map each)
+            fams = [(math_, ranked, chosen, b_mode == COL)]
+            for fam_math in (tl.WGMMA_OF[math_], *((tl.WS_OF[math_],) if fold and len(b_s) == 2 else ())):
+                f_ranked, f_chosen = self.choose_tile(shapes, es, fam_math, a_mode, COL)
+                fams.append((fam_math, f_ranked, f_chosen, True))
+            if self.forced_tile is not None:
+                want = tl.GemmTile.of_candidate(self.forced_tile).family
+                pick = next((i for i, f in enumerate(fams) if f[2] is not None and tl.family(f[0]) == want), 0)
+            else:
+                # ties go to the later family (the user opted in to wgmma; TMA issues no copies): where traffic
+                # or latency binds them alike, their lower issue cost is what the estimate does not see
+                times = [self.joint_us(f[2], shapes, es, f[0], f[3]) if f[2] is not None else math.inf for f in fams]
+                pick = min(range(len(fams)), key=lambda i: (times[i], -i))
+            math_, ranked, chosen, _ = fams[pick]
+            # --profile measures the other families' best too
+            ranked = list(ranked) + [f[1][0] for i, f in enumerate(fams) if i != pick and f[1]]
+            if pick > 0:
                 if b_mode == ROW:
                     self.input_perms.append((b_t, (1, 0)))
                 b_mode = COL
-            elif wg_ranked:
-                ranked = ranked + wg_ranked[:1]
         if chosen is None:  # a forced tile of a family this GEMM cannot use, or that does not fit it
             raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
         targs: tuple[str, ...] = ()
@@ -487,8 +494,8 @@ class _GemmLowerer(_Lowerer):
         if not self.forced_tile:
             return ranked, ranked[0]
         forced = tl.GemmTile.of_candidate(self.forced_tile)
-        if forced.wgmma != (math_ in tl.WGMMA):
-            return ranked, None  # the forced tile is of the other family
+        if forced.family != tl.family(math_):
+            return ranked, None  # the forced tile is of another family
         split = self.forced_tile[6] if len(self.forced_tile) > 6 else None
         chosen = tl.estimate_tile(self.tgt, forced, m, n, k, batch, es, math_, b_mode == COL, self.row_mode, staged,
                                   split)
@@ -511,12 +518,16 @@ class _GemmLowerer(_Lowerer):
                        (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a[0]), str(b[0]), str(math_), "OPS",
                         *targs),
                        (ir.i64(a[1]), ir.i64(b[1]), self.product(batch_terms), self.product(m_terms), self.product(n_terms),
-                        self.dim(K)))
+                        self.dim(K), *((ir.Op("tma_maps", (), I64),) if tile.tma else ())))
+        if tile.tma:  # the tensor maps of A and B: (input, box rows, element type); boxes are 64 wide
+            assert not batch_terms and a[0] == ROW and b[0] == COL, "TMA operands are whole 2-D matrices"
+            elem = {"f16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[storage]
+            self.tma = ((a[1], tile.bm, elem), (b[1], tile.bn, elem))
         self.scopes = [_Scope(set())]
         self.emit(call)
         # cp.async reads the row- and column-major operands in 16-byte chunks
         aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
-        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma)
+        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma, tile.tma)
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
         if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None) > \
                 self.tgt.smem_per_block:
@@ -536,5 +547,6 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
-                      tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold)
+                      tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
+                      tma=lw.tma)
 

@@ -2,6 +2,7 @@
 so generated kernels can be golden-tested and content-addressed."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from typing import Callable
@@ -68,6 +69,7 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "round_bf16": lambda a: f"ofz::round_bf16({a[0]})",
     "rowbuf": lambda a: f"ofz_row[{a[0]}]",  # GEMM row-wise epilogue: the fp32 row buffer (ortfuse_gemm.h)
     "attn_dims": lambda a: f"ofz::attn::Dims{{{a[0]}, {a[1]}, {a[2]}, {a[3]}}}",
+    "tma_maps": lambda a: "(&ofz_tma)",  # a TMA kernel's tensor maps (its second parameter)
 }
 
 
@@ -197,15 +199,16 @@ def render(k: ir.Kernel) -> str:
     if k.funcs:
         _ops_struct(k, out)
         ops = f"{k.name}_ops"
-        k = ir.Kernel(k.name, k.block, k.params, k.num_dims, k.scratch_floats,
-                      tuple(ir.Call(s.fn, tuple(ops + t[3:] if t.startswith("OPS") else t for t in s.targs), s.args)
-                            if isinstance(s, ir.Call) else s for s in k.body), k.headers, k.funcs)
-    out.append(f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}(const OfzArgs a) {{')
+        k = dataclasses.replace(k, body=tuple(
+            ir.Call(s.fn, tuple(ops + t[3:] if t.startswith("OPS") else t for t in s.targs), s.args)
+            if isinstance(s, ir.Call) else s for s in k.body))
+    params = "const OfzArgs a" + (", const __grid_constant__ OfzTma ofz_tma" if k.tma else "")
+    out.append(f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}({params}) {{')
     _prelude(k, "  ", out)
     if k.scratch_floats:
         out.append(f"  __shared__ float ofz_scratch[{k.scratch_floats}];")
     for s in ir.live(k.body):
         _stmt(s, "  ", out)
     out.append("}")
-    out.append(f"OFZ_EMU_ENTRY({k.name})")
+    out.append(f"OFZ_EMU_ENTRY{'_TMA' if k.tma else ''}({k.name})")
     return "\n".join(out) + "\n"

@@ -41,6 +41,11 @@ class Target:
     # measured 0.12-0.23 (H100, 2026-11-25, same sweep; about 1.3x our mma.sync tiles), kept as a ratio as
     # mma_sync_share is (CUTLASS's TMA + warp-specialized kernels reach ~75-80%).
     wgmma_share: float = 0.7
+    # The same wgmma fed by TMA in a warp-specialized pipeline (ortfuse_gemm.h run_wgmma_ws: a producer
+    # warpgroup, mbarriers instead of block barriers, no copy instructions among the MMAs), the structure of
+    # CUTLASS's Hopper kernels. Assumed above wgmma_share, not measured (no GPU since it was written):
+    # `--profile` times both families, and the GPU suite's tile sweep measures every TMA tile.
+    wgmma_ws_share: float = 0.8
     # Our GEMM's speed relative to cuBLAS on the same instructions (issue 5's target: within 15%). Measured on
     # an H100 (2026-11-25): our best tile over bare cuBLAS 2.2-2.5x (wgmma) and 2.8-3.2x (mma.sync) at M=4096,
     # 1.4-2.4x at batch 1. What the cost model uses it for is the ratio ours / ORT per region: at batch 32 the

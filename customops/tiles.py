@@ -12,9 +12,11 @@ the re-read tile traffic. The top K are kept with the kernel so a
 profiling step can pick among them on the real device.
 
 Hopper (sm_90a, opt-in): warpgroup tiles for `wgmma.mma_async` (ortfuse_gemm.h run_wgmma): BK 64, warps of
-16 rows x WN (64, 128 or 256) columns, four of them along M per warpgroup, 4-6 stages; ranked by the same
-estimate at the wgmma peak share, alongside the mma.sync tiles (lower_gemm keeps the faster family and
-offers the other's best to --profile).
+16 rows x WN (64, 128, 192 or 256) columns, four of them along M per warpgroup, 4-6 stages; ranked by the
+same estimate at the wgmma peak share, alongside the mma.sync tiles (lower_gemm keeps the faster family and
+offers the others' best to --profile). The same warpgroups fed by TMA in a warp-specialized pipeline
+(run_wgmma_ws: `tma` tiles, one producer warpgroup more, 3-7 stages, no copy instructions in the
+consumers' k loop, every stage but the one being read in flight) are a third family, at their own share.
 
 Split-K (sm_90 clusters, ortfuse_gemm.h): when a GEMM has fewer tiles than SMs and a long K, S blocks of a
 cluster can share each tile, each running 1/S of its k tiles, then reduce through distributed shared
@@ -30,10 +32,17 @@ from typing import Optional, Sequence
 from ortfuse.customops.target import Target
 
 MMA_F16, MMA_BF16, MMA_TF32, SIMT, WGMMA_F16, WGMMA_BF16 = 0, 1, 2, 3, 4, 5  # ofz::gemm::Math
-WGMMA = (WGMMA_F16, WGMMA_BF16)
+WS_F16, WS_BF16 = 6, 7  # kWsWgmmaF16 / kWsWgmmaBF16: the TMA warp-specialized wgmma mainloop
+WS = (WS_F16, WS_BF16)
+WGMMA = (WGMMA_F16, WGMMA_BF16, *WS)  # warpgroup tiles, fed by cp.async or by TMA
 WGMMA_OF = {MMA_F16: WGMMA_F16, MMA_BF16: WGMMA_BF16}
+WS_OF = {MMA_F16: WS_F16, MMA_BF16: WS_BF16}
 WGMMA_BK = 64  # one 128-byte swizzle row of 16-bit elements
 WGMMA_SLACK = 1024  # dynamic shared memory added so the stages can start 1024-byte aligned
+WS_PRODUCER = 128  # the TMA mainloop's producer warpgroup
+# registers per thread of a TMA tile with two consumer warpgroups (384 threads): 168 at launch, the
+# producer gives back to 40 and the consumers take 232 (setmaxnreg; ortfuse_gemm.h WsRegs)
+WS_CONSUMER_REGS = 232
 MAX_REGS = 255
 REG_OVERHEAD = 40  # addresses, loop counters, epilogue temporaries (estimate)
 # Issue cost of one k tile, in instructions per thread (counted in the sm_90 SASS of generated kernels with
@@ -73,9 +82,27 @@ class GemmTile:
 
     @property
     def threads(self) -> int:
+        return self.consumers + (WS_PRODUCER if self.tma else 0)
+
+    @property
+    def consumers(self) -> int:
+        """Threads that compute (all of them but a TMA tile's producer warpgroup)."""
         return (self.bm // self.wm) * (self.bn // self.wn) * 32
 
     wgmma: bool = False  # a warpgroup-MMA tile (sm_90a): see the module docstring
+    tma: bool = False  # fed by TMA in the warp-specialized pipeline (a wgmma tile)
+
+    @property
+    def family(self) -> int:
+        """0: warp-level MMA (mma.sync, tf32, SIMT); 1: wgmma fed by cp.async; 2: wgmma fed by TMA."""
+        return 2 if self.tma else 1 if self.wgmma else 0
+
+    def reg_limit(self, regs_per_sm: int) -> int:
+        """Registers a computing thread may use: one block's share of the SM (in steps of 8), or a TMA tile's
+        consumer share after setmaxnreg."""
+        if self.tma and self.consumers == 256:
+            return WS_CONSUMER_REGS
+        return min(MAX_REGS, regs_per_sm // self.threads // 8 * 8)
 
     def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1) -> int:
         """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage (wgmma: swizzled,
@@ -85,7 +112,7 @@ class GemmTile:
         pad = 0 if self.wgmma else 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
-        pipeline = self.stages * (a + b) * esize + (WGMMA_SLACK if self.wgmma else 0)
+        pipeline = self.stages * (a + b) * esize + (WGMMA_SLACK if self.wgmma else 0) + (16 * self.stages if self.tma else 0)
         buffer = self.bm * (self.bn + 4) * 4
         if split > 1:
             return max(pipeline, buffer + (row_scratch_bytes(self) if row else 0))
@@ -125,6 +152,8 @@ class GemmTile:
     def issue_per_ktile(self, math_: int, esize: int, staged: tuple[int, int]) -> int:
         """Instructions each thread (so each warp) issues per k tile: the math's shared loads and MMA/FMA
         instructions, the operand copies, the loop."""
+        if self.tma:  # per consumer warp: the wgmmas, fences, commit, wait, the mbarrier wait and release
+            return self.bk // 16 + 10 + ISSUE_PER_KTILE
         if self.wgmma:  # per warp: one wgmma per k16 step, the fences, commit and wait
             math_ops = self.bk // 16 + 6
         elif math_ == SIMT:
@@ -174,12 +203,14 @@ class GemmTile:
         return (self.bm, self.bn, self.bk, self.wm, self.wn, self.stages)
 
     def candidate(self, split: int) -> tuple[int, ...]:
-        """The --profile candidate: (BM, BN, BK, WM, WN, STAGES, SPLIT), plus a trailing 1 for a wgmma tile."""
-        return (*self.as_tuple(), split, 1) if self.wgmma else (*self.as_tuple(), split)
+        """The --profile candidate: (BM, BN, BK, WM, WN, STAGES, SPLIT), plus a trailing 1 for a wgmma tile
+        (2: fed by TMA)."""
+        return (*self.as_tuple(), split, 2 if self.tma else 1) if self.wgmma else (*self.as_tuple(), split)
 
     @staticmethod
     def of_candidate(t: Sequence[int]) -> "GemmTile":
-        return GemmTile(*t[:6], wgmma=len(t) > 7 and t[7] == 1)
+        kind = t[7] if len(t) > 7 else 0
+        return GemmTile(*t[:6], wgmma=kind in (1, 2), tma=kind == 2)
 
 
 @dataclass(frozen=True)
@@ -192,8 +223,17 @@ class Ranked:
 
 def _candidates(math_: int, esize: int) -> list[GemmTile]:
     out = []
+    if math_ in WS:  # consumer warpgroups of 64 x WN, one TMA box per operand (BM, BN <= 256)
+        for wn in (64, 128, 192, 256):
+            for wg_m in (1, 2, 4):
+                for wg_n in (1, 2):
+                    if wg_m * wg_n > 4 or wn * wg_n > 256:
+                        continue
+                    for stages in (3, 4, 5, 6, 7):
+                        out.append(GemmTile(64 * wg_m, wn * wg_n, WGMMA_BK, 16, wn, stages, wgmma=True, tma=True))
+        return out
     if math_ in WGMMA:  # warpgroups of 64 x WN; at most 4 of them (512 threads)
-        for wn in (64, 128, 256):
+        for wn in (64, 128, 192, 256):
             for wg_m in (1, 2, 4):
                 for wg_n in (1, 2):
                     if wg_m * wg_n > 4:
@@ -216,6 +256,11 @@ def _candidates(math_: int, esize: int) -> list[GemmTile]:
                     for stages in (2, 3, 4):
                         out.append(GemmTile(wm * wr, wn * wc, bk, wm, wn, stages))
     return out
+
+
+def family(math_: int) -> int:
+    """The tile family (GemmTile.family) a math runs on."""
+    return 2 if math_ in WS else 1 if math_ in WGMMA else 0
 
 
 def row_scratch_bytes(t: GemmTile) -> int:
@@ -251,8 +296,10 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     smem = t.smem_bytes(esize, b_nk, row, split)
     regs = t.regs(math_, esize, staged)
     if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) > tgt.smem_per_block or regs > MAX_REGS or \
-            t.threads > tgt.max_threads_per_block:
+            t.threads > tgt.max_threads_per_block or (t.tma and (regs > t.reg_limit(tgt.regs_per_sm) or split > 1)):
         return None
+    if t.tma:  # a block holds its launch's per-thread count (setmaxnreg only moves registers between its warps)
+        regs = tgt.regs_per_sm // t.threads // 8 * 8 if t.consumers == 256 else -(-regs // 8) * 8
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
         return None
@@ -267,13 +314,14 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     blocks = tiles * split
     ktiles = -(-ktiles_all // split)  # the busiest block's share
     kp = ktiles * t.bk
-    share = 1.0 if math_ == SIMT else tgt.wgmma_share if math_ in WGMMA else tgt.mma_sync_share
-    peak = {MMA_F16: tgt.mma_f16_tflops, MMA_BF16: tgt.mma_f16_tflops, MMA_TF32: tgt.mma_tf32_tflops,
-            SIMT: tgt.fp32_tflops, WGMMA_F16: tgt.mma_f16_tflops, WGMMA_BF16: tgt.mma_f16_tflops}[math_] * 1e12 * share
+    share = 1.0 if math_ == SIMT else tgt.wgmma_ws_share if math_ in WS else tgt.wgmma_share if math_ in WGMMA \
+        else tgt.mma_sync_share
+    peak = (tgt.mma_tf32_tflops if math_ == MMA_TF32 else tgt.fp32_tflops if math_ == SIMT
+            else tgt.mma_f16_tflops) * 1e12 * share
     # the busiest SM decides: it runs ceil(blocks / SMs) blocks, up to blocks_per_sm at once sharing its
     # tensor cores (or FMA units), one per scheduler, so fewer than 4 resident warps leave some idle
     per_sm = math.ceil(blocks / tgt.sm_count)
-    warps = t.threads // 32
+    warps = t.consumers // 32
     resident_warps = min(per_sm, blocks_per_sm) * warps
     sm_rate = peak / tgt.sm_count * min(1.0, resident_warps / 4)
     t_math = per_sm * 2.0 * t.bm * t.bn * kp / sm_rate
@@ -285,11 +333,13 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     # cores are
     rate = min(4, resident_warps)
     t_issue = per_sm * ktiles * warps * t.issue_per_ktile(math_, esize, staged) / (rate * tgt.clock_ghz * 1e9)
-    # latency: a block keeps stages - 1 k tiles in flight, so each k tile waits at least a memory
-    # round trip / (stages - 1); the SM runs its blocks in ceil(per_sm / blocks_per_sm) rounds. This is
-    # what binds a long K loop over few tiles (small M at batch 1), and what split-K divides
+    # latency: a block keeps stages - 1 k tiles in flight (run_wgmma's cp.async ring: stages - 2), so each k
+    # tile waits at least a memory round trip / that many; the SM runs its blocks in ceil(per_sm /
+    # blocks_per_sm) rounds. This is what binds a long K loop over few tiles (small M at batch 1), and
+    # what split-K divides
     rounds = math.ceil(per_sm / blocks_per_sm)
-    t_lat = rounds * ktiles * tgt.mem_latency_ns * 1e-9 / (t.stages - 1)
+    in_flight = t.stages - (2 if t.wgmma and not t.tma else 1)
+    t_lat = rounds * ktiles * tgt.mem_latency_ns * 1e-9 / in_flight
     # shared memory (Roller's L1 level): the SM's one wavefront per clock carries every block's operand
     # writes and its warps' fragment reads, so narrow warp tiles, which re-read A or B per warp, are
     # bound here long before the tensor cores are (a 16 x 64 warp tile at about 1.4x the mma.sync time)
@@ -348,8 +398,10 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
         if r is not None:
             ranked.append(r)
     # ties (issue- or DRAM-bound tiles): the larger tile, then 3 stages (CUTLASS's sm_80 default: latency
-    # the model does not see is still hidden, and a 2-stage ring of staged operands costs local memory)
-    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, abs(r.tile.stages - 3), r.split, r.tile.as_tuple()))
+    # the model does not see is still hidden, and a 2-stage ring of staged operands costs local memory); a
+    # TMA ring holds no registers per stage, so there the deepest that fits (as CUTLASS's Hopper kernels)
+    ranked.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, -r.tile.stages if r.tile.tma else
+                               abs(r.tile.stages - 3), r.split, r.tile.as_tuple()))
     return tuple(ranked)
 
 

@@ -294,7 +294,7 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
         # split-K GEMMs: clusters as the native library would launch them on the newest compiled arch
         cluster = cluster_for(launch.split_k, grid, for_cc(max(launch.archs)).sm_count) if launch.archs else 1
         compile_emulated(launch.source).launch(launch.entry, grid * cluster, launch.block, [*inputs, *outs], dims,
-                                                 launch.smem, cluster, launch.arg_align)
+                                                 launch.smem, cluster, launch.arg_align, tma=launch.tma)
     diffs = [compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))
              for t, o in zip(node.output, outs)]
     half = [i for i, (d, o) in enumerate(zip(diffs, outs)) if not d.ok and _is_half(o)]

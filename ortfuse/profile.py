@@ -46,11 +46,12 @@ Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 
 def tile_label(t: tuple[int, ...]) -> str:
     """A GEMM candidate (BM, BN, BK, WM, WN, STAGES, SPLIT[, WGMMA]) as 'BMxBNxBK/WMxWN/STAGES' plus
-    ' split-K S' and ' wgmma'."""
+    ' split-K S' and ' wgmma' (' wgmma+TMA': fed by TMA)."""
     if not t:
         return "kernel"
     label = f"{t[0]}x{t[1]}x{t[2]}/{t[3]}x{t[4]}/{t[5]}"
-    return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "") + (" wgmma" if len(t) > 7 and t[7] else "")
+    family = {1: " wgmma", 2: " wgmma+TMA"}.get(t[7] if len(t) > 7 else 0, "")
+    return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "") + family
 
 
 Times = tuple[float, ...]  # median us per call, one per profiled binding

@@ -141,4 +141,4 @@ def launch_spec(spec, arrays, dims) -> None:
     grid = -(-units // spec.units_per_block)
     cluster = cluster_for(spec.split_k, grid, parse_arch("sm_90").sm_count)
     compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid * cluster, spec.block, arrays, dims, spec.smem,
-                                                 cluster, spec.arg_align)
+                                                 cluster, spec.arg_align, tma=spec.tma)

@@ -37,6 +37,7 @@
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static  // block-shared because blocks never overlap; do not write `static __shared__`
 #define __constant__ static
+#define __grid_constant__
 // __restrict__ is a g++ keyword already.
 
 // Dynamic shared memory (the `smem` bytes of a launch), 16-byte aligned. Use as a declaration statement
@@ -63,7 +64,7 @@ namespace ofz_emu {
 constexpr int kMaxThreads = 1024;          // per block
 constexpr int kMaxCluster = 8;             // blocks per cluster (the portable limit)
 constexpr int kMaxFibers = 4 * kMaxThreads;  // threads of one cluster, all live at once
-enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone, kAtCluster };  // thread states
+enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone, kAtCluster, kAtMbar };  // thread states
 enum : unsigned char { kSync, kShfl, kBallot, kAny, kAll };          // warp operations
 static const char* const kOpName[] = {"__syncwarp", "a shuffle", "__ballot_sync", "__any_sync", "__all_sync"};
 
@@ -183,17 +184,20 @@ inline unsigned lanes_of_warp(int w) {  // lanes that exist in warp w (a block's
 }
 
 [[noreturn]] inline void deadlock() {
-  int at_block = 0, at_cluster = 0, at_warp = 0, done = 0, first_warp = -1;
+  int at_block = 0, at_cluster = 0, at_warp = 0, done = 0, at_mbar = 0, first_warp = -1;
   for (int i = 0; i < S.n; ++i) {
     unsigned char s = S.th[i].state;
     at_block += s == kAtBlock;
     at_cluster += s == kAtCluster;
+    at_mbar += s == kAtMbar;
     done += s == kDone;
     if (s == kAtWarp && at_warp++ == 0) first_warp = i;
   }
   std::string msg = "deadlock: " + std::to_string(at_block) + " thread(s) wait at __syncthreads, " +
                     (S.cluster > 1 ? std::to_string(at_cluster) + " at cluster_sync, " : std::string()) +
-                    std::to_string(at_warp) + " at warp operations, " + std::to_string(done) + " exited";
+                    std::to_string(at_warp) + " at warp operations, " +
+                    (at_mbar ? std::to_string(at_mbar) + " at mbarrier waits, " : std::string()) +
+                    std::to_string(done) + " exited";
   if (first_warp >= 0) {
     const Thread& t = S.th[first_warp];
     int w = first_warp / 32;
@@ -808,9 +812,12 @@ inline void smem_traffic_block_done() {
   for (int i = 0; i < S.n; ++i) traffic_log[i].clear();
 }
 
+inline void mbar_reset();
+
 inline void async_reset(int n) {
   for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0, S.unfenced[i] = false;
   wgmma_reset(n);
+  mbar_reset();
 }
 
 inline void check_vector(const void* p, size_t bytes) {
@@ -1049,6 +1056,143 @@ inline void wgmma_wait(unsigned keep) {
   wgmma_fenced[S.cur] = false;
 }
 
+// ---- Hopper transaction barriers (mbarrier) and TMA tile copies ------------------------------------------------
+// An mbarrier is kept by its block and shared-window address: arrivals expected per phase, arrivals and bytes
+// still pending, the phase count. A TMA copy (cp.async.bulk.tensor) is queued on the barrier that counts its
+// bytes and performed when a thread first waits on that barrier, i.e. at some moment before its phase can
+// complete: a thread that reads the tile without waiting reads what was there before (0xff: NaN), and a
+// copy into a stage a wgmma in flight still reads is caught when that wgmma retires. Waiting threads park
+// until the phase they wait for completes (a switch point, like a block barrier); if every thread waits,
+// the launch fails as a deadlock. Misuse that fails the launch: a barrier used before mbarrier.init, more
+// arrivals or bytes than expected in a phase, a phase completing with copies still queued on it.
+struct BulkCopy {
+  unsigned char* dst;  // in the block's dynamic shared memory
+  unsigned window;     // its shared-window address (the swizzle is a function of it)
+  const unsigned char* base;
+  unsigned long long dim0, dim1, stride1, box0, box1, esize;
+  long long c0, c1;
+};
+struct Mbar {
+  unsigned expected = 0, pending = 0, phase = 0;
+  long long tx = 0;  // bytes expected and not yet landed in this phase
+  std::vector<BulkCopy> copies;
+};
+static std::vector<std::pair<unsigned long long, Mbar>> mbars;  // (block << 32 | window address, barrier)
+
+inline void mbar_reset() { mbars.clear(); }
+
+inline unsigned long long mbar_key(const void* bar) {
+  const unsigned addr = smem_addr(bar);
+  if (addr % 8) fail("thread %d: mbarrier at shared address 0x%x is not 8-byte aligned", S.cur, addr);
+  return (unsigned long long)block_of(S.cur) << 32 | addr;
+}
+
+inline Mbar& mbar_get(const void* bar, bool create = false) {
+  const unsigned long long key = mbar_key(bar);
+  for (auto& e : mbars)
+    if (e.first == key) return e.second;
+  if (!create) fail("thread %d: mbarrier at shared address 0x%x used before mbarrier.init", S.cur, (unsigned)key);
+  mbars.push_back({key, Mbar()});
+  return mbars.back().second;
+}
+
+// Wake the threads parked on this barrier (they check their phase again).
+inline void mbar_wake(const void* bar) {
+  const unsigned long long key = mbar_key(bar);
+  for (int i = 0; i < S.n; ++i)
+    if (S.th[i].state == kAtMbar && S.th[i].val == key) S.th[i].state = kRun, ++S.runnable;
+}
+
+// The phase completes when no arrival and no byte is pending.
+inline void mbar_settle(const void* bar, Mbar& m) {
+  if (m.pending || m.tx) return;
+  if (!m.copies.empty())
+    fail("thread %d: an mbarrier phase completed with %zu bulk copies still counted on it (expect_tx too small)",
+         S.cur, m.copies.size());
+  ++m.phase;
+  m.pending = m.expected;
+  mbar_wake(bar);
+}
+
+inline void mbar_init(void* bar, unsigned count) {
+  if (count == 0 || count >= (1u << 20)) fail("thread %d: mbarrier.init with count %u", S.cur, count);
+  Mbar& m = mbar_get(bar, true);
+  m = Mbar();
+  m.expected = m.pending = count;
+}
+
+// mbarrier.arrive, with expect_tx bytes first when bytes > 0 (mbarrier.arrive.expect_tx).
+inline void mbar_arrive(void* bar, unsigned bytes) {
+  Mbar& m = mbar_get(bar);
+  if (m.pending == 0) fail("thread %d: more arrivals on an mbarrier than its count %u", S.cur, m.expected);
+  m.tx += bytes;
+  --m.pending;
+  mbar_settle(bar, m);
+}
+
+inline void bulk_perform(const BulkCopy& c) {
+  const unsigned long long pitch = c.box0 * c.esize;
+  for (unsigned long long r = 0; r < c.box1; ++r)
+    for (unsigned long long e = 0; e < c.box0; ++e) {
+      const long long row = c.c1 + (long long)r, col = c.c0 + (long long)e;
+      const unsigned addr = c.window + (unsigned)(r * pitch + e * c.esize);
+      const unsigned at = addr ^ ((addr >> 7 & 7u) << 4);  // 128-byte swizzle: bits 4-6 ^= bits 7-9
+      unsigned char* d = c.dst + (at - c.window);
+      if (row < 0 || col < 0 || (unsigned long long)row >= c.dim1 || (unsigned long long)col >= c.dim0)
+        memset(d, 0, c.esize);
+      else
+        memcpy(d, c.base + (unsigned long long)row * c.stride1 + (unsigned long long)col * c.esize, c.esize);
+    }
+}
+
+inline void mbar_wait(void* bar, unsigned parity) {
+  for (;;) {
+    Mbar& m = mbar_get(bar);
+    if ((m.phase & 1u) != (parity & 1u)) return;
+    if (!m.copies.empty()) {  // the copies land now, then count their bytes
+      std::vector<BulkCopy> done;
+      done.swap(m.copies);
+      long long bytes = 0;
+      for (const BulkCopy& c : done) bulk_perform(c), bytes += (long long)(c.box0 * c.box1 * c.esize);
+      m.tx -= bytes;
+      if (m.tx < 0) fail("thread %d: bulk copies completed %lld bytes more than the mbarrier expected", S.cur, -m.tx);
+      mbar_settle(bar, m);
+      continue;
+    }
+    S.th[S.cur].state = kAtMbar;
+    S.th[S.cur].val = mbar_key(bar);
+    --S.runnable;
+    yield();
+  }
+}
+
+// What the emulator reads from an OfzTensorMap (emulate.py writes it; on a GPU it is a CUtensorMap).
+struct EmuTensorMap {
+  unsigned long long magic, base, dim0, dim1, stride1, box0, box1, esize;
+};
+constexpr unsigned long long kTensorMapMagic = 0x50414d4f53544f46ull;  // "FOTSOMAP"
+
+// cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes, 128-byte swizzle.
+inline void tma_load_2d(void* dst, const void* map, int c0, int c1, void* bar) {
+  EmuTensorMap t;
+  memcpy(&t, map, sizeof t);
+  if (reinterpret_cast<uintptr_t>(map) % 64 || t.magic != kTensorMapMagic)
+    fail("thread %d: tma_load_2d with a tensor map the launch did not encode (or not 64-byte aligned)", S.cur);
+  const unsigned window = smem_addr(dst);
+  const unsigned long long bytes = t.box0 * t.box1 * t.esize;
+  if (window % 128) fail("thread %d: TMA destination 0x%x is not 128-byte aligned", S.cur, window);
+  if (t.box0 * t.esize != 128)
+    fail("thread %d: TMA box rows of %llu bytes; the 128-byte swizzle is emulated for 128-byte rows", S.cur,
+         t.box0 * t.esize);
+  if (window - kSmemWindowBase + bytes > S.smem_bytes)
+    fail("thread %d: TMA box of %llu bytes at 0x%x overruns the block's %zu dynamic bytes", S.cur, bytes, window,
+         S.smem_bytes);
+  Mbar& m = mbar_get(bar);
+  m.copies.push_back({static_cast<unsigned char*>(dst), window, reinterpret_cast<const unsigned char*>(t.base),
+                      t.dim0, t.dim1, t.stride1, t.box0, t.box1, t.esize, c0, c1});
+  mbar_wake(bar);  // a thread already waiting performs the copy
+}
+
 }  // namespace ofz_emu
 
 // ---- exported entry points ----------------------------------------------------------------------------------
@@ -1074,4 +1218,15 @@ OFZ_EMU_EXPORT void ofz_emu_smem_traffic(unsigned long long* out) {
   OFZ_EMU_EXPORT int ofz_emu_##name(unsigned grid, unsigned block, unsigned cluster, const OfzArgs* a) {       \
     return ::ofz_emu::launch(grid, block, cluster, [](const void* p) { name(*static_cast<const OfzArgs*>(p)); }, a, \
                              #name);                                                                           \
+  }
+// A kernel that also takes tensor maps (OfzTma): the launcher passes them beside the arguments.
+#define OFZ_EMU_ENTRY_TMA(name)                                                                                \
+  OFZ_EMU_EXPORT int ofz_emu_##name(unsigned grid, unsigned block, unsigned cluster, const OfzArgs* a,         \
+                                    const OfzTma* t) {                                                         \
+    static thread_local struct { OfzArgs a; const OfzTma* t; } both;                                           \
+    both.a = *a, both.t = t;                                                                                   \
+    return ::ofz_emu::launch(grid, block, cluster, [](const void* p) {                                         \
+      const auto* q = static_cast<const decltype(both)*>(p);                                                   \
+      name(q->a, *q->t);                                                                                       \
+    }, &both, #name);                                                                                          \
   }

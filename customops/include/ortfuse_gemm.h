@@ -204,8 +204,11 @@ struct NoMoments {
 };
 
 // Math of the warp tile.
-// kWgmma*: sm_90a warpgroup MMA (run_wgmma below); the others are run's warp-level math.
-enum Math : int { kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3, kWgmmaF16 = 4, kWgmmaBF16 = 5 };
+// kWgmma*: sm_90a warpgroup MMA with a cp.async pipeline (run_wgmma below); kWsWgmma*: the same MMAs fed by
+// TMA in a warp-specialized pipeline (run_wgmma_ws); the others are run_mma's warp-level math.
+enum Math : int {
+  kMmaF16 = 0, kMmaBF16 = 1, kMmaTF32 = 2, kSimt = 3, kWgmmaF16 = 4, kWgmmaBF16 = 5, kWsWgmmaF16 = 6, kWsWgmmaBF16 = 7
+};
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH>
 struct Layout {
@@ -794,7 +797,7 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
 #endif
   static_assert(AMODE == kRowMajor && BMODE == kColMajor, "wgmma: A [M][K] and B [N][K], both copied");
   static_assert(sizeof(T) == 2 && BK == 64 && WM == 16 && BM % 64 == 0 && BN % WN == 0, "wgmma tile shape");
-  static_assert(WN == 64 || WN == 128 || WN == 256, "wgmma N per warpgroup");
+  static_assert(WN == 64 || WN == 128 || WN == 192 || WN == 256, "wgmma N per warpgroup");
   static_assert(STAGES >= 4, "the wgmma pipeline refills a stage two k tiles after it was read");
   static_assert(!Fold::kOn, "the LayerNorm fold runs on the mma.sync mainloop");
   static_assert((MATH == kWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
@@ -866,11 +869,128 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
   }
 }
 
+// ---- sm_90a: the warp-specialized TMA mainloop (MATH kWsWgmmaF16 / kWsWgmmaBF16) ----------------------------
+// The consumer warps are run_wgmma's (warpgroups of 64 x WN, the same accumulator layout and epilogue);
+// one more warpgroup, the producer, only feeds them: one of its threads has the tensor memory accelerator
+// copy each k tile of A [rows][K] and B [N][K] (tensor maps the library encodes per launch, 64 x BM and 64 x BN
+// boxes in the 128-byte swizzle, zero-filled past the matrices) into a ring of STAGES stages. Each stage has
+// two mbarriers: `full` completes when its bytes landed (the producer's arrive.expect_tx plus the copies'
+// complete_tx), `empty` when every consumer warp released it (one arrival per warp, after the wgmma
+// group that read it retired). No block barrier inside the loop: the producer runs up to STAGES k tiles
+// ahead, and a consumer warpgroup keeps one wgmma group in flight while it waits for the next stage. The
+// batch is folded into M (wgmma GEMMs have a 2-D weight), so a tile's rows are rows m0.. of A's map. With
+// two consumer warpgroups (384 threads, 168 registers each at launch) the producer gives registers back
+// (setmaxnreg 40) and the consumers take them (232), as CUTLASS's Hopper kernels do.
+template <int CONSUMERS> struct WsRegs {
+  static constexpr bool kMove = CONSUMERS == 256;
+  static constexpr int kProducer = 40, kConsumer = 232;  // 128 * 40 + 256 * 232 = 384 * 168
+};
+
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops>
+__device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
+                                             ofz_i64 K) {
+#if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(BM < 0, "wgmma kernels compile for sm_90a only");
+#endif
+  static_assert(sizeof(T) == 2 && BK == 64 && WM == 16 && BM % 64 == 0 && BN % WN == 0, "wgmma tile shape");
+  static_assert(BM <= 256 && BN <= 256, "one TMA box per operand and stage (at most 256 rows)");
+  static_assert(WN == 64 || WN == 128 || WN == 192 || WN == 256, "wgmma N per warpgroup");
+  static_assert(STAGES >= 2, "a ring of at least two stages");
+  static_assert((MATH == kWsWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
+  constexpr int kConsumers = (BM / WM) * (BN / WN) * 32, kConsumerWarps = kConsumers / 32;
+  constexpr int kNT = WN / 8;
+  constexpr int kAStage = BM * BK, kBStage = BN * BK;  // elements
+  constexpr unsigned kStageBytes = (unsigned)(kAStage + kBStage) * 2u;
+  using Regs = WsRegs<kConsumers>;
+  OFZ_DYNAMIC_SMEM(T, smem);
+  T* const As = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) / sizeof(T);
+  T* const Bs = As + STAGES * kAStage;
+  unsigned long long* const full = reinterpret_cast<unsigned long long*>(Bs + STAGES * kBStage);
+  unsigned long long* const empty = full + STAGES;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the only block barrier: the barriers exist for everyone
+  const Schedule<BM, BN, BK, 1> sch(batch, M, N, K);
+  const ofz_i64 nk = sch.nk;
+
+  if (warp >= kConsumerWarps) {  // the producer warpgroup
+    if constexpr (Regs::kMove) setmaxnreg_dec<Regs::kProducer>();
+    if (warp == kConsumerWarps && lane == 0) {
+      tma_prefetch(&tma->map[0]);
+      tma_prefetch(&tma->map[1]);
+      unsigned it = 0;  // k tiles issued so far, over every tile of this block
+      for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step) {
+        ofz_i64 b, m0, n0;
+        sch.at(u, b, m0, n0);
+        for (ofz_i64 kt = 0; kt < nk; ++kt, ++it) {
+          const unsigned s = it % STAGES, phase = (it / STAGES) & 1u;
+          mbar_wait(&empty[s], phase ^ 1u);  // the consumers released this stage's previous use
+          mbar_arrive_expect_tx(&full[s], kStageBytes);
+          tma_load_2d(As + s * kAStage, &tma->map[0], (int)(kt * BK), (int)(b * M + m0), &full[s]);
+          tma_load_2d(Bs + s * kBStage, &tma->map[1], (int)(kt * BK), (int)n0, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  if constexpr (Regs::kMove) setmaxnreg_inc<Regs::kConsumer>();
+  const int wm0 = (warp % (BM / WM)) * WM, wn0 = (warp / (BM / WM)) * WN;
+  const unsigned as_addr = smem_u32(As), bs_addr = smem_u32(Bs);
+  const unsigned a_group = (unsigned)(wm0 & ~63) * BK * 2u, b_group = (unsigned)wn0 * BK * 2u;  // bytes in a stage
+  unsigned it = 0;  // k tiles consumed so far
+  for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step) {
+    ofz_i64 b, m0, n0;
+    sch.at(u, b, m0, n0);
+    float acc[1][kNT][4];
+    float (&d)[kNT * 4] = reinterpret_cast<float (&)[kNT * 4]>(acc);
+#pragma unroll
+    for (int i = 0; i < kNT * 4; ++i) d[i] = 0.0f;
+    for (ofz_i64 kt = 0; kt < nk; ++kt, ++it) {
+      const unsigned s = it % STAGES;
+      mbar_wait(&full[s], (it / STAGES) & 1u);
+      const unsigned a_at = as_addr + s * kAStage * 2u + a_group, b_at = bs_addr + s * kBStage * 2u + b_group;
+      wgmma_fence_operand(d);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64k16<WN, T>(d, wgmma_desc(a_at + kk * 32u), wgmma_desc(b_at + kk * 32u));
+      wgmma_commit();
+      wgmma_fence_operand(d);
+      wgmma_wait<1>();  // the previous k tile's group retired: its stage goes back to the producer
+      if (kt > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+      }
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operand(d);
+    if (nk > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+    }
+    float sacc[1][1];
+    const AccVisitor<true, 1, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
+    store_tile<BM, BN, kConsumers, BN + 4, 0, 1, Ops>(a, nullptr, visit, b, m0, n0, M, N, 0u, 1u);
+  }
+}
+
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
           int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
-                                    ofz_i64 K) {
-  if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
+                                    ofz_i64 K, const OfzTma* tma = nullptr) {
+  if constexpr (MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16) {
+    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && SPLIT == 1 && !Fold::kOn,
+                  "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no split-K, no fold");
+    (void)a_arg, (void)b_arg;
+    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops>(a, tma, batch, M, N, K);
+  } else if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
     run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(
         a, a_arg, b_arg, batch, M, N, K);
   else

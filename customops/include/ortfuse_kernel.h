@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #define OFZ_EMU_ENTRY(name)
+#define OFZ_EMU_ENTRY_TMA(name)
 #define OFZ_DYNAMIC_SMEM(type, name) \
   extern __shared__ __align__(16) unsigned char ofz_dsmem_##name[]; \
   type* const name = reinterpret_cast<type*>(ofz_dsmem_##name)
@@ -296,6 +297,10 @@ template <int N> __device__ __forceinline__ void wgmma_fence_operand(float (&d)[
   "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, " \
   "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, " \
   "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define OFZ_ACC96 OFZ_ACC64, OFZ_ACC32(64)
+#define OFZ_REGS96 OFZ_REGS64 \
+  ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, " \
+  "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define OFZ_WGMMA_M64K16(N, T, PTX_T, ACC, REGS, DA, DB, SCALE)                                                 \
   template <>                                                                                                   \
   __device__ __forceinline__ void wgmma_m64k16<N, T>(float(&d)[N / 2], unsigned long long da,                   \
@@ -310,6 +315,8 @@ OFZ_WGMMA_M64K16(64, __half, "f16", OFZ_ACC32(0), OFZ_REGS32, 32, 33, 34)
 OFZ_WGMMA_M64K16(64, __nv_bfloat16, "bf16", OFZ_ACC32(0), OFZ_REGS32, 32, 33, 34)
 OFZ_WGMMA_M64K16(128, __half, "f16", OFZ_ACC64, OFZ_REGS64, 64, 65, 66)
 OFZ_WGMMA_M64K16(128, __nv_bfloat16, "bf16", OFZ_ACC64, OFZ_REGS64, 64, 65, 66)
+OFZ_WGMMA_M64K16(192, __half, "f16", OFZ_ACC96, OFZ_REGS96, 96, 97, 98)
+OFZ_WGMMA_M64K16(192, __nv_bfloat16, "bf16", OFZ_ACC96, OFZ_REGS96, 96, 97, 98)
 OFZ_WGMMA_M64K16(256, __half, "f16", OFZ_ACC128, OFZ_REGS128, 128, 129, 130)
 OFZ_WGMMA_M64K16(256, __nv_bfloat16, "bf16", OFZ_ACC128, OFZ_REGS128, 128, 129, 130)
 #else  // declared only: a wgmma kernel compiles for sm_90a (ortfuse_gemm.h says so at compile time)
@@ -318,6 +325,77 @@ __device__ void wgmma_commit();
 template <int N> __device__ void wgmma_wait();
 __device__ void fence_proxy_async();
 template <int N> __device__ void wgmma_fence_operand(float (&d)[N]);
+#endif
+
+// ---- Hopper transaction barriers and the tensor memory accelerator (sm_90a kernels) ------------------------
+// mbarrier: a 64-bit shared-memory object counting arrivals (and bytes: expect_tx / complete_tx) per phase;
+// a phase completes when every expected arrival came and every expected byte landed, and the barrier
+// moves on to the next phase. mbar_wait(bar, parity) returns once the phase of that parity has completed:
+// on a fresh barrier (phase 0 running) parity 1 counts as completed, so a producer's first pass over an
+// `empty` ring does not block. tma_load_2d copies one box of a 2-D tensor map (a K-major tile: 64 16-bit
+// elements per row, 128-byte swizzle) into shared memory and completes its bytes on the barrier;
+// elements outside the tensor are zero-filled. setmaxnreg moves registers between warpgroups.
+#ifdef ORTFUSE_EMU
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) { ofz_emu::mbar_init(bar, count); }
+__device__ __forceinline__ void mbar_fence_init() {}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { ofz_emu::mbar_arrive(bar, 0); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  ofz_emu::mbar_arrive(bar, bytes);
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) { ofz_emu::mbar_wait(bar, parity); }
+__device__ __forceinline__ void tma_prefetch(const OfzTensorMap*) {}
+__device__ __forceinline__ void tma_load_2d(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar) {
+  ofz_emu::tma_load_2d(dst, map, c0, c1, bar);
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {}
+#elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// makes the initialized barriers visible to the async proxy (the TMA unit) and, with the block barrier
+// that follows, to the other threads
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  const unsigned addr = smem_u32(bar);
+  unsigned done = 0;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void tma_prefetch(const OfzTensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+// c0: the element along the contiguous axis (K), c1: the row
+__device__ __forceinline__ void tma_load_2d(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+#else  // declared only, as the wgmma instructions above
+__device__ void mbar_init(unsigned long long* bar, unsigned count);
+__device__ void mbar_fence_init();
+__device__ void mbar_arrive(unsigned long long* bar);
+__device__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes);
+__device__ void mbar_wait(unsigned long long* bar, unsigned parity);
+__device__ void tma_prefetch(const OfzTensorMap* map);
+__device__ void tma_load_2d(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar);
+template <int N> __device__ void setmaxnreg_inc();
+template <int N> __device__ void setmaxnreg_dec();
 #endif
 
 }  // namespace ofz

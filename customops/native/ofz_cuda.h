@@ -20,6 +20,13 @@ enum {
   OFZ_CU_FUNC_MAX_DYN_SMEM = 8,           // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
   OFZ_CU_JIT_ERROR_LOG_BUFFER = 5,        // CU_JIT_ERROR_LOG_BUFFER
   OFZ_CU_JIT_ERROR_LOG_BUFFER_SIZE = 6,   // CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES
+  // cuTensorMapEncodeTiled's enums (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
+  OFZ_CU_TENSOR_MAP_FLOAT16 = 6,          // CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+  OFZ_CU_TENSOR_MAP_BFLOAT16 = 9,         // CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+  OFZ_CU_TENSOR_MAP_INTERLEAVE_NONE = 0,  // CU_TENSOR_MAP_INTERLEAVE_NONE
+  OFZ_CU_TENSOR_MAP_SWIZZLE_128B = 3,     // CU_TENSOR_MAP_SWIZZLE_128B
+  OFZ_CU_TENSOR_MAP_L2_128B = 2,          // CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+  OFZ_CU_TENSOR_MAP_OOB_ZERO = 0,         // CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros outside the tensor
 };
 
 // cuLaunchKernelEx's configuration (CUDA 12.0+ cuda.h: CUlaunchAttribute is an id padded to 8 bytes and a
@@ -59,6 +66,11 @@ typedef struct OfzCuda {
   CUresult (*GetErrorString)(CUresult, const char**);
   // optional (NULL on drivers before CUDA 12.0): cluster launches for split-K GEMMs
   CUresult (*LaunchKernelEx)(const OfzLaunchConfig*, CUfunction, void**, void**);
+  // optional (NULL on drivers before CUDA 12.0): tensor maps for TMA GEMMs (map: 128 bytes, 64-byte aligned;
+  // type, rank, address, dims, byte strides of dims 1.., box, element strides, interleave, swizzle, L2
+  // promotion, out-of-bounds fill)
+  CUresult (*TensorMapEncodeTiled)(void*, int, unsigned, void*, const unsigned long long*, const unsigned long long*,
+                                   const unsigned*, const unsigned*, int, int, int, int);
 } OfzCuda;
 
 // The driver table, or NULL with a reason in `why` (libcuda.so.1 missing, a symbol missing, cuInit

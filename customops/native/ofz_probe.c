@@ -4,8 +4,9 @@
 //          shape inference. Outputs: Y = X*alpha + beta, FACTS (int64[PROBE_FACTS]), SUMS (float[4]).
 //   Plan:  a fused node (docs/design.md format) run through the same parse/resolve/infer code as the
 //          CUDA op, minus CUDA: outputs are zero-filled and one extra int64[PLAN_LEN] output reports
-//          the launch [grid, block, smem, chosen cubin cc (0 = PTX), image bytes, units, d0..d15, cluster]
-//          for a device of compute capability `probe_cc` with `probe_sm_count` SMs (optional, 0).
+//          the launch [grid, block, smem, chosen cubin cc (0 = PTX), image bytes, units, d0..d15, cluster,
+//          then per TMA map (zeros if none) dim0, dim1, stride1, box0, box1, element type] for a device of
+//          compute capability `probe_cc` with `probe_sm_count` SMs (optional, 0).
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,7 +19,7 @@
     if (st_) return st_;     \
   } while (0)
 
-enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 };
+enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_TMA = 6, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 + PLAN_TMA * OFZ_TMA_MAPS };
 
 // Index of each fact in Probe's FACTS output; the Python test mirrors this list.
 enum {
@@ -275,6 +276,17 @@ static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   memcpy(rep, head, sizeof head);
   for (int d = 0; d < OFZ_MAX_DIMS; ++d) rep[6 + d] = args.dim[d];
   rep[6 + OFZ_MAX_DIMS] = launch.cluster;
+  int64_t* tma = rep + 7 + OFZ_MAX_DIMS;
+  memset(tma, 0, sizeof(int64_t) * PLAN_TMA * OFZ_TMA_MAPS);
+  if (s->n_tma && launch.grid) {
+    OfzTmaGeom geo[OFZ_TMA_MAPS];
+    TRY(ofz_spec_tma(s, ctx, &args, geo));
+    for (size_t j = 0; j < s->n_tma; ++j) {
+      const int64_t g[PLAN_TMA] = {(int64_t)geo[j].dim0, (int64_t)geo[j].dim1, (int64_t)geo[j].stride1, geo[j].box0,
+                                   geo[j].box1, geo[j].elem};
+      memcpy(tma + PLAN_TMA * j, g, sizeof g);
+    }
+  }
   return NULL;
 }
 

@@ -125,6 +125,19 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
       return BAD("ortfuse: node '%s': arg_align[%zu] = %lld, expected a power of two in 1..256", node, i,
                  (long long)s->align[i]);
 
+  size_t n_tma3 = 0;
+  TRY(ofz_attr_ints_opt(info, node, "tma", s->tma, 3 * OFZ_TMA_MAPS, &n_tma3));
+  if (n_tma3 != 0 && n_tma3 != 3 * OFZ_TMA_MAPS)
+    return BAD("ortfuse: node '%s': tma has %zu entries, expected %d (input, box rows, element type) triples", node,
+               n_tma3, OFZ_TMA_MAPS);
+  s->n_tma = n_tma3 / 3;
+  for (size_t j = 0; j < s->n_tma; ++j) {
+    const int64_t* t = &s->tma[3 * j];
+    if (t[0] < 0 || (size_t)t[0] >= n_in || t[1] < 1 || t[1] > 256 || (t[2] != OFZ_DT_FLOAT16 && t[2] != OFZ_DT_BFLOAT16))
+      return BAD("ortfuse: node '%s': tma triple %zu = (%lld, %lld, %lld) is not (an input, 1..256 box rows, fp16 or "
+                 "bf16)", node, j, (long long)t[0], (long long)t[1], (long long)t[2]);
+  }
+
   size_t n_dt = 0, n_rk = 0;
   TRY(ofz_attr_ints(info, node, "out_dtypes", s->out_dtypes, OFZ_MAX_TENSORS, &n_dt));
   TRY(ofz_attr_ints(info, node, "out_ranks", s->out_ranks, OFZ_MAX_TENSORS, &n_rk));
@@ -322,6 +335,30 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   launch->grid = (unsigned)(grid * launch->cluster);
   launch->block = (unsigned)s->block;
   launch->smem = (unsigned)s->smem;
+  return NULL;
+}
+
+OrtStatus* ofz_spec_tma(const OfzSpec* s, OrtKernelContext* ctx, const OfzArgs* args, OfzTmaGeom* geo) {
+  for (size_t j = 0; j < s->n_tma; ++j) {
+    const int64_t* t = &s->tma[3 * j];
+    const size_t i = (size_t)t[0];
+    int64_t dims[64];
+    size_t rank = 0;
+    TRY(input_dims(ctx, i, dims, &rank));
+    unsigned long long rows = 1;
+    for (size_t k = 0; k + 1 < rank; ++k) rows *= (unsigned long long)dims[k];
+    const unsigned long long k = rank ? (unsigned long long)dims[rank - 1] : 1;
+    // what cuTensorMapEncodeTiled requires: dims in 1..2^31, a 16-byte aligned address and row stride
+    if (k < 1 || rows < 1 || k > (1ULL << 31) || rows > (1ULL << 31) || (k * 2) % 16 ||
+        ((uintptr_t)args->ptr[i] & 15u))
+      return BAD("ortfuse: node '%s': input %zu (%llu rows of %llu elements at %p) cannot be copied by TMA: rows "
+                 "of a multiple of 8 elements, 1 to 2^31 of them each way, and a 16-byte aligned address are "
+                 "needed", s->node, i, rows, k, args->ptr[i]);
+    geo[j].base = args->ptr[i];
+    geo[j].dim0 = k, geo[j].dim1 = rows, geo[j].stride1 = k * 2;
+    geo[j].box0 = OFZ_TMA_BOX_INNER, geo[j].box1 = (unsigned)t[1];
+    geo[j].elem = (int)t[2];
+  }
   return NULL;
 }
 

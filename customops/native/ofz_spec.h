@@ -32,6 +32,8 @@ typedef struct OfzSpec {
   int64_t dim_checks[3 * OFZ_MAX_TERMS];
   size_t n_align;  // 0, or one per input then output: the byte alignment its address needs (arg_align)
   int64_t align[OFZ_MAX_TENSORS];
+  size_t n_tma;  // 0 or OFZ_TMA_MAPS triples (input, box rows, ONNX element type): the kernel's TMA operands
+  int64_t tma[3 * OFZ_TMA_MAPS];
   int64_t out_dtypes[OFZ_MAX_TENSORS];
   int64_t out_ranks[OFZ_MAX_TENSORS];
   size_t n_out_dims;
@@ -65,6 +67,18 @@ OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, v
 // are left to the caller.
 OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
                             OfzLaunch* launch);
+
+// A TMA operand's 2-D tensor map (the kernel's OfzTma, encoded by the CUDA op): the input's last dim by the
+// product of its others, rows `stride1` bytes apart, boxes of box0 x box1 elements of ONNX type `elem`.
+// ofz_spec_tma fills one per `tma` triple from the bound inputs.
+typedef struct OfzTmaGeom {
+  void* base;
+  unsigned long long dim0, dim1, stride1;
+  unsigned box0, box1;
+  int elem;
+} OfzTmaGeom;
+#define OFZ_TMA_BOX_INNER 64  // elements along K per box: one 128-byte swizzle row of 16-bit elements
+OrtStatus* ofz_spec_tma(const OfzSpec* s, OrtKernelContext* ctx, const OfzArgs* args, OfzTmaGeom* geo);
 
 // InferOutputShapeFn body: output k gets out_dtypes[k] and its dims; a symbolic term copies the bound
 // input dim (its value or its symbol). `n_extra` int64 outputs of shape [extra_len] follow.

@@ -148,6 +148,28 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
   return NULL;
 }
 
+// The tensor maps of a TMA GEMM's operands (host-side encoding, no device work): 2-D, the 128-byte swizzle,
+// zeros outside the tensor.
+static OrtStatus* encode_maps(const OfzCuda* cu, const FusedKernel* k, OrtKernelContext* ctx, const OfzArgs* args,
+                              OfzTma* maps) {
+  OfzTmaGeom geo[OFZ_TMA_MAPS];
+  OrtStatus* s = ofz_spec_tma(&k->spec, ctx, args, geo);
+  if (s) return s;
+  if (!cu->TensorMapEncodeTiled)
+    return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0+ is "
+                   "needed for this TMA kernel; optimize without --wgmma)", k->spec.node);
+  for (size_t j = 0; j < k->spec.n_tma; ++j) {
+    const unsigned long long dims[2] = {geo[j].dim0, geo[j].dim1}, strides[1] = {geo[j].stride1};
+    const unsigned box[2] = {geo[j].box0, geo[j].box1}, unit[2] = {1, 1};
+    const int type = geo[j].elem == OFZ_DT_FLOAT16 ? OFZ_CU_TENSOR_MAP_FLOAT16 : OFZ_CU_TENSOR_MAP_BFLOAT16;
+    CUresult r = cu->TensorMapEncodeTiled(&maps->map[j], type, 2, geo[j].base, dims, strides, box, unit,
+                                          OFZ_CU_TENSOR_MAP_INTERLEAVE_NONE, OFZ_CU_TENSOR_MAP_SWIZZLE_128B,
+                                          OFZ_CU_TENSOR_MAP_L2_128B, OFZ_CU_TENSOR_MAP_OOB_ZERO);
+    if (r) return cu_fail(k, "cuTensorMapEncodeTiled", r);
+  }
+  return NULL;
+}
+
 // No allocation outside ORT, no sync, no module loading: safe under CUDA graph capture.
 static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
   FusedKernel* k = kernel;
@@ -162,7 +184,15 @@ static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
   CUcontext prev = NULL;
   CUresult r = cu->CtxPushCurrent(k->ctx);
   if (r) return cu_fail(k, "cuCtxPushCurrent", r);
-  void* params[1] = {&args};
+  OfzTma maps;  // a TMA GEMM's tensor maps: its second parameter
+  void* params[2] = {&args, &maps};
+  if (k->spec.n_tma) {
+    s = encode_maps(cu, k, ctx, &args, &maps);
+    if (s) {
+      cu->CtxPopCurrent(&prev);
+      return s;
+    }
+  }
   if (launch.cluster > 1) {  // split-K GEMM: clusters of launch.cluster blocks share each tile
     OfzLaunchAttr attr = {.id = OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM};
     attr.value.cluster.x = launch.cluster, attr.value.cluster.y = 1, attr.value.cluster.z = 1;

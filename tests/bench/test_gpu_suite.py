@@ -81,3 +81,15 @@ def test_rows_say_what_the_optimize_used_beyond_the_defaults(monkeypatch):
   assert gpu_suite.variant_label() == " ln-fold=off"
   monkeypatch.setenv("ORTFUSE_WGMMA", "1")
   assert gpu_suite.variant_label() == " +wgmma ln-fold=off"
+
+
+def test_sweep_summary_in_the_report_and_merge(tmp_path):
+  # the sweep's summary lines reach report.md (not results.md); merge keeps the last call's sweep
+  sweep = {"shapes": [], "seconds": 1.0, "summary": ["wgmma+TMA: best tile / cuBLAS median 1.10 (range 1.00-1.20)"]}
+  part = tmp_path / "a"
+  part.mkdir()
+  (part / "report.json").write_text(json.dumps({"started": "now", "env": {}, "entries": [], "sweep": sweep}))
+  merged = gpu_suite.merge(tmp_path / "out", [part / "report.json"])
+  assert merged["sweep"] == sweep
+  assert "GEMM tile sweep (bench/sweep.py, sweep.md): wgmma+TMA: best tile" in (tmp_path / "out" / "report.md").read_text()
+  assert "GEMM tile sweep" not in (tmp_path / "out" / "results.md").read_text()

@@ -20,7 +20,7 @@ FACTS = [
     "node_name_len", "device_id", "mem_is_cpu", "last_dtype", "last_rank", "last_dim_sum", "last_count",
     "last_value_type", "last_int64_sum", "stream_is_null", "table_dtype",
 ]
-PLAN_LEN = 23  # [grid, block, smem, chosen cc (0 = PTX), image bytes, units, d0..d15, cluster]
+PLAN_LEN = 35  # [grid, block, smem, chosen cc (0 = PTX), image bytes, units, d0..d15, cluster, 2 x TMA map (6)]
 
 
 def model(nodes: Sequence[onnx.NodeProto], inputs: Sequence[onnx.ValueInfoProto],

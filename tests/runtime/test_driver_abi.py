@@ -25,6 +25,23 @@ _Static_assert(OFZ_CU_FUNC_MAX_THREADS == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOC
 _Static_assert(OFZ_CU_FUNC_MAX_DYN_SMEM == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, "max dynamic smem");
 _Static_assert(OFZ_CU_JIT_ERROR_LOG_BUFFER == CU_JIT_ERROR_LOG_BUFFER, "JIT log");
 _Static_assert(OFZ_CU_JIT_ERROR_LOG_BUFFER_SIZE == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, "JIT log size");
+_Static_assert(OFZ_CU_TENSOR_MAP_FLOAT16 == CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "tensor map fp16");
+_Static_assert(OFZ_CU_TENSOR_MAP_BFLOAT16 == CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, "tensor map bf16");
+_Static_assert(OFZ_CU_TENSOR_MAP_INTERLEAVE_NONE == CU_TENSOR_MAP_INTERLEAVE_NONE, "tensor map interleave");
+_Static_assert(OFZ_CU_TENSOR_MAP_SWIZZLE_128B == CU_TENSOR_MAP_SWIZZLE_128B, "tensor map swizzle");
+_Static_assert(OFZ_CU_TENSOR_MAP_L2_128B == CU_TENSOR_MAP_L2_PROMOTION_L2_128B, "tensor map L2 promotion");
+_Static_assert(OFZ_CU_TENSOR_MAP_OOB_ZERO == CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE, "tensor map OOB fill");
+_Static_assert(sizeof(OfzTensorMap) == sizeof(CUtensorMap) && _Alignof(OfzTensorMap) == _Alignof(CUtensorMap),
+               "tensor map size and alignment");
+_Static_assert(offsetof(OfzTma, map[1]) == sizeof(CUtensorMap), "two tensor maps back to back");
+// the driver entry point's parameter list, argument by argument (ours takes void* for the map and int for enums)
+static CUresult (*const encode_check)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                      const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill) =
+    cuTensorMapEncodeTiled;
+_Static_assert(sizeof(cuuint64_t) == sizeof(unsigned long long) && sizeof(cuuint32_t) == sizeof(unsigned) &&
+               sizeof(CUtensorMapDataType) == sizeof(int) && sizeof(CUtensorMapSwizzle) == sizeof(int),
+               "encode argument sizes");
 _Static_assert(sizeof(OfzLaunchAttr) == sizeof(CUlaunchAttribute), "launch attribute size");
 SAME_OFFSET(OfzLaunchAttr, value, CUlaunchAttribute, value);
 SAME_OFFSET(OfzLaunchAttr, value.cluster.x, CUlaunchAttribute, value.clusterDim.x);
@@ -57,7 +74,8 @@ def test_driver_declarations_match_cuda_h(tmp_path):
     rename = "".join(f"#define {n} OFZ_{n}\n" for n in OURS)
     undo = "".join(f"#undef {n}\n" for n in OURS)
     src = tmp_path / "abi.c"
-    src.write_text(f'#include <stddef.h>\n{rename}#include "ofz_cuda.h"\n{undo}#include <cuda.h>\n{CHECKS}')
+    src.write_text(f'#include <stddef.h>\n{rename}#include "ofz_cuda.h"\n#include "../include/ortfuse_args.h"\n'
+                   f'{undo}#include <cuda.h>\n{CHECKS}')
     proc = subprocess.run([cc, "-std=c11", "-fsyntax-only", f"-I{NATIVE}", f"-I{_cuda_include()}", str(src)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

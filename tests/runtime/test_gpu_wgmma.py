@@ -1,7 +1,8 @@
 """sm_90a warpgroup-MMA GEMM kernels (`--wgmma`) on the GPU: what the emulator cannot prove, that the
 hardware reads our shared-memory descriptors and swizzle as we think it does. fp16 against the stock ORT
 CUDA EP on the original model (normwise 1e-2); bf16 against numpy in fp64 on the rounded operands (1e-2).
-Every warpgroup layout is forced once; split-K runs in clusters. Skipped without a working CUDA EP."""
+Every warpgroup layout is forced once, fed by cp.async and by TMA (the tensor maps the library encodes, the
+mbarrier ring, setmaxnreg); split-K runs in clusters. Skipped without a working CUDA EP."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,11 +13,12 @@ from onnx import TensorProto as TP, helper
 import ortfuse
 from helpers import bf16, const, model, node, vi
 from ortfuse.api import compile_model, fused_kernel, target_for
-from ortfuse.check import check_models
+from ortfuse.check import check_models, compare
 from ortfuse.config import Options
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import ARCH_SPECIFIC_LINE, render
+from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.replace import replace
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +51,28 @@ def test_ffn_on_wgmma_matches_ort(shape):
     assert _wgmma_count(res) == 1
     rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (*shape, 768)})
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_tma_gemm_under_cuda_graph_replay():
+    # the tensor maps hold the buffers' addresses: encoded at capture, replayed as captured (IOBinding keeps
+    # the buffers), and encoded anew when a plain run gets new buffers
+    m = _ffn()
+    res = compile_model(m, None, "sm_90", options=WG)
+    assert any(k.spec.kernel.tma for k in res.kernels)
+    feeds = random_feeds(m, {"x": (2, 64, 768)}, seed=11)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, feeds)[0]
+    plain = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
+    for _ in range(2):
+        assert compare("g", plain.run(None, feeds)[0], want).ok
+    sess = ortfuse.InferenceSession(res.model, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+    assert sess.fused_kernels
+    io = sess.io_binding()
+    io.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(feeds["x"], "cuda", 0))
+    out = ort.OrtValue.ortvalue_from_shape_and_type(want.shape, want.dtype, "cuda", 0)
+    io.bind_ortvalue_output("g", out)
+    for _ in range(3):  # capture, then replays
+        sess.run_with_iobinding(io)
+        assert compare("g", out.numpy(), want).ok
 
 
 def test_gemm_trans_b_on_wgmma_matches_ort():
@@ -108,6 +132,10 @@ def _as_f64(bits: np.ndarray, dt: int) -> np.ndarray:
 @pytest.mark.parametrize("tile", [
     (64, 64, 64, 16, 64, 4, 1, 1), (128, 128, 64, 16, 128, 5, 1, 1), (64, 256, 64, 16, 256, 4, 1, 1),
     (128, 256, 64, 16, 128, 4, 1, 1), (256, 64, 64, 16, 64, 4, 1, 1), (128, 256, 64, 16, 256, 4, 1, 1),
+    (128, 192, 64, 16, 192, 4, 1, 1),
+    # fed by TMA in the warp-specialized pipeline (tensor maps encoded by the library, mbarriers, setmaxnreg)
+    (64, 64, 64, 16, 64, 4, 1, 2), (128, 128, 64, 16, 128, 7, 1, 2), (128, 192, 64, 16, 192, 4, 1, 2),
+    (128, 256, 64, 16, 256, 4, 1, 2), (64, 256, 64, 16, 128, 3, 1, 2), (256, 64, 64, 16, 64, 2, 1, 2),
 ])
 @pytest.mark.parametrize("dt", [H, BF])
 def test_every_warpgroup_layout(tile, dt):

@@ -273,3 +273,38 @@ def test_dim_checks_refuse_inputs_whose_shared_symbolic_dim_differs() -> None:
     with pytest.raises(Exception, match="static_node.*input 1 has size 4 at axis 1, but the kernel was built for 5 "
                                         "there \\(a size"):
         run(sess, 3)
+
+
+def _tma_plan(x: np.ndarray, y: np.ndarray, tma: list) -> np.ndarray:
+    inputs = [vi("X", T.FLOAT16, ["N", *x.shape[1:]]), vi("Y", T.FLOAT16, list(y.shape))]
+    *_, plan = session(plan_model(inputs=inputs, tma=tma)).run(None, {"X": x, "Y": y})
+    return plan
+
+
+def test_tma_operands_get_2d_tensor_maps() -> None:
+    # A [N, 3, 72] (the batch folded into its rows) and B [200, 72]: the maps the CUDA op would encode, as the
+    # emulator's launches build them (emulate.tma_geometry)
+    from ortfuse.customops.emulate import tma_geometry
+    x, y = np.ones((5, 3, 72), np.float16), np.ones((200, 72), np.float16)
+    plan = _tma_plan(x, y, [0, 128, T.FLOAT16, 1, 192, T.FLOAT16])
+    assert list(plan[23:29]) == [*tma_geometry(x.shape, 2, 128), T.FLOAT16] == [72, 15, 144, 64, 128, T.FLOAT16]
+    assert list(plan[29:35]) == [*tma_geometry(y.shape, 2, 192), T.FLOAT16]
+    assert not _tma_plan(x, y, [])[23:].any()  # a kernel without TMA operands has no maps
+
+
+@pytest.mark.parametrize("tma,message", [
+    ([0, 128, T.FLOAT16], "tma has 3 entries"),
+    ([0, 300, T.FLOAT16, 1, 64, T.FLOAT16], "is not \\(an input, 1..256 box rows"),
+    ([0, 64, T.FLOAT, 1, 64, T.FLOAT16], "fp16 or bf16"),
+])
+def test_bad_tma_attributes_name_the_node(tma, message) -> None:
+    x, y = np.ones((2, 3, 72), np.float16), np.ones((200, 72), np.float16)
+    with pytest.raises(Exception, match=f"plan_node.*{message}"):
+        _tma_plan(x, y, tma)
+
+
+def test_an_operand_tma_cannot_copy_is_refused_by_name() -> None:
+    # rows of 36 halves are 72 bytes: not a multiple of the 16 bytes a tensor map's stride must be
+    x, y = np.ones((2, 3, 36), np.float16), np.ones((200, 72), np.float16)
+    with pytest.raises(Exception, match="plan_node.*input 0 .*cannot be copied by TMA"):
+        _tma_plan(x, y, [0, 64, T.FLOAT16, 1, 64, T.FLOAT16])

@@ -1,0 +1,185 @@
+"""GEMM tile sweep (issue 5): plain fp16 GEMMs with a bias, each of the tile model's best tiles of every family
+forced in turn (warp-level mma.sync; wgmma fed by cp.async; wgmma fed by TMA in the warp-specialized
+pipeline), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's MatMul + Add, with the model's
+estimate and ptxas's registers beside each figure. It tells the mainloops apart on the same shapes, and the
+tile model's estimates from the measurements (the ratio measured / estimated per family).
+
+    python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--json OUT] [--md OUT]
+
+Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
+runs on random device-resident inputs. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ortfuse.api import fused_kernel, target_for
+from ortfuse.bench.kernels import Timer, anchor_region
+from ortfuse.config import Options
+from ortfuse.customops import tiles as tl
+from ortfuse.customops.compile import compile_kernel
+from ortfuse.customops.lower import LoweringError, lower
+from ortfuse.customops.printer import render
+from ortfuse.feeds import random_feeds
+from ortfuse.profile import fused_model, region_model, tile_label
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search.regions import plan
+
+# BERT-base / ViT-B projections and FFN at batch 32 x 128 tokens and at batch 1, GPT-2's QKV
+SHAPES = ((4096, 768, 768), (4096, 3072, 768), (4096, 768, 3072), (4096, 2304, 768), (128, 768, 768),
+          (128, 3072, 768), (128, 768, 3072))
+FAMILIES = {"mma.sync": tl.MMA_F16, "wgmma": tl.WGMMA_F16, "wgmma+TMA": tl.WS_F16}
+ARCHS = (90,)
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    shape: tuple[int, int, int]  # M, N, K
+    family: str
+    tile: tuple[int, ...]  # the --profile candidate
+    us: float
+    est_us: float  # the tile model's estimate
+    regs: int
+    spill_bytes: int
+
+    @property
+    def tflops(self) -> float:
+        m, n, k = self.shape
+        return 2.0 * m * n * k / (self.us * 1e6)
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    shape: tuple[int, int, int]
+    cublas_us: float  # ORT's MatMul alone
+    ort_region_us: float  # ORT's MatMul + Add
+    rows: tuple[SweepRow, ...]
+
+
+def gemm_model(m: int, n: int, k: int, seed: int = 0) -> onnx.ModelProto:
+    """y = x @ w + b in fp16, the weight and bias constant (as in the zoo's linear layers)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float16)
+    b = (rng.standard_normal(n) * 0.1).astype(np.float16)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["out"])], "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, n])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def candidates(m: int, n: int, k: int, per_family: int) -> list[tuple[str, tuple[int, ...], float]]:
+    """(family, candidate, estimate) for the model's best `per_family` tiles of each family at this shape."""
+    tgt = target_for(ARCHS, True)
+    out = []
+    for name, math_ in FAMILIES.items():
+        for r in tl.rank_tiles(tgt, m, n, k, 1, 2, math_, math_ in tl.WGMMA, top_k=per_family):
+            out.append((name, r.tile.candidate(r.split), r.est_us))
+    return out
+
+
+def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6,
+                cache: Optional[Path] = None) -> ShapeResult:
+    m, n, k = shape
+    model = gemm_model(m, n, k)
+    g = build_graph(model, {})
+    tgt = target_for(ARCHS, True)
+    (region,) = plan(g, tgt).regions
+    sub = region_model(g, region, {})
+    feeds = random_feeds(sub, None, seed=m + n + k)
+    alone = region_model(g, anchor_region(g, region), {})
+    cublas = timer(alone, random_feeds(alone, None, seed=1), False)
+    ort_region = timer(sub, feeds, False)
+    rows = []
+    opts = Options(archs=ARCHS, wgmma=True)
+    for family, cand, est in candidates(m, n, k, per_family):
+        try:
+            spec = lower(g, region, tgt, tile=cand)
+        except LoweringError:
+            continue  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, ARCHS, cache or opts.cache)
+        res = dict(ck.resources).get(ARCHS[0])
+        us = timer(fused_model(sub, fused_kernel(region, spec, ck).node), feeds, True)
+        rows.append(SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0))
+    return ShapeResult(shape, cublas, ort_region, tuple(rows))
+
+
+def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6,
+        timer: Optional[Timer] = None) -> list[ShapeResult]:
+    if timer is None:
+        from ortfuse.profile import device_timer
+        timer = device_timer
+    return [sweep_shape(s, timer, per_family) for s in shapes]
+
+
+def summary(results: Sequence[ShapeResult]) -> list[str]:
+    """Per family: its best tile over cuBLAS per shape, and the median of measured / estimated."""
+    out = []
+    for name in FAMILIES:
+        best = [min((r for r in res.rows if r.family == name), key=lambda r: r.us, default=None) for res in results]
+        ratios = [b.us / res.cublas_us for b, res in zip(best, results) if b is not None]
+        model = [r.us / r.est_us for res in results for r in res.rows if r.family == name and r.est_us > 0]
+        if ratios:
+            out.append(f"{name}: best tile / cuBLAS median {float(np.median(ratios)):.2f} (range "
+                       f"{min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} shapes; measured / estimated "
+                       f"median {float(np.median(model)):.2f}")
+    return out
+
+
+def render_md(results: Sequence[ShapeResult]) -> str:
+    lines = []
+    for res in results:
+        m, n, k = res.shape
+        flops = 2.0 * m * n * k
+        lines += [f"### {m}x{n}x{k} fp16 + bias: cuBLAS (ORT MatMul) {res.cublas_us:.1f} us "
+                  f"({flops / (res.cublas_us * 1e6):.0f} TFLOP/s), ORT MatMul + Add {res.ort_region_us:.1f} us", "",
+                  "| family | tile | us | TFLOP/s | / cuBLAS | estimate us | regs | spill |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(res.rows, key=lambda r: r.us):
+            lines.append(f"| {r.family} | {tile_label(r.tile)} | {r.us:.1f} | {r.tflops:.0f} | "
+                         f"{r.us / res.cublas_us:.2f} | {r.est_us:.1f} | {r.regs} | {r.spill_bytes} |")
+        lines.append("")
+    return "\n".join([*lines, *summary(results)]) + "\n"
+
+
+def as_json(results: Sequence[ShapeResult]) -> list[dict]:
+    return [{**asdict(res), "rows": [{**asdict(r), "tflops": r.tflops} for r in res.rows]} for res in results]
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"bad shape '{text}': expected MxNxK, e.g. 4096x768x768")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", type=_shape, default=list(SHAPES), metavar="MxNxK")
+    ap.add_argument("--per-family", type=int, default=6, help="the model's best N tiles of each family")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--md", type=Path)
+    a = ap.parse_args(argv)
+    results = run(a.shapes, a.per_family)
+    text = render_md(results)
+    print(text)
+    if a.md:
+        a.md.write_text(text)
+    if a.json:
+        a.json.write_text(json.dumps(as_json(results), indent=1))
+    return 0 if all(math.isfinite(r.us) for res in results for r in res.rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""The TMA warp-specialized wgmma GEMM (ortfuse_gemm.h run_wgmma_ws; `--wgmma`, sm_90a) in CPU emulation: the
+emulator's mbarriers and TMA tile copies (ortfuse_emu.h), every consumer layout forced against numpy in
+fp64 on the rounded operands (fp16 and bf16, 1e-2 normwise, ragged M, N and K), several tiles per block
+(the ring's phases carried across tiles), and each kernel through NVRTC and ptxas for sm_90a with no
+spills and no serialized wgmma. The geometry the native library encodes its tensor maps with is checked
+through the CPU probe op in tests/runtime/test_node_format.py. Not verified here: that the hardware's TMA
+and mbarriers behave as the emulator's (tests/runtime/test_gpu_wgmma.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP, helper
+
+from helpers import bf16, const, launch_spec, model, node, vi
+from ortfuse.api import compile_model, target_for
+from ortfuse.check import check_models
+from ortfuse.config import Options
+from ortfuse.customops import tiles as tl
+from ortfuse.customops.attrs import read_launch
+from ortfuse.customops.compile import compile_kernel
+from ortfuse.customops.emulate import EmulationError, compile_emulated, tma_geometry
+from ortfuse.customops.lower import LoweringError, lower
+from ortfuse.customops.printer import ARCH_SPECIFIC_LINE, render
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search.regions import plan
+
+H, BF = TP.FLOAT16, TP.BFLOAT16
+WG = Options(archs=(90,), wgmma=True)
+
+
+def _init(name: str, arr: np.ndarray, dt: int):
+    return helper.make_tensor(name, dt, arr.shape, arr.tobytes(), raw=True)
+
+
+def _bias(M: int, K: int, N: int, dt: int, seed: int = 5):
+    """y = x @ w + b: the model, x's bits, w's bits, b's bits and the fp64 reference on the rounded values."""
+    rng = np.random.default_rng(seed)
+    x32, w32, b32 = (rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((M, K), (K, N), (N,)))
+    if dt == H:
+        (x, xv), (w, wv), (b, bv) = ((a.astype(np.float16), a.astype(np.float16).astype(np.float64)) for a in (x32, w32, b32))
+    else:
+        (x, xv), (w, wv), (b, bv) = (bf16(a) for a in (x32, w32, b32))
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["out"])], [vi("x", dt, [M, K])],
+              [vi("out", dt, None)], [_init("w", w, dt), _init("b", b, dt)])
+    ref = np.asarray(xv, np.float64) @ np.asarray(wv, np.float64) + np.asarray(bv, np.float64)
+    return m, x, w, b, ref
+
+
+def _lowered(m, tile=None):
+    g = build_graph(m, {})
+    tgt = target_for((90,), True)
+    (r,) = plan(g, tgt).regions
+    return lower(g, r, tgt, tile=tile)
+
+
+def _as_f64(bits: np.ndarray, dt: int) -> np.ndarray:
+    return bits.astype(np.float64) if dt == H else (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("tile", [
+    (64, 64, 64, 16, 64, 4, 1, 2),      # one consumer warpgroup
+    (128, 128, 64, 16, 128, 7, 1, 2),   # two along M: setmaxnreg, a deep ring
+    (128, 192, 64, 16, 192, 4, 1, 2),   # n192 (BERT's N = 768 in 4 tiles)
+    (128, 256, 64, 16, 256, 4, 1, 2),   # n256: 128 accumulators per consumer thread
+    (64, 256, 64, 16, 128, 3, 1, 2),    # two along N
+    (256, 64, 64, 16, 64, 2, 1, 2),     # four along M, a two-stage ring
+])
+@pytest.mark.parametrize("dt", [H, BF])
+def test_every_consumer_layout(tile, dt):
+    # M = 150, K = 200, N = 200: partial tiles on every axis (TMA zero-fills past the matrices)
+    M, K, N = 150, 200, 200
+    m, x, w, b, ref = _bias(M, K, N, dt)
+    spec = _lowered(m, tile)
+    t = tl.GemmTile.of_candidate(tile)
+    assert spec.kernel.tma and spec.kernel.arch_specific and spec.block == t.consumers + 128
+    assert spec.tma == ((0, t.bm, dt), (1, t.bn, dt)) and spec.input_perms == (("w", (1, 0)),)
+    out = np.zeros((M, N), x.dtype)
+    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [])
+    got = _as_f64(out, dt)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    if dt == H:  # ptxas: the consumers' registers fit (setmaxnreg where two warpgroups compute), no spills
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
+        ((_, res),) = ck.resources
+        assert res.spill_bytes == 0 and res.wgmma_serialized == "", res
+        ptx = ck.ptx.decode()
+        assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait.parity" in ptx
+        assert ("setmaxnreg.inc.sync.aligned.u32 232" in ptx) == (t.consumers == 256)
+        if t.consumers == 256:  # setmaxnreg moves registers within the launch's 384 x 168: ptxas must take all
+            assert res.regs == 168, res
+
+
+def test_blocks_carry_the_ring_across_tiles():
+    # a grid of 2 blocks for 3 x 4 tiles: each block runs several tiles through one ring of 3 stages, so
+    # the stage and phase of a k tile continue from the previous tile's (K = 328: 6 k tiles, not a
+    # multiple of the ring)
+    M, K, N = 150, 328, 200
+    m, x, w, b, ref = _bias(M, K, N, H, seed=7)
+    spec = _lowered(m, (64, 64, 64, 16, 64, 3, 1, 2))
+    out = np.zeros((M, N), np.float16)
+    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, 2, spec.block, [x, np.ascontiguousarray(w.T), b, out],
+                                                 [], spec.smem, tma=spec.tma)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_symbolic_batch_folds_into_the_maps_rows():
+    # x [n, 77, 264]: the batch folds into M, so A's map has n * 77 rows and tiles straddle batch items
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((264, 136)) * 0.2).astype(np.float16)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["out"])], [vi("x", H, ["n", 77, 264])],
+              [vi("out", H, None)], [const("w", w, np.float16)])
+    res = compile_model(m, {"x": ("n", 77, 264)}, "sm_90", options=WG)
+    (k,) = [k for k in res.kernels if k.spec.kernel.tma]
+    launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
+    assert launch.tma == k.spec.tma and launch.tma[0][0] == 0
+    for n in (1, 3):
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (n, 77, 264)})
+        assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+
+
+def test_large_gemms_take_the_tma_family_and_keep_the_others_as_candidates():
+    m, *_ = _bias(4096, 768, 768, H)  # BERT-base's projections at batch 32
+    spec = _lowered(m)
+    assert spec.kernel.tma and spec.tiles[0][7] == 2
+    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2}  # --profile measures each family's best
+    # without --wgmma: no warpgroup tiles at all
+    g = build_graph(m, {})
+    off = target_for((90,), False)
+    (r,) = plan(g, off).regions
+    assert not lower(g, r, off).kernel.tma
+
+
+def test_what_the_tma_family_does_not_take():
+    # a batched weight (one tensor map per operand cannot hold it) and a forced split
+    rng = np.random.default_rng(4)
+    bw = (rng.standard_normal((2, 128, 128)) * 0.2).astype(np.float16)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["out"])], [vi("x", H, [2, 128, 128])],
+              [vi("out", H, None)], [const("w", bw, np.float16)])
+    spec = _lowered(m)
+    assert not spec.kernel.tma and all(len(t) < 8 or t[7] != 2 for t in spec.tiles)
+    big, *_ = _bias(64, 2048, 128, H)
+    with pytest.raises(LoweringError):
+        _lowered(big, (64, 64, 64, 16, 64, 4, 4, 2))
+
+
+def test_tile_model_counts_the_producer_and_the_barriers():
+    t = tl.GemmTile(128, 256, 64, 16, 256, 4, wgmma=True, tma=True)
+    assert t.consumers == 256 and t.threads == 384 and t.candidate(1) == (128, 256, 64, 16, 256, 4, 1, 2)
+    assert tl.GemmTile.of_candidate(t.candidate(1)) == t and t.family == 2
+    assert t.smem_bytes(2, True) == 4 * (128 + 256) * 64 * 2 + tl.WGMMA_SLACK + 16 * 4
+    assert t.reg_limit(65536) == tl.WS_CONSUMER_REGS  # setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168
+    assert tl.GemmTile(64, 64, 64, 16, 64, 4, wgmma=True, tma=True).reg_limit(65536) == 255
+    on = target_for((90,), True)
+    # never split: the TMA mainloop runs whole k ranges
+    assert all(r.split == 1 for r in tl.rank_tiles(on, 64, 128, 4096, 1, 2, tl.WS_F16, True, top_k=100))
+    # at BERT-base's batch-32 FFN shape the model takes N = 192 tiles (one wave of 128 tiles on 132 SMs)
+    best = tl.rank_tiles(on, 4096, 768, 3072, 1, 2, tl.WS_F16, True, top_k=1)[0]
+    assert best.tile.bn == 192 and best.tile.tma
+
+
+# ---- the emulator's mbarriers and TMA copies, on a hand-written kernel ----------------------------------------
+# One block: thread 0 initializes a barrier, expects BYTES and has the TMA copy a BOX_ROWS x 64 fp16 box at
+# (BOX_C0, BOX_C1) into shared memory; every thread then waits (unless NO_WAIT) and copies the shared bytes out as
+# they lie (swizzled). EXTRA_ARRIVALS, USE_BEFORE_INIT, a wrong BYTES and NEVER (nobody arrives) are misuse the
+# emulator must report.
+TMA_KERNEL = r"""
+#include "ortfuse_kernel.h"
+#ifndef NO_WAIT
+#define NO_WAIT 0
+#endif
+#ifndef EXTRA_ARRIVALS
+#define EXTRA_ARRIVALS 0
+#endif
+#ifndef USE_BEFORE_INIT
+#define USE_BEFORE_INIT 0
+#endif
+#ifndef BYTES
+#define BYTES (BOX_ROWS * 128)
+#endif
+#ifndef NEVER
+#define NEVER 0
+#endif
+extern "C" __global__ void __launch_bounds__(128) tma_box(const OfzArgs a, const __grid_constant__ OfzTma maps) {
+  OFZ_DYNAMIC_SMEM(unsigned char, smem);
+  unsigned char* tile = smem + ((1024u - (ofz::smem_u32(smem) & 1023u)) & 1023u);
+  unsigned long long* bar = reinterpret_cast<unsigned long long*>(tile + BOX_ROWS * 128);
+  if (threadIdx.x == 0) {
+    if (!USE_BEFORE_INIT) ofz::mbar_init(bar, 1);
+    ofz::mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && !NEVER) {
+    ofz::mbar_arrive_expect_tx(bar, (unsigned)BYTES);
+    ofz::tma_load_2d(tile, &maps.map[0], BOX_C0, BOX_C1, bar);
+    for (int i = 0; i < EXTRA_ARRIVALS; ++i) ofz::mbar_arrive(bar);
+  }
+  if (!NO_WAIT) ofz::mbar_wait(bar, 0u);
+  unsigned char* out = (unsigned char*)a.ptr[1];
+  for (int i = threadIdx.x; i < BOX_ROWS * 128; i += 128) out[i] = tile[i];
+}
+OFZ_EMU_ENTRY_TMA(tma_box)
+"""
+
+
+def _tma_box(rows: int, c0: int, c1: int, defs: str = "", src_shape=(40, 100)):
+    x = (np.arange(np.prod(src_shape)) % 2000 - 1000).astype(np.float16).reshape(src_shape)
+    out = np.zeros(rows * 128, np.uint8)
+    mod = compile_emulated(f"#define BOX_ROWS {rows}\n#define BOX_C0 {c0}\n#define BOX_C1 {c1}\n{defs}{TMA_KERNEL}")
+    mod.launch("tma_box", 1, 128, [x, out], [], 1024 + rows * 128 + 8, tma=((0, rows, H), (0, rows, H)))
+    return x, out
+
+
+def _swizzled_box(x: np.ndarray, rows: int, c0: int, c1: int) -> np.ndarray:
+    """The box as TMA lays it out: row r at 128 r bytes, its 16-byte chunk c at chunk c ^ (r % 8), zeros outside
+    the tensor (the tile starts 1024-byte aligned, so the swizzle depends on r alone)."""
+    box = np.zeros((rows, 64), np.float16)
+    for r in range(rows):
+        for e in range(64):
+            if 0 <= c1 + r < x.shape[0] and 0 <= c0 + e < x.shape[1]:
+                box[r, e] = x[c1 + r, c0 + e]
+    out = np.zeros((rows, 8, 8), np.float16)
+    for r in range(rows):
+        for c in range(8):
+            out[r, c ^ (r % 8)] = box[r, 8 * c:8 * c + 8]
+    return out.reshape(-1).view(np.uint8)
+
+
+@pytest.mark.parametrize("rows,c0,c1", [(16, 0, 0), (32, 64, 24), (8, 40, 3)])
+def test_emulated_tma_copies_a_swizzled_zero_filled_box(rows, c0, c1):
+    # (32, 64, 24): rows 24..55 of 40 and columns 64..127 of 100: both edges zero-filled
+    x, out = _tma_box(rows, c0, c1)
+    np.testing.assert_array_equal(out, _swizzled_box(x, rows, c0, c1))
+    assert tma_geometry(x.shape, 2, rows) == (100, 40, 200, 64, rows)
+
+
+@pytest.mark.parametrize("defs,message", [
+    ("#define EXTRA_ARRIVALS 1\n", "more arrivals"),
+    ("#define USE_BEFORE_INIT 1\n", "before mbarrier.init"),
+    ("#define BYTES 1024\n", "more than the mbarrier expected"),  # expects fewer bytes than the box
+    ("#define BYTES 8192\n", "deadlock.*mbarrier waits"),  # expects more: nobody completes the phase
+    ("#define NEVER 1\n", "deadlock.*128 at mbarrier waits"),
+])
+def test_emulated_mbarriers_report_misuse(defs, message):
+    with pytest.raises(EmulationError, match=message):
+        _tma_box(32, 0, 0, defs)
+
+
+def test_reading_a_tma_tile_without_waiting_reads_stale_bytes():
+    # the copy lands only when some thread waits on its barrier: a kernel that skips the wait reads what was
+    # there (the emulator fills shared memory with 0xff)
+    x, out = _tma_box(16, 0, 0, "#define NO_WAIT 1\n")
+    assert (out == 0xFF).all()
+
+
+def test_tma_intrinsics_compile_for_sm90a(tmp_path):
+    src = ARCH_SPECIFIC_LINE + "\n#define BOX_ROWS 32\n#define BOX_C0 0\n#define BOX_C1 0\n" + TMA_KERNEL
+    ck = compile_kernel(src, "tma_box", (90,), tmp_path)
+    ptx = ck.ptx.decode()
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in ptx
+    assert "mbarrier.arrive.expect_tx" in ptx and "fence.mbarrier_init" in ptx
