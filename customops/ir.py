@@ -192,6 +192,9 @@ class Kernel:
     arch_specific: bool = False
     # the kernel takes tensor maps (OfzTma `ofz_tma`) as a second parameter: its TMA operands
     tma: bool = False
+    # __launch_bounds__'s minimum blocks per SM (0: not given): a kernel that moves registers between its
+    # warpgroups (setmaxnreg) needs ptxas to allocate exactly its share of the SM at launch
+    min_blocks: int = 0
 
 
 def arg_alignment(kernel: Kernel, n_args: int) -> tuple[int, ...]:

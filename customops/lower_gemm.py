@@ -527,7 +527,8 @@ class _GemmLowerer(_Lowerer):
         self.emit(call)
         # cp.async reads the row- and column-major operands in 16-byte chunks
         aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
-        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma, tile.tma)
+        kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma, tile.tma,
+                             1 if tile.moves_registers else 0)
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
         if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None) > \
                 self.tgt.smem_per_block:

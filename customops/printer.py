@@ -203,7 +203,8 @@ def render(k: ir.Kernel) -> str:
             ir.Call(s.fn, tuple(ops + t[3:] if t.startswith("OPS") else t for t in s.targs), s.args)
             if isinstance(s, ir.Call) else s for s in k.body))
     params = "const OfzArgs a" + (", const __grid_constant__ OfzTma ofz_tma" if k.tma else "")
-    out.append(f'extern "C" __global__ void __launch_bounds__({k.block}) {k.name}({params}) {{')
+    bounds = f"{k.block}, {k.min_blocks}" if k.min_blocks else f"{k.block}"
+    out.append(f'extern "C" __global__ void __launch_bounds__({bounds}) {k.name}({params}) {{')
     _prelude(k, "  ", out)
     if k.scratch_floats:
         out.append(f"  __shared__ float ofz_scratch[{k.scratch_floats}];")

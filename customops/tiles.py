@@ -97,10 +97,18 @@ class GemmTile:
         """0: warp-level MMA (mma.sync, tf32, SIMT); 1: wgmma fed by cp.async; 2: wgmma fed by TMA."""
         return 2 if self.tma else 1 if self.wgmma else 0
 
+    @property
+    def moves_registers(self) -> bool:
+        """A TMA tile with two consumer warpgroups (384 threads): the producer hands its registers over to them
+        (setmaxnreg; ortfuse_gemm.h WsRegs, which must agree), 232 each where a 384-thread block has 168 (a
+        64 x 256 consumer tile holds 128 accumulators; split-K's reduction needs room too). Its kernel asks for
+        one block per SM, so ptxas allocates exactly 168 at launch (without it, ptxas may drop setmaxnreg)."""
+        return self.tma and self.consumers == 256
+
     def reg_limit(self, regs_per_sm: int) -> int:
         """Registers a computing thread may use: one block's share of the SM (in steps of 8), or a TMA tile's
         consumer share after setmaxnreg."""
-        if self.tma and self.consumers == 256:
+        if self.moves_registers:
             return WS_CONSUMER_REGS
         return min(MAX_REGS, regs_per_sm // self.threads // 8 * 8)
 
@@ -112,10 +120,12 @@ class GemmTile:
         pad = 0 if self.wgmma else 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
-        pipeline = self.stages * (a + b) * esize + (WGMMA_SLACK if self.wgmma else 0) + (16 * self.stages if self.tma else 0)
+        # before the stages: the alignment slack, and a TMA ring's two mbarriers per stage
+        base = (WGMMA_SLACK if self.wgmma else 0) + (16 * self.stages if self.tma else 0)
+        pipeline = base + self.stages * (a + b) * esize
         buffer = self.bm * (self.bn + 4) * 4
-        if split > 1:
-            return max(pipeline, buffer + (row_scratch_bytes(self) if row else 0))
+        if split > 1:  # the partial tile in the drained stages (a TMA kernel's start after its barriers)
+            return max(pipeline, (base if self.tma else 0) + buffer + (row_scratch_bytes(self) if row else 0))
         return max(pipeline, buffer) if row else pipeline
 
     def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, fold: bool = False) -> int:
@@ -296,10 +306,10 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     smem = t.smem_bytes(esize, b_nk, row, split)
     regs = t.regs(math_, esize, staged)
     if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) > tgt.smem_per_block or regs > MAX_REGS or \
-            t.threads > tgt.max_threads_per_block or (t.tma and (regs > t.reg_limit(tgt.regs_per_sm) or split > 1)):
+            t.threads > tgt.max_threads_per_block or (t.tma and regs > t.reg_limit(tgt.regs_per_sm)):
         return None
     if t.tma:  # a block holds its launch's per-thread count (setmaxnreg only moves registers between its warps)
-        regs = tgt.regs_per_sm // t.threads // 8 * 8 if t.consumers == 256 else -(-regs // 8) * 8
+        regs = tgt.regs_per_sm // t.threads // 8 * 8 if t.moves_registers else -(-regs // 8) * 8
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
         return None

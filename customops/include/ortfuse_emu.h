@@ -64,7 +64,7 @@ namespace ofz_emu {
 constexpr int kMaxThreads = 1024;          // per block
 constexpr int kMaxCluster = 8;             // blocks per cluster (the portable limit)
 constexpr int kMaxFibers = 4 * kMaxThreads;  // threads of one cluster, all live at once
-enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone, kAtCluster, kAtMbar };  // thread states
+enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone, kAtCluster, kAtMbar, kAtNamed };  // thread states
 enum : unsigned char { kSync, kShfl, kBallot, kAny, kAll };          // warp operations
 static const char* const kOpName[] = {"__syncwarp", "a shuffle", "__ballot_sync", "__any_sync", "__all_sync"};
 
@@ -184,12 +184,13 @@ inline unsigned lanes_of_warp(int w) {  // lanes that exist in warp w (a block's
 }
 
 [[noreturn]] inline void deadlock() {
-  int at_block = 0, at_cluster = 0, at_warp = 0, done = 0, at_mbar = 0, first_warp = -1;
+  int at_block = 0, at_cluster = 0, at_warp = 0, done = 0, at_mbar = 0, at_named = 0, first_warp = -1;
   for (int i = 0; i < S.n; ++i) {
     unsigned char s = S.th[i].state;
     at_block += s == kAtBlock;
     at_cluster += s == kAtCluster;
     at_mbar += s == kAtMbar;
+    at_named += s == kAtNamed;
     done += s == kDone;
     if (s == kAtWarp && at_warp++ == 0) first_warp = i;
   }
@@ -197,6 +198,7 @@ inline unsigned lanes_of_warp(int w) {  // lanes that exist in warp w (a block's
                     (S.cluster > 1 ? std::to_string(at_cluster) + " at cluster_sync, " : std::string()) +
                     std::to_string(at_warp) + " at warp operations, " +
                     (at_mbar ? std::to_string(at_mbar) + " at mbarrier waits, " : std::string()) +
+                    (at_named ? std::to_string(at_named) + " at named barriers, " : std::string()) +
                     std::to_string(done) + " exited";
   if (first_warp >= 0) {
     const Thread& t = S.th[first_warp];
@@ -249,6 +251,38 @@ inline void sync_block() {
     return;
   }
   yield();
+}
+
+// bar.sync id, count: a named barrier (1..15; 0 is __syncthreads) of `count` threads of the block.
+struct Named {
+  int arrived = 0, count = 0;
+};
+static Named named[kMaxCluster][16];
+
+inline void sync_named(int id, int count) {
+  if (id < 1 || id > 15 || count < 32 || count % 32 || count > S.block)
+    fail("thread %d: bar.sync %d, %d: ids 1..15, a multiple of 32 threads up to the block's %d", S.cur, id, count,
+         S.block);
+  const int b = block_of(S.cur);
+  Named& nb = named[b][id];
+  if (nb.arrived && nb.count != count)
+    fail("thread %d: bar.sync %d with %d threads while others wait there for %d", S.cur, id, count, nb.count);
+  nb.count = count;
+  S.th[S.cur].state = kAtNamed;
+  S.th[S.cur].val = (uint64_t)id;
+  --S.runnable;
+  if (++nb.arrived == count) {
+    nb.arrived = 0;
+    for (int i = b * S.block; i < (b + 1) * S.block; ++i)
+      if (S.th[i].state == kAtNamed && S.th[i].val == (uint64_t)id) S.th[i].state = kRun, ++S.runnable;
+    return;
+  }
+  yield();
+}
+
+inline void named_reset() {
+  for (auto& blk : named)
+    for (Named& nb : blk) nb = Named();
 }
 
 // barrier.cluster: every live thread of every block of the cluster.
@@ -371,6 +405,7 @@ inline bool prepare_fibers(int n) {
 }
 
 inline void async_reset(int n);  // tensor-core section below
+inline const char* mbar_copies_in_flight();
 inline void smem_traffic_block_done();
 
 // Unmap the fiber stacks after a launch: every loaded module has its own State, and a process that loads
@@ -449,6 +484,10 @@ inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*bo
     threadIdx = {0, 0, 0};
     ctx_swap(&S.main, &S.ctx[0]);
     smem_traffic_block_done();
+    if (!S.aborted && mbar_copies_in_flight()) {
+      S.aborted = true;
+      S.error = mbar_copies_in_flight();
+    }
     if (S.aborted) {
       if (cluster > 1)
         snprintf(buf, sizeof buf, "kernel %s, cluster of blocks %u-%u of %u (%u threads each): ", name, b,
@@ -818,6 +857,7 @@ inline void async_reset(int n) {
   for (int i = 0; i < n; ++i) async_queue[i].clear(), async_groups[i] = 0, S.unfenced[i] = false;
   wgmma_reset(n);
   mbar_reset();
+  named_reset();
 }
 
 inline void check_vector(const void* p, size_t bytes) {
@@ -1064,7 +1104,11 @@ inline void wgmma_wait(unsigned keep) {
 // copy into a stage a wgmma in flight still reads is caught when that wgmma retires. Waiting threads park
 // until the phase they wait for completes (a switch point, like a block barrier); if every thread waits,
 // the launch fails as a deadlock. Misuse that fails the launch: a barrier used before mbarrier.init, more
-// arrivals or bytes than expected in a phase, a phase completing with copies still queued on it.
+// arrivals than its count, more bytes landing than expected once every arrival came (bytes may land before
+// their expect_tx while arrivals are pending: the tx-count may go negative), a tx-count outside the PTX
+// ISA's +-(2^20 - 1), a phase completing with copies still queued on it, a TMA destination that is not
+// 1024-byte aligned (the 128-byte swizzle's atom), a box of more than 256 rows, and a block that exits with
+// copies still queued.
 struct BulkCopy {
   unsigned char* dst;  // in the block's dynamic shared memory
   unsigned window;     // its shared-window address (the swizzle is a function of it)
@@ -1080,6 +1124,13 @@ struct Mbar {
 static std::vector<std::pair<unsigned long long, Mbar>> mbars;  // (block << 32 | window address, barrier)
 
 inline void mbar_reset() { mbars.clear(); }
+
+// After a block (cluster) ended: a message if TMA copies were still queued (the kernel never waited for them).
+inline const char* mbar_copies_in_flight() {
+  for (const auto& e : mbars)
+    if (!e.second.copies.empty()) return "the block exited with TMA copies in flight (nobody waited on their mbarrier)";
+  return nullptr;
+}
 
 inline unsigned long long mbar_key(const void* bar) {
   const unsigned addr = smem_addr(bar);
@@ -1121,12 +1172,22 @@ inline void mbar_init(void* bar, unsigned count) {
   m.expected = m.pending = count;
 }
 
+constexpr long long kTxLimit = (1 << 20) - 1;  // the tx-count's range is +-(2^20 - 1)
+
+inline void mbar_check_tx(const Mbar& m) {
+  if (m.tx > kTxLimit || m.tx < -kTxLimit)
+    fail("thread %d: an mbarrier's tx-count %lld is outside +-(2^20 - 1)", S.cur, m.tx);
+  if (m.pending == 0 && m.tx < 0)
+    fail("thread %d: bulk copies completed %lld bytes more than the mbarrier expected", S.cur, -m.tx);
+}
+
 // mbarrier.arrive, with expect_tx bytes first when bytes > 0 (mbarrier.arrive.expect_tx).
 inline void mbar_arrive(void* bar, unsigned bytes) {
   Mbar& m = mbar_get(bar);
   if (m.pending == 0) fail("thread %d: more arrivals on an mbarrier than its count %u", S.cur, m.expected);
   m.tx += bytes;
   --m.pending;
+  mbar_check_tx(m);
   mbar_settle(bar, m);
 }
 
@@ -1155,7 +1216,7 @@ inline void mbar_wait(void* bar, unsigned parity) {
       long long bytes = 0;
       for (const BulkCopy& c : done) bulk_perform(c), bytes += (long long)(c.box0 * c.box1 * c.esize);
       m.tx -= bytes;
-      if (m.tx < 0) fail("thread %d: bulk copies completed %lld bytes more than the mbarrier expected", S.cur, -m.tx);
+      mbar_check_tx(m);
       mbar_settle(bar, m);
       continue;
     }
@@ -1180,7 +1241,9 @@ inline void tma_load_2d(void* dst, const void* map, int c0, int c1, void* bar) {
     fail("thread %d: tma_load_2d with a tensor map the launch did not encode (or not 64-byte aligned)", S.cur);
   const unsigned window = smem_addr(dst);
   const unsigned long long bytes = t.box0 * t.box1 * t.esize;
-  if (window % 128) fail("thread %d: TMA destination 0x%x is not 128-byte aligned", S.cur, window);
+  if (window % 1024)
+    fail("thread %d: TMA destination 0x%x is not 1024-byte aligned (the 128-byte swizzle's atom)", S.cur, window);
+  if (t.box1 < 1 || t.box1 > 256 || t.box0 > 256) fail("thread %d: TMA box of %llu x %llu elements", S.cur, t.box1, t.box0);
   if (t.box0 * t.esize != 128)
     fail("thread %d: TMA box rows of %llu bytes; the 128-byte swizzle is emulated for 128-byte rows", S.cur,
          t.box0 * t.esize);

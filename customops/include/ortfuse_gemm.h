@@ -880,13 +880,19 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
 // ahead, and a consumer warpgroup keeps one wgmma group in flight while it waits for the next stage. The
 // batch is folded into M (wgmma GEMMs have a 2-D weight), so a tile's rows are rows m0.. of A's map. With
 // two consumer warpgroups (384 threads, 168 registers each at launch) the producer gives registers back
-// (setmaxnreg 40) and the consumers take them (232), as CUTLASS's Hopper kernels do.
+// (setmaxnreg 40) and the consumers take them (232: 64 x 256 accumulators fit), as CUTLASS's Hopper kernels
+// do; the kernel's __launch_bounds__(384, 1) (tiles.GemmTile.moves_registers) makes ptxas allocate exactly
+// 168 at launch, without which it may ignore setmaxnreg. Split-K (SPLIT > 1)
+// as run_mma's: a cluster's blocks each run their share of the k tiles, then the consumers meet (a named
+// barrier: every warpgroup's last wgmma has read its stages) and reduce through distributed shared memory
+// in the drained stages; the barriers sit before the stages, out of that buffer's way. A cluster launch
+// gives each cluster one tile, so no producer is still filling the ring then.
 template <int CONSUMERS> struct WsRegs {
   static constexpr bool kMove = CONSUMERS == 256;
   static constexpr int kProducer = 40, kConsumer = 232;  // 128 * 40 + 256 * 232 = 384 * 168
 };
 
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops>
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT>
 __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                              ofz_i64 K) {
 #if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -903,10 +909,11 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   constexpr unsigned kStageBytes = (unsigned)(kAStage + kBStage) * 2u;
   using Regs = WsRegs<kConsumers>;
   OFZ_DYNAMIC_SMEM(T, smem);
-  T* const As = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) / sizeof(T);
-  T* const Bs = As + STAGES * kAStage;
-  unsigned long long* const full = reinterpret_cast<unsigned long long*>(Bs + STAGES * kBStage);
+  unsigned long long* const full = reinterpret_cast<unsigned long long*>(smem);
   unsigned long long* const empty = full + STAGES;
+  T* const after = reinterpret_cast<T*>(empty + STAGES);
+  T* const As = after + ((1024u - (smem_u32(after) & 1023u)) & 1023u) / sizeof(T);
+  T* const Bs = As + STAGES * kAStage;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -917,8 +924,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
     mbar_fence_init();
   }
   __syncthreads();  // the only block barrier: the barriers exist for everyone
-  const Schedule<BM, BN, BK, 1> sch(batch, M, N, K);
-  const ofz_i64 nk = sch.nk;
+  const Schedule<BM, BN, BK, SPLIT> sch(batch, M, N, K);
+  const ofz_i64 kt0 = sch.kt0, nk = sch.nk;  // the block's k tiles: [kt0, kt0 + nk)
 
   if (warp >= kConsumerWarps) {  // the producer warpgroup
     if constexpr (Regs::kMove) setmaxnreg_dec<Regs::kProducer>();
@@ -933,8 +940,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
           const unsigned s = it % STAGES, phase = (it / STAGES) & 1u;
           mbar_wait(&empty[s], phase ^ 1u);  // the consumers released this stage's previous use
           mbar_arrive_expect_tx(&full[s], kStageBytes);
-          tma_load_2d(As + s * kAStage, &tma->map[0], (int)(kt * BK), (int)(b * M + m0), &full[s]);
-          tma_load_2d(Bs + s * kBStage, &tma->map[1], (int)(kt * BK), (int)n0, &full[s]);
+          tma_load_2d(As + s * kAStage, &tma->map[0], (int)((kt0 + kt) * BK), (int)(b * M + m0), &full[s]);
+          tma_load_2d(Bs + s * kBStage, &tma->map[1], (int)((kt0 + kt) * BK), (int)n0, &full[s]);
         }
       }
     }
@@ -977,7 +984,10 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
     }
     float sacc[1][1];
     const AccVisitor<true, 1, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
-    store_tile<BM, BN, kConsumers, BN + 4, 0, 1, Ops>(a, nullptr, visit, b, m0, n0, M, N, 0u, 1u);
+    if constexpr (SPLIT > 1)
+      if (sch.splits > 1) named_barrier_sync<1>(kConsumers);  // the partial tile overwrites the stages
+    store_tile<BM, BN, kConsumers, BN + 4, 0, SPLIT, Ops>(a, reinterpret_cast<float*>(As), visit, b, m0, n0, M, N,
+                                                          sch.rank, sch.splits);
   }
 }
 
@@ -986,10 +996,10 @@ template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K, const OfzTma* tma = nullptr) {
   if constexpr (MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16) {
-    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && SPLIT == 1 && !Fold::kOn,
-                  "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no split-K, no fold");
+    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && !Fold::kOn,
+                  "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no fold");
     (void)a_arg, (void)b_arg;
-    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops>(a, tma, batch, M, N, K);
+    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT>(a, tma, batch, M, N, K);
   } else if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
     run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(
         a, a_arg, b_arg, batch, M, N, K);

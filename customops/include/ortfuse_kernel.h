@@ -334,7 +334,8 @@ template <int N> __device__ void wgmma_fence_operand(float (&d)[N]);
 // on a fresh barrier (phase 0 running) parity 1 counts as completed, so a producer's first pass over an
 // `empty` ring does not block. tma_load_2d copies one box of a 2-D tensor map (a K-major tile: 64 16-bit
 // elements per row, 128-byte swizzle) into shared memory and completes its bytes on the barrier;
-// elements outside the tensor are zero-filled. setmaxnreg moves registers between warpgroups.
+// elements outside the tensor are zero-filled. setmaxnreg moves registers between warpgroups; a named
+// barrier lets some warps of the block meet without the others.
 #ifdef ORTFUSE_EMU
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) { ofz_emu::mbar_init(bar, count); }
 __device__ __forceinline__ void mbar_fence_init() {}
@@ -349,6 +350,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const OfzTensorMap* map, 
 }
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {}
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {}
+template <int ID> __device__ __forceinline__ void named_barrier_sync(int count) { ofz_emu::sync_named(ID, count); }
 #elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -386,6 +388,10 @@ template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+// bar.sync ID, count: `count` threads (whole warps) of the block meet; ID 1..15 (0 is __syncthreads)
+template <int ID> __device__ __forceinline__ void named_barrier_sync(int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "r"(count) : "memory");
+}
 #else  // declared only, as the wgmma instructions above
 __device__ void mbar_init(unsigned long long* bar, unsigned count);
 __device__ void mbar_fence_init();
@@ -396,6 +402,7 @@ __device__ void tma_prefetch(const OfzTensorMap* map);
 __device__ void tma_load_2d(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar);
 template <int N> __device__ void setmaxnreg_inc();
 template <int N> __device__ void setmaxnreg_dec();
+template <int ID> __device__ void named_barrier_sync(int count);
 #endif
 
 }  // namespace ofz

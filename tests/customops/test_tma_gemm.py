@@ -84,8 +84,8 @@ def test_every_consumer_layout(tile, dt):
         assert res.spill_bytes == 0 and res.wgmma_serialized == "", res
         ptx = ck.ptx.decode()
         assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait.parity" in ptx
-        assert ("setmaxnreg.inc.sync.aligned.u32 232" in ptx) == (t.consumers == 256)
-        if t.consumers == 256:  # setmaxnreg moves registers within the launch's 384 x 168: ptxas must take all
+        assert ("setmaxnreg.inc.sync.aligned.u32 232" in ptx) == t.moves_registers == (t.consumers == 256)
+        if t.moves_registers:  # setmaxnreg moves registers within the launch's 384 x 168: ptxas must take all
             assert res.regs == 168, res
 
 
@@ -129,17 +129,32 @@ def test_large_gemms_take_the_tma_family_and_keep_the_others_as_candidates():
     assert not lower(g, r, off).kernel.tma
 
 
-def test_what_the_tma_family_does_not_take():
-    # a batched weight (one tensor map per operand cannot hold it) and a forced split
+def test_a_batched_weight_is_not_for_the_tma_family():
+    # one tensor map per operand cannot hold a weight per batch item
     rng = np.random.default_rng(4)
     bw = (rng.standard_normal((2, 128, 128)) * 0.2).astype(np.float16)
     m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["out"])], [vi("x", H, [2, 128, 128])],
               [vi("out", H, None)], [const("w", bw, np.float16)])
     spec = _lowered(m)
     assert not spec.kernel.tma and all(len(t) < 8 or t[7] != 2 for t in spec.tiles)
-    big, *_ = _bias(64, 2048, 128, H)
-    with pytest.raises(LoweringError):
-        _lowered(big, (64, 64, 64, 16, 64, 4, 4, 2))
+    with pytest.raises(LoweringError, match="does not apply"):
+        _lowered(m, (64, 64, 64, 16, 64, 4, 1, 2))
+
+
+@pytest.mark.parametrize("tile", [(64, 64, 64, 16, 64, 4, 4, 2), (128, 128, 64, 16, 128, 3, 2, 2)])
+def test_split_k_in_clusters(tile):
+    # M = 64 or 128, N = 128, K = 2048: few tiles, so each tile's k loop splits over a cluster; the consumers
+    # reduce through distributed shared memory in their drained stages (a named barrier first)
+    M, K, N = tile[0], 2048, 128
+    m, x, w, b, ref = _bias(M, K, N, H, seed=6)
+    spec = _lowered(m, tile)
+    assert spec.kernel.tma and spec.split_k == tile[6]
+    out = np.zeros((M, N), np.float16)
+    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [])
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
+    ((_, res),) = ck.resources
+    assert res.spill_bytes == 0 and res.wgmma_serialized == "" and "barrier.cluster" in ck.ptx.decode()
 
 
 def test_tile_model_counts_the_producer_and_the_barriers():
@@ -150,8 +165,9 @@ def test_tile_model_counts_the_producer_and_the_barriers():
     assert t.reg_limit(65536) == tl.WS_CONSUMER_REGS  # setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168
     assert tl.GemmTile(64, 64, 64, 16, 64, 4, wgmma=True, tma=True).reg_limit(65536) == 255
     on = target_for((90,), True)
-    # never split: the TMA mainloop runs whole k ranges
-    assert all(r.split == 1 for r in tl.rank_tiles(on, 64, 128, 4096, 1, 2, tl.WS_F16, True, top_k=100))
+    # a long K over few tiles splits, and the partial tile then needs its buffer after the barriers
+    assert tl.rank_tiles(on, 64, 128, 4096, 1, 2, tl.WS_F16, True, top_k=1)[0].split > 1
+    assert t.smem_bytes(2, True, split=2) == max(t.smem_bytes(2, True), tl.WGMMA_SLACK + 16 * 4 + 128 * 260 * 4)
     # at BERT-base's batch-32 FFN shape the model takes N = 192 tiles (one wave of 128 tiles on 132 SMs)
     best = tl.rank_tiles(on, 4096, 768, 3072, 1, 2, tl.WS_F16, True, top_k=1)[0]
     assert best.tile.bn == 192 and best.tile.tma
@@ -160,8 +176,8 @@ def test_tile_model_counts_the_producer_and_the_barriers():
 # ---- the emulator's mbarriers and TMA copies, on a hand-written kernel ----------------------------------------
 # One block: thread 0 initializes a barrier, expects BYTES and has the TMA copy a BOX_ROWS x 64 fp16 box at
 # (BOX_C0, BOX_C1) into shared memory; every thread then waits (unless NO_WAIT) and copies the shared bytes out as
-# they lie (swizzled). EXTRA_ARRIVALS, USE_BEFORE_INIT, a wrong BYTES and NEVER (nobody arrives) are misuse the
-# emulator must report.
+# they lie (swizzled). EXTRA_ARRIVALS, USE_BEFORE_INIT, a wrong BYTES, NEVER (nobody arrives) and NO_WAIT without
+# WAIT_AFTER (the block exits with the copy in flight) are misuse the emulator must report.
 TMA_KERNEL = r"""
 #include "ortfuse_kernel.h"
 #ifndef NO_WAIT
@@ -179,6 +195,12 @@ TMA_KERNEL = r"""
 #ifndef NEVER
 #define NEVER 0
 #endif
+#ifndef NO_READ
+#define NO_READ 0
+#endif
+#ifndef WAIT_AFTER
+#define WAIT_AFTER 0
+#endif
 extern "C" __global__ void __launch_bounds__(128) tma_box(const OfzArgs a, const __grid_constant__ OfzTma maps) {
   OFZ_DYNAMIC_SMEM(unsigned char, smem);
   unsigned char* tile = smem + ((1024u - (ofz::smem_u32(smem) & 1023u)) & 1023u);
@@ -195,7 +217,12 @@ extern "C" __global__ void __launch_bounds__(128) tma_box(const OfzArgs a, const
   }
   if (!NO_WAIT) ofz::mbar_wait(bar, 0u);
   unsigned char* out = (unsigned char*)a.ptr[1];
-  for (int i = threadIdx.x; i < BOX_ROWS * 128; i += 128) out[i] = tile[i];
+  if (!NO_READ)
+    for (int i = threadIdx.x; i < BOX_ROWS * 128; i += 128) out[i] = tile[i];
+  if (WAIT_AFTER) {  // everyone has read before anyone waits
+    __syncthreads();
+    ofz::mbar_wait(bar, 0u);
+  }
 }
 OFZ_EMU_ENTRY_TMA(tma_box)
 """
@@ -245,9 +272,9 @@ def test_emulated_mbarriers_report_misuse(defs, message):
 
 
 def test_reading_a_tma_tile_without_waiting_reads_stale_bytes():
-    # the copy lands only when some thread waits on its barrier: a kernel that skips the wait reads what was
-    # there (the emulator fills shared memory with 0xff)
-    x, out = _tma_box(16, 0, 0, "#define NO_WAIT 1\n")
+    # the copy lands only when some thread waits on its barrier: a kernel that reads first (and waits after)
+    # reads what was there (the emulator fills shared memory with 0xff)
+    x, out = _tma_box(16, 0, 0, "#define NO_WAIT 1\n#define WAIT_AFTER 1\n")
     assert (out == 0xFF).all()
 
 
@@ -257,3 +284,25 @@ def test_tma_intrinsics_compile_for_sm90a(tmp_path):
     ptx = ck.ptx.decode()
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.arrive.expect_tx" in ptx and "fence.mbarrier_init" in ptx
+
+
+def test_emulated_tma_reports_a_block_that_exits_with_copies_in_flight():
+    # nobody waits: the copy is still queued when the block ends (on a GPU it would land in freed memory)
+    with pytest.raises(EmulationError, match="exited with TMA copies in flight"):
+        _tma_box(16, 0, 0, "#define NO_WAIT 1\n#define NO_READ 1\n")
+
+
+def test_tma_kernels_take_their_maps_as_grid_constants_and_pin_registers_when_moving_them():
+    # the tensor map must live in the parameter space (a local copy is not readable by the TMA unit), and a
+    # kernel that moves registers with setmaxnreg asks for one block per SM: ptxas then allocates exactly 168
+    # (with __launch_bounds__(384) alone it dropped setmaxnreg for a 128 x 64 tile at 58 registers, warning C7508)
+    m, *_ = _bias(150, 200, 200, H)
+    moving = _lowered(m, (128, 64, 64, 16, 64, 4, 1, 2))
+    plain = _lowered(m, (64, 192, 64, 16, 192, 4, 1, 2))
+    assert "const __grid_constant__ OfzTma ofz_tma" in render(plain.kernel)
+    assert "__launch_bounds__(384, 1)" in render(moving.kernel) and "__launch_bounds__(256)" in render(plain.kernel)
+    for spec, moves in ((moving, True), (plain, False)):
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
+        ((_, res),) = ck.resources
+        assert ("setmaxnreg" in ck.ptx.decode()) == moves
+        assert res.regs == 168 if moves else res.spill_bytes == 0
