@@ -142,3 +142,25 @@ def launch_spec(spec, arrays, dims) -> None:
     cluster = cluster_for(spec.split_k, grid, parse_arch("sm_90").sm_count)
     compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid * cluster, spec.block, arrays, dims, spec.smem,
                                                  cluster, spec.arg_align, tma=spec.tma)
+
+
+def assert_cuda_graph_replay(optimized, feeds, want, runs: int = 3) -> None:
+    """`optimized` through ortfuse on the CUDA EP with CUDA graphs: inputs and outputs bound to device buffers
+    (a graph replays its captured addresses), the first run captures, the others replay; every run's
+    outputs against `want` (output name -> expected array)."""
+    import onnxruntime as ort
+
+    import ortfuse
+    from ortfuse.check import compare
+    sess = ortfuse.InferenceSession(optimized, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+    assert sess.fused_kernels
+    io = sess.io_binding()
+    for k, v in feeds.items():
+        io.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0))
+    outs = {k: ort.OrtValue.ortvalue_from_shape_and_type(r.shape, r.dtype, "cuda", 0) for k, r in want.items()}
+    for k, v in outs.items():
+        io.bind_ortvalue_output(k, v)
+    for _ in range(runs):
+        sess.run_with_iobinding(io)
+        for k, r in want.items():
+            assert compare(k, outs[k].numpy(), r).ok, k

@@ -742,6 +742,20 @@ __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, 
 
 
 // ---- sm_90a: the warpgroup-MMA mainloop (MATH kWgmmaF16 / kWgmmaBF16) ----------------------------------------
+
+// One k tile of a warpgroup: the BK / 16 m64nWNk16 MMAs on the stage at shared-window addresses a_at (its A
+// rows) and b_at (its B columns), committed as one group; returns once at most this group is in flight
+// (the previous k tile's has retired, so its stage may be reused).
+template <int WN, int BK, class T, int N>
+__device__ __forceinline__ void warpgroup_ktile(float (&d)[N], unsigned a_at, unsigned b_at) {
+  wgmma_fence_operand(d);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64k16<WN, T>(d, wgmma_desc(a_at + kk * 32u), wgmma_desc(b_at + kk * 32u));
+  wgmma_commit();
+  wgmma_fence_operand(d);
+  wgmma_wait<1>();
+}
 // A [M][K] and B stored [N][K] (both K-contiguous, copied with cp.async; a MatMul's constant [K][N] weight is
 // transposed offline by the lowering), BK = 64: a tile row is one 128-byte swizzle row (ortfuse_kernel.h's
 // wgmma section). WM = 16: warp w owns rows 16w' .. 16w'+15 (w' = w mod BM/16) and WN columns, and four
@@ -849,13 +863,7 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
       cp_async_commit();
       const unsigned st = (unsigned)(kt % STAGES);
       const unsigned a_at = as_addr + st * kAStage * 2u + a_group, b_at = bs_addr + st * kBStage * 2u + b_group;
-      wgmma_fence_operand(d);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64k16<WN, T>(d, wgmma_desc(a_at + kk * 32u), wgmma_desc(b_at + kk * 32u));
-      wgmma_commit();
-      wgmma_fence_operand(d);
-      wgmma_wait<1>();  // tile kt - 1's group is done: its stage may be refilled after the next barrier
+      warpgroup_ktile<WN, BK, T>(d, a_at, b_at);  // tile kt - 1 retired: its stage is refilled after the next barrier
     }
     wgmma_wait<0>();
     wgmma_fence_operand(d);
@@ -964,13 +972,7 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
       const unsigned s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1u);
       const unsigned a_at = as_addr + s * kAStage * 2u + a_group, b_at = bs_addr + s * kBStage * 2u + b_group;
-      wgmma_fence_operand(d);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64k16<WN, T>(d, wgmma_desc(a_at + kk * 32u), wgmma_desc(b_at + kk * 32u));
-      wgmma_commit();
-      wgmma_fence_operand(d);
-      wgmma_wait<1>();  // the previous k tile's group retired: its stage goes back to the producer
+      warpgroup_ktile<WN, BK, T>(d, a_at, b_at);  // the previous k tile retired: its stage goes back
       if (kt > 0) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);

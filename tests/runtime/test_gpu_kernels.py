@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import const, conv_chain, conv_silu_residual, model, node, vi
+from helpers import assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, model, node, vi
 from ortfuse.api import compile_model
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -174,21 +174,8 @@ def test_gemm_and_attention_under_cuda_graph_replay(tmp_path, monkeypatch):
     res = compile_model(path, ["input_ids:2x16", "attention_mask:2x16", "token_type_ids:2x16"], "sm_90")
     feeds = random_feeds(res.model, None, seed=3)
     ref = ort.InferenceSession(path, providers=[("CUDAExecutionProvider", {"use_tf32": "0"})])
-    want = ref.run(None, feeds)
-    sess = ortfuse.InferenceSession(res.model, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
-    assert sess.fused_kernels
-    io = sess.io_binding()
-    vals = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for k, v in feeds.items()}
-    for k, v in vals.items():
-        io.bind_ortvalue_input(k, v)
-    outs = {o.name: ort.OrtValue.ortvalue_from_shape_and_type(r.shape, r.dtype, "cuda", 0)
-            for o, r in zip(sess.get_outputs(), want)}
-    for k, v in outs.items():
-        io.bind_ortvalue_output(k, v)
-    for _ in range(3):  # capture, then replays
-        sess.run_with_iobinding(io)
-        for (k, v), r in zip(outs.items(), want):
-            assert compare(k, v.numpy(), r).ok
+    want = dict(zip((o.name for o in ref.get_outputs()), ref.run(None, feeds)))
+    assert_cuda_graph_replay(res.model, feeds, want)
 
 
 def split_k_block(dt, k=2048, n=128):
@@ -215,15 +202,7 @@ def test_split_k_under_cuda_graph_replay():
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
     feeds = random_feeds(m, {"x": (1, 32, 2048)}, seed=5)
     want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, feeds)[0]
-    sess = ortfuse.InferenceSession(res.model, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
-    assert sess.fused_kernels
-    io = sess.io_binding()
-    io.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(feeds["x"], "cuda", 0))
-    out = ort.OrtValue.ortvalue_from_shape_and_type(want.shape, want.dtype, "cuda", 0)
-    io.bind_ortvalue_output("out", out)
-    for _ in range(3):  # capture, then replays
-        sess.run_with_iobinding(io)
-        assert compare("out", out.numpy(), want).ok
+    assert_cuda_graph_replay(res.model, feeds, {"out": want})
 
 
 @pytest.mark.parametrize("dt", [H, F])

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto as TP, helper
 
 import ortfuse
-from helpers import bf16, const, model, node, vi
+from helpers import assert_cuda_graph_replay, bf16, const, model, node, vi
 from ortfuse.api import compile_model, fused_kernel, target_for
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -64,15 +64,7 @@ def test_tma_gemm_under_cuda_graph_replay():
     plain = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
     for _ in range(2):
         assert compare("g", plain.run(None, feeds)[0], want).ok
-    sess = ortfuse.InferenceSession(res.model, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
-    assert sess.fused_kernels
-    io = sess.io_binding()
-    io.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(feeds["x"], "cuda", 0))
-    out = ort.OrtValue.ortvalue_from_shape_and_type(want.shape, want.dtype, "cuda", 0)
-    io.bind_ortvalue_output("g", out)
-    for _ in range(3):  # capture, then replays
-        sess.run_with_iobinding(io)
-        assert compare("g", out.numpy(), want).ok
+    assert_cuda_graph_replay(res.model, feeds, {"g": want})
 
 
 def test_gemm_trans_b_on_wgmma_matches_ort():
