@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 
 from ortfuse.customops.compile import CompiledKernel
 from ortfuse.customops.lower import KernelSpec
+from ortfuse.customops.tiles import launch_blocks  # noqa: F401 - the launch rule, re-exported
 from ortfuse.customops.tiles import runtime_split as cluster_for  # noqa: F401 - the launch rule, re-exported
 
 NODE_FORMAT_VERSION = 1
@@ -50,6 +51,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         *([_ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
         *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
         *([_ints("tma", [v for t in spec.tma for v in t])] if spec.tma else []),
+        *([helper.make_attribute("blocks_per_sm", spec.blocks_per_sm)] if spec.blocks_per_sm else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -75,6 +77,7 @@ class Launch:
     arg_align: tuple[int, ...] = ()  # per argument (inputs, then outputs): the byte alignment it needs
     dim_checks: tuple[tuple[int, int, int], ...] = ()  # (input, axis, term): must equal the term (like units)
     tma: tuple[tuple[int, int, int], ...] = ()  # (input, box rows, element type): KernelSpec.tma
+    blocks_per_sm: int = 0  # a persistent kernel's grid cap per SM (0: none)
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
@@ -133,7 +136,8 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(a["out_dtypes"]), tuple(shapes), int(a.get("split_k", 1)), tuple(a.get("cubin_archs", ())),
                   tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits),
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
-                  tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])))
+                  tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])),
+                  int(a.get("blocks_per_sm", 0)))
 
 
 def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:

@@ -77,6 +77,9 @@ class KernelSpec:
     # for A then B; the library encodes a 2-D tensor map of each per launch: the input's last dim by the
     # product of the others, boxes of 64 x box rows in the 128-byte swizzle (kernel parameter OfzTma)
     tma: tuple[tuple[int, int, int], ...] = ()
+    # persistent kernels (a TMA GEMM: its producer fills the next tile's stages while the consumers store
+    # this one): the grid is capped at this many blocks per SM of the device (0: one block per work unit)
+    blocks_per_sm: int = 0
 
     @property
     def block(self) -> int:

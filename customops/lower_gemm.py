@@ -100,6 +100,7 @@ class _GemmLowerer(_Lowerer):
         self.input_perms: list[tuple[str, tuple[int, ...]]] = []
         self.ln_fold: Optional[LayerNormFold] = None
         self.tma: tuple[tuple[int, int, int], ...] = ()  # KernelSpec.tma
+        self.blocks_per_sm = 0  # KernelSpec.blocks_per_sm
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -523,6 +524,8 @@ class _GemmLowerer(_Lowerer):
             assert not batch_terms and a[0] == ROW and b[0] == COL, "TMA operands are whole 2-D matrices"
             elem = {"f16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[storage]
             self.tma = ((a[1], tile.bm, elem), (b[1], tile.bn, elem))
+            # persistent: the producer fills the ring with the next tile while the consumers store this one
+            self.blocks_per_sm = chosen.blocks_per_sm
         self.scopes = [_Scope(set())]
         self.emit(call)
         # cp.async reads the row- and column-major operands in 16-byte chunks
@@ -549,5 +552,5 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
                       tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
-                      tma=lw.tma)
+                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm)
 

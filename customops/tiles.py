@@ -415,6 +415,16 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
     return tuple(ranked)
 
 
+def launch_blocks(grid: int, split_k: int, blocks_per_sm: int, sm_count: int) -> tuple[int, int]:
+    """(blocks, blocks per cluster) the native library launches (ofz_spec_resolve) for `grid` work blocks on a
+    device of `sm_count` SMs: split-K clusters within one wave, else a persistent kernel's grid capped at
+    blocks_per_sm per SM (re-exported as `attrs.launch_blocks`)."""
+    cluster = runtime_split(split_k, grid, sm_count)
+    if cluster == 1 and blocks_per_sm > 0 and sm_count > 0:
+        grid = min(grid, blocks_per_sm * sm_count)
+    return grid * cluster, cluster
+
+
 def runtime_split(split_k: int, grid: int, sm_count: int) -> int:
     """Blocks per cluster a kernel compiled for `split_k` launches with on a grid of `grid` tiles: the largest
     power of two up to split_k that keeps the split grid within one wave (the native library's

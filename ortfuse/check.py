@@ -276,7 +276,7 @@ def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: 
 def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
                   tol32: Optional[float] = None, floors: Mapping[str, float] = {},
                   body: Optional[onnx.FunctionProto] = None) -> tuple[Diff, ...]:
-    from ortfuse.customops.attrs import cluster_for, read_launch
+    from ortfuse.customops.attrs import launch_blocks, read_launch
     from ortfuse.customops.emulate import compile_emulated
     from ortfuse.customops.target import for_cc
     launch = read_launch(node)
@@ -292,8 +292,11 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
     grid = launch.grid(dims)
     if grid:
         # split-K GEMMs: clusters as the native library would launch them on the newest compiled arch
-        cluster = cluster_for(launch.split_k, grid, for_cc(max(launch.archs)).sm_count) if launch.archs else 1
-        compile_emulated(launch.source).launch(launch.entry, grid * cluster, launch.block, [*inputs, *outs], dims,
+        # split-K clusters and persistent grids as the native library would launch them on the newest
+        # compiled arch
+        sms = for_cc(max(launch.archs)).sm_count if launch.archs else 0
+        blocks, cluster = launch_blocks(grid, launch.split_k, launch.blocks_per_sm, sms)
+        compile_emulated(launch.source).launch(launch.entry, blocks, launch.block, [*inputs, *outs], dims,
                                                  launch.smem, cluster, launch.arg_align, tma=launch.tma)
     diffs = [compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))
              for t, o in zip(node.output, outs)]

@@ -126,12 +126,12 @@ def conv_chain(dt, c, oc, s, k2=1, hw=("h", "w"), residual=True, also_out=False)
     return model(nodes, [vi("x", dt, ["n", c, *hw])], [vi(o, dt, None) for o in outs], inits)
 
 
-def launch_spec(spec, arrays, dims) -> None:
+def launch_spec(spec, arrays, dims, sms: int = 0) -> None:
     """Run a lowered kernel (customops.lower's KernelSpec) in CPU emulation with the grid and cluster the
-    native library would launch on an sm_90 device for these dims."""
+    native library would launch on an sm_90 device (or one of `sms` SMs) for these dims."""
     import math
 
-    from ortfuse.customops.attrs import cluster_for
+    from ortfuse.customops.attrs import launch_blocks
     from ortfuse.customops.emulate import compile_emulated
     from ortfuse.customops.printer import render
     from ortfuse.customops.target import parse_arch
@@ -139,8 +139,8 @@ def launch_spec(spec, arrays, dims) -> None:
     for terms, div in spec.units_ceil:
         units *= -(-math.prod(t if t >= 0 else dims[-t - 1] for t in terms) // div)
     grid = -(-units // spec.units_per_block)
-    cluster = cluster_for(spec.split_k, grid, parse_arch("sm_90").sm_count)
-    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, grid * cluster, spec.block, arrays, dims, spec.smem,
+    blocks, cluster = launch_blocks(grid, spec.split_k, spec.blocks_per_sm, sms or parse_arch("sm_90").sm_count)
+    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, blocks, spec.block, arrays, dims, spec.smem,
                                                  cluster, spec.arg_align, tma=spec.tma)
 
 

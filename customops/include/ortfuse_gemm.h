@@ -885,13 +885,14 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
 // two mbarriers: `full` completes when its bytes landed (the producer's arrive.expect_tx plus the copies'
 // complete_tx), `empty` when every consumer warp released it (one arrival per warp, after the wgmma
 // group that read it retired). No block barrier inside the loop: the producer runs up to STAGES k tiles
-// ahead, and a consumer warpgroup keeps one wgmma group in flight while it waits for the next stage. The
-// batch is folded into M (wgmma GEMMs have a 2-D weight), so a tile's rows are rows m0.. of A's map. With
+// ahead, and a consumer warpgroup keeps one wgmma group in flight while it waits for the next stage.
+// Persistent: the library caps the grid (the node's blocks_per_sm), each block loops over tiles, and its
+// producer fills the ring with the next tile while the consumers store this one. The batch is folded into
+// M (wgmma GEMMs have a 2-D weight), so a tile's rows are rows m0.. of A's map. With
 // two consumer warpgroups (384 threads, 168 registers each at launch) the producer gives registers back
 // (setmaxnreg 40) and the consumers take them (232: 64 x 256 accumulators fit), as CUTLASS's Hopper kernels
 // do; the kernel's __launch_bounds__(384, 1) (tiles.GemmTile.moves_registers) makes ptxas allocate exactly
-// 168 at launch, without which it may ignore setmaxnreg. Split-K (SPLIT > 1)
-// as run_mma's: a cluster's blocks each run their share of the k tiles, then the consumers meet (a named
+// 168 at launch, without which it may ignore setmaxnreg. Split-K (SPLIT > 1) as run_mma's: a cluster's blocks each run their share of the k tiles, then the consumers meet (a named
 // barrier: every warpgroup's last wgmma has read its stages) and reduce through distributed shared memory
 // in the drained stages; the barriers sit before the stages, out of that buffer's way. A cluster launch
 // gives each cluster one tile, so no producer is still filling the ring then.

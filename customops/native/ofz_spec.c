@@ -73,6 +73,9 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   s->split_k = ofz_attr_int_or(info, "split_k", 1);
   if (s->split_k < 1 || s->split_k > OFZ_MAX_CLUSTER)
     return BAD("ortfuse: node '%s': split_k = %lld, expected 1..%d", node, (long long)s->split_k, OFZ_MAX_CLUSTER);
+  s->blocks_per_sm = ofz_attr_int_or(info, "blocks_per_sm", 0);
+  if (s->blocks_per_sm < 0 || s->blocks_per_sm > 32)
+    return BAD("ortfuse: node '%s': blocks_per_sm = %lld, expected 0..32", node, (long long)s->blocks_per_sm);
 
   size_t n_sym2 = 0;
   TRY(ofz_attr_ints(info, node, "sym_dims", s->sym, 2 * OFZ_MAX_DIMS, &n_sym2));
@@ -331,6 +334,8 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   long long grid = (units + s->units_per_block - 1) / s->units_per_block;
   if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops
   launch->cluster = ofz_spec_cluster(s->split_k, grid, sm_count);  // > 1 only within one wave of SMs
+  if (launch->cluster == 1 && s->blocks_per_sm > 0 && sm_count > 0 && grid > s->blocks_per_sm * sm_count)
+    grid = s->blocks_per_sm * sm_count;  // persistent: each block loops over tiles (grid-stride)
   launch->units = units;
   launch->grid = (unsigned)(grid * launch->cluster);
   launch->block = (unsigned)s->block;

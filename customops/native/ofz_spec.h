@@ -16,6 +16,7 @@ typedef struct OfzSpec {
   size_t n_in, n_out;  // as wired in the graph
   int64_t block, smem, units_per_block;
   int64_t split_k;  // GEMM split-K: most blocks per cluster sharing a tile (1 = no clusters)
+  int64_t blocks_per_sm;  // a persistent kernel's grid cap per SM (0 = one block per work unit)
   size_t n_archs;
   int64_t archs[OFZ_MAX_ARCHS];
   size_t n_sym;  // pairs (input, axis)
@@ -63,7 +64,8 @@ OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, v
                           int* chosen_cc);
 
 // Binds the symbolic dims from the inputs, allocates every output through ORT, fills the kernel
-// arguments and the launch geometry (clusters for `sm_count` SMs; 0 = none). Extra outputs beyond s->n_out
+// arguments and the launch geometry for `sm_count` SMs (split-K clusters, a persistent kernel's capped
+// grid; 0 = neither). Extra outputs beyond s->n_out
 // are left to the caller.
 OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
                             OfzLaunch* launch);

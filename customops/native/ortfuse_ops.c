@@ -26,7 +26,7 @@ typedef struct FusedKernel {
   CUcontext ctx;  // the device's primary context (retained), which ORT's CUDA EP also uses
   CUmodule mod;
   CUfunction fn;
-  int sm_count;  // for split-K cluster launches; 0 = launch without clusters
+  int sm_count;  // for split-K cluster launches and persistent grids; 0 = neither
 } FusedKernel;
 
 static OrtStatus* cu_fail(const FusedKernel* k, const char* what, CUresult r) {
@@ -83,8 +83,9 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, Fuse
     if (r) return cu_fail(k, "cuFuncSetAttribute(max dynamic shared memory)", r);
   }
   // split-K kernels run in clusters where the device has them (sm_90+) and the driver can launch them;
-  // otherwise in clusters of one, which the kernel handles as no split
-  if (k->spec.split_k > 1 && major >= 9 && cu->LaunchKernelEx) {
+  // otherwise in clusters of one, which the kernel handles as no split. Persistent kernels (sm_90a TMA
+  // GEMMs) cap their grid at the SM count times their blocks per SM.
+  if ((k->spec.split_k > 1 || k->spec.blocks_per_sm > 0) && major >= 9 && cu->LaunchKernelEx) {
     r = cu->DeviceGetAttribute(&k->sm_count, OFZ_CU_ATTR_SM_COUNT, k->dev);
     if (r) return cu_fail(k, "cuDeviceGetAttribute(multiprocessor count)", r);
   }

@@ -90,15 +90,15 @@ def test_every_consumer_layout(tile, dt):
 
 
 def test_blocks_carry_the_ring_across_tiles():
-    # a grid of 2 blocks for 3 x 4 tiles: each block runs several tiles through one ring of 3 stages, so
-    # the stage and phase of a k tile continue from the previous tile's (K = 328: 6 k tiles, not a
-    # multiple of the ring)
+    # persistent: on a device of 2 SMs the 3 x 4 tiles run in 2 x blocks_per_sm blocks, each running several
+    # tiles through one ring of 3 stages, so the stage and phase of a k tile continue from the previous
+    # tile's (K = 328: 6 k tiles, not a multiple of the ring)
     M, K, N = 150, 328, 200
     m, x, w, b, ref = _bias(M, K, N, H, seed=7)
     spec = _lowered(m, (64, 64, 64, 16, 64, 3, 1, 2))
+    assert 1 <= spec.blocks_per_sm and 2 * spec.blocks_per_sm < 12
     out = np.zeros((M, N), np.float16)
-    compile_emulated(render(spec.kernel)).launch(spec.kernel.name, 2, spec.block, [x, np.ascontiguousarray(w.T), b, out],
-                                                 [], spec.smem, tma=spec.tma)
+    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [], sms=2)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 
-from ortfuse.customops.attrs import cluster_for
+from ortfuse.customops.attrs import cluster_for, launch_blocks
 from ortfuse.runtime import library_path
 from rt_models import PLAN_LEN, PROBE, fused_attrs, make_fused_node, model, vi
 
@@ -174,6 +174,26 @@ def test_split_k_clusters_fill_one_wave_of_sms(n: int, cluster: int) -> None:
 def test_no_clusters_without_split_k_or_without_a_device_that_has_them(overrides: dict) -> None:
     *_, plan = run(session(plan_model(units_per_block=1, **overrides)), 2)
     assert plan[22] == 1 and plan[0] == 8
+
+
+@pytest.mark.parametrize("n,split_k,sms,blocks,cluster", [
+    (100, 1, 132, 264, 1),   # 400 tiles, 2 blocks per SM: capped at 264
+    (10, 1, 132, 40, 1),     # fewer tiles than the cap: one block each
+    (100, 1, 0, 400, 1),     # no device count (the CPU probe's default): no cap
+    (8, 4, 132, 128, 4),     # split-K clusters fit one wave: they win, no cap
+    (100, 4, 132, 264, 1),   # too many tiles to split: capped
+])
+def test_persistent_kernels_cap_their_grid(n, split_k, sms, blocks, cluster) -> None:
+    # a persistent kernel (TMA GEMM) loops over its tiles: at most blocks_per_sm x SMs blocks, as the emulated
+    # checks launch it (attrs.launch_blocks)
+    *_, plan = run(session(plan_model(units_per_block=1, split_k=split_k, blocks_per_sm=2, probe_sm_count=sms)), n)
+    assert (plan[0], plan[22], plan[5]) == (blocks, cluster, 4 * n)
+    assert launch_blocks(4 * n, split_k, 2, sms) == (blocks, cluster)
+
+
+def test_a_bad_blocks_per_sm_names_the_node() -> None:
+    with pytest.raises(Exception, match="plan_node.*blocks_per_sm = 40"):
+        session(plan_model(blocks_per_sm=40))
 
 
 @pytest.mark.parametrize("sym", [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 1]])
