@@ -17,6 +17,7 @@ def summary(r: OptimizeResult) -> str:
     inputs = {d for t in g.graph_inputs for d in g.tensors[t].shape or () if isinstance(d, str)}
     hints = ", ".join(f"{k}={v}" for k, v in sorted(g.sym_hints.items()) if k in inputs) or "static shapes"
     wgmma = len({k.compiled.entry for k in r.kernels if k.spec.kernel.arch_specific})
+    tma = len({k.compiled.entry for k in r.kernels if k.spec.kernel.tma})
     kinds = {}
     for k in r.kernels:
         kinds[k.region.kind] = kinds.get(k.region.kind, 0) + 1
@@ -38,7 +39,8 @@ def summary(r: OptimizeResult) -> str:
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",
         f"nodes:                {r.nodes_before} -> {r.nodes_after}",
         f"kernels compiled:     {r.kernels_compiled} distinct, for {', '.join(f'sm_{a}' for a in r.archs)} (+PTX)"
-        + (f"; {wgmma} wgmma kernels for sm_90a only" if wgmma else ""),
+        + (f"; {wgmma} wgmma kernels for sm_90a only" if wgmma else "")
+        + (f" ({tma} fed by TMA)" if tma else ""),
         f"est. DRAM saved:      {_mb(r.bytes_saved)} per inference ({hints})",
         f"time:                 {r.seconds:.1f} s",
     ])

@@ -261,6 +261,8 @@ def test_tiny_bert_with_wgmma_end_to_end():
     res = compile_model(path, None, "sm_90", options=WGMMA_OPTS)
     assert _wgmma_kernels(res)
     assert f"; {len({k.compiled.entry for k in _wgmma_kernels(res)})} wgmma kernels for sm_90a only" in summary(res)
+    tma = len({k.compiled.entry for k in res.kernels if k.spec.kernel.tma})
+    assert tma and f" ({tma} fed by TMA)" in summary(res)
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
 
