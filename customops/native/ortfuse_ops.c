@@ -27,6 +27,12 @@ typedef struct FusedKernel {
   CUmodule mod;
   CUfunction fn;
   int sm_count;  // for split-K cluster launches and persistent grids; 0 = neither
+  // TMA GEMMs: the last tensor maps encoded, by geometry (a weight's never changes; ORT's arena mostly
+  // hands an activation the same buffer run after run), under a lock: ORT may run a kernel from threads
+  pthread_mutex_t tma_lock;
+  OfzTmaGeom tma_geo[OFZ_TMA_MAPS];
+  OfzTensorMap tma_map[OFZ_TMA_MAPS];
+  int tma_cached[OFZ_TMA_MAPS];
 } FusedKernel;
 
 static OrtStatus* cu_fail(const FusedKernel* k, const char* what, CUresult r) {
@@ -95,6 +101,7 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, Fuse
 static void fused_destroy(void* kernel) {
   FusedKernel* k = kernel;
   if (!k) return;
+  pthread_mutex_destroy(&k->tma_lock);
   const OfzCuda* cu = k->ctx ? ofz_cuda(NULL) : NULL;  // no context: the driver was never needed
   if (cu) {
     CUcontext prev = NULL;
@@ -116,8 +123,12 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
   OrtStatus* s = ofz_ort.KernelInfo_GetInputCount(info, &ins);
   if (!s) s = ofz_ort.KernelInfo_GetOutputCount(info, &outs);
   if (s) return s;
-  FusedKernel* k = calloc(1, sizeof *k);
+  // its cached tensor maps are 128-byte aligned (CUtensorMap): so is the kernel record
+  const size_t bytes = (sizeof(FusedKernel) + 127) / 128 * 128;
+  FusedKernel* k = aligned_alloc(128, bytes);
   if (!k) return ofz_err(ORT_FAIL, "ortfuse: node '%s': out of host memory", node);
+  memset(k, 0, bytes);
+  pthread_mutex_init(&k->tma_lock, NULL);
   s = ofz_spec_parse(info, node, ins, outs, &k->spec);
   const char* why = NULL;
   const OfzCuda* cu = s ? NULL : ofz_cuda(&why);
@@ -149,9 +160,14 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
   return NULL;
 }
 
+static int same_geometry(const OfzTmaGeom* a, const OfzTmaGeom* b) {
+  return a->base == b->base && a->dim0 == b->dim0 && a->dim1 == b->dim1 && a->stride1 == b->stride1 &&
+         a->box0 == b->box0 && a->box1 == b->box1 && a->elem == b->elem;
+}
+
 // The tensor maps of a TMA GEMM's operands (host-side encoding, no device work): 2-D, the 128-byte swizzle,
-// zeros outside the tensor.
-static OrtStatus* encode_maps(const OfzCuda* cu, const FusedKernel* k, OrtKernelContext* ctx, const OfzArgs* args,
+// zeros outside the tensor. A map whose geometry matches the last one encoded for that operand is reused.
+static OrtStatus* encode_maps(const OfzCuda* cu, FusedKernel* k, OrtKernelContext* ctx, const OfzArgs* args,
                               OfzTma* maps) {
   OfzTmaGeom geo[OFZ_TMA_MAPS];
   OrtStatus* s = ofz_spec_tma(&k->spec, ctx, args, geo);
@@ -160,6 +176,11 @@ static OrtStatus* encode_maps(const OfzCuda* cu, const FusedKernel* k, OrtKernel
     return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0+ is "
                    "needed for this TMA kernel; optimize without --wgmma)", k->spec.node);
   for (size_t j = 0; j < k->spec.n_tma; ++j) {
+    pthread_mutex_lock(&k->tma_lock);
+    const int hit = k->tma_cached[j] && same_geometry(&k->tma_geo[j], &geo[j]);
+    if (hit) maps->map[j] = k->tma_map[j];
+    pthread_mutex_unlock(&k->tma_lock);
+    if (hit) continue;
     const unsigned long long dims[2] = {geo[j].dim0, geo[j].dim1}, strides[1] = {geo[j].stride1};
     const unsigned box[2] = {geo[j].box0, geo[j].box1}, unit[2] = {1, 1};
     const int type = geo[j].elem == OFZ_DT_FLOAT16 ? OFZ_CU_TENSOR_MAP_FLOAT16 : OFZ_CU_TENSOR_MAP_BFLOAT16;
@@ -167,6 +188,9 @@ static OrtStatus* encode_maps(const OfzCuda* cu, const FusedKernel* k, OrtKernel
                                           OFZ_CU_TENSOR_MAP_INTERLEAVE_NONE, OFZ_CU_TENSOR_MAP_SWIZZLE_128B,
                                           OFZ_CU_TENSOR_MAP_L2_128B, OFZ_CU_TENSOR_MAP_OOB_ZERO);
     if (r) return cu_fail(k, "cuTensorMapEncodeTiled", r);
+    pthread_mutex_lock(&k->tma_lock);
+    k->tma_geo[j] = geo[j], k->tma_map[j] = maps->map[j], k->tma_cached[j] = 1;
+    pthread_mutex_unlock(&k->tma_lock);
   }
   return NULL;
 }
