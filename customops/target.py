@@ -12,7 +12,9 @@ class Target:
     sm_count: int
     max_threads_per_block: int  # CUDA limit, all listed archs
     smem_per_block: int  # bytes usable by one block with opt-in (CUDA programming guide, table 21)
-    l1_bytes_per_sm: int  # unified L1/shared capacity per SM
+    # shared memory the blocks of one SM may hold together (CUDA C++ Programming Guide, compute capabilities
+    # table: 164 KB on sm_80, 100 KB on sm_86/sm_89, 228 KB on sm_90)
+    smem_per_sm: int
     l2_bytes: int
     dram_gbps: float  # peak DRAM bandwidth of the reference board
     launch_us: float  # ORT per-kernel launch+dispatch cost on the CUDA EP, measured order of magnitude
@@ -24,6 +26,7 @@ class Target:
     # microbenchmarks, e.g. Chips and Cheese's H100/A100 latency tests); assumed, not measured by us
     mem_latency_ns: float
     regs_per_sm: int = 65536
+    smem_reserved_per_block: int = 1024  # shared memory the system takes per resident block (same table)
     max_threads_per_sm: int = 2048
     l2_over_dram: float = 2.5  # L2 bandwidth / DRAM bandwidth, rough ratio for re-read tile traffic
     # Share of the dense tensor-core peak that warp-level mma.sync (what our kernels issue) can reach. On
@@ -83,13 +86,13 @@ class Target:
 # overhead: on sm_90 the one measured on the H100 machine (bench/overhead.py: 5.5-6.3 us per node,
 # 2026-11-24/25), elsewhere assumed. sm_86/sm_89 have 1536 threads per SM.
 TABLE: dict[int, Target] = {
-    80: Target(80, "A100", 108, 1024, 163 * 1024, 192 * 1024, 40 * 2**20, 2039.0, 4.0, 312.0, 156.0, 19.5, 1.41,
+    80: Target(80, "A100", 108, 1024, 163 * 1024, 164 * 1024, 40 * 2**20, 2039.0, 4.0, 312.0, 156.0, 19.5, 1.41,
                425.0),
-    86: Target(86, "RTX A6000", 84, 1024, 99 * 1024, 128 * 1024, 6 * 2**20, 768.0, 4.0, 154.8, 77.4, 38.7, 1.80,
+    86: Target(86, "RTX A6000", 84, 1024, 99 * 1024, 100 * 1024, 6 * 2**20, 768.0, 4.0, 154.8, 77.4, 38.7, 1.80,
                333.0, max_threads_per_sm=1536),
-    89: Target(89, "L40S", 142, 1024, 99 * 1024, 128 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
+    89: Target(89, "L40S", 142, 1024, 99 * 1024, 100 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
                238.0, max_threads_per_sm=1536),
-    90: Target(90, "H100", 132, 1024, 227 * 1024, 256 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
+    90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True),
 }
 

@@ -313,7 +313,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
         return None
-    blocks_per_sm = min(tgt.l1_bytes_per_sm // max(smem, 1), tgt.regs_per_sm // (regs * t.threads),
+    block_smem = t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) + tgt.smem_reserved_per_block
+    blocks_per_sm = min(tgt.smem_per_sm // block_smem, tgt.regs_per_sm // (regs * t.threads),
                         tgt.max_threads_per_sm // t.threads, 32)
     if blocks_per_sm < 1:
         return None

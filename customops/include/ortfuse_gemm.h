@@ -935,6 +935,10 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   __syncthreads();  // the only block barrier: the barriers exist for everyone
   const Schedule<BM, BN, BK, SPLIT> sch(batch, M, N, K);
   const ofz_i64 kt0 = sch.kt0, nk = sch.nk;  // the block's k tiles: [kt0, kt0 + nk)
+  // split-K reuses the drained stages for the partial tile: only right if no producer refills them for a
+  // next tile, i.e. one tile per cluster (what the library launches: ofz_spec_cluster)
+  if constexpr (SPLIT > 1)
+    if (sch.splits > 1 && sch.step < sch.tiles) __trap();
 
   if (warp >= kConsumerWarps) {  // the producer warpgroup
     if constexpr (Regs::kMove) setmaxnreg_dec<Regs::kProducer>();

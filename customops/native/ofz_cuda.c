@@ -51,6 +51,7 @@ static void load(void) {
   LOAD(GetErrorString, "cuGetErrorString", NULL);
   *(void**)&c->LaunchKernelEx = dlsym(lib, "cuLaunchKernelEx");  // optional: CUDA 12.0+
   *(void**)&c->TensorMapEncodeTiled = dlsym(lib, "cuTensorMapEncodeTiled");  // optional: CUDA 12.0+
+  *(void**)&c->OccupancyMaxActiveBlocksPerMultiprocessor = dlsym(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   CUresult r = c->Init(0);
   if (r != 0) {
     snprintf(g_why_buf, sizeof g_why_buf, "cuInit failed (%s)", ofz_cuda_error(r));

@@ -71,6 +71,8 @@ typedef struct OfzCuda {
   // promotion, out-of-bounds fill)
   CUresult (*TensorMapEncodeTiled)(void*, int, unsigned, void*, const unsigned long long*, const unsigned long long*,
                                    const unsigned*, const unsigned*, int, int, int, int);
+  // optional: resident blocks per SM of a kernel at a block size and dynamic shared memory (persistent grids)
+  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
 } OfzCuda;
 
 // The driver table, or NULL with a reason in `why` (libcuda.so.1 missing, a symbol missing, cuInit

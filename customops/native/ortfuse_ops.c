@@ -95,6 +95,13 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, Fuse
     r = cu->DeviceGetAttribute(&k->sm_count, OFZ_CU_ATTR_SM_COUNT, k->dev);
     if (r) return cu_fail(k, "cuDeviceGetAttribute(multiprocessor count)", r);
   }
+  // a persistent grid holds no more blocks per SM than the device keeps resident (the compiler's tile model
+  // estimated them); any more would run as a second wave
+  int resident = 0;
+  if (k->spec.blocks_per_sm > 0 && cu->OccupancyMaxActiveBlocksPerMultiprocessor &&
+      cu->OccupancyMaxActiveBlocksPerMultiprocessor(&resident, k->fn, (int)k->spec.block, (size_t)k->spec.smem) == 0 &&
+      resident >= 1 && resident < k->spec.blocks_per_sm)
+    k->spec.blocks_per_sm = resident;
   return NULL;
 }
 

@@ -157,6 +157,18 @@ def test_split_k_in_clusters(tile):
     assert res.spill_bytes == 0 and res.wgmma_serialized == "" and "barrier.cluster" in ck.ptx.decode()
 
 
+def test_split_k_refuses_a_second_tile_per_cluster():
+    # split-K reduces in the drained stages, right only when no producer refills them for a next tile: a
+    # launch that gives a cluster two tiles (the library never does) traps instead of racing
+    m, x, w, b, _ = _bias(256, 256, 128, H, seed=8)
+    spec = _lowered(m, (128, 128, 64, 16, 128, 4, 2, 2))
+    out = np.zeros((256, 128), np.float16)
+    with pytest.raises(EmulationError, match="__trap"):
+        compile_emulated(render(spec.kernel)).launch(spec.kernel.name, 2, spec.block,
+                                                     [x, np.ascontiguousarray(w.T), b, out], [], spec.smem, cluster=2,
+                                                     tma=spec.tma)
+
+
 def test_tile_model_counts_the_producer_and_the_barriers():
     t = tl.GemmTile(128, 256, 64, 16, 256, 4, wgmma=True, tma=True)
     assert t.consumers == 256 and t.threads == 384 and t.candidate(1) == (128, 256, 64, 16, 256, 4, 1, 2)
@@ -168,6 +180,11 @@ def test_tile_model_counts_the_producer_and_the_barriers():
     # a long K over few tiles splits, and the partial tile then needs its buffer after the barriers
     assert tl.rank_tiles(on, 64, 128, 4096, 1, 2, tl.WS_F16, True, top_k=1)[0].split > 1
     assert t.smem_bytes(2, True, split=2) == max(t.smem_bytes(2, True), tl.WGMMA_SLACK + 16 * 4 + 128 * 260 * 4)
+    # resident blocks per SM from the shared memory an SM holds (228 KiB on sm_90, 1 KiB more per block)
+    r = tl.estimate_tile(on, tl.GemmTile(64, 64, 64, 16, 64, 5, wgmma=True, tma=True), 150, 200, 200, 1, 2,
+                         tl.WS_F16, True, split=1)
+    assert r.blocks_per_sm == 228 * 1024 // (tl.GemmTile(64, 64, 64, 16, 64, 5, wgmma=True, tma=True)
+                                              .smem_bytes(2, True) + 1024) == 2
     # at BERT-base's batch-32 FFN shape the model takes N = 192 tiles (one wave of 128 tiles on 132 SMs)
     best = tl.rank_tiles(on, 4096, 768, 3072, 1, 2, tl.WS_F16, True, top_k=1)[0]
     assert best.tile.bn == 192 and best.tile.tma

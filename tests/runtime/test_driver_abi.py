@@ -39,6 +39,7 @@ static CUresult (*const encode_check)(CUtensorMap*, CUtensorMapDataType, cuuint3
                                       const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill) =
     cuTensorMapEncodeTiled;
+static CUresult (*const occupancy_check)(int*, CUfunction, int, size_t) = cuOccupancyMaxActiveBlocksPerMultiprocessor;
 _Static_assert(sizeof(cuuint64_t) == sizeof(unsigned long long) && sizeof(cuuint32_t) == sizeof(unsigned) &&
                sizeof(CUtensorMapDataType) == sizeof(int) && sizeof(CUtensorMapSwizzle) == sizeof(int),
                "encode argument sizes");
