@@ -141,10 +141,12 @@ class CostModel:
         dtype = g.tensors[node.input[0]].dtype
         return tiles.MMA_F16 if dtype != onnx.TensorProto.FLOAT else (tiles.MMA_TF32 if self.tf32 else tiles.SIMT)
 
-    def gemm_us(self, g: Graph, node: onnx.NodeProto, ours: bool = False) -> tuple[float, int]:
+    def gemm_us(self, g: Graph, node: onnx.NodeProto, ours: bool = False,
+                wgmma_ok: bool = True) -> tuple[float, int]:
         """(roofline time of the bare GEMM as cuBLAS would run it, its DRAM bytes); `ours`: at the tensor-core
         rate our kernels can reach (`Target.mma_sync_share`, or `wgmma_share` for 16-bit GEMMs where wgmma
-        kernels are enabled)."""
+        kernels are enabled and the region may use them: `wgmma_ok` false for a folded LayerNorm, which runs
+        on the mma.sync mainloop)."""
         tgt = self.target
         math_ = self._math(g, node)
         if not ours and math_ == tiles.SIMT:
@@ -153,7 +155,7 @@ class CostModel:
                 tiles.SIMT: tgt.fp32_tflops}[math_]
         if ours and math_ != tiles.SIMT:
             # wgmma lowers MatMul/Gemm only (Conv's implicit GEMM stays on mma.sync)
-            wg = tgt.wgmma and math_ == tiles.MMA_F16 and node.op_type in ("MatMul", "Gemm")
+            wg = tgt.wgmma and wgmma_ok and math_ == tiles.MMA_F16 and node.op_type in ("MatMul", "Gemm")
             peak *= tgt.wgmma_share if wg else tgt.mma_sync_share
         moved = sum(tensor_bytes(g, t) for t in (node.input[0], node.input[1], node.output[0]))
         return max(gemm_flops(g, node) / (peak * 1e6), moved / (tgt.dram_gbps * 1e3)), moved
@@ -226,11 +228,12 @@ class CostModel:
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
-        mm_us, mm_bytes = self.gemm_us(g, node, ours=True)
+        folded = norm_fold.in_region(g, region.nodes) is not None
+        mm_us, mm_bytes = self.gemm_us(g, node, ours=True, wgmma_ok=not folded)
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
         if region.kind == "gemm_row":
             mm_us *= self.row_penalty(g, node)
-        if norm_fold.in_region(g, region.nodes) is not None:
+        if folded:
             mm_us *= self.fold_penalty(g, node)
         return mm_us + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
 

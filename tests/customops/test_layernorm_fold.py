@@ -292,3 +292,16 @@ def test_constant_rows_with_a_tiny_epsilon():
     launch_spec(res.kernels[0].spec, [vals[t] for t in node_.input] + [out], [2])
     ref = want.astype(np.float64)
     assert np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max() < 1e-2
+
+
+def test_a_folded_gemm_is_priced_on_mma_sync_even_with_wgmma(folds_pay):
+    # the fold runs on the mma.sync mainloop: with wgmma enabled the search must not price a folded region at
+    # the wgmma rate (it would favour folds that in fact give up the faster mainloop)
+    from ortfuse.api import target_for
+    from ortfuse.search.regions import plan
+    g = build_graph(_pre_ln(H, 768, 3072), {"x": (600, 7, 768)})  # 4200 rows: compute-bound
+    on, off = target_for((90,), True), target_for((90,), False)
+    (r,) = [r for r in plan(g, on).regions if r.kind == "gemm" and norm_fold.in_region(g, r.nodes)]
+    assert CostModel(on).ours_us(g, r) == pytest.approx(CostModel(off).ours_us(g, r))
+    anchor = next(g.nodes[i] for i in r.nodes if g.nodes[i].op_type == "MatMul")
+    assert CostModel(on).gemm_us(g, anchor, ours=True)[0] < CostModel(on).gemm_us(g, anchor, ours=True, wgmma_ok=False)[0]
