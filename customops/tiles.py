@@ -233,23 +233,15 @@ class Ranked:
 
 def _candidates(math_: int, esize: int) -> list[GemmTile]:
     out = []
-    if math_ in WS:  # consumer warpgroups of 64 x WN, one TMA box per operand (BM, BN <= 256)
+    if math_ in WGMMA:  # (consumer) warpgroups of 64 x WN, at most 4; TMA: one box per operand (BN <= 256)
+        tma = math_ in WS
         for wn in (64, 128, 192, 256):
             for wg_m in (1, 2, 4):
                 for wg_n in (1, 2):
-                    if wg_m * wg_n > 4 or wn * wg_n > 256:
+                    if wg_m * wg_n > 4 or (tma and wn * wg_n > 256):
                         continue
-                    for stages in (3, 4, 5, 6, 7):
-                        out.append(GemmTile(64 * wg_m, wn * wg_n, WGMMA_BK, 16, wn, stages, wgmma=True, tma=True))
-        return out
-    if math_ in WGMMA:  # warpgroups of 64 x WN; at most 4 of them (512 threads)
-        for wn in (64, 128, 192, 256):
-            for wg_m in (1, 2, 4):
-                for wg_n in (1, 2):
-                    if wg_m * wg_n > 4:
-                        continue
-                    for stages in (4, 5, 6):
-                        out.append(GemmTile(64 * wg_m, wn * wg_n, WGMMA_BK, 16, wn, stages, wgmma=True))
+                    for stages in ((3, 4, 5, 6, 7) if tma else (4, 5, 6)):
+                        out.append(GemmTile(64 * wg_m, wn * wg_n, WGMMA_BK, 16, wn, stages, wgmma=True, tma=tma))
         return out
     if math_ == SIMT:
         warp = [(wm, wn) for wm in (8, 16, 32) for wn in (16, 32, 64) if wm * wn // 32 <= 64]

@@ -182,12 +182,13 @@ static OrtStatus* encode_maps(const OfzCuda* cu, FusedKernel* k, OrtKernelContex
   if (!cu->TensorMapEncodeTiled)
     return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0+ is "
                    "needed for this TMA kernel; optimize without --wgmma)", k->spec.node);
+  int hit[OFZ_TMA_MAPS] = {0};
+  pthread_mutex_lock(&k->tma_lock);  // once per launch: every map hits after the first runs
+  for (size_t j = 0; j < k->spec.n_tma; ++j)
+    if ((hit[j] = k->tma_cached[j] && same_geometry(&k->tma_geo[j], &geo[j]))) maps->map[j] = k->tma_map[j];
+  pthread_mutex_unlock(&k->tma_lock);
   for (size_t j = 0; j < k->spec.n_tma; ++j) {
-    pthread_mutex_lock(&k->tma_lock);
-    const int hit = k->tma_cached[j] && same_geometry(&k->tma_geo[j], &geo[j]);
-    if (hit) maps->map[j] = k->tma_map[j];
-    pthread_mutex_unlock(&k->tma_lock);
-    if (hit) continue;
+    if (hit[j]) continue;
     const unsigned long long dims[2] = {geo[j].dim0, geo[j].dim1}, strides[1] = {geo[j].stride1};
     const unsigned box[2] = {geo[j].box0, geo[j].box1}, unit[2] = {1, 1};
     const int type = geo[j].elem == OFZ_DT_FLOAT16 ? OFZ_CU_TENSOR_MAP_FLOAT16 : OFZ_CU_TENSOR_MAP_BFLOAT16;
