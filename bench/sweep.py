@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -49,6 +49,7 @@ class SweepRow:
     est_us: float  # the tile model's estimate
     regs: int
     spill_bytes: int
+    error: str = ""  # a launch or timing failure (us is then nan): one tile's failure does not end the sweep
 
     @property
     def tflops(self) -> float:
@@ -110,26 +111,42 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6,
             continue  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
         ck = compile_kernel(render(spec.kernel), spec.kernel.name, ARCHS, cache or opts.cache)
         res = dict(ck.resources).get(ARCHS[0])
-        us = timer(fused_model(sub, fused_kernel(region, spec, ck).node), feeds, True)
-        rows.append(SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0))
+        err = ""
+        try:
+            us = timer(fused_model(sub, fused_kernel(region, spec, ck).node), feeds, True)
+        except Exception as exc:  # noqa: BLE001 - recorded in the row
+            us, err = math.nan, f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0,
+                             err))
     return ShapeResult(shape, cublas, ort_region, tuple(rows))
 
 
-def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6,
-        timer: Optional[Timer] = None) -> list[ShapeResult]:
+def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6, timer: Optional[Timer] = None,
+        on_shape: Optional[Callable[[list[ShapeResult]], None]] = None) -> list[ShapeResult]:
+    """Every shape in turn; `on_shape` sees the results so far after each (a cut-off run keeps them)."""
     if timer is None:
         from ortfuse.profile import device_timer
         timer = device_timer
-    return [sweep_shape(s, timer, per_family) for s in shapes]
+    out: list[ShapeResult] = []
+    for s in shapes:
+        out.append(sweep_shape(s, timer, per_family))
+        if on_shape:
+            on_shape(out)
+    return out
 
 
 def summary(results: Sequence[ShapeResult]) -> list[str]:
     """Per family: its best tile over cuBLAS per shape, and the median of measured / estimated."""
     out = []
     for name in FAMILIES:
-        best = [min((r for r in res.rows if r.family == name), key=lambda r: r.us, default=None) for res in results]
+        best = [min((r for r in res.rows if r.family == name and not r.error), key=lambda r: r.us, default=None)
+            for res in results]
         ratios = [b.us / res.cublas_us for b, res in zip(best, results) if b is not None]
-        model = [r.us / r.est_us for res in results for r in res.rows if r.family == name and r.est_us > 0]
+        model = [r.us / r.est_us for res in results for r in res.rows
+                 if r.family == name and r.est_us > 0 and not r.error]
+        failed = sum(1 for res in results for r in res.rows if r.family == name and r.error)
+        if failed:
+            out.append(f"{name}: {failed} tile(s) failed to run (rows marked 'failed')")
         if ratios:
             out.append(f"{name}: best tile / cuBLAS median {float(np.median(ratios)):.2f} (range "
                        f"{min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} shapes; measured / estimated "
@@ -146,7 +163,11 @@ def render_md(results: Sequence[ShapeResult]) -> str:
                   f"({flops / (res.cublas_us * 1e6):.0f} TFLOP/s), ORT MatMul + Add {res.ort_region_us:.1f} us", "",
                   "| family | tile | us | TFLOP/s | / cuBLAS | estimate us | regs | spill |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for r in sorted(res.rows, key=lambda r: r.us):
+        for r in sorted(res.rows, key=lambda r: (bool(r.error), r.us)):
+            if r.error:
+                lines.append(f"| {r.family} | {tile_label(r.tile)} | failed: {r.error} | | | {r.est_us:.1f} | "
+                             f"{r.regs} | {r.spill_bytes} |")
+                continue
             lines.append(f"| {r.family} | {tile_label(r.tile)} | {r.us:.1f} | {r.tflops:.0f} | "
                          f"{r.us / res.cublas_us:.2f} | {r.est_us:.1f} | {r.regs} | {r.spill_bytes} |")
         lines.append("")
@@ -171,13 +192,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
-    results = run(a.shapes, a.per_family)
-    text = render_md(results)
-    print(text)
-    if a.md:
-        a.md.write_text(text)
-    if a.json:
-        a.json.write_text(json.dumps(as_json(results), indent=1))
+
+    def write(results: list[ShapeResult]) -> None:
+        if a.md:
+            a.md.write_text(render_md(results))
+        if a.json:
+            a.json.write_text(json.dumps(as_json(results), indent=1))
+
+    results = run(a.shapes, a.per_family, on_shape=write)
+    print(render_md(results))
     return 0 if all(math.isfinite(r.us) for res in results for r in res.rows) else 1
 
 

@@ -47,3 +47,26 @@ def test_shapes_parse_from_the_command_line():
     import pytest
     with pytest.raises(argparse.ArgumentTypeError):
         sweep._shape("4096x768")
+
+
+def test_a_failing_tile_is_recorded_and_the_sweep_goes_on():
+    # a kernel that fails at launch (a bad tensor map, a trap) marks its row; the others are still timed
+    calls: list = []
+    inner = _timer(calls)
+    count = {"fused": 0}
+
+    def timer(model, feeds, fused: bool) -> float:
+        if fused:
+            count["fused"] += 1
+            if count["fused"] == 1:
+                raise RuntimeError("CUDA error: an illegal instruction was encountered")
+        return inner(model, feeds, fused)
+
+    seen: list = []
+    (res,) = sweep.run([(256, 192, 128)], per_family=1, timer=timer, on_shape=lambda r: seen.append(len(r)))
+    assert seen == [1]
+    failed = [r for r in res.rows if r.error]
+    assert len(failed) == 1 and "illegal instruction" in failed[0].error and np.isnan(failed[0].us)
+    assert all(r.us == 5.0 for r in res.rows if not r.error)
+    text = sweep.render_md([res])
+    assert "failed: RuntimeError" in text and "1 tile(s) failed to run" in text
