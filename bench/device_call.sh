@@ -3,11 +3,12 @@
 # Each step runs under `timeout` with what is left of the budget, so a slow or hung step costs only itself and
 # the last step always packs what exists into $OUT/session.tar.gz (the tool returns at most 8 files).
 #
-#   run(command="source .devgpu/setup.sh && bash bench/device_call.sh 560", carry=[".devgpu"], timeout_s=600)
+#   run(command="source .devgpu/setup.sh && bash bench/device_call.sh 560 wgmma-tests sweep bert-wgmma",
+#       carry=[".devgpu"], timeout_s=600)
 #
-# Steps (edit per session, most important first): the TMA wgmma GPU tests, the GEMM tile sweep, then zoo rows.
+# Steps run in the order named (most important first); the case below lists them.
 set -u
-BUDGET=${1:-560}
+BUDGET=${1:?seconds}; shift
 OUT=${OUT:?OUT must name the folder that comes back}
 START=$(date +%s)
 WORK=/tmp/ortfuse-call
@@ -33,18 +34,36 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$WORK/install.log" 2>&1 \
   || { cat "$WORK/install.log" >>"$LOG"; exit 1; }
 
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 TO=(); python3 -c "import pytest_timeout" 2>/dev/null && TO=(--timeout 60)  # a hung kernel fails one test
-step wgmma-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
-  --junitxml="$WORK/pytest-wgmma.xml" tests/runtime/test_gpu_wgmma.py
-step sweep 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md"
-step bert-wgmma 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
-  --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph
-step mobilenetv2-fp16 200 python3 -m ortfuse.bench.gpu_suite "$WORK/mnv2" --no-tests \
-  --models mobilenetv2 --dtypes fp16 --work "$WORK/mnv2-work" --variants ort,ort+cudagraph,ortfuse,ortfuse+cudagraph
-step convnext-fp32 200 python3 -m ortfuse.bench.gpu_suite "$WORK/cnx" --no-tests \
-  --models convnext_t --dtypes fp32 --work "$WORK/cnx-work" --variants ort,ort+cudagraph,ortfuse,ortfuse+cudagraph
+BASE=(--variants ort,ort+cudagraph,ortfuse,ortfuse+cudagraph)
+for name in "$@"; do
+  case $name in
+    wgmma-tests) step "$name" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
+                   --junitxml="$WORK/pytest-wgmma.xml" tests/runtime/test_gpu_wgmma.py ;;
+    sweep) step "$name" 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md" ;;
+    sweep-rest) step "$name" 150 python3 -m ortfuse.bench.sweep --per-family 3 --json "$WORK/sweep-rest.json" \
+                  --md "$WORK/sweep-rest.md" --shapes 4096x768x3072 4096x2304x768 128x768x768 128x3072x768 128x768x3072 ;;
+    ncu)  # issue 5: where our GEMM's time goes next to cuBLAS's (bench/ncu_gemm.py)
+      step "$name" 100 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+        python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 2 ;;
+    bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
+                  --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
+    mobilenetv2-fp16) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/mnv2" --no-tests \
+                        --models mobilenetv2 --dtypes fp16 --work "$WORK/mnv2-work" "${BASE[@]}" ;;
+    convnext-fp32) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/cnx" --no-tests \
+                     --models convnext_t --dtypes fp32 --work "$WORK/cnx-work" "${BASE[@]}" ;;
+    torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
+      IFS=- read -r _ _ model dtype <<<"$name"
+      step "$name" 300 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
+        python3 -m ortfuse.bench.harness \$M --provider cuda --batch 1,32 --variants ort,torch.compile --out $WORK/$name" ;;
+    *) echo "== unknown step $name" | tee -a "$LOG" ;;
+  esac
+done
 
-cp "$WORK"/sweep.md "$OUT"/ 2>/dev/null
+cp "$WORK"/sweep*.md "$OUT"/ 2>/dev/null
 cp "$WORK"/bert/results.md "$OUT"/bert-results.md 2>/dev/null
 tar -czf "$OUT/session.tar.gz" -C "$WORK" --exclude=cache --exclude='*.onnx' --exclude='*.onnx.data' . 2>>"$LOG"
 ls -la "$OUT" | tee -a "$LOG"

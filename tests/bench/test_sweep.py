@@ -70,3 +70,14 @@ def test_a_failing_tile_is_recorded_and_the_sweep_goes_on():
     assert all(r.us == 5.0 for r in res.rows if not r.error)
     text = sweep.render_md([res])
     assert "failed: RuntimeError" in text and "1 tile(s) failed to run" in text
+
+
+def test_a_shape_the_cost_model_leaves_to_ort_is_still_swept():
+    # the plan may keep a GEMM on cuBLAS (e.g. 128x768x768 at batch 1); the sweep times our tiles regardless
+    from ortfuse.api import target_for
+    from ortfuse.rewriter.shapes import build_graph
+    from ortfuse.search.regions import plan
+    g = build_graph(sweep.gemm_model(128, 768, 768), {})
+    r = sweep.forced_region(g)
+    assert r.kind == "gemm" and len(r.nodes) == 2 and r.traffic.fused_bytes > 0
+    assert [x.nodes for x in plan(g, target_for(sweep.ARCHS, True)).regions] in ([], [r.nodes])
