@@ -44,11 +44,18 @@ for name in "$@"; do
     sweep) step "$name" 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md" ;;
     sweep-rest) step "$name" 150 python3 -m ortfuse.bench.sweep --per-family 3 --json "$WORK/sweep-rest.json" \
                   --md "$WORK/sweep-rest.md" --shapes 4096x768x3072 4096x2304x768 128x768x768 128x3072x768 128x768x3072 ;;
+    sweep-diag)  # issue 5, 2026-11-26: where the fixed ~18 us per 4096x768 output goes (M scaling, no stores, warm L2)
+      step "$name" 200 python3 -m ortfuse.bench.sweep --per-family 1 --ablate --no-flush --json "$WORK/sweep-diag.json" \
+        --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;
     ncu)  # issue 5: where our GEMM's time goes next to cuBLAS's (bench/ncu_gemm.py)
       step "$name" 100 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 2 ;;
+    ncu-source)  # the same for 4096x768x768, with per-instruction stall sampling (which wait: mbarrier, store, load)
+      step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 4 \
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        python3 -m ortfuse.bench.ncu_gemm 4096x768x768 --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
     mobilenetv2-fp16) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/mnv2" --no-tests \

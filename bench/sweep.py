@@ -4,14 +4,19 @@ pipeline), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's MatM
 estimate and ptxas's registers beside each figure. It tells the mainloops apart on the same shapes, and the
 tile model's estimates from the measurements (the ratio measured / estimated per family).
 
-    python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--json OUT] [--md OUT]
+    python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
+                                  [--no-flush] [--json OUT] [--md OUT]
 
 Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
-runs on random device-resident inputs. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
+runs on random device-resident inputs. Diagnostics of each family's best tile: `--ablate` times it again
+compiled without its epilogue's stores (OFZ_ABLATE_EPILOGUE in ortfuse_gemm.h; its output is wrong, its
+mainloop is the real one), so the difference is what the stores cost; `--no-flush` times it and cuBLAS with
+the L2 as the previous run left it. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -53,6 +58,7 @@ class SweepRow:
     regs: int
     spill_bytes: int
     error: str = ""  # a launch or timing failure (us is then nan): one tile's failure does not end the sweep
+    variant: str = ""  # "" or one of VARIANTS (a diagnostic of the family's best tile)
 
     @property
     def tflops(self) -> float:
@@ -66,6 +72,7 @@ class ShapeResult:
     cublas_us: float  # ORT's MatMul alone
     ort_region_us: float  # ORT's MatMul + Add
     rows: tuple[SweepRow, ...]
+    cublas_noflush_us: Optional[float] = None  # with --no-flush: cuBLAS with the L2 as its last run left it
 
 
 def gemm_model(m: int, n: int, k: int, seed: int = 0) -> onnx.ModelProto:
@@ -101,8 +108,14 @@ def forced_region(g) -> Region:
     return dataclasses.replace(r, id=0, traffic=traffic(g, r))
 
 
-def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6,
-                cache: Optional[Path] = None) -> ShapeResult:
+ABLATE = "#define OFZ_ABLATE_EPILOGUE 1\n"  # ortfuse_gemm.h: the plain epilogue's stores left out
+VARIANTS = ("no epilogue", "no L2 flush")  # diagnostics of each family's best tile (--ablate, --no-flush)
+
+
+def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, cache: Optional[Path] = None,
+                ablate: bool = False, noflush: Optional[Timer] = None) -> ShapeResult:
+    """Every family's best tiles at one shape; with `ablate` each family's fastest again without its epilogue
+    stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed."""
     m, n, k = shape
     model = gemm_model(m, n, k)
     g = build_graph(model, {})
@@ -111,50 +124,66 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6,
     sub = region_model(g, region, {})
     feeds = random_feeds(sub, None, seed=m + n + k)
     alone = region_model(g, anchor_region(g, region), {})
-    cublas = timer(alone, random_feeds(alone, None, seed=1), False)
+    alone_feeds = random_feeds(alone, None, seed=1)
+    cublas = timer(alone, alone_feeds, False)
     ort_region = timer(sub, feeds, False)
-    rows = []
     opts = Options(archs=ARCHS, wgmma=True)
-    for family, cand, est in candidates(m, n, k, per_family):
+
+    def one(family: str, cand: tuple[int, ...], est: float, variant: str = "") -> Optional[SweepRow]:
         try:
             spec = lower(g, region, tgt, tile=cand)
         except LoweringError:
-            continue  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
-        ck = compile_kernel(render(spec.kernel), spec.kernel.name, ARCHS, cache or opts.cache)
+            return None  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
+        src = render(spec.kernel)
+        if variant == "no epilogue":
+            src = src.replace('#include "ortfuse_kernel.h"', ABLATE + '#include "ortfuse_kernel.h"', 1)
+        ck = compile_kernel(src, spec.kernel.name, ARCHS, cache or opts.cache)
         res = dict(ck.resources).get(ARCHS[0])
+        clock = noflush if variant == "no L2 flush" and noflush else timer
         err = ""
         try:
-            us = timer(fused_model(sub, fused_kernel(region, spec, ck).node), feeds, True)
+            us = clock(fused_model(sub, fused_kernel(region, spec, ck).node), feeds, True)
         except Exception as exc:  # noqa: BLE001 - recorded in the row
             us, err = math.nan, f"{type(exc).__name__}: {str(exc)[:300]}"
-        rows.append(SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0,
-                             err))
-    return ShapeResult(shape, cublas, ort_region, tuple(rows))
+        return SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0, err,
+                        variant)
+
+    rows = [r for r in (one(*c) for c in candidates(m, n, k, per_family)) if r is not None]
+    variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None)) if on]
+    for name in FAMILIES if variants else ():
+        best = min((r for r in rows if r.family == name and not r.error), key=lambda r: r.us, default=None)
+        if best is not None:
+            rows += [r for r in (one(name, best.tile, best.est_us, v) for v in variants) if r is not None]
+    cublas_warm = noflush(alone, alone_feeds, False) if noflush else None
+    return ShapeResult(shape, cublas, ort_region, tuple(rows), cublas_warm)
 
 
 def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6, timer: Optional[Timer] = None,
-        on_shape: Optional[Callable[[list[ShapeResult]], None]] = None) -> list[ShapeResult]:
+        on_shape: Optional[Callable[[list[ShapeResult]], None]] = None, ablate: bool = False,
+        no_flush: bool = False, noflush_timer: Optional[Timer] = None) -> list[ShapeResult]:
     """Every shape in turn; `on_shape` sees the results so far after each (a cut-off run keeps them)."""
     if timer is None:
         from ortfuse.profile import device_timer
         timer = device_timer
+        if no_flush and noflush_timer is None:
+            noflush_timer = functools.partial(device_timer, flush_l2=False)
     out: list[ShapeResult] = []
     for s in shapes:
-        out.append(sweep_shape(s, timer, per_family))
+        out.append(sweep_shape(s, timer, per_family, ablate=ablate, noflush=noflush_timer if no_flush else None))
         if on_shape:
             on_shape(out)
     return out
 
 
 def summary(results: Sequence[ShapeResult]) -> list[str]:
-    """Per family: its best tile over cuBLAS per shape, and the median of measured / estimated."""
+    """Per family: its best tile over cuBLAS per shape, and the median of measured / estimated; with the
+    diagnostics, the share of the best tile's time its epilogue stores take, and what a warm L2 changes."""
     out = []
     for name in FAMILIES:
-        best = [min((r for r in res.rows if r.family == name and not r.error), key=lambda r: r.us, default=None)
-            for res in results]
+        best = [_best(res, name) for res in results]
         ratios = [b.us / res.cublas_us for b, res in zip(best, results) if b is not None]
         model = [r.us / r.est_us for res in results for r in res.rows
-                 if r.family == name and r.est_us > 0 and not r.error]
+                 if r.family == name and r.est_us > 0 and not r.error and not r.variant]
         failed = sum(1 for res in results for r in res.rows if r.family == name and r.error)
         if failed:
             out.append(f"{name}: {failed} tile(s) failed to run (rows marked 'failed')")
@@ -162,7 +191,22 @@ def summary(results: Sequence[ShapeResult]) -> list[str]:
             out.append(f"{name}: best tile / cuBLAS median {float(np.median(ratios)):.2f} (range "
                        f"{min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} shapes; measured / estimated "
                        f"median {float(np.median(model)):.2f}")
+        for variant in VARIANTS:
+            pairs = [(b, v) for b, res in zip(best, results) if b is not None
+                     for v in res.rows if v.variant == variant and v.family == name and v.tile == b.tile and not v.error]
+            if pairs:
+                cells = ", ".join(f"{'x'.join(map(str, b.shape))} {b.us:.1f} -> {v.us:.1f} us" for b, v in pairs)
+                out.append(f"{name} best tile, {variant}: {cells}")
+    warm = [f"{'x'.join(map(str, r.shape))} {r.cublas_us:.1f} -> {r.cublas_noflush_us:.1f} us"
+            for r in results if r.cublas_noflush_us is not None]
+    if warm:
+        out.append("cuBLAS, no L2 flush: " + ", ".join(warm))
     return out
+
+
+def _best(res: ShapeResult, family: str) -> Optional[SweepRow]:
+    return min((r for r in res.rows if r.family == family and not r.error and not r.variant),
+               key=lambda r: r.us, default=None)
 
 
 def render_md(results: Sequence[ShapeResult]) -> str:
@@ -179,7 +223,8 @@ def render_md(results: Sequence[ShapeResult]) -> str:
                 lines.append(f"| {r.family} | {tile_label(r.tile)} | failed: {r.error} | | | {r.est_us:.1f} | "
                              f"{r.regs} | {r.spill_bytes} |")
                 continue
-            lines.append(f"| {r.family} | {tile_label(r.tile)} | {r.us:.1f} | {r.tflops:.0f} | "
+            label = tile_label(r.tile) + (f" ({r.variant})" if r.variant else "")
+            lines.append(f"| {r.family} | {label} | {r.us:.1f} | {r.tflops:.0f} | "
                          f"{r.us / res.cublas_us:.2f} | {r.est_us:.1f} | {r.regs} | {r.spill_bytes} |")
         lines.append("")
     return "\n".join([*lines, *summary(results)]) + "\n"
@@ -200,6 +245,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", type=_shape, default=list(SHAPES), metavar="MxNxK")
     ap.add_argument("--per-family", type=int, default=6, help="the model's best N tiles of each family")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time each family's best tile without its epilogue stores (mainloop alone)")
+    ap.add_argument("--no-flush", action="store_true",
+                    help="also time cuBLAS and each family's best tile without flushing the L2 before a run")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
@@ -210,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.json:
             a.json.write_text(json.dumps(as_json(results), indent=1))
 
-    results = run(a.shapes, a.per_family, on_shape=write)
+    results = run(a.shapes, a.per_family, on_shape=write, ablate=a.ablate, no_flush=a.no_flush)
     print(render_md(results))
     return 0 if all(math.isfinite(r.us) for res in results for r in res.rows) else 1
 

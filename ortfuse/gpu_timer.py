@@ -130,12 +130,12 @@ class GpuTimer:
         return self.time(self._floor_run, warmup=5, runs=runs).enqueue_us
 
 
-_shared: Optional[GpuTimer] = None
+_shared: dict[bool, GpuTimer] = {}
 
 
-def shared() -> GpuTimer:
-    """The process's timer (one stream and flush buffer for every measurement)."""
-    global _shared
-    if _shared is None:
-        _shared = GpuTimer()
-    return _shared
+def shared(flush_l2: bool = True) -> GpuTimer:
+    """The process's timer (one stream and flush buffer for every measurement); `flush_l2=False` gives a
+    second one that leaves the L2 as the previous run left it (bench/sweep.py --no-flush)."""
+    if flush_l2 not in _shared:
+        _shared[flush_l2] = GpuTimer(flush_l2)
+    return _shared[flush_l2]

@@ -256,11 +256,12 @@ def cuda_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: b
                            "with the host clock") from e
 
 
-def device_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool) -> float:
+def device_timer(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bool,
+                 flush_l2: bool = True) -> float:
     """Median device microseconds of one run (ortfuse.gpu_timer), host overhead excluded: kernel against
-    kernel (bench/kernels.py). Needs the GPU."""
+    kernel (bench/kernels.py); without `flush_l2` the L2 keeps what the previous run left. Needs the GPU."""
     from ortfuse import gpu_timer
-    t = gpu_timer.shared()
+    t = gpu_timer.shared(flush_l2)
     return t.time(bound_run(model, feeds, fused, t.cuda_options(), t.run_options()), WARMUP, RUNS).gpu_us
 
 

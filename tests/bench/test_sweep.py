@@ -81,3 +81,49 @@ def test_a_shape_the_cost_model_leaves_to_ort_is_still_swept():
     r = sweep.forced_region(g)
     assert r.kind == "gemm" and len(r.nodes) == 2 and r.traffic.fused_bytes > 0
     assert [x.nodes for x in plan(g, target_for(sweep.ARCHS, True)).regions] in ([], [r.nodes])
+
+
+def test_diagnostics_time_each_familys_best_tile_without_its_stores_and_unflushed():
+    calls: list = []
+    warm: list = []
+
+    def noflush(model, feeds, fused):
+        warm.append(fused)
+        return 3.0
+
+    (res,) = sweep.run([(256, 192, 128)], per_family=2, timer=_timer(calls), ablate=True, no_flush=True,
+                       noflush_timer=noflush)
+    plain = [r for r in res.rows if not r.variant]
+    ablated = [r for r in res.rows if r.variant == "no epilogue"]
+    unflushed = [r for r in res.rows if r.variant == "no L2 flush"]
+    assert len(plain) == 6 and len(ablated) == 3 and len(unflushed) == 3
+    assert {r.family for r in ablated} == set(sweep.FAMILIES)
+    assert all(r.us == 3.0 for r in unflushed) and res.cublas_noflush_us == 3.0 and warm.count(False) == 1
+    # the ablated kernel ran on the CPU through its function body, so its figure is the stand-in's; what
+    # matters here is that it is a different kernel: compiled with the ablation define
+    text = sweep.render_md([res])
+    assert "(no epilogue)" in text and "best tile, no epilogue:" in text and "cuBLAS, no L2 flush: 256x192x128 4.0 -> 3.0 us" in text
+    assert "best tile / cuBLAS median 1.25" in text  # the diagnostics do not count as tiles
+
+
+def test_the_ablation_define_removes_the_epilogue_stores(tmp_path):
+    # compiled for sm_90a: the ablated kernel keeps its TMA copies and wgmma; its stores sit behind the
+    # never-true compare with 1e-38 (0f006CE3EE in PTX), which the real kernel does not have
+    from ortfuse.api import target_for
+    from ortfuse.customops.compile import compile_kernel
+    from ortfuse.customops.lower import lower
+    from ortfuse.customops.printer import render
+    from ortfuse.rewriter.shapes import build_graph
+    g = build_graph(sweep.gemm_model(256, 192, 128), {})
+    region = sweep.forced_region(g)
+    cand = [c for f, c, _ in sweep.candidates(256, 192, 128, 1) if f == "wgmma+TMA"][0]
+    spec = lower(g, region, target_for(sweep.ARCHS, True), tile=cand)
+    src = render(spec.kernel)
+    ablated = src.replace('#include "ortfuse_kernel.h"', sweep.ABLATE + '#include "ortfuse_kernel.h"', 1)
+    assert ablated != src
+    full = compile_kernel(src, spec.kernel.name, sweep.ARCHS, tmp_path)
+    cut = compile_kernel(ablated, spec.kernel.name, sweep.ARCHS, tmp_path)
+    ptx_full, ptx_cut = full.ptx.decode() if isinstance(full.ptx, bytes) else full.ptx, \
+        cut.ptx.decode() if isinstance(cut.ptx, bytes) else cut.ptx
+    assert "wgmma.mma_async" in ptx_cut and "cp.async.bulk.tensor" in ptx_cut
+    assert "0F006CE3EE" in ptx_cut.upper() and "0F006CE3EE" not in ptx_full.upper()
