@@ -133,7 +133,7 @@ def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
         out.append(f"{ind}}}")
     elif isinstance(s, ir.VecLoad):
         out.append(f"{ind}{C_TYPE[s.storage]} {s.name}[{s.width}];")
-        out.append(f"{ind}ofz::load_vec<{s.width}>(t{s.arg} + {expr(s.offset)}, {s.name});")
+        out.append(f"{ind}ofz::load_arg<{s.width}>(t{s.arg} + {expr(s.offset)}, {s.name});")
     elif isinstance(s, ir.Store):
         out.append(f"{ind}t{s.arg}[{expr(s.offset)}] = {_convert_out(expr(s.value), s.storage)};")
     elif isinstance(s, ir.VecStore):

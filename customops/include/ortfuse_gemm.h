@@ -544,6 +544,16 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
     });
     return;
 #endif
+    if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: no per-fragment branch, so the epilogue is one
+      // block of straight-line code in which the compiler issues the input loads (ld_readonly) ahead of the
+      // stores instead of one load after each store
+      visit([&](int r, int c, const float* v, int count) {
+        if (count == 2) Ops::epi2(a, b, m0 + r, n0 + c, v[0], v[1]);
+        else
+          for (int e = 0; e < count; ++e) Ops::epi1(a, b, m0 + r, n0 + c + e, v[e]);
+      });
+      return;
+    }
     visit([&](int r, int c, const float* v, int count) {
       const ofz_i64 m = m0 + r, n = n0 + c;
       if (m >= M) return;
