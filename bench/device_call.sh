@@ -62,6 +62,10 @@ for name in "$@"; do
                         --models mobilenetv2 --dtypes fp16 --work "$WORK/mnv2-work" "${BASE[@]}" ;;
     convnext-fp32) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/cnx" --no-tests \
                      --models convnext_t --dtypes fp32 --work "$WORK/cnx-work" "${BASE[@]}" ;;
+    shipped)  # the trained models from PyPI wheels: a warm call after one that carried .devgpu, carrying
+      # [".zoo-wheels"] alone (bench/README "GPU suite" fills it here; .devgpu stays on the machine)
+      step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/shipped" --no-tests --wheels .zoo-wheels \
+        --models ppocr_det ppocr_rec magika --work "$WORK/shipped-work" "${BASE[@]}" ;;
     torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
       IFS=- read -r _ _ model dtype <<<"$name"
       step "$name" 300 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
