@@ -80,8 +80,9 @@ template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const 
 // ORT never hands a fused op an output that aliases an input (no MayInplace), so an input is read-only for
 // the whole kernel: it is read through the non-coherent path with an asm that is neither volatile nor a
 // memory clobber, which the compiler may move past the kernel's stores. Without that, each of an epilogue's
-// bias or residual loads waited for the store before it (a possible alias), and a 4096 x 768 GEMM spent
-// ~18 us on its epilogue (H200, 2026-11-26). An output read back (non-const pointer) is an ordinary load.
+// bias or residual loads waited for the store before it (a possible alias): the likely cause of a fixed
+// ~18 us per 4096 x 768 GEMM output on the H200 (2026-11-26, docs/results.md; not yet re-measured). An
+// output read back (non-const pointer) is an ordinary load.
 template <class W> __device__ __forceinline__ W ld_readonly(const void* p);
 #ifdef ORTFUSE_EMU
 template <class W> __device__ __forceinline__ W ld_readonly(const void* p) {
