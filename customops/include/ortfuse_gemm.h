@@ -495,23 +495,39 @@ __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Vi
   const int r1 = r0 + per < BM ? r0 + per : BM;
   const int rows = (int)(M - m0 < (ofz_i64)r1 ? M - m0 : (ofz_i64)r1) - r0;  // may be <= 0
   const int cols = (int)(N - n0 < (ofz_i64)BN ? N - n0 : (ofz_i64)BN);
-  const int pairs = (cols + 1) / 2;
-  for (int e = threadIdx.x; e < rows * pairs; e += kThreads) {  // adjacent threads: adjacent column pairs
-    const int r = r0 + e / pairs, c = 2 * (e % pairs), off = r * kRowLd + c;
-    float v0 = 0.0f, v1 = 0.0f;
-    for (unsigned q = 0; q < splits; ++q) {
-      const float* src = q == rank ? part : cluster_map(part, q);
-      v0 += src[off];
-      if (c + 1 < cols) v1 += src[off + 1];
+  const int pairs = (cols + 1) / 2, total = rows * pairs;
+  // kChunk pairs per thread at a time: first every partial sum of the chunk (distributed shared memory
+  // reads, nothing stored in between, so they are in flight together), then their epilogues. One pair at
+  // a time waited for its remote reads and its bias load before each store.
+  constexpr int kChunk = 4;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kChunk * kThreads) {  // adjacent threads: adjacent column pairs
+    float v0[kChunk], v1[kChunk];
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u) {
+      const int e = e0 + u * kThreads;
+      v0[u] = v1[u] = 0.0f;
+      if (e >= total) continue;
+      const int c = 2 * (e % pairs), off = (r0 + e / pairs) * kRowLd + c;
+      for (unsigned q = 0; q < splits; ++q) {
+        const float* src = q == rank ? part : cluster_map(part, q);
+        v0[u] += src[off];
+        if (c + 1 < cols) v1[u] += src[off + 1];
+      }
     }
-    const ofz_i64 m = m0 + r, n = n0 + c;
-    if constexpr (ROW_TPR > 0) {  // X into the block's own rows of its buffer (no other block reads them)
-      part[off] = Ops::row_in(a, b, m, n, v0);
-      if (c + 1 < cols) part[off + 1] = Ops::row_in(a, b, m, n + 1, v1);
-    } else if (c + 1 < cols) {
-      Ops::epi2(a, b, m, n, v0, v1);
-    } else {
-      Ops::epi1(a, b, m, n, v0);
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u) {
+      const int e = e0 + u * kThreads;
+      if (e >= total) continue;
+      const int r = r0 + e / pairs, c = 2 * (e % pairs), off = r * kRowLd + c;
+      const ofz_i64 m = m0 + r, n = n0 + c;
+      if constexpr (ROW_TPR > 0) {  // X into the block's own rows of its buffer (no other block reads them)
+        part[off] = Ops::row_in(a, b, m, n, v0[u]);
+        if (c + 1 < cols) part[off + 1] = Ops::row_in(a, b, m, n + 1, v1[u]);
+      } else if (c + 1 < cols) {
+        Ops::epi2(a, b, m, n, v0[u], v1[u]);
+      } else {
+        Ops::epi1(a, b, m, n, v0[u]);
+      }
     }
   }
   if constexpr (ROW_TPR > 0) {

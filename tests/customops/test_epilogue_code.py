@@ -54,3 +54,21 @@ def test_a_whole_tiles_bias_loads_issue_ahead_of_its_stores():
     # 128 x 192 tile, a warpgroup's 64 x 192: 24 column pairs per thread, each bias pair loaded once
     assert best >= 16, ops[:40]
     assert not any("STG.E.U16" in ins for ins in ops[-60:])  # the whole-tile path's stores are words
+
+
+def test_split_k_reduction_reads_a_chunk_of_partial_sums_together():
+    # batch-1 BERT FFN-down (128x768x3072, split 8 in clusters): each thread reads the cluster's partial sums
+    # of four column pairs before their epilogues; one pair at a time left one remote-read latency per pair
+    try:
+        from ortfuse.bench.sass import cuobjdump, sass
+        cuobjdump()
+    except (ImportError, FileNotFoundError) as err:
+        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    _, ck = _kernel("mma.sync", 128, 768, 3072)
+    ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for _, ins in sass(dict(ck.cubins)[90])]
+    ops = [op for op in ops if op.startswith(("LD", "ST"))]  # the memory instructions, in program order
+    run = best = 0
+    for op in ops:
+        run = run + 1 if op.startswith("LD.E") else 0
+        best = max(best, run)
+    assert best >= 40, best  # 4 pairs x 2 columns x the 7 other blocks' partials (and its own)
