@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ortfuse.customops.compile import atomic_write
+from ortfuse.customops.compile import atomic_write, headers_digest
 from ortfuse.errors import OrtfuseError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.graph import Graph
@@ -349,6 +349,7 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     (tile, fused node) pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
     timer = timer or cuda_timer
     dev = device or f"{device_name()} / {clock()} / {MEASURE}"
+    headers = headers_digest()
     cache = _Cache(cache_path)
     out = []
     try:
@@ -362,7 +363,9 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
                 sig = signature(sub)
                 ort_us.append(cache.get(_digest("ort", sig, dev), lambda: timer(sub, feeds, False)))
                 for (_, node), ts in zip(cands, ours):
-                    key = _digest("ours", sig, _source(node), dev)
+                    # the kernel's source includes the headers: a change there (an epilogue, a mainloop) is
+                    # another kernel, whose time is measured afresh
+                    key = _digest("ours", sig, _source(node), headers, dev)
                     ts.append(cache.get(key, lambda: timer(fused_model(sub, node), feeds, True)))
             per_tile = tuple((tile, tuple(ts)) for (tile, _), ts in zip(cands, ours))
             best_tile, best = min(per_tile, key=lambda x: geomean(x[1]))
@@ -380,6 +383,7 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
     for the rest of the region, at each binding, measured and cached like `place`."""
     timer = timer or cuda_timer
     dev = device or f"{device_name()} / {clock()} / {MEASURE}"
+    headers = headers_digest()
     cache = _Cache(cache_path)
     out = []
     try:

@@ -83,6 +83,22 @@ def test_profile_keeps_only_regions_faster_than_ort(monkeypatch, tmp_path, ours,
     assert len(calls) == n
 
 
+def test_a_header_change_measures_our_kernels_again_but_not_orts(monkeypatch, tmp_path):
+    # the kernel source names its headers (ortfuse_gemm.h ...) without their text: a new epilogue in a
+    # header is a new kernel, so its cached time must not be reused; ORT's side is unchanged
+    calls: list[bool] = []
+    monkeypatch.setattr(prof, "cuda_timer", _stand_in({"ort": 10.0, "ours": 5.0}, calls))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    opts = Options(archs=(90,), cache=tmp_path, profile=True)
+    compile_model(_encoder_block(), {"x": (4, 64)}, "sm_90", options=opts)
+    first = list(calls)
+    assert True in first and False in first
+    monkeypatch.setattr(prof, "headers_digest", lambda: "another header text")
+    compile_model(_encoder_block(), {"x": (4, 64)}, "sm_90", options=opts)
+    again = calls[len(first):]
+    assert again and all(again)  # only our kernels were timed again
+
+
 def test_profile_picks_the_fastest_tile(monkeypatch, tmp_path):
     res0 = compile_model(_encoder_block(), {"x": (512, 64)}, "sm_90")
     tiles = res0.kernels[0].spec.tiles
