@@ -12,16 +12,8 @@ import argparse
 import warnings
 from typing import Optional
 
-from ortfuse.api import fused_kernel, target_for
 from ortfuse.bench import sweep
-from ortfuse.bench.kernels import anchor_region
-from ortfuse.config import Options
-from ortfuse.customops.compile import compile_kernel
-from ortfuse.customops.lower import lower
-from ortfuse.customops.printer import render
-from ortfuse.feeds import random_feeds
-from ortfuse.profile import fused_model, region_model, tile_label
-from ortfuse.rewriter.shapes import build_graph
+from ortfuse.profile import tile_label
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -33,28 +25,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     import onnxruntime as ort
 
     from ortfuse.runtime import InferenceSession
-    m, n, k = a.shape
-    g = build_graph(sweep.gemm_model(m, n, k), {})
-    tgt = target_for(sweep.ARCHS, True)
-    region = sweep.forced_region(g)
-    sub = region_model(g, region, {})
-    feeds = random_feeds(sub, None, seed=m + n + k)
-    alone = region_model(g, anchor_region(g, region), {})
+    case = sweep.GemmCase.of(a.shape)
     cuda = ["CUDAExecutionProvider"]
-    print(f"{m}x{n}x{k}: cuBLAS = ORT's MatMul alone")
-    sess = ort.InferenceSession(alone.SerializeToString(), providers=cuda)
+    print("{}x{}x{}: cuBLAS = ORT's MatMul alone".format(*a.shape))
+    sess = ort.InferenceSession(case.alone.SerializeToString(), providers=cuda)
     for _ in range(a.runs):
-        sess.run(None, random_feeds(alone, None, seed=1))
-    opts = Options(archs=sweep.ARCHS, wgmma=True)
-    for family, cand, _ in sweep.candidates(m, n, k, a.per_family):
-        spec = lower(g, region, tgt, tile=cand)
-        ck = compile_kernel(render(spec.kernel), spec.kernel.name, sweep.ARCHS, opts.cache)
-        print(f"{spec.kernel.name} = {family} {tile_label(cand)}")
+        sess.run(None, dict(case.alone_feeds))
+    for family, cand, _ in sweep.candidates(*a.shape, a.per_family):
+        built = case.build(cand)
+        print(f"{built.name} = {family} {tile_label(cand)}")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fallback to the function body would profile ORT, not us
-            fs = InferenceSession(fused_model(sub, fused_kernel(region, spec, ck).node), providers=cuda)
+            fs = InferenceSession(built.model, providers=cuda)
         for _ in range(a.runs):
-            fs.run(None, dict(feeds))
+            fs.run(None, dict(case.feeds))
     return 0
 
 

@@ -31,11 +31,12 @@ from ortfuse.api import fused_kernel, target_for
 from ortfuse.bench.kernels import Timer, anchor_region
 from ortfuse.config import Options
 from ortfuse.customops import tiles as tl
-from ortfuse.customops.compile import compile_kernel
+from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.feeds import random_feeds
 from ortfuse.profile import fused_model, region_model, tile_label
+from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import legal
 from ortfuse.search.cost import traffic
@@ -112,49 +113,77 @@ ABLATE = "#define OFZ_ABLATE_EPILOGUE 1\n"  # ortfuse_gemm.h: the plain epilogue
 VARIANTS = ("no epilogue", "no L2 flush")  # diagnostics of each family's best tile (--ablate, --no-flush)
 
 
+@dataclass(frozen=True)
+class Built:
+    name: str  # the kernel's entry point
+    source: str
+    compiled: CompiledKernel
+    model: onnx.ModelProto  # the region's sub-model with the fused node in its place
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    """One shape of the sweep: its forced region, the region's sub-model (ORT's MatMul + Add) and ORT's bare
+    MatMul (cuBLAS), each with random inputs; `build` makes our kernel for a tile (bench/ncu_gemm.py too)."""
+    shape: tuple[int, int, int]
+    g: Graph
+    region: Region
+    sub: onnx.ModelProto
+    feeds: dict
+    alone: onnx.ModelProto
+    alone_feeds: dict
+
+    @classmethod
+    def of(cls, shape: tuple[int, int, int]) -> "GemmCase":
+        m, n, k = shape
+        g = build_graph(gemm_model(m, n, k), {})
+        region = forced_region(g)
+        sub = region_model(g, region, {})
+        alone = region_model(g, anchor_region(g, region), {})
+        return cls(shape, g, region, sub, random_feeds(sub, None, seed=m + n + k), alone,
+                   random_feeds(alone, None, seed=1))
+
+    def build(self, cand: tuple[int, ...], cache: Optional[Path] = None, ablate: bool = False) -> Built:
+        """Our kernel at tile `cand` (LoweringError if this GEMM cannot take it); `ablate`: without its
+        epilogue's stores."""
+        spec = lower(self.g, self.region, target_for(ARCHS, True), tile=cand)
+        src = render(spec.kernel)
+        if ablate:
+            src = src.replace('#include "ortfuse_kernel.h"', ABLATE + '#include "ortfuse_kernel.h"', 1)
+        ck = compile_kernel(src, spec.kernel.name, ARCHS, cache or Options(archs=ARCHS, wgmma=True).cache)
+        return Built(spec.kernel.name, src, ck, fused_model(self.sub, fused_kernel(self.region, spec, ck).node))
+
+
 def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, cache: Optional[Path] = None,
                 ablate: bool = False, noflush: Optional[Timer] = None) -> ShapeResult:
     """Every family's best tiles at one shape; with `ablate` each family's fastest again without its epilogue
     stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed."""
-    m, n, k = shape
-    model = gemm_model(m, n, k)
-    g = build_graph(model, {})
-    tgt = target_for(ARCHS, True)
-    region = forced_region(g)
-    sub = region_model(g, region, {})
-    feeds = random_feeds(sub, None, seed=m + n + k)
-    alone = region_model(g, anchor_region(g, region), {})
-    alone_feeds = random_feeds(alone, None, seed=1)
-    cublas = timer(alone, alone_feeds, False)
-    ort_region = timer(sub, feeds, False)
-    opts = Options(archs=ARCHS, wgmma=True)
+    case = GemmCase.of(shape)
+    cublas = timer(case.alone, case.alone_feeds, False)
+    ort_region = timer(case.sub, case.feeds, False)
 
     def one(family: str, cand: tuple[int, ...], est: float, variant: str = "") -> Optional[SweepRow]:
         try:
-            spec = lower(g, region, tgt, tile=cand)
+            built = case.build(cand, cache, ablate=variant == "no epilogue")
         except LoweringError:
             return None  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
-        src = render(spec.kernel)
-        if variant == "no epilogue":
-            src = src.replace('#include "ortfuse_kernel.h"', ABLATE + '#include "ortfuse_kernel.h"', 1)
-        ck = compile_kernel(src, spec.kernel.name, ARCHS, cache or opts.cache)
-        res = dict(ck.resources).get(ARCHS[0])
+        res = dict(built.compiled.resources).get(ARCHS[0])
         clock = noflush if variant == "no L2 flush" and noflush else timer
         err = ""
         try:
-            us = clock(fused_model(sub, fused_kernel(region, spec, ck).node), feeds, True)
+            us = clock(built.model, case.feeds, True)
         except Exception as exc:  # noqa: BLE001 - recorded in the row
             us, err = math.nan, f"{type(exc).__name__}: {str(exc)[:300]}"
         return SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0, err,
                         variant)
 
-    rows = [r for r in (one(*c) for c in candidates(m, n, k, per_family)) if r is not None]
+    rows = [r for r in (one(*c) for c in candidates(*shape, per_family)) if r is not None]
     variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None)) if on]
     for name in FAMILIES if variants else ():
-        best = min((r for r in rows if r.family == name and not r.error), key=lambda r: r.us, default=None)
+        best = _best(rows, name)
         if best is not None:
             rows += [r for r in (one(name, best.tile, best.est_us, v) for v in variants) if r is not None]
-    cublas_warm = noflush(alone, alone_feeds, False) if noflush else None
+    cublas_warm = noflush(case.alone, case.alone_feeds, False) if noflush else None
     return ShapeResult(shape, cublas, ort_region, tuple(rows), cublas_warm)
 
 
@@ -180,7 +209,7 @@ def summary(results: Sequence[ShapeResult]) -> list[str]:
     diagnostics, the share of the best tile's time its epilogue stores take, and what a warm L2 changes."""
     out = []
     for name in FAMILIES:
-        best = [_best(res, name) for res in results]
+        best = [_best(res.rows, name) for res in results]
         ratios = [b.us / res.cublas_us for b, res in zip(best, results) if b is not None]
         model = [r.us / r.est_us for res in results for r in res.rows
                  if r.family == name and r.est_us > 0 and not r.error and not r.variant]
@@ -204,8 +233,9 @@ def summary(results: Sequence[ShapeResult]) -> list[str]:
     return out
 
 
-def _best(res: ShapeResult, family: str) -> Optional[SweepRow]:
-    return min((r for r in res.rows if r.family == family and not r.error and not r.variant),
+def _best(rows: Sequence[SweepRow], family: str) -> Optional[SweepRow]:
+    """The family's fastest tile that ran (its diagnostics aside)."""
+    return min((r for r in rows if r.family == family and not r.error and not r.variant),
                key=lambda r: r.us, default=None)
 
 

@@ -109,21 +109,10 @@ def test_diagnostics_time_each_familys_best_tile_without_its_stores_and_unflushe
 def test_the_ablation_define_removes_the_epilogue_stores(tmp_path):
     # compiled for sm_90a: the ablated kernel keeps its TMA copies and wgmma; its stores sit behind the
     # never-true compare with 1e-38 (0f006CE3EE in PTX), which the real kernel does not have
-    from ortfuse.api import target_for
-    from ortfuse.customops.compile import compile_kernel
-    from ortfuse.customops.lower import lower
-    from ortfuse.customops.printer import render
-    from ortfuse.rewriter.shapes import build_graph
-    g = build_graph(sweep.gemm_model(256, 192, 128), {})
-    region = sweep.forced_region(g)
+    case = sweep.GemmCase.of((256, 192, 128))
     cand = [c for f, c, _ in sweep.candidates(256, 192, 128, 1) if f == "wgmma+TMA"][0]
-    spec = lower(g, region, target_for(sweep.ARCHS, True), tile=cand)
-    src = render(spec.kernel)
-    ablated = src.replace('#include "ortfuse_kernel.h"', sweep.ABLATE + '#include "ortfuse_kernel.h"', 1)
-    assert ablated != src
-    full = compile_kernel(src, spec.kernel.name, sweep.ARCHS, tmp_path)
-    cut = compile_kernel(ablated, spec.kernel.name, sweep.ARCHS, tmp_path)
-    ptx_full, ptx_cut = full.ptx.decode() if isinstance(full.ptx, bytes) else full.ptx, \
-        cut.ptx.decode() if isinstance(cut.ptx, bytes) else cut.ptx
+    full, cut = case.build(cand, tmp_path), case.build(cand, tmp_path, ablate=True)
+    assert cut.source != full.source and sweep.ABLATE in cut.source
+    ptx_full, ptx_cut = full.compiled.ptx.decode(), cut.compiled.ptx.decode()
     assert "wgmma.mma_async" in ptx_cut and "cp.async.bulk.tensor" in ptx_cut
     assert "0F006CE3EE" in ptx_cut.upper() and "0F006CE3EE" not in ptx_full.upper()

@@ -11,21 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ortfuse.api import target_for
 from ortfuse.bench import sweep
-from ortfuse.customops.compile import compile_kernel
-from ortfuse.customops.lower import lower
-from ortfuse.customops.printer import render
-from ortfuse.rewriter.shapes import build_graph
 
 
 def _kernel(family: str, m: int = 4096, n: int = 768, k: int = 768):
-    g = build_graph(sweep.gemm_model(m, n, k), {})
-    region = sweep.forced_region(g)
     cand = next(c for f, c, _ in sweep.candidates(m, n, k, 1) if f == family)
-    spec = lower(g, region, target_for(sweep.ARCHS, True), tile=cand)
-    src = render(spec.kernel)
-    return src, compile_kernel(src, spec.kernel.name, sweep.ARCHS, Path(tempfile.mkdtemp()))
+    built = sweep.GemmCase.of((m, n, k)).build(cand, Path(tempfile.mkdtemp()))
+    return built.source, built.compiled
 
 
 @pytest.mark.parametrize("family", list(sweep.FAMILIES))
