@@ -43,6 +43,7 @@ from ortfuse.config import Options
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import render as render_source
+from ortfuse.customops.tiles import GemmTile
 from ortfuse.feeds import random_feeds
 from ortfuse.profile import fused_model, profile_bindings, region_model, signature, tile_label
 from ortfuse.rewriter.replace import FusedNode
@@ -203,7 +204,7 @@ def mha_model(s: AttentionSize, mask: Optional[str] = None, seed: int = 0) -> tu
 # --- measurement -------------------------------------------------------------------------------------------
 
 def _family(tile: Sequence[int]) -> int:
-    return tile[7] if len(tile) > 7 else 0  # GemmTile.family: mma.sync, wgmma, wgmma fed by TMA
+    return GemmTile.of_candidate(tile).family  # mma.sync, wgmma, wgmma fed by TMA
 
 
 def other_families(res: OptimizeResult, k: FusedKernel) -> list[tuple[str, FusedNode]]:
