@@ -52,6 +52,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.Attribute
         *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
         *([_ints("tma", [v for t in spec.tma for v in t])] if spec.tma else []),
         *([helper.make_attribute("blocks_per_sm", spec.blocks_per_sm)] if spec.blocks_per_sm else []),
+        *([helper.make_attribute("row_cluster", spec.row_cluster)] if spec.row_cluster > 1 else []),
         helper.make_attribute("source", ck.source),
     ]
 
@@ -78,6 +79,7 @@ class Launch:
     dim_checks: tuple[tuple[int, int, int], ...] = ()  # (input, axis, term): must equal the term (like units)
     tma: tuple[tuple[int, int, int], ...] = ()  # (input, box rows, element type): KernelSpec.tma
     blocks_per_sm: int = 0  # a persistent kernel's grid cap per SM (0: none)
+    row_cluster: int = 1  # exact blocks per cluster of a row split across a cluster (1: none)
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
@@ -137,7 +139,7 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits),
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
                   tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])),
-                  int(a.get("blocks_per_sm", 0)))
+                  int(a.get("blocks_per_sm", 0)), int(a.get("row_cluster", 1)))
 
 
 def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:

@@ -139,6 +139,15 @@ class RowReduce:
 
 
 @dataclass(frozen=True)
+class RowPut:
+    """`ofz_slots[offset] = value`: a row reduction's partial over the block's columns, for the cluster's other
+    blocks (a row split across a cluster, ortfuse_gemm.h); read back combined by Op("xrow_<op>", (offset,))."""
+
+    offset: Expr
+    value: Expr
+
+
+@dataclass(frozen=True)
 class Comment:
     text: str
 
@@ -153,7 +162,7 @@ class Call:
     args: tuple["Expr", ...]
 
 
-Stmt = Union[Let, Decl, Assign, For, If, VecLoad, Store, VecStore, RowReduce, Comment, Call]
+Stmt = Union[Let, Decl, Assign, For, If, VecLoad, Store, VecStore, RowReduce, RowPut, Comment, Call]
 
 
 @dataclass(frozen=True)
@@ -309,6 +318,8 @@ def _reads(s: Stmt) -> frozenset[str]:
         exprs = (s.offset, *s.values)
     elif isinstance(s, RowReduce):
         return frozenset((s.var.name,))
+    elif isinstance(s, RowPut):
+        exprs = (s.offset, s.value)
     elif isinstance(s, Call):
         exprs = s.args
     out: frozenset[str] = frozenset()

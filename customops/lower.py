@@ -34,6 +34,22 @@ class LoweringError(Exception):
     """The region cannot be one kernel of the shapes above; the message is the reason."""
 
 
+@dataclass
+class RowSplit:
+    """A row pass split across a thread-block cluster (lower_gemm's row-wise epilogue over N > BN columns,
+    ortfuse_gemm.h): the block's columns [n0, n1), the tile's rows (`bm`, a slot's stride), the reductions in
+    the order the pass completes them, and the pass being generated: `phase` None discovers that order;
+    phase p < len(order) reduces the block's share of reduction p into its slot (earlier ones combined over
+    the cluster, later ones not needed); len(order) is the final pass, every reduction combined."""
+
+    n0: Expr
+    n1: Expr
+    bm: int
+    order: list = dataclasses.field(default_factory=list)
+    phase: Optional[int] = None
+    reduced: bool = False  # phase p produced its reduction
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """A lowered region: the kernel and everything the fused node needs to launch it."""
@@ -80,6 +96,9 @@ class KernelSpec:
     # persistent kernels (a TMA GEMM: its producer fills the next tile's stages while the consumers store
     # this one): the grid is capped at this many blocks per SM of the device (0: one block per work unit)
     blocks_per_sm: int = 0
+    # a GEMM whose row-wise epilogue is split across a cluster (ortfuse_gemm.h RSPLIT): launched in clusters of
+    # exactly this many blocks, on sm_90+ only (1: no such split)
+    row_cluster: int = 1
 
     @property
     def block(self) -> int:
@@ -147,6 +166,9 @@ class _Lowerer:
         self.row_idx: Optional[tuple[Expr, ...]] = None
         self.row_depth = 0
         self.tpr = 0
+        self.split_row: Optional[RowSplit] = None
+        self.row_c: Optional[Expr] = None  # row_pass: the row (clamped) and whether it exists
+        self.row_active: Optional[Expr] = None
 
     # ------------------------------------------------------------------ shapes and dims
     def _shape(self, t: str) -> tuple[Dim, ...]:
@@ -520,28 +542,52 @@ class _Lowerer:
         return y
 
     def row_reduce(self, kind: str, elem: Callable[[Expr], Expr], key: object) -> Expr:
-        hit = self.lookup(("reduce", kind, key))
+        memo_key = ("reduce", kind, key)
+        hit = self.lookup(memo_key)
         if hit is not None:
             return hit
+        xs = self.split_row
+        at = xs.order.index(memo_key) if xs is not None and xs.phase is not None and memo_key in xs.order else None
+        if xs is not None and xs.phase is not None:
+            if at is None:
+                raise LoweringError("a row reduction the cluster split did not see")
         saved_scopes, saved_lanes = self.scopes, self.lanes
         self.scopes = self.scopes[:self.row_depth]
-        acc = Var(self.fresh("acc"), F32)
-        self.emit(ir.Decl(acc, ir.Const(_IDENTITY[kind], F32)))
-        self.define(acc.name)
-        c_dim = self.dim(self.r.space[-1])
+        if at is not None and at > xs.phase:  # reduced in a later phase: nothing this phase stores uses it
+            result = Var(self.fresh("r"), F32)
+            self.emit(ir.Let(result, ir.Const(1.0, F32)))
+        elif at is not None and at < xs.phase:  # every block's partial, combined in rank order
+            assert self.row_c is not None
+            result = Var(self.fresh("r"), F32)
+            slot = ir.add(ir.i64(at * xs.bm), self.row_c)
+            self.emit(ir.Let(result, ir.Op(f"xrow_{kind}", (slot,), F32)))
+        else:
+            acc = Var(self.fresh("acc"), F32)
+            self.emit(ir.Decl(acc, ir.Const(_IDENTITY[kind], F32)))
+            self.define(acc.name)
+            c_dim = self.dim(self.r.space[-1]) if xs is None else xs.n1
 
-        def body(cb: Var) -> None:
-            self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
-            for lane in self.lanes:
-                self.emit(ir.Assign(acc, ir.Op(_COMBINE[kind], (acc, elem(lane)), F32)))
+            def body(cb: Var) -> None:
+                self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+                for lane in self.lanes:
+                    self.emit(ir.Assign(acc, ir.Op(_COMBINE[kind], (acc, elem(lane)), F32)))
 
-        start = ir.mul(Var("rlane", I64), ir.i64(self.vec))
-        self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
-        self.emit(ir.RowReduce(acc, kind, self.tpr))
-        result = Var(self.fresh("r"), F32)
-        self.emit(ir.Let(result, acc))
+            start = ir.mul(Var("rlane", I64), ir.i64(self.vec))
+            if xs is not None:
+                start = ir.add(xs.n0, start)
+            self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
+            self.emit(ir.RowReduce(acc, kind, self.tpr))
+            if xs is not None and at is not None:  # phase `at`: the block's partial into the row's slot
+                assert self.row_c is not None and self.row_active is not None
+                lead = ir.Op("and", (self.row_active, ir.Op("eq", (Var("rlane", I64), ir.i64(0)), BOOL)), BOOL)
+                self.emit(ir.If(lead, (ir.RowPut(ir.add(ir.i64(at * xs.bm), self.row_c), acc),)))
+                xs.reduced = True
+            elif xs is not None:
+                xs.order.append(memo_key)
+            result = Var(self.fresh("r"), F32)
+            self.emit(ir.Let(result, acc))
         self.define(result.name)
-        self.scopes[-1].memo[("reduce", kind, key)] = result
+        self.scopes[-1].memo[memo_key] = result
         self.scopes, self.lanes = saved_scopes, saved_lanes
         return result
 
@@ -641,6 +687,7 @@ class _Lowerer:
         active = self.bind(ir.Op("lt", (row, rows), "bool"), "active")
         rowc = self.bind(ir.imin(row, ir.Op("sub", (rows, ir.i64(1)), I64)), "rowc")
         self.row_depth = len(self.scopes)
+        self.row_c, self.row_active = rowc, active
         self.row_idx = row_index(rowc)
         full = [o for o in self.r.outputs if self._shape(o) == space or o in self.perms]
         rowwise = [o for o in self.r.outputs if o not in full]
@@ -648,8 +695,30 @@ class _Lowerer:
             oshape = self._shape(o)
             if oshape not in (space[:-1], space[:-1] + (1,)):
                 raise LoweringError(f"output '{o}' of shape {oshape} is neither the reduced tensor's shape nor its row shape")
+        xs = self.split_row
+        c_start = ir.mul(Var("rlane", I64), ir.i64(self.vec))
+        c_stop = self.dim(space[-1])
+        if xs is not None:
+            c_start, c_stop = ir.add(xs.n0, c_start), xs.n1
+        if xs is not None and xs.phase is not None and xs.phase < len(xs.order):
+            # a reduction phase: every output's value is built (so its reductions are reached) into a scope
+            # that is dropped; only the reductions (in the row's scope) and their slot stores remain
+            # (at a column of its own, so nothing that reads a column is hoisted out of the dropped scope)
+            col = Var(self.fresh("c"), I64)
+            self.scopes.append(_Scope({col.name}))
+            self.lanes = (col,)
+            for o in full:
+                at = self.row_idx + (col,)
+                perm = self.perms.get(o)
+                self.value(o, tuple(at[k] for k in perm) if perm else at)
+            for o in rowwise:
+                self.value(o, self.row_idx + ((ir.i64(0),) if len(self._shape(o)) == len(space) else ()))
+            self.scopes.pop()
+            return
         self.lanes = (ir.i64(0),)
         lead = ir.Op("and", (active, ir.Op("eq", (Var("rlane", I64), ir.i64(0)), "bool")), "bool")
+        if xs is not None:  # split across a cluster: the row-shaped outputs are the first block's
+            lead = ir.Op("and", (lead, ir.Op("eq", (xs.n0, ir.i64(0)), BOOL)), BOOL)
         for o in rowwise:  # written once per row, by the row's first thread
             keep = (ir.i64(0),) if len(self._shape(o)) == len(space) else ()
             self.store_outputs([o], lambda lane: self.row_idx + keep, lead)
@@ -657,8 +726,7 @@ class _Lowerer:
             def col_body(cb: Var) -> None:
                 self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
                 self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
-            self.loop(self.fresh("c"), ir.mul(Var("rlane", I64), ir.i64(self.vec)), self.dim(space[-1]),
-                      ir.i64(self.tpr * self.vec), col_body)
+            self.loop(self.fresh("c"), c_start, c_stop, ir.i64(self.tpr * self.vec), col_body)
 
     def row_threads(self, c: Dim, cap: int) -> int:
         """Threads per row: about ROW_VECTORS_PER_THREAD vectors each, a power of two in [32, cap]."""

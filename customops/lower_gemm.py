@@ -24,7 +24,7 @@ import onnx
 
 from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
-from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
+from ortfuse.customops.lower import KernelSpec, LoweringError, RowSplit, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.rewriter.layernorm_fold import LayerNormFold
 from ortfuse.search import conv, norm_fold, ops
@@ -101,6 +101,7 @@ class _GemmLowerer(_Lowerer):
         self.ln_fold: Optional[LayerNormFold] = None
         self.tma: tuple[tuple[int, int, int], ...] = ()  # KernelSpec.tma
         self.blocks_per_sm = 0  # KernelSpec.blocks_per_sm
+        self.row_cluster = 1  # KernelSpec.row_cluster
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -111,7 +112,8 @@ class _GemmLowerer(_Lowerer):
         hit = self.lookup((t, idx))
         if hit is not None:
             return hit
-        off = ir.add(ir.mul(self.row_local, ir.i64(self.row_ld)), idx[-1])
+        col = idx[-1] if self.split_row is None else ir.add(idx[-1], ir.mul(self.split_row.n0, ir.i64(-1)))
+        off = ir.add(ir.mul(self.row_local, ir.i64(self.row_ld)), col)
         return self.remember((t, idx), self.bind(ir.Op("rowbuf", (off,), F32), "x"))
 
     # ------------------------------------------------------------------ the anchor's value in the epilogue
@@ -180,9 +182,10 @@ class _GemmLowerer(_Lowerer):
         funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: store([(vn, v0)], 1)))
 
     def row_epilogue(self, funcs: list[ir.Func], vb: Var, out_prefix, y_s: tuple[Dim, ...],
-                     tile: tl.GemmTile) -> int:
-        """row_in (X from the accumulator) and row (the reductions and outputs over the row buffer);
-        returns the threads per row."""
+                     tile: tl.GemmTile) -> tuple[str, ...]:
+        """row_in (X from the accumulator) and row (the reductions and outputs over the row buffer); split
+        across a cluster (N > BN: ortfuse_gemm.h), row_part0.. too, one per reduction. Returns the template's
+        ROW_TPR, and the Geo, SPLIT, Fold, RSPLIT, PHASES arguments when split."""
         assert self.row_tensor is not None
         x = self.row_tensor
         if self._shape(x) != y_s or tuple(self.r.space) != y_s:
@@ -201,14 +204,20 @@ class _GemmLowerer(_Lowerer):
 
         funcs.append(self.func("row_in", (vb, vm, vn, v0), row_in))
         N = y_s[-1]
+        rsplit = tl.row_split(int(N), tile)
+        if rsplit > self.tgt.max_cluster:
+            raise LoweringError(f"a {N}-column row over tiles of {tile.bn} columns needs clusters of {rsplit} blocks; "
+                                f"the target has at most {self.tgt.max_cluster}")
         self.inner_dim = N
         self.vec = self.vector_width(N)
         # enough threads per row that every thread of the block has a row of the tile
-        self.tpr = min(tile.threads, max(self.row_threads(N, min(tile.threads, hw.ROW_MAX_THREADS)),
+        self.tpr = min(tile.threads, max(self.row_threads(min(int(N), tile.bn), min(tile.threads, hw.ROW_MAX_THREADS)),
                                          tile.threads // tile.bm))
         self.row_ld = tile.bn + 4  # ortfuse_gemm.h Layout::kRowLd
         rpb = tile.threads // self.tpr
         vm0, vrows = Var("gm0", I64), Var("grows", I64)
+        vn0, vn1 = Var("gn0", I64), Var("gn1", I64)
+        buffers = (Var("ofz_row", ROW_PTR), Var("ofz_scratch", ROW_PTR))
 
         def row() -> None:
             self.acc = {}
@@ -225,8 +234,27 @@ class _GemmLowerer(_Lowerer):
             self.row_local = None
             return None
 
-        funcs.append(self.func("row", (vb, vm0, vrows, Var("ofz_row", ROW_PTR), Var("ofz_scratch", ROW_PTR)), row))
-        return self.tpr
+        if rsplit == 1:
+            funcs.append(self.func("row", (vb, vm0, vrows, *buffers), row))
+            return (str(self.tpr),)
+        xs = self.split_row = RowSplit(vn0, vn1, tile.bm)
+        try:
+            params = (vb, vm0, vrows, vn0, vn1, *buffers, Var("ofz_slots", ROW_PTR))
+            self.func("row", params, row)  # discovery: the reductions in the order the pass completes them
+            if not 1 <= len(xs.order) <= tl.ROW_SLOTS:
+                raise LoweringError(f"{len(xs.order)} row reductions; a row split across a cluster takes 1 to "
+                                    f"{tl.ROW_SLOTS}")
+            for p in range(len(xs.order)):
+                xs.phase, xs.reduced = p, False
+                funcs.append(self.func(f"row_part{p}", params, row))
+                if not xs.reduced:
+                    raise LoweringError("the row reductions depend on one another in an order the cluster split "
+                                        "cannot phase")
+            xs.phase = len(xs.order)
+            funcs.append(self.func("row", params, row))
+        finally:
+            self.split_row = None
+        return (str(self.tpr), "ofz::gemm::NoConv", "1", "ofz::gemm::NoFold", str(rsplit), str(len(xs.order)))
 
     # ------------------------------------------------------------------ Conv as an implicit GEMM
     def im2col(self, x: str, geo: conv.ConvGeom, vb: Expr, vk: Expr, vn: Expr) -> Expr:
@@ -400,8 +428,12 @@ class _GemmLowerer(_Lowerer):
             # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
             # (the batch folded into M, the weight 2-D: one tensor map each)
             fams = [(math_, ranked, chosen, b_mode == COL)]
-            for fam_math in (tl.WGMMA_OF[math_], *((tl.WS_OF[math_],) if fold and len(b_s) == 2 else ())):
-                f_ranked, f_chosen = self.choose_tile(shapes, es, fam_math, a_mode, COL)
+            for fam_math in (tl.WGMMA_OF[math_], *((tl.WS_OF[math_],) if fold and len(b_s) == 2 and not self.row_mode
+                                                   else ())):
+                try:
+                    f_ranked, f_chosen = self.choose_tile(shapes, es, fam_math, a_mode, COL)
+                except LoweringError:  # no tile of the family fits (a row-wise epilogue's row too long for a cluster)
+                    continue
                 fams.append((fam_math, f_ranked, f_chosen, True))
             if self.forced_tile is not None:
                 want = tl.GemmTile.of_candidate(self.forced_tile).family
@@ -422,14 +454,12 @@ class _GemmLowerer(_Lowerer):
             raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
         targs: tuple[str, ...] = ()
         if self.row_mode:
-            if chosen.tile.bn < int(N):
-                raise LoweringError(f"tile {chosen.tile.as_tuple()} does not span the {N}-column row")
-            tpr = self.row_epilogue(funcs, vb, out_prefix, y_s, chosen.tile)
-            targs = (str(tpr),)
+            targs = self.row_epilogue(funcs, vb, out_prefix, y_s, chosen.tile)
+            self.row_cluster = int(targs[4]) if len(targs) > 4 else 1
         if fold_targ:
             if chosen.split > 1:
                 raise LoweringError("the LayerNorm fold cannot split K")
-            targs = (targs[0] if targs else "0", "ofz::gemm::NoConv", "1", fold_targ)
+            targs = (targs[0] if targs else "0", "ofz::gemm::NoConv", "1", fold_targ, *targs[4:])
 
         batch_terms = [] if fold else [self.encode(d) for d in batch_shape]
         m_terms = ([self.encode(d) for d in batch_shape] if fold else []) + [self.encode(M)]
@@ -459,9 +489,11 @@ class _GemmLowerer(_Lowerer):
 
     def wgmma_operand(self, b_t: str, b_s: tuple[Dim, ...], b_mode: int, math_: int, a_mode: int) -> Optional[int]:
         """B's mode before a warpgroup-MMA kernel may run this GEMM, or None: the target has wgmma (and the user
-        opted in), 16-bit operands, A copied, no row-wise epilogue, and B K-major: stored [N][K] (Gemm transB)
-        or a constant [K][N] weight that nothing else reads and no user can feed, transposed offline."""
-        if not self.tgt.wgmma or math_ not in tl.WGMMA_OF or a_mode != ROW or self.row_mode:
+        opted in), 16-bit operands, A copied, a row-wise epilogue only split across a cluster, and B K-major:
+        stored [N][K] (Gemm transB) or a constant [K][N] weight that nothing else reads and no user can feed,
+        transposed offline."""
+        if not self.tgt.wgmma or math_ not in tl.WGMMA_OF or a_mode != ROW or \
+                (self.row_mode and self.tgt.max_cluster < 2):
             return None
         if b_mode == COL:
             return COL
@@ -474,7 +506,7 @@ class _GemmLowerer(_Lowerer):
 
     def joint_us(self, r: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int, b_nk: bool) -> float:
         """A chosen tile's estimate over the bindings (geometric mean), to compare tile families."""
-        ts = [tl.estimate_at(self.tgt, r, sh, es, math_, b_nk) for sh in shapes]
+        ts = [tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode) for sh in shapes]
         return math.exp(sum(math.log(max(t, 1e-9)) for t in ts) / len(ts))
 
     def choose_tile(self, shapes: list[tl.Shape], es: int, math_: int, a_mode: int, b_mode: int,
@@ -532,8 +564,8 @@ class _GemmLowerer(_Lowerer):
         aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma, tile.tma,
                              1 if tile.moves_registers else 0)
-        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split)
-        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None) > \
+        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split, self.row_cluster)
+        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None, self.row_cluster) > \
                 self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         candidates = [r.tile.candidate(r.split) for r in ranked]
@@ -552,5 +584,5 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
                       tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
-                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm)
+                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster)
 

@@ -68,6 +68,9 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "round_f16": lambda a: f"ofz::round_f16({a[0]})",
     "round_bf16": lambda a: f"ofz::round_bf16({a[0]})",
     "rowbuf": lambda a: f"ofz_row[{a[0]}]",  # GEMM row-wise epilogue: the fp32 row buffer (ortfuse_gemm.h)
+    # a row split across a cluster: every block's partial of a row reduction, combined (ortfuse_kernel.h)
+    **{f"xrow_{k}": (lambda op: lambda a: f"ofz::cluster_combine<{op}>(ofz_slots, {a[0]})")(op)
+       for k, op in REDUCE_OP.items()},
     "attn_dims": lambda a: f"ofz::attn::Dims{{{a[0]}, {a[1]}, {a[2]}, {a[3]}}}",
     "tma_maps": lambda a: "(&ofz_tma)",  # a TMA kernel's tensor maps (its second parameter)
 }
@@ -142,6 +145,8 @@ def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
         out.append(f"{ind}  ofz::store_vec<{len(s.values)}>(t{s.arg} + {expr(s.offset)}, o_); }}")
     elif isinstance(s, ir.RowReduce):
         out.append(f"{ind}{s.var.name} = ofz::row_reduce<{REDUCE_OP[s.op]}, {s.tpr}>({s.var.name}, ofz_scratch);")
+    elif isinstance(s, ir.RowPut):
+        out.append(f"{ind}ofz_slots[{expr(s.offset)}] = {expr(s.value)};")
     elif isinstance(s, ir.Comment):
         out.append(f"{ind}// {s.text}")
     elif isinstance(s, ir.Call):

@@ -44,6 +44,8 @@ WS_PRODUCER = 128  # the TMA mainloop's producer warpgroup
 # producer gives back to 40 and the consumers take 232 (setmaxnreg; ortfuse_gemm.h WsRegs)
 WS_CONSUMER_REGS = 232
 MAX_REGS = 255
+ROW_SLOTS = 4  # ortfuse_gemm.h kRowSlots: a row split across a cluster keeps this many floats per row
+ROW_PHASES_TYPICAL = 2  # reductions of a LayerNorm or Softmax row pass: the cluster barriers the estimate charges
 REG_OVERHEAD = 40  # addresses, loop counters, epilogue temporaries (estimate)
 # Issue cost of one k tile, in instructions per thread (counted in the sm_90 SASS of generated kernels with
 # cuobjdump, rounded): a cp.async chunk (advance its address, check k, issue), an operand element staged
@@ -112,11 +114,11 @@ class GemmTile:
             return WS_CONSUMER_REGS
         return min(MAX_REGS, regs_per_sm // self.threads // 8 * 8)
 
-    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1) -> int:
+    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, row_cluster: int = 1) -> int:
         """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage (wgmma: swizzled,
         unskewed, plus alignment slack); with a row-wise epilogue or split-K, at least the fp32 [BM][BN + 4]
         tile buffer (which reuses the drained stages), followed under split-K by the row epilogue's
-        reduction scratch."""
+        reduction scratch, and with a row split across a cluster by that scratch and the reductions' slots."""
         pad = 0 if self.wgmma else 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
@@ -126,13 +128,17 @@ class GemmTile:
         buffer = self.bm * (self.bn + 4) * 4
         if split > 1:  # the partial tile in the drained stages (a TMA kernel's start after its barriers)
             return max(pipeline, (base if self.tma else 0) + buffer + (row_scratch_bytes(self) if row else 0))
+        if row and row_cluster > 1:
+            return max(pipeline, buffer + row_scratch_bytes(self) + ROW_SLOTS * self.bm * 4)
         return max(pipeline, buffer) if row else pipeline
 
-    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, fold: bool = False) -> int:
+    def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, fold: bool = False,
+                         row_cluster: int = 1) -> int:
         """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch and the
         LayerNorm fold's rstd per row."""
         fold_rstd = 4 * self.bm if fold else 0
-        return self.smem_bytes(esize, b_nk, row, split) + (row_scratch_bytes(self) if row else 0) + fold_rstd
+        static = row_scratch_bytes(self) if row and row_cluster == 1 else 0
+        return self.smem_bytes(esize, b_nk, row, split, row_cluster) + static + fold_rstd
 
     def regs(self, math_: int, esize: int = 2, staged: tuple[int, int] = (DIRECT, DIRECT)) -> int:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
@@ -270,6 +276,20 @@ def row_scratch_bytes(t: GemmTile) -> int:
     return 4 * (t.threads // 32)
 
 
+def row_split(n: int, t: GemmTile) -> int:
+    """Blocks of a cluster that share a row-wise epilogue's rows when the tile is narrower than the N-column
+    row (ortfuse_gemm.h RSPLIT: block r takes columns r*BN ..); 1 when the tile spans the row."""
+    return max(1, -(-n // t.bn))
+
+
+def _row_cluster_candidates(tgt: Target, math_: int, esize: int, n: int) -> list[GemmTile]:
+    """Any GEMM tile narrower than the row whose blocks, ceil(N / BN) of them, fit in one cluster (sm_90): the
+    row split across the cluster. Not the TMA tiles (their producer warpgroup cannot join the row pass)."""
+    if tgt.max_cluster < 2 or math_ in WS:
+        return []
+    return [t for t in _candidates(math_, esize) if t.bn < n and 2 <= row_split(n, t) <= tgt.max_cluster]
+
+
 def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
     """Tiles whose BN covers a whole row of N: the warps along N split it into whole fragments."""
     out = []
@@ -295,9 +315,11 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
 def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batch: int, esize: int, math_: int,
               b_nk: bool, row: bool, staged: tuple[int, int]) -> Optional[Ranked]:
     """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
-    smem = t.smem_bytes(esize, b_nk, row, split)
+    rsplit = row_split(n, t) if row else 1
+    if rsplit > 1 and (split > 1 or rsplit > tgt.max_cluster or t.tma):
+        return None  # a row split across a cluster: no split-K in the same cluster, no TMA producer
     regs = t.regs(math_, esize, staged)
-    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) > tgt.smem_per_block or regs > MAX_REGS or \
+    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit) > tgt.smem_per_block or regs > MAX_REGS or \
             t.threads > tgt.max_threads_per_block or (t.tma and regs > t.reg_limit(tgt.regs_per_sm)):
         return None
     if t.tma:  # a block holds its launch's per-thread count (setmaxnreg only moves registers between its warps)
@@ -305,7 +327,7 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
         return None
-    block_smem = t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED) + tgt.smem_reserved_per_block
+    block_smem = t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit) + tgt.smem_reserved_per_block
     blocks_per_sm = min(tgt.smem_per_sm // block_smem, tgt.regs_per_sm // (regs * t.threads),
                         tgt.max_threads_per_sm // t.threads, 32)
     if blocks_per_sm < 1:
@@ -352,6 +374,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     if split > 1:  # two cluster barriers, and each block reads its rows of the S - 1 other partial tiles
         remote = (split - 1) / split * t.bm * t.bn * 4
         est += 2 * tgt.cluster_sync_ns * 1e-3 + remote / (tgt.dsmem_gbps_per_sm * 1e3)
+    if rsplit > 1:  # a barrier per reduction (two: LayerNorm, Softmax) and one after the pass, per tile
+        est += math.ceil(per_sm / blocks_per_sm) * (ROW_PHASES_TYPICAL + 1) * tgt.cluster_sync_ns * 1e-3
     return Ranked(t, est, blocks_per_sm, split)
 
 
@@ -392,9 +416,11 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
             staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
     """Every feasible tile, best first (memoized: a model's repeated layers lower the same GEMM many times)."""
     ranked = []
-    if row and math_ in WGMMA:
-        return ()  # a whole row per tile leaves no room for the wgmma pipeline's stages
-    for t in (_row_candidates(math_, esize, n) if row else _candidates(math_, esize)):
+    # a whole row per tile leaves no room for the wgmma pipeline's stages: wgmma tiles only split the row
+    # across a cluster
+    cands = ((_row_candidates(math_, esize, n) if math_ not in WGMMA else []) +
+             _row_cluster_candidates(tgt, math_, esize, n)) if row else _candidates(math_, esize)
+    for t in cands:
         if bk_divides and bk_divides % t.bk:
             continue
         r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
@@ -408,10 +434,15 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
     return tuple(ranked)
 
 
-def launch_blocks(grid: int, split_k: int, blocks_per_sm: int, sm_count: int) -> tuple[int, int]:
+def launch_blocks(grid: int, split_k: int, blocks_per_sm: int, sm_count: int, row_cluster: int = 1) -> tuple[int, int]:
     """(blocks, blocks per cluster) the native library launches (ofz_spec_resolve) for `grid` work blocks on a
-    device of `sm_count` SMs: split-K clusters within one wave, else a persistent kernel's grid capped at
-    blocks_per_sm per SM (re-exported as `attrs.launch_blocks`)."""
+    device of `sm_count` SMs: a row split's clusters of exactly row_cluster blocks (the grid counts them
+    already), split-K clusters within one wave, else a persistent kernel's grid capped at blocks_per_sm per
+    SM (re-exported as `attrs.launch_blocks`)."""
+    if row_cluster > 1:
+        if grid % row_cluster:
+            raise ValueError(f"{grid} blocks do not form clusters of {row_cluster}")
+        return grid, row_cluster
     cluster = runtime_split(split_k, grid, sm_count)
     if cluster == 1 and blocks_per_sm > 0 and sm_count > 0:
         grid = min(grid, blocks_per_sm * sm_count)

@@ -26,6 +26,15 @@
 // the accumulators by the row's rstd before any epilogue sees them. Not with split-K (a block sees only
 // part of each row).
 //
+// Row split across a cluster (RSPLIT > 1, sm_90 thread-block clusters): a row-wise epilogue over N > BN
+// columns. The kernel is launched in clusters of exactly RSPLIT = ceil(N / BN) blocks; the schedule gives a
+// cluster's blocks one row tile, block `rank` its columns rank*BN .. (the tile column is the rank). Each of
+// the row pass's reductions is a phase: Ops::row_part<p> reduces the block's columns of every row of the
+// tile (earlier reductions combined over the cluster) into slot p of the row, then a cluster barrier; last,
+// Ops::row combines every slot and stores the block's columns of every output. PHASES + 1 cluster barriers
+// per tile whatever BM is, and the tile may be any GEMM tile (wgmma's too), not one as wide as the row.
+// Combining in rank order gives every block the same value: the outputs do not depend on the split.
+//
 // Split-K (SPLIT > 1, sm_90 thread-block clusters): launched with clusters of S <= SPLIT blocks, the S
 // blocks of a cluster share one output tile and each runs 1/S of its k tiles. They then reduce through
 // distributed shared memory: each stores its fp32 partial tile [BM][BN + 4] in its own shared memory, and
@@ -466,19 +475,46 @@ struct AccVisitor {
 };
 
 // Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
-// thread of the block calls it (row reductions synchronise the block).
-template <int BM, int kThreads, int kRowLd, int ROW_TPR, class Ops, class Visit>
+// thread of the block calls it (row reductions synchronise the block). Split across a cluster (RSPLIT > 1),
+// the reduction scratch and the slots (kRowSlots x BM floats) follow the row buffer in dynamic shared memory
+// (the emulation shares a kernel's static shared memory between a cluster's blocks).
+constexpr int kRowSlots = 4;  // most reductions (phases) of a row pass split across a cluster
+template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int RSPLIT, int PHASES, class Ops, class Visit>
 __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Visit&& visit, ofz_i64 b, ofz_i64 m0,
                                              ofz_i64 n0, ofz_i64 M, ofz_i64 N) {
   static_assert(ROW_TPR % 32 == 0 && kThreads % ROW_TPR == 0, "rows are reduced by whole warps");
-  __shared__ float row_scratch[kThreads / 32];
   visit([&](int r, int c, const float* v, int count) {
     for (int e = 0; e < count; ++e)
       if (m0 + r < M && n0 + c + e < N) rowbuf[r * kRowLd + c + e] = Ops::row_in(a, b, m0 + r, n0 + c + e, v[e]);
   });
   __syncthreads();
-  Ops::row(a, b, m0, M - m0 < BM ? M - m0 : (ofz_i64)BM, rowbuf, row_scratch);
-  __syncthreads();  // the next tile's pipeline overwrites the buffer
+  const ofz_i64 rows = M - m0 < BM ? M - m0 : (ofz_i64)BM;
+  if constexpr (RSPLIT > 1) {
+    static_assert(PHASES >= 1 && PHASES <= kRowSlots, "one slot per reduction of the row pass");
+    float* const scratch = rowbuf + BM * kRowLd;
+    float* const slots = scratch + kThreads / 32;
+    const ofz_i64 n1 = N - n0 < BN ? N : n0 + BN;  // the block's columns: [n0, n1)
+    Ops::row_part0(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
+    cluster_sync();  // slot 0 of every row is complete in every block
+    if constexpr (PHASES > 1) {
+      Ops::row_part1(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
+      cluster_sync();
+    }
+    if constexpr (PHASES > 2) {
+      Ops::row_part2(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
+      cluster_sync();
+    }
+    if constexpr (PHASES > 3) {
+      Ops::row_part3(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
+      cluster_sync();
+    }
+    Ops::row(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
+    cluster_sync();  // no block overwrites its slots (next tile) or exits while another reads them
+  } else {
+    __shared__ float row_scratch[kThreads / 32];
+    Ops::row(a, b, m0, rows, rowbuf, row_scratch);
+    __syncthreads();  // the next tile's pipeline overwrites the buffer
+  }
 }
 
 // Split-K's reduction and epilogue (see the top of this file). `part` is the block's dynamic shared memory:
@@ -540,7 +576,8 @@ __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Vi
 
 // The tile's epilogue from the accumulators: split-K's reduction, the row-wise epilogue, or epi2 / epi1 per
 // run of columns. `buf`: the block's dynamic shared memory (the drained pipeline stages).
-template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int SPLIT, class Ops, class Visit>
+template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int SPLIT, class Ops, int RSPLIT = 1, int PHASES = 0,
+          class Visit>
 __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const Visit& visit, ofz_i64 b, ofz_i64 m0,
                                            ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
   if constexpr (SPLIT > 1) {
@@ -550,7 +587,7 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
     }
   }
   if constexpr (ROW_TPR > 0) {
-    row_epilogue<BM, kThreads, kRowLd, ROW_TPR, Ops>(a, buf, visit, b, m0, n0, M, N);
+    row_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, RSPLIT, PHASES, Ops>(a, buf, visit, b, m0, n0, M, N);
   } else {
 #ifdef OFZ_ABLATE_EPILOGUE  // diagnostics only (bench/sweep.py --ablate): no stores, so timing it against the
     // real kernel separates the mainloop from the epilogue; one never-true compare per value keeps the MMAs live
@@ -622,7 +659,7 @@ __device__ __forceinline__ void fold_scale(Acc& acc, SAcc& sacc, int wm0, int wn
 
 // The warp-level mainloop (mma.sync, tf32 or SIMT): see the top of this file.
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR, class Geo, int SPLIT, class Fold>
+          int ROW_TPR, class Geo, int SPLIT, class Fold, int RSPLIT, int PHASES>
 __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                         ofz_i64 K) {
   using L = Layout<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH>;
@@ -769,7 +806,7 @@ __device__ __forceinline__ void run_mma(const OfzArgs& a, int a_arg, int b_arg, 
     if constexpr (Fold::kOn) fold_scale<kMma, kMT, kNT>(acc, sacc, wm0, wn0, fold_rstd<BM>());
 
     const AccVisitor<kMma, kMT, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
-    store_tile<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0,
+    store_tile<BM, BN, L::kThreads, L::kRowLd, ROW_TPR, SPLIT, Ops, RSPLIT, PHASES>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0,
                                                                     M, N, sch.rank, sch.splits);
   }
 }
@@ -837,7 +874,7 @@ struct SwizzledCopy {
 };
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR, class Geo, int SPLIT, class Fold>
+          int ROW_TPR, class Geo, int SPLIT, class Fold, int RSPLIT, int PHASES>
 __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                           ofz_i64 K) {
 #if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -906,7 +943,7 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
 
     float sacc[1][1];
     const AccVisitor<true, 1, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
-    store_tile<BM, BN, kThreads, kRowLd, ROW_TPR, SPLIT, Ops>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0, M, N,
+    store_tile<BM, BN, kThreads, kRowLd, ROW_TPR, SPLIT, Ops, RSPLIT, PHASES>(a, reinterpret_cast<float*>(smem), visit, b, m0, n0, M, N,
                                                               sch.rank, sch.splits);
   }
 }
@@ -1033,19 +1070,22 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
 }
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold>
+          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold, int RSPLIT = 1, int PHASES = 0>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K, const OfzTma* tma = nullptr) {
+  static_assert(RSPLIT == 1 || (ROW_TPR > 0 && SPLIT == 1), "a row split across a cluster: row-wise epilogue, no split-K");
+  if constexpr (RSPLIT > 1)  // launched otherwise, a block would reduce only its share of each row
+    if (cluster_size() != (unsigned)RSPLIT || (N + BN - 1) / BN != RSPLIT) __trap();
   if constexpr (MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16) {
-    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && !Fold::kOn,
+    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && !Fold::kOn && RSPLIT == 1,
                   "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no fold");
     (void)a_arg, (void)b_arg;
     run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT>(a, tma, batch, M, N, K);
   } else if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
-    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(
+    run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES>(
         a, a_arg, b_arg, batch, M, N, K);
   else
-    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold>(
+    run_mma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES>(
         a, a_arg, b_arg, batch, M, N, K);
 }
 

@@ -216,6 +216,15 @@ __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned) { return p; }
 #endif
 
+// A row reduction's partial values, one per block of the cluster at the same shared-memory offset, combined
+// in rank order: every block of the cluster gets the same value.
+template <class Op> __device__ __forceinline__ float cluster_combine(const float* slots, ofz_i64 off) {
+  const unsigned n = cluster_size();
+  float r = *cluster_map(slots + off, 0u);
+  for (unsigned q = 1; q < n; ++q) r = Op::apply(r, *cluster_map(slots + off, q));
+  return r;
+}
+
 // ---- tensor cores and asynchronous copies (sm_80 and newer) -------------------------------------------------
 // Fragment layouts are the PTX ISA's; the emulation header implements the same instructions on the host.
 #ifdef ORTFUSE_EMU

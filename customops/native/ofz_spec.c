@@ -73,6 +73,10 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   s->split_k = ofz_attr_int_or(info, "split_k", 1);
   if (s->split_k < 1 || s->split_k > OFZ_MAX_CLUSTER)
     return BAD("ortfuse: node '%s': split_k = %lld, expected 1..%d", node, (long long)s->split_k, OFZ_MAX_CLUSTER);
+  s->row_cluster = ofz_attr_int_or(info, "row_cluster", 1);
+  if (s->row_cluster < 1 || s->row_cluster > OFZ_MAX_CLUSTER || (s->row_cluster > 1 && s->split_k > 1))
+    return BAD("ortfuse: node '%s': row_cluster = %lld, expected 1..%d (and no split_k)", node,
+               (long long)s->row_cluster, OFZ_MAX_CLUSTER);
   s->blocks_per_sm = ofz_attr_int_or(info, "blocks_per_sm", 0);
   if (s->blocks_per_sm < 0 || s->blocks_per_sm > 32)
     return BAD("ortfuse: node '%s': blocks_per_sm = %lld, expected 0..32", node, (long long)s->blocks_per_sm);
@@ -333,11 +337,19 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   }
   long long grid = (units + s->units_per_block - 1) / s->units_per_block;
   if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops
-  launch->cluster = ofz_spec_cluster(s->split_k, grid, sm_count);  // > 1 only within one wave of SMs
-  if (launch->cluster == 1 && s->blocks_per_sm > 0 && sm_count > 0 && grid > s->blocks_per_sm * sm_count)
-    grid = s->blocks_per_sm * sm_count;  // persistent: each block loops over tiles (grid-stride)
   launch->units = units;
-  launch->grid = (unsigned)(grid * launch->cluster);
+  if (s->row_cluster > 1) {  // a row split across a cluster: the tiles of a row are one cluster's blocks
+    if (grid % s->row_cluster)
+      return BAD("ortfuse: node '%s': %lld blocks do not form clusters of %lld", s->node, grid,
+                 (long long)s->row_cluster);
+    launch->cluster = (unsigned)s->row_cluster;
+    launch->grid = (unsigned)grid;
+  } else {
+    launch->cluster = ofz_spec_cluster(s->split_k, grid, sm_count);  // > 1 only within one wave of SMs
+    if (launch->cluster == 1 && s->blocks_per_sm > 0 && sm_count > 0 && grid > s->blocks_per_sm * sm_count)
+      grid = s->blocks_per_sm * sm_count;  // persistent: each block loops over tiles (grid-stride)
+    launch->grid = (unsigned)(grid * launch->cluster);
+  }
   launch->block = (unsigned)s->block;
   launch->smem = (unsigned)s->smem;
   return NULL;

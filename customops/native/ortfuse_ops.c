@@ -88,6 +88,12 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, Fuse
     r = cu->FuncSetAttribute(k->fn, OFZ_CU_FUNC_MAX_DYN_SMEM, (int)k->spec.smem);
     if (r) return cu_fail(k, "cuFuncSetAttribute(max dynamic shared memory)", r);
   }
+  // a row split across a cluster cannot run without one (each block would reduce only its part of a row)
+  if (k->spec.row_cluster > 1 && (major < 9 || !cu->LaunchKernelEx))
+    return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': this GEMM splits its rows across thread-block clusters of %lld, "
+                   "which need sm_90 or newer and a CUDA 12 driver (this is sm_%d%d%s); optimize the model for "
+                   "this GPU", k->spec.node, (long long)k->spec.row_cluster, major, minor,
+                   cu->LaunchKernelEx ? "" : ", no cuLaunchKernelEx");
   // split-K kernels run in clusters where the device has them (sm_90+) and the driver can launch them;
   // otherwise in clusters of one, which the kernel handles as no split. Persistent kernels (sm_90a TMA
   // GEMMs) cap their grid at the SM count times their blocks per SM.
@@ -226,7 +232,7 @@ static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
       return s;
     }
   }
-  if (launch.cluster > 1) {  // split-K GEMM: clusters of launch.cluster blocks share each tile
+  if (launch.cluster > 1) {  // split-K or a row split: clusters of launch.cluster blocks share each tile (row)
     OfzLaunchAttr attr = {.id = OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM};
     attr.value.cluster.x = launch.cluster, attr.value.cluster.y = 1, attr.value.cluster.z = 1;
     OfzLaunchConfig cfg = {launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, &attr, 1};
