@@ -496,14 +496,25 @@ def _joint(tgt: Target, shapes: tuple[Shape, ...], esize: int, math_: int, b_nk:
            staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
     m, n, k, batch = shapes[0]
     ranked = rank_tiles(tgt, m, n, k, batch, esize, math_, b_nk, 10**6, row, staged, bk_divides)
-    if len(shapes) < 2 or not ranked:
-        return tuple(ranked[:top_k])
-    score = [math.log(r.est_us / ranked[0].est_us) for r in ranked]
-    for shape in shapes[1:]:
-        best = rank_tiles(tgt, *shape[:3], shape[3], esize, math_, b_nk, 1, row, staged, bk_divides)
-        for i, r in enumerate(ranked if best else ()):
-            score[i] += math.log(max(estimate_at(tgt, r, shape, esize, math_, b_nk, row, staged), 1e-9) / best[0].est_us)
-    order = sorted(range(len(ranked)), key=lambda i: (score[i], i))  # ties: rank_tiles's order
+    order = list(range(len(ranked)))
+    own_best = [ranked[0]] if ranked else []  # each binding's best tile
+    if len(shapes) > 1 and ranked:
+        score = [math.log(r.est_us / ranked[0].est_us) for r in ranked]
+        for shape in shapes[1:]:
+            best = rank_tiles(tgt, *shape[:3], shape[3], esize, math_, b_nk, 1, row, staged, bk_divides)
+            for i, r in enumerate(ranked if best else ()):
+                score[i] += math.log(max(estimate_at(tgt, r, shape, esize, math_, b_nk, row, staged), 1e-9) /
+                                     best[0].est_us)
+            own_best += [r for r in ranked if best and r.tile == best[0].tile][:1]
+        order.sort(key=lambda i: (score[i], i))  # ties: rank_tiles's order
     out = [ranked[i] for i in order][:top_k]
     # the first binding's own best stays a candidate, so `--profile` can overrule the model's other figures
-    return tuple(out if ranked[0] in out else [*out[:top_k - 1], ranked[0]])
+    if ranked and ranked[0] not in out:
+        out = [*out[:top_k - 1], ranked[0]]
+    if row:  # and, for a row-wise epilogue, every binding's (a whole-row tile at batch 1, a split row at 32)
+        out += [r for r in dict.fromkeys(own_best) if r not in out]
+    if row:  # a tile spanning the row and a row split across a cluster are different kernels: --profile gets both
+        for split_row in (False, True):
+            if not any((row_split(n, r.tile) > 1) == split_row for r in out):
+                out += [ranked[i] for i in order if (row_split(n, ranked[i].tile) > 1) == split_row][:1]
+    return tuple(out)

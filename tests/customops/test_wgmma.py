@@ -155,7 +155,10 @@ def test_tile_model_prefers_wgmma_for_large_gemms_only_where_enabled():
     mma = tl.rank_tiles(off, *big, 2, tl.MMA_F16, True)[0]
     assert wg.tile.wgmma and wg.est_us < mma.est_us
     assert all(not r.tile.wgmma for r in tl.rank_tiles(on, *big, 2, tl.MMA_F16, True, top_k=100))
-    assert not tl.rank_tiles(on, 4096, 768, 768, 1, 2, tl.WGMMA_F16, True, row=True)  # row-wise epilogue: mma.sync
+    # a row-wise epilogue runs on wgmma tiles only split across a cluster, and never on the TMA tiles
+    row_wg = tl.rank_tiles(on, 4096, 768, 768, 1, 2, tl.WGMMA_F16, True, row=True, top_k=100)
+    assert row_wg and all(tl.row_split(768, r.tile) > 1 for r in row_wg)
+    assert not tl.rank_tiles(on, 4096, 768, 768, 1, 2, tl.WS_F16, True, row=True)
 
 
 # One warpgroup: D [64][64] = A [64][64] . B [64 n][64 k]^T through four m64n64k16 steps, both tiles copied
