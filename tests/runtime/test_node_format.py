@@ -191,6 +191,28 @@ def test_persistent_kernels_cap_their_grid(n, split_k, sms, blocks, cluster) -> 
     assert launch_blocks(4 * n, split_k, 2, sms) == (blocks, cluster)
 
 
+@pytest.mark.parametrize("n,sms", [(1, 0), (1, 132), (40, 132)])
+def test_a_row_split_launches_clusters_of_exactly_its_size(n: int, sms: int) -> None:
+    # a row split across a cluster: the grid (4 * n tiles, a row's tiles adjacent) is launched as is, in
+    # clusters of exactly row_cluster blocks, with or without a device count and past one wave
+    *_, plan = run(session(plan_model(units_per_block=1, row_cluster=4, probe_sm_count=sms)), n)
+    assert (plan[0], plan[22], plan[5]) == (4 * n, 4, 4 * n)
+    assert launch_blocks(4 * n, 1, 0, sms, 4) == (4 * n, 4)
+
+
+def test_a_row_split_whose_grid_does_not_form_clusters_is_refused() -> None:
+    with pytest.raises(Exception, match="plan_node.*4 blocks do not form clusters of 3"):
+        run(session(plan_model(units_per_block=1, row_cluster=3)), 1)
+    with pytest.raises(ValueError, match="do not form clusters of 3"):
+        launch_blocks(4, 1, 0, 132, 3)
+
+
+@pytest.mark.parametrize("overrides", [dict(row_cluster=9), dict(row_cluster=2, split_k=2), dict(row_cluster=0)])
+def test_a_bad_row_cluster_names_the_node(overrides: dict) -> None:
+    with pytest.raises(Exception, match="plan_node.*row_cluster"):
+        session(plan_model(**overrides))
+
+
 def test_a_bad_blocks_per_sm_names_the_node() -> None:
     with pytest.raises(Exception, match="plan_node.*blocks_per_sm = 40"):
         session(plan_model(blocks_per_sm=40))
