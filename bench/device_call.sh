@@ -39,6 +39,8 @@ TO=(); python3 -c "import pytest_timeout" 2>/dev/null && TO=(--timeout 60)  # a 
 BASE=(--variants ort,ort+cudagraph,ortfuse,ortfuse+cudagraph)
 for name in "$@"; do
   case $name in
+    row-tests) step "$name" 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
+                 --junitxml="$WORK/pytest-row.xml" tests/runtime/test_gpu_row_cluster.py ;;
     wgmma-tests) step "$name" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
                    --junitxml="$WORK/pytest-wgmma.xml" tests/runtime/test_gpu_wgmma.py ;;
     sweep) step "$name" 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md" ;;
