@@ -219,9 +219,9 @@ template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, u
 // A row reduction's partial values, one per block of the cluster at the same shared-memory offset, combined
 // in rank order: every block of the cluster gets the same value.
 template <class Op> __device__ __forceinline__ float cluster_combine(const float* slots, ofz_i64 off) {
-  const unsigned n = cluster_size();
-  float r = *cluster_map(slots + off, 0u);
-  for (unsigned q = 1; q < n; ++q) r = Op::apply(r, *cluster_map(slots + off, q));
+  const unsigned n = cluster_size(), me = cluster_rank();
+  float r = me == 0u ? slots[off] : *cluster_map(slots + off, 0u);
+  for (unsigned q = 1; q < n; ++q) r = Op::apply(r, q == me ? slots[off] : *cluster_map(slots + off, q));
   return r;
 }
 
