@@ -566,8 +566,12 @@ class _GemmLowerer(_Lowerer):
         self.emit(call)
         # cp.async reads the row- and column-major operands in 16-byte chunks
         aligned = tuple((arg, 16) for mode, arg in (a, b) if mode in (ROW, COL))
+        # __launch_bounds__'s blocks per SM: a TMA tile that moves registers needs exactly its share; a row split
+        # across a cluster gets the tile model's count, without which ptxas capped a 256-thread mma.sync tile
+        # of 182 registers at 128 and spilled (NVRTC 13.5)
+        min_blocks = 1 if tile.moves_registers else chosen.blocks_per_sm if self.row_cluster > 1 else 0
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma, tile.tma,
-                             1 if tile.moves_registers else 0)
+                             min_blocks)
         smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split, self.row_cluster)
         if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None, self.row_cluster) > \
                 self.tgt.smem_per_block:
