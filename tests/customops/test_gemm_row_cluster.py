@@ -154,3 +154,18 @@ def test_bert_batch32_shape_picks_a_split_row_and_carries_the_cluster():
     launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
     assert k.spec.kernel.arch_specific and k.spec.row_cluster == launch.row_cluster == 4 and not k.retiled
     assert {tl.row_split(768, tl.GemmTile.of_candidate(t)) > 1 for t in k.spec.tiles} == {False, True}
+
+
+def test_split_row_kernel_tells_ptxas_its_blocks_per_sm(tmp_path):
+    # __launch_bounds__(256, 1): without the second figure ptxas (NVRTC 13.5) gave this 128 x 128 tile (64 x 32
+    # warps) 128 registers and spilled 28-32 bytes; told one block per SM, as the tile model counts, 182 and none
+    from ortfuse.customops.compile import compile_kernel
+    onnx_model, _ = _build(_layernorm, H, 4096, 768, 768)
+    g = build_graph(onnx_model, {})
+    tgt = target_for((90,), False)
+    (region,) = plan(g, tgt).regions
+    spec = lower(g, region, tgt, tile=(128, 128, 32, 64, 32, 3, 1))
+    assert spec.row_cluster == 6 and spec.kernel.min_blocks == 1
+    ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), tmp_path)
+    assert "__launch_bounds__(256, 1)" in ck.source
+    assert max(r.spill_bytes for _, r in ck.resources) == 0, ck.resources
