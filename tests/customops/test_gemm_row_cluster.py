@@ -90,12 +90,14 @@ def _run_forced(case, dt, m, k, n, tile, wgmma=False):
     (F, 45, 64, 96, (32, 32, 16, 16, 16, 2, 1)),           # SIMT, 3 blocks a row, 2 partial row tiles
     (H, 45, 64, 100, (32, 32, 32, 16, 16, 3, 1)),          # 4 blocks, the last with 4 of the 100 columns
     (H, 70, 96, 256, (64, 64, 32, 32, 32, 3, 1)),          # mma.sync 4 blocks
+    (F, 21, 32, 600, (4, 256, 16, 4, 32, 2, 1)),           # 64 threads a row: reductions across warps
 ])
 def test_layernorm_split_across_a_cluster(dt, m, k, n, tile):
     spec = _run_forced(_layernorm, dt, m, k, n, tile)
     assert spec.row_cluster == tl.row_split(n, tl.GemmTile(*tile[:6])) > 1 and spec.split_k == 1
     targs = spec.kernel.body[0].targs
     assert targs[-2:] == (str(spec.row_cluster), "2")  # RSPLIT, and two phases (mean, variance)
+    assert int(targs[11]) == (64 if tile[0] == 4 else 32)  # ROW_TPR
 
 
 @pytest.mark.parametrize("dt,tile", [(H, (64, 192, 64, 16, 192, 4, 1, 1)), (H, (64, 128, 64, 16, 64, 4, 1, 1))])
