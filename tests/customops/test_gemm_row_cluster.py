@@ -171,3 +171,27 @@ def test_split_row_kernel_tells_ptxas_its_blocks_per_sm(tmp_path):
     ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), tmp_path)
     assert "__launch_bounds__(256, 1)" in ck.source
     assert max(r.spill_bytes for _, r in ck.resources) == 0, ck.resources
+
+
+@pytest.mark.parametrize("wgmma,tile", [(False, (32, 64, 32, 16, 32, 3, 1)), (True, (64, 64, 64, 16, 64, 4, 1, 1))])
+def test_symbolic_batch_and_sequence(wgmma, tile):
+    # x [batch, seq, k] as exporters give it (the rows are batch x seq, bound per run): 4 blocks of a 200-column
+    # row, checked through the fused model at two bindings against ORT CPU
+    from ortfuse.api import fused_kernel
+    from ortfuse.check import check_models
+    from ortfuse.customops.compile import compile_kernel
+    from ortfuse.rewriter.replace import replace
+    k, n = 64, 200
+    nodes, _, outs, inits = _layernorm(H, 1, k, n)
+    m = model(nodes, [vi("x", H, ["batch", "seq", k]), vi("r", H, ["batch", "seq", n])], outs,
+              [const(name, v, v.dtype) for name, v in inits.items()])
+    opts = Options(archs=(90,), wgmma=wgmma)
+    res = compile_model(m, {"x": ("batch", "seq", k), "r": ("batch", "seq", n)}, "sm_90", options=opts)
+    (region,) = [x.region for x in res.kernels if x.region.kind == "gemm_row"]
+    spec = lower(res.graph, region, target_for((90,), wgmma), tile=tile)
+    assert spec.row_cluster == 4
+    fk = fused_kernel(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, (90,), opts.cache))
+    for shape in ((3, 7), (2, 33)):
+        rep = check_models(m, replace(res.graph, [fk.node]), emulate=True,
+                           input_shapes={"x": (*shape, k), "r": (*shape, n)})
+        assert rep.ok, "\n".join(rep.lines())
