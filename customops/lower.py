@@ -547,10 +547,11 @@ class _Lowerer:
         if hit is not None:
             return hit
         xs = self.split_row
-        at = xs.order.index(memo_key) if xs is not None and xs.phase is not None and memo_key in xs.order else None
+        at: Optional[int] = None  # generating a split row's phases: this reduction's phase
         if xs is not None and xs.phase is not None:
-            if at is None:
+            if memo_key not in xs.order:
                 raise LoweringError("a row reduction the cluster split did not see")
+            at = xs.order.index(memo_key)
         saved_scopes, saved_lanes = self.scopes, self.lanes
         self.scopes = self.scopes[:self.row_depth]
         if at is not None and at > xs.phase:  # reduced in a later phase: nothing this phase stores uses it
