@@ -258,14 +258,27 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
         }
       }
       // Score epilogue and online softmax; element e of block nt is row g + 8 * (e / 2), key nt*8 + 2t + e % 2.
+      // A tile wholly inside the scores takes no bounds checks: its mask loads need no predicates and no
+      // 64-bit compares per element (every tile at BERT's 128 x 128).
       float mx[2] = {neg_inf(), neg_inf()};
+      if (i0 + BM <= n.sq && j0 + BN <= n.sk) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const ofz_i64 i = rows[e / 2], j = j0 + nt * 8 + 2 * t + e % 2;
-          s[nt][e] = i < n.sq && j < n.sk ? Score::score(a, b, h, i, j, s[nt][e]) : neg_inf();
-          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+          for (int e = 0; e < 4; ++e) {
+            s[nt][e] = Score::score(a, b, h, rows[e / 2], j0 + nt * 8 + 2 * t + e % 2, s[nt][e]);
+            mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const ofz_i64 i = rows[e / 2], j = j0 + nt * 8 + 2 * t + e % 2;
+            s[nt][e] = i < n.sq && j < n.sk ? Score::score(a, b, h, i, j, s[nt][e]) : neg_inf();
+            mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+          }
         }
       }
       float alpha[2], sum[2] = {0.0f, 0.0f};
@@ -299,14 +312,16 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       }
       __syncthreads();  // this tile's buffers may be refilled
     }
+    // O: a thread's two adjacent columns as one 4-byte word (rows contiguous in d and 16-byte aligned)
     const float inv[2] = {st[0].inv_sum(), st[1].inv_sum()};
 #pragma unroll
-    for (int c = 0; c < DV / 8; ++c) {
+    for (int r = 0; r < 2; ++r) {
+      if (rows[r] >= n.sq) continue;
+      T* const orow = o + O::offset(a, b, h, rows[r], 0);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const ofz_i64 i = rows[e / 2];
-        if (i < n.sq) o[O::offset(a, b, h, i, c * 8 + 2 * t + e % 2)] = from_f32<T>(acc[c][e] * inv[e / 2]);
-      }
+      for (int c = 0; c < DV / 8; ++c)
+        *reinterpret_cast<unsigned*>(orow + c * 8 + 2 * t) =
+            pack2<T>(acc[c][2 * r] * inv[r], acc[c][2 * r + 1] * inv[r]);
     }
   }
 }

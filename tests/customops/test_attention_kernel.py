@@ -4,6 +4,8 @@ plain scale, an additive padding mask and a causal mask. Run in CPU emulation ag
 not multiples of the tiles, fp32/fp16/bf16 storage) and compiled with NVRTC for sm_90."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -194,6 +196,15 @@ def test_compiles_with_nvrtc(tmp_path):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     ck = compile_kernel(SOURCE, CASES[0].entry, (90,), tmp_path)
     assert ck.cubins[0][0] == 90 and len(ck.cubins[0][1]) > 0
+
+
+def test_tensor_core_output_is_stored_as_words(tmp_path):
+    # a thread's two adjacent output columns go out as one 4-byte store (16 per thread at d 64), not 32 2-byte
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    c = Case("f16", 64, 64, "bshd", "padding", "tensor_core")
+    ptx = compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).ptx.decode()
+    stores = re.findall(r"\bst\.global[\.\w]*", ptx)
+    assert stores and all(s in ("st.global.b32", "st.global.u32") for s in stores), set(stores)
 
 
 @pytest.mark.parametrize("c", [c for c in CASES if c.kernel == "tensor_core"], ids=lambda c: c.entry)
