@@ -213,6 +213,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
   for (ofz_i64 u = blockIdx.x; u < units; u += gridDim.x) {
     const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
+    const bool row_ok[2] = {rows[0] < n.sq, rows[1] < n.sq};
     __syncthreads();  // the previous unit is done with every buffer
     load_rows<T, BM, D, P, Q>(sq, q, a, b, h, i0, n.sq);
     load_rows<T, BN, D, P, K>(sk, k, a, b, h, 0, n.sk);
@@ -258,27 +259,17 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
         }
       }
       // Score epilogue and online softmax; element e of block nt is row g + 8 * (e / 2), key nt*8 + 2t + e % 2.
-      // A tile wholly inside the scores takes no bounds checks: its mask loads need no predicates and no
-      // 64-bit compares per element (every tile at BERT's 128 x 128).
+      // Bounds as 32-bit compares against the keys left in this tile (one path: a second, unchecked one for
+      // whole tiles took 145 registers where this takes 128)
+      const int keys = n.sk - j0 < BN ? (int)(n.sk - j0) : BN;
       float mx[2] = {neg_inf(), neg_inf()};
-      if (i0 + BM <= n.sq && j0 + BN <= n.sk) {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[nt][e] = Score::score(a, b, h, rows[e / 2], j0 + nt * 8 + 2 * t + e % 2, s[nt][e]);
-            mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const ofz_i64 i = rows[e / 2], j = j0 + nt * 8 + 2 * t + e % 2;
-            s[nt][e] = i < n.sq && j < n.sk ? Score::score(a, b, h, i, j, s[nt][e]) : neg_inf();
-            mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int jj = nt * 8 + 2 * t + e % 2;
+          s[nt][e] = row_ok[e / 2] && jj < keys ? Score::score(a, b, h, rows[e / 2], j0 + jj, s[nt][e]) : neg_inf();
+          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
         }
       }
       float alpha[2], sum[2] = {0.0f, 0.0f};
@@ -316,7 +307,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
     const float inv[2] = {st[0].inv_sum(), st[1].inv_sum()};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (rows[r] >= n.sq) continue;
+      if (!row_ok[r]) continue;
       T* const orow = o + O::offset(a, b, h, rows[r], 0);
 #pragma unroll
       for (int c = 0; c < DV / 8; ++c)
