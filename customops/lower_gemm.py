@@ -446,10 +446,8 @@ class _GemmLowerer(_Lowerer):
             math_, ranked, chosen, _ = fams[pick]
             # --profile measures the other families' best too
             ranked = list(ranked) + [f[1][0] for i, f in enumerate(fams) if i != pick and f[1]]
-            if self.row_mode:  # a tile spanning the row (mma.sync) and a split row: both kinds for --profile
-                for whole in (True, False):
-                    if not any((tl.row_split(int(N), r.tile) == 1) == whole for r in ranked):
-                        ranked += [r for f in fams for r in f[1] if (tl.row_split(int(N), r.tile) == 1) == whole][:1]
+            if self.row_mode:  # only mma.sync tiles span a row: both kinds across the families
+                ranked = tl.with_both_row_kinds(ranked, [r for f in fams for r in f[1]], int(N))
             if pick > 0:
                 if b_mode == ROW:
                     self.input_perms.append((b_t, (1, 0)))

@@ -513,8 +513,14 @@ def _joint(tgt: Target, shapes: tuple[Shape, ...], esize: int, math_: int, b_nk:
         out = [*out[:top_k - 1], ranked[0]]
     if row:  # and, for a row-wise epilogue, every binding's (a whole-row tile at batch 1, a split row at 32)
         out += [r for r in dict.fromkeys(own_best) if r not in out]
-    if row:  # a tile spanning the row and a row split across a cluster are different kernels: --profile gets both
-        for split_row in (False, True):
-            if not any((row_split(n, r.tile) > 1) == split_row for r in out):
-                out += [ranked[i] for i in order if (row_split(n, ranked[i].tile) > 1) == split_row][:1]
-    return tuple(out)
+    return tuple(with_both_row_kinds(out, [ranked[i] for i in order], n) if row else out)
+
+
+def with_both_row_kinds(cands: Sequence[Ranked], pool: Sequence[Ranked], n: int) -> list[Ranked]:
+    """A row-wise epilogue's candidates plus, for each kind of tile they lack (one spanning the N-column row, one
+    splitting it across a cluster: different kernels, which --profile should both time), the first of `pool`."""
+    out = list(cands)
+    for split in (False, True):
+        if not any((row_split(n, r.tile) > 1) == split for r in out):
+            out += [r for r in pool if (row_split(n, r.tile) > 1) == split][:1]
+    return out

@@ -545,7 +545,7 @@ __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Vi
       if (e >= total) continue;
       const int c = 2 * (e % pairs), off = (r0 + e / pairs) * kRowLd + c;
       for (unsigned q = 0; q < splits; ++q) {
-        const float* src = q == rank ? part : cluster_map(part, q);
+        const float* src = cluster_peer(part, q, rank);
         v0[u] += src[off];
         if (c + 1 < cols) v1[u] += src[off + 1];
       }

@@ -216,12 +216,17 @@ __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned) { return p; }
 #endif
 
+// `p` (this block's shared memory) in block q of the cluster; this block's own pointer as it is.
+template <class T> __device__ __forceinline__ const T* cluster_peer(const T* p, unsigned q, unsigned me) {
+  return q == me ? p : cluster_map(p, q);
+}
+
 // A row reduction's partial values, one per block of the cluster at the same shared-memory offset, combined
 // in rank order: every block of the cluster gets the same value.
 template <class Op> __device__ __forceinline__ float cluster_combine(const float* slots, ofz_i64 off) {
   const unsigned n = cluster_size(), me = cluster_rank();
-  float r = me == 0u ? slots[off] : *cluster_map(slots + off, 0u);
-  for (unsigned q = 1; q < n; ++q) r = Op::apply(r, q == me ? slots[off] : *cluster_map(slots + off, q));
+  float r = *cluster_peer(slots + off, 0u, me);
+  for (unsigned q = 1; q < n; ++q) r = Op::apply(r, *cluster_peer(slots + off, q, me));
   return r;
 }
 
