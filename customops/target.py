@@ -63,6 +63,13 @@ class Target:
     # A Conv whose im2col operand our kernel gathers element by element (no cp.async), relative to cuDNN:
     # assumed, not measured; `--profile` measures it per region.
     implicit_gemm_vs_cudnn: float = 0.6
+    # Our GEMM with a row-wise epilogue (LayerNorm/Softmax over the row inside the kernel: a whole-row tile,
+    # or a row split across a cluster) against our plain GEMM of the same shape: at least this factor. The
+    # tile model puts it at 1.0-1.3x; measured on an H200 (2026-11-26, docs/results.md), the best row tile of
+    # each of BERT's four residual + LayerNorm GEMM shapes took 2.9-3.2x our best plain tile (e.g. 4096x768x768:
+    # 55.8 us against 17.3), and in every measured placement of BERT, GPT-2 and ViT fp16 cuBLAS + our row
+    # kernel beat it. Measured on sm_90; assumed elsewhere. `--profile` still times both.
+    row_epilogue_floor: float = 3.0
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
     # Shared memory serves one 128-byte wavefront per clock per SM: 32 banks of 4 bytes each (CUDA C++
     # Programming Guide, "Shared Memory"; 128 B/clk/SM on sm_80 through sm_90, e.g. H100's 32.3 TB/s at 144

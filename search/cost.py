@@ -231,11 +231,14 @@ class CostModel:
         folded = norm_fold.in_region(g, region.nodes) is not None
         mm_us, mm_bytes = self.gemm_us(g, node, ours=True, wgmma_ok=not folded)
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
-        if region.kind == "gemm_row":
-            mm_us *= self.row_penalty(g, node)
         if folded:
             mm_us *= self.fold_penalty(g, node)
-        return mm_us + self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
+        rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
+        if region.kind != "gemm_row":
+            return mm_us + rest
+        # the tile model's row tile, but never under the measured floor over the plain kernel as a whole
+        # (launch and fixed costs included: at batch 1 they are most of it)
+        return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
 
     def speed_vs_library(self, g: Graph, node: onnx.NodeProto, region: Optional[Region] = None) -> float:
         """Our kernel's speed relative to cuBLAS/cuDNN: a Conv whose im2col operand is gathered element by

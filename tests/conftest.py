@@ -30,3 +30,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a working CUDA execution provider")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def row_tiles_priced_by_the_tile_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row-wise GEMM epilogues priced by the tile model alone, as `--profile` plans them (it measures them
+    instead of assuming `Target.row_epilogue_floor`). The kernel tests need those regions formed; the floor
+    would send their GEMMs to cuBLAS."""
+    import dataclasses
+
+    from ortfuse.customops import target
+
+    for cc, t in list(target.TABLE.items()):
+        monkeypatch.setitem(target.TABLE, cc, dataclasses.replace(t, row_epilogue_floor=1.0))

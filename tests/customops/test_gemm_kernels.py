@@ -90,6 +90,7 @@ def test_gemm_transposes_alpha_beta(trans_a, trans_b):
     assert targs[7] == ("2" if trans_a else "0") and targs[8] == ("1" if trans_b else "0")  # A, B modes
 
 
+@pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")
 def test_lone_gemm_stays_with_ort_and_softmax_becomes_a_row_epilogue():
     m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "x"], ["z"]),
                node("Softmax", ["z"], ["out"], axis=-1), node("MatMul", ["out", "w"], ["y2"])],

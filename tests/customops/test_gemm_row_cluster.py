@@ -22,6 +22,9 @@ from ortfuse.customops.target import for_cc
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search.regions import plan
 
+# row-wise epilogue kernels: their regions planned by the tile model alone (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")
+
 F, H = TP.FLOAT, TP.FLOAT16
 TOL = {F: 1e-4, H: 1e-2}
 

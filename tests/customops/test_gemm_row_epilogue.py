@@ -13,6 +13,9 @@ from ortfuse.customops.target import for_cc
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import plan
 
+# row-wise epilogue kernels: their regions planned by the tile model alone (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")
+
 F, H = TP.FLOAT, TP.FLOAT16
 NP = {F: np.float32, H: np.float16}
 

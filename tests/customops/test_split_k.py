@@ -60,6 +60,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")
 @pytest.mark.parametrize("name,build,kind", CASES, ids=[c[0] for c in CASES])
 def test_split_k_kernels_match_ort(name, build, kind):
     m, shapes, at = build()

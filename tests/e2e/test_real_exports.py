@@ -68,6 +68,7 @@ def test_torch_export_graphs_fuse_like_torchscript_ones(zoo, name, dtype):
     assert len(rep.kernels) == len(res.kernels)
 
 
+@pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 def test_pre_ln_models_fold_their_layernorms(zoo, name):
     # pre-LN layers: ln_1 -> QKV and ln_2 -> FC1 fold into their GEMMs (forced here; the whole-model estimate

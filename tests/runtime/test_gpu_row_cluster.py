@@ -18,7 +18,8 @@ from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import render
 from ortfuse.rewriter.replace import replace
 
-pytestmark = pytest.mark.gpu
+# row-wise epilogue kernels: their regions planned by the tile model alone (tests/conftest.py)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")]
 H = TP.FLOAT16
 WG = Options(archs=(90,), wgmma=True)
 
