@@ -178,11 +178,12 @@ def _sweep(out: Path, work: Path) -> dict[str, Any]:
 
 def variant_label() -> str:
   """What the rows' optimize used beyond the defaults, appended to the model name so runs of one model with
-  and without it merge side by side: " +wgmma" ($ORTFUSE_WGMMA, which --wgmma sets for this process and its
-  children), " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold)."""
+  and without it merge side by side: " no-wgmma" ($ORTFUSE_WGMMA=0, which --no-wgmma sets for this process
+  and its children; wgmma is the sm_90 default since 2026-11-26, so rows before then read " +wgmma" for it),
+  " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold)."""
   from ortfuse.config import Options
   opts = Options(archs=(90,))
-  return (" +wgmma" if opts.wgmma else "") + (f" ln-fold={opts.ln_fold}" if opts.ln_fold != "auto" else "")
+  return (" no-wgmma" if opts.wgmma is False else "") + (f" ln-fold={opts.ln_fold}" if opts.ln_fold != "auto" else "")
 
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
@@ -386,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
   p.add_argument("--kernels", action="store_true",
                  help="also time every GEMM/Conv/attention kernel against cuBLAS/cuDNN/MultiHeadAttention")
-  p.add_argument("--wgmma", action="store_true",
-                 help="optimize with sm_90a wgmma GEMM kernels (sets ORTFUSE_WGMMA=1; model rows read 'NAME +wgmma')")
+  p.add_argument("--wgmma", action=argparse.BooleanOptionalAction, default=None,
+                 help="sm_90a wgmma GEMM kernels in the optimize (the sm_90 default); --no-wgmma sets "
+                      "ORTFUSE_WGMMA=0 and model rows read 'NAME no-wgmma'")
   p.add_argument("--ln-fold", choices=("auto", "on", "off"),
                  help="LayerNorm folds for the optimize (sets ORTFUSE_LN_FOLD; rows read 'NAME ln-fold=off')")
   p.add_argument("--sweep", action="store_true",
@@ -399,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.merge:
     merge(args.out, args.merge)
     return 0
-  if args.wgmma:
-    os.environ["ORTFUSE_WGMMA"] = "1"
+  if args.wgmma is not None:
+    os.environ["ORTFUSE_WGMMA"] = "1" if args.wgmma else "0"
   if args.ln_fold:
     os.environ["ORTFUSE_LN_FOLD"] = args.ln_fold
   work = args.work or Path(tempfile.mkdtemp(prefix="ortfuse-suite-"))

@@ -329,11 +329,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("model")
     ap.add_argument("--batch", type=int, default=32, help="also time the symbolic batch dim at N (0: hints only)")
     ap.add_argument("--arch", default=None, help="default: the GPU's, else sm_90")
-    ap.add_argument("--wgmma", action="store_true", help="enable sm_90a wgmma GEMM kernels (as `optimize --wgmma`)")
+    ap.add_argument("--wgmma", action=argparse.BooleanOptionalAction, default=None,
+                    help="sm_90a wgmma GEMM kernels (as `optimize --wgmma`; the sm_90 default)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
-    rows = run(a.model, a.batch, a.arch or _device_arch(), wgmma=True if a.wgmma else None)
+    rows = run(a.model, a.batch, a.arch or _device_arch(), wgmma=a.wgmma)
     text = render(rows)
     print(text)
     if a.md:

@@ -31,6 +31,11 @@ def debug() -> bool:
 LN_FOLD_MODES = ("auto", "on", "off")
 
 
+def _tristate(env: str) -> bool | None:
+    """An on/off environment setting: unset or empty -> None (the default), "0" -> False, else True."""
+    return None if env == "" else env != "0"
+
+
 @dataclass(frozen=True)
 class Options:
     archs: tuple[int, ...] = (90,)  # cubins built for these compute capabilities; PTX for the lowest
@@ -40,9 +45,11 @@ class Options:
     tf32: bool = False  # fp32 GEMMs may use tf32 tensor cores (10-bit mantissa); recorded in the model
     profile: bool = False  # time every region against ORT on the GPU and keep the faster (ortfuse.profile)
     profile_batch: int = 32  # --profile also times a symbolic batch dim at this value (0: at its hint only)
-    # sm_90a warpgroup-MMA GEMM kernels where every target arch is sm_90 (verified on an H100; opt-in since
-    # sm_90a code runs on sm_90 only, not on later GPUs through PTX; $ORTFUSE_WGMMA=1 turns it on too)
-    wgmma: bool = field(default_factory=lambda: os.environ.get("ORTFUSE_WGMMA", "0") not in ("", "0"))
+    # sm_90a warpgroup-MMA GEMM kernels. None (the default): where every target arch is sm_90 (measured on an
+    # H200, 2026-11-26: BERT / GPT-2 fp16 at batch 32 1.28x / 1.51x over stock ORT with them, 0.98x / 1.12x
+    # without); sm_90a code runs on sm_90 GPUs only, not on later ones through PTX, so False keeps the output
+    # portable; True insists (an error unless every target is sm_90). $ORTFUSE_WGMMA=1 / 0 sets it too.
+    wgmma: bool | None = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_WGMMA", "")))
     # LayerNorms folded into the GEMMs that read them: "auto" where the cost model says the whole model gains,
     # "on" wherever they can, "off" never ($ORTFUSE_LN_FOLD; docs/design.md, LayerNorm prologues)
     ln_fold: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LN_FOLD", "auto") or "auto")

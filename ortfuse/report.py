@@ -40,7 +40,8 @@ def summary(r: OptimizeResult) -> str:
         f"nodes:                {r.nodes_before} -> {r.nodes_after}",
         f"kernels compiled:     {r.kernels_compiled} distinct, for {', '.join(f'sm_{a}' for a in r.archs)} (+PTX)"
         + (f"; {wgmma} wgmma kernels for sm_90a only" if wgmma else "")
-        + (f" ({tma} fed by TMA)" if tma else ""),
+        + (f" ({tma} fed by TMA)" if tma else "")
+        + ("; the model runs on sm_90 GPUs only (--no-wgmma: portable)" if wgmma else ""),
         f"est. DRAM saved:      {_mb(r.bytes_saved)} per inference ({hints})",
         f"time:                 {r.seconds:.1f} s",
     ])

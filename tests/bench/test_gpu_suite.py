@@ -73,14 +73,16 @@ def test_cost_model_check_against_the_profile():
 
 
 def test_rows_say_what_the_optimize_used_beyond_the_defaults(monkeypatch):
-  # so a run with folds off (or wgmma on) merges next to the default one instead of replacing it
+  # so a run with folds off (or wgmma off) merges next to the default one instead of replacing it
   monkeypatch.delenv("ORTFUSE_WGMMA", raising=False)
   monkeypatch.delenv("ORTFUSE_LN_FOLD", raising=False)
   assert gpu_suite.variant_label() == ""
   monkeypatch.setenv("ORTFUSE_LN_FOLD", "off")
   assert gpu_suite.variant_label() == " ln-fold=off"
-  monkeypatch.setenv("ORTFUSE_WGMMA", "1")
-  assert gpu_suite.variant_label() == " +wgmma ln-fold=off"
+  monkeypatch.setenv("ORTFUSE_WGMMA", "1")  # the sm_90 default, said explicitly
+  assert gpu_suite.variant_label() == " ln-fold=off"
+  monkeypatch.setenv("ORTFUSE_WGMMA", "0")
+  assert gpu_suite.variant_label() == " no-wgmma ln-fold=off"
 
 
 def test_sweep_summary_in_the_report_and_merge(tmp_path):
