@@ -180,6 +180,14 @@ class _GemmLowerer(_Lowerer):
         n1 = ir.add(vn, ir.i64(1))
         funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: store([(vn, v0), (n1, v1)], pair_vec)))
         funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: store([(vn, v0)], 1)))
+        # epi8: 8 adjacent columns as one 16-byte vector per access (the template's whole tiles on mma
+        # fragments exchange pairs within each quad to get them): where the row holds whole groups of 8
+        # 16-bit lanes (vector_width: every input and output of the region) and no output is transposed
+        if isinstance(inner, int) and inner % 8 == 0 and self.vector_width(inner) == 8 and all(
+                (p := self.perms.get(o)) is None or p[-1] == len(p) - 1 for o in outs):
+            vs = [Var(f"acc{j}", F32) for j in range(8)]
+            cols = [(vn if j == 0 else ir.add(vn, ir.i64(j)), v) for j, v in enumerate(vs)]
+            funcs.append(self.func("epi8", (vb, vm, vn, *vs), lambda: store(cols, 8)))
 
     def row_epilogue(self, funcs: list[ir.Func], vb: Var, out_prefix, y_s: tuple[Dim, ...],
                      tile: tl.GemmTile) -> tuple[str, ...]:

@@ -8,6 +8,8 @@
 //   static float   b_load(const OfzArgs&, ofz_i64 b, ofz_i64 k, ofz_i64 n)   generic mode: B[b][k][n]
 //   static void    epi2(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v0, float v1)  C[b][m][n..n+1]
 //   static void    epi1(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v)              C[b][m][n]
+//   static void    epi8(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v0, ..., float v7) C[b][m][n..n+7]
+//                  (optional: printed where every access of the epilogue fits a 16-byte vector of 8 lanes)
 // The epilogue computes and stores every output of the fused region from the accumulator.
 //
 // Row-wise epilogue (ROW_TPR > 0; Welder's shared-memory connection): one tile spans whole rows (N <= BN),
@@ -463,6 +465,58 @@ __device__ __forceinline__ void for_each_acc(Acc& acc, SAcc& sacc, int wm0, int 
   }
 }
 
+// The quad's 4 x 4 exchange behind for_each_acc8: thread t holds m[k] = its pair of column group k (columns
+// 8k + 2t, 8k + 2t + 1); afterwards m[s] = thread s's pair of group t (columns 8t + 2s, +1), so m holds
+// group t's 8 columns in order. Two xor-shuffle steps, each swapping the pairs whose index differs from t
+// in that bit.
+__device__ __forceinline__ void quad_transpose(float (&m)[4][2], int t) {
+#pragma unroll
+  for (int b = 1; b <= 2; b <<= 1) {
+    const bool hi = (t & b) != 0;
+#pragma unroll
+    for (int k0 = 0; k0 < 4; ++k0) {
+      if (k0 & b) continue;
+      const int k1 = k0 | b;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float got = __shfl_xor_sync(0xffffffffu, hi ? m[k0][e] : m[k1][e], b);
+        if (hi) m[k0][e] = got;
+        else m[k1][e] = got;
+      }
+    }
+  }
+}
+
+// Visits the warp's mma accumulators as runs of 8 adjacent columns: f(row, col, values, 8). A quad holds each
+// 8-column group of a row as four pairs; over four groups it exchanges them (quad_transpose), so each thread
+// holds one group whole and the epilogue reads and writes it as one 16-byte vector. With pairs, each warp
+// store filled half of every 32-byte sector it touched (H200 Nsight Compute, 2026-11-26: 196,608 excess
+// sectors of 417,792 on a 4096 x 768 fp16 output, exactly the output's size).
+template <int kMT, int kNT, class Acc, class F>
+__device__ __forceinline__ void for_each_acc8(Acc& acc, int wm0, int wn0, F&& f) {
+  static_assert(kNT % 4 == 0, "four 8-column groups per exchange");
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < kMT; ++i)
+#pragma unroll
+    for (int j = 0; j < kNT; j += 4)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m[4][2];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          m[k][0] = acc[i][j + k][2 * h];
+          m[k][1] = acc[i][j + k][2 * h + 1];
+        }
+        quad_transpose(m, t);
+        f(wm0 + i * 16 + g + 8 * h, wn0 + (j + t) * 8, &m[0][0], 8);
+      }
+}
+
+// Whether the printed Ops has epi8 (it is printed only where all of the epilogue's accesses fit 8 lanes).
+template <class O, class = void> struct HasEpi8 { static constexpr bool value = false; };
+template <class O> struct HasEpi8<O, decltype((void)&O::epi8)> { static constexpr bool value = true; };
+
 // for_each_acc bound to one warp's accumulators: visit(f). A functor, not a generic lambda: NVRTC 13.0 takes a
 // generic lambda's call operator for a host function.
 template <bool kMma, int kMT, int kNT, class Acc, class SAcc>
@@ -472,6 +526,9 @@ struct AccVisitor {
   int wm0, wn0;
   template <class F>
   __device__ __forceinline__ void operator()(F&& f) const { for_each_acc<kMma, kMT, kNT>(acc, sacc, wm0, wn0, f); }
+  static constexpr bool kBy8 = kMma && kNT % 4 == 0;  // by8 applies: mma fragments, whole groups of four
+  template <class F>
+  __device__ __forceinline__ void by8(F&& f) const { for_each_acc8<kMT, kNT>(acc, wm0, wn0, f); }
 };
 
 // Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
@@ -600,6 +657,12 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
     if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: no per-fragment branch, so the epilogue is one
       // block of straight-line code in which the compiler issues the input loads (ld_readonly) ahead of the
       // stores instead of one load after each store
+      if constexpr (Visit::kBy8 && HasEpi8<Ops>::value) {  // 16-byte vectors: whole sectors
+        visit.by8([&](int r, int c, const float* v, int) {
+          Ops::epi8(a, b, m0 + r, n0 + c, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+        });
+        return;
+      }
       visit([&](int r, int c, const float* v, int count) {
         if (count == 2) Ops::epi2(a, b, m0 + r, n0 + c, v[0], v[1]);
         else

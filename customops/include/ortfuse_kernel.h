@@ -68,11 +68,20 @@ template <> struct Word<4> { typedef unsigned int type; };
 template <> struct Word<8> { typedef uint2 type; };
 template <> struct Word<16> { typedef uint4 type; };
 
+// A 16-byte word goes out through PTX: built from 2-byte lanes, NVVM split the uint4 store into four 4-byte
+// ones (NVRTC 13, sm_90 PTX, 2026-11-26). store_vec writes kernel outputs only: global memory.
 template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const T (&in)[N]) {
   typedef typename Word<sizeof(T) * N>::type W;
   W w;
   memcpy(&w, in, sizeof w);
   OFZ_CHECK_VEC(p, sizeof w);
+#ifndef ORTFUSE_EMU
+  if constexpr (sizeof(W) == 16) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                 : "memory");
+    return;
+  }
+#endif
   *reinterpret_cast<W*>(p) = w;
 }
 
