@@ -406,6 +406,9 @@ class _Lowerer:
         if scalar.sees_stored(node):
             args = [self.as_stored(x, a) if a is not None else None for x, a in zip(node.input, args)]
         out_storage = _storage(self.g.tensors[node.output[pos]].dtype, f"output of {node.op_type}")
+        if op == "Div" and any(scalar.sees_stored(self.g.nodes[c]) for c in self.g.consumers.get(node.output[0], ())):
+            # a step op (or a Cast) downstream would see the ulp a reciprocal may move: IEEE division
+            return scalar.exact_div(args[0], args[1])
         try:
             return scalar.apply(node, args, out_storage)
         except scalar.UnsupportedOp as e:

@@ -6,6 +6,7 @@ input) and the ONNX storage type of its output, and returns one expression."""
 from __future__ import annotations
 
 import math
+import struct
 from typing import Callable, Optional, Sequence
 
 import onnx
@@ -61,6 +62,22 @@ def _float_or_int(fn_float: str, fn_int: str) -> Callable[[Sequence[Expr]], Expr
 
 def _binary(fn: str):
     return lambda n, a, out: _op(fn, a[0], _as(a[1], a[0].ctype))
+
+
+def _div(n, a, out):
+    """x / c for a constant c with a normal fp32 reciprocal is x * (1 / c): within about an ulp of fp32 (the
+    fused chain keeps fp32 where ORT rounds every fp16 op), where IEEE division is a ~10-instruction
+    sequence with a slow path on the GPU (exported GELUs divide by sqrt(2) in every GEMM epilogue)."""
+    x, d = a[0], _as(a[1], a[0].ctype)
+    if x.ctype == F32 and isinstance(d, Const) and d.value != 0 and math.isfinite(d.value):
+        r = 1.0 / float(d.value)
+        if 1.1754944e-38 <= abs(r) <= 3.4028234e38:  # a normal fp32 number
+            return _op("mul", x, f32(struct.unpack("<f", struct.pack("<f", r))[0]))
+    return exact_div(x, d)
+
+
+def exact_div(x: Expr, d: Expr) -> Expr:
+    return _op("div", x, _as(d, x.ctype))
 
 
 def _compare(fn: str):
@@ -173,7 +190,7 @@ def _where(n, a, out):
 
 RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
     "Add": _binary("add"), "Sub": _binary("sub"), "Mul": _binary("mul"),
-    "Div": _binary("div"), "Pow": _pow,
+    "Div": _div, "Pow": _pow,
     "Sqrt": _unary_float("sqrt"), "Exp": _unary_float("exp"), "Log": _unary_float("log"),
     "Erf": _unary_float("erf"), "Tanh": _unary_float("tanh"), "Sin": _unary_float("sin"),
     "Cos": _unary_float("cos"), "Floor": _unary_float("floor"), "Ceil": _unary_float("ceil"),

@@ -90,7 +90,7 @@ template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const 
 // the whole kernel: it is read through the non-coherent path with an asm that is neither volatile nor a
 // memory clobber, which the compiler may move past the kernel's stores. Without that, each of an epilogue's
 // bias or residual loads waited for the store before it (a possible alias): the likely cause of a fixed
-// ~18 us per 4096 x 768 GEMM output on the H200 (2026-11-26, docs/results.md; not yet re-measured). An
+// ~18 us per 4096 x 768 GEMM output on the H200 (2026-11-26; with it, ~4.5 us: docs/results.md). An
 // output read back (non-const pointer) is an ordinary load.
 template <class W> __device__ __forceinline__ W ld_readonly(const void* p);
 #ifdef ORTFUSE_EMU

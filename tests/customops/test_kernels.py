@@ -106,6 +106,24 @@ def test_step_ops_see_stored_half_values():
     assert all(d.ok and d.max_abs == 0 for d in diffs), diffs
 
 
+def test_division_by_a_constant_multiplies_unless_a_step_op_reads_it():
+    # x / sqrt(2) (every exported erf GELU) becomes x * fp32(1 / sqrt(2)): one multiply where IEEE division is
+    # a sequence with a slow path; x / 3 before a Floor stays a division (x = 3k must floor to k exactly)
+    x = np.arange(-48, 48, dtype=np.float32).reshape(4, 24) * 0.75
+    nodes = [node("Div", ["x", "r2"], ["a"]), node("Erf", ["a"], ["e"]), node("Div", ["x", "three"], ["t"]),
+             node("Floor", ["t"], ["f"]), node("Add", ["e", "f"], ["y"])]
+    m = model(nodes, [vi("x", F, [4, 24])], [vi("y", F, None)],
+              [const("r2", 1.4142135, np.float32), const("three", 3.0, np.float32)])
+    res = compile_model(m, {}, "sm_90")
+    src = res.kernels[0].compiled.source
+    assert "/ 1.414" not in src and "0.7071067" in src and "/ 3.0f)" in src
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    fused = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    diffs = _emulate_node(fused[0], {**values, "x": x, "y": want})
+    assert all(d.ok for d in diffs), diffs
+
+
 def test_fp32_output_of_half_data_is_checked_at_half_tolerance():
     """x*x in fp16, its row mean upcast to fp32: ORT rounds the product to fp16 and the kernel does not,
     so the fp32 output differs by ~2e-4, which the fp32 tolerance (1e-5) would call a failure."""
