@@ -111,3 +111,29 @@ def test_with_wgmma_the_other_instruction_families_are_timed_alongside():
         assert len(r.extra) == 2 and all(v == 10.0 for v in r.extra.values())
         families = {"mma.sync" if k.startswith("mma.sync") else k.split()[-1] for k in r.extra}
         assert families == {"mma.sync", "wgmma", "wgmma+TMA"} - {chosen}, r.extra
+
+
+def test_ncu_attention_runs_our_kernel_and_multiheadattention(monkeypatch, capsys):
+    # bench/ncu_attention.py's wiring on the CPU (Nsight Compute needs the GPU): both sessions built from the
+    # model's first attention region at the large batch, each run --runs times
+    from ortfuse import runtime
+    from ortfuse.bench import ncu_attention
+    runs: list[str] = []
+    plain, ours = ort.InferenceSession, runtime.InferenceSession
+
+    class Cpu:
+        def __init__(self, model, providers=None, fused=False):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FallbackWarning)
+                self.s = ours(model, providers=["CPUExecutionProvider"]) if fused else \
+                    plain(model, providers=["CPUExecutionProvider"])
+            self.ops = {n.op_type for n in (model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)).graph.node}
+
+        def run(self, names, feeds):
+            runs.append("mha" if "MultiHeadAttention" in self.ops else "ours")
+            return self.s.run(names, feeds)
+    monkeypatch.setattr(runtime, "InferenceSession", lambda m, providers=None: Cpu(m, fused=True))
+    monkeypatch.setattr(ort, "InferenceSession", lambda m, providers=None: Cpu(m))
+    assert ncu_attention.main([str(zoo.build("bert", "fp32", tiny=True)), "--batch", "4", "--runs", "2"]) == 0
+    assert runs == ["ours", "ours", "mha", "mha"]
+    assert "= ours" in capsys.readouterr().out
