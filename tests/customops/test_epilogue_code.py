@@ -89,7 +89,8 @@ def test_epi8_only_where_every_access_takes_eight_lanes():
 
 
 @pytest.mark.parametrize("tile", [(64, 64, 32, 32, 32, 3, 1), (64, 128, 32, 32, 64, 3, 1),
-                                  (64, 128, 64, 16, 128, 4, 1, 1), (128, 64, 64, 16, 64, 4, 1, 1)])
+                                  (64, 128, 64, 16, 128, 4, 1, 1), (128, 64, 64, 16, 64, 4, 1, 1),
+                                  (64, 128, 64, 16, 128, 4, 1, 2)])  # mma.sync, wgmma, wgmma fed by TMA
 def test_epi8_matches_ort(tile):
     # y = gelu(x @ w + b) + r on whole tiles (128 x 256) and partial ones (M = 200): mma.sync and wgmma
     # accumulators through the quads' exchange, against ORT on the CPU
