@@ -2,6 +2,7 @@
 CompiledKernel, read back for emulation and checks. The native library reads the same fields."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,33 +28,63 @@ def _ints(name: str, values: Sequence[int]) -> onnx.AttributeProto:
     return helper.make_attribute(name, [int(v) for v in values], attr_type=onnx.AttributeProto.INTS)
 
 
-def node_attributes(spec: KernelSpec, ck: CompiledKernel) -> list[onnx.AttributeProto]:
-    return [
+def node_attributes(spec: KernelSpec, ck: CompiledKernel,
+                    variants: Sequence[tuple[int, KernelSpec, CompiledKernel]] = ()) -> list[onnx.AttributeProto]:
+    """The node's attributes; `variants`: further kernels of the same region as (rows from, spec, kernel),
+    thresholds rising: the library runs the last whose threshold the rows reach (`variant_rows`: the
+    product of the first output's dims but its innermost), else the first kernel."""
+    shared = [
         helper.make_attribute("ortfuse_version", NODE_FORMAT_VERSION),
-        helper.make_attribute("entry", ck.entry),
-        _ints("cubin_archs", [cc for cc, _ in ck.cubins]),
-        *[helper.make_attribute(f"cubin_{cc}", _bytes_tensor(f"cubin_{cc}", b)) for cc, b in ck.cubins],
-        helper.make_attribute("ptx", _bytes_tensor("ptx", ck.ptx)),
-        helper.make_attribute("block", spec.block),
-        helper.make_attribute("smem", spec.smem),
         _ints("sym_dims", [v for pair in spec.sym_dims for v in pair]),
-        _ints("units", list(spec.units)),
-        helper.make_attribute("units_per_block", spec.units_per_block),
-        *([_ints("units_ceil", [v for terms, div in spec.units_ceil for v in (len(terms), *terms, div)])]
-          if spec.units_ceil else []),
         _ints("out_dtypes", list(spec.out_dtypes)),
         _ints("out_ranks", [len(s) for s in spec.out_shapes]),
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
-        *([helper.make_attribute("split_k", spec.split_k)] if spec.split_k > 1 else []),
         *([_ints("sym_derived", [v for rule in spec.sym_derived for v in rule])] if spec.sym_derived else []),
-        *([_ints("dim_limits", [v for terms, lim in spec.dim_limits for v in (len(terms), *terms, lim)])]
-          if spec.dim_limits else []),
-        *([_ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
         *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
-        *([_ints("tma", [v for t in spec.tma for v in t])] if spec.tma else []),
-        *([helper.make_attribute("blocks_per_sm", spec.blocks_per_sm)] if spec.blocks_per_sm else []),
-        *([helper.make_attribute("row_cluster", spec.row_cluster)] if spec.row_cluster > 1 else []),
-        helper.make_attribute("source", ck.source),
+    ]
+    out = shared + _kernel_attributes(spec, ck, "")
+    if variants:
+        rows = variant_rows(spec)
+        if any(-t - 1 >= len(spec.sym_dims) for t in rows if t < 0):
+            raise ValueError(f"{ck.entry}: kernel variants need rows made of bound dims, got {rows}")
+        out += [helper.make_attribute("variants", 1 + len(variants)), _ints("variant_rows", rows),
+                _ints("variant_from", [frm for frm, _, _ in variants])]
+        for i, (_, vspec, vck) in enumerate(variants, 1):
+            out += _kernel_attributes(vspec, vck, f"@{i}")
+    return out
+
+
+def variant_rows(spec: KernelSpec) -> list[int]:
+    """The terms whose product picks a node's kernel variant: the first output's dims but its innermost."""
+    return list(spec.out_shapes[0][:-1])
+
+
+def _kernel_attributes(spec: KernelSpec, ck: CompiledKernel, sfx: str) -> list[onnx.AttributeProto]:
+    """One kernel's own attributes; a variant's carry its suffix (`entry@1`)."""
+    def attr(name: str, value) -> onnx.AttributeProto:
+        return helper.make_attribute(name + sfx, value)
+
+    def ints(name: str, values: Sequence[int]) -> onnx.AttributeProto:
+        return _ints(name + sfx, values)
+    return [
+        attr("entry", ck.entry),
+        ints("cubin_archs", [cc for cc, _ in ck.cubins]),
+        *[attr(f"cubin_{cc}", _bytes_tensor(f"cubin_{cc}", b)) for cc, b in ck.cubins],
+        attr("ptx", _bytes_tensor("ptx", ck.ptx)),
+        attr("block", spec.block),
+        attr("smem", spec.smem),
+        ints("units", list(spec.units)),
+        attr("units_per_block", spec.units_per_block),
+        *([ints("units_ceil", [v for terms, div in spec.units_ceil for v in (len(terms), *terms, div)])]
+          if spec.units_ceil else []),
+        *([attr("split_k", spec.split_k)] if spec.split_k > 1 else []),
+        *([ints("dim_limits", [v for terms, lim in spec.dim_limits for v in (len(terms), *terms, lim)])]
+          if spec.dim_limits else []),
+        *([ints("arg_align", list(spec.arg_align))] if any(v > 1 for v in spec.arg_align) else []),
+        *([ints("tma", [v for t in spec.tma for v in t])] if spec.tma else []),
+        *([attr("blocks_per_sm", spec.blocks_per_sm)] if spec.blocks_per_sm else []),
+        *([attr("row_cluster", spec.row_cluster)] if spec.row_cluster > 1 else []),
+        attr("source", ck.source),
     ]
 
 
@@ -80,6 +111,21 @@ class Launch:
     tma: tuple[tuple[int, int, int], ...] = ()  # (input, box rows, element type): KernelSpec.tma
     blocks_per_sm: int = 0  # a persistent kernel's grid cap per SM (0: none)
     row_cluster: int = 1  # exact blocks per cluster of a row split across a cluster (1: none)
+    # further kernels of the node: (rows from, launch), and the terms whose product is the rows
+    variants: tuple[tuple[int, "Launch"], ...] = ()
+    variant_rows: tuple[int, ...] = ()
+
+    def pick(self, dims: Sequence[int]) -> "Launch":
+        """The kernel the library runs at these dims: the last variant whose threshold the rows reach."""
+        rows = math.prod(self.resolve(self.variant_rows, dims))
+        chosen = self
+        for frm, launch in self.variants:
+            if rows >= frm:
+                chosen = launch
+        return chosen
+
+    def kernels(self) -> list["Launch"]:
+        return [self, *(launch for _, launch in self.variants)]
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
@@ -122,6 +168,26 @@ def read_launch(node: onnx.NodeProto) -> Launch:
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     if a.get("ortfuse_version") != NODE_FORMAT_VERSION:
         raise ValueError(f"node '{node.name}': ortfuse node format {a.get('ortfuse_version')} is not {NODE_FORMAT_VERSION}")
+    first = _read_kernel(node, a, "")
+    n = int(a.get("variants", 1))
+    if n == 1:
+        return first
+    more = tuple((int(frm), _read_kernel(node, a, f"@{i}")) for i, frm in enumerate(a["variant_from"], 1))
+    if len(more) != n - 1:
+        raise ValueError(f"node '{node.name}': {n} kernel variants but {len(more) + 1} thresholds")
+    return dataclasses.replace(first, variants=more, variant_rows=tuple(a["variant_rows"]))
+
+
+def _read_kernel(node: onnx.NodeProto, a: dict, sfx: str) -> Launch:
+    """Kernel `sfx` of the node (its own attributes carry the suffix; the shared ones do not)."""
+    mine: dict = {}
+    for key, value in a.items():
+        base, at, tag = key.partition("@")
+        if not _own(base):
+            mine.setdefault(base, value)  # shared (no variant carries its own)
+        elif at + tag == sfx:
+            mine[base] = value
+    a = mine
     sym = list(a["sym_dims"])
     ranks, flat = list(a["out_ranks"]), list(a["out_dims"])
     shapes, pos = [], 0
@@ -140,6 +206,15 @@ def read_launch(node: onnx.NodeProto) -> Launch:
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
                   tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])),
                   int(a.get("blocks_per_sm", 0)), int(a.get("row_cluster", 1)))
+
+
+# a kernel's own attributes (`_kernel_attributes`); a variant's carry its suffix
+_KERNEL_KEYS = frozenset({"entry", "cubin_archs", "ptx", "block", "smem", "units", "units_per_block", "units_ceil",
+                          "split_k", "dim_limits", "arg_align", "tma", "blocks_per_sm", "row_cluster", "source"})
+
+
+def _own(key: str) -> bool:
+    return key in _KERNEL_KEYS or key.startswith("cubin_") and key[6:].isdigit()
 
 
 def _groups(flat: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:

@@ -17,6 +17,7 @@ from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
+from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
                                        fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
@@ -43,6 +44,9 @@ class FusedKernel:
     compiled: CompiledKernel
     node: FusedNode
     retiled: str = ""  # why the top-ranked GEMM tile was replaced after compiling (ptxas spilled it)
+    # further kernels of the node by size, (rows from, spec, kernel): `--profile` measured another tile
+    # fastest at a larger binding (attrs.node_attributes)
+    variants: tuple[tuple[int, KernelSpec, CompiledKernel], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,12 +164,17 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                           time.perf_counter() - t0, archs, placements)
 
 
-def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel) -> FusedKernel:
-    tag = hashlib.sha256(f"{ck.entry}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
+def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,
+                 variants: Sequence[tuple[int, KernelSpec, CompiledKernel]] = ()) -> FusedKernel:
+    entries = "+".join([ck.entry, *(f"{frm}:{v.entry}" for frm, _, v in variants)])
+    tag = hashlib.sha256(f"{entries}/{region.id}/{','.join(region.outputs)}".encode()).hexdigest()[:10]
+    for _, vspec, _ in variants:  # one node: the same inputs, weight layouts and outputs
+        if (vspec.input_perms, vspec.outputs, vspec.out_shapes) != (spec.input_perms, spec.outputs, spec.out_shapes):
+            raise OrtfuseError(f"region {region.id}: kernel variants that disagree on the node's tensors")
     node = FusedNode(f"ortfuse_region_{region.id}", f"Fused_{tag}", region.nodes, region.inputs,
-                     region.outputs, tuple(attrs.node_attributes(spec, ck)), spec.input_perms,
+                     region.outputs, tuple(attrs.node_attributes(spec, ck, variants)), spec.input_perms,
                      spec.shape_reads, spec.ln_fold)
-    return FusedKernel(region, spec, ck, node)
+    return FusedKernel(region, spec, ck, node, variants=tuple(variants))
 
 
 def spill_bytes(ck: CompiledKernel) -> int:
@@ -203,7 +212,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
     """Measured placement on the GPU (ortfuse.profile): drop regions ORT runs faster, pick GEMM tiles."""
     from ortfuse import profile as prof
 
-    variants: dict[tuple[int, tuple[int, ...]], FusedKernel] = {}
+    built: dict[tuple[int, tuple[int, ...]], FusedKernel] = {}
 
     def candidates(region: Region):
         k = next(k for k in kernels if k.region.id == region.id)
@@ -213,7 +222,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
         for tile in k.spec.tiles:
             spec = lower(graph, region, tgt, opts.tf32, tile=tile)
             fk = fused_kernel(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
-            variants[(region.id, tile)] = fk
+            built[(region.id, tile)] = fk
             out.append((tile, fk.node))
         return out
 
@@ -243,7 +252,11 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
         say(pl.line())
         final.append(pl)
         if pl.keep:
-            chosen.append(variants.get((k.region.id, pl.tile), k))
+            fk = built.get((k.region.id, pl.tile), k)
+            if pl.variants:  # one kernel per size class: each tile as compiled for the profile
+                more = [(frm, built[(k.region.id, t)].spec, built[(k.region.id, t)].compiled) for frm, t in pl.variants]
+                fk = fused_kernel(k.region, fk.spec, fk.compiled, more)
+            chosen.append(fk)
     return chosen, tuple(final)
 
 

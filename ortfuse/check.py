@@ -162,7 +162,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
         from ortfuse.customops.attrs import read_launch
         from ortfuse.customops.emulate import compile_emulated_all
-        compile_emulated_all(read_launch(n).source for n in fused)  # g++ in parallel, then one by one
+        compile_emulated_all(k.source for n in fused for k in read_launch(n).kernels())  # g++ in parallel
         kernels = tuple((n.name, _emulate_node(n, values, tol32, floors, bodies.get(n.op_type))) for n in fused)
     return CheckReport(model_diffs, kernels)
 
@@ -281,6 +281,7 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
     from ortfuse.customops.target import for_cc
     launch = read_launch(node)
     inputs = [np.ascontiguousarray(values[t]) for t in node.input]
+    launch = launch.pick([int(inputs[i].shape[axis]) for i, axis in launch.sym_dims])  # as the library does
     if any(_is_half(a) for a in inputs):
         tol32 = RTOL["fp16"]  # fp32 outputs computed from half-precision data carry its rounding
     dims = launch.dims([a.shape for a in inputs])

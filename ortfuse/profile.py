@@ -16,9 +16,9 @@ use the geometric mean over the bindings of the time ratios, each binding weighi
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -40,6 +40,9 @@ from ortfuse.search import legal
 from ortfuse.search.plan import Region
 
 WARMUP, RUNS = 10, 50
+# A GEMM gets one kernel per size class (the fastest tile at each profiled binding, picked per run by the
+# library from the rows) where that beats the fastest single tile by this factor (geometric mean)
+VARIANT_GAIN = 1.05
 # A model -> median microseconds. The default times on the CUDA EP; tests pass a CPU stand-in.
 Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 
@@ -83,9 +86,15 @@ class Placement:
     # what was measured
     model_ort_us: Optional[Times] = None
     model_ours_us: Optional[Times] = None
+    # GEMMs: further kernels by size, (rows from, tile): `tile` runs below the first threshold; and the
+    # times of the node so built (each binding's kernel)
+    variants: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    by_size_us: Optional[Times] = None
 
     @property
     def best_us(self) -> Times:
+        if self.variants and self.by_size_us is not None:
+            return self.by_size_us
         return min((ts for _, ts in self.ours_us), key=geomean)
 
     @property
@@ -97,6 +106,9 @@ class Placement:
 
     def line(self) -> str:
         verdict = "split: cuBLAS + ours" if self.split else "ours" if self.keep else "ORT"
+        if self.keep and self.variants:
+            verdict += f" ({tile_label(self.tile)}" + "".join(f"; from {r} rows {tile_label(v)}"
+                                                              for r, v in self.variants) + ")"
         tiles = ", ".join(f"{tile_label(t)} {us_text(ts)}" for t, ts in self.ours_us)
         split = f", split {us_text(self.split_us)} us" if self.split_us is not None else ""
         model = (f"; cost model: ORT {us_text(self.model_ort_us)}, ours {us_text(self.model_ours_us)} us"
@@ -369,11 +381,52 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
                     ts.append(cache.get(key, lambda: timer(fused_model(sub, node), feeds, True)))
             per_tile = tuple((tile, tuple(ts)) for (tile, _), ts in zip(cands, ours))
             best_tile, best = min(per_tile, key=lambda x: geomean(x[1]))
-            out.append(Placement(r.id, tuple(label for label, _ in bindings), tuple(ort_us), per_tile,
-                                 wins(best, tuple(ort_us)), best_tile))
+            # kernels by size share the node's tensors: only tiles that read the weight the same way
+            # (mma.sync reads it as stored, wgmma transposed offline) go together
+            rows = [_rows(g, r, dims) for _, dims in bindings]
+            layouts = [node.input_perms for _, node in cands]
+            first, more, combo = None, (), None
+            for layout in dict.fromkeys(layouts):
+                group = [pt for pt, lay in zip(per_tile, layouts) if lay == layout]
+                f, m, c = by_size(group, rows, best)
+                if f is not None and (combo is None or geomean(c) < geomean(combo)):
+                    first, more, combo = f, m, c
+            pl = Placement(r.id, tuple(label for label, _ in bindings), tuple(ort_us), per_tile, False,
+                           first or best_tile, variants=more, by_size_us=combo)
+            out.append(dataclasses.replace(pl, keep=wins(pl.best_us, tuple(ort_us))))
     finally:
         cache.save()
     return out
+
+
+def _rows(g: Graph, r: Region, dims: Mapping[str, int]) -> int:
+    """The rows that pick a kernel variant at this binding (attrs.variant_rows: the first output's dims but
+    its innermost)."""
+    return int(np.prod(_concrete(g, r.outputs[0], dims)[:-1]))
+
+
+Variants = tuple[tuple[int, tuple[int, ...]], ...]  # (rows from, tile) after the first kernel
+
+
+def by_size(per_tile: Sequence[tuple[tuple[int, ...], Times]], rows: Sequence[int],
+            best: Times) -> tuple[Optional[tuple[int, ...]], Variants, Optional[Times]]:
+    """Kernel variants by size from the times of each tile at each binding: (the smallest bindings' tile,
+    ((rows from, tile), ...), the times so built) with a threshold at the geometric mean of neighbouring
+    bindings' rows where the fastest tile changes; (None, (), None) where one tile is fastest everywhere,
+    the bindings do not differ in size, or the variants gain less than VARIANT_GAIN over `best` (the
+    fastest single tile of all)."""
+    if len(per_tile) < 2 or len(set(rows)) < len(rows) or not all(t for t, _ in per_tile):
+        return None, (), None
+    order = sorted(range(len(rows)), key=lambda b: rows[b])
+    fastest = [min(per_tile, key=lambda x: x[1][b])[0] for b in order]
+    combo = tuple(min(ts[b] for _, ts in per_tile) for b in range(len(rows)))
+    if len(set(fastest)) == 1 or geomean(best) < VARIANT_GAIN * geomean(combo):
+        return None, (), None
+    more = []
+    for i in range(1, len(order)):
+        if fastest[i] != fastest[i - 1]:
+            more.append((int(round(math.sqrt(rows[order[i - 1]] * rows[order[i]]))), fastest[i]))
+    return fastest[0], tuple(more), combo
 
 
 def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,

@@ -72,8 +72,9 @@ def markdown(r: OptimizeResult, source: str) -> str:
                         for cc, x in k.compiled.resources) or "-"
         split = f", split-K up to {k.spec.split_k}" if k.spec.split_k > 1 else \
             f", rows split across clusters of {k.spec.row_cluster}" if k.spec.row_cluster > 1 else ""
-        out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}` | "
-                   f"{k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
+        by_size = "".join(f"; from {frm} rows `{vck.entry}` ({vspec.block})" for frm, vspec, vck in k.variants)
+        out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}`"
+                   f"{by_size} | {k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
     if r.placements:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 f"Each cell gives one time per binding ({' / '.join(r.placements[0].bindings)}); 'ORT / kept' "
@@ -84,6 +85,8 @@ def markdown(r: OptimizeResult, source: str) -> str:
             tiles = "; ".join(f"{tile_label(t)}: {us_text(ts)}" for t, ts in pl.ours_us)
             split = us_text(pl.split_us) if pl.split_us is not None else "—"
             kept = "split" if pl.split else "ours" if pl.keep else "ORT"
+            if pl.keep and pl.variants:
+                kept += f" by size: {tile_label(pl.tile)}" + "".join(f"; from {r} rows {tile_label(v)}" for r, v in pl.variants)
             model = (f"{us_text(pl.model_ort_us)}, {us_text(pl.model_ours_us)}"
                      if pl.model_ort_us is not None and pl.model_ours_us is not None else "—")
             out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x | {model} |")

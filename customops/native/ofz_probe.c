@@ -6,7 +6,8 @@
 //          CUDA op, minus CUDA: outputs are zero-filled and one extra int64[PLAN_LEN] output reports
 //          the launch [grid, block, smem, chosen cubin cc (0 = PTX), image bytes, units, d0..d15, cluster,
 //          then per TMA map (zeros if none) dim0, dim1, stride1, box0, box1, element type] for a device of
-//          compute capability `probe_cc` with `probe_sm_count` SMs (optional, 0).
+//          compute capability `probe_cc` with `probe_sm_count` SMs (optional, 0), then the kernel variant
+//          run (0 for a node of one kernel).
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,7 +20,7 @@
     if (st_) return st_;     \
   } while (0)
 
-enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_TMA = 6, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 + PLAN_TMA * OFZ_TMA_MAPS };
+enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_TMA = 6, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 + PLAN_TMA * OFZ_TMA_MAPS + 1 };
 
 // Index of each fact in Probe's FACTS output; the Python test mirrors this list.
 enum {
@@ -223,8 +224,9 @@ static OrtStatus* probe_infer(const OrtCustomOp* op, OrtShapeInferContext* ctx) 
 // ---- Plan ----
 
 typedef struct PlanKernel {
-  OfzSpec spec;
-  int64_t chosen_cc, image_bytes, sm_count;
+  size_t n_var;
+  OfzSpec spec[OFZ_MAX_VARIANTS];
+  int64_t chosen_cc[OFZ_MAX_VARIANTS], image_bytes[OFZ_MAX_VARIANTS], sm_count;
 } PlanKernel;
 
 static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
@@ -242,24 +244,31 @@ static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const Or
   void* image = NULL;
   size_t bytes = 0;
   int chosen = 0;
-  OrtStatus* s = ofz_spec_parse(info, node, ins, outs - 1, &k->spec);
+  OrtStatus* s = ofz_spec_parse(info, node, ins, outs - 1, 0, &k->spec[0]);
+  k->n_var = s ? 0 : (size_t)k->spec[0].n_variants;
+  for (size_t v = 1; v < k->n_var && !s; ++v) s = ofz_spec_parse(info, node, ins, outs - 1, v, &k->spec[v]);
   if (!s) s = ofz_attr_int(info, node, "probe_cc", &cc);
   if (!s) k->sm_count = ofz_attr_int_or(info, "probe_sm_count", 0);
-  if (!s) s = ofz_spec_image(info, &k->spec, (int)cc, &image, &bytes, &chosen);
-  free(image);
+  for (size_t v = 0; v < k->n_var && !s; ++v) {
+    s = ofz_spec_image(info, &k->spec[v], (int)cc, &image, &bytes, &chosen);
+    free(image);
+    image = NULL;
+    k->chosen_cc[v] = chosen;
+    k->image_bytes[v] = (int64_t)bytes;
+  }
   if (s) {
     free(k);
     return s;
   }
-  k->chosen_cc = chosen;
-  k->image_bytes = (int64_t)bytes;
   *out = k;
   return NULL;
 }
 
 static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   PlanKernel* k = kernel;
-  const OfzSpec* s = &k->spec;
+  size_t v = 0;
+  TRY(ofz_spec_pick(&k->spec[0], ctx, &v));
+  const OfzSpec* s = &k->spec[v];
   OfzArgs args;
   OfzLaunch launch;
   TRY(ofz_spec_resolve(s, ctx, (int)k->sm_count, &args, &launch));
@@ -272,12 +281,13 @@ static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   const int64_t n = PLAN_LEN;
   int64_t* rep = NULL;
   TRY(new_output(ctx, s->n_out, &n, 1, (void**)&rep));
-  int64_t head[6] = {launch.grid, launch.block, launch.smem, k->chosen_cc, k->image_bytes, launch.units};
+  int64_t head[6] = {launch.grid, launch.block, launch.smem, k->chosen_cc[v], k->image_bytes[v], launch.units};
   memcpy(rep, head, sizeof head);
   for (int d = 0; d < OFZ_MAX_DIMS; ++d) rep[6 + d] = args.dim[d];
   rep[6 + OFZ_MAX_DIMS] = launch.cluster;
   int64_t* tma = rep + 7 + OFZ_MAX_DIMS;
   memset(tma, 0, sizeof(int64_t) * PLAN_TMA * OFZ_TMA_MAPS);
+  rep[PLAN_LEN - 1] = (int64_t)v;
   if (s->n_tma && launch.grid) {
     OfzTmaGeom geo[OFZ_TMA_MAPS];
     TRY(ofz_spec_tma(s, ctx, &args, geo));

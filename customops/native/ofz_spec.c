@@ -41,9 +41,21 @@ static OrtStatus* check_groups(const OfzSpec* s, const char* what, const char* v
   return NULL;
 }
 
-OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, OfzSpec* s) {
+// A variant's own attribute: `name` for variant 0, `name@v` for variant v.
+static const char* vname(const OfzSpec* s, const char* name, char* buf, size_t cap) {
+  snprintf(buf, cap, "%s%s", name, s->sfx);
+  return buf;
+}
+#define V(name) vname(s, name, nb, sizeof nb)
+
+OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, size_t variant,
+                          OfzSpec* s) {
   memset(s, 0, sizeof *s);
   snprintf(s->node, sizeof s->node, "%s", node);
+  if (variant >= OFZ_MAX_VARIANTS) return BAD("ortfuse: node '%s': kernel variant %zu of at most %d", node, variant,
+                                              OFZ_MAX_VARIANTS);
+  if (variant) s->sfx[0] = '@', s->sfx[1] = (char)('0' + variant);  // OFZ_MAX_VARIANTS < 10
+  char nb[64];
   s->n_in = n_in;
   s->n_out = n_out;
   if (n_in + n_out > OFZ_MAX_TENSORS)
@@ -54,30 +66,30 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   if (version != OFZ_NODE_VERSION)
     return BAD("ortfuse: node '%s' has ortfuse_version %lld; this library reads version %d (rebuild the model "
                "or the library)", node, (long long)version, OFZ_NODE_VERSION);
-  TRY(ofz_attr_string(info, node, "entry", s->entry, sizeof s->entry));
-  if (!s->entry[0]) return BAD("ortfuse: node '%s': attribute 'entry' is empty", node);
-  TRY(ofz_attr_ints(info, node, "cubin_archs", s->archs, OFZ_MAX_ARCHS, &s->n_archs));
+  TRY(ofz_attr_string(info, node, V("entry"), s->entry, sizeof s->entry));
+  if (!s->entry[0]) return BAD("ortfuse: node '%s': attribute '%s' is empty", node, V("entry"));
+  TRY(ofz_attr_ints(info, node, V("cubin_archs"), s->archs, OFZ_MAX_ARCHS, &s->n_archs));
   for (size_t i = 0; i < s->n_archs; ++i)
     if (s->archs[i] < 10 || s->archs[i] > 999)
       return BAD("ortfuse: node '%s': cubin_archs[%zu] = %lld is not a compute capability", node, i,
                  (long long)s->archs[i]);
-  TRY(ofz_attr_int(info, node, "block", &s->block));
-  TRY(ofz_attr_int(info, node, "smem", &s->smem));
-  TRY(ofz_attr_int(info, node, "units_per_block", &s->units_per_block));
+  TRY(ofz_attr_int(info, node, V("block"), &s->block));
+  TRY(ofz_attr_int(info, node, V("smem"), &s->smem));
+  TRY(ofz_attr_int(info, node, V("units_per_block"), &s->units_per_block));
   if (s->block < 1 || s->block > 1024) return BAD("ortfuse: node '%s': block = %lld, expected 1..1024",
                                                   node, (long long)s->block);
   if (s->smem < 0 || s->smem > (1 << 30)) return BAD("ortfuse: node '%s': smem = %lld bytes is out of range",
                                                      node, (long long)s->smem);
   if (s->units_per_block < 1) return BAD("ortfuse: node '%s': units_per_block = %lld, expected >= 1",
                                          node, (long long)s->units_per_block);
-  s->split_k = ofz_attr_int_or(info, "split_k", 1);
+  s->split_k = ofz_attr_int_or(info, V("split_k"), 1);
   if (s->split_k < 1 || s->split_k > OFZ_MAX_CLUSTER)
     return BAD("ortfuse: node '%s': split_k = %lld, expected 1..%d", node, (long long)s->split_k, OFZ_MAX_CLUSTER);
-  s->row_cluster = ofz_attr_int_or(info, "row_cluster", 1);
+  s->row_cluster = ofz_attr_int_or(info, V("row_cluster"), 1);
   if (s->row_cluster < 1 || s->row_cluster > OFZ_MAX_CLUSTER || (s->row_cluster > 1 && s->split_k > 1))
     return BAD("ortfuse: node '%s': row_cluster = %lld, expected 1..%d (and no split_k)", node,
                (long long)s->row_cluster, OFZ_MAX_CLUSTER);
-  s->blocks_per_sm = ofz_attr_int_or(info, "blocks_per_sm", 0);
+  s->blocks_per_sm = ofz_attr_int_or(info, V("blocks_per_sm"), 0);
   if (s->blocks_per_sm < 0 || s->blocks_per_sm > 32)
     return BAD("ortfuse: node '%s': blocks_per_sm = %lld, expected 0..32", node, (long long)s->blocks_per_sm);
 
@@ -104,11 +116,11 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
       return BAD("ortfuse: node '%s': sym_derived rule %zu has divisor %lld, expected >= 1", node, j,
                  (long long)s->derived[3 * j + 2]);
   }
-  TRY(ofz_attr_ints(info, node, "units", s->units, OFZ_MAX_TERMS, &s->n_units));
+  TRY(ofz_attr_ints(info, node, V("units"), s->units, OFZ_MAX_TERMS, &s->n_units));
   TRY(check_terms(s, "units", s->units, s->n_units));
-  TRY(ofz_attr_ints_opt(info, node, "units_ceil", s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
+  TRY(ofz_attr_ints_opt(info, node, V("units_ceil"), s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
   TRY(check_groups(s, "units_ceil", "divisor", s->units_ceil, s->n_ceil));
-  TRY(ofz_attr_ints_opt(info, node, "dim_limits", s->dim_limits, OFZ_MAX_TERMS, &s->n_limits));
+  TRY(ofz_attr_ints_opt(info, node, V("dim_limits"), s->dim_limits, OFZ_MAX_TERMS, &s->n_limits));
   TRY(check_groups(s, "dim_limits", "limit", s->dim_limits, s->n_limits));
 
   size_t n_chk3 = 0;
@@ -123,7 +135,7 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                  "size or bound dim", node, j, (long long)c[0], (long long)c[1], (long long)c[2]);
   }
 
-  TRY(ofz_attr_ints_opt(info, node, "arg_align", s->align, OFZ_MAX_TENSORS, &s->n_align));
+  TRY(ofz_attr_ints_opt(info, node, V("arg_align"), s->align, OFZ_MAX_TENSORS, &s->n_align));
   if (s->n_align && s->n_align != n_in + n_out)
     return BAD("ortfuse: node '%s': arg_align has %zu entries, expected one per input and output (%zu)", node,
                s->n_align, n_in + n_out);
@@ -133,7 +145,7 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                  (long long)s->align[i]);
 
   size_t n_tma3 = 0;
-  TRY(ofz_attr_ints_opt(info, node, "tma", s->tma, 3 * OFZ_TMA_MAPS, &n_tma3));
+  TRY(ofz_attr_ints_opt(info, node, V("tma"), s->tma, 3 * OFZ_TMA_MAPS, &n_tma3));
   if (n_tma3 != 0 && n_tma3 != 3 * OFZ_TMA_MAPS)
     return BAD("ortfuse: node '%s': tma has %zu entries, expected %d (input, box rows, element type) triples", node,
                n_tma3, OFZ_TMA_MAPS);
@@ -164,8 +176,27 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   }
   if (total != s->n_out_dims)
     return BAD("ortfuse: node '%s': out_dims has %zu entries but out_ranks sum to %zu", node, s->n_out_dims, total);
-  return check_terms(s, "out_dims", s->out_dims, s->n_out_dims);
+  TRY(check_terms(s, "out_dims", s->out_dims, s->n_out_dims));
+  if (variant) return NULL;
+  // kernel variants by size: variant v runs where the product of variant_rows reaches variant_from[v - 1]
+  s->n_variants = ofz_attr_int_or(info, "variants", 1);
+  if (s->n_variants < 1 || s->n_variants > OFZ_MAX_VARIANTS)
+    return BAD("ortfuse: node '%s': variants = %lld, expected 1..%d", node, (long long)s->n_variants, OFZ_MAX_VARIANTS);
+  if (s->n_variants == 1) return NULL;
+  size_t n_from = 0;
+  TRY(ofz_attr_ints(info, node, "variant_rows", s->var_rows, OFZ_MAX_DIMS, &s->n_var_rows));
+  TRY(check_terms_below(s, "variant_rows", s->var_rows, s->n_var_rows, s->n_sym));  // bound before any kernel runs
+  TRY(ofz_attr_ints(info, node, "variant_from", s->var_from, OFZ_MAX_VARIANTS, &n_from));
+  if (n_from != (size_t)s->n_variants - 1)
+    return BAD("ortfuse: node '%s': variant_from has %zu entries, expected %lld (one per variant after the first)",
+               node, n_from, (long long)s->n_variants - 1);
+  for (size_t v = 0; v < n_from; ++v)
+    if (s->var_from[v] < 1 || (v && s->var_from[v] <= s->var_from[v - 1]))
+      return BAD("ortfuse: node '%s': variant_from must rise from 1 (entry %zu is %lld)", node, v,
+                 (long long)s->var_from[v]);
+  return NULL;
 }
+#undef V
 
 OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, void** image, size_t* bytes,
                           int* chosen_cc) {
@@ -175,9 +206,9 @@ OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, v
     if (a == cc || (a / 10 == cc / 10 && a < cc && a > best)) best = a;
     if (a == cc) break;
   }
-  char name[32];
-  if (best) snprintf(name, sizeof name, "cubin_%d", best);
-  else snprintf(name, sizeof name, "ptx");
+  char name[48];
+  if (best) snprintf(name, sizeof name, "cubin_%d%s", best, s->sfx);
+  else snprintf(name, sizeof name, "ptx%s", s->sfx);
   OrtValue* value = NULL;
   void* data = NULL;
   int dtype = 0;
@@ -230,6 +261,47 @@ static OrtStatus* input_dims(OrtKernelContext* ctx, size_t i, int64_t* dims, siz
   return st;
 }
 
+// Binds the symbolic dims from the input shapes into args->dim; `dims`/`rank` keep the last input queried
+// (`have`), so a caller reading the same input's shape again need not ask ORT twice.
+static OrtStatus* bind_dims(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* args, int64_t* dims, size_t* rank_out,
+                            size_t* have_out) {
+  size_t rank = 0, have = SIZE_MAX;
+  for (size_t k = 0; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
+    if ((size_t)s->sym[2 * k] != have) {  // one shape query per input: its dims are listed together
+      have = (size_t)s->sym[2 * k];
+      TRY(input_dims(ctx, have, dims, &rank));
+    }
+    size_t axis = (size_t)s->sym[2 * k + 1];
+    if (axis >= rank || rank > 64)
+      return BAD("ortfuse: node '%s': symbolic dim %zu reads axis %zu of input %lld, which has rank %zu", s->node, k,
+                 axis, (long long)s->sym[2 * k], rank);
+    if (dims[axis] < 0)
+      return BAD("ortfuse: node '%s': input %lld has negative dim %lld",
+                 s->node, (long long)s->sym[2 * k], (long long)dims[axis]);
+    args->dim[k] = dims[axis];
+  }
+  *rank_out = rank;
+  *have_out = have;
+  return NULL;
+}
+
+OrtStatus* ofz_spec_pick(const OfzSpec* s, OrtKernelContext* ctx, size_t* variant) {
+  *variant = 0;
+  if (s->n_variants <= 1) return NULL;
+  OfzArgs args;
+  memset(&args, 0, sizeof args);
+  int64_t dims[64];
+  size_t rank = 0, have = SIZE_MAX;
+  TRY(bind_dims(s, ctx, &args, dims, &rank, &have));
+  long long rows = 1;
+  for (size_t i = 0; i < s->n_var_rows; ++i) {
+    const int64_t t = term(s->var_rows[i], &args);
+    rows = t != 0 && rows > (1LL << 62) / t ? (1LL << 62) : rows * t;
+  }
+  while (*variant + 1 < (size_t)s->n_variants && rows >= s->var_from[*variant]) ++*variant;
+  return NULL;
+}
+
 OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
                             OfzLaunch* launch) {
   size_t n_in = 0, n_out = 0;
@@ -249,20 +321,7 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
   size_t rank = 0;
   int64_t dims[64];
   size_t have = SIZE_MAX;  // the input whose dims are in `dims`
-  for (size_t k = 0; k < s->n_sym; ++k) {  // bind symbolic dims from input shapes
-    if ((size_t)s->sym[2 * k] != have) {  // one shape query per input: its dims are listed together
-      have = (size_t)s->sym[2 * k];
-      TRY(input_dims(ctx, have, dims, &rank));
-    }
-    size_t axis = (size_t)s->sym[2 * k + 1];
-    if (axis >= rank || rank > 64)
-      return BAD("ortfuse: node '%s': symbolic dim %zu reads axis %zu of input %lld, which has rank %zu", s->node, k,
-                 axis, (long long)s->sym[2 * k], rank);
-    if (dims[axis] < 0)
-      return BAD("ortfuse: node '%s': input %lld has negative dim %lld",
-                 s->node, (long long)s->sym[2 * k], (long long)dims[axis]);
-    args->dim[k] = dims[axis];
-  }
+  TRY(bind_dims(s, ctx, args, dims, &rank, &have));
   for (size_t j = 0; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims
     const int64_t* c = &s->dim_checks[3 * j];
     if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each

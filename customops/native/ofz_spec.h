@@ -9,9 +9,11 @@
 #define OFZ_MAX_ARCHS 16
 #define OFZ_MAX_TERMS 64
 #define OFZ_MAX_OUT_DIMS (OFZ_MAX_TENSORS * OFZ_MAX_DIMS)
+#define OFZ_MAX_VARIANTS 4  // kernels of one node, chosen per run by size (variant_rows, variant_from)
 
 typedef struct OfzSpec {
   char node[OFZ_NAME_MAX];
+  char sfx[8];  // "" for variant 0, "@v" for variant v: the suffix of the variant's own attributes
   char entry[256];
   size_t n_in, n_out;  // as wired in the graph
   int64_t block, smem, units_per_block;
@@ -40,6 +42,12 @@ typedef struct OfzSpec {
   int64_t out_ranks[OFZ_MAX_TENSORS];
   size_t n_out_dims;
   int64_t out_dims[OFZ_MAX_OUT_DIMS];
+  // variant 0 only: how many kernel variants the node carries, and the rule that picks one per run: the
+  // product of the variant_rows terms (symbolic dims or sizes) against the rising thresholds variant_from
+  int64_t n_variants;
+  size_t n_var_rows;
+  int64_t var_rows[OFZ_MAX_DIMS];
+  int64_t var_from[OFZ_MAX_VARIANTS];
 } OfzSpec;
 
 typedef struct OfzLaunch {
@@ -54,9 +62,15 @@ typedef struct OfzLaunch {
 // up to split_k whose split grid stays within one wave (0 SMs: no clusters).
 unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count);
 
-// Reads and validates every non-image attribute. `n_out` is the number of kernel outputs (the probe
-// Plan op has one extra bookkeeping output).
-OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, OfzSpec* s);
+// Reads and validates every non-image attribute of kernel variant `variant` (0: the node's first kernel;
+// v > 0 reads the kernel's own attributes as `name@v`, the shared ones as they are). `n_out` is the number
+// of kernel outputs (the probe Plan op has one extra bookkeeping output).
+OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, size_t variant,
+                          OfzSpec* s);
+
+// The variant to run (variant 0's spec holds the rule): the last v whose variant_from[v - 1] the product of
+// variant_rows reaches, from the bound input shapes; 0 for a node of one kernel.
+OrtStatus* ofz_spec_pick(const OfzSpec* s, OrtKernelContext* ctx, size_t* variant);
 
 // The kernel image for a device of compute capability `cc` (e.g. 90): `cubin_<cc>` if listed, else
 // the newest listed cubin of the same major version not newer than the device, else `ptx`

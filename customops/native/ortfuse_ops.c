@@ -20,22 +20,29 @@
 
 // ---- the fused CUDA op ----
 
-typedef struct FusedKernel {
+// One compiled kernel of the node (a node may carry several, picked per run by size: ofz_spec_pick).
+typedef struct Variant {
   OfzSpec spec;
-  CUdevice dev;
-  CUcontext ctx;  // the device's primary context (retained), which ORT's CUDA EP also uses
   CUmodule mod;
   CUfunction fn;
   int sm_count;  // for split-K cluster launches and persistent grids; 0 = neither
   // TMA GEMMs: the last tensor maps encoded, by geometry (a weight's never changes; ORT's arena mostly
-  // hands an activation the same buffer run after run), under a lock: ORT may run a kernel from threads
-  pthread_mutex_t tma_lock;
+  // hands an activation the same buffer run after run), under the kernel's lock: ORT may run a kernel
+  // from threads
   OfzTmaGeom tma_geo[OFZ_TMA_MAPS];
   OfzTensorMap tma_map[OFZ_TMA_MAPS];
   int tma_cached[OFZ_TMA_MAPS];
+} Variant;
+
+typedef struct FusedKernel {
+  CUdevice dev;
+  CUcontext ctx;  // the device's primary context (retained), which ORT's CUDA EP also uses
+  pthread_mutex_t tma_lock;
+  size_t n_var;
+  Variant var[OFZ_MAX_VARIANTS];
 } FusedKernel;
 
-static OrtStatus* cu_fail(const FusedKernel* k, const char* what, CUresult r) {
+static OrtStatus* cu_fail(const Variant* k, const char* what, CUresult r) {
   return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': %s failed: %s (CUDA error %d)", k->spec.node, what,
                  ofz_cuda_error(r), r);
 }
@@ -52,12 +59,12 @@ static OrtStatus* node_device(const OrtKernelInfo* info, int* id) {
   return s;
 }
 
-// Loads the module and checks launch limits. Runs with k->ctx current.
-static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, FusedKernel* k) {
+// Loads a variant's module and checks its launch limits. Runs with the node's context current.
+static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, CUdevice dev, Variant* k) {
   int major = 0, minor = 0, smem_optin = 0, max_threads = 0;
-  CUresult r = cu->DeviceGetAttribute(&major, OFZ_CU_ATTR_CC_MAJOR, k->dev);
-  if (!r) r = cu->DeviceGetAttribute(&minor, OFZ_CU_ATTR_CC_MINOR, k->dev);
-  if (!r) r = cu->DeviceGetAttribute(&smem_optin, OFZ_CU_ATTR_MAX_SMEM_OPTIN, k->dev);
+  CUresult r = cu->DeviceGetAttribute(&major, OFZ_CU_ATTR_CC_MAJOR, dev);
+  if (!r) r = cu->DeviceGetAttribute(&minor, OFZ_CU_ATTR_CC_MINOR, dev);
+  if (!r) r = cu->DeviceGetAttribute(&smem_optin, OFZ_CU_ATTR_MAX_SMEM_OPTIN, dev);
   if (r) return cu_fail(k, "cuDeviceGetAttribute", r);
   void* image = NULL;
   size_t bytes = 0;
@@ -98,7 +105,7 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, Fuse
   // otherwise in clusters of one, which the kernel handles as no split. Persistent kernels (sm_90a TMA
   // GEMMs) cap their grid at the SM count times their blocks per SM.
   if ((k->spec.split_k > 1 || k->spec.blocks_per_sm > 0) && major >= 9 && cu->LaunchKernelEx) {
-    r = cu->DeviceGetAttribute(&k->sm_count, OFZ_CU_ATTR_SM_COUNT, k->dev);
+    r = cu->DeviceGetAttribute(&k->sm_count, OFZ_CU_ATTR_SM_COUNT, dev);
     if (r) return cu_fail(k, "cuDeviceGetAttribute(multiprocessor count)", r);
   }
   // a persistent grid holds no more blocks per SM than the device keeps resident (the compiler's tile model
@@ -118,8 +125,9 @@ static void fused_destroy(void* kernel) {
   const OfzCuda* cu = k->ctx ? ofz_cuda(NULL) : NULL;  // no context: the driver was never needed
   if (cu) {
     CUcontext prev = NULL;
-    if (k->mod && cu->CtxPushCurrent(k->ctx) == 0) {
-      cu->ModuleUnload(k->mod);
+    if (cu->CtxPushCurrent(k->ctx) == 0) {
+      for (size_t v = 0; v < k->n_var; ++v)
+        if (k->var[v].mod) cu->ModuleUnload(k->var[v].mod);
       cu->CtxPopCurrent(&prev);
     }
     cu->DevicePrimaryCtxRelease(k->dev);
@@ -142,7 +150,9 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
   if (!k) return ofz_err(ORT_FAIL, "ortfuse: node '%s': out of host memory", node);
   memset(k, 0, bytes);
   pthread_mutex_init(&k->tma_lock, NULL);
-  s = ofz_spec_parse(info, node, ins, outs, &k->spec);
+  s = ofz_spec_parse(info, node, ins, outs, 0, &k->var[0].spec);
+  k->n_var = s ? 0 : (size_t)k->var[0].spec.n_variants;
+  for (size_t v = 1; v < k->n_var && !s; ++v) s = ofz_spec_parse(info, node, ins, outs, v, &k->var[v].spec);
   const char* why = NULL;
   const OfzCuda* cu = s ? NULL : ofz_cuda(&why);
   if (!s && !cu) s = ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': CUDA driver unavailable: %s", node, why);
@@ -153,15 +163,15 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
     if (!r) r = cu->DevicePrimaryCtxRetain(&k->ctx, k->dev);
     if (r) {
       k->ctx = NULL;
-      s = cu_fail(k, "retaining the device's primary context", r);
+      s = cu_fail(&k->var[0], "retaining the device's primary context", r);
     }
   }
   if (!s) {
     CUresult r = cu->CtxPushCurrent(k->ctx);
-    if (r) s = cu_fail(k, "cuCtxPushCurrent", r);
+    if (r) s = cu_fail(&k->var[0], "cuCtxPushCurrent", r);
     else {
       CUcontext prev = NULL;
-      s = load_module(cu, info, k);
+      for (size_t v = 0; v < k->n_var && !s; ++v) s = load_module(cu, info, k->dev, &k->var[v]);
       cu->CtxPopCurrent(&prev);
     }
   }
@@ -180,19 +190,19 @@ static int same_geometry(const OfzTmaGeom* a, const OfzTmaGeom* b) {
 
 // The tensor maps of a TMA GEMM's operands (host-side encoding, no device work): 2-D, the 128-byte swizzle,
 // zeros outside the tensor. A map whose geometry matches the last one encoded for that operand is reused.
-static OrtStatus* encode_maps(const OfzCuda* cu, FusedKernel* k, OrtKernelContext* ctx, const OfzArgs* args,
-                              OfzTma* maps) {
+static OrtStatus* encode_maps(const OfzCuda* cu, FusedKernel* fk, Variant* k, OrtKernelContext* ctx,
+                              const OfzArgs* args, OfzTma* maps) {
   OfzTmaGeom geo[OFZ_TMA_MAPS];
   OrtStatus* s = ofz_spec_tma(&k->spec, ctx, args, geo);
   if (s) return s;
   if (!cu->TensorMapEncodeTiled)
     return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0+ is "
-                   "needed for this TMA kernel; optimize without --wgmma)", k->spec.node);
+                   "needed for this TMA kernel; optimize with --no-wgmma)", k->spec.node);
   int hit[OFZ_TMA_MAPS] = {0};
-  pthread_mutex_lock(&k->tma_lock);  // once per launch: every map hits after the first runs
+  pthread_mutex_lock(&fk->tma_lock);  // once per launch: every map hits after the first runs
   for (size_t j = 0; j < k->spec.n_tma; ++j)
     if ((hit[j] = k->tma_cached[j] && same_geometry(&k->tma_geo[j], &geo[j]))) maps->map[j] = k->tma_map[j];
-  pthread_mutex_unlock(&k->tma_lock);
+  pthread_mutex_unlock(&fk->tma_lock);
   for (size_t j = 0; j < k->spec.n_tma; ++j) {
     if (hit[j]) continue;
     const unsigned long long dims[2] = {geo[j].dim0, geo[j].dim1}, strides[1] = {geo[j].stride1};
@@ -202,31 +212,35 @@ static OrtStatus* encode_maps(const OfzCuda* cu, FusedKernel* k, OrtKernelContex
                                           OFZ_CU_TENSOR_MAP_INTERLEAVE_NONE, OFZ_CU_TENSOR_MAP_SWIZZLE_128B,
                                           OFZ_CU_TENSOR_MAP_L2_128B, OFZ_CU_TENSOR_MAP_OOB_ZERO);
     if (r) return cu_fail(k, "cuTensorMapEncodeTiled", r);
-    pthread_mutex_lock(&k->tma_lock);
+    pthread_mutex_lock(&fk->tma_lock);
     k->tma_geo[j] = geo[j], k->tma_map[j] = maps->map[j], k->tma_cached[j] = 1;
-    pthread_mutex_unlock(&k->tma_lock);
+    pthread_mutex_unlock(&fk->tma_lock);
   }
   return NULL;
 }
 
 // No allocation outside ORT, no sync, no module loading: safe under CUDA graph capture.
 static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
-  FusedKernel* k = kernel;
+  FusedKernel* fk = kernel;
+  size_t v = 0;
+  OrtStatus* s = ofz_spec_pick(&fk->var[0].spec, ctx, &v);
+  if (s) return s;
+  Variant* k = &fk->var[v];
   OfzArgs args;
   OfzLaunch launch;
-  OrtStatus* s = ofz_spec_resolve(&k->spec, ctx, k->sm_count, &args, &launch);
+  s = ofz_spec_resolve(&k->spec, ctx, k->sm_count, &args, &launch);
   if (s || launch.grid == 0) return s;
   void* stream = NULL;
   s = ofz_ort.KernelContext_GetGPUComputeStream(ctx, &stream);
   if (s) return s;
   const OfzCuda* cu = ofz_cuda(NULL);
   CUcontext prev = NULL;
-  CUresult r = cu->CtxPushCurrent(k->ctx);
+  CUresult r = cu->CtxPushCurrent(fk->ctx);
   if (r) return cu_fail(k, "cuCtxPushCurrent", r);
   OfzTma maps;  // a TMA GEMM's tensor maps: its second parameter
   void* params[2] = {&args, &maps};
   if (k->spec.n_tma) {
-    s = encode_maps(cu, k, ctx, &args, &maps);
+    s = encode_maps(cu, fk, k, ctx, &args, &maps);
     if (s) {
       cu->CtxPopCurrent(&prev);
       return s;

@@ -304,3 +304,86 @@ def test_large_batch_binding_evaluates_dims_derived_from_the_batch():
     rows = [prof.region_model(res.graph, k.region, dims).graph.input[0].type.tensor_type.shape.dim[0].dim_value
             for dims in ({}, big)]
     assert rows == [128, 4096]
+
+
+def test_profile_ships_one_kernel_per_size_class_where_the_fastest_tile_changes(monkeypatch, tmp_path):
+    # a symbolic batch profiled at n = 1 and n = 32: the stand-in makes the first candidate fastest at 1 and
+    # the second at 32, by far; the node carries both, the second from sqrt(1 * 32) = 6 rows on, and each
+    # runs (in emulation) where the library would pick it
+    from ortfuse.check import check_models
+    m = _encoder_block()
+    res0 = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=False))
+    tiles = res0.kernels[0].spec.tiles
+    heads = [f"run<__half, {', '.join(map(str, t[:6]))}," for t in tiles]
+    assert len(set(heads)) >= 2
+    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
+
+    def by_tile_and_size(sub, feeds, fused):
+        us = timer(sub, feeds, fused)
+        if not fused:
+            return us
+        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
+                   if a.name == "source").decode()
+        big = next(iter(feeds.values())).shape[0] > 1
+        i = next(i for i, h in enumerate(heads) if h in src)
+        return 10.0 if i == (1 if big else 0) else 30.0
+    monkeypatch.setattr(prof, "cuda_timer", by_tile_and_size)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True, wgmma=False))
+    (pl,) = res.placements
+    assert pl.keep and pl.tile == tiles[0] and pl.variants == ((6, tiles[1]),) and pl.best_us == (10.0, 10.0)
+    (k,) = res.kernels
+    assert [frm for frm, _, _ in k.variants] == [6] and heads[1] in k.variants[0][2].source
+    node = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    launch = read_launch(node)
+    assert launch.variant_rows == (-1,) and [frm for frm, _ in launch.variants] == [6]
+    assert heads[0] in launch.pick([5]).source and heads[1] in launch.pick([6]).source
+    for n in (3, 40):
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (n, 64)})
+        assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+
+
+def test_no_kernel_variants_when_they_gain_little(monkeypatch, tmp_path):
+    # the fastest tile changes with the batch, but by 2% only: one kernel
+    m = _encoder_block()
+    res0 = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=False))
+    heads = [f"run<__half, {', '.join(map(str, t[:6]))}," for t in res0.kernels[0].spec.tiles]
+    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
+
+    def close(sub, feeds, fused):
+        us = timer(sub, feeds, fused)
+        if not fused:
+            return us
+        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
+                   if a.name == "source").decode()
+        big = next(iter(feeds.values())).shape[0] > 1
+        return 10.0 if (heads[1] in src) == big else 10.2
+    monkeypatch.setattr(prof, "cuda_timer", close)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True, wgmma=False))
+    assert res.placements[0].variants == () and res.kernels[0].variants == ()
+    assert "variants" not in {a.name for n in res.model.graph.node for a in n.attribute}
+
+
+def test_kernel_variants_never_mix_weight_layouts(monkeypatch, tmp_path):
+    # mma.sync reads the weight as stored, wgmma transposed offline: one node stores it once, so the fastest
+    # mma.sync tile at batch 1 and the fastest wgmma tile at batch 32 cannot share a node
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["out"])], [vi("x", TP.FLOAT16, ["b", 128, 256])],
+              [vi("out", TP.FLOAT16, None)], [const("w", rng.standard_normal((256, 256)) * 0.1, np.float16)])
+    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
+
+    def by_family(sub, feeds, fused):
+        us = timer(sub, feeds, fused)
+        if not fused:
+            return us
+        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
+                   if a.name == "source").decode()
+        big = next(iter(feeds.values())).shape[0] > 1
+        return 10.0 if src.startswith("// ortfuse: arch-specific") == big else 30.0
+    monkeypatch.setattr(prof, "cuda_timer", by_family)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True, wgmma=True))
+    (pl,) = res.placements
+    assert {len(t) > 7 and t[7] > 0 for t, _ in pl.ours_us} == {False, True}  # both families measured
+    assert pl.variants == () and res.kernels[0].variants == ()

@@ -350,3 +350,39 @@ def test_an_operand_tma_cannot_copy_is_refused_by_name() -> None:
     x, y = np.ones((2, 3, 36), np.float16), np.ones((200, 72), np.float16)
     with pytest.raises(Exception, match="plan_node.*input 0 .*cannot be copied by TMA"):
         _tma_plan(x, y, [0, 64, T.FLOAT16, 1, 64, T.FLOAT16])
+
+
+def _two_variants(**more: Any) -> dict[str, Any]:
+    # variant 1 (rows >= 100): another kernel with 256-thread blocks, 64 units each, its own images
+    from rt_models import u8
+    v1 = {"entry@1": "ofz_big", "cubin_archs@1": [90], "cubin_90@1": u8(b"\x7fELF-big-sm90!!!!"),
+          "ptx@1": u8(b"// big\n"), "block@1": 256, "smem@1": 4096, "units@1": [-1, 4], "units_per_block@1": 64,
+          "split_k@1": 1}
+    return {"variants": 2, "variant_rows": [-1], "variant_from": [100], **v1, **more}
+
+
+def test_a_node_runs_the_kernel_variant_its_size_picks() -> None:
+    sess = session(plan_model(**_two_variants()))
+    for n, variant in ((1, 0), (99, 0), (100, 1), (4096, 1)):
+        _, _, plan = run(sess, n)
+        grid, block, smem, cc, image, units = plan[:6]
+        assert plan[-1] == variant and units == 4 * n and cc == 90
+        if variant:
+            assert (block, smem, grid, image) == (256, 4096, -(-4 * n // 64), len(b"\x7fELF-big-sm90!!!!"))
+        else:
+            assert (block, smem, grid, image) == (128, 0, -(-4 * n // 128), len(b"\x7fELF-fake-sm90!"))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(variants=5), "variants = 5, expected 1..4"),
+    (dict(variant_from=[100, 200]), "variant_from has 2 entries, expected 1"),
+    (dict(variant_from=[0]), "variant_from must rise from 1"),
+    (dict(variants=3, variant_from=[100, 50]), "variant_from must rise from 1 \\(entry 1 is 50\\)"),
+    (dict(variant_rows=[-3]), "variant_rows\\[0\\] = -3 names runtime dim 2 but only 1"),
+    (dict(**{"entry@1": None}), "attribute 'entry@1'"),
+    (dict(**{"cubin_90@1": None}), "cubin_90@1"),
+])
+def test_bad_variant_attributes_name_the_node(overrides: dict, message: str) -> None:
+    attrs = _two_variants(**overrides)
+    with pytest.raises(Exception, match=f"bad_node.*{message}"):
+        session(plan_model(name="bad_node", **attrs))
