@@ -306,6 +306,21 @@ def test_large_batch_binding_evaluates_dims_derived_from_the_batch():
     assert rows == [128, 4096]
 
 
+def _by_source_and_size(rule):
+    """A stand-in timer for our kernels by their source and the batch (feeds of more than one row): ORT's
+    sub-models take 100 us, ours `rule(source, big)`; every model still runs on ORT CPU."""
+    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
+
+    def time(sub, feeds, fused):
+        us = timer(sub, feeds, fused)
+        if not fused:
+            return us
+        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
+                   if a.name == "source").decode()
+        return rule(src, next(iter(feeds.values())).shape[0] > 1)
+    return time
+
+
 def test_profile_ships_one_kernel_per_size_class_where_the_fastest_tile_changes(monkeypatch, tmp_path):
     # a symbolic batch profiled at n = 1 and n = 32: the stand-in makes the first candidate fastest at 1 and
     # the second at 32, by far; the node carries both, the second from sqrt(1 * 32) = 6 rows on, and each
@@ -315,19 +330,9 @@ def test_profile_ships_one_kernel_per_size_class_where_the_fastest_tile_changes(
     res0 = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=False))
     tiles = res0.kernels[0].spec.tiles
     heads = [f"run<__half, {', '.join(map(str, t[:6]))}," for t in tiles]
-    assert len(set(heads)) >= 2
-    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
-
-    def by_tile_and_size(sub, feeds, fused):
-        us = timer(sub, feeds, fused)
-        if not fused:
-            return us
-        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
-                   if a.name == "source").decode()
-        big = next(iter(feeds.values())).shape[0] > 1
-        i = next(i for i, h in enumerate(heads) if h in src)
-        return 10.0 if i == (1 if big else 0) else 30.0
-    monkeypatch.setattr(prof, "cuda_timer", by_tile_and_size)
+    assert heads[0] != heads[1]
+    fastest = _by_source_and_size(lambda src, big: 10.0 if heads[1 if big else 0] in src else 30.0)
+    monkeypatch.setattr(prof, "cuda_timer", fastest)
     monkeypatch.setattr(prof, "device_name", lambda: "test-device")
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True, wgmma=False))
     (pl,) = res.placements
@@ -348,17 +353,7 @@ def test_no_kernel_variants_when_they_gain_little(monkeypatch, tmp_path):
     m = _encoder_block()
     res0 = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=False))
     heads = [f"run<__half, {', '.join(map(str, t[:6]))}," for t in res0.kernels[0].spec.tiles]
-    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
-
-    def close(sub, feeds, fused):
-        us = timer(sub, feeds, fused)
-        if not fused:
-            return us
-        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
-                   if a.name == "source").decode()
-        big = next(iter(feeds.values())).shape[0] > 1
-        return 10.0 if (heads[1] in src) == big else 10.2
-    monkeypatch.setattr(prof, "cuda_timer", close)
+    monkeypatch.setattr(prof, "cuda_timer", _by_source_and_size(lambda src, big: 10.0 if (heads[1] in src) == big else 10.2))
     monkeypatch.setattr(prof, "device_name", lambda: "test-device")
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True, wgmma=False))
     assert res.placements[0].variants == () and res.kernels[0].variants == ()
@@ -371,17 +366,8 @@ def test_kernel_variants_never_mix_weight_layouts(monkeypatch, tmp_path):
     rng = np.random.default_rng(0)
     m = model([node("MatMul", ["x", "w"], ["y"]), node("Relu", ["y"], ["out"])], [vi("x", TP.FLOAT16, ["b", 128, 256])],
               [vi("out", TP.FLOAT16, None)], [const("w", rng.standard_normal((256, 256)) * 0.1, np.float16)])
-    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
-
-    def by_family(sub, feeds, fused):
-        us = timer(sub, feeds, fused)
-        if not fused:
-            return us
-        src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
-                   if a.name == "source").decode()
-        big = next(iter(feeds.values())).shape[0] > 1
-        return 10.0 if src.startswith("// ortfuse: arch-specific") == big else 30.0
-    monkeypatch.setattr(prof, "cuda_timer", by_family)
+    wgmma_big = _by_source_and_size(lambda src, big: 10.0 if src.startswith("// ortfuse: arch-specific") == big else 30.0)
+    monkeypatch.setattr(prof, "cuda_timer", wgmma_big)
     monkeypatch.setattr(prof, "device_name", lambda: "test-device")
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True, wgmma=True))
     (pl,) = res.placements
