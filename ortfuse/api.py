@@ -48,6 +48,10 @@ class FusedKernel:
     # fastest at a larger binding (attrs.node_attributes)
     variants: tuple[tuple[int, KernelSpec, CompiledKernel], ...] = ()
 
+    def all_kernels(self) -> list[tuple[str, KernelSpec]]:
+        """(entry, spec) of every kernel the node carries."""
+        return [(self.compiled.entry, self.spec), *((ck.entry, spec) for _, spec, ck in self.variants)]
+
 
 @dataclass(frozen=True)
 class OptimizeResult:
@@ -159,7 +163,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]
     fused = {i for k in kernels for i in k.region.nodes}
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
-                          sum(1 for i in mb if i in fused), len({k.compiled.entry for k in kernels}),
+                          sum(1 for i in mb if i in fused), len({e for k in kernels for e, _ in k.all_kernels()}),
                           sum(k.region.traffic.saved_bytes for k in kernels),
                           time.perf_counter() - t0, archs, placements)
 

@@ -16,8 +16,8 @@ def summary(r: OptimizeResult) -> str:
     g = r.graph
     inputs = {d for t in g.graph_inputs for d in g.tensors[t].shape or () if isinstance(d, str)}
     hints = ", ".join(f"{k}={v}" for k, v in sorted(g.sym_hints.items()) if k in inputs) or "static shapes"
-    wgmma = len({k.compiled.entry for k in r.kernels if k.spec.kernel.arch_specific})
-    tma = len({k.compiled.entry for k in r.kernels if k.spec.kernel.tma})
+    wgmma = len({e for k in r.kernels for e, spec in k.all_kernels() if spec.kernel.arch_specific})
+    tma = len({e for k in r.kernels for e, spec in k.all_kernels() if spec.kernel.tma})
     kinds = {}
     for k in r.kernels:
         kinds[k.region.kind] = kinds.get(k.region.kind, 0) + 1

@@ -339,6 +339,7 @@ def test_profile_ships_one_kernel_per_size_class_where_the_fastest_tile_changes(
     assert pl.keep and pl.tile == tiles[0] and pl.variants == ((6, tiles[1]),) and pl.best_us == (10.0, 10.0)
     (k,) = res.kernels
     assert [frm for frm, _, _ in k.variants] == [6] and heads[1] in k.variants[0][2].source
+    assert res.kernels_compiled == 2  # both counted in the summary
     node = next(n for n in res.model.graph.node if n.domain == "ortfuse")
     launch = read_launch(node)
     assert launch.variant_rows == (-1,) and [frm for frm, _ in launch.variants] == [6]
