@@ -58,6 +58,7 @@ def tile_label(t: tuple[int, ...]) -> str:
 
 
 Times = tuple[float, ...]  # median us per call, one per profiled binding
+Variants = tuple[tuple[int, tuple[int, ...]], ...]  # a GEMM's further kernels by size: (rows from, tile)
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -86,9 +87,9 @@ class Placement:
     # what was measured
     model_ort_us: Optional[Times] = None
     model_ours_us: Optional[Times] = None
-    # GEMMs: further kernels by size, (rows from, tile): `tile` runs below the first threshold; and the
-    # times of the node so built (each binding's kernel)
-    variants: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # GEMMs: further kernels by size (`tile` runs below the first threshold), and the times of the node so
+    # built (each binding's kernel)
+    variants: Variants = ()
     by_size_us: Optional[Times] = None
 
     @property
@@ -403,9 +404,6 @@ def _rows(g: Graph, r: Region, dims: Mapping[str, int]) -> int:
     """The rows that pick a kernel variant at this binding (attrs.variant_rows: the first output's dims but
     its innermost)."""
     return int(np.prod(_concrete(g, r.outputs[0], dims)[:-1]))
-
-
-Variants = tuple[tuple[int, tuple[int, ...]], ...]  # (rows from, tile) after the first kernel
 
 
 def by_size(per_tile: Sequence[tuple[tuple[int, ...], Times]], rows: Sequence[int],
