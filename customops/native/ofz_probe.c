@@ -266,12 +266,13 @@ static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const Or
 
 static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   PlanKernel* k = kernel;
+  const OfzSpec* specs[OFZ_MAX_VARIANTS];
+  for (size_t i = 0; i < k->n_var; ++i) specs[i] = &k->spec[i];
   size_t v = 0;
-  TRY(ofz_spec_pick(&k->spec[0], ctx, &v));
-  const OfzSpec* s = &k->spec[v];
   OfzArgs args;
   OfzLaunch launch;
-  TRY(ofz_spec_resolve(s, ctx, (int)k->sm_count, &args, &launch));
+  TRY(ofz_spec_resolve(specs, ctx, (int)k->sm_count, &args, &launch, &v));
+  const OfzSpec* s = specs[v];
   const int64_t* od = s->out_dims;  // zero-fill the kernel outputs
   for (size_t o = 0; o < s->n_out; ++o) {
     size_t count = 1;

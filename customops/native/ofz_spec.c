@@ -285,25 +285,23 @@ static OrtStatus* bind_dims(const OfzSpec* s, OrtKernelContext* ctx, OfzArgs* ar
   return NULL;
 }
 
-OrtStatus* ofz_spec_pick(const OfzSpec* s, OrtKernelContext* ctx, size_t* variant) {
-  *variant = 0;
-  if (s->n_variants <= 1) return NULL;
-  OfzArgs args;
-  memset(&args, 0, sizeof args);
-  int64_t dims[64];
-  size_t rank = 0, have = SIZE_MAX;
-  TRY(bind_dims(s, ctx, &args, dims, &rank, &have));
+// The kernel variant to run from the bound dims (variant 0's spec holds the rule): the last v whose
+// variant_from[v - 1] the product of variant_rows reaches; 0 for a node of one kernel.
+static size_t pick(const OfzSpec* s, const OfzArgs* args) {
+  size_t v = 0;
+  if (s->n_variants <= 1) return v;
   long long rows = 1;
   for (size_t i = 0; i < s->n_var_rows; ++i) {
-    const int64_t t = term(s->var_rows[i], &args);
+    const int64_t t = term(s->var_rows[i], args);
     rows = t != 0 && rows > (1LL << 62) / t ? (1LL << 62) : rows * t;
   }
-  while (*variant + 1 < (size_t)s->n_variants && rows >= s->var_from[*variant]) ++*variant;
-  return NULL;
+  while (v + 1 < (size_t)s->n_variants && rows >= s->var_from[v]) ++v;
+  return v;
 }
 
-OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
-                            OfzLaunch* launch) {
+OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
+                            OfzLaunch* launch, size_t* variant) {
+  const OfzSpec* s = specs[0];  // the node's shapes and rule, shared by its variants
   size_t n_in = 0, n_out = 0;
   TRY(ofz_ort.KernelContext_GetInputCount(ctx, &n_in));
   TRY(ofz_ort.KernelContext_GetOutputCount(ctx, &n_out));
@@ -316,12 +314,14 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_coun
     TRY(ofz_ort.KernelContext_GetInput(ctx, i, &v));
     if (!v) return BAD("ortfuse: node '%s': input %zu is missing", s->node, i);
     TRY(ofz_ort.GetTensorMutableData((OrtValue*)v, &args->ptr[i]));
-    TRY(check_aligned(s, i, args->ptr[i]));
   }
   size_t rank = 0;
   int64_t dims[64];
   size_t have = SIZE_MAX;  // the input whose dims are in `dims`
   TRY(bind_dims(s, ctx, args, dims, &rank, &have));
+  *variant = pick(s, args);
+  s = specs[*variant];  // from here on the chosen kernel's own rules (alignment, limits, grid)
+  for (size_t i = 0; i < n_in; ++i) TRY(check_aligned(s, i, args->ptr[i]));
   for (size_t j = 0; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims
     const int64_t* c = &s->dim_checks[3 * j];
     if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each

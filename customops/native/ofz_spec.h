@@ -68,22 +68,19 @@ unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count);
 OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_in, size_t n_out, size_t variant,
                           OfzSpec* s);
 
-// The variant to run (variant 0's spec holds the rule): the last v whose variant_from[v - 1] the product of
-// variant_rows reaches, from the bound input shapes; 0 for a node of one kernel.
-OrtStatus* ofz_spec_pick(const OfzSpec* s, OrtKernelContext* ctx, size_t* variant);
-
 // The kernel image for a device of compute capability `cc` (e.g. 90): `cubin_<cc>` if listed, else
 // the newest listed cubin of the same major version not newer than the device, else `ptx`
 // (*chosen_cc = 0). *image is a malloc'd copy with a terminating NUL (PTX needs one); free() it.
 OrtStatus* ofz_spec_image(const OrtKernelInfo* info, const OfzSpec* s, int cc, void** image, size_t* bytes,
                           int* chosen_cc);
 
-// Binds the symbolic dims from the inputs, allocates every output through ORT, fills the kernel
-// arguments and the launch geometry for `sm_count` SMs (split-K clusters, a persistent kernel's capped
-// grid; 0 = neither). Extra outputs beyond s->n_out
-// are left to the caller.
-OrtStatus* ofz_spec_resolve(const OfzSpec* s, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
-                            OfzLaunch* launch);
+// Binds the symbolic dims from the inputs, picks the kernel variant they call for (`*variant`: the last
+// whose variant_from[v - 1] the product of variant_rows reaches; 0 for a node of one kernel), allocates
+// every output through ORT, fills the kernel arguments and that variant's launch geometry for `sm_count`
+// SMs (split-K clusters, a persistent kernel's capped grid; 0 = neither). `specs` holds the node's
+// variants, variant 0 first. Extra outputs beyond n_out are left to the caller.
+OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, int sm_count, OfzArgs* args,
+                            OfzLaunch* launch, size_t* variant);
 
 // A TMA operand's 2-D tensor map (the kernel's OfzTma, encoded by the CUDA op): the input's last dim by the
 // product of its others, rows `stride1` bytes apart, boxes of box0 x box1 elements of ONNX type `elem`.

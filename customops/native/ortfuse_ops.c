@@ -20,12 +20,11 @@
 
 // ---- the fused CUDA op ----
 
-// One compiled kernel of the node (a node may carry several, picked per run by size: ofz_spec_pick).
+// One compiled kernel of the node (a node may carry several, picked per run by size in ofz_spec_resolve).
 typedef struct Variant {
   OfzSpec spec;
   CUmodule mod;
   CUfunction fn;
-  int sm_count;  // for split-K cluster launches and persistent grids; 0 = neither
   // TMA GEMMs: the last tensor maps encoded, by geometry (a weight's never changes; ORT's arena mostly
   // hands an activation the same buffer run after run), under the kernel's lock: ORT may run a kernel
   // from threads
@@ -38,7 +37,9 @@ typedef struct FusedKernel {
   CUdevice dev;
   CUcontext ctx;  // the device's primary context (retained), which ORT's CUDA EP also uses
   pthread_mutex_t tma_lock;
+  int sm_count;  // for split-K cluster launches and persistent grids; 0 = neither
   size_t n_var;
+  const OfzSpec* specs[OFZ_MAX_VARIANTS];  // &var[v].spec, for ofz_spec_resolve
   Variant var[OFZ_MAX_VARIANTS];
 } FusedKernel;
 
@@ -59,8 +60,9 @@ static OrtStatus* node_device(const OrtKernelInfo* info, int* id) {
   return s;
 }
 
-// Loads a variant's module and checks its launch limits. Runs with the node's context current.
-static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, CUdevice dev, Variant* k) {
+// Loads a variant's module and checks its launch limits; sets *sm_count where it launches clusters or a
+// persistent grid. Runs with the node's context current.
+static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, CUdevice dev, Variant* k, int* sm_count) {
   int major = 0, minor = 0, smem_optin = 0, max_threads = 0;
   CUresult r = cu->DeviceGetAttribute(&major, OFZ_CU_ATTR_CC_MAJOR, dev);
   if (!r) r = cu->DeviceGetAttribute(&minor, OFZ_CU_ATTR_CC_MINOR, dev);
@@ -105,7 +107,7 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, CUde
   // otherwise in clusters of one, which the kernel handles as no split. Persistent kernels (sm_90a TMA
   // GEMMs) cap their grid at the SM count times their blocks per SM.
   if ((k->spec.split_k > 1 || k->spec.blocks_per_sm > 0) && major >= 9 && cu->LaunchKernelEx) {
-    r = cu->DeviceGetAttribute(&k->sm_count, OFZ_CU_ATTR_SM_COUNT, dev);
+    r = cu->DeviceGetAttribute(sm_count, OFZ_CU_ATTR_SM_COUNT, dev);
     if (r) return cu_fail(k, "cuDeviceGetAttribute(multiprocessor count)", r);
   }
   // a persistent grid holds no more blocks per SM than the device keeps resident (the compiler's tile model
@@ -153,6 +155,7 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
   s = ofz_spec_parse(info, node, ins, outs, 0, &k->var[0].spec);
   k->n_var = s ? 0 : (size_t)k->var[0].spec.n_variants;
   for (size_t v = 1; v < k->n_var && !s; ++v) s = ofz_spec_parse(info, node, ins, outs, v, &k->var[v].spec);
+  for (size_t v = 0; v < k->n_var; ++v) k->specs[v] = &k->var[v].spec;
   const char* why = NULL;
   const OfzCuda* cu = s ? NULL : ofz_cuda(&why);
   if (!s && !cu) s = ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': CUDA driver unavailable: %s", node, why);
@@ -171,7 +174,7 @@ static OrtStatus* fused_create(const OrtCustomOp* op, const OrtApi* api, const O
     if (r) s = cu_fail(&k->var[0], "cuCtxPushCurrent", r);
     else {
       CUcontext prev = NULL;
-      for (size_t v = 0; v < k->n_var && !s; ++v) s = load_module(cu, info, k->dev, &k->var[v]);
+      for (size_t v = 0; v < k->n_var && !s; ++v) s = load_module(cu, info, k->dev, &k->var[v], &k->sm_count);
       cu->CtxPopCurrent(&prev);
     }
   }
@@ -223,13 +226,11 @@ static OrtStatus* encode_maps(const OfzCuda* cu, FusedKernel* fk, Variant* k, Or
 static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
   FusedKernel* fk = kernel;
   size_t v = 0;
-  OrtStatus* s = ofz_spec_pick(&fk->var[0].spec, ctx, &v);
-  if (s) return s;
-  Variant* k = &fk->var[v];
   OfzArgs args;
   OfzLaunch launch;
-  s = ofz_spec_resolve(&k->spec, ctx, k->sm_count, &args, &launch);
+  OrtStatus* s = ofz_spec_resolve(fk->specs, ctx, fk->sm_count, &args, &launch, &v);
   if (s || launch.grid == 0) return s;
+  Variant* k = &fk->var[v];
   void* stream = NULL;
   s = ofz_ort.KernelContext_GetGPUComputeStream(ctx, &stream);
   if (s) return s;
