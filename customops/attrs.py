@@ -60,11 +60,14 @@ def variant_rows(spec: KernelSpec) -> list[int]:
 
 
 def _kernel_attributes(spec: KernelSpec, ck: CompiledKernel, sfx: str) -> list[onnx.AttributeProto]:
-    """One kernel's own attributes; a variant's carry its suffix (`entry@1`)."""
+    """One kernel's own attributes (each one `_own`, so that a variant reads back its own and not the first
+    kernel's); a variant's carry its suffix (`entry@1`)."""
     def attr(name: str, value) -> onnx.AttributeProto:
+        assert _own(name), name
         return helper.make_attribute(name + sfx, value)
 
     def ints(name: str, values: Sequence[int]) -> onnx.AttributeProto:
+        assert _own(name), name
         return _ints(name + sfx, values)
     return [
         attr("entry", ck.entry),
