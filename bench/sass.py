@@ -3,6 +3,10 @@ the k-loop in the sm_90 SASS (instructions per MMA/FMA: how issue-bound the main
 loops inside (runtime trip counts) counts their bodies once, so its figure is marked as a lower bound.
 
     python -m ortfuse.bench.sass MODEL.onnx [--arch sm_90]
+    python -m ortfuse.bench.sass --functions [--arch sm_90]
+
+The second form counts the SASS instructions of each fp32 math function the printer emits, per element
+(customops.target.FN_INSTRUCTIONS, which the cost model charges for epilogues and element-wise kernels).
 
 Needs `cuobjdump` and the `nvdisasm` it calls (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm), a
 developer tool only; ortfuse itself never runs it."""
@@ -15,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from ortfuse import api
@@ -75,11 +80,65 @@ def k_loop(ins: list[tuple[int, str]]) -> Optional[KLoop]:
     return KLoop(len(body), sum(1 for u in body if re.search(r"\b(HMMA|FFMA)\b", u)), inner)
 
 
+# Eight independent elements per thread, as a GEMM epilogue's or a vectorized kernel's lanes: the count is
+# what the scheduler issues, not one chain's latency. `{e}` is the printed expression of `v` (and `w`).
+_FN_KERNEL = """#include "ortfuse_kernel.h"
+extern "C" __global__ void ofz_fn(const float* __restrict__ x, float* __restrict__ y) {{
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 16;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {{
+    const float v = x[i + j], w = x[i + 8 + j];
+    y[i + j] = {e};
+  }}
+}}
+"""
+FN_ELEMENTS = 8
+
+
+def fn_instructions(arch: str = "sm_90") -> dict[str, float]:
+    """SASS instructions per element of every fp32 function of the printer's table (its argument loaded,
+    its result stored; the kernel that stores `v` is subtracted)."""
+    from ortfuse.customops import ir, printer
+    from ortfuse.customops.compile import _run_nvrtc  # NVRTC with the options ortfuse compiles with
+
+    v, w = ir.Var("v", ir.F32), ir.Var("w", ir.F32)
+
+    def count(e: str) -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            image, _, _ = _run_nvrtc(_FN_KERNEL.format(e=e), "ofz_fn", arch, Path(tmp) / "k.cu")
+        main_line = []
+        for _, t in sass(image):  # up to the first EXIT: the slow paths (IEEE division's, sin's large
+            if re.search(r"\bEXIT\b", t):  # arguments) are subroutines placed after it
+                break
+            main_line.append(t)
+        return len(main_line)
+
+    base1, base2 = count("v"), count("(v + w)")
+    out = {}
+    for fn in FN_UNARY + FN_BINARY:
+        args = (v,) if fn in FN_UNARY else (v, w)
+        base = base1 if fn in FN_UNARY else base2 - FN_ELEMENTS  # the add of the binary baseline
+        out[fn] = (count(printer.expr(ir.Op(fn, args, ir.F32))) - base) / FN_ELEMENTS
+    return out
+
+
+FN_UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "erf", "tanh", "sin", "cos", "floor", "ceil",
+            "round", "log1p")
+FN_BINARY = ("add", "mul", "div", "pow", "fmax_nan", "fmin_nan", "fmod")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.sass", description=__doc__.splitlines()[0])
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?")
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--functions", action="store_true", help="instructions per element of each fp32 function")
     args = ap.parse_args(argv)
+    if args.functions:
+        for fn, n in fn_instructions(args.arch).items():
+            print(f"{fn:10s} {n:6.2f}")
+        return 0
+    if not args.model:
+        ap.error("a model, or --functions")
     res = api.compile_model(args.model, arch=args.arch)
     cc = int(args.arch.split("_")[-1])
     seen = set()

@@ -5,13 +5,16 @@ estimate and ptxas's registers beside each figure. It tells the mainloops apart 
 tile model's estimates from the measurements (the ratio measured / estimated per family).
 
     python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
-                                  [--no-flush] [--json OUT] [--md OUT]
+                                  [--no-flush] [--epilogue bias|gelu] [--json OUT] [--md OUT]
 
 Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
 runs on random device-resident inputs. Diagnostics of each family's best tile: `--ablate` times it again
 compiled without its epilogue's stores (OFZ_ABLATE_EPILOGUE in ortfuse_gemm.h; its output is wrong, its
 mainloop is the real one), so the difference is what the stores cost; `--no-flush` times it and cuBLAS with
-the L2 as the previous run left it. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
+the L2 as the previous run left it. `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
+shape also times cuBLAS followed by the epilogue as our own kernel (what placement weighs a fused epilogue
+against), and the estimates include the epilogue term (Target.epilogue_ipc_per_warp, which such rows
+calibrate). Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +41,7 @@ from ortfuse.feeds import random_feeds
 from ortfuse.profile import fused_model, region_model, tile_label
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.shapes import build_graph
-from ortfuse.search import legal
+from ortfuse.search import compute, legal
 from ortfuse.search.cost import traffic
 from ortfuse.search.plan import Region
 
@@ -46,6 +49,7 @@ from ortfuse.search.plan import Region
 SHAPES = ((4096, 768, 768), (4096, 3072, 768), (4096, 768, 3072), (4096, 2304, 768), (128, 768, 768),
           (128, 3072, 768), (128, 768, 3072))
 FAMILIES = {"mma.sync": tl.MMA_F16, "wgmma": tl.WGMMA_F16, "wgmma+TMA": tl.WS_F16}
+EPILOGUES = {"bias": "bias", "gelu": "bias + GELU"}
 ARCHS = (90,)
 
 
@@ -74,30 +78,42 @@ class ShapeResult:
     ort_region_us: float  # ORT's MatMul + Add
     rows: tuple[SweepRow, ...]
     cublas_noflush_us: Optional[float] = None  # with --no-flush: cuBLAS with the L2 as its last run left it
+    epilogue: str = "bias"  # one of EPILOGUES
+    split_us: Optional[float] = None  # GELU: cuBLAS + the epilogue as our own kernel
 
 
-def gemm_model(m: int, n: int, k: int, seed: int = 0) -> onnx.ModelProto:
-    """y = x @ w + b in fp16, the weight and bias constant (as in the zoo's linear layers)."""
+def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") -> onnx.ModelProto:
+    """y = x @ w + b in fp16, the weight and bias constant (as in the zoo's linear layers); `epilogue` "gelu":
+    then GELU(y) as BERT's export spells it (x / sqrt(2) with a fp16 constant, Erf, + 1, * x, * 0.5)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float16)
     b = (rng.standard_normal(n) * 0.1).astype(np.float16)
-    g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["out"])], "gemm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, n])],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    mk = helper.make_node
+    nodes = [mk("MatMul", ["x", "w"], ["y"]), mk("Add", ["y", "b"], ["z" if epilogue == "gelu" else "out"])]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
+    if epilogue == "gelu":
+        nodes += [mk("Div", ["z", "sqrt2"], ["d"]), mk("Erf", ["d"], ["e"]), mk("Add", ["e", "one"], ["e1"]),
+                  mk("Mul", ["z", "e1"], ["p"]), mk("Mul", ["p", "half"], ["out"])]
+        inits += [numpy_helper.from_array(np.array(v, np.float16), name)
+                  for name, v in (("sqrt2", 1.4142135), ("one", 1.0), ("half", 0.5))]
+    elif epilogue != "bias":
+        raise ValueError(f"unknown epilogue '{epilogue}': expected one of {sorted(EPILOGUES)}")
+    g = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, n])], inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     return model
 
 
-def candidates(m: int, n: int, k: int, per_family: int) -> list[tuple[str, tuple[int, ...], float]]:
-    """(family, candidate, estimate) for the model's best `per_family` tiles of each family at this shape."""
+def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0) -> list[tuple[str, tuple[int, ...], float]]:
+    """(family, candidate, estimate) for the model's best `per_family` tiles of each family at this shape;
+    `epi`: the epilogue's instructions per element, whose term the estimate includes (not the ranking, as
+    in the lowering)."""
     tgt = target_for(ARCHS, True)
     out = []
     for name, math_ in FAMILIES.items():
         for r in tl.rank_tiles(tgt, m, n, k, 1, 2, math_, math_ in tl.WGMMA, top_k=per_family):
-            out.append((name, r.tile.candidate(r.split), r.est_us))
+            out.append((name, r.tile.candidate(r.split), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi)))
     return out
 
 
@@ -132,16 +148,35 @@ class GemmCase:
     feeds: dict
     alone: onnx.ModelProto
     alone_feeds: dict
+    epilogue: str = "bias"
 
     @classmethod
-    def of(cls, shape: tuple[int, int, int]) -> "GemmCase":
+    def of(cls, shape: tuple[int, int, int], epilogue: str = "bias") -> "GemmCase":
         m, n, k = shape
-        g = build_graph(gemm_model(m, n, k), {})
+        g = build_graph(gemm_model(m, n, k, epilogue=epilogue), {})
         region = forced_region(g)
         sub = region_model(g, region, {})
         alone = region_model(g, anchor_region(g, region), {})
         return cls(shape, g, region, sub, random_feeds(sub, None, seed=m + n + k), alone,
-                   random_feeds(alone, None, seed=1))
+                   random_feeds(alone, None, seed=1), epilogue)
+
+    @property
+    def epi(self) -> float:
+        """The epilogue's instructions per output element (search.compute)."""
+        return compute.epilogue_per_element(self.g, self.region.nodes, anchor_region(self.g, self.region).nodes[0])
+
+    def rest(self, cache: Optional[Path] = None) -> tuple[onnx.ModelProto, dict]:
+        """The epilogue alone as our own kernel (everything but the GEMM, one element-wise region), with its
+        inputs: the model cuBLAS + ours times after ORT's bare MatMul."""
+        a = anchor_region(self.g, self.region).nodes[0]
+        r = legal.classify(self.g, set(self.region.nodes) - {a})
+        if not isinstance(r, Region):
+            raise ValueError(f"the sweep's epilogue is not one kernel: {r}")
+        r = dataclasses.replace(r, id=1, traffic=traffic(self.g, r))
+        spec = lower(self.g, r, target_for(ARCHS, True))
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, ARCHS, cache or Options(archs=ARCHS, wgmma=True).cache)
+        sub = region_model(self.g, r, {})
+        return fused_model(sub, fused_kernel(r, spec, ck).node), random_feeds(sub, None, seed=2)
 
     def build(self, cand: tuple[int, ...], cache: Optional[Path] = None, ablate: bool = False) -> Built:
         """Our kernel at tile `cand` (LoweringError if this GEMM cannot take it); `ablate`: without its
@@ -155,12 +190,17 @@ class GemmCase:
 
 
 def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, cache: Optional[Path] = None,
-                ablate: bool = False, noflush: Optional[Timer] = None) -> ShapeResult:
+                ablate: bool = False, noflush: Optional[Timer] = None, epilogue: str = "bias") -> ShapeResult:
     """Every family's best tiles at one shape; with `ablate` each family's fastest again without its epilogue
-    stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed."""
-    case = GemmCase.of(shape)
+    stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed; with
+    the GELU epilogue, cuBLAS + the epilogue as our kernel too."""
+    case = GemmCase.of(shape, epilogue)
     cublas = timer(case.alone, case.alone_feeds, False)
     ort_region = timer(case.sub, case.feeds, False)
+    split = None
+    if epilogue != "bias":
+        rest, rest_feeds = case.rest(cache)
+        split = cublas + timer(rest, rest_feeds, True)
 
     def one(family: str, cand: tuple[int, ...], est: float, variant: str = "") -> Optional[SweepRow]:
         try:
@@ -177,19 +217,20 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
         return SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0, err,
                         variant)
 
-    rows = [r for r in (one(*c) for c in candidates(*shape, per_family)) if r is not None]
+    rows = [r for r in (one(*c) for c in candidates(*shape, per_family, case.epi if epilogue != "bias" else 0.0))
+            if r is not None]
     variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None)) if on]
     for name in FAMILIES if variants else ():
         best = _best(rows, name)
         if best is not None:
             rows += [r for r in (one(name, best.tile, best.est_us, v) for v in variants) if r is not None]
     cublas_warm = noflush(case.alone, case.alone_feeds, False) if noflush else None
-    return ShapeResult(shape, cublas, ort_region, tuple(rows), cublas_warm)
+    return ShapeResult(shape, cublas, ort_region, tuple(rows), cublas_warm, epilogue, split)
 
 
 def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6, timer: Optional[Timer] = None,
         on_shape: Optional[Callable[[list[ShapeResult]], None]] = None, ablate: bool = False,
-        no_flush: bool = False, noflush_timer: Optional[Timer] = None) -> list[ShapeResult]:
+        no_flush: bool = False, noflush_timer: Optional[Timer] = None, epilogue: str = "bias") -> list[ShapeResult]:
     """Every shape in turn; `on_shape` sees the results so far after each (a cut-off run keeps them)."""
     if timer is None:
         from ortfuse.profile import device_timer
@@ -198,7 +239,8 @@ def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6, ti
             noflush_timer = functools.partial(device_timer, flush_l2=False)
     out: list[ShapeResult] = []
     for s in shapes:
-        out.append(sweep_shape(s, timer, per_family, ablate=ablate, noflush=noflush_timer if no_flush else None))
+        out.append(sweep_shape(s, timer, per_family, ablate=ablate, noflush=noflush_timer if no_flush else None,
+                               epilogue=epilogue))
         if on_shape:
             on_shape(out)
     return out
@@ -230,6 +272,10 @@ def summary(results: Sequence[ShapeResult]) -> list[str]:
             for r in results if r.cublas_noflush_us is not None]
     if warm:
         out.append("cuBLAS, no L2 flush: " + ", ".join(warm))
+    split = [f"{'x'.join(map(str, r.shape))} {min((x.us for x in r.rows if not x.error and not x.variant), default=math.nan):.1f}"
+             f" fused vs {r.split_us:.1f}" for r in results if r.split_us is not None]
+    if split:
+        out.append("best fused tile vs cuBLAS + our epilogue kernel (us): " + ", ".join(split))
     return out
 
 
@@ -244,8 +290,9 @@ def render_md(results: Sequence[ShapeResult]) -> str:
     for res in results:
         m, n, k = res.shape
         flops = 2.0 * m * n * k
-        lines += [f"### {m}x{n}x{k} fp16 + bias: cuBLAS (ORT MatMul) {res.cublas_us:.1f} us "
-                  f"({flops / (res.cublas_us * 1e6):.0f} TFLOP/s), ORT MatMul + Add {res.ort_region_us:.1f} us", "",
+        split = f", cuBLAS + our epilogue kernel {res.split_us:.1f} us" if res.split_us is not None else ""
+        lines += [f"### {m}x{n}x{k} fp16 + {EPILOGUES[res.epilogue]}: cuBLAS (ORT MatMul) {res.cublas_us:.1f} us "
+                  f"({flops / (res.cublas_us * 1e6):.0f} TFLOP/s), ORT's region {res.ort_region_us:.1f} us{split}", "",
                   "| family | tile | us | TFLOP/s | / cuBLAS | estimate us | regs | spill |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(res.rows, key=lambda r: (bool(r.error), r.us)):
@@ -279,6 +326,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also time each family's best tile without its epilogue stores (mainloop alone)")
     ap.add_argument("--no-flush", action="store_true",
                     help="also time cuBLAS and each family's best tile without flushing the L2 before a run")
+    ap.add_argument("--epilogue", choices=sorted(EPILOGUES), default="bias",
+                    help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)
@@ -289,7 +338,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.json:
             a.json.write_text(json.dumps(as_json(results), indent=1))
 
-    results = run(a.shapes, a.per_family, on_shape=write, ablate=a.ablate, no_flush=a.no_flush)
+    results = run(a.shapes, a.per_family, on_shape=write, ablate=a.ablate, no_flush=a.no_flush, epilogue=a.epilogue)
     print(render_md(results))
     return 0 if all(math.isfinite(r.us) for res in results for r in res.rows) else 1
 

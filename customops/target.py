@@ -82,6 +82,14 @@ class Target:
     max_cluster: int = 1
     cluster_sync_ns: float = 200.0
     dsmem_gbps_per_sm: float = 120.0
+    # Warp-instructions per clock one warp issues in element-wise code that follows a mainloop (a GEMM's
+    # epilogue): its chains are long (erf: 21 instructions) and a tile's threads few, so latency, not the
+    # scheduler, binds; an SM issues min(4, warps x this). Measured on an H200 (2026-11-26,
+    # docs/gpu/2026-11-26-h200-s14-*): BERT's 4096x3072x768 GEMM on the 128x192x64/16x192/5 TMA tile (8
+    # computing warps, one block per SM, 4 tiles per SM) took 83.6 us with its bias + erf GELU epilogue and
+    # 49.7 us with the bias alone, i.e. 33.9 us for 25.1 instructions per element (FN_INSTRUCTIONS): 1.15
+    # warp-instructions per clock per SM at the table's clock. One shape, one tile: assumed elsewhere.
+    epilogue_ipc_per_warp: float = 0.144
 
     @property
     def arch(self) -> str:
@@ -101,6 +109,16 @@ TABLE: dict[int, Target] = {
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True),
+}
+
+# SASS instructions per element of each fp32 function the printer emits (customops/printer.py FN), sm_90,
+# NVRTC 13.5, eight independent elements per thread, the main line up to the kernel's EXIT (IEEE division's
+# slow path is a subroutine after it; sin's and cos's large-argument reduction is inline, so theirs is an
+# upper bound): `python -m ortfuse.bench.sass --functions`, 2026-11-26. Functions not listed count one
+# (add, mul, compares, selects, min/max, casts).
+FN_INSTRUCTIONS: dict[str, float] = {
+    "exp": 8.25, "log": 25.4, "sqrt": 14.0, "rsqrt": 4.0, "erf": 21.1, "tanh": 15.25, "sin": 113.5,
+    "cos": 114.5, "log1p": 29.25, "div": 12.75, "pow": 91.5, "fmod": 72.25,
 }
 
 # Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a

@@ -313,8 +313,9 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
 
 
 def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batch: int, esize: int, math_: int,
-              b_nk: bool, row: bool, staged: tuple[int, int]) -> Optional[Ranked]:
-    """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
+              b_nk: bool, row: bool, staged: tuple[int, int], epi: float = 0.0) -> Optional[Ranked]:
+    """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply.
+    `epi`: the epilogue's instructions per output element (search.compute)."""
     rsplit = row_split(n, t) if row else 1
     if rsplit > 1 and (split > 1 or rsplit > tgt.max_cluster or t.tma):
         return None  # a row split across a cluster: no split-K in the same cluster, no TMA producer
@@ -371,12 +372,33 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     t_smem = per_sm * ktiles * t.smem_wavefronts_per_ktile(math_, esize, staged, tgt.smem_bytes_per_clk) / (
         tgt.clock_ghz * 1e9)
     est = max(t_math, t_mem, t_issue, t_lat, t_smem) * 1e6
+    # the epilogue: after the mainloop, on the tile's computing warps (split-K: each block its 1/S of the
+    # rows), at the issue rate measured for such code; nothing overlaps it
+    est += _epilogue_us(tgt, t, split, per_sm, resident_warps, epi)
     if split > 1:  # two cluster barriers, and each block reads its rows of the S - 1 other partial tiles
         remote = (split - 1) / split * t.bm * t.bn * 4
         est += 2 * tgt.cluster_sync_ns * 1e-3 + remote / (tgt.dsmem_gbps_per_sm * 1e3)
     if rsplit > 1:  # a barrier per reduction (two: LayerNorm, Softmax) and one after the pass, per tile
         est += math.ceil(per_sm / blocks_per_sm) * (ROW_PHASES_TYPICAL + 1) * tgt.cluster_sync_ns * 1e-3
     return Ranked(t, est, blocks_per_sm, split)
+
+
+def _epilogue_us(tgt: Target, t: GemmTile, split: int, per_sm: int, resident_warps: int, epi: float) -> float:
+    return per_sm * t.bm * t.bn / split * epilogue_cycles(tgt, epi, resident_warps) / (tgt.clock_ghz * 1e3)
+
+
+def epilogue_us(tgt: Target, r: Ranked, m: int, n: int, batch: int, epi: float) -> float:
+    """The part of a ranked tile's estimate its epilogue takes (`epi` instructions per output element), at the
+    split the runtime launches it with."""
+    split = runtime_split(r.split, batch * -(-m // r.tile.bm) * -(-n // r.tile.bn), tgt.sm_count)
+    per_sm = math.ceil(batch * -(-m // r.tile.bm) * -(-n // r.tile.bn) * split / tgt.sm_count)
+    return _epilogue_us(tgt, r.tile, split, per_sm, min(per_sm, r.blocks_per_sm) * r.tile.consumers // 32, epi)
+
+
+def epilogue_cycles(tgt: Target, epi: float, resident_warps: int) -> float:
+    """SM clocks per output element of an epilogue of `epi` instructions per element, `resident_warps`
+    computing warps on the SM evaluating it."""
+    return epi / 32 / min(4.0, max(resident_warps, 1) * tgt.epilogue_ipc_per_warp) if epi else 0.0
 
 
 def _best_split(tgt: Target, t: GemmTile, *args, only: Optional[int] = None) -> Optional[Ranked]:
@@ -394,26 +416,26 @@ def _best_split(tgt: Target, t: GemmTile, *args, only: Optional[int] = None) -> 
 
 def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
                   row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
-                  split: Optional[int] = None) -> Optional[Ranked]:
+                  split: Optional[int] = None, epi: float = 0.0) -> Optional[Ranked]:
     """One given tile (a profiling candidate, a user's choice) at its best split, or at `split`; None if it
     does not fit (or that split does not apply)."""
-    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, only=split)
+    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, epi, only=split)
 
 
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
                top_k: int = 4, row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
-               bk_divides: int = 0) -> list[Ranked]:
+               bk_divides: int = 0, epi: float = 0.0) -> list[Ranked]:
     """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values), each at its
     best split-K. `row`: only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: how A and
     B reach shared memory (DIRECT: cp.async; ELEMENTS: element loads through registers, for prologue math
     or the im2col gather; TAPS: the tap-major gather). `bk_divides`: only tiles whose BK divides it (the
-    tap-major gather's channel count)."""
-    return list(_ranked(tgt, m, n, k, batch, esize, math_, b_nk, row, tuple(staged), bk_divides)[:top_k])
+    tap-major gather's channel count). `epi`: the epilogue's instructions per output element."""
+    return list(_ranked(tgt, m, n, k, batch, esize, math_, b_nk, row, tuple(staged), bk_divides, epi)[:top_k])
 
 
 @functools.lru_cache(maxsize=4096)
 def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool, row: bool,
-            staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
+            staged: tuple[int, int], bk_divides: int, epi: float = 0.0) -> tuple[Ranked, ...]:
     """Every feasible tile, best first (memoized: a model's repeated layers lower the same GEMM many times)."""
     ranked = []
     # a whole row per tile leaves no room for the wgmma pipeline's stages: wgmma tiles only split the row
@@ -423,7 +445,7 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
     for t in cands:
         if bk_divides and bk_divides % t.bk:
             continue
-        r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
+        r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, epi)
         if r is not None:
             ranked.append(r)
     # ties (issue- or DRAM-bound tiles): the larger tile, then 3 stages (CUTLASS's sm_80 default: latency

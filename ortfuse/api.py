@@ -28,6 +28,7 @@ from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, parse_input_shapes
 from ortfuse.search import ops
 from ortfuse.search.attention import absorbed_selects
+from ortfuse.search.cost import CostModel
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -139,7 +140,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # --profile times a row-wise GEMM epilogue against cuBLAS + our row kernel, so it plans them by the tile
     # model alone; without it the measured floor (Target.row_epilogue_floor) prices them
     plan_tgt = dataclasses.replace(tgt, row_epilogue_floor=1.0) if opts.profile else tgt
-    the_plan = search_plan(graph, plan_tgt, tf32=opts.tf32, ln_fold=opts.ln_fold)
+    # and it times every GEMM epilogue against cuBLAS + the epilogue as our kernel, so it fuses wherever the
+    # fused kernel beats ORT and lets the measurement choose between the two
+    cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile)
+    the_plan = search_plan(graph, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)
     say(f"lowering {len(the_plan.regions)} regions")
     specs = [(r, lower(graph, r, tgt, opts.tf32)) for r in the_plan.regions]
     sources = {spec.kernel.name: render(spec.kernel) for _, spec in specs}
@@ -244,7 +248,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
             pl = dataclasses.replace(pl, **_model_estimates(tgt, opts, k.region, at_binding))
         except Exception as e:  # noqa: BLE001
             say(f"region {k.region.id}: no cost-model estimate for the placement report ({type(e).__name__}: {e})")
-        split = _row_split(graph, tgt, opts, k.region) if k.region.kind == "gemm_row" else None
+        split = _epilogue_alone(graph, tgt, opts, k.region) if k.region.kind in ("gemm", "gemm_row") else None
         if split is not None:  # Collage: also measure cuBLAS + our kernel for the rest
             gemm, rest = split
             split_us = prof.time_split(graph, gemm, rest.region, rest.node, bindings, cache)
@@ -278,9 +282,10 @@ def _model_estimates(tgt: Target, opts: Options, region: Region,
     return {"model_ort_us": tuple(ort_us), "model_ours_us": tuple(ours_us)}
 
 
-def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tuple[Region, FusedKernel]]:
-    """A row-wise epilogue region as (the GEMM alone, our kernel for the rest), or None if the rest is not
-    one kernel. The rest keeps the region's id: it takes the region's place when it wins."""
+def _epilogue_alone(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tuple[Region, FusedKernel]]:
+    """A GEMM region as (the GEMM alone, our kernel for its epilogue), or None if the rest is not one
+    kernel (a LayerNorm folded in, a Conv's image computed in its gather). The rest keeps the region's id:
+    it takes the region's place when it wins."""
     from ortfuse.search import legal, norm_fold
     from ortfuse.search.conv import is_anchor
     from ortfuse.search.cost import traffic
@@ -288,6 +293,8 @@ def _row_split(graph: Graph, tgt, opts: Options, region: Region) -> Optional[tup
     if norm_fold.in_region(graph, region.nodes) is not None:
         return None  # the rest would hold the LayerNorm before the GEMM and the epilogue after it
     anchor = next(i for i in region.nodes if is_anchor(graph, graph.nodes[i]))
+    if any(p in region.nodes for t in graph.nodes[anchor].input for p in (graph.producer.get(t),)):
+        return None  # a prologue: the rest would be two pieces, before and after the GEMM
     rest = legal.classify(graph, set(region.nodes) - {anchor})
     if not isinstance(rest, Region):
         return None

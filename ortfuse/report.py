@@ -79,7 +79,7 @@ def markdown(r: OptimizeResult, source: str) -> str:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 f"Each cell gives one time per binding ({' / '.join(r.placements[0].bindings)}); 'ORT / kept' "
                 "is the geometric mean over the bindings of ORT's time over the kept choice's.", "",
-                "| region | ORT | ours (per tile) | cuBLAS + ours (row epilogues) | kept | ORT / kept | cost model: ORT, ours |",
+                "| region | ORT | ours (per tile) | cuBLAS + ours (epilogue alone) | kept | ORT / kept | cost model: ORT, ours |",
                 "|---|---|---|---|---|---:|---|"]
         for pl in r.placements:
             tiles = "; ".join(f"{tile_label(t)}: {us_text(ts)}" for t, ts in pl.ours_us)

@@ -15,7 +15,7 @@ from ortfuse.customops import tiles
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
-from ortfuse.search import conv, norm_fold, ops
+from ortfuse.search import compute, conv, norm_fold, ops
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Ops ORT runs on shape metadata (on the host, or folded at session start): no kernel time.
@@ -133,6 +133,10 @@ def _at(g: Graph, region: Region, base: Graph) -> Region:
 class CostModel:
     target: Target
     tf32: bool = False
+    # `ortfuse optimize --profile` times each fused GEMM epilogue against cuBLAS + the epilogue as our own
+    # kernel (ortfuse.profile.time_split), so the plan fuses wherever that beats ORT and the measurement
+    # decides; the estimate decides only what it cannot measure (a GEMM with a LayerNorm folded in)
+    splits_measured: bool = False
 
     def time_us(self, bytes_moved: int, launches: int) -> float:
         return bytes_moved / (self.target.dram_gbps * 1e3) + launches * self.target.launch_us
@@ -225,6 +229,8 @@ class CostModel:
     def ours_us(self, g: Graph, region: Region) -> float:
         """Estimated time of the region as one of our kernels."""
         tr = region.traffic
+        if region.kind in ("pointwise", "rowreduce"):  # DRAM-bound, unless its math is longer
+            return max(self.time_us(tr.fused_bytes, 1), self.target.launch_us + self.compute_us(g, region.nodes))
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
@@ -233,12 +239,39 @@ class CostModel:
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
         if folded:
             mm_us *= self.fold_penalty(g, node)
-        rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1)
+        rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1) + self.epilogue_us(g, region)
         if region.kind != "gemm_row":
             return mm_us + rest
         # the tile model's row tile, but never under the measured floor over the plain kernel as a whole
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
+
+    def compute_us(self, g: Graph, nodes) -> float:
+        """The instructions of element-wise `nodes` at the issue peak: a kernel of many resident warps hides
+        its chains' latency (search.compute)."""
+        cycles = compute.instructions(g, nodes) * tiles.epilogue_cycles(self.target, 1.0, 64)
+        return cycles / self.target.sm_count / (self.target.clock_ghz * 1e3)
+
+    def epilogue_us(self, g: Graph, region: Region) -> float:
+        """What a GEMM region's epilogue adds to our kernel: its instructions per output element on the tile
+        model's best tile for the GEMM, after the mainloop (tiles.epilogue_us). The tiles are still ranked
+        without it: one measured shape calibrates the rate (Target.epilogue_ipc_per_warp), too little to
+        let it move every small GEMM onto one-warp tiles."""
+        node = self._anchor(g, region)
+        anchor = next(i for i in region.nodes if g.nodes[i] is node)
+        epi = compute.epilogue_per_element(g, region.nodes, anchor)
+        if not epi:
+            return 0.0
+        batch, m, n, k = gemm_dims(g, node)
+        es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
+        b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
+        math_ = self._math(g, node)
+        if self.target.wgmma and math_ == tiles.MMA_F16 and node.op_type in ops.GEMM and \
+                norm_fold.in_region(g, region.nodes) is None:  # as gemm_us: TMA-fed wgmma tiles, B as [N][K]
+            math_, b_nk = tiles.WS_F16, True
+        best = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1,
+                                row=region.kind == "gemm_row")
+        return tiles.epilogue_us(self.target, best[0], m, n, batch, epi) if best else 0.0
 
     def speed_vs_library(self, g: Graph, node: onnx.NodeProto, region: Optional[Region] = None) -> float:
         """Our kernel's speed relative to cuBLAS/cuDNN: a Conv whose im2col operand is gathered element by
@@ -320,6 +353,8 @@ class CostModel:
         the bindings of `bindings` (`_pays`); `base`: the GEMM's region before the merge where it is already
         ours (a LayerNorm folded in), instead of cuBLAS. Leaving all of it to ORT (whose FusedConv may absorb
         the group) is judged afterwards, by `verdict` on the merged region."""
+        if self.splits_measured and base is None:
+            return None
         lib = "our GEMM" if base is not None else "cuDNN" if self._anchor(g, merged).op_type in ops.CONV else "cuBLAS"
         times = []
         for where, gb in bindings(g):

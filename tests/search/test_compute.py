@@ -1,0 +1,39 @@
+"""search.compute: instructions per element of the ops our kernels evaluate (target.FN_INSTRUCTIONS)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+
+from ortfuse.customops.target import FN_INSTRUCTIONS
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import compute
+
+
+def _graph(nodes, inits, dtype=TP.FLOAT16):
+    return build_graph(model(nodes, [vi("x", dtype, [4, 8])], [vi(nodes[-1].output[0], dtype, None)], inits), {})
+
+
+def test_ops_count_what_they_lower_to():
+    h = lambda name, v: const(name, np.asarray(v, np.float16), np.float16)  # noqa: E731
+    g = _graph([node("Div", ["x", "c"], ["d"]), node("Erf", ["d"], ["e"]), node("Div", ["e", "x"], ["q"]),
+                node("Sigmoid", ["q"], ["s"]), node("Reshape", ["s", "shape"], ["r"]), node("Add", ["r", "c"], ["out"])],
+               [h("c", 1.4142135), const("shape", [8, 4], np.int64)])
+    per = [compute.node_instructions(g, n) for n in g.nodes]
+    # a division by a constant is its reciprocal's multiply; by a tensor, IEEE division; Sigmoid is
+    # 1 / (1 + exp(-x)); a Reshape moves no data in a kernel
+    assert per == [1.0, FN_INSTRUCTIONS["erf"], FN_INSTRUCTIONS["div"],
+                   1 + 1 + FN_INSTRUCTIONS["exp"] + FN_INSTRUCTIONS["div"], 0.0, 1.0]
+    assert compute.instructions(g, range(len(g.nodes))) == pytest.approx(32 * sum(per))
+
+
+def test_the_epilogue_is_what_follows_the_gemm():
+    # a Cast of A before the MatMul runs in the mainloop (per A element), not in the epilogue
+    g = build_graph(model([node("Cast", ["x"], ["xh"], to=TP.FLOAT16), node("MatMul", ["xh", "w"], ["y"]),
+                           node("Tanh", ["y"], ["t"]), node("Mul", ["t", "y"], ["out"])],
+                          [vi("x", TP.FLOAT, [16, 32])], [vi("out", TP.FLOAT16, None)],
+                          [const("w", np.ones((32, 64), np.float16), np.float16)]), {})
+    assert compute.epilogue_per_element(g, range(4), 1) == pytest.approx(FN_INSTRUCTIONS["tanh"] + 1)
+    assert compute.epilogue_per_element(g, [0, 1], 1) == 0.0
