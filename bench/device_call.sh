@@ -49,10 +49,11 @@ for name in "$@"; do
     sweep) step "$name" 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md" ;;
     sweep-rest) step "$name" 150 python3 -m ortfuse.bench.sweep --per-family 3 --json "$WORK/sweep-rest.json" \
                   --md "$WORK/sweep-rest.md" --shapes 4096x768x3072 4096x2304x768 128x768x768 128x3072x768 128x768x3072 ;;
-    sweep-gelu)  # issue 5, 2026-11-26 (CPU session 15): the GELU epilogue's cost on several tiles, and cuBLAS + our
-      # GELU kernel beside it: the data behind Target.epilogue_ipc_per_warp (one shape so far)
-      step "$name" 150 python3 -m ortfuse.bench.sweep --epilogue gelu --per-family 2 --json "$WORK/sweep-gelu.json" \
-        --md "$WORK/sweep-gelu.md" --shapes 4096x3072x768 1024x3072x768 128x3072x768 ;;
+    sweep-gelu|sweep-softsign)  # issue 5, 2026-11-26 (CPU session 15): an epilogue's cost on several tiles, cuBLAS +
+      # the epilogue as our kernel beside it: GELU (branch-free since the reciprocal) and softsign (an IEEE
+      # division's per-element branch), the data behind Target.epilogue_branch_clocks (one shape so far)
+      step "$name" 120 python3 -m ortfuse.bench.sweep --epilogue "${name#sweep-}" --per-family 2 \
+        --json "$WORK/$name.json" --md "$WORK/$name.md" --shapes 4096x3072x768 128x3072x768 ;;
     sweep-diag)  # issue 5, 2026-11-26: where the fixed ~18 us per 4096x768 output goes (M scaling, no stores, warm L2)
       step "$name" 200 python3 -m ortfuse.bench.sweep --per-family 1 --ablate --no-flush --json "$WORK/sweep-diag.json" \
         --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;

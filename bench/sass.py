@@ -5,8 +5,9 @@ loops inside (runtime trip counts) counts their bodies once, so its figure is ma
     python -m ortfuse.bench.sass MODEL.onnx [--arch sm_90]
     python -m ortfuse.bench.sass --functions [--arch sm_90]
 
-The second form counts the SASS instructions of each fp32 math function the printer emits, per element
-(customops.target.FN_INSTRUCTIONS, which the cost model charges for epilogues and element-wise kernels).
+The second form counts the SASS instructions of each fp32 math function the printer emits, per element, and
+its per-element branches (BSSY convergence regions): customops.target.FN_INSTRUCTIONS and FN_BRANCHES, which
+the cost model charges for element-wise kernels and GEMM epilogues.
 
 Needs `cuobjdump` and the `nvdisasm` it calls (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm), a
 developer tool only; ortfuse itself never runs it."""
@@ -95,15 +96,15 @@ extern "C" __global__ void ofz_fn(const float* __restrict__ x, float* __restrict
 FN_ELEMENTS = 8
 
 
-def fn_instructions(arch: str = "sm_90") -> dict[str, float]:
-    """SASS instructions per element of every fp32 function of the printer's table (its argument loaded,
-    its result stored; the kernel that stores `v` is subtracted)."""
+def fn_instructions(arch: str = "sm_90") -> dict[str, tuple[float, float]]:
+    """(SASS instructions, branches) per element of every fp32 function of the printer's table (its argument
+    loaded, its result stored; the kernel that stores `v` is subtracted)."""
     from ortfuse.customops import ir, printer
     from ortfuse.customops.compile import _run_nvrtc  # NVRTC with the options ortfuse compiles with
 
     v, w = ir.Var("v", ir.F32), ir.Var("w", ir.F32)
 
-    def count(e: str) -> int:
+    def count(e: str) -> tuple[int, int]:
         with tempfile.TemporaryDirectory() as tmp:
             image, _, _ = _run_nvrtc(_FN_KERNEL.format(e=e), "ofz_fn", arch, Path(tmp) / "k.cu")
         main_line = []
@@ -111,19 +112,20 @@ def fn_instructions(arch: str = "sm_90") -> dict[str, float]:
             if re.search(r"\bEXIT\b", t):  # arguments) are subroutines placed after it
                 break
             main_line.append(t)
-        return len(main_line)
+        return len(main_line), sum(1 for t in main_line if re.search(r"\bBSSY\b", t))
 
-    base1, base2 = count("v"), count("(v + w)")
+    base1, base2 = count("v")[0], count("(v + w)")[0]
     out = {}
     for fn in FN_UNARY + FN_BINARY:
         args = (v,) if fn in FN_UNARY else (v, w)
         base = base1 if fn in FN_UNARY else base2 - FN_ELEMENTS  # the add of the binary baseline
-        out[fn] = (count(printer.expr(ir.Op(fn, args, ir.F32))) - base) / FN_ELEMENTS
+        n, branches = count(printer.expr(ir.Op(fn, args, ir.F32)))
+        out[fn] = ((n - base) / FN_ELEMENTS, branches / FN_ELEMENTS)
     return out
 
 
 FN_UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "erf", "tanh", "sin", "cos", "floor", "ceil",
-            "round", "log1p")
+            "round", "log1p", "recip_fast")
 FN_BINARY = ("add", "mul", "div", "pow", "fmax_nan", "fmin_nan", "fmod")
 
 
@@ -134,8 +136,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--functions", action="store_true", help="instructions per element of each fp32 function")
     args = ap.parse_args(argv)
     if args.functions:
-        for fn, n in fn_instructions(args.arch).items():
-            print(f"{fn:10s} {n:6.2f}")
+        print("function   instructions  branches  (per element)")
+        for fn, (n, b) in fn_instructions(args.arch).items():
+            print(f"{fn:10s} {n:12.2f} {b:9.2f}")
         return 0
     if not args.model:
         ap.error("a model, or --functions")

@@ -13,8 +13,9 @@ compiled without its epilogue's stores (OFZ_ABLATE_EPILOGUE in ortfuse_gemm.h; i
 mainloop is the real one), so the difference is what the stores cost; `--no-flush` times it and cuBLAS with
 the L2 as the previous run left it. `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
 shape also times cuBLAS followed by the epilogue as our own kernel (what placement weighs a fused epilogue
-against), and the estimates include the epilogue term (Target.epilogue_ipc_per_warp, which such rows
-calibrate). Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
+against), and the estimates include the epilogue term (Target.epilogue_branch_clocks, which such rows
+calibrate: `softsign` divides by a tensor, IEEE division with its per-element branch; the erf GELU and
+SiLU have had none since 2026-11-26). Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ from ortfuse.search.plan import Region
 SHAPES = ((4096, 768, 768), (4096, 3072, 768), (4096, 768, 3072), (4096, 2304, 768), (128, 768, 768),
           (128, 3072, 768), (128, 768, 3072))
 FAMILIES = {"mma.sync": tl.MMA_F16, "wgmma": tl.WGMMA_F16, "wgmma+TMA": tl.WS_F16}
-EPILOGUES = {"bias": "bias", "gelu": "bias + GELU"}
+EPILOGUES = {"bias": "bias", "gelu": "bias + GELU", "silu": "bias + SiLU", "softsign": "bias + softsign"}
 ARCHS = (90,)
 
 
@@ -84,18 +85,24 @@ class ShapeResult:
 
 def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") -> onnx.ModelProto:
     """y = x @ w + b in fp16, the weight and bias constant (as in the zoo's linear layers); `epilogue` "gelu":
-    then GELU(y) as BERT's export spells it (x / sqrt(2) with a fp16 constant, Erf, + 1, * x, * 0.5)."""
+    then GELU(y) as BERT's export spells it (x / sqrt(2) with a fp16 constant, Erf, + 1, * x, * 0.5); "silu":
+    y * Sigmoid(y); "softsign": y / (1 + |y|), a division by a tensor (IEEE, with its per-element branch)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float16)
     b = (rng.standard_normal(n) * 0.1).astype(np.float16)
     mk = helper.make_node
-    nodes = [mk("MatMul", ["x", "w"], ["y"]), mk("Add", ["y", "b"], ["z" if epilogue == "gelu" else "out"])]
+    nodes = [mk("MatMul", ["x", "w"], ["y"]), mk("Add", ["y", "b"], ["out" if epilogue == "bias" else "z"])]
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
     if epilogue == "gelu":
         nodes += [mk("Div", ["z", "sqrt2"], ["d"]), mk("Erf", ["d"], ["e"]), mk("Add", ["e", "one"], ["e1"]),
                   mk("Mul", ["z", "e1"], ["p"]), mk("Mul", ["p", "half"], ["out"])]
         inits += [numpy_helper.from_array(np.array(v, np.float16), name)
                   for name, v in (("sqrt2", 1.4142135), ("one", 1.0), ("half", 0.5))]
+    elif epilogue == "silu":
+        nodes += [mk("Sigmoid", ["z"], ["s"]), mk("Mul", ["z", "s"], ["out"])]
+    elif epilogue == "softsign":
+        nodes += [mk("Abs", ["z"], ["a"]), mk("Add", ["a", "one"], ["d"]), mk("Div", ["z", "d"], ["out"])]
+        inits.append(numpy_helper.from_array(np.array(1.0, np.float16), "one"))
     elif epilogue != "bias":
         raise ValueError(f"unknown epilogue '{epilogue}': expected one of {sorted(EPILOGUES)}")
     g = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])],
@@ -107,8 +114,8 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") ->
 
 def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0) -> list[tuple[str, tuple[int, ...], float]]:
     """(family, candidate, estimate) for the model's best `per_family` tiles of each family at this shape;
-    `epi`: the epilogue's instructions per element, whose term the estimate includes (not the ranking, as
-    in the lowering)."""
+    `epi`: the epilogue's branches per element, whose term the estimate includes (not the ranking, as in
+    the lowering)."""
     tgt = target_for(ARCHS, True)
     out = []
     for name, math_ in FAMILIES.items():
@@ -162,8 +169,8 @@ class GemmCase:
 
     @property
     def epi(self) -> float:
-        """The epilogue's instructions per output element (search.compute)."""
-        return compute.epilogue_per_element(self.g, self.region.nodes, anchor_region(self.g, self.region).nodes[0])
+        """The epilogue's per-element branches (search.compute)."""
+        return compute.epilogue_per_element(self.g, self.region.nodes, anchor_region(self.g, self.region).nodes[0])[1]
 
     def rest(self, cache: Optional[Path] = None) -> tuple[onnx.ModelProto, dict]:
         """The epilogue alone as our own kernel (everything but the GEMM, one element-wise region), with its
@@ -193,7 +200,7 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
                 ablate: bool = False, noflush: Optional[Timer] = None, epilogue: str = "bias") -> ShapeResult:
     """Every family's best tiles at one shape; with `ablate` each family's fastest again without its epilogue
     stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed; with
-    the GELU epilogue, cuBLAS + the epilogue as our kernel too."""
+    another epilogue than the bias, cuBLAS + the epilogue as our kernel too."""
     case = GemmCase.of(shape, epilogue)
     cublas = timer(case.alone, case.alone_feeds, False)
     ort_region = timer(case.sub, case.feeds, False)
@@ -327,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-flush", action="store_true",
                     help="also time cuBLAS and each family's best tile without flushing the L2 before a run")
     ap.add_argument("--epilogue", choices=sorted(EPILOGUES), default="bias",
-                    help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU")
+                    help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU, SiLU or softsign (a division)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)

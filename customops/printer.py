@@ -24,6 +24,7 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "sub": lambda a: f"({a[0]} - {a[1]})",
     "mul": lambda a: f"({a[0]} * {a[1]})",
     "div": lambda a: f"({a[0]} / {a[1]})",
+    "recip_fast": lambda a: f"__fdividef(1.0f, {a[0]})",  # fp32 only: MUFU.RCP, within 2 ulp, no branch
     "mod": lambda a: f"({a[0]} % {a[1]})",
     "fmod": lambda a: f"fmodf({a[0]}, {a[1]})",
     "neg": lambda a: f"(-{a[0]})",

@@ -82,14 +82,16 @@ class Target:
     max_cluster: int = 1
     cluster_sync_ns: float = 200.0
     dsmem_gbps_per_sm: float = 120.0
-    # Warp-instructions per clock one warp issues in element-wise code that follows a mainloop (a GEMM's
-    # epilogue): its chains are long (erf: 21 instructions) and a tile's threads few, so latency, not the
-    # scheduler, binds; an SM issues min(4, warps x this). Measured on an H200 (2026-11-26,
-    # docs/gpu/2026-11-26-h200-s14-*): BERT's 4096x3072x768 GEMM on the 128x192x64/16x192/5 TMA tile (8
-    # computing warps, one block per SM, 4 tiles per SM) took 83.6 us with its bias + erf GELU epilogue and
-    # 49.7 us with the bias alone, i.e. 33.9 us for 25.1 instructions per element (FN_INSTRUCTIONS): 1.15
-    # warp-instructions per clock per SM at the table's clock. One shape, one tile: assumed elsewhere.
-    epilogue_ipc_per_warp: float = 0.144
+    # Clocks per output element, per computing thread, of a GEMM epilogue for each per-element branch in its
+    # code (FN_BRANCHES: IEEE division's and sqrt's slow-path check, ...). Each branch is a convergence region
+    # (BSSY/BSYNC) ptxas does not schedule across, so the tile's elements run one after another at full
+    # latency. Measured on an H200 (2026-11-26, docs/gpu/2026-11-26-h200-s14-*), 4096x3072x768 on the
+    # 128x192x64/16x192/5 TMA tile (8 computing warps, one block and 4 tiles per SM): with BERT's bias + erf
+    # GELU, whose x / sqrt(2) was then an IEEE division (208 such regions in the epilogue's SASS), 83.6 us;
+    # with GPT-2's bias + tanh GELU (24 instructions per element, no branch), 50.3; with the bias alone, 49.7.
+    # The 33.9 us over 384 elements per thread: 175 clocks each. Branch-free epilogue math costs ~nothing
+    # there (the producer keeps loading the next tile meanwhile), so it is not charged.
+    epilogue_branch_clocks: float = 175.0
 
     @property
     def arch(self) -> str:
@@ -118,8 +120,11 @@ TABLE: dict[int, Target] = {
 # (add, mul, compares, selects, min/max, casts).
 FN_INSTRUCTIONS: dict[str, float] = {
     "exp": 8.25, "log": 25.4, "sqrt": 14.0, "rsqrt": 4.0, "erf": 21.1, "tanh": 15.25, "sin": 113.5,
-    "cos": 114.5, "log1p": 29.25, "div": 12.75, "pow": 91.5, "fmod": 72.25,
+    "cos": 114.5, "log1p": 29.25, "div": 12.75, "pow": 91.5, "fmod": 72.25, "recip_fast": 5.1,
 }
+# Per-element branches (BSSY convergence regions on the main line) of the same functions, same count; exp,
+# log, rsqrt, erf, tanh and recip_fast (Sigmoid's) have none.
+FN_BRANCHES: dict[str, float] = {"sqrt": 1, "div": 1, "log1p": 1, "pow": 1, "sin": 2, "cos": 2, "fmod": 3}
 
 # Row-reduction geometry: each thread of a row handles about this many vectors per pass, so a
 # row of C elements gets C / (VEC * ROW_VECTORS_PER_THREAD) threads, rounded up to a power of two

@@ -1,7 +1,7 @@
-"""Element-wise work in instructions: what a fused kernel issues per output element for the ops it
-evaluates, from the functions our printer emits (`target.FN_INSTRUCTIONS`, counted in sm_90 SASS). The cost
-model charges it where the math, not DRAM, binds: a GEMM epilogue, which runs after the mainloop on the
-tile's few threads, and element-wise kernels with long chains (erf, sin, pow)."""
+"""Element-wise work: the instructions a fused kernel issues per output element for the ops it evaluates, and
+the per-element branches among them, from the functions our printer emits (`target.FN_INSTRUCTIONS`,
+`target.FN_BRANCHES`, counted in sm_90 SASS). The cost model charges instructions where they could outlast
+an element-wise kernel's traffic, and branches in a GEMM epilogue, where they serialize the tile's elements."""
 from __future__ import annotations
 
 from typing import Iterable, Iterator
@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import ir, scalar
-from ortfuse.customops.target import FN_INSTRUCTIONS
+from ortfuse.customops.target import FN_BRANCHES, FN_INSTRUCTIONS
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import ops
 
@@ -24,18 +24,21 @@ def _ops(e: ir.Expr) -> Iterator[ir.Op]:
             stack.extend(x.args)
 
 
-def expr_instructions(e: ir.Expr) -> float:
-    """Instructions of one evaluation of `e` (every operation counted, shared sub-trees once per use)."""
-    return sum(FN_INSTRUCTIONS.get(op.fn, 1.0) for op in _ops(e))
+def expr_work(e: ir.Expr) -> tuple[float, float]:
+    """(instructions, branches) of one evaluation of `e` (every operation counted, shared sub-trees once per
+    use)."""
+    fns = [op.fn for op in _ops(e)]
+    return sum(FN_INSTRUCTIONS.get(f, 1.0) for f in fns), sum(FN_BRANCHES.get(f, 0.0) for f in fns)
 
 
-def node_instructions(g: Graph, node: onnx.NodeProto) -> float:
-    """Per output element of `node` as our kernels evaluate it (scalar.RULES, so a division by a constant is
-    the multiply it lowers to); ops that move data cost nothing, other ops without a rule one."""
+def node_work(g: Graph, node: onnx.NodeProto) -> tuple[float, float]:
+    """(instructions, branches) per output element of `node` as our kernels evaluate it (scalar.RULES, so a
+    division by a constant is the multiply it lowers to); ops that move data cost nothing, other ops without
+    a rule one instruction."""
     if node.op_type in ops.FREE_IN_ORT or node.op_type in ops.LAYOUT:
-        return 0.0
+        return 0.0, 0.0
     if node.op_type not in scalar.RULES or not node.output or node.output[0] not in g.tensors:
-        return 1.0
+        return 1.0, 0.0
     args: list = []
     for i, t in enumerate(node.input):
         info = g.tensors.get(t) if t else None
@@ -52,9 +55,9 @@ def node_instructions(g: Graph, node: onnx.NodeProto) -> float:
             args.append(ir.Var(f"x{i}", ctype))
     out = scalar.STORAGE.get(g.tensors[node.output[0]].dtype)
     try:
-        return expr_instructions(scalar.apply(node, args, out or "f32"))
+        return expr_work(scalar.apply(node, args, out or "f32"))
     except (scalar.UnsupportedOp, KeyError, TypeError, ValueError, IndexError):
-        return 1.0
+        return 1.0, 0.0
 
 
 def elements(g: Graph, t: str) -> int:
@@ -63,19 +66,21 @@ def elements(g: Graph, t: str) -> int:
     return int(np.prod([d if isinstance(d, int) else g.sym_hints.get(d, 128) for d in info.shape], dtype=np.int64))
 
 
-def instructions(g: Graph, nodes: Iterable[int]) -> float:
-    """Instructions (thread-level) the ops `nodes` issue over all their output elements."""
-    total = 0.0
+def work(g: Graph, nodes: Iterable[int]) -> tuple[float, float]:
+    """(instructions, branches), thread-level, of the ops `nodes` over all their output elements."""
+    ins = br = 0.0
     for i in nodes:
         n = g.nodes[i]
         if n.output and n.output[0] in g.tensors and g.tensors[n.output[0]].shape is not None:
-            total += node_instructions(g, n) * elements(g, n.output[0])
-    return total
+            a, b = node_work(g, n)
+            ins, br = ins + a * elements(g, n.output[0]), br + b * elements(g, n.output[0])
+    return ins, br
 
 
-def epilogue_per_element(g: Graph, nodes: Iterable[int], anchor: int) -> float:
-    """Instructions per element of the GEMM/Conv `anchor`'s output that the region `nodes` evaluates after
-    it (its epilogue: the nodes its result reaches within the region; a prologue's ops run in the mainloop)."""
+def epilogue_per_element(g: Graph, nodes: Iterable[int], anchor: int) -> tuple[float, float]:
+    """(instructions, branches) per element of the GEMM/Conv `anchor`'s output that the region `nodes`
+    evaluates after it (its epilogue: the nodes its result reaches within the region; a prologue's ops run in
+    the mainloop)."""
     inside = set(nodes)
     after: set[int] = set()
     stack = [anchor]
@@ -87,5 +92,6 @@ def epilogue_per_element(g: Graph, nodes: Iterable[int], anchor: int) -> float:
                     stack.append(c)
     out = g.nodes[anchor].output[0]
     if not after or out not in g.tensors or g.tensors[out].shape is None:
-        return 0.0
-    return instructions(g, after) / max(elements(g, out), 1)
+        return 0.0, 0.0
+    ins, br = work(g, after)
+    return ins / max(elements(g, out), 1), br / max(elements(g, out), 1)

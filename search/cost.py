@@ -249,17 +249,17 @@ class CostModel:
     def compute_us(self, g: Graph, nodes) -> float:
         """The instructions of element-wise `nodes` at the issue peak: a kernel of many resident warps hides
         its chains' latency (search.compute)."""
-        cycles = compute.instructions(g, nodes) * tiles.epilogue_cycles(self.target, 1.0, 64)
-        return cycles / self.target.sm_count / (self.target.clock_ghz * 1e3)
+        warp_instructions = compute.work(g, nodes)[0] / 32  # at 4 per clock per SM
+        return warp_instructions / 4 / self.target.sm_count / (self.target.clock_ghz * 1e3)
 
     def epilogue_us(self, g: Graph, region: Region) -> float:
-        """What a GEMM region's epilogue adds to our kernel: its instructions per output element on the tile
-        model's best tile for the GEMM, after the mainloop (tiles.epilogue_us). The tiles are still ranked
-        without it: one measured shape calibrates the rate (Target.epilogue_ipc_per_warp), too little to
-        let it move every small GEMM onto one-warp tiles."""
+        """What a GEMM region's epilogue adds to our kernel: its per-element branches, which serialize the
+        tile's elements after the mainloop (tiles.epilogue_us), on the tile model's best tile for the GEMM.
+        The tiles are still ranked without it: one measured shape calibrates it
+        (Target.epilogue_branch_clocks), too little to let it move small GEMMs onto small tiles."""
         node = self._anchor(g, region)
         anchor = next(i for i in region.nodes if g.nodes[i] is node)
-        epi = compute.epilogue_per_element(g, region.nodes, anchor)
+        epi = compute.epilogue_per_element(g, region.nodes, anchor)[1]
         if not epi:
             return 0.0
         batch, m, n, k = gemm_dims(g, node)

@@ -576,9 +576,16 @@ __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Vi
 
 // Split-K's reduction and epilogue (see the top of this file). `part` is the block's dynamic shared memory:
 // the [BM][kRowLd] partial tile, then (row-wise epilogue) kThreads / 32 floats of reduction scratch.
-template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, class Ops, class Visit>
+// Each thread takes 16-byte column groups of its block's rows, kChunk at a time: first every split's
+// partial of every group (one 16-byte distributed shared-memory read each, none summed before all are
+// issued, so they are in flight together), then the sums in rank order and their epilogues. Before
+// (2026-11-26, SASS), one column pair at a time waited for its reads, behind a run-time integer division
+// for its row: a DSMEM round trip per pair, serialized (BERT-size split-K tiles at M = 1024-2048 measured
+// 2-4x their unsplit tile on the H200).
+template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int SPLIT, class Ops, class Visit>
 __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Visit&& visit, ofz_i64 b, ofz_i64 m0,
                                                ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
+  static_assert(BN % 4 == 0 && kRowLd % 4 == 0, "rows of whole 16-byte column groups");
   visit([&](int r, int c, const float* v, int count) {
     for (int e = 0; e < count; ++e) part[r * kRowLd + c + e] = v[e];
   });
@@ -588,38 +595,44 @@ __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Vi
   const int r1 = r0 + per < BM ? r0 + per : BM;
   const int rows = (int)(M - m0 < (ofz_i64)r1 ? M - m0 : (ofz_i64)r1) - r0;  // may be <= 0
   const int cols = (int)(N - n0 < (ofz_i64)BN ? N - n0 : (ofz_i64)BN);
-  const int pairs = (cols + 1) / 2, total = rows * pairs;
-  // kChunk pairs per thread at a time: first every partial sum of the chunk (distributed shared memory
-  // reads, nothing stored in between, so they are in flight together), then their epilogues. One pair at
-  // a time waited for its remote reads and its bias load before each store.
-  constexpr int kChunk = 4;
-  for (int e0 = threadIdx.x; e0 < total; e0 += kChunk * kThreads) {  // adjacent threads: adjacent column pairs
-    float v0[kChunk], v1[kChunk];
+  constexpr int kQuads = BN / 4;  // a compile-time divisor: the row of a group is a multiply and a shift
+  constexpr int kChunk = SPLIT >= 8 ? 1 : 8 / SPLIT;  // 8 reads of 16 bytes in flight per thread (32 registers)
+  const int total = rows > 0 ? rows * kQuads : 0;
+  const float4* peer[SPLIT];
+#pragma unroll
+  for (int q = 0; q < SPLIT; ++q)
+    peer[q] = reinterpret_cast<const float4*>(cluster_peer(part, q < (int)splits ? (unsigned)q : rank, rank));
+  for (int e0 = threadIdx.x; e0 < total; e0 += kChunk * kThreads) {  // adjacent threads: adjacent groups
+    float4 got[kChunk][SPLIT];
 #pragma unroll
     for (int u = 0; u < kChunk; ++u) {
       const int e = e0 + u * kThreads;
-      v0[u] = v1[u] = 0.0f;
-      if (e >= total) continue;
-      const int c = 2 * (e % pairs), off = (r0 + e / pairs) * kRowLd + c;
-      for (unsigned q = 0; q < splits; ++q) {
-        const float* src = cluster_peer(part, q, rank);
-        v0[u] += src[off];
-        if (c + 1 < cols) v1[u] += src[off + 1];
-      }
+      const int off = (r0 + e / kQuads) * (kRowLd / 4) + e % kQuads;
+#pragma unroll
+      for (int q = 0; q < SPLIT; ++q)
+        got[u][q] = e < total && q < (int)splits ? peer[q][off] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
     for (int u = 0; u < kChunk; ++u) {
       const int e = e0 + u * kThreads;
       if (e >= total) continue;
-      const int r = r0 + e / pairs, c = 2 * (e % pairs), off = r * kRowLd + c;
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int q = 0; q < SPLIT; ++q)  // rank order: the result does not depend on which block sums
+        if (q < (int)splits) v[0] += got[u][q].x, v[1] += got[u][q].y, v[2] += got[u][q].z, v[3] += got[u][q].w;
+      const int r = r0 + e / kQuads, c = 4 * (e % kQuads);
       const ofz_i64 m = m0 + r, n = n0 + c;
-      if constexpr (ROW_TPR > 0) {  // X into the block's own rows of its buffer (no other block reads them)
-        part[off] = Ops::row_in(a, b, m, n, v0[u]);
-        if (c + 1 < cols) part[off + 1] = Ops::row_in(a, b, m, n + 1, v1[u]);
-      } else if (c + 1 < cols) {
-        Ops::epi2(a, b, m, n, v0[u], v1[u]);
-      } else {
-        Ops::epi1(a, b, m, n, v0[u]);
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        if (c + j >= cols) break;
+        if constexpr (ROW_TPR > 0) {  // X into the block's own rows of its buffer (no other block reads them)
+          part[r * kRowLd + c + j] = Ops::row_in(a, b, m, n + j, v[j]);
+          if (c + j + 1 < cols) part[r * kRowLd + c + j + 1] = Ops::row_in(a, b, m, n + j + 1, v[j + 1]);
+        } else if (c + j + 1 < cols) {
+          Ops::epi2(a, b, m, n + j, v[j], v[j + 1]);
+        } else {
+          Ops::epi1(a, b, m, n + j, v[j]);
+        }
       }
     }
   }
@@ -639,7 +652,7 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
                                            ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
   if constexpr (SPLIT > 1) {
     if (splits > 1) {
-      split_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, Ops>(a, buf, visit, b, m0, n0, M, N, rank, splits);
+      split_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, SPLIT, Ops>(a, buf, visit, b, m0, n0, M, N, rank, splits);
       return;
     }
   }

@@ -231,11 +231,19 @@ template <class T> __device__ __forceinline__ const T* cluster_peer(const T* p, 
 }
 
 // A row reduction's partial values, one per block of the cluster at the same shared-memory offset, combined
-// in rank order: every block of the cluster gets the same value.
+// in rank order: every block of the cluster gets the same value. Every block's value is read before any is
+// combined (predicated loads of a compile-time count, so they are in flight together); a loop to the
+// run-time cluster size waited for each distributed shared-memory read in turn.
 template <class Op> __device__ __forceinline__ float cluster_combine(const float* slots, ofz_i64 off) {
+  constexpr unsigned kMax = 8;  // the portable cluster size, the most a kernel of ours launches with
   const unsigned n = cluster_size(), me = cluster_rank();
-  float r = *cluster_peer(slots + off, 0u, me);
-  for (unsigned q = 1; q < n; ++q) r = Op::apply(r, *cluster_peer(slots + off, q, me));
+  float v[kMax];
+#pragma unroll
+  for (unsigned q = 0; q < kMax; ++q) v[q] = q < n ? *cluster_peer(slots + off, q, me) : 0.0f;
+  float r = v[0];
+#pragma unroll
+  for (unsigned q = 1; q < kMax; ++q)
+    if (q < n) r = Op::apply(r, v[q]);
   return r;
 }
 

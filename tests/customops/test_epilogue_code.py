@@ -116,19 +116,22 @@ def test_epi8_matches_ort(tile):
     assert err < 1e-2, err
 
 
-def test_split_k_reduction_reads_a_chunk_of_partial_sums_together():
-    # batch-1 BERT FFN-down (128x768x3072, split 8 in clusters): each thread reads the cluster's partial sums
-    # of four column pairs before their epilogues; one pair at a time left one remote-read latency per pair
+@pytest.mark.parametrize("family,shape", [("mma.sync", (128, 768, 3072)), ("mma.sync", (1024, 768, 768)),
+                                          ("wgmma+TMA", (1024, 768, 768))])
+def test_split_k_reduction_reads_a_chunk_of_partial_sums_together(family, shape):
+    # batch-1 BERT FFN-down (split 8) and M = 1024 (split 2 and 4, where split-K tiles measured 2-4x their
+    # unsplit tile on the H200): each thread reads every split's partial of 8 / S column groups (one at S = 8),
+    # 16 bytes each, before any sum; before, one column pair at a time waited for its reads behind a run-time integer
+    # division, so at S = 2 and 4 every pair cost a distributed shared-memory round trip
     try:
         from ortfuse.bench.sass import cuobjdump, sass
         cuobjdump()
     except (ImportError, FileNotFoundError) as err:
         pytest.skip(f"no cuobjdump (a developer tool): {err}")
-    _, ck = _kernel("mma.sync", 128, 768, 3072)
-    ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for _, ins in sass(dict(ck.cubins)[90])]
-    ops = [op for op in ops if op.startswith(("LD", "ST"))]  # the memory instructions, in program order
-    run = best = 0
-    for op in ops:
-        run = run + 1 if op.startswith("LD.E") else 0
-        best = max(best, run)
-    assert best >= 40, best  # 4 pairs x 2 columns x the 7 other blocks' partials (and its own)
+    _, ck = _kernel(family, *shape)
+    ins = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in sass(dict(ck.cubins)[90])]
+    reads = [i for i, op in enumerate(ins) if op == "LD.E.128"]  # generic: the peers' shared memory
+    mem = [op for op in ins[reads[0]:reads[-1] + 1] if op.startswith(("LD", "ST"))]
+    assert len(reads) == 8 and mem == ["LD.E.128"] * 8, mem
+    assert not any(op.startswith("I2F") for op in ins[reads[0] - 40:reads[-1] + 1])  # no run-time division
+    assert dict(ck.resources)[90].spill_bytes == 0

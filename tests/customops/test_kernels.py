@@ -124,6 +124,23 @@ def test_division_by_a_constant_multiplies_unless_a_step_op_reads_it():
     assert all(d.ok for d in diffs), diffs
 
 
+def test_sigmoid_divides_through_the_fast_reciprocal():
+    # IEEE division's slow-path check is a per-element branch (it serialized a GEMM epilogue on the H200);
+    # Sigmoid's divisor 1 + e^-x is at least 1, so __fdividef (within 2 ulp, no branch) serves it
+    m = model([node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"])], [vi("x", F, [4, 256])],
+              [vi("y", F, None)])
+    res = compile_model(m, {}, "sm_90")
+    k = res.kernels[0].compiled
+    assert "__fdividef(1.0f, " in k.source and "(1.0f / " not in k.source
+    assert b"div.rn.f32" not in k.ptx and b"div.approx.f32" in k.ptx
+    x = np.linspace(-100, 100, 1024, dtype=np.float32).reshape(4, 256)
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (4, 256)})
+    assert rep.ok, "\n".join(rep.lines())
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    fused = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    assert all(d.ok for d in _emulate_node(fused[0], {"x": x, "y": want}))
+
+
 def test_fp32_output_of_half_data_is_checked_at_half_tolerance():
     """x*x in fp16, its row mean upcast to fp32: ORT rounds the product to fp16 and the kernel does not,
     so the fp32 output differs by ~2e-4, which the fp32 tolerance (1e-5) would call a failure."""

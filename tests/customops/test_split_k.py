@@ -55,6 +55,9 @@ def _conv_relu_residual(dt, c: int, oc: int, hw: int):
 CASES = [
     ("fp16 MatMul+bias+SiLU", lambda: _matmul_act(TP.FLOAT16, 1024, 72, "silu"), "gemm"),
     ("fp32 SIMT MatMul+bias+Relu", lambda: _matmul_act(TP.FLOAT, 2048, 40, "relu"), "gemm"),
+    # 45 columns: the reduction's last 16-byte group of a row holds one column, the one before a pair and more
+    ("fp32 SIMT MatMul+bias+Relu, odd N", lambda: _matmul_act(TP.FLOAT, 2048, 45, "relu"), "gemm"),
+    ("fp16 MatMul+bias+SiLU, odd N", lambda: _matmul_act(TP.FLOAT16, 1024, 45, "silu"), "gemm"),
     ("fp16 MatMul+residual+LayerNorm", lambda: _matmul_layernorm(TP.FLOAT16, 1536, 96), "gemm_row"),
     ("fp16 Conv3x3+residual+Relu", lambda: _conv_relu_residual(TP.FLOAT16, 256, 64, 6), "gemm"),
 ]

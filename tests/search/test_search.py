@@ -237,46 +237,41 @@ def test_ort_runs_fp32_gemms_on_tf32_in_the_cost_model():
             assert ort_us == pytest.approx(flops / (H100.mma_f16_tflops * 1e6))
 
 
-def _gelu_ffn(hidden: int = 768, ffn: int = 3072, batch="batch"):
-    """BERT's FFN up-projection: MatMul + bias + the exported erf GELU (x / sqrt(2) as a fp16 constant)."""
-    rng = np.random.default_rng(3)
-    h = lambda name, v: const(name, np.asarray(v, np.float16), np.float16)  # noqa: E731
-    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["b", "y"], ["z"]),
-                  node("Div", ["z", "sqrt2"], ["d"]), node("Erf", ["d"], ["e"]), node("Add", ["e", "one"], ["e1"]),
-                  node("Mul", ["z", "e1"], ["p"]), node("Mul", ["p", "half"], ["out"])],
-                 [vi("x", TP.FLOAT16, [batch, 128, hidden])], [vi("out", TP.FLOAT16, None)],
-                 [h("w", rng.standard_normal((hidden, ffn)) * 0.02), h("b", rng.standard_normal(ffn) * 0.02),
-                  h("sqrt2", 1.4142135), h("one", 1.0), h("half", 0.5)])
+def _ffn(epilogue: str, batch="batch"):
+    """A BERT-base FFN up-projection, [batch, 128, 768] x [768, 3072], with the sweep's epilogues (bench/sweep.py):
+    "gelu" (x / sqrt(2) by a fp16 constant, so no division), "softsign" (a division by a tensor)."""
+    from onnx import helper
+    from ortfuse.bench.sweep import gemm_model
+    g = gemm_model(128, 3072, 768, epilogue=epilogue).graph
+    return model(list(g.node), [helper.make_tensor_value_info("x", TP.FLOAT16, [batch, 128, 768])],
+                 [helper.make_tensor_value_info("out", TP.FLOAT16, None)], list(g.initializer))
 
 
-def test_a_long_epilogue_is_priced_on_the_tile_after_the_mainloop():
-    # H200, 2026-11-26: BERT's 4096x3072x768 GEMM took 83.6 us with its bias + GELU epilogue against 49.7 with
-    # the bias alone on one tile; at batch 32 the model now puts cuBLAS + our GELU kernel first, and with a
-    # symbolic batch the loss at 32 outweighs the launch saved at batch 1 (both figures in the reason)
-    g, p = _plan(_gelu_ffn())
+def test_an_epilogue_with_per_element_branches_is_priced_after_the_mainloop():
+    # H200, 2026-11-26: BERT's 4096x3072x768 GEMM took 83.6 us with its bias + erf GELU while x / sqrt(2) was an
+    # IEEE division (a per-element branch), against 50.3 with GPT-2's branch-free tanh GELU and 49.7 with the
+    # bias alone. A division by a tensor is still such a branch: at 4096 rows the model now puts cuBLAS + our
+    # kernel first, and over a symbolic batch's two bindings the loss outweighs the launch saved at 128 rows
+    g, p = _plan(_ffn("softsign"))
     assert [r.kind for r in p.regions] == ["pointwise"]
     [why] = [r.reason for r in p.refusals if "epilogue at Add" in r.subject]
     assert "as cuBLAS + a separate pointwise kernel" in why and " at batch 32 " in why
-    # the same GEMM with its bias alone stays one kernel
-    bias = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["b", "y"], ["z"])],
-                 [vi("x", TP.FLOAT16, ["batch", 128, 768])], [vi("z", TP.FLOAT16, None)],
-                 [const("w", np.zeros((768, 3072), np.float16), np.float16), const("b", np.ones(3072, np.float16), np.float16)])
-    assert [r.kind for r in _plan(bias)[1].regions] == ["gemm"]
-    # at batch 1 alone the fused kernel saves a launch and the GELU's round trip: fused
-    g1, p1 = _plan(_gelu_ffn(batch=1))
-    assert [r.kind for r in p1.regions] == ["gemm"]
+    # at 128 rows alone the fused kernel saves a launch and the epilogue's round trip: fused
+    assert [r.kind for r in _plan(_ffn("softsign", batch=1))[1].regions] == ["gemm"]
+    # branch-free epilogues (GELU by a constant's reciprocal, SiLU through the fast reciprocal) stay fused
+    for ep in ("gelu", "silu", "bias"):
+        assert [r.kind for r in _plan(_ffn(ep))[1].regions] == ["gemm"], ep
     # --profile measures both, so its plan fuses wherever fusing beats ORT
-    gp = build_graph(_gelu_ffn(), {})
+    gp = build_graph(_ffn("softsign"), {})
     assert [r.kind for r in plan(gp, H100, CostModel(H100, splits_measured=True)).regions] == ["gemm"]
 
 
 def test_the_epilogue_term_reproduces_its_calibration():
-    # the measurement the issue rate was fitted to: 8 computing warps, one block per SM, 4 tiles per SM
+    # the measurement it was fitted to: 8 computing warps, one block per SM, 4 tiles per SM, one branch
     from ortfuse.customops import tiles
     t = tiles.GemmTile(128, 192, 64, 16, 192, 5, wgmma=True, tma=True)
     args = (H100, t, 4096, 3072, 768, 1, 2, tiles.WS_F16, True)
-    plain, gelu = (tiles.estimate_tile(*args, split=1, epi=e) for e in (0.0, 25.1))
-    assert plain is not None and gelu is not None
-    assert gelu.est_us - plain.est_us == pytest.approx(83.6 - 49.7, rel=0.02)
-    r = dataclasses.replace(plain, est_us=0.0)
-    assert tiles.epilogue_us(H100, r, 4096, 3072, 1, 25.1) == pytest.approx(gelu.est_us - plain.est_us)
+    plain, branchy = (tiles.estimate_tile(*args, split=1, epi=e) for e in (0.0, 1.0))
+    assert plain is not None and branchy is not None
+    assert branchy.est_us - plain.est_us == pytest.approx(83.6 - 49.7, rel=0.02)
+    assert tiles.epilogue_us(H100, plain, 4096, 3072, 1, 1.0) == pytest.approx(branchy.est_us - plain.est_us)
