@@ -16,7 +16,8 @@ synchronized explicitly), after warm-up; median and p90 of many runs. On CUDA, i
 the device through IOBinding, and three input sets rotate (one for CUDA graphs, whose addresses are fixed).
 Peak memory on CUDA is device-wide used memory (cudaMemGetInfo) at its highest after warm-up and after the
 timed runs, less what was used before the session was made: it covers ORT's arena, cuDNN workspaces and
-graph pools, which per-framework counters miss.
+graph pools, which per-framework counters miss. torch.compile rows report torch's own peak of reserved
+memory instead (the caching allocator keeps earlier rows' memory, so the device-wide delta is not theirs).
 """
 from __future__ import annotations
 
@@ -169,9 +170,11 @@ def _vocab(model: onnx.ModelProto, name: str) -> int:
 # --- running -----------------------------------------------------------------------------------------
 
 class _Runner:
-  """A synchronous `run()` plus `first_outputs()` (outputs for input set 0, as numpy)."""
-  def __init__(self, run: Callable[[], None], first_outputs: Callable[[], list[np.ndarray]], keep: Any = None):
-    self.run, self.first_outputs, self._keep = run, first_outputs, keep
+  """A synchronous `run()` plus `first_outputs()` (outputs for input set 0, as numpy); `peak_bytes`, where
+  set, is the runner's own peak memory, which replaces the device-wide figure."""
+  def __init__(self, run: Callable[[], None], first_outputs: Callable[[], list[np.ndarray]], keep: Any = None,
+               peak_bytes: Callable[[], float] | None = None):
+    self.run, self.first_outputs, self._keep, self.peak_bytes = run, first_outputs, keep, peak_bytes
 
 
 def _session(path: str, provider: str, cls: Any = None, cuda_opts: dict[str, str] | None = None,
@@ -324,7 +327,12 @@ def _torch_runner(ctx: _Ctx, feed_sets: list[dict[str, np.ndarray]]) -> _Runner:
   def run() -> None:
     call(next(cycle))
     torch.cuda.synchronize()
-  return _Runner(run, lambda: [t.float().cpu().numpy() for t in call(args[0])], (module, compiled))
+  # torch's caching allocator keeps what earlier rows reserved and ORT's arenas of the rows before stay
+  # allocated, so the device-wide delta says nothing about this row (2026-11-26: 90-738 MB, ORT's arena);
+  # torch's own peak of reserved memory does, weights and inputs included
+  torch.cuda.reset_peak_memory_stats()
+  return _Runner(run, lambda: [t.float().cpu().numpy() for t in call(args[0])], (module, compiled),
+                 lambda: float(torch.cuda.max_memory_reserved()))
 
 
 class _Skip(Exception):
@@ -378,7 +386,9 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
     ms = np.asarray(times) * 1e3
     row.median_ms, row.p90_ms, row.runs = float(np.median(ms)), float(np.percentile(ms, 90)), len(times)
     row.throughput = batch / (row.median_ms / 1e3)
-    if peak is not None and base is not None:
+    if runner.peak_bytes is not None:
+      row.peak_mem_mb = runner.peak_bytes() / 2 ** 20
+    elif peak is not None and base is not None:
       row.peak_mem_mb = (peak - base) / 2 ** 20
     if ref is not None:
       row.max_abs_diff = max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))

@@ -97,3 +97,15 @@ def test_optimize_end_to_end_on_cpu(tmp_path):
   assert res.optimize_s is not None and res.optimize_s > 0, res.notes
   row = res.row("ortfuse", 1)
   assert row.median_ms > 0 and row.max_abs_diff < 1e-4
+
+
+def test_a_runner_that_counts_its_own_peak_memory_reports_it(tmp_path, monkeypatch):
+  # torch.compile rows: torch's allocator peak, not the device-wide delta (which earlier rows' ORT arenas and
+  # torch's cached blocks make meaningless); here a stand-in runner on the CPU path of the same code
+  path = zoo.build("bert", tiny=True)
+  ctx = harness._Ctx(str(path), onnx.load(str(path)), zoo.read_sidecar(path), "cpu", tmp_path, None, [])
+  out = [np.zeros(2, np.float32)]
+  monkeypatch.setattr(harness, "_torch_runner",
+                      lambda c, f: harness._Runner(lambda: None, lambda: out, None, lambda: 3.0 * 2 ** 20))
+  row, got = harness._measure(ctx, "torch.compile", 1, [{}], None, {"warmup": 1, "runs": 5, "max_seconds": 1.0})
+  assert row.note == "" and row.peak_mem_mb == 3.0 and row.median_ms is not None
