@@ -10,7 +10,8 @@ tile model's estimates from the measurements (the ratio measured / estimated per
 Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
 runs on random device-resident inputs. Diagnostics of each family's best tile: `--ablate` times it again
 compiled without its epilogue's stores (OFZ_ABLATE_EPILOGUE in ortfuse_gemm.h; its output is wrong, its
-mainloop is the real one), so the difference is what the stores cost; `--no-flush` times it and cuBLAS with
+mainloop is the real one), so the difference is what the stores cost (a split-K tile's: its reduction
+through distributed shared memory and the stores; before 2026-11-26 its reduction stayed in); `--no-flush` times it and cuBLAS with
 the L2 as the previous run left it. `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
 shape also times cuBLAS followed by the epilogue as our own kernel (what placement weighs a fused epilogue
 against), and the estimates include the epilogue term (Target.epilogue_branch_clocks, which such rows

@@ -650,6 +650,17 @@ template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int SPLIT, clas
           class Visit>
 __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const Visit& visit, ofz_i64 b, ofz_i64 m0,
                                            ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
+#ifdef OFZ_ABLATE_EPILOGUE  // diagnostics only (bench/sweep.py --ablate): no stores (and under split-K no
+  // reduction either), so timing it against the real kernel separates the mainloop from the epilogue; one
+  // never-true compare per value keeps the MMAs live
+  if constexpr (ROW_TPR == 0) {
+    visit([&](int r, int c, const float* v, int count) {
+      for (int e = 0; e < count; ++e)
+        if (v[e] == 1.0e-38f && m0 + r < M && n0 + c + e < N) Ops::epi1(a, b, m0 + r, n0 + c + e, v[e]);
+    });
+    return;
+  }
+#endif
   if constexpr (SPLIT > 1) {
     if (splits > 1) {
       split_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, SPLIT, Ops>(a, buf, visit, b, m0, n0, M, N, rank, splits);
@@ -659,14 +670,6 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
   if constexpr (ROW_TPR > 0) {
     row_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, RSPLIT, PHASES, Ops>(a, buf, visit, b, m0, n0, M, N);
   } else {
-#ifdef OFZ_ABLATE_EPILOGUE  // diagnostics only (bench/sweep.py --ablate): no stores, so timing it against the
-    // real kernel separates the mainloop from the epilogue; one never-true compare per value keeps the MMAs live
-    visit([&](int r, int c, const float* v, int count) {
-      for (int e = 0; e < count; ++e)
-        if (v[e] == 1.0e-38f && m0 + r < M && n0 + c + e < N) Ops::epi1(a, b, m0 + r, n0 + c + e, v[e]);
-    });
-    return;
-#endif
     if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: no per-fragment branch, so the epilogue is one
       // block of straight-line code in which the compiler issues the input loads (ld_readonly) ahead of the
       // stores instead of one load after each store

@@ -118,6 +118,17 @@ def test_the_ablation_define_removes_the_epilogue_stores(tmp_path):
     assert "0F006CE3EE" in ptx_cut.upper() and "0F006CE3EE" not in ptx_full.upper()
 
 
+def test_the_ablation_of_a_split_k_tile_leaves_out_its_reduction(tmp_path):
+    # a split-K tile's epilogue is its reduction through the peers' shared memory (mapa) and the stores:
+    # ablated, neither is left (before, the reduction stayed in and "no epilogue" timed it)
+    case = sweep.GemmCase.of((1024, 768, 768))
+    cand = [c for f, c, _ in sweep.candidates(1024, 768, 768, 1) if f == "mma.sync"][0]
+    assert cand[6] > 1, cand  # split-K
+    full, cut = case.build(cand, tmp_path), case.build(cand, tmp_path, ablate=True)
+    ptx_full, ptx_cut = full.compiled.ptx.decode(), cut.compiled.ptx.decode()
+    assert "mapa" in ptx_full and "mapa" not in ptx_cut and "mma.sync" in ptx_cut
+
+
 def test_an_epilogue_is_also_timed_as_cublas_plus_our_kernel():
     # --epilogue softsign: the forced region holds a division by a tensor; the sweep adds ORT's bare MatMul +
     # our element-wise kernel for the epilogue alone (each a valid model here), and the estimates carry the
