@@ -179,28 +179,6 @@ def _layernorm_block(k: int = 32):
                  [c("w", (k, k)), c("b", k), c("g", k)])
 
 
-@pytest.mark.parametrize("fused_us,split_wins", [(4.0, False), (8.0, True)])
-def test_row_epilogue_is_measured_against_cublas_plus_our_row_kernel(monkeypatch, tmp_path, fused_us, split_wins):
-    # ORT runs the whole region in 10 us and the GEMM alone in 3 us; our row kernel alone takes 2 us, so the
-    # split (5 us) wins unless the fused GEMM + LayerNorm kernel is faster still
-    def timer(m: onnx.ModelProto, feeds, fused: bool) -> float:
-        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
-        ops_ = [n.op_type for n in m.graph.node]
-        if not fused:
-            return 3.0 if ops_ == ["MatMul"] else 10.0
-        src = next(onnx.helper.get_attribute_value(a) for a in m.graph.node[0].attribute if a.name == "source")
-        return fused_us if b"ortfuse_gemm.h" in src else 2.0
-    monkeypatch.setattr(prof, "cuda_timer", timer)
-    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
-    res = compile_model(_layernorm_block(), None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
-    [pl] = res.placements
-    assert pl.split_us == (5.0,) and pl.split == split_wins and pl.keep == (not split_wins)
-    assert [k.region.kind for k in res.kernels] == (["rowreduce"] if split_wins else ["gemm_row"])
-    ops_ = [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"]
-    assert ops_ == (["MatMul"] if split_wins else [])
-    assert ("split: cuBLAS + ours" in pl.line()) == split_wins
-
-
 def _gelu_block(k: int = 32):
     rng = np.random.default_rng(2)
     c = lambda name, shape: const(name, (rng.standard_normal(shape) * 0.3).astype(np.float16), np.float16)  # noqa: E731
@@ -213,9 +191,11 @@ def _gelu_block(k: int = 32):
 
 
 @pytest.mark.parametrize("fused_us,split_wins", [(4.0, False), (8.0, True)])
-def test_pointwise_epilogue_is_measured_against_cublas_plus_our_kernel(monkeypatch, tmp_path, fused_us, split_wins):
-    # the same choice for an element-wise epilogue (a GELU: long math on the tile's few threads after the
-    # mainloop, H200 2026-11-26): ORT 10 us, its GEMM alone 3, our GELU kernel alone 2
+@pytest.mark.parametrize("build,kind", [(_layernorm_block, "rowreduce"), (_gelu_block, "pointwise")],
+                         ids=["row-wise", "element-wise"])
+def test_epilogue_is_measured_against_cublas_plus_our_kernel(monkeypatch, tmp_path, fused_us, split_wins, build, kind):
+    # Collage: ORT runs the whole region in 10 us and the GEMM alone in 3 us; our kernel for the epilogue alone
+    # (a LayerNorm, or a GELU) takes 2 us, so the split (5 us) wins unless the fused kernel is faster still
     def timer(m: onnx.ModelProto, feeds, fused: bool) -> float:
         ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
         if not fused:
@@ -224,12 +204,14 @@ def test_pointwise_epilogue_is_measured_against_cublas_plus_our_kernel(monkeypat
         return fused_us if b"ortfuse_gemm.h" in src else 2.0
     monkeypatch.setattr(prof, "cuda_timer", timer)
     monkeypatch.setattr(prof, "device_name", lambda: "test-device")
-    res = compile_model(_gelu_block(), None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    res = compile_model(build(), None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
     [pl] = res.placements
     assert pl.split_us == (5.0,) and pl.split == split_wins and pl.keep == (not split_wins)
-    assert [k.region.kind for k in res.kernels] == (["pointwise"] if split_wins else ["gemm"])
+    fused_kind = "gemm_row" if kind == "rowreduce" else "gemm"
+    assert [k.region.kind for k in res.kernels] == ([kind] if split_wins else [fused_kind])
     assert [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"] == (["MatMul"] if split_wins else [])
-    assert check_models(_gelu_block(), res.model, emulate=True).ok
+    assert ("split: cuBLAS + ours" in pl.line()) == split_wins
+    assert check_models(build(), res.model, emulate=True).ok
 
 
 @pytest.mark.parametrize("big_ours,keep", [(100.0, False), (30.0, True)])
