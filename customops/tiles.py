@@ -414,24 +414,25 @@ def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, 
                   row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
                   split: Optional[int] = None, epi: float = 0.0) -> Optional[Ranked]:
     """One given tile (a profiling candidate, a user's choice) at its best split, or at `split`; None if it
-    does not fit (or that split does not apply)."""
+    does not fit (or that split does not apply). `epi`: its epilogue's per-element branches, which the
+    estimate then includes (the ranking does not: see CostModel.epilogue_us)."""
     return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, epi, only=split)
 
 
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
                top_k: int = 4, row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
-               bk_divides: int = 0, epi: float = 0.0) -> list[Ranked]:
+               bk_divides: int = 0) -> list[Ranked]:
     """Feasible tiles for a (batch x) M x N x K GEMM, best first (dims at their typical values), each at its
     best split-K. `row`: only tiles spanning whole rows (N <= BN), for a row-wise epilogue. `staged`: how A and
     B reach shared memory (DIRECT: cp.async; ELEMENTS: element loads through registers, for prologue math
     or the im2col gather; TAPS: the tap-major gather). `bk_divides`: only tiles whose BK divides it (the
-    tap-major gather's channel count). `epi`: the epilogue's instructions per output element."""
-    return list(_ranked(tgt, m, n, k, batch, esize, math_, b_nk, row, tuple(staged), bk_divides, epi)[:top_k])
+    tap-major gather's channel count)."""
+    return list(_ranked(tgt, m, n, k, batch, esize, math_, b_nk, row, tuple(staged), bk_divides)[:top_k])
 
 
 @functools.lru_cache(maxsize=4096)
 def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool, row: bool,
-            staged: tuple[int, int], bk_divides: int, epi: float = 0.0) -> tuple[Ranked, ...]:
+            staged: tuple[int, int], bk_divides: int) -> tuple[Ranked, ...]:
     """Every feasible tile, best first (memoized: a model's repeated layers lower the same GEMM many times)."""
     ranked = []
     # a whole row per tile leaves no room for the wgmma pipeline's stages: wgmma tiles only split the row
@@ -441,7 +442,7 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
     for t in cands:
         if bk_divides and bk_divides % t.bk:
             continue
-        r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, epi)
+        r = _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged)
         if r is not None:
             ranked.append(r)
     # ties (issue- or DRAM-bound tiles): the larger tile, then 3 stages (CUTLASS's sm_80 default: latency

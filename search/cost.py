@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import onnx
@@ -246,7 +246,7 @@ class CostModel:
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
 
-    def compute_us(self, g: Graph, nodes) -> float:
+    def compute_us(self, g: Graph, nodes: Iterable[int]) -> float:
         """The instructions of element-wise `nodes` at the issue peak: a kernel of many resident warps hides
         its chains' latency (search.compute)."""
         warp_instructions = compute.work(g, nodes)[0] / 32  # at 4 per clock per SM
