@@ -313,9 +313,8 @@ def _row_candidates(math_: int, esize: int, n: int) -> list[GemmTile]:
 
 
 def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batch: int, esize: int, math_: int,
-              b_nk: bool, row: bool, staged: tuple[int, int], epi: float = 0.0) -> Optional[Ranked]:
-    """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply.
-    `epi`: the epilogue's per-element branches (search.compute)."""
+              b_nk: bool, row: bool, staged: tuple[int, int]) -> Optional[Ranked]:
+    """The tile's time with `split` blocks per tile, or None where it does not fit or split-K does not apply."""
     rsplit = row_split(n, t) if row else 1
     if rsplit > 1 and (split > 1 or rsplit > tgt.max_cluster or t.tma):
         return None  # a row split across a cluster: no split-K in the same cluster, no TMA producer
@@ -372,9 +371,6 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     t_smem = per_sm * ktiles * t.smem_wavefronts_per_ktile(math_, esize, staged, tgt.smem_bytes_per_clk) / (
         tgt.clock_ghz * 1e9)
     est = max(t_math, t_mem, t_issue, t_lat, t_smem) * 1e6
-    # the epilogue's branches: after the mainloop, on the tile's computing threads (split-K: each block its 1/S
-    # of the rows), one element after another (Target.epilogue_branch_clocks)
-    est += _epilogue_us(tgt, t, split, per_sm, blocks_per_sm, epi)
     if split > 1:  # two cluster barriers, and each block reads its rows of the S - 1 other partial tiles
         remote = (split - 1) / split * t.bm * t.bn * 4
         est += 2 * tgt.cluster_sync_ns * 1e-3 + remote / (tgt.dsmem_gbps_per_sm * 1e3)
@@ -383,18 +379,16 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     return Ranked(t, est, blocks_per_sm, split)
 
 
-def _epilogue_us(tgt: Target, t: GemmTile, split: int, per_sm: int, blocks_per_sm: int, branches: float) -> float:
-    per_thread = t.bm * t.bn / split / t.consumers  # elements of the tile each computing thread finishes
-    rounds = math.ceil(per_sm / blocks_per_sm)
-    return rounds * per_thread * branches * tgt.epilogue_branch_clocks / (tgt.clock_ghz * 1e3)
-
-
 def epilogue_us(tgt: Target, r: Ranked, m: int, n: int, batch: int, branches: float) -> float:
-    """The part of a ranked tile's estimate its epilogue takes (`branches` per output element), at the split
-    the runtime launches it with."""
+    """What an epilogue with `branches` per output element adds to a ranked tile, at the split the runtime
+    launches it with: after the mainloop, on the tile's computing threads (split-K: each block its 1/S of
+    the rows), one element after another (Target.epilogue_branch_clocks). Not in the tile ranking: one
+    measured shape calibrates it, too little to re-rank tiles by."""
     tiles = batch * -(-m // r.tile.bm) * -(-n // r.tile.bn)
     split = runtime_split(r.split, tiles, tgt.sm_count)
-    return _epilogue_us(tgt, r.tile, split, math.ceil(tiles * split / tgt.sm_count), r.blocks_per_sm, branches)
+    rounds = math.ceil(math.ceil(tiles * split / tgt.sm_count) / r.blocks_per_sm)
+    per_thread = r.tile.bm * r.tile.bn / split / r.tile.consumers  # elements each computing thread finishes
+    return rounds * per_thread * branches * tgt.epilogue_branch_clocks / (tgt.clock_ghz * 1e3)
 
 
 def _best_split(tgt: Target, t: GemmTile, *args, only: Optional[int] = None) -> Optional[Ranked]:
@@ -412,11 +406,10 @@ def _best_split(tgt: Target, t: GemmTile, *args, only: Optional[int] = None) -> 
 
 def estimate_tile(tgt: Target, t: GemmTile, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,
                   row: bool = False, staged: tuple[int, int] = (DIRECT, DIRECT),
-                  split: Optional[int] = None, epi: float = 0.0) -> Optional[Ranked]:
+                  split: Optional[int] = None) -> Optional[Ranked]:
     """One given tile (a profiling candidate, a user's choice) at its best split, or at `split`; None if it
-    does not fit (or that split does not apply). `epi`: its epilogue's per-element branches, which the
-    estimate then includes (the ranking does not: see CostModel.epilogue_us)."""
-    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, epi, only=split)
+    does not fit (or that split does not apply)."""
+    return _best_split(tgt, t, m, n, k, batch, esize, math_, b_nk, row, staged, only=split)
 
 
 def rank_tiles(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: int, b_nk: bool,

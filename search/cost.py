@@ -23,12 +23,7 @@ _HOST_OPS = frozenset({"Shape", "Size", "Constant", "ConstantOfShape"})
 
 
 def tensor_bytes(g: Graph, t: str) -> int:
-    info = g.tensors[t]
-    assert info.shape is not None
-    n = 1
-    for d in info.shape:
-        n *= d if isinstance(d, int) else g.sym_hints.get(d, 128)
-    return n * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.dtype)).itemsize
+    return compute.elements(g, t) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize
 
 
 def traffic(g: Graph, region: Region) -> Traffic:
@@ -158,11 +153,14 @@ class CostModel:
         peak = {tiles.MMA_F16: tgt.mma_f16_tflops, tiles.MMA_TF32: tgt.mma_tf32_tflops,
                 tiles.SIMT: tgt.fp32_tflops}[math_]
         if ours and math_ != tiles.SIMT:
-            # wgmma lowers MatMul/Gemm only (Conv's implicit GEMM stays on mma.sync)
-            wg = tgt.wgmma and wgmma_ok and math_ == tiles.MMA_F16 and node.op_type in ("MatMul", "Gemm")
-            peak *= tgt.wgmma_share if wg else tgt.mma_sync_share
+            peak *= tgt.wgmma_share if wgmma_ok and self._wgmma(math_, node) else tgt.mma_sync_share
         moved = sum(tensor_bytes(g, t) for t in (node.input[0], node.input[1], node.output[0]))
         return max(gemm_flops(g, node) / (peak * 1e6), moved / (tgt.dram_gbps * 1e3)), moved
+
+    def _wgmma(self, math_: int, node: onnx.NodeProto) -> bool:
+        """Whether our kernel for this GEMM may be a wgmma one: enabled for the target, 16-bit, and a MatMul or
+        Gemm (Conv's implicit GEMM stays on mma.sync)."""
+        return self.target.wgmma and math_ == tiles.MMA_F16 and node.op_type in ops.GEMM
 
     def row_penalty(self, g: Graph, node: onnx.NodeProto) -> float:
         """How much slower our GEMM gets when one tile must span a whole row (row-wise epilogue): the tile
@@ -266,9 +264,8 @@ class CostModel:
         es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
         b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
         math_ = self._math(g, node)
-        if self.target.wgmma and math_ == tiles.MMA_F16 and node.op_type in ops.GEMM and \
-                norm_fold.in_region(g, region.nodes) is None:  # as gemm_us: TMA-fed wgmma tiles, B as [N][K]
-            math_, b_nk = tiles.WS_F16, True
+        if self._wgmma(math_, node) and norm_fold.in_region(g, region.nodes) is None:
+            math_, b_nk = tiles.WS_F16, True  # as gemm_us: TMA-fed wgmma tiles, B read as [N][K]
         best = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1,
                                 row=region.kind == "gemm_row")
         return tiles.epilogue_us(self.target, best[0], m, n, batch, epi) if best else 0.0
