@@ -1,6 +1,8 @@
-"""Static look at the GEMM kernels of a model, no GPU needed: ptxas's registers and spills, and the size of
-the k-loop in the sm_90 SASS (instructions per MMA/FMA: how issue-bound the mainloop is). A loop with
-loops inside (runtime trip counts) counts their bodies once, so its figure is marked as a lower bound.
+"""Static look at the GEMM and attention kernels of a model, no GPU needed: ptxas's registers and spills, and
+the size of the k-loop (attention: the key-tile loop) in the sm_90 SASS (instructions per MMA/FMA: how
+issue-bound the mainloop is). A loop with loops inside (runtime trip counts) counts their bodies once, so
+its figure is marked as a lower bound; an attention loop counts both its whole-tile and its partial-tile
+score paths.
 
     python -m ortfuse.bench.sass MODEL.onnx [--arch sm_90]
     python -m ortfuse.bench.sass --functions [--arch sm_90]
@@ -62,9 +64,10 @@ class KLoop:
     inner_loops: int  # backward branches inside it: its count is then a lower bound per iteration
 
 
-def k_loop(ins: list[tuple[int, str]]) -> Optional[KLoop]:
-    """The innermost backward branch's body that contains an MMA (or FFMA for SIMT kernels)."""
-    mathops = [a for a, t in ins if re.search(r"\b(HMMA|FFMA)\b", t)]
+def k_loop(ins: list[tuple[int, str]], math: str = r"\b(HMMA|FFMA)\b") -> Optional[KLoop]:
+    """The innermost backward branch's body that contains an MMA (or FFMA for SIMT kernels); `math`: the
+    instructions that count as such (attention: HMMA alone, its FFMAs are the softmax's)."""
+    mathops = [a for a, t in ins if re.search(math, t)]
     back = []  # (target, branch address) of every backward branch
     for a, t in ins:
         m = re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)
@@ -78,7 +81,7 @@ def k_loop(ins: list[tuple[int, str]]) -> Optional[KLoop]:
         return None
     body = [u for b, u in ins if best[0] <= b <= best[1]]
     inner = sum(1 for lo, hi in back if best[0] <= lo and hi < best[1])
-    return KLoop(len(body), sum(1 for u in body if re.search(r"\b(HMMA|FFMA)\b", u)), inner)
+    return KLoop(len(body), sum(1 for u in body if re.search(math, u)), inner)
 
 
 # Eight independent elements per thread, as a GEMM epilogue's or a vectorized kernel's lanes: the count is
@@ -148,13 +151,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("| kernel | kind | template call | registers | spill bytes | k-loop instructions | MMA/FMA | per MMA |")
     print("|---|---|---|---|---|---|---|---|")
     for k in res.kernels:
-        if k.compiled.entry in seen or k.region.kind not in ("gemm", "gemm_row"):
+        if k.compiled.entry in seen or k.region.kind not in ("gemm", "gemm_row", "attention"):
             continue
         seen.add(k.compiled.entry)
-        call = re.search(r"ofz::gemm::run<([^(]*)>\(", k.compiled.source)
+        call = re.search(r"ofz::(?:gemm::run|attn::\w+)<([^(]*)>\(", k.compiled.source)
         tmpl = re.sub(r"ofz_\w+_ops", "Ops", call.group(1)) if call else ""
         r = dict(k.compiled.resources).get(cc)
-        loop = k_loop(sass(dict(k.compiled.cubins)[cc]))
+        tc = k.region.kind == "attention" and "attn::tensor_core" in k.compiled.source
+        loop = k_loop(sass(dict(k.compiled.cubins)[cc]), r"\bHMMA\b" if tc else r"\b(HMMA|FFMA)\b")
         bound = "≥ " if loop and loop.inner_loops else ""
         per = f"{bound}{loop.instructions / loop.math:.1f}" if loop and loop.math else "-"
         print(f"| `{k.compiled.entry}` | {k.region.kind} | `{tmpl}` | {r.regs if r else '-'} | "

@@ -768,16 +768,17 @@ class _Lowerer:
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
-          tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
+          tile: Optional[tuple[int, ...]] = None, bound: bool = True) -> KernelSpec:
     """Raises LoweringError with the reason when the region is not one kernel. `tf32`: fp32 GEMMs may
     run on tf32 tensor cores (the user opted in). `tile`: a GEMM candidate from `KernelSpec.tiles` to use
-    instead of the top-ranked one (profiling); without its 7th entry (SPLIT), at its best split."""
+    instead of the top-ranked one (profiling); without its 7th entry (SPLIT), at its best split. `bound`:
+    a tensor-core attention kernel asks ptxas for its blocks per SM (False where that spilled)."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
     reads = legal.shape_reads(graph, region.nodes, region.inputs)
     if reads is None:
         raise LoweringError("a Range's length or an Expand's run-time shape is not made of the region's input dims")
-    spec = _lower_kind(graph, region, tgt, tf32, tile)
+    spec = _lower_kind(graph, region, tgt, tf32, tile, bound)
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
                                shape_reads=reads, dim_checks=dim_checks(graph, spec),
                                dim_limits=spec.dim_limits + slice_limits(graph, region, spec))
@@ -840,13 +841,13 @@ def dim_checks(graph: Graph, spec: KernelSpec) -> tuple[tuple[int, int, int], ..
 
 
 def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
-                tile: Optional[tuple[int, ...]]) -> KernelSpec:
+                tile: Optional[tuple[int, ...]], bound: bool) -> KernelSpec:
     if region.kind in ("gemm", "gemm_row"):
         from ortfuse.customops.lower_gemm import lower_gemm
         return lower_gemm(graph, region, tgt, tf32, tile)
     if region.kind == "attention":
         from ortfuse.customops.lower_attention import lower_attention
-        return lower_attention(graph, region, tgt)
+        return lower_attention(graph, region, tgt, bound)
     lw = _Lowerer(graph, region, tgt, dict(graph.sym_hints))
     if region.kind == "pointwise":
         k, units, per_block = lw.pointwise()

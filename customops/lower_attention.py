@@ -4,16 +4,21 @@
   back through the pattern's Reshape/Transpose path (scalar scales on the path move into the score; a
   Split or Slice adds its start, so Q, K and V may be parts of one packed projection);
 * O.offset: the same for the result, walking forward through the output path;
-* S.score: the element-wise ops between the two MatMuls (scale, mask) at (b, h, i, j) from the Q·Kᵀ value.
+* S.score: the element-wise ops between the two MatMuls (scale, mask) at (b, h, i, j) from the Q·Kᵀ value;
+  a mask proven the same along an axis (`customops.invariance`: a padding mask materialized per query
+  row) is read at coordinate 0 there.
 The tensor-core variant needs fp16/bf16 data, head sizes that are multiples of 16, and rows contiguous
-in d starting 16-byte aligned; the SIMT variant takes the rest."""
+in d starting 16-byte aligned (AFFINE when Q's, K's and V's offsets are also affine in the sequence
+index); the SIMT variant takes the rest."""
 from __future__ import annotations
 
 import itertools
+from typing import Iterator
 
 import onnx
 
 from ortfuse.customops import ir, scalar, target as hw
+from ortfuse.customops.invariance import invariant_axes
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Graph
@@ -23,6 +28,7 @@ from ortfuse.search.plan import Region
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 THREADS = 128
 SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
+MMA_MIN_BLOCKS = 4
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
     for p in find_attention(g)[0]:
         if p.nodes == tuple(region.nodes):
@@ -58,11 +64,21 @@ def _run(f: ir.Func, env: dict[str, int]) -> int:
 
 
 class _AttnLowerer(_Lowerer):
-    def __init__(self, graph: Graph, region: Region, tgt: hw.Target):
+    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, bound: bool = True):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
+        self.bound = bound
         self.p = _pattern(graph, region)
         self.qk_node = graph.nodes[self.p.qk]
         self.qk_value: Expr = Var("qk", F32)
+        # masks constant along some axes (a padding mask materialized per query row) are read at 0 there:
+        # the two query rows a thread scores then share one load per key
+        self.fixed = {t: invariant_axes(graph, t, tgt) for t in self.p.extra_inputs}
+
+    def load(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        fixed = self.fixed.get(t)
+        if fixed:
+            idx = tuple(ir.i64(0) if a in fixed else c for a, c in enumerate(idx))
+        return super().load(t, idx)
 
     def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
         if node is self.qk_node:
@@ -166,24 +182,44 @@ class _AttnLowerer(_Lowerer):
         dims = ir.Op("attn_dims", tuple(self.dim(x) for x in ss), I64)
         ptrs = tuple(Var(f"t{self.args[t]}", storage) for t in (p.q, p.k, p.v)) + (
             Var(f"t{self.out_args[p.output]}", storage),)
-        call = ir.Call("ofz::attn::tensor_core" if mma else "ofz::attn::simt",
-                       (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S"),
-                       ptrs + (dims,))
+        targs = (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S")
+        if mma and self.affine(funcs[:3]):
+            targs += ("true",)
+        call = ir.Call("ofz::attn::tensor_core" if mma else "ofz::attn::simt", targs, ptrs + (dims,))
         self.scopes = [_Scope(set())]
         self.emit(call)
         # the tensor-core kernel copies Q, K and V tiles with 16-byte cp.async
         aligned = tuple((self.args[t], 16) for t in (p.q, p.k, p.v)) if mma else ()
-        kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs), aligned)
+        # head sizes up to 64: four blocks per SM (128 registers; ptxas takes ~140 unbounded, at 3 blocks),
+        # unless that spills (api._without_spills lowers again with bound=False)
+        min_blocks = MMA_MIN_BLOCKS if self.bound and mma and max(d, dv) <= 64 else 0
+        kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs), aligned, min_blocks=min_blocks)
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"attention tile needs {smem} bytes of shared memory")
         return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem
 
+    def dim_probes(self) -> Iterator[dict[str, int]]:
+        """Every symbolic dim at 1, 3, 7 and 13: the offsets are polynomials in them; odd sizes expose an odd
+        stride."""
+        for v in (1, 3, 7, 13):
+            yield {f"d{k}": v for k in range(len(self.sym_pairs))}
+
+    def affine(self, layouts: list[ir.Func]) -> bool:
+        """offset(b, h, s, d) == offset(b, h, 0, d) + s * (offset(b, h, 1, d) - offset(b, h, 0, d)), probed
+        (a Reshape that splits or merges the sequence axis makes an offset piecewise)."""
+        for env in self.dim_probes():
+            for f in layouts:
+                for b, h, d in itertools.product((0, 1), (0, 2), (0, 8)):
+                    env.update(ab=b, ah=h, ad=d)
+                    at = [_run(f, {**env, "as": s}) for s in range(20)]
+                    if any(at[s] - at[0] != s * (at[1] - at[0]) for s in range(2, 20)):
+                        return False
+        return True
+
     def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:
-        """Rows contiguous in d and starting on 16 bytes, probed at several sizes of every symbolic dim
-        (the offsets are polynomials in them; odd sizes expose an odd stride)."""
-        for values in ((1,), (3,), (7,), (13,)):
-            env = {f"d{k}": values[0] for k in range(len(self.sym_pairs))}
+        """Rows contiguous in d and starting on 16 bytes, probed."""
+        for env in self.dim_probes():
             for f, w in zip(layouts, widths):
                 for b, h, s in itertools.product((0, 1), (0, 2), (0, 1, 5)):
                     env.update(ab=b, ah=h, **{"as": s})
@@ -193,8 +229,9 @@ class _AttnLowerer(_Lowerer):
         return True
 
 
-def lower_attention(graph: Graph, region: Region, tgt: hw.Target) -> KernelSpec:
-    lw = _AttnLowerer(graph, region, tgt)
+def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = True) -> KernelSpec:
+    """`bound`: the tensor-core kernel asks ptxas for MMA_MIN_BLOCKS blocks per SM (head sizes up to 64)."""
+    lw = _AttnLowerer(graph, region, tgt, bound)
     kernel, units, units_ceil, smem = lw.attention()
     if len(lw.sym_pairs) > 16:
         raise LoweringError("more than 16 symbolic dims in one kernel")

@@ -194,6 +194,8 @@ def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKe
     """Roller's tiles come from a register estimate; ptxas has the last word. A GEMM whose top-ranked tile
     spills is rebuilt with the next ranked candidate that does not (or, failing that, spills least)."""
     first = spill_bytes(k.compiled)
+    if k.region.kind == "attention" and first and k.spec.kernel.min_blocks:
+        return _attention_unbound(graph, tgt, opts, k, first)
     if k.region.kind not in ("gemm", "gemm_row") or not first or len(k.spec.tiles) < 2:
         return k
     from ortfuse.profile import tile_label
@@ -214,6 +216,18 @@ def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKe
     note = (f"tile {tile_label(k.spec.tiles[0])} spilled {first} bytes; {tile_label(best_tile)} "
             + (f"spills {least}" if least else "does not"))
     return dataclasses.replace(best, retiled=note)
+
+
+def _attention_unbound(graph: Graph, tgt, opts: Options, k: FusedKernel, first: int) -> FusedKernel:
+    """An attention kernel that spilled at its blocks-per-SM bound, compiled without the bound (fewer
+    blocks per SM: ptxas takes the registers it needs) where that spills less."""
+    spec = lower(graph, k.region, tgt, opts.tf32, bound=False)
+    cand = fused_kernel(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+    if spill_bytes(cand.compiled) >= first:
+        return k
+    least = spill_bytes(cand.compiled)
+    return dataclasses.replace(cand, retiled=f"{k.spec.kernel.min_blocks} blocks per SM spilled {first} bytes; "
+                                             f"without that bound it " + (f"spills {least}" if least else "does not"))
 
 
 def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: Progress):

@@ -39,19 +39,25 @@ template <class Op, int G> __device__ __forceinline__ float group_reduce(float v
   return v;
 }
 
+constexpr float LOG2E = 1.4426950408889634f;
+
 // One row's online-softmax state. `rescale` folds in a tile whose row max is `tile_max` and returns the
-// factor for the old accumulators; exponents are then taken against `base`, which stays 0 while every
-// score seen is -inf, so a masked tile never computes exp(-inf - -inf) = NaN.
+// factor for the old accumulators; `term(s)` is then e^(s - base) as 2^((s - base)·log2e): an FADD, an FMUL
+// and one MUFU.EX2 (__expf adds the SFU's denormal fix-up, 3 more). The difference is taken before scaling:
+// scores near a finite mask value (-1e30, fp32's lowest) are exact there, where s·log2e - base·log2e would
+// lose the exponent to rounding. `base` stays 0 while every score seen is -inf, so a masked tile never
+// computes e^(-inf - -inf) = NaN.
 struct RowState {
   float m, l, base;
   __device__ __forceinline__ void init() { m = neg_inf(), l = 0.0f, base = 0.0f; }
   __device__ __forceinline__ float rescale(float tile_max) {
     const float m_new = fmaxf(m, tile_max);
     const float new_base = m_new == neg_inf() ? 0.0f : m_new;
-    const float alpha = __expf(m - new_base);  // 0 while m is -inf
+    const float alpha = exp2_ftz((m - new_base) * LOG2E);  // 0 while m is -inf
     m = m_new, base = new_base, l *= alpha;
     return alpha;
   }
+  __device__ __forceinline__ float term(float s) const { return exp2_ftz((s - base) * LOG2E); }
   __device__ __forceinline__ float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
 };
 
@@ -127,7 +133,7 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
       float psum = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < Tile::KEYS; ++kk) {
-        const float p = __expf(s[kk] - row.base);
+        const float p = row.term(s[kk]);
         sp[r][g + G * kk] = p;
         psum += p;
       }
@@ -157,7 +163,10 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
 // the score accumulators become P's A fragments in registers (their layouts coincide), so P never touches
 // shared memory. K and V tiles are double-buffered with cp.async: tile t+1 loads while tile t computes.
 // Preconditions the generated code guarantees: every layout is contiguous in d
-// (offset(b, h, s, d) == offset(b, h, s, 0) + d) and each row starts 16-byte aligned (8 elements).
+// (offset(b, h, s, d) == offset(b, h, s, 0) + d) and each row starts 16-byte aligned (8 elements);
+// AFFINE (optional): Q's, K's and V's offsets are affine in s (load_rows steps rows by one stride).
+// Each thread keeps two query rows' state and its output accumulators in registers; Q's fragments are
+// read from shared memory per key tile (D / 4 registers fewer for the unit: the unrolled copies fit).
 // Dynamic shared memory: launch with smem = Tile::SMEM_BYTES (above 48 KiB for head size 128: opt-in).
 template <int D, int DV> struct MmaTile {
   static constexpr int THREADS = 128;
@@ -183,26 +192,48 @@ template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4
 }
 
 // Rows s0 .. s0+ROWS-1 of one head, W elements each, global -> shared rows of W + PAD elements, 16 bytes per
-// cp.async (placed by chunk_place: a quarter-warp's stores in distinct banks); rows at or past `limit` are
-// zero-filled without a global read.
-template <class T, int ROWS, int W, int PAD, class L> __device__ __forceinline__ void load_rows(
+// cp.async (placed by chunk_place: a quarter-warp's stores in distinct banks) by the block's NT threads;
+// rows at or past `limit` are zero-filled without a global read. The copy is unrolled (a compile-time
+// stride). AFFINE: offset(s, d) = offset(0, d) + s * stride (the lowering checks it); then, where NT is a
+// multiple of 8 chunk rows, a thread's chunks keep one column and step NT / CHUNKS rows, so its addresses
+// are one base plus multiples of one step, with no offset call per chunk.
+template <class T, int ROWS, int W, int PAD, int NT, bool AFFINE, class L> __device__ __forceinline__ void load_rows(
     T* dst, const T* src, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0, ofz_i64 limit) {
-  constexpr int CHUNKS = W / 8;
+  constexpr int CHUNKS = W / 8, TOTAL = ROWS * CHUNKS, ITERS = (TOTAL + NT - 1) / NT;
   static_assert(PAD == 8, "chunk_place assumes rows padded by one 16-byte chunk");
-  for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
+  const int left = limit - s0 < ROWS ? (int)(limit - s0) : ROWS;  // rows in bounds (s0 < limit)
+  if constexpr (AFFINE && NT % (8 * CHUNKS) == 0) {
+    constexpr int STEP = NT / CHUNKS;
     int row, col;
-    chunk_place<ROWS, CHUNKS>(e, row, col);
+    chunk_place<ROWS, CHUNKS>((int)threadIdx.x, row, col);
     col *= 8;
-    const bool ok = s0 + row < limit;
-    cp_async16(dst + row * (W + PAD) + col, ok ? src + L::offset(a, b, h, s0 + row, col) : src, ok ? 16 : 0);
+    const ofz_i64 base = L::offset(a, b, h, s0, col), stride = L::offset(a, b, h, s0 + 1, col) - base;
+    const T* p = src + base + row * stride;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      if (TOTAL % NT != 0 && (int)threadIdx.x + it * NT >= TOTAL) break;
+      const bool ok = row + it * STEP < left;
+      cp_async16(dst + (row + it * STEP) * (W + PAD) + col, ok ? p + it * STEP * stride : src + base, ok ? 16 : 0);
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int e = (int)threadIdx.x + it * NT;
+      if (TOTAL % NT != 0 && e >= TOTAL) break;
+      int row, col;
+      chunk_place<ROWS, CHUNKS>(e, row, col);
+      col *= 8;
+      const bool ok = row < left;
+      cp_async16(dst + row * (W + PAD) + col, src + L::offset(a, b, h, s0 + (ok ? row : 0), col), ok ? 16 : 0);
+    }
   }
 }
 
-template <class T, int D, int DV, class Q, class K, class V, class O, class Score>
+template <class T, int D, int DV, class Q, class K, class V, class O, class Score, bool AFFINE = false>
 __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, T* __restrict__ o, const Dims n) {
   using Tile = MmaTile<D, DV>;
-  constexpr int BM = Tile::BLOCK_M, BN = Tile::BLOCK_N, P = Tile::PAD, QS = D + P, VS = DV + P;
+  constexpr int BM = Tile::BLOCK_M, BN = Tile::BLOCK_N, P = Tile::PAD, QS = D + P, VS = DV + P, NT = Tile::THREADS;
   static_assert(D % 16 == 0 && DV % 16 == 0 && D <= 128 && DV <= 128, "head sizes: multiples of 16 up to 128");
   OFZ_DYNAMIC_SMEM(T, smem);
   T* const sq = smem;               // [BM][QS]
@@ -214,12 +245,14 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
     const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
     const bool row_ok[2] = {rows[0] < n.sq, rows[1] < n.sq};
+    // rows past Sq are scored as the last row (never stored): the score's reads stay in bounds without a
+    // per-score row check, and a mask the same for every row is one load per key for both rows
+    const ofz_i64 srow[2] = {row_ok[0] ? rows[0] : n.sq - 1, row_ok[1] ? rows[1] : n.sq - 1};
     __syncthreads();  // the previous unit is done with every buffer
-    load_rows<T, BM, D, P, Q>(sq, q, a, b, h, i0, n.sq);
-    load_rows<T, BN, D, P, K>(sk, k, a, b, h, 0, n.sk);
-    load_rows<T, BN, DV, P, V>(sv, v, a, b, h, 0, n.sk);
+    load_rows<T, BM, D, P, NT, AFFINE, Q>(sq, q, a, b, h, i0, n.sq);
+    load_rows<T, BN, D, P, NT, AFFINE, K>(sk, k, a, b, h, 0, n.sk);
+    load_rows<T, BN, DV, P, NT, AFFINE, V>(sv, v, a, b, h, 0, n.sk);
     cp_async_commit();
-    unsigned qa[D / 16][4];
     RowState st[2];
     st[0].init(), st[1].init();
     float acc[DV / 8][4];
@@ -231,47 +264,56 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       const T* kt = sk + (tn % 2) * BN * QS;
       const T* vt = sv + (tn % 2) * BN * VS;
       if (tn + 1 < tiles_n) {  // prefetch the next tile into the other buffer (freed at the end of tn - 1)
-        load_rows<T, BN, D, P, K>(sk + ((tn + 1) % 2) * BN * QS, k, a, b, h, j0 + BN, n.sk);
-        load_rows<T, BN, DV, P, V>(sv + ((tn + 1) % 2) * BN * VS, v, a, b, h, j0 + BN, n.sk);
+        load_rows<T, BN, D, P, NT, AFFINE, K>(sk + ((tn + 1) % 2) * BN * QS, k, a, b, h, j0 + BN, n.sk);
+        load_rows<T, BN, DV, P, NT, AFFINE, V>(sv + ((tn + 1) % 2) * BN * VS, v, a, b, h, j0 + BN, n.sk);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
         cp_async_wait<0>();
       }
       __syncthreads();
-      if (tn == 0) {
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], sq + (warp * 16 + lane % 16) * QS + ks * 16 + lane / 16 * 8);
-      }
       // S = Q·Kᵀ for this warp's 16 rows: s[nt] is the m16n8 block of keys nt*8 .. nt*8+7.
       float s[BN / 8][4];
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
+        // Q's A fragment is read again for every key tile: one ldmatrix per 16 columns of d (the warp's
+        // rows stay in shared memory), where holding all of them took D / 4 registers for the whole unit
+        unsigned qa[4];
+        ldmatrix_x4(qa, sq + (warp * 16 + lane % 16) * QS + ks * 16 + lane / 16 * 8);
 #pragma unroll
         for (int nt = 0; nt < BN / 8; nt += 2) {  // matrices: (keys nt, d lo), (nt, d hi), (nt+1, lo), (nt+1, hi)
           unsigned kb[4];
           ldmatrix_x4(kb, kt + (nt * 8 + lane / 16 * 8 + lane % 8) * QS + ks * 16 + lane / 8 % 2 * 8);
           const unsigned b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-          mma16816<T>(s[nt], qa[ks], b0);
-          mma16816<T>(s[nt + 1], qa[ks], b1);
+          mma16816<T>(s[nt], qa, b0);
+          mma16816<T>(s[nt + 1], qa, b1);
         }
       }
       // Score epilogue and online softmax; element e of block nt is row g + 8 * (e / 2), key nt*8 + 2t + e % 2.
-      // Bounds as 32-bit compares against the keys left in this tile (one path: a second, unchecked one for
-      // whole tiles took 145 registers where this takes 128)
+      // A whole tile scores every element unconditionally, so reads the two rows share (a mask the same for
+      // every row) are one load; the last, partial tile checks each key against the keys left (32-bit).
       const int keys = n.sk - j0 < BN ? (int)(n.sk - j0) : BN;
+      if (keys == BN) {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = Score::score(a, b, h, srow[e / 2], j0 + nt * 8 + 2 * t + e % 2, s[nt][e]);
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int jj = nt * 8 + 2 * t + e % 2;
+            s[nt][e] = jj < keys ? Score::score(a, b, h, srow[e / 2], j0 + jj, s[nt][e]) : neg_inf();
+          }
+      }
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int jj = nt * 8 + 2 * t + e % 2;
-          s[nt][e] = row_ok[e / 2] && jj < keys ? Score::score(a, b, h, rows[e / 2], j0 + jj, s[nt][e]) : neg_inf();
-          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-        }
-      }
+        for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
       float alpha[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int r = 0; r < 2; ++r) alpha[r] = st[r].rescale(group_reduce<MaxOp, 4>(mx[r]));
@@ -279,7 +321,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] = __expf(s[nt][e] - st[e / 2].base);
+          s[nt][e] = st[e / 2].term(s[nt][e]);
           sum[e / 2] += s[nt][e];
         }
       }

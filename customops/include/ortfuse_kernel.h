@@ -153,6 +153,20 @@ __device__ __forceinline__ float fmin_nan(float a, float b) {
 #endif
 }
 
+// 2^x as the SFU computes it (ex2.approx.ftz: one MUFU.EX2, about 2 ulp; results below 2^-126 flush to 0,
+// -inf gives 0). Plain exp2f / __expf without ftz add a range check and two predicated multiplies per call
+// to produce denormal results. For softmax terms relative to the row maximum, where the sum is at least 1.
+__device__ __forceinline__ float exp2_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  const float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+#endif
+}
+
 struct SumOp { __device__ __forceinline__ static float apply(float a, float b) { return a + b; } };
 struct MaxOp { __device__ __forceinline__ static float apply(float a, float b) { return fmaxf(a, b); } };
 struct MinOp { __device__ __forceinline__ static float apply(float a, float b) { return fminf(a, b); } };

@@ -4,6 +4,7 @@ plain scale, an additive padding mask and a causal mask. Run in CPU emulation ag
 not multiples of the tiles, fp32/fp16/bf16 storage) and compiled with NVRTC for sm_90."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from dataclasses import dataclass
@@ -61,10 +62,11 @@ class Case:
     layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
     score: str  # "plain" | "padding" | "causal"
     kernel: str = "simt"  # "simt" | "tensor_core"
+    affine: bool = False  # tensor_core's AFFINE: K/V/Q copies step one row stride (these layouts are affine)
 
     @property
     def entry(self) -> str:
-        return f"attn_{self.kernel}_{self.dtype}_{self.d}_{self.dv}_{self.layout}_{self.score}"
+        return f"attn_{self.kernel}_{self.dtype}_{self.d}_{self.dv}_{self.layout}_{self.score}" + "_affine" * self.affine
 
     @property
     def block_m(self) -> int:  # SimtTile / MmaTile::BLOCK_M
@@ -86,6 +88,7 @@ CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("pl
     for sc in ("padding", "causal")] + [
     Case("f16", 128, 128, "bshd", "padding", "tensor_core"), Case("bf16", 32, 64, "bhsd", "plain", "tensor_core"),
     Case("f16", 16, 16, "bshd", "causal", "tensor_core")]
+CASES += [dataclasses.replace(c, affine=True) for c in CASES if c.kernel == "tensor_core"]
 
 
 def _kernel(c: Case) -> str:
@@ -95,7 +98,7 @@ def _kernel(c: Case) -> str:
     score = {"plain": "Plain", "padding": "Padding", "causal": "Causal"}[c.score]
     return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
             f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
-            f"{score}<{c.d}>>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
+            f"{score}<{c.d}>{', true' if c.affine else ''}>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
             f"ofz::attn::Dims{{a.dim[0], H, a.dim[1], a.dim[2]}});\n}}\nOFZ_EMU_ENTRY({c.entry})\n")
 
 
@@ -173,9 +176,11 @@ def test_matches_numpy(mod, c: Case):
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (5, 3), (33, 70), (70, 130)])
-@pytest.mark.parametrize("kernel,dtype", [("simt", "f32"), ("tensor_core", "f16")])
-def test_odd_sizes(mod, sq: int, sk: int, kernel: str, dtype: str):
-    c = Case(dtype, 32, 32, "bshd", "padding") if kernel == "simt" else Case("f16", 64, 64, "bshd", "padding", kernel)
+@pytest.mark.parametrize("kernel,dtype,affine", [("simt", "f32", False), ("tensor_core", "f16", False),
+                                                 ("tensor_core", "f16", True)])
+def test_odd_sizes(mod, sq: int, sk: int, kernel: str, dtype: str, affine: bool):
+    c = Case(dtype, 32, 32, "bshd", "padding") if kernel == "simt" else \
+        Case("f16", 64, 64, "bshd", "padding", kernel, affine)
     mask = np.zeros((B, sk))
     mask[1, sk // 2:] = -1e30  # finite mask values, as exporters emit
     got, ref = _run(mod, c, mask, sq, sk, seed=1)
@@ -189,6 +194,20 @@ def test_fully_masked_rows_are_zero_not_nan(mod, c: Case):
     mask[1] = -np.inf
     got, ref = _run(mod, c, mask)
     assert np.isfinite(got).all() and not got[1].any()
+    assert _rel(got, ref) <= (1e-5 if c.dtype == "f32" else 1e-2)
+
+
+@pytest.mark.parametrize("c", [Case("f32", 32, 32, "bhsd", "padding"),
+                               Case("f16", 64, 64, "bhsd", "padding", "tensor_core")], ids=lambda c: c.kernel)
+def test_rows_masked_with_the_lowest_float_average_v(mod, c: Case):
+    # exporters mask with fp32's lowest finite value: a row masked everywhere has equal scores (-3.4e38,
+    # the q·k term rounded away), so softmax is uniform. Its terms are taken as 2^((s - max)·log2e): the
+    # difference first, since s·log2e - max·log2e would round the exponent by ~1e31
+    mask = np.zeros((B, SK))
+    mask[1] = np.finfo(np.float32).min
+    mask[0, 20:] = np.finfo(np.float32).min
+    got, ref = _run(mod, c, mask)
+    assert np.isfinite(got).all()
     assert _rel(got, ref) <= (1e-5 if c.dtype == "f32" else 1e-2)
 
 
@@ -217,3 +236,36 @@ def test_tensor_core_shared_memory_traffic_is_conflict_free(mod, c: Case):
     assert t.exact and t.cp_async == t.cp_async_ideal and t.ldmatrix == t.ldmatrix_ideal, t
     assert t.ldmatrix > 0 and t.cp_async > 0
     assert _rel(got, ref) <= 1e-2
+
+
+def _sass_or_skip():
+    try:
+        from ortfuse.bench.sass import cuobjdump, sass
+        cuobjdump()
+    except (ImportError, FileNotFoundError) as err:
+        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    return sass
+
+
+def test_tensor_core_key_tile_loop(tmp_path):
+    # The SASS of one key tile (d 64, 64 keys; a thread scores 2 rows x 16 keys): exponentials are one
+    # MUFU.EX2 each with no denormal fix-up (ex2.approx.ftz), the K/V copies are unrolled (no loop inside
+    # the tile loop), and a mask that is the same for every row (Padding reads mask[b, j]) is 16 loads on
+    # a whole tile, where the partial tile's checked path loads per score (32)
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    sass = _sass_or_skip()
+    c = Case("f16", 64, 64, "bshd", "padding", "tensor_core")
+    ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < a]
+    mma = [a for a, t in ins if "HMMA" in t]
+    lo, hi = min(((l, h) for l, h in back if sum(l <= x <= h for x in mma) == 64), key=lambda r: r[1] - r[0])
+    body = [(a, t) for a, t in ins if lo <= a <= hi]
+    assert not [1 for l, h in back if lo <= l and h < hi], "a loop inside the key-tile loop"
+    assert sum("MUFU.EX2" in t for _, t in body) == 32 + 2  # the scores, and each row's rescale
+    assert not [t for _, t in ins if "-126" in t], "a denormal fix-up around MUFU.EX2"
+    (start, end), = [(a, int(re.search(r"0x([0-9a-f]+)", t).group(1), 16)) for a, t in body if t.startswith("BSSY")]
+    branch, target = next((a, int(re.search(r"BRA\s+0x([0-9a-f]+)", t).group(1), 16))
+                          for a, t in body if start < a < end and re.match(r"@!?P\d+ BRA", t))
+    loads = lambda a0, a1: sum(1 for a, t in body if a0 < a < a1 and "LDG.E" in t and "LDGSTS" not in t)
+    assert sorted((loads(branch, target), loads(target - 1, end))) == [16, 32]

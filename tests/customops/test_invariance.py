@@ -1,0 +1,51 @@
+"""customops.invariance: which axes of a tensor its element-wise cone leaves it constant along."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, model, node, vi
+from ortfuse.customops import target as hw
+from ortfuse.customops.invariance import invariant_axes
+from ortfuse.rewriter.shapes import build_graph
+
+TGT = hw.for_cc(90)
+
+
+def _axes(cond_nodes, extra_inits=(), inputs=None) -> frozenset[int]:
+    nodes = [node("Shape", ["km"], ["kms"]), node("Gather", ["kms", "one"], ["s"], axis=0),
+             node("Range", ["zero", "s", "one"], ["iq"]), node("Unsqueeze", ["iq", "ax"], ["q4"]),  # [1, 1, S, 1]
+             node("Cast", ["km"], ["kb"], to=TP.BOOL), node("Unsqueeze", ["kb", "ax12"], ["kb4"]),  # [B, 1, 1, S]
+             *cond_nodes, node("Where", ["cond", "zf", "low"], ["mask"])]
+    inits = [const("zero", 0, np.int64), const("one", 1, np.int64), const("ax", [0, 1, 3], np.int64),
+             const("ax12", [1, 2], np.int64), const("zf", 0.0), const("low", -3.0e38), *extra_inits]
+    ins = [vi("km", TP.INT64, ["batch", "seq"]), *(inputs or [])]
+    g = build_graph(model(nodes, ins, [vi("mask", TP.FLOAT, None)], inits))
+    return invariant_axes(g, "mask", TGT)
+
+
+@pytest.mark.parametrize("cmp,axes", [
+    ("GreaterOrEqual", {1, 2}),  # i >= 0: true for every coordinate, so the padding mask is the same per row
+    ("Less", {0, 1, 2, 3}),  # i < 0: false everywhere, so the And is false and the mask one constant
+    ("LessOrEqual", {1}), ("Greater", {1})])  # i <= 0, i > 0: vary with the row
+def test_padding_mask_built_per_query_row(cmp, axes):
+    assert _axes([node(cmp, ["q4", "zero"], ["qc"]), node("And", ["qc", "kb4"], ["cond"])]) == axes
+
+
+def test_causal_mask_depends_on_the_row():
+    nodes = [node("Unsqueeze", ["iq", "ax012"], ["k4"]), node("LessOrEqual", ["k4", "q4"], ["qc"]),
+             node("And", ["qc", "kb4"], ["cond"])]
+    assert _axes(nodes, [const("ax012", [0, 1, 2], np.int64)]) == {1}
+
+
+def test_a_row_dependent_input_is_read_per_row():
+    # the condition also reads a [B, 1, S, S] input: nothing but its size-1 axis is proven
+    nodes = [node("GreaterOrEqual", ["q4", "zero"], ["qc"]), node("And", ["qc", "kb4"], ["c1"]),
+             node("And", ["c1", "full"], ["cond"])]
+    assert _axes(nodes, inputs=[vi("full", TP.BOOL, ["batch", 1, "seq", "seq"])]) == {1}
+
+
+def test_or_with_a_settled_true_operand_is_constant():
+    # (i >= 0) or anything is true everywhere: the Where picks 0 for every element
+    assert _axes([node("GreaterOrEqual", ["q4", "zero"], ["qc"]), node("Or", ["qc", "kb4"], ["cond"])]) == {0, 1, 2, 3}
