@@ -176,19 +176,22 @@ def _sweep(out: Path, work: Path) -> dict[str, Any]:
           "summary": [ln for ln in text.splitlines() if ln and not ln.startswith(("|", "#"))]}
 
 
-def variant_label() -> str:
+def variant_label(profile: bool = True) -> str:
   """What the rows' optimize used beyond the defaults, appended to the model name so runs of one model with
   and without it merge side by side: " no-wgmma" ($ORTFUSE_WGMMA=0, which --no-wgmma sets for this process
   and its children; wgmma is the sm_90 default since 2026-11-26, so rows before then read " +wgmma" for it),
-  " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold)."""
+  " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold), " no-profile" (optimized without --profile)."""
   from ortfuse.config import Options
   opts = Options(archs=(90,))
-  return (" no-wgmma" if opts.wgmma is False else "") + (f" ln-fold={opts.ln_fold}" if opts.ln_fold != "auto" else "")
+  return (" no-wgmma" if opts.wgmma is False else "") + (f" ln-fold={opts.ln_fold}" if opts.ln_fold != "auto" else "") \
+      + ("" if profile else " no-profile")
 
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
-              kernels: bool = False, sweep: bool = False) -> dict[str, Any]:
+              kernels: bool = False, sweep: bool = False, profile: bool = True) -> dict[str, Any]:
+  """`profile`: optimize with --profile (measured placement and tiles); without it the rows read
+  'NAME no-profile' (the default build: the cost model's placement, the tile model's kernel variants)."""
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -203,7 +206,7 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       continue  # shipped files are not exported
     for dtype in dtypes:
       label = name if exporter == "torchscript" else f"{name} ({exporter})"
-      label += variant_label()  # e.g. optimized with `--wgmma`: merged with a run without it, both rows show
+      label += variant_label(profile)  # e.g. without --profile: merged with the profiled row, both show
       entry: dict[str, Any] = {"model": label, "dtype": dtype, "tiny": tiny}
       report["entries"].append(entry)
       try:
@@ -213,7 +216,7 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       except Exception as err:  # noqa: BLE001
         entry["error"] = f"zoo build failed: {type(err).__name__}: {err}"
         continue
-      entry["optimize"] = _optimize(src, work)
+      entry["optimize"] = _optimize(src, work, profile)
       opt = entry["optimize"].get("path")
       entry["parity"] = _parity(src, Path(opt)) if opt else {"ok": None, "note": "no optimized model"}
       entry["bench"] = _bench(src, opt, batches, work, variants)
@@ -392,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                       "ORTFUSE_WGMMA=0 and model rows read 'NAME no-wgmma'")
   p.add_argument("--ln-fold", choices=("auto", "on", "off"),
                  help="LayerNorm folds for the optimize (sets ORTFUSE_LN_FOLD; rows read 'NAME ln-fold=off')")
+  p.add_argument("--no-profile", action="store_true",
+                 help="optimize without --profile (the default build); model rows read 'NAME no-profile'")
   p.add_argument("--sweep", action="store_true",
                  help="also run the GEMM tile sweep (bench/sweep.py: every family's tiles against cuBLAS)")
   p.add_argument("--work", type=Path, help="folder for models and per-model results (default: a temp dir)")
@@ -412,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants, args.exporter, args.kernels, args.sweep)
+                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

@@ -85,6 +85,8 @@ class _GemmLowerer(_Lowerer):
         self.anchor = graph.nodes[anchors[0]]
         self.tf32 = tf32
         self.forced_tile = tile
+        self.tile_us: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()
+        self.binding_rows: tuple[int, ...] = ()
         self.acc: dict[Expr, Expr] = {}  # column expression -> accumulator value at that column
         self.out_idx: tuple[Expr, ...] = ()
         self.fold = norm_fold.in_region(graph, region.nodes)  # a LayerNorm prologue (search/norm_fold.py)
@@ -431,6 +433,7 @@ class _GemmLowerer(_Lowerer):
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
+        self.size_estimates(ranked, shapes, es, math_, b_mode == COL)
         wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode) if not fold_targ else None
         if wg_b is not None:
             # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
@@ -451,7 +454,8 @@ class _GemmLowerer(_Lowerer):
                 # or latency binds them alike, their lower issue cost is what the estimate does not see
                 times = [self.joint_us(f[2], shapes, es, f[0], f[3]) if f[2] is not None else math.inf for f in fams]
                 pick = min(range(len(fams)), key=lambda i: (times[i], -i))
-            math_, ranked, chosen, _ = fams[pick]
+            math_, ranked, chosen, fam_bnk = fams[pick]
+            self.size_estimates(ranked, shapes, es, math_, fam_bnk)
             # --profile measures the other families' best too
             ranked = list(ranked) + [f[1][0] for i, f in enumerate(fams) if i != pick and f[1]]
             if self.row_mode:  # only mma.sync tiles span a row: both kinds across the families
@@ -513,6 +517,17 @@ class _GemmLowerer(_Lowerer):
                 readers == [self.anchor_index]:
             return ROW
         return None
+
+    def size_estimates(self, ranked: list[tl.Ranked], shapes: list[tl.Shape], es: int, math_: int,
+                       b_nk: bool) -> None:
+        """KernelSpec.tile_us / binding_rows for one tile family's candidates (the chosen one first). Not for
+        row-wise epilogues (their split rows launch clusters per size) or a single binding."""
+        self.tile_us, self.binding_rows = (), ()
+        if self.row_mode or len(shapes) < 2 or not ranked:
+            return
+        self.tile_us = tuple((r.tile.candidate(r.split), tuple(tl.estimate_at(self.tgt, r, sh, es, math_, b_nk)
+                                                               for sh in shapes)) for r in ranked)
+        self.binding_rows = tuple(m * batch for m, _, _, batch in shapes)
 
     def joint_us(self, r: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int, b_nk: bool) -> float:
         """A chosen tile's estimate over the bindings (geometric mean), to compare tile families."""
@@ -598,5 +613,6 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
                       tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
-                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster)
+                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster,
+                      tile_us=lw.tile_us, binding_rows=lw.binding_rows)
 

@@ -499,7 +499,7 @@ def rank_for_bindings(tgt: Target, shapes: Sequence[Shape], esize: int, math_: i
     compiled tile runs both). Tiles are ranked by the geometric mean over the bindings of their estimate
     over that binding's best tile's, so a tile that is best at batch 1 but half as fast as another at batch
     32 loses to one a little slower at batch 1. `est_us` stays the first binding's. The first binding's best
-    tile is always among the `top_k`, last if it did not rank there."""
+    tile is always among the `top_k`, last if it did not rank there; the other bindings' bests follow."""
     return list(_joint(tgt, tuple(map(tuple, shapes)), esize, math_, b_nk, top_k, row, tuple(staged), bk_divides))
 
 
@@ -523,8 +523,9 @@ def _joint(tgt: Target, shapes: tuple[Shape, ...], esize: int, math_: int, b_nk:
     # the first binding's own best stays a candidate, so `--profile` can overrule the model's other figures
     if ranked and ranked[0] not in out:
         out = [*out[:top_k - 1], ranked[0]]
-    if row:  # and, for a row-wise epilogue, every binding's (a whole-row tile at batch 1, a split row at 32)
-        out += [r for r in dict.fromkeys(own_best) if r not in out]
+    # and every binding's own best (a split-K tile at batch 1, a wide one at 32; for a row-wise epilogue a
+    # whole-row tile and a split row): --profile then has each to time, and may ship them as variants by size
+    out += [r for r in dict.fromkeys(own_best) if r not in out]
     return tuple(with_both_row_kinds(out, [ranked[i] for i in order], n) if row else out)
 
 

@@ -157,6 +157,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                                               sources.items())))
         kernels = [fused_kernel(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
         kernels = list(pool.map(lambda k: _without_spills(graph, tgt, opts, k), kernels))
+        if not opts.profile:  # --profile chooses variants from measurements
+            kernels = list(pool.map(lambda k: _size_variants(graph, tgt, opts, k), kernels))
     placements: tuple = ()
     if opts.profile:
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
@@ -216,6 +218,33 @@ def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKe
     note = (f"tile {tile_label(k.spec.tiles[0])} spilled {first} bytes; {tile_label(best_tile)} "
             + (f"spills {least}" if least else "does not"))
     return dataclasses.replace(best, retiled=note)
+
+
+def _size_variants(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKernel:
+    """Kernel variants by size from the tile model (where no --profile measures them): the tile it ranks best
+    at each binding of a symbolic batch (a split-K tile for batch 1's few rows, a wide one for batch 32's),
+    thresholds and the gain required as `profile.by_size` sets them from measured times. Kept only where every
+    variant compiles without spilling and agrees with the others on the node's tensors."""
+    from ortfuse.profile import by_size
+
+    if k.retiled or len(k.spec.tile_us) < 2 or len(k.spec.binding_rows) < 2:
+        return k
+    first, more, _ = by_size(k.spec.tile_us, k.spec.binding_rows, k.spec.tile_us[0][1])
+    if first is None:
+        return k
+
+    def build(tile: tuple[int, ...]) -> FusedKernel:
+        spec = lower(graph, k.region, tgt, opts.tf32, tile=tile)
+        return fused_kernel(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs,
+                                                           opts.cache))
+    try:
+        main = k if first == k.spec.tiles[0] else build(first)
+        built = [(frm, build(tile)) for frm, tile in more]
+        if any(spill_bytes(x.compiled) for x in (main, *(v for _, v in built))):
+            return k
+        return fused_kernel(k.region, main.spec, main.compiled, [(frm, v.spec, v.compiled) for frm, v in built])
+    except (LoweringError, OrtfuseError):  # a tile that does not lower here, or variants that disagree
+        return k
 
 
 def _attention_unbound(graph: Graph, tgt, opts: Options, k: FusedKernel, first: int) -> FusedKernel:

@@ -83,6 +83,7 @@ def test_rows_say_what_the_optimize_used_beyond_the_defaults(monkeypatch):
   assert gpu_suite.variant_label() == " ln-fold=off"
   monkeypatch.setenv("ORTFUSE_WGMMA", "0")
   assert gpu_suite.variant_label() == " no-wgmma ln-fold=off"
+  assert gpu_suite.variant_label(profile=False) == " no-wgmma ln-fold=off no-profile"
 
 
 def test_sweep_summary_in_the_report_and_merge(tmp_path):

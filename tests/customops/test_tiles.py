@@ -112,16 +112,18 @@ def test_a_symbolic_batch_gets_a_tile_for_batch_1_and_batch_32(n, k, row):
     both = tiles.rank_for_bindings(H100, [b1, b32], 2, MMA_F16, False, row=row)
     only1 = tiles.rank_tiles(H100, *b1[:3], 1, 2, MMA_F16, False, top_k=1, row=row)[0]
     best32 = tiles.rank_tiles(H100, *b32[:3], 1, 2, MMA_F16, False, top_k=1, row=row)[0].est_us
-    # a row-wise epilogue's candidates hold both a tile spanning the row and a row split across a cluster
-    assert len(both) == 4 if not row else 4 <= len(both) <= 6
+    # the top 4 by the joint score, then each binding's own best where it is not among them; a row-wise
+    # epilogue's candidates hold both a tile spanning the row and a row split across a cluster
+    assert 4 <= len(both) <= 6
     assert not row or {tiles.row_split(n, r.tile) > 1 for r in both} == {False, True}
+    tile32 = tiles.rank_tiles(H100, *b32[:3], 1, 2, MMA_F16, False, top_k=1, row=row)[0].tile
+    assert any(r.tile == tile32 for r in both)  # --profile may time it, and ship it for large batches
     assert both[0].est_us == tiles.estimate_tile(
         H100, both[0].tile, *b1[:3], 1, 2, MMA_F16, False, row, split=both[0].split).est_us  # batch 1's figure
     at32 = lambda r: tiles.estimate_at(H100, r, b32, 2, MMA_F16, False, row)  # noqa: E731
     assert at32(only1) > 1.2 * best32 and only1 in both  # still a --profile candidate
     if row:  # the whole-row tile wins batch 1 by far, a row split across a cluster batch 32: both are candidates
-        tile32 = tiles.rank_tiles(H100, *b32[:3], 1, 2, MMA_F16, False, top_k=1, row=row)[0].tile
-        assert tiles.row_split(n, tile32) > 1 and any(r.tile == tile32 for r in both)
+        assert tiles.row_split(n, tile32) > 1
     else:
         assert at32(both[0]) < 1.15 * best32 and both[0].est_us < 1.4 * only1.est_us
     # one binding: rank_tiles (a row-wise epilogue's list may end with the other kind of row tile)

@@ -389,3 +389,37 @@ def test_kernel_variants_never_mix_weight_layouts(monkeypatch, tmp_path):
     (pl,) = res.placements
     assert {len(t) > 7 and t[7] > 0 for t, _ in pl.ours_us} == {False, True}  # both families measured
     assert pl.variants == () and res.kernels[0].variants == ()
+
+
+@pytest.mark.parametrize("wgmma,k", [(True, 256), (False, 512)], ids=["wgmma+TMA", "mma.sync"])
+def test_without_profile_the_tile_model_ships_a_kernel_per_size_class(wgmma, k):
+    # y = relu(x @ w + b), x [batch, 32, k]: the tile model ranks another tile best at batch 32 (1024 rows)
+    # than at batch 1 (32 rows), by more than VARIANT_GAIN; without --profile the node carries both, the
+    # second from sqrt(32 * 1024) = 181 rows on, as `by_size` sets it from the model's estimates. Each runs
+    # (in emulation) where the library picks it. (--profile builds its variants from measurements instead.)
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Relu", ["z"], ["out"])],
+              [vi("x", TP.FLOAT16, ["batch", 32, k])], [vi("out", TP.FLOAT16, None)],
+              [const("w", rng.standard_normal((k, 512)) * 0.05, np.float16),
+               const("b", rng.standard_normal(512), np.float16)])
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=wgmma))
+    (kern,) = res.kernels
+    spec = kern.spec
+    assert spec.binding_rows == (32, 1024)
+    first, more, _ = prof.by_size(spec.tile_us, spec.binding_rows, spec.tile_us[0][1])
+    assert first is not None and [frm for frm, _ in more] == [181]
+    assert [frm for frm, _, _ in kern.variants] == [181] and res.kernels_compiled == 2
+    best = {b: min(spec.tile_us, key=lambda t: t[1][b])[0] for b in (0, 1)}  # each binding's own best
+    assert (first, more[0][1]) == (best[0], best[1]) and best[0] != best[1]
+    launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
+    assert launch.pick([5]).source == kern.compiled.source  # the batch dim: 160 rows, then 192
+    assert launch.pick([6]).source == kern.variants[0][2].source != kern.compiled.source
+    for batch in (1, 8):  # 32 and 256 rows: one on each side
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (batch, 32, k)})
+        assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+
+
+def test_no_size_variants_for_a_fixed_batch():
+    m = _encoder_block()  # x [n, 64]: n symbolic, but batch 32 of a symbolic n is what the bindings vary
+    res = compile_model(m, {"x": (4, 64)}, "sm_90", options=Options(archs=(90,), wgmma=False))
+    assert res.kernels[0].spec.binding_rows == () and res.kernels[0].variants == ()
