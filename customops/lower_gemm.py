@@ -433,7 +433,7 @@ class _GemmLowerer(_Lowerer):
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
-        self.size_estimates(ranked, shapes, es, math_, b_mode == COL)
+        self.size_estimates(ranked, shapes, es, math_, a_mode, b_mode)
         wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode) if not fold_targ else None
         if wg_b is not None:
             # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
@@ -455,7 +455,7 @@ class _GemmLowerer(_Lowerer):
                 times = [self.joint_us(f[2], shapes, es, f[0], f[3]) if f[2] is not None else math.inf for f in fams]
                 pick = min(range(len(fams)), key=lambda i: (times[i], -i))
             math_, ranked, chosen, fam_bnk = fams[pick]
-            self.size_estimates(ranked, shapes, es, math_, fam_bnk)
+            self.size_estimates(ranked, shapes, es, math_, a_mode, COL if fam_bnk else b_mode)
             # --profile measures the other families' best too
             ranked = list(ranked) + [f[1][0] for i, f in enumerate(fams) if i != pick and f[1]]
             if self.row_mode:  # only mma.sync tiles span a row: both kinds across the families
@@ -518,15 +518,21 @@ class _GemmLowerer(_Lowerer):
             return ROW
         return None
 
+    def staged(self, a_mode: int, b_mode: int, taps: int = 0) -> tuple[int, int]:
+        """How A and B reach shared memory, as the tile model charges it (tiles.rank_tiles' `staged`)."""
+        return (tl.ELEMENTS if a_mode == GENERIC else tl.NORMED if self.fold else tl.DIRECT,
+                tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT)
+
     def size_estimates(self, ranked: list[tl.Ranked], shapes: list[tl.Shape], es: int, math_: int,
-                       b_nk: bool) -> None:
+                       a_mode: int, b_mode: int) -> None:
         """KernelSpec.tile_us / binding_rows for one tile family's candidates (the chosen one first). Not for
         row-wise epilogues (their split rows launch clusters per size) or a single binding."""
         self.tile_us, self.binding_rows = (), ()
         if self.row_mode or len(shapes) < 2 or not ranked:
             return
-        self.tile_us = tuple((r.tile.candidate(r.split), tuple(tl.estimate_at(self.tgt, r, sh, es, math_, b_nk)
-                                                               for sh in shapes)) for r in ranked)
+        staged = self.staged(a_mode, b_mode)
+        self.tile_us = tuple((r.tile.candidate(r.split), tuple(
+            tl.estimate_at(self.tgt, r, sh, es, math_, b_mode == COL, staged=staged) for sh in shapes)) for r in ranked)
         self.binding_rows = tuple(m * batch for m, _, _, batch in shapes)
 
     def joint_us(self, r: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int, b_nk: bool) -> float:
@@ -540,8 +546,7 @@ class _GemmLowerer(_Lowerer):
         the forced tile at its best split). `taps`: the channel count of a tap-major gather, which BK must
         divide; then (_, None) where no tile fits."""
         m, n, k, batch = shapes[0]
-        staged = (tl.ELEMENTS if a_mode == GENERIC else tl.NORMED if self.fold else tl.DIRECT,
-                  tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT)
+        staged = self.staged(a_mode, b_mode, taps)
         ranked = tl.rank_for_bindings(self.tgt, shapes, es, math_, b_mode == COL, row=self.row_mode, staged=staged,
                                       bk_divides=taps)
         if taps and (not ranked or (self.forced_tile and taps % self.forced_tile[2])):
