@@ -327,8 +327,10 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) st[r].l += group_reduce<SumOp, 4>(sum[r]);
+      if (tn > 0) {  // the first tile's accumulators are still 0: nothing to rescale
 #pragma unroll
-      for (int c = 0; c < DV / 8; ++c) acc[c][0] *= alpha[0], acc[c][1] *= alpha[0], acc[c][2] *= alpha[1], acc[c][3] *= alpha[1];
+        for (int c = 0; c < DV / 8; ++c) acc[c][0] *= alpha[0], acc[c][1] *= alpha[0], acc[c][2] *= alpha[1], acc[c][3] *= alpha[1];
+      }
       // O += P·V: the accumulators of key blocks 2kk and 2kk+1 are P's A fragment for keys kk*16 .. kk*16+15.
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
