@@ -29,6 +29,7 @@ C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 THREADS = 128
 SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
 MMA_MIN_BLOCKS = 4
+KEY_SPLIT_MAX = 4  # ortfuse_attention.h kMaxKeySplit
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
     for p in find_attention(g)[0]:
         if p.nodes == tuple(region.nodes):
@@ -36,11 +37,24 @@ def _pattern(g: Graph, region: Region) -> AttentionPattern:
     raise LoweringError("the region is not an attention pattern")
 
 
+def mma_block_n(d: int, dv: int) -> int:
+    """MmaTile<D, DV>::BLOCK_N: keys per tile."""
+    return 32 if d > 64 or dv > 64 else 64
+
+
 def mma_smem_bytes(d: int, dv: int, esize: int = 2) -> int:
     """MmaTile<D, DV>::SMEM_BYTES of ortfuse_attention.h."""
-    bn = 32 if d > 64 or dv > 64 else 64
-    pad = 8
+    bn, pad = mma_block_n(d, dv), 8
     return esize * (MMA_BLOCK_M * (d + pad) + 2 * bn * (d + pad) + 2 * bn * (dv + pad))
+
+
+def key_split(tgt: hw.Target, d: int, dv: int, sk_hint: int) -> int:
+    """Blocks of a cluster that may share a unit's keys (the node's split_k; the library launches clusters only
+    while the units fit in one wave: small batches): up to KEY_SPLIT_MAX and the key tiles at the hint, where
+    the target has clusters and the merge's state fits the tile's shared memory (MmaTile::SPLIT_STATE_BYTES)."""
+    if (4 + dv // 2) * THREADS * 4 > mma_smem_bytes(d, dv):
+        return 1
+    return max(1, min(KEY_SPLIT_MAX, tgt.max_cluster, -(-sk_hint // mma_block_n(d, dv))))
 
 
 def _eval(e: Expr, env: dict[str, int]) -> int:
@@ -135,7 +149,7 @@ class _AttnLowerer(_Lowerer):
             t = out
         return self.linearize(idx, self._shape(self.p.output))
 
-    def attention(self) -> tuple[ir.Kernel, tuple[int, ...], tuple, int]:
+    def attention(self) -> tuple[ir.Kernel, tuple[int, ...], tuple, int, int]:
         p, g = self.p, self.g
         q_op, kt_op = self.qk_node.input[0], self.qk_node.input[1]
         pv = g.nodes[p.pv]
@@ -197,7 +211,8 @@ class _AttnLowerer(_Lowerer):
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"attention tile needs {smem} bytes of shared memory")
-        return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem
+        split = key_split(self.tgt, d, dv, self.hint(ss[3])) if mma else 1
+        return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem, split
 
     def dim_probes(self) -> Iterator[dict[str, int]]:
         """Every symbolic dim at 1, 3, 7 and 13: the offsets are polynomials in them; odd sizes expose an odd
@@ -232,10 +247,11 @@ class _AttnLowerer(_Lowerer):
 def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = True) -> KernelSpec:
     """`bound`: the tensor-core kernel asks ptxas for MMA_MIN_BLOCKS blocks per SM (head sizes up to 64)."""
     lw = _AttnLowerer(graph, region, tgt, bound)
-    kernel, units, units_ceil, smem = lw.attention()
+    kernel, units, units_ceil, smem, split = lw.attention()
     if len(lw.sym_pairs) > 16:
         raise LoweringError("more than 16 symbolic dims in one kernel")
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
-                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil)
+                      tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil,
+                      split_k=split)
 

@@ -174,6 +174,8 @@ template <int D, int DV> struct MmaTile {
   static constexpr int BLOCK_N = (D > 64 || DV > 64) ? 32 : 64;
   static constexpr int PAD = 8;  // elements added to each shared row: the 8 rows of an ldmatrix hit distinct banks
   static constexpr int SMEM_BYTES = 2 * (BLOCK_M * (D + PAD) + 2 * BLOCK_N * (D + PAD) + 2 * BLOCK_N * (DV + PAD));
+  // keys split across a cluster: each thread's (m, l) of two rows and its accumulators, as floats
+  static constexpr int SPLIT_STATE_BYTES = (4 + DV / 2) * THREADS * 4;
 };
 
 template <class T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
@@ -201,7 +203,7 @@ template <class T, int ROWS, int W, int PAD, int NT, bool AFFINE, class L> __dev
     T* dst, const T* src, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0, ofz_i64 limit) {
   constexpr int CHUNKS = W / 8, TOTAL = ROWS * CHUNKS, ITERS = (TOTAL + NT - 1) / NT;
   static_assert(PAD == 8, "chunk_place assumes rows padded by one 16-byte chunk");
-  const int left = limit - s0 < ROWS ? (int)(limit - s0) : ROWS;  // rows in bounds (s0 < limit)
+  const int left = limit - s0 < ROWS ? (int)(limit - s0) : ROWS;  // rows in bounds (none if s0 >= limit)
   if constexpr (AFFINE && NT % (8 * CHUNKS) == 0) {
     constexpr int STEP = NT / CHUNKS;
     int row, col;
@@ -229,6 +231,60 @@ template <class T, int ROWS, int W, int PAD, int NT, bool AFFINE, class L> __dev
   }
 }
 
+// Keys split across a cluster: each block holds, per row of the unit, the online-softmax state of its share of
+// the keys (max m_q, sum l_q and accumulators relative to its base, m_q or 0 while -inf). The blocks put their
+// states in shared memory (`state`: the tile buffers, free after the key loop; MmaTile::SPLIT_STATE_BYTES,
+// thread-major so every access is conflict-free), and each merges the cluster's over distributed shared
+// memory: the row max M over the blocks, then l and the accumulators of the column groups it stores,
+// each block's scaled by e^(m_q - M) (0 for a block that saw only -inf). Two cluster barriers: the states
+// are written before anyone reads them, and read before any block reuses its buffers.
+constexpr unsigned kMaxKeySplit = 4;
+template <int DV, int NT> __device__ __forceinline__ void split_merge(float* state, RowState (&st)[2],
+                                                                     float (&acc)[DV / 8][4], unsigned splits,
+                                                                     unsigned rank) {
+  const int tid = threadIdx.x;
+  cp_async_wait<0>();  // a block with no key tile still has its first copies in flight
+  __syncthreads();     // the key loop is done with the buffers
+  state[0 * NT + tid] = st[0].m, state[1 * NT + tid] = st[1].m;
+  state[2 * NT + tid] = st[0].l, state[3 * NT + tid] = st[1].l;
+#pragma unroll
+  for (int c = 0; c < DV / 8; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) state[(4 + c * 4 + e) * NT + tid] = acc[c][e];
+  cluster_sync();
+  float m[kMaxKeySplit][2], mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (unsigned q = 0; q < kMaxKeySplit; ++q)  // every block's two maxima in flight together
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m[q][r] = q < splits ? *cluster_peer(state + r * NT + tid, q, rank) : neg_inf();
+      mx[r] = fmaxf(mx[r], m[q][r]);
+    }
+  float f[kMaxKeySplit][2], l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (unsigned q = 0; q < kMaxKeySplit; ++q)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      f[q][r] = m[q][r] == neg_inf() ? 0.0f : exp2_ftz((m[q][r] - mx[r]) * LOG2E);
+      if (q < splits) l[r] += f[q][r] * *cluster_peer(state + (2 + r) * NT + tid, q, rank);
+    }
+#pragma unroll
+  for (int c = 0; c < DV / 8; ++c) {
+    if (c % splits != rank) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+#pragma unroll
+      for (unsigned q = 0; q < kMaxKeySplit; ++q)
+        if (q < splits) sum += f[q][e / 2] * *cluster_peer(state + (4 + c * 4 + e) * NT + tid, q, rank);
+      acc[c][e] = sum;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st[r].m = mx[r], st[r].l = l[r];
+  cluster_sync();  // the cluster has read this block's state
+}
+
 template <class T, int D, int DV, class Q, class K, class V, class O, class Score, bool AFFINE = false>
 __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, T* __restrict__ o, const Dims n) {
@@ -241,7 +297,15 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
   T* const sv = sk + 2 * BN * QS;   // [2][BN][VS]
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const ofz_i64 tiles_m = (n.sq + BM - 1) / BM, units = n.batch * n.heads * tiles_m, tiles_n = (n.sk + BN - 1) / BN;
-  for (ofz_i64 u = blockIdx.x; u < units; u += gridDim.x) {
+  // Keys split across a thread-block cluster (the library launches clusters only while the units fit in one
+  // wave of SMs, i.e. at small batches; see split_merge): block `rank` of `splits` takes key tiles
+  // [tn0, tn1) of its cluster's units
+  const unsigned splits = cluster_size(), rank = cluster_rank();
+  const ofz_i64 first = splits > 1 ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x;
+  const ofz_i64 step = splits > 1 ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x;
+  const ofz_i64 tn0 = tiles_n * rank / splits, tn1 = tiles_n * (rank + 1) / splits;
+  if (splits > kMaxKeySplit || (splits > 1 && Tile::SPLIT_STATE_BYTES > Tile::SMEM_BYTES)) __trap();  // launched wrong
+  for (ofz_i64 u = first; u < units; u += step) {
     const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
     const bool row_ok[2] = {rows[0] < n.sq, rows[1] < n.sq};
@@ -250,8 +314,8 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
     const ofz_i64 srow[2] = {row_ok[0] ? rows[0] : n.sq - 1, row_ok[1] ? rows[1] : n.sq - 1};
     __syncthreads();  // the previous unit is done with every buffer
     load_rows<T, BM, D, P, NT, AFFINE, Q>(sq, q, a, b, h, i0, n.sq);
-    load_rows<T, BN, D, P, NT, AFFINE, K>(sk, k, a, b, h, 0, n.sk);
-    load_rows<T, BN, DV, P, NT, AFFINE, V>(sv, v, a, b, h, 0, n.sk);
+    load_rows<T, BN, D, P, NT, AFFINE, K>(sk, k, a, b, h, tn0 * BN, n.sk);
+    load_rows<T, BN, DV, P, NT, AFFINE, V>(sv, v, a, b, h, tn0 * BN, n.sk);
     cp_async_commit();
     RowState st[2];
     st[0].init(), st[1].init();
@@ -259,13 +323,14 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
 #pragma unroll
     for (int c = 0; c < DV / 8; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
 
-    for (ofz_i64 tn = 0; tn < tiles_n; ++tn) {
+    for (ofz_i64 tn = tn0; tn < tn1; ++tn) {
       const ofz_i64 j0 = tn * BN;
-      const T* kt = sk + (tn % 2) * BN * QS;
-      const T* vt = sv + (tn % 2) * BN * VS;
-      if (tn + 1 < tiles_n) {  // prefetch the next tile into the other buffer (freed at the end of tn - 1)
-        load_rows<T, BN, D, P, NT, AFFINE, K>(sk + ((tn + 1) % 2) * BN * QS, k, a, b, h, j0 + BN, n.sk);
-        load_rows<T, BN, DV, P, NT, AFFINE, V>(sv + ((tn + 1) % 2) * BN * VS, v, a, b, h, j0 + BN, n.sk);
+      const int buf = (int)((tn - tn0) % 2);
+      const T* kt = sk + buf * BN * QS;
+      const T* vt = sv + buf * BN * VS;
+      if (tn + 1 < tn1) {  // prefetch the next tile into the other buffer (freed at the end of tn - 1)
+        load_rows<T, BN, D, P, NT, AFFINE, K>(sk + (buf ^ 1) * BN * QS, k, a, b, h, j0 + BN, n.sk);
+        load_rows<T, BN, DV, P, NT, AFFINE, V>(sv + (buf ^ 1) * BN * VS, v, a, b, h, j0 + BN, n.sk);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -327,7 +392,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) st[r].l += group_reduce<SumOp, 4>(sum[r]);
-      if (tn > 0) {  // the first tile's accumulators are still 0: nothing to rescale
+      if (tn > tn0) {  // the first tile's accumulators are still 0: nothing to rescale
 #pragma unroll
         for (int c = 0; c < DV / 8; ++c) acc[c][0] *= alpha[0], acc[c][1] *= alpha[0], acc[c][2] *= alpha[1], acc[c][3] *= alpha[1];
       }
@@ -347,7 +412,9 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       }
       __syncthreads();  // this tile's buffers may be refilled
     }
-    // O: a thread's two adjacent columns as one 4-byte word (rows contiguous in d and 16-byte aligned)
+    if (splits > 1) split_merge<DV, NT>(reinterpret_cast<float*>(smem), st, acc, splits, rank);
+    // O: a thread's two adjacent columns as one 4-byte word (rows contiguous in d and 16-byte aligned); in a
+    // cluster, block `rank` stores the column groups c = rank (mod splits)
     const float inv[2] = {st[0].inv_sum(), st[1].inv_sum()};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -355,8 +422,9 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       T* const orow = o + O::offset(a, b, h, rows[r], 0);
 #pragma unroll
       for (int c = 0; c < DV / 8; ++c)
-        *reinterpret_cast<unsigned*>(orow + c * 8 + 2 * t) =
-            pack2<T>(acc[c][2 * r] * inv[r], acc[c][2 * r + 1] * inv[r]);
+        if (splits == 1 || c % splits == rank)
+          *reinterpret_cast<unsigned*>(orow + c * 8 + 2 * t) =
+              pack2<T>(acc[c][2 * r] * inv[r], acc[c][2 * r + 1] * inv[r]);
     }
   }
 }

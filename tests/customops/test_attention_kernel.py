@@ -135,7 +135,7 @@ def _reference(q, k, v, mask, causal: bool) -> np.ndarray:
 
 
 def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int = 0,
-         traffic: Optional[list] = None) -> tuple[np.ndarray, np.ndarray]:
+         traffic: Optional[list] = None, cluster: int = 1) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     npt = STORAGE[c.dtype][1]
     q, k, v = (rng.standard_normal((B, H, s, d)).astype(npt).astype(np.float64)
@@ -147,8 +147,8 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
     out = np.zeros_like(_layout(np.zeros((B, H, sq, c.dv)), lay), dtype=npt)
     args = [x.view(np.uint16) if c.dtype == "bf16" else x for x in (*store, out)]
     grid = -(-B * H * sq // c.block_m)  # units B*H*Sq, BLOCK_M per block: may be fewer blocks than row tiles
-    t = mod.launch(c.entry, grid, 128, [*args, mask.astype(np.float32)], [B, sq, sk], c.smem,
-                   count_smem=traffic is not None)
+    t = mod.launch(c.entry, grid * cluster, 128, [*args, mask.astype(np.float32)], [B, sq, sk], c.smem,
+                   cluster=cluster, count_smem=traffic is not None)
     if traffic is not None:
         traffic.append(t)
     got = out.astype(np.float64)
@@ -209,6 +209,32 @@ def test_rows_masked_with_the_lowest_float_average_v(mod, c: Case):
     got, ref = _run(mod, c, mask)
     assert np.isfinite(got).all()
     assert _rel(got, ref) <= (1e-5 if c.dtype == "f32" else 1e-2)
+
+
+@pytest.mark.parametrize("cluster", [2, 3, 4])
+@pytest.mark.parametrize("sk", [45, 130, 300])
+@pytest.mark.parametrize("c", [Case("f16", 64, 64, "bshd", "padding", "tensor_core", True),
+                               Case("bf16", 32, 64, "bhsd", "plain", "tensor_core"),
+                               Case("f16", 128, 128, "bshd", "padding", "tensor_core")], ids=lambda c: c.entry)
+def test_keys_split_across_a_cluster(mod, c: Case, sk: int, cluster: int):
+    # clusters of 2-4 blocks share each unit's key tiles and merge their rows' states through distributed
+    # shared memory: 45 keys (one tile: the other blocks hold no key, only -inf), 130 and 300 (uneven
+    # shares, the last tile partial); padding masks the first 33 keys of one batch item, the rest of the other
+    mask = np.zeros((B, sk))
+    mask[0, sk - 7:] = -np.inf
+    mask[1, :33] = -np.inf
+    got, ref = _run(mod, c, mask, 37, sk, seed=2, cluster=cluster)
+    assert np.isfinite(got).all()
+    assert _rel(got, ref) <= 1e-2, _rel(got, ref)
+
+
+def test_a_cluster_of_blocks_that_all_see_masked_keys_stores_zeros(mod):
+    c = Case("f16", 64, 64, "bhsd", "padding", "tensor_core")
+    mask = np.zeros((B, 130))
+    mask[1] = -np.inf  # batch item 1: every key of every block
+    got, ref = _run(mod, c, mask, 37, 130, cluster=2)
+    assert np.isfinite(got).all() and not got[1].any()
+    assert _rel(got, ref) <= 1e-2
 
 
 def test_compiles_with_nvrtc(tmp_path):

@@ -97,3 +97,29 @@ def test_an_attention_kernel_that_spills_at_its_occupancy_bound_is_compiled_with
     assert k.spec.kernel.min_blocks == 0 and "__launch_bounds__(128)" in k.compiled.source
     assert k.retiled == "4 blocks per SM spilled 44 bytes; without that bound it does not"
     assert k.spec.arg_align == top.spec.arg_align and k.spec.dim_checks == top.spec.dim_checks
+
+
+@pytest.mark.parametrize("dt,split", [(TP.FLOAT16, 2), (TP.FLOAT, 1)])
+def test_keys_split_across_a_cluster_at_small_batches(dt, split):
+    # for sm_90 the tensor-core kernel carries split_k (up to its key tiles at the hint: 128 keys, 2 tiles of
+    # 64); the library clusters it while the units fit in one wave: at batch 2 x 128 queries (8 units) in
+    # pairs of blocks, at batch 64 not at all. Parity in emulation at both (check_models launches as the
+    # library does). An arch without clusters in --arch: no split (fused_parity builds for sm_80 too)
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.customops.attrs import cluster_for, read_launch
+    from ortfuse.customops.target import for_cc
+
+    m, hd = _with_computed_mask(dt, causal=False)
+    shapes = {"x": ("batch", "seq", hd), "km": ("batch", "seq")}
+    res = compile_model(m, shapes, "sm_90")
+    k = next(k for k in res.kernels if k.region.kind == "attention")
+    assert k.spec.split_k == split
+    launch = read_launch(next(n for n in res.model.graph.node if n.name == k.node.name))
+    sms = for_cc(90).sm_count
+    assert [cluster_for(launch.split_k, launch.grid([b, 128]), sms) for b in (2, 64)] == [split, 1]
+    for b in (2, 64) if split > 1 else (2,):
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (b, 128, hd), "km": (b, 128)})
+        assert rep.ok, "\n".join(rep.lines())
+    both = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"])
+    assert next(k for k in both.kernels if k.region.kind == "attention").spec.split_k == 1
