@@ -68,6 +68,25 @@ def _eval(e: Expr, env: dict[str, int]) -> int:
             "div": lambda: a[0] // a[1], "mod": lambda: a[0] % a[1], "min": lambda: min(a)}[e.fn]()
 
 
+def _linear_in(f: ir.Func, var: str) -> bool:
+    """Whether f's result is affine in `var` (degree 0 or 1 through add, sub and mul; any other op of it fails)."""
+    defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
+
+    def degree(e: Expr) -> int:  # 0, 1, or 2 for "not affine"
+        if isinstance(e, ir.Const):
+            return 0
+        if isinstance(e, Var):
+            return 1 if e.name == var else degree(defs[e.name]) if e.name in defs else 0
+        assert isinstance(e, ir.Op), e
+        ds = [degree(x) for x in e.args]
+        if e.fn in ("add", "sub"):
+            return max(ds)
+        if e.fn == "mul":
+            return min(sum(ds), 2)
+        return 0 if not any(ds) else 2
+    return f.result is not None and degree(f.result) <= 1
+
+
 def _run(f: ir.Func, env: dict[str, int]) -> int:
     env = dict(env)
     for s in f.body:
@@ -220,17 +239,12 @@ class _AttnLowerer(_Lowerer):
         for v in (1, 3, 7, 13):
             yield {f"d{k}": v for k in range(len(self.sym_pairs))}
 
-    def affine(self, layouts: list[ir.Func]) -> bool:
-        """offset(b, h, s, d) == offset(b, h, 0, d) + s * (offset(b, h, 1, d) - offset(b, h, 0, d)), probed
-        (a Reshape that splits or merges the sequence axis makes an offset piecewise)."""
-        for env in self.dim_probes():
-            for f in layouts:
-                for b, h, d in itertools.product((0, 1), (0, 2), (0, 8)):
-                    env.update(ab=b, ah=h, ad=d)
-                    at = [_run(f, {**env, "as": s}) for s in range(20)]
-                    if any(at[s] - at[0] != s * (at[1] - at[0]) for s in range(2, 20)):
-                        return False
-        return True
+    @staticmethod
+    def affine(layouts: list[ir.Func]) -> bool:
+        """offset(b, h, s, d) == offset(b, h, 0, d) + s * stride for every s: the sequence index enters each
+        offset through additions and multiplications by terms free of it only (a Reshape that splits or
+        merges the sequence axis divides it: piecewise, e.g. windows of tokens)."""
+        return all(_linear_in(f, "as") for f in layouts)
 
     def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:
         """Rows contiguous in d and starting on 16 bytes, probed."""

@@ -123,3 +123,22 @@ def test_keys_split_across_a_cluster_at_small_batches(dt, split):
         assert rep.ok, "\n".join(rep.lines())
     both = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"])
     assert next(k for k in both.kernels if k.region.kind == "attention").spec.split_k == 1
+
+
+def test_copies_step_one_stride_only_where_the_sequence_index_enters_linearly():
+    # AFFINE: a layout with the sequence index only added and scaled (by constants or dims); windows of tokens
+    # (a Reshape splitting the sequence axis: a division and a remainder) are piecewise, whatever the window
+    from ortfuse.customops import ir
+    from ortfuse.customops.ir import I64, Var
+    from ortfuse.customops.lower_attention import _linear_in
+
+    s, d, d1, w = Var("as", I64), Var("ad", I64), Var("d1", I64), Var("w", I64)
+
+    def func(result, lets=()):
+        return ir.Func("Q.offset", (s, d), tuple(ir.Let(v, e) for v, e in lets), result)
+    assert _linear_in(func(ir.add(ir.mul(s, ir.mul(ir.i64(2304), d1)), d)), "as")
+    assert _linear_in(func(ir.add(w, d), [(w, ir.Op("sub", (ir.i64(5), ir.mul(s, ir.i64(3))), I64))]), "as")
+    window = ir.add(ir.mul(ir.Op("div", (s, ir.i64(49)), I64), ir.i64(4096)), ir.mul(ir.Op("mod", (s, ir.i64(49)), I64), ir.i64(96)))
+    assert not _linear_in(func(ir.add(w, d), [(w, window)]), "as")
+    assert not _linear_in(func(ir.mul(s, s)), "as")
+    assert _linear_in(func(ir.Op("div", (d1, ir.i64(2)), I64)), "as")  # free of s: constant
