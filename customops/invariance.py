@@ -16,6 +16,7 @@ from typing import Optional
 from ortfuse.customops import ir, target as hw
 from ortfuse.customops.ir import I64, Expr, Var
 from ortfuse.customops.lower import LoweringError, _Lowerer
+from ortfuse.rewriter import iota
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import ops
 from ortfuse.search.plan import Region, Traffic
@@ -51,11 +52,18 @@ def _cone(g: Graph, t: str) -> set[int]:
     stack = [t]
     while stack and len(nodes) < MAX_CONE:
         i = g.producer.get(stack.pop())
-        if i is None or i in nodes or g.nodes[i].op_type not in CONE_OPS or g.nodes[i].domain not in ("", "ai.onnx"):
+        if i is None or i in nodes or not _in_cone(g, g.nodes[i]):
             continue
         nodes.add(i)
         stack.extend(x for _, x in ops.data_inputs(g.nodes[i]))
     return nodes
+
+
+def _in_cone(g: Graph, node) -> bool:
+    """An op the cone lowers: element-wise and layout ops, and Range iotas with constant start and step."""
+    if node.op_type not in CONE_OPS or node.domain not in ("", "ai.onnx"):
+        return False
+    return node.op_type != "Range" or all(iota.const_int(g, x) is not None for x in (node.input[0], node.input[2]))
 
 
 class _Deps:

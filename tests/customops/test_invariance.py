@@ -49,3 +49,17 @@ def test_a_row_dependent_input_is_read_per_row():
 def test_or_with_a_settled_true_operand_is_constant():
     # (i >= 0) or anything is true everywhere: the Where picks 0 for every element
     assert _axes([node("GreaterOrEqual", ["q4", "zero"], ["qc"]), node("Or", ["qc", "kb4"], ["cond"])]) == {0, 1, 2, 3}
+
+
+def test_a_range_with_a_runtime_step_is_an_input_of_the_cone():
+    # Range(0, S, step) with `step` a graph input: not an iota the cone computes, so the mask is read as it is
+    nodes = [node("Shape", ["km"], ["kms"]), node("Gather", ["kms", "one"], ["s"], axis=0),
+             node("Range", ["zero", "s", "step"], ["iq"]), node("Unsqueeze", ["iq", "ax"], ["q4"]),
+             node("Cast", ["km"], ["kb"], to=TP.BOOL), node("Unsqueeze", ["kb", "ax12"], ["kb4"]),
+             node("GreaterOrEqual", ["q4", "zero"], ["qc"]), node("And", ["qc", "kb4"], ["cond"]),
+             node("Where", ["cond", "zf", "low"], ["mask"])]
+    inits = [const("zero", 0, np.int64), const("one", 1, np.int64), const("ax", [0, 1, 3], np.int64),
+             const("ax12", [1, 2], np.int64), const("zf", 0.0), const("low", -3.0e38)]
+    ins = [vi("km", TP.INT64, ["batch", "seq"]), vi("step", TP.INT64, [])]
+    g = build_graph(model(nodes, ins, [vi("mask", TP.FLOAT, None)], inits))
+    assert invariant_axes(g, "mask", TGT) == {1}
