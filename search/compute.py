@@ -33,8 +33,9 @@ def expr_work(e: ir.Expr) -> tuple[float, float]:
 
 def node_work(g: Graph, node: onnx.NodeProto) -> tuple[float, float]:
     """(instructions, branches) per output element of `node` as our kernels evaluate it (scalar.RULES, so a
-    division by a constant is the multiply it lowers to); ops that move data cost nothing, other ops without
-    a rule one instruction."""
+    division by a constant is the multiply it lowers to, unless a step op or Cast reads the quotient: then
+    IEEE division, as the lowering keeps it); ops that move data cost nothing, other ops without a rule one
+    instruction."""
     if node.op_type in ops.FREE_IN_ORT or node.op_type in ops.LAYOUT:
         return 0.0, 0.0
     if node.op_type not in scalar.RULES or not node.output or node.output[0] not in g.tensors:
@@ -55,6 +56,9 @@ def node_work(g: Graph, node: onnx.NodeProto) -> tuple[float, float]:
             args.append(ir.Var(f"x{i}", ctype))
     out = scalar.STORAGE.get(g.tensors[node.output[0]].dtype)
     try:
+        if node.op_type == "Div" and len(args) == 2 and None not in args and \
+                any(scalar.sees_stored(g.nodes[c]) for c in g.consumers.get(node.output[0], ())):
+            return expr_work(scalar.exact_div(args[0], args[1]))  # as the lowering keeps it (_Lowerer.node_value)
         return expr_work(scalar.apply(node, args, out or "f32"))
     except (scalar.UnsupportedOp, KeyError, TypeError, ValueError, IndexError):
         return 1.0, 0.0

@@ -39,3 +39,11 @@ def test_the_epilogue_is_what_follows_the_gemm():
                           [const("w", np.ones((32, 64), np.float16), np.float16)]), {})
     assert compute.epilogue_per_element(g, range(4), 1) == pytest.approx((FN_INSTRUCTIONS["tanh"] + 1, 0.0))
     assert compute.epilogue_per_element(g, [0, 1], 1) == (0.0, 0.0)
+
+
+def test_a_division_a_step_op_reads_stays_a_division():
+    # Floor(x / c) must see the IEEE quotient (a reciprocal may move it across an integer): the lowering keeps
+    # the division there, and the count charges it with its branch
+    h = lambda name, v: const(name, np.asarray(v, np.float32), np.float32)  # noqa: E731
+    g = _graph([node("Div", ["x", "c"], ["d"]), node("Floor", ["d"], ["out"])], [h("c", 3.0)], TP.FLOAT)
+    assert compute.node_work(g, g.nodes[0]) == (FN_INSTRUCTIONS["div"], FN_BRANCHES["div"])
