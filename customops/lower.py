@@ -773,11 +773,11 @@ class _Lowerer:
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
-          tile: Optional[tuple[int, ...]] = None, bound: bool = True) -> KernelSpec:
+          tile: Optional[tuple[int, ...]] = None, bound: bool = False) -> KernelSpec:
     """Raises LoweringError with the reason when the region is not one kernel. `tf32`: fp32 GEMMs may
     run on tf32 tensor cores (the user opted in). `tile`: a GEMM candidate from `KernelSpec.tiles` to use
     instead of the top-ranked one (profiling); without its 7th entry (SPLIT), at its best split. `bound`:
-    a tensor-core attention kernel asks ptxas for its blocks per SM (False where that spilled)."""
+    a tensor-core attention kernel asks ptxas for its blocks per SM (api._attention_occupancy)."""
     if len(region.inputs) + len(region.outputs) > 32:
         raise LoweringError("more than 32 tensors in one kernel")
     reads = legal.shape_reads(graph, region.nodes, region.inputs)

@@ -97,7 +97,7 @@ def _run(f: ir.Func, env: dict[str, int]) -> int:
 
 
 class _AttnLowerer(_Lowerer):
-    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, bound: bool = True):
+    def __init__(self, graph: Graph, region: Region, tgt: hw.Target, bound: bool = False):
         super().__init__(graph, region, tgt, dict(graph.sym_hints))
         self.bound = bound
         self.p = _pattern(graph, region)
@@ -223,9 +223,9 @@ class _AttnLowerer(_Lowerer):
         self.emit(call)
         # the tensor-core kernel copies Q, K and V tiles with 16-byte cp.async
         aligned = tuple((self.args[t], 16) for t in (p.q, p.k, p.v)) if mma else ()
-        # head sizes up to 64: four blocks per SM (128 registers; ptxas takes ~140 unbounded, at 3 blocks),
-        # unless that spills (api._without_spills lowers again with bound=False)
-        min_blocks = MMA_MIN_BLOCKS if self.bound and mma and max(d, dv) <= 64 else 0
+        # bound: four blocks per SM (128 registers) for head sizes up to 64, where ptxas took more without the
+        # bound (BERT's: 141, 3 blocks per SM) and does not spill under it (api._attention_occupancy)
+        min_blocks = MMA_MIN_BLOCKS if self.bound and bounds_apply(mma, d, dv) else 0
         kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs), aligned, min_blocks=min_blocks)
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
@@ -258,7 +258,12 @@ class _AttnLowerer(_Lowerer):
         return True
 
 
-def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = True) -> KernelSpec:
+def bounds_apply(mma: bool, d: int, dv: int) -> bool:
+    """Whether the kernel may ask for MMA_MIN_BLOCKS blocks per SM: the tensor-core one, head sizes up to 64."""
+    return mma and max(d, dv) <= 64
+
+
+def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = False) -> KernelSpec:
     """`bound`: the tensor-core kernel asks ptxas for MMA_MIN_BLOCKS blocks per SM (head sizes up to 64)."""
     lw = _AttnLowerer(graph, region, tgt, bound)
     kernel, units, units_ceil, smem, split = lw.attention()
