@@ -37,7 +37,7 @@ def invariant_axes(g: Graph, t: str, tgt: hw.Target) -> frozenset[int]:
     made = {o for i in nodes for o in g.nodes[i].output if o}
     inputs = sorted({x for i in nodes for _, x in ops.data_inputs(g.nodes[i]) if x not in made})
     region = Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), (t,), shape, Traffic(0, 0, 0))
-    xs = tuple(Var(f"x{a}", I64) for a in range(len(shape)))
+    xs = tuple(Var(f"coord{a}", I64) for a in range(len(shape)))  # names no lowering binds
     try:
         lw = _Lowerer(g, region, tgt, dict(g.sym_hints))
         value = lw.value(t, xs)
