@@ -76,12 +76,14 @@ class _Deps:
         return self.defs.get(e.name) if isinstance(e, Var) else None
 
     def nonneg(self, e: Expr) -> bool:
+        """e >= 0 for every index: coordinates and integer arithmetic on them, and their conversion to float
+        (>= 0 or +inf; float arithmetic is left out, where inf * 0 would be NaN)."""
         if isinstance(e, ir.Const):
             return not isinstance(e.value, bool) and e.value >= 0
         if isinstance(e, Var):
             d = self._def(e)
             return e.name in self.coords if d is None else self.nonneg(d)
-        if isinstance(e, ir.Op) and e.fn in ("add", "mul", "div", "mod", "min", "max", "cast"):
+        if isinstance(e, ir.Op) and (e.fn == "cast" or e.ctype == I64 and e.fn in ("add", "mul", "div", "mod", "min", "max")):
             return all(self.nonneg(a) for a in e.args)
         return False
 

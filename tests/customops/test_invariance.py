@@ -63,3 +63,12 @@ def test_a_range_with_a_runtime_step_is_an_input_of_the_cone():
     ins = [vi("km", TP.INT64, ["batch", "seq"]), vi("step", TP.INT64, [])]
     g = build_graph(model(nodes, ins, [vi("mask", TP.FLOAT, None)], inits))
     assert invariant_axes(g, "mask", TGT) == {1}
+
+
+def test_float_arithmetic_on_coordinates_settles_nothing():
+    # float(i) >= 0 holds, but float(i) * c >= 0 is not claimed: float products can be NaN (inf * 0)
+    cast = [node("Cast", ["q4"], ["qf"], to=TP.FLOAT)]
+    assert _axes([*cast, node("GreaterOrEqual", ["qf", "zf"], ["qc"]), node("And", ["qc", "kb4"], ["cond"])]) == {1, 2}
+    scaled = [*cast, node("Mul", ["qf", "two"], ["q2"]), node("GreaterOrEqual", ["q2", "zf"], ["qc"]),
+              node("And", ["qc", "kb4"], ["cond"])]
+    assert _axes(scaled, [const("two", 2.0)]) == {1}
