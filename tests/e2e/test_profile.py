@@ -420,6 +420,6 @@ def test_without_profile_the_tile_model_ships_a_kernel_per_size_class(wgmma, k):
 
 
 def test_no_size_variants_for_a_fixed_batch():
-    m = _encoder_block()  # x [n, 64]: n symbolic, but batch 32 of a symbolic n is what the bindings vary
+    m = _encoder_block()  # x [n, 64] with n fixed by --input-shape: one binding, one kernel
     res = compile_model(m, {"x": (4, 64)}, "sm_90", options=Options(archs=(90,), wgmma=False))
     assert res.kernels[0].spec.binding_rows == () and res.kernels[0].variants == ()
