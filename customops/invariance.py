@@ -11,6 +11,7 @@ are non-negative, which settles the comparisons such masks carry (`i >= 0`, `0 <
 with a settled operand drop the other side. Anything the cone cannot lower makes no claim."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from ortfuse.customops import ir, target as hw
@@ -67,15 +68,19 @@ def _in_cone(g: Graph, node) -> bool:
 
 
 class _Deps:
-    """Index variables an expression's value depends on, through the lowerer's bound variables."""
+    """Index variables an expression's value depends on, through the lowerer's bound variables. Memoized per
+    expression: bound variables are shared (x * x, chains of them), which would make the walks exponential."""
 
     def __init__(self, defs: dict[str, Expr], coords: set[str]):
         self.defs, self.coords = defs, coords
+        self.nonneg = functools.cache(self._nonneg)
+        self.truth = functools.cache(self._truth)
+        self.deps = functools.cache(self._deps)
 
     def _def(self, e: Expr) -> Optional[Expr]:
         return self.defs.get(e.name) if isinstance(e, Var) else None
 
-    def nonneg(self, e: Expr) -> bool:
+    def _nonneg(self, e: Expr) -> bool:
         """e >= 0 for every index: coordinates and integer arithmetic on them, and their conversion to float
         (>= 0 or +inf; float arithmetic is left out, where inf * 0 would be NaN)."""
         if isinstance(e, ir.Const):
@@ -87,7 +92,7 @@ class _Deps:
             return all(self.nonneg(a) for a in e.args)
         return False
 
-    def truth(self, e: Expr) -> Optional[bool]:
+    def _truth(self, e: Expr) -> Optional[bool]:
         """The value of a bool expression where it is settled for every index, else None."""
         if isinstance(e, ir.Const):
             return bool(e.value) if e.ctype == "bool" else None
@@ -115,12 +120,12 @@ class _Deps:
             return None if v is None else not v
         return None
 
-    def deps(self, e: Expr) -> set[str]:
+    def _deps(self, e: Expr) -> frozenset[str]:
         if isinstance(e, ir.Const) or self.truth(e) is not None:
-            return set()
+            return frozenset()
         if isinstance(e, Var):
             d = self._def(e)
-            return ({e.name} & self.coords) if d is None else self.deps(d)
+            return frozenset({e.name} & self.coords) if d is None else self.deps(d)
         if isinstance(e, ir.Load):
             return self.deps(e.offset)
         if isinstance(e, ir.Op):
@@ -131,8 +136,5 @@ class _Deps:
                     return self.deps(args[1] if c else args[2])
             elif e.fn in ("and", "or"):  # an operand that cannot change the result drops out
                 args = tuple(x for x in args if self.truth(x) is not (e.fn == "and"))
-            out: set[str] = set()
-            for x in args:
-                out |= self.deps(x)
-            return out
+            return frozenset().union(*(self.deps(x) for x in args))
         raise TypeError(f"unexpected expression {e!r}")  # Lane: the cone lowers without vector loads

@@ -72,3 +72,11 @@ def test_float_arithmetic_on_coordinates_settles_nothing():
     scaled = [*cast, node("Mul", ["qf", "two"], ["q2"]), node("GreaterOrEqual", ["q2", "zf"], ["qc"]),
               node("And", ["qc", "kb4"], ["cond"])]
     assert _axes(scaled, [const("two", 2.0)]) == {1}
+
+
+def test_shared_subexpressions_are_walked_once():
+    # 60 squarings of the row coordinate: each value read twice by the next, 2^60 paths through the cone
+    nodes = [node("Cast", ["q4"], ["f0"], to=TP.FLOAT)]
+    nodes += [node("Mul", [f"f{i}", f"f{i}"], [f"f{i + 1}"]) for i in range(60)]
+    nodes += [node("GreaterOrEqual", ["f60", "zf"], ["qc"]), node("And", ["qc", "kb4"], ["cond"])]
+    assert _axes(nodes) == {1}
