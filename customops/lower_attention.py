@@ -13,7 +13,6 @@ index); the SIMT variant takes the rest."""
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
 
 import onnx
 
@@ -69,7 +68,9 @@ def _eval(e: Expr, env: dict[str, int]) -> int:
 
 
 def _linear_in(f: ir.Func, var: str) -> bool:
-    """Whether f's result is affine in `var` (degree 0 or 1 through add, sub and mul; any other op of it fails)."""
+    """Whether f's result is affine in `var`: it enters through additions and multiplications by terms free of
+    it only (degree 0 or 1). A Reshape that splits or merges the sequence axis divides the index: piecewise
+    (windows of tokens), whatever the window."""
     defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
 
     def degree(e: Expr) -> int:  # 0, 1, or 2 for "not affine"
@@ -216,7 +217,7 @@ class _AttnLowerer(_Lowerer):
         ptrs = tuple(Var(f"t{self.args[t]}", storage) for t in (p.q, p.k, p.v)) + (
             Var(f"t{self.out_args[p.output]}", storage),)
         targs = (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S")
-        if mma and self.affine(funcs[:3]):
+        if mma and all(_linear_in(f, "as") for f in funcs[:3]):  # Q, K, V offsets affine in the sequence index
             targs += ("true",)
         call = ir.Call("ofz::attn::tensor_core" if mma else "ofz::attn::simt", targs, ptrs + (dims,))
         self.scopes = [_Scope(set())]
@@ -225,7 +226,7 @@ class _AttnLowerer(_Lowerer):
         aligned = tuple((self.args[t], 16) for t in (p.q, p.k, p.v)) if mma else ()
         # bound: four blocks per SM (128 registers) for head sizes up to 64, where ptxas took more without the
         # bound (BERT's: 141, 3 blocks per SM) and does not spill under it (api._attention_occupancy)
-        min_blocks = MMA_MIN_BLOCKS if self.bound and bounds_apply(mma, d, dv) else 0
+        min_blocks = MMA_MIN_BLOCKS if self.bound and mma and max(d, dv) <= 64 else 0
         kernel = self.kernel(THREADS, 0, ("ortfuse_attention.h",), tuple(funcs), aligned, min_blocks=min_blocks)
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
@@ -233,22 +234,11 @@ class _AttnLowerer(_Lowerer):
         split = key_split(self.tgt, d, dv, self.hint(ss[3])) if mma else 1
         return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem, split
 
-    def dim_probes(self) -> Iterator[dict[str, int]]:
-        """Every symbolic dim at 1, 3, 7 and 13: the offsets are polynomials in them; odd sizes expose an odd
-        stride."""
-        for v in (1, 3, 7, 13):
-            yield {f"d{k}": v for k in range(len(self.sym_pairs))}
-
-    @staticmethod
-    def affine(layouts: list[ir.Func]) -> bool:
-        """offset(b, h, s, d) == offset(b, h, 0, d) + s * stride for every s: the sequence index enters each
-        offset through additions and multiplications by terms free of it only (a Reshape that splits or
-        merges the sequence axis divides it: piecewise, e.g. windows of tokens)."""
-        return all(_linear_in(f, "as") for f in layouts)
-
     def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:
-        """Rows contiguous in d and starting on 16 bytes, probed."""
-        for env in self.dim_probes():
+        """Rows contiguous in d and starting on 16 bytes, probed at several sizes of every symbolic dim
+        (the offsets are polynomials in them; odd sizes expose an odd stride)."""
+        for v in (1, 3, 7, 13):
+            env = {f"d{k}": v for k in range(len(self.sym_pairs))}
             for f, w in zip(layouts, widths):
                 for b, h, s in itertools.product((0, 1), (0, 2), (0, 1, 5)):
                     env.update(ab=b, ah=h, **{"as": s})
@@ -256,11 +246,6 @@ class _AttnLowerer(_Lowerer):
                     if base % 8 or any(_run(f, {**env, "ad": x}) != base + x for x in (1, w - 1)):
                         return False
         return True
-
-
-def bounds_apply(mma: bool, d: int, dv: int) -> bool:
-    """Whether the kernel may ask for MMA_MIN_BLOCKS blocks per SM: the tensor-core one, head sizes up to 64."""
-    return mma and max(d, dv) <= 64
 
 
 def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = False) -> KernelSpec:

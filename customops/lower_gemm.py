@@ -433,7 +433,7 @@ class _GemmLowerer(_Lowerer):
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
-        self.size_estimates(ranked, shapes, es, math_, a_mode, b_mode)
+        fam_ranked = ranked  # the chosen family's candidates (the others' bests join `ranked` for --profile)
         wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode) if not fold_targ else None
         if wg_b is not None:
             # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
@@ -454,8 +454,8 @@ class _GemmLowerer(_Lowerer):
                 # or latency binds them alike, their lower issue cost is what the estimate does not see
                 times = [self.joint_us(f[2], shapes, es, f[0], f[3]) if f[2] is not None else math.inf for f in fams]
                 pick = min(range(len(fams)), key=lambda i: (times[i], -i))
-            math_, ranked, chosen, fam_bnk = fams[pick]
-            self.size_estimates(ranked, shapes, es, math_, a_mode, COL if fam_bnk else b_mode)
+            math_, ranked, chosen, _ = fams[pick]
+            fam_ranked = ranked
             # --profile measures the other families' best too
             ranked = list(ranked) + [f[1][0] for i, f in enumerate(fams) if i != pick and f[1]]
             if self.row_mode:  # only mma.sync tiles span a row: both kinds across the families
@@ -466,6 +466,7 @@ class _GemmLowerer(_Lowerer):
                 b_mode = COL
         if chosen is None:  # a forced tile of a family this GEMM cannot use, or that does not fit it
             raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
+        self.size_estimates(fam_ranked, shapes, es, math_, a_mode, b_mode)
         targs: tuple[str, ...] = ()
         if self.row_mode:
             targs = self.row_epilogue(funcs, vb, out_prefix, y_s, chosen.tile)
@@ -525,9 +526,8 @@ class _GemmLowerer(_Lowerer):
 
     def size_estimates(self, ranked: list[tl.Ranked], shapes: list[tl.Shape], es: int, math_: int,
                        a_mode: int, b_mode: int) -> None:
-        """KernelSpec.tile_us / binding_rows for one tile family's candidates (the chosen one first). Not for
+        """KernelSpec.tile_us / binding_rows for the chosen family's candidates (the chosen one first). Not for
         row-wise epilogues (their split rows launch clusters per size) or a single binding."""
-        self.tile_us, self.binding_rows = (), ()
         if self.row_mode or len(shapes) < 2 or not ranked:
             return
         staged = self.staged(a_mode, b_mode)

@@ -156,7 +156,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         compiled = dict(zip(sources, pool.map(lambda kv: compile_kernel(kv[1], kv[0], archs, opts.cache),
                                               sources.items())))
         kernels = [fused_kernel(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
-        kernels = list(pool.map(lambda k: _without_spills(graph, tgt, opts, k), kernels))
+        kernels = list(pool.map(lambda k: _after_ptxas(graph, tgt, opts, k), kernels))
         if not opts.profile:  # --profile chooses variants from measurements
             kernels = list(pool.map(lambda k: _size_variants(graph, tgt, opts, k), kernels))
     placements: tuple = ()
@@ -192,12 +192,18 @@ def spill_bytes(ck: CompiledKernel) -> int:
     return max((r.spill_bytes for _, r in ck.resources), default=0)
 
 
+def _after_ptxas(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKernel:
+    """What ptxas reported may rebuild a kernel: a GEMM tile that spills, an attention kernel over its
+    registers for 4 blocks per SM."""
+    if k.region.kind == "attention":
+        return _attention_occupancy(graph, tgt, opts, k)
+    return _without_spills(graph, tgt, opts, k)
+
+
 def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKernel:
     """Roller's tiles come from a register estimate; ptxas has the last word. A GEMM whose top-ranked tile
     spills is rebuilt with the next ranked candidate that does not (or, failing that, spills least)."""
     first = spill_bytes(k.compiled)
-    if k.region.kind == "attention":
-        return _attention_occupancy(graph, tgt, opts, k)
     if k.region.kind not in ("gemm", "gemm_row") or not first or len(k.spec.tiles) < 2:
         return k
     from ortfuse.profile import tile_label

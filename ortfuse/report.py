@@ -70,8 +70,8 @@ def markdown(r: OptimizeResult, source: str) -> str:
         res = ", ".join(f"sm_{cc}: {x.regs}" + (f" ({x.spill_bytes})" if x.spill_bytes else "")
                         + (f", wgmma serialized: {x.wgmma_serialized}" if x.wgmma_serialized else "")
                         for cc, x in k.compiled.resources) or "-"
-        split = f", keys split across clusters of up to {k.spec.split_k}" if k.spec.split_k > 1 and \
-            k.region.kind == "attention" else f", split-K up to {k.spec.split_k}" if k.spec.split_k > 1 else \
+        shared = "keys split across clusters of up to" if k.region.kind == "attention" else "split-K up to"
+        split = f", {shared} {k.spec.split_k}" if k.spec.split_k > 1 else \
             f", rows split across clusters of {k.spec.row_cluster}" if k.spec.row_cluster > 1 else ""
         by_size = "".join(f"; from {frm} rows `{vck.entry}` ({vspec.block})" for frm, vspec, vck in k.variants)
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}`"
