@@ -63,7 +63,7 @@ namespace ofz_emu {
 
 constexpr int kMaxThreads = 1024;          // per block
 constexpr int kMaxCluster = 8;             // blocks per cluster (the portable limit)
-constexpr int kMaxFibers = 4 * kMaxThreads;  // threads of one cluster, all live at once
+constexpr int kMaxFibers = kMaxCluster * kMaxThreads;  // threads of one cluster, all live at once
 enum : unsigned char { kRun, kAtBlock, kAtWarp, kDone, kAtCluster, kAtMbar, kAtNamed };  // thread states
 enum : unsigned char { kSync, kShfl, kBallot, kAny, kAll };          // warp operations
 static const char* const kOpName[] = {"__syncwarp", "a shuffle", "__ballot_sync", "__any_sync", "__all_sync"};
