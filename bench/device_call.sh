@@ -57,6 +57,11 @@ for name in "$@"; do
       # division's per-element branch), the data behind Target.epilogue_branch_clocks (one shape so far)
       step "$name" 120 python3 -m ortfuse.bench.sweep --epilogue "${name#sweep-}" --per-family 2 \
         --json "$WORK/$name.json" --md "$WORK/$name.md" --shapes 4096x3072x768 128x3072x768 ;;
+    sweep-layernorm)  # issue 5, 2026-11-26 (CPU session 17): GEMM + bias + residual + LayerNorm as one kernel (split
+      # across a cluster, or spanning the row) against cuBLAS + our row kernel, and without its row pass
+      # (--ablate): what session 17's row epilogue (gathered slots, unrolled rows, row_in8) left of the 3x
+      step "$name" 150 python3 -m ortfuse.bench.sweep --epilogue layernorm --per-family 2 --ablate \
+        --json "$WORK/$name.json" --md "$WORK/$name.md" --shapes 4096x768x768 128x768x768 4096x768x3072 128x768x3072 ;;
     sweep-diag)  # issue 5, 2026-11-26: where the fixed ~18 us per 4096x768 output goes (M scaling, no stores, warm L2)
       step "$name" 200 python3 -m ortfuse.bench.sweep --per-family 1 --ablate --no-flush --json "$WORK/sweep-diag.json" \
         --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;

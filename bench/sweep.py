@@ -5,7 +5,7 @@ estimate and ptxas's registers beside each figure. It tells the mainloops apart 
 tile model's estimates from the measurements (the ratio measured / estimated per family).
 
     python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
-                                  [--no-flush] [--epilogue bias|gelu] [--json OUT] [--md OUT]
+                                  [--no-flush] [--epilogue bias|gelu|layernorm|...] [--json OUT] [--md OUT]
 
 Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
 runs on random device-resident inputs. Diagnostics of each family's best tile: `--ablate` times it again
@@ -16,7 +16,10 @@ the L2 as the previous run left it. `--epilogue gelu` adds BERT's exported erf G
 shape also times cuBLAS followed by the epilogue as our own kernel (what placement weighs a fused epilogue
 against), and the estimates include the epilogue term (Target.epilogue_branch_clocks, which such rows
 calibrate: `softsign` divides by a tensor, IEEE division with its per-element branch; the erf GELU and
-SiLU have had none since 2026-11-26). Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
+SiLU have had none since 2026-11-26). `--epilogue layernorm` is a row-wise epilogue (BERT's bias + residual +
+LayerNorm): the row-wise tiles of mma.sync and wgmma, splitting the row across a cluster and spanning it,
+against cuBLAS + our row kernel; `--ablate` then leaves out the row pass, its cluster barriers and its
+stores. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +54,10 @@ from ortfuse.search.plan import Region
 SHAPES = ((4096, 768, 768), (4096, 3072, 768), (4096, 768, 3072), (4096, 2304, 768), (128, 768, 768),
           (128, 3072, 768), (128, 768, 3072))
 FAMILIES = {"mma.sync": tl.MMA_F16, "wgmma": tl.WGMMA_F16, "wgmma+TMA": tl.WS_F16}
-EPILOGUES = {"bias": "bias", "gelu": "bias + GELU", "silu": "bias + SiLU", "softsign": "bias + softsign"}
+EPILOGUES = {"bias": "bias", "gelu": "bias + GELU", "silu": "bias + SiLU", "softsign": "bias + softsign",
+             "layernorm": "bias + residual + LayerNorm"}
+ROW_EPILOGUES = ("layernorm",)  # a row-wise epilogue (gemm_row): its own tiles, TMA's not among them
+ROW_FAMILIES = ("mma.sync", "wgmma")
 ARCHS = (90,)
 
 
@@ -87,14 +93,22 @@ class ShapeResult:
 def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") -> onnx.ModelProto:
     """y = x @ w + b in fp16, the weight and bias constant (as in the zoo's linear layers); `epilogue` "gelu":
     then GELU(y) as BERT's export spells it (x / sqrt(2) with a fp16 constant, Erf, + 1, * x, * 0.5); "silu":
-    y * Sigmoid(y); "softsign": y / (1 + |y|), a division by a tensor (IEEE, with its per-element branch)."""
+    y * Sigmoid(y); "softsign": y / (1 + |y|), a division by a tensor (IEEE, with its per-element branch);
+    "layernorm": LayerNorm(y + r) over the row, r a second input (a row-wise epilogue)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float16)
     b = (rng.standard_normal(n) * 0.1).astype(np.float16)
     mk = helper.make_node
     nodes = [mk("MatMul", ["x", "w"], ["y"]), mk("Add", ["y", "b"], ["out" if epilogue == "bias" else "z"])]
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
-    if epilogue == "gelu":
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])]
+    if epilogue == "layernorm":  # BERT's post-attention block: LayerNorm(x @ w + b + residual)
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT16, [m, n]))
+        nodes += [mk("Add", ["z", "r"], ["s"]), mk("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1,
+                                                   epsilon=1e-12)]
+        inits += [numpy_helper.from_array((1.0 + rng.standard_normal(n) * 0.1).astype(np.float16), "g"),
+                  numpy_helper.from_array((rng.standard_normal(n) * 0.1).astype(np.float16), "beta")]
+    elif epilogue == "gelu":
         nodes += [mk("Div", ["z", "sqrt2"], ["d"]), mk("Erf", ["d"], ["e"]), mk("Add", ["e", "one"], ["e1"]),
                   mk("Mul", ["z", "e1"], ["p"]), mk("Mul", ["p", "half"], ["out"])]
         inits += [numpy_helper.from_array(np.array(v, np.float16), name)
@@ -106,21 +120,27 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") ->
         inits.append(numpy_helper.from_array(np.array(1.0, np.float16), "one"))
     elif epilogue != "bias":
         raise ValueError(f"unknown epilogue '{epilogue}': expected one of {sorted(EPILOGUES)}")
-    g = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, n])], inits)
+    g = helper.make_graph(nodes, "gemm", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, n])],
+                          inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     return model
 
 
-def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0) -> list[tuple[str, tuple[int, ...], float]]:
+def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0,
+               row: bool = False) -> list[tuple[str, tuple[int, ...], float]]:
     """(family, candidate, estimate) for the model's best `per_family` tiles of each family at this shape;
     `epi`: the epilogue's branches per element, whose term the estimate includes (not the ranking, as in
-    the lowering)."""
+    the lowering). `row`: tiles for a row-wise epilogue, each family's best tile spanning the row and best
+    splitting it across a cluster among them (placement weighs both kinds)."""
     tgt = target_for(ARCHS, True)
     out = []
     for name, math_ in FAMILIES.items():
-        for r in tl.rank_tiles(tgt, m, n, k, 1, 2, math_, math_ in tl.WGMMA, top_k=per_family):
+        if row and name not in ROW_FAMILIES:
+            continue
+        ranked = tl.rank_tiles(tgt, m, n, k, 1, 2, math_, math_ in tl.WGMMA, top_k=10**6, row=row)
+        picked = tl.with_both_row_kinds(ranked[:per_family], ranked, n) if row else ranked[:per_family]
+        for r in picked:
             out.append((name, r.tile.candidate(r.split), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi)))
     return out
 
@@ -169,6 +189,10 @@ class GemmCase:
                    random_feeds(alone, None, seed=1), epilogue)
 
     @property
+    def row(self) -> bool:
+        return self.epilogue in ROW_EPILOGUES
+
+    @property
     def epi(self) -> float:
         """The epilogue's per-element branches (search.compute)."""
         return compute.epilogue_per_element(self.g, self.region.nodes, anchor_region(self.g, self.region).nodes[0])[1]
@@ -177,7 +201,7 @@ class GemmCase:
         """The epilogue alone as our own kernel (everything but the GEMM, one element-wise region), with its
         inputs: the model cuBLAS + ours times after ORT's bare MatMul."""
         a = anchor_region(self.g, self.region).nodes[0]
-        r = legal.classify(self.g, set(self.region.nodes) - {a})
+        r = legal.classify(self.g, set(self.region.nodes) - {a})  # element-wise, or a row kernel
         if not isinstance(r, Region):
             raise ValueError(f"the sweep's epilogue is not one kernel: {r}")
         r = dataclasses.replace(r, id=1, traffic=traffic(self.g, r))
@@ -225,8 +249,8 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
         return SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0, err,
                         variant)
 
-    rows = [r for r in (one(*c) for c in candidates(*shape, per_family, case.epi if epilogue != "bias" else 0.0))
-            if r is not None]
+    epi = case.epi if epilogue not in ("bias", *ROW_EPILOGUES) else 0.0
+    rows = [r for r in (one(*c) for c in candidates(*shape, per_family, epi, case.row)) if r is not None]
     variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None)) if on]
     for name in FAMILIES if variants else ():
         best = _best(rows, name)
@@ -335,7 +359,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-flush", action="store_true",
                     help="also time cuBLAS and each family's best tile without flushing the L2 before a run")
     ap.add_argument("--epilogue", choices=sorted(EPILOGUES), default="bias",
-                    help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU, SiLU or softsign (a division)")
+                    help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU, SiLU, softsign (a division), "
+                         "or residual + LayerNorm (a row-wise epilogue)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)

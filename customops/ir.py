@@ -96,6 +96,7 @@ class For:
     stop: Expr
     step: Expr
     body: tuple["Stmt", ...]
+    unroll: int = 0  # > 0: `#pragma unroll` with this factor (a loop of a known trip count)
 
 
 @dataclass(frozen=True)
@@ -140,11 +141,14 @@ class RowReduce:
 
 @dataclass(frozen=True)
 class RowPut:
-    """`ofz_slots[offset] = value`: a row reduction's partial over the block's columns, for the cluster's other
-    blocks (a row split across a cluster, ortfuse_gemm.h); read back combined by Op("xrow_<op>", (offset,))."""
+    """`<buffer>[offset] = value` in a GEMM row-wise epilogue's shared memory (ortfuse_gemm.h): "ofz_slots", a row
+    reduction's partial over the block's columns for the cluster's other blocks (a row split across a
+    cluster; read back combined by Op("xrow_<op>", (offset, RSPLIT, BM)), both constants), or "ofz_row",
+    row_in8's values of X into the row buffer."""
 
     offset: Expr
     value: Expr
+    buffer: str = "ofz_slots"
 
 
 @dataclass(frozen=True)
@@ -349,7 +353,7 @@ def _drop_lets(body: tuple[Stmt, ...], used: frozenset[str]) -> tuple[Stmt, ...]
         if isinstance(s, Let) and s.var.name not in used:
             continue
         if isinstance(s, For):
-            s = For(s.var, s.start, s.stop, s.step, _drop_lets(s.body, used))
+            s = For(s.var, s.start, s.stop, s.step, _drop_lets(s.body, used), s.unroll)
         elif isinstance(s, If):
             s = If(s.cond, _drop_lets(s.body, used))
         out.append(s)

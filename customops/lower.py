@@ -45,6 +45,7 @@ class RowSplit:
     n0: Expr
     n1: Expr
     bm: int
+    rsplit: int  # the cluster's blocks (RSPLIT)
     order: list = dataclasses.field(default_factory=list)
     phase: Optional[int] = None
     reduced: bool = False  # phase p produced its reduction
@@ -174,6 +175,9 @@ class _Lowerer:
         self.split_row: Optional[RowSplit] = None
         self.row_c: Optional[Expr] = None  # row_pass: the row (clamped) and whether it exists
         self.row_active: Optional[Expr] = None
+        # a GEMM's row-wise epilogue: the most columns its row pass covers (the tile's, or the whole static
+        # row), so a column loop known to run at most once is printed as an `if`
+        self.row_span: Optional[int] = None
 
     # ------------------------------------------------------------------ shapes and dims
     def _shape(self, t: str) -> tuple[Dim, ...]:
@@ -249,12 +253,27 @@ class _Lowerer:
         (self._scope_for(e) if not isinstance(e, ir.Const) else self.scopes[-1]).memo[key] = e
         return e
 
-    def loop(self, var: str, start: Expr, stop: Expr, step: Expr, body: Callable[[Var], None]) -> None:
+    def loop(self, var: str, start: Expr, stop: Expr, step: Expr, body: Callable[[Var], None],
+             unroll: int = 0) -> None:
+        """`for var in [start, stop) by step`; `unroll`: its `#pragma unroll` factor."""
         v = Var(var, I64)
         self.scopes.append(_Scope({var}))
         body(v)
         inner = self.scopes.pop()
-        self.emit(ir.For(v, start, stop, step, tuple(inner.stmts)))
+        self.emit(ir.For(v, start, stop, step, tuple(inner.stmts), unroll))
+
+    def once_columns(self, start: Expr, stop: Expr) -> Optional[tuple[Expr, Expr]]:
+        """Where a row pass's column loop (TPR threads, VEC columns each) runs at most once: (the lane's first
+        column, whether it is one of the row's), the column clamped to the pass's first so that it can be read
+        either way. The caller then computes unconditionally and selects (a reduction's identity) or guards
+        (a store): straight-line code, which an unrolled row loop interleaves across rows; a loop or a branch
+        per row kept each row's load, reduce and combine chain waiting in turn."""
+        if self.row_span is None or self.row_span > self.tpr * self.vec:
+            return None
+        first = self.split_row.n0 if self.split_row is not None else ir.i64(0)
+        c = self.bind(start, "c")
+        valid = self.bind(ir.Op("lt", (c, stop), BOOL), "cin")
+        return self.bind(ir.Op("select", (valid, c, first), I64), "cs"), valid
 
     # ------------------------------------------------------------------ index math
     def linearize(self, idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> Expr:
@@ -517,12 +536,16 @@ class _Lowerer:
         row = idx[:len(xs) - 1]
         if tuple(row) != self.row_idx or (out_rank == len(xs) and node.op_type.startswith("Reduce") and idx[-1] != ir.i64(0)):
             raise LoweringError(f"{node.op_type} result is consumed at another row (layout change after the reduction)")
-        n = ir.Op("cast", (self.dim(xs[-1]),), F32)
+        # a mean over a static count multiplies by its reciprocal (within an ulp of the quotient: no IEEE
+        # division, whose slow-path branch per row kept an unrolled row loop's rows apart)
+        count = xs[-1]
+        mean_of = ((lambda s: ir.Op("mul", (s, ir.Const(1.0 / count, F32)), F32)) if isinstance(count, int) and count > 0
+                   else (lambda s: ir.Op("div", (s, ir.Op("cast", (self.dim(count),), F32)), F32)))
         elem = lambda c: self.value(x, self.row_idx + (c,))  # noqa: E731
         op = node.op_type
         if op in ("ReduceSum", "ReduceMean"):
             s = self.row_reduce("sum", elem, (x, "sum"))
-            return ir.Op("div", (s, n), F32) if op == "ReduceMean" else s
+            return mean_of(s) if op == "ReduceMean" else s
         if op == "ReduceSumSquare":
             return self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (x, "ssq"))
         if op in ("ReduceMax", "ReduceMin"):
@@ -536,10 +559,9 @@ class _Lowerer:
                 return ir.Op("mul", (ir.Op("exp", (shifted(idx[-1]),), F32), inv), F32)
             return ir.Op("sub", (shifted(idx[-1]), self.bind(ir.Op("log", (s,), F32))), F32)
         # LayerNormalization (axis = -1): two passes, like ORT
-        mean = self.bind(ir.Op("div", (self.row_reduce("sum", elem, (x, "sum")), n), F32))
+        mean = self.bind(mean_of(self.row_reduce("sum", elem, (x, "sum"))))
         cent = lambda c: self.bind(ir.Op("sub", (elem(c), mean), F32))  # noqa: E731
-        var = ir.Op("div", (self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (cent(c), cent(c)), F32)),
-                                            (x, "var")), n), F32)
+        var = mean_of(self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (cent(c), cent(c)), F32)), (x, "var")))
         eps = float(scalar.attr(node, "epsilon", 1e-5))
         inv = self.bind(ir.Op("rsqrt", (ir.Op("add", (var, ir.Const(eps, F32)), F32),), F32))
         y: Expr = ir.Op("mul", (cent(idx[-1]), inv), F32)
@@ -569,7 +591,7 @@ class _Lowerer:
             assert self.row_c is not None
             result = Var(self.fresh("r"), F32)
             slot = ir.add(ir.i64(at * xs.bm), self.row_c)
-            self.emit(ir.Let(result, ir.Op(f"xrow_{kind}", (slot,), F32)))
+            self.emit(ir.Let(result, ir.Op(f"xrow_{kind}", (slot, ir.i64(xs.rsplit), ir.i64(xs.bm)), F32)))
         else:
             acc = Var(self.fresh("acc"), F32)
             self.emit(ir.Decl(acc, ir.Const(_IDENTITY[kind], F32)))
@@ -584,7 +606,15 @@ class _Lowerer:
             start = ir.mul(Var("rlane", I64), ir.i64(self.vec))
             if xs is not None:
                 start = ir.add(xs.n0, start)
-            self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
+            once = self.once_columns(start, c_dim)
+            if once is None:
+                self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
+            else:
+                cs, valid = once
+                self.lanes = tuple(ir.add(cs, ir.i64(l)) for l in range(self.vec))
+                for lane in self.lanes:
+                    x = ir.Op("select", (valid, elem(lane), ir.Const(_IDENTITY[kind], F32)), F32)
+                    self.emit(ir.Assign(acc, ir.Op(_COMBINE[kind], (acc, x), F32)))
             self.emit(ir.RowReduce(acc, kind, self.tpr))
             if xs is not None and at is not None:  # phase `at`: the block's partial into the row's slot
                 assert self.row_c is not None and self.row_active is not None
@@ -735,7 +765,14 @@ class _Lowerer:
             def col_body(cb: Var) -> None:
                 self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
                 self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
-            self.loop(self.fresh("c"), c_start, c_stop, ir.i64(self.tpr * self.vec), col_body)
+            once = self.once_columns(c_start, c_stop)
+            if once is None:
+                self.loop(self.fresh("c"), c_start, c_stop, ir.i64(self.tpr * self.vec), col_body)
+            else:
+                cs, valid = once
+                self.lanes = tuple(ir.add(cs, ir.i64(l)) for l in range(self.vec))
+                self.store_outputs(full, lambda lane: self.row_idx + (lane,),
+                                   self.bind(ir.Op("and", (active, valid), BOOL), "st"))
 
     def row_threads(self, c: Dim, cap: int) -> int:
         """Threads per row: about ROW_VECTORS_PER_THREAD vectors each, a power of two in [32, cap]."""

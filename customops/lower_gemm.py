@@ -36,6 +36,7 @@ GATHER32_LIMIT = 2 ** 31  # kIm2col indexes one image with 32-bit ints
 MATH_OF = {"f16": tl.MMA_F16, "bf16": tl.MMA_BF16}
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 ROW_PTR = "f32p"  # float* parameters of the row-wise callbacks
+ROW_UNROLL = 8  # a row-wise epilogue's row loop: at most this many rows' chains interleaved per warp
 TAP_MAJOR_PERM = (0, 2, 3, 1)  # a Conv weight [OC][C][KH][KW] as the tap-major gather's A: [OC][KH][KW][C]
 
 
@@ -156,6 +157,13 @@ class _GemmLowerer(_Lowerer):
         return d if isinstance(d, int) else None
 
     # ------------------------------------------------------------------ epilogues
+    def lanes8(self, inner: Dim, outs: list[str]) -> bool:
+        """Whether an epilogue can take 8 adjacent columns as one 16-byte vector per access: the row holds
+        whole groups of 8 16-bit lanes (vector_width: every input and output of the region) and none of
+        `outs` is transposed."""
+        return isinstance(inner, int) and inner % 8 == 0 and self.vector_width(inner) == 8 and all(
+            (p := self.perms.get(o)) is None or p[-1] == len(p) - 1 for o in outs)
+
     def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, inner: Dim,
                  col_index=lambda n: (n,)) -> None:
         """epi2 / epi1: every region output at two adjacent columns (16-bit pairs as one store), or one.
@@ -183,10 +191,8 @@ class _GemmLowerer(_Lowerer):
         funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: store([(vn, v0), (n1, v1)], pair_vec)))
         funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: store([(vn, v0)], 1)))
         # epi8: 8 adjacent columns as one 16-byte vector per access (the template's whole tiles on mma
-        # fragments exchange pairs within each quad to get them): where the row holds whole groups of 8
-        # 16-bit lanes (vector_width: every input and output of the region) and no output is transposed
-        if isinstance(inner, int) and inner % 8 == 0 and self.vector_width(inner) == 8 and all(
-                (p := self.perms.get(o)) is None or p[-1] == len(p) - 1 for o in outs):
+        # fragments exchange pairs within each quad to get them)
+        if self.lanes8(inner, outs):
             vs = [Var(f"acc{j}", F32) for j in range(8)]
             cols = [(vn if j == 0 else ir.add(vn, ir.i64(j)), v) for j, v in enumerate(vs)]
             funcs.append(self.func("epi8", (vb, vm, vn, *vs), lambda: store(cols, 8)))
@@ -213,6 +219,23 @@ class _GemmLowerer(_Lowerer):
             return v
 
         funcs.append(self.func("row_in", (vb, vm, vn, v0), row_in))
+        if self.lanes8(y_s[-1], [x]):
+            # row_in8: X at 8 adjacent columns from their accumulators, each input one 16-byte vector, into
+            # the row buffer (the template's whole 8-column groups; the per-element row_in with 64-bit bounds
+            # checks was ~20 instructions an element in SASS)
+            vs = [Var(f"acc{j}", F32) for j in range(8)]
+
+            def row_in8() -> None:
+                self.vec, self.inner_dim = 8, y_s[-1]
+                self.lanes = tuple(vn if j == 0 else ir.add(vn, ir.i64(j)) for j in range(8))
+                self.acc = dict(zip(self.lanes, vs))
+                prefix = out_prefix(vb, vm)
+                self.out_idx = prefix + (vn,)
+                for j, lane in enumerate(self.lanes):
+                    self.emit(ir.RowPut(ir.i64(j), self.value(x, prefix + (lane,)), "ofz_row"))
+                return None
+
+            funcs.append(self.func("row_in8", (vb, vm, vn, *vs, Var("ofz_row", ROW_PTR)), row_in8))
         N = y_s[-1]
         rsplit = tl.row_split(int(N), tile)
         if rsplit > self.tgt.max_cluster:
@@ -223,6 +246,9 @@ class _GemmLowerer(_Lowerer):
         # enough threads per row that every thread of the block has a row of the tile
         self.tpr = min(tile.threads, max(self.row_threads(min(int(N), tile.bn), min(tile.threads, hw.ROW_MAX_THREADS)),
                                          tile.threads // tile.bm))
+        span = min(int(N), tile.bn)
+        while self.vec > 1 and self.tpr * (self.vec // 2) >= span:  # every lane busy, one pass over the columns
+            self.vec //= 2
         self.row_ld = tile.bn + 4  # ortfuse_gemm.h Layout::kRowLd
         rpb = tile.threads // self.tpr
         vm0, vrows = Var("gm0", I64), Var("grows", I64)
@@ -239,15 +265,22 @@ class _GemmLowerer(_Lowerer):
                 self.row_local = rowc
                 return out_prefix(vb, self.bind(ir.add(vm0, rowc), "gmr"))
 
+            # the tile's rows, unrolled: each row's chain (buffer loads, warp reduction, combine) is short
+            # and waits on latency, so a warp interleaves several rows' chains
             self.loop("r0", ir.i64(0), ir.i64(tile.bm), ir.i64(rpb),
-                      lambda r0: self.row_pass(y_s, ir.add(r0, rsub), vrows, index))
+                      lambda r0: self.row_pass(y_s, ir.add(r0, rsub), vrows, index),
+                      unroll=min(ROW_UNROLL, -(-tile.bm // rpb)))
             self.row_local = None
             return None
 
+        self.row_span = span
         if rsplit == 1:
-            funcs.append(self.func("row", (vb, vm0, vrows, *buffers), row))
+            try:
+                funcs.append(self.func("row", (vb, vm0, vrows, *buffers), row))
+            finally:
+                self.row_span = None
             return (str(self.tpr),)
-        xs = self.split_row = RowSplit(vn0, vn1, tile.bm)
+        xs = self.split_row = RowSplit(vn0, vn1, tile.bm, rsplit)
         try:
             params = (vb, vm0, vrows, vn0, vn1, *buffers, Var("ofz_slots", ROW_PTR))
             self.func("row", params, row)  # discovery: the reductions in the order the pass completes them
@@ -263,7 +296,7 @@ class _GemmLowerer(_Lowerer):
             xs.phase = len(xs.order)
             funcs.append(self.func("row", params, row))
         finally:
-            self.split_row = None
+            self.split_row, self.row_span = None, None
         return (str(self.tpr), "ofz::gemm::NoConv", "1", "ofz::gemm::NoFold", str(rsplit), str(len(xs.order)))
 
     # ------------------------------------------------------------------ Conv as an implicit GEMM

@@ -10,7 +10,7 @@ from typing import Callable
 from ortfuse.customops import ir
 
 C_TYPE = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i64": "ofz_i64", "i32": "int",
-          "bool": "bool", "u8": "unsigned char", "i8": "signed char", "f32p": "float*"}
+          "bool": "bool", "u8": "unsigned char", "i8": "signed char", "f32p": "float* __restrict__"}  # the row buffer, scratch and slots: disjoint
 REDUCE_OP = {"sum": "ofz::SumOp", "max": "ofz::MaxOp", "min": "ofz::MinOp"}
 
 
@@ -69,8 +69,9 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "round_f16": lambda a: f"ofz::round_f16({a[0]})",
     "round_bf16": lambda a: f"ofz::round_bf16({a[0]})",
     "rowbuf": lambda a: f"ofz_row[{a[0]}]",  # GEMM row-wise epilogue: the fp32 row buffer (ortfuse_gemm.h)
-    # a row split across a cluster: every block's partial of a row reduction, combined (ortfuse_kernel.h)
-    **{f"xrow_{k}": (lambda op: lambda a: f"ofz::cluster_combine<{op}>(ofz_slots, {a[0]})")(op)
+    # a row split across a cluster: every block's partial of a row reduction (slot, RSPLIT, BM), combined
+    # from the block's gathered copy (ortfuse_gemm.h)
+    **{f"xrow_{k}": (lambda op: lambda a: f"ofz::gemm::row_combine<{op}, {a[1]}, {a[2]}>(ofz_slots, {a[0]})")(op)
        for k, op in REDUCE_OP.items()},
     "attn_dims": lambda a: f"ofz::attn::Dims{{{a[0]}, {a[1]}, {a[2]}, {a[3]}}}",
     "tma_maps": lambda a: "(&ofz_tma)",  # a TMA kernel's tensor maps (its second parameter)
@@ -126,6 +127,8 @@ def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
         out.append(f"{ind}{s.var.name} = {expr(s.value)};")
     elif isinstance(s, ir.For):
         v = s.var.name
+        if s.unroll:
+            out.append(f"{ind}#pragma unroll {s.unroll}")
         out.append(f"{ind}for (ofz_i64 {v} = {expr(s.start)}; {v} < {expr(s.stop)}; {v} += {expr(s.step)}) {{")
         for b in s.body:
             _stmt(b, ind + "  ", out)
@@ -147,7 +150,7 @@ def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
     elif isinstance(s, ir.RowReduce):
         out.append(f"{ind}{s.var.name} = ofz::row_reduce<{REDUCE_OP[s.op]}, {s.tpr}>({s.var.name}, ofz_scratch);")
     elif isinstance(s, ir.RowPut):
-        out.append(f"{ind}ofz_slots[{expr(s.offset)}] = {expr(s.value)};")
+        out.append(f"{ind}{s.buffer}[{expr(s.offset)}] = {expr(s.value)};")
     elif isinstance(s, ir.Comment):
         out.append(f"{ind}// {s.text}")
     elif isinstance(s, ir.Call):

@@ -118,7 +118,8 @@ class GemmTile:
         """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage (wgmma: swizzled,
         unskewed, plus alignment slack); with a row-wise epilogue or split-K, at least the fp32 [BM][BN + 4]
         tile buffer (which reuses the drained stages), followed under split-K by the row epilogue's
-        reduction scratch, and with a row split across a cluster by that scratch and the reductions' slots."""
+        reduction scratch, and with a row split across a cluster by that scratch, the reductions' slots and the
+        block's copy of the cluster's slots."""
         pad = 0 if self.wgmma else 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
@@ -128,8 +129,8 @@ class GemmTile:
         buffer = self.bm * (self.bn + 4) * 4
         if split > 1:  # the partial tile in the drained stages (a TMA kernel's start after its barriers)
             return max(pipeline, (base if self.tma else 0) + buffer + (row_scratch_bytes(self) if row else 0))
-        if row and row_cluster > 1:
-            return max(pipeline, buffer + row_scratch_bytes(self) + ROW_SLOTS * self.bm * 4)
+        if row and row_cluster > 1:  # the slots, and the gathered copy of every block's (ortfuse_gemm.h)
+            return max(pipeline, buffer + row_scratch_bytes(self) + (1 + row_cluster) * ROW_SLOTS * self.bm * 4)
         return max(pipeline, buffer) if row else pipeline
 
     def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, fold: bool = False,

@@ -15,9 +15,11 @@
 // Row-wise epilogue (ROW_TPR > 0; Welder's shared-memory connection): one tile spans whole rows (N <= BN),
 // so a Softmax or LayerNorm over N runs inside the GEMM kernel. The epilogue then uses instead
 //   static float   row_in(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v)   X[b][m][n] from C
+//   static void    row_in8(const OfzArgs&, ofz_i64 b, ofz_i64 m, ofz_i64 n, float v0, ..., float v7, float* x)
+//                  X[b][m][n..n+7] into x[0..7] (optional, as epi8)
 //   static void    row(const OfzArgs&, ofz_i64 b, ofz_i64 m0, ofz_i64 rows, float* ofz_row, float* ofz_scratch)
 // row_in's values (X: the tensor the row reductions read) go to an fp32 [BM][BN + 4] buffer that aliases
-// the drained pipeline stages; `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
+// the drained pipeline stages (with row_in8: the accumulators first, then X over them 8 columns at a time); `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
 // row (row_reduce, scratch of kThreads / 32 floats) and stores every output.
 //
 // LayerNorm folded in (Fold = LayerNormFold<EPS>; lower_gemm.py, rewriter/layernorm_fold.py, docs/design.md
@@ -34,7 +36,9 @@
 // the row pass's reductions is a phase: Ops::row_part<p> reduces the block's columns of every row of the
 // tile (earlier reductions combined over the cluster) into slot p of the row, then a cluster barrier; last,
 // Ops::row combines every slot and stores the block's columns of every output. PHASES + 1 cluster barriers
-// per tile whatever BM is, and the tile may be any GEMM tile (wgmma's too), not one as wide as the row.
+// per tile whatever BM is (after each phase's barrier the block copies slot p of every block into its own
+// shared memory, so the rows combine locally), and the tile may be any GEMM tile (wgmma's too), not one as
+// wide as the row.
 // Combining in rank order gives every block the same value: the outputs do not depend on the split.
 //
 // Split-K (SPLIT > 1, sm_90 thread-block clusters): launched with clusters of S <= SPLIT blocks, the S
@@ -516,6 +520,9 @@ __device__ __forceinline__ void for_each_acc8(Acc& acc, int wm0, int wn0, F&& f)
 // Whether the printed Ops has epi8 (it is printed only where all of the epilogue's accesses fit 8 lanes).
 template <class O, class = void> struct HasEpi8 { static constexpr bool value = false; };
 template <class O> struct HasEpi8<O, decltype((void)&O::epi8)> { static constexpr bool value = true; };
+// Whether it has row_in8 (printed where row_in's accesses fit 8 lanes).
+template <class O, class = void> struct HasRowIn8 { static constexpr bool value = false; };
+template <class O> struct HasRowIn8<O, decltype((void)&O::row_in8)> { static constexpr bool value = true; };
 
 // for_each_acc bound to one warp's accumulators: visit(f). A functor, not a generic lambda: NVRTC 13.0 takes a
 // generic lambda's call operator for a host function.
@@ -533,40 +540,103 @@ struct AccVisitor {
 
 // Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
 // thread of the block calls it (row reductions synchronise the block). Split across a cluster (RSPLIT > 1),
-// the reduction scratch and the slots (kRowSlots x BM floats) follow the row buffer in dynamic shared memory
-// (the emulation shares a kernel's static shared memory between a cluster's blocks).
+// the reduction scratch, the slots (kRowSlots x BM floats) and the gathered copy of every block's slots
+// (RSPLIT x kRowSlots x BM floats, rank-major) follow the row buffer in dynamic shared memory (the emulation
+// shares a kernel's static shared memory between a cluster's blocks).
 constexpr int kRowSlots = 4;  // most reductions (phases) of a row pass split across a cluster
+
+// After phase p's cluster barrier: slot p of the tile's rows from every block of the cluster into this block's
+// gathered copy, all distributed shared-memory reads in flight together (one round trip per phase). The row
+// pass then combines from its own shared memory (row_combine); before (2026-11-26) each row's combine read
+// the cluster's blocks itself, a round trip per row, one row after another in each warp.
+template <int BM, int kThreads, int RSPLIT>
+__device__ __forceinline__ void gather_slots(const float* slots, float* gathered, int p, int rows) {
+  constexpr int kN = RSPLIT * BM, kIters = (kN + kThreads - 1) / kThreads;
+  const unsigned me = cluster_rank();
+  float v[kIters];
+#pragma unroll
+  for (int u = 0; u < kIters; ++u) {
+    const int i = threadIdx.x + u * kThreads, q = i / BM, r = i % BM;  // BM: a compile-time divisor
+    v[u] = i < kN && r < rows ? *cluster_peer(slots + p * BM + r, (unsigned)q, me) : 0.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < kIters; ++u) {
+    const int i = threadIdx.x + u * kThreads, q = i / BM, r = i % BM;
+    if (i < kN && r < rows) gathered[(q * kRowSlots + p) * BM + r] = v[u];
+  }
+}
+
+// A row's reduction over the cluster: its value in slot `off` (p * BM + row) of every block, combined in rank
+// order from the gathered copy (which follows the slots), so every block gets the same value.
+template <class Op, ofz_i64 RSPLIT, ofz_i64 BM>
+__device__ __forceinline__ float row_combine(const float* slots, ofz_i64 off) {
+  const float* const gathered = slots + kRowSlots * BM;
+  float r = gathered[off];
+#pragma unroll
+  for (int q = 1; q < (int)RSPLIT; ++q) r = Op::apply(r, gathered[q * kRowSlots * BM + off]);
+  return r;
+}
+
 template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int RSPLIT, int PHASES, class Ops, class Visit>
 __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Visit&& visit, ofz_i64 b, ofz_i64 m0,
                                              ofz_i64 n0, ofz_i64 M, ofz_i64 N) {
   static_assert(ROW_TPR % 32 == 0 && kThreads % ROW_TPR == 0, "rows are reduced by whole warps");
-  visit([&](int r, int c, const float* v, int count) {
-    for (int e = 0; e < count; ++e)
-      if (m0 + r < M && n0 + c + e < N) rowbuf[r * kRowLd + c + e] = Ops::row_in(a, b, m0 + r, n0 + c + e, v[e]);
-  });
+  if constexpr (HasRowIn8<Ops>::value && BN % 8 == 0) {
+    // the accumulators into the buffer as they are, then X in groups of 8 adjacent columns (row_in8: one
+    // 16-byte access per input), the tile's ragged edge element by element
+    visit([&](int r, int c, const float* v, int count) {
+      for (int e = 0; e < count; ++e) rowbuf[r * kRowLd + c + e] = v[e];
+    });
+    __syncthreads();
+    constexpr int kGroups = BN / 8;
+    for (int g = threadIdx.x; g < BM * kGroups; g += kThreads) {
+      const int r = g / kGroups, c = g % kGroups * 8;  // compile-time divisor
+      if (m0 + r >= M) break;  // g grows with the row
+      float* const p = rowbuf + r * kRowLd + c;  // 32-byte aligned: kRowLd and c are multiples of 4 and 8
+      if (n0 + c + 8 <= N) {
+        const float4 lo = *reinterpret_cast<const float4*>(p), hi = *reinterpret_cast<const float4*>(p + 4);
+        Ops::row_in8(a, b, m0 + r, n0 + c, lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w, p);
+      } else {
+        for (int e = 0; e < 8 && n0 + c + e < N; ++e) p[e] = Ops::row_in(a, b, m0 + r, n0 + c + e, p[e]);
+      }
+    }
+  } else {
+    visit([&](int r, int c, const float* v, int count) {
+      for (int e = 0; e < count; ++e)
+        if (m0 + r < M && n0 + c + e < N) rowbuf[r * kRowLd + c + e] = Ops::row_in(a, b, m0 + r, n0 + c + e, v[e]);
+    });
+  }
   __syncthreads();
   const ofz_i64 rows = M - m0 < BM ? M - m0 : (ofz_i64)BM;
   if constexpr (RSPLIT > 1) {
     static_assert(PHASES >= 1 && PHASES <= kRowSlots, "one slot per reduction of the row pass");
     float* const scratch = rowbuf + BM * kRowLd;
     float* const slots = scratch + kThreads / 32;
+    float* const gathered = slots + kRowSlots * BM;
     const ofz_i64 n1 = N - n0 < BN ? N : n0 + BN;  // the block's columns: [n0, n1)
+    // each phase: the block's partials into slot p; a cluster barrier (slot p complete in every block);
+    // slot p gathered from every block; a block barrier (the copy complete before any row combines it)
+    auto phase_done = [&](int p) {
+      cluster_sync();
+      gather_slots<BM, kThreads, RSPLIT>(slots, gathered, p, (int)rows);
+      __syncthreads();
+    };
     Ops::row_part0(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
-    cluster_sync();  // slot 0 of every row is complete in every block
+    phase_done(0);
     if constexpr (PHASES > 1) {
       Ops::row_part1(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
-      cluster_sync();
+      phase_done(1);
     }
     if constexpr (PHASES > 2) {
       Ops::row_part2(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
-      cluster_sync();
+      phase_done(2);
     }
     if constexpr (PHASES > 3) {
       Ops::row_part3(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
-      cluster_sync();
+      phase_done(3);
     }
     Ops::row(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
-    cluster_sync();  // no block overwrites its slots (next tile) or exits while another reads them
+    cluster_sync();  // no block overwrites its slots (next tile) or exits while another still gathers them
   } else {
     __shared__ float row_scratch[kThreads / 32];
     Ops::row(a, b, m0, rows, rowbuf, row_scratch);
@@ -657,6 +727,12 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
     visit([&](int r, int c, const float* v, int count) {
       for (int e = 0; e < count; ++e)
         if (v[e] == 1.0e-38f && m0 + r < M && n0 + c + e < N) Ops::epi1(a, b, m0 + r, n0 + c + e, v[e]);
+    });
+    return;
+  } else {  // a row-wise epilogue: no row pass, no cluster barriers, no stores
+    visit([&](int r, int c, const float* v, int count) {
+      for (int e = 0; e < count; ++e)
+        if (v[e] == 1.0e-38f) buf[r * kRowLd + c + e] = v[e];
     });
     return;
   }

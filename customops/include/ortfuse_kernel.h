@@ -244,23 +244,6 @@ template <class T> __device__ __forceinline__ const T* cluster_peer(const T* p, 
   return q == me ? p : cluster_map(p, q);
 }
 
-// A row reduction's partial values, one per block of the cluster at the same shared-memory offset, combined
-// in rank order: every block of the cluster gets the same value. Every block's value is read before any is
-// combined (predicated loads of a compile-time count, so they are in flight together); a loop to the
-// run-time cluster size waited for each distributed shared-memory read in turn.
-template <class Op> __device__ __forceinline__ float cluster_combine(const float* slots, ofz_i64 off) {
-  constexpr unsigned kMax = 8;  // the portable cluster size, the most a kernel of ours launches with
-  const unsigned n = cluster_size(), me = cluster_rank();
-  float v[kMax];
-#pragma unroll
-  for (unsigned q = 0; q < kMax; ++q) v[q] = q < n ? *cluster_peer(slots + off, q, me) : 0.0f;
-  float r = v[0];
-#pragma unroll
-  for (unsigned q = 1; q < kMax; ++q)
-    if (q < n) r = Op::apply(r, v[q]);
-  return r;
-}
-
 // ---- tensor cores and asynchronous copies (sm_80 and newer) -------------------------------------------------
 // Fragment layouts are the PTX ISA's; the emulation header implements the same instructions on the host.
 #ifdef ORTFUSE_EMU

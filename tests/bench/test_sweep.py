@@ -146,3 +146,25 @@ def test_an_epilogue_is_also_timed_as_cublas_plus_our_kernel():
     assert "fp16 + bias + softsign" in text and "fp16 + bias + GELU" in text
     assert "cuBLAS + our epilogue kernel 9.0 us" in text
     assert "best fused tile vs cuBLAS + our epilogue kernel (us): 256x192x128 5.0 fused vs 9.0" in text
+
+
+def test_a_row_wise_epilogue_sweeps_both_row_kinds_and_its_ablation_drops_the_row_pass(tmp_path):
+    # --epilogue layernorm (BERT's post-attention block): row-wise tiles of mma.sync and wgmma (no TMA tiles
+    # split a row), each family with a tile splitting the 768-column row across a cluster and mma.sync with
+    # one spanning it too; cuBLAS + our row kernel beside them. Ablated, a split-row kernel keeps its MMAs and
+    # loses its cluster barriers, gathers and stores.
+    from ortfuse.customops import tiles as tl
+    calls: list = []
+    (res,) = sweep.run([(256, 768, 128)], per_family=1, timer=_timer(calls), epilogue="layernorm")
+    assert calls[:2] == [("MatMul",), ("MatMul", "Add", "Add", "LayerNormalization")] and res.split_us == 4.0 + 5.0
+    assert {r.family for r in res.rows} == set(sweep.ROW_FAMILIES)
+    kinds = {(r.family, tl.row_split(768, tl.GemmTile.of_candidate(r.tile)) > 1) for r in res.rows}
+    assert {("mma.sync", True), ("mma.sync", False), ("wgmma", True)} <= kinds
+    assert "fp16 + bias + residual + LayerNorm" in sweep.render_md([res])
+    case = sweep.GemmCase.of((256, 768, 128), "layernorm")
+    cand = next(c for f, c, _ in sweep.candidates(256, 768, 128, 1, row=True)
+                if f == "wgmma" and tl.row_split(768, tl.GemmTile.of_candidate(c)) > 1)
+    full, cut = case.build(cand, tmp_path), case.build(cand, tmp_path, ablate=True)
+    ptx_full, ptx_cut = full.compiled.ptx.decode(), cut.compiled.ptx.decode()
+    assert "barrier.cluster" in ptx_full and "mapa" in ptx_full and "wgmma.mma_async" in ptx_cut
+    assert "barrier.cluster" not in ptx_cut and "mapa" not in ptx_cut
