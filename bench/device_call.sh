@@ -41,12 +41,13 @@ for name in "$@"; do
   case $name in
     row-tests) step "$name" 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
                  --junitxml="$WORK/pytest-row.xml" tests/runtime/test_gpu_row_cluster.py ;;
-    new-tests)  # CPU-only work of sessions 14-16 on hardware: kernel variants by size, epi8 through the wgmma
+    new-tests)  # CPU-only work of sessions 14-17 on hardware: kernel variants by size, epi8 through the wgmma
       # tests, the attention kernel of session 16 (keys split across clusters at small batches) in the tiny zoo
-      # models and under CUDA graph replay
+      # models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8)
       step "$name" 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
         --junitxml="$WORK/pytest-new.xml" tests/runtime/test_gpu_variants.py tests/runtime/test_gpu_wgmma.py \
-        tests/runtime/test_gpu_kernels.py -k "variant or wgmma or zoo_tiny or attention" ;;
+        tests/runtime/test_gpu_kernels.py tests/runtime/test_gpu_row_cluster.py \
+        -k "variant or wgmma or zoo_tiny or attention or row" ;;
     wgmma-tests) step "$name" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
                    --junitxml="$WORK/pytest-wgmma.xml" tests/runtime/test_gpu_wgmma.py ;;
     sweep) step "$name" 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md" ;;
