@@ -635,8 +635,12 @@ __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Vi
       Ops::row_part3(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
       phase_done(3);
     }
+    // this block has read the others' slots for the last time: it arrives now, and waits only before its
+    // shared memory is overwritten (next tile) or freed (exit), so the barrier overlaps the last pass
+    cluster_arrive();
     Ops::row(a, b, m0, rows, n0, n1, rowbuf, scratch, slots);
-    cluster_sync();  // no block overwrites its slots (next tile) or exits while another still gathers them
+    __syncthreads();  // the arrivals came before the pass: the block's own threads finish it first
+    cluster_wait();
   } else {
     __shared__ float row_scratch[kThreads / 32];
     Ops::row(a, b, m0, rows, rowbuf, row_scratch);

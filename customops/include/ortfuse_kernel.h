@@ -199,13 +199,17 @@ template <class Op, int TPR> __device__ __forceinline__ float row_reduce(float v
 // A launch without a cluster size runs clusters of one block: rank 0 of 1, cluster id = blockIdx.x. Below
 // sm_90 there are no clusters and these report exactly that. cluster_sync is barrier.cluster with release /
 // acquire semantics: shared-memory writes before it are visible to the cluster's other blocks after it
-// (through cluster_map, PTX mapa: the same offset in block `rank`'s shared memory).
+// (through cluster_map, PTX mapa: the same offset in block `rank`'s shared memory). cluster_arrive and
+// cluster_wait are its two halves, with work between them that does not touch the other blocks' memory
+// (every thread of the cluster arrives before any wait returns; the emulation syncs at the arrival).
 #ifdef ORTFUSE_EMU
 __device__ __forceinline__ unsigned cluster_rank() { return ofz_emu::cluster_rank(); }
 __device__ __forceinline__ unsigned cluster_size() { return ofz_emu::cluster_size(); }
 __device__ __forceinline__ unsigned cluster_id() { return ofz_emu::cluster_id(); }
 __device__ __forceinline__ unsigned cluster_count() { return ofz_emu::cluster_count(); }
 __device__ __forceinline__ void cluster_sync() { ofz_emu::sync_cluster(); }
+__device__ __forceinline__ void cluster_arrive() { ofz_emu::sync_cluster(); }  // the whole barrier: stronger
+__device__ __forceinline__ void cluster_wait() {}
 template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned rank) {
   return static_cast<const T*>(ofz_emu::cluster_map(p, rank));
 }
@@ -225,6 +229,8 @@ __device__ __forceinline__ unsigned cluster_count() { return cluster_special(3);
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned rank) {
   unsigned long long out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
@@ -236,6 +242,8 @@ __device__ __forceinline__ unsigned cluster_size() { return 1; }
 __device__ __forceinline__ unsigned cluster_id() { return blockIdx.x; }
 __device__ __forceinline__ unsigned cluster_count() { return gridDim.x; }
 __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+__device__ __forceinline__ void cluster_arrive() { __syncthreads(); }
+__device__ __forceinline__ void cluster_wait() {}
 template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned) { return p; }
 #endif
 
