@@ -119,6 +119,7 @@ class _Scope:
 
 
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many trips is printed straight-line
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
@@ -176,7 +177,7 @@ class _Lowerer:
         self.row_c: Optional[Expr] = None  # row_pass: the row (clamped) and whether it exists
         self.row_active: Optional[Expr] = None
         # a GEMM's row-wise epilogue: the most columns its row pass covers (the tile's, or the whole static
-        # row), so a column loop known to run at most once is printed as an `if`
+        # row), so a column loop of a few trips is printed straight-line (column_groups)
         self.row_span: Optional[int] = None
 
     # ------------------------------------------------------------------ shapes and dims
@@ -262,18 +263,26 @@ class _Lowerer:
         inner = self.scopes.pop()
         self.emit(ir.For(v, start, stop, step, tuple(inner.stmts), unroll))
 
-    def once_columns(self, start: Expr, stop: Expr) -> Optional[tuple[Expr, Expr]]:
-        """Where a row pass's column loop (TPR threads, VEC columns each) runs at most once: (the lane's first
-        column, whether it is one of the row's), the column clamped to the pass's first so that it can be read
-        either way. The caller then computes unconditionally and selects (a reduction's identity) or guards
+    def column_groups(self, start: Expr, stop: Expr) -> Optional[list[tuple[Expr, Expr]]]:
+        """A GEMM row-wise epilogue's row pass (the row's columns static, `row_span` at most): where its column
+        loop (TPR threads, VEC columns each) runs at most ROW_COLUMN_GROUPS times, one (first column, whether
+        it is one of the row's) per trip, the column clamped to the pass's first so that it can be read
+        either way. The caller computes each unconditionally and selects (a reduction's identity) or guards
         (a store): straight-line code, which an unrolled row loop interleaves across rows; a loop or a branch
         per row kept each row's load, reduce and combine chain waiting in turn."""
-        if self.row_span is None or self.row_span > self.tpr * self.vec:
+        if self.row_span is None:
+            return None
+        step = self.tpr * self.vec
+        trips = -(-self.row_span // step)
+        if trips > ROW_COLUMN_GROUPS:
             return None
         first = self.split_row.n0 if self.split_row is not None else ir.i64(0)
-        c = self.bind(start, "c")
-        valid = self.bind(ir.Op("lt", (c, stop), BOOL), "cin")
-        return self.bind(ir.Op("select", (valid, c, first), I64), "cs"), valid
+        out = []
+        for t in range(trips):
+            c = self.bind(ir.add(start, ir.i64(t * step)) if t else start, "c")
+            valid = self.bind(ir.Op("lt", (c, stop), BOOL), "cin")
+            out.append((self.bind(ir.Op("select", (valid, c, first), I64), "cs"), valid))
+        return out
 
     # ------------------------------------------------------------------ index math
     def linearize(self, idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> Expr:
@@ -606,11 +615,10 @@ class _Lowerer:
             start = ir.mul(Var("rlane", I64), ir.i64(self.vec))
             if xs is not None:
                 start = ir.add(xs.n0, start)
-            once = self.once_columns(start, c_dim)
-            if once is None:
+            groups = self.column_groups(start, c_dim)
+            if groups is None:
                 self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
-            else:
-                cs, valid = once
+            for cs, valid in groups or ():
                 self.lanes = tuple(ir.add(cs, ir.i64(l)) for l in range(self.vec))
                 for lane in self.lanes:
                     x = ir.Op("select", (valid, elem(lane), ir.Const(_IDENTITY[kind], F32)), F32)
@@ -765,11 +773,10 @@ class _Lowerer:
             def col_body(cb: Var) -> None:
                 self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
                 self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
-            once = self.once_columns(c_start, c_stop)
-            if once is None:
+            groups = self.column_groups(c_start, c_stop)
+            if groups is None:
                 self.loop(self.fresh("c"), c_start, c_stop, ir.i64(self.tpr * self.vec), col_body)
-            else:
-                cs, valid = once
+            for cs, valid in groups or ():
                 self.lanes = tuple(ir.add(cs, ir.i64(l)) for l in range(self.vec))
                 self.store_outputs(full, lambda lane: self.row_idx + (lane,),
                                    self.bind(ir.Op("and", (active, valid), BOOL), "st"))

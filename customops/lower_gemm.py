@@ -243,9 +243,11 @@ class _GemmLowerer(_Lowerer):
                                 f"the target has at most {self.tgt.max_cluster}")
         self.inner_dim = N
         self.vec = self.vector_width(N)
-        # enough threads per row that every thread of the block has a row of the tile
-        self.tpr = min(tile.threads, max(self.row_threads(min(int(N), tile.bn), min(tile.threads, hw.ROW_MAX_THREADS)),
-                                         tile.threads // tile.bm))
+        # a warp per row (its reductions are shuffles alone; a row over several warps meets at two block
+        # barriers per reduction), more only where the tile has fewer rows than the block has warps
+        self.tpr = 32
+        while tile.threads // self.tpr > tile.bm and tile.threads % (2 * self.tpr) == 0:
+            self.tpr *= 2
         span = min(int(N), tile.bn)
         while self.vec > 1 and self.tpr * (self.vec // 2) >= span:  # every lane busy, one pass over the columns
             self.vec //= 2

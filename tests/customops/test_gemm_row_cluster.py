@@ -198,3 +198,40 @@ def test_symbolic_batch_and_sequence(wgmma, tile):
         rep = check_models(m, replace(res.graph, [fk.node]), emulate=True,
                            input_shapes={"x": (*shape, k), "r": (*shape, n)})
         assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 64, 16, 64, 4, 1, 1),  # wgmma, 6 blocks of 128 columns
+                                  (32, 768, 32, 16, 192, 3, 1)])   # mma.sync, the whole row in one block
+def test_row_epilogue_sass_is_straight_line(tile, tmp_path):
+    # BERT's 4096 x 768 x 768 + residual + LayerNorm. After the k-loop the only loop is row_in8's over the
+    # tile's 8-column groups: the row passes are unrolled over rows and columns (no branch per row); a split
+    # row reads the other blocks' slots only in its gathers (one LD per thread and 768 slots per phase, two
+    # phases), never per row; no IEEE division (the means multiply by 1 / 768); no spills.
+    import re
+
+    from ortfuse.customops.compile import compile_kernel
+    try:
+        from ortfuse.bench.sass import cuobjdump, sass
+        cuobjdump()
+    except (ImportError, FileNotFoundError) as err:
+        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    onnx_model, _ = _build(_layernorm, H, 4096, 768, 768)
+    g = build_graph(onnx_model, {})
+    tgt = target_for((90,), True)
+    (region,) = plan(g, tgt).regions
+    spec = lower(g, region, tgt, tile=tile)
+    ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), tmp_path)
+    assert max(r.spill_bytes for _, r in ck.resources) == 0, ck.resources
+    ins = sass(dict(ck.cubins)[90])
+    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < a]
+    mma = [a for a, t in ins if re.search(r"\bH(G)?MMA\b", t)]
+    k_end = min(((lo, hi) for lo, hi in back if any(lo <= x <= hi for x in mma)), key=lambda r: r[1] - r[0])[1]
+    after = [(lo, hi) for lo, hi in back if lo > k_end]
+    epi = [t for a, t in ins if a > k_end]
+    assert len(after) == 1, after  # row_in8's groups
+    (lo, hi), = after
+    assert any("LDG.E.128" in t for a, t in ins if lo <= a <= hi)  # 16-byte input loads
+    assert not [t for t in epi if "FCHK" in t]
+    dsmem = sum(1 for t in epi if re.search(r"\bLD\.E\b", t))
+    assert dsmem == (4 if spec.row_cluster == 6 else 0), dsmem
