@@ -650,12 +650,13 @@ __device__ __forceinline__ void row_epilogue(const OfzArgs& a, float* rowbuf, Vi
 
 // Split-K's reduction and epilogue (see the top of this file). `part` is the block's dynamic shared memory:
 // the [BM][kRowLd] partial tile, then (row-wise epilogue) kThreads / 32 floats of reduction scratch.
-// Each thread takes 16-byte column groups of its block's rows, kChunk at a time: first every split's
-// partial of every group (one 16-byte distributed shared-memory read each, none summed before all are
-// issued, so they are in flight together), then the sums in rank order and their epilogues. Before
-// (2026-11-26, SASS), one column pair at a time waited for its reads, behind a run-time integer division
-// for its row: a DSMEM round trip per pair, serialized (BERT-size split-K tiles at M = 1024-2048 measured
-// 2-4x their unsplit tile on the H200).
+// Each thread takes column groups of its block's rows, kChunk at a time: first every split's partial of every
+// group (16-byte distributed shared-memory reads, none summed before all are issued, so they are in flight
+// together), then the sums in rank order and their epilogues. Groups are 8 columns where the Ops take 8 at
+// once (epi8, row_in8: 16-byte loads and stores of 16-bit elements) and SPLIT <= 4, else 4 (epi2 / row_in).
+// Before (2026-11-26, SASS), one column pair at a time waited for its reads, behind a run-time integer
+// division for its row: a DSMEM round trip per pair, serialized (BERT-size split-K tiles at M = 1024-2048
+// measured 2-4x their unsplit tile on the H200).
 template <int BM, int BN, int kThreads, int kRowLd, int ROW_TPR, int SPLIT, class Ops, class Visit>
 __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Visit&& visit, ofz_i64 b, ofz_i64 m0,
                                                ofz_i64 n0, ofz_i64 M, ofz_i64 N, unsigned rank, unsigned splits) {
@@ -669,37 +670,58 @@ __device__ __forceinline__ void split_epilogue(const OfzArgs& a, float* part, Vi
   const int r1 = r0 + per < BM ? r0 + per : BM;
   const int rows = (int)(M - m0 < (ofz_i64)r1 ? M - m0 : (ofz_i64)r1) - r0;  // may be <= 0
   const int cols = (int)(N - n0 < (ofz_i64)BN ? N - n0 : (ofz_i64)BN);
-  constexpr int kQuads = BN / 4;  // a compile-time divisor: the row of a group is a multiply and a shift
-  constexpr int kChunk = SPLIT >= 8 ? 1 : 8 / SPLIT;  // 8 reads of 16 bytes in flight per thread (32 registers)
-  const int total = rows > 0 ? rows * kQuads : 0;
+  // groups of 8 columns where the Ops take 8 at once (epi8, row_in8: 16-byte accesses) and a group's reads
+  // from every split stay 8 (16 made a one-warp split-8 Conv tile spill), else of 4
+  constexpr bool kBy8 = BN % 8 == 0 && SPLIT <= 4 && (ROW_TPR > 0 ? HasRowIn8<Ops>::value : HasEpi8<Ops>::value);
+  constexpr int kW = kBy8 ? 8 : 4, kV = kW / 4;  // columns, and 16-byte reads of a peer, per group
+  constexpr int kGroups = BN / kW;  // a compile-time divisor: the row of a group is a multiply and a shift
+  constexpr int kChunk = SPLIT * kV >= 8 ? 1 : 8 / (SPLIT * kV);  // 8 reads of 16 bytes in flight per thread
+  const int total = rows > 0 ? rows * kGroups : 0;
   const float4* peer[SPLIT];
 #pragma unroll
   for (int q = 0; q < SPLIT; ++q)
     peer[q] = reinterpret_cast<const float4*>(cluster_peer(part, q < (int)splits ? (unsigned)q : rank, rank));
   for (int e0 = threadIdx.x; e0 < total; e0 += kChunk * kThreads) {  // adjacent threads: adjacent groups
-    float4 got[kChunk][SPLIT];
+    float4 got[kChunk][SPLIT][kV];
 #pragma unroll
     for (int u = 0; u < kChunk; ++u) {
       const int e = e0 + u * kThreads;
-      const int off = (r0 + e / kQuads) * (kRowLd / 4) + e % kQuads;
+      const int off = (r0 + e / kGroups) * (kRowLd / 4) + e % kGroups * kV;
 #pragma unroll
       for (int q = 0; q < SPLIT; ++q)
-        got[u][q] = e < total && q < (int)splits ? peer[q][off] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int h = 0; h < kV; ++h)
+          got[u][q][h] = e < total && q < (int)splits ? peer[q][off + h] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
     for (int u = 0; u < kChunk; ++u) {
       const int e = e0 + u * kThreads;
       if (e >= total) continue;
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float v[kW];
+#pragma unroll
+      for (int j = 0; j < kW; ++j) v[j] = 0.0f;
 #pragma unroll
       for (int q = 0; q < SPLIT; ++q)  // rank order: the result does not depend on which block sums
-        if (q < (int)splits) v[0] += got[u][q].x, v[1] += got[u][q].y, v[2] += got[u][q].z, v[3] += got[u][q].w;
-      const int r = r0 + e / kQuads, c = 4 * (e % kQuads);
-      const ofz_i64 m = m0 + r, n = n0 + c;
+        if (q < (int)splits)
 #pragma unroll
-      for (int j = 0; j < 4; j += 2) {
+          for (int h = 0; h < kV; ++h)
+            v[4 * h] += got[u][q][h].x, v[4 * h + 1] += got[u][q][h].y, v[4 * h + 2] += got[u][q][h].z,
+                v[4 * h + 3] += got[u][q][h].w;
+      const int r = r0 + e / kGroups, c = kW * (e % kGroups);
+      const ofz_i64 m = m0 + r, n = n0 + c;
+      if constexpr (kBy8) {
+        if (c + 8 <= cols) {
+          if constexpr (ROW_TPR > 0)  // X into the block's own rows of its buffer (no other block reads them)
+            Ops::row_in8(a, b, m, n, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], part + r * kRowLd + c);
+          else
+            Ops::epi8(a, b, m, n, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+          continue;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kW; j += 2) {
         if (c + j >= cols) break;
-        if constexpr (ROW_TPR > 0) {  // X into the block's own rows of its buffer (no other block reads them)
+        if constexpr (ROW_TPR > 0) {
           part[r * kRowLd + c + j] = Ops::row_in(a, b, m, n + j, v[j]);
           if (c + j + 1 < cols) part[r * kRowLd + c + j + 1] = Ops::row_in(a, b, m, n + j + 1, v[j + 1]);
         } else if (c + j + 1 < cols) {

@@ -128,10 +128,20 @@ def test_split_k_reduction_reads_a_chunk_of_partial_sums_together(family, shape)
         cuobjdump()
     except (ImportError, FileNotFoundError) as err:
         pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    # At S <= 4 the groups are 8 columns wide and their sums leave through epi8 (16-byte stores; session 17),
+    # at S = 8 they stay 4 wide, so that the reads in flight stay 8
+    import re
     _, ck = _kernel(family, *shape)
-    ins = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in sass(dict(ck.cubins)[90])]
+    code = sass(dict(ck.cubins)[90])
+    ins = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in code]
     reads = [i for i, op in enumerate(ins) if op == "LD.E.128"]  # generic: the peers' shared memory
     mem = [op for op in ins[reads[0]:reads[-1] + 1] if op.startswith(("LD", "ST"))]
     assert len(reads) == 8 and mem == ["LD.E.128"] * 8, mem
     assert not any(op.startswith("I2F") for op in ins[reads[0] - 40:reads[-1] + 1])  # no run-time division
     assert dict(ck.resources)[90].spill_bytes == 0
+    back = [(int(m.group(1), 16), a) for a, t in code for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < a]
+    first = code[reads[0]][0]
+    lo, hi = min(((lo, hi) for lo, hi in back if lo <= first <= hi), key=lambda r: r[1] - r[0])
+    wide = sum(1 for (a, _), op in zip(code, ins) if lo <= a <= hi and op == "STG.E.128")
+    assert (wide > 0) == (shape != (128, 768, 3072)), wide  # the split-8 FFN-down stays 4 wide
