@@ -235,3 +235,33 @@ def test_row_epilogue_sass_is_straight_line(tile, tmp_path):
     assert not [t for t in epi if "FCHK" in t]
     dsmem = sum(1 for t in epi if re.search(r"\bLD\.E\b", t))
     assert dsmem == (4 if spec.row_cluster == 6 else 0), dsmem
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_row_epilogues_match_ort(seed):
+    # Random row-wise epilogues (LayerNorm, Softmax; the decomposed LayerNorm with row-shaped outputs in fp32) at
+    # random sizes, each on a tile drawn from the kernel's own candidates (what --profile times: spanning the
+    # row or split across a cluster, split-K or not, mma.sync / SIMT / wgmma): the row pass's column groups with
+    # lanes past the row, the gathered slots, row_in8 and the split-K reduction at sizes no fixed case has
+    rng = np.random.default_rng(seed)
+    dt = H if seed % 4 else F
+    case = (_layernorm, _softmax, _decomposed if dt == F else _layernorm)[seed % 3]
+    wgmma = dt == H and seed % 2 == 1
+    m, k = int(rng.integers(1, 70)), int(rng.choice([64, 128, 1024] if wgmma else [16, 32, 64, 1024] if dt == H else [16, 32, 64]))
+    n = int(rng.integers(1, 110)) * 8 if seed % 3 != 1 else int(rng.integers(8, 900)) * (2 if dt == H else 1)
+    onnx_model, _ = _build(case, dt, m, k, n)
+    g = build_graph(onnx_model, {})
+    tgt = target_for((90,), wgmma)
+    (region,) = plan(g, tgt).regions
+    tiles = lower(g, region, tgt).tiles
+    tile = tiles[int(rng.integers(0, len(tiles)))]
+    spec = _run_forced(case, dt, m, k, n, tile, wgmma=wgmma)
+    assert spec.row_cluster == tl.row_split(n, tl.GemmTile.of_candidate(tile)), (m, n, k, tile)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_row_epilogue_in_groups_of_eight(split):
+    # a whole-row tile at split-K 2 and 4: the reduction's column groups are 8 wide and X goes through row_in8
+    # (at 8 splits they stay 4 wide, covered by the random cases above)
+    spec = _run_forced(_layernorm, H, 40, 1024, 768, (16, 768, 32, 16, 96, 3, split))
+    assert spec.split_k == split and spec.row_cluster == 1 and "row_in8" in render(spec.kernel)
