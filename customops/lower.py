@@ -276,12 +276,17 @@ class _Lowerer:
         trips = -(-self.row_span // step)
         if trips > ROW_COLUMN_GROUPS:
             return None
+        key = ("column_groups", start, stop)  # one set per row pass: its reductions and stores share the loads
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
         first = self.split_row.n0 if self.split_row is not None else ir.i64(0)
         out = []
         for t in range(trips):
             c = self.bind(ir.add(start, ir.i64(t * step)) if t else start, "c")
             valid = self.bind(ir.Op("lt", (c, stop), BOOL), "cin")
             out.append((self.bind(ir.Op("select", (valid, c, first), I64), "cs"), valid))
+        self._scope_for(out[0][0]).memo[key] = out  # where their Lets are
         return out
 
     # ------------------------------------------------------------------ index math
