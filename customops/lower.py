@@ -120,6 +120,10 @@ class _Scope:
 
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many trips is printed straight-line
+# a row kernel's rows of at most this many 16-byte vectors per lane are a warp's, straight-line: BERT-base's
+# residual + LayerNorm (768 fp16) holds 24 elements and each per-column input's 24 in registers (118 of them;
+# 4 groups, 1024 columns, took 168); longer rows keep the loop over several warps (2026-11-26, unmeasured)
+ROW_KERNEL_GROUPS = 3
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
@@ -713,7 +717,13 @@ class _Lowerer:
         c = space[-1]
         self.inner_dim = c
         self.vec = self.vector_width(c)
-        self.tpr = self.row_threads(c, hw.ROW_MAX_THREADS)
+        if isinstance(c, int) and c <= 32 * self.vec * ROW_KERNEL_GROUPS:
+            # a warp per row, its columns straight-line (column_groups): each element read once and kept in
+            # registers for every reduction and output, the reductions shuffles alone (a row across warps met
+            # at two block barriers per reduction, and each pass's loop re-read the row from the caches)
+            self.tpr, self.row_span = 32, c
+        else:
+            self.tpr = self.row_threads(c, hw.ROW_MAX_THREADS)
         block = max(self.tpr, hw.ROW_MIN_BLOCK)
         rpb = block // self.tpr
         rows_terms = [self.encode(d) for d in space[:-1]]
