@@ -180,8 +180,8 @@ class _Lowerer:
         self.split_row: Optional[RowSplit] = None
         self.row_c: Optional[Expr] = None  # row_pass: the row (clamped) and whether it exists
         self.row_active: Optional[Expr] = None
-        # a GEMM's row-wise epilogue: the most columns its row pass covers (the tile's, or the whole static
-        # row), so a column loop of a few trips is printed straight-line (column_groups)
+        # the most columns a row pass covers where they are static (a GEMM row-wise epilogue's tile or row, a
+        # short row kernel's row), so a column loop of a few trips is printed straight-line (column_groups)
         self.row_span: Optional[int] = None
 
     # ------------------------------------------------------------------ shapes and dims
@@ -268,10 +268,10 @@ class _Lowerer:
         self.emit(ir.For(v, start, stop, step, tuple(inner.stmts), unroll))
 
     def column_groups(self, start: Expr, stop: Expr) -> Optional[list[tuple[Expr, Expr]]]:
-        """A GEMM row-wise epilogue's row pass (the row's columns static, `row_span` at most): where its column
-        loop (TPR threads, VEC columns each) runs at most ROW_COLUMN_GROUPS times, one (first column, whether
-        it is one of the row's) per trip, the column clamped to the pass's first so that it can be read
-        either way. The caller computes each unconditionally and selects (a reduction's identity) or guards
+        """A row pass whose columns are static (`row_span` at most: a GEMM's row-wise epilogue, or a row kernel
+        of short rows): where its column loop (TPR threads, VEC columns each) runs at most ROW_COLUMN_GROUPS
+        times, one (first column, whether it is one of the row's) per trip, the column clamped to the pass's
+        first so that it can be read either way. The caller computes each unconditionally and selects (a reduction's identity) or guards
         (a store): straight-line code, which an unrolled row loop interleaves across rows; a loop or a branch
         per row kept each row's load, reduce and combine chain waiting in turn."""
         if self.row_span is None:

@@ -9,8 +9,9 @@ from typing import Callable
 
 from ortfuse.customops import ir
 
+# f32p: a GEMM row-wise epilogue's row buffer, scratch and slots, disjoint
 C_TYPE = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "i64": "ofz_i64", "i32": "int",
-          "bool": "bool", "u8": "unsigned char", "i8": "signed char", "f32p": "float* __restrict__"}  # the row buffer, scratch and slots: disjoint
+          "bool": "bool", "u8": "unsigned char", "i8": "signed char", "f32p": "float* __restrict__"}
 REDUCE_OP = {"sum": "ofz::SumOp", "max": "ofz::MaxOp", "min": "ofz::MinOp"}
 
 

@@ -19,8 +19,9 @@
 //                  X[b][m][n..n+7] into x[0..7] (optional, as epi8)
 //   static void    row(const OfzArgs&, ofz_i64 b, ofz_i64 m0, ofz_i64 rows, float* ofz_row, float* ofz_scratch)
 // row_in's values (X: the tensor the row reductions read) go to an fp32 [BM][BN + 4] buffer that aliases
-// the drained pipeline stages (with row_in8: the accumulators first, then X over them 8 columns at a time); `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per
-// row (row_reduce, scratch of kThreads / 32 floats) and stores every output.
+// the drained pipeline stages (with row_in8: the accumulators first, then X over them 8 columns at a time);
+// `row` then reduces rows m0 .. m0+rows-1 of the tile with ROW_TPR threads per row (row_reduce, scratch of
+// kThreads / 32 floats) and stores every output.
 //
 // LayerNorm folded in (Fold = LayerNormFold<EPS>; lower_gemm.py, rewriter/layernorm_fold.py, docs/design.md
 // "LayerNorm prologues"): A is X, the LayerNormalization's input, and B the weight scaled offline by its
