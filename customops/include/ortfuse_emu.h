@@ -73,6 +73,8 @@ struct Thread {
   unsigned mask;     // lanes named by the pending warp op
   int src;           // lane a shuffle reads, -1 for its own value
   uint64_t val, out; // value posted to / result of the pending warp op
+  bool arrived;      // between cluster_arrive and cluster_wait
+  unsigned gen;      // the cluster barrier's phase it arrived in
 };
 
 // Context switching. x86-64 uses a small hand-written switch (callee-saved registers, MXCSR and the x87
@@ -139,7 +141,8 @@ struct State {
   unsigned waiting[kMaxFibers / 32];  // per warp: lanes parked at a warp op
   unsigned exited[kMaxFibers / 32];   // per warp: lanes that returned
   // n fibers = cluster blocks of `block` threads; fiber i is thread i % block of the cluster's block i / block
-  int n = 0, block = 0, cluster = 1, live = 0, runnable = 0, at_cluster = 0, cur = 0;
+  int n = 0, block = 0, cluster = 1, live = 0, runnable = 0, at_cluster = 0, cur = 0;  // at_cluster: arrivals
+  unsigned cluster_gen = 0;  // phases of the cluster barrier completed
   int live_in[kMaxCluster], at_block[kMaxCluster];  // per block of the cluster
   unsigned first_block = 0;                          // blockIdx.x of the cluster's block 0
   void (*body)(const void*) = nullptr;
@@ -285,16 +288,36 @@ inline void named_reset() {
     for (Named& nb : blk) nb = Named();
 }
 
-// barrier.cluster: every live thread of every block of the cluster.
-inline void sync_cluster() {
-  S.th[S.cur].state = kAtCluster;
+// barrier.cluster: every live thread of every block of the cluster. Its halves: arrive counts the thread and
+// lets it go on; wait parks it until every live thread has arrived in its phase. Between them the thread
+// must not read another block's shared memory (a block that has passed its wait may already overwrite it).
+inline void cluster_phase_done() {
+  S.at_cluster = 0;
+  ++S.cluster_gen;
+  release(-1, kAtCluster);
+}
+
+inline void cluster_arrive() {
+  Thread& t = S.th[S.cur];
+  if (t.arrived) fail("thread %d: cluster_arrive twice without cluster_wait", S.cur);
+  t.arrived = true;
+  t.gen = S.cluster_gen;
+  if (++S.at_cluster == S.live) cluster_phase_done();
+}
+
+inline void cluster_wait() {
+  Thread& t = S.th[S.cur];
+  if (!t.arrived) fail("thread %d: cluster_wait without cluster_arrive", S.cur);
+  t.arrived = false;
+  if (S.cluster_gen != t.gen) return;  // every live thread has arrived since
+  t.state = kAtCluster;
   --S.runnable;
-  if (++S.at_cluster == S.live) {
-    S.at_cluster = 0;
-    release(-1, kAtCluster);
-    return;
-  }
   yield();
+}
+
+inline void sync_cluster() {
+  cluster_arrive();
+  cluster_wait();
 }
 
 // All lanes in `need` of warp w have posted: compute every result, then wake them.
@@ -354,6 +377,7 @@ inline uint64_t warp_op(unsigned char op, unsigned mask, uint64_t val, int src) 
 // The running thread returned from the kernel.
 inline void thread_exit() {
   const int me = S.cur, w = me / 32, l = me % 32, b = block_of(me);
+  if (S.th[me].arrived) fail("thread %d exited between cluster_arrive and cluster_wait", me);
   S.th[me].state = kDone;
   --S.runnable;
   --S.live;
@@ -370,7 +394,7 @@ inline void thread_exit() {
     if ((S.waiting[w] & need) == need) complete(w, need, kSync);
   }
   if (S.at_block[b] && S.at_block[b] == S.live_in[b]) S.at_block[b] = 0, release(b, kAtBlock);
-  if (S.at_cluster && S.at_cluster == S.live) S.at_cluster = 0, release(-1, kAtCluster);
+  if (S.at_cluster && S.at_cluster == S.live) cluster_phase_done();
   if (S.live == 0) {
     ctx_swap(&S.ctx[me], &S.main);  // block (cluster) finished; the next one resumes this fiber here
     return;
@@ -470,7 +494,7 @@ inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*bo
   gridDim = {grid, 1, 1};
   blockDim = {block, 1, 1};
   for (unsigned b = 0; b < grid; b += cluster) {
-    for (int i = 0; i < S.n; ++i) S.th[i].state = kRun;
+    for (int i = 0; i < S.n; ++i) S.th[i].state = kRun, S.th[i].arrived = false;
     memset(S.waiting, 0, sizeof S.waiting);
     memset(S.exited, 0, sizeof S.exited);
     S.live = S.runnable = S.n;
@@ -586,6 +610,8 @@ inline unsigned cluster_id() { return S.first_block / (unsigned)S.cluster; }
 inline unsigned cluster_count() { return gridDim.x / (unsigned)S.cluster; }
 // mapa: the same offset in block `rank`'s dynamic shared memory (the only shared storage that is per block here)
 inline const void* cluster_map(const void* p, unsigned rank) {
+  if (S.th[S.cur].arrived && rank != (unsigned)block_of(S.cur))
+    fail("thread %d: cluster_map to block %u between cluster_arrive and cluster_wait", S.cur, rank);
   const unsigned char* own = static_cast<const unsigned char*>(dynamic_smem());
   const unsigned char* q = static_cast<const unsigned char*>(p);
   if (q < own || q >= own + S.smem_bytes)

@@ -201,15 +201,16 @@ template <class Op, int TPR> __device__ __forceinline__ float row_reduce(float v
 // acquire semantics: shared-memory writes before it are visible to the cluster's other blocks after it
 // (through cluster_map, PTX mapa: the same offset in block `rank`'s shared memory). cluster_arrive and
 // cluster_wait are its two halves, with work between them that does not touch the other blocks' memory
-// (every thread of the cluster arrives before any wait returns; the emulation syncs at the arrival).
+// (every thread of the cluster arrives before any wait returns; the emulation fails a kernel that maps another
+// block's shared memory between them).
 #ifdef ORTFUSE_EMU
 __device__ __forceinline__ unsigned cluster_rank() { return ofz_emu::cluster_rank(); }
 __device__ __forceinline__ unsigned cluster_size() { return ofz_emu::cluster_size(); }
 __device__ __forceinline__ unsigned cluster_id() { return ofz_emu::cluster_id(); }
 __device__ __forceinline__ unsigned cluster_count() { return ofz_emu::cluster_count(); }
 __device__ __forceinline__ void cluster_sync() { ofz_emu::sync_cluster(); }
-__device__ __forceinline__ void cluster_arrive() { ofz_emu::sync_cluster(); }  // the whole barrier: stronger
-__device__ __forceinline__ void cluster_wait() {}
+__device__ __forceinline__ void cluster_arrive() { ofz_emu::cluster_arrive(); }
+__device__ __forceinline__ void cluster_wait() { ofz_emu::cluster_wait(); }
 template <class T> __device__ __forceinline__ const T* cluster_map(const T* p, unsigned rank) {
   return static_cast<const T*>(ofz_emu::cluster_map(p, rank));
 }

@@ -486,9 +486,34 @@ extern "C" __global__ void bad_map(const OfzArgs a) {
   const float* p = ofz::cluster_map(st, 0);
   ((float*)a.ptr[0])[threadIdx.x] = *p;
 }
+// The barrier in halves, as the row-wise GEMM epilogue ends a tile: read the other blocks, arrive, local work
+// (out[1]: this block's own value, read after the arrival), wait; then each block overwrites its value.
+// With `late` the other blocks are read after the arrival: a race on hardware, an error here.
+extern "C" __global__ void halves(const OfzArgs a) {
+  OFZ_DYNAMIC_SMEM(float, s);
+  const unsigned rank = ofz::cluster_rank(), size = ofz::cluster_size();
+  const bool late = a.dim[0] != 0;
+  if (threadIdx.x == 0) s[0] = (float)(rank + 1);
+  ofz::cluster_sync();
+  float sum = 0.0f;
+  if (!late)
+    for (unsigned q = 0; q < size; ++q) sum += *ofz::cluster_peer(s, q, rank);
+  ofz::cluster_arrive();
+  if (late)
+    for (unsigned q = 0; q < size; ++q) sum += *ofz::cluster_peer(s, q, rank);
+  float* out = (float*)a.ptr[0] + ((ofz_i64)blockIdx.x * blockDim.x + threadIdx.x) * 2;
+  out[0] = sum, out[1] = s[0];
+  __syncthreads();
+  ofz::cluster_wait();
+  if (threadIdx.x == 0) s[0] = -1.0f;  // the next tile's write
+}
+// cluster_wait without its arrival.
+extern "C" __global__ void wait_alone(const OfzArgs a) { ofz::cluster_wait(); }
 OFZ_EMU_ENTRY(gather)
 OFZ_EMU_ENTRY(skip)
 OFZ_EMU_ENTRY(bad_map)
+OFZ_EMU_ENTRY(halves)
+OFZ_EMU_ENTRY(wait_alone)
 """
 
 
@@ -518,6 +543,19 @@ def test_cluster_misuse_is_an_error_not_a_hang() -> None:
     out = np.zeros((2, 32, 4), np.float32)
     mod.launch("gather", 2, 32, [out], [], smem=16, cluster=2)  # the module stays usable
     assert (out[:, :, 0] == 30.0).all()
+
+
+def test_cluster_barrier_in_halves() -> None:
+    # cluster_arrive / cluster_wait: work between them runs, the reads before them see every block's value;
+    # a read of another block between them, a wait without an arrival, are errors naming the thread
+    mod = compile_emulated(CLUSTER)
+    out = np.full((4, 64, 2), np.nan, np.float32)
+    mod.launch("halves", 4, 64, [out], [0], smem=16, cluster=2)
+    assert (out[:, :, 0] == 3.0).all() and (out[:, :, 1] == np.repeat([1.0, 2.0, 1.0, 2.0], 64).reshape(4, 64)).all()
+    with pytest.raises(EmulationError, match="cluster_map to block . between cluster_arrive and cluster_wait"):
+        mod.launch("halves", 2, 32, [np.zeros((2, 32, 2), np.float32)], [1], smem=16, cluster=2)
+    with pytest.raises(EmulationError, match="cluster_wait without cluster_arrive"):
+        mod.launch("wait_alone", 2, 32, [np.zeros(64, np.float32)], [], smem=16, cluster=2)
 
 
 def test_cluster_source_compiles_for_sm_90(tmp_path) -> None:
