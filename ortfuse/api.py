@@ -187,6 +187,17 @@ def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,
     return FusedKernel(region, spec, ck, node, variants=tuple(variants))
 
 
+def _built(region: Region, spec: KernelSpec, opts: Options) -> FusedKernel:
+    """A lowered region compiled for the target archs into its node."""
+    return fused_kernel(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+
+
+def _relowered(graph: Graph, tgt, opts: Options, region: Region, tile: Optional[tuple[int, ...]] = None) -> FusedKernel:
+    """The region lowered again (at a GEMM `tile`) and compiled: a spill check's, a size variant's, a profile
+    candidate's or a split's kernel."""
+    return _built(region, lower(graph, region, tgt, opts.tf32, tile=tile), opts)
+
+
 def spill_bytes(ck: CompiledKernel) -> int:
     """The most local-memory spill traffic ptxas reported for any of the kernel's cubins."""
     return max((r.spill_bytes for _, r in ck.resources), default=0)
@@ -211,10 +222,9 @@ def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKe
     best, least, best_tile = k, first, k.spec.tiles[0]
     for tile in k.spec.tiles[1:]:
         try:
-            spec = lower(graph, k.region, tgt, opts.tf32, tile=tile)
+            cand = _relowered(graph, tgt, opts, k.region, tile)
         except LoweringError:
             continue
-        cand = fused_kernel(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
         if spill_bytes(cand.compiled) < least:
             best, least, best_tile = cand, spill_bytes(cand.compiled), tile
         if not least:
@@ -238,14 +248,9 @@ def _size_variants(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKer
     first, more, _ = by_size(k.spec.tile_us, k.spec.binding_rows, k.spec.tile_us[0][1])
     if first is None:
         return k
-
-    def build(tile: tuple[int, ...]) -> FusedKernel:
-        spec = lower(graph, k.region, tgt, opts.tf32, tile=tile)
-        return fused_kernel(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs,
-                                                           opts.cache))
     try:
-        main = k if first == k.spec.tiles[0] else build(first)
-        built = [(frm, build(tile)) for frm, tile in more]
+        main = k if first == k.spec.tiles[0] else _relowered(graph, tgt, opts, k.region, first)
+        built = [(frm, _relowered(graph, tgt, opts, k.region, tile)) for frm, tile in more]
         if any(spill_bytes(x.compiled) for x in (main, *(v for _, v in built))):
             return k
         return fused_kernel(k.region, main.spec, main.compiled, [(frm, v.spec, v.compiled) for frm, v in built])
@@ -266,7 +271,7 @@ def _attention_occupancy(graph: Graph, tgt, opts: Options, k: FusedKernel) -> Fu
     spec = lower(graph, k.region, tgt, opts.tf32, bound=True)
     if not spec.kernel.min_blocks:  # no bound for this kernel (SIMT, head sizes over 64)
         return k
-    cand = fused_kernel(k.region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+    cand = _built(k.region, spec, opts)
     if spill_bytes(cand.compiled) > spill_bytes(k.compiled):
         return k
     return dataclasses.replace(cand, retiled=f"{regs} registers (fewer than {MMA_MIN_BLOCKS} blocks per SM); "
@@ -285,8 +290,7 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
             return [((), k.node)]
         out = []
         for tile in k.spec.tiles:
-            spec = lower(graph, region, tgt, opts.tf32, tile=tile)
-            fk = fused_kernel(region, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
+            fk = _relowered(graph, tgt, opts, region, tile)
             built[(region.id, tile)] = fk
             out.append((tile, fk.node))
         return out
@@ -358,10 +362,9 @@ def _epilogue_alone(graph: Graph, tgt, opts: Options, region: Region) -> Optiona
     rest = dataclasses.replace(rest, id=region.id)
     rest = dataclasses.replace(rest, traffic=traffic(graph, rest))
     try:
-        spec = lower(graph, rest, tgt, opts.tf32)
+        fk = _relowered(graph, tgt, opts, rest)
     except LoweringError:
         return None
-    fk = fused_kernel(rest, spec, compile_kernel(render(spec.kernel), spec.kernel.name, opts.archs, opts.cache))
     i, o = legal.region_io(graph, {anchor})
     gemm = Region(region.id, "gemm", (anchor,), tuple(i), tuple(o), region.space, rest.traffic)
     return gemm, fk
