@@ -165,3 +165,15 @@ def assert_cuda_graph_replay(optimized, feeds, want, runs: int = 3) -> None:
         sess.run_with_iobinding(io)
         for k, r in want.items():
             assert compare(k, outs[k].numpy(), r).ok, k
+
+
+def sass_or_skip():
+    """bench/sass.py's `sass` (cuobjdump's instructions of a cubin), or the test skipped where the developer
+    tool is not installed (CI)."""
+    import pytest
+    try:
+        from ortfuse.bench.sass import cuobjdump, sass
+        cuobjdump()
+    except (ImportError, FileNotFoundError) as err:
+        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    return sass

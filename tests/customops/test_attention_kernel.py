@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import sass_or_skip
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 
@@ -264,22 +265,13 @@ def test_tensor_core_shared_memory_traffic_is_conflict_free(mod, c: Case):
     assert _rel(got, ref) <= 1e-2
 
 
-def _sass_or_skip():
-    try:
-        from ortfuse.bench.sass import cuobjdump, sass
-        cuobjdump()
-    except (ImportError, FileNotFoundError) as err:
-        pytest.skip(f"no cuobjdump (a developer tool): {err}")
-    return sass
-
-
 def test_tensor_core_key_tile_loop(tmp_path):
     # The SASS of one key tile (d 64, 64 keys; a thread scores 2 rows x 16 keys): exponentials are one
     # MUFU.EX2 each with no denormal fix-up (ex2.approx.ftz), the K/V copies are unrolled (no loop inside
     # the tile loop), and a mask that is the same for every row (Padding reads mask[b, j]) is 16 loads on
     # a whole tile, where the partial tile's checked path loads per score (32)
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    sass = _sass_or_skip()
+    sass = sass_or_skip()
     c = Case("f16", 64, 64, "bshd", "padding", "tensor_core")
     ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
     back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]

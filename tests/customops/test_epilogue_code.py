@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, launch_spec, model, node, vi
+from helpers import const, launch_spec, model, node, sass_or_skip, vi
 from ortfuse.api import target_for
 from ortfuse.bench import sweep
 from ortfuse.customops.lower import lower
@@ -41,11 +41,7 @@ def test_bias_is_read_through_the_read_only_path_and_pairs_are_stored_whole(fami
 
 
 def test_a_whole_tiles_bias_loads_issue_ahead_of_its_stores():
-    try:
-        from ortfuse.bench.sass import cuobjdump, sass
-        cuobjdump()
-    except (ImportError, FileNotFoundError) as err:
-        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    sass = sass_or_skip()
     _, ck = _kernel("wgmma+TMA")
     ops = [ins for _, ins in sass(dict(ck.cubins)[90]) if "LDG" in ins or "STG" in ins]
     run = best = 0
@@ -123,11 +119,7 @@ def test_split_k_reduction_reads_a_chunk_of_partial_sums_together(family, shape)
     # unsplit tile on the H200): each thread reads every split's partial of 8 / S column groups (one at S = 8),
     # 16 bytes each, before any sum; before, one column pair at a time waited for its reads behind a run-time integer
     # division, so at S = 2 and 4 every pair cost a distributed shared-memory round trip
-    try:
-        from ortfuse.bench.sass import cuobjdump, sass
-        cuobjdump()
-    except (ImportError, FileNotFoundError) as err:
-        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    sass = sass_or_skip()
     # At S <= 4 the groups are 8 columns wide and their sums leave through epi8 (16-byte stores; session 17),
     # at S = 8 they stay 4 wide, so that the reads in flight stay 8
     import re

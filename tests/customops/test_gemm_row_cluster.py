@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, launch_spec, model, node, vi
+from helpers import const, launch_spec, model, node, sass_or_skip, vi
 from ortfuse.api import compile_model, target_for
 from ortfuse.customops import tiles as tl
 from ortfuse.config import Options
@@ -210,11 +210,7 @@ def test_row_epilogue_sass_is_straight_line(tile, tmp_path):
     import re
 
     from ortfuse.customops.compile import compile_kernel
-    try:
-        from ortfuse.bench.sass import cuobjdump, sass
-        cuobjdump()
-    except (ImportError, FileNotFoundError) as err:
-        pytest.skip(f"no cuobjdump (a developer tool): {err}")
+    sass = sass_or_skip()
     onnx_model, _ = _build(_layernorm, H, 4096, 768, 768)
     g = build_graph(onnx_model, {})
     tgt = target_for((90,), True)
