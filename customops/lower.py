@@ -100,6 +100,9 @@ class KernelSpec:
     # a GEMM whose row-wise epilogue is split across a cluster (ortfuse_gemm.h RSPLIT): launched in clusters of
     # exactly this many blocks, on sm_90+ only (1: no such split)
     row_cluster: int = 1
+    # a TMA GEMM whose clusters share B's tiles by multicast (ortfuse_gemm.h run_wgmma_ws MC): launched in
+    # clusters of exactly this many blocks, its units counting clusters (1: none)
+    multicast: int = 1
     # GEMM: the tile model's estimate of each candidate of the chosen tile family at each binding of the
     # symbolic dims (batch 1, and batch 32 where the batch is symbolic), and the rows (the first output's
     # leading dims) at each: kernel variants by size where no --profile measures them

@@ -105,6 +105,7 @@ class _GemmLowerer(_Lowerer):
         self.tma: tuple[tuple[int, int, int], ...] = ()  # KernelSpec.tma
         self.blocks_per_sm = 0  # KernelSpec.blocks_per_sm
         self.row_cluster = 1  # KernelSpec.row_cluster
+        self.multicast = 1  # KernelSpec.multicast
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -609,9 +610,13 @@ class _GemmLowerer(_Lowerer):
         targs: the template's ROW_TPR and Geo arguments where they differ from the defaults."""
         es = self.esize(storage)
         tile, split = chosen.tile, chosen.split
-        units_ceil = ((tuple(m_terms), tile.bm), (tuple(n_terms), tile.bn))
+        # B multicast: a unit is a cluster's group of tiles stacked along M
+        units_ceil = ((tuple(m_terms), tile.bm * tile.mcast), (tuple(n_terms), tile.bn))
         if split > 1:  # ROW_TPR, Geo, SPLIT
             targs = (targs[0] if targs else "0", targs[1] if len(targs) > 1 else "ofz::gemm::NoConv", str(split))
+        if tile.mcast > 1:  # ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES at their defaults, then MC
+            assert not targs and split == 1, "B multicast: a plain epilogue, no split-K"
+            targs = ("0", "ofz::gemm::NoConv", "1", "ofz::gemm::NoFold", "1", "0", str(tile.mcast))
         call = ir.Call("ofz::gemm::run",
                        (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a[0]), str(b[0]), str(math_), "OPS",
                         *targs),
@@ -620,7 +625,8 @@ class _GemmLowerer(_Lowerer):
         if tile.tma:  # the tensor maps of A and B: (input, box rows, element type); boxes are 64 wide
             assert not batch_terms and a[0] == ROW and b[0] == COL, "TMA operands are whole 2-D matrices"
             elem = {"f16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[storage]
-            self.tma = ((a[1], tile.bm, elem), (b[1], tile.bn, elem))
+            self.tma = ((a[1], tile.bm, elem), (b[1], tile.bn // tile.mcast, elem))  # multicast: B's box in parts
+            self.multicast = tile.mcast
             # persistent: the producer fills the ring with the next tile while the consumers store this one
             self.blocks_per_sm = chosen.blocks_per_sm
         self.scopes = [_Scope(set())]
@@ -640,6 +646,11 @@ class _GemmLowerer(_Lowerer):
         candidates = [r.tile.candidate(r.split) for r in ranked]
         if ranked[0].split > 1 and ranked[0].tile.candidate(1) not in candidates:
             candidates.insert(1, ranked[0].tile.candidate(1))  # --profile measures the split itself
+        # --profile also measures the best TMA tile with B multicast, which the tile model does not rank (not
+        # yet measured on a GPU: docs/design.md, "B multicast")
+        twin = next((r.tile.multicast_twin() for r in ranked if r.tile.tma and r.split == 1), None)
+        if twin is not None and twin.candidate(1) not in candidates and self.tgt.max_cluster >= twin.mcast:
+            candidates.append(twin.candidate(1))
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(candidates), split
 
 
@@ -653,6 +664,6 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
                       tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
-                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster,
+                      tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster, multicast=lw.multicast,
                       tile_us=lw.tile_us, binding_rows=lw.binding_rows)
 

@@ -24,6 +24,7 @@ memory. Each tile is estimated at every S up to the target's cluster size that k
 wave and each block at least two k tiles; its best S (plus the reduction's cost) is what it ranks by."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ WS_OF = {MMA_F16: WS_F16, MMA_BF16: WS_BF16}
 WGMMA_BK = 64  # one 128-byte swizzle row of 16-bit elements
 WGMMA_SLACK = 1024  # dynamic shared memory added so the stages can start 1024-byte aligned
 WS_PRODUCER = 128  # the TMA mainloop's producer warpgroup
+MULTICAST = 2  # blocks per cluster sharing B through TMA multicast (GemmTile.mcast)
 # registers per thread of a TMA tile with two consumer warpgroups (384 threads): 168 at launch, the
 # producer gives back to 40 and the consumers take 232 (setmaxnreg; ortfuse_gemm.h WsRegs)
 WS_CONSUMER_REGS = 232
@@ -93,6 +95,9 @@ class GemmTile:
 
     wgmma: bool = False  # a warpgroup-MMA tile (sm_90a): see the module docstring
     tma: bool = False  # fed by TMA in the warp-specialized pipeline (a wgmma tile)
+    # a TMA tile whose clusters of `mcast` blocks take tiles stacked along M and share B's: each copies 1/mcast
+    # of B's box into all of them (TMA multicast; ortfuse_gemm.h run_wgmma_ws MC)
+    mcast: int = 1
 
     @property
     def family(self) -> int:
@@ -221,13 +226,22 @@ class GemmTile:
 
     def candidate(self, split: int) -> tuple[int, ...]:
         """The --profile candidate: (BM, BN, BK, WM, WN, STAGES, SPLIT), plus a trailing 1 for a wgmma tile
-        (2: fed by TMA)."""
-        return (*self.as_tuple(), split, 2 if self.tma else 1) if self.wgmma else (*self.as_tuple(), split)
+        (2: fed by TMA, 3: fed by TMA with B multicast across pairs of blocks)."""
+        if not self.wgmma:
+            return (*self.as_tuple(), split)
+        return (*self.as_tuple(), split, (3 if self.mcast > 1 else 2) if self.tma else 1)
 
     @staticmethod
     def of_candidate(t: Sequence[int]) -> "GemmTile":
         kind = t[7] if len(t) > 7 else 0
-        return GemmTile(*t[:6], wgmma=kind in (1, 2), tma=kind == 2)
+        return GemmTile(*t[:6], wgmma=kind in (1, 2, 3), tma=kind in (2, 3), mcast=2 if kind == 3 else 1)
+
+    def multicast_twin(self) -> Optional["GemmTile"]:
+        """This TMA tile with B multicast across pairs of blocks (None where that does not apply: not a TMA tile,
+        or half of B's box not whole 8-row swizzle atoms)."""
+        if not self.tma or self.mcast > 1 or (self.bn // MULTICAST) % 8:
+            return None
+        return dataclasses.replace(self, mcast=MULTICAST)
 
 
 @dataclass(frozen=True)
@@ -323,6 +337,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit) > tgt.smem_per_block or regs > MAX_REGS or \
             t.threads > tgt.max_threads_per_block or (t.tma and regs > t.reg_limit(tgt.regs_per_sm)):
         return None
+    if t.mcast > 1 and (split > 1 or tgt.max_cluster < t.mcast or not t.tma):
+        return None  # B multicast: clusters of mcast blocks along M, no split-K in them
     if t.tma:  # a block holds its launch's per-thread count (setmaxnreg only moves registers between its warps)
         regs = tgt.regs_per_sm // t.threads // 8 * 8 if t.moves_registers else -(-regs // 8) * 8
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
@@ -333,7 +349,10 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
                         tgt.max_threads_per_sm // t.threads, 32)
     if blocks_per_sm < 1:
         return None
-    tiles = batch * -(-m // t.bm) * -(-n // t.bn)
+    # B multicast: tiles in groups of mcast along M (a last odd group's other block computes a tile past M)
+    tiles_m = -(-m // t.bm)
+    tiles_m = -(-tiles_m // t.mcast) * t.mcast
+    tiles = batch * tiles_m * -(-n // t.bn)
     ktiles_all = -(-k // t.bk)
     if split > 1 and (tiles * split > tgt.sm_count or ktiles_all < 2 * split or staged[0] == NORMED):
         return None  # split only within one wave, each block keeps a pipeline's worth of k tiles, whole rows of A
@@ -352,7 +371,7 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     sm_rate = peak / tgt.sm_count * min(1.0, resident_warps / 4)
     t_math = per_sm * 2.0 * t.bm * t.bn * kp / sm_rate
     unique = esize * batch * (m * k + k * n + m * n)
-    reread = esize * tiles * (t.bm + t.bn) * ktiles_all * t.bk
+    reread = esize * tiles * (t.bm + t.bn / t.mcast) * ktiles_all * t.bk  # multicast: B once per cluster
     t_mem = max(unique / (tgt.dram_gbps * 1e9), reread / (tgt.dram_gbps * tgt.l2_over_dram * 1e9))
     # instruction issue: an SM issues at most one instruction per clock for each of its 4 schedulers,
     # and a warp uses one; element-wise operand loads make a tile issue-bound long before the tensor
@@ -447,11 +466,17 @@ def _ranked(tgt: Target, m: int, n: int, k: int, batch: int, esize: int, math_: 
     return tuple(ranked)
 
 
-def launch_blocks(grid: int, split_k: int, blocks_per_sm: int, sm_count: int, row_cluster: int = 1) -> tuple[int, int]:
+def launch_blocks(grid: int, split_k: int, blocks_per_sm: int, sm_count: int, row_cluster: int = 1,
+                  multicast: int = 1) -> tuple[int, int]:
     """(blocks, blocks per cluster) the native library launches (ofz_spec_resolve) for `grid` work blocks on a
     device of `sm_count` SMs: a row split's clusters of exactly row_cluster blocks (the grid counts them
-    already), split-K clusters within one wave, else a persistent kernel's grid capped at blocks_per_sm per
-    SM (re-exported as `attrs.launch_blocks`)."""
+    already), B multicast's clusters of exactly `multicast` blocks (the grid counts clusters; persistent, at
+    most blocks_per_sm per SM), split-K clusters within one wave, else a persistent kernel's grid capped at
+    blocks_per_sm per SM (re-exported as `attrs.launch_blocks`)."""
+    if multicast > 1:
+        if blocks_per_sm > 0 and sm_count > 0:
+            grid = min(grid, max(1, blocks_per_sm * sm_count // multicast))
+        return grid * multicast, multicast
     if row_cluster > 1:
         if grid % row_cluster:
             raise ValueError(f"{grid} blocks do not form clusters of {row_cluster}")

@@ -295,7 +295,8 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
         # clusters (split-K, a row split) and persistent grids as the native library would launch them on the
         # newest compiled arch
         sms = for_cc(max(launch.archs)).sm_count if launch.archs else 0
-        blocks, cluster = launch_blocks(grid, launch.split_k, launch.blocks_per_sm, sms, launch.row_cluster)
+        blocks, cluster = launch_blocks(grid, launch.split_k, launch.blocks_per_sm, sms, launch.row_cluster,
+                                        launch.multicast)
         compile_emulated(launch.source).launch(launch.entry, blocks, launch.block, [*inputs, *outs], dims,
                                                  launch.smem, cluster, launch.arg_align, tma=launch.tma)
     diffs = [compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))

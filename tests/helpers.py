@@ -140,7 +140,7 @@ def launch_spec(spec, arrays, dims, sms: int = 0) -> None:
         units *= -(-math.prod(t if t >= 0 else dims[-t - 1] for t in terms) // div)
     grid = -(-units // spec.units_per_block)
     blocks, cluster = launch_blocks(grid, spec.split_k, spec.blocks_per_sm, sms or parse_arch("sm_90").sm_count,
-                                    spec.row_cluster)
+                                    spec.row_cluster, spec.multicast)
     compile_emulated(render(spec.kernel)).launch(spec.kernel.name, blocks, spec.block, arrays, dims, spec.smem,
                                                  cluster, spec.arg_align, tma=spec.tma)
 

@@ -1158,37 +1158,54 @@ inline const char* mbar_copies_in_flight() {
   return nullptr;
 }
 
-inline unsigned long long mbar_key(const void* bar) {
+// The barrier at `bar`'s offset in block `rank` of the cluster (the calling thread's own block by default).
+inline unsigned long long mbar_key(const void* bar, int rank = -1) {
   const unsigned addr = smem_addr(bar);
   if (addr % 8) fail("thread %d: mbarrier at shared address 0x%x is not 8-byte aligned", S.cur, addr);
-  return (unsigned long long)block_of(S.cur) << 32 | addr;
+  return (unsigned long long)(rank < 0 ? block_of(S.cur) : rank) << 32 | addr;
 }
 
-inline Mbar& mbar_get(const void* bar, bool create = false) {
-  const unsigned long long key = mbar_key(bar);
+inline Mbar& mbar_at(unsigned long long key, bool create = false) {
   for (auto& e : mbars)
     if (e.first == key) return e.second;
-  if (!create) fail("thread %d: mbarrier at shared address 0x%x used before mbarrier.init", S.cur, (unsigned)key);
+  if (!create)
+    fail("thread %d: mbarrier at shared address 0x%x of block %u used before mbarrier.init", S.cur, (unsigned)key,
+         (unsigned)(key >> 32));
   mbars.push_back({key, Mbar()});
   return mbars.back().second;
 }
+inline Mbar& mbar_get(const void* bar, bool create = false) { return mbar_at(mbar_key(bar), create); }
 
 // Wake the threads parked on this barrier (they check their phase again).
-inline void mbar_wake(const void* bar) {
-  const unsigned long long key = mbar_key(bar);
+inline void mbar_wake_key(unsigned long long key) {
   for (int i = 0; i < S.n; ++i)
     if (S.th[i].state == kAtMbar && S.th[i].val == key) S.th[i].state = kRun, ++S.runnable;
 }
+inline void mbar_wake(const void* bar) { mbar_wake_key(mbar_key(bar)); }
 
 // The phase completes when no arrival and no byte is pending.
-inline void mbar_settle(const void* bar, Mbar& m) {
+inline void mbar_settle_key(unsigned long long key, Mbar& m) {
   if (m.pending || m.tx) return;
   if (!m.copies.empty())
     fail("thread %d: an mbarrier phase completed with %zu bulk copies still counted on it (expect_tx too small)",
          S.cur, m.copies.size());
   ++m.phase;
   m.pending = m.expected;
-  mbar_wake(bar);
+  mbar_wake_key(key);
+}
+inline void mbar_settle(const void* bar, Mbar& m) { mbar_settle_key(mbar_key(bar), m); }
+
+// Whether every thread of block `rank` of the cluster has exited: on hardware its shared memory is gone, so a
+// remote arrival or a multicast into it is an error (the kernel owes a cluster barrier before exiting).
+inline bool block_exited(unsigned rank) {
+  for (int i = (int)rank * S.block; i < ((int)rank + 1) * S.block; ++i)
+    if (S.th[i].state != kDone) return false;
+  return true;
+}
+
+inline void check_peer(unsigned rank, const char* what) {
+  if (rank >= (unsigned)S.cluster) fail("thread %d: %s to rank %u of a %d-block cluster", S.cur, what, rank, S.cluster);
+  if (block_exited(rank)) fail("thread %d: %s to block %u, whose threads have all exited", S.cur, what, rank);
 }
 
 inline void mbar_init(void* bar, unsigned count) {
@@ -1215,6 +1232,17 @@ inline void mbar_arrive(void* bar, unsigned bytes) {
   --m.pending;
   mbar_check_tx(m);
   mbar_settle(bar, m);
+}
+
+// mbarrier.arrive.shared::cluster on the barrier at `bar`'s offset in block `rank` (mapa).
+inline void mbar_arrive_remote(void* bar, unsigned rank) {
+  check_peer(rank, "mbar_arrive_cluster");
+  const unsigned long long key = mbar_key(bar, (int)rank);
+  Mbar& m = mbar_at(key);
+  if (m.pending == 0) fail("thread %d: more arrivals on an mbarrier than its count %u", S.cur, m.expected);
+  --m.pending;
+  mbar_check_tx(m);
+  mbar_settle_key(key, m);
 }
 
 inline void bulk_perform(const BulkCopy& c) {
@@ -1259,8 +1287,8 @@ struct EmuTensorMap {
 };
 constexpr unsigned long long kTensorMapMagic = 0x50414d4f53544f46ull;  // "FOTSOMAP"
 
-// cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes, 128-byte swizzle.
-inline void tma_load_2d(void* dst, const void* map, int c0, int c1, void* bar) {
+// One box of a tensor map for the shared memory at `dst` (checked as the hardware would), not yet queued.
+inline BulkCopy tma_box(void* dst, const void* map, int c0, int c1) {
   EmuTensorMap t;
   memcpy(&t, map, sizeof t);
   if (reinterpret_cast<uintptr_t>(map) % 64 || t.magic != kTensorMapMagic)
@@ -1276,10 +1304,34 @@ inline void tma_load_2d(void* dst, const void* map, int c0, int c1, void* bar) {
   if (window - kSmemWindowBase + bytes > S.smem_bytes)
     fail("thread %d: TMA box of %llu bytes at 0x%x overruns the block's %zu dynamic bytes", S.cur, bytes, window,
          S.smem_bytes);
-  Mbar& m = mbar_get(bar);
-  m.copies.push_back({static_cast<unsigned char*>(dst), window, reinterpret_cast<const unsigned char*>(t.base),
-                      t.dim0, t.dim1, t.stride1, t.box0, t.box1, t.esize, c0, c1});
+  return {static_cast<unsigned char*>(dst), window, reinterpret_cast<const unsigned char*>(t.base), t.dim0, t.dim1,
+          t.stride1, t.box0, t.box1, t.esize, c0, c1};
+}
+
+// cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes, 128-byte swizzle. The copy
+// lands when a thread waits on the barrier (so a read before the wait sees the old contents).
+inline void tma_load_2d(void* dst, const void* map, int c0, int c1, void* bar) {
+  const BulkCopy c = tma_box(dst, map, c0, c1);
+  mbar_get(bar).copies.push_back(c);
   mbar_wake(bar);  // a thread already waiting performs the copy
+}
+
+// The same with .multicast::cluster: the box lands at dst's offset in every block of `mask`, each block's
+// barrier at bar's offset counting its bytes.
+inline void tma_load_2d_multicast(void* dst, const void* map, int c0, int c1, void* bar, unsigned short mask) {
+  if (mask == 0 || (S.cluster < 16 && (mask >> S.cluster) != 0))
+    fail("thread %d: TMA multicast mask 0x%x in a %d-block cluster", S.cur, (unsigned)mask, S.cluster);
+  const BulkCopy c = tma_box(dst, map, c0, c1);
+  const unsigned char* own = static_cast<const unsigned char*>(dynamic_smem());
+  for (unsigned r = 0; r < (unsigned)S.cluster; ++r) {
+    if (!(mask >> r & 1u)) continue;
+    check_peer(r, "a TMA multicast");
+    BulkCopy to = c;
+    to.dst = S.smem + (size_t)r * S.smem_stride + (size_t)(c.dst - own);
+    const unsigned long long key = mbar_key(bar, (int)r);
+    mbar_at(key).copies.push_back(to);
+    mbar_wake_key(key);
+  }
 }
 
 }  // namespace ofz_emu

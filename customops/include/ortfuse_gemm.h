@@ -802,16 +802,19 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
 
 // Which output tiles a block computes, and which of their k tiles: tile u = first, first + step, ... of
 // batch x tiles_m x tiles_n. Split-K: the cluster's blocks share tile u and each takes a contiguous share of
-// its k tiles, [kt0, kt0 + nk); without it (or in clusters of one) a block owns whole tiles.
-template <int BM, int BN, int BK, int SPLIT> struct Schedule {
-  static constexpr bool kSplit = SPLIT > 1;
+// its k tiles, [kt0, kt0 + nk); without it (or in clusters of one) a block owns whole tiles. B multicast (MC
+// > 1, run_wgmma_ws): u counts groups of MC tiles stacked along M (tiles_m is in groups), one group per
+// cluster, block `mrank` taking the group's tile mrank (past M where tiles_m was odd: computed, not stored).
+template <int BM, int BN, int BK, int SPLIT, int MC = 1> struct Schedule {
+  static constexpr bool kSplit = SPLIT > 1, kClustered = SPLIT > 1 || MC > 1;
   ofz_i64 tiles_m, tiles_n, tiles, first, step, kt0, nk;
-  unsigned splits, rank;
+  unsigned splits, rank, mrank;
   __device__ __forceinline__ Schedule(ofz_i64 batch, ofz_i64 M, ofz_i64 N, ofz_i64 K)
-      : tiles_m((M + BM - 1) / BM), tiles_n((N + BN - 1) / BN), tiles(batch * tiles_m * tiles_n),
-        first(kSplit ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x),
-        step(kSplit ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x),
-        splits(kSplit ? cluster_size() : 1u), rank(kSplit ? cluster_rank() : 0u) {
+      : tiles_m(((M + BM - 1) / BM + MC - 1) / MC), tiles_n((N + BN - 1) / BN), tiles(batch * tiles_m * tiles_n),
+        first(kClustered ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x),
+        step(kClustered ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x),
+        splits(kSplit ? cluster_size() : 1u), rank(kSplit ? cluster_rank() : 0u),
+        mrank(MC > 1 ? cluster_rank() : 0u) {
     const ofz_i64 ktiles = (K + BK - 1) / BK;
     kt0 = ktiles * rank / splits;
     nk = ktiles * (rank + 1) / splits - kt0;
@@ -820,7 +823,7 @@ template <int BM, int BN, int BK, int SPLIT> struct Schedule {
   __device__ __forceinline__ void at(ofz_i64 u, ofz_i64& b, ofz_i64& m0, ofz_i64& n0) const {
     const ofz_i64 rest = u % (tiles_m * tiles_n);
     b = u / (tiles_m * tiles_n);
-    m0 = (rest / tiles_n) * BM;
+    m0 = ((rest / tiles_n) * MC + mrank) * BM;
     n0 = (rest % tiles_n) * BN;
   }
 };
@@ -1149,12 +1152,29 @@ __device__ __forceinline__ void run_wgmma(const OfzArgs& a, int a_arg, int b_arg
 // barrier: every warpgroup's last wgmma has read its stages) and reduce through distributed shared memory
 // in the drained stages; the barriers sit before the stages, out of that buffer's way. A cluster launch
 // gives each cluster one tile, so no producer is still filling the ring then.
+// B multicast (MC = 2): a cluster's two blocks take tiles stacked along M with the same columns, so they need
+// the same B tile in every k step. Each producer copies its A box and half of the B box, the half landing in
+// both blocks (TMA multicast): B crosses from L2 once per pair instead of once per block. A stage is refilled
+// only when both blocks' consumers released it (each consumer warp arrives on its stage's `empty` barrier in
+// both blocks), and neither block leaves before the other is done with its barriers (a cluster barrier at
+// the end). The grid is persistent in pairs: each cluster loops over groups of two tiles.
+// A consumer warp hands a stage back: to its own block's producer, or with B multicast to both blocks' (either
+// producer's next copy into the stage lands in this block).
+template <int MC> __device__ __forceinline__ void release_stage(unsigned long long* empty) {
+  if constexpr (MC == 1) {
+    mbar_arrive(empty);
+  } else {
+#pragma unroll
+    for (unsigned r = 0; r < (unsigned)MC; ++r) mbar_arrive_cluster(empty, r);
+  }
+}
+
 template <int CONSUMERS> struct WsRegs {
   static constexpr bool kMove = CONSUMERS == 256;
   static constexpr int kProducer = 40, kConsumer = 232;  // 128 * 40 + 256 * 232 = 384 * 168
 };
 
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT>
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT, int MC>
 __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                              ofz_i64 K) {
 #if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1165,9 +1185,11 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   static_assert(WN == 64 || WN == 128 || WN == 192 || WN == 256, "wgmma N per warpgroup");
   static_assert(STAGES >= 2, "a ring of at least two stages");
   static_assert((MATH == kWsWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
+  static_assert(MC == 1 || (MC == 2 && SPLIT == 1 && (BN / MC) % 8 == 0), "B multicast: pairs along M, no split-K");
   constexpr int kConsumers = (BM / WM) * (BN / WN) * 32, kConsumerWarps = kConsumers / 32;
   constexpr int kNT = WN / 8;
   constexpr int kAStage = BM * BK, kBStage = BN * BK;  // elements
+  constexpr int kBPart = kBStage / MC;  // the part of B's box each block copies (all of it without multicast)
   constexpr unsigned kStageBytes = (unsigned)(kAStage + kBStage) * 2u;
   using Regs = WsRegs<kConsumers>;
   OFZ_DYNAMIC_SMEM(T, smem);
@@ -1181,12 +1203,17 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
+      mbar_init(&empty[s], kConsumerWarps * MC);  // every consumer warp of the cluster's MC blocks
     }
     mbar_fence_init();
   }
-  __syncthreads();  // the only block barrier: the barriers exist for everyone
-  const Schedule<BM, BN, BK, SPLIT> sch(batch, M, N, K);
+  if constexpr (MC > 1) {
+    cluster_sync();  // the barriers exist for the other block's copies and arrivals too
+    if (cluster_size() != (unsigned)MC) __trap();  // launched otherwise, B would miss its other half
+  } else {
+    __syncthreads();  // the only block barrier: the barriers exist for everyone
+  }
+  const Schedule<BM, BN, BK, SPLIT, MC> sch(batch, M, N, K);
   const ofz_i64 kt0 = sch.kt0, nk = sch.nk;  // the block's k tiles: [kt0, kt0 + nk)
   // split-K reuses the drained stages for the partial tile: only right if no producer refills them for a
   // next tile, i.e. one tile per cluster (what the library launches: ofz_spec_cluster)
@@ -1205,11 +1232,19 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
         for (ofz_i64 kt = 0; kt < nk; ++kt, ++it) {
           const unsigned s = it % STAGES, phase = (it / STAGES) & 1u;
           mbar_wait(&empty[s], phase ^ 1u);  // the consumers released this stage's previous use
-          mbar_arrive_expect_tx(&full[s], kStageBytes);
+          mbar_arrive_expect_tx(&full[s], kStageBytes);  // multicast: the other block's half lands here too
           tma_load_2d(As + s * kAStage, &tma->map[0], (int)((kt0 + kt) * BK), (int)(b * M + m0), &full[s]);
-          tma_load_2d(Bs + s * kBStage, &tma->map[1], (int)((kt0 + kt) * BK), (int)n0, &full[s]);
+          if constexpr (MC > 1)
+            tma_load_2d_multicast(Bs + s * kBStage + sch.mrank * kBPart, &tma->map[1], (int)((kt0 + kt) * BK),
+                                  (int)(n0 + sch.mrank * (BN / MC)), &full[s], (unsigned short)((1u << MC) - 1u));
+          else
+            tma_load_2d(Bs + s * kBStage, &tma->map[1], (int)((kt0 + kt) * BK), (int)n0, &full[s]);
         }
       }
+    }
+    if constexpr (MC > 1) {
+      __syncwarp();
+      cluster_sync();  // the pair's consumers may still arrive on this block's barriers
     }
     return;
   }
@@ -1233,14 +1268,14 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
       warpgroup_ktile<WN, BK, T>(d, a_at, b_at);  // the previous k tile retired: its stage goes back
       if (kt > 0) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+        if (lane == 0) release_stage<MC>(&empty[(it - 1) % STAGES]);
       }
     }
     wgmma_wait<0>();
     wgmma_fence_operand(d);
     if (nk > 0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+      if (lane == 0) release_stage<MC>(&empty[(it - 1) % STAGES]);
     }
     float sacc[1][1];
     const AccVisitor<true, 1, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
@@ -1249,12 +1284,15 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
     store_tile<BM, BN, kConsumers, BN + 4, 0, SPLIT, Ops>(a, reinterpret_cast<float*>(As), visit, b, m0, n0, M, N,
                                                           sch.rank, sch.splits);
   }
+  if constexpr (MC > 1) cluster_sync();  // the producers' last wait on the stages this block released
 }
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
-          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold, int RSPLIT = 1, int PHASES = 0>
+          int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold, int RSPLIT = 1, int PHASES = 0,
+          int MC = 1>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K, const OfzTma* tma = nullptr) {
+  static_assert(MC == 1 || MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16, "B multicast: the TMA mainloop only");
   static_assert(RSPLIT == 1 || (ROW_TPR > 0 && SPLIT == 1), "a row split across a cluster: row-wise epilogue, no split-K");
   if constexpr (RSPLIT > 1)  // launched otherwise, a block would reduce only its share of each row
     if (cluster_size() != (unsigned)RSPLIT || (N + BN - 1) / BN != RSPLIT) __trap();
@@ -1262,7 +1300,7 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && !Fold::kOn && RSPLIT == 1,
                   "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no fold");
     (void)a_arg, (void)b_arg;
-    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT>(a, tma, batch, M, N, K);
+    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT, MC>(a, tma, batch, M, N, K);
   } else if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
     run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES>(
         a, a_arg, b_arg, batch, M, N, K);

@@ -426,7 +426,9 @@ template <int N> __device__ void wgmma_fence_operand(float (&d)[N]);
 // on a fresh barrier (phase 0 running) parity 1 counts as completed, so a producer's first pass over an
 // `empty` ring does not block. tma_load_2d copies one box of a 2-D tensor map (a K-major tile: 64 16-bit
 // elements per row, 128-byte swizzle) into shared memory and completes its bytes on the barrier;
-// elements outside the tensor are zero-filled. setmaxnreg moves registers between warpgroups; a named
+// elements outside the tensor are zero-filled; tma_load_2d_multicast lands the same box in several blocks of a
+// cluster (each block's barrier at the same offset counts its bytes), and mbar_arrive_cluster arrives on
+// another block's barrier. setmaxnreg moves registers between warpgroups; a named
 // barrier lets some warps of the block meet without the others.
 #ifdef ORTFUSE_EMU
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) { ofz_emu::mbar_init(bar, count); }
@@ -439,6 +441,13 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 __device__ __forceinline__ void tma_prefetch(const OfzTensorMap*) {}
 __device__ __forceinline__ void tma_load_2d(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar) {
   ofz_emu::tma_load_2d(dst, map, c0, c1, bar);
+}
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned long long* bar, unsigned rank) {
+  ofz_emu::mbar_arrive_remote(bar, rank);
+}
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const OfzTensorMap* map, int c0, int c1,
+                                                      unsigned long long* bar, unsigned short mask) {
+  ofz_emu::tma_load_2d_multicast(dst, map, c0, c1, bar, mask);
 }
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {}
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {}
@@ -474,6 +483,22 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const OfzTensorMap* map, 
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
+// mbarrier.arrive on the barrier at `bar`'s offset in block `rank` of the cluster (this block's own included)
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned long long* bar, unsigned rank) {
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n"
+               ::"r"(smem_u32(bar)), "r"(rank) : "memory");
+}
+// tma_load_2d into every block of the cluster in `mask`: the box lands at `dst`'s offset in each of them and
+// completes its bytes on the barrier at `bar`'s offset there
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const OfzTensorMap* map, int c0, int c1,
+                                                      unsigned long long* bar, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)),
+      "h"(mask) : "memory");
+}
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
@@ -492,6 +517,9 @@ __device__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes);
 __device__ void mbar_wait(unsigned long long* bar, unsigned parity);
 __device__ void tma_prefetch(const OfzTensorMap* map);
 __device__ void tma_load_2d(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar);
+__device__ void mbar_arrive_cluster(unsigned long long* bar, unsigned rank);
+__device__ void tma_load_2d_multicast(void* dst, const OfzTensorMap* map, int c0, int c1, unsigned long long* bar,
+                                      unsigned short mask);
 template <int N> __device__ void setmaxnreg_inc();
 template <int N> __device__ void setmaxnreg_dec();
 template <int ID> __device__ void named_barrier_sync(int count);

@@ -89,6 +89,10 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   if (s->row_cluster < 1 || s->row_cluster > OFZ_MAX_CLUSTER || (s->row_cluster > 1 && s->split_k > 1))
     return BAD("ortfuse: node '%s': row_cluster = %lld, expected 1..%d (and no split_k)", node,
                (long long)s->row_cluster, OFZ_MAX_CLUSTER);
+  s->multicast = ofz_attr_int_or(info, V("multicast"), 1);
+  if (s->multicast < 1 || s->multicast > OFZ_MAX_CLUSTER || (s->multicast > 1 && (s->split_k > 1 || s->row_cluster > 1)))
+    return BAD("ortfuse: node '%s': multicast = %lld, expected 1..%d (and neither split_k nor row_cluster)", node,
+               (long long)s->multicast, OFZ_MAX_CLUSTER);
   s->blocks_per_sm = ofz_attr_int_or(info, V("blocks_per_sm"), 0);
   if (s->blocks_per_sm < 0 || s->blocks_per_sm > 32)
     return BAD("ortfuse: node '%s': blocks_per_sm = %lld, expected 0..32", node, (long long)s->blocks_per_sm);
@@ -397,7 +401,13 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, 
   long long grid = (units + s->units_per_block - 1) / s->units_per_block;
   if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops
   launch->units = units;
-  if (s->row_cluster > 1) {  // a row split across a cluster: the tiles of a row are one cluster's blocks
+  if (s->multicast > 1) {  // B multicast: a unit is a cluster's group of tiles; persistent in clusters
+    const long long cap = s->blocks_per_sm * (long long)sm_count / s->multicast;
+    if (s->blocks_per_sm > 0 && sm_count > 0 && grid > (cap > 1 ? cap : 1)) grid = cap > 1 ? cap : 1;
+    if (grid > 0x7fffffffLL / s->multicast) grid = 0x7fffffffLL / s->multicast;  // clusters loop over groups
+    launch->cluster = (unsigned)s->multicast;
+    launch->grid = (unsigned)(grid * s->multicast);
+  } else if (s->row_cluster > 1) {  // a row split across a cluster: the tiles of a row are one cluster's blocks
     if (grid % s->row_cluster)
       return BAD("ortfuse: node '%s': %lld blocks do not form clusters of %lld", s->node, grid,
                  (long long)s->row_cluster);

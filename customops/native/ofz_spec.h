@@ -20,6 +20,7 @@ typedef struct OfzSpec {
   int64_t split_k;  // GEMM split-K: most blocks per cluster sharing a tile (1 = no clusters)
   int64_t blocks_per_sm;  // a persistent kernel's grid cap per SM (0 = one block per work unit)
   int64_t row_cluster;  // GEMM row split across a cluster: exactly this many blocks per cluster (1 = none)
+  int64_t multicast;  // TMA GEMM sharing B by multicast: clusters of exactly this many blocks, units count clusters
   size_t n_archs;
   int64_t archs[OFZ_MAX_ARCHS];
   size_t n_sym;  // pairs (input, axis)

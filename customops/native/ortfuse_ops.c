@@ -103,6 +103,12 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, CUde
                    "which need sm_90 or newer and a CUDA 12 driver (this is sm_%d%d%s); optimize the model for "
                    "this GPU", k->spec.node, (long long)k->spec.row_cluster, major, minor,
                    cu->LaunchKernelEx ? "" : ", no cuLaunchKernelEx");
+  // nor can a GEMM that shares B between a cluster's blocks (each copies only its part of B's tile)
+  if (k->spec.multicast > 1 && (major < 9 || !cu->LaunchKernelEx))
+    return ofz_err(ORT_EP_FAIL, "ortfuse: node '%s': this GEMM shares its B tiles across thread-block clusters of "
+                   "%lld, which need sm_90 or newer and a CUDA 12 driver (this is sm_%d%d%s); optimize the model "
+                   "for this GPU", k->spec.node, (long long)k->spec.multicast, major, minor,
+                   cu->LaunchKernelEx ? "" : ", no cuLaunchKernelEx");
   // split-K kernels run in clusters where the device has them (sm_90+) and the driver can launch them;
   // otherwise in clusters of one, which the kernel handles as no split. Persistent kernels (sm_90a TMA
   // GEMMs) cap their grid at the SM count times their blocks per SM.

@@ -121,7 +121,9 @@ def test_large_gemms_take_the_tma_family_and_keep_the_others_as_candidates():
     m, *_ = _bias(4096, 768, 768, H)  # BERT-base's projections at batch 32
     spec = _lowered(m)
     assert spec.kernel.tma and spec.tiles[0][7] == 2
-    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2}  # --profile measures each family's best
+    # --profile measures each family's best, and the TMA tile with B multicast (kind 3), which the model does
+    # not rank until measured
+    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2, 3} and spec.multicast == 1
     # without --wgmma: no warpgroup tiles at all
     g = build_graph(m, {})
     off = target_for((90,), False)
@@ -323,3 +325,123 @@ def test_tma_kernels_take_their_maps_as_grid_constants_and_pin_registers_when_mo
         ((_, res),) = ck.resources
         assert ("setmaxnreg" in ck.ptx.decode()) == moves
         assert res.regs == 168 if moves else res.spill_bytes == 0
+
+
+# ---- B multicast: pairs of blocks along M share B's tiles (run_wgmma_ws MC = 2) ------------------------------
+@pytest.mark.parametrize("tile,M,sms", [
+    ((64, 64, 64, 16, 64, 4, 1, 3), 150, 0),     # 3 tiles along M: the last pair's second block computes past M
+    ((128, 192, 64, 16, 192, 5, 1, 3), 300, 0),  # BERT's N = 768 tile, setmaxnreg
+    ((64, 128, 64, 16, 128, 3, 1, 3), 330, 2),   # 2 SMs: each cluster loops over groups, the rings' phases carry on
+])
+@pytest.mark.parametrize("dt", [H, BF])
+def test_b_multicast_pairs(tile, M, sms, dt):
+    # K = 328: 6 k tiles, not a multiple of any ring; N = 200: a partial column tile
+    K, N = 328, 200
+    m, x, w, b, ref = _bias(M, K, N, dt, seed=11)
+    spec = _lowered(m, tile)
+    t = tl.GemmTile.of_candidate(tile)
+    assert t.mcast == 2 and spec.multicast == 2 and spec.block == t.consumers + 128
+    # each block copies half of B's box; a unit is a pair of tiles along M
+    assert spec.tma == ((0, t.bm, dt), (1, t.bn // 2, dt)) and spec.units_ceil[0][1] == 2 * t.bm
+    out = np.zeros((M, N), x.dtype)
+    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [], sms=sms)
+    got = _as_f64(out, dt)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    if dt == H:
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
+        ((_, res),) = ck.resources
+        assert res.spill_bytes == 0 and res.wgmma_serialized == "", res
+        ptx = ck.ptx.decode()
+        assert "multicast::cluster" in ptx and "mbarrier.arrive.release.cluster.shared::cluster" in ptx
+        assert "barrier.cluster.arrive" in ptx
+
+
+def test_b_multicast_is_a_profile_candidate_the_model_does_not_rank():
+    on = target_for((90,), True)
+    t = tl.GemmTile(128, 192, 64, 16, 192, 5, wgmma=True, tma=True)
+    twin = t.multicast_twin()
+    assert twin.candidate(1) == (128, 192, 64, 16, 192, 5, 1, 3) and tl.GemmTile.of_candidate(twin.candidate(1)) == twin
+    assert twin.threads == t.threads and twin.smem_bytes(2, True) == t.smem_bytes(2, True) and twin.family == 2
+    assert tl.GemmTile(128, 192, 64, 16, 192, 5, wgmma=True).multicast_twin() is None  # no TMA, no multicast
+    # B's tiles cross from L2 once per pair: at BERT's 4096 x 768 x 768 the re-read traffic binds, and halving
+    # B's part of it lowers the estimate; no split-K in a multicast cluster
+    plain, pair = (tl.estimate_tile(on, x, 4096, 768, 768, 1, 2, tl.WS_F16, True, split=1) for x in (t, twin))
+    assert pair.est_us < plain.est_us
+    assert tl.estimate_tile(on, twin, 64, 128, 4096, 1, 2, tl.WS_F16, True, split=2) is None
+    # an odd tile count along M pads the last pair: 3 tiles of 128 rows estimate as 4
+    odd = tl.estimate_tile(on, twin, 384, 768, 768, 1, 2, tl.WS_F16, True, split=1)
+    even = tl.estimate_tile(on, twin, 512, 768, 768, 1, 2, tl.WS_F16, True, split=1)
+    assert odd.est_us == even.est_us
+    # not in the ranking (default builds keep unicast TMA until the GPU measures the pair)
+    assert all(r.tile.mcast == 1 for r in tl.rank_tiles(on, 4096, 768, 768, 1, 2, tl.WS_F16, True, top_k=10**6))
+
+
+# One cluster of two blocks: each copies its 16-row half of a 32-row box into both blocks (TMA multicast), so
+# each block's barrier counts its own half and its peer's; each block writes its 32 rows out. EARLY_EXIT: block 1
+# leaves at once, and block 0 arrives on block 1's barrier after a cluster barrier (which an exited block no
+# longer holds up). MASK: the blocks the copies land in.
+MC_KERNEL = r"""
+#include "ortfuse_kernel.h"
+#ifndef EARLY_EXIT
+#define EARLY_EXIT 0
+#endif
+#ifndef MASK
+#define MASK 3
+#endif
+extern "C" __global__ void __launch_bounds__(128) mc_box(const OfzArgs a, const __grid_constant__ OfzTma maps) {
+  OFZ_DYNAMIC_SMEM(unsigned char, smem);
+  unsigned char* tile = smem + ((1024u - (ofz::smem_u32(smem) & 1023u)) & 1023u);
+  unsigned long long* bar = reinterpret_cast<unsigned long long*>(tile + 32 * 128);
+  const unsigned rank = ofz::cluster_rank();
+  if (threadIdx.x == 0) {
+    ofz::mbar_init(bar, 1);
+    ofz::mbar_fence_init();
+  }
+  ofz::cluster_sync();
+  if (EARLY_EXIT) {
+    if (rank == 1) return;
+    ofz::cluster_sync();
+    if (threadIdx.x == 0) ofz::mbar_arrive_cluster(bar, 1);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    ofz::mbar_arrive_expect_tx(bar, 32 * 128);
+    ofz::tma_load_2d_multicast(tile + rank * 16 * 128, &maps.map[0], 0, (int)rank * 16, bar, (unsigned short)MASK);
+  }
+  ofz::mbar_wait(bar, 0u);
+  unsigned char* out = (unsigned char*)a.ptr[1] + rank * 32 * 128;
+  for (int i = threadIdx.x; i < 32 * 128; i += 128) out[i] = tile[i];
+  ofz::cluster_sync();
+}
+OFZ_EMU_ENTRY_TMA(mc_box)
+"""
+
+
+def _mc_box(defs: str = ""):
+    x = (np.arange(40 * 100) % 2000 - 1000).astype(np.float16).reshape(40, 100)
+    out = np.zeros(2 * 32 * 128, np.uint8)
+    compile_emulated(defs + MC_KERNEL).launch("mc_box", 2, 128, [x, out], [], 1024 + 32 * 128 + 8, cluster=2,
+                                              tma=((0, 16, H),))
+    return x, out
+
+
+def test_emulated_multicast_lands_in_every_block_of_the_mask():
+    x, out = _mc_box()
+    want = _swizzled_box(x, 32, 0, 0)
+    np.testing.assert_array_equal(out[:32 * 128], want)
+    np.testing.assert_array_equal(out[32 * 128:], want)
+
+
+@pytest.mark.parametrize("defs,message", [
+    ("#define EARLY_EXIT 1\n", "mbar_arrive_cluster to block 1, whose threads have all exited"),
+    ("#define MASK 4\n", "multicast mask 0x4 in a 2-block cluster"),
+])
+def test_emulated_cluster_copies_and_arrivals_report_misuse(defs, message):
+    with pytest.raises(EmulationError, match=message):
+        _mc_box(defs)
+
+
+def test_multicast_intrinsics_compile_for_sm90a(tmp_path):
+    ptx = [compile_kernel(ARCH_SPECIFIC_LINE + "\n" + defs + MC_KERNEL, "mc_box", (90,), tmp_path).ptx.decode()
+           for defs in ("", "#define EARLY_EXIT 1\n")]
+    assert ".multicast::cluster" in ptx[0] and "mbarrier.arrive.release.cluster.shared::cluster" in ptx[1]

@@ -207,6 +207,27 @@ def test_a_row_split_whose_grid_does_not_form_clusters_is_refused() -> None:
         launch_blocks(4, 1, 0, 132, 3)
 
 
+@pytest.mark.parametrize("n,sms,blocks", [
+    (1, 0, 8),        # 4 clusters' groups, no device count: one cluster each
+    (10, 132, 80),    # 40 groups under the cap of 2 x 132 / 2 = 132 clusters
+    (100, 132, 264),  # 400 groups: capped at 132 clusters of 2, each looping over groups
+    (100, 1, 2),      # one SM: still one whole cluster
+])
+def test_b_multicast_launches_persistent_clusters_of_exactly_its_size(n: int, sms: int, blocks: int) -> None:
+    # B multicast (TMA GEMM): a unit is a cluster's group of tiles along M; the grid counts clusters, capped
+    # at blocks_per_sm x SMs blocks in whole clusters
+    *_, plan = run(session(plan_model(units_per_block=1, multicast=2, blocks_per_sm=2, probe_sm_count=sms)), n)
+    assert (plan[0], plan[22], plan[5]) == (blocks, 2, 4 * n)
+    assert launch_blocks(4 * n, 1, 2, sms, 1, 2) == (blocks, 2)
+
+
+@pytest.mark.parametrize("overrides", [dict(multicast=9), dict(multicast=2, split_k=2), dict(multicast=2, row_cluster=2),
+                                       dict(multicast=0)])
+def test_a_bad_multicast_names_the_node(overrides: dict) -> None:
+    with pytest.raises(Exception, match="plan_node.*multicast"):
+        session(plan_model(**overrides))
+
+
 @pytest.mark.parametrize("overrides", [dict(row_cluster=9), dict(row_cluster=2, split_k=2), dict(row_cluster=0)])
 def test_a_bad_row_cluster_names_the_node(overrides: dict) -> None:
     with pytest.raises(Exception, match="plan_node.*row_cluster"):
