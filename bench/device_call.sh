@@ -43,7 +43,8 @@ for name in "$@"; do
                  --junitxml="$WORK/pytest-row.xml" tests/runtime/test_gpu_row_cluster.py ;;
     new-tests)  # CPU-only work of sessions 14-17 on hardware: kernel variants by size, epi8 through the wgmma
       # tests, the attention kernel of session 16 (keys split across clusters at small batches) in the tiny zoo
-      # models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8)
+      # models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8), session 18's
+      # TMA mainloops with B multicast and ping-pong warpgroups (test_gpu_wgmma.py)
       step "$name" 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
         --junitxml="$WORK/pytest-new.xml" tests/runtime/test_gpu_variants.py tests/runtime/test_gpu_wgmma.py \
         tests/runtime/test_gpu_kernels.py tests/runtime/test_gpu_row_cluster.py \

@@ -1,6 +1,6 @@
 """GEMM tile sweep (issue 5): plain fp16 GEMMs with a bias, each of the tile model's best tiles of every family
 forced in turn (warp-level mma.sync; wgmma fed by cp.async; wgmma fed by TMA in the warp-specialized
-pipeline, and its tiles again with B multicast across pairs of blocks), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's MatMul + Add, with the model's
+pipeline, its tiles again with B multicast across pairs of blocks, and ping-pong warpgroups), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's MatMul + Add, with the model's
 estimate and ptxas's registers beside each figure. It tells the mainloops apart on the same shapes, and the
 tile model's estimates from the measurements (the ratio measured / estimated per family).
 
@@ -57,7 +57,9 @@ FAMILIES = {"mma.sync": tl.MMA_F16, "wgmma": tl.WGMMA_F16, "wgmma+TMA": tl.WS_F1
 # the TMA family's tiles again with B multicast across pairs of blocks (GemmTile.multicast_twin), which the
 # tile model does not rank until measured: a family of its own in the tables
 MULTICAST = "wgmma+TMA multicast"
-NAMES = (*FAMILIES, MULTICAST)
+# and the ping-pong TMA tiles (tiles.rank_pingpong), likewise unranked
+PINGPONG = "wgmma+TMA pingpong"
+NAMES = (*FAMILIES, MULTICAST, PINGPONG)
 EPILOGUES = {"bias": "bias", "gelu": "bias + GELU", "silu": "bias + SiLU", "softsign": "bias + softsign",
              "layernorm": "bias + residual + LayerNorm"}
 ROW_EPILOGUES = ("layernorm",)  # a row-wise epilogue (gemm_row): its own tiles, TMA's not among them
@@ -137,7 +139,7 @@ def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0, row: b
     `epi`: the epilogue's branches per element, whose term the estimate includes (not the ranking, as in
     the lowering). `row`: tiles for a row-wise epilogue, each family's best tile spanning the row and best
     splitting it across a cluster among them (placement weighs both kinds). `multicast`: the TMA family's best
-    two again with B multicast (MULTICAST)."""
+    two again with B multicast (MULTICAST), and the best two ping-pong TMA tiles (PINGPONG)."""
     tgt = target_for(ARCHS, True)
     out = []
     for name, math_ in FAMILIES.items():
@@ -152,6 +154,8 @@ def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0, row: b
                      for t in (r.tile.multicast_twin() for r in picked[:2] if r.split == 1) if t is not None)
             out += [(MULTICAST, r.tile.candidate(1), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi))
                     for r in twins if r is not None]
+            out += [(PINGPONG, r.tile.candidate(1), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi))
+                    for r in tl.rank_pingpong(tgt, m, n, k, 1, 2)[:2]]
     return out
 
 

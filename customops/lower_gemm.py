@@ -106,6 +106,7 @@ class _GemmLowerer(_Lowerer):
         self.blocks_per_sm = 0  # KernelSpec.blocks_per_sm
         self.row_cluster = 1  # KernelSpec.row_cluster
         self.multicast = 1  # KernelSpec.multicast
+        self.tma_shape: Optional[tuple[int, int, int, int]] = None  # (m, n, k, batch) where TMA tiles are candidates
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -482,6 +483,8 @@ class _GemmLowerer(_Lowerer):
                 except LoweringError:  # no tile of the family fits (a row-wise epilogue's row too long for a cluster)
                     continue
                 fams.append((fam_math, f_ranked, f_chosen, True))
+                if fam_math in tl.WS:
+                    self.tma_shape = shapes[0]
             if self.forced_tile is not None:
                 want = tl.GemmTile.of_candidate(self.forced_tile).family
                 pick = next((i for i, f in enumerate(fams) if f[2] is not None and tl.family(f[0]) == want), 0)
@@ -614,9 +617,10 @@ class _GemmLowerer(_Lowerer):
         units_ceil = ((tuple(m_terms), tile.bm * tile.mcast), (tuple(n_terms), tile.bn))
         if split > 1:  # ROW_TPR, Geo, SPLIT
             targs = (targs[0] if targs else "0", targs[1] if len(targs) > 1 else "ofz::gemm::NoConv", str(split))
-        if tile.mcast > 1:  # ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES at their defaults, then MC
-            assert not targs and split == 1, "B multicast: a plain epilogue, no split-K"
-            targs = ("0", "ofz::gemm::NoConv", "1", "ofz::gemm::NoFold", "1", "0", str(tile.mcast))
+        if tile.mcast > 1 or tile.pingpong:  # ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES at their defaults; MC, PP
+            assert not targs and split == 1, "B multicast and ping-pong: a plain epilogue, no split-K"
+            targs = ("0", "ofz::gemm::NoConv", "1", "ofz::gemm::NoFold", "1", "0", str(tile.mcast),
+                     "1" if tile.pingpong else "0")
         call = ir.Call("ofz::gemm::run",
                        (C_ELEM[storage], *(str(v) for v in tile.as_tuple()), str(a[0]), str(b[0]), str(math_), "OPS",
                         *targs),
@@ -651,6 +655,11 @@ class _GemmLowerer(_Lowerer):
         twin = next((r.tile.multicast_twin() for r in ranked if r.tile.tma and r.split == 1), None)
         if twin is not None and twin.candidate(1) not in candidates and self.tgt.max_cluster >= twin.mcast:
             candidates.append(twin.candidate(1))
+        # and the best ping-pong TMA tile, likewise unranked
+        if self.tma_shape is not None and any(r.tile.tma for r in ranked):
+            pp = tl.rank_pingpong(self.tgt, *self.tma_shape, es)
+            if pp and pp[0].tile.candidate(1) not in candidates:
+                candidates.append(pp[0].tile.candidate(1))
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(candidates), split
 
 

@@ -90,14 +90,18 @@ class GemmTile:
 
     @property
     def consumers(self) -> int:
-        """Threads that compute (all of them but a TMA tile's producer warpgroup)."""
-        return (self.bm // self.wm) * (self.bn // self.wn) * 32
+        """Threads that compute (all of them but a TMA tile's producer warpgroup; a ping-pong tile has two
+        warpgroups, each a whole tile)."""
+        return (2 if self.pingpong else 1) * (self.bm // self.wm) * (self.bn // self.wn) * 32
 
     wgmma: bool = False  # a warpgroup-MMA tile (sm_90a): see the module docstring
     tma: bool = False  # fed by TMA in the warp-specialized pipeline (a wgmma tile)
     # a TMA tile whose clusters of `mcast` blocks take tiles stacked along M and share B's: each copies 1/mcast
     # of B's box into all of them (TMA multicast; ortfuse_gemm.h run_wgmma_ws MC)
     mcast: int = 1
+    # a TMA tile computed by one warpgroup while the block's other one computes the next tile (ortfuse_gemm.h
+    # pingpong_consumers): BM 64 or 128 (WM = BM / 4 rows per warp), WN = BN
+    pingpong: bool = False
 
     @property
     def family(self) -> int:
@@ -226,20 +230,23 @@ class GemmTile:
 
     def candidate(self, split: int) -> tuple[int, ...]:
         """The --profile candidate: (BM, BN, BK, WM, WN, STAGES, SPLIT), plus a trailing 1 for a wgmma tile
-        (2: fed by TMA, 3: fed by TMA with B multicast across pairs of blocks)."""
+        (2: fed by TMA, 3: fed by TMA with B multicast across pairs of blocks, 4: fed by TMA to ping-pong
+        warpgroups)."""
         if not self.wgmma:
             return (*self.as_tuple(), split)
-        return (*self.as_tuple(), split, (3 if self.mcast > 1 else 2) if self.tma else 1)
+        kind = (4 if self.pingpong else 3 if self.mcast > 1 else 2) if self.tma else 1
+        return (*self.as_tuple(), split, kind)
 
     @staticmethod
     def of_candidate(t: Sequence[int]) -> "GemmTile":
         kind = t[7] if len(t) > 7 else 0
-        return GemmTile(*t[:6], wgmma=kind in (1, 2, 3), tma=kind in (2, 3), mcast=2 if kind == 3 else 1)
+        return GemmTile(*t[:6], wgmma=kind in (1, 2, 3, 4), tma=kind in (2, 3, 4), mcast=2 if kind == 3 else 1,
+                        pingpong=kind == 4)
 
     def multicast_twin(self) -> Optional["GemmTile"]:
         """This TMA tile with B multicast across pairs of blocks (None where that does not apply: not a TMA tile,
         or half of B's box not whole 8-row swizzle atoms)."""
-        if not self.tma or self.mcast > 1 or (self.bn // MULTICAST) % 8:
+        if not self.tma or self.mcast > 1 or self.pingpong or (self.bn // MULTICAST) % 8:
             return None
         return dataclasses.replace(self, mcast=MULTICAST)
 
@@ -278,6 +285,23 @@ def _candidates(math_: int, esize: int) -> list[GemmTile]:
                 for bk in bks:
                     for stages in (2, 3, 4):
                         out.append(GemmTile(wm * wr, wn * wc, bk, wm, wn, stages))
+    return out
+
+
+def _pingpong_candidates() -> list[GemmTile]:
+    """Ping-pong TMA tiles: a warpgroup's whole tile, at most 128 accumulators per thread (64 x 128, 64 x 192,
+    64 x 256, 128 x 128), 3-7 stages."""
+    return [GemmTile(bm, bn, WGMMA_BK, bm // 4, bn, stages, wgmma=True, tma=True, pingpong=True)
+            for bm, bn in ((64, 128), (64, 192), (64, 256), (128, 128)) for stages in (3, 4, 5, 6, 7)]
+
+
+def rank_pingpong(tgt: Target, m: int, n: int, k: int, batch: int, esize: int) -> list[Ranked]:
+    """The ping-pong TMA tiles that fit, best first by the estimate (which does not see what they are for: the
+    epilogue they overlap with MMAs). Not in `rank_tiles` until a GPU measures them: --profile candidates and
+    the sweep's family "wgmma+TMA pingpong"."""
+    out = [r for r in (_estimate(tgt, t, 1, m, n, k, batch, esize, WS_F16, True, False, (DIRECT, DIRECT))
+                       for t in _pingpong_candidates()) if r is not None]
+    out.sort(key=lambda r: (r.est_us, -r.tile.bm * r.tile.bn, -r.tile.stages, r.tile.as_tuple()))
     return out
 
 
@@ -339,6 +363,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
         return None
     if t.mcast > 1 and (split > 1 or tgt.max_cluster < t.mcast or not t.tma):
         return None  # B multicast: clusters of mcast blocks along M, no split-K in them
+    if t.pingpong and (split > 1 or row or not t.tma):
+        return None  # ping-pong: whole tiles per warpgroup, a plain epilogue
     if t.tma:  # a block holds its launch's per-thread count (setmaxnreg only moves registers between its warps)
         regs = tgt.regs_per_sm // t.threads // 8 * 8 if t.moves_registers else -(-regs // 8) * 8
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis

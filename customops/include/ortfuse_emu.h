@@ -283,6 +283,38 @@ inline void sync_named(int id, int count) {
   yield();
 }
 
+// bar.arrive: counts the thread toward barrier `id` and lets it run on; completing the count releases the
+// threads parked there in bar.sync.
+inline void arrive_named(int id, int count) {
+  if (id < 1 || id > 15 || count < 32 || count % 32 || count > S.block)
+    fail("thread %d: bar.arrive %d, %d: ids 1..15, a multiple of 32 threads up to the block's %d", S.cur, id, count,
+         S.block);
+  const int b = block_of(S.cur);
+  Named& nb = named[b][id];
+  if (nb.arrived && nb.count != count)
+    fail("thread %d: bar.arrive %d with %d threads while others arrived there for %d", S.cur, id, count, nb.count);
+  nb.count = count;
+  if (++nb.arrived == count) {
+    nb.arrived = 0;
+    for (int i = b * S.block; i < (b + 1) * S.block; ++i)
+      if (S.th[i].state == kAtNamed && S.th[i].val == (uint64_t)id) S.th[i].state = kRun, ++S.runnable;
+  }
+}
+
+// After a cluster ended: a message if a named barrier was left with arrivals that never completed it (a
+// bar.arrive whose partners never synced there).
+inline const char* named_pending() {
+  static char msg[160];
+  for (int b = 0; b < S.cluster; ++b)
+    for (int id = 1; id < 16; ++id)
+      if (named[b][id].arrived) {
+        snprintf(msg, sizeof msg, "block %d exited with %d of %d threads arrived at named barrier %d", b,
+                 named[b][id].arrived, named[b][id].count, id);
+        return msg;
+      }
+  return nullptr;
+}
+
 inline void named_reset() {
   for (auto& blk : named)
     for (Named& nb : blk) nb = Named();
@@ -511,6 +543,10 @@ inline int run_blocks(unsigned grid, unsigned block, unsigned cluster, void (*bo
     if (!S.aborted && mbar_copies_in_flight()) {
       S.aborted = true;
       S.error = mbar_copies_in_flight();
+    }
+    if (!S.aborted && named_pending()) {
+      S.aborted = true;
+      S.error = named_pending();
     }
     if (S.aborted) {
       if (cluster > 1)

@@ -1012,6 +1012,23 @@ __device__ __forceinline__ void warpgroup_ktile(float (&d)[N], unsigned a_at, un
   wgmma_fence_operand(d);
   wgmma_wait<1>();
 }
+// The same for a warpgroup whose tile is MT x 64 rows (a ping-pong tile of 128 rows: two m64 halves on one B
+// tile), all halves' MMAs in one group.
+template <int WN, int BK, class T, int MT, int N>
+__device__ __forceinline__ void warpgroup_ktile_rows(float (&d)[MT][N], unsigned a_at, unsigned b_at) {
+#pragma unroll
+  for (int h = 0; h < MT; ++h) wgmma_fence_operand(d[h]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+    for (int h = 0; h < MT; ++h)
+      wgmma_m64k16<WN, T>(d[h], wgmma_desc(a_at + h * 64u * BK * 2u + kk * 32u), wgmma_desc(b_at + kk * 32u));
+  wgmma_commit();
+#pragma unroll
+  for (int h = 0; h < MT; ++h) wgmma_fence_operand(d[h]);
+  wgmma_wait<1>();
+}
 // A [M][K] and B stored [N][K] (both K-contiguous, copied with cp.async; a MatMul's constant [K][N] weight is
 // transposed offline by the lowering), BK = 64: a tile row is one 128-byte swizzle row (ortfuse_kernel.h's
 // wgmma section). WM = 16: warp w owns rows 16w' .. 16w'+15 (w' = w mod BM/16) and WN columns, and four
@@ -1174,19 +1191,88 @@ template <int CONSUMERS> struct WsRegs {
   static constexpr int kProducer = 40, kConsumer = 232;  // 128 * 40 + 256 * 232 = 384 * 168
 };
 
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT, int MC>
+// Ping-pong consumers (PP): two warpgroups, each computing a whole BM x BN tile (BM = 64 or 128: one or two
+// m64 halves; WN = BN), take the block's tiles in turn, warpgroup g the tiles g, g + 2, ... of its sequence.
+// The producer fills the ring with the tiles' k tiles in that order, so the warpgroups' mainloops follow each
+// other and one warpgroup's epilogue runs while the other's MMAs do (CUTLASS's Hopper "pingpong" kernels; the
+// cooperative kernel above stores each tile with both warpgroups while no MMA runs). A warpgroup starts its
+// mainloop only after the other has waited on every stage of its own tile (named barrier 2 + g, which the
+// other bar.arrives at): without that turn, a warpgroup could wait on a stage's `full` barrier two phases
+// ahead of the phase the barrier is in, and take the older parity for its own. `empty` counts one
+// warpgroup's warps: each stage is read by one warpgroup.
+__device__ __forceinline__ void pingpong_wait_turn(int wg) {
+  if (wg == 0) named_barrier_sync<2>(256);
+  else named_barrier_sync<3>(256);
+}
+__device__ __forceinline__ void pingpong_pass_turn(int wg) {
+  if (wg == 0) named_barrier_arrive<3>(256);
+  else named_barrier_arrive<2>(256);
+}
+
+template <class T, int BM, int BN, int BK, int STAGES, class Ops, class Sch>
+__device__ __forceinline__ void pingpong_consumers(const OfzArgs& a, const Sch& sch, unsigned long long* full,
+                                                   unsigned long long* empty, T* As, T* Bs, ofz_i64 M, ofz_i64 N) {
+  constexpr int kMT = BM / 64, kNT = BN / 8;
+  constexpr unsigned kAStageBytes = BM * BK * 2u, kBStageBytes = BN * BK * 2u;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+  const int wm0 = (warp % 4) * 16;  // the warp's rows in each m64 half
+  const unsigned as_addr = smem_u32(As), bs_addr = smem_u32(Bs);
+  const ofz_i64 nk = sch.nk;
+  ofz_i64 i = 0;  // the tile's place in the block's sequence
+  for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step, ++i) {
+    if ((i & 1) != wg) continue;
+    ofz_i64 b, m0, n0;
+    sch.at(u, b, m0, n0);
+    if (i > 0) pingpong_wait_turn(wg);
+    float acc[kMT][1][kNT][4];
+    float (&d)[kMT][kNT * 4] = reinterpret_cast<float (&)[kMT][kNT * 4]>(acc);
+#pragma unroll
+    for (int h = 0; h < kMT; ++h)
+#pragma unroll
+      for (int e = 0; e < kNT * 4; ++e) d[h][e] = 0.0f;
+    unsigned it = (unsigned)(i * nk);  // the ring's k tiles before this tile's
+    for (ofz_i64 kt = 0; kt < nk; ++kt, ++it) {
+      const unsigned s = it % STAGES;
+      mbar_wait(&full[s], (it / STAGES) & 1u);
+      warpgroup_ktile_rows<BN, BK, T, kMT>(d, as_addr + s * kAStageBytes, bs_addr + s * kBStageBytes);
+      if (kt > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+      }
+    }
+    if (u + sch.step < sch.tiles) pingpong_pass_turn(wg);  // every stage of this tile waited on
+    wgmma_wait<0>();
+#pragma unroll
+    for (int h = 0; h < kMT; ++h) wgmma_fence_operand(d[h]);
+    if (nk > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+    }
+    float sacc[1][1];
+#pragma unroll
+    for (int h = 0; h < kMT; ++h) {
+      const AccVisitor<true, 1, kNT, float[1][kNT][4], decltype(sacc)> visit{acc[h], sacc, wm0, 0};
+      store_tile<64, BN, 128, BN + 4, 0, 1, Ops>(a, reinterpret_cast<float*>(As), visit, b, m0 + 64 * h, n0, M, N, 0u,
+                                                 1u);
+    }
+  }
+}
+
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT, int MC, int PP>
 __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                              ofz_i64 K) {
 #if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BM < 0, "wgmma kernels compile for sm_90a only");
 #endif
-  static_assert(sizeof(T) == 2 && BK == 64 && WM == 16 && BM % 64 == 0 && BN % WN == 0, "wgmma tile shape");
+  static_assert(sizeof(T) == 2 && BK == 64 && (WM == 16 || PP) && BM % 64 == 0 && BN % WN == 0, "wgmma tile shape");
   static_assert(BM <= 256 && BN <= 256, "one TMA box per operand and stage (at most 256 rows)");
   static_assert(WN == 64 || WN == 128 || WN == 192 || WN == 256, "wgmma N per warpgroup");
   static_assert(STAGES >= 2, "a ring of at least two stages");
   static_assert((MATH == kWsWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
   static_assert(MC == 1 || (MC == 2 && SPLIT == 1 && (BN / MC) % 8 == 0), "B multicast: pairs along M, no split-K");
-  constexpr int kConsumers = (BM / WM) * (BN / WN) * 32, kConsumerWarps = kConsumers / 32;
+  static_assert(!PP || (WN == BN && (BM == 64 || BM == 128) && WM == BM / 4 && SPLIT == 1 && MC == 1),
+                "ping-pong: a warpgroup per BM x BN tile, no split-K or multicast");
+  constexpr int kConsumers = PP ? 256 : (BM / WM) * (BN / WN) * 32, kConsumerWarps = kConsumers / 32;
   constexpr int kNT = WN / 8;
   constexpr int kAStage = BM * BK, kBStage = BN * BK;  // elements
   constexpr int kBPart = kBStage / MC;  // the part of B's box each block copies (all of it without multicast)
@@ -1203,7 +1289,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps * MC);  // every consumer warp of the cluster's MC blocks
+      // every consumer warp of the cluster's MC blocks; ping-pong: one warpgroup's
+      mbar_init(&empty[s], PP ? 4 : kConsumerWarps * MC);
     }
     mbar_fence_init();
   }
@@ -1250,6 +1337,10 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   }
 
   if constexpr (Regs::kMove) setmaxnreg_inc<Regs::kConsumer>();
+  if constexpr (PP) {
+    pingpong_consumers<T, BM, BN, BK, STAGES, Ops>(a, sch, full, empty, As, Bs, M, N);
+    return;
+  }
   const int wm0 = (warp % (BM / WM)) * WM, wn0 = (warp / (BM / WM)) * WN;
   const unsigned as_addr = smem_u32(As), bs_addr = smem_u32(Bs);
   const unsigned a_group = (unsigned)(wm0 & ~63) * BK * 2u, b_group = (unsigned)wn0 * BK * 2u;  // bytes in a stage
@@ -1289,10 +1380,11 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
 
 template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int AMODE, int BMODE, int MATH, class Ops,
           int ROW_TPR = 0, class Geo = NoConv, int SPLIT = 1, class Fold = NoFold, int RSPLIT = 1, int PHASES = 0,
-          int MC = 1>
+          int MC = 1, int PP = 0>
 __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                     ofz_i64 K, const OfzTma* tma = nullptr) {
-  static_assert(MC == 1 || MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16, "B multicast: the TMA mainloop only");
+  static_assert((MC == 1 && !PP) || MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16,
+                "B multicast and ping-pong: the TMA mainloop only");
   static_assert(RSPLIT == 1 || (ROW_TPR > 0 && SPLIT == 1), "a row split across a cluster: row-wise epilogue, no split-K");
   if constexpr (RSPLIT > 1)  // launched otherwise, a block would reduce only its share of each row
     if (cluster_size() != (unsigned)RSPLIT || (N + BN - 1) / BN != RSPLIT) __trap();
@@ -1300,7 +1392,7 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
     static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && !Fold::kOn && RSPLIT == 1,
                   "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no fold");
     (void)a_arg, (void)b_arg;
-    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT, MC>(a, tma, batch, M, N, K);
+    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT, MC, PP>(a, tma, batch, M, N, K);
   } else if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
     run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES>(
         a, a_arg, b_arg, batch, M, N, K);

@@ -429,7 +429,7 @@ template <int N> __device__ void wgmma_fence_operand(float (&d)[N]);
 // elements outside the tensor are zero-filled; tma_load_2d_multicast lands the same box in several blocks of a
 // cluster (each block's barrier at the same offset counts its bytes), and mbar_arrive_cluster arrives on
 // another block's barrier. setmaxnreg moves registers between warpgroups; a named
-// barrier lets some warps of the block meet without the others.
+// barrier lets some warps of the block meet without the others (bar.arrive: count toward it without waiting).
 #ifdef ORTFUSE_EMU
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) { ofz_emu::mbar_init(bar, count); }
 __device__ __forceinline__ void mbar_fence_init() {}
@@ -452,6 +452,7 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const OfzTensor
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {}
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {}
 template <int ID> __device__ __forceinline__ void named_barrier_sync(int count) { ofz_emu::sync_named(ID, count); }
+template <int ID> __device__ __forceinline__ void named_barrier_arrive(int count) { ofz_emu::arrive_named(ID, count); }
 #elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -509,6 +510,11 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
 template <int ID> __device__ __forceinline__ void named_barrier_sync(int count) {
   asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "r"(count) : "memory");
 }
+// bar.arrive ID, count: counts the calling warp's threads toward the barrier and goes on (a producer's signal
+// to the warps that bar.sync there)
+template <int ID> __device__ __forceinline__ void named_barrier_arrive(int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "r"(count) : "memory");
+}
 #else  // declared only, as the wgmma instructions above
 __device__ void mbar_init(unsigned long long* bar, unsigned count);
 __device__ void mbar_fence_init();
@@ -523,6 +529,7 @@ __device__ void tma_load_2d_multicast(void* dst, const OfzTensorMap* map, int c0
 template <int N> __device__ void setmaxnreg_inc();
 template <int N> __device__ void setmaxnreg_dec();
 template <int ID> __device__ void named_barrier_sync(int count);
+template <int ID> __device__ void named_barrier_arrive(int count);
 #endif
 
 }  // namespace ofz

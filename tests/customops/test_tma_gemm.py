@@ -7,6 +7,8 @@ through the CPU probe op in tests/runtime/test_node_format.py. Not verified here
 and mbarriers behave as the emulator's (tests/runtime/test_gpu_wgmma.py)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from onnx import TensorProto as TP, helper
@@ -121,9 +123,9 @@ def test_large_gemms_take_the_tma_family_and_keep_the_others_as_candidates():
     m, *_ = _bias(4096, 768, 768, H)  # BERT-base's projections at batch 32
     spec = _lowered(m)
     assert spec.kernel.tma and spec.tiles[0][7] == 2
-    # --profile measures each family's best, and the TMA tile with B multicast (kind 3), which the model does
-    # not rank until measured
-    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2, 3} and spec.multicast == 1
+    # --profile measures each family's best, the TMA tile with B multicast (kind 3) and the best ping-pong tile
+    # (4), which the model does not rank until measured
+    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2, 3, 4} and spec.multicast == 1
     # without --wgmma: no warpgroup tiles at all
     g = build_graph(m, {})
     off = target_for((90,), False)
@@ -445,3 +447,75 @@ def test_multicast_intrinsics_compile_for_sm90a(tmp_path):
     ptx = [compile_kernel(ARCH_SPECIFIC_LINE + "\n" + defs + MC_KERNEL, "mc_box", (90,), tmp_path).ptx.decode()
            for defs in ("", "#define EARLY_EXIT 1\n")]
     assert ".multicast::cluster" in ptx[0] and "mbarrier.arrive.release.cluster.shared::cluster" in ptx[1]
+
+
+# ---- ping-pong: the block's two consumer warpgroups take its tiles in turn (pingpong_consumers) ---------------
+@pytest.mark.parametrize("tile,M,sms", [
+    ((64, 192, 64, 16, 192, 4, 1, 4), 150, 0),    # 3 x 2 tiles, one per block: warpgroup 1 idles
+    ((128, 128, 64, 32, 128, 5, 1, 4), 300, 0),   # two m64 halves per warpgroup
+    ((64, 128, 64, 16, 128, 3, 1, 4), 330, 1),    # one SM: 6 x 2 tiles through 1 or 2 blocks, turns across tiles
+    ((64, 256, 64, 16, 256, 3, 1, 4), 270, 2),    # 5 tiles on up to 2 x blocks_per_sm blocks: odd counts
+])
+@pytest.mark.parametrize("dt", [H, BF])
+def test_pingpong_warpgroups(tile, M, sms, dt):
+    K, N = 328, 200
+    m, x, w, b, ref = _bias(M, K, N, dt, seed=13)
+    spec = _lowered(m, tile)
+    t = tl.GemmTile.of_candidate(tile)
+    assert t.pingpong and t.consumers == 256 and spec.block == 384 and t.moves_registers
+    assert spec.tma == ((0, t.bm, dt), (1, t.bn, dt))
+    out = np.zeros((M, N), x.dtype)
+    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [], sms=sms)
+    got = _as_f64(out, dt)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    if dt == H:  # setmaxnreg: 232 per consumer thread holds a 128-accumulator tile without spills
+        ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
+        ((_, res),) = ck.resources
+        assert res.spill_bytes == 0 and res.wgmma_serialized == "" and res.regs == 168, res
+        ptx = ck.ptx.decode()
+        assert {"bar.arrive 2", "bar.arrive 3", "bar.sync 2", "bar.sync 3"} <= set(re.findall(r"bar\.\w+ \d", ptx))
+
+
+def test_pingpong_is_a_profile_candidate_the_model_does_not_rank():
+    on = target_for((90,), True)
+    t = tl.GemmTile(64, 192, 64, 16, 192, 4, wgmma=True, tma=True, pingpong=True)
+    assert t.candidate(1) == (64, 192, 64, 16, 192, 4, 1, 4) and tl.GemmTile.of_candidate(t.candidate(1)) == t
+    assert t.threads == 384 and t.reg_limit(65536) == tl.WS_CONSUMER_REGS and t.multicast_twin() is None
+    ranked = tl.rank_pingpong(on, 4096, 2304, 768, 1, 2)
+    assert ranked and all(r.tile.pingpong and r.split == 1 for r in ranked)
+    assert {(r.tile.bm, r.tile.bn) for r in ranked} == {(64, 128), (64, 192), (64, 256), (128, 128)}
+    assert tl.estimate_tile(on, t, 64, 128, 4096, 1, 2, tl.WS_F16, True, split=2) is None
+    assert all(not r.tile.pingpong for r in tl.rank_tiles(on, 4096, 2304, 768, 1, 2, tl.WS_F16, True, top_k=10**6))
+
+
+# Named barriers: warps 0-1 bar.sync at 1 for 128 threads; warps 2-3 bar.arrive there (and go on), unless
+# NO_SYNC, where nobody syncs and the arrivals are left over at exit.
+NAMED_KERNEL = r"""
+#include "ortfuse_kernel.h"
+#ifndef NO_SYNC
+#define NO_SYNC 0
+#endif
+extern "C" __global__ void __launch_bounds__(128) named(const OfzArgs a) {
+  int* out = (int*)a.ptr[0];
+  __shared__ int flag;
+  if (threadIdx.x == 64) flag = 7;
+  if (threadIdx.x < 64) {
+    if (!NO_SYNC) {
+      ofz::named_barrier_sync<1>(128);
+      out[threadIdx.x] = flag;
+    }
+  } else {
+    ofz::named_barrier_arrive<1>(128);
+    out[threadIdx.x] = 1;
+  }
+}
+OFZ_EMU_ENTRY(named)
+"""
+
+
+def test_emulated_bar_arrive_releases_the_syncing_warps_and_a_dangling_one_is_reported():
+    out = np.zeros(128, np.int32)
+    compile_emulated(NAMED_KERNEL).launch("named", 1, 128, [out], [])
+    assert (out[:64] == 7).all() and (out[64:] == 1).all()
+    with pytest.raises(EmulationError, match="64 of 128 threads arrived at named barrier 1"):
+        compile_emulated("#define NO_SYNC 1\n" + NAMED_KERNEL).launch("named", 1, 128, [np.zeros(128, np.int32)], [])

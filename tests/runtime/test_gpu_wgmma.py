@@ -130,9 +130,6 @@ def _as_f64(bits: np.ndarray, dt: int) -> np.ndarray:
     # fed by TMA in the warp-specialized pipeline (tensor maps encoded by the library, mbarriers, setmaxnreg)
     (64, 64, 64, 16, 64, 4, 1, 2), (128, 128, 64, 16, 128, 7, 1, 2), (128, 192, 64, 16, 192, 4, 1, 2),
     (128, 256, 64, 16, 256, 4, 1, 2), (64, 256, 64, 16, 128, 3, 1, 2), (256, 64, 64, 16, 64, 2, 1, 2),
-    # B multicast across pairs of blocks (TMA multicast, remote mbarrier arrivals, a cluster barrier at exit)
-    (64, 64, 64, 16, 64, 4, 1, 3), (128, 192, 64, 16, 192, 5, 1, 3), (128, 256, 64, 16, 256, 4, 1, 3),
-    (64, 256, 64, 16, 128, 3, 1, 3),
 ])
 @pytest.mark.parametrize("dt", [H, BF])
 def test_every_warpgroup_layout(tile, dt):
@@ -142,11 +139,26 @@ def test_every_warpgroup_layout(tile, dt):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
+@pytest.mark.parametrize("tile,dt", [
+    # B multicast across pairs of blocks (TMA multicast, remote mbarrier arrivals, a cluster barrier at exit)
+    ((64, 64, 64, 16, 64, 4, 1, 3), H), ((128, 192, 64, 16, 192, 5, 1, 3), H), ((128, 256, 64, 16, 256, 4, 1, 3), H),
+    ((64, 256, 64, 16, 128, 3, 1, 3), BF),
+    # ping-pong consumer warpgroups (turns through bar.sync / bar.arrive, two m64 halves for 128 rows)
+    ((64, 192, 64, 16, 192, 4, 1, 4), H), ((128, 128, 64, 32, 128, 5, 1, 4), H), ((64, 256, 64, 16, 256, 3, 1, 4), BF),
+])
+def test_multicast_and_pingpong_layouts(tile, dt):
+    # partial tiles on every axis (M 1000, K 520, N 776)
+    m, x, ref = _bias_model(1000, 520, 776, dt)
+    got = _as_f64(_run(_forced(m, tile), x, dt), dt)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
 @pytest.mark.parametrize("M,tile", [
     (1100, (128, 192, 64, 16, 192, 5, 1, 3)),  # 9 tiles along M: the last pair's second block computes past M
     (40000, (64, 64, 64, 16, 64, 4, 1, 3)),    # 4,069 pairs: persistent clusters loop over them
+    (40000, (64, 128, 64, 16, 128, 4, 1, 4)),  # ping-pong: ~30 tiles per block, turns across them
 ])
-def test_b_multicast_odd_pairs_and_persistent_clusters(M, tile):
+def test_odd_pairs_and_persistent_loops(M, tile):
     m, x, ref = _bias_model(M, 520, 776, H, seed=12)
     got = _as_f64(_run(_forced(m, tile), x, H), H)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
