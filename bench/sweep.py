@@ -27,6 +27,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -235,6 +237,19 @@ class GemmCase:
         return Built(spec.kernel.name, src, ck, fused_model(self.sub, fused_kernel(self.region, spec, ck).node))
 
 
+def _build_all(case: GemmCase, cands: Sequence[tuple[int, ...]], cache: Optional[Path],
+               ablate: bool = False) -> dict[tuple[int, ...], Optional[Built]]:
+    """Our kernel at each candidate (None where this GEMM cannot take it), compiled side by side: NVRTC
+    releases the GIL, and one compile after another was most of a sweep's time on the device machine."""
+    def build(cand: tuple[int, ...]) -> Optional[Built]:
+        try:
+            return case.build(cand, cache, ablate=ablate)
+        except LoweringError:
+            return None
+    with ThreadPoolExecutor(max_workers=max(1, min(len(cands), os.cpu_count() or 1))) as pool:
+        return dict(zip(cands, pool.map(build, cands)))
+
+
 def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, cache: Optional[Path] = None,
                 ablate: bool = False, noflush: Optional[Timer] = None, epilogue: str = "bias") -> ShapeResult:
     """Every family's best tiles at one shape; with `ablate` each family's fastest again without its epilogue
@@ -248,10 +263,17 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
         rest, rest_feeds = case.rest(cache)
         split = cublas + timer(rest, rest_feeds, True)
 
+    epi = case.epi if epilogue not in ("bias", *ROW_EPILOGUES) else 0.0
+    # B multicast and ping-pong are mainloop questions: timed with the bias alone
+    cands = candidates(*shape, per_family, epi, case.row, epilogue == "bias")
+    prebuilt = _build_all(case, [c[1] for c in cands], cache)
+
     def one(family: str, cand: tuple[int, ...], est: float, variant: str = "") -> Optional[SweepRow]:
-        try:
-            built = case.build(cand, cache, ablate=variant == "no epilogue")
-        except LoweringError:
+        ablated = variant == "no epilogue"
+        built = prebuilt.get(cand, False) if not ablated else False
+        if built is False:
+            built = _build_all(case, [cand], cache, ablated)[cand]
+        if built is None:
             return None  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
         res = dict(built.compiled.resources).get(ARCHS[0])
         clock = noflush if variant == "no L2 flush" and noflush else timer
@@ -263,10 +285,7 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
         return SweepRow(shape, family, cand, us, est, res.regs if res else 0, res.spill_bytes if res else 0, err,
                         variant)
 
-    epi = case.epi if epilogue not in ("bias", *ROW_EPILOGUES) else 0.0
-    # B multicast is a mainloop question: timed with the bias alone
-    rows = [r for r in (one(*c) for c in candidates(*shape, per_family, epi, case.row, epilogue == "bias"))
-            if r is not None]
+    rows = [r for r in (one(*c) for c in cands) if r is not None]
     variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None)) if on]
     for name in NAMES if variants else ():
         best = _best(rows, name)
