@@ -106,7 +106,7 @@ class _GemmLowerer(_Lowerer):
         self.blocks_per_sm = 0  # KernelSpec.blocks_per_sm
         self.row_cluster = 1  # KernelSpec.row_cluster
         self.multicast = 1  # KernelSpec.multicast
-        self.tma_shape: Optional[tuple[int, int, int, int]] = None  # (m, n, k, batch) where TMA tiles are candidates
+        self.tma_shapes: list[tl.Shape] = []  # the bindings' (m, n, k, batch) where TMA tiles are candidates
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -484,7 +484,7 @@ class _GemmLowerer(_Lowerer):
                     continue
                 fams.append((fam_math, f_ranked, f_chosen, True))
                 if fam_math in tl.WS:
-                    self.tma_shape = shapes[0]
+                    self.tma_shapes = shapes
             if self.forced_tile is not None:
                 want = tl.GemmTile.of_candidate(self.forced_tile).family
                 pick = next((i for i, f in enumerate(fams) if f[2] is not None and tl.family(f[0]) == want), 0)
@@ -650,17 +650,24 @@ class _GemmLowerer(_Lowerer):
         candidates = [r.tile.candidate(r.split) for r in ranked]
         if ranked[0].split > 1 and ranked[0].tile.candidate(1) not in candidates:
             candidates.insert(1, ranked[0].tile.candidate(1))  # --profile measures the split itself
-        # --profile also measures the best TMA tile with B multicast, which the tile model does not rank (not
-        # yet measured on a GPU: docs/design.md, "B multicast")
-        twin = next((r.tile.multicast_twin() for r in ranked if r.tile.tma and r.split == 1), None)
-        if twin is not None and twin.candidate(1) not in candidates and self.tgt.max_cluster >= twin.mcast:
-            candidates.append(twin.candidate(1))
-        # and the best ping-pong TMA tile, likewise unranked
-        if self.tma_shape is not None and any(r.tile.tma for r in ranked):
-            pp = tl.rank_pingpong(self.tgt, *self.tma_shape, es)
-            if pp and pp[0].tile.candidate(1) not in candidates:
-                candidates.append(pp[0].tile.candidate(1))
+        if any(r.tile.tma for r in ranked):
+            candidates += [c for c in dict.fromkeys(self.unranked_candidates(es)) if c not in candidates]
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(candidates), split
+
+
+    def unranked_candidates(self, es: int) -> list[tuple[int, ...]]:
+        """--profile candidates of the TMA mainloops the tile model does not rank until a GPU has measured them
+        (docs/design.md, "B multicast" and "Ping-pong consumers"): at each binding, the best unsplit TMA tile
+        with B multicast, and the best ping-pong tile."""
+        out = []
+        for m, n, k, batch in self.tma_shapes:
+            ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, tl.WS_F16, True, top_k=10**6)
+            best = next((r.tile for r in ranked if r.split == 1), None)
+            twin = best.multicast_twin() if best is not None else None
+            if twin is not None and self.tgt.max_cluster >= twin.mcast:
+                out.append(twin.candidate(1))
+            out += [r.tile.candidate(1) for r in tl.rank_pingpong(self.tgt, m, n, k, batch, es)[:1]]
+        return out
 
 
 def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

@@ -123,9 +123,13 @@ def test_large_gemms_take_the_tma_family_and_keep_the_others_as_candidates():
     m, *_ = _bias(4096, 768, 768, H)  # BERT-base's projections at batch 32
     spec = _lowered(m)
     assert spec.kernel.tma and spec.tiles[0][7] == 2
-    # --profile measures each family's best, the TMA tile with B multicast (kind 3) and the best ping-pong tile
-    # (4), which the model does not rank until measured
+    # --profile measures each family's best, the best unsplit TMA tile with B multicast (kind 3) and the best
+    # ping-pong tile (4), which the model does not rank until measured
     assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2, 3, 4} and spec.multicast == 1
+    best = next(r.tile for r in tl.rank_tiles(target_for((90,), True), 4096, 768, 768, 1, 2, tl.WS_F16, True,
+                                                top_k=10**6) if r.split == 1)
+    assert best.multicast_twin().candidate(1) in spec.tiles
+    assert tl.rank_pingpong(target_for((90,), True), 4096, 768, 768, 1, 2)[0].tile.candidate(1) in spec.tiles
     # without --wgmma: no warpgroup tiles at all
     g = build_graph(m, {})
     off = target_for((90,), False)
