@@ -262,44 +262,34 @@ struct Named {
 };
 static Named named[kMaxCluster][16];
 
-inline void sync_named(int id, int count) {
+// One thread's arrival at named barrier `id` (`op`: bar.sync or bar.arrive); completing the count releases the
+// threads parked there in bar.sync (the caller too, if it parked first).
+inline void named_arrival(int id, int count, const char* op) {
   if (id < 1 || id > 15 || count < 32 || count % 32 || count > S.block)
-    fail("thread %d: bar.sync %d, %d: ids 1..15, a multiple of 32 threads up to the block's %d", S.cur, id, count,
+    fail("thread %d: %s %d, %d: ids 1..15, a multiple of 32 threads up to the block's %d", S.cur, op, id, count,
          S.block);
   const int b = block_of(S.cur);
   Named& nb = named[b][id];
   if (nb.arrived && nb.count != count)
-    fail("thread %d: bar.sync %d with %d threads while others wait there for %d", S.cur, id, count, nb.count);
+    fail("thread %d: %s %d with %d threads while others arrived there for %d", S.cur, op, id, count, nb.count);
   nb.count = count;
+  if (++nb.arrived == count) {
+    nb.arrived = 0;
+    for (int i = b * S.block; i < (b + 1) * S.block; ++i)
+      if (S.th[i].state == kAtNamed && S.th[i].val == (uint64_t)id) S.th[i].state = kRun, ++S.runnable;
+  }
+}
+
+inline void sync_named(int id, int count) {
   S.th[S.cur].state = kAtNamed;
   S.th[S.cur].val = (uint64_t)id;
   --S.runnable;
-  if (++nb.arrived == count) {
-    nb.arrived = 0;
-    for (int i = b * S.block; i < (b + 1) * S.block; ++i)
-      if (S.th[i].state == kAtNamed && S.th[i].val == (uint64_t)id) S.th[i].state = kRun, ++S.runnable;
-    return;
-  }
-  yield();
+  named_arrival(id, count, "bar.sync");
+  if (S.th[S.cur].state == kAtNamed) yield();  // released at once if it completed the count
 }
 
-// bar.arrive: counts the thread toward barrier `id` and lets it run on; completing the count releases the
-// threads parked there in bar.sync.
-inline void arrive_named(int id, int count) {
-  if (id < 1 || id > 15 || count < 32 || count % 32 || count > S.block)
-    fail("thread %d: bar.arrive %d, %d: ids 1..15, a multiple of 32 threads up to the block's %d", S.cur, id, count,
-         S.block);
-  const int b = block_of(S.cur);
-  Named& nb = named[b][id];
-  if (nb.arrived && nb.count != count)
-    fail("thread %d: bar.arrive %d with %d threads while others arrived there for %d", S.cur, id, count, nb.count);
-  nb.count = count;
-  if (++nb.arrived == count) {
-    nb.arrived = 0;
-    for (int i = b * S.block; i < (b + 1) * S.block; ++i)
-      if (S.th[i].state == kAtNamed && S.th[i].val == (uint64_t)id) S.th[i].state = kRun, ++S.runnable;
-  }
-}
+// bar.arrive: counts the thread toward barrier `id` and lets it run on.
+inline void arrive_named(int id, int count) { named_arrival(id, count, "bar.arrive"); }
 
 // After a cluster ended: a message if a named barrier was left with arrivals that never completed it (a
 // bar.arrive whose partners never synced there).

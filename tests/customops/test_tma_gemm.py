@@ -334,12 +334,12 @@ def test_tma_kernels_take_their_maps_as_grid_constants_and_pin_registers_when_mo
 
 
 # ---- B multicast: pairs of blocks along M share B's tiles (run_wgmma_ws MC = 2) ------------------------------
-@pytest.mark.parametrize("tile,M,sms", [
-    ((64, 64, 64, 16, 64, 4, 1, 3), 150, 0),     # 3 tiles along M: the last pair's second block computes past M
-    ((128, 192, 64, 16, 192, 5, 1, 3), 300, 0),  # BERT's N = 768 tile, setmaxnreg
-    ((64, 128, 64, 16, 128, 3, 1, 3), 330, 2),   # 2 SMs: each cluster loops over groups, the rings' phases carry on
+@pytest.mark.parametrize("tile,M,sms,dt", [
+    ((64, 64, 64, 16, 64, 4, 1, 3), 150, 0, H),      # 3 tiles along M: the last pair's second block computes past M
+    ((128, 192, 64, 16, 192, 5, 1, 3), 300, 0, H),   # BERT's N = 768 tile, setmaxnreg
+    ((64, 128, 64, 16, 128, 3, 1, 3), 330, 2, H),    # 2 SMs: each cluster loops over groups, the rings' phases carry on
+    ((64, 128, 64, 16, 128, 3, 1, 3), 330, 2, BF),
 ])
-@pytest.mark.parametrize("dt", [H, BF])
 def test_b_multicast_pairs(tile, M, sms, dt):
     # K = 328: 6 k tiles, not a multiple of any ring; N = 200: a partial column tile
     K, N = 328, 200
@@ -454,13 +454,13 @@ def test_multicast_intrinsics_compile_for_sm90a(tmp_path):
 
 
 # ---- ping-pong: the block's two consumer warpgroups take its tiles in turn (pingpong_consumers) ---------------
-@pytest.mark.parametrize("tile,M,sms", [
-    ((64, 192, 64, 16, 192, 4, 1, 4), 150, 0),    # 3 x 2 tiles, one per block: warpgroup 1 idles
-    ((128, 128, 64, 32, 128, 5, 1, 4), 300, 0),   # two m64 halves per warpgroup
-    ((64, 128, 64, 16, 128, 3, 1, 4), 330, 1),    # one SM: 6 x 2 tiles through 1 or 2 blocks, turns across tiles
-    ((64, 256, 64, 16, 256, 3, 1, 4), 270, 2),    # 5 tiles on up to 2 x blocks_per_sm blocks: odd counts
+@pytest.mark.parametrize("tile,M,sms,dt", [
+    ((64, 192, 64, 16, 192, 4, 1, 4), 150, 0, H),    # 3 x 2 tiles, one per block: warpgroup 1 idles
+    ((128, 128, 64, 32, 128, 5, 1, 4), 300, 0, H),   # two m64 halves per warpgroup
+    ((128, 128, 64, 32, 128, 5, 1, 4), 300, 0, BF),
+    ((64, 128, 64, 16, 128, 3, 1, 4), 330, 1, H),    # one SM: 6 x 2 tiles through 1 or 2 blocks, turns across tiles
+    ((64, 256, 64, 16, 256, 3, 1, 4), 270, 2, H),    # 5 tiles on up to 2 x blocks_per_sm blocks: odd counts
 ])
-@pytest.mark.parametrize("dt", [H, BF])
 def test_pingpong_warpgroups(tile, M, sms, dt):
     K, N = 328, 200
     m, x, w, b, ref = _bias(M, K, N, dt, seed=13)
