@@ -423,3 +423,34 @@ def test_no_size_variants_for_a_fixed_batch():
     m = _encoder_block()  # x [n, 64] with n fixed by --input-shape: one binding, one kernel
     res = compile_model(m, {"x": (4, 64)}, "sm_90", options=Options(archs=(90,), wgmma=False))
     assert res.kernels[0].spec.binding_rows == () and res.kernels[0].variants == ()
+
+
+def test_profile_can_ship_the_unranked_tma_mainloops_as_size_variants(monkeypatch, tmp_path):
+    # the stand-in makes the ping-pong candidate fastest at batch 1 and the B-multicast one at batch 32: the
+    # node carries both (kernel variants by size, each with its own launch rule: clusters of 2 for the
+    # multicast one), and each runs in emulation where the library would pick it
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Relu", ["z"], ["out"])],
+              [vi("x", TP.FLOAT16, ["n", 128, 128])], [vi("out", TP.FLOAT16, None)],
+              [const("w", (rng.standard_normal((128, 128)) * 0.2).astype(np.float16), np.float16),
+               const("b", rng.standard_normal(128).astype(np.float16), np.float16)])
+    tiles = compile_model(m, None, "sm_90", options=Options(archs=(90,))).kernels[0].spec.tiles
+    pp = next(t for t in tiles if t[7:] == (4,))
+    mc = next(t for t in tiles if t[7:] == (3,))
+    heads = {t: f"run<__half, {', '.join(map(str, t[:6]))}," for t in (pp, mc)}
+    tails = {pp: ", 1, 1>", mc: ", 2, 0>"}  # the template's MC and PP
+
+    def fast(src: str, big: bool) -> float:
+        t = mc if big else pp
+        return 10.0 if heads[t] in src and tails[t] in src else 30.0
+    monkeypatch.setattr(prof, "cuda_timer", _by_source_and_size(fast))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    (pl,) = res.placements
+    assert pl.keep and pl.tile == pp and pl.variants == ((724, mc),)
+    launch = read_launch(next(n for n in res.model.graph.node if n.domain == "ortfuse"))
+    assert (launch.pick([5]).multicast, launch.pick([6]).multicast) == (1, 2)  # 5 x 128 rows < 724 <= 6 x 128
+    assert launch.pick([6]).tma[1][1] == mc[1] // 2  # each block of a pair copies half of B's box
+    for n in (3, 40):
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (n, 128, 128)})
+        assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
