@@ -61,7 +61,8 @@ FAMILIES = {"mma.sync": tl.MMA_F16, "wgmma": tl.WGMMA_F16, "wgmma+TMA": tl.WS_F1
 MULTICAST = "wgmma+TMA multicast"
 # and the ping-pong TMA tiles (tiles.rank_pingpong), likewise unranked
 PINGPONG = "wgmma+TMA pingpong"
-NAMES = (*FAMILIES, MULTICAST, PINGPONG)
+PINGPONG_MULTICAST = "wgmma+TMA pingpong multicast"  # both
+NAMES = (*FAMILIES, MULTICAST, PINGPONG, PINGPONG_MULTICAST)
 EPILOGUES = {"bias": "bias", "gelu": "bias + GELU", "silu": "bias + SiLU", "softsign": "bias + softsign",
              "layernorm": "bias + residual + LayerNorm"}
 ROW_EPILOGUES = ("layernorm",)  # a row-wise epilogue (gemm_row): its own tiles, TMA's not among them
@@ -141,7 +142,8 @@ def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0, row: b
     `epi`: the epilogue's branches per element, whose term the estimate includes (not the ranking, as in
     the lowering). `row`: tiles for a row-wise epilogue, each family's best tile spanning the row and best
     splitting it across a cluster among them (placement weighs both kinds). `multicast`: the TMA family's best
-    two again with B multicast (MULTICAST), and the best two ping-pong TMA tiles (PINGPONG)."""
+    two again with B multicast (MULTICAST), and the best two ping-pong TMA tiles (PINGPONG), also with
+    B multicast (PINGPONG_MULTICAST)."""
     tgt = target_for(ARCHS, True)
     out = []
     for name, math_ in FAMILIES.items():
@@ -156,8 +158,12 @@ def candidates(m: int, n: int, k: int, per_family: int, epi: float = 0.0, row: b
                      for t in (r.tile.multicast_twin() for r in picked[:2] if r.split == 1) if t is not None)
             out += [(MULTICAST, r.tile.candidate(1), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi))
                     for r in twins if r is not None]
-            out += [(PINGPONG, r.tile.candidate(1), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi))
-                    for r in tl.rank_pingpong(tgt, m, n, k, 1, 2)[:2]]
+            pp = tl.rank_pingpong(tgt, m, n, k, 1, 2)[:2]
+            out += [(PINGPONG, r.tile.candidate(1), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi)) for r in pp]
+            twins = (tl.estimate_tile(tgt, t, m, n, k, 1, 2, math_, True, split=1)
+                     for t in (r.tile.multicast_twin() for r in pp) if t is not None)
+            out += [(PINGPONG_MULTICAST, r.tile.candidate(1), r.est_us + tl.epilogue_us(tgt, r, m, n, 1, epi))
+                    for r in twins if r is not None]
     return out
 
 

@@ -95,20 +95,23 @@ class EmulatedModule:
 
     def launch(self, entry: str, grid: int, block: int, args: Sequence[np.ndarray], dims: Sequence[int] = (),
                smem: int = 0, cluster: int = 1, align: Optional[Sequence[int]] = None,
-               count_smem: bool = False, tma: Sequence[tuple[int, int, int]] = ()) -> Optional[SmemTraffic]:
+               count_smem: bool = False, tma: Sequence[tuple[int, int, int]] = (),
+               lowest_first: bool = False) -> Optional[SmemTraffic]:
         """Run `entry` on a 1-D grid: `args` are the inputs then the (preallocated) outputs, `dims` the
         runtime symbolic dims, `smem` the dynamic shared memory bytes (per block), `cluster` the blocks per
         thread-block cluster (a divisor of `grid`). `align`: the node's arg_align (1 for none); each argument
         then runs from a copy at the weakest address it allows, so a vector access wider than declared
         fails here as it would fault on a GPU. `count_smem`: return the launch's shared-memory traffic. `tma`:
-        the kernel's TMA operands (KernelSpec.tma), whose tensor maps are built here from the arguments."""
+        the kernel's TMA operands (KernelSpec.tma), whose tensor maps are built here from the arguments.
+        `lowest_first`: run the lowest-numbered runnable thread whenever one parks (else round-robin), so a
+        cluster's first block runs ahead of the others as far as its barriers allow."""
         if align is not None and count_smem:
             raise ValueError(f"{entry}: count_smem with align is not supported")
         if align is not None:
             if len(align) != len(args):
                 raise ValueError(f"{entry}: {len(align)} alignments for {len(args)} arguments")
             placed = [_placed(a, int(n)) for a, n in zip(args, align)]
-            self.launch(entry, grid, block, placed, dims, smem, cluster, tma=tma)
+            self.launch(entry, grid, block, placed, dims, smem, cluster, tma=tma, lowest_first=lowest_first)
             for a, p in zip(args, placed):
                 if a.flags.writeable:  # the outputs (read-only inputs stay as they are)
                     a[...] = p
@@ -136,12 +139,14 @@ class EmulatedModule:
         with self._lock:
             self._lib.ofz_emu_set_dynamic_smem(smem)
             self._lib.ofz_emu_smem_traffic_enable(int(count_smem))
+            self._lib.ofz_emu_set_schedule(int(lowest_first))
             try:
                 rc = fn(grid, block, cluster, ctypes.byref(packed), *((ctypes.byref(_tensor_maps(args, tma)),) if tma
                                                                         else ()))
                 self._lib.ofz_emu_smem_traffic(counts)
             finally:
                 self._lib.ofz_emu_smem_traffic_enable(0)
+                self._lib.ofz_emu_set_schedule(0)
             msg = self._lib.ofz_emu_last_error().decode(errors="replace") if rc else ""
         if rc:
             raise EmulationError(f"{msg} (source: {self.source_path})")

@@ -658,15 +658,15 @@ class _GemmLowerer(_Lowerer):
     def unranked_candidates(self, es: int) -> list[tuple[int, ...]]:
         """--profile candidates of the TMA mainloops the tile model does not rank until a GPU has measured them
         (docs/design.md, "B multicast" and "Ping-pong consumers"): at each binding, the best unsplit TMA tile
-        with B multicast, and the best ping-pong tile."""
+        with B multicast, and the best ping-pong tile without and with it."""
         out = []
         for m, n, k, batch in self.tma_shapes:
             ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, tl.WS_F16, True, top_k=10**6)
-            best = next((r.tile for r in ranked if r.split == 1), None)
-            twin = best.multicast_twin() if best is not None else None
-            if twin is not None and self.tgt.max_cluster >= twin.mcast:
-                out.append(twin.candidate(1))
-            out += [r.tile.candidate(1) for r in tl.rank_pingpong(self.tgt, m, n, k, batch, es)[:1]]
+            best = [r.tile for r in ranked if r.split == 1][:1] + [r.tile for r in tl.rank_pingpong(
+                self.tgt, m, n, k, batch, es)[:1]]
+            out += [t.candidate(1) for t in best if t.pingpong]
+            twins = [t.multicast_twin() for t in best]
+            out += [t.candidate(1) for t in twins if t is not None and self.tgt.max_cluster >= t.mcast]
         return out
 
 

@@ -231,22 +231,22 @@ class GemmTile:
     def candidate(self, split: int) -> tuple[int, ...]:
         """The --profile candidate: (BM, BN, BK, WM, WN, STAGES, SPLIT), plus a trailing 1 for a wgmma tile
         (2: fed by TMA, 3: fed by TMA with B multicast across pairs of blocks, 4: fed by TMA to ping-pong
-        warpgroups)."""
+        warpgroups, 5: both)."""
         if not self.wgmma:
             return (*self.as_tuple(), split)
-        kind = (4 if self.pingpong else 3 if self.mcast > 1 else 2) if self.tma else 1
+        kind = (2 + (self.mcast > 1) + 2 * self.pingpong) if self.tma else 1
         return (*self.as_tuple(), split, kind)
 
     @staticmethod
     def of_candidate(t: Sequence[int]) -> "GemmTile":
         kind = t[7] if len(t) > 7 else 0
-        return GemmTile(*t[:6], wgmma=kind in (1, 2, 3, 4), tma=kind in (2, 3, 4), mcast=2 if kind == 3 else 1,
-                        pingpong=kind == 4)
+        return GemmTile(*t[:6], wgmma=kind in (1, 2, 3, 4, 5), tma=kind in (2, 3, 4, 5),
+                        mcast=MULTICAST if kind in (3, 5) else 1, pingpong=kind in (4, 5))
 
     def multicast_twin(self) -> Optional["GemmTile"]:
-        """This TMA tile with B multicast across pairs of blocks (None where that does not apply: not a TMA tile,
-        or half of B's box not whole 8-row swizzle atoms)."""
-        if not self.tma or self.mcast > 1 or self.pingpong or (self.bn // MULTICAST) % 8:
+        """This TMA tile (cooperative or ping-pong) with B multicast across pairs of blocks (None where that does
+        not apply: not a TMA tile, or half of B's box not whole 8-row swizzle atoms)."""
+        if not self.tma or self.mcast > 1 or (self.bn // MULTICAST) % 8:
             return None
         return dataclasses.replace(self, mcast=MULTICAST)
 

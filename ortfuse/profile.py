@@ -53,8 +53,8 @@ def tile_label(t: tuple[int, ...]) -> str:
     if not t:
         return "kernel"
     label = f"{t[0]}x{t[1]}x{t[2]}/{t[3]}x{t[4]}/{t[5]}"
-    family = {1: " wgmma", 2: " wgmma+TMA", 3: " wgmma+TMA multicast 2", 4: " wgmma+TMA pingpong"}.get(
-        t[7] if len(t) > 7 else 0, "")
+    family = {1: " wgmma", 2: " wgmma+TMA", 3: " wgmma+TMA multicast 2", 4: " wgmma+TMA pingpong",
+              5: " wgmma+TMA pingpong multicast 2"}.get(t[7] if len(t) > 7 else 0, "")
     return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "") + family
 
 

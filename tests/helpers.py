@@ -126,9 +126,10 @@ def conv_chain(dt, c, oc, s, k2=1, hw=("h", "w"), residual=True, also_out=False)
     return model(nodes, [vi("x", dt, ["n", c, *hw])], [vi(o, dt, None) for o in outs], inits)
 
 
-def launch_spec(spec, arrays, dims, sms: int = 0) -> None:
+def launch_spec(spec, arrays, dims, sms: int = 0, lowest_first: bool = False) -> None:
     """Run a lowered kernel (customops.lower's KernelSpec) in CPU emulation with the grid and cluster the
-    native library would launch on an sm_90 device (or one of `sms` SMs) for these dims."""
+    native library would launch on an sm_90 device (or one of `sms` SMs) for these dims (`lowest_first`:
+    EmulatedModule.launch's thread order)."""
     import math
 
     from ortfuse.customops.attrs import launch_blocks
@@ -142,7 +143,7 @@ def launch_spec(spec, arrays, dims, sms: int = 0) -> None:
     blocks, cluster = launch_blocks(grid, spec.split_k, spec.blocks_per_sm, sms or parse_arch("sm_90").sm_count,
                                     spec.row_cluster, spec.multicast)
     compile_emulated(render(spec.kernel)).launch(spec.kernel.name, blocks, spec.block, arrays, dims, spec.smem,
-                                                 cluster, spec.arg_align, tma=spec.tma)
+                                                 cluster, spec.arg_align, tma=spec.tma, lowest_first=lowest_first)
 
 
 def assert_cuda_graph_replay(optimized, feeds, want, runs: int = 3) -> None:

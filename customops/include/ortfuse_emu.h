@@ -225,12 +225,21 @@ inline void switch_to(int next) {
   ctx_swap(&S.ctx[me], &S.ctx[next]);
 }
 
-// Park the running thread (its state is already set) and run the next runnable one, round-robin.
+// Which thread runs next: round-robin, or (lowest_first) always the runnable thread of lowest index, so the
+// cluster's first block runs as far ahead of the others as its barriers let it: a missing cross-block
+// dependency (a stage refilled before the other block released it) then shows.
+static bool lowest_first = false;
+
+// Park the running thread (its state is already set) and run the next runnable one.
 inline void yield() {
   if (S.runnable == 0) deadlock();
   int i = S.cur;
-  do i = (i + 1 == S.n) ? 0 : i + 1;
-  while (S.th[i].state != kRun);
+  if (lowest_first) {
+    for (i = 0; S.th[i].state != kRun; ++i) {}
+  } else {
+    do i = (i + 1 == S.n) ? 0 : i + 1;
+    while (S.th[i].state != kRun);
+  }
   switch_to(i);
 }
 
@@ -1343,20 +1352,32 @@ inline void tma_load_2d(void* dst, const void* map, int c0, int c1, void* bar) {
 }
 
 // The same with .multicast::cluster: the box lands at dst's offset in every block of `mask`, each block's
-// barrier at bar's offset counting its bytes.
+// barrier at bar's offset counting its bytes. The issuing block's copy lands at its first wait, as above; the
+// other blocks' land at once, so a copy into a stage another block still reads (a refill its consumers did
+// not release) overwrites it there: a wgmma in flight on it fails at retirement, a later read gets the wrong
+// tile, and its bytes count on that block's barrier early (too many bytes in the phase).
 inline void tma_load_2d_multicast(void* dst, const void* map, int c0, int c1, void* bar, unsigned short mask) {
   if (mask == 0 || (S.cluster < 16 && (mask >> S.cluster) != 0))
     fail("thread %d: TMA multicast mask 0x%x in a %d-block cluster", S.cur, (unsigned)mask, S.cluster);
   const BulkCopy c = tma_box(dst, map, c0, c1);
   const unsigned char* own = static_cast<const unsigned char*>(dynamic_smem());
+  const unsigned me = (unsigned)block_of(S.cur);
   for (unsigned r = 0; r < (unsigned)S.cluster; ++r) {
     if (!(mask >> r & 1u)) continue;
     check_peer(r, "a TMA multicast");
     BulkCopy to = c;
     to.dst = S.smem + (size_t)r * S.smem_stride + (size_t)(c.dst - own);
     const unsigned long long key = mbar_key(bar, (int)r);
-    mbar_at(key).copies.push_back(to);
-    mbar_wake_key(key);
+    Mbar& m = mbar_at(key);
+    if (r == me) {
+      m.copies.push_back(to);
+      mbar_wake_key(key);
+      continue;
+    }
+    bulk_perform(to);
+    m.tx -= (long long)(c.box0 * c.box1 * c.esize);
+    mbar_check_tx(m);
+    mbar_settle_key(key, m);
   }
 }
 
@@ -1368,6 +1389,8 @@ inline void tma_load_2d_multicast(void* dst, const void* map, int c0, int c1, vo
 OFZ_EMU_EXPORT const char* ofz_emu_last_error() { return ofz_emu::S.error.c_str(); }
 // Dynamic shared memory bytes for the following launches (the `smem` launch parameter).
 OFZ_EMU_EXPORT void ofz_emu_set_dynamic_smem(unsigned long long bytes) { ofz_emu::S.smem_bytes = (size_t)bytes; }
+// The thread order of the following launches: 0 round-robin, 1 lowest runnable index first (see yield).
+OFZ_EMU_EXPORT void ofz_emu_set_schedule(int lowest_first) { ofz_emu::lowest_first = lowest_first != 0; }
 // Shared-memory traffic of the following launches (see SmemTraffic): `on` starts counting from zero; out[] is
 // ldmatrix wavefronts, their conflict-free count, cp.async wavefronts, theirs, and 1 if every cp.async
 // phase was paired exactly.

@@ -1199,7 +1199,8 @@ template <int CONSUMERS> struct WsRegs {
 // mainloop only after the other has waited on every stage of its own tile (named barrier 2 + g, which the
 // other bar.arrives at): without that turn, a warpgroup could wait on a stage's `full` barrier two phases
 // ahead of the phase the barrier is in, and take the older parity for its own. `empty` counts one
-// warpgroup's warps: each stage is read by one warpgroup.
+// warpgroup's warps: each stage is read by one warpgroup. With B multicast (MC = 2) both blocks of the pair run
+// the same sequence of tiles, so warpgroup g of each reads the stage and releases it in both blocks.
 __device__ __forceinline__ void pingpong_wait_turn(int wg) {
   if (wg == 0) named_barrier_sync<2>(256);
   else named_barrier_sync<3>(256);
@@ -1209,7 +1210,7 @@ __device__ __forceinline__ void pingpong_pass_turn(int wg) {
   else named_barrier_arrive<2>(256);
 }
 
-template <class T, int BM, int BN, int BK, int STAGES, class Ops, class Sch>
+template <class T, int BM, int BN, int BK, int STAGES, class Ops, int MC, class Sch>
 __device__ __forceinline__ void pingpong_consumers(const OfzArgs& a, const Sch& sch, unsigned long long* full,
                                                    unsigned long long* empty, T* As, T* Bs, ofz_i64 M, ofz_i64 N) {
   constexpr int kMT = BM / 64, kNT = BN / 8;
@@ -1237,7 +1238,7 @@ __device__ __forceinline__ void pingpong_consumers(const OfzArgs& a, const Sch& 
       warpgroup_ktile_rows<BN, BK, T, kMT>(d, as_addr + s * kAStageBytes, bs_addr + s * kBStageBytes);
       if (kt > 0) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+        if (lane == 0) release_stage<MC>(&empty[(it - 1) % STAGES]);
       }
     }
     if (u + sch.step < sch.tiles) pingpong_pass_turn(wg);  // every stage of this tile waited on
@@ -1246,7 +1247,7 @@ __device__ __forceinline__ void pingpong_consumers(const OfzArgs& a, const Sch& 
     for (int h = 0; h < kMT; ++h) wgmma_fence_operand(d[h]);
     if (nk > 0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+      if (lane == 0) release_stage<MC>(&empty[(it - 1) % STAGES]);
     }
     float sacc[1][1];
 #pragma unroll
@@ -1270,8 +1271,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   static_assert(STAGES >= 2, "a ring of at least two stages");
   static_assert((MATH == kWsWgmmaBF16) == SameType<T, __nv_bfloat16>::value, "math and type");
   static_assert(MC == 1 || (MC == 2 && SPLIT == 1 && (BN / MC) % 8 == 0), "B multicast: pairs along M, no split-K");
-  static_assert(!PP || (WN == BN && (BM == 64 || BM == 128) && WM == BM / 4 && SPLIT == 1 && MC == 1),
-                "ping-pong: a warpgroup per BM x BN tile, no split-K or multicast");
+  static_assert(!PP || (WN == BN && (BM == 64 || BM == 128) && WM == BM / 4 && SPLIT == 1),
+                "ping-pong: a warpgroup per BM x BN tile, no split-K");
   constexpr int kConsumers = PP ? 256 : (BM / WM) * (BN / WN) * 32, kConsumerWarps = kConsumers / 32;
   constexpr int kNT = WN / 8;
   constexpr int kAStage = BM * BK, kBStage = BN * BK;  // elements
@@ -1289,8 +1290,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      // every consumer warp of the cluster's MC blocks; ping-pong: one warpgroup's
-      mbar_init(&empty[s], PP ? 4 : kConsumerWarps * MC);
+      // every consumer warp of the cluster's MC blocks (ping-pong: of one warpgroup in each)
+      mbar_init(&empty[s], (PP ? 4 : kConsumerWarps) * MC);
     }
     mbar_fence_init();
   }
@@ -1338,7 +1339,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
 
   if constexpr (Regs::kMove) setmaxnreg_inc<Regs::kConsumer>();
   if constexpr (PP) {
-    pingpong_consumers<T, BM, BN, BK, STAGES, Ops>(a, sch, full, empty, As, Bs, M, N);
+    pingpong_consumers<T, BM, BN, BK, STAGES, Ops, MC>(a, sch, full, empty, As, Bs, M, N);
+    if constexpr (MC > 1) cluster_sync();  // as below
     return;
   }
   const int wm0 = (warp % (BM / WM)) * WM, wn0 = (warp / (BM / WM)) * WN;

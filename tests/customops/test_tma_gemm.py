@@ -124,8 +124,8 @@ def test_large_gemms_take_the_tma_family_and_keep_the_others_as_candidates():
     spec = _lowered(m)
     assert spec.kernel.tma and spec.tiles[0][7] == 2
     # --profile measures each family's best, the best unsplit TMA tile with B multicast (kind 3) and the best
-    # ping-pong tile (4), which the model does not rank until measured
-    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2, 3, 4} and spec.multicast == 1
+    # ping-pong tile without (4) and with it (5), which the model does not rank until measured
+    assert {t[7] if len(t) > 7 else 0 for t in spec.tiles} == {0, 1, 2, 3, 4, 5} and spec.multicast == 1
     best = next(r.tile for r in tl.rank_tiles(target_for((90,), True), 4096, 768, 768, 1, 2, tl.WS_F16, True,
                                                 top_k=10**6) if r.split == 1)
     assert best.multicast_twin().candidate(1) in spec.tiles
@@ -349,10 +349,7 @@ def test_b_multicast_pairs(tile, M, sms, dt):
     assert t.mcast == 2 and spec.multicast == 2 and spec.block == t.consumers + 128
     # each block copies half of B's box; a unit is a pair of tiles along M
     assert spec.tma == ((0, t.bm, dt), (1, t.bn // 2, dt)) and spec.units_ceil[0][1] == 2 * t.bm
-    out = np.zeros((M, N), x.dtype)
-    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [], sms=sms)
-    got = _as_f64(out, dt)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    _check_both_orders(spec, x, w, b, ref, dt, sms)
     if dt == H:
         ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
         ((_, res),) = ck.resources
@@ -360,6 +357,17 @@ def test_b_multicast_pairs(tile, M, sms, dt):
         ptx = ck.ptx.decode()
         assert "multicast::cluster" in ptx and "mbarrier.arrive.release.cluster.shared::cluster" in ptx
         assert "barrier.cluster.arrive" in ptx
+
+
+def _check_both_orders(spec, x, w, b, ref, dt, sms):
+    """The kernel against `ref` in emulation, in round-robin thread order and with the cluster's first block
+    run ahead as far as its barriers allow (lowest_first): a stage refilled before the other block of a
+    multicast pair released it fails there (checked: consumers releasing only their own block's stage)."""
+    for lowest_first in (False, True):
+        out = np.zeros((ref.shape[0], ref.shape[1]), x.dtype)
+        launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [], sms=sms, lowest_first=lowest_first)
+        got = _as_f64(out, dt)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2, lowest_first
 
 
 def test_b_multicast_is_a_profile_candidate_the_model_does_not_rank():
@@ -460,6 +468,9 @@ def test_multicast_intrinsics_compile_for_sm90a(tmp_path):
     ((128, 128, 64, 32, 128, 5, 1, 4), 300, 0, BF),
     ((64, 128, 64, 16, 128, 3, 1, 4), 330, 1, H),    # one SM: 6 x 2 tiles through 1 or 2 blocks, turns across tiles
     ((64, 256, 64, 16, 256, 3, 1, 4), 270, 2, H),    # 5 tiles on up to 2 x blocks_per_sm blocks: odd counts
+    # with B multicast: pairs of blocks run the same tile sequence, each warpgroup releasing stages in both
+    ((64, 192, 64, 16, 192, 4, 1, 5), 150, 0, H),    # 3 tiles along M: the last pair's second block past M
+    ((128, 128, 64, 32, 128, 3, 1, 5), 650, 2, H),   # 6 pairs x 2 on up to 2 clusters: turns across tiles
 ])
 def test_pingpong_warpgroups(tile, M, sms, dt):
     K, N = 328, 200
@@ -467,11 +478,8 @@ def test_pingpong_warpgroups(tile, M, sms, dt):
     spec = _lowered(m, tile)
     t = tl.GemmTile.of_candidate(tile)
     assert t.pingpong and t.consumers == 256 and spec.block == 384 and t.moves_registers
-    assert spec.tma == ((0, t.bm, dt), (1, t.bn, dt))
-    out = np.zeros((M, N), x.dtype)
-    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [], sms=sms)
-    got = _as_f64(out, dt)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    assert spec.tma == ((0, t.bm, dt), (1, t.bn // t.mcast, dt)) and spec.multicast == t.mcast
+    _check_both_orders(spec, x, w, b, ref, dt, sms)
     if dt == H:  # setmaxnreg: 232 per consumer thread holds a 128-accumulator tile without spills
         ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), WG.cache)
         ((_, res),) = ck.resources
@@ -484,7 +492,8 @@ def test_pingpong_is_a_profile_candidate_the_model_does_not_rank():
     on = target_for((90,), True)
     t = tl.GemmTile(64, 192, 64, 16, 192, 4, wgmma=True, tma=True, pingpong=True)
     assert t.candidate(1) == (64, 192, 64, 16, 192, 4, 1, 4) and tl.GemmTile.of_candidate(t.candidate(1)) == t
-    assert t.threads == 384 and t.reg_limit(65536) == tl.WS_CONSUMER_REGS and t.multicast_twin() is None
+    assert t.threads == 384 and t.reg_limit(65536) == tl.WS_CONSUMER_REGS
+    assert t.multicast_twin().candidate(1)[7] == 5 and tl.GemmTile.of_candidate(t.multicast_twin().candidate(1)).pingpong
     ranked = tl.rank_pingpong(on, 4096, 2304, 768, 1, 2)
     assert ranked and all(r.tile.pingpong and r.split == 1 for r in ranked)
     assert {(r.tile.bm, r.tile.bn) for r in ranked} == {(64, 128), (64, 192), (64, 256), (128, 128)}

@@ -145,6 +145,8 @@ def test_every_warpgroup_layout(tile, dt):
     ((64, 256, 64, 16, 128, 3, 1, 3), BF),
     # ping-pong consumer warpgroups (turns through bar.sync / bar.arrive, two m64 halves for 128 rows)
     ((64, 192, 64, 16, 192, 4, 1, 4), H), ((128, 128, 64, 32, 128, 5, 1, 4), H), ((64, 256, 64, 16, 256, 3, 1, 4), BF),
+    # both
+    ((64, 192, 64, 16, 192, 4, 1, 5), H), ((128, 128, 64, 32, 128, 5, 1, 5), BF),
 ])
 def test_multicast_and_pingpong_layouts(tile, dt):
     # partial tiles on every axis (M 1000, K 520, N 776)
@@ -157,6 +159,7 @@ def test_multicast_and_pingpong_layouts(tile, dt):
     (1100, (128, 192, 64, 16, 192, 5, 1, 3)),  # 9 tiles along M: the last pair's second block computes past M
     (40000, (64, 64, 64, 16, 64, 4, 1, 3)),    # 4,069 pairs: persistent clusters loop over them
     (40000, (64, 128, 64, 16, 128, 4, 1, 4)),  # ping-pong: ~30 tiles per block, turns across them
+    (40000, (64, 128, 64, 16, 128, 4, 1, 5)),  # and with B multicast, in persistent pairs
 ])
 def test_odd_pairs_and_persistent_loops(M, tile):
     m, x, ref = _bias_model(M, 520, 776, H, seed=12)
