@@ -92,6 +92,8 @@ class Placement:
     # built (each binding's kernel)
     variants: Variants = ()
     by_size_us: Optional[Times] = None
+    # candidates that failed on the device (a launch it refused, a trap): (tile, the error); timed as inf
+    failed: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     @property
     def best_us(self) -> Times:
@@ -115,8 +117,9 @@ class Placement:
         split = f", split {us_text(self.split_us)} us" if self.split_us is not None else ""
         model = (f"; cost model: ORT {us_text(self.model_ort_us)}, ours {us_text(self.model_ours_us)} us"
                  if self.model_ort_us is not None and self.model_ours_us is not None else "")
+        failed = "".join(f"; {tile_label(t)} failed: {e}" for t, e in self.failed)
         return (f"region {self.region} ({' / '.join(self.bindings)}): ORT {us_text(self.ort_us)} us, "
-                f"ours [{tiles}] us{split} -> {verdict}{model}")
+                f"ours [{tiles}] us{split} -> {verdict}{model}{failed}")
 
 
 def wins(ours: Times, ort: Times) -> bool:
@@ -371,16 +374,21 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
             cands = list(candidates(r))
             ort_us: list[float] = []
             ours: list[list[float]] = [[] for _ in cands]
+            failed: dict[tuple[int, ...], str] = {}
             for _, dims in bindings:
                 sub = region_model(g, r, dims)
                 feeds = random_feeds(sub, None, seed=r.id)
                 sig = signature(sub)
                 ort_us.append(cache.get(_digest("ort", sig, dev), lambda: timer(sub, feeds, False)))
-                for (_, node), ts in zip(cands, ours):
+                for (tile, node), ts in zip(cands, ours):
                     # the kernel's source includes the headers: a change there (an epilogue, a mainloop) is
                     # another kernel, whose time is measured afresh
                     key = _digest("ours", sig, _source(node), headers, dev)
-                    ts.append(cache.get(key, lambda: timer(fused_model(sub, node), feeds, True)))
+                    try:
+                        ts.append(cache.get(key, lambda: timer(fused_model(sub, node), feeds, True)))
+                    except Exception as e:  # noqa: BLE001 - that candidate loses (not cached); the report says why
+                        ts.append(math.inf)
+                        failed.setdefault(tile, f"{type(e).__name__}: {str(e)[:200]}")
             per_tile = tuple((tile, tuple(ts)) for (tile, _), ts in zip(cands, ours))
             best_tile, best = min(per_tile, key=lambda x: geomean(x[1]))
             # kernels by size share the node's tensors: only tiles that read the weight the same way
@@ -394,7 +402,7 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
                 if f is not None and (combo is None or geomean(c) < geomean(combo)):
                     first, more, combo = f, m, c
             pl = Placement(r.id, tuple(label for label, _ in bindings), tuple(ort_us), per_tile, False,
-                           first or best_tile, variants=more, by_size_us=combo)
+                           first or best_tile, variants=more, by_size_us=combo, failed=tuple(failed.items()))
             out.append(dataclasses.replace(pl, keep=wins(pl.best_us, tuple(ort_us))))
     finally:
         cache.save()
@@ -432,7 +440,8 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
                bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
                timer: Optional[Timer] = None, device: Optional[str] = None) -> Times:
     """The alternative to a row-wise GEMM epilogue: ORT's time for the GEMM alone (cuBLAS) plus our kernel
-    for the rest of the region, at each binding, measured and cached like `place`."""
+    for the rest of the region, at each binding, measured and cached like `place` (our kernel failing on the
+    device: inf, not cached)."""
     timer = timer or cuda_timer
     dev = device or f"{device_name()} / {clock()} / {MEASURE}"
     headers = headers_digest()
@@ -445,8 +454,11 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
             t_gemm = cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False))
             rsub = region_model(g, rest, dims)
             rfeeds = random_feeds(rsub, None, seed=rest.id)
-            t_rest = cache.get(_digest("ours", signature(rsub), _source(rest_node), dev),
-                               lambda: timer(fused_model(rsub, rest_node), rfeeds, True))
+            try:
+                t_rest = cache.get(_digest("ours", signature(rsub), _source(rest_node), headers, dev),
+                                   lambda: timer(fused_model(rsub, rest_node), rfeeds, True))
+            except Exception:  # noqa: BLE001 - as in `place`: the split loses
+                t_rest = math.inf
             out.append(t_gemm + t_rest)
     finally:
         cache.save()

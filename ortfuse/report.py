@@ -83,7 +83,9 @@ def markdown(r: OptimizeResult, source: str) -> str:
                 "| region | ORT | ours (per tile) | cuBLAS + ours (epilogue alone) | kept | ORT / kept | cost model: ORT, ours |",
                 "|---|---|---|---|---|---:|---|"]
         for pl in r.placements:
-            tiles = "; ".join(f"{tile_label(t)}: {us_text(ts)}" for t, ts in pl.ours_us)
+            failed = dict(pl.failed)
+            tiles = "; ".join(f"{tile_label(t)}: " + (f"failed ({failed[t]})" if t in failed else us_text(ts))
+                              for t, ts in pl.ours_us)
             split = us_text(pl.split_us) if pl.split_us is not None else "—"
             kept = "split" if pl.split else "ours" if pl.keep else "ORT"
             if pl.keep and pl.variants:

@@ -3,6 +3,8 @@
 runs on a GPU (tests/runtime/test_gpu.py)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -454,3 +456,45 @@ def test_profile_can_ship_the_unranked_tma_mainloops_as_size_variants(monkeypatc
     for n in (3, 40):
         rep = check_models(m, res.model, emulate=True, input_shapes={"x": (n, 128, 128)})
         assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+
+
+def test_a_candidate_that_fails_on_the_device_loses_and_the_profile_goes_on(monkeypatch, tmp_path):
+    # a kernel the device refuses (a cluster launch it cannot take, a trap) is timed as inf, not cached, and
+    # named in the placement; the other candidates decide. A region whose only kernel fails stays with ORT.
+    timer = _stand_in({"ort": 100.0, "ours": 50.0}, [])
+    rng = np.random.default_rng(1)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Relu", ["z"], ["out"])],
+              [vi("x", TP.FLOAT16, ["n", 128, 128])], [vi("out", TP.FLOAT16, None)],
+              [const("w", (rng.standard_normal((128, 128)) * 0.2).astype(np.float16), np.float16),
+               const("b", rng.standard_normal(128).astype(np.float16), np.float16)])
+    pp = [t for t in compile_model(m, None, "sm_90", options=Options(archs=(90,))).kernels[0].spec.tiles
+          if t[7:] == (4,)]
+    # a ping-pong kernel's template head ends in its MC = 1, PP = 1
+    pingpong = re.compile(r"ofz::gemm::run<__half, (\d+, ){9}\w+, 0, ofz::gemm::NoConv, 1, ofz::gemm::NoFold, 1, 0, 1, 1>")
+
+    def failing(sub, feeds, fused):
+        if fused:
+            src = next(onnx.helper.get_attribute_value(a) for n in sub.graph.node for a in n.attribute
+                       if a.name == "source").decode()
+            if pingpong.search(src) or "gemm::run<" not in src:  # the ping-pong tiles, and non-GEMM kernels
+                raise RuntimeError("CUDA driver error: cluster misconfiguration")
+        return timer(sub, feeds, fused)
+    monkeypatch.setattr(prof, "cuda_timer", failing)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    (pl,) = res.placements
+    assert pp and [t for t, _ in pl.failed] == pp and "cluster misconfiguration" in pl.failed[0][1]
+    assert all(ts == (float("inf"),) * 2 for t, ts in pl.ours_us if t in pp)
+    assert pl.keep and pl.tile not in pp and "failed: RuntimeError" in pl.line()
+    # nothing of the failure was cached: with a timer that works, the tile is measured
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    again = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    assert not again.placements[0].failed
+    # an element-wise region whose one kernel fails stays with ORT
+    monkeypatch.setattr(prof, "cuda_timer", failing)
+    ew = model([node("Sigmoid", ["x"], ["s"]), node("Mul", ["s", "x"], ["p"]), node("Tanh", ["p"], ["out"])],
+               [vi("x", TP.FLOAT16, [512, 64])], [vi("out", TP.FLOAT16, None)], [])
+    res = compile_model(ew, None, "sm_90", options=Options(archs=(90,), cache=tmp_path / "ew", profile=True))
+    (pl,) = res.placements
+    assert pl.failed and pl.ours_us[0][1] == (float("inf"),) and not pl.keep
+    assert [n.op_type for n in res.model.graph.node] == ["Sigmoid", "Mul", "Tanh"]
