@@ -43,12 +43,14 @@ for name in "$@"; do
                  --junitxml="$WORK/pytest-row.xml" tests/runtime/test_gpu_row_cluster.py ;;
     new-tests)  # CPU-only work of sessions 14-17 on hardware: kernel variants by size, epi8 through the wgmma
       # tests, the attention kernel of session 16 (keys split across clusters at small batches) in the tiny zoo
-      # models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8), session 18's
-      # TMA mainloops with B multicast and ping-pong warpgroups (test_gpu_wgmma.py)
+      # models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8)
       step "$name" 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
         --junitxml="$WORK/pytest-new.xml" tests/runtime/test_gpu_variants.py tests/runtime/test_gpu_wgmma.py \
         tests/runtime/test_gpu_kernels.py tests/runtime/test_gpu_row_cluster.py \
-        -k "variant or wgmma or zoo_tiny or attention or row" ;;
+        -k "(variant or wgmma or zoo_tiny or attention or row) and not (multicast or pingpong or odd_pairs)" ;;
+    tma-tests)  # session 18 (CPU only): the TMA mainloops with B multicast and ping-pong warpgroups
+      step "$name" 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
+        --junitxml="$WORK/pytest-tma.xml" tests/runtime/test_gpu_wgmma.py -k "multicast or pingpong or odd_pairs" ;;
     wgmma-tests) step "$name" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
                    --junitxml="$WORK/pytest-wgmma.xml" tests/runtime/test_gpu_wgmma.py ;;
     sweep) step "$name" 170 python3 -m ortfuse.bench.sweep --per-family 4 --json "$WORK/sweep.json" --md "$WORK/sweep.md" ;;
