@@ -1,7 +1,8 @@
 """GEMM tile sweep (issue 5): plain fp16 GEMMs with a bias, each of the tile model's best tiles of every family
 forced in turn (warp-level mma.sync; wgmma fed by cp.async; wgmma fed by TMA in the warp-specialized
-pipeline, its tiles again with B multicast across pairs of blocks, and ping-pong warpgroups), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's MatMul + Add, with the model's
-estimate and ptxas's registers beside each figure. It tells the mainloops apart on the same shapes, and the
+pipeline; with the bias alone also the TMA mainloops the model does not rank yet: B multicast across pairs
+of blocks, ping-pong warpgroups, both), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's
+MatMul + Add, with the model's estimate and ptxas's registers beside each figure. It tells the mainloops apart on the same shapes, and the
 tile model's estimates from the measurements (the ratio measured / estimated per family).
 
     python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
@@ -245,8 +246,8 @@ class GemmCase:
 
 def _build_all(case: GemmCase, cands: Sequence[tuple[int, ...]], cache: Optional[Path],
                ablate: bool = False) -> dict[tuple[int, ...], Optional[Built]]:
-    """Our kernel at each candidate (None where this GEMM cannot take it), compiled side by side: NVRTC
-    releases the GIL, and one compile after another was most of a sweep's time on the device machine."""
+    """Our kernel at each candidate (None where this GEMM cannot take it), compiled side by side (NVRTC
+    releases the GIL): one after another, a shape's up to 20 candidates add up on the device machine."""
     def build(cand: tuple[int, ...]) -> Optional[Built]:
         try:
             return case.build(cand, cache, ablate=ablate)
