@@ -2,8 +2,9 @@
 forced in turn (warp-level mma.sync; wgmma fed by cp.async; wgmma fed by TMA in the warp-specialized
 pipeline; with the bias alone also the TMA mainloops the model does not rank yet: B multicast across pairs
 of blocks, ping-pong warpgroups, both), timed on the device against ORT's bare MatMul (cuBLAS) and ORT's
-MatMul + Add, with the model's estimate and ptxas's registers beside each figure. It tells the mainloops apart on the same shapes, and the
-tile model's estimates from the measurements (the ratio measured / estimated per family).
+MatMul + Add, with the model's estimate and ptxas's registers beside each figure. It tells the mainloops
+apart on the same shapes, and the tile model's estimates from the measurements (the ratio measured /
+estimated per family).
 
     python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
                                   [--no-flush] [--epilogue bias|gelu|layernorm|...] [--json OUT] [--md OUT]
