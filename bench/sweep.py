@@ -343,6 +343,12 @@ def summary(results: Sequence[ShapeResult]) -> list[str]:
             if pairs:
                 cells = ", ".join(f"{'x'.join(map(str, b.shape))} {b.us:.1f} -> {v.us:.1f} us" for b, v in pairs)
                 out.append(f"{name} best tile, {variant}: {cells}")
+    # the unranked TMA mainloops against the ranked one, shape by shape: whether the tile model should rank them
+    for name in (MULTICAST, PINGPONG, PINGPONG_MULTICAST):
+        pairs = [(res.shape, _best(res.rows, name), _best(res.rows, "wgmma+TMA")) for res in results]
+        cells = [f"{'x'.join(map(str, s))} {b.us / t.us:.2f}" for s, b, t in pairs if b is not None and t is not None]
+        if cells:
+            out.append(f"{name} best / wgmma+TMA best: " + ", ".join(cells))
     warm = [f"{'x'.join(map(str, r.shape))} {r.cublas_us:.1f} -> {r.cublas_noflush_us:.1f} us"
             for r in results if r.cublas_noflush_us is not None]
     if warm:

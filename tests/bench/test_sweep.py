@@ -43,6 +43,7 @@ def test_sweep_times_each_family_against_cublas_and_the_ort_region():
     text = sweep.render_md([res])
     assert "wgmma+TMA" in text and "cuBLAS (ORT MatMul) 4.0 us" in text
     assert "wgmma+TMA: best tile / cuBLAS median 1.25" in text
+    assert "wgmma+TMA pingpong multicast best / wgmma+TMA best: 256x192x128 1.00" in text
 
 
 def test_shapes_parse_from_the_command_line():
@@ -175,3 +176,14 @@ def test_a_row_wise_epilogue_sweeps_both_row_kinds_and_its_ablation_drops_the_ro
     ptx_full, ptx_cut = full.compiled.ptx.decode(), cut.compiled.ptx.decode()
     assert "barrier.cluster" in ptx_full and "mapa" in ptx_full and "wgmma.mma_async" in ptx_cut
     assert "barrier.cluster" not in ptx_cut and "mapa" not in ptx_cut
+
+
+def test_the_summary_sets_each_unranked_tma_mainloop_against_the_ranked_one():
+    def row(family, us, kind):
+        return sweep.SweepRow((4096, 768, 768), family, (128, 192, 64, 16, 192, 5, 1, kind), us, 7.5, 168, 0)
+    rows = (row("wgmma+TMA", 18.0, 2), row("wgmma+TMA", 20.0, 2), row(sweep.MULTICAST, 15.3, 3),
+            row(sweep.PINGPONG, 19.8, 4))
+    lines = sweep.summary([sweep.ShapeResult((4096, 768, 768), 12.9, 26.2, rows)])
+    assert "wgmma+TMA multicast best / wgmma+TMA best: 4096x768x768 0.85" in lines
+    assert "wgmma+TMA pingpong best / wgmma+TMA best: 4096x768x768 1.10" in lines
+    assert not any(line.startswith(sweep.PINGPONG_MULTICAST + " best /") for line in lines)  # not timed
