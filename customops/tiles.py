@@ -499,17 +499,13 @@ def launch_blocks(grid: int, split_k: int, blocks_per_sm: int, sm_count: int, ro
     already), B multicast's clusters of exactly `multicast` blocks (the grid counts clusters; persistent, at
     most blocks_per_sm per SM), split-K clusters within one wave, else a persistent kernel's grid capped at
     blocks_per_sm per SM (re-exported as `attrs.launch_blocks`)."""
-    if multicast > 1:
-        if blocks_per_sm > 0 and sm_count > 0:
-            grid = min(grid, max(1, blocks_per_sm * sm_count // multicast))
-        return grid * multicast, multicast
     if row_cluster > 1:
         if grid % row_cluster:
             raise ValueError(f"{grid} blocks do not form clusters of {row_cluster}")
         return grid, row_cluster
-    cluster = runtime_split(split_k, grid, sm_count)
-    if cluster == 1 and blocks_per_sm > 0 and sm_count > 0:
-        grid = min(grid, blocks_per_sm * sm_count)
+    cluster = multicast if multicast > 1 else runtime_split(split_k, grid, sm_count)
+    if blocks_per_sm > 0 and sm_count > 0 and (cluster == 1 or multicast > 1):  # persistent, in whole clusters
+        grid = min(grid, max(1, blocks_per_sm * sm_count // cluster))
     return grid * cluster, cluster
 
 

@@ -401,22 +401,23 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, 
   long long grid = (units + s->units_per_block - 1) / s->units_per_block;
   if (grid > 0x7fffffffLL) grid = 0x7fffffffLL;  // kernels use grid-stride loops
   launch->units = units;
-  if (s->multicast > 1) {  // B multicast: a unit is a cluster's group of tiles; persistent in clusters
-    const long long cap = s->blocks_per_sm * (long long)sm_count / s->multicast;
-    if (s->blocks_per_sm > 0 && sm_count > 0 && grid > (cap > 1 ? cap : 1)) grid = cap > 1 ? cap : 1;
-    if (grid > 0x7fffffffLL / s->multicast) grid = 0x7fffffffLL / s->multicast;  // clusters loop over groups
-    launch->cluster = (unsigned)s->multicast;
-    launch->grid = (unsigned)(grid * s->multicast);
-  } else if (s->row_cluster > 1) {  // a row split across a cluster: the tiles of a row are one cluster's blocks
+  if (s->row_cluster > 1) {  // a row split across a cluster: the tiles of a row are one cluster's blocks
     if (grid % s->row_cluster)
       return BAD("ortfuse: node '%s': %lld blocks do not form clusters of %lld", s->node, grid,
                  (long long)s->row_cluster);
     launch->cluster = (unsigned)s->row_cluster;
     launch->grid = (unsigned)grid;
   } else {
-    launch->cluster = ofz_spec_cluster(s->split_k, grid, sm_count);  // > 1 only within one wave of SMs
-    if (launch->cluster == 1 && s->blocks_per_sm > 0 && sm_count > 0 && grid > s->blocks_per_sm * sm_count)
-      grid = s->blocks_per_sm * sm_count;  // persistent: each block loops over tiles (grid-stride)
+    // a unit is one cluster's work: a split-K tile (clusters only within one wave of SMs) or a B-multicast
+    // group of tiles (always clusters of `multicast`); a persistent kernel caps the grid at blocks_per_sm per
+    // SM in whole clusters, each looping over units (grid-stride)
+    launch->cluster = s->multicast > 1 ? (unsigned)s->multicast : ofz_spec_cluster(s->split_k, grid, sm_count);
+    if (s->blocks_per_sm > 0 && sm_count > 0 && (launch->cluster == 1 || s->multicast > 1)) {
+      long long cap = s->blocks_per_sm * (long long)sm_count / launch->cluster;
+      if (cap < 1) cap = 1;
+      if (grid > cap) grid = cap;
+    }
+    if (grid > 0x7fffffffLL / launch->cluster) grid = 0x7fffffffLL / launch->cluster;
     launch->grid = (unsigned)(grid * launch->cluster);
   }
   launch->block = (unsigned)s->block;
