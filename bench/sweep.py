@@ -278,9 +278,7 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
 
     def one(family: str, cand: tuple[int, ...], est: float, variant: str = "") -> Optional[SweepRow]:
         ablated = variant == "no epilogue"
-        built = prebuilt.get(cand, False) if not ablated else False
-        if built is False:
-            built = _build_all(case, [cand], cache, ablated)[cand]
+        built = prebuilt[cand] if not ablated and cand in prebuilt else _build_all(case, [cand], cache, ablated)[cand]
         if built is None:
             return None  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
         res = dict(built.compiled.resources).get(ARCHS[0])

@@ -383,12 +383,11 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
                 for (tile, node), ts in zip(cands, ours):
                     # the kernel's source includes the headers: a change there (an epilogue, a mainloop) is
                     # another kernel, whose time is measured afresh
-                    key = _digest("ours", sig, _source(node), headers, dev)
-                    try:
-                        ts.append(cache.get(key, lambda: timer(fused_model(sub, node), feeds, True)))
-                    except Exception as e:  # noqa: BLE001 - that candidate loses (not cached); the report says why
-                        ts.append(math.inf)
-                        failed.setdefault(tile, f"{type(e).__name__}: {str(e)[:200]}")
+                    us, err = _time_ours(cache, _digest("ours", sig, _source(node), headers, dev),
+                                         lambda: timer(fused_model(sub, node), feeds, True))
+                    ts.append(us)
+                    if err:
+                        failed.setdefault(tile, err)
             per_tile = tuple((tile, tuple(ts)) for (tile, _), ts in zip(cands, ours))
             best_tile, best = min(per_tile, key=lambda x: geomean(x[1]))
             # kernels by size share the node's tensors: only tiles that read the weight the same way
@@ -407,6 +406,15 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     finally:
         cache.save()
     return out
+
+
+def _time_ours(cache: "_Cache", key: str, run: Callable[[], float]) -> tuple[float, str]:
+    """Our kernel's time (cached), or (inf, the error) where it fails on the device (a launch the device refuses,
+    a trap): that candidate loses, and the failure is not cached."""
+    try:
+        return cache.get(key, run), ""
+    except Exception as e:  # noqa: BLE001 - reported by the caller
+        return math.inf, f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def _rows(g: Graph, r: Region, dims: Mapping[str, int]) -> int:
@@ -454,11 +462,8 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
             t_gemm = cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False))
             rsub = region_model(g, rest, dims)
             rfeeds = random_feeds(rsub, None, seed=rest.id)
-            try:
-                t_rest = cache.get(_digest("ours", signature(rsub), _source(rest_node), headers, dev),
+            t_rest, _ = _time_ours(cache, _digest("ours", signature(rsub), _source(rest_node), headers, dev),
                                    lambda: timer(fused_model(rsub, rest_node), rfeeds, True))
-            except Exception:  # noqa: BLE001 - as in `place`: the split loses
-                t_rest = math.inf
             out.append(t_gemm + t_rest)
     finally:
         cache.save()
