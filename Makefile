@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ortfuse-installed
+# test workers: one per core, at most 4 (each imports torch and builds its own tiny zoo); TEST_JOBS=0 runs in-process
+TEST_JOBS ?= auto
 
 .PHONY: demo test install native clean
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m ortfuse demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --maxprocesses 4 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
