@@ -20,7 +20,7 @@ from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
-                                       fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
+                                       fold_runtime_shapes, fold_small_values, pack_sibling_gemms, unflatten_gemms)
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
@@ -121,6 +121,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, folded = fold_runtime_shapes(graph)
     if folded:
         say(f"{folded} Reshape targets computed at run time became constants")
+    graph, small = fold_small_values(graph)
+    if small:
+        say(f"{small} small tensors computed from constants and static dims became constants")
     graph, unflattened = unflatten_gemms(graph)
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")

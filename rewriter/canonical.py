@@ -10,6 +10,8 @@
   computed at run time sits between them. Where the flattening Reshape also merges static inner dims into K
   (torch.export's `[B, S, H, D] -> [B*S, H*D]` before the attention's output projection), a Reshape to
   `[B, S, H*D]` takes its place.
+* `fold_small_values`: small tensors computed from constants and static dims (a Slice's end read through
+  Shape, a ConstantOfShape of a constant) become constants, as ORT's constant folding makes them.
 * `fold_conv_pads`: a zero Pad of the spatial dims feeding only Convs (the TF-style "same" padding HF's
   MobileNetV2 computes from constants) becomes the Convs' own `pads`, as ORT's PadFusion does after its
   constant folding; otherwise a Conv we fuse would leave ORT a Pad kernel it never ran before.
@@ -299,6 +301,108 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             conv.input[0] = pad.input[0]
     remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset), len(plans)
+
+
+# ---- small values computed from static shapes -----------------------------------------------------------
+
+MAX_SMALL_VALUE = 64  # elements: a folded value is a shape, axes or bounds, never data
+
+
+def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -> Optional[list[Optional[int]]]:
+    """The dims a Shape node reports (its start/end attributes applied): an int where static, None where
+    symbolic or of a size shape inference merged a symbolic dim into (1 at run time, maybe)."""
+    x = g.tensors.get(shape_node.input[0])
+    if x is None or x.shape is None:
+        return None
+    dims = [d if isinstance(d, int) and d not in merged else None for d in x.shape]
+    start, end = _attr(shape_node, "start", 0), _attr(shape_node, "end", len(dims))
+    return dims[slice(start, end)]  # negative and out-of-range bounds clamp as the spec says
+
+
+def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optional[np.ndarray]:
+    """The value of a Shape node, or of a Gather of one at constant indices, when every dim it reads is
+    static; else None."""
+    if node.op_type == "Shape":
+        dims = _static_dims(g, node, merged)
+        return None if dims is None or None in dims else np.asarray(dims, np.int64)
+    src = g.nodes[g.producer[node.input[0]]] if node.op_type == "Gather" and node.input[0] in g.producer else None
+    if src is None or src.op_type != "Shape" or node.input[1] not in g.constants or _attr(node, "axis", 0) != 0:
+        return None
+    dims = _static_dims(g, src, merged)
+    idx = np.asarray(g.constants[node.input[1]])
+    if dims is None or idx.dtype.kind not in "iu" or not np.all((-len(dims) <= idx) & (idx < len(dims))):
+        return None
+    picked = [dims[int(k)] for k in idx.reshape(-1)]
+    return None if None in picked else np.asarray(picked, np.int64).reshape(idx.shape)
+
+
+def _run_node(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> Optional[list[np.ndarray]]:
+    """Node's outputs on constant inputs (onnx's reference evaluator), or None where it cannot say."""
+    from onnx.reference import ReferenceEvaluator
+    inits = [numpy_helper.from_array(v, x) for x, v in inputs.items()]
+    graph = onnx.helper.make_graph([node], "small", [], [onnx.helper.make_empty_tensor_value_info(o)
+                                                          for o in node.output], inits)
+    try:
+        m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        return [np.asarray(v) for v in ReferenceEvaluator(m).run(None, {})]
+    except Exception:  # an op or a case the reference evaluator lacks: the node stays
+        return None
+
+
+def fold_small_values(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of constants that replace computed tensors). A tensor of at most MAX_SMALL_VALUE elements
+    computed from constants and static dims (read through Shape, or a Gather of one) is a constant, as ORT's
+    constant folding makes it at session start: TorchScript's `x[..., : x.shape[-1] // 2]` in rotary
+    embeddings (Shape, Gather, Div, Cast, Unsqueeze) becomes a constant Slice end the search computes in a
+    kernel, and what ORT would fold anyway (a ConstantOfShape of a constant) is not taken for device data by
+    the search. `g` is left untouched."""
+    merged = merged_sizes(g)
+    known: dict[str, np.ndarray] = {}
+
+    def small(t: str) -> bool:
+        info = g.tensors.get(t)
+        return info is not None and info.shape is not None and all(isinstance(d, int) for d in info.shape) \
+            and int(np.prod(info.shape)) <= MAX_SMALL_VALUE
+
+    for n in g.nodes:  # topological order: a node's inputs are known before it is reached
+        outs = [o for o in n.output if o]
+        if n.domain not in ("", "ai.onnx") or not outs or not n.input or n.op_type.startswith("Random") \
+                or any(o in g.graph_outputs or o in g.constants or not small(o) for o in outs) \
+                or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            continue
+        if n.op_type in ("Shape", "Gather"):
+            v = _shape_read(g, n, merged)
+            if v is not None:
+                known[outs[0]] = v
+                continue
+        args = {x: known[x] if x in known else np.asarray(g.constants[x]) for x in dict.fromkeys(n.input)
+                if x and (x in known or x in g.constants)}
+        if len(args) != len({x for x in n.input if x}):
+            continue
+        res = _run_node(n, args, g.opset)
+        if res is not None and len(res) == len(n.output):
+            known.update((o, v) for o, v in zip(n.output, res) if o)
+    if not known:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    names: dict[str, str] = {}
+    for node in m.graph.node:
+        if all(o in known for o in node.output if o):
+            continue  # folded itself: goes with the dead code
+        for k, x in enumerate(node.input):
+            if x in known:
+                if x not in names:
+                    names[x] = f"{x}__ortfuse_value"
+                    v = known[x]
+                    if x in g.tensors:
+                        v = v.astype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[x].dtype))
+                    m.graph.initializer.append(numpy_helper.from_array(v, names[x]))
+                    tensors[names[x]] = TensorInfo(names[x], onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                node.input[k] = names[x]
+    remove_dead(m)
+    return assemble(m, tensors, g.opset), len(names)
 
 
 # ---- Identity of a constant ---------------------------------------------------------------------------------

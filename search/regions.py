@@ -191,11 +191,18 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     for i in sorted(group_of):
         if i not in sourceless and closure(set(group_of[i])) != group_of[i]:
             attempt(closure(set(group_of[i])), f"{g.node_label(i)} + the iota it reads", None)
+        refused: dict[int, frozenset[int]] = {}  # producer -> i's group when merging them was refused
         for _, t in ops.data_inputs(g.nodes[i]):
             p = g.producer.get(t)
             if p is None or p not in group_of or group_of[p] == group_of[i]:
                 continue
-            merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}")
+            if not merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}"):
+                refused[p] = group_of[i]
+        # a producer refused for a cycle through a group that i's then joined merges now (rotary embeddings:
+        # x * cos + rotate_half(x) * sin, x's Transpose in the first product's group and read by the other)
+        again = {group_of[p] for p, grp in refused.items() if grp != group_of[i] and group_of[p] != group_of[i]}
+        if again:
+            merge(set(group_of[i]).union(*again), f"{g.node_label(i)} + the groups it reads")
 
     def with_traffic(r: Region) -> Region:
         return Region(r.id, r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r))

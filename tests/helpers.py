@@ -178,3 +178,26 @@ def sass_or_skip():
     except (ImportError, FileNotFoundError) as err:
         pytest.skip(f"no cuobjdump (a developer tool): {err}")
     return sass
+
+
+def rotary(dt: int = onnx.TensorProto.FLOAT, seq_slice: bool = False) -> onnx.ModelProto:
+    """Rotary embedding as TorchScript exports Llama's `q * cos + rotate_half(q) * sin` after the heads'
+    transpose: rotate_half slices at `x.shape[-1] // 2`, computed through Shape, Gather, Div, Cast and
+    Unsqueeze. `seq_slice` adds an output sliced along the sequence at a run-time end read from a symbolic dim."""
+    np_dt = np.float16 if dt == onnx.TensorProto.FLOAT16 else np.float32
+    nodes = [node("Transpose", ["x"], ["t"], perm=[0, 2, 1, 3]), node("Shape", ["t"], ["s"]),
+             node("Gather", ["s", "i3"], ["d"], axis=0), node("Div", ["d", "two"], ["h"]),
+             node("Cast", ["h"], ["hc"], to=onnx.TensorProto.INT64), node("Unsqueeze", ["hc", "ax0"], ["h1"]),
+             node("Slice", ["t", "zero", "h1", "last"], ["x1"]), node("Slice", ["t", "h1", "big", "last"], ["x2"]),
+             node("Neg", ["x2"], ["n2"]), node("Concat", ["n2", "x1"], ["rot"], axis=-1),
+             node("Mul", ["t", "cos"], ["a"]), node("Mul", ["rot", "sin"], ["b"]), node("Add", ["a", "b"], ["y"])]
+    inits = [const("i3", 3, np.int64), const("two", 2, np.int64), const("ax0", [0], np.int64),
+             const("zero", [0], np.int64), const("big", [2**62], np.int64), const("last", [-1], np.int64)]
+    outputs = [vi("y", dt, ["batch", 4, "seq", 32])]
+    if seq_slice:
+        nodes += [node("Gather", ["s", "i2"], ["n"], axis=0), node("Unsqueeze", ["n", "ax0"], ["n1"]),
+                  node("Slice", ["t", "zero", "n1", "two1"], ["z"])]
+        inits += [const("i2", 2, np.int64), const("two1", [2], np.int64)]
+        outputs.append(vi("z", dt, ["batch", 4, "seq", 32]))
+    return model(nodes, [vi("x", dt, ["batch", "seq", 4, 32]), vi("cos", dt, ["seq", 32]), vi("sin", dt, ["seq", 32])],
+                 outputs, inits)

@@ -1,5 +1,5 @@
-"""Index ops inside kernels: Gather (embedding lookups, any axis, int32/int64, negative indices) and Range
-iotas (transformers' position ids and masks), each checked in CPU emulation and through the fused node's
+"""Index ops inside kernels: Gather (embedding lookups, any axis, int32/int64, negative indices), Range
+iotas (transformers' position ids and masks) and Slice/Concat (rotary embeddings), each checked in CPU emulation and through the fused node's
 function body (ORT CPU, functions inlined) against ORT on the original model. Tolerances: fp32 1e-5,
 fp16 1e-2 normwise."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, fused_parity, launch_spec, model, node, vi
+from helpers import const, fused_parity, launch_spec, model, node, rotary, vi
 from ortfuse.api import compile_model
 from ortfuse.customops.lower import lower
 from ortfuse.customops.target import parse_arch
@@ -266,3 +266,13 @@ def test_slice_with_constant_bounds_is_an_index_op():
               [const("st", [2, -6], I64), const("en", [5, -2], I64), const("ax", [1, 2], I64), const("two", 2.0)])
     res = fused_parity(m, {"x": ("n", 9, 8), "r": ("n", 3, 4)}, {"x": (2, 9, 8), "r": (2, 3, 4)}, ["pointwise"])
     assert len(res.model.graph.node) == 1
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_rotary_embedding_is_one_kernel(dt):
+    # its Slice bound (Shape, Gather, Div) is folded; x * cos and rotate_half(x) * sin then merge, though
+    # one pair at a time a path between their groups runs outside (the Transpose both read)
+    res = fused_parity(rotary(dt), {}, {"x": (2, 5, 4, 32), "cos": (5, 32), "sin": (5, 32)}, ("pointwise",))
+    ops = sorted(res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes)
+    assert ops == sorted(["Transpose", "Slice", "Slice", "Neg", "Concat", "Mul", "Mul", "Add"])
+    assert len(res.model.graph.node) == 1  # the Shape arithmetic went with the fold

@@ -1,6 +1,7 @@
 """Canonicalization: run-time Reshape targets become constants where shapes determine them, flattened Gemms
 become MatMuls, zero Pads become the padding of the Convs they feed, Identities of constants and Expands to
-the shape their input has are bypassed, sibling MatMuls sharing an input are packed into one."""
+the shape their input has are bypassed, sibling MatMuls sharing an input are packed into one, small tensors
+computed from static dims become constants."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +10,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, model, node, vi
+from helpers import const, model, node, rotary, vi
 from ortfuse.rewriter.canonical import (_static_target, bypass_noop_expands, fold_constant_identities,
-                                       fold_conv_pads, fold_runtime_shapes, pack_sibling_gemms, unflatten_gemms)
+                                       fold_conv_pads, fold_runtime_shapes, fold_small_values, pack_sibling_gemms,
+                                       unflatten_gemms)
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -329,3 +331,40 @@ def test_an_expand_to_the_shape_its_input_has_is_bypassed(src, bypassed):
     feeds = {"a": rng.integers(0, 2, (2, 1, 5, 1)).astype(bool), "b": rng.integers(0, 2, (2, 1, 1, 5)).astype(bool)}
     run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
     np.testing.assert_array_equal(run(g2.model), run(m))
+
+
+def test_small_values_from_static_dims_become_constants_and_symbolic_ones_stay():
+    m = rotary(seq_slice=True)
+    g = build_graph(m, {})
+    g2, n = fold_small_values(g)
+    assert n == 1  # the half-width Slice bound (its Shape stays: the sequence's Slice reads it)
+    slices = {x.output[0]: x for x in g2.nodes if x.op_type == "Slice"}
+    assert all(t in g2.constants for k in ("x1", "x2") for t in slices[k].input[1:])
+    assert [int(np.asarray(g2.constants[slices["x1"].input[2]]).item())] == [16]
+    assert slices["z"].input[2] not in g2.constants  # the sequence length is known at run time only
+    assert {x.op_type for x in g2.nodes} - {"Shape", "Gather", "Unsqueeze"} == \
+        {"Transpose", "Slice", "Neg", "Concat", "Mul", "Add"}  # Div and Cast went with the folded bound
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 5, 4, 32)).astype(np.float32),
+             "cos": rng.standard_normal((5, 32)).astype(np.float32), "sin": rng.standard_normal((5, 32)).astype(np.float32)}
+    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    for want, got in zip(run(m), run(g2.model)):
+        np.testing.assert_array_equal(want, got)
+    assert any(x.op_type == "Div" for x in g.model.graph.node)  # the input graph is untouched
+
+
+def test_what_ort_folds_at_session_start_is_folded_and_large_or_output_values_are_not():
+    nodes = [node("ConstantOfShape", ["shp"], ["ones"], value=onnx.helper.make_tensor("v", TP.INT64, [1], [1])),
+             node("Mul", ["ones", "k"], ["neg"]), node("Equal", ["tgt", "neg"], ["eq"]),
+             node("Where", ["eq", "ones", "tgt"], ["fixed"]), node("Expand", ["x", "fixed"], ["y"]),
+             node("ConstantOfShape", ["big"], ["wide"]), node("Add", ["x", "wide"], ["z"]),
+             node("Shape", ["x"], ["out_shape"])]
+    inits = [const("shp", [3], np.int64), const("k", -1, np.int64), const("tgt", [2, -1, 8], np.int64),
+             const("big", [4, 100], np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, [1, 4, 1])], [vi("y", TP.FLOAT, [2, 4, 8]), vi("z", TP.FLOAT, [1, 4, 100]),
+                                                     vi("out_shape", TP.INT64, [3])], inits)
+    g2, n = fold_small_values(build_graph(m, {}))
+    assert n == 1 and g2.nodes[-1].op_type == "Shape"  # a graph output stays computed
+    expand = next(x for x in g2.nodes if x.op_type == "Expand")
+    assert expand.input[1] in g2.constants and list(g2.constants[expand.input[1]]) == [2, 1, 8]
+    assert any(x.op_type == "ConstantOfShape" for x in g2.nodes)  # 400 elements: data, left to ORT
