@@ -50,7 +50,7 @@ class InputSpec:
 class ModelInfo:
   """What a zoo entry is; serialized next to every exported file."""
   name: str
-  family: str                     # "bert" | "gpt2" | "vit" | "cnn" | "dense"
+  family: str                     # "bert" | "gpt2" | "llama" | "vit" | "cnn" | "dense"
   ort_model_type: str | None      # onnxruntime.transformers.optimizer model_type, None where none fits
   num_heads: int
   hidden_size: int
@@ -114,6 +114,20 @@ def _gpt2(tiny: bool) -> tuple[Any, ModelInfo]:
   module, source = tf.GPT2LMHeadModel(cfg), "transformers.GPT2LMHeadModel"
   info = ModelInfo("gpt2", "gpt2", "gpt2", heads, hidden, _text_inputs(vocab, seq, True, False),
                    ("logits",), {"sequence": seq})
+  return _tag(module, source), info
+
+
+def _llama(tiny: bool) -> tuple[Any, ModelInfo]:
+  """SmolLM-135M's architecture (Llama: RMSNorm, rotary embeddings, grouped-query attention with 3 key/value
+  heads for 9 query heads, SiLU-gated MLP, tied LM head)."""
+  layers, hidden, heads, kv, inter, vocab, seq = (2, 64, 4, 2, 172, 1000, 16) if tiny else (30, 576, 9, 3, 1536, 49152, 128)
+  tf = _transformers()
+  cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
+                       tie_word_embeddings=True, use_cache=False, attn_implementation="eager")
+  module, source = tf.LlamaForCausalLM(cfg), "transformers.LlamaForCausalLM"
+  info = ModelInfo("llama", "llama", None, heads, hidden, _text_inputs(vocab, seq, True, False), ("logits",),
+                   {"sequence": seq})
   return _tag(module, source), info
 
 
@@ -187,6 +201,8 @@ def _ocr_image(tiny: bool) -> tuple[InputSpec, ...]:
 MODELS: dict[str, _Entry] = {
   "bert": _Entry("BERT-base (12 layers, hidden 768, 12 heads), seq 128; tiny: 2 layers, hidden 64", _bert),
   "gpt2": _Entry("GPT-2 small with LM head, plain forward (no cache), seq 128; tiny: 2 layers, hidden 64", _gpt2),
+  "llama": _Entry("SmolLM-135M-shaped Llama (30 layers, hidden 576, 9 query / 3 key-value heads) with LM head, no "
+                   "cache, seq 128; tiny: 2 layers, hidden 64", _llama),
   "vit": _Entry("ViT-B/16 at 224x224, no pooler; tiny: 32x32, patch 8, 2 layers", _vit),
   "resnet50": _Entry("ResNet-50 classifier at 224x224; tiny: 2 stages of 1 bottleneck", _cnn("resnet50", _resnet_cfg)),
   "mobilenetv2": _Entry("MobileNetV2 1.0 at 224x224; tiny: width 0.35 at 32x32", _cnn("mobilenetv2", _mobilenet_cfg)),
@@ -344,7 +360,7 @@ def _export(name: str, tiny: bool, path: Path, exporter: str = "torchscript") ->
   for spec in info.inputs:
     axes[spec.name] = {i: d for i, d in enumerate(spec.shape) if isinstance(d, str)}
   for out in info.outputs:
-    axes[out] = {0: "batch", 1: "sequence"} if info.family in ("bert", "gpt2") and out != "pooler_output" else {0: "batch"}
+    axes[out] = {0: "batch", 1: "sequence"} if info.family in ("bert", "gpt2", "llama") and out != "pooler_output" else {0: "batch"}
   tmp = path.with_suffix(".tmp.onnx")
   wrapped, args = _Positional(module, names, info.outputs), tuple(example[n] for n in names)
   with torch.no_grad():

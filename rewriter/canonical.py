@@ -2,7 +2,8 @@
 
 * `fold_runtime_shapes`: Reshape targets computed at run time from Shape/Gather/Concat chains (as the
   TorchScript exporter emits them, or torch.export with `allowzero=1`) become constants wherever the inferred
-  shapes determine them, if need be for a source further back through a chain of reshapes.
+  shapes determine them, if need be for a source further back through a chain of reshapes; so do Expand
+  targets whose entries other than 1 are static (Llama's repeat_kv for grouped-query attention).
   (`rewriter.iota.fold_iota_gathers` runs first: Gathers at a tensor's own index become Reshapes.)
 * `unflatten_gemms`: a Gemm between a Reshape that flattens the leading dims and one that restores them
   (GPT-2's Conv1D: `x.view(-1, K) @ W + b`, then `.view(*lead, N)`) becomes MatMul (+ Add of the bias) on
@@ -70,14 +71,47 @@ def _reshape_sources(g: Graph, t: str) -> list[str]:
     return out
 
 
+def _static_expand_target(g: Graph, node: onnx.NodeProto, trusted: frozenset[str],
+                          merged: frozenset[int]) -> Optional[list[int]]:
+    """A constant Expand target giving the inferred output shape: 1 where the input has the output's dim
+    (a symbolic one only if every tensor with it has the graph input's size: `iota.trusted_dims`), the
+    output's static dim where the input has 1 or no dim; None otherwise (Llama's repeat_kv: [B, KV, 1, S, D]
+    to [B, KV, R, S, D] is [1, 1, R, 1, 1])."""
+    src, out = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
+    if src is None or out is None or src.shape is None or out.shape is None or len(out.shape) < len(src.shape):
+        return None
+    lead = len(out.shape) - len(src.shape)
+    target: list[int] = []
+    for k, d in enumerate(out.shape):
+        s = src.shape[k - lead] if k >= lead else None
+        if s == d and (d in trusted if isinstance(d, str) else d not in merged or d == 1):
+            target.append(1)
+        elif isinstance(d, int) and s in (None, 1):
+            target.append(d)
+        else:
+            return None
+    return target
+
+
 def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
-    """(new graph, number of Reshapes whose target became a constant). `g` is left untouched. Where the
-    Reshape's own input does not determine a target, it may read further back through a chain of
+    """(new graph, number of Reshapes and Expands whose target became a constant). `g` is left untouched.
+    Where the Reshape's own input does not determine a target, it may read further back through a chain of
     reshapes (transformers 5's masks flatten to [-1] first) and take the target from there."""
+    from ortfuse.rewriter.iota import trusted_dims
+
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     folded = 0
+    trusted, merged = trusted_dims(g), merged_sizes(g)
     for node in m.graph.node:
+        if node.op_type == "Expand" and node.domain in ("", "ai.onnx") and node.input[1] not in g.constants:
+            target = _static_expand_target(g, node, trusted, merged)
+            if target is not None:
+                name = f"{node.output[0]}__ortfuse_shape"
+                m.graph.initializer.append(numpy_helper.from_array(np.asarray(target, np.int64), name))
+                node.input[1] = name
+                folded += 1
+            continue
         if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         if node.input[1] in g.constants:

@@ -23,8 +23,10 @@ MAX_HEAD_DIM = 128
 MAX_SCORE_OPS = 8
 # Ops between the Softmax and the MatMul with V: only value-preserving ones (exporters add Casts).
 PROB_OPS = frozenset({"Cast", "Identity"})
-# Layout ops that fold into a kernel's element-offset functions.
-LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze"})
+# Layout ops that fold into a kernel's element-offset functions. An Expand (with a constant target) reads
+# its input at 0 along the broadcast axes: grouped-query attention's K and V repeated across the query heads
+# (Llama's repeat_kv: Unsqueeze, Expand, Reshape) are read where they are, never materialized.
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand"})
 # Ops that select a part of their input, on operand paths only: the Split of a packed QKV projection
 # (GPT-2's c_attn, BERT's after `rewriter.canonical.pack_sibling_gemms`) and constant Slices fold into
 # the offset as a start along one axis. All of a Split's outputs must stay inside the pattern.
@@ -255,8 +257,12 @@ def _path_source(g: Graph, p: int, scale_ok: bool, select_ok: bool = False) -> s
     if n.op_type in LAYOUT_OPS:
         if any(x and x not in g.constants for x in n.input[1:]):
             return None  # a shape or axes computed at run time
-        if g.info(n.input[0]).shape is None or g.info(n.output[0]).shape is None:
+        src, out = g.info(n.input[0]).shape, g.info(n.output[0]).shape
+        if src is None or out is None:
             return None
+        if n.op_type == "Expand" and (len(src) > len(out) or any(
+                s not in (1, d) for s, d in zip(src, out[len(out) - len(src):]))):
+            return None  # not a broadcast of its input to the inferred shape
         return n.input[0]
     if scale_ok and n.op_type == "Mul" and len(n.input) == 2:
         a, b = n.input

@@ -201,3 +201,32 @@ def rotary(dt: int = onnx.TensorProto.FLOAT, seq_slice: bool = False) -> onnx.Mo
         outputs.append(vi("z", dt, ["batch", 4, "seq", 32]))
     return model(nodes, [vi("x", dt, ["batch", "seq", 4, 32]), vi("cos", dt, ["seq", 32]), vi("sin", dt, ["seq", 32])],
                  outputs, inits)
+
+
+def gqa_attention(dt: int, heads: int = 4, kv_heads: int = 2, head: int = 64, runtime_target: bool = True):
+    """Grouped-query attention as TorchScript exports Llama's eager attention: q [B, H, S, D] and k, v
+    [B, KV, S, D] (inputs), K and V repeated across the query heads by repeat_kv (Unsqueeze, Expand to
+    [B, KV, H/KV, S, D], Reshape to [B, H, S, D]), the Expand's target computed at run time from Shape when
+    `runtime_target`, scores scaled, an additive mask [B, 1, S, S], Softmax, P @ V."""
+    np_dt = np.float16 if dt == onnx.TensorProto.FLOAT16 else np.float32
+    rep = heads // kv_heads
+    nodes = [node("Shape", ["q"], ["qs"]), node("Gather", ["qs", "i0"], ["b"], axis=0),
+             node("Gather", ["qs", "i2"], ["s"], axis=0), node("Unsqueeze", ["b", "ax0"], ["b1"]),
+             node("Unsqueeze", ["s", "ax0"], ["s1"])]
+    if runtime_target:
+        nodes.append(node("Concat", ["b1", "kvn", "repn", "s1", "dn"], ["tgt"], axis=0))
+    nodes.append(node("Concat", ["b1", "hn", "s1", "dn"], ["flat"], axis=0))
+    for t in ("k", "v"):
+        nodes += [node("Unsqueeze", [t, "ax2"], [f"{t}5"]),
+                  node("Expand", [f"{t}5", "tgt" if runtime_target else "tgtc"], [f"{t}e"]),
+                  node("Reshape", [f"{t}e", "flat"], [f"{t}r"])]
+    nodes += [node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["qk"]),
+              node("Mul", ["qk", "scale"], ["sc"]), node("Add", ["sc", "mask"], ["sm"]),
+              node("Softmax", ["sm"], ["p"], axis=-1), node("MatMul", ["p", "vr"], ["o"])]
+    inits = [const("i0", 0, np.int64), const("i2", 2, np.int64), const("ax0", [0], np.int64),
+             const("ax2", [2], np.int64), const("kvn", [kv_heads], np.int64), const("repn", [rep], np.int64),
+             const("hn", [heads], np.int64), const("dn", [head], np.int64), const("scale", head ** -0.5, np_dt),
+             const("tgtc", [1, 1, rep, 1, 1], np.int64)]
+    return model(nodes, [vi("q", dt, ["batch", heads, "seq", head]), vi("k", dt, ["batch", kv_heads, "seq", head]),
+                         vi("v", dt, ["batch", kv_heads, "seq", head]), vi("mask", dt, ["batch", 1, "seq", "seq"])],
+                 [vi("o", dt, ["batch", heads, "seq", head])], inits)

@@ -1,12 +1,13 @@
 """Attention regions lowered from graphs and run in CPU emulation against ORT: Q, K and V read from one
 packed projection through a Split or Slices (the start folds into each operand's offset), on the SIMT
-kernel (fp32) and the tensor-core kernel (fp16), at several sequence lengths of one compiled kernel."""
+kernel (fp32) and the tensor-core kernel (fp16), at several sequence lengths of one compiled kernel; K and V
+of grouped-query attention read at their own heads through the repeat across query heads."""
 from __future__ import annotations
 
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import fused_parity, packed_attention
+from helpers import fused_parity, gqa_attention, packed_attention
 
 
 @pytest.mark.parametrize("select", ["split", "slice"])
@@ -158,3 +159,17 @@ def test_copies_step_one_stride_only_where_the_sequence_index_enters_linearly():
     assert not _linear_in(func(ir.add(w, d), [(w, window)]), "as")
     assert not _linear_in(func(ir.mul(s, s)), "as")
     assert _linear_in(func(ir.Op("div", (d1, ir.i64(2)), I64)), "as")  # free of s: constant
+
+
+@pytest.mark.parametrize("runtime_target", [True, False], ids=["target-from-shapes", "constant-target"])
+@pytest.mark.parametrize("dt,heads,kv,head", [(TP.FLOAT, 6, 2, 24), (TP.FLOAT16, 4, 2, 64), (TP.FLOAT16, 3, 1, 32)])
+def test_grouped_query_attention_reads_k_and_v_unrepeated(dt, heads, kv, head, runtime_target):
+    # Llama's repeat_kv (Unsqueeze, Expand, Reshape) on K and V folds into their offsets: query head h reads
+    # key/value head h // (heads / kv), and nothing is materialized at H heads
+    m = gqa_attention(dt, heads, kv, head, runtime_target)
+    res = fused_parity(m, {}, {"q": (2, heads, 37, head), "k": (2, kv, 37, head), "v": (2, kv, 37, head),
+                               "mask": (2, 1, 37, 37)}, ["attention"])
+    ops = [res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes]
+    assert ops.count("Expand") == 2 and ops.count("Reshape") == 2, ops
+    assert {n.op_type for n in res.model.graph.node} <= {res.kernels[0].node.op_type, "Constant"}
+    assert ("ofz::attn::tensor_core" in res.kernels[0].compiled.source) == (dt == TP.FLOAT16)

@@ -1,5 +1,5 @@
 """Acceptance on models exported by a real framework (transformers + torch.onnx's TorchScript exporter, and its
-torch.export one for BERT and GPT-2; tiny configs so CI stays fast): most memory-bound ops fused, every kernel
+torch.export one for BERT and GPT-2; a Llama; tiny configs so CI stays fast): most memory-bound ops fused, every kernel
 compiled for sm_80 and sm_90, every fused kernel correct in CPU emulation, whole-model parity through the
 functions."""
 from __future__ import annotations
@@ -44,6 +44,27 @@ def test_exported_model(zoo, name, dtype, min_fused):
         assert all("ofz::attn::tensor_core" in k.compiled.source for k in res.kernels if k.region.kind == "attention")
     if name != "vit":  # the padding mask's Gather at its own index is a Reshape (rewriter/iota.py)
         assert not {"Flatten", "GatherND"} & {n.op_type for n in res.model.graph.node}
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_exported_llama(zoo, dtype):
+    # RMSNorm (Pow, ReduceMean, Sqrt, Div) with the residual Add, rotary embeddings (a Slice bound read through
+    # Shape and folded), grouped-query attention (K and V repeated by Expands), SiLU-gated MLP
+    path = zoo.build("llama", dtype=dtype, tiny=True)
+    res = compile_model(path, None, "sm_90")
+    ops = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions]
+    kinds = [r.kind for r in res.plan.regions]
+    assert kinds.count("attention") == 2 and kinds.count("rowreduce") == 5, kinds  # 2 norms a layer + the final
+    rotary = [o for o in ops if {"Neg", "Concat", "Slice"} <= set(o)]
+    assert len(rotary) == 4 and all(o.count("Mul") == 2 and "Transpose" in o for o in rotary), ops  # Q, K a layer
+    assert sum(1 for o in ops if {"MatMul", "Sigmoid"} <= set(o)) == 2, ops  # gate GEMM + SiLU x up
+    left = {n.op_type for n in res.model.graph.node}
+    assert not {"Slice", "Expand"} & left, left  # rotate_half's run in the kernels, repeat_kv in attention's
+    att = [o for o in ops if "Softmax" in o]
+    assert all(o.count("Expand") == 2 for o in att), att  # K and V read at their own heads
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, model, node, rotary, vi
+from helpers import const, gqa_attention, model, node, rotary, vi
 from ortfuse.rewriter.canonical import (_static_target, bypass_noop_expands, fold_constant_identities,
                                        fold_conv_pads, fold_runtime_shapes, fold_small_values, pack_sibling_gemms,
                                        unflatten_gemms)
@@ -368,3 +368,21 @@ def test_what_ort_folds_at_session_start_is_folded_and_large_or_output_values_ar
     expand = next(x for x in g2.nodes if x.op_type == "Expand")
     assert expand.input[1] in g2.constants and list(g2.constants[expand.input[1]]) == [2, 1, 8]
     assert any(x.op_type == "ConstantOfShape" for x in g2.nodes)  # 400 elements: data, left to ORT
+
+
+def test_repeat_kv_expand_targets_become_constants_and_symbolic_broadcasts_stay():
+    m = gqa_attention(TP.FLOAT, heads=6, kv_heads=2, head=8)
+    g2, n = fold_runtime_shapes(build_graph(m, {}))
+    assert n == 4  # two Expands, two Reshapes
+    for e in (x for x in g2.nodes if x.op_type == "Expand"):
+        assert list(g2.constants[e.input[1]]) == [1, 1, 3, 1, 1]
+    rng = np.random.default_rng(1)
+    feeds = {"q": rng.standard_normal((2, 6, 5, 8)), "k": rng.standard_normal((2, 2, 5, 8)),
+             "v": rng.standard_normal((2, 2, 5, 8)), "mask": rng.standard_normal((2, 1, 5, 5))}
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
+    np.testing.assert_array_equal(run(m), run(g2.model))
+    # broadcasting a 1 to a symbolic dim needs the dim's run-time value: the target stays computed
+    nodes = [node("Shape", ["y"], ["ys"]), node("Expand", ["x", "ys"], ["z"]), node("Add", ["z", "y"], ["w"])]
+    m2 = model(nodes, [vi("x", TP.FLOAT, [1, "seq"]), vi("y", TP.FLOAT, ["batch", "seq"])], [vi("w", TP.FLOAT, None)])
+    assert fold_runtime_shapes(build_graph(m2, {}))[1] == 0
