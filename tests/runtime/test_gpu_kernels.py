@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, model, node, vi
+from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention, model, node,
+                     vi)
 from ortfuse.api import compile_model
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -150,18 +151,30 @@ def _as_fp32(m: onnx.ModelProto) -> onnx.ModelProto:
     return m32
 
 
+@pytest.mark.parametrize("dt,heads,kv,head", [(H, 9, 3, 64), (H, 4, 1, 128), (F, 6, 2, 32)])
+def test_grouped_query_attention_on_gpu(dt, heads, kv, head):
+    # K and V read at head h // (heads / kv) through repeat_kv's Expand (session 19, CPU only until now)
+    m = gqa_attention(dt, heads, kv, head)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["attention"]
+    for b, s in ((1, 128), (3, 77)):
+        rep = check_models(m, res.model, provider="cuda", input_shapes={"q": (b, heads, s, head), "k": (b, kv, s, head),
+                                                                        "v": (b, kv, s, head), "mask": (b, 1, s, s)})
+        assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
-                                        ("convnext_t", "fp16"), ("resnet50", "fp16"), ("mobilenetv2", "fp32"),
-                                        ("mobilenetv2", "fp16")])
+                                        ("llama", "fp32"), ("llama", "fp16"), ("convnext_t", "fp16"),
+                                        ("resnet50", "fp16"), ("mobilenetv2", "fp32"), ("mobilenetv2", "fp16")])
 def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
     from ortfuse.bench import zoo
     path = zoo.build(name, dtype=dtype, tiny=True)
     res = compile_model(path, None, "sm_90")
-    # transformers: flash attention; ConvNeXt: GEMM epilogues stored transposed (NHWC -> NCHW); ResNet and
+    # transformers: flash attention (Llama's reading K and V at their own heads); ConvNeXt: GEMM epilogues stored transposed (NHWC -> NCHW); ResNet and
     # MobileNetV2: convolutions as implicit GEMMs
-    assert ("attention" if name in ("bert", "gpt2", "vit") else "gemm") in [r.kind for r in res.plan.regions]
+    assert ("attention" if name in ("bert", "gpt2", "vit", "llama") else "gemm") in [r.kind for r in res.plan.regions]
     rep = check_models(path, res.model, provider="cuda")
     assert rep.ok, "\n".join(rep.lines())
 
