@@ -124,6 +124,30 @@ def test_division_by_a_constant_multiplies_unless_a_step_op_reads_it():
     assert all(d.ok for d in diffs), diffs
 
 
+def test_a_half_chain_into_an_integer_cast_is_rounded_op_by_op():
+    """T5's relative position buckets: log(|i - j| / 8) / log(16) * 8, cast to int64. The CUDA EP stores
+    every fp16 op's result, so a bucket is the truncation of that op-by-op value (|i - j| = 2: -3.998 in fp32,
+    -4.0 op by op); the kernel rounds the same way and divides exactly. ORT CPU computes the chain in fp32,
+    so `ortfuse check` judges the integers against onnx's reference evaluator, which rounds op by op."""
+    nodes = [node("Div", ["x", "eight"], ["a"]), node("Log", ["a"], ["l"]), node("Div", ["l", "ln16"], ["r"]),
+             node("Mul", ["r", "eight"], ["s"]), node("Cast", ["s"], ["i"], to=TP.INT64), node("Add", ["i", "k"], ["y"])]
+    m = model(nodes, [vi("x", H, ["n", "n"])], [vi("y", TP.INT64, ["n", "n"])],
+              [const("eight", 8.0, np.float16), const("ln16", 2.7734375, np.float16), const("k", 8, np.int64)])
+    res = compile_model(m, {}, "sm_90")
+    src = res.kernels[0].compiled.source
+    assert src.count("round_f16") >= 4 and "/ 2.7734375f" in src
+    rng = np.arange(1, 40)
+    x = np.abs(rng[:, None] - rng[None, :]).astype(np.float16)
+    h = np.float16
+    want = (((np.log(x / h(8)) / h(2.7734375)) * h(8)).astype(np.int64) + 8)[x > 0]  # numpy: op by op in fp16
+    fused = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    out = ort.InferenceSession(res.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert (out[x > 0] != want).any()  # ORT CPU's fp32 chain: not the reference here
+    diffs = _emulate_node(fused[0], {**values, "x": x, "y": out}, body=next(f for f in res.model.functions))
+    assert all(d.ok for d in diffs) and "op-by-op" in diffs[0].name, diffs
+
+
 def test_sigmoid_divides_through_the_fast_reciprocal():
     # IEEE division's slow-path check is a per-element branch (it serialized a GEMM epilogue on the H200);
     # Sigmoid's divisor 1 + e^-x is at least 1, so __fdividef (within 2 ulp, no branch) serves it
