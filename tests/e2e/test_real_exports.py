@@ -149,3 +149,52 @@ def test_exported_cnn_convolutions_run_as_implicit_gemms(zoo, name, dtype):
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
+
+
+def _architecture(name: str):
+    """(module, input names, example inputs) of a tiny config of a popular architecture outside the zoo."""
+    import torch
+    import transformers as tf
+    ids, mask = torch.randint(0, 1000, (2, 16)), torch.ones(2, 16, dtype=torch.int64)
+    mask[1, -3:] = 0
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=1000)
+    if name == "qwen2":  # Llama-like with biased Q, K and V projections
+        cfg = tf.Qwen2Config(**small, num_key_value_heads=2, use_cache=False, attn_implementation="eager")
+        return tf.Qwen2ForCausalLM(cfg), ["input_ids", "attention_mask"], (ids, mask)
+    if name == "t5_encoder":  # relative position buckets: Log of fp16 positions cast to int64
+        cfg = tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000,
+                          attn_implementation="eager")
+        return tf.T5EncoderModel(cfg), ["input_ids", "attention_mask"], (ids, mask)
+    assert name == "swin"  # window attention: shifted windows, a relative position bias table
+    cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4)
+    return tf.SwinModel(cfg), ["pixel_values"], (torch.randn(2, 3, 32, 32),)
+
+
+@pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("swin", "fp32")])
+def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
+    import onnx
+    import torch
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    torch.manual_seed(0)
+    module, names, args = _architecture(name)
+
+    class First(torch.nn.Module):  # positional inputs in, the first output out
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module.eval()
+
+        def forward(self, *xs):
+            return self.inner(**dict(zip(names, xs)))[0]
+
+    path = tmp_path / f"{name}.onnx"
+    axes = {n: ({0: "batch", 1: "sequence"} if n != "pixel_values" else {0: "batch"}) for n in names}
+    with torch.no_grad():
+        torch.onnx.export(First().eval(), args, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=["out"], dynamic_axes=axes)
+    if dtype == "fp16":
+        onnx.save(convert_float_to_float16(onnx.load(str(path)), keep_io_types=False), str(path))
+    res = compile_model(str(path), None, "sm_90")
+    assert "attention" in [r.kind for r in res.plan.regions]
+    rep = check_models(str(path), res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)
