@@ -207,9 +207,9 @@ class CostModel:
         for i, n in enumerate(g.nodes):
             if i in inside or n.op_type in ops.FREE_IN_ORT or n.op_type in _HOST_OPS:
                 continue
-            if conv.is_anchor(g, n):
+            if conv.is_anchor(g, n) and not (n.op_type in ops.CONV and isinstance(conv.conv_geometry(g, n), str)):
                 total += self.gemm_us(gb, n)[0] + self.target.launch_us
-            else:
+            else:  # other ops, and a Conv we cannot describe (1-D): by their bytes, the same in both plans
                 total += self.time_us(node_bytes(gb, n), 1)
         return total
 

@@ -165,12 +165,19 @@ def _architecture(name: str):
         cfg = tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000,
                           attn_implementation="eager")
         return tf.T5EncoderModel(cfg), ["input_ids", "attention_mask"], (ids, mask)
+    if name == "whisper_encoder":  # 1-D convolutions (left to ORT) before pre-LN attention blocks
+        cfg = tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+                               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                               max_source_positions=16, vocab_size=1000, pad_token_id=0, bos_token_id=1,
+                               eos_token_id=2, decoder_start_token_id=1, attn_implementation="eager")
+        return tf.WhisperModel(cfg).encoder, ["input_features"], (torch.randn(2, 16, 32),)
     assert name == "swin"  # window attention: shifted windows, a relative position bias table
     cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4)
     return tf.SwinModel(cfg), ["pixel_values"], (torch.randn(2, 3, 32, 32),)
 
 
-@pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("swin", "fp32")])
+@pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("whisper_encoder", "fp16"),
+                                        ("swin", "fp32")])
 def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     import onnx
     import torch
@@ -187,7 +194,7 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
             return self.inner(**dict(zip(names, xs)))[0]
 
     path = tmp_path / f"{name}.onnx"
-    axes = {n: ({0: "batch", 1: "sequence"} if n != "pixel_values" else {0: "batch"}) for n in names}
+    axes = {n: ({0: "batch", 1: "sequence"} if n in ("input_ids", "attention_mask") else {0: "batch"}) for n in names}
     with torch.no_grad():
         torch.onnx.export(First().eval(), args, str(path), dynamo=False, opset_version=17, input_names=names,
                           output_names=["out"], dynamic_axes=axes)
