@@ -205,3 +205,44 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     rep = check_models(str(path), res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
+
+
+def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
+    # the serving form: past keys and values in, present ones out (K and V concatenated with the past before
+    # attention, both also graph outputs), checked at one new token and at 7 new tokens after 5 cached
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=True,
+                         attn_implementation="eager")
+    llama, layers = tf.LlamaForCausalLM(cfg).eval(), cfg.num_hidden_layers
+
+    class WithCache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = llama
+
+        def forward(self, ids, mask, *past):
+            cache = tf.DynamicCache(config=cfg)
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.inner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            kv = out.past_key_values.layers
+            return (out.logits, *(t for i in range(layers) for t in (kv[i].keys, kv[i].values)))
+
+    past_names = [f"past_{k}_{i}" for i in range(layers) for k in ("key", "value")]
+    names, outs = ["input_ids", "attention_mask", *past_names], ["logits", *(p.replace("past", "present") for p in past_names)]
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch", 1: "seq"},
+            **{n: {0: "batch", 2: "past"} for n in past_names}, **{n: {0: "batch", 2: "total"} for n in outs[1:]}}
+    args = (torch.randint(0, 1000, (2, 1)), torch.ones(2, 6, dtype=torch.int64), *(torch.randn(2, 2, 5, 16) for _ in past_names))
+    path = tmp_path / "llama-kv.onnx"
+    with torch.no_grad():
+        torch.onnx.export(WithCache().eval(), args, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=outs, dynamic_axes=axes)
+    res = compile_model(str(path), None, "sm_90")
+    assert [r.kind for r in res.plan.regions].count("attention") == 2
+    for new, total in ((1, 6), (7, 12)):
+        shapes = {"input_ids": (2, new), "attention_mask": (2, total), **{n: (2, 2, 5, 16) for n in past_names}}
+        rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
