@@ -340,6 +340,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
 # ---- small values computed from static shapes -----------------------------------------------------------
 
 MAX_SMALL_VALUE = 64  # elements: a folded value is a shape, axes or bounds, never data
+_NONDETERMINISTIC = frozenset({"Bernoulli", "Multinomial", "Dropout"})  # and Random*: a new value each run
 
 
 def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -> Optional[list[Optional[int]]]:
@@ -401,6 +402,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
     for n in g.nodes:  # topological order: a node's inputs are known before it is reached
         outs = [o for o in n.output if o]
         if n.domain not in ("", "ai.onnx") or not outs or not n.input or n.op_type.startswith("Random") \
+                or n.op_type in _NONDETERMINISTIC \
                 or any(o in g.graph_outputs or o in g.constants or not small(o) for o in outs) \
                 or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             continue
