@@ -120,7 +120,8 @@ def _gpt2(tiny: bool) -> tuple[Any, ModelInfo]:
 def _llama(tiny: bool) -> tuple[Any, ModelInfo]:
   """SmolLM-135M's architecture (Llama: RMSNorm, rotary embeddings, grouped-query attention with 3 key/value
   heads for 9 query heads, SiLU-gated MLP, tied LM head)."""
-  layers, hidden, heads, kv, inter, vocab, seq = (2, 64, 4, 2, 172, 1000, 16) if tiny else (30, 576, 9, 3, 1536, 49152, 128)
+  layers, hidden, heads, kv, inter, vocab, seq = ((2, 64, 4, 2, 172, 1000, 16) if tiny
+                                                  else (30, 576, 9, 3, 1536, 49152, 128))
   tf = _transformers()
   cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
@@ -360,7 +361,8 @@ def _export(name: str, tiny: bool, path: Path, exporter: str = "torchscript") ->
   for spec in info.inputs:
     axes[spec.name] = {i: d for i, d in enumerate(spec.shape) if isinstance(d, str)}
   for out in info.outputs:
-    axes[out] = {0: "batch", 1: "sequence"} if info.family in ("bert", "gpt2", "llama") and out != "pooler_output" else {0: "batch"}
+    text = info.family in ("bert", "gpt2", "llama") and out != "pooler_output"
+    axes[out] = {0: "batch", 1: "sequence"} if text else {0: "batch"}
   tmp = path.with_suffix(".tmp.onnx")
   wrapped, args = _Positional(module, names, info.outputs), tuple(example[n] for n in names)
   with torch.no_grad():

@@ -198,8 +198,9 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
                 continue
             if not merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}"):
                 refused[p] = group_of[i]
-        # a producer refused for a cycle through a group that i's then joined merges now (rotary embeddings:
-        # x * cos + rotate_half(x) * sin, x's Transpose in the first product's group and read by the other)
+        # producers refused while i's group was smaller merge with the grown one (a cycle through a group that
+        # i's then joined: rotary embeddings, x * cos + rotate_half(x) * sin, x's Transpose in the first
+        # product's group and read by the other)
         again = {group_of[p] for p, grp in refused.items() if grp != group_of[i] and group_of[p] != group_of[i]}
         if again:
             merge(set(group_of[i]).union(*again), f"{g.node_label(i)} + the groups it reads")

@@ -1,7 +1,7 @@
 """Index ops inside kernels: Gather (embedding lookups, any axis, int32/int64, negative indices), Range
-iotas (transformers' position ids and masks) and Slice/Concat (rotary embeddings), each checked in CPU emulation and through the fused node's
-function body (ORT CPU, functions inlined) against ORT on the original model. Tolerances: fp32 1e-5,
-fp16 1e-2 normwise."""
+iotas (transformers' position ids and masks) and Slice/Concat (rotary embeddings), each checked in CPU
+emulation and through the fused node's function body (ORT CPU, functions inlined) against ORT on the
+original model. Tolerances: fp32 1e-5, fp16 1e-2 normwise."""
 from __future__ import annotations
 
 import numpy as np

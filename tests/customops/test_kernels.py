@@ -130,7 +130,8 @@ def test_a_half_chain_into_an_integer_cast_is_rounded_op_by_op():
     -4.0 op by op); the kernel rounds the same way and divides exactly. ORT CPU computes the chain in fp32,
     so `ortfuse check` judges the integers against onnx's reference evaluator, which rounds op by op."""
     nodes = [node("Div", ["x", "eight"], ["a"]), node("Log", ["a"], ["l"]), node("Div", ["l", "ln16"], ["r"]),
-             node("Mul", ["r", "eight"], ["s"]), node("Cast", ["s"], ["i"], to=TP.INT64), node("Add", ["i", "k"], ["y"])]
+             node("Mul", ["r", "eight"], ["s"]), node("Cast", ["s"], ["i"], to=TP.INT64),
+             node("Add", ["i", "k"], ["y"])]
     m = model(nodes, [vi("x", H, ["n", "n"])], [vi("y", TP.INT64, ["n", "n"])],
               [const("eight", 8.0, np.float16), const("ln16", 2.7734375, np.float16), const("k", 8, np.int64)])
     res = compile_model(m, {}, "sm_90")

@@ -232,10 +232,13 @@ def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
             return (out.logits, *(t for i in range(layers) for t in (kv[i].keys, kv[i].values)))
 
     past_names = [f"past_{k}_{i}" for i in range(layers) for k in ("key", "value")]
-    names, outs = ["input_ids", "attention_mask", *past_names], ["logits", *(p.replace("past", "present") for p in past_names)]
-    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch", 1: "seq"},
-            **{n: {0: "batch", 2: "past"} for n in past_names}, **{n: {0: "batch", 2: "total"} for n in outs[1:]}}
-    args = (torch.randint(0, 1000, (2, 1)), torch.ones(2, 6, dtype=torch.int64), *(torch.randn(2, 2, 5, 16) for _ in past_names))
+    names = ["input_ids", "attention_mask", *past_names]
+    outs = ["logits", *(p.replace("past", "present") for p in past_names)]
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+            "logits": {0: "batch", 1: "seq"}, **{n: {0: "batch", 2: "past"} for n in past_names},
+            **{n: {0: "batch", 2: "total"} for n in outs[1:]}}
+    args = (torch.randint(0, 1000, (2, 1)), torch.ones(2, 6, dtype=torch.int64),
+            *(torch.randn(2, 2, 5, 16) for _ in past_names))
     path = tmp_path / "llama-kv.onnx"
     with torch.no_grad():
         torch.onnx.export(WithCache().eval(), args, str(path), dynamo=False, opset_version=17, input_names=names,

@@ -333,6 +333,10 @@ def test_an_expand_to_the_shape_its_input_has_is_bypassed(src, bypassed):
     np.testing.assert_array_equal(run(g2.model), run(m))
 
 
+def _cpu(m, feeds):
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
 def test_small_values_from_static_dims_become_constants_and_symbolic_ones_stay():
     m = rotary(seq_slice=True)
     g = build_graph(m, {})
@@ -345,10 +349,9 @@ def test_small_values_from_static_dims_become_constants_and_symbolic_ones_stay()
     assert {x.op_type for x in g2.nodes} - {"Shape", "Gather", "Unsqueeze"} == \
         {"Transpose", "Slice", "Neg", "Concat", "Mul", "Add"}  # Div and Cast went with the folded bound
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((2, 5, 4, 32)).astype(np.float32),
-             "cos": rng.standard_normal((5, 32)).astype(np.float32), "sin": rng.standard_normal((5, 32)).astype(np.float32)}
-    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
-    for want, got in zip(run(m), run(g2.model)):
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in (("x", (2, 5, 4, 32)), ("cos", (5, 32)),
+                                                                        ("sin", (5, 32)))}
+    for want, got in zip(_cpu(m, feeds), _cpu(g2.model, feeds)):
         np.testing.assert_array_equal(want, got)
     assert any(x.op_type == "Div" for x in g.model.graph.node)  # the input graph is untouched
 
@@ -358,11 +361,13 @@ def test_what_ort_folds_at_session_start_is_folded_and_large_random_or_output_va
              node("Mul", ["ones", "k"], ["neg"]), node("Equal", ["tgt", "neg"], ["eq"]),
              node("Where", ["eq", "ones", "tgt"], ["fixed"]), node("Expand", ["x", "fixed"], ["y"]),
              node("ConstantOfShape", ["big"], ["wide"]), node("Add", ["x", "wide"], ["z"]),
-             node("Shape", ["x"], ["out_shape"]), node("Bernoulli", ["half"], ["coin"]), node("Add", ["x", "coin"], ["c"])]
+             node("Shape", ["x"], ["out_shape"]), node("Bernoulli", ["half"], ["coin"]),
+             node("Add", ["x", "coin"], ["c"])]
     inits = [const("shp", [3], np.int64), const("k", -1, np.int64), const("tgt", [2, -1, 8], np.int64),
              const("big", [4, 100], np.int64), const("half", [0.5])]
-    m = model(nodes, [vi("x", TP.FLOAT, [1, 4, 1])], [vi("y", TP.FLOAT, [2, 4, 8]), vi("z", TP.FLOAT, [1, 4, 100]),
-                                                     vi("out_shape", TP.INT64, [3]), vi("c", TP.FLOAT, [1, 4, 1])], inits)
+    outs = [vi("y", TP.FLOAT, [2, 4, 8]), vi("z", TP.FLOAT, [1, 4, 100]), vi("out_shape", TP.INT64, [3]),
+            vi("c", TP.FLOAT, [1, 4, 1])]
+    m = model(nodes, [vi("x", TP.FLOAT, [1, 4, 1])], outs, inits)
     g2, n = fold_small_values(build_graph(m, {}))
     assert n == 1 and any(x.op_type == "Shape" for x in g2.nodes)  # a graph output stays computed
     expand = next(x for x in g2.nodes if x.op_type == "Expand")
@@ -381,8 +386,7 @@ def test_repeat_kv_expand_targets_become_constants_and_symbolic_broadcasts_stay(
     feeds = {"q": rng.standard_normal((2, 6, 5, 8)), "k": rng.standard_normal((2, 2, 5, 8)),
              "v": rng.standard_normal((2, 2, 5, 8)), "mask": rng.standard_normal((2, 1, 5, 5))}
     feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
-    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
-    np.testing.assert_array_equal(run(m), run(g2.model))
+    np.testing.assert_array_equal(_cpu(m, feeds)[0], _cpu(g2.model, feeds)[0])
     # broadcasting a 1 to a symbolic dim needs the dim's run-time value: the target stays computed
     nodes = [node("Shape", ["y"], ["ys"]), node("Expand", ["x", "ys"], ["z"]), node("Add", ["z", "y"], ["w"])]
     m2 = model(nodes, [vi("x", TP.FLOAT, [1, "seq"]), vi("y", TP.FLOAT, ["batch", "seq"])], [vi("w", TP.FLOAT, None)])

@@ -172,8 +172,8 @@ def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     from ortfuse.bench import zoo
     path = zoo.build(name, dtype=dtype, tiny=True)
     res = compile_model(path, None, "sm_90")
-    # transformers: flash attention (Llama's reading K and V at their own heads); ConvNeXt: GEMM epilogues stored transposed (NHWC -> NCHW); ResNet and
-    # MobileNetV2: convolutions as implicit GEMMs
+    # transformers: flash attention (Llama's reading K and V at their own heads); ConvNeXt: GEMM epilogues
+    # stored transposed (NHWC -> NCHW); ResNet and MobileNetV2: convolutions as implicit GEMMs
     assert ("attention" if name in ("bert", "gpt2", "vit", "llama") else "gemm") in [r.kind for r in res.plan.regions]
     rep = check_models(path, res.model, provider="cuda")
     assert rep.ok, "\n".join(rep.lines())
