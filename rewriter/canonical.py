@@ -28,6 +28,7 @@
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -71,12 +72,22 @@ def _reshape_sources(g: Graph, t: str) -> list[str]:
     return out
 
 
+_DIM_FUNCTIONS = frozenset({"floor", "ceil", "Min", "Max", "Mod", "min", "max"})  # in inferred dim expressions
+
+
+def _trusted_dim(d: str, trusted: frozenset[str]) -> bool:
+    """A symbolic dim every tensor inferred with it has at run time: a trusted graph-input dim
+    (`iota.trusted_dims`) or an expression of such dims only (a KV cache's 'past + seq')."""
+    names = set(re.findall(r"[A-Za-z_][\w.:]*", d)) - _DIM_FUNCTIONS
+    return d in trusted or (bool(names) and names <= trusted)
+
+
 def _static_expand_target(g: Graph, node: onnx.NodeProto, trusted: frozenset[str],
                           merged: frozenset[int]) -> Optional[list[int]]:
     """A constant Expand target giving the inferred output shape: 1 where the input has the output's dim
-    (a symbolic one only if every tensor with it has the graph input's size: `iota.trusted_dims`), the
-    output's static dim where the input has 1 or no dim; None otherwise (Llama's repeat_kv: [B, KV, 1, S, D]
-    to [B, KV, R, S, D] is [1, 1, R, 1, 1])."""
+    (a symbolic one only if every tensor with it has that size at run time: `_trusted_dim`), the output's
+    static dim where the input has 1 or no dim; None otherwise (Llama's repeat_kv: [B, KV, 1, S, D] to
+    [B, KV, R, S, D] is [1, 1, R, 1, 1])."""
     src, out = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
     if src is None or out is None or src.shape is None or out.shape is None or len(out.shape) < len(src.shape):
         return None
@@ -84,7 +95,7 @@ def _static_expand_target(g: Graph, node: onnx.NodeProto, trusted: frozenset[str
     target: list[int] = []
     for k, d in enumerate(out.shape):
         s = src.shape[k - lead] if k >= lead else None
-        if s == d and (d in trusted if isinstance(d, str) else d not in merged or d == 1):
+        if s == d and (_trusted_dim(d, trusted) if isinstance(d, str) else d not in merged or d == 1):
             target.append(1)
         elif isinstance(d, int) and s in (None, 1):
             target.append(d)

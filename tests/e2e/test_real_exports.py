@@ -244,7 +244,11 @@ def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
         torch.onnx.export(WithCache().eval(), args, str(path), dynamo=False, opset_version=17, input_names=names,
                           output_names=outs, dynamic_axes=axes)
     res = compile_model(str(path), None, "sm_90")
-    assert [r.kind for r in res.plan.regions].count("attention") == 2
+    att = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
+    # K and V (the concatenations with the past, also graph outputs) read at their own heads: repeat_kv's
+    # Expand, whose kept dim is the expression 'past + seq', folded into the offsets
+    assert len(att) == 2 and all(o.count("Expand") == 2 for o in att), att
+    assert "Expand" not in {n.op_type for n in res.model.graph.node}
     for new, total in ((1, 6), (7, 12)):
         shapes = {"input_ids": (2, new), "attention_mask": (2, total), **{n: (2, 2, 5, 16) for n in past_names}}
         rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
-from ortfuse.rewriter.canonical import (_static_target, bypass_noop_expands, fold_constant_identities,
+from ortfuse.rewriter.canonical import (_static_target, _trusted_dim, bypass_noop_expands, fold_constant_identities,
                                        fold_conv_pads, fold_runtime_shapes, fold_small_values, pack_sibling_gemms,
                                        unflatten_gemms)
 from ortfuse.rewriter.shapes import build_graph
@@ -391,3 +391,10 @@ def test_repeat_kv_expand_targets_become_constants_and_symbolic_broadcasts_stay(
     nodes = [node("Shape", ["y"], ["ys"]), node("Expand", ["x", "ys"], ["z"]), node("Add", ["z", "y"], ["w"])]
     m2 = model(nodes, [vi("x", TP.FLOAT, [1, "seq"]), vi("y", TP.FLOAT, ["batch", "seq"])], [vi("w", TP.FLOAT, None)])
     assert fold_runtime_shapes(build_graph(m2, {}))[1] == 0
+
+
+def test_an_expression_of_trusted_dims_is_trusted():
+    # a KV cache's concatenation has 'past + seq' keys: known at run time exactly when past and seq are
+    trusted = frozenset({"batch", "past", "seq"})
+    assert _trusted_dim("past + seq", trusted) and _trusted_dim("floor(seq/2)", trusted) and _trusted_dim("seq", trusted)
+    assert not _trusted_dim("past + unk__3", trusted) and not _trusted_dim("total", trusted)
