@@ -41,13 +41,14 @@ for name in "$@"; do
   case $name in
     row-tests) step "$name" 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
                  --junitxml="$WORK/pytest-row.xml" tests/runtime/test_gpu_row_cluster.py ;;
-    new-tests)  # CPU-only work of sessions 14-17 on hardware: kernel variants by size, epi8 through the wgmma
-      # tests, the attention kernel of session 16 (keys split across clusters at small batches) in the tiny zoo
-      # models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8)
+    new-tests)  # CPU-only work of sessions 14-17 and 19 on hardware: kernel variants by size, epi8 through the
+      # wgmma tests, the attention kernel of session 16 (keys split across clusters at small batches) in the tiny
+      # zoo models and under CUDA graph replay, session 17's row-wise epilogue (gathered slots, row_in8),
+      # session 19's grouped-query attention, tiny Llama, and op-by-op fp16 chains into integer Casts
       step "$name" 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
         --junitxml="$WORK/pytest-new.xml" tests/runtime/test_gpu_variants.py tests/runtime/test_gpu_wgmma.py \
         tests/runtime/test_gpu_kernels.py tests/runtime/test_gpu_row_cluster.py \
-        -k "(variant or wgmma or zoo_tiny or attention or row) and not (multicast or pingpong or odd_pairs)" ;;
+        -k "(variant or wgmma or zoo_tiny or attention or row or integer_cast) and not (multicast or pingpong or odd_pairs)" ;;
     tma-tests)  # session 18 (CPU only): the TMA mainloops with B multicast and ping-pong warpgroups
       step "$name" 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
         --junitxml="$WORK/pytest-tma.xml" tests/runtime/test_gpu_wgmma.py -k "multicast or pingpong or odd_pairs" ;;

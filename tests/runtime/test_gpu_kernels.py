@@ -151,6 +151,24 @@ def _as_fp32(m: onnx.ModelProto) -> onnx.ModelProto:
     return m32
 
 
+def test_half_chain_into_an_integer_cast_matches_the_cuda_ep_exactly():
+    # T5's relative position buckets in fp16 (session 19, CPU only until now): the kernel rounds op by op and
+    # divides exactly, as the CUDA EP is taken to compute them; integers compare exactly
+    nodes = [node("Div", ["x", "eight"], ["a"]), node("Log", ["a"], ["l"]), node("Div", ["l", "ln16"], ["r"]),
+             node("Mul", ["r", "eight"], ["s"]), node("Cast", ["s"], ["y"], to=TP.INT64)]
+    m = model(nodes, [vi("x", H, ["n", "n"])], [vi("y", TP.INT64, ["n", "n"])],
+              [const("eight", 8.0, np.float16), const("ln16", 2.7734375, np.float16)])
+    res = compile_model(m, None, "sm_90")
+    rng = np.arange(1, 200)
+    x = (np.abs(rng[:, None] - rng[None, :]) + 1).astype(np.float16)  # >= 1: no Log of 0
+    cuda = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+    want = ort.InferenceSession(m.SerializeToString(), providers=cuda).run(None, {"x": x})[0]
+    sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
+    assert sess.fused_kernels
+    got = sess.run(None, {"x": x})[0]
+    assert np.array_equal(got, want), int(np.count_nonzero(got != want))
+
+
 @pytest.mark.parametrize("dt,heads,kv,head", [(H, 9, 3, 64), (H, 4, 1, 128), (F, 6, 2, 32)])
 def test_grouped_query_attention_on_gpu(dt, heads, kv, head):
     # K and V read at head h // (heads / kv) through repeat_kv's Expand (session 19, CPU only until now)
