@@ -491,7 +491,8 @@ class _GemmLowerer(_Lowerer):
             else:
                 # ties go to the later family (the user opted in to wgmma; TMA issues no copies): where traffic
                 # or latency binds them alike, their lower issue cost is what the estimate does not see
-                times = [self.joint_us(f[2], shapes, es, f[0], f[3]) if f[2] is not None else math.inf for f in fams]
+                times = [self.family_us(f[1], f[2], shapes, es, f[0], f[3]) if f[2] is not None else math.inf
+                         for f in fams]
                 pick = min(range(len(fams)), key=lambda i: (times[i], -i))
             math_, ranked, chosen, _ = fams[pick]
             fam_ranked = ranked
@@ -578,6 +579,20 @@ class _GemmLowerer(_Lowerer):
         """A chosen tile's estimate over the bindings (geometric mean), to compare tile families."""
         ts = [tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode) for sh in shapes]
         return math.exp(sum(math.log(max(t, 1e-9)) for t in ts) / len(ts))
+
+    def family_us(self, ranked: list[tl.Ranked], chosen: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int,
+                  b_nk: bool) -> float:
+        """A tile family's time over the bindings, to compare families: its chosen tile's joint estimate or,
+        where the family's best tile at each binding gains VARIANT_GAIN over that (the build then ships them as
+        kernel variants by size: api._size_variants, or --profile's by_size), the geometric mean of those bests.
+        (Llama's gate GEMM, 1536 x 576: the TMA family's one tile for both batch 1 and 32 is 64 x 64, 2.4x its
+        128 x 192 at batch 32, so the family lost to mma.sync though its variants win both.)"""
+        single = self.joint_us(chosen, shapes, es, math_, b_nk)
+        if self.row_mode or len(shapes) < 2 or self.forced_tile is not None:
+            return single  # one tile serves every size (size_estimates: no variants)
+        per = [[tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode) for sh in shapes] for r in ranked]
+        combo = math.exp(sum(math.log(max(min(t[b] for t in per), 1e-9)) for b in range(len(shapes))) / len(shapes))
+        return combo if single >= tl.VARIANT_GAIN * combo else single
 
     def choose_tile(self, shapes: list[tl.Shape], es: int, math_: int, a_mode: int, b_mode: int,
                     taps: int = 0) -> tuple[list[tl.Ranked], Optional[tl.Ranked]]:

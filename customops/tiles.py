@@ -251,6 +251,11 @@ class GemmTile:
         return dataclasses.replace(self, mcast=MULTICAST)
 
 
+# A GEMM gets one kernel per size class (the fastest tile at each binding, picked per run by the library from
+# the rows) where that beats the fastest single tile by this factor (geometric mean): measured
+# (profile.by_size) or estimated (api._size_variants)
+VARIANT_GAIN = 1.05
+
 @dataclass(frozen=True)
 class Ranked:
     tile: GemmTile

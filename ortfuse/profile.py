@@ -31,6 +31,7 @@ import onnx
 from onnx import helper
 
 from ortfuse.customops.compile import atomic_write, headers_digest
+from ortfuse.customops.tiles import VARIANT_GAIN
 from ortfuse.errors import OrtfuseError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.graph import Graph
@@ -40,9 +41,6 @@ from ortfuse.search import legal
 from ortfuse.search.plan import Region
 
 WARMUP, RUNS = 10, 50
-# A GEMM gets one kernel per size class (the fastest tile at each profiled binding, picked per run by the
-# library from the rows) where that beats the fastest single tile by this factor (geometric mean)
-VARIANT_GAIN = 1.05
 # A model -> median microseconds. The default times on the CUDA EP; tests pass a CPU stand-in.
 Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 

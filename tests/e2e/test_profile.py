@@ -421,6 +421,22 @@ def test_without_profile_the_tile_model_ships_a_kernel_per_size_class(wgmma, k):
         assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
 
 
+def test_tile_families_are_compared_by_the_kernels_by_size_they_would_ship():
+    # Llama's gate GEMM (SmolLM-135M: 576 -> 1536, SiLU): the TMA family's single best tile over batch 1 and
+    # 32 is 64 x 64, 2.4x its 128 x 192 at batch 32, so judged by that one tile it lost to mma.sync; judged
+    # by the kernels by size it ships (64 x 64 below 724 rows, 128 x 192 from there) it wins both
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Sigmoid", ["y"], ["s"]), node("Mul", ["y", "s"], ["out"])],
+              [vi("x", TP.FLOAT16, ["batch", 128, 576])], [vi("out", TP.FLOAT16, None)],
+              [const("w", rng.standard_normal((576, 1536)) * 0.05, np.float16)])
+    res = compile_model(m, None, "sm_90")
+    (kern,) = res.kernels
+    assert kern.spec.kernel.tma and [frm for frm, _, _ in kern.variants] == [724]
+    assert all(spec.kernel.tma for _, spec in kern.all_kernels())
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (1, 128, 576)})
+    assert rep.ok and len(rep.kernels) == 1, "\n".join(rep.lines())
+
+
 def test_no_size_variants_for_a_fixed_batch():
     m = _encoder_block()  # x [n, 64] with n fixed by --input-shape: one binding, one kernel
     res = compile_model(m, {"x": (4, 64)}, "sm_90", options=Options(archs=(90,), wgmma=False))
