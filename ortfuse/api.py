@@ -130,9 +130,20 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, _ = fold_constant_identities(graph)
     graph, _ = bypass_noop_expands(graph)
     graph, _ = isolate_iotas(graph)
-    graph, packed = pack_sibling_gemms(graph, absorbed_selects)
+    # --profile times a row-wise GEMM epilogue against cuBLAS + our row kernel, so it plans them by the tile
+    # model alone; without it the measured floor (Target.row_epilogue_floor) prices them
+    plan_tgt = dataclasses.replace(tgt, row_epilogue_floor=1.0) if opts.profile else tgt
+    # and it times every GEMM epilogue against cuBLAS + the epilogue as our kernel, so it fuses wherever the
+    # fused kernel beats ORT and lets the measurement choose between the two
+    cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile)
+
+    def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
+        found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)
+        return {o for r in found.regions for i in r.nodes for o in g.nodes[i].output if o}
+
+    graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
-        say(f"{packed} MatMuls sharing an input became one MatMul per group, split where attention reads them")
+        say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
     graph, padded = fold_conv_pads(graph)
     if padded:
         say(f"{padded} zero Pads became the padding of the Convs they feed")
@@ -140,12 +151,6 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if normed:
         say(f"{normed} BatchNormalizations folded into their Convs or became a per-channel scale and shift")
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
-    # --profile times a row-wise GEMM epilogue against cuBLAS + our row kernel, so it plans them by the tile
-    # model alone; without it the measured floor (Target.row_epilogue_floor) prices them
-    plan_tgt = dataclasses.replace(tgt, row_epilogue_floor=1.0) if opts.profile else tgt
-    # and it times every GEMM epilogue against cuBLAS + the epilogue as our kernel, so it fuses wherever the
-    # fused kernel beats ORT and lets the measurement choose between the two
-    cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile)
     the_plan = search_plan(graph, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)
     say(f"lowering {len(the_plan.regions)} regions")
     specs = [(r, lower(graph, r, tgt, opts.tf32)) for r in the_plan.regions]

@@ -24,7 +24,9 @@
 * `pack_sibling_gemms`: MatMuls that multiply one activation by different constant weights (BERT's and
   ViT's query, key and value projections), each with its bias Add, become one MatMul on the concatenated
   weights, one Add and a Split: one GEMM launch with a wider N instead of several. The caller says which
-  packings to keep (only those whose Split a consumer reads through, so no copy kernel is added).
+  packings to keep (only those whose Split a consumer reads through, so no copy kernel is added); one whose
+  Split no attention reads is tried with a Slice per result (a decoder's Q and K read by rotary kernels) and
+  kept where the search fuses every Slice and none of the MatMuls had its epilogue fused.
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
@@ -549,6 +551,14 @@ class _Pack:
     def split_name(self) -> str:
         return f"{self.x}__ortfuse_packed_{self.matmuls[0]}/Split"
 
+    @property
+    def slice_names(self) -> tuple[str, ...]:  # the Slice form: one Slice per result
+        return tuple(f"{self.split_name}{k}" for k in range(len(self.matmuls)))
+
+    def results(self, g: Graph) -> tuple[str, ...]:
+        """The tensors the packing's Split or Slices give back: each MatMul's result, or its bias Add's."""
+        return tuple(g.nodes[i].output[0] for i in (self.adds or self.matmuls))
+
 
 def _sibling_packs(g: Graph) -> list[_Pack]:
     packs = []
@@ -571,7 +581,7 @@ def _sibling_packs(g: Graph) -> list[_Pack]:
     return packs
 
 
-def _apply_packs(g: Graph, packs: list[_Pack]) -> Graph:
+def _apply_packs(g: Graph, packs: list[_Pack], sliced: frozenset[_Pack] = frozenset()) -> Graph:
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     tensors = dict(g.tensors)
@@ -580,7 +590,7 @@ def _apply_packs(g: Graph, packs: list[_Pack]) -> Graph:
     new_nodes: list[onnx.NodeProto] = []
     for i, node in enumerate(m.graph.node):
         if i in at:
-            new_nodes.extend(_packed_nodes(g, at[i], m, tensors))
+            new_nodes.extend(_packed_nodes(g, at[i], m, tensors, at[i] in sliced))
         if i not in removed:
             new_nodes.append(node)
     del m.graph.node[:]
@@ -589,8 +599,10 @@ def _apply_packs(g: Graph, packs: list[_Pack]) -> Graph:
     return assemble(m, tensors, g.opset)
 
 
-def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, TensorInfo]) -> list[onnx.NodeProto]:
-    """MatMul on the concatenated weights (+ Add of the concatenated biases) + Split into the old results."""
+def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, TensorInfo],
+                  sliced: bool = False) -> list[onnx.NodeProto]:
+    """MatMul on the concatenated weights (+ Add of the concatenated biases) + Split into the old results, or
+    (`sliced`, opset 13 on) one Slice per result, which a kernel reading it can absorb on its own."""
     base = f"{p.x}__ortfuse_packed_{p.matmuls[0]}"
     sizes = [g.tensors[w].shape[1] for w in p.weights]
     dtype = g.tensors[p.weights[0]].dtype
@@ -610,7 +622,15 @@ def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, Ten
         tensors[f"{base}_add"] = TensorInfo(f"{base}_add", dtype, out_shape)
         packed, results = f"{base}_add", [g.nodes[a].output[0] for a in p.adds]
     axis = len(out_shape) - 1
-    if g.opset >= 13:
+    if sliced:
+        for k, (res, name) in enumerate(zip(results, p.slice_names)):
+            bounds = [f"{name}_{what}" for what in ("starts", "ends", "axes")]
+            start = sum(sizes[:k])
+            for t, v in zip(bounds, (start, start + sizes[k], axis)):
+                m.graph.initializer.append(numpy_helper.from_array(np.asarray([v], np.int64), t))
+                tensors[t] = TensorInfo(t, onnx.TensorProto.INT64, (1,))
+            nodes.append(onnx.helper.make_node("Slice", [packed, *bounds], [res], name=name))
+    elif g.opset >= 13:
         m.graph.initializer.append(numpy_helper.from_array(np.asarray(sizes, np.int64), f"{base}_sizes"))
         tensors[f"{base}_sizes"] = TensorInfo(f"{base}_sizes", onnx.TensorProto.INT64, (len(sizes),))
         nodes.append(onnx.helper.make_node("Split", [packed, f"{base}_sizes"], results, name=p.split_name, axis=axis))
@@ -619,9 +639,14 @@ def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, Ten
     return nodes
 
 
-def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = None) -> tuple[Graph, int]:
-    """(new graph, number of MatMuls packed). `keep(packed graph)` names the Split nodes worth keeping;
-    packings whose Split is not named are undone. `g` is left untouched."""
+def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = None,
+                       fused: Optional[Callable[[Graph], set[str]]] = None) -> tuple[Graph, int]:
+    """(new graph, number of MatMuls packed). `keep(packed graph)` names the Split nodes worth keeping. A
+    packing whose Split is not named is tried with one Slice per result instead, where `fused(graph)` (the
+    outputs of the nodes the search fuses) has none of its MatMuls in `g` (a GEMM with its epilogue fused
+    stays ours), and kept where it has every Slice in that graph (each absorbed by the kernel reading it: a
+    decoder's Q and K by their rotary embedding's, V by the attention's); the others are undone. `g` is left
+    untouched."""
     packs = _sibling_packs(g)
     if not packs:
         return g, 0
@@ -629,7 +654,14 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
     if keep is not None:
         wanted = keep(packed)
         kept = [p for p in packs if p.split_name in wanted]
-        if len(kept) != len(packs):
-            packs = kept
-            packed = _apply_packs(g, packs) if packs else g
+        rest = frozenset(p for p in packs if p not in kept)
+        sliced: frozenset[_Pack] = frozenset()
+        if rest and fused is not None and g.opset >= 13:
+            ours = fused(g)
+            rest = frozenset(p for p in rest if not any(g.nodes[i].output[0] in ours for i in p.matmuls))
+            absorbed = fused(_apply_packs(g, packs, rest)) if rest else set()
+            sliced = frozenset(p for p in rest if set(p.results(g)) <= absorbed)
+        if len(kept) + len(sliced) != len(packs) or sliced:
+            packs = [p for p in packs if p in kept or p in sliced]
+            packed = _apply_packs(g, packs, sliced) if packs else g
     return packed, sum(len(p.matmuls) for p in packs)

@@ -63,6 +63,9 @@ def test_exported_llama(zoo, dtype):
     assert sum(1 for o in ops if {"MatMul", "Sigmoid"} <= set(o)) == 2, ops  # gate GEMM + SiLU x up
     left = {n.op_type for n in res.model.graph.node}
     assert not {"Slice", "Expand"} & left, left  # rotate_half's run in the kernels, repeat_kv in attention's
+    # Q, K and V from one packed MatMul, sliced inside the rotary and attention kernels: a layer leaves ORT the
+    # QKV, output and down projections, and up (fp16: the gate GEMM is ours) or gate|up packed (fp32)
+    assert sum(n.op_type == "MatMul" for n in res.model.graph.node) == 2 * 4 + 1
     att = [o for o in ops if "Softmax" in o]
     assert all(o.count("Expand") == 2 for o in att), att  # K and V read at their own heads
     rep = check_models(path, res.model, emulate=True)
@@ -249,6 +252,7 @@ def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
     # Expand, whose kept dim is the expression 'past + seq', folded into the offsets
     assert len(att) == 2 and all(o.count("Expand") == 2 for o in att), att
     assert "Expand" not in {n.op_type for n in res.model.graph.node}
+    assert sum(n.op_type == "MatMul" for n in res.model.graph.node) == 2 * 4 + 1  # Q, K and V packed
     for new, total in ((1, 6), (7, 12)):
         shapes = {"input_ids": (2, new), "attention_mask": (2, total), **{n: (2, 2, 5, 16) for n in past_names}}
         rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)

@@ -284,6 +284,21 @@ def test_siblings_without_a_bias_each_pack_only_the_matmuls():
     _same_function(m, g2.model)
 
 
+def test_a_packing_no_attention_splits_is_sliced_where_every_slice_is_fused():
+    # a decoder's Q, K and V feed rotary kernels, not attention directly: no Split is kept, so each result is
+    # a Slice of the packed MatMul, kept only if the search fuses every Slice and fused none of the MatMuls
+    m = _siblings(biases=(False, False, False))
+    g = build_graph(m, {})
+    results = {g.nodes[i].output[0] for i in range(len(g.nodes)) if g.nodes[i].op_type == "MatMul"}
+    never = lambda gr: set()  # noqa: E731
+    sliced, n = pack_sibling_gemms(g, never, lambda gr: results if gr is not g else set())
+    assert n == 3 and [x.op_type for x in sliced.nodes].count("Slice") == 3
+    assert sum(x.op_type == "MatMul" for x in sliced.nodes) == 1
+    _same_function(m, sliced.model)
+    assert pack_sibling_gemms(g, never, lambda gr: set())[1] == 0  # a Slice left to ORT: undone
+    assert pack_sibling_gemms(g, never, lambda gr: results)[1] == 0  # our GEMMs already (epilogues fused)
+
+
 def test_a_weight_used_elsewhere_is_not_packed():
     m = _siblings(shared_weight=True)
     g2, n = pack_sibling_gemms(fold_constant_identities(build_graph(m, {}))[0])
