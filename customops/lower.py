@@ -131,10 +131,6 @@ ROW_KERNEL_GROUPS = 3
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                          onnx.TensorProto.DOUBLE})
-
-
 def _storage(dtype: int, what: str) -> str:
     s = scalar.STORAGE.get(dtype)
     if s is None:
@@ -477,7 +473,7 @@ class _Lowerer:
         and half-precision ones are rounded to their storage type op by op, as the CUDA EP stores them (ORT's
         CPU EP computes such a chain in fp32: `ortfuse check` judges a discrete difference against both)."""
         seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type in scalar.STEP_OPS or (
-            n.op_type == "Cast" and scalar.attr(n, "to") not in _FLOAT_TYPES)]
+            n.op_type == "Cast" and scalar.STORAGE.get(scalar.attr(n, "to")) not in scalar.FLOAT_STORAGE)]
         cone: set[str] = set()
         stack = [x for n in seeds for x in n.input if x]
         while stack:

@@ -136,9 +136,7 @@ class _AttnLowerer(_Lowerer):
                     inv[p] = idx[j]
                 idx, t = tuple(inv), node.input[0]
             elif op == "Expand":  # a broadcast: the input is read at 0 along its axes of size 1
-                src = self._shape(node.input[0])
-                lead = len(idx) - len(src)
-                idx, t = tuple(ir.i64(0) if d == 1 else idx[lead + a] for a, d in enumerate(src)), node.input[0]
+                idx, t = self.broadcast(idx, self._shape(node.input[0])), node.input[0]
             elif op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten"):
                 idx, t = self.reshape_index(idx, self._shape(t), self._shape(node.input[0])), node.input[0]
             elif op in SELECT_OPS:
