@@ -30,7 +30,6 @@
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -40,7 +39,7 @@ from onnx import numpy_helper
 
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
-from ortfuse.rewriter.shapes import assemble, merged_sizes
+from ortfuse.rewriter.shapes import assemble, dim_names, merged_sizes
 
 
 def _static_target(in_shape: tuple[Dim, ...], out_shape: tuple[Dim, ...]) -> Optional[list[int]]:
@@ -74,13 +73,10 @@ def _reshape_sources(g: Graph, t: str) -> list[str]:
     return out
 
 
-_DIM_FUNCTIONS = frozenset({"floor", "ceil", "Min", "Max", "Mod", "min", "max"})  # in inferred dim expressions
-
-
 def _trusted_dim(d: str, trusted: frozenset[str]) -> bool:
     """A symbolic dim every tensor inferred with it has at run time: a trusted graph-input dim
     (`iota.trusted_dims`) or an expression of such dims only (a KV cache's 'past + seq')."""
-    names = set(re.findall(r"[A-Za-z_][\w.:]*", d)) - _DIM_FUNCTIONS
+    names = dim_names(d, trusted)
     return d in trusted or (bool(names) and names <= trusted)
 
 
@@ -290,14 +286,23 @@ def _evaluate(g: Graph, t: str) -> Optional[np.ndarray]:
             if len(chain) > MAX_CHAIN:
                 return None
             stack.extend(y for y in g.nodes[i].input if y)
-    inits = [numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in sorted(leaves)]
-    graph = onnx.helper.make_graph([chain[i] for i in sorted(chain)], "const", [],
-                                   [onnx.helper.make_empty_tensor_value_info(t)], inits)
-    m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", g.opset)])
+    got = _run_nodes([chain[i] for i in sorted(chain)], {x: np.asarray(g.constants[x]) for x in sorted(leaves)},
+                     [t], g.opset)
+    return None if got is None else got[0]  # None: an op the reference evaluator lacks, the Pad simply stays
+
+
+def _run_nodes(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[str],
+               opset: int) -> Optional[list[np.ndarray]]:
+    """`outputs` of `nodes` (topological order) on constant `inputs`, by onnx's reference evaluator; None
+    where it cannot say (an op or a case it lacks)."""
+    from onnx.reference import ReferenceEvaluator
+    inits = [numpy_helper.from_array(v, x) for x, v in inputs.items()]
+    graph = onnx.helper.make_graph(nodes, "const", [], [onnx.helper.make_empty_tensor_value_info(o) for o in outputs],
+                                   inits)
     try:
-        from onnx.reference import ReferenceEvaluator
-        return np.asarray(ReferenceEvaluator(m).run(None, {})[0])
-    except Exception:  # an op the reference evaluator lacks: the Pad simply stays
+        m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        return [np.asarray(v) for v in ReferenceEvaluator(m).run(None, {})]
+    except Exception:
         return None
 
 
@@ -384,19 +389,6 @@ def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optio
     return None if None in picked else np.asarray(picked, np.int64).reshape(idx.shape)
 
 
-def _run_node(node: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int) -> Optional[list[np.ndarray]]:
-    """Node's outputs on constant inputs (onnx's reference evaluator), or None where it cannot say."""
-    from onnx.reference import ReferenceEvaluator
-    inits = [numpy_helper.from_array(v, x) for x, v in inputs.items()]
-    graph = onnx.helper.make_graph([node], "small", [], [onnx.helper.make_empty_tensor_value_info(o)
-                                                          for o in node.output], inits)
-    try:
-        m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-        return [np.asarray(v) for v in ReferenceEvaluator(m).run(None, {})]
-    except Exception:  # an op or a case the reference evaluator lacks: the node stays
-        return None
-
-
 def fold_small_values(g: Graph) -> tuple[Graph, int]:
     """(new graph, number of constants that replace computed tensors). A tensor of at most MAX_SMALL_VALUE elements
     computed from constants and static dims (read through Shape, or a Gather of one) is a constant, as ORT's
@@ -428,7 +420,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
                 if x and (x in known or x in g.constants)}
         if len(args) != len({x for x in n.input if x}):
             continue
-        res = _run_node(n, args, g.opset)
+        res = _run_nodes([n], args, list(n.output), g.opset)
         if res is not None and len(res) == len(n.output):
             known.update((o, v) for o, v in zip(n.output, res) if o)
     if not known:

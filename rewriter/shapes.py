@@ -307,6 +307,19 @@ def _base_hint(name: str, batch_like: set[str], batch: int = BATCH_HINT) -> int:
     return batch if "batch" in name.lower() or name in batch_like else DEFAULT_HINT
 
 
+def dim_names(text: str, known: Iterable[str] = ()) -> frozenset[str]:
+    """The dim names an inferred dim expression reads ("past + seq": past and seq): the names of `known` it
+    mentions, identifiers or not ("p2o.DynamicDimension.1"), and its other identifiers but the functions
+    symbolic inference writes."""
+    odd = sorted((n for n in known if not _DIM_NAME.fullmatch(n)), key=len, reverse=True)
+    found: set[str] = set()
+    if odd:
+        pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, odd)) + r")(?![\w.])")
+        found |= set(pattern.findall(text))
+        text = pattern.sub(" ", text)
+    return frozenset(found | (set(_DIM_NAME.findall(text)) - set(_SYMPY_FUNCS)))
+
+
 def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str], batch: int = BATCH_HINT) -> int:
     """Evaluate an expression like "2*sequence_length" with its symbols at their hints."""
     # base names that are not identifiers ("p2o.DynamicDimension.1") become placeholders first
