@@ -577,22 +577,22 @@ class _GemmLowerer(_Lowerer):
 
     def joint_us(self, r: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int, b_nk: bool) -> float:
         """A chosen tile's estimate over the bindings (geometric mean), to compare tile families."""
-        ts = [tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode) for sh in shapes]
-        return math.exp(sum(math.log(max(t, 1e-9)) for t in ts) / len(ts))
+        return tl.geomean([tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode) for sh in shapes])
 
     def family_us(self, ranked: list[tl.Ranked], chosen: tl.Ranked, shapes: list[tl.Shape], es: int, math_: int,
                   b_nk: bool) -> float:
         """A tile family's time over the bindings, to compare families: its chosen tile's joint estimate or,
-        where the family's best tile at each binding gains VARIANT_GAIN over that (the build then ships them as
-        kernel variants by size: api._size_variants, or --profile's by_size), the geometric mean of those bests.
-        (Llama's gate GEMM, 1536 x 576: the TMA family's one tile for both batch 1 and 32 is 64 x 64, 2.4x its
-        128 x 192 at batch 32, so the family lost to mma.sync though its variants win both.)"""
-        single = self.joint_us(chosen, shapes, es, math_, b_nk)
+        where `tiles.by_size` would build kernel variants from the family's candidates (as the build then
+        does: api._size_variants, or --profile's measurements), those variants' (Llama's gate GEMM, 1536 x
+        576: the TMA family's one tile for both batch 1 and 32 is 64 x 64, 2.4x its 128 x 192 at batch 32, so
+        the family lost to mma.sync though its variants win both)."""
         if self.row_mode or len(shapes) < 2 or self.forced_tile is not None:
-            return single  # one tile serves every size (size_estimates: no variants)
-        per = [[tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode) for sh in shapes] for r in ranked]
-        combo = math.exp(sum(math.log(max(min(t[b] for t in per), 1e-9)) for b in range(len(shapes))) / len(shapes))
-        return combo if single >= tl.VARIANT_GAIN * combo else single
+            return self.joint_us(chosen, shapes, es, math_, b_nk)  # one tile serves every size
+        times = {r.tile.candidate(r.split): tuple(tl.estimate_at(self.tgt, r, sh, es, math_, b_nk, self.row_mode)
+                                                  for sh in shapes) for r in ranked}
+        single = times[chosen.tile.candidate(chosen.split)]
+        _, _, combo = tl.by_size(list(times.items()), [m * batch for m, _, _, batch in shapes], single)
+        return tl.geomean(combo or single)
 
     def choose_tile(self, shapes: list[tl.Shape], es: int, math_: int, a_mode: int, b_mode: int,
                     taps: int = 0) -> tuple[list[tl.Ranked], Optional[tl.Ranked]]:

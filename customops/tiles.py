@@ -252,9 +252,37 @@ class GemmTile:
 
 
 # A GEMM gets one kernel per size class (the fastest tile at each binding, picked per run by the library from
-# the rows) where that beats the fastest single tile by this factor (geometric mean): measured
-# (profile.by_size) or estimated (api._size_variants)
+# the rows) where that beats the fastest single tile by this factor (geometric mean): `by_size`, on measured
+# times (profile) or the tile model's (api._size_variants, and lowering's comparison of tile families)
 VARIANT_GAIN = 1.05
+Times = tuple[float, ...]  # microseconds per call, one per binding
+Variants = tuple[tuple[int, tuple[int, ...]], ...]  # a GEMM's further kernels by size: (rows from, tile)
+
+
+def geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(max(float(x), 1e-9)) for x in xs) / len(xs))
+
+
+def by_size(per_tile: Sequence[tuple[tuple[int, ...], Times]], rows: Sequence[int],
+            best: Times) -> tuple[Optional[tuple[int, ...]], Variants, Optional[Times]]:
+    """Kernel variants by size from the times of each tile at each binding: (the smallest bindings' tile,
+    ((rows from, tile), ...), the times so built) with a threshold at the geometric mean of neighbouring
+    bindings' rows where the fastest tile changes; (None, (), None) where one tile is fastest everywhere,
+    the bindings do not differ in size, or the variants gain less than VARIANT_GAIN over `best` (the
+    fastest single tile of all)."""
+    if len(per_tile) < 2 or len(set(rows)) < len(rows) or not all(t for t, _ in per_tile):
+        return None, (), None
+    order = sorted(range(len(rows)), key=lambda b: rows[b])
+    fastest = [min(per_tile, key=lambda x: x[1][b])[0] for b in order]
+    combo = tuple(min(ts[b] for _, ts in per_tile) for b in range(len(rows)))
+    if len(set(fastest)) == 1 or geomean(best) < VARIANT_GAIN * geomean(combo):
+        return None, (), None
+    more = []
+    for i in range(1, len(order)):
+        if fastest[i] != fastest[i - 1]:
+            more.append((int(round(math.sqrt(rows[order[i - 1]] * rows[order[i]]))), fastest[i]))
+    return fastest[0], tuple(more), combo
+
 
 @dataclass(frozen=True)
 class Ranked:

@@ -31,7 +31,7 @@ import onnx
 from onnx import helper
 
 from ortfuse.customops.compile import atomic_write, headers_digest
-from ortfuse.customops.tiles import VARIANT_GAIN
+from ortfuse.customops.tiles import Times, Variants, by_size, geomean  # noqa: F401 - re-exported
 from ortfuse.errors import OrtfuseError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.graph import Graph
@@ -54,14 +54,6 @@ def tile_label(t: tuple[int, ...]) -> str:
     family = {1: " wgmma", 2: " wgmma+TMA", 3: " wgmma+TMA multicast 2", 4: " wgmma+TMA pingpong",
               5: " wgmma+TMA pingpong multicast 2"}.get(t[7] if len(t) > 7 else 0, "")
     return label + (f" split-K {t[6]}" if len(t) > 6 and t[6] > 1 else "") + family
-
-
-Times = tuple[float, ...]  # median us per call, one per profiled binding
-Variants = tuple[tuple[int, tuple[int, ...]], ...]  # a GEMM's further kernels by size: (rows from, tile)
-
-
-def geomean(xs: Sequence[float]) -> float:
-    return float(np.exp(np.mean(np.log(np.maximum(np.asarray(xs, dtype=np.float64), 1e-9)))))
 
 
 def us_text(ts: Times) -> str:
@@ -419,27 +411,6 @@ def _rows(g: Graph, r: Region, dims: Mapping[str, int]) -> int:
     """The rows that pick a kernel variant at this binding (attrs.variant_rows: the first output's dims but
     its innermost)."""
     return int(np.prod(_concrete(g, r.outputs[0], dims)[:-1]))
-
-
-def by_size(per_tile: Sequence[tuple[tuple[int, ...], Times]], rows: Sequence[int],
-            best: Times) -> tuple[Optional[tuple[int, ...]], Variants, Optional[Times]]:
-    """Kernel variants by size from the times of each tile at each binding: (the smallest bindings' tile,
-    ((rows from, tile), ...), the times so built) with a threshold at the geometric mean of neighbouring
-    bindings' rows where the fastest tile changes; (None, (), None) where one tile is fastest everywhere,
-    the bindings do not differ in size, or the variants gain less than VARIANT_GAIN over `best` (the
-    fastest single tile of all)."""
-    if len(per_tile) < 2 or len(set(rows)) < len(rows) or not all(t for t, _ in per_tile):
-        return None, (), None
-    order = sorted(range(len(rows)), key=lambda b: rows[b])
-    fastest = [min(per_tile, key=lambda x: x[1][b])[0] for b in order]
-    combo = tuple(min(ts[b] for _, ts in per_tile) for b in range(len(rows)))
-    if len(set(fastest)) == 1 or geomean(best) < VARIANT_GAIN * geomean(combo):
-        return None, (), None
-    more = []
-    for i in range(1, len(order)):
-        if fastest[i] != fastest[i - 1]:
-            more.append((int(round(math.sqrt(rows[order[i - 1]] * rows[order[i]]))), fastest[i]))
-    return fastest[0], tuple(more), combo
 
 
 def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
