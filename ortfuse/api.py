@@ -247,9 +247,9 @@ def _without_spills(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKe
 def _size_variants(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKernel:
     """Kernel variants by size from the tile model (where no --profile measures them): the tile it ranks best
     at each binding of a symbolic batch (a split-K tile for batch 1's few rows, a wide one for batch 32's),
-    thresholds and the gain required as `profile.by_size` sets them from measured times. Kept only where every
-    variant compiles without spilling and agrees with the others on the node's tensors."""
-    from ortfuse.profile import by_size
+    thresholds and the gain required as `tiles.by_size` sets them (for --profile, from measured times). Kept
+    only where every variant compiles without spilling and agrees with the others on the node's tensors."""
+    from ortfuse.customops.tiles import by_size
 
     if k.retiled or len(k.spec.tile_us) < 2 or len(k.spec.binding_rows) < 2:
         return k
