@@ -137,9 +137,15 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # fused kernel beats ORT and lets the measurement choose between the two
     cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile)
 
+    searched: list = []  # (graph, plan) of the last search: the packing's last trial is often the graph searched
+
+    def plan_of(g: Graph):
+        if not searched or searched[0] is not g:
+            searched[:] = [g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)]
+        return searched[1]
+
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
-        found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)
-        return {o for r in found.regions for i in r.nodes for o in g.nodes[i].output if o}
+        return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
@@ -151,7 +157,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if normed:
         say(f"{normed} BatchNormalizations folded into their Convs or became a per-channel scale and shift")
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
-    the_plan = search_plan(graph, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)
+    the_plan = plan_of(graph)
     say(f"lowering {len(the_plan.regions)} regions")
     specs = [(r, lower(graph, r, tgt, opts.tf32)) for r in the_plan.regions]
     sources = {spec.kernel.name: render(spec.kernel) for _, spec in specs}

@@ -648,12 +648,18 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
         kept = [p for p in packs if p.split_name in wanted]
         rest = frozenset(p for p in packs if p not in kept)
         sliced: frozenset[_Pack] = frozenset()
+        trial = g
         if rest and fused is not None and g.opset >= 13:
             ours = fused(g)
             rest = frozenset(p for p in rest if not any(g.nodes[i].output[0] in ours for i in p.matmuls))
-            absorbed = fused(_apply_packs(g, packs, rest)) if rest else set()
-            sliced = frozenset(p for p in rest if set(p.results(g)) <= absorbed)
-        if len(kept) + len(sliced) != len(packs) or sliced:
-            packs = [p for p in packs if p in kept or p in sliced]
-            packed = _apply_packs(g, packs, sliced) if packs else g
+            if rest:
+                trial = _apply_packs(g, [p for p in packs if p in kept or p in rest], rest)
+                absorbed = fused(trial)
+                sliced = frozenset(p for p in rest if set(p.results(g)) <= absorbed)
+        final = [p for p in packs if p in kept or p in sliced]
+        if final != packs or sliced:
+            # every packing tried as Slices kept: the graph the search has just seen (and the caller may have
+            # its plan of)
+            packed = trial if sliced and sliced == rest else _apply_packs(g, final, sliced) if final else g
+            packs = final
     return packed, sum(len(p.matmuls) for p in packs)
