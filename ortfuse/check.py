@@ -264,26 +264,28 @@ def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: 
                 a.t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
         nodes.append(n2)
     feeds = {name: (x.astype(np.float32) if _is_half(x) else x) for name, x in zip(body.input, inputs)}
-    ins = [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-           for k, v in feeds.items()]
-    outs = [onnx.ValueInfoProto(name=o) for o in body.output]
-    m = onnx.helper.make_model(onnx.helper.make_graph(nodes, "fp32_twin", ins, outs),
-                               opset_imports=list(body.opset_import), ir_version=10)
+    m = _body_model(body, nodes, feeds)
     got = dict(zip(body.output, _session(m, ["CPUExecutionProvider"]).run(None, feeds)))
     return [got[o] for o in outputs]
+
+
+def _body_model(body: onnx.FunctionProto, nodes: Sequence[onnx.NodeProto],
+                feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """A model of a fused node's sub-graph (`nodes`: the body's, or changed copies) with inputs typed as `feeds`."""
+    ins = [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+           for k, v in feeds.items()]
+    return onnx.helper.make_model(onnx.helper.make_graph(list(nodes), "body", ins,
+                                                         [onnx.ValueInfoProto(name=o) for o in body.output]),
+                                  opset_imports=list(body.opset_import), ir_version=10)
 
 
 def _op_by_op(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
     """A fused node's sub-graph run by onnx's reference evaluator, which rounds every half-precision
     intermediate to its type as the CUDA EP stores it (ORT's CPU EP computes half chains in fp32)."""
     from onnx.reference import ReferenceEvaluator
-    ins = [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-           for k, v in zip(body.input, inputs)]
-    m = onnx.helper.make_model(onnx.helper.make_graph(list(body.node), "op_by_op", ins,
-                                                      [onnx.ValueInfoProto(name=o) for o in body.output]),
-                               opset_imports=list(body.opset_import), ir_version=10)
+    feeds = dict(zip(body.input, inputs))
     with np.errstate(all="ignore"):  # a Cast of inf to an integer, as the model itself may do
-        got = dict(zip(body.output, ReferenceEvaluator(m).run(None, dict(zip(body.input, inputs)))))
+        got = dict(zip(body.output, ReferenceEvaluator(_body_model(body, body.node, feeds)).run(None, feeds)))
     return [np.asarray(got[o]) for o in outputs]
 
 
