@@ -35,10 +35,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$WORK
   || { cat "$WORK/install.log" >>"$LOG"; exit 1; }
 
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-TO=(); python3 -c "import pytest_timeout" 2>/dev/null && TO=(--timeout 60)  # a hung kernel fails one test
+TO=(); python3 -c "import pytest_timeout" 2>/dev/null && TO=(--timeout 120)  # a hung kernel fails one test
 BASE=(--variants ort,ort+cudagraph,ortfuse,ortfuse+cudagraph)
 for name in "$@"; do
   case $name in
+    gpu-tests)  # every GPU test (`-m gpu`), on 8 worker processes (the image has pytest-xdist and pytest-timeout)
+      step "$name" 200 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
+        --junitxml="$WORK/pytest-gpu.xml" tests ;;
     row-tests) step "$name" 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=short "${TO[@]}" \
                  --junitxml="$WORK/pytest-row.xml" tests/runtime/test_gpu_row_cluster.py ;;
     new-tests)  # CPU-only work of sessions 14-17 and 19 on hardware: kernel variants by size, epi8 through the
