@@ -92,6 +92,14 @@ class Target:
     # The 33.9 us over 384 elements per thread: 175 clocks each. Branch-free epilogue math costs ~nothing
     # there (the producer keeps loading the next tile meanwhile), so it is not charged.
     epilogue_branch_clocks: float = 175.0
+    # cuBLAS on a GEMM whose weight or output rows are not 16-byte aligned (N = 50,257 fp16 logits), over the
+    # roofline estimate of the aligned GEMM (`CostModel.gemm_us`). 1.0 (never pad) where nothing was observed.
+    # sm_90: inferred, not timed alone, from the H100 suite of 2026-11-26 (docs/results.md): GPT-2 fp16 took
+    # 4.3 ms (batch 32) and 0.22 ms (batch 1) more than BERT fp16, whose 12 layers have the same GEMM shapes,
+    # which leaves ~9-13x the roofline of its 4096x50257x768 (128x50257x768) LM head; torch.compile, which
+    # pads such GEMMs, ran the whole model in 3.4 ms. The padding decision holds from ~2x; the device
+    # call's `sweep-unaligned` times the LM head both ways.
+    unaligned_gemm_slowdown: float = 1.0
 
     @property
     def arch(self) -> str:
@@ -110,7 +118,8 @@ TABLE: dict[int, Target] = {
     89: Target(89, "L40S", 142, 1024, 99 * 1024, 100 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
-               303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True),
+               303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True,
+               unaligned_gemm_slowdown=8.0),
 }
 
 # SASS instructions per element of each fp32 function the printer emits (customops/printer.py FN), sm_90,

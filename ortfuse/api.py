@@ -21,6 +21,7 @@ from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
                                        fold_runtime_shapes, fold_small_values, pack_sibling_gemms, unflatten_gemms)
+from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
@@ -147,6 +148,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
+    graph, aligned = pad_unaligned_gemms(graph, cost.padding_pays)
+    if aligned:
+        say(f"{aligned} GEMMs with misaligned rows got weights padded to 16-byte rows (and a Slice of the result)")
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")

@@ -192,6 +192,20 @@ class CostModel:
             return math.inf
         return max(1.0, folded[0].est_us / free[0].est_us)
 
+    def padding_pays(self, g: Graph, i: int, wide: int) -> bool:
+        """Whether GEMM node i runs faster with its weight padded to `wide` columns (rewriter.gemm_padding): the
+        library on misaligned rows (`Target.unaligned_gemm_slowdown`) against it on the wider aligned GEMM plus
+        the Slice copying the result (read wide, write N, one launch), over the bindings."""
+        node = g.nodes[i]
+        n = g.tensors[node.output[0]].shape[-1]
+        times = []
+        for where, gb in bindings(g):
+            bare, _ = self.gemm_us(gb, node)
+            out = tensor_bytes(gb, node.output[0])
+            padded = bare * wide / n + self.time_us(out + out * wide // n, 1)
+            times.append((where, padded, bare * self.target.unaligned_gemm_slowdown))
+        return _pays(times)
+
     def plan_times(self, g: Graph, plan: Plan, other: Plan) -> list[tuple[str, float, float]]:
         """(binding, plan's time, other's time) for two plans of the same graph: each region as ours_us, each
         node outside the regions as ORT runs it (cuBLAS/cuDNN for an anchor, one kernel for any other op;
