@@ -96,7 +96,7 @@ class Target:
     # roofline estimate of the aligned GEMM (`CostModel.gemm_us`). 1.0 (never pad) where nothing was observed.
     # sm_90: inferred, not timed alone, from the H100 suite of 2026-11-26 (docs/results.md): GPT-2 fp16 took
     # 4.3 ms (batch 32) and 0.22 ms (batch 1) more than BERT fp16, whose 12 layers have the same GEMM shapes,
-    # which leaves ~9-13x the roofline of its 4096x50257x768 (128x50257x768) LM head; torch.compile, which
+    # which leaves ~8-13x the roofline of its 4096x50257x768 (128x50257x768) LM head; torch.compile, which
     # pads such GEMMs, ran the whole model in 3.4 ms. The padding decision holds from ~2x; the device
     # call's `sweep-unaligned` times the LM head both ways.
     unaligned_gemm_slowdown: float = 1.0
