@@ -148,12 +148,15 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
-    graph, aligned = pad_unaligned_gemms(graph, cost.padding_pays)
-    if aligned:
-        say(f"{aligned} GEMMs with misaligned rows got weights padded to 16-byte rows (and a Slice of the result)")
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
+    # a GEMM the search fuses stays as it is (our kernel with its epilogue); one left to cuBLAS is padded
+    graph, aligned = pad_unaligned_gemms(graph, lambda g, i, wide: g.nodes[i].output[0] not in fused_outputs(g)
+                                         and cost.padding_pays(g, i, wide))
+    if aligned:
+        say(f"{aligned} GEMMs left to cuBLAS with misaligned rows got weights padded to 16-byte rows (and a "
+            "Slice of the result)")
     graph, padded = fold_conv_pads(graph)
     if padded:
         say(f"{padded} zero Pads became the padding of the Convs they feed")

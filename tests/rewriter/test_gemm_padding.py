@@ -126,3 +126,17 @@ def test_optimize_pads_the_lm_head_and_keeps_the_logits():
     assert list(w.dims) == [256, 8008]
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 7, 256)})
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_a_gemm_the_search_fuses_is_not_padded():
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+
+    # the LM head with a bias + GELU epilogue: the search fuses it, so the weight stays unpadded (our kernel)
+    m = lm_head(k=256, n=8001)
+    m.graph.node[-1].output[0] = "y"
+    m.graph.node.extend([node("Add", ["y", "bias"], ["z"]), node("Tanh", ["z"], ["logits"])])
+    m.graph.initializer.append(const("bias", _w(8001, TP.FLOAT16, 5), np.float16))
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert "gemm" in [r.kind for r in res.plan.regions]
+    assert "Slice" not in [n.op_type for n in res.model.graph.node]
