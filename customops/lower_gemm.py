@@ -471,7 +471,8 @@ class _GemmLowerer(_Lowerer):
                    1 if fold else math.prod(h(d) for d in batch_shape)) for h in self.binding_hints]
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
         fam_ranked = ranked  # the chosen family's candidates (the others' bests join `ranked` for --profile)
-        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode) if not fold_targ else None
+        k_aligned = not trans_b and k_static is not None and (k_static * es) % 16 == 0
+        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode, k_aligned) if not fold_targ else None
         if wg_b is not None:
             # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
             # (the batch folded into M, the weight 2-D: one tensor map each)
@@ -501,8 +502,10 @@ class _GemmLowerer(_Lowerer):
             if self.row_mode:  # only mma.sync tiles span a row: both kinds across the families
                 ranked = tl.with_both_row_kinds(ranked, [r for f in fams for r in f[1]], int(N))
             if pick > 0:
-                if b_mode == ROW:
+                if b_mode != COL:  # a constant [K][N] weight, transposed offline
                     self.input_perms.append((b_t, (1, 0)))
+                if b_mode == GENERIC:  # its misaligned [K][N] rows were gathered; the [N][K] ones are copied
+                    funcs = [f for f in funcs if f.name != "b_load"] + [self.func("b_base", (vb,), lambda: ir.i64(0))]
                 b_mode = COL
         if chosen is None:  # a forced tile of a family this GEMM cannot use, or that does not fit it
             raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
@@ -542,11 +545,13 @@ class _GemmLowerer(_Lowerer):
         self.ln_fold = LayerNormFold(f.weight, f.scale, f.bias, f.gemm_bias, f.trans_b)
         return f"ofz::gemm::LayerNormFold<{int(np.float32(f.epsilon).view(np.uint32))}u>"
 
-    def wgmma_operand(self, b_t: str, b_s: tuple[Dim, ...], b_mode: int, math_: int, a_mode: int) -> Optional[int]:
+    def wgmma_operand(self, b_t: str, b_s: tuple[Dim, ...], b_mode: int, math_: int, a_mode: int,
+                      k_aligned: bool = False) -> Optional[int]:
         """B's mode before a warpgroup-MMA kernel may run this GEMM, or None: the target has wgmma (and the user
         opted in), 16-bit operands, A copied, a row-wise epilogue only split across a cluster, and B K-major:
         stored [N][K] (Gemm transB) or a constant [K][N] weight that nothing else reads and no user can feed,
-        transposed offline."""
+        transposed offline. Such a weight may have rows of any length (N = 50,257 logits: GENERIC here) when
+        K's are 16-byte aligned (`k_aligned`), which is what the transposed rows are."""
         if not self.tgt.wgmma or math_ not in tl.WGMMA_OF or a_mode != ROW or \
                 (self.row_mode and self.tgt.max_cluster < 2):
             return None
@@ -554,9 +559,9 @@ class _GemmLowerer(_Lowerer):
             return COL
         g = self.g
         readers = [i for i in g.consumers.get(b_t, ()) if i in self.r.nodes]
-        if b_mode == ROW and len(b_s) == 2 and b_t in g.constants and not g.fed(b_t) and \
-                readers == [self.anchor_index]:
-            return ROW
+        if (b_mode == ROW or (b_mode == GENERIC and k_aligned)) and len(b_s) == 2 and b_t in g.constants and \
+                not g.fed(b_t) and readers == [self.anchor_index]:
+            return b_mode
         return None
 
     def staged(self, a_mode: int, b_mode: int, taps: int = 0) -> tuple[int, int]:

@@ -91,6 +91,20 @@ def test_every_consumer_layout(tile, dt):
             assert res.regs == 168, res
 
 
+@pytest.mark.parametrize("dt", [H, BF])
+def test_weight_with_misaligned_rows_is_transposed_offline(dt):
+    # N = 203: the [K][N] weight's rows are not 16-byte aligned (GPT-2's 50,257 logits), so mma.sync gathers
+    # it element by element; transposed offline its [N][K] rows are (K = 200), so the warpgroup families take
+    # it as a copied K-major operand, and the output's odd rows are stored without vectors
+    M, K, N = 150, 200, 203
+    m, x, w, b, ref = _bias(M, K, N, dt, seed=9)
+    spec = _lowered(m)
+    assert spec.kernel.tma and spec.input_perms == (("w", (1, 0)),)
+    out = np.zeros((M, N), x.dtype)
+    launch_spec(spec, [x, np.ascontiguousarray(w.T), b, out], [])
+    assert np.linalg.norm(_as_f64(out, dt) - ref) / np.linalg.norm(ref) < 1e-2
+
+
 def test_blocks_carry_the_ring_across_tiles():
     # persistent: on a device of 2 SMs the 3 x 4 tiles run in 2 x blocks_per_sm blocks, each running several
     # tiles through one ring of 3 stages, so the stage and phase of a k tile continue from the previous

@@ -79,6 +79,18 @@ def test_gemm_trans_b_on_wgmma_matches_ort():
     assert rep.ok, "\n".join(rep.lines())
 
 
+@pytest.mark.parametrize("shape", [(1, 128), (3, 77)])
+def test_misaligned_weight_rows_on_tma_match_ort(shape):
+    # N = 1001: the [K][N] weight's rows are misaligned, so the TMA family reads it transposed offline and
+    # stores the output's odd rows without vectors (session 20, CPU only until run here)
+    m = _ffn(k=256, n=1001)
+    res = compile_model(m, None, "sm_90", options=WG)
+    (k,) = res.kernels
+    assert k.spec.kernel.tma and k.spec.input_perms == (("w", (1, 0)),)
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (*shape, 256)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
 def _bias_model(M: int, K: int, N: int, dt: int, seed: int = 5):
     """y = x @ w + b with the operands' values as fp64 (after rounding to `dt`)."""
     x, w, b = _w((M, K), seed, 0.3), _w((K, N), seed + 1, 0.3), _w((N,), seed + 2, 0.3)
