@@ -74,8 +74,11 @@ for name in "$@"; do
       step "$name" 200 python3 -m ortfuse.bench.sweep --per-family 1 --ablate --no-flush --json "$WORK/sweep-diag.json" \
         --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;
     sweep-unaligned)  # 2026-11-26 (session 20): GPT-2's LM head (N = 50,257) as ORT runs it and padded to 16-byte
-      # rows (rewriter.gemm_padding): the measurement behind Target.unaligned_gemm_slowdown (so far inferred)
-      step "$name" 60 python3 -m ortfuse.bench.unaligned --json "$WORK/unaligned.json" --md "$WORK/sweep-unaligned.md" ;;
+      # rows (rewriter.gemm_padding): the measurement behind Target.unaligned_gemm_slowdown (so far inferred);
+      # then our GEMM + bias on it (the TMA family reads the weight transposed offline) against cuBLAS
+      step "$name" 150 bash -c "python3 -m ortfuse.bench.unaligned --json $WORK/unaligned.json --md $WORK/sweep-unaligned.md &&
+        python3 -m ortfuse.bench.sweep --per-family 1 --shapes 4096x50257x768 128x50257x768 \
+          --json $WORK/sweep-unaligned-ours.json --md $WORK/sweep-unaligned-ours.md" ;;
     ncu)  # issue 5: where our GEMM's time goes next to cuBLAS's (bench/ncu_gemm.py)
       step "$name" 100 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
