@@ -472,13 +472,14 @@ class _GemmLowerer(_Lowerer):
         ranked, chosen = self.choose_tile(shapes, es, math_, a_mode, b_mode)
         fam_ranked = ranked  # the chosen family's candidates (the others' bests join `ranked` for --profile)
         k_aligned = not trans_b and k_static is not None and (k_static * es) % 16 == 0
-        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode, k_aligned) if not fold_targ else None
+        wg_b = self.wgmma_operand(b_t, b_s, b_mode, math_, a_mode, k_aligned)
         if wg_b is not None:
             # the warpgroup families: cp.async-fed, and TMA-fed where both operands are whole 2-D matrices
-            # (the batch folded into M, the weight 2-D: one tensor map each)
+            # (the batch folded into M, the weight 2-D: one tensor map each); a folded LayerNorm's moments are
+            # gathered by the mma.sync and the TMA mainloops only
+            tma_ok = fold and len(b_s) == 2 and not self.row_mode
             fams = [(math_, ranked, chosen, b_mode == COL)]
-            for fam_math in (tl.WGMMA_OF[math_], *((tl.WS_OF[math_],) if fold and len(b_s) == 2 and not self.row_mode
-                                                   else ())):
+            for fam_math in ((() if fold_targ else (tl.WGMMA_OF[math_],)) + ((tl.WS_OF[math_],) if tma_ok else ())):
                 try:
                     f_ranked, f_chosen = self.choose_tile(shapes, es, fam_math, a_mode, COL)
                 except LoweringError:  # no tile of the family fits (a row-wise epilogue's row too long for a cluster)
@@ -670,7 +671,7 @@ class _GemmLowerer(_Lowerer):
         candidates = [r.tile.candidate(r.split) for r in ranked]
         if ranked[0].split > 1 and ranked[0].tile.candidate(1) not in candidates:
             candidates.insert(1, ranked[0].tile.candidate(1))  # --profile measures the split itself
-        if any(r.tile.tma for r in ranked):
+        if any(r.tile.tma for r in ranked) and self.fold is None:  # (neither mainloop gathers a fold's moments)
             candidates += [c for c in dict.fromkeys(self.unranked_candidates(es)) if c not in candidates]
         return kernel, tuple(batch_terms), units_ceil, smem, tuple(candidates), split
 

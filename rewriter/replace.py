@@ -193,8 +193,8 @@ def _permuted_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.Grap
     out: dict[tuple[str, tuple[int, ...]], str] = {}
     for f in fused:
         for name, perm in f.input_perms:
-            if (name, perm) in out:
-                continue
+            if (name, perm) in out or (f.ln_fold is not None and name == f.ln_fold.weight):
+                continue  # (a folded weight is transposed with the fold's constants)
             if name not in f.inputs or name not in graph.constants:
                 raise ValueError(f"{f.name}: '{name}' is not a constant input of the region")
             data = np.asarray(graph.constants[name])
@@ -217,12 +217,15 @@ def _folded_constants(graph: Graph, fused: tuple[FusedNode, ...], g: onnx.GraphP
         fold = f.ln_fold
         slots = [t for t in (fold.weight, fold.scale, fold.bias, fold.gemm_bias) if t]
         if any(t not in f.inputs or t not in graph.constants for t in slots) or len(set(slots)) != len(slots) or \
-                any(x in dict(f.input_perms) for x in slots):
+                any(x in dict(f.input_perms) for x in slots if x != fold.weight):
             raise ValueError(f"{f.name}: the LayerNorm fold does not fit the region's inputs")
     with ThreadPoolExecutor(max_workers=max(1, min(len(folds), os.cpu_count() or 1))) as pool:  # numpy, GIL free
         made = list(pool.map(lambda f: fold_constants(f[1].ln_fold, graph.constants), folds))
     for (i, f), data_of in zip(folds, made):
         weight = f.ln_fold.weight
+        perm = dict(f.input_perms).get(weight)
+        if perm is not None:  # the kernel reads W'' in another layout (the TMA mainloop's [N][K])
+            data_of[weight] = np.transpose(data_of[weight], perm)
         out[i] = {slot: _new_initializer(g, taken, f"{slot}__ortfuse_ln" + ("" if slot == weight else f"_{weight}"),
                                          data, graph.tensors[slot].dtype, f"{f.name}: the folded '{slot}'")
                   for slot, data in data_of.items()}

@@ -144,8 +144,8 @@ class CostModel:
                 wgmma_ok: bool = True) -> tuple[float, int]:
         """(roofline time of the bare GEMM as cuBLAS would run it, its DRAM bytes); `ours`: at the tensor-core
         rate our kernels can reach (`Target.mma_sync_share`, or `wgmma_share` for 16-bit GEMMs where wgmma
-        kernels are enabled and the region may use them: `wgmma_ok` false for a folded LayerNorm, which runs
-        on the mma.sync mainloop)."""
+        kernels are enabled and the region may use them: `wgmma_ok` false for a folded LayerNorm under a
+        row-wise epilogue, which runs on the mma.sync mainloop)."""
         tgt = self.target
         math_ = self._math(g, node)
         if not ours and math_ == tiles.SIMT:
@@ -178,19 +178,26 @@ class CostModel:
             return math.inf
         return max(1.0, row[0].est_us / free[0].est_us)
 
-    def fold_penalty(self, g: Graph, node: onnx.NodeProto) -> float:
+    def fold_penalty(self, g: Graph, node: onnx.NodeProto, wgmma_ok: bool = True) -> float:
         """How much slower our GEMM gets with a LayerNorm folded in (the row moments it gathers from A, no
-        split-K): the tile model's best folded tile over its best plain one."""
+        split-K): the tile model's best folded tile over its best plain one, on the TMA mainloop where the
+        GEMM may use wgmma (`wgmma_ok`, as gemm_us) and a TMA tile fits it, else on mma.sync (as the lowering
+        falls back)."""
         batch, m, n, k = gemm_dims(g, node)
         es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
         b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
         b_staged = ((k if b_nk else n) * es) % 16 != 0
-        args = (self.target, m, n, k, batch, es, self._math(g, node), b_nk)
-        free = tiles.rank_tiles(*args, top_k=1, staged=(tiles.DIRECT, b_staged))
-        folded = tiles.rank_tiles(*args, top_k=1, staged=(tiles.NORMED, b_staged))
-        if not free or not folded:
-            return math.inf
-        return max(1.0, folded[0].est_us / free[0].est_us)
+        math_ = self._math(g, node)
+        kinds = [(math_, b_nk, b_staged)]
+        if wgmma_ok and self._wgmma(math_, node):
+            kinds.insert(0, (tiles.WS_F16, True, False))  # as the lowering: B read as [N][K]
+        for math_, b_nk, b_staged in kinds:
+            args = (self.target, m, n, k, batch, es, math_, b_nk)
+            free = tiles.rank_tiles(*args, top_k=1, staged=(tiles.DIRECT, b_staged))
+            folded = tiles.rank_tiles(*args, top_k=1, staged=(tiles.NORMED, b_staged))
+            if free and folded:
+                return max(1.0, folded[0].est_us / free[0].est_us)
+        return math.inf
 
     def padding_pays(self, g: Graph, i: int, wide: int) -> bool:
         """Whether GEMM node i runs faster with its weight padded to `wide` columns (rewriter.gemm_padding): the
@@ -247,10 +254,12 @@ class CostModel:
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
         folded = norm_fold.in_region(g, region.nodes) is not None
-        mm_us, mm_bytes = self.gemm_us(g, node, ours=True, wgmma_ok=not folded)
+        # a folded LayerNorm's moments are gathered on the TMA mainloop, or on mma.sync under a row-wise epilogue
+        wgmma_ok = not (folded and region.kind == "gemm_row")
+        mm_us, mm_bytes = self.gemm_us(g, node, ours=True, wgmma_ok=wgmma_ok)
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
         if folded:
-            mm_us *= self.fold_penalty(g, node)
+            mm_us *= self.fold_penalty(g, node, wgmma_ok)
         rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1) + self.epilogue_us(g, region)
         if region.kind != "gemm_row":
             return mm_us + rest
@@ -278,7 +287,7 @@ class CostModel:
         es = int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[node.input[0]].dtype)).itemsize)
         b_nk = node.op_type == "Gemm" and any(x.name == "transB" and x.i for x in node.attribute)
         math_ = self._math(g, node)
-        if self._wgmma(math_, node) and norm_fold.in_region(g, region.nodes) is None:
+        if self._wgmma(math_, node) and not (region.kind == "gemm_row" and norm_fold.in_region(g, region.nodes)):
             math_, b_nk = tiles.WS_F16, True  # as gemm_us: TMA-fed wgmma tiles, B read as [N][K]
         best = tiles.rank_tiles(self.target, m, n, k, batch, es, math_, b_nk, top_k=1,
                                 row=region.kind == "gemm_row")

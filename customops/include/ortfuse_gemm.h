@@ -120,10 +120,13 @@ struct LayerNormFold {
 // from a shift, the mean of its first chunk (an element of the row's own range, so the sum of squares
 // does not cancel as E[x^2] - mean^2 would; in sm_90 SASS about 45 instructions per chunk, half what a
 // Chan update per chunk took). `finish` turns each thread's sums into (count, mean, M2), merges the
-// row's lanes with Chan's pairwise update and stores 1/sqrt(var + eps) per row of the tile.
-template <class T, int BM, int BK, int ALD, int NT>
+// row's lanes with Chan's pairwise update and stores 1/sqrt(var + eps) per row of the tile. SWZ: the stage
+// is a TMA box in the 128-byte swizzle (128-byte rows, chunk c of row r stored at c ^ r % 8): a row's chunks
+// are all in its own line, only their order differs, which matters only for masking a ragged last k tile.
+template <class T, int BM, int BK, int ALD, int NT, bool SWZ = false>
 struct RowMoments {
   static constexpr int kChunk = 16 / (int)sizeof(T), kG = BK / kChunk, kChunks = BM * kG;
+  static_assert(!SWZ || (kG == 8 && ALD == BK), "the 128-byte swizzle: 128-byte rows of 8 chunks");
   static constexpr int kI = (kChunks + NT - 1) / NT;
   static_assert(BK % kChunk == 0 && 32 % kG == 0 && NT % kG == 0, "a row's chunks are adjacent lanes of one warp");
   float cnt[kI], shift[kI], sum[kI], sq[kI];  // elements seen, shift, sum of (x - shift), sum of (x - shift)^2
@@ -160,7 +163,7 @@ struct RowMoments {
       const int r = c / kG, q = c % kG;
       int valid = kChunk;
       if constexpr (kMasked) {
-        const ofz_i64 rest = left - q * kChunk;
+        const ofz_i64 rest = left - (SWZ ? q ^ (r & 7) : q) * kChunk;  // the chunk's own column
         if (rest <= 0) continue;
         valid = rest < kChunk ? (int)rest : kChunk;
       }
@@ -1259,7 +1262,8 @@ __device__ __forceinline__ void pingpong_consumers(const OfzArgs& a, const Sch& 
   }
 }
 
-template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT, int MC, int PP>
+template <class T, int BM, int BN, int BK, int WM, int WN, int STAGES, int MATH, class Ops, int SPLIT, int MC, int PP,
+          class Fold>
 __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma, ofz_i64 batch, ofz_i64 M, ofz_i64 N,
                                              ofz_i64 K) {
 #if !defined(ORTFUSE_EMU) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1273,6 +1277,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   static_assert(MC == 1 || (MC == 2 && SPLIT == 1 && (BN / MC) % 8 == 0), "B multicast: pairs along M, no split-K");
   static_assert(!PP || (WN == BN && (BM == 64 || BM == 128) && WM == BM / 4 && SPLIT == 1),
                 "ping-pong: a warpgroup per BM x BN tile, no split-K");
+  static_assert(!Fold::kOn || (!PP && MC == 1 && SPLIT == 1), "the LayerNorm fold: the cooperative consumers, "
+                "whole rows of A in one block");
   constexpr int kConsumers = PP ? 256 : (BM / WM) * (BN / WN) * 32, kConsumerWarps = kConsumers / 32;
   constexpr int kNT = WN / 8;
   constexpr int kAStage = BM * BK, kBStage = BN * BK;  // elements
@@ -1346,6 +1352,8 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
   const int wm0 = (warp % (BM / WM)) * WM, wn0 = (warp / (BM / WM)) * WN;
   const unsigned as_addr = smem_u32(As), bs_addr = smem_u32(Bs);
   const unsigned a_group = (unsigned)(wm0 & ~63) * BK * 2u, b_group = (unsigned)wn0 * BK * 2u;  // bytes in a stage
+  // the LayerNorm fold: every consumer thread gathers row moments from the A stages while the MMAs run
+  using Moments = typename Pick<Fold::kOn, RowMoments<T, BM, BK, BK, kConsumers, true>, NoMoments>::type;
   unsigned it = 0;  // k tiles consumed so far
   for (ofz_i64 u = sch.first; u < sch.tiles; u += sch.step) {
     ofz_i64 b, m0, n0;
@@ -1354,11 +1362,15 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
     float (&d)[kNT * 4] = reinterpret_cast<float (&)[kNT * 4]>(acc);
 #pragma unroll
     for (int i = 0; i < kNT * 4; ++i) d[i] = 0.0f;
+    Moments moments;
+    moments.clear();
     for (ofz_i64 kt = 0; kt < nk; ++kt, ++it) {
       const unsigned s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1u);
       const unsigned a_at = as_addr + s * kAStage * 2u + a_group, b_at = bs_addr + s * kBStage * 2u + b_group;
       warpgroup_ktile<WN, BK, T>(d, a_at, b_at);  // the previous k tile retired: its stage goes back
+      // read before this stage goes back (next k tile), while its MMAs run
+      moments.add(As + s * kAStage, (kt0 + kt) * BK, K);
       if (kt > 0) {
         __syncwarp();
         if (lane == 0) release_stage<MC>(&empty[(it - 1) % STAGES]);
@@ -1371,6 +1383,12 @@ __device__ __forceinline__ void run_wgmma_ws(const OfzArgs& a, const OfzTma* tma
       if (lane == 0) release_stage<MC>(&empty[(it - 1) % STAGES]);
     }
     float sacc[1][1];
+    if constexpr (Fold::kOn) {
+      named_barrier_sync<1>(kConsumers);  // every consumer has scaled the previous tile by its rows' rstd
+      moments.finish(fold_rstd<BM>(), Fold::eps());
+      named_barrier_sync<1>(kConsumers);  // every row's rstd is stored
+      fold_scale<true, 1, kNT>(acc, sacc, wm0, wn0, fold_rstd<BM>());
+    }
     const AccVisitor<true, 1, kNT, decltype(acc), decltype(sacc)> visit{acc, sacc, wm0, wn0};
     if constexpr (SPLIT > 1)
       if (sch.splits > 1) named_barrier_sync<1>(kConsumers);  // the partial tile overwrites the stages
@@ -1391,10 +1409,10 @@ __device__ __forceinline__ void run(const OfzArgs& a, int a_arg, int b_arg, ofz_
   if constexpr (RSPLIT > 1)  // launched otherwise, a block would reduce only its share of each row
     if (cluster_size() != (unsigned)RSPLIT || (N + BN - 1) / BN != RSPLIT) __trap();
   if constexpr (MATH == kWsWgmmaF16 || MATH == kWsWgmmaBF16) {
-    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && !Fold::kOn && RSPLIT == 1,
-                  "the TMA mainloop: A [M][K] and B [N][K], plain epilogue, no fold");
+    static_assert(AMODE == kRowMajor && BMODE == kColMajor && ROW_TPR == 0 && RSPLIT == 1,
+                  "the TMA mainloop: A [M][K] and B [N][K], plain epilogue");
     (void)a_arg, (void)b_arg;
-    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT, MC, PP>(a, tma, batch, M, N, K);
+    run_wgmma_ws<T, BM, BN, BK, WM, WN, STAGES, MATH, Ops, SPLIT, MC, PP, Fold>(a, tma, batch, M, N, K);
   } else if constexpr (MATH == kWgmmaF16 || MATH == kWgmmaBF16)
     run_wgmma<T, BM, BN, BK, WM, WN, STAGES, AMODE, BMODE, MATH, Ops, ROW_TPR, Geo, SPLIT, Fold, RSPLIT, PHASES>(
         a, a_arg, b_arg, batch, M, N, K);

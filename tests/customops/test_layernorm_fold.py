@@ -117,8 +117,9 @@ def test_gemm_trans_b_with_its_own_bias(folds_pay):
     assert len(_folded(res)) == 1
 
 
-def test_bf16_against_numpy():
-    k, n, rows = 64, 80, 19
+@pytest.mark.parametrize("rows", [19, 700])  # mma.sync; the TMA mainloop (its weight transposed offline)
+def test_bf16_against_numpy(rows):
+    k, n = 64, 80
     m = _pre_ln(F, k, n)  # built in fp32, retyped to bf16 below
     for t in m.graph.initializer:
         if t.data_type == F:
@@ -135,10 +136,14 @@ def test_bf16_against_numpy():
     assert spec.ln_fold is not None
     c = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
     assert spec.ln_fold == LayerNormFold("w", "g", "beta", "b", False)
-    x_bits, xv = bf16(np.random.default_rng(4).standard_normal((3, 7, k)) * 2 + 1)
+    assert spec.kernel.tma == (rows > 100)
+    b = rows // 7 + 1
+    x_bits, xv = bf16(np.random.default_rng(4).standard_normal((b, 7, k)) * 2 + 1)
     slots = {"x": x_bits} | {t: v.view(np.uint16) for t, v in (c | fold_constants(spec.ln_fold, c)).items()}
-    out = np.zeros((3, 7, n), np.uint16)
-    launch_spec(spec, [slots[t] for t in spec.inputs] + [out], [3])
+    for t, perm in spec.input_perms:
+        slots[t] = np.ascontiguousarray(np.transpose(slots[t], perm))
+    out = np.zeros((b, 7, n), np.uint16)
+    launch_spec(spec, [slots[t] for t in spec.inputs] + [out], [b])
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
     mu, var = xv.mean(-1, keepdims=True), xv.var(-1, keepdims=True)
     y = (xv - mu) / np.sqrt(var + 1e-5) * f64(c["g"]) + f64(c["beta"])
@@ -294,14 +299,33 @@ def test_constant_rows_with_a_tiny_epsilon():
     assert np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max() < 1e-2
 
 
-def test_a_folded_gemm_is_priced_on_mma_sync_even_with_wgmma(folds_pay):
-    # the fold runs on the mma.sync mainloop: with wgmma enabled the search must not price a folded region at
-    # the wgmma rate (it would favour folds that in fact give up the faster mainloop)
+def test_a_folded_gemm_is_priced_and_lowered_on_the_tma_mainloop_with_wgmma(folds_pay):
+    # since session 20 the TMA mainloop gathers the fold's moments too: with wgmma enabled a folded region is
+    # priced at the wgmma rate and lowered to a TMA kernel (before, mma.sync: 2.0-2.6x slower at 4096 rows)
     from ortfuse.api import target_for
+    from ortfuse.customops.lower import lower
     from ortfuse.search.regions import plan
     g = build_graph(_pre_ln(H, 768, 3072), {"x": (600, 7, 768)})  # 4200 rows: compute-bound
     on, off = target_for((90,), True), target_for((90,), False)
     (r,) = [r for r in plan(g, on).regions if r.kind == "gemm" and norm_fold.in_region(g, r.nodes)]
-    assert CostModel(on).ours_us(g, r) == pytest.approx(CostModel(off).ours_us(g, r))
+    assert CostModel(on).ours_us(g, r) < 0.9 * CostModel(off).ours_us(g, r)
+    spec = lower(g, r, on)
+    assert spec.kernel.tma and spec.input_perms == (("w", (1, 0)),)
+    # under a row-wise epilogue the fold stays on mma.sync, and so does its price
     anchor = next(g.nodes[i] for i in r.nodes if g.nodes[i].op_type == "MatMul")
     assert CostModel(on).gemm_us(g, anchor, ours=True)[0] < CostModel(on).gemm_us(g, anchor, ours=True, wgmma_ok=False)[0]
+
+
+@pytest.mark.parametrize("k,n", [(200, 520), (768, 768)])  # K 200: a ragged last k tile in the swizzled stage
+def test_fold_on_the_tma_mainloop_matches_ort(folds_pay, k, n):
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    m = _pre_ln(H, k, n)
+    res = compile_model(m, {"x": (100, 7, k)}, "sm_90", options=Options(archs=(90,)))
+    (kern,) = _folded(res)
+    assert kern.spec.kernel.tma
+    ((_, rsc),) = kern.compiled.resources
+    assert rsc.spill_bytes == 0
+    rep = check_models(m, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())

@@ -91,6 +91,24 @@ def test_misaligned_weight_rows_on_tma_match_ort(shape):
     assert rep.ok, "\n".join(rep.lines())
 
 
+@pytest.mark.parametrize("shape", [(100, 7), (600, 7)])
+def test_layernorm_fold_on_tma_matches_ort(shape, monkeypatch):
+    # LayerNorm + MatMul + bias + GELU with the LayerNorm folded into the TMA kernel (session 20, CPU only
+    # until run here): the consumers gather the rows' moments from the swizzled A stages
+    from ortfuse.search.cost import CostModel
+    monkeypatch.setattr(CostModel, "pays", staticmethod(lambda times: True))
+    m = _ffn(k=768, n=3072)
+    ln = node("LayerNormalization", ["x0", "gam", "bet"], ["x"], axis=-1, epsilon=1e-5)
+    m.graph.node.insert(0, ln)
+    m.graph.input[0].name = "x0"
+    m.graph.initializer.extend([const("gam", _w(768, 7) + 1.0, np.float16), const("bet", _w(768, 8), np.float16)])
+    res = compile_model(m, {"x0": (*shape, 768)}, "sm_90", options=WG)
+    (k,) = res.kernels
+    assert k.spec.kernel.tma and "LayerNormFold<" in k.compiled.source
+    rep = check_models(m, res.model, provider="cuda")
+    assert rep.ok, "\n".join(rep.lines())
+
+
 def _bias_model(M: int, K: int, N: int, dt: int, seed: int = 5):
     """y = x @ w + b with the operands' values as fp64 (after rounding to `dt`)."""
     x, w, b = _w((M, K), seed, 0.3), _w((K, N), seed + 1, 0.3), _w((N,), seed + 2, 0.3)
