@@ -151,9 +151,11 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
-    # a GEMM the search fuses stays as it is (our kernel with its epilogue); one left to cuBLAS is padded
+    # a GEMM the search fuses stays as it is (our kernel with its epilogue); one left to cuBLAS is padded where
+    # that pays: as --profile measures it, else as the cost model estimates it
+    pays = _padding_measured(opts, say) if opts.profile else cost.padding_pays
     graph, aligned = pad_unaligned_gemms(graph, lambda g, i, wide: g.nodes[i].output[0] not in fused_outputs(g)
-                                         and cost.padding_pays(g, i, wide))
+                                         and pays(g, i, wide))
     if aligned:
         say(f"{aligned} GEMMs left to cuBLAS with misaligned rows got weights padded to 16-byte rows (and a "
             "Slice of the result)")
@@ -297,6 +299,20 @@ def _attention_occupancy(graph: Graph, tgt, opts: Options, k: FusedKernel) -> Fu
         return k
     return dataclasses.replace(cand, retiled=f"{regs} registers (fewer than {MMA_MIN_BLOCKS} blocks per SM); "
                                              f"bounded to {MMA_MIN_BLOCKS} blocks it does not spill more")
+
+
+def _padding_measured(opts: Options, say: Progress) -> Callable[[Graph, int, int], bool]:
+    """--profile's padding decision: ORT's GEMM as it is against padded + sliced, timed on the GPU."""
+    from ortfuse import profile as prof
+
+    def pays(g: Graph, i: int, wide: int) -> bool:
+        bindings = prof.profile_bindings(g, opts.profile_batch)
+        won, plain, padded = prof.padding_wins(g, i, bindings, opts.cache / "profile.json")
+        if plain:
+            say(f"{g.node_label(i)} padded to {wide} columns: ORT {prof.us_text(plain)} us as it is, "
+                f"{prof.us_text(padded)} us padded + Slice -> {'padded' if won else 'as it is'}")
+        return won
+    return pays
 
 
 def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: Progress):

@@ -398,6 +398,46 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     return out
 
 
+def node_model(g: Graph, i: int, dims: Mapping[str, int]) -> onnx.ModelProto:
+    """Node i alone as a model: its non-constant inputs graph inputs at this binding, its constants
+    initializers."""
+    n = g.nodes[i]
+    inits = [onnx.numpy_helper.from_array(np.asarray(g.constants[t]), t) for t in dict.fromkeys(n.input)
+             if t and t in g.constants]
+    inputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
+              for t in dict.fromkeys(n.input) if t and t not in g.constants]
+    outputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims)) for t in n.output if t]
+    m = helper.make_model(helper.make_graph([n], f"node_{i}", inputs, outputs, inits),
+                          opset_imports=list(g.model.opset_import))
+    m.ir_version = min(g.model.ir_version or 10, 10)
+    return m
+
+
+def padding_wins(g: Graph, i: int, bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
+                 timer: Optional[Timer] = None, device: Optional[str] = None) -> tuple[bool, Times, Times]:
+    """Whether GEMM node i runs faster in ORT with its weight padded to 16-byte rows and its result sliced
+    (rewriter.gemm_padding) than as it is, timed at each binding and cached like `place`: (padded wins, ORT
+    as it is, padded + Slice)."""
+    from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
+    timer = timer or cuda_timer
+    dev = device or f"{device_name()} / {clock()} / {MEASURE}"
+    cache = _Cache(cache_path)
+    plain: list[float] = []
+    padded: list[float] = []
+    try:
+        for _, dims in bindings:
+            sub = node_model(g, i, dims)
+            wide, count = pad_unaligned_gemms(build_graph(sub, {}), lambda *_: True)
+            if not count:  # aligned at this binding after all: nothing to gain
+                return False, (), ()
+            feeds = random_feeds(sub, None, seed=i)
+            plain.append(cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False)))
+            padded.append(cache.get(_digest("ort", signature(wide.model), dev), lambda: timer(wide.model, feeds, False)))
+    finally:
+        cache.save()
+    return wins(tuple(padded), tuple(plain)), tuple(plain), tuple(padded)
+
+
 def _time_ours(cache: "_Cache", key: str, run: Callable[[], float]) -> tuple[float, str]:
     """Our kernel's time (cached), or (inf, the error) where it fails on the device (a launch the device refuses,
     a trap): that candidate loses, and the failure is not cached."""

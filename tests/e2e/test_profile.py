@@ -86,6 +86,31 @@ def test_profile_keeps_only_regions_faster_than_ort(monkeypatch, tmp_path, ours,
     assert len(calls) == n
 
 
+@pytest.mark.parametrize("padded_us,padded", [(5.0, True), (30.0, False)])
+def test_profile_measures_the_padding_of_a_misaligned_gemm(monkeypatch, tmp_path, padded_us, padded):
+    # an LM head of 1001 fp16 columns left to cuBLAS: --profile times ORT's MatMul as it is against the padded
+    # MatMul + Slice (rewriter.gemm_padding) and pads only where that is faster, whatever the cost model says
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["logits"])], [vi("x", TP.FLOAT16, ["batch", 16, 64])],
+              [vi("logits", TP.FLOAT16, ["batch", 16, 1001])],
+              [const("w", rng.standard_normal((64, 1001)) * 0.1, np.float16)])
+    seen: list[tuple[str, ...]] = []
+
+    def timer(sub: onnx.ModelProto, feeds, fused: bool) -> float:
+        outs = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
+        assert outs[0].shape[-1] == 1001
+        ops = tuple(n.op_type for n in sub.graph.node)
+        seen.append(ops)
+        return {("MatMul",): 20.0, ("MatMul", "Slice"): padded_us}[ops]
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    assert ("Slice" in [n.op_type for n in res.model.graph.node]) == padded
+    assert seen == [("MatMul",), ("MatMul", "Slice")] * 2  # at the hint and at batch 32
+    rep = check_models(m, res.model)
+    assert rep.ok, "\n".join(rep.lines())
+
+
 def test_a_header_change_measures_our_kernels_again_but_not_orts(monkeypatch, tmp_path):
     # the kernel source names its headers (ortfuse_gemm.h ...) without their text: a new epilogue in a
     # header is a new kernel, so its cached time must not be reused; ORT's side is unchanged
