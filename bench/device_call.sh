@@ -84,6 +84,11 @@ for name in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 2 ;;
+    ncu-tma)  # why B multicast loses 2-3x and ping-pong does not win (session 20's sweep): every family's best
+      # tile at 4096x3072x768, one run each, cuBLAS beside them
+      step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 1 ;;
     ncu-source)  # the same for 4096x768x768, with per-instruction stall sampling (which wait: mbarrier, store, load)
       step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 4 \
         --section SpeedOfLight --section WarpStateStats --section SourceCounters \
