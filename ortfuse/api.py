@@ -323,6 +323,13 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
 
     def candidates(region: Region):
         k = next(k for k in kernels if k.region.id == region.id)
+        if region.kind == "attention" and k.spec.split_k > 1:
+            # the same kernel with its keys in one block: the library launches the split in clusters at small
+            # batches only, where it may gain or lose (BERT fp16 at batch 1 on an H100: 12.0 us against
+            # MultiHeadAttention's 9.2, 2026-11-26)
+            whole = fused_kernel(region, dataclasses.replace(k.spec, split_k=1), k.compiled)
+            built[(region.id, prof.UNSPLIT)] = whole
+            return [((), k.node), (prof.UNSPLIT, whole.node)]
         if region.kind not in ("gemm", "gemm_row") or len(k.spec.tiles) < 2:
             return [((), k.node)]
         # compiled side by side (NVRTC releases the GIL): a TMA GEMM has up to 13 candidates
@@ -357,6 +364,8 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
             pl = dataclasses.replace(pl, keep=pl.keep and not pl.split)
             if pl.split:
                 chosen.append(rest)
+        if k.region.kind == "attention" and pl.variants:  # split_k is the node's: one choice for every size
+            pl = dataclasses.replace(pl, tile=min(pl.ours_us, key=lambda t: prof.geomean(t[1]))[0], variants=())
         say(pl.line())
         final.append(pl)
         if pl.keep:

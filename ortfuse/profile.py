@@ -45,11 +45,16 @@ WARMUP, RUNS = 10, 50
 Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 
 
+UNSPLIT = (1,)  # an attention kernel's candidate with its keys in one block (split_k 1)
+
+
 def tile_label(t: tuple[int, ...]) -> str:
     """A GEMM candidate (BM, BN, BK, WM, WN, STAGES, SPLIT[, WGMMA]) as 'BMxBNxBK/WMxWN/STAGES' plus
-    ' split-K S' and ' wgmma' (' wgmma+TMA': fed by TMA)."""
+    ' split-K S' and ' wgmma' (' wgmma+TMA': fed by TMA); an attention kernel's UNSPLIT candidate."""
     if not t:
         return "kernel"
+    if t == UNSPLIT:
+        return "keys unsplit"
     label = f"{t[0]}x{t[1]}x{t[2]}/{t[3]}x{t[4]}/{t[5]}"
     family = {1: " wgmma", 2: " wgmma+TMA", 3: " wgmma+TMA multicast 2", 4: " wgmma+TMA pingpong",
               5: " wgmma+TMA pingpong multicast 2"}.get(t[7] if len(t) > 7 else 0, "")
@@ -346,7 +351,11 @@ def _digest(*parts: bytes | str) -> str:
 
 
 def _source(node: FusedNode) -> bytes:
-    return next((helper.get_attribute_value(a) for a in node.attributes if a.name == "source"), b"")
+    """The kernel's source and the node's integer launch attributes (split_k, blocks_per_sm, ...): the same
+    kernel launched otherwise is another candidate."""
+    src = next((helper.get_attribute_value(a) for a in node.attributes if a.name == "source"), b"")
+    ints = sorted((a.name, a.i) for a in node.attributes if a.type == onnx.AttributeProto.INT)
+    return src + repr(ints).encode()
 
 
 def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Sequence[tuple[tuple[int, ...], FusedNode]]],

@@ -90,6 +90,8 @@ def markdown(r: OptimizeResult, source: str) -> str:
             kept = "split" if pl.split else "ours" if pl.keep else "ORT"
             if pl.keep and pl.variants:
                 kept += f" by size: {tile_label(pl.tile)}" + "".join(f"; from {r} rows {tile_label(v)}" for r, v in pl.variants)
+            elif pl.keep and len(pl.ours_us) > 1:
+                kept += f": {tile_label(pl.tile)}"
             model = (f"{us_text(pl.model_ort_us)}, {us_text(pl.model_ours_us)}"
                      if pl.model_ort_us is not None and pl.model_ours_us is not None else "—")
             out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x | {model} |")

@@ -111,6 +111,32 @@ def test_profile_measures_the_padding_of_a_misaligned_gemm(monkeypatch, tmp_path
     assert rep.ok, "\n".join(rep.lines())
 
 
+@pytest.mark.parametrize("unsplit_us,split_kept", [(4.0, False), (9.0, True)])
+def test_profile_times_attention_with_and_without_its_key_split(monkeypatch, tmp_path, unsplit_us, split_kept):
+    # an attention kernel that splits keys across a cluster at small batches is also timed with its keys in one
+    # block (split_k 1, the same kernel), and the faster goes into the model
+    from helpers import packed_attention
+
+    def timer(sub: onnx.ModelProto, feeds, fused: bool) -> float:
+        ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
+        if not fused:
+            return 20.0
+        (n,) = [n for n in sub.graph.node if n.domain == "ortfuse"]
+        return 6.0 if any(a.name == "split_k" for a in n.attribute) else unsplit_us
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    m = packed_attention(TP.FLOAT16, 2, 64)
+    res = compile_model(m, {"x": ("batch", 256, 384)}, "sm_90", options=Options(archs=(90,), cache=tmp_path,
+                                                                                profile=True))
+    (k,) = [k for k in res.kernels if k.region.kind == "attention"]
+    (pl,) = [p for p in res.placements if p.region == k.region.id]
+    assert [t for t, _ in pl.ours_us] == [(), prof.UNSPLIT] and pl.keep
+    assert (k.spec.split_k > 1) == split_kept
+    (n,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    assert any(a.name == "split_k" for a in n.attribute) == split_kept
+    assert "keys unsplit" in pl.line()
+
+
 def test_a_header_change_measures_our_kernels_again_but_not_orts(monkeypatch, tmp_path):
     # the kernel source names its headers (ortfuse_gemm.h ...) without their text: a new epilogue in a
     # header is a new kernel, so its cached time must not be reused; ORT's side is unchanged
