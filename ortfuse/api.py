@@ -328,8 +328,9 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
             # batches only, where it may gain or lose (BERT fp16 at batch 1 on an H100: 12.0 us against
             # MultiHeadAttention's 9.2, 2026-11-26)
             whole = fused_kernel(region, dataclasses.replace(k.spec, split_k=1), k.compiled)
-            built[(region.id, prof.UNSPLIT)] = whole
-            return [((), k.node), (prof.UNSPLIT, whole.node)]
+            split = prof.key_split(k.spec.split_k)
+            built[(region.id, split)], built[(region.id, prof.UNSPLIT)] = k, whole  # (kernel variants: each its split_k)
+            return [(split, k.node), (prof.UNSPLIT, whole.node)]
         if region.kind not in ("gemm", "gemm_row") or len(k.spec.tiles) < 2:
             return [((), k.node)]
         # compiled side by side (NVRTC releases the GIL): a TMA GEMM has up to 13 candidates
@@ -364,8 +365,6 @@ def _profile(graph: Graph, tgt, opts: Options, kernels: list[FusedKernel], say: 
             pl = dataclasses.replace(pl, keep=pl.keep and not pl.split)
             if pl.split:
                 chosen.append(rest)
-        if k.region.kind == "attention" and pl.variants:  # split_k is the node's: one choice for every size
-            pl = dataclasses.replace(pl, tile=min(pl.ours_us, key=lambda t: prof.geomean(t[1]))[0], variants=())
         say(pl.line())
         final.append(pl)
         if pl.keep:

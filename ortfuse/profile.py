@@ -45,16 +45,21 @@ WARMUP, RUNS = 10, 50
 Timer = Callable[[onnx.ModelProto, Mapping[str, np.ndarray], bool], float]
 
 
-UNSPLIT = (1,)  # an attention kernel's candidate with its keys in one block (split_k 1)
+def key_split(split_k: int) -> tuple[int]:
+    """An attention kernel's candidate launched with its keys split across up to `split_k` blocks."""
+    return (split_k,)
+
+
+UNSPLIT = key_split(1)  # its keys in one block
 
 
 def tile_label(t: tuple[int, ...]) -> str:
     """A GEMM candidate (BM, BN, BK, WM, WN, STAGES, SPLIT[, WGMMA]) as 'BMxBNxBK/WMxWN/STAGES' plus
-    ' split-K S' and ' wgmma' (' wgmma+TMA': fed by TMA); an attention kernel's UNSPLIT candidate."""
+    ' split-K S' and ' wgmma' (' wgmma+TMA': fed by TMA); an attention kernel's key split."""
     if not t:
         return "kernel"
-    if t == UNSPLIT:
-        return "keys unsplit"
+    if len(t) == 1:
+        return "keys unsplit" if t == UNSPLIT else f"keys split {t[0]}"
     label = f"{t[0]}x{t[1]}x{t[2]}/{t[3]}x{t[4]}/{t[5]}"
     family = {1: " wgmma", 2: " wgmma+TMA", 3: " wgmma+TMA multicast 2", 4: " wgmma+TMA pingpong",
               5: " wgmma+TMA pingpong multicast 2"}.get(t[7] if len(t) > 7 else 0, "")

@@ -111,7 +111,7 @@ def test_profile_measures_the_padding_of_a_misaligned_gemm(monkeypatch, tmp_path
     assert rep.ok, "\n".join(rep.lines())
 
 
-@pytest.mark.parametrize("unsplit_us,split_kept", [(4.0, False), (9.0, True)])
+@pytest.mark.parametrize("unsplit_us,split_kept", [((4.0, 4.0), False), ((9.0, 9.0), True), ((9.0, 3.0), "by size")])
 def test_profile_times_attention_with_and_without_its_key_split(monkeypatch, tmp_path, unsplit_us, split_kept):
     # an attention kernel that splits keys across a cluster at small batches is also timed with its keys in one
     # block (split_k 1, the same kernel), and the faster goes into the model
@@ -122,7 +122,7 @@ def test_profile_times_attention_with_and_without_its_key_split(monkeypatch, tmp
         if not fused:
             return 20.0
         (n,) = [n for n in sub.graph.node if n.domain == "ortfuse"]
-        return 6.0 if any(a.name == "split_k" for a in n.attribute) else unsplit_us
+        return 6.0 if any(a.name == "split_k" for a in n.attribute) else unsplit_us[feeds["x"].shape[0] > 1]
     monkeypatch.setattr(prof, "cuda_timer", timer)
     monkeypatch.setattr(prof, "device_name", lambda: "test-device")
     m = packed_attention(TP.FLOAT16, 2, 64)
@@ -130,11 +130,18 @@ def test_profile_times_attention_with_and_without_its_key_split(monkeypatch, tmp
                                                                                 profile=True))
     (k,) = [k for k in res.kernels if k.region.kind == "attention"]
     (pl,) = [p for p in res.placements if p.region == k.region.id]
-    assert [t for t, _ in pl.ours_us] == [(), prof.UNSPLIT] and pl.keep
-    assert (k.spec.split_k > 1) == split_kept
-    (n,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
-    assert any(a.name == "split_k" for a in n.attribute) == split_kept
+    (split, _), (unsplit, _) = pl.ours_us
+    assert len(split) == 1 and split[0] > 1 and unsplit == prof.UNSPLIT and pl.keep
     assert "keys unsplit" in pl.line()
+    (n,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    if split_kept == "by size":  # split at batch 1, unsplit at batch 32: kernel variants, each its own split_k
+        assert pl.tile == split and [t for _, t in pl.variants] == [prof.UNSPLIT]
+        assert [a.name for a in n.attribute if a.name.startswith("split_k")] == ["split_k"]  # the first's only
+        rep = check_models(m, res.model, input_shapes={"x": (3, 256, 384), "mask": (3, 1, 1, 256)})
+        assert rep.ok, "\n".join(rep.lines())
+        return
+    assert (k.spec.split_k > 1) == split_kept
+    assert any(a.name == "split_k" for a in n.attribute) == split_kept
 
 
 def test_a_header_change_measures_our_kernels_again_but_not_orts(monkeypatch, tmp_path):
