@@ -170,16 +170,28 @@ def _shape_reads(g: Graph, region: Region, dims: Mapping[str, int]) -> list[onnx
 def region_model(g: Graph, region: Region, dims: Mapping[str, int]) -> onnx.ModelProto:
     """The region's original nodes as a model of their own: non-constant inputs become graph inputs with
     concrete shapes, constants and the shape tensors the region reads become initializers."""
-    nodes = [g.nodes[i] for i in region.nodes]
-    needed = {t for n in nodes for t in n.input if t}
-    produced = {o for n in nodes for o in n.output}
+    return _sub_model(g, region.nodes, region.inputs, region.outputs, dims, f"region_{region.id}",
+                      _shape_reads(g, region, dims))
+
+
+def node_model(g: Graph, i: int, dims: Mapping[str, int]) -> onnx.ModelProto:
+    """Node i alone as a model, as region_model builds a region's."""
+    n = g.nodes[i]
+    return _sub_model(g, (i,), tuple(dict.fromkeys(t for t in n.input if t)), tuple(t for t in n.output if t),
+                      dims, f"node_{i}")
+
+
+def _sub_model(g: Graph, nodes: Sequence[int], inputs: Sequence[str], outputs: Sequence[str],
+               dims: Mapping[str, int], name: str, more_inits: Sequence[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    chosen = [g.nodes[i] for i in nodes]
+    needed = {t for n in chosen for t in n.input if t}
+    produced = {o for n in chosen for o in n.output}
     inits = [onnx.numpy_helper.from_array(np.asarray(g.constants[t]), t)
-             for t in sorted(needed - produced) if t in g.constants]
-    inits += _shape_reads(g, region, dims)
-    inputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
-              for t in region.inputs if t not in g.constants]
-    outputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims)) for t in region.outputs]
-    graph = helper.make_graph(nodes, f"region_{region.id}", inputs, outputs, inits)
+             for t in sorted(needed - produced) if t in g.constants] + list(more_inits)
+    graph = helper.make_graph(chosen, name, [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
+                                             for t in inputs if t not in g.constants],
+                              [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
+                               for t in outputs], inits)
     m = helper.make_model(graph, opset_imports=list(g.model.opset_import))
     m.ir_version = min(g.model.ir_version or 10, 10)
     return m
@@ -410,21 +422,6 @@ def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Se
     finally:
         cache.save()
     return out
-
-
-def node_model(g: Graph, i: int, dims: Mapping[str, int]) -> onnx.ModelProto:
-    """Node i alone as a model: its non-constant inputs graph inputs at this binding, its constants
-    initializers."""
-    n = g.nodes[i]
-    inits = [onnx.numpy_helper.from_array(np.asarray(g.constants[t]), t) for t in dict.fromkeys(n.input)
-             if t and t in g.constants]
-    inputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims))
-              for t in dict.fromkeys(n.input) if t and t not in g.constants]
-    outputs = [helper.make_tensor_value_info(t, g.tensors[t].dtype, _concrete(g, t, dims)) for t in n.output if t]
-    m = helper.make_model(helper.make_graph([n], f"node_{i}", inputs, outputs, inits),
-                          opset_imports=list(g.model.opset_import))
-    m.ir_version = min(g.model.ir_version or 10, 10)
-    return m
 
 
 def padding_wins(g: Graph, i: int, bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
