@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortfuse.bench.kernels import Timer
 from ortfuse.customops.target import for_cc
+from ortfuse.profile import node_model
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms, padded_width
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search.cost import CostModel
@@ -58,22 +59,6 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0) -> onnx.ModelProto:
     return model
 
 
-def _without_slice(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The padded model's MatMul alone, its wide result the output."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    mm = next(n for n in out.graph.node if n.op_type == "MatMul")
-    keep = [n for n in out.graph.node if n is mm]
-    del out.graph.node[:]
-    out.graph.node.extend(keep)
-    wide = next(t for t in out.graph.initializer if t.name == mm.input[1]).dims[1]
-    del out.graph.output[:]
-    out.graph.output.append(helper.make_tensor_value_info(mm.output[0], TensorProto.FLOAT16,
-                                                          [out.graph.input[0].type.tensor_type.shape.dim[0].dim_value,
-                                                           wide]))
-    return out
-
-
 def measure(m: int, n: int, k: int, timer: Timer, cc: int = 90) -> Row:
     model = gemm_model(m, n, k)
     g = build_graph(model, {})
@@ -82,7 +67,8 @@ def measure(m: int, n: int, k: int, timer: Timer, cc: int = 90) -> Row:
         raise ValueError(f"{m}x{n}x{k}: the weight's rows are aligned, nothing to pad")
     feeds = {"x": (np.random.default_rng(1).standard_normal((m, k)) * 0.5).astype(np.float16)}
     roof = CostModel(for_cc(cc)).gemm_us(g, g.nodes[0])[0]
-    return Row(m, n, k, timer(model, feeds, False), timer(_without_slice(padded.model), feeds, False),
+    gemm = next(i for i, node in enumerate(padded.nodes) if node.op_type == "MatMul")
+    return Row(m, n, k, timer(model, feeds, False), timer(node_model(padded, gemm, {}), feeds, False),
                timer(padded.model, feeds, False), roof)
 
 
