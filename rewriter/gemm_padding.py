@@ -15,16 +15,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ortfuse.rewriter.canonical import remove_dead
+from ortfuse.rewriter.canonical import _attr, remove_dead
 from ortfuse.rewriter.graph import Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
 
 ALIGN_BYTES = 16
 _DTYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT)
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == name), default)
 
 
 def padded_width(n: int, dtype: int) -> int:
