@@ -456,9 +456,11 @@ class _GemmLowerer(_Lowerer):
         else:
             funcs.append(self.func("a_load", (vb, vm, vk), lambda: self.value(
                 a_t, operand_index(a_t, a_s, vb, vm, vk, True, trans_a))))
+        def b_base() -> ir.Func:
+            return self.func("b_base", (vb,), lambda: self.linearize(
+                operand_index(b_t, b_s, vb, ir.i64(0), ir.i64(0), False, False), b_s))
         if b_mode != GENERIC:
-            funcs.append(self.func("b_base", (vb,), lambda: self.linearize(
-                operand_index(b_t, b_s, vb, ir.i64(0), ir.i64(0), False, False), b_s)))
+            funcs.append(b_base())
         else:
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.value(
                 b_t, operand_index(b_t, b_s, vb, vk, vn, False, trans_b))))
@@ -506,7 +508,7 @@ class _GemmLowerer(_Lowerer):
                 if b_mode != COL:  # a constant [K][N] weight, transposed offline
                     self.input_perms.append((b_t, (1, 0)))
                 if b_mode == GENERIC:  # its misaligned [K][N] rows were gathered; the [N][K] ones are copied
-                    funcs = [f for f in funcs if f.name != "b_load"] + [self.func("b_base", (vb,), lambda: ir.i64(0))]
+                    funcs = [f for f in funcs if f.name != "b_load"] + [b_base()]
                 b_mode = COL
         if chosen is None:  # a forced tile of a family this GEMM cannot use, or that does not fit it
             raise LoweringError(f"tile {self.forced_tile} does not apply to this GEMM")
