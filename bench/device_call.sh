@@ -79,16 +79,12 @@ for name in "$@"; do
       step "$name" 150 bash -c "python3 -m ortfuse.bench.unaligned --json $WORK/unaligned.json --md $WORK/sweep-unaligned.md &&
         python3 -m ortfuse.bench.sweep --per-family 1 --shapes 4096x50257x768 128x50257x768 \
           --json $WORK/sweep-unaligned-ours.json --md $WORK/sweep-unaligned-ours.md" ;;
-    ncu)  # issue 5: where our GEMM's time goes next to cuBLAS's (bench/ncu_gemm.py)
-      step "$name" 100 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
+    ncu)  # issue 5: where our GEMM's time goes next to cuBLAS's (bench/ncu_gemm.py): every family's best tile,
+      # one run each (the 8 kernels profiled cover all six: why B multicast loses 2-3x and ping-pong does not win)
+      step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-        python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 2 ;;
-    ncu-tma)  # why B multicast loses 2-3x and ping-pong does not win (session 20's sweep): every family's best
-      # tile at 4096x3072x768, one run each, cuBLAS beside them
-      step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 8 \
-        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section LaunchStats python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 1 ;;
+        python3 -m ortfuse.bench.ncu_gemm 4096x3072x768 --runs 1 ;;
     ncu-source)  # the same for 4096x768x768, with per-instruction stall sampling (which wait: mbarrier, store, load)
       step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 4 \
         --section SpeedOfLight --section WarpStateStats --section SourceCounters \
