@@ -70,6 +70,14 @@ class Target:
     # 55.8 us against 17.3), and in every measured placement of BERT, GPT-2 and ViT fp16 cuBLAS + our row
     # kernel beat it. Measured on sm_90; assumed elsewhere. `--profile` still times both.
     row_epilogue_floor: float = 3.0
+    # Our GEMM with a LayerNorm folded into its A operand (the row moments gathered in the mainloop, no
+    # split-K) against our plain GEMM of the same shape: at least this factor. The tile model puts it at
+    # 1.0-1.1x. Measured on an H100 (2026-11-26, docs/results.md, session 21) only through whole models: the
+    # default build with GPT-2's and ViT's 24 folds each against `--ln-fold off`, where the LayerNorms run as
+    # our row kernel, was 3.39 against 3.13 ms (GPT-2, batch 32), 0.76 / 0.67 (batch 1), ViT 4.71 / 3.88 and
+    # 1.17 / 1.03: 4-35 us lost per fold. With cuBLAS's times for those GEMMs (27-52 us at batch 32) and a row
+    # kernel of ~5 us that is 1.5-2.2x per folded GEMM; the smaller is kept. Assumed 1.0 elsewhere.
+    ln_fold_floor: float = 1.0
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
     # Shared memory serves one 128-byte wavefront per clock per SM: 32 banks of 4 bytes each (CUDA C++
     # Programming Guide, "Shared Memory"; 128 B/clk/SM on sm_80 through sm_90, e.g. H100's 32.3 TB/s at 144
@@ -94,11 +102,9 @@ class Target:
     epilogue_branch_clocks: float = 175.0
     # cuBLAS on a GEMM whose weight or output rows are not 16-byte aligned (N = 50,257 fp16 logits), over the
     # roofline estimate of the aligned GEMM (`CostModel.gemm_us`). 1.0 (never pad) where nothing was observed.
-    # sm_90: inferred, not timed alone, from the H100 suite of 2026-11-26 (docs/results.md): GPT-2 fp16 took
-    # 4.3 ms (batch 32) and 0.22 ms (batch 1) more than BERT fp16, whose 12 layers have the same GEMM shapes,
-    # which leaves ~8-13x the roofline of its 4096x50257x768 (128x50257x768) LM head; torch.compile, which
-    # pads such GEMMs, ran the whole model in 3.4 ms. The padding decision holds from ~2x; the device
-    # call's `sweep-unaligned` times the LM head both ways.
+    # sm_90: measured on an H100 (2026-11-26, docs/gpu/2026-11-26-h100-s21-sweep-unaligned.md), GPT-2's LM head
+    # as ORT runs it: 7.8x at 4096x50257x768 (2485 us), 4.2x at 128 rows (112 us); padded to 50,264 columns
+    # plus the Slice, 826 and 52 us (3.0x and 2.1x faster). The smaller factor is kept: padding pays from ~2x.
     unaligned_gemm_slowdown: float = 1.0
 
     @property
@@ -119,7 +125,7 @@ TABLE: dict[int, Target] = {
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True,
-               unaligned_gemm_slowdown=8.0),
+               unaligned_gemm_slowdown=4.2, ln_fold_floor=1.5),
 }
 
 # SASS instructions per element of each fp32 function the printer emits (customops/printer.py FN), sm_90,

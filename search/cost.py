@@ -258,9 +258,12 @@ class CostModel:
         wgmma_ok = not (folded and region.kind == "gemm_row")
         mm_us, mm_bytes = self.gemm_us(g, node, ours=True, wgmma_ok=wgmma_ok)
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
-        if folded:
-            mm_us *= self.fold_penalty(g, node, wgmma_ok)
         rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1) + self.epilogue_us(g, region)
+        if folded:  # the tile model's folded tile, but never under the measured floor over the whole kernel
+            plain = mm_us + rest
+            mm_us *= self.fold_penalty(g, node, wgmma_ok)
+            if region.kind != "gemm_row":
+                return max(mm_us + rest, plain * self.target.ln_fold_floor)
         if region.kind != "gemm_row":
             return mm_us + rest
         # the tile model's row tile, but never under the measured floor over the plain kernel as a whole

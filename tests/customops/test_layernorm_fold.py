@@ -329,3 +329,28 @@ def test_fold_on_the_tma_mainloop_matches_ort(folds_pay, k, n):
     assert rsc.spill_bytes == 0
     rep = check_models(m, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_whole_model_estimate_keeps_the_measured_fold_floor():
+    # GPT-2's FFN-up (768 -> 3072) with its LayerNorm, at 4096 rows: the folded kernel is priced at least
+    # Target.ln_fold_floor times the plain one (measured on an H100: folding lost to our row kernel + GEMM),
+    # so "auto" leaves the LayerNorm as its own kernel on sm_90; with the floor at 1.0 the tile model alone
+    # prices the fold, and the same graph folds (at one binding, so one figure each)
+    import dataclasses
+    from ortfuse.search.regions import plan
+    k, n = 768, 3072
+    g = build_graph(_pre_ln(H, k, n), {"x": (585, 7, k)})  # 4095 rows
+    tgt = for_cc(90)
+    assert tgt.ln_fold_floor > 1.0
+    cost = CostModel(tgt)
+    folded = plan(g, tgt, cost, ln_fold="on")
+    plain = plan(g, tgt, cost, ln_fold="off")
+    fold_region = next(r for r in folded.regions if r.kind == "gemm")
+    gemm_region = next(r for r in plain.regions if r.kind == "gemm")
+    assert norm_fold.in_region(g, fold_region.nodes) is not None
+    assert cost.ours_us(g, fold_region) >= tgt.ln_fold_floor * cost.ours_us(g, gemm_region) * 0.999
+    auto = plan(g, tgt, cost)
+    assert not any(norm_fold.in_region(g, r.nodes) for r in auto.regions)
+    assert any("LayerNorm prologues" in r.subject for r in auto.refusals)
+    free = dataclasses.replace(tgt, ln_fold_floor=1.0)
+    assert any(norm_fold.in_region(g, r.nodes) for r in plan(g, free, CostModel(free)).regions)
