@@ -25,6 +25,7 @@ import onnx
 from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, RowSplit, _Lowerer, _Scope, _storage
+from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.rewriter.layernorm_fold import LayerNormFold
 from ortfuse.search import conv, norm_fold, ops
@@ -64,11 +65,6 @@ def row_input(graph: Graph, region: Region, anchor: int, prologue: Optional[int]
         raise LoweringError(f"a row-wise epilogue needs one tensor between the GEMM and its reductions, "
                             f"found {frontier}")
     return frontier[0]
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    v = scalar.attr(node, name)
-    return default if v is None else v
 
 
 class _GemmLowerer(_Lowerer):
@@ -132,12 +128,12 @@ class _GemmLowerer(_Lowerer):
         if node.op_type == "Conv" and len(node.input) > 2 and node.input[2]:
             v = ir.Op("add", (v, self.value(node.input[2], (idx[1],))), F32)  # bias per output channel
         if node.op_type == "Gemm":
-            alpha = float(_attr(node, "alpha", 1.0))
+            alpha = float(attr(node, "alpha", 1.0))
             if alpha != 1.0:
                 v = ir.Op("mul", (v, ir.Const(alpha, F32)), F32)
             if len(node.input) > 2 and node.input[2]:
                 c = node.input[2]
-                beta = float(_attr(node, "beta", 1.0))
+                beta = float(attr(node, "beta", 1.0))
                 cv = self.value(c, self.broadcast(idx, self._shape(c)))
                 v = ir.Op("add", (v, ir.Op("mul", (cv, ir.Const(beta, F32)), F32) if beta != 1.0 else cv), F32)
         return v
@@ -399,8 +395,8 @@ class _GemmLowerer(_Lowerer):
         a_s, b_s, y_s = self._shape(a_t), self._shape(b_t), self._shape(y_t)
         if len(a_s) < 2 or len(b_s) < 2:
             raise LoweringError("matrix-vector products (rank-1 MatMul operands) are left to ORT")
-        trans_a = node.op_type == "Gemm" and bool(_attr(node, "transA", 0))
-        trans_b = node.op_type == "Gemm" and bool(_attr(node, "transB", 0))
+        trans_a = node.op_type == "Gemm" and bool(attr(node, "transA", 0))
+        trans_b = node.op_type == "Gemm" and bool(attr(node, "transB", 0))
         storage, math_, es = self.operand_math(a_t, b_t, "GEMM")
         M, N = y_s[-2], y_s[-1]
         K = a_s[-2] if trans_a else a_s[-1]

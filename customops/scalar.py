@@ -10,10 +10,10 @@ import struct
 from typing import Callable, Optional, Sequence
 
 import onnx
-from onnx import helper
 
 from ortfuse.customops import ir
 from ortfuse.customops.ir import F32, Const, Expr, Op
+from ortfuse.rewriter.attrs import attr  # noqa: F401 (also scalar.attr, for the lowerers)
 
 # ONNX element type -> IR storage type. Anything else is left to ORT.
 STORAGE = {
@@ -26,13 +26,6 @@ FLOAT_STORAGE = ("f32", "f16", "bf16")
 
 class UnsupportedOp(Exception):
     """The op (or this use of it) has no element-wise lowering; the message says why."""
-
-
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
 
 
 def f32(v: float) -> Const:

@@ -38,6 +38,7 @@ import onnx
 from onnx import numpy_helper
 
 from ortfuse.rewriter import _proto
+from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble, dim_names, merged_sizes
 
@@ -155,19 +156,14 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     return assemble(m, tensors, g.opset), folded
 
 
-def _attr(node: onnx.NodeProto, name: str, default):
-    a = next((a for a in node.attribute if a.name == name), None)
-    return default if a is None else onnx.helper.get_attribute_value(a)
-
-
 def _unflatten_plan(g: Graph, i: int) -> Optional[tuple[str, int, int]]:
     """(x, index of the restoring Reshape, how many trailing dims of x form K) when Gemm node i computes
     `Reshape(x) @ B (+ C)` with x of shape (*lead, *inner), prod(inner) = K, flattened to (P, K), and its only
     consumer reshapes the result back to (*lead, N). inner is x's last dim alone (GPT-2's Conv1D through
     TorchScript) or several static dims (torch.export merges the attention heads in the same Reshape)."""
     n = g.nodes[i]
-    if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or _attr(n, "transA", 0) \
-            or _attr(n, "alpha", 1.0) != 1.0 or _attr(n, "beta", 1.0) != 1.0:
+    if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or attr(n, "transA", 0) \
+            or attr(n, "alpha", 1.0) != 1.0 or attr(n, "beta", 1.0) != 1.0:
         return None
     flat = g.producer.get(n.input[0])
     y = n.output[0]
@@ -222,7 +218,7 @@ def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
             new_nodes.append(onnx.helper.make_node("Reshape", [x, target], [xk], name=f"{node.name}/merge"))
             x = xk
         b = node.input[1]
-        if _attr(node, "transB", 0):
+        if attr(node, "transB", 0):
             bt = f"{b}__ortfuse_T{i}"
             new_nodes.append(onnx.helper.make_node("Transpose", [b], [bt], name=f"{node.name}/transB", perm=[1, 0]))
             shape = g.tensors[b].shape
@@ -309,7 +305,7 @@ def _run_nodes(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outpu
 def _spatial_pads(g: Graph, pad: onnx.NodeProto) -> Optional[list[int]]:
     """[top, left, bottom, right] of a constant-mode zero Pad of a 4-D tensor's last two dims, else None."""
     x = g.tensors.get(pad.input[0])
-    if x is None or x.shape is None or len(x.shape) != 4 or _attr(pad, "mode", b"constant") != b"constant" \
+    if x is None or x.shape is None or len(x.shape) != 4 or attr(pad, "mode", b"constant") != b"constant" \
             or len(pad.input) < 2 or (len(pad.input) > 3 and pad.input[3]):
         return None
     if len(pad.input) > 2 and pad.input[2]:
@@ -333,7 +329,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             continue
         users = g.consumers.get(n.output[0], ())
         if not users or any(g.nodes[c].op_type != "Conv" or g.nodes[c].input[0] != n.output[0]
-                            or _attr(g.nodes[c], "auto_pad", b"NOTSET") != b"NOTSET" for c in users):
+                            or attr(g.nodes[c], "auto_pad", b"NOTSET") != b"NOTSET" for c in users):
             continue
         p = _spatial_pads(g, n)
         if p is not None:
@@ -346,7 +342,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
         pad = g.nodes[i]
         for c in g.consumers[pad.output[0]]:
             conv = m.graph.node[c]
-            old = list(_attr(conv, "pads", [0, 0, 0, 0]))
+            old = list(attr(conv, "pads", [0, 0, 0, 0]))
             keep = [a for a in conv.attribute if a.name != "pads"]
             del conv.attribute[:]
             conv.attribute.extend(keep + [onnx.helper.make_attribute("pads", [a + b for a, b in zip(old, p)])])
@@ -368,7 +364,7 @@ def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -
     if x is None or x.shape is None:
         return None
     dims = [d if isinstance(d, int) and d not in merged else None for d in x.shape]
-    start, end = _attr(shape_node, "start", 0), _attr(shape_node, "end", len(dims))
+    start, end = attr(shape_node, "start", 0), attr(shape_node, "end", len(dims))
     return dims[slice(start, end)]  # negative and out-of-range bounds clamp as the spec says
 
 
@@ -379,7 +375,7 @@ def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optio
         dims = _static_dims(g, node, merged)
         return None if dims is None or None in dims else np.asarray(dims, np.int64)
     src = g.nodes[g.producer[node.input[0]]] if node.op_type == "Gather" and node.input[0] in g.producer else None
-    if src is None or src.op_type != "Shape" or node.input[1] not in g.constants or _attr(node, "axis", 0) != 0:
+    if src is None or src.op_type != "Shape" or node.input[1] not in g.constants or attr(node, "axis", 0) != 0:
         return None
     dims = _static_dims(g, src, merged)
     idx = np.asarray(g.constants[node.input[1]])

@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ortfuse.rewriter.canonical import _attr, remove_dead
+from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.canonical import remove_dead
 from ortfuse.rewriter.graph import Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
 
@@ -40,9 +41,9 @@ def candidate(g: Graph, i: int) -> Optional[int]:
     if w not in g.constants or g.fed(w) or info is None or info.shape is None or len(info.shape) != 2 \
             or info.dtype not in _DTYPES or out is None or out.shape is None or len(out.shape) < 2:
         return None
-    trans_b = node.op_type == "Gemm" and _attr(node, "transB", 0)
+    trans_b = node.op_type == "Gemm" and attr(node, "transB", 0)
     if node.op_type == "Gemm":
-        if _attr(node, "transA", 0) or (len(node.input) > 2 and node.input[2] and _bias(g, node) is None):
+        if attr(node, "transA", 0) or (len(node.input) > 2 and node.input[2] and _bias(g, node) is None):
             return None
     n = info.shape[0] if trans_b else info.shape[1]
     wide = padded_width(n, info.dtype)
@@ -83,7 +84,7 @@ def _padded(g: Graph, i: int, wide: int, m: onnx.ModelProto, tensors: dict[str, 
     node.CopyFrom(g.nodes[i])
     base = f"{node.output[0]}__ortfuse_aligned"
     w = g.constants[node.input[1]]
-    trans_b = node.op_type == "Gemm" and _attr(node, "transB", 0)
+    trans_b = node.op_type == "Gemm" and attr(node, "transB", 0)
     n = w.shape[0] if trans_b else w.shape[1]
     pad = ((0, wide - n), (0, 0)) if trans_b else ((0, 0), (0, wide - n))
     dtype = g.tensors[node.input[1]].dtype

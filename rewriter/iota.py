@@ -17,7 +17,8 @@ import onnx
 from onnx import numpy_helper
 
 from ortfuse.rewriter import _infer
-from ortfuse.rewriter.canonical import _attr, _static_target, remove_dead
+from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.canonical import _static_target, remove_dead
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 from ortfuse.rewriter.shapes import assemble
 
@@ -75,7 +76,7 @@ def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
         return None
     op = node.op_type
     if op in ("Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze"):
-        if op == "Cast" and _attr(node, "to", None) not in _INT_TYPES:
+        if op == "Cast" and attr(node, "to", None) not in _INT_TYPES:
             return None
         return scalar(g, node.input[0], depth + 1)
     if op == "Mul":
@@ -151,7 +152,7 @@ def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
 def _iota_gather(g: Graph, node: onnx.NodeProto) -> Optional[tuple[str, tuple[Dim, ...], list[int]]]:
     """(X, output shape, constant Reshape target) when `node` gathers every element of a row-major
     flattened X at its own index (see the module docstring), else None."""
-    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or _attr(node, "axis", 0) != 0:
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or attr(node, "axis", 0) != 0:
         return None
     flat = _producer(g, node.input[0])
     if flat is None or flat.op_type not in ("Flatten", "Reshape"):
@@ -160,7 +161,7 @@ def _iota_gather(g: Graph, node: onnx.NodeProto) -> Optional[tuple[str, tuple[Di
     xs = g.tensors[x].shape if x in g.tensors else None
     if not xs:
         return None
-    if flat.op_type == "Flatten" and _attr(flat, "axis", 1) == len(xs):
+    if flat.op_type == "Flatten" and attr(flat, "axis", 1) == len(xs):
         tail: tuple[Dim, ...] = (1,)  # [N, 1]
     elif flat.op_type == "Reshape" and g.constants.get(flat.input[1]) is not None \
             and np.asarray(g.constants[flat.input[1]]).tolist() == [-1]:
@@ -196,7 +197,7 @@ def _index_columns(g: Graph, t: str, r: int) -> Optional[list[Affine]]:
     node = _producer(g, t)
     info = g.tensors.get(t)
     if node is None or node.op_type != "Concat" or info is None or not info.shape or info.shape[-1] != r \
-            or _attr(node, "axis", 0) not in (-1, len(info.shape) - 1) or len(node.input) != r:
+            or attr(node, "axis", 0) not in (-1, len(info.shape) - 1) or len(node.input) != r:
         return None
     cols = []
     for x in node.input:
@@ -214,7 +215,7 @@ def _index_columns(g: Graph, t: str, r: int) -> Optional[list[Affine]]:
 def _iota_gather_nd(g: Graph, node: onnx.NodeProto) -> Optional[tuple[str, tuple[Dim, ...], list[int]]]:
     """GatherND(X, indices) whose index tuple at each position is the position's own coordinates in X
     (torch.export's form of the padding mask: stacked iotas), as `_iota_gather`'s result, else None."""
-    if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx") or _attr(node, "batch_dims", 0) != 0:
+    if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx") or attr(node, "batch_dims", 0) != 0:
         return None
     x = node.input[0]
     xs = g.tensors[x].shape if x in g.tensors else None

@@ -13,6 +13,7 @@ from typing import Iterable, NoReturn
 
 import onnx
 
+from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.search.ops import ELEMENTWISE
 from ortfuse.search.plan import Reject
@@ -100,7 +101,7 @@ def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
 
 def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
     scores = _shape(g, g.nodes[sm].input[0])
-    axis = _attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
+    axis = attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
     if len(scores) < 2 or not -len(scores) <= axis < len(scores) or axis % len(scores) != len(scores) - 1:
         _refuse(f"Softmax over axis {axis} of a rank-{len(scores)} tensor, not the last axis")
     qk, score_ops = _scores_back(g, sm)
@@ -286,7 +287,7 @@ def select_start(g: Graph, n: onnx.NodeProto, out: str) -> dict[int, int]:
         raise ValueError(f"shape of '{n.input[0]}' unknown")
     rank = len(src)
     if n.op_type == "Split":
-        axis = _attr(n, "axis", 0) % rank
+        axis = attr(n, "axis", 0) % rank
         start = 0
         for o in n.output[:list(n.output).index(out)]:
             shape = g.info(o).shape if o in g.tensors else None
@@ -351,5 +352,3 @@ def _scalar_const(g: Graph, t: str) -> bool:
     return t in g.constants and g.constants[t].size == 1
 
 
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == name), default)

@@ -1,0 +1,12 @@
+"""Reading a node's attributes (one helper for every stage)."""
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+
+
+def attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The value of attribute `name` of `node` (an int, float, string, tensor or list), else `default`."""
+    a = next((a for a in node.attribute if a.name == name), None)
+    return default if a is None else onnx.helper.get_attribute_value(a)
