@@ -95,9 +95,10 @@ for name in "$@"; do
         --section MemoryWorkloadAnalysis python3 -m ortfuse.bench.ncu_attention bert fp16 --batch 32 --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
-    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-baselines]: one zoo row with --profile
-      # (wgmma is the sm_90 default; -kernels adds the per-kernel table, -nowgmma optimizes without wgmma,
-      # -noprofile without --profile: the default build; -lnfoldoff the default build with --ln-fold off;
+    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-baselines]: one zoo row with
+      # --profile (wgmma is the sm_90 default; -kernels adds the per-kernel table, -nowgmma optimizes without
+      # wgmma, -noprofile without --profile: the default build; -lnfoldoff the default build with --ln-fold off;
+      # -pdl the default build with programmatic dependent launches;
       # -baselines the default build beside every baseline, ORT's transformers optimizer and torch.compile
       # included, all in one process), e.g. suite-vit-fp16-kernels
       IFS=- read -r _ model dtype extra <<<"$name"
@@ -105,6 +106,7 @@ for name in "$@"; do
       [[ $extra == kernels ]] && flags=(--kernels); [[ $extra == nowgmma ]] && flags=(--no-wgmma)
       [[ $extra == noprofile ]] && flags=(--no-profile)
       [[ $extra == lnfoldoff ]] && flags=(--no-profile --ln-fold off)
+      [[ $extra == pdl ]] && flags=(--no-profile --pdl)
       [[ $extra == baselines ]] && flags=(--no-profile) && variants=()
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests "${flags[@]}" --models "$model" \
         --dtypes "$dtype" --work "$WORK/$name-work" "${variants[@]}" ;;

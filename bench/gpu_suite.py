@@ -180,11 +180,12 @@ def variant_label(profile: bool = True) -> str:
   """What the rows' optimize used beyond the defaults, appended to the model name so runs of one model with
   and without it merge side by side: " no-wgmma" ($ORTFUSE_WGMMA=0, which --no-wgmma sets for this process
   and its children; wgmma is the sm_90 default since 2026-11-26, so rows before then read " +wgmma" for it),
-  " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold), " no-profile" (optimized without --profile)."""
+  " ln-fold=off|on" ($ORTFUSE_LN_FOLD, --ln-fold), " pdl" ($ORTFUSE_PDL=1, --pdl), " no-profile" (optimized
+  without --profile)."""
   from ortfuse.config import Options
   opts = Options(archs=(90,))
   return (" no-wgmma" if opts.wgmma is False else "") + (f" ln-fold={opts.ln_fold}" if opts.ln_fold != "auto" else "") \
-      + ("" if profile else " no-profile")
+      + (" pdl" if opts.pdl else "") + ("" if profile else " no-profile")
 
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
@@ -395,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                       "ORTFUSE_WGMMA=0 and model rows read 'NAME no-wgmma'")
   p.add_argument("--ln-fold", choices=("auto", "on", "off"),
                  help="LayerNorm folds for the optimize (sets ORTFUSE_LN_FOLD; rows read 'NAME ln-fold=off')")
+  p.add_argument("--pdl", action="store_true",
+                 help="optimize with programmatic dependent launches (sets ORTFUSE_PDL=1); rows read 'NAME pdl'")
   p.add_argument("--no-profile", action="store_true",
                  help="optimize without --profile (the default build); model rows read 'NAME no-profile'")
   p.add_argument("--sweep", action="store_true",
@@ -410,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["ORTFUSE_WGMMA"] = "1" if args.wgmma else "0"
   if args.ln_fold:
     os.environ["ORTFUSE_LN_FOLD"] = args.ln_fold
+  if args.pdl:
+    os.environ["ORTFUSE_PDL"] = "1"
   work = args.work or Path(tempfile.mkdtemp(prefix="ortfuse-suite-"))
   os.environ.setdefault("ORTFUSE_CACHE_DIR", str(work / "zoo"))
   if args.wheels:

@@ -88,6 +88,7 @@ def _kernel_attributes(spec: KernelSpec, ck: CompiledKernel, sfx: str) -> list[o
         *([attr("blocks_per_sm", spec.blocks_per_sm)] if spec.blocks_per_sm else []),
         *([attr("row_cluster", spec.row_cluster)] if spec.row_cluster > 1 else []),
         *([attr("multicast", spec.multicast)] if spec.multicast > 1 else []),
+        *([attr("pdl", 1)] if spec.kernel.pdl else []),
         attr("source", ck.source),
     ]
 
@@ -116,6 +117,7 @@ class Launch:
     blocks_per_sm: int = 0  # a persistent kernel's grid cap per SM (0: none)
     row_cluster: int = 1  # exact blocks per cluster of a row split across a cluster (1: none)
     multicast: int = 1  # exact blocks per cluster of a TMA GEMM sharing B (the grid counts clusters; 1: none)
+    pdl: bool = False  # launched as a programmatic dependent launch on sm_90+ (ir.Kernel.pdl)
     # further kernels of the node: (rows from, launch), and the terms whose product is the rows
     variants: tuple[tuple[int, "Launch"], ...] = ()
     variant_rows: tuple[int, ...] = ()
@@ -210,13 +212,14 @@ def _read_kernel(node: onnx.NodeProto, a: dict, sfx: str) -> Launch:
                   tuple(zip(derived[0::3], derived[1::3], derived[2::3])), tuple(limits),
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
                   tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])),
-                  int(a.get("blocks_per_sm", 0)), int(a.get("row_cluster", 1)), int(a.get("multicast", 1)))
+                  int(a.get("blocks_per_sm", 0)), int(a.get("row_cluster", 1)), int(a.get("multicast", 1)),
+                  bool(a.get("pdl", 0)))
 
 
 # a kernel's own attributes (`_kernel_attributes`); a variant's carry its suffix
 _KERNEL_KEYS = frozenset({"entry", "cubin_archs", "ptx", "block", "smem", "units", "units_per_block", "units_ceil",
                           "split_k", "dim_limits", "arg_align", "tma", "blocks_per_sm", "row_cluster", "multicast",
-                          "source"})
+                          "pdl", "source"})
 
 
 def _own(key: str) -> bool:

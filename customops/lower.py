@@ -872,6 +872,9 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     if reads is None:
         raise LoweringError("a Range's length or an Expand's run-time shape is not made of the region's input dims")
     spec = _lower_kind(graph, region, tgt, tf32, tile, bound)
+    if tgt.pdl:  # the same kernel, launched so that it may overlap its predecessor: a name of its own
+        spec = dataclasses.replace(spec, kernel=dataclasses.replace(spec.kernel, name=spec.kernel.name + "_pdl",
+                                                                    pdl=True))
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
                                shape_reads=reads, dim_checks=dim_checks(graph, spec),
                                dim_limits=spec.dim_limits + slice_limits(graph, region, spec))

@@ -215,6 +215,8 @@ def render(k: ir.Kernel) -> str:
     params = "const OfzArgs a" + (", const __grid_constant__ OfzTma ofz_tma" if k.tma else "")
     bounds = f"{k.block}, {k.min_blocks}" if k.min_blocks else f"{k.block}"
     out.append(f'extern "C" __global__ void __launch_bounds__({bounds}) {k.name}({params}) {{')
+    if k.pdl:
+        out.append("  ofz::grid_dependency_sync();")
     _prelude(k, "  ", out)
     if k.scratch_floats:
         out.append(f"  __shared__ float ofz_scratch[{k.scratch_floats}];")

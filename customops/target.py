@@ -40,6 +40,11 @@ class Target:
     # only when every target arch has it and the user opts in (`--wgmma`: parity verified on an H100,
     # 2026-11-25); api.target_for folds both into this flag.
     wgmma: bool = False
+    # Programmatic dependent launch (sm_90+): each kernel may start launching while the previous kernel in the
+    # stream finishes, and waits for it before touching memory (ortfuse_kernel.h grid_dependency_sync): the
+    # launch gap and the next kernel's start overlap the last blocks of the one before. Used where every target
+    # arch has it and the user opts in (`--pdl`: not measured yet); api.target_for folds both into this flag.
+    pdl: bool = False
     # Share of the dense peak our wgmma kernel (cp.async pipeline, no TMA or warp specialization) reaches:
     # measured 0.12-0.23 (H100, 2026-11-25, same sweep; about 1.3x our mma.sync tiles), kept as a ratio as
     # mma_sync_share is (CUTLASS's TMA + warp-specialized kernels reach ~75-80%).
@@ -124,7 +129,7 @@ TABLE: dict[int, Target] = {
     89: Target(89, "L40S", 142, 1024, 99 * 1024, 100 * 1024, 96 * 2**20, 864.0, 4.0, 362.0, 181.0, 91.6, 2.52,
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
-               303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True,
+               303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True, pdl=True,
                unaligned_gemm_slowdown=4.2, ln_fold_floor=1.5),
 }
 

@@ -45,7 +45,8 @@ def cmd_optimize(a: argparse.Namespace) -> int:
                          f"(got {a.arch})")
     opts = Options(archs=archs, tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch,
                    **({"wgmma": a.wgmma} if a.wgmma is not None else {}),
-                   **({"ln_fold": a.ln_fold} if a.ln_fold else {}))
+                   **({"ln_fold": a.ln_fold} if a.ln_fold else {}),
+                   **({"pdl": a.pdl} if a.pdl is not None else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
     save_model(result.model, a.output)
@@ -113,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--ln-fold", choices=LN_FOLD_MODES, default=None,
                    help="LayerNorms folded into the 16-bit GEMMs that read them: where the whole-model estimate "
                         "gains (auto, the default), wherever they can (on), or never (off); also ORTFUSE_LN_FOLD")
+    o.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="programmatic dependent launches where every --arch is sm_90+: each kernel may start while "
+                        "the one before it finishes, and waits for it before touching memory. Off by default "
+                        "until measured (also ORTFUSE_PDL=1/0)")
     o.add_argument("--tf32", action="store_true",
                    help="let fp32 MatMul/Gemm use tf32 tensor cores (10-bit mantissa, like ORT's use_tf32=1)")
     o.add_argument("--profile", action="store_true",

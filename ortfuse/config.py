@@ -53,6 +53,9 @@ class Options:
     # LayerNorms folded into the GEMMs that read them: "auto" where the cost model says the whole model gains,
     # "on" wherever they can, "off" never ($ORTFUSE_LN_FOLD; docs/design.md, LayerNorm prologues)
     ln_fold: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LN_FOLD", "auto") or "auto")
+    # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
+    # GPU ($ORTFUSE_PDL=1 turns them on)
+    pdl: bool = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_PDL", "")) is True)
 
     def __post_init__(self) -> None:
         if not self.archs:

@@ -38,6 +38,17 @@ __device__ __forceinline__ float f32_bits(unsigned int b) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90+; a kernel launched with it may start while the previous kernel in
+// the stream still runs): first wait until that kernel has finished and its writes are visible, then let
+// the next kernel start launching. Before the wait the kernel touches no global memory. Without the launch
+// attribute both are no-ops, and before sm_90 (and on the host) nothing is emitted.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Rounding through a narrower float type (an ONNX Cast to fp16/bf16 inside a region).
 __device__ __forceinline__ float round_f16(float x) { return __half2float(__float2half(x)); }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }

@@ -16,6 +16,7 @@ enum {
   OFZ_CU_ATTR_CC_MINOR = 76,              // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
   OFZ_CU_ATTR_SM_COUNT = 16,              // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
   OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM = 4,     // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+  OFZ_CU_LAUNCH_ATTR_PDL = 6,             // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
   OFZ_CU_FUNC_MAX_THREADS = 0,            // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
   OFZ_CU_FUNC_MAX_DYN_SMEM = 8,           // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
   OFZ_CU_JIT_ERROR_LOG_BUFFER = 5,        // CU_JIT_ERROR_LOG_BUFFER
@@ -30,7 +31,8 @@ enum {
 };
 
 // cuLaunchKernelEx's configuration (CUDA 12.0+ cuda.h: CUlaunchAttribute is an id padded to 8 bytes and a
-// 64-byte value union, of which a cluster dimension uses the first three unsigned ints).
+// 64-byte value union, of which a cluster dimension uses the first three unsigned ints and the programmatic
+// stream serialization flag the first int).
 typedef struct OfzLaunchAttr {
   int id;
   char pad[4];
@@ -39,6 +41,7 @@ typedef struct OfzLaunchAttr {
     struct {
       unsigned x, y, z;
     } cluster;
+    int pdl;
   } value;
 } OfzLaunchAttr;
 typedef struct OfzLaunchConfig {

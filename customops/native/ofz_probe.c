@@ -7,7 +7,7 @@
 //          the launch [grid, block, smem, chosen cubin cc (0 = PTX), image bytes, units, d0..d15, cluster,
 //          then per TMA map (zeros if none) dim0, dim1, stride1, box0, box1, element type] for a device of
 //          compute capability `probe_cc` with `probe_sm_count` SMs (optional, 0), then the kernel variant
-//          run (0 for a node of one kernel).
+//          run (0 for a node of one kernel), then 1 if it is a programmatic dependent launch.
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,7 +20,7 @@
     if (st_) return st_;     \
   } while (0)
 
-enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_TMA = 6, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 + PLAN_TMA * OFZ_TMA_MAPS + 1 };
+enum { PROBE_FACTS = 18, PROBE_SUMS = 4, PLAN_TMA = 6, PLAN_LEN = 6 + OFZ_MAX_DIMS + 1 + PLAN_TMA * OFZ_TMA_MAPS + 2 };
 
 // Index of each fact in Probe's FACTS output; the Python test mirrors this list.
 enum {
@@ -226,7 +226,7 @@ static OrtStatus* probe_infer(const OrtCustomOp* op, OrtShapeInferContext* ctx) 
 typedef struct PlanKernel {
   size_t n_var;
   OfzSpec spec[OFZ_MAX_VARIANTS];
-  int64_t chosen_cc[OFZ_MAX_VARIANTS], image_bytes[OFZ_MAX_VARIANTS], sm_count;
+  int64_t chosen_cc[OFZ_MAX_VARIANTS], image_bytes[OFZ_MAX_VARIANTS], sm_count, cc;
 } PlanKernel;
 
 static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
@@ -248,6 +248,7 @@ static OrtStatus* plan_create(const OrtCustomOp* op, const OrtApi* api, const Or
   k->n_var = s ? 0 : (size_t)k->spec[0].n_variants;
   for (size_t v = 1; v < k->n_var && !s; ++v) s = ofz_spec_parse(info, node, ins, outs - 1, v, &k->spec[v]);
   if (!s) s = ofz_attr_int(info, node, "probe_cc", &cc);
+  k->cc = cc;
   if (!s) k->sm_count = ofz_attr_int_or(info, "probe_sm_count", 0);
   for (size_t v = 0; v < k->n_var && !s; ++v) {
     s = ofz_spec_image(info, &k->spec[v], (int)cc, &image, &bytes, &chosen);
@@ -288,7 +289,8 @@ static OrtStatus* plan_compute(void* kernel, OrtKernelContext* ctx) {
   rep[6 + OFZ_MAX_DIMS] = launch.cluster;
   int64_t* tma = rep + 7 + OFZ_MAX_DIMS;
   memset(tma, 0, sizeof(int64_t) * PLAN_TMA * OFZ_TMA_MAPS);
-  rep[PLAN_LEN - 1] = (int64_t)v;
+  rep[PLAN_LEN - 2] = (int64_t)v;
+  rep[PLAN_LEN - 1] = ofz_spec_pdl(s, (int)k->cc, 1);  // as a CUDA 12+ driver would launch it
   if (s->n_tma && launch.grid) {
     OfzTmaGeom geo[OFZ_TMA_MAPS];
     TRY(ofz_spec_tma(s, ctx, &args, geo));

@@ -93,6 +93,9 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   if (s->multicast < 1 || s->multicast > OFZ_MAX_CLUSTER || (s->multicast > 1 && (s->split_k > 1 || s->row_cluster > 1)))
     return BAD("ortfuse: node '%s': multicast = %lld, expected 1..%d (and neither split_k nor row_cluster)", node,
                (long long)s->multicast, OFZ_MAX_CLUSTER);
+  s->pdl = ofz_attr_int_or(info, V("pdl"), 0);
+  if (s->pdl != 0 && s->pdl != 1)
+    return BAD("ortfuse: node '%s': pdl = %lld, expected 0 or 1", node, (long long)s->pdl);
   s->blocks_per_sm = ofz_attr_int_or(info, V("blocks_per_sm"), 0);
   if (s->blocks_per_sm < 0 || s->blocks_per_sm > 32)
     return BAD("ortfuse: node '%s': blocks_per_sm = %lld, expected 0..32", node, (long long)s->blocks_per_sm);
@@ -251,6 +254,8 @@ unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count) {
   while (grid > 0 && 2 * (int64_t)c <= split_k && grid * 2 * (long long)c <= (long long)sm_count) c *= 2;
   return c;
 }
+
+int ofz_spec_pdl(const OfzSpec* s, int cc, int has_launch_ex) { return s->pdl && cc >= 90 && has_launch_ex; }
 
 // Input i's dims (at most 64).
 static OrtStatus* input_dims(OrtKernelContext* ctx, size_t i, int64_t* dims, size_t* rank) {

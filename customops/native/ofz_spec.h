@@ -21,6 +21,7 @@ typedef struct OfzSpec {
   int64_t blocks_per_sm;  // a persistent kernel's grid cap per SM (0 = one block per work unit)
   int64_t row_cluster;  // GEMM row split across a cluster: exactly this many blocks per cluster (1 = none)
   int64_t multicast;  // TMA GEMM sharing B by multicast: clusters of exactly this many blocks, units count clusters
+  int64_t pdl;  // 1: a programmatic dependent launch where the device has them (sm_90+), 0: a plain one
   size_t n_archs;
   int64_t archs[OFZ_MAX_ARCHS];
   size_t n_sym;  // pairs (input, axis)
@@ -62,6 +63,10 @@ typedef struct OfzLaunch {
 // Blocks per cluster for `grid` blocks of a kernel with split_k on `sm_count` SMs: the largest power of two
 // up to split_k whose split grid stays within one wave (0 SMs: no clusters).
 unsigned ofz_spec_cluster(int64_t split_k, long long grid, int sm_count);
+
+// Whether a kernel is launched as a programmatic dependent launch on a device of compute capability `cc`
+// (major * 10 + minor) whose driver has cuLaunchKernelEx: it asks for one (pdl) and the device has them (sm_90+).
+int ofz_spec_pdl(const OfzSpec* s, int cc, int has_launch_ex);
 
 // Reads and validates every non-image attribute of kernel variant `variant` (0: the node's first kernel;
 // v > 0 reads the kernel's own attributes as `name@v`, the shared ones as they are). `n_out` is the number

@@ -31,6 +31,7 @@ typedef struct Variant {
   OfzTmaGeom tma_geo[OFZ_TMA_MAPS];
   OfzTensorMap tma_map[OFZ_TMA_MAPS];
   int tma_cached[OFZ_TMA_MAPS];
+  int pdl;  // launched as a programmatic dependent launch: the kernel asks for it and the device has them
 } Variant;
 
 typedef struct FusedKernel {
@@ -116,6 +117,9 @@ static OrtStatus* load_module(const OfzCuda* cu, const OrtKernelInfo* info, CUde
     r = cu->DeviceGetAttribute(sm_count, OFZ_CU_ATTR_SM_COUNT, dev);
     if (r) return cu_fail(k, "cuDeviceGetAttribute(multiprocessor count)", r);
   }
+  // a kernel built for programmatic dependent launches (it waits for its predecessor itself) gets one
+  // where the device and driver have them; elsewhere its wait is a no-op and the launch a plain one
+  k->pdl = ofz_spec_pdl(&k->spec, major * 10 + minor, cu->LaunchKernelEx != NULL);
   // a persistent grid holds no more blocks per SM than the device keeps resident (the compiler's tile model
   // estimated them); any more would run as a second wave
   int resident = 0;
@@ -253,16 +257,26 @@ static OrtStatus* fused_compute(void* kernel, OrtKernelContext* ctx) {
       return s;
     }
   }
+  OfzLaunchAttr attrs[2];
+  unsigned n_attrs = 0;
   if (launch.cluster > 1) {  // split-K or a row split: clusters of launch.cluster blocks share each tile (row)
-    OfzLaunchAttr attr = {.id = OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM};
-    attr.value.cluster.x = launch.cluster, attr.value.cluster.y = 1, attr.value.cluster.z = 1;
-    OfzLaunchConfig cfg = {launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, &attr, 1};
+    attrs[n_attrs] = (OfzLaunchAttr){.id = OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM};
+    attrs[n_attrs].value.cluster.x = launch.cluster, attrs[n_attrs].value.cluster.y = 1;
+    attrs[n_attrs++].value.cluster.z = 1;
+  }
+  if (k->pdl) {  // may start while the previous kernel in the stream finishes (it waits for it itself)
+    attrs[n_attrs] = (OfzLaunchAttr){.id = OFZ_CU_LAUNCH_ATTR_PDL};
+    attrs[n_attrs++].value.pdl = 1;
+  }
+  if (n_attrs) {
+    OfzLaunchConfig cfg = {launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, attrs, n_attrs};
     r = cu->LaunchKernelEx(&cfg, k->fn, params, NULL);
   } else {
     r = cu->LaunchKernel(k->fn, launch.grid, 1, 1, launch.block, 1, 1, launch.smem, (CUstream)stream, params, NULL);
   }
   cu->CtxPopCurrent(&prev);
-  return r ? cu_fail(k, launch.cluster > 1 ? "cuLaunchKernelEx (cluster launch)" : "cuLaunchKernel", r) : NULL;
+  return r ? cu_fail(k, launch.cluster > 1 ? "cuLaunchKernelEx (cluster launch)"
+                       : n_attrs ? "cuLaunchKernelEx (programmatic dependent launch)" : "cuLaunchKernel", r) : NULL;
 }
 
 static OrtStatus* fused_infer(const OrtCustomOp* op, OrtShapeInferContext* ctx) {

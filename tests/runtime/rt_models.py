@@ -20,8 +20,8 @@ FACTS = [
     "node_name_len", "device_id", "mem_is_cpu", "last_dtype", "last_rank", "last_dim_sum", "last_count",
     "last_value_type", "last_int64_sum", "stream_is_null", "table_dtype",
 ]
-PLAN_LEN = 36  # [grid, block, smem, chosen cc (0 = PTX), image bytes, units, d0..d15, cluster, 2 x TMA map (6),
-#             the kernel variant run]
+PLAN_LEN = 37  # [grid, block, smem, chosen cc (0 = PTX), image bytes, units, d0..d15, cluster, 2 x TMA map (6),
+#             the kernel variant run, 1 if a programmatic dependent launch]
 
 
 def model(nodes: Sequence[onnx.NodeProto], inputs: Sequence[onnx.ValueInfoProto],

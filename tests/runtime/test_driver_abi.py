@@ -21,6 +21,7 @@ _Static_assert(OFZ_CU_ATTR_CC_MAJOR == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MA
 _Static_assert(OFZ_CU_ATTR_CC_MINOR == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "cc minor");
 _Static_assert(OFZ_CU_ATTR_SM_COUNT == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count");
 _Static_assert(OFZ_CU_LAUNCH_ATTR_CLUSTER_DIM == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, "cluster dimension");
+_Static_assert(OFZ_CU_LAUNCH_ATTR_PDL == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, "programmatic launch");
 _Static_assert(OFZ_CU_FUNC_MAX_THREADS == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, "max threads");
 _Static_assert(OFZ_CU_FUNC_MAX_DYN_SMEM == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, "max dynamic smem");
 _Static_assert(OFZ_CU_JIT_ERROR_LOG_BUFFER == CU_JIT_ERROR_LOG_BUFFER, "JIT log");
@@ -48,6 +49,8 @@ SAME_OFFSET(OfzLaunchAttr, value, CUlaunchAttribute, value);
 SAME_OFFSET(OfzLaunchAttr, value.cluster.x, CUlaunchAttribute, value.clusterDim.x);
 SAME_OFFSET(OfzLaunchAttr, value.cluster.y, CUlaunchAttribute, value.clusterDim.y);
 SAME_OFFSET(OfzLaunchAttr, value.cluster.z, CUlaunchAttribute, value.clusterDim.z);
+SAME_OFFSET(OfzLaunchAttr, value.pdl, CUlaunchAttribute, value.programmaticStreamSerializationAllowed);
+_Static_assert(sizeof(((OfzLaunchAttr*)0)->value.pdl) == sizeof(int), "programmatic launch flag");
 _Static_assert(sizeof(OfzLaunchConfig) == sizeof(CUlaunchConfig), "launch config size");
 SAME_OFFSET(OfzLaunchConfig, grid_x, CUlaunchConfig, gridDimX);
 SAME_OFFSET(OfzLaunchConfig, block_z, CUlaunchConfig, blockDimZ);

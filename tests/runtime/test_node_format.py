@@ -387,7 +387,7 @@ def test_a_node_runs_the_kernel_variant_its_size_picks() -> None:
     for n, variant in ((1, 0), (99, 0), (100, 1), (4096, 1)):
         _, _, plan = run(sess, n)
         grid, block, smem, cc, image, units = plan[:6]
-        assert plan[-1] == variant and units == 4 * n and cc == 90
+        assert plan[-2] == variant and units == 4 * n and cc == 90
         if variant:
             assert (block, smem, grid, image) == (256, 4096, -(-4 * n // 64), len(b"\x7fELF-big-sm90!!!!"))
         else:
@@ -407,3 +407,14 @@ def test_bad_variant_attributes_name_the_node(overrides: dict, message: str) -> 
     attrs = _two_variants(**overrides)
     with pytest.raises(Exception, match=f"bad_node.*{message}"):
         session(plan_model(name="bad_node", **attrs))
+
+
+@pytest.mark.parametrize("cc,pdl,want", [(90, 1, 1), (80, 1, 0), (90, None, 0), (90, 0, 0)])
+def test_a_programmatic_dependent_launch_where_the_kernel_asks_and_the_device_has_them(cc, pdl, want) -> None:
+    _, _, plan = run(session(plan_model(cc=cc, pdl=pdl)), 3)
+    assert plan[-1] == want and plan[-2] == 0
+
+
+def test_a_bad_pdl_names_the_node() -> None:
+    with pytest.raises(Exception, match="plan_node.*pdl = 2, expected 0 or 1"):
+        session(plan_model(pdl=2))
