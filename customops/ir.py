@@ -208,8 +208,10 @@ class Kernel:
     # __launch_bounds__'s minimum blocks per SM (0: not given): a kernel that moves registers between its
     # warpgroups (setmaxnreg) needs ptxas to allocate exactly its share of the SM at launch
     min_blocks: int = 0
-    # launched as a programmatic dependent launch (Target.pdl): the body opens with ofz::grid_dependency_sync
+    # launched as a programmatic dependent launch (Target.pdl): the body opens with ofz::grid_dependency_sync,
+    # after an L2 prefetch of `prefetch`'s (argument, bytes), constants no kernel writes (lower.prefetched)
     pdl: bool = False
+    prefetch: tuple[tuple[int, int], ...] = ()
 
 
 def arg_alignment(kernel: Kernel, n_args: int) -> tuple[int, ...]:

@@ -873,11 +873,27 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
         raise LoweringError("a Range's length or an Expand's run-time shape is not made of the region's input dims")
     spec = _lower_kind(graph, region, tgt, tf32, tile, bound)
     if tgt.pdl:  # the same kernel, launched so that it may overlap its predecessor: a name of its own
-        spec = dataclasses.replace(spec, kernel=dataclasses.replace(spec.kernel, name=spec.kernel.name + "_pdl",
-                                                                    pdl=True))
+        spec = dataclasses.replace(spec, kernel=dataclasses.replace(
+            spec.kernel, name=spec.kernel.name + "_pdl", pdl=True, prefetch=prefetched(graph, region, spec, tgt)))
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
                                shape_reads=reads, dim_checks=dim_checks(graph, spec),
                                dim_limits=spec.dim_limits + slice_limits(graph, region, spec))
+
+
+def prefetched(graph: Graph, region: Region, spec: KernelSpec, tgt: hw.Target) -> tuple[tuple[int, int], ...]:
+    """(input, bytes) a GEMM kernel launched as a programmatic dependent launch prefetches into L2 before it
+    waits for its predecessor: its constant inputs (weights, biases: read whole, written by no kernel), while
+    they take at most half the L2. Not for other kernels, whose constants are small or gathered (an
+    embedding table is read a row at a time)."""
+    if region.kind not in ("gemm", "gemm_row"):
+        return ()
+    out = []
+    for i, t in enumerate(spec.inputs):
+        info = graph.tensors[t]
+        if t in graph.constants and not graph.fed(t) and all(isinstance(d, int) for d in info.shape):
+            size = math.prod(info.shape) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.dtype)).itemsize
+            out.append((i, int(size)))
+    return tuple(out) if sum(b for _, b in out) <= tgt.l2_bytes // 2 else ()
 
 
 def slice_limits(graph: Graph, region: Region, spec: KernelSpec) -> tuple[tuple[tuple[int, ...], int], ...]:

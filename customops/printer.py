@@ -216,6 +216,7 @@ def render(k: ir.Kernel) -> str:
     bounds = f"{k.block}, {k.min_blocks}" if k.min_blocks else f"{k.block}"
     out.append(f'extern "C" __global__ void __launch_bounds__({bounds}) {k.name}({params}) {{')
     if k.pdl:
+        out.extend(f"  ofz::prefetch_l2_share(a.ptr[{arg}], {size}LL);" for arg, size in k.prefetch)
         out.append("  ofz::grid_dependency_sync();")
     _prelude(k, "  ", out)
     if k.scratch_floats:

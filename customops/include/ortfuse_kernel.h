@@ -49,6 +49,25 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+// Before grid_dependency_sync: this block's share of a constant input of `bytes` (one no kernel writes)
+// prefetched into L2 by one thread, in bulk prefetches of 16-byte aligned chunks, while the previous
+// kernel may still run (sm_90+; a hint, so the unaligned ends are skipped).
+__device__ __forceinline__ void prefetch_l2_share(const void* p, long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0) return;
+  const long long blocks = gridDim.x, per = ((bytes + blocks - 1) / blocks + 15) & ~15LL;
+  const unsigned long long base = reinterpret_cast<unsigned long long>(p), end = base + bytes;
+  unsigned long long lo = (base + blockIdx.x * per + 15) & ~15ULL, hi = base + (blockIdx.x + 1) * per;
+  hi = (hi < end ? hi : end) & ~15ULL;
+  for (; lo < hi; lo += 1u << 20) {  // at most 1 MiB per instruction
+    const unsigned n = static_cast<unsigned>(hi - lo < (1u << 20) ? hi - lo : 1u << 20);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(lo), "r"(n) : "memory");
+  }
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 // Rounding through a narrower float type (an ONNX Cast to fp16/bf16 inside a region).
 __device__ __forceinline__ float round_f16(float x) { return __half2float(__float2half(x)); }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }

@@ -38,10 +38,19 @@ def test_pdl_kernels_wait_first_and_say_so_in_their_nodes():
     for k in res.kernels:
         src = k.compiled.source
         body = src[src.index(f"{k.compiled.entry}(const OfzArgs a"):]
-        assert body.splitlines()[1].strip() == SYNC, body[:300]  # before any access to memory
+        lines = [ln.strip() for ln in body.splitlines()[1:]]
+        first = next(i for i, ln in enumerate(lines) if not ln.startswith("ofz::prefetch_l2_share("))
+        assert lines[first] == SYNC, body[:400]  # before any access to memory but constants' prefetch
         assert k.compiled.entry.endswith("_pdl")
         ptx = k.compiled.ptx.decode() if isinstance(k.compiled.ptx, bytes) else k.compiled.ptx
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+        # the GEMM prefetches its weight and bias (768 x 3072 and 3072 fp16) first; the row kernel nothing
+        fetch = [line.strip() for line in body.splitlines()[1:] if "prefetch_l2_share" in line]
+        if k.region.kind == "gemm":
+            sizes = sorted(int(f.split(", ")[1].rstrip("LL);")) for f in fetch)
+            assert sizes == [3072 * 2, 768 * 3072 * 2] and "cp.async.bulk.prefetch.L2.global" in ptx, fetch
+        else:
+            assert not fetch
     assert all(read_launch(n).pdl for n in res.model.graph.node if n.domain == "ortfuse")
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 128, 768)})  # a no-op on the host
     assert rep.ok, "\n".join(rep.lines())
