@@ -118,6 +118,13 @@ for name in "$@"; do
       # [".zoo-wheels"] alone (bench/README "GPU suite" fills it here; .devgpu stays on the machine)
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/shipped" --no-tests --wheels .zoo-wheels \
         --models ppocr_det ppocr_rec magika --work "$WORK/shipped-work" "${BASE[@]}" ;;
+    timeline-*)  # timeline-MODEL-DTYPE[-pdl]: one batch-1 inference kernel by kernel (bench/timeline.py), stock
+      # ORT and the default build (or --pdl), with and without CUDA graphs: kernel time against the gaps
+      IFS=- read -r _ model dtype extra <<<"$name"
+      pdl=""; [[ $extra == pdl ]] && pdl="--pdl"
+      step "$name" 200 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
+        python3 -m ortfuse optimize \$M $WORK/$name.onnx $pdl >/dev/null &&
+        python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --batch 1 --md $WORK/$name.md --json $WORK/$name.json" ;;
     torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
       IFS=- read -r _ _ model dtype <<<"$name"
       step "$name" 300 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
@@ -126,7 +133,7 @@ for name in "$@"; do
   esac
 done
 
-cp "$WORK"/sweep*.md "$OUT"/ 2>/dev/null
+cp "$WORK"/sweep*.md "$WORK"/timeline*.md "$OUT"/ 2>/dev/null
 cp "$WORK"/bert/results.md "$OUT"/bert-results.md 2>/dev/null
 tar -czf "$OUT/session.tar.gz" -C "$WORK" --exclude=cache --exclude='*.onnx' --exclude='*.onnx.data' . 2>>"$LOG"
 ls -la "$OUT" | tee -a "$LOG"
