@@ -75,9 +75,9 @@ class Target:
     # 55.8 us against 17.3), and in every measured placement of BERT, GPT-2 and ViT fp16 cuBLAS + our row
     # kernel beat it. Measured on sm_90; assumed elsewhere. `--profile` still times both.
     row_epilogue_floor: float = 3.0
-    # Our GEMM with a LayerNorm folded into its A operand (the row moments gathered in the mainloop, no
-    # split-K) against our plain GEMM of the same shape: at least this factor. The tile model puts it at
-    # 1.0-1.1x. Measured on an H100 (2026-11-26, docs/results.md, session 21) only through whole models: the
+    # Our GEMM kernel with a LayerNorm folded into its A operand (the row moments gathered in the mainloop, no
+    # split-K) against the plain kernel of the same shape, launch and fixed costs included: at least this
+    # factor (CostModel.ours_us). The tile model puts the mainloop alone at 1.0-1.1x. Measured on an H100 (2026-11-26, docs/results.md, session 21) only through whole models: the
     # default build with GPT-2's and ViT's 24 folds each against `--ln-fold off`, where the LayerNorms run as
     # our row kernel, was 3.39 against 3.13 ms (GPT-2, batch 32), 0.76 / 0.67 (batch 1), ViT 4.71 / 3.88 and
     # 1.17 / 1.03: 4-35 us lost per fold. With cuBLAS's times for those GEMMs (27-52 us at batch 32) and a row
