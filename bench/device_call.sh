@@ -98,7 +98,7 @@ for name in "$@"; do
     suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-baselines]: one zoo row with
       # --profile (wgmma is the sm_90 default; -kernels adds the per-kernel table, -nowgmma optimizes without
       # wgmma, -noprofile without --profile: the default build; -lnfoldoff the default build with --ln-fold off;
-      # -pdl the default build with programmatic dependent launches;
+      # -pdl the default build with a --pdl build timed beside it in the same run;
       # -baselines the default build beside every baseline, ORT's transformers optimizer and torch.compile
       # included, all in one process), e.g. suite-vit-fp16-kernels
       IFS=- read -r _ model dtype extra <<<"$name"
@@ -106,7 +106,7 @@ for name in "$@"; do
       [[ $extra == kernels ]] && flags=(--kernels); [[ $extra == nowgmma ]] && flags=(--no-wgmma)
       [[ $extra == noprofile ]] && flags=(--no-profile)
       [[ $extra == lnfoldoff ]] && flags=(--no-profile --ln-fold off)
-      [[ $extra == pdl ]] && flags=(--no-profile --pdl)
+      [[ $extra == pdl ]] && flags=(--no-profile --beside-pdl)
       [[ $extra == baselines ]] && flags=(--no-profile) && variants=()
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests "${flags[@]}" --models "$model" \
         --dtypes "$dtype" --work "$WORK/$name-work" "${variants[@]}" ;;
@@ -118,13 +118,12 @@ for name in "$@"; do
       # [".zoo-wheels"] alone (bench/README "GPU suite" fills it here; .devgpu stays on the machine)
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/shipped" --no-tests --wheels .zoo-wheels \
         --models ppocr_det ppocr_rec magika --work "$WORK/shipped-work" "${BASE[@]}" ;;
-    timeline-*)  # timeline-MODEL-DTYPE[-pdl]: one batch-1 inference kernel by kernel (bench/timeline.py), stock
-      # ORT and the default build (or --pdl), with and without CUDA graphs: kernel time against the gaps
-      IFS=- read -r _ model dtype extra <<<"$name"
-      pdl=""; [[ $extra == pdl ]] && pdl="--pdl"
-      step "$name" 200 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
-        python3 -m ortfuse optimize \$M $WORK/$name.onnx $pdl >/dev/null &&
-        python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --batch 1 --md $WORK/$name.md --json $WORK/$name.json" ;;
+    timeline-*)  # timeline-MODEL-DTYPE: one batch-1 inference kernel by kernel (bench/timeline.py): stock ORT,
+      # the default build and a --pdl build beside it, with and without CUDA graphs (kernel time, gaps, overlap)
+      IFS=- read -r _ model dtype <<<"$name"
+      step "$name" 240 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
+        python3 -m ortfuse optimize \$M $WORK/$name.onnx >/dev/null && python3 -m ortfuse optimize \$M $WORK/$name.pdl.onnx --pdl >/dev/null &&
+        python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --beside $WORK/$name.pdl.onnx --batch 1 --md $WORK/$name.md --json $WORK/$name.json" ;;
     torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
       IFS=- read -r _ _ model dtype <<<"$name"
       step "$name" 300 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&

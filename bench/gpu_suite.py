@@ -14,6 +14,7 @@ pytest-gpu.log, pytest-gpu.xml, chart.png. Per-model outputs stay in --work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -76,8 +77,9 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
     return {"ok": False, "note": f"{type(err).__name__}: {err}"}
 
 
-def _optimize(src: Path, work: Path, profile: bool = True) -> dict[str, Any]:
-  out = work / f"{src.stem}.ortfuse.onnx"
+def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = None) -> dict[str, Any]:
+  """`pdl`: overrides Options.pdl (a second build, written beside the first)."""
+  out = work / f"{src.stem}{'' if pdl is None else '.pdl' if pdl else '.nopdl'}.ortfuse.onnx"
   try:
     import onnx
     import ortfuse
@@ -88,11 +90,12 @@ def _optimize(src: Path, work: Path, profile: bool = True) -> dict[str, Any]:
     arch = harness._arch()  # type: ignore[attr-defined]
     # --profile: each region and GEMM tile is timed against ORT's own kernels for the same sub-graph
     shapes = zoo.fixed_image_shapes(onnx.load(str(src), load_external_data=False), zoo.read_sidecar(src))
-    res = compile_model(str(src), shapes, arch, options=Options(archs=_archs(arch), profile=profile))
+    opts = Options(archs=_archs(arch), profile=profile)
+    res = compile_model(str(src), shapes, arch, options=opts if pdl is None else dataclasses.replace(opts, pdl=pdl))
     seconds = time.perf_counter() - start
     model = res.model
     onnx.save_model(model, str(out))
-    (work / f"{src.stem}.report.md").write_text(report.markdown(res, str(src)))
+    (work / f"{out.name.removesuffix('.ortfuse.onnx')}.report.md").write_text(report.markdown(res, str(src)))
     fused = sum(1 for n in model.graph.node if n.domain == "ortfuse")
     placements = [pl.line() for pl in res.placements]
     return {"path": str(out), "seconds": round(seconds, 2), "fused_nodes": fused, "placements": placements,
@@ -132,12 +135,15 @@ def model_check_lines(rows: list[dict[str, Any]]) -> list[str]:
   return out
 
 
-def _bench(src: Path, opt: str | None, batches: str, work: Path, variants: str | None) -> dict[str, Any]:
+def _bench(src: Path, opt: str | None, batches: str, work: Path, variants: str | None,
+           beside: str | None = None) -> dict[str, Any]:
   """Run the harness in a subprocess; return its JSON result (or the failure)."""
   cmd = [sys.executable, "-m", "ortfuse.bench.harness", str(src), "--provider", "cuda", "--batch", batches,
          "--out", str(work)]
   if opt:
     cmd += ["--optimized", opt]
+  if beside:
+    cmd += ["--beside", beside]
   if variants:
     cmd += ["--variants", variants]
   proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -190,9 +196,12 @@ def variant_label(profile: bool = True) -> str:
 
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
-              kernels: bool = False, sweep: bool = False, profile: bool = True) -> dict[str, Any]:
+              kernels: bool = False, sweep: bool = False, profile: bool = True,
+              beside_pdl: bool = False) -> dict[str, Any]:
   """`profile`: optimize with --profile (measured placement and tiles); without it the rows read
-  'NAME no-profile' (the default build: the cost model's placement, the tile model's kernel variants)."""
+  'NAME no-profile' (the default build: the cost model's placement, the tile model's kernel variants).
+  `beside_pdl`: also build with programmatic dependent launches toggled (`--pdl` against the build's
+  default), timed in the same run as the harness's ortfuse-beside rows."""
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -220,7 +229,13 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       entry["optimize"] = _optimize(src, work, profile)
       opt = entry["optimize"].get("path")
       entry["parity"] = _parity(src, Path(opt)) if opt else {"ok": None, "note": "no optimized model"}
-      entry["bench"] = _bench(src, opt, batches, work, variants)
+      beside = None
+      if beside_pdl and opt:
+        from ortfuse.config import Options
+        entry["beside"] = {"label": "pdl" if not Options().pdl else "no pdl",
+                           **_optimize(src, work, profile, pdl=not Options().pdl)}
+        beside = entry["beside"].get("path")
+      entry["bench"] = _bench(src, opt, batches, work, variants, beside)
       if kernels:
         entry["kernels"] = _kernels(src, work, batches)
       _write(out, report)                        # after every model: a cut-off call keeps what it had
@@ -294,6 +309,7 @@ def render(report: dict[str, Any], results: bool = False) -> str:
                    f"{cell('ortfuse')} | {cell('ortfuse+cudagraph')} | {frac} | {ptxt} | "
                    f"{opt_s if opt_s is not None else '—'} |")
   lines += geomean_lines(report)
+  lines += beside_lines(report)
   fixed = [f"{e['model']} {e['dtype']}: " + zoo.shapes_text(shapes)
            for e in report["entries"] if (shapes := e.get("optimize", {}).get("input_shapes"))]
   if fixed:
@@ -322,6 +338,25 @@ def render(report: dict[str, Any], results: bool = False) -> str:
       if notes:
         lines += ["", f"**{e['model']} {e['dtype']}**", ""] + [f"- {str(n)[:400]}" for n in notes]
   return "\n".join(lines) + "\n"
+
+
+def beside_lines(report: dict[str, Any]) -> list[str]:
+  """Each entry's second build (`--beside-pdl`) against its first, same run: median ms and the ratio."""
+  out = []
+  for e in report["entries"]:
+    if "beside" not in e:
+      continue
+    rows = e.get("bench", {}).get("rows", [])
+    cells = []
+    for b in e.get("bench", {}).get("batches", []):
+      by = {r["variant"]: r.get("median_ms") for r in rows if r["batch"] == b}
+      for mine, other in (("ortfuse", "ortfuse-beside"), ("ortfuse+cudagraph", "ortfuse-beside+cudagraph")):
+        if by.get(mine) and by.get(other):
+          cells.append(f"batch {b}{' graph' if 'graph' in mine else ''}: {by[other]:.3f} against {by[mine]:.3f} ms "
+                       f"({by[mine] / by[other]:.2f}x)")
+    out.append(f"{e['model']} {e['dtype']}, built with {e['beside']['label']} beside the row's build (same run): "
+               + ("; ".join(cells) or f"no figures ({e['beside'].get('note', 'see notes')})") + ".")
+  return ["", *out] if out else []
 
 
 # (variant, its baseline): ortfuse against stock ORT, and with CUDA graphs on both sides
@@ -396,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                       "ORTFUSE_WGMMA=0 and model rows read 'NAME no-wgmma'")
   p.add_argument("--ln-fold", choices=("auto", "on", "off"),
                  help="LayerNorm folds for the optimize (sets ORTFUSE_LN_FOLD; rows read 'NAME ln-fold=off')")
+  p.add_argument("--beside-pdl", action="store_true",
+                 help="also build each model with programmatic dependent launches toggled and time it in the same "
+                      "run (harness --beside): 'built with pdl beside the row's build' lines")
   p.add_argument("--pdl", action="store_true",
                  help="optimize with programmatic dependent launches (sets ORTFUSE_PDL=1); rows read 'NAME pdl'")
   p.add_argument("--no-profile", action="store_true",
@@ -422,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile)
+                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, args.beside_pdl)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

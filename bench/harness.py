@@ -10,6 +10,9 @@ Variants (each a row per batch; any that cannot run here becomes a row with a no
                  comparison where launch overhead is what separates stock ORT from ortfuse
   ort+static     diagnostic, not run by default: stock ORT with the symbolic dims pinned as ort+cudagraph
                  pins them, but no graph; separates what pinning changes from what the graph does
+  ortfuse-beside, ortfuse-beside+cudagraph
+                 with `--beside OTHER.onnx` only: a second ortfuse build of the model (another option, e.g.
+                 --pdl) timed like ortfuse and ortfuse+cudagraph in the same run, so the two compare side by side
 
 Timing: host clock around each synchronous Run (ORT synchronizes its stream at the end of Run; torch is
 synchronized explicitly), after warm-up; median and p90 of many runs. On CUDA, inputs and outputs stay on
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 # (measured here), so nothing in a CPU run imports torch and GPU runs import it only at the end.
 VARIANTS = ("ort", "ort+cudagraph", "ort-transformers", "ortfuse", "ortfuse+cudagraph", "torch.compile")
 DIAGNOSTIC = ("ort+static",)  # only when asked for (--variants)
+BESIDE = ("ortfuse-beside", "ortfuse-beside+cudagraph")  # with a second ortfuse model (`beside_path`)
 CPU_VARIANTS = ("ort", "ortfuse")
 DEFAULTS = {"cuda": dict(runs=200, warmup=20, max_seconds=10.0), "cpu": dict(runs=20, warmup=3, max_seconds=3.0)}
 INPUT_SETS = 3                     # rotated on CUDA so repeated runs do not measure one cached input
@@ -273,6 +277,7 @@ class _Ctx:
   out_dir: Path
   optimized: str | None
   notes: list[str]
+  beside: str | None = None  # a second ortfuse model (the ortfuse-beside rows)
 
 
 def _prepare_ort_transformers(ctx: _Ctx) -> str:
@@ -357,16 +362,17 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
     elif variant == "ort+static":
       runner = _ort_runner(_session(ctx.model_path, ctx.provider, static_dims=_static_dims(ctx, feed_sets)),
                            feed_sets, ctx.provider)
-    elif variant in ("ort+cudagraph", "ortfuse+cudagraph"):
+    elif variant in ("ort+cudagraph", "ortfuse+cudagraph", "ortfuse-beside+cudagraph"):
       if ctx.provider != "cuda":
         raise _Skip("CUDA only")
       if ref is None:
         raise _Skip("needs the stock ORT row's output shapes")
-      fused = variant == "ortfuse+cudagraph"
-      if fused and ctx.optimized is None:
+      fused = variant != "ort+cudagraph"
+      path = ctx.beside if variant.startswith("ortfuse-beside") else ctx.optimized
+      if fused and path is None:
         raise _Skip("no optimized model (see notes)")
       static = _static_dims(ctx, feed_sets)
-      sess = _session(ctx.optimized if fused else ctx.model_path, "cuda", cuda_opts={"enable_cuda_graph": "1"},
+      sess = _session(path if fused else ctx.model_path, "cuda", cuda_opts={"enable_cuda_graph": "1"},
                       static_dims=static, cls=_ortfuse_session_cls(ctx) if fused else None)
       shapes = {o.name: (r.shape, r.dtype) for o, r in zip(sess.get_outputs(), ref)}
       runner = _ort_runner(sess, feed_sets[:1], "cuda", shapes)
@@ -374,11 +380,11 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
       runner = _ort_runner(_session(_prepare_ort_transformers(ctx), ctx.provider), feed_sets, ctx.provider)
     elif variant == "torch.compile":
       runner = _torch_runner(ctx, feed_sets)
-    elif variant == "ortfuse":
-      if ctx.optimized is None:
+    elif variant in ("ortfuse", "ortfuse-beside"):
+      path = ctx.beside if variant == "ortfuse-beside" else ctx.optimized
+      if path is None:
         raise _Skip("no optimized model (see notes)")
-      runner = _ort_runner(_session(ctx.optimized, ctx.provider, cls=_ortfuse_session_cls(ctx)),
-                           feed_sets, ctx.provider)
+      runner = _ort_runner(_session(path, ctx.provider, cls=_ortfuse_session_cls(ctx)), feed_sets, ctx.provider)
     else:
       raise _Skip(f"unknown variant {variant!r}")
     times, peak = _time(runner.run, opts["warmup"], opts["runs"], opts["max_seconds"], probe)
@@ -435,9 +441,10 @@ def run_bench(model_path: str | Path, optimized_path: str | Path | None = None, 
               provider: str = "cuda", runs: int | None = None, warmup: int | None = None,
               out_dir: str | Path = "bench-out", variants: Sequence[str] | None = None,
               dims: dict[str, int] | None = None, max_seconds: float | None = None,
-              chart: bool = True) -> BenchResult:
+              chart: bool = True, beside_path: str | Path | None = None) -> BenchResult:
   """Benchmark `model_path` (and its ortfuse-optimized form) at each batch; write <stem>.md/.json/.png to
-  `out_dir`. Without `optimized_path`, `ortfuse.optimize` makes it (its time is `optimize_s`)."""
+  `out_dir`. Without `optimized_path`, `ortfuse.optimize` makes it (its time is `optimize_s`).
+  `beside_path`: a second ortfuse model, timed in the same run as the ortfuse-beside rows."""
   if provider not in DEFAULTS:
     raise ValueError(f"provider must be 'cuda' or 'cpu', got {provider!r}")
   opts = dict(DEFAULTS[provider])
@@ -453,8 +460,11 @@ def run_bench(model_path: str | Path, optimized_path: str | Path | None = None, 
     opt, optimize_s = _optimize(model_path, out, _arch() if provider == "cuda" else "sm_90", notes)
   else:
     opt = str(optimized_path)
-  ctx = _Ctx(model_path, model, meta, provider, out, opt, notes)
+  ctx = _Ctx(model_path, model, meta, provider, out, opt, notes, str(beside_path) if beside_path else None)
   chosen = list(variants or (VARIANTS if provider == "cuda" else CPU_VARIANTS))
+  if beside_path:  # beside the ortfuse rows, before torch.compile's (which imports torch: see VARIANTS)
+    at = len(chosen) - (chosen[-1] == "torch.compile")
+    chosen[at:at] = [v for v in BESIDE[:2 if provider == "cuda" else 1] if v not in chosen]
   if "ort" not in chosen:
     chosen.insert(0, "ort")                      # every ratio is against stock ORT in the same run
   result = BenchResult(model_path, opt, provider, list(batches), [], {}, optimize_s=optimize_s,
@@ -528,7 +538,8 @@ def plot(results: Sequence[BenchResult], path: str | Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   groups = [(Path(r.model).stem, b, r) for r in results for b in r.batches]
-  variants = [v for v in (*VARIANTS, *DIAGNOSTIC) if any(r.row(v, b) and r.row(v, b).median_ms for _, b, r in groups)]
+  variants = [v for v in (*VARIANTS, *DIAGNOSTIC, *BESIDE)
+              if any(r.row(v, b) and r.row(v, b).median_ms for _, b, r in groups)]
   fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(groups) + 4), 4.5))
   width = 0.8 / max(1, len(variants))
   for i, v in enumerate(variants):
@@ -561,6 +572,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--runs", type=int, help="timed runs per row (default 200 on CUDA, 20 on CPU)")
   parser.add_argument("--warmup", type=int, help="untimed runs first (default 20 on CUDA, 3 on CPU)")
   parser.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS + DIAGNOSTIC)}")
+  parser.add_argument("--beside", metavar="OTHER.onnx",
+                      help="a second ortfuse model of the same input, timed in the same run (ortfuse-beside rows)")
   parser.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                       help="value of a symbolic input dim other than the batch, e.g. sequence=128")
 
@@ -568,7 +581,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
   dims = {k: int(v) for k, v in (d.split("=", 1) for d in args.dim)}
   result = run_bench(args.model, args.optimized, [int(b) for b in args.batch.split(",")], args.provider,
-                     args.runs, args.warmup, args.out, args.variants.split(",") if args.variants else None, dims)
+                     args.runs, args.warmup, args.out, args.variants.split(",") if args.variants else None, dims,
+                     beside_path=args.beside)
   print(result.to_markdown())
   print("\n".join(f"wrote {p}" for p in result.files.values()))
   return 0

@@ -12,8 +12,10 @@ kernel's start to the last one's end, the time some kernel ran (the union of the
 same by who launched them (ortfuse; the libraries: cuBLAS, cuDNN; ORT's own kernels); then each of
 ortfuse's kernels by the fused node it belongs to. Medians over the profiled runs.
 
-    python -m ortfuse.bench.timeline MODEL.onnx --optimized OUT.onnx [--batch 1] [--runs 5]
-        [--variants ort,ortfuse,ort+cudagraph,ortfuse+cudagraph] [--md OUT.md] [--json OUT.json]
+    python -m ortfuse.bench.timeline MODEL.onnx --optimized OUT.onnx [--beside OTHER.onnx] [--batch 1]
+        [--runs 5] [--variants ort,ortfuse,ort+cudagraph,ortfuse+cudagraph] [--md OUT.md] [--json OUT.json]
+
+`--beside` adds a second ortfuse build (another option, e.g. `--pdl`) as the ortfuse-beside variants.
 
 Needs a CUDA EP and torch with CUDA (CUPTI); the analysis itself is plain Python (tested on the CPU)."""
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import onnx
 
 VARIANTS = ("ort", "ortfuse", "ort+cudagraph", "ortfuse+cudagraph")
+BESIDE = ("ortfuse-beside", "ortfuse-beside+cudagraph")  # with --beside
 # who launched a kernel, from its name: ours are `ofz_<digest>`; the libraries' (cuBLAS, cuBLASLt, CUTLASS,
 # cuDNN's GEMM-based convolutions) carry these markers; the rest are ORT's own CUDA kernels
 LIBRARY_MARKERS = ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "gemv")
@@ -166,15 +169,17 @@ def profile_runs(run: Callable[[], None], runs: int, warmup: int = 10) -> list[l
     return out
 
 
-def _runner(variant: str, model_path: str, optimized: Optional[str], batch: int) -> Callable[[], None]:
+def _runner(variant: str, model_path: str, optimized: Optional[str], batch: int,
+            beside: Optional[str] = None) -> Callable[[], None]:
     """The harness's way of running a variant (IOBinding, device-resident data; CUDA graphs with fixed
     addresses), for one input set."""
     from ortfuse.bench import harness, zoo
     model = onnx.load(model_path, load_external_data=False)
     feeds = [harness.make_feeds(model, batch, None, 0, zoo.read_sidecar(model_path))]
     fused = variant.startswith("ortfuse")
+    optimized = beside if variant.startswith("ortfuse-beside") else optimized
     if fused and not optimized:
-        raise ValueError(f"variant {variant} needs --optimized")
+        raise ValueError(f"variant {variant} needs --optimized (or --beside)")
     ctx = harness._Ctx(model_path, model, None, "cuda", Path("."), optimized, [])
     path, cls = (optimized, harness._ortfuse_session_cls(ctx)) if fused else (model_path, None)
     if not variant.endswith("+cudagraph"):
@@ -207,6 +212,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--optimized", help="the ortfuse model (needed for the ortfuse variants)")
+    ap.add_argument("--beside", help="a second ortfuse model of the input: the ortfuse-beside variants")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -216,15 +222,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ortfuse.runtime import _cuda_usable
     if not _cuda_usable(["CUDAExecutionProvider"], None):
         ap.error("needs a working CUDA execution provider (and torch with CUDA, for CUPTI)")
-    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if unknown := [v for v in variants if v not in VARIANTS]:
-        ap.error(f"unknown variants {unknown}: expected some of {', '.join(VARIANTS)}")
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()] + (list(BESIDE) if a.beside else [])
+    if unknown := [v for v in variants if v not in VARIANTS + BESIDE]:
+        ap.error(f"unknown variants {unknown}: expected some of {', '.join(VARIANTS + BESIDE)}")
     results: dict[str, RunFigures] = {}
     nodes: list[NodeTime] = []
     raw: dict[str, list[list[dict[str, Any]]]] = {}
     owner = owners(onnx.load(a.optimized, load_external_data=False)) if a.optimized else {}
     for v in variants:
-        runs = profile_runs(_runner(v, a.model, a.optimized, a.batch), a.runs)
+        runs = profile_runs(_runner(v, a.model, a.optimized, a.batch, a.beside), a.runs)
         results[v] = median_figures(runs)
         raw[v] = [[asdict(k) for k in r] for r in runs]
         if v == "ortfuse":

@@ -34,6 +34,11 @@ def summary(r: OptimizeResult) -> str:
     folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
     if folds:
         note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")
+    pdl = [k for k in r.kernels if k.spec.kernel.pdl]
+    if pdl:
+        fetch = sum(1 for k in pdl if k.spec.kernel.prefetch)
+        note.append(f"dependent launches:   {len(pdl)} kernels may start while the one before finishes (--pdl, sm_90+)"
+                    + (f"; {fetch} prefetch their weights into L2 first" if fetch else ""))
     return "\n".join(note + [
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",

@@ -96,3 +96,16 @@ def test_sweep_summary_in_the_report_and_merge(tmp_path):
   assert merged["sweep"] == sweep
   assert "GEMM tile sweep (bench/sweep.py, sweep.md): wgmma+TMA: best tile" in (tmp_path / "out" / "report.md").read_text()
   assert "GEMM tile sweep" not in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_second_build_beside_the_first_gets_a_line_of_its_own():
+  rows = [{"variant": v, "batch": b, "median_ms": ms} for v, b, ms in (
+      ("ortfuse", 1, 0.6), ("ortfuse-beside", 1, 0.5), ("ortfuse+cudagraph", 1, 0.5),
+      ("ortfuse-beside+cudagraph", 1, 0.4), ("ortfuse", 32, 3.0), ("ortfuse-beside", 32, None))]
+  report = {"entries": [{"model": "gpt2 no-profile", "dtype": "fp16", "beside": {"label": "pdl", "path": "x"},
+                         "bench": {"batches": [1, 32], "rows": rows}},
+                        {"model": "bert", "dtype": "fp16", "bench": {"batches": [1], "rows": rows[:2]}}]}
+  (line,) = [ln for ln in gpu_suite.beside_lines(report) if ln]
+  assert line == ("gpt2 no-profile fp16, built with pdl beside the row's build (same run): batch 1: 0.500 against "
+                  "0.600 ms (1.20x); batch 1 graph: 0.400 against 0.500 ms (1.25x).")
+  assert "built with pdl" in gpu_suite.render(report)

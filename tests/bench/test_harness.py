@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -42,6 +43,17 @@ def test_cpu_bench_writes_table_json_and_chart(tmp_path):
   data = json.loads((tmp_path / res.files["json"].split("/")[-1]).read_text())
   assert data["provider"] == "cpu" and len(data["rows"]) == 4
   assert "| 4 | ortfuse |" in res.to_markdown()
+
+
+def test_a_second_ortfuse_model_is_timed_beside_the_first(tmp_path):
+  # --beside: another build of the same model in the same run (on the CPU the model itself, so the outputs agree
+  # exactly); its rows compare with the ortfuse rows side by side
+  path = zoo.build("bert", tiny=True)
+  res = harness.run_bench(path, optimized_path=path, batches=(2,), provider="cpu", runs=5, warmup=1,
+                          out_dir=tmp_path, beside_path=path)
+  assert {r.variant for r in res.rows if r.median_ms} == {"ort", "ortfuse", "ortfuse-beside"}
+  assert res.row("ortfuse-beside", 2).max_abs_diff == 0.0 and res.row("ortfuse-beside", 2).vs_ort > 0
+  assert "| 2 | ortfuse-beside |" in res.to_markdown() and Path(res.files["chart"]).stat().st_size > 0
 
 
 def test_pinned_dims_diagnostic_runs_the_same_model(tmp_path):

@@ -80,9 +80,11 @@ def test_a_tiny_model_profiled_on_the_gpu(tmp_path, monkeypatch):
     src = zoo.build("gpt2", dtype="fp16", tiny=True)
     out = tmp_path / "gpt2.ortfuse.onnx"
     save_model(optimize(src, None, "sm_90", options=Options(archs=(90,), pdl=True)), out)
-    assert tl.main([str(src), "--optimized", str(out), "--runs", "2", "--json", str(tmp_path / "t.json")]) == 0
+    save_model(optimize(src, None, "sm_90", options=Options(archs=(90,), pdl=False)), tmp_path / "plain.onnx")
+    assert tl.main([str(src), "--optimized", str(out), "--beside", str(tmp_path / "plain.onnx"), "--runs", "2",
+                    "--json", str(tmp_path / "t.json")]) == 0
     rep = json.loads((tmp_path / "t.json").read_text())
-    for v in ("ortfuse", "ortfuse+cudagraph"):
+    for v in ("ortfuse", "ortfuse+cudagraph", "ortfuse-beside", "ortfuse-beside+cudagraph"):
         assert rep["figures"][v]["by_group"]["ortfuse"][0] > 3, rep["figures"][v]
     assert "ortfuse" not in rep["figures"]["ort"]["by_group"]
     assert rep["nodes"] and all(n["node"].startswith("ortfuse_region_") for n in rep["nodes"])

@@ -52,6 +52,9 @@ def test_pdl_kernels_wait_first_and_say_so_in_their_nodes():
         else:
             assert not fetch
     assert all(read_launch(n).pdl for n in res.model.graph.node if n.domain == "ortfuse")
+    from ortfuse.report import summary
+    assert "dependent launches:   2 kernels may start while the one before finishes (--pdl, sm_90+); 1 prefetch " \
+        "their weights into L2 first" in summary(res)
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 128, 768)})  # a no-op on the host
     assert rep.ok, "\n".join(rep.lines())
 
