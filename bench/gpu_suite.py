@@ -228,14 +228,18 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
         continue
       entry["optimize"] = _optimize(src, work, profile)
       opt = entry["optimize"].get("path")
+      start = time.perf_counter()
       entry["parity"] = _parity(src, Path(opt)) if opt else {"ok": None, "note": "no optimized model"}
+      entry["parity_s"] = round(time.perf_counter() - start, 1)  # where a step's time goes (device time is scarce)
       beside = None
       if beside_pdl and opt:
         from ortfuse.config import Options
         entry["beside"] = {"label": "pdl" if not Options().pdl else "no pdl",
                            **_optimize(src, work, profile, pdl=not Options().pdl)}
         beside = entry["beside"].get("path")
+      start = time.perf_counter()
       entry["bench"] = _bench(src, opt, batches, work, variants, beside)
+      entry["bench_s"] = round(time.perf_counter() - start, 1)
       if kernels:
         entry["kernels"] = _kernels(src, work, batches)
       _write(out, report)                        # after every model: a cut-off call keeps what it had
@@ -335,6 +339,10 @@ def render(report: dict[str, Any], results: bool = False) -> str:
                e.get("bench", {}).get("error")] + e.get("bench", {}).get("notes", [])
       notes += [f"{r['variant']} b{r['batch']}: {r['note']}" for r in e.get("bench", {}).get("rows", []) if r.get("note")]
       notes = [n for n in notes if n]
+      steps = [(k, e.get(f"{k}_s", e.get(k, {}).get("seconds") if isinstance(e.get(k), dict) else None))
+               for k in ("build", "optimize", "parity", "bench")]
+      if any(s is not None for _, s in steps):
+        notes.append("seconds: " + ", ".join(f"{k} {s}" for k, s in steps if s is not None))
       if notes:
         lines += ["", f"**{e['model']} {e['dtype']}**", ""] + [f"- {str(n)[:400]}" for n in notes]
   return "\n".join(lines) + "\n"

@@ -109,3 +109,11 @@ def test_a_second_build_beside_the_first_gets_a_line_of_its_own():
   assert line == ("gpt2 no-profile fp16, built with pdl beside the row's build (same run): batch 1: 0.500 against "
                   "0.600 ms (1.20x); batch 1 graph: 0.400 against 0.500 ms (1.25x).")
   assert "built with pdl" in gpu_suite.render(report)
+
+
+def test_the_report_says_where_each_rows_time_went():
+  entry = {"model": "gpt2", "dtype": "fp16", "build_s": 23.0, "optimize": {"seconds": 20.8}, "parity_s": 9.1,
+           "bench_s": 40.2, "bench": {"batches": [], "rows": []}}
+  text = gpu_suite.render({"entries": [entry]})
+  assert "- seconds: build 23.0, optimize 20.8, parity 9.1, bench 40.2" in text
+  assert "seconds:" not in gpu_suite.render({"entries": [entry]}, results=True)
