@@ -375,15 +375,18 @@ def _source(node: FusedNode) -> bytes:
     return src + repr(ints).encode()
 
 
+def _measuring(timer: Optional[Timer], device: Optional[str], cache_path: Optional[Path]) -> tuple[Timer, str, "_Cache"]:
+    """The timer (the CUDA one by default), the device key of cached times, and the cache."""
+    return timer or cuda_timer, device or f"{device_name()} / {clock()} / {MEASURE}", _Cache(cache_path)
+
+
 def place(g: Graph, regions: Sequence[Region], candidates: Callable[[Region], Sequence[tuple[tuple[int, ...], FusedNode]]],
           bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
           timer: Optional[Timer] = None, device: Optional[str] = None) -> list[Placement]:
     """Time every region against its stock-ORT sub-model at each binding. `candidates(region)` yields
     (tile, fused node) pairs: one per tile candidate for GEMMs, one ((), node) otherwise."""
-    timer = timer or cuda_timer
-    dev = device or f"{device_name()} / {clock()} / {MEASURE}"
+    timer, dev, cache = _measuring(timer, device, cache_path)
     headers = headers_digest()
-    cache = _Cache(cache_path)
     out = []
     try:
         for r in regions:
@@ -430,9 +433,7 @@ def padding_wins(g: Graph, i: int, bindings: Sequence[tuple[str, Mapping[str, in
     (rewriter.gemm_padding) than as it is, timed at each binding and cached like `place`: (padded wins, ORT
     as it is, padded + Slice)."""
     from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
-    timer = timer or cuda_timer
-    dev = device or f"{device_name()} / {clock()} / {MEASURE}"
-    cache = _Cache(cache_path)
+    timer, dev, cache = _measuring(timer, device, cache_path)
     plain: list[float] = []
     padded: list[float] = []
     try:
@@ -470,10 +471,8 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
     """The alternative to a row-wise GEMM epilogue: ORT's time for the GEMM alone (cuBLAS) plus our kernel
     for the rest of the region, at each binding, measured and cached like `place` (our kernel failing on the
     device: inf, not cached)."""
-    timer = timer or cuda_timer
-    dev = device or f"{device_name()} / {clock()} / {MEASURE}"
+    timer, dev, cache = _measuring(timer, device, cache_path)
     headers = headers_digest()
-    cache = _Cache(cache_path)
     out = []
     try:
         for _, dims in bindings:
