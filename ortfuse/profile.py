@@ -375,7 +375,8 @@ def _source(node: FusedNode) -> bytes:
     return src + repr(ints).encode()
 
 
-def _measuring(timer: Optional[Timer], device: Optional[str], cache_path: Optional[Path]) -> tuple[Timer, str, "_Cache"]:
+def _measuring(timer: Optional[Timer], device: Optional[str],
+               cache_path: Optional[Path]) -> tuple[Timer, str, "_Cache"]:
     """The timer (the CUDA one by default), the device key of cached times, and the cache."""
     return timer or cuda_timer, device or f"{device_name()} / {clock()} / {MEASURE}", _Cache(cache_path)
 
