@@ -111,6 +111,13 @@ class Target:
     # as ORT runs it: 7.8x at 4096x50257x768 (2485 us), 4.2x at 128 rows (112 us); padded to 50,264 columns
     # plus the Slice, 826 and 52 us (3.0x and 2.1x faster). The smaller factor is kept: padding pays from ~2x.
     unaligned_gemm_slowdown: float = 1.0
+    # Our GEMM storing an output whose rows are not 16-byte aligned (no vector stores: each thread writes its
+    # fragment's elements one by one, rows apart): that output's DRAM time at least this many times over.
+    # sm_90: measured on an H100 (2026-11-26, ...-s21-sweep-unaligned.md), our best TMA tile for GPT-2's LM
+    # head + bias (4096 / 128 x 50257 x 768, the weight read transposed) took 1644 / 69 us where the aligned
+    # GEMM would take ~540 / ~49 (1.05 / 1.16x padded cuBLAS, as on aligned shapes): the extra is 9x / 5.7x the
+    # output's aligned DRAM time (412 / 12.9 MB). The smaller is kept. 1.0 (no charge) where not measured.
+    unaligned_store_factor: float = 1.0
 
     @property
     def arch(self) -> str:
@@ -130,7 +137,7 @@ TABLE: dict[int, Target] = {
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True, pdl=True,
-               unaligned_gemm_slowdown=4.2, ln_fold_floor=1.5),
+               unaligned_gemm_slowdown=4.2, unaligned_store_factor=5.7, ln_fold_floor=1.5),
 }
 
 # SASS instructions per element of each fp32 function the printer emits (customops/printer.py FN), sm_90,

@@ -258,7 +258,8 @@ class CostModel:
         wgmma_ok = not (folded and region.kind == "gemm_row")
         mm_us, mm_bytes = self.gemm_us(g, node, ours=True, wgmma_ok=wgmma_ok)
         mm_us /= self.speed_vs_library(g, node, region)  # assumed until --profile measures it
-        rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1) + self.epilogue_us(g, region)
+        rest = self.time_us(max(tr.fused_bytes - mm_bytes, 0), 1) + self.epilogue_us(g, region) + \
+            self.unaligned_store_us(g, region, node)
         if folded:  # the tile model's folded tile, but never under the measured floor over the whole kernel
             plain = mm_us + rest
             mm_us *= self.fold_penalty(g, node, wgmma_ok)
@@ -269,6 +270,19 @@ class CostModel:
         # the tile model's row tile, but never under the measured floor over the plain kernel as a whole
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
+
+    def unaligned_store_us(self, g: Graph, region: Region, node: onnx.NodeProto) -> float:
+        """What a MatMul/Gemm region's outputs with rows not 16-byte aligned add to our kernel: their scalar,
+        row-strided stores (`Target.unaligned_store_factor` times their aligned DRAM time, the excess)."""
+        if node.op_type not in ops.GEMM or self.target.unaligned_store_factor <= 1.0:
+            return 0.0
+        slow = 0
+        for t in region.outputs:
+            info = g.tensors[t]
+            es = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.dtype)).itemsize
+            if info.shape and len(info.shape) >= 2 and isinstance(info.shape[-1], int) and info.shape[-1] * es % 16:
+                slow += tensor_bytes(g, t)
+        return (self.target.unaligned_store_factor - 1.0) * slow / (self.target.dram_gbps * 1e3)
 
     def compute_us(self, g: Graph, nodes: Iterable[int]) -> float:
         """The instructions of element-wise `nodes` at the issue peak: a kernel of many resident warps hides
