@@ -128,15 +128,41 @@ def test_optimize_pads_the_lm_head_and_keeps_the_logits():
     assert rep.ok, "\n".join(rep.lines())
 
 
-def test_a_gemm_the_search_fuses_is_not_padded():
-    from ortfuse.api import compile_model
-    from ortfuse.config import Options
-
-    # the LM head with a bias + GELU epilogue: the search fuses it, so the weight stays unpadded (our kernel)
+def _head_with_epilogue():
+    """The LM head with a bias + Tanh epilogue on its 8001 (misaligned) columns."""
     m = lm_head(k=256, n=8001)
     m.graph.node[-1].output[0] = "y"
     m.graph.node.extend([node("Add", ["y", "bias"], ["z"]), node("Tanh", ["z"], ["logits"])])
     m.graph.initializer.append(const("bias", _w(8001, TP.FLOAT16, 5), np.float16))
-    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    return m
+
+
+def test_a_gemm_the_search_fuses_is_not_padded(monkeypatch):
+    # where our kernel's scalar stores to misaligned rows were free (Target.unaligned_store_factor 1.0), the
+    # search fuses the epilogue into our GEMM, so the weight stays unpadded
+    import dataclasses
+
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    from ortfuse.customops import target
+    monkeypatch.setitem(target.TABLE, 90, dataclasses.replace(target.TABLE[90], unaligned_store_factor=1.0))
+    res = compile_model(_head_with_epilogue(), None, "sm_90", options=Options(archs=(90,)))
     assert "gemm" in [r.kind for r in res.plan.regions]
     assert "Slice" not in [n.op_type for n in res.model.graph.node]
+
+
+def test_an_epilogue_on_misaligned_rows_reads_the_padded_gemm_through_its_slice():
+    # as measured on the H100 (our GEMM storing 50,257-column rows element by element), the GEMM goes to cuBLAS
+    # on the padded weight and the Slice joins the bias + Tanh in one kernel of ours: no extra copy
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    m = _head_with_epilogue()
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [(r.kind, [res.graph.nodes[i].op_type for i in r.nodes]) for r in res.plan.regions] == [
+        ("pointwise", ["Slice", "Add", "Tanh"])]
+    assert [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"] == ["LayerNormalization", "MatMul"]
+    w = next(i for i in res.model.graph.initializer if i.name == res.model.graph.node[1].input[1])
+    assert list(w.dims) == [256, 8008]
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 3, 256)})
+    assert rep.ok, "\n".join(rep.lines())
