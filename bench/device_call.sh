@@ -75,9 +75,11 @@ for name in "$@"; do
         --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;
     sweep-unaligned)  # 2026-11-26 (session 20): GPT-2's LM head (N = 50,257) as ORT runs it and padded to 16-byte
       # rows (rewriter.gemm_padding): the measurement behind Target.unaligned_gemm_slowdown (so far inferred);
-      # then our GEMM + bias on it (the TMA family reads the weight transposed offline) against cuBLAS
+      # then our GEMM + bias on it (the TMA family reads the weight transposed offline) against cuBLAS, each
+      # family's best tile also with the fragment stores it had before its rows were staged (--direct-stores):
+      # the measurement behind Target.staged_store_factor (so far assumed)
       step "$name" 150 bash -c "python3 -m ortfuse.bench.unaligned --json $WORK/unaligned.json --md $WORK/sweep-unaligned.md &&
-        python3 -m ortfuse.bench.sweep --per-family 1 --shapes 4096x50257x768 128x50257x768 \
+        python3 -m ortfuse.bench.sweep --per-family 1 --direct-stores --shapes 4096x50257x768 128x50257x768 \
           --json $WORK/sweep-unaligned-ours.json --md $WORK/sweep-unaligned-ours.md" ;;
     ncu)  # issue 5: where our GEMM's time goes next to cuBLAS's (bench/ncu_gemm.py): every family's best tile,
       # one run each (the 8 kernels profiled cover all six: why B multicast loses 2-3x and ping-pong does not win)

@@ -7,14 +7,17 @@ apart on the same shapes, and the tile model's estimates from the measurements (
 estimated per family).
 
     python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
-                                  [--no-flush] [--epilogue bias|gelu|layernorm|...] [--json OUT] [--md OUT]
+                                  [--no-flush] [--direct-stores] [--epilogue bias|gelu|layernorm|...]
+                                  [--json OUT] [--md OUT]
 
 Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
 runs on random device-resident inputs. Diagnostics of each family's best tile: `--ablate` times it again
 compiled without its epilogue's stores (OFZ_ABLATE_EPILOGUE in ortfuse_gemm.h; its output is wrong, its
 mainloop is the real one), so the difference is what the stores cost (a split-K tile's: its reduction
 through distributed shared memory and the stores; before 2026-11-26 its reduction stayed in); `--no-flush` times it and cuBLAS with
-the L2 as the previous run left it. `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
+the L2 as the previous run left it; `--direct-stores` times it storing output rows that are not 16-byte
+aligned from the mma fragments (OFZ_DIRECT_STORES), against the staged stores it ships with (GPT-2's LM
+head: `--shapes 4096x50257x768 128x50257x768`). `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
 shape also times cuBLAS followed by the epilogue as our own kernel (what placement weighs a fused epilogue
 against), and the estimates include the epilogue term (Target.epilogue_branch_clocks, which such rows
 calibrate: `softsign` divides by a tensor, IEEE division with its per-element branch; the erf GELU and
@@ -178,7 +181,11 @@ def forced_region(g) -> Region:
 
 
 ABLATE = "#define OFZ_ABLATE_EPILOGUE 1\n"  # ortfuse_gemm.h: the plain epilogue's stores left out
-VARIANTS = ("no epilogue", "no L2 flush")  # diagnostics of each family's best tile (--ablate, --no-flush)
+# ortfuse_gemm.h: outputs with misaligned rows stored from the fragments, not staged through shared memory
+DIRECT = "#define OFZ_DIRECT_STORES 1\n"
+# diagnostics of each family's best tile (--ablate, --no-flush, --direct-stores), and their kernels' defines
+VARIANTS = ("no epilogue", "no L2 flush", "direct stores")
+DEFINES = {"no epilogue": ABLATE, "direct stores": DIRECT}
 
 
 @dataclass(frozen=True)
@@ -234,24 +241,26 @@ class GemmCase:
         sub = region_model(self.g, r, {})
         return fused_model(sub, fused_kernel(r, spec, ck).node), random_feeds(sub, None, seed=2)
 
-    def build(self, cand: tuple[int, ...], cache: Optional[Path] = None, ablate: bool = False) -> Built:
-        """Our kernel at tile `cand` (LoweringError if this GEMM cannot take it); `ablate`: without its
-        epilogue's stores."""
+    def build(self, cand: tuple[int, ...], cache: Optional[Path] = None, ablate: bool = False,
+              variant: str = "") -> Built:
+        """Our kernel at tile `cand` (LoweringError if this GEMM cannot take it); `ablate` (the variant
+        "no epilogue"): without its epilogue's stores; "direct stores": misaligned rows not staged."""
         spec = lower(self.g, self.region, target_for(ARCHS, True), tile=cand)
         src = render(spec.kernel)
-        if ablate:
-            src = src.replace('#include "ortfuse_kernel.h"', ABLATE + '#include "ortfuse_kernel.h"', 1)
+        define = DEFINES.get("no epilogue" if ablate else variant, "")
+        if define:
+            src = src.replace('#include "ortfuse_kernel.h"', define + '#include "ortfuse_kernel.h"', 1)
         ck = compile_kernel(src, spec.kernel.name, ARCHS, cache or Options(archs=ARCHS, wgmma=True).cache)
         return Built(spec.kernel.name, src, ck, fused_model(self.sub, fused_kernel(self.region, spec, ck).node))
 
 
 def _build_all(case: GemmCase, cands: Sequence[tuple[int, ...]], cache: Optional[Path],
-               ablate: bool = False) -> dict[tuple[int, ...], Optional[Built]]:
+               variant: str = "") -> dict[tuple[int, ...], Optional[Built]]:
     """Our kernel at each candidate (None where this GEMM cannot take it), compiled side by side (NVRTC
     releases the GIL): one after another, a shape's up to 20 candidates add up on the device machine."""
     def build(cand: tuple[int, ...]) -> Optional[Built]:
         try:
-            return case.build(cand, cache, ablate=ablate)
+            return case.build(cand, cache, variant=variant)
         except LoweringError:
             return None
     with ThreadPoolExecutor(max_workers=max(1, min(len(cands), os.cpu_count() or 1))) as pool:
@@ -259,9 +268,11 @@ def _build_all(case: GemmCase, cands: Sequence[tuple[int, ...]], cache: Optional
 
 
 def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, cache: Optional[Path] = None,
-                ablate: bool = False, noflush: Optional[Timer] = None, epilogue: str = "bias") -> ShapeResult:
+                ablate: bool = False, noflush: Optional[Timer] = None, epilogue: str = "bias",
+                direct_stores: bool = False) -> ShapeResult:
     """Every family's best tiles at one shape; with `ablate` each family's fastest again without its epilogue
-    stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed; with
+    stores, with `noflush` (a timer that leaves the L2 warm) cuBLAS and those tiles again, unflushed, with
+    `direct_stores` again storing misaligned rows from the fragments (where the kernel stages them); with
     another epilogue than the bias, cuBLAS + the epilogue as our kernel too."""
     case = GemmCase.of(shape, epilogue)
     cublas = timer(case.alone, case.alone_feeds, False)
@@ -277,8 +288,8 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
     prebuilt = _build_all(case, [c[1] for c in cands], cache)
 
     def one(family: str, cand: tuple[int, ...], est: float, variant: str = "") -> Optional[SweepRow]:
-        ablated = variant == "no epilogue"
-        built = prebuilt[cand] if not ablated and cand in prebuilt else _build_all(case, [cand], cache, ablated)[cand]
+        built = prebuilt[cand] if variant not in DEFINES and cand in prebuilt else \
+            _build_all(case, [cand], cache, variant if variant in DEFINES else "")[cand]
         if built is None:
             return None  # a tile this GEMM cannot take (the ranking's shapes are the lowering's)
         res = dict(built.compiled.resources).get(ARCHS[0])
@@ -292,7 +303,7 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
                         variant)
 
     rows = [r for r in (one(*c) for c in cands) if r is not None]
-    variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None)) if on]
+    variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None, direct_stores)) if on]
     for name in NAMES if variants else ():
         best = _best(rows, name)
         if best is not None:
@@ -303,7 +314,8 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
 
 def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6, timer: Optional[Timer] = None,
         on_shape: Optional[Callable[[list[ShapeResult]], None]] = None, ablate: bool = False,
-        no_flush: bool = False, noflush_timer: Optional[Timer] = None, epilogue: str = "bias") -> list[ShapeResult]:
+        no_flush: bool = False, noflush_timer: Optional[Timer] = None, epilogue: str = "bias",
+        direct_stores: bool = False) -> list[ShapeResult]:
     """Every shape in turn; `on_shape` sees the results so far after each (a cut-off run keeps them)."""
     if timer is None:
         from ortfuse.profile import device_timer
@@ -313,7 +325,7 @@ def run(shapes: Sequence[tuple[int, int, int]] = SHAPES, per_family: int = 6, ti
     out: list[ShapeResult] = []
     for s in shapes:
         out.append(sweep_shape(s, timer, per_family, ablate=ablate, noflush=noflush_timer if no_flush else None,
-                               epilogue=epilogue))
+                               epilogue=epilogue, direct_stores=direct_stores))
         if on_shape:
             on_shape(out)
     return out
@@ -405,6 +417,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also time each family's best tile without its epilogue stores (mainloop alone)")
     ap.add_argument("--no-flush", action="store_true",
                     help="also time cuBLAS and each family's best tile without flushing the L2 before a run")
+    ap.add_argument("--direct-stores", action="store_true",
+                    help="also time each family's best tile storing misaligned rows from the fragments instead "
+                         "of through shared memory (where it stages them)")
     ap.add_argument("--epilogue", choices=sorted(EPILOGUES), default="bias",
                     help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU, SiLU, softsign (a division), "
                          "or residual + LayerNorm (a row-wise epilogue)")
@@ -418,7 +433,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.json:
             a.json.write_text(json.dumps(as_json(results), indent=1))
 
-    results = run(a.shapes, a.per_family, on_shape=write, ablate=a.ablate, no_flush=a.no_flush, epilogue=a.epilogue)
+    results = run(a.shapes, a.per_family, on_shape=write, ablate=a.ablate, no_flush=a.no_flush, epilogue=a.epilogue,
+                  direct_stores=a.direct_stores)
     print(render_md(results))
     return 0 if all(math.isfinite(r.us) for res in results for r in res.rows) else 1
 

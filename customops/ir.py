@@ -212,6 +212,9 @@ class Kernel:
     # after an L2 prefetch of `prefetch`'s (argument, bytes), constants no kernel writes (lower.prefetched)
     pdl: bool = False
     prefetch: tuple[tuple[int, int], ...] = ()
+    # (name, value): `static constexpr int` members of the `Ops` struct, settings the template reads
+    # (ortfuse_gemm.h StageOut: kStageOut)
+    ops_consts: tuple[tuple[str, int], ...] = ()
 
 
 def arg_alignment(kernel: Kernel, n_args: int) -> tuple[int, ...]:

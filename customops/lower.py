@@ -846,7 +846,8 @@ class _Lowerer:
 
     def kernel(self, block: int, scratch: int, headers: tuple[str, ...] = (),
                funcs: tuple[ir.Func, ...] = (), aligned: tuple[tuple[int, int], ...] = (),
-               arch_specific: bool = False, tma: bool = False, min_blocks: int = 0) -> ir.Kernel:
+               arch_specific: bool = False, tma: bool = False, min_blocks: int = 0,
+               ops_consts: tuple[tuple[str, int], ...] = ()) -> ir.Kernel:
         params = tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), False) for t, k in self.args.items())
         params += tuple(ir.Param(k, t, _storage(self.g.tensors[t].dtype, f"'{t}'"), True) for t, k in self.out_args.items())
         body = tuple(self.scopes[0].stmts)
@@ -854,10 +855,10 @@ class _Lowerer:
         # one compiled kernel
         anon = tuple(ir.Param(p.arg, "", p.storage, p.is_output) for p in params)
         key = repr(ir.Kernel("", block, anon, self.num_dims, scratch, body, headers, funcs, aligned, arch_specific,
-                             tma, min_blocks))
+                             tma, min_blocks, ops_consts=ops_consts))
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
         return ir.Kernel(f"ofz_{digest}", block, params, self.num_dims, scratch, body, headers, funcs, aligned,
-                         arch_specific, tma, min_blocks)
+                         arch_specific, tma, min_blocks, ops_consts=ops_consts)
 
 
 def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

@@ -103,6 +103,7 @@ class _GemmLowerer(_Lowerer):
         self.row_cluster = 1  # KernelSpec.row_cluster
         self.multicast = 1  # KernelSpec.multicast
         self.tma_shapes: list[tl.Shape] = []  # the bindings' (m, n, k, batch) where TMA tiles are candidates
+        self.stage_out = False  # the epilogue goes through shared memory (misaligned_rows)
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -161,6 +162,14 @@ class _GemmLowerer(_Lowerer):
         `outs` is transposed."""
         return isinstance(inner, int) and inner % 8 == 0 and self.vector_width(inner) == 8 and all(
             (p := self.perms.get(o)) is None or p[-1] == len(p) - 1 for o in outs)
+
+    def misaligned_rows(self, inner: Dim) -> bool:
+        """Whether a region output stores rows of `inner` (static) elements along the GEMM's columns that are
+        not 16-byte aligned: GPT-2's 50,257 fp16 logits, which the fragments' pairs would store as scalars."""
+        if not isinstance(inner, int):
+            return False
+        return any(inner * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.g.tensors[o].dtype)).itemsize % 16
+                   for o in self.r.outputs if (p := self.perms.get(o)) is None or p[-1] == len(p) - 1)
 
     def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, inner: Dim,
                  col_index=lambda n: (n,)) -> None:
@@ -463,6 +472,8 @@ class _GemmLowerer(_Lowerer):
 
         if not self.row_mode:
             self.epilogue(funcs, vb, vm, vn, out_prefix, N)
+            # mma fragments (not SIMT lanes) store such rows through shared memory, a warp a row at a time
+            self.stage_out = math_ != tl.SIMT and self.misaligned_rows(N)
 
         # tile construction
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),
@@ -564,9 +575,11 @@ class _GemmLowerer(_Lowerer):
         return None
 
     def staged(self, a_mode: int, b_mode: int, taps: int = 0) -> tuple[int, int]:
-        """How A and B reach shared memory, as the tile model charges it (tiles.rank_tiles' `staged`)."""
+        """How A and B reach shared memory, and whether the output leaves through it, as the tile model
+        charges it (tiles.rank_tiles' `staged`)."""
         return (tl.ELEMENTS if a_mode == GENERIC else tl.NORMED if self.fold else tl.DIRECT,
-                tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT)
+                tl.TAPS if taps else tl.ELEMENTS if b_mode in (GENERIC, IM2COL) else tl.DIRECT) + \
+            ((tl.STAGE_OUT,) if self.stage_out else ())
 
     def size_estimates(self, ranked: list[tl.Ranked], shapes: list[tl.Shape], es: int, math_: int,
                        a_mode: int, b_mode: int) -> None:
@@ -660,11 +673,13 @@ class _GemmLowerer(_Lowerer):
         # across a cluster gets the tile model's count, without which ptxas capped a 256-thread mma.sync tile
         # of 182 registers at 128 and spilled (NVRTC 13.5)
         min_blocks = 1 if tile.moves_registers else chosen.blocks_per_sm if self.row_cluster > 1 else 0
+        # a staged epilogue's slices: one per warp of the block (ortfuse_gemm.h StageOut)
+        consts = (("kStageOut", tile.threads // 32),) if self.stage_out else ()
         kernel = self.kernel(tile.threads, 0, ("ortfuse_gemm.h",), tuple(funcs), aligned, tile.wgmma, tile.tma,
-                             min_blocks)
-        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split, self.row_cluster)
-        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None, self.row_cluster) > \
-                self.tgt.smem_per_block:
+                             min_blocks, consts)
+        smem = tile.smem_bytes(es, b[0] == COL, self.row_mode, split, self.row_cluster, self.stage_out)
+        if tile.block_smem_bytes(es, b[0] == COL, self.row_mode, split, self.fold is not None, self.row_cluster,
+                                 self.stage_out) > self.tgt.smem_per_block:
             raise LoweringError(f"GEMM tile needs {smem} bytes of shared memory")
         candidates = [r.tile.candidate(r.split) for r in ranked]
         if ranked[0].split > 1 and ranked[0].tile.candidate(1) not in candidates:

@@ -173,6 +173,7 @@ def _prelude(k: ir.Kernel, ind: str, out: list[str]) -> None:
 
 def _ops_struct(k: ir.Kernel, out: list[str]) -> None:
     out.append(f"struct {k.name}_ops {{")
+    out += [f"  static constexpr int {name} = {value};" for name, value in k.ops_consts]
     nested: dict[str, list[ir.Func]] = {}
     for f in k.funcs:
         nested.setdefault(f.name.split(".")[0] if "." in f.name else "", []).append(f)

@@ -111,13 +111,24 @@ class Target:
     # as ORT runs it: 7.8x at 4096x50257x768 (2485 us), 4.2x at 128 rows (112 us); padded to 50,264 columns
     # plus the Slice, 826 and 52 us (3.0x and 2.1x faster). The smaller factor is kept: padding pays from ~2x.
     unaligned_gemm_slowdown: float = 1.0
-    # Our GEMM storing an output whose rows are not 16-byte aligned (no vector stores: each thread writes its
-    # fragment's elements one by one, rows apart): that output's DRAM time at least this many times over.
+    # Our GEMM storing an output whose rows are not 16-byte aligned directly (no vector stores: each thread
+    # writes its elements one by one, rows apart): that output's DRAM time at least this many times over.
+    # Measured on mma fragments before they were staged (below); SIMT lanes still store this way.
     # sm_90: measured on an H100 (2026-11-26, ...-s21-sweep-unaligned.md), our best TMA tile for GPT-2's LM
     # head + bias (4096 / 128 x 50257 x 768, the weight read transposed) took 1644 / 69 us where the aligned
     # GEMM would take ~540 / ~49 (1.05 / 1.16x padded cuBLAS, as on aligned shapes): the extra is 9x / 5.7x the
     # output's aligned DRAM time (412 / 12.9 MB). The smaller is kept. 1.0 (no charge) where not measured.
     unaligned_store_factor: float = 1.0
+    # The same outputs stored through shared memory a row at a time (ortfuse_gemm.h for_each_acc_staged, what
+    # mma-fragment kernels have done since 2026-11-26; SIMT lanes still store directly): assumed, not yet
+    # measured. A warp's store writes 32 adjacent elements (64 bytes of 16-bit ones), so L2 gets whole
+    # sectors and DRAM about the aligned bytes, where a fragment's scalar stores touched 8 rows' sectors 8
+    # bytes each. Issue: the whole-tile staged epilogue of the LM head + bias (128x256 TMA tile, sm_90 SASS,
+    # NVRTC 13) is 7.9 instructions per element (a shared write per pair, a shared read, the bias load and
+    # the math, a 2-byte store) against 7.1 for the aligned 16-byte path (its quad exchange: SHFL and SEL).
+    # 1.25 leaves room for what SASS does not show. Measure with `bench/device_call.sh sweep-unaligned`
+    # (its --direct-stores rows) and replace.
+    staged_store_factor: float = 1.0
 
     @property
     def arch(self) -> str:
@@ -137,7 +148,8 @@ TABLE: dict[int, Target] = {
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True, pdl=True,
-               unaligned_gemm_slowdown=4.2, unaligned_store_factor=5.7, ln_fold_floor=1.5),
+               unaligned_gemm_slowdown=4.2, unaligned_store_factor=5.7, staged_store_factor=1.25,
+               ln_fold_floor=1.5),
 }
 
 # SASS instructions per element of each fp32 function the printer emits (customops/printer.py FN), sm_90,

@@ -67,12 +67,22 @@ REGS_PER_STAGED = 4
 # by element through registers (prologue math, the im2col gather), by the tap-major im2col gather, or (A
 # only) copied by cp.async and read back once for the LayerNorm fold's row moments (no split-K).
 DIRECT, ELEMENTS, TAPS, NORMED = 0, 1, 2, 3
+# A third entry of `staged` (how the output leaves): STAGE_OUT, its epilogue goes through a slice of shared
+# memory per warp (ortfuse_gemm.h for_each_acc_staged: outputs whose rows are not 16-byte aligned).
+STAGE_OUT = 1
+STAGE_SLICE_BYTES = 8 * 40 * 4  # a warp's slice: 8 rows of kStageLd floats
+
 # The row moments of one 16-byte chunk of A (ortfuse_gemm.h RowMoments::add: a shared load, conversions,
 # deviations from the shift, their sum and sum of squares), instructions per thread: the sm_90 SASS k loop of
 # a 64x64x64 fp16 tile (4 chunks per thread) holds 238 instructions more than the plain tile's 190, of which
 # ~18 per chunk sit in the branch taken once per tile (2026-11-25). And the registers a chunk slot keeps.
 ISSUE_PER_MOMENT_CHUNK = 45
 REGS_PER_MOMENT_CHUNK = 4
+
+
+def stages_out(staged: tuple[int, ...]) -> bool:
+    """Whether `staged` has the output leave through shared memory (its third entry STAGE_OUT)."""
+    return len(staged) > 2 and staged[2] == STAGE_OUT
 
 
 @dataclass(frozen=True)
@@ -123,12 +133,16 @@ class GemmTile:
             return WS_CONSUMER_REGS
         return min(MAX_REGS, regs_per_sm // self.threads // 8 * 8)
 
-    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, row_cluster: int = 1) -> int:
+    def smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, row_cluster: int = 1,
+                   stage_out: bool = False) -> int:
         """Dynamic shared memory of ortfuse_gemm.h's Layout: skewed A and B tiles per stage (wgmma: swizzled,
         unskewed, plus alignment slack); with a row-wise epilogue or split-K, at least the fp32 [BM][BN + 4]
         tile buffer (which reuses the drained stages), followed under split-K by the row epilogue's
         reduction scratch, and with a row split across a cluster by that scratch, the reductions' slots and the
-        block's copy of the cluster's slots."""
+        block's copy of the cluster's slots. A staged epilogue's slices, one per warp, come last."""
+        if stage_out and not row:  # (ortfuse_gemm.h stage_slice: the end of the window, 16-byte aligned)
+            return -(-self.smem_bytes(esize, b_nk, row, split, row_cluster) // 16) * 16 + \
+                self.threads // 32 * STAGE_SLICE_BYTES
         pad = 0 if self.wgmma else 16 // esize
         a = self.bm * (self.bk + pad)
         b = self.bn * (self.bk + pad) if b_nk else self.bk * (self.bn + pad)
@@ -143,12 +157,12 @@ class GemmTile:
         return max(pipeline, buffer) if row else pipeline
 
     def block_smem_bytes(self, esize: int, b_nk: bool, row: bool = False, split: int = 1, fold: bool = False,
-                         row_cluster: int = 1) -> int:
-        """All shared memory of a block: the dynamic bytes plus the row epilogue's static scratch and the
-        LayerNorm fold's rstd per row."""
+                         row_cluster: int = 1, stage_out: bool = False) -> int:
+        """All shared memory of a block: the dynamic bytes (with a staged epilogue's slices) plus the row
+        epilogue's static scratch and the LayerNorm fold's rstd per row."""
         fold_rstd = 4 * self.bm if fold else 0
         static = row_scratch_bytes(self) if row and row_cluster == 1 else 0
-        return self.smem_bytes(esize, b_nk, row, split, row_cluster) + static + fold_rstd
+        return self.smem_bytes(esize, b_nk, row, split, row_cluster, stage_out) + static + fold_rstd
 
     def regs(self, math_: int, esize: int = 2, staged: tuple[int, int] = (DIRECT, DIRECT)) -> int:
         """Registers per thread: accumulators, fragments, the copies' addresses and the staged elements."""
@@ -391,7 +405,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     if rsplit > 1 and (split > 1 or rsplit > tgt.max_cluster or t.tma):
         return None  # a row split across a cluster: no split-K in the same cluster, no TMA producer
     regs = t.regs(math_, esize, staged)
-    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit) > tgt.smem_per_block or regs > MAX_REGS or \
+    if t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit, stages_out(staged)) > \
+            tgt.smem_per_block or regs > MAX_REGS or \
             t.threads > tgt.max_threads_per_block or (t.tma and regs > t.reg_limit(tgt.regs_per_sm)):
         return None
     if t.mcast > 1 and (split > 1 or tgt.max_cluster < t.mcast or not t.tma):
@@ -403,7 +418,8 @@ def _estimate(tgt: Target, t: GemmTile, split: int, m: int, n: int, k: int, batc
     # do not pad a small problem into a huge tile: at most one partial tile's worth of waste per axis
     if (t.bm > 16 and t.bm // 2 >= m) or (t.bn > 16 and t.bn // 2 >= n and not row):
         return None
-    block_smem = t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit) + tgt.smem_reserved_per_block
+    block_smem = t.block_smem_bytes(esize, b_nk, row, split, staged[0] == NORMED, rsplit, stages_out(staged)) + \
+        tgt.smem_reserved_per_block
     blocks_per_sm = min(tgt.smem_per_sm // block_smem, tgt.regs_per_sm // (regs * t.threads),
                         tgt.max_threads_per_sm // t.threads, 32)
     if blocks_per_sm < 1:

@@ -272,9 +272,13 @@ class CostModel:
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
 
     def unaligned_store_us(self, g: Graph, region: Region, node: onnx.NodeProto) -> float:
-        """What a MatMul/Gemm region's outputs with rows not 16-byte aligned add to our kernel: their scalar,
-        row-strided stores (`Target.unaligned_store_factor` times their aligned DRAM time, the excess)."""
-        if node.op_type not in ops.GEMM or self.target.unaligned_store_factor <= 1.0:
+        """What a MatMul/Gemm region's outputs with rows not 16-byte aligned add to our kernel: a multiple of
+        their aligned DRAM time, the excess. On mma fragments they are staged through shared memory
+        (`Target.staged_store_factor`); SIMT lanes store them element by element, rows apart
+        (`Target.unaligned_store_factor`)."""
+        staged = self._math(g, node) != tiles.SIMT
+        factor = self.target.staged_store_factor if staged else self.target.unaligned_store_factor
+        if node.op_type not in ops.GEMM or factor <= 1.0:
             return 0.0
         slow = 0
         for t in region.outputs:
@@ -282,7 +286,7 @@ class CostModel:
             es = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.dtype)).itemsize
             if info.shape and len(info.shape) >= 2 and isinstance(info.shape[-1], int) and info.shape[-1] * es % 16:
                 slow += tensor_bytes(g, t)
-        return (self.target.unaligned_store_factor - 1.0) * slow / (self.target.dram_gbps * 1e3)
+        return (factor - 1.0) * slow / (self.target.dram_gbps * 1e3)
 
     def compute_us(self, g: Graph, nodes: Iterable[int]) -> float:
         """The instructions of element-wise `nodes` at the issue peak: a kernel of many resident warps hides

@@ -163,6 +163,7 @@ static State S;
 
 inline int block_of(int fiber) { return fiber / S.block; }
 inline void* dynamic_smem() { return S.smem + (size_t)block_of(S.cur) * S.smem_stride; }
+inline unsigned dynamic_smem_size() { return (unsigned)S.smem_bytes; }  // PTX %dynamic_smem_size
 
 inline std::string format(const char* fmt, va_list ap) {
   char buf[1024];

@@ -521,6 +521,56 @@ __device__ __forceinline__ void for_each_acc8(Acc& acc, int wm0, int wn0, F&& f)
       }
 }
 
+// Visits the warp's mma accumulators through its own slice of shared memory, `buf` (8 rows of kStageLd
+// floats), for outputs whose rows are not 16-byte aligned (Ops::kStageOut): f(row, col, value), one element
+// per lane. A fragment gives each thread column pairs of rows 8 apart, and on such rows every pair is two
+// scalar stores into sectors that many instructions each fill a little of (our GEMM on GPT-2's LM head,
+// H100 2026-11-26: its stores 5.7-9x the output's DRAM time). Here 8 rows x 32 columns of the accumulators
+// at a time go into the slice (float2 writes: a half-warp's 16 reach distinct banks), and each of the
+// 8 rows comes back with lane l at column l, so one store instruction writes 32 adjacent elements.
+constexpr int kStageLd = 40;
+
+template <int kMT, int kNT, class Acc, class F>
+__device__ __forceinline__ void for_each_acc_staged(Acc& acc, int wm0, int wn0, float* buf, F&& f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < kMT; ++i)
+#pragma unroll
+    for (int j0 = 0; j0 < kNT; j0 += 4)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        constexpr int kAll = kNT < 4 ? kNT : 4;
+        const int groups = kNT - j0 < kAll ? kNT - j0 : kAll;  // 8-column groups in this pass
+#pragma unroll
+        for (int j = 0; j < kAll; ++j)
+          if (j < groups)
+            *reinterpret_cast<float2*>(buf + g * kStageLd + j * 8 + 2 * t) =
+                make_float2(acc[i][j0 + j][2 * h], acc[i][j0 + j][2 * h + 1]);
+        __syncwarp();
+        if (lane < groups * 8)
+#pragma unroll
+          for (int r = 0; r < 8; ++r) f(wm0 + i * 16 + 8 * h + r, wn0 + j0 * 8 + lane, buf[r * kStageLd + lane]);
+        __syncwarp();  // the slice is rewritten by the next pass
+      }
+}
+
+// Ops::kStageOut: the warps of the block (each gets a slice of the staging buffer) where the epilogue is
+// staged (for_each_acc_staged), else 0.
+template <class O, class = void> struct StageOut { static constexpr int value = 0; };
+template <class O> struct StageOut<O, decltype((void)O::kStageOut)> { static constexpr int value = O::kStageOut; };
+
+// This warp's staging slice: the slices fill the end of the block's dynamic shared memory (tiles.smem_bytes
+// adds them there, past the pipeline and any tile buffer, 16-byte aligned), out of the way of the stages a
+// TMA producer refills during the epilogue. Not static shared memory: the emulator shares that between a
+// cluster's blocks.
+template <int kWarps>
+__device__ __forceinline__ float* stage_slice() {
+  OFZ_DYNAMIC_SMEM(unsigned char, base);
+  constexpr unsigned kBytes = kWarps * 8 * kStageLd * 4;
+  float* const slices = reinterpret_cast<float*>(base + ((ofz_emu::dynamic_smem_size() - kBytes) & ~15u));
+  return slices + (threadIdx.x / 32) * 8 * kStageLd;
+}
+
 // Whether the printed Ops has epi8 (it is printed only where all of the epilogue's accesses fit 8 lanes).
 template <class O, class = void> struct HasEpi8 { static constexpr bool value = false; };
 template <class O> struct HasEpi8<O, decltype((void)&O::epi8)> { static constexpr bool value = true; };
@@ -540,6 +590,11 @@ struct AccVisitor {
   static constexpr bool kBy8 = kMma && kNT % 4 == 0;  // by8 applies: mma fragments, whole groups of four
   template <class F>
   __device__ __forceinline__ void by8(F&& f) const { for_each_acc8<kMT, kNT>(acc, wm0, wn0, f); }
+  template <class F>
+  __device__ __forceinline__ void staged(float* buf, F&& f) const {
+    static_assert(kMma, "staged stores take mma fragments");
+    for_each_acc_staged<kMT, kNT>(acc, wm0, wn0, buf, f);
+  }
 };
 
 // Row-wise epilogue: X = Ops::row_in(C) into the fp32 row buffer, then Ops::row over the tile's rows. Every
@@ -775,6 +830,21 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
   }
   if constexpr (ROW_TPR > 0) {
     row_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, RSPLIT, PHASES, Ops>(a, buf, visit, b, m0, n0, M, N);
+  } else if constexpr (StageOut<Ops>::value > 0) {
+#ifndef OFZ_DIRECT_STORES  // diagnostics only (bench/sweep.py --direct-stores): the fragment stores instead
+    float* const slice = stage_slice<StageOut<Ops>::value>();
+    if (m0 + BM <= M && n0 + BN <= N)  // a whole tile: straight-line code, the input loads issued early
+      visit.staged(slice, [&](int r, int c, float v) { Ops::epi1(a, b, m0 + r, n0 + c, v); });
+    else
+      visit.staged(slice, [&](int r, int c, float v) {
+        if (m0 + r < M && n0 + c < N) Ops::epi1(a, b, m0 + r, n0 + c, v);
+      });
+#else
+    visit([&](int r, int c, const float* v, int count) {
+      for (int e = 0; e < count; ++e)
+        if (m0 + r < M && n0 + c + e < N) Ops::epi1(a, b, m0 + r, n0 + c + e, v[e]);
+    });
+#endif
   } else {
     if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: no per-fragment branch, so the epilogue is one
       // block of straight-line code in which the compiler issues the input loads (ld_readonly) ahead of the

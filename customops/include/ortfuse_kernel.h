@@ -11,6 +11,13 @@
 #define OFZ_DYNAMIC_SMEM(type, name) \
   extern __shared__ __align__(16) unsigned char ofz_dsmem_##name[]; \
   type* const name = reinterpret_cast<type*>(ofz_dsmem_##name)
+namespace ofz_emu {  // (the emulator's names, on the device: the launch's dynamic shared memory bytes)
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+}  // namespace ofz_emu
 #endif
 
 #include "ortfuse_args.h"

@@ -187,3 +187,21 @@ def test_the_summary_sets_each_unranked_tma_mainloop_against_the_ranked_one():
     assert "wgmma+TMA multicast best / wgmma+TMA best: 4096x768x768 0.85" in lines
     assert "wgmma+TMA pingpong best / wgmma+TMA best: 4096x768x768 1.10" in lines
     assert not any(line.startswith(sweep.PINGPONG_MULTICAST + " best /") for line in lines)  # not timed
+
+
+def test_direct_stores_time_the_fragment_stores_beside_the_staged_ones(tmp_path):
+    # N = 203 fp16: misaligned rows, so the kernel stages its stores; the diagnostic variant compiles the
+    # fragment stores instead (OFZ_DIRECT_STORES), which leaves the staging's warp barriers and its 8-byte
+    # shared stores out of the PTX
+    case = sweep.GemmCase.of((256, 203, 128))
+    cand = [c for f, c, _ in sweep.candidates(256, 203, 128, 1) if f == "wgmma+TMA"][0]
+    full, direct = case.build(cand, tmp_path), case.build(cand, tmp_path, variant="direct stores")
+    assert "kStageOut" in full.source and sweep.DIRECT in direct.source and sweep.DIRECT not in full.source
+    ptx_full, ptx_direct = full.compiled.ptx.decode(), direct.compiled.ptx.decode()
+    assert ptx_full.count("bar.warp.sync") > ptx_direct.count("bar.warp.sync")
+    assert "st.shared.v2.f32" in ptx_full and "st.shared.v2.f32" not in ptx_direct
+    calls: list = []
+    (res,) = sweep.run([(256, 203, 128)], per_family=1, timer=_timer(calls), direct_stores=True)
+    rows = [r for r in res.rows if r.variant == "direct stores"]
+    assert {r.family for r in rows} == set(sweep.NAMES)
+    assert "best tile, direct stores:" in sweep.render_md([res])
