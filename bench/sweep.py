@@ -49,8 +49,10 @@ from ortfuse.customops import tiles as tl
 from ortfuse.customops.compile import CompiledKernel, compile_kernel
 from ortfuse.customops.lower import LoweringError, lower
 from ortfuse.customops.printer import render
+from ortfuse.customops.target import for_cc
 from ortfuse.feeds import random_feeds
 from ortfuse.profile import fused_model, region_model, tile_label
+from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import compute, legal
@@ -363,10 +365,38 @@ def summary(results: Sequence[ShapeResult]) -> list[str]:
             for r in results if r.cublas_noflush_us is not None]
     if warm:
         out.append("cuBLAS, no L2 flush: " + ", ".join(warm))
+    out += misaligned_lines(results)
     split = [f"{'x'.join(map(str, r.shape))} {min((x.us for x in r.rows if not x.error and not x.variant), default=math.nan):.1f}"
              f" fused vs {r.split_us:.1f}" for r in results if r.split_us is not None]
     if split:
         out.append("best fused tile vs cuBLAS + our epilogue kernel (us): " + ", ".join(split))
+    return out
+
+
+def misaligned_lines(results: Sequence[ShapeResult], dram_gbps: Optional[float] = None) -> list[str]:
+    """For each shape whose fp16 rows are not 16-byte aligned and that ran beside its padded twin (N rounded
+    up to 8 columns: `--shapes 4096x50257x768 4096x50264x768`), per family: the best tile's time on both and
+    the store factor it implies, 1 + (misaligned - aligned) / the misaligned output's DRAM time (what
+    Target.staged_store_factor stands for; with --direct-stores, the old fragment stores' too, what
+    Target.unaligned_store_factor stands for)."""
+    bw = dram_gbps or for_cc(ARCHS[0]).dram_gbps
+    by_shape = {r.shape: r for r in results}
+    out = []
+    for res in results:
+        m, n, k = res.shape
+        twin = by_shape.get((m, padded_width(n, TensorProto.FLOAT16), k))
+        if twin is None or twin is res:
+            continue
+        dram_us = m * n * 2 / (bw * 1e3)
+        for name in NAMES:
+            mis, al = _best(res.rows, name), _best(twin.rows, name)
+            if mis is None or al is None:
+                continue
+            cells = [f"{mis.us:.1f} vs {al.us:.1f} us aligned, store factor {1 + (mis.us - al.us) / dram_us:.2f}"]
+            direct = [v for v in res.rows if v.variant == "direct stores" and v.family == name and v.tile == mis.tile
+                      and not v.error]
+            cells += [f"direct stores {v.us:.1f} us, factor {1 + (v.us - al.us) / dram_us:.2f}" for v in direct]
+            out.append(f"{name}, {m}x{n}x{k} misaligned: " + "; ".join(cells))
     return out
 
 

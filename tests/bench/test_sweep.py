@@ -205,3 +205,18 @@ def test_direct_stores_time_the_fragment_stores_beside_the_staged_ones(tmp_path)
     rows = [r for r in res.rows if r.variant == "direct stores"]
     assert {r.family for r in rows} == set(sweep.NAMES)
     assert "best tile, direct stores:" in sweep.render_md([res])
+
+
+def test_a_misaligned_shape_beside_its_padded_twin_gives_the_store_factor():
+    # stand-in times: the misaligned shape's best tile 10 us slower than its twin's, its fragment stores 40;
+    # the factor is 1 + the difference over the misaligned output's DRAM time at the H100's bandwidth
+    rows = lambda shape, us, direct=None: sweep.ShapeResult(  # noqa: E731
+        shape, 100.0, 200.0, tuple([sweep.SweepRow(shape, "wgmma+TMA", (128, 256, 64, 16, 256, 4, 1, 2), us, 1.0, 168, 0)] +
+                                   ([sweep.SweepRow(shape, "wgmma+TMA", (128, 256, 64, 16, 256, 4, 1, 2), direct, 1.0,
+                                                    168, 0, "", "direct stores")] if direct else [])))
+    results = [rows((4096, 50257, 768), 560.0, 1600.0), rows((4096, 50264, 768), 550.0)]
+    (line,) = sweep.misaligned_lines(results, dram_gbps=3350.0)
+    dram_us = 4096 * 50257 * 2 / 3350e3
+    assert line.startswith("wgmma+TMA, 4096x50257x768 misaligned: 560.0 vs 550.0 us aligned")
+    assert f"store factor {1 + 10 / dram_us:.2f}" in line and f"factor {1 + 1050 / dram_us:.2f}" in line
+    assert sweep.misaligned_lines(results[:1]) == []  # no twin, no line
