@@ -567,7 +567,7 @@ template <int kWarps>
 __device__ __forceinline__ float* stage_slice() {
   OFZ_DYNAMIC_SMEM(unsigned char, base);
   constexpr unsigned kBytes = kWarps * 8 * kStageLd * 4;
-  float* const slices = reinterpret_cast<float*>(base + ((ofz_emu::dynamic_smem_size() - kBytes) & ~15u));
+  float* const slices = reinterpret_cast<float*>(base + ((dynamic_smem_size() - kBytes) & ~15u));
   return slices + (threadIdx.x / 32) * 8 * kStageLd;
 }
 

@@ -11,13 +11,6 @@
 #define OFZ_DYNAMIC_SMEM(type, name) \
   extern __shared__ __align__(16) unsigned char ofz_dsmem_##name[]; \
   type* const name = reinterpret_cast<type*>(ofz_dsmem_##name)
-namespace ofz_emu {  // (the emulator's names, on the device: the launch's dynamic shared memory bytes)
-__device__ __forceinline__ unsigned dynamic_smem_size() {
-  unsigned r;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-  return r;
-}
-}  // namespace ofz_emu
 #endif
 
 #include "ortfuse_args.h"
@@ -25,6 +18,17 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 typedef long long ofz_i64;
 
 namespace ofz {
+
+// The launch's dynamic shared memory bytes (PTX %dynamic_smem_size).
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+#ifdef ORTFUSE_EMU
+  return ofz_emu::dynamic_smem_size();
+#else
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+#endif
+}
 
 // Storage type -> compute type. Half types compute in fp32.
 __device__ __forceinline__ float to_f32(float x) { return x; }
