@@ -559,6 +559,12 @@ __device__ __forceinline__ void for_each_acc_staged(Acc& acc, int wm0, int wn0, 
 template <class O, class = void> struct StageOut { static constexpr int value = 0; };
 template <class O> struct StageOut<O, decltype((void)O::kStageOut)> { static constexpr int value = O::kStageOut; };
 
+#ifdef OFZ_DIRECT_STORES  // diagnostics only (bench/sweep.py --direct-stores): the fragment stores, as before
+constexpr bool kDirectStores = true;
+#else
+constexpr bool kDirectStores = false;
+#endif
+
 // This warp's staging slice: the slices fill the end of the block's dynamic shared memory (tiles.smem_bytes
 // adds them there, past the pipeline and any tile buffer, 16-byte aligned), out of the way of the stages a
 // TMA producer refills during the epilogue. Not static shared memory: the emulator shares that between a
@@ -830,8 +836,7 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
   }
   if constexpr (ROW_TPR > 0) {
     row_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, RSPLIT, PHASES, Ops>(a, buf, visit, b, m0, n0, M, N);
-  } else if constexpr (StageOut<Ops>::value > 0) {
-#ifndef OFZ_DIRECT_STORES  // diagnostics only (bench/sweep.py --direct-stores): the fragment stores instead
+  } else if constexpr (StageOut<Ops>::value > 0 && !kDirectStores) {
     float* const slice = stage_slice<StageOut<Ops>::value>();
     if (m0 + BM <= M && n0 + BN <= N)  // a whole tile: straight-line code, the input loads issued early
       visit.staged(slice, [&](int r, int c, float v) { Ops::epi1(a, b, m0 + r, n0 + c, v); });
@@ -839,12 +844,6 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
       visit.staged(slice, [&](int r, int c, float v) {
         if (m0 + r < M && n0 + c < N) Ops::epi1(a, b, m0 + r, n0 + c, v);
       });
-#else
-    visit([&](int r, int c, const float* v, int count) {
-      for (int e = 0; e < count; ++e)
-        if (m0 + r < M && n0 + c + e < N) Ops::epi1(a, b, m0 + r, n0 + c + e, v[e]);
-    });
-#endif
   } else {
     if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: no per-fragment branch, so the epilogue is one
       // block of straight-line code in which the compiler issues the input loads (ld_readonly) ahead of the
