@@ -172,11 +172,12 @@ class _GemmLowerer(_Lowerer):
                    for o in self.r.outputs if (p := self.perms.get(o)) is None or p[-1] == len(p) - 1)
 
     def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, inner: Dim,
-                 col_index=lambda n: (n,)) -> None:
+                 col_index=lambda n: (n,), rows8: bool = False) -> None:
         """epi2 / epi1: every region output at two adjacent columns (16-bit pairs as one store), or one.
         Column n of the GEMM is output index out_prefix(b, m) + col_index(n); its last axis has `inner`
         elements (a Conv's column is an (oh, ow) pixel). The template passes pairs at even n only, so a pair
-        shares its row when `inner` is even."""
+        shares its row when `inner` is even. `rows8`: also rows8, rows m .. m + 7 at column n (the staged
+        epilogue's), whose inputs that do not vary along the column are read once for the 8."""
         v0, v1 = Var("acc0", F32), Var("acc1", F32)
         self.inner_dim = inner
         outs = list(self.r.outputs)
@@ -193,6 +194,19 @@ class _GemmLowerer(_Lowerer):
                 self.store_outputs(outs, lambda lane: prefix + (lane,), None)
             return None
 
+        def store_rows(rows: list[tuple[Expr, Var]]) -> None:  # one element per row, all at column vn
+            first = col_index(vn)
+            self.vec, self.lanes = 1, (first[-1],)
+            for m, v in rows:
+                self.acc = {first[-1]: v}
+                prefix = out_prefix(vb, m) + first[:-1]
+                self.out_idx = prefix + (first[-1],)
+                self.store_outputs(outs, lambda lane: prefix + (lane,), None)
+
+        if rows8:
+            vs = [Var(f"acc{j}", F32) for j in range(8)]
+            rows = [(vm if j == 0 else ir.add(vm, ir.i64(j)), v) for j, v in enumerate(vs)]
+            funcs.append(self.func("rows8", (vb, vm, vn, *vs), lambda: store_rows(rows)))
         pair_vec = 2 if isinstance(inner, int) and inner % 2 == 0 else 1
         n1 = ir.add(vn, ir.i64(1))
         funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: store([(vn, v0), (n1, v1)], pair_vec)))
@@ -471,9 +485,9 @@ class _GemmLowerer(_Lowerer):
                 b_t, operand_index(b_t, b_s, vb, vk, vn, False, trans_b))))
 
         if not self.row_mode:
-            self.epilogue(funcs, vb, vm, vn, out_prefix, N)
             # mma fragments (not SIMT lanes) store such rows through shared memory, a warp a row at a time
             self.stage_out = math_ != tl.SIMT and self.misaligned_rows(N)
+            self.epilogue(funcs, vb, vm, vn, out_prefix, N, rows8=self.stage_out)
 
         # tile construction
         shapes = [(h(M) * (math.prod(h(d) for d in batch_shape) if fold else 1), h(N), h(K),

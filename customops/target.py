@@ -124,9 +124,9 @@ class Target:
     # measured. A warp's store writes 32 adjacent elements (64 bytes of 16-bit ones), so L2 gets whole
     # sectors and DRAM about the aligned bytes, where a fragment's scalar stores touched 8 rows' sectors 8
     # bytes each. Issue: the whole-tile staged epilogue of the LM head + bias (128x256 TMA tile, sm_90 SASS,
-    # NVRTC 13) is 7.9 instructions per element (a shared write per pair, a shared read, the bias load and
-    # the math, a 2-byte store) against 7.1 for the aligned 16-byte path (its quad exchange: SHFL and SEL).
-    # 1.25 leaves room for what SASS does not show. Measure with `bench/device_call.sh sweep-unaligned`
+    # NVRTC 13) is 5.1 instructions per element (a shared write per pair, a shared read, the add, the
+    # conversion, a 2-byte store; the bias loaded once per 8 rows) against 7.1 for the aligned 16-byte path
+    # (its quad exchange: SHFL and SEL). 1.25 leaves room for what SASS does not show. Measure with `bench/device_call.sh sweep-unaligned`
     # (its --direct-stores rows) and replace.
     staged_store_factor: float = 1.0
 

@@ -522,8 +522,8 @@ __device__ __forceinline__ void for_each_acc8(Acc& acc, int wm0, int wn0, F&& f)
 }
 
 // Visits the warp's mma accumulators through its own slice of shared memory, `buf` (8 rows of kStageLd
-// floats), for outputs whose rows are not 16-byte aligned (Ops::kStageOut): f(row, col, value), one element
-// per lane. A fragment gives each thread column pairs of rows 8 apart, and on such rows every pair is two
+// floats), for outputs whose rows are not 16-byte aligned (Ops::kStageOut): f(row, col, values), the values
+// of rows row .. row + 7 at one column per lane. A fragment gives each thread column pairs of rows 8 apart, and on such rows every pair is two
 // scalar stores into sectors that many instructions each fill a little of (our GEMM on GPT-2's LM head,
 // H100 2026-11-26: its stores 5.7-9x the output's DRAM time). Here 8 rows x 32 columns of the accumulators
 // at a time go into the slice (float2 writes: a half-warp's 16 reach distinct banks), and each of the
@@ -547,9 +547,10 @@ __device__ __forceinline__ void for_each_acc_staged(Acc& acc, int wm0, int wn0, 
             *reinterpret_cast<float2*>(buf + g * kStageLd + j * 8 + 2 * t) =
                 make_float2(acc[i][j0 + j][2 * h], acc[i][j0 + j][2 * h + 1]);
         __syncwarp();
-        if (lane < groups * 8)
+        float v[8];
 #pragma unroll
-          for (int r = 0; r < 8; ++r) f(wm0 + i * 16 + 8 * h + r, wn0 + j0 * 8 + lane, buf[r * kStageLd + lane]);
+        for (int r = 0; r < 8; ++r) v[r] = buf[r * kStageLd + lane];
+        if (lane < groups * 8) f(wm0 + i * 16 + 8 * h, wn0 + j0 * 8 + lane, v);
         __syncwarp();  // the slice is rewritten by the next pass
       }
 }
@@ -576,6 +577,11 @@ __device__ __forceinline__ float* stage_slice() {
   float* const slices = reinterpret_cast<float*>(base + ((dynamic_smem_size() - kBytes) & ~15u));
   return slices + (threadIdx.x / 32) * 8 * kStageLd;
 }
+
+// Whether the printed Ops has rows8 (8 rows at one column: the staged epilogue's whole tiles, where inputs
+// along the row, a bias, are loaded once for the 8).
+template <class O, class = void> struct HasRows8 { static constexpr bool value = false; };
+template <class O> struct HasRows8<O, decltype((void)&O::rows8)> { static constexpr bool value = true; };
 
 // Whether the printed Ops has epi8 (it is printed only where all of the epilogue's accesses fit 8 lanes).
 template <class O, class = void> struct HasEpi8 { static constexpr bool value = false; };
@@ -838,12 +844,19 @@ __device__ __forceinline__ void store_tile(const OfzArgs& a, float* buf, const V
     row_epilogue<BM, BN, kThreads, kRowLd, ROW_TPR, RSPLIT, PHASES, Ops>(a, buf, visit, b, m0, n0, M, N);
   } else if constexpr (StageOut<Ops>::value > 0 && !kDirectStores) {
     float* const slice = stage_slice<StageOut<Ops>::value>();
-    if (m0 + BM <= M && n0 + BN <= N)  // a whole tile: straight-line code, the input loads issued early
-      visit.staged(slice, [&](int r, int c, float v) { Ops::epi1(a, b, m0 + r, n0 + c, v); });
-    else
-      visit.staged(slice, [&](int r, int c, float v) {
-        if (m0 + r < M && n0 + c < N) Ops::epi1(a, b, m0 + r, n0 + c, v);
+    if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: straight-line code, the input loads issued early
+      visit.staged(slice, [&](int r, int c, const float* v) {
+        if constexpr (HasRows8<Ops>::value)
+          Ops::rows8(a, b, m0 + r, n0 + c, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+        else
+          for (int e = 0; e < 8; ++e) Ops::epi1(a, b, m0 + r + e, n0 + c, v[e]);
       });
+    } else {
+      visit.staged(slice, [&](int r, int c, const float* v) {
+        for (int e = 0; e < 8; ++e)
+          if (m0 + r + e < M && n0 + c < N) Ops::epi1(a, b, m0 + r + e, n0 + c, v[e]);
+      });
+    }
   } else {
     if (m0 + BM <= M && n0 + BN <= N) {  // a whole tile: no per-fragment branch, so the epilogue is one
       // block of straight-line code in which the compiler issues the input loads (ld_readonly) ahead of the

@@ -84,7 +84,7 @@ def test_misaligned_rows_are_stored_through_shared_memory(tile, wgmma, dt):
     assert spec.split_k == 1  # (split-K's reduction stores rows of its own: split_epilogue)
     assert ("kStageOut", spec.block // 32) in spec.kernel.ops_consts
     src = render(spec.kernel)
-    assert f"static constexpr int kStageOut = {spec.block // 32};" in src and "epi8" not in src
+    assert f"static constexpr int kStageOut = {spec.block // 32};" in src and "epi8" not in src and "rows8" in src
     _check(spec, x, w, b, ref, dt)
 
 
@@ -117,6 +117,17 @@ def test_pairs_on_even_unaligned_rows_stage_too():
     spec = _lowered(m, False)
     assert spec.kernel.ops_consts == (("kStageOut", spec.block // 32),)
     _check(spec, x, w, b, ref, H)
+
+
+def test_rows8_reads_a_bias_once_for_its_eight_rows():
+    # the staged epilogue's whole tiles store 8 rows of one column per call: the bias (indexed by the column
+    # alone) is one load in rows8, where the tanh and the store happen 8 times
+    m, *_ = _gelu_bias(64, 64, 203, H)
+    src = render(_lowered(m, True).kernel)
+    body = src[src.index("rows8("):]
+    body = body[:body.index("\n  }")]
+    assert body.count("t2[") + body.count("t2 +") == 1 and body.count("tanhf(") == 8
+    assert body.count("t3[") + body.count("t3 +") == 8
 
 
 def test_the_slices_count_in_the_tile_model():
