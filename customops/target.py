@@ -123,11 +123,13 @@ class Target:
     # mma-fragment kernels have done since 2026-11-26; SIMT lanes still store directly): assumed, not yet
     # measured. A warp's store writes 32 adjacent elements (64 bytes of 16-bit ones), so L2 gets whole
     # sectors and DRAM about the aligned bytes, where a fragment's scalar stores touched 8 rows' sectors 8
-    # bytes each. Issue: the whole-tile staged epilogue of the LM head + bias (128x256 TMA tile, sm_90 SASS,
-    # NVRTC 13) is 5.1 instructions per element (a shared write per pair, a shared read, the add, the
-    # conversion, a 2-byte store; the bias loaded once per 8 rows) against 7.1 for the aligned 16-byte path
-    # (its quad exchange: SHFL and SEL). 1.25 leaves room for what SASS does not show. Measure with `bench/device_call.sh sweep-unaligned`
-    # (its --direct-stores rows) and replace.
+    # bytes each. What it adds is the round trip through shared memory, 8 bytes per element (an fp32 write
+    # and read) at `smem_bytes_per_clk` per SM, which nothing overlaps (the consumers' MMAs wait for their
+    # epilogue): on sm_90 half the output's aligned DRAM time for 16-bit outputs (GPT-2's LM head: ~56 us
+    # against ~123). Issue is no more than on the aligned path: the whole-tile staged epilogue of the LM head
+    # + bias (128x256 TMA tile, sm_90 SASS, NVRTC 13) is 5.1 instructions per element (the bias loaded once
+    # per 8 rows) against 7.1 for the aligned 16-byte path (its quad exchange: SHFL and SEL). Measure with
+    # `bench/device_call.sh sweep-unaligned` (its "misaligned" lines) and replace.
     staged_store_factor: float = 1.0
 
     @property
@@ -148,7 +150,7 @@ TABLE: dict[int, Target] = {
                238.0, max_threads_per_sm=1536),
     90: Target(90, "H100", 132, 1024, 227 * 1024, 228 * 1024, 50 * 2**20, 3350.0, 6.0, 989.0, 494.0, 67.0, 1.98,
                303.0, max_cluster=8, mma_sync_share=0.6, wgmma=True, pdl=True,
-               unaligned_gemm_slowdown=4.2, unaligned_store_factor=5.7, staged_store_factor=1.25,
+               unaligned_gemm_slowdown=4.2, unaligned_store_factor=5.7, staged_store_factor=1.5,
                ln_fold_floor=1.5),
 }
 
