@@ -68,6 +68,7 @@ def _check(spec, x, w, b, ref, dt):
 @pytest.mark.parametrize("tile,wgmma", [
     ((64, 64, 32, 32, 32, 3, 1), False),              # mma.sync: 2 x 4 fragments per warp, N ragged
     ((128, 128, 32, 64, 32, 3, 1), False),            # mma.sync: four 16-row fragments per warp
+    ((32, 48, 32, 16, 16, 3, 1), False),              # mma.sync: two 8-column groups per pass, not four
     ((64, 128, 64, 16, 128, 4, 1), True),             # wgmma fed by cp.async (B read transposed)
     ((128, 192, 64, 16, 192, 4, 1, 2), True),         # TMA, two consumer warpgroups
     ((64, 64, 64, 16, 64, 4, 1, 2), True),            # TMA, one consumer warpgroup
