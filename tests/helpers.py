@@ -37,6 +37,27 @@ def bf16(x) -> tuple[np.ndarray, np.ndarray]:
     return bits, (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def raw_init(name: str, bits: np.ndarray, dtype: int) -> onnx.TensorProto:
+    """An initializer of ONNX element type `dtype` holding `bits` as they are (bf16 patterns as uint16)."""
+    return helper.make_tensor(name, dtype, bits.shape, bits.tobytes(), raw=True)
+
+
+def rounded_operands(shapes, dtype: int, seed: int, scale: float = 0.3) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Random operands of `shapes` in `dtype` (fp32, fp16 or bf16): (storage bits, their values in fp64), so
+    a reference computed in fp64 sees exactly what the kernel reads."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in shapes:
+        a = rng.standard_normal(s).astype(np.float32) * scale
+        if dtype == onnx.TensorProto.BFLOAT16:
+            bits, vals = bf16(a)
+        else:
+            bits = a.astype(np.float16) if dtype == onnx.TensorProto.FLOAT16 else a
+            vals = bits
+        out.append((bits, np.asarray(vals, np.float64)))
+    return out
+
+
 def fused_parity(m: onnx.ModelProto, shapes, check_shapes, kinds, tf32: bool = False):
     """Optimize `m` for sm_80 and sm_90, assert the region kinds, and check every kernel in CPU emulation
     against ORT CPU on the original model (random non-zero inputs). Returns the OptimizeResult."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto as TP, helper
+from onnx import TensorProto as TP
 
-from helpers import bf16, launch_spec, model, node, vi
+from helpers import launch_spec, model, node, raw_init, rounded_operands, vi
 from ortfuse.api import target_for
 from ortfuse.customops import tiles as tl
 from ortfuse.customops.lower import lower
@@ -21,24 +21,12 @@ from ortfuse.search.regions import plan
 H, BF, F = TP.FLOAT16, TP.BFLOAT16, TP.FLOAT
 
 
-def _init(name: str, arr: np.ndarray, dt: int):
-    return helper.make_tensor(name, dt, arr.shape, arr.tobytes(), raw=True)
-
-
 def _gelu_bias(M: int, K: int, N: int, dt: int, seed: int = 11):
     """y = tanh(x @ w + b): the model, the operands' bits and the fp64 reference on the rounded values."""
-    rng = np.random.default_rng(seed)
-    x32, w32, b32 = (rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((M, K), (K, N), (N,)))
-    if dt == H:
-        (x, xv), (w, wv), (b, bv) = ((a.astype(np.float16), a.astype(np.float16).astype(np.float64))
-                                     for a in (x32, w32, b32))
-    elif dt == BF:
-        (x, xv), (w, wv), (b, bv) = (bf16(a) for a in (x32, w32, b32))
-    else:
-        (x, xv), (w, wv), (b, bv) = ((a, a.astype(np.float64)) for a in (x32, w32, b32))
+    (x, xv), (w, wv), (b, bv) = rounded_operands(((M, K), (K, N), (N,)), dt, seed)
     m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["z"]), node("Tanh", ["z"], ["out"])],
-              [vi("x", dt, [M, K])], [vi("out", dt, None)], [_init("w", w, dt), _init("b", b, dt)])
-    ref = np.tanh(np.asarray(xv, np.float64) @ np.asarray(wv, np.float64) + np.asarray(bv, np.float64))
+              [vi("x", dt, [M, K])], [vi("out", dt, None)], [raw_init("w", w, dt), raw_init("b", b, dt)])
+    ref = np.tanh(xv @ wv + bv)
     return m, x, w, b, ref
 
 

@@ -11,9 +11,9 @@ import re
 
 import numpy as np
 import pytest
-from onnx import TensorProto as TP, helper
+from onnx import TensorProto as TP
 
-from helpers import bf16, const, launch_spec, model, node, vi
+from helpers import const, launch_spec, model, node, raw_init, rounded_operands, vi
 from ortfuse.api import compile_model, target_for
 from ortfuse.check import check_models
 from ortfuse.config import Options
@@ -30,22 +30,12 @@ H, BF = TP.FLOAT16, TP.BFLOAT16
 WG = Options(archs=(90,), wgmma=True)
 
 
-def _init(name: str, arr: np.ndarray, dt: int):
-    return helper.make_tensor(name, dt, arr.shape, arr.tobytes(), raw=True)
-
-
 def _bias(M: int, K: int, N: int, dt: int, seed: int = 5):
     """y = x @ w + b: the model, x's bits, w's bits, b's bits and the fp64 reference on the rounded values."""
-    rng = np.random.default_rng(seed)
-    x32, w32, b32 = (rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((M, K), (K, N), (N,)))
-    if dt == H:
-        (x, xv), (w, wv), (b, bv) = ((a.astype(np.float16), a.astype(np.float16).astype(np.float64)) for a in (x32, w32, b32))
-    else:
-        (x, xv), (w, wv), (b, bv) = (bf16(a) for a in (x32, w32, b32))
+    (x, xv), (w, wv), (b, bv) = rounded_operands(((M, K), (K, N), (N,)), dt, seed)
     m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "b"], ["out"])], [vi("x", dt, [M, K])],
-              [vi("out", dt, None)], [_init("w", w, dt), _init("b", b, dt)])
-    ref = np.asarray(xv, np.float64) @ np.asarray(wv, np.float64) + np.asarray(bv, np.float64)
-    return m, x, w, b, ref
+              [vi("out", dt, None)], [raw_init("w", w, dt), raw_init("b", b, dt)])
+    return m, x, w, b, xv @ wv + bv
 
 
 def _lowered(m, tile=None):
