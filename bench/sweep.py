@@ -17,7 +17,8 @@ mainloop is the real one), so the difference is what the stores cost (a split-K 
 through distributed shared memory and the stores; before 2026-11-26 its reduction stayed in); `--no-flush` times it and cuBLAS with
 the L2 as the previous run left it; `--direct-stores` times it storing output rows that are not 16-byte
 aligned from the mma fragments (OFZ_DIRECT_STORES), against the staged stores it ships with (GPT-2's LM
-head: `--shapes 4096x50257x768 128x50257x768`). `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
+head beside its padded twin, whose "misaligned" summary lines give the store factors: `--shapes
+4096x50257x768 4096x50264x768`). `--epilogue gelu` adds BERT's exported erf GELU after the bias: then each
 shape also times cuBLAS followed by the epilogue as our own kernel (what placement weighs a fused epilogue
 against), and the estimates include the epilogue term (Target.epilogue_branch_clocks, which such rows
 calibrate: `softsign` divides by a tensor, IEEE division with its per-element branch; the erf GELU and
@@ -305,7 +306,8 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
                         variant)
 
     rows = [r for r in (one(*c) for c in cands) if r is not None]
-    variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None, direct_stores)) if on]
+    staged = shape[1] * 2 % 16 != 0  # fp16 rows that are not 16-byte aligned: the kernels stage their stores
+    variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None, direct_stores and staged)) if on]
     for name in NAMES if variants else ():
         best = _best(rows, name)
         if best is not None:

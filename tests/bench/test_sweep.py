@@ -204,6 +204,8 @@ def test_direct_stores_time_the_fragment_stores_beside_the_staged_ones(tmp_path)
     (res,) = sweep.run([(256, 203, 128)], per_family=1, timer=_timer(calls), direct_stores=True)
     rows = [r for r in res.rows if r.variant == "direct stores"]
     assert {r.family for r in rows} == set(sweep.NAMES)
+    (aligned,) = sweep.run([(256, 208, 128)], per_family=1, timer=_timer(calls), direct_stores=True)
+    assert not [r for r in aligned.rows if r.variant]  # nothing staged there: no diagnostic to time
     assert "best tile, direct stores:" in sweep.render_md([res])
 
 
