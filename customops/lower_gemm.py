@@ -712,10 +712,15 @@ class _GemmLowerer(_Lowerer):
             ranked = tl.rank_tiles(self.tgt, m, n, k, batch, es, tl.WS_F16, True, top_k=10**6)
             best = [r.tile for r in ranked if r.split == 1][:1] + [r.tile for r in tl.rank_pingpong(
                 self.tgt, m, n, k, batch, es)[:1]]
-            out += [t.candidate(1) for t in best if t.pingpong]
+            out += [t.candidate(1) for t in best if t.pingpong and self.fits(t, es)]
             twins = [t.multicast_twin() for t in best]
-            out += [t.candidate(1) for t in twins if t is not None and self.tgt.max_cluster >= t.mcast]
+            out += [t.candidate(1) for t in twins if t is not None and self.tgt.max_cluster >= t.mcast and
+                    self.fits(t, es)]
         return out
+
+    def fits(self, t: tl.GemmTile, es: int) -> bool:
+        """Whether a TMA tile ranked without this kernel's staging slices still fits beside them."""
+        return t.block_smem_bytes(es, True, stage_out=self.stage_out) <= self.tgt.smem_per_block
 
 
 def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,

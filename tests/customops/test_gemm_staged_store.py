@@ -6,6 +6,8 @@ slices' shared memory in the tile model. Not verified here: its speed
 (bench/device_call.sh sweep-unaligned, `--direct-stores`)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from onnx import TensorProto as TP
@@ -16,6 +18,8 @@ from ortfuse.customops import tiles as tl
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import render
 from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import legal
+from ortfuse.search.cost import traffic
 from ortfuse.search.regions import plan
 
 H, BF, F = TP.FLOAT16, TP.BFLOAT16, TP.FLOAT
@@ -132,3 +136,19 @@ def test_the_slices_count_in_the_tile_model():
     out = tl.rank_tiles(tgt, *shape, 2, tl.WS_F16, True, top_k=10**6, staged=(tl.DIRECT, tl.DIRECT, tl.STAGE_OUT))
     assert any(r.tile == tile for r in direct) and not any(r.tile == tile for r in out)
     assert all(r.tile.block_smem_bytes(2, True, stage_out=True) <= tgt.smem_per_block for r in out)
+
+
+@pytest.mark.parametrize("m_rows", [128, 4096])
+def test_every_profile_candidate_lowers_beside_the_slices(m_rows):
+    # --profile lowers each of spec.tiles; the unranked TMA candidates (ping-pong, B multicast) come from a
+    # ranking without the slices, so those that no longer fit beside them (a 7-stage 128x128 ring) are left out
+    m, *_ = _gelu_bias(m_rows, 768, 50257, H)
+    g = build_graph(m, {})
+    tgt = target_for((90,), True)
+    r = legal.classify(g, set(range(len(g.nodes))))  # (whatever the search would choose for it)
+    r = dataclasses.replace(r, id=0, traffic=traffic(g, r))
+    spec = lower(g, r, tgt)
+    assert spec.kernel.ops_consts and len(spec.tiles) > 2
+    for cand in spec.tiles:
+        lowered = lower(g, r, tgt, tile=cand)
+        assert lowered.kernel.ops_consts, cand
