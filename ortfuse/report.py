@@ -78,6 +78,8 @@ def markdown(r: OptimizeResult, source: str) -> str:
         shared = "keys split across clusters of up to" if k.region.kind == "attention" else "split-K up to"
         split = f", {shared} {k.spec.split_k}" if k.spec.split_k > 1 else \
             f", rows split across clusters of {k.spec.row_cluster}" if k.spec.row_cluster > 1 else ""
+        if k.spec.kernel.ops_consts:  # (ortfuse_gemm.h kStageOut: rows not 16-byte aligned)
+            split += ", stores staged through shared memory"
         by_size = "".join(f"; from {frm} rows `{vck.entry}` ({vspec.block})" for frm, vspec, vck in k.variants)
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}`"
                    f"{by_size} | {k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")

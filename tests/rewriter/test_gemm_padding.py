@@ -11,6 +11,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
 from ortfuse.customops.target import for_cc
+from ortfuse.report import markdown
 from ortfuse.rewriter.gemm_padding import candidate, pad_unaligned_gemms, padded_width
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search.cost import CostModel
@@ -149,6 +150,7 @@ def test_a_gemm_the_search_fuses_is_not_padded():
         ("gemm", ["MatMul", "Add", "Tanh"])]
     assert "Slice" not in [n.op_type for n in res.model.graph.node]
     assert ("kStageOut", res.kernels[0].spec.block // 32) in res.kernels[0].spec.kernel.ops_consts
+    assert "stores staged through shared memory" in markdown(res, "lm_head")  # the report says so
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 3, 256)})
     assert rep.ok, "\n".join(rep.lines())
 
