@@ -26,6 +26,7 @@ from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, RowSplit, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.rewriter.layernorm_fold import LayerNormFold
 from ortfuse.search import conv, norm_fold, ops
@@ -168,7 +169,7 @@ class _GemmLowerer(_Lowerer):
         not 16-byte aligned: GPT-2's 50,257 fp16 logits, which the fragments' pairs would store as scalars."""
         if not isinstance(inner, int):
             return False
-        return any(inner * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.g.tensors[o].dtype)).itemsize % 16
+        return any(padded_width(inner, self.g.tensors[o].dtype) != inner
                    for o in self.r.outputs if (p := self.perms.get(o)) is None or p[-1] == len(p) - 1)
 
     def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, inner: Dim,

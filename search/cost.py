@@ -13,6 +13,7 @@ import onnx
 
 from ortfuse.customops import tiles
 from ortfuse.customops.target import Target
+from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
 from ortfuse.search import compute, conv, norm_fold, ops
@@ -280,12 +281,9 @@ class CostModel:
         factor = self.target.staged_store_factor if staged else self.target.unaligned_store_factor
         if node.op_type not in ops.GEMM or factor <= 1.0:
             return 0.0
-        slow = 0
-        for t in region.outputs:
-            info = g.tensors[t]
-            es = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.dtype)).itemsize
-            if info.shape and len(info.shape) >= 2 and isinstance(info.shape[-1], int) and info.shape[-1] * es % 16:
-                slow += tensor_bytes(g, t)
+        slow = sum(tensor_bytes(g, t) for t in region.outputs
+                   if len(shape := g.tensors[t].shape) >= 2 and isinstance(shape[-1], int) and
+                   padded_width(shape[-1], g.tensors[t].dtype) != shape[-1])
         return (factor - 1.0) * slow / (self.target.dram_gbps * 1e3)
 
     def compute_us(self, g: Graph, nodes: Iterable[int]) -> float:
