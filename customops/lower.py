@@ -131,6 +131,14 @@ ROW_KERNEL_GROUPS = 3
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
+def slice_index(g: Graph, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> tuple[Expr, ...]:
+    """The element of a Slice's input that its output holds at `idx`: start + coordinate * step per axis."""
+    from ortfuse.search.attention import slice_steps
+
+    starts, steps = legal.slice_starts(g, node), slice_steps(g, node)
+    return tuple(ir.add(ir.mul(c, ir.i64(steps.get(a, 1))), ir.i64(starts.get(a, 0))) for a, c in enumerate(idx))
+
+
 def _storage(dtype: int, what: str) -> str:
     s = scalar.STORAGE.get(dtype)
     if s is None:
@@ -428,9 +436,8 @@ class _Lowerer:
             return self.gather_value(node, idx)
         if op == "Concat":
             return self.concat_value(node, idx)
-        if op == "Slice":  # unit steps: the coordinate plus the start (legal.slice_verdict)
-            starts = legal.slice_starts(self.g, node)
-            return self.value(node.input[0], tuple(ir.add(c, ir.i64(starts.get(a, 0))) for a, c in enumerate(idx)))
+        if op == "Slice":  # the start plus the coordinate times the step (legal.slice_verdict)
+            return self.value(node.input[0], slice_index(self.g, node, idx))
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]

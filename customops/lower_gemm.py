@@ -7,6 +7,9 @@ The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the re
   the operand element by element, through any prologue ops (casts, scaling, transposes, broadcasts);
 * `epi2` / `epi1` compute every region output at one or two adjacent columns from the accumulator, with
   16-bit pairs stored as one access when the row length is even;
+* gated pairs (a gated MLP's SiLU(x Wg) * (x Wu) packed by `rewriter.canonical` with the gate's and the
+  up projection's columns alternating: two Slices of step 2 are all that reads the GEMM's result): `epi2`
+  gets the two values of one output column, and the outputs are half as wide as the GEMM;
 * row-wise epilogue (region kind "gemm_row": a Softmax, LayerNorm or Reduce* over the GEMM's N axis): the
   tile spans whole rows; `row_in` evaluates X, the one tensor between the GEMM and its reductions, into a
   shared-memory row buffer, and `row` runs the rest of the region as a row-reduction pass over that buffer.
@@ -24,12 +27,12 @@ import onnx
 
 from ortfuse.customops import ir, scalar, target as hw, tiles as tl
 from ortfuse.customops.ir import F32, I64, Expr, Var
-from ortfuse.customops.lower import KernelSpec, LoweringError, RowSplit, _Lowerer, _Scope, _storage
+from ortfuse.customops.lower import KernelSpec, LoweringError, RowSplit, _Lowerer, _Scope, _storage, slice_index
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.rewriter.layernorm_fold import LayerNormFold
-from ortfuse.search import conv, norm_fold, ops
+from ortfuse.search import conv, legal, norm_fold, ops
 from ortfuse.search.cost import bindings
 from ortfuse.search.plan import Region
 
@@ -105,6 +108,8 @@ class _GemmLowerer(_Lowerer):
         self.multicast = 1  # KernelSpec.multicast
         self.tma_shapes: list[tl.Shape] = []  # the bindings' (m, n, k, batch) where TMA tiles are candidates
         self.stage_out = False  # the epilogue goes through shared memory (misaligned_rows)
+        self.gated: Optional[int] = None  # gated pairs: the outputs' width, half the GEMM's (legal.gated_reads)
+        self.gated_reads: tuple[onnx.NodeProto, ...] = ()  # their Slices from column 0 and from column 1
 
     # ------------------------------------------------------------------ X from the row buffer
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
@@ -171,6 +176,32 @@ class _GemmLowerer(_Lowerer):
             return False
         return any(padded_width(inner, self.g.tensors[o].dtype) != inner
                    for o in self.r.outputs if (p := self.perms.get(o)) is None or p[-1] == len(p) - 1)
+
+    def gated_epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, half: int) -> None:
+        """epi2 (and epi8) of gated pairs: GEMM columns n, n + 1 (n even) are the two Slices' elements at
+        output column n / 2; epi8's 8 columns are 4 outputs, stored as one vector. The template calls epi2 at
+        even columns of an even-width GEMM alone, and mma fragments hold such pairs, so epi1 is empty."""
+        self.inner_dim = half
+        outs = list(self.r.outputs)
+
+        def store(vals: list[Var]) -> None:
+            c0 = self.bind(ir.idiv(vn, ir.i64(2)), "gc")
+            self.lanes = tuple(ir.add(c0, ir.i64(j)) for j in range(len(vals) // 2))
+            self.vec = len(self.lanes)
+            prefix = out_prefix(vb, vm)
+            # the GEMM column each Slice reads at output column c (2c, 2c + 1), as its lowering computes it
+            self.acc = {slice_index(self.g, sl, prefix + (c,))[-1]: vals[2 * j + first]
+                        for j, c in enumerate(self.lanes) for first, sl in enumerate(self.gated_reads)}
+            self.out_idx = prefix + (self.lanes[0],)
+            self.store_outputs(outs, lambda lane: prefix + (lane,), None)
+            return None
+
+        v0, v1 = Var("acc0", F32), Var("acc1", F32)
+        funcs.append(self.func("epi2", (vb, vm, vn, v0, v1), lambda: store([v0, v1])))
+        funcs.append(self.func("epi1", (vb, vm, vn, v0), lambda: None))
+        if half % 4 == 0 and self.vector_width(half) >= 4:
+            vs = [Var(f"acc{j}", F32) for j in range(8)]
+            funcs.append(self.func("epi8", (vb, vm, vn, *vs), lambda: store(vs)))
 
     def epilogue(self, funcs: list[ir.Func], vb: Var, vm: Var, vn: Var, out_prefix, inner: Dim,
                  col_index=lambda n: (n,), rows8: bool = False) -> None:
@@ -424,7 +455,16 @@ class _GemmLowerer(_Lowerer):
         storage, math_, es = self.operand_math(a_t, b_t, "GEMM")
         M, N = y_s[-2], y_s[-1]
         K = a_s[-2] if trans_a else a_s[-1]
-        for o in self.r.outputs:
+        reads = None if self.row_mode else legal.gated_reads(g, self.r.nodes, self.anchor_index)
+        if reads is not None:
+            self.gated, self.gated_reads = int(N) // 2, reads
+            if math_ == tl.SIMT:
+                raise LoweringError("gated pairs need tensor-core fragments (16-bit operands, or fp32 with --tf32)")
+            for o in self.r.outputs:
+                if self._shape(o) != y_s[:-1] + (self.gated,) or o in self.perms:
+                    raise LoweringError(f"output '{o}' of shape {self._shape(o)} is not the gated pairs' "
+                                        f"{y_s[:-1] + (self.gated,)}")
+        for o in self.r.outputs if self.gated is None else ():
             if self._shape(o) != y_s and o not in self.perms and not (
                     self.row_mode and self._shape(o) in (y_s[:-1], y_s[:-1] + (1,))):
                 raise LoweringError(f"output '{o}' of shape {self._shape(o)} is neither the GEMM's shape {y_s} "
@@ -485,7 +525,9 @@ class _GemmLowerer(_Lowerer):
             funcs.append(self.func("b_load", (vb, vk, vn), lambda: self.value(
                 b_t, operand_index(b_t, b_s, vb, vk, vn, False, trans_b))))
 
-        if not self.row_mode:
+        if self.gated is not None:
+            self.gated_epilogue(funcs, vb, vm, vn, out_prefix, self.gated)
+        elif not self.row_mode:
             # mma fragments (not SIMT lanes) store such rows through shared memory, a warp a row at a time
             self.stage_out = math_ != tl.SIMT and self.misaligned_rows(N)
             self.epilogue(funcs, vb, vm, vn, out_prefix, N, rows8=self.stage_out)

@@ -26,7 +26,12 @@
   weights, one Add and a Split: one GEMM launch with a wider N instead of several. The caller says which
   packings to keep (only those whose Split a consumer reads through, so no copy kernel is added); one whose
   Split no attention reads is tried with a Slice per result (a decoder's Q and K read by rotary kernels) and
-  kept where the search fuses every Slice and none of the MatMuls had its epilogue fused.
+  kept where the search fuses every Slice and none of the MatMuls had its epilogue fused. A pair of
+  equally wide MatMuls left over (a gated MLP's gate and up projections, SiLU(x Wg) * (x Wu)) is tried
+  interleaved: the packed weight's columns alternate between the two, and two Slices of step 2 give the
+  results back, so one GEMM kernel holds each output column's gate and up values in one fragment pair
+  (`legal.gated_reads`); kept where the search fuses the packed MatMul (with both Slices, which the
+  lowering requires).
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
@@ -536,8 +541,12 @@ class _Pack:
     biases: tuple[str, ...]
 
     @property
+    def base(self) -> str:  # the prefix of the packing's node and tensor names
+        return f"{self.x}__ortfuse_packed_{self.matmuls[0]}"
+
+    @property
     def split_name(self) -> str:
-        return f"{self.x}__ortfuse_packed_{self.matmuls[0]}/Split"
+        return f"{self.base}/Split"
 
     @property
     def slice_names(self) -> tuple[str, ...]:  # the Slice form: one Slice per result
@@ -569,7 +578,8 @@ def _sibling_packs(g: Graph) -> list[_Pack]:
     return packs
 
 
-def _apply_packs(g: Graph, packs: list[_Pack], sliced: frozenset[_Pack] = frozenset()) -> Graph:
+def _apply_packs(g: Graph, packs: list[_Pack], sliced: frozenset[_Pack] = frozenset(),
+                 interleaved: frozenset[_Pack] = frozenset()) -> Graph:
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     tensors = dict(g.tensors)
@@ -578,7 +588,7 @@ def _apply_packs(g: Graph, packs: list[_Pack], sliced: frozenset[_Pack] = frozen
     new_nodes: list[onnx.NodeProto] = []
     for i, node in enumerate(m.graph.node):
         if i in at:
-            new_nodes.extend(_packed_nodes(g, at[i], m, tensors, at[i] in sliced))
+            new_nodes.extend(_packed_nodes(g, at[i], m, tensors, at[i] in sliced, at[i] in interleaved))
         if i not in removed:
             new_nodes.append(node)
     del m.graph.node[:]
@@ -588,33 +598,40 @@ def _apply_packs(g: Graph, packs: list[_Pack], sliced: frozenset[_Pack] = frozen
 
 
 def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, TensorInfo],
-                  sliced: bool = False) -> list[onnx.NodeProto]:
+                  sliced: bool = False, interleaved: bool = False) -> list[onnx.NodeProto]:
     """MatMul on the concatenated weights (+ Add of the concatenated biases) + Split into the old results, or
-    (`sliced`, opset 13 on) one Slice per result, which a kernel reading it can absorb on its own."""
-    base = f"{p.x}__ortfuse_packed_{p.matmuls[0]}"
+    (`sliced`, opset 13 on) one Slice per result, which a kernel reading it can absorb on its own, or
+    (`interleaved`, two MatMuls of one width, opset 10 on) the columns alternating between the two weights and
+    a Slice of step 2 per result."""
+    base = p.base
     sizes = [g.tensors[w].shape[1] for w in p.weights]
     dtype = g.tensors[p.weights[0]].dtype
     x_shape = g.tensors[p.x].shape
     out_shape = (*x_shape[:-1], sum(sizes))
-    m.graph.initializer.append(numpy_helper.from_array(np.concatenate([g.constants[w] for w in p.weights], 1),
-                                                       f"{base}_w"))
+
+    def packed_of(parts: list[np.ndarray]) -> np.ndarray:  # along the last axis, interleaved or one after another
+        if interleaved:
+            return np.stack(parts, -1).reshape(*parts[0].shape[:-1], -1)
+        return np.concatenate(parts, -1)
+    m.graph.initializer.append(numpy_helper.from_array(packed_of([g.constants[w] for w in p.weights]), f"{base}_w"))
     nodes = [onnx.helper.make_node("MatMul", [p.x, f"{base}_w"], [f"{base}_mm"], name=f"{base}/MatMul")]
     tensors[f"{base}_mm"] = TensorInfo(f"{base}_mm", dtype, out_shape)
     tensors[f"{base}_w"] = TensorInfo(f"{base}_w", dtype, (x_shape[-1], sum(sizes)))
     packed, results = f"{base}_mm", [g.nodes[i].output[0] for i in p.matmuls]
     if p.adds:
-        m.graph.initializer.append(numpy_helper.from_array(np.concatenate([g.constants[b] for b in p.biases]),
+        m.graph.initializer.append(numpy_helper.from_array(packed_of([g.constants[b] for b in p.biases]),
                                                            f"{base}_b"))
         tensors[f"{base}_b"] = TensorInfo(f"{base}_b", dtype, (sum(sizes),))
         nodes.append(onnx.helper.make_node("Add", [packed, f"{base}_b"], [f"{base}_add"], name=f"{base}/Add"))
         tensors[f"{base}_add"] = TensorInfo(f"{base}_add", dtype, out_shape)
         packed, results = f"{base}_add", [g.nodes[a].output[0] for a in p.adds]
     axis = len(out_shape) - 1
-    if sliced:
+    if sliced or interleaved:
         for k, (res, name) in enumerate(zip(results, p.slice_names)):
-            bounds = [f"{name}_{what}" for what in ("starts", "ends", "axes")]
-            start = sum(sizes[:k])
-            for t, v in zip(bounds, (start, start + sizes[k], axis)):
+            bounds = [f"{name}_{what}" for what in ("starts", "ends", "axes", "steps")[:4 if interleaved else 3]]
+            start = k if interleaved else sum(sizes[:k])
+            values = (k, sum(sizes), axis, len(sizes)) if interleaved else (start, start + sizes[k], axis)
+            for t, v in zip(bounds, values):
                 m.graph.initializer.append(numpy_helper.from_array(np.asarray([v], np.int64), t))
                 tensors[t] = TensorInfo(t, onnx.TensorProto.INT64, (1,))
             nodes.append(onnx.helper.make_node("Slice", [packed, *bounds], [res], name=name))
@@ -633,7 +650,8 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
     packing whose Split is not named is tried with one Slice per result instead, where `fused(graph)` (the
     outputs of the nodes the search fuses) has none of its MatMuls in `g` (a GEMM with its epilogue fused
     stays ours), and kept where it has every Slice in that graph (each absorbed by the kernel reading it: a
-    decoder's Q and K by their rotary embedding's, V by the attention's); the others are undone. `g` is left
+    decoder's Q and K by their rotary embedding's, V by the attention's); pairs of one width still undone are
+    tried interleaved and kept where the search fuses their packed MatMul; the others are undone. `g` is left
     untouched."""
     packs = _sibling_packs(g)
     if not packs:
@@ -653,9 +671,21 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
                 absorbed = fused(trial)
                 sliced = frozenset(p for p in rest if set(p.results(g)) <= absorbed)
         final = [p for p in packs if p in kept or p in sliced]
-        if final != packs or sliced:
+        # pairs left over, interleaved (a gated MLP's gate and up projections: one kernel for both)
+        pairs = [p for p in packs if p not in final and len(p.matmuls) == 2 and not p.adds and
+                 len({g.tensors[w].shape for w in p.weights}) == 1] if fused is not None and g.opset >= 13 else []
+        mixed: frozenset[_Pack] = frozenset()
+        if pairs:
+            trial2 = _apply_packs(g, final + pairs, sliced, frozenset(pairs))
+            absorbed = fused(trial2)
+            mixed = frozenset(p for p in pairs if f"{p.base}_mm" in absorbed and set(p.results(g)) <= absorbed)
+        if mixed and len(mixed) == len(pairs):
+            packed, packs = trial2, final + pairs  # the graph the search has just seen
+        elif final != packs or sliced or mixed:
             # every packing tried as Slices kept: the graph the search has just seen (and the caller may have
             # its plan of)
-            packed = trial if sliced and sliced == rest else _apply_packs(g, final, sliced) if final else g
+            final = [p for p in packs if p in final or p in mixed]
+            packed = trial if sliced and sliced == rest and not mixed else \
+                _apply_packs(g, final, sliced, mixed) if final else g
             packs = final
     return packed, sum(len(p.matmuls) for p in packs)

@@ -277,10 +277,11 @@ def _path_source(g: Graph, p: int, scale_ok: bool, select_ok: bool = False) -> s
     return None
 
 
-def select_start(g: Graph, n: onnx.NodeProto, out: str) -> dict[int, int]:
-    """Where output `out` of Split/Slice `n` starts in its input: {axis: first index} (unit steps only).
-    Split starts come from the inferred sizes of the outputs before it, so every form of the op (sizes
-    as input, attribute or num_outputs) reads the same. Raises ValueError when they are not static."""
+def select_start(g: Graph, n: onnx.NodeProto, out: str, strided: bool = False) -> dict[int, int]:
+    """Where output `out` of Split/Slice `n` starts in its input: {axis: first index} (unit steps only, or
+    `strided`: any positive constant steps, which `slice_steps` gives). Split starts come from the inferred
+    sizes of the outputs before it, so every form of the op (sizes as input, attribute or num_outputs) reads
+    the same. Raises ValueError when they are not static."""
     info = g.tensors.get(n.input[0])
     src = None if info is None else info.shape
     if src is None:
@@ -306,11 +307,22 @@ def select_start(g: Graph, n: onnx.NodeProto, out: str) -> dict[int, int]:
     for s0, a, st in zip(starts, axes, steps):
         a %= rank
         dim = src[a]
-        if st != 1 or not isinstance(dim, int):
-            raise ValueError(f"Slice of axis {a}: only unit steps on static dims fold into offsets")
+        if not (st == 1 or (strided and st > 1)) or not isinstance(dim, int):
+            raise ValueError(f"Slice of axis {a}: only {'positive' if strided else 'unit'} steps on static dims "
+                             f"fold into offsets")
         first = min(max(s0 + dim if s0 < 0 else s0, 0), dim)
         result[a] = first
     return result
+
+
+def slice_steps(g: Graph, n: onnx.NodeProto) -> dict[int, int]:
+    """{axis: step} of a Slice with constant steps (1 where none are given)."""
+    inputs = list(n.input) + [""] * (5 - len(n.input))
+    rank = len(g.tensors[n.input[0]].shape or ())
+    starts = g.constants[inputs[1]].reshape(-1).tolist()
+    axes = g.constants[inputs[3]].reshape(-1).tolist() if inputs[3] else list(range(len(starts)))
+    steps = g.constants[inputs[4]].reshape(-1).tolist() if inputs[4] else [1] * len(starts)
+    return {int(a) % rank: int(st) for a, st in zip(axes, steps)}
 
 
 # ---- checks -------------------------------------------------------------------------------------------------

@@ -84,17 +84,18 @@ def slice_runtime_end(g: Graph, node: onnx.NodeProto) -> Optional[tuple[int, Dim
 
 
 def slice_starts(g: Graph, node: onnx.NodeProto) -> dict[int, int]:
-    """{axis: first index read} of a unit-step Slice with constant starts (`attention.select_start`), or
-    {axis: 0} for the run-time-end form (`slice_runtime_end`). Raises ValueError for other forms."""
+    """{axis: first index read} of a Slice with constant starts and positive constant steps
+    (`attention.select_start`; the steps: `attention.slice_steps`), or {axis: 0} for the run-time-end form
+    (`slice_runtime_end`). Raises ValueError for other forms."""
     from ortfuse.search.attention import select_start
 
     run_time = slice_runtime_end(g, node)
-    return {run_time[0]: 0} if run_time is not None else select_start(g, node, node.output[0])
+    return {run_time[0]: 0} if run_time is not None else select_start(g, node, node.output[0], strided=True)
 
 
 def slice_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
-    """None when a Slice is an index op (`slice_starts`: unit steps, constant starts, and constant ends or
-    one run-time end that is a dim, whose fit the launch checks)."""
+    """None when a Slice is an index op (`slice_starts`: positive constant steps, constant starts, and
+    constant ends or one run-time end that is a dim, whose fit the launch checks)."""
     if any(x and x not in g.constants for x in list(node.input[1:2]) + list(node.input[3:5])):
         return "its starts, axes or steps are computed at run time"
     try:
@@ -393,6 +394,33 @@ def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
     return None
 
 
+def gated_reads(g: Graph, nodes: Iterable[int], anchor: int) -> Optional[tuple[onnx.NodeProto, onnx.NodeProto]]:
+    """The Slices from column 0 and from column 1 where GEMM `anchor`'s [.., N] result is read in the region
+    `nodes` by exactly these two Slices of its last axis, of step 2, and by nothing else (a gated MLP packed by
+    `rewriter.canonical` with its gate and up columns alternating: the region's outputs are N / 2 wide); else
+    None."""
+    from ortfuse.search.attention import slice_steps
+
+    y = g.nodes[anchor].output[0]
+    shape = g.tensors[y].shape or ()
+    inside = set(nodes)
+    readers = [i for i in g.consumers.get(y, ()) if i in inside]
+    if not shape or y in g.graph_outputs or not isinstance(shape[-1], int) or shape[-1] % 2 or len(readers) != 2 \
+            or len(readers) != len(set(g.consumers.get(y, ()))):
+        return None
+    last, firsts = len(shape) - 1, {}
+    for i in readers:
+        n = g.nodes[i]
+        if n.op_type != "Slice" or slice_verdict(g, n) is not None:
+            return None
+        starts = slice_starts(g, n)
+        if slice_steps(g, n) != {last: 2} or set(starts) != {last} or \
+                g.tensors[n.output[0]].shape != shape[:-1] + (shape[-1] // 2,):
+            return None
+        firsts[starts[last]] = n
+    return (firsts[0], firsts[1]) if set(firsts) == {0, 1} else None
+
+
 def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     """The kernel shape a group would take, or why it has none. Traffic is filled in by the caller."""
     label = f"region of {len(nodes)} ops starting at {g.node_label(min(nodes))}"
@@ -419,6 +447,8 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
         if reductions and g.nodes[gemms[0]].op_type in ops.CONV:
             return Reject(label, "a reduction after a Conv: row-wise epilogues follow MatMul/Gemm only")
         rows = (space[:-1], space[:-1] + (1,)) if reductions else ()
+        if not reductions and gated_reads(g, nodes, gemms[0]) is not None:
+            rows = (space[:-1] + (space[-1] // 2,),)  # gated pairs: outputs half as wide as the GEMM
         for i in reductions:  # row-wise epilogue: reductions over the GEMM's rows
             if g.tensors[g.nodes[i].input[0]].shape != space:
                 return Reject(label, f"{g.node_label(i)} reduces a tensor of another shape than the GEMM's {space}")

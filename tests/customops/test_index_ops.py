@@ -1,6 +1,6 @@
 """Index ops inside kernels: Gather (embedding lookups, any axis, int32/int64, negative indices), Range
-iotas (transformers' position ids and masks) and Slice/Concat (rotary embeddings), each checked in CPU
-emulation and through the fused node's function body (ORT CPU, functions inlined) against ORT on the
+iotas (transformers' position ids and masks), Slice (positive steps too) and Concat (rotary embeddings), each
+checked in CPU emulation and through the fused node's function body (ORT CPU, functions inlined) against ORT on the
 original model. Tolerances: fp32 1e-5, fp16 1e-2 normwise."""
 from __future__ import annotations
 
@@ -264,6 +264,18 @@ def test_slice_with_constant_bounds_is_an_index_op():
                node("Add", ["y0", "r"], ["y"])],
               [vi("x", F, ["n", 9, 8]), vi("r", F, ["n", 3, 4])], [vi("y", F, ["n", 3, 4])],
               [const("st", [2, -6], I64), const("en", [5, -2], I64), const("ax", [1, 2], I64), const("two", 2.0)])
+    res = fused_parity(m, {"x": ("n", 9, 8), "r": ("n", 3, 4)}, {"x": (2, 9, 8), "r": (2, 3, 4)}, ["pointwise"])
+    assert len(res.model.graph.node) == 1
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_strided_slices_are_index_ops(dt):
+    # positive steps: every other column from 1 (ends clamped), every third row from -8; an odd step count
+    m = model([node("Slice", ["x", "st", "en", "ax", "sp"], ["s"]), node("Mul", ["s", "two"], ["y0"]),
+               node("Add", ["y0", "r"], ["y"])],
+              [vi("x", dt, ["n", 9, 8]), vi("r", dt, ["n", 3, 4])], [vi("y", dt, ["n", 3, 4])],
+              [const("st", [-8, 1], I64), const("en", [9, 99], I64), const("ax", [1, 2], I64),
+               const("sp", [3, 2], I64), const("two", 2.0, NP[dt])])
     res = fused_parity(m, {"x": ("n", 9, 8), "r": ("n", 3, 4)}, {"x": (2, 9, 8), "r": (2, 3, 4)}, ["pointwise"])
     assert len(res.model.graph.node) == 1
 

@@ -223,6 +223,32 @@ def test_split_k_in_clusters(split):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def _gated(M: int = 1000, K: int = 576, N: int = 1536):
+    """Llama's MLP up to h: SiLU(x Wg) * (x Wu), fp16 (SmolLM-135M's K and N at M rows)."""
+    return model([node("MatMul", ["x", "wg"], ["g"]), node("MatMul", ["x", "wu"], ["u"]),
+                  node("Sigmoid", ["g"], ["sg"]), node("Mul", ["g", "sg"], ["a"]), node("Mul", ["a", "u"], ["h"])],
+                 [vi("x", H, [M, K])], [vi("h", H, None)],
+                 [const("wg", _w((K, N), 31, 0.1), np.float16), const("wu", _w((K, N), 32, 0.1), np.float16)])
+
+
+@pytest.mark.parametrize("tile", [
+    None,                                 # as built
+    (128, 128, 32, 64, 32, 3, 1),         # mma.sync
+    (128, 256, 64, 16, 128, 4, 1, 1),     # wgmma fed by cp.async
+    (128, 128, 64, 16, 128, 7, 1, 2),     # TMA
+    (64, 64, 64, 16, 64, 4, 4, 1),        # split-K in clusters of 4
+])
+def test_gated_mlp_as_one_gemm_matches_ort(tile):
+    # gate and up interleaved in one weight, each output column's pair in one fragment (rewriter.canonical,
+    # lower_gemm's gated epilogue); M 1000 against every tile's rows
+    m = _gated()
+    res = compile_model(m, None, "sm_90", options=WG)
+    assert [k.region.kind for k in res.kernels] == ["gemm"]
+    fused = _forced(m, tile) if tile else res.model
+    rep = check_models(m, fused, provider="cuda")
+    assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_tiny_zoo_with_wgmma_on_gpu(name, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
