@@ -115,3 +115,16 @@ def test_every_tile_family_stores_gated_pairs(tile, dt):
     launch_spec(spec, [x, w, out], [])
     got = _as_f64(out, dt)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_siblings_that_are_not_gated_stay_apart():
+    # two projections of x of one width with epilogues of their own: no region reads both halves, so the
+    # interleaved packing is tried, not fused, and undone (each GEMM keeps its own epilogue kernel)
+    (wa, _), (wb, _) = rounded_operands(((64, 96), (64, 96)), H, 6)
+    m = model([node("MatMul", ["x", "wa"], ["a"]), node("MatMul", ["x", "wb"], ["b"]), node("Relu", ["a"], ["ra"]),
+               node("Tanh", ["b"], ["tb"])], [vi("x", H, ["n", 7, 64])], [vi("ra", H, None), vi("tb", H, None)],
+              [raw_init("wa", wa, H), raw_init("wb", wb, H)])
+    res = fused_parity(m, {"x": ("n", 7, 64)}, {"x": (2, 7, 64)}, ("gemm", "gemm"))
+    assert not any(n.op_type == "Slice" for n in res.graph.nodes)
+    assert sorted(res.graph.nodes[i].input[1] for k in res.kernels for i in k.region.nodes
+                  if res.graph.nodes[i].op_type == "MatMul") == ["wa", "wb"]
