@@ -48,7 +48,9 @@ TAP_MAJOR_PERM = (0, 2, 3, 1)  # a Conv weight [OC][C][KH][KW] as the tap-major 
 def row_input(graph: Graph, region: Region, anchor: int, prologue: Optional[int] = None) -> str:
     """X of a row-wise epilogue: the one tensor computed from the GEMM result, before any reduction, that
     the rest of the region (or the outside) reads (`prologue`: a folded LayerNorm, not one of those
-    reductions). Raises when there is not exactly one."""
+    reductions). Where several are read (an RMSNorm exported as Cast, Pow, ReduceMean, ..., x * rstd: the
+    cast x and x ** 2), the last tensor that every path from the GEMM to them runs through: the row pass
+    recomputes the others from it element by element. Raises when there is none but the GEMM's result."""
     nodes = set(region.nodes)
 
     def downstream(seeds: set[int]) -> set[int]:
@@ -65,10 +67,31 @@ def row_input(graph: Graph, region: Region, anchor: int, prologue: Optional[int]
     pre = downstream({anchor}) - after
     frontier = sorted({o for i in pre for o in graph.nodes[i].output if o and (
         o in region.outputs or any(c in nodes and c not in pre for c in graph.consumers.get(o, ())))})
-    if len(frontier) != 1:
-        raise LoweringError(f"a row-wise epilogue needs one tensor between the GEMM and its reductions, "
-                            f"found {frontier}")
-    return frontier[0]
+    if len(frontier) == 1:
+        return frontier[0]
+    y = graph.nodes[anchor].output[0]
+    producer = {o: i for i in pre for o in graph.nodes[i].output if o}
+
+    def dominates(x: str) -> bool:  # no frontier tensor is computed from y along a path that avoids x
+        memo: dict[str, bool] = {}
+
+        def around(t: str) -> bool:  # t depends on y without passing x
+            if t == x:
+                return False
+            if t == y:
+                return True
+            if t not in memo:
+                p = producer.get(t)
+                memo[t] = p is not None and p != anchor and any(around(i) for i in graph.nodes[p].input if i)
+            return memo[t]
+        return not any(around(t) for t in frontier)
+
+    for i in sorted(pre - {anchor}, reverse=True):  # node order is topological: the latest first
+        for x in graph.nodes[i].output:
+            if x and dominates(x):
+                return x
+    raise LoweringError(f"a row-wise epilogue needs one tensor between the GEMM and its reductions, "
+                        f"found {frontier}")
 
 
 class _GemmLowerer(_Lowerer):

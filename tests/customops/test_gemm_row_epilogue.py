@@ -49,6 +49,36 @@ def test_bias_residual_layernorm_in_the_gemm_tile(dt, tf32):
     assert sorted(res.kernels[0].region.outputs) == ["out", "s"]
 
 
+def _rmsnorm_block(k: int, n: int):
+    """Llama's output projection + residual + the next RMSNorm as TorchScript exports it from fp16: the sum
+    cast to fp32 (c, which the zoo's Llama carries on as its residual stream: an output too), c ** 2 reduced,
+    c * rstd cast back and scaled."""
+    return model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "r"], ["s"]),
+                  node("Cast", ["s"], ["c"], to=F), node("Pow", ["c", "two"], ["p"]),
+                  node("ReduceMean", ["p", "ax"], ["ms"], keepdims=1), node("Add", ["ms", "eps"], ["me"]),
+                  node("Sqrt", ["me"], ["rt"]), node("Reciprocal", ["rt"], ["rs"]), node("Mul", ["c", "rs"], ["nx"]),
+                  node("Cast", ["nx"], ["nh"], to=H), node("Mul", ["g", "nh"], ["out"])],
+                 [vi("x", H, ["n", 7, k]), vi("r", H, ["n", 7, n])], [vi("out", H, None), vi("c", F, None)],
+                 [const("w", _w((k, n), H, 1), np.float16), const("g", _w(n, H, 3, 1.0), np.float16),
+                  const("two", 2.0), const("ax", [-1], np.int64), const("eps", 1e-6)])
+
+
+def test_rmsnorm_reading_its_input_twice_recomputes_from_one_row_buffer(monkeypatch):
+    # the rest of the region reads two tensors before the reduction (the cast c and c ** 2): the row buffer
+    # holds c, the one every path from the GEMM runs through, and the row pass squares it again
+    from ortfuse.customops.lower_gemm import row_input
+    from ortfuse.search.cost import CostModel
+    monkeypatch.setattr(CostModel, "split_verdict", lambda *a: None)  # at these sizes cuBLAS + our row kernel
+    monkeypatch.setattr(CostModel, "verdict", lambda *a: None)
+    k, n = 64, 96
+    res = fused_parity(_rmsnorm_block(k, n), {"x": ("n", 7, k), "r": ("n", 7, n)}, {"x": (3, 7, k), "r": (3, 7, n)},
+                       ("gemm_row",))
+    (kern,) = res.kernels
+    anchor = next(i for i in kern.region.nodes if res.graph.nodes[i].op_type == "MatMul")
+    assert row_input(res.graph, kern.region, anchor) == "c"
+    assert sorted(kern.region.outputs) == ["c", "out"]
+
+
 def test_bert_width_row_with_the_cost_model_overruled(monkeypatch):
     # 768 columns in one tile (BERT-base's LayerNorm): 8 warps of 96 columns; forced, since at the default
     # row hint the cost model prefers cuBLAS + our LayerNorm kernel
