@@ -109,8 +109,9 @@ template <> struct Word<4> { typedef unsigned int type; };
 template <> struct Word<8> { typedef uint2 type; };
 template <> struct Word<16> { typedef uint4 type; };
 
-// A 16-byte word goes out through PTX: built from 2-byte lanes, NVVM split the uint4 store into four 4-byte
-// ones (NVRTC 13, sm_90 PTX, 2026-11-26). store_vec writes kernel outputs only: global memory.
+// 16- and 8-byte words go out through PTX: built from 2-byte lanes, NVVM split the uint4 store into four
+// 4-byte ones and the uint2 into two (NVRTC 13, sm_90 SASS, 2026-11-26; the 8-byte case is the gated GEMM's
+// four fp16 outputs per 8 columns). store_vec writes kernel outputs only: global memory.
 template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const T (&in)[N]) {
   typedef typename Word<sizeof(T) * N>::type W;
   W w;
@@ -120,6 +121,9 @@ template <int N, class T> __device__ __forceinline__ void store_vec(T* p, const 
   if constexpr (sizeof(W) == 16) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
                  : "memory");
+    return;
+  } else if constexpr (sizeof(W) == 8) {
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
     return;
   }
 #endif

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, fused_parity, launch_spec, model, node, raw_init, rounded_operands, vi
+from helpers import const, fused_parity, launch_spec, model, node, raw_init, rounded_operands, sass_or_skip, vi
 from ortfuse.api import compile_model, target_for
 from ortfuse.config import Options
 from ortfuse.customops.lower import lower
@@ -128,3 +128,16 @@ def test_siblings_that_are_not_gated_stay_apart():
     assert not any(n.op_type == "Slice" for n in res.graph.nodes)
     assert sorted(res.graph.nodes[i].input[1] for k in res.kernels for i in k.region.nodes
                   if res.graph.nodes[i].op_type == "MatMul") == ["wa", "wb"]
+
+
+def test_whole_tiles_store_four_outputs_at_once():
+    # Llama's shape (K 576, N 1536 a projection) at 128 rows a batch: the whole-tile epilogue stores the 4
+    # fp16 outputs of each 8 columns as one 8-byte word (ofz::store_vec: NVVM split a uint2 store in two)
+    sass = sass_or_skip()
+    m, _, _ = _silu_mlp(H, 576, 1536, ("batch", 128), seed=2)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    (k,) = res.kernels
+    ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in sass(dict(k.compiled.cubins)[90])]
+    stores = [op for op in ops if op.startswith("STG")]
+    assert "STG.E.64" in stores and "STG.E" not in stores, stores  # partial tiles: one 2-byte store a pair
+    assert dict(k.compiled.resources)[90].spill_bytes == 0
