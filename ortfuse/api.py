@@ -20,7 +20,8 @@ from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
-                                       fold_runtime_shapes, fold_small_values, pack_sibling_gemms, unflatten_gemms)
+                                       fold_runtime_shapes, fold_small_values, interleave_halves, pack_sibling_gemms,
+                                       unflatten_gemms)
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
@@ -153,6 +154,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
+    graph, halved = interleave_halves(graph, fused_outputs)
+    if halved:
+        say(f"{halved} MatMuls whose two halves a gated activation combines got their halves interleaved, so one "
+            "kernel computes both")
     # a GEMM the search fuses stays as it is (our kernel with its epilogue); one left to cuBLAS is padded where
     # that pays: as --profile measures it, else as the cost model estimates it
     pays = _padding_measured(opts, say) if opts.profile else cost.padding_pays

@@ -32,6 +32,9 @@
   results back, so one GEMM kernel holds each output column's gate and up values in one fragment pair
   (`legal.gated_reads`); kept where the search fuses the packed MatMul (with both Slices, which the
   lowering requires).
+* `interleave_halves`: a MatMul whose weight already holds both (Phi-3's gate_up_proj, chunked in two by a
+  Split or two Slices) gets the halves' columns interleaved the same way, its Split or Slices replaced by
+  Slices of step 2; kept where the search fuses the MatMul.
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
@@ -689,3 +692,100 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
                 _apply_packs(g, final, sliced, mixed) if final else g
             packs = final
     return packed, sum(len(p.matmuls) for p in packs)
+
+
+def _halves(g: Graph, i: int) -> Optional[tuple[str, tuple[int, ...], tuple[str, str]]]:
+    """(weight, the Split or Slice nodes, (first half, second half)) where MatMul i computes x @ W with W a
+    [K, 2N] constant only it reads, and its result is read only by one Split or two unit-step Slices cutting
+    the last axis into its two halves."""
+    from ortfuse.search import legal
+    from ortfuse.search.attention import slice_steps
+
+    n = g.nodes[i]
+    if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx"):
+        return None
+    w, y = n.input[1], n.output[0]
+    ws, ys = (g.tensors[t].shape if t in g.tensors else None for t in (w, y))
+    if w not in g.constants or g.fed(w) or set(g.consumers.get(w, ())) != {i} or not ws or len(ws) != 2 or \
+            ws[1] % 2 or not ys or y in g.graph_outputs:
+        return None
+    last, half = len(ys) - 1, ws[1] // 2
+    users = sorted(set(g.consumers.get(y, ())))
+    nodes = [g.nodes[u] for u in users]
+    try:
+        if len(nodes) == 1 and nodes[0].op_type == "Split" and len(nodes[0].output) == 2:
+            sp = nodes[0]
+            if attr(sp, "axis", 0) % len(ys) != last or \
+                    any((g.tensors[o].shape or ())[-1:] != (half,) for o in sp.output if o in g.tensors):
+                return None
+            return w, tuple(users), (sp.output[0], sp.output[1])
+        if len(nodes) == 2 and all(s.op_type == "Slice" and legal.slice_verdict(g, s) is None for s in nodes):
+            firsts = {}
+            for s in nodes:
+                starts = legal.slice_starts(g, s)
+                if set(starts) != {last} or set(slice_steps(g, s).values()) != {1} or \
+                        g.tensors[s.output[0]].shape != ys[:-1] + (half,):
+                    return None
+                firsts[starts[last]] = s.output[0]
+            if set(firsts) == {0, half}:
+                return w, tuple(users), (firsts[0], firsts[half])
+    except (ValueError, KeyError, IndexError):
+        return None
+    return None
+
+
+def _interleaved(g: Graph, found: dict[int, tuple[str, tuple[int, ...], tuple[str, str]]]) -> Graph:
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    cut = {u for _, users, _ in found.values() for u in users}
+    new_nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(m.graph.node):
+        if i in cut:
+            continue
+        if i not in found:
+            new_nodes.append(node)
+            continue
+        w, _, results = found[i]
+        k, n2 = g.tensors[w].shape
+        base = f"{node.output[0]}__ortfuse_interleaved"
+        packed = np.stack([g.constants[w][:, :n2 // 2], g.constants[w][:, n2 // 2:]], -1).reshape(k, n2)
+        m.graph.initializer.append(numpy_helper.from_array(packed, f"{base}_w"))
+        tensors[f"{base}_w"] = TensorInfo(f"{base}_w", g.tensors[w].dtype, (k, n2))
+        mm = onnx.NodeProto()
+        mm.CopyFrom(node)
+        mm.input[1] = f"{base}_w"
+        new_nodes.append(mm)
+        axis = len(g.tensors[node.output[0]].shape) - 1
+        for first, res in enumerate(results):
+            bounds = [f"{base}_{first}_{what}" for what in ("starts", "ends", "axes", "steps")]
+            for t, v in zip(bounds, (first, n2, axis, 2)):
+                m.graph.initializer.append(numpy_helper.from_array(np.asarray([v], np.int64), t))
+                tensors[t] = TensorInfo(t, onnx.TensorProto.INT64, (1,))
+            new_nodes.append(onnx.helper.make_node("Slice", [node.output[0], *bounds], [res], name=f"{base}/Slice{first}"))
+    del m.graph.node[:]
+    m.graph.node.extend(new_nodes)
+    remove_dead(m)
+    return assemble(m, tensors, g.opset)
+
+
+def interleave_halves(g: Graph, fused: Callable[[Graph], set[str]]) -> tuple[Graph, int]:
+    """(new graph, number of MatMuls interleaved): each MatMul `_halves` finds that the search leaves to ORT
+    in `g` is tried with its weight's two halves interleaved column by column and read back by Slices of
+    step 2, and kept where the search then fuses it (`fused(graph)`: the outputs of the nodes it fuses; a
+    gated MLP's one GEMM kernel, `legal.gated_reads`). `g` is left untouched."""
+    if g.opset < 13:
+        return g, 0
+    found = {i: h for i in range(len(g.nodes)) if (h := _halves(g, i)) is not None}
+    if not found:
+        return g, 0
+    ours = fused(g)
+    found = {i: h for i, h in found.items() if g.nodes[i].output[0] not in ours}
+    if not found:
+        return g, 0
+    trial = _interleaved(g, found)
+    absorbed = fused(trial)
+    kept = {i: h for i, h in found.items() if g.nodes[i].output[0] in absorbed and set(h[2]) <= absorbed}
+    if len(kept) == len(found):
+        return trial, len(kept)
+    return (_interleaved(g, kept), len(kept)) if kept else (g, 0)

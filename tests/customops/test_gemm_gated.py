@@ -141,3 +141,23 @@ def test_whole_tiles_store_four_outputs_at_once():
     stores = [op for op in ops if op.startswith("STG")]
     assert "STG.E.64" in stores and "STG.E" not in stores, stores  # partial tiles: one 2-byte store a pair
     assert dict(k.compiled.resources)[90].spill_bytes == 0
+
+
+@pytest.mark.parametrize("chunk", ["split", "slices"])
+def test_a_weight_holding_both_halves_is_interleaved(chunk):
+    # Phi-3's gate_up_proj: one [K, 2N] weight, its result chunked in two (a Split, or two Slices as some
+    # exporters write chunk) and combined by SiLU(gate) * up: the halves' columns are interleaved offline
+    K, N = 64, 48
+    ((w, _),) = rounded_operands(((K, 2 * N),), H, 12)
+    cut = [node("Split", ["y", "sizes"], ["g", "u"], axis=-1)] if chunk == "split" else [
+        node("Slice", ["y", "z", "n", "ax"], ["g"]), node("Slice", ["y", "n", "n2", "ax"], ["u"])]
+    m = model([node("MatMul", ["x", "w"], ["y"]), *cut, node("Sigmoid", ["g"], ["sg"]), node("Mul", ["g", "sg"], ["a"]),
+               node("Mul", ["a", "u"], ["h"])], [vi("x", H, ["n", 5, K])], [vi("h", H, None)],
+              [raw_init("w", w, H), const("sizes", [N, N], np.int64), const("z", [0], np.int64),
+               const("n", [N], np.int64), const("n2", [2 * N], np.int64), const("ax", [-1], np.int64)])
+    res = fused_parity(m, {"x": ("n", 5, K)}, {"x": (2, 5, K)}, ("gemm",))
+    (k,) = res.kernels
+    mm = next(res.graph.nodes[i] for i in k.region.nodes if res.graph.nodes[i].op_type == "MatMul")
+    packed = res.graph.constants[mm.input[1]]
+    assert np.array_equal(packed[:, 0::2], w[:, :N]) and np.array_equal(packed[:, 1::2], w[:, N:])
+    assert not any(n.op_type in ("MatMul", "Split", "Slice") for n in res.model.graph.node)
