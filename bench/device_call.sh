@@ -73,6 +73,10 @@ for name in "$@"; do
     sweep-diag)  # issue 5, 2026-11-26: where the fixed ~18 us per 4096x768 output goes (M scaling, no stores, warm L2)
       step "$name" 200 python3 -m ortfuse.bench.sweep --per-family 1 --ablate --no-flush --json "$WORK/sweep-diag.json" \
         --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;
+    sweep-gated)  # 2026-11-26 (session 23): Llama's gated MLP as one GEMM (gate and up interleaved) on each
+      # family's best tiles, against cuBLAS alone on the packed weight and cuBLAS + the gated element-wise kernel
+      step "$name" 120 python3 -m ortfuse.bench.sweep --epilogue gated --per-family 2 \
+        --json "$WORK/$name.json" --md "$WORK/$name.md" --shapes 4096x3072x576 128x3072x576 ;;
     sweep-unaligned)  # 2026-11-26 (session 20): GPT-2's LM head (N = 50,257) as ORT runs it and padded to 16-byte
       # rows (rewriter.gemm_padding): the measurement behind Target.unaligned_gemm_slowdown (so far inferred);
       # then our GEMM + bias on it (the TMA family reads the weight transposed offline) against cuBLAS, each

@@ -7,7 +7,7 @@ apart on the same shapes, and the tile model's estimates from the measurements (
 estimated per family).
 
     python -m ortfuse.bench.sweep [--shapes 4096x768x768 128x3072x768 ...] [--per-family 6] [--ablate]
-                                  [--no-flush] [--direct-stores] [--epilogue bias|gelu|layernorm|...]
+                                  [--no-flush] [--direct-stores] [--epilogue bias|gelu|layernorm|gated|...]
                                   [--json OUT] [--md OUT]
 
 Times are device time (ortfuse.profile.device_timer: events, L2 flushed before each run), medians of many
@@ -25,7 +25,9 @@ calibrate: `softsign` divides by a tensor, IEEE division with its per-element br
 SiLU have had none since 2026-11-26). `--epilogue layernorm` is a row-wise epilogue (BERT's bias + residual +
 LayerNorm): the row-wise tiles of mma.sync and wgmma, splitting the row across a cluster and spanning it,
 against cuBLAS + our row kernel; `--ablate` then leaves out the row pass, its cluster barriers and its
-stores. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
+stores. `--epilogue gated` is a gated MLP's GEMM (N the interleaved gate and up columns, no bias: Llama's
+`--shapes 4096x3072x576 128x3072x576`), its epilogue SiLU(gate) * up into N / 2 outputs, against cuBLAS alone
+and cuBLAS + the gated element-wise kernel. Needs an sm_90 GPU; the CPU tests run it with a stand-in timer."""
 from __future__ import annotations
 
 import argparse
@@ -72,7 +74,7 @@ PINGPONG = "wgmma+TMA pingpong"
 PINGPONG_MULTICAST = "wgmma+TMA pingpong multicast"  # both
 NAMES = (*FAMILIES, MULTICAST, PINGPONG, PINGPONG_MULTICAST)
 EPILOGUES = {"bias": "bias", "gelu": "bias + GELU", "silu": "bias + SiLU", "softsign": "bias + softsign",
-             "layernorm": "bias + residual + LayerNorm"}
+             "layernorm": "bias + residual + LayerNorm", "gated": "gated SiLU(gate) * up, N / 2 outputs"}
 ROW_EPILOGUES = ("layernorm",)  # a row-wise epilogue (gemm_row): its own tiles, TMA's not among them
 ROW_FAMILIES = ("mma.sync", "wgmma")
 ARCHS = (90,)
@@ -111,7 +113,9 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") ->
     """y = x @ w + b in fp16, the weight and bias constant (as in the zoo's linear layers); `epilogue` "gelu":
     then GELU(y) as BERT's export spells it (x / sqrt(2) with a fp16 constant, Erf, + 1, * x, * 0.5); "silu":
     y * Sigmoid(y); "softsign": y / (1 + |y|), a division by a tensor (IEEE, with its per-element branch);
-    "layernorm": LayerNorm(y + r) over the row, r a second input (a row-wise epilogue)."""
+    "layernorm": LayerNorm(y + r) over the row, r a second input (a row-wise epilogue); "gated": no bias, w
+    a gated MLP's gate and up weights interleaved column by column (rewriter.canonical), SiLU(y[:, 0::2]) *
+    y[:, 1::2]: [m, n / 2] (Llama's is 3072 columns wide, K 576)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float16)
     b = (rng.standard_normal(n) * 0.1).astype(np.float16)
@@ -119,7 +123,16 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") ->
     nodes = [mk("MatMul", ["x", "w"], ["y"]), mk("Add", ["y", "b"], ["out" if epilogue == "bias" else "z"])]
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, k])]
-    if epilogue == "layernorm":  # BERT's post-attention block: LayerNorm(x @ w + b + residual)
+    out_n = n
+    if epilogue == "gated":
+        nodes, inits = nodes[:1], inits[:1]
+        for first, name in enumerate(("g", "u")):
+            bounds = [f"{name}_{what}" for what in ("starts", "ends", "axes", "steps")]
+            inits += [numpy_helper.from_array(np.array([v], np.int64), t) for t, v in zip(bounds, (first, n, 1, 2))]
+            nodes.append(mk("Slice", ["y", *bounds], [name]))
+        nodes += [mk("Sigmoid", ["g"], ["sg"]), mk("Mul", ["g", "sg"], ["a"]), mk("Mul", ["a", "u"], ["out"])]
+        out_n = n // 2
+    elif epilogue == "layernorm":  # BERT's post-attention block: LayerNorm(x @ w + b + residual)
         inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT16, [m, n]))
         nodes += [mk("Add", ["z", "r"], ["s"]), mk("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1,
                                                    epsilon=1e-12)]
@@ -137,8 +150,8 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") ->
         inits.append(numpy_helper.from_array(np.array(1.0, np.float16), "one"))
     elif epilogue != "bias":
         raise ValueError(f"unknown epilogue '{epilogue}': expected one of {sorted(EPILOGUES)}")
-    g = helper.make_graph(nodes, "gemm", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, n])],
-                          inits)
+    g = helper.make_graph(nodes, "gemm", inputs,
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT16, [m, out_n])], inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     return model
@@ -454,7 +467,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "of through shared memory (where it stages them)")
     ap.add_argument("--epilogue", choices=sorted(EPILOGUES), default="bias",
                     help="the GEMM's epilogue: its bias, or bias + BERT's erf GELU, SiLU, softsign (a division), "
-                         "or residual + LayerNorm (a row-wise epilogue)")
+                         "residual + LayerNorm (a row-wise epilogue), or a gated MLP's SiLU(gate) * up over "
+                         "interleaved columns (no bias)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     a = ap.parse_args(argv)

@@ -156,6 +156,16 @@ def test_an_epilogue_is_also_timed_as_cublas_plus_our_kernel():
     assert "best fused tile vs cuBLAS + our epilogue kernel (us): 256x192x128 5.0 fused vs 9.0" in text
 
 
+def test_the_gated_epilogue_sweeps_a_gated_mlps_gemm():
+    # --epilogue gated: the interleaved weight's GEMM with SiLU(gate) * up, half as many outputs; cuBLAS + our
+    # gated element-wise kernel beside it, and each family's kernel a valid model of it
+    calls: list = []
+    (res,) = sweep.run([(256, 192, 128)], per_family=1, timer=_timer(calls), epilogue="gated")
+    assert calls[0] == ("MatMul",) and calls[1] == ("MatMul", "Slice", "Slice", "Sigmoid", "Mul", "Mul")
+    assert res.split_us == 9.0 and len(res.rows) == len(sweep.FAMILIES)
+    assert "gated SiLU(gate) * up" in sweep.render_md([res])
+
+
 def test_a_row_wise_epilogue_sweeps_both_row_kinds_and_its_ablation_drops_the_row_pass(tmp_path):
     # --epilogue layernorm (BERT's post-attention block): row-wise tiles of mma.sync and wgmma (no TMA tiles
     # split a row), each family with a tile splitting the 768-column row across a cluster and mma.sync with
