@@ -716,7 +716,7 @@ def _halves(g: Graph, i: int) -> Optional[tuple[str, tuple[int, ...], tuple[str,
         if len(nodes) == 1 and nodes[0].op_type == "Split" and len(nodes[0].output) == 2:
             sp = nodes[0]
             if attr(sp, "axis", 0) % len(ys) != last or \
-                    any((g.tensors[o].shape or ())[-1:] != (half,) for o in sp.output if o in g.tensors):
+                    any(o not in g.tensors or g.tensors[o].shape != ys[:-1] + (half,) for o in sp.output):
                 return None
             return w, tuple(users), (sp.output[0], sp.output[1])
         if len(nodes) == 2 and all(s.op_type == "Slice" and legal.slice_verdict(g, s) is None for s in nodes):
