@@ -3,6 +3,9 @@
 * Q.offset / K.offset / V.offset: element offset of (b, h, s, d) in the tensor the kernel reads, walking
   back through the pattern's Reshape/Transpose path (scalar scales on the path move into the score; a
   Split or Slice adds its start, so Q, K and V may be parts of one packed projection);
+* Q.rope / K.rope (a rotary embedding on the path, `search.attention.Rope`): the rotated value at (b, h, s, d)
+  from x there and x at the partner column d -+ D/2, the rotation's ops walked with those two values, so the
+  kernel rotates the Q and K rows it has loaded (cos and sin are read at the rotation's own coordinates);
 * O.offset: the same for the result, walking forward through the output path;
 * S.score: the element-wise ops between the two MatMuls (scale, mask) at (b, h, i, j) from the Q·Kᵀ value;
   a mask proven the same along an axis (`customops.invariance`: a padding mask materialized per query
@@ -107,6 +110,15 @@ class _AttnLowerer(_Lowerer):
         # masks constant along some axes (a padding mask materialized per query row) are read at 0 there:
         # the two query rows a thread scores then share one load per key
         self.fixed = {t: invariant_axes(graph, t, tgt) for t in self.p.extra_inputs}
+        self.ropes = {r.out: r for r in (self.p.q_rope, self.p.k_rope) if r is not None}
+        # while a rope callback is printed: (x, d at the rotation's coordinates, x at d, x at the partner column)
+        self.rope_sub: tuple[str, Expr, Var, Var] | None = None
+
+    def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        if self.rope_sub is not None and t == self.rope_sub[0]:
+            _, d, here, partner = self.rope_sub
+            return here if idx[-1] == d else partner
+        return super().value(t, idx)
 
     def load(self, t: str, idx: tuple[Expr, ...]) -> Expr:
         fixed = self.fixed.get(t)
@@ -119,12 +131,19 @@ class _AttnLowerer(_Lowerer):
             return self.qk_value
         return super().node_value(node, pos, idx)
 
-    def back(self, t: str, idx: tuple[Expr, ...], source: str) -> tuple[Expr, float]:
-        """Offset in `source` of element `idx` of `t`, and the product of scalar scales on the way."""
+    def back(self, t: str, idx: tuple[Expr, ...], source: str, stop: str | None = None) -> tuple[Expr, float]:
+        """Offset in `source` of element `idx` of `t`, and the product of scalar scales on the way (a rotary
+        embedding passes the index through: its rows are rotated in the kernel). With `stop`, the index at that
+        tensor instead of the offset (stopping there)."""
         scale = 1.0
         shape = self._shape(t)
         idx = tuple(ir.i64(0) if d == 1 else i for i, d in zip(idx, shape))
         while t != source:
+            if t == stop:
+                return idx, scale  # type: ignore[return-value]
+            if t in self.ropes:
+                t = self.ropes[t].x
+                continue
             node = self.producer.get(t)
             if node is None:
                 raise LoweringError(f"'{t}' is not produced inside the attention region")
@@ -156,7 +175,24 @@ class _AttnLowerer(_Lowerer):
                 t = data[0]
             else:
                 raise LoweringError(f"{op} on an attention operand path")
+        if stop is not None:
+            raise LoweringError(f"'{stop}' is not on the path to '{source}'")
         return self.linearize(idx, self._shape(source)), scale
+
+    def rope(self, t: str, src: str, rope, transposed: bool) -> ir.Func:
+        """`<Q|K>.rope(b, h, s, d, x, xp)`: the rotary embedding's output at the kernel's (b, h, s, d) of the
+        operand `t`, from x there and x at the partner column (xp)."""
+        vb, vh, vs_, vd = (Var(n, I64) for n in ("ab", "ah", "as", "ad"))
+        here, partner = Var("rx", F32), Var("rp", F32)
+
+        def build() -> Expr:
+            idx, _ = self.back(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), src, stop=rope.out)
+            self.rope_sub = (rope.x, idx[-1], here, partner)
+            try:
+                return self.value(rope.out, idx)
+            finally:
+                self.rope_sub = None
+        return self.func(f"{'K' if transposed else 'Q'}.rope", (vb, vh, vs_, vd, here, partner), build)
 
     def forward(self, idx: tuple[Expr, ...]) -> Expr:
         t = self.g.nodes[self.p.pv].output[0]
@@ -204,6 +240,10 @@ class _AttnLowerer(_Lowerer):
                  self.func("K.offset", params, layout(kt_op, p.k, True)),
                  self.func("V.offset", params, layout(v_op, p.v, False)),
                  self.func("O.offset", params, lambda: self.forward((vb, vh, vs_, vd)))]
+        ropes = [self.rope(op, src, r, tr) for op, src, r, tr in ((q_op, p.q, p.q_rope, False),
+                                                                  (kt_op, p.k, p.k_rope, True)) if r is not None]
+        if ropes and d % 2:
+            raise LoweringError(f"a rotary embedding over an odd head size {d}")
         scale = scales[0] * scales[1] * scales[2]
         if scales[2] != 1.0:
             raise LoweringError("a scale on the V path")
@@ -211,6 +251,7 @@ class _AttnLowerer(_Lowerer):
         self.qk_value = ir.Op("mul", (qk, ir.Const(scale, F32)), F32) if scale != 1.0 else qk
         softmax_in = g.nodes[p.softmax].input[0]
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), lambda: self.value(softmax_in, (vb, vh, vi, vj))))
+        funcs += ropes
 
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))
         block_m = MMA_BLOCK_M if mma else SIMT_BLOCK_M

@@ -37,6 +37,16 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.
 
 
 @dataclass(frozen=True)
+class Rope:
+    """A rotary embedding on the Q or K path, as HF's apply_rotary_pos_emb exports it: out = x * cos +
+    Concat(-x[..., D/2:], x[..., :D/2]) * sin (rotate_half), x [.., S, D] on the path. The kernel rotates the
+    rows it loads; cos and sin (broadcast over heads) are read where the rotation needs them."""
+    out: str  # the rotated tensor (the path continues from it toward the MatMul)
+    x: str  # the tensor rotated (the path continues from it toward the kernel input)
+    nodes: tuple[int, ...]  # Mul, Slice, Slice, Neg, Concat, Mul, Add
+
+
+@dataclass(frozen=True)
 class AttentionPattern:
     qk: int  # the MatMul producing the scores [.., Sq, Sk]
     pv: int  # the MatMul(probabilities, V)
@@ -53,6 +63,8 @@ class AttentionPattern:
     output: str  # the last tensor of out_path, or pv's output
     extra_inputs: tuple[str, ...]  # non-scalar tensors the score ops read (masks), first use first
     nodes: tuple[int, ...]  # every node above, sorted
+    q_rope: Rope | None = None  # a rotary embedding on the Q path (its nodes are in q_path)
+    k_rope: Rope | None = None
 
 
 class _NoMatch(Exception):
@@ -106,8 +118,8 @@ def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
         _refuse(f"Softmax over axis {axis} of a rank-{len(scores)} tensor, not the last axis")
     qk, score_ops = _scores_back(g, sm)
     prob_ops, pv = _probs_forward(g, sm)
-    q_path, q = _path_back(g, g.nodes[qk].input[0], qk, select)
-    k_path, k = _path_back(g, g.nodes[qk].input[1], qk, select)
+    q_path, q, q_rope = _rotated_path_back(g, g.nodes[qk].input[0], qk, select)
+    k_path, k, k_rope = _rotated_path_back(g, g.nodes[qk].input[1], qk, select)
     v_path, v = _path_back(g, g.nodes[pv].input[1], pv, select)
     out_path, output = _path_forward(g, g.nodes[pv].output[0])
     nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)  # paths may share a Split
@@ -117,7 +129,7 @@ def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
             _refuse(f"{g.node_label(p)} broadcasts the scores {_shape(g, g.nodes[qk].output[0])} "
                     f"to {_shape(g, g.nodes[p].output[0])}")
     return AttentionPattern(qk, pv, sm, score_ops, prob_ops, q_path, k_path, v_path, out_path, q, k, v, output,
-                            _extra_inputs(g, qk, score_ops), tuple(sorted(set(nodes))))
+                            _extra_inputs(g, qk, score_ops), tuple(sorted(set(nodes))), q_rope, k_rope)
 
 
 # ---- the score chain: MatMul → element-wise ops → Softmax ------------------------------------------------
@@ -208,18 +220,95 @@ def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
 
 # ---- layout paths -----------------------------------------------------------------------------------------
 
-def _path_back(g: Graph, t: str, user: int, select: bool) -> tuple[tuple[int, ...], str]:
-    """Nodes from the path's input to `t` (consumed by `user`), and that input. The walk stops before a
-    tensor used anywhere else, and at the first node that is not a foldable layout op, scalar scale or
-    (when `select`) Split/Slice."""
+def _rotated_path_back(g: Graph, t: str, user: int, select: bool) -> tuple[tuple[int, ...], str, Rope | None]:
+    """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one; only
+    with `select` (the form the kernels read whole packed projections in)."""
+    path, src = _path_back(g, t, user, select)
+    users = {path[0]} if path else {user}
+    rope = _rope_at(g, src, users) if select else None
+    if rope is None:
+        return path, src, None
+    x_users = {c for c in g.consumers.get(rope.x, ())}
+    before, src = _path_back(g, rope.x, x_users, select)
+    return before + tuple(sorted(rope.nodes)) + path, src, rope
+
+
+def _rope_at(g: Graph, t: str, users: set[int]) -> Rope | None:
+    """The rotary embedding computing `t` (read by `users` alone), or None: Add(Mul(x, cos), Mul(Concat(
+    Neg(Slice(x, D/2:D)), Slice(x, 0:D/2)), sin)) over the last axis of x (either operand order), every
+    intermediate read only inside it, cos and sin not computed from x."""
+    if t in g.graph_outputs or set(g.consumers.get(t, ())) != users:
+        return None
+    add = g.producer.get(t)
+    if add is None or g.nodes[add].op_type != "Add" or len(g.nodes[add].input) != 2:
+        return None
+
+    def made(x: str, op: str) -> int | None:
+        p = g.producer.get(x)
+        return p if p is not None and g.nodes[p].op_type == op and g.nodes[p].domain in ("", "ai.onnx") else None
+
+    for first, second in (tuple(g.nodes[add].input), tuple(reversed(g.nodes[add].input))):
+        m1, m2 = made(first, "Mul"), made(second, "Mul")
+        if m1 is None or m2 is None:
+            continue
+        for cat_in in g.nodes[m2].input:
+            cat = made(cat_in, "Concat")
+            if cat is None or len(g.nodes[cat].input) != 2:
+                continue
+            neg, low = made(g.nodes[cat].input[0], "Neg"), made(g.nodes[cat].input[1], "Slice")
+            high = made(g.nodes[neg].input[0], "Slice") if neg is not None else None
+            if high is None or low is None:
+                continue
+            x = g.nodes[low].input[0]
+            if g.nodes[high].input[0] != x or x not in g.nodes[m1].input:
+                continue
+            shape = g.tensors[x].shape if x in g.tensors else None
+            if not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
+                continue
+            half, last = shape[-1] // 2, len(shape) - 1
+            try:
+                halves = [select_start(g, g.nodes[s], g.nodes[s].output[0]) for s in (low, high)]
+            except (ValueError, KeyError):
+                continue
+            if halves != [{last: 0}, {last: half}] or attr(g.nodes[cat], "axis", 0) % len(shape) != last or \
+                    any(g.tensors[g.nodes[s].output[0]].shape != shape[:-1] + (half,) for s in (low, high)):
+                continue
+            cos = next(i for i in g.nodes[m1].input if i != x) if list(g.nodes[m1].input).count(x) == 1 else None
+            sin = next(i for i in g.nodes[m2].input if i != cat_in) if list(g.nodes[m2].input).count(cat_in) == 1 \
+                else None
+            nodes = (m1, low, high, neg, cat, m2, add)
+            inner = {g.nodes[i].output[0] for i in nodes if i != add}
+            if cos is None or sin is None or any(
+                    o in g.graph_outputs or not set(g.consumers.get(o, ())) <= set(nodes) for o in inner) or \
+                    set(g.consumers.get(x, ())) != {m1, low, high} or x in g.graph_outputs:
+                continue
+            if any(_computed_from(g, c, x) for c in (cos, sin)) or \
+                    any(g.tensors[c].shape is None or g.tensors[c].shape[-1:] != (shape[-1],) for c in (cos, sin)):
+                continue
+            return Rope(t, x, nodes)
+    return None
+
+
+def _computed_from(g: Graph, t: str, x: str, depth: int = 8) -> bool:
+    if t == x:
+        return True
+    p = g.producer.get(t)
+    return depth > 0 and p is not None and any(_computed_from(g, i, x, depth - 1) for i in g.nodes[p].input if i)
+
+
+def _path_back(g: Graph, t: str, user: int | set[int], select: bool) -> tuple[tuple[int, ...], str]:
+    """Nodes from the path's input to `t` (consumed by `user`, or by exactly the nodes of a set), and that
+    input. The walk stops before a tensor used anywhere else, and at the first node that is not a foldable
+    layout op, scalar scale or (when `select`) Split/Slice."""
     path: list[int] = []
-    while t not in g.graph_outputs and set(g.consumers.get(t, ())) == {user}:
+    users = user if isinstance(user, set) else {user}
+    while t not in g.graph_outputs and set(g.consumers.get(t, ())) == users:
         p = g.producer.get(t)
         src = None if p is None else _path_source(g, p, scale_ok=True, select_ok=select)
         if src is None:
             break
         path.append(p)
-        t, user = src, p
+        t, users = src, {p}
     return tuple(reversed(path)), t
 
 

@@ -251,3 +251,44 @@ def gqa_attention(dt: int, heads: int = 4, kv_heads: int = 2, head: int = 64, ru
     return model(nodes, [vi("q", dt, ["batch", heads, "seq", head]), vi("k", dt, ["batch", kv_heads, "seq", head]),
                          vi("v", dt, ["batch", kv_heads, "seq", head]), vi("mask", dt, ["batch", 1, "seq", "seq"])],
                  [vi("o", dt, ["batch", heads, "seq", head])], inits)
+
+
+def _rope(x: str, out: str, half: int, swapped: bool = False) -> list[onnx.NodeProto]:
+    """out = x * cos + rotate_half(x) * sin (`swapped`: Concat(x1, -x2), which is not rotate_half)."""
+    cat = [f"{out}_x1", f"{out}_n2"] if swapped else [f"{out}_n2", f"{out}_x1"]
+    return [node("Slice", [x, "zero", f"h{half}", "last"], [f"{out}_x1"]),
+            node("Slice", [x, f"h{half}", "big", "last"], [f"{out}_x2"]),
+            node("Neg", [f"{out}_x2"], [f"{out}_n2"]), node("Concat", cat, [f"{out}_rot"], axis=-1),
+            node("Mul", [x, "cos"], [f"{out}_a"]), node("Mul", [f"{out}_rot", "sin"], [f"{out}_b"]),
+            node("Add", [f"{out}_a", f"{out}_b"], [out])]
+
+
+def rope_attention(dt: int, heads: int = 4, kv_heads: int = 2, head: int = 64, k_out: bool = False,
+                    swapped: bool = False) -> onnx.ModelProto:
+    """Llama's attention from head-split projections: xq [B, S, H, D] and xk [B, S, KV, D] transposed to
+    heads-first and rotated (cos, sin [1, 1, S, D]), K (and V) repeated across the query heads, scaled scores,
+    an additive mask, Softmax, P @ V. `k_out`: the rotated K is also an output (a KV cache's present key)."""
+    np_dt = np.float16 if dt == onnx.TensorProto.FLOAT16 else np.float32
+    rep = heads // kv_heads
+    nodes = [node("Transpose", ["xq"], ["tq"], perm=[0, 2, 1, 3]), node("Transpose", ["xk"], ["tk"], perm=[0, 2, 1, 3]),
+             *_rope("tq", "q", head // 2, swapped), *_rope("tk", "k", head // 2, swapped)]
+    for t in ("k", "v"):
+        nodes += [node("Unsqueeze", [t, "ax2"], [f"{t}5"]), node("Expand", [f"{t}5", "tgt"], [f"{t}e"]),
+                  node("Reshape", [f"{t}e", "flat"], [f"{t}r"])]
+    nodes += [node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["qk"]),
+              node("Mul", ["qk", "scale"], ["sc"]), node("Add", ["sc", "mask"], ["sm"]),
+              node("Softmax", ["sm"], ["p"], axis=-1), node("MatMul", ["p", "vr"], ["o"])]
+    inits = [const("zero", [0], np.int64), const(f"h{head // 2}", [head // 2], np.int64), const("big", [2**62], np.int64),
+             const("last", [-1], np.int64), const("ax2", [2], np.int64), const("tgt", [1, 1, rep, 1, 1], np.int64),
+             const("flat", [0, heads, -1, head], np.int64), const("scale", head ** -0.5, np_dt)]
+    outputs = [vi("o", dt, ["batch", heads, "seq", head])] + ([vi("k", dt, ["batch", kv_heads, "seq", head])]
+                                                             if k_out else [])
+    return model(nodes, [vi("xq", dt, ["batch", "seq", heads, head]), vi("xk", dt, ["batch", "seq", kv_heads, head]),
+                         vi("v", dt, ["batch", kv_heads, "seq", head]), vi("cos", dt, [1, 1, "seq", head]),
+                         vi("sin", dt, [1, 1, "seq", head]), vi("mask", dt, ["batch", 1, "seq", "seq"])],
+                 outputs, inits)
+
+
+def rope_shapes(heads: int, kv: int, head: int, b, s) -> dict:
+    return {"xq": (b, s, heads, head), "xk": (b, s, kv, head), "v": (b, kv, s, head), "cos": (1, 1, s, head),
+            "sin": (1, 1, s, head), "mask": (b, 1, s, s)}

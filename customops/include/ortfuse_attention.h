@@ -7,6 +7,10 @@
 //   layout (one each for Q, K, V, O; folds every Reshape/Transpose around the pattern into addressing):
 //     static ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d);
 //       element offset of row s, column d of head h in batch b (s a query row for Q and O, a key for K, V)
+//   rotary embedding (optional, Q and K: a Rope on the path, search/attention.py):
+//     static float rope(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d, float x, float xp);
+//       the rotated value at column d of row s from x there and xp at the partner column d -+ D/2; the
+//       kernel rotates the rows of Q and K it has loaded, in place (rotate_rows)
 //   score epilogue (the element-wise ops between the two MatMuls: scale, mask, Where, Cast):
 //     static float score(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 i, ofz_i64 j, float qk);
 //       the Softmax input for query i and key j; -inf (neg_inf()) masks the entry out. It is only called
@@ -61,6 +65,28 @@ struct RowState {
   __device__ __forceinline__ float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
 };
 
+// Whether a layout functor has `rope` (a rotary embedding applied to the rows it loads).
+template <class L, class = void> struct HasRope { static constexpr bool value = false; };
+template <class L> struct HasRope<L, decltype((void)&L::rope)> { static constexpr bool value = true; };
+
+// Rows s0 .. s0+ROWS-1 of Q or K in shared memory (LD elements apart), rotated in place: columns c and c + D/2
+// are a pair, each rotated from both (L::rope). Rows at or past `limit` (zero-filled) are left alone. The
+// block's threads share the pairs; the caller synchronizes before and after.
+template <class E, int ROWS, int D, int LD, int NT, class L>
+__device__ __forceinline__ void rotate_rows(E* rows, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0,
+                                            ofz_i64 limit) {
+  static_assert(D % 2 == 0, "rotary pairs");
+  constexpr int H = D / 2;
+  for (int e = threadIdx.x; e < ROWS * H; e += NT) {
+    const int r = e / H, c = e % H;
+    if (s0 + r >= limit) continue;
+    E* const row = rows + r * LD;
+    const float x0 = to_f32(row[c]), x1 = to_f32(row[c + H]);
+    row[c] = from_f32<E>(L::rope(a, b, h, s0 + r, c, x0, x1));
+    row[c + H] = from_f32<E>(L::rope(a, b, h, s0 + r, c + H, x1, x0));
+  }
+}
+
 // ---- SIMT: any head size up to 128, any storage type -------------------------------------------------------
 // G = ROW_THREADS threads of one warp share a query row: each computes BLOCK_N / G of its scores per key
 // tile and owns DV / G of its output columns (column g + G * c). Q, K, V tiles sit in static shared memory
@@ -95,6 +121,10 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
       const ofz_i64 ie = i0 + e / D;
       sq[e / D][e % D] = ie < n.sq ? to_f32(q[Q::offset(a, b, h, ie, e % D)]) : 0.0f;
     }
+    if constexpr (HasRope<Q>::value) {  // (the key loop's first barrier follows)
+      __syncthreads();
+      rotate_rows<float, BM, D, D + 1, NT, Q>(&sq[0][0], a, b, h, i0, n.sq);
+    }
     RowState row;
     row.init();
     float acc[Tile::COLS];
@@ -112,6 +142,10 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
         sv[e / DV][e % DV] = je < n.sk ? to_f32(v[V::offset(a, b, h, je, e % DV)]) : 0.0f;
       }
       __syncthreads();
+      if constexpr (HasRope<K>::value) {
+        rotate_rows<float, BN, D, D + 1, NT, K>(&sk[0][0], a, b, h, j0, n.sk);
+        __syncthreads();
+      }
 
       float s[Tile::KEYS];
 #pragma unroll
@@ -337,6 +371,12 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
         cp_async_wait<0>();
       }
       __syncthreads();
+      if constexpr (HasRope<Q>::value || HasRope<K>::value) {  // rotary embeddings: the rows as they landed
+        if constexpr (HasRope<Q>::value)
+          if (tn == tn0) rotate_rows<T, BM, D, QS, NT, Q>(sq, a, b, h, i0, n.sq);
+        if constexpr (HasRope<K>::value) rotate_rows<T, BN, D, QS, NT, K>(sk + buf * BN * QS, a, b, h, j0, n.sk);
+        __syncthreads();
+      }
       // S = Q·Kᵀ for this warp's 16 rows: s[nt] is the m16n8 block of keys nt*8 .. nt*8+7.
       float s[BN / 8][4];
 #pragma unroll

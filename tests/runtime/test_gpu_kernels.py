@@ -11,7 +11,7 @@ from onnx import TensorProto as TP
 
 import ortfuse
 from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention, model, node,
-                     vi)
+                     rope_attention, rope_shapes, vi)
 from ortfuse.api import compile_model
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -181,6 +181,17 @@ def test_grouped_query_attention_on_gpu(dt, heads, kv, head):
     for b, s in ((1, 128), (3, 77)):
         rep = check_models(m, res.model, provider="cuda", input_shapes={"q": (b, heads, s, head), "k": (b, kv, s, head),
                                                                         "v": (b, kv, s, head), "mask": (b, 1, s, s)})
+        assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt,head", [(H, 64), (F, 64), (H, 128)])
+def test_rotary_embeddings_inside_attention_on_gpu(dt, head):
+    # Q's and K's rotary embeddings as rotations of the rows the kernel loads (session 23, CPU only until now)
+    m = rope_attention(dt, head=head)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["attention"]
+    for b, s in ((1, 128), (3, 77)):
+        rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, head, b, s))
         assert rep.ok, "\n".join(rep.lines())
 
 

@@ -1,0 +1,44 @@
+"""Rotary embeddings inside the attention kernel (search.attention.Rope, lower_attention's Q.rope / K.rope,
+ortfuse_attention.h rotate_rows): Llama's q * cos + rotate_half(q) * sin on Q and on K (before grouped-query
+attention's repeat) becomes a rotation of the rows the kernel loads, so no kernel writes the rotated Q and K.
+Run in CPU emulation against ORT CPU on the original graph: the tensor-core kernel (fp16, head 64, key tiles
+full and partial) and the SIMT kernel (fp32; fp16 at head 24), normwise 1e-2 (fp16) and 1e-5 (fp32)."""
+from __future__ import annotations
+
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import fused_parity, rope_attention, rope_shapes
+
+F, H = TP.FLOAT, TP.FLOAT16
+
+
+@pytest.mark.parametrize("dt,head", [(H, 64), (F, 64), (H, 24), (H, 128)])
+def test_q_and_k_rotated_inside_the_attention_kernel(dt, head):
+    m = rope_attention(dt, head=head)
+    for b, s in ((2, 37), (1, 100)):  # one partial key tile; a full and a partial one
+        res = fused_parity(m, rope_shapes(4, 2, head, "batch", "seq"), rope_shapes(4, 2, head, b, s), ["attention"])
+    (r,) = res.plan.regions
+    assert [res.graph.nodes[i].op_type for i in r.nodes].count("Neg") == 2
+    src = res.kernels[0].compiled.source
+    assert ("ofz::attn::tensor_core" in src) == (dt == H and head % 16 == 0)
+    assert src.count("rope(const OfzArgs&") == 2
+    assert not any(n.op_type in ("Neg", "Concat") for n in res.model.graph.node)
+
+
+def test_a_rotated_k_also_returned_stays_its_own_kernel():
+    # the rotated K is a present-key output: its rotation is written anyway, so only Q's joins the attention
+    m = rope_attention(H, k_out=True)
+    res = fused_parity(m, rope_shapes(4, 2, 64, "batch", "seq"), rope_shapes(4, 2, 64, 2, 37), ["attention", "pointwise"])
+    att = next(r for r in res.plan.regions if r.kind == "attention")
+    assert [res.graph.nodes[i].op_type for i in att.nodes].count("Neg") == 1
+    assert res.kernels[[k.region.kind for k in res.kernels].index("attention")].compiled.source.count(
+        "rope(const OfzArgs&") == 1
+
+
+def test_a_rotation_other_than_rotate_half_is_not_absorbed():
+    # Concat(x1, -x2) is a different rotation: it stays an element-wise kernel per Q and K
+    m = rope_attention(H, swapped=True)
+    res = fused_parity(m, rope_shapes(4, 2, 64, "batch", "seq"), rope_shapes(4, 2, 64, 2, 37),
+                       ["attention", "pointwise", "pointwise"])
+    assert "rope(" not in next(k for k in res.kernels if k.region.kind == "attention").compiled.source
