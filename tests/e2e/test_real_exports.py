@@ -94,6 +94,19 @@ def test_torch_export_graphs_fuse_like_torchscript_ones(zoo, name, dtype):
     assert len(rep.kernels) == len(res.kernels)
 
 
+def test_torch_export_llama_fuses_like_torchscript(zoo):
+    # torch.export's Llama: its rotations inside the attention kernels and its gated MLPs one GEMM each
+    pytest.importorskip("onnxscript")
+    path = zoo.build("llama", dtype="fp16", tiny=True, exporter="dynamo")
+    res = compile_model(path, None, "sm_90")
+    ops = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions]
+    att = [o for o in ops if "Softmax" in o]
+    assert len(att) == 2 and all(o.count("Neg") == 2 for o in att), att
+    assert sum(1 for o in ops if {"MatMul", "Sigmoid"} <= set(o) and o.count("Slice") == 2) == 2, ops
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.usefixtures("row_tiles_priced_by_the_tile_model")
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 def test_pre_ln_models_fold_their_layernorms(zoo, name):
