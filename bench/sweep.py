@@ -114,7 +114,7 @@ def gemm_model(m: int, n: int, k: int, seed: int = 0, epilogue: str = "bias") ->
     then GELU(y) as BERT's export spells it (x / sqrt(2) with a fp16 constant, Erf, + 1, * x, * 0.5); "silu":
     y * Sigmoid(y); "softsign": y / (1 + |y|), a division by a tensor (IEEE, with its per-element branch);
     "layernorm": LayerNorm(y + r) over the row, r a second input (a row-wise epilogue); "gated": no bias, w
-    a gated MLP's gate and up weights interleaved column by column (rewriter.canonical), SiLU(y[:, 0::2]) *
+    a gated MLP's gate and up weights interleaved column by column (rewriter.gemm_packing), SiLU(y[:, 0::2]) *
     y[:, 1::2]: [m, n / 2] (Llama's is 3072 columns wide, K 576)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float16)

@@ -7,7 +7,7 @@ The kernel body is one call of `ofz::gemm::run` (include/ortfuse_gemm.h); the re
   the operand element by element, through any prologue ops (casts, scaling, transposes, broadcasts);
 * `epi2` / `epi1` compute every region output at one or two adjacent columns from the accumulator, with
   16-bit pairs stored as one access when the row length is even;
-* gated pairs (a gated MLP's SiLU(x Wg) * (x Wu) packed by `rewriter.canonical` with the gate's and the
+* gated pairs (a gated MLP's SiLU(x Wg) * (x Wu) packed by `rewriter.gemm_packing` with the gate's and the
   up projection's columns alternating: two Slices of step 2 are all that reads the GEMM's result): `epi2`
   gets the two values of one output column, and the outputs are half as wide as the GEMM;
 * row-wise epilogue (region kind "gemm_row": a Softmax, LayerNorm or Reduce* over the GEMM's N axis): the

@@ -20,8 +20,8 @@ from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
-                                       fold_runtime_shapes, fold_small_values, interleave_halves, pack_sibling_gemms,
-                                       unflatten_gemms)
+                                       fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.gemm_packing import interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas

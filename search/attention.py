@@ -29,7 +29,7 @@ PROB_OPS = frozenset({"Cast", "Identity"})
 # (Llama's repeat_kv: Unsqueeze, Expand, Reshape) are read where they are, never materialized.
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand"})
 # Ops that select a part of their input, on operand paths only: the Split of a packed QKV projection
-# (GPT-2's c_attn, BERT's after `rewriter.canonical.pack_sibling_gemms`) and constant Slices fold into
+# (GPT-2's c_attn, BERT's after `rewriter.gemm_packing.pack_sibling_gemms`) and constant Slices fold into
 # the offset as a start along one axis. All of a Split's outputs must stay inside the pattern.
 SELECT_OPS = frozenset({"Split", "Slice"})
 # Kernel storage types: fp32 accumulation of fp32 / fp16 / bf16 data.

@@ -397,7 +397,7 @@ def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
 def gated_reads(g: Graph, nodes: Iterable[int], anchor: int) -> Optional[tuple[onnx.NodeProto, onnx.NodeProto]]:
     """The Slices from column 0 and from column 1 where GEMM `anchor`'s [.., N] result is read in the region
     `nodes` by exactly these two Slices of its last axis, of step 2, and by nothing else (a gated MLP packed by
-    `rewriter.canonical` with its gate and up columns alternating: the region's outputs are N / 2 wide); else
+    `rewriter.gemm_packing` with its gate and up columns alternating: the region's outputs are N / 2 wide); else
     None."""
     from ortfuse.search.attention import slice_steps
 

@@ -1,5 +1,5 @@
 """Gated MLPs as one GEMM: SiLU(x Wg) * (x Wu) (Llama) and GELU(x Wg) * (x Wu) (GeGLU). The rewriter packs the
-two weights with their columns alternating (rewriter.canonical), two Slices of step 2 read the halves back, and
+two weights with their columns alternating (rewriter.gemm_packing), two Slices of step 2 read the halves back, and
 the GEMM kernel's epilogue gets each output column's gate and up values as one fragment pair
 (legal.gated_reads, lower_gemm's gated epilogue). Checked in CPU emulation: through the whole optimizer
 against ORT CPU on the original model (fp16 1e-2, tf32 5e-3 normwise), and each tile family forced on the

@@ -12,8 +12,8 @@ from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
 from ortfuse.rewriter.canonical import (_static_target, _trusted_dim, bypass_noop_expands, fold_constant_identities,
-                                       fold_conv_pads, fold_runtime_shapes, fold_small_values, pack_sibling_gemms,
-                                       unflatten_gemms)
+                                       fold_conv_pads, fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
 
 

@@ -239,7 +239,7 @@ def _gated(M: int = 1000, K: int = 576, N: int = 1536):
     (64, 64, 64, 16, 64, 4, 4, 1),        # split-K in clusters of 4
 ])
 def test_gated_mlp_as_one_gemm_matches_ort(tile):
-    # gate and up interleaved in one weight, each output column's pair in one fragment (rewriter.canonical,
+    # gate and up interleaved in one weight, each output column's pair in one fragment (rewriter.gemm_packing,
     # lower_gemm's gated epilogue); M 1000 against every tile's rows
     m = _gated()
     res = compile_model(m, None, "sm_90", options=WG)
