@@ -300,3 +300,26 @@ def test_our_gemm_storing_misaligned_rows_pays_for_its_stores(n, dt, charged):
     factor = getattr(for_cc(90), charged)
     want = (factor - 1) * 4096 * n * np.dtype(npt).itemsize / (for_cc(90).dram_gbps * 1e3)
     assert factor > 1.0 and abs(extra - want) < 1e-6 * want
+
+
+@pytest.mark.parametrize("starts,steps,extra,ok", [
+    ((0, 1), (2, 2), False, True),    # gate from column 0, up from column 1: gated pairs
+    ((1, 0), (2, 2), False, True),    # either Slice may come first
+    ((0, 0), (2, 2), False, False),   # both halves from the even columns
+    ((0, 1), (3, 3), False, False),   # another step
+    ((0, 1), (2, 2), True, False),    # the GEMM's result is also read outside the two Slices
+])
+def test_gated_reads_take_exactly_the_two_interleaved_halves(starts, steps, extra, ok):
+    # legal.gated_reads: the GEMM region's outputs may be half as wide as the GEMM only then
+    nodes = [node("MatMul", ["x", "w"], ["y"])]
+    inits = [const("w", np.ones((8, 12), np.float32)), const("ax", [-1], np.int64), const("end", [12], np.int64)]
+    for k, (s, st) in enumerate(zip(starts, steps)):
+        inits += [const(f"s{k}", [s], np.int64), const(f"t{k}", [st], np.int64)]
+        nodes.append(node("Slice", ["y", f"s{k}", "end", "ax", f"t{k}"], [f"h{k}"]))
+    nodes.append(node("Mul", ["h0", "h1"], ["out"]))
+    outputs = [vi("out", F, None)] + ([vi("y", F, None)] if extra else [])
+    g = build_graph(model(nodes, [vi("x", F, [4, 8])], outputs, inits), {})
+    reads = legal.gated_reads(g, range(len(g.nodes)), 0)
+    assert (reads is not None) == ok
+    r = legal.classify(g, set(range(len(g.nodes))))
+    assert isinstance(r, legal.Region) == ok, r
