@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label, us_text
-from ortfuse.search import conv, ops
+from ortfuse.search import conv, legal, ops
+from ortfuse.search.attention import find_attention
 
 
 def _mb(n: int) -> str:
@@ -31,6 +32,15 @@ def summary(r: OptimizeResult) -> str:
                  and g.producer.get(g.nodes[i].input[0]) in k.region.nodes)
     if chains:
         note.append(f"conv chains:          {chains} Convs compute their input image in their gather (never written)")
+    gated = sum(1 for k in r.kernels if k.region.kind == "gemm" for i in k.region.nodes
+                if conv.is_anchor(g, g.nodes[i]) and legal.gated_reads(g, k.region.nodes, i) is not None)
+    if gated:
+        note.append(f"gated GEMMs:          {gated} GEMMs compute a gated activation's two halves (gate and up "
+                    "interleaved) and write its product")
+    fused = {tuple(k.region.nodes) for k in r.kernels if k.region.kind == "attention"}
+    ropes = sum((p.q_rope is not None) + (p.k_rope is not None) for p in find_attention(g)[0] if p.nodes in fused)
+    if ropes:
+        note.append(f"rotary embeddings:    {ropes} applied by the attention kernels to the Q and K rows they load")
     folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
     if folds:
         note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")

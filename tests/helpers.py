@@ -292,3 +292,25 @@ def rope_attention(dt: int, heads: int = 4, kv_heads: int = 2, head: int = 64, k
 def rope_shapes(heads: int, kv: int, head: int, b, s) -> dict:
     return {"xq": (b, s, heads, head), "xk": (b, s, kv, head), "v": (b, kv, s, head), "cos": (1, 1, s, head),
             "sin": (1, 1, s, head), "mask": (b, 1, s, s)}
+
+
+def gated_mlp(dt: int, K: int, N: int, rows, seed: int = 3, gelu: bool = False, down: bool = False):
+    """x [rows..., K] -> SiLU(x Wg) * (x Wu) (or GELU's tanh form on the gate), then x + h Wd where `down`:
+    the model and the (bits, fp64 values) of Wg and of Wu."""
+    (wg, wgv), (wu, wuv), (wd, _) = rounded_operands(((K, N), (K, N), (N, K)), dt, seed)
+    act = [node("Sigmoid", ["g"], ["sg"]), node("Mul", ["g", "sg"], ["a"])] if not gelu else [
+        node("Mul", ["g", "g"], ["g2"]), node("Mul", ["g2", "g"], ["g3"]), node("Mul", ["g3", "c1"], ["t0"]),
+        node("Add", ["g", "t0"], ["t1"]), node("Mul", ["t1", "c2"], ["t2"]), node("Tanh", ["t2"], ["t3"]),
+        node("Add", ["t3", "one"], ["t4"]), node("Mul", ["g", "t4"], ["t5"]), node("Mul", ["t5", "half"], ["a"])]
+    nodes = [node("MatMul", ["x", "wg"], ["g"]), node("MatMul", ["x", "wu"], ["u"]), *act,
+             node("Mul", ["a", "u"], ["h"])]
+    inits = [raw_init("wg", wg, dt), raw_init("wu", wu, dt)]
+    if gelu:
+        np_t = np.float16 if dt == onnx.TensorProto.FLOAT16 else np.float32
+        inits += [const(n, v, np_t) for n, v in (("c1", 0.044715), ("c2", 0.7978845608), ("one", 1.0), ("half", 0.5))]
+    out = "h"
+    if down:
+        nodes += [node("MatMul", ["h", "wd"], ["d"]), node("Add", ["d", "x"], ["y"])]
+        inits.append(raw_init("wd", wd, dt))
+        out = "y"
+    return model(nodes, [vi("x", dt, [*rows, K])], [vi(out, dt, None)], inits), (wg, wgv), (wu, wuv)

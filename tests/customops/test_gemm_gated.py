@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, fused_parity, launch_spec, model, node, raw_init, rounded_operands, sass_or_skip, vi
+from helpers import (const, fused_parity, gated_mlp, launch_spec, model, node, raw_init, rounded_operands,
+                     sass_or_skip, vi)
 from ortfuse.api import compile_model, target_for
 from ortfuse.config import Options
 from ortfuse.customops.lower import lower
@@ -19,33 +20,11 @@ from ortfuse.customops.lower import lower
 F, H, BF = TP.FLOAT, TP.FLOAT16, TP.BFLOAT16
 
 
-def _silu_mlp(dt: int, K: int, N: int, rows, seed: int = 3, gelu: bool = False, down: bool = False):
-    """x [rows..., K] -> SiLU(x Wg) * (x Wu) (or GELU's tanh form on the gate), then x + h Wd where `down`:
-    the model and the (bits, fp64 values) of Wg and of Wu."""
-    (wg, wgv), (wu, wuv), (wd, _) = rounded_operands(((K, N), (K, N), (N, K)), dt, seed)
-    act = [node("Sigmoid", ["g"], ["sg"]), node("Mul", ["g", "sg"], ["a"])] if not gelu else [
-        node("Mul", ["g", "g"], ["g2"]), node("Mul", ["g2", "g"], ["g3"]), node("Mul", ["g3", "c1"], ["t0"]),
-        node("Add", ["g", "t0"], ["t1"]), node("Mul", ["t1", "c2"], ["t2"]), node("Tanh", ["t2"], ["t3"]),
-        node("Add", ["t3", "one"], ["t4"]), node("Mul", ["g", "t4"], ["t5"]), node("Mul", ["t5", "half"], ["a"])]
-    nodes = [node("MatMul", ["x", "wg"], ["g"]), node("MatMul", ["x", "wu"], ["u"]), *act,
-             node("Mul", ["a", "u"], ["h"])]
-    inits = [raw_init("wg", wg, dt), raw_init("wu", wu, dt)]
-    if gelu:
-        np_t = np.float16 if dt == H else np.float32
-        inits += [const(n, v, np_t) for n, v in (("c1", 0.044715), ("c2", 0.7978845608), ("one", 1.0), ("half", 0.5))]
-    out = "h"
-    if down:
-        nodes += [node("MatMul", ["h", "wd"], ["d"]), node("Add", ["d", "x"], ["y"])]
-        inits.append(raw_init("wd", wd, dt))
-        out = "y"
-    return model(nodes, [vi("x", dt, [*rows, K])], [vi(out, dt, None)], inits), (wg, wgv), (wu, wuv)
-
-
 def test_gated_mlp_is_one_gemm_kernel_with_interleaved_weights():
     # a Llama MLP at a symbolic batch: the gate and up projections become one GEMM over the packed weight,
     # whose epilogue writes h; the down projection with the residual is a second GEMM kernel
     K, N = 64, 96
-    m, (wg, _), (wu, _) = _silu_mlp(H, K, N, ("n", 7), down=True)
+    m, (wg, _), (wu, _) = gated_mlp(H, K, N, ("n", 7), down=True)
     for rows in (1, 3):
         res = fused_parity(m, {"x": ("n", 7, K)}, {"x": (rows, 7, K)}, ("gemm", "gemm"))
     assert not [n for n in res.model.graph.node if n.op_type in ("MatMul", "Slice")]
@@ -61,7 +40,7 @@ def test_gated_mlp_is_one_gemm_kernel_with_interleaved_weights():
 
 def test_geglu_and_odd_output_widths():
     # the tanh GELU on the gate; N = 50: 100 GEMM columns, outputs whose rows are 4-byte aligned only (no epi8)
-    m, _, _ = _silu_mlp(H, 40, 50, (5, 3), gelu=True, seed=8)
+    m, _, _ = gated_mlp(H, 40, 50, (5, 3), gelu=True, seed=8)
     res = fused_parity(m, {}, None, ("gemm",))
     assert "epi8" not in res.kernels[0].compiled.source
 
@@ -69,7 +48,7 @@ def test_geglu_and_odd_output_widths():
 def test_fp32_pairs_need_tf32():
     # fp32 without tf32 runs on SIMT lanes, which hold single columns: the packing is undone and the gate's
     # GEMM keeps its own epilogue; with --tf32 the pairs are fragments again and the MLP is one kernel
-    m, _, _ = _silu_mlp(F, 64, 96, (3, 7), seed=4)
+    m, _, _ = gated_mlp(F, 64, 96, (3, 7), seed=4)
     res = compile_model(m, None, "sm_80,sm_90", options=Options(archs=(80, 90)))
     assert not any(n.op_type == "Slice" for n in res.graph.nodes)
     res = fused_parity(m, {}, None, ("gemm",), tf32=True)
@@ -79,7 +58,7 @@ def test_fp32_pairs_need_tf32():
 def _packed(dt: int, M: int, K: int, N: int, seed: int):
     """The gated MLP's packed graph and GEMM region (sm_90, wgmma on), the packed weight's bits and the fp64
     reference SiLU(x Wg) * (x Wu) on the rounded operands."""
-    m, (wg, wgv), (wu, wuv) = _silu_mlp(dt, K, N, (M,), seed=seed)
+    m, (wg, wgv), (wu, wuv) = gated_mlp(dt, K, N, (M,), seed=seed)
     ((x, xv),) = rounded_operands(((M, K),), dt, seed + 1)
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,), wgmma=True))
     (k,) = res.kernels
@@ -134,7 +113,7 @@ def test_whole_tiles_store_four_outputs_at_once():
     # Llama's shape (K 576, N 1536 a projection) at 128 rows a batch: the whole-tile epilogue stores the 4
     # fp16 outputs of each 8 columns as one 8-byte word (ofz::store_vec: NVVM split a uint2 store in two)
     sass = sass_or_skip()
-    m, _, _ = _silu_mlp(H, 576, 1536, ("batch", 128), seed=2)
+    m, _, _ = gated_mlp(H, 576, 1536, ("batch", 128), seed=2)
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
     (k,) = res.kernels
     ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in sass(dict(k.compiled.cubins)[90])]

@@ -138,6 +138,19 @@ def test_summary_counts_conv_chains(tmp_path, capsys):
     assert "regions fused:        1 (1 gemm)" in out, out
 
 
+def test_summary_counts_gated_gemms_and_rotations_in_attention(tmp_path, capsys):
+    from helpers import gated_mlp, rope_attention
+
+    src = _save(gated_mlp(TP.FLOAT16, 64, 96, ("n", 7))[0], tmp_path / "g.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "o.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "gated GEMMs:          1 GEMMs compute a gated activation's two halves" in out, out
+    src = _save(rope_attention(TP.FLOAT16), tmp_path / "r.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "o2.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "rotary embeddings:    2 applied by the attention kernels" in out, out
+
+
 def test_console_script_and_module_entry(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ortfuse", "optimize", str(tmp_path / "none.onnx"),
                         str(tmp_path / "o.onnx")], capture_output=True, text=True)
