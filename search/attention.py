@@ -221,11 +221,10 @@ def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
 # ---- layout paths -----------------------------------------------------------------------------------------
 
 def _rotated_path_back(g: Graph, t: str, user: int, select: bool) -> tuple[tuple[int, ...], str, Rope | None]:
-    """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one; only
-    with `select` (the form the kernels read whole packed projections in)."""
+    """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one."""
     path, src = _path_back(g, t, user, select)
     users = {path[0]} if path else {user}
-    rope = _rope_at(g, src, users) if select else None
+    rope = _rope_at(g, src, users)
     if rope is None:
         return path, src, None
     x_users = {c for c in g.consumers.get(rope.x, ())}

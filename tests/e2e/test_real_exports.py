@@ -266,6 +266,8 @@ def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
     # K and V (the concatenations with the past, also graph outputs) read at their own heads: repeat_kv's
     # Expand, whose kept dim is the expression 'past + seq', folded into the offsets
     assert len(att) == 2 and all(o.count("Expand") == 2 for o in att), att
+    # Q rotated inside the attention; K's rotation is written anyway (into the present key)
+    assert all(o.count("Neg") == 1 for o in att), att
     assert "Expand" not in {n.op_type for n in res.model.graph.node}
     assert sum(n.op_type == "MatMul" for n in res.model.graph.node) == 2 * 4 + 1  # Q, K and V packed
     for new, total in ((1, 6), (7, 12)):
