@@ -4,8 +4,9 @@
   back through the pattern's Reshape/Transpose path (scalar scales on the path move into the score; a
   Split or Slice adds its start, so Q, K and V may be parts of one packed projection);
 * Q.rope / K.rope (a rotary embedding on the path, `search.attention.Rope`): the rotated value at (b, h, s, d)
-  from x there and x at the partner column d -+ D/2, the rotation's ops walked with those two values, so the
+  from x there and x at the partner column d -+ R/2, the rotation's ops walked with those two values, so the
   kernel rotates the Q and K rows it has loaded (cos and sin are read at the rotation's own coordinates);
+  Q.rope_half / K.rope_half: R / 2 (D / 2 unless the rotation is partial);
 * O.offset: the same for the result, walking forward through the output path;
 * S.score: the element-wise ops between the two MatMuls (scale, mask) at (b, h, i, j) from the Q·Kᵀ value;
   a mask proven the same along an axis (`customops.invariance`: a padding mask materialized per query
@@ -187,12 +188,16 @@ class _AttnLowerer(_Lowerer):
 
         def build() -> Expr:
             idx, _ = self.back(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), src, stop=rope.out)
-            self.rope_sub = (rope.x, idx[-1], here, partner)
-            try:
-                return self.value(rope.out, idx)
+            self.rope_sub = (rope.within, idx[-1], here, partner)
+            try:  # (a partial rotation's columns past R are not rotated: the kernel asks for d < R only)
+                return self.value(rope.rotated, idx)
             finally:
                 self.rope_sub = None
         return self.func(f"{'K' if transposed else 'Q'}.rope", (vb, vh, vs_, vd, here, partner), build)
+
+    def rope_half(self, rope, transposed: bool) -> ir.Func:
+        """`<Q|K>.rope_half()`: R / 2, the distance between the columns rotated together (D / 2 unless partial)."""
+        return self.func(f"{'K' if transposed else 'Q'}.rope_half", (), lambda: ir.i64(rope.half))
 
     def forward(self, idx: tuple[Expr, ...]) -> Expr:
         t = self.g.nodes[self.p.pv].output[0]
@@ -240,10 +245,8 @@ class _AttnLowerer(_Lowerer):
                  self.func("K.offset", params, layout(kt_op, p.k, True)),
                  self.func("V.offset", params, layout(v_op, p.v, False)),
                  self.func("O.offset", params, lambda: self.forward((vb, vh, vs_, vd)))]
-        ropes = [self.rope(op, src, r, tr) for op, src, r, tr in ((q_op, p.q, p.q_rope, False),
-                                                                  (kt_op, p.k, p.k_rope, True)) if r is not None]
-        if ropes and d % 2:
-            raise LoweringError(f"a rotary embedding over an odd head size {d}")
+        ropes = [f for op, src, r, tr in ((q_op, p.q, p.q_rope, False), (kt_op, p.k, p.k_rope, True)) if r is not None
+                 for f in (self.rope(op, src, r, tr), self.rope_half(r, tr))]
         scale = scales[0] * scales[1] * scales[2]
         if scales[2] != 1.0:
             raise LoweringError("a scale on the V path")

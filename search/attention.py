@@ -39,11 +39,16 @@ FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.
 @dataclass(frozen=True)
 class Rope:
     """A rotary embedding on the Q or K path, as HF's apply_rotary_pos_emb exports it: out = x * cos +
-    Concat(-x[..., D/2:], x[..., :D/2]) * sin (rotate_half), x [.., S, D] on the path. The kernel rotates the
-    rows it loads; cos and sin (broadcast over heads) are read where the rotation needs them."""
+    Concat(-x[..., R/2:], x[..., :R/2]) * sin (rotate_half), x [.., S, R] on the path; partial (GPT-NeoX,
+    Phi-2): the first R of D columns rotated so and the rest passed through, Concat(rope(x[..., :R]),
+    x[..., R:]). The kernel rotates the rows it loads; cos and sin (broadcast over heads) are read where the
+    rotation needs them."""
     out: str  # the rotated tensor (the path continues from it toward the MatMul)
     x: str  # the tensor rotated (the path continues from it toward the kernel input)
-    nodes: tuple[int, ...]  # Mul, Slice, Slice, Neg, Concat, Mul, Add
+    nodes: tuple[int, ...]  # Mul, Slice, Slice, Neg, Concat, Mul, Add (partial: and Slice, Slice, Concat)
+    rotated: str = ""  # the rotation's Add: `out`, or (partial) the first part of out's Concat
+    within: str = ""  # the tensor the rotation reads: `x`, or (partial) its first R columns
+    half: int = 0  # R / 2: columns c and c + R / 2 are rotated together
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,7 @@ def _rotated_path_back(g: Graph, t: str, user: int, select: bool) -> tuple[tuple
     """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one."""
     path, src = _path_back(g, t, user, select)
     users = {path[0]} if path else {user}
-    rope = _rope_at(g, src, users)
+    rope = _rope_at(g, src, users) or _partial_rope_at(g, src, users)
     if rope is None:
         return path, src, None
     x_users = {c for c in g.consumers.get(rope.x, ())}
@@ -284,8 +289,37 @@ def _rope_at(g: Graph, t: str, users: set[int]) -> Rope | None:
             if any(_computed_from(g, c, x) for c in (cos, sin)) or \
                     any(g.tensors[c].shape is None or g.tensors[c].shape[-1:] != (shape[-1],) for c in (cos, sin)):
                 continue
-            return Rope(t, x, nodes)
+            return Rope(t, x, nodes, t, x, half)
     return None
+
+
+def _partial_rope_at(g: Graph, t: str, users: set[int]) -> Rope | None:
+    """A partial rotary embedding computing `t`: Concat(rope(Slice(x, 0:R)), Slice(x, R:D)) over the last axis,
+    the rope as `_rope_at` finds it, x read by the two Slices alone."""
+    if t in g.graph_outputs or set(g.consumers.get(t, ())) != users:
+        return None
+    cat = g.producer.get(t)
+    if cat is None or g.nodes[cat].op_type != "Concat" or len(g.nodes[cat].input) != 2:
+        return None
+    first, rest = g.nodes[cat].input
+    inner = _rope_at(g, first, {cat})
+    low, high = g.producer.get(inner.x) if inner else None, g.producer.get(rest)
+    if inner is None or low is None or high is None or any(g.nodes[i].op_type != "Slice" for i in (low, high)):
+        return None
+    x = g.nodes[low].input[0]
+    shape = g.tensors[x].shape if x in g.tensors else None
+    if g.nodes[high].input[0] != x or not shape or not isinstance(shape[-1], int) or x in g.graph_outputs or \
+            set(g.consumers.get(x, ())) != {low, high} or set(g.consumers.get(rest, ())) != {cat}:
+        return None
+    last, r = len(shape) - 1, 2 * inner.half
+    try:
+        starts = [select_start(g, g.nodes[s], g.nodes[s].output[0]) for s in (low, high)]
+    except (ValueError, KeyError):
+        return None
+    if starts != [{last: 0}, {last: r}] or attr(g.nodes[cat], "axis", 0) % len(shape) != last or \
+            g.tensors[inner.x].shape != shape[:-1] + (r,) or g.tensors[rest].shape != shape[:-1] + (shape[-1] - r,):
+        return None
+    return Rope(t, x, inner.nodes + (low, high, cat), inner.rotated, inner.x, inner.half)
 
 
 def _computed_from(g: Graph, t: str, x: str, depth: int = 8) -> bool:

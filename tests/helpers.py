@@ -264,34 +264,43 @@ def _rope(x: str, out: str, half: int, swapped: bool = False) -> list[onnx.NodeP
 
 
 def rope_attention(dt: int, heads: int = 4, kv_heads: int = 2, head: int = 64, k_out: bool = False,
-                    swapped: bool = False) -> onnx.ModelProto:
+                    swapped: bool = False, rot: int = 0) -> onnx.ModelProto:
     """Llama's attention from head-split projections: xq [B, S, H, D] and xk [B, S, KV, D] transposed to
     heads-first and rotated (cos, sin [1, 1, S, D]), K (and V) repeated across the query heads, scaled scores,
-    an additive mask, Softmax, P @ V. `k_out`: the rotated K is also an output (a KV cache's present key)."""
+    an additive mask, Softmax, P @ V. `k_out`: the rotated K is also an output (a KV cache's present key).
+    `rot`: only the first `rot` columns rotated, the rest passed through (GPT-NeoX, Phi-2; cos, sin [.., rot])."""
     np_dt = np.float16 if dt == onnx.TensorProto.FLOAT16 else np.float32
     rep = heads // kv_heads
-    nodes = [node("Transpose", ["xq"], ["tq"], perm=[0, 2, 1, 3]), node("Transpose", ["xk"], ["tk"], perm=[0, 2, 1, 3]),
-             *_rope("tq", "q", head // 2, swapped), *_rope("tk", "k", head // 2, swapped)]
+    r = rot or head
+    nodes = [node("Transpose", ["xq"], ["tq"], perm=[0, 2, 1, 3]), node("Transpose", ["xk"], ["tk"], perm=[0, 2, 1, 3])]
+    for t in ("q", "k"):
+        if not rot:
+            nodes += _rope(f"t{t}", t, r // 2, swapped)
+            continue
+        nodes += [node("Slice", [f"t{t}", "zero", f"h{rot}", "last"], [f"t{t}_rot"]),
+                  node("Slice", [f"t{t}", f"h{rot}", "big", "last"], [f"t{t}_pass"]),
+                  *_rope(f"t{t}_rot", f"{t}_r", r // 2, swapped),
+                  node("Concat", [f"{t}_r", f"t{t}_pass"], [t], axis=-1)]
     for t in ("k", "v"):
         nodes += [node("Unsqueeze", [t, "ax2"], [f"{t}5"]), node("Expand", [f"{t}5", "tgt"], [f"{t}e"]),
                   node("Reshape", [f"{t}e", "flat"], [f"{t}r"])]
     nodes += [node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["qk"]),
               node("Mul", ["qk", "scale"], ["sc"]), node("Add", ["sc", "mask"], ["sm"]),
               node("Softmax", ["sm"], ["p"], axis=-1), node("MatMul", ["p", "vr"], ["o"])]
-    inits = [const("zero", [0], np.int64), const(f"h{head // 2}", [head // 2], np.int64), const("big", [2**62], np.int64),
+    inits = [const("zero", [0], np.int64), const(f"h{r // 2}", [r // 2], np.int64), const("big", [2**62], np.int64),
              const("last", [-1], np.int64), const("ax2", [2], np.int64), const("tgt", [1, 1, rep, 1, 1], np.int64),
              const("flat", [0, heads, -1, head], np.int64), const("scale", head ** -0.5, np_dt)]
     outputs = [vi("o", dt, ["batch", heads, "seq", head])] + ([vi("k", dt, ["batch", kv_heads, "seq", head])]
                                                              if k_out else [])
     return model(nodes, [vi("xq", dt, ["batch", "seq", heads, head]), vi("xk", dt, ["batch", "seq", kv_heads, head]),
-                         vi("v", dt, ["batch", kv_heads, "seq", head]), vi("cos", dt, [1, 1, "seq", head]),
-                         vi("sin", dt, [1, 1, "seq", head]), vi("mask", dt, ["batch", 1, "seq", "seq"])],
-                 outputs, inits)
+                         vi("v", dt, ["batch", kv_heads, "seq", head]), vi("cos", dt, [1, 1, "seq", r]),
+                         vi("sin", dt, [1, 1, "seq", r]), vi("mask", dt, ["batch", 1, "seq", "seq"])],
+                 outputs, inits + ([const(f"h{rot}", [rot], np.int64)] if rot else []))
 
 
-def rope_shapes(heads: int, kv: int, head: int, b, s) -> dict:
-    return {"xq": (b, s, heads, head), "xk": (b, s, kv, head), "v": (b, kv, s, head), "cos": (1, 1, s, head),
-            "sin": (1, 1, s, head), "mask": (b, 1, s, s)}
+def rope_shapes(heads: int, kv: int, head: int, b, s, rot: int = 0) -> dict:
+    return {"xq": (b, s, heads, head), "xk": (b, s, kv, head), "v": (b, kv, s, head), "cos": (1, 1, s, rot or head),
+            "sin": (1, 1, s, rot or head), "mask": (b, 1, s, s)}
 
 
 def gated_mlp(dt: int, K: int, N: int, rows, seed: int = 3, gelu: bool = False, down: bool = False):

@@ -9,8 +9,10 @@
 //       element offset of row s, column d of head h in batch b (s a query row for Q and O, a key for K, V)
 //   rotary embedding (optional, Q and K: a Rope on the path, search/attention.py):
 //     static float rope(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d, float x, float xp);
-//       the rotated value at column d of row s from x there and xp at the partner column d -+ D/2; the
-//       kernel rotates the rows of Q and K it has loaded, in place (rotate_rows)
+//     static ofz_i64 rope_half(const OfzArgs& a);
+//       the rotated value at column d of row s from x there and xp at the partner column d -+ rope_half()
+//       (D / 2, or R / 2 of a rotation of the first R columns); the kernel rotates the rows of Q and K it has
+//       loaded, in place (rotate_rows)
 //   score epilogue (the element-wise ops between the two MatMuls: scale, mask, Where, Cast):
 //     static float score(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 i, ofz_i64 j, float qk);
 //       the Softmax input for query i and key j; -inf (neg_inf()) masks the entry out. It is only called
@@ -69,14 +71,14 @@ struct RowState {
 template <class L, class = void> struct HasRope { static constexpr bool value = false; };
 template <class L> struct HasRope<L, decltype((void)&L::rope)> { static constexpr bool value = true; };
 
-// Rows s0 .. s0+ROWS-1 of Q or K in shared memory (LD elements apart), rotated in place: columns c and c + D/2
-// are a pair, each rotated from both (L::rope). Rows at or past `limit` (zero-filled) are left alone. The
-// block's threads share the pairs; the caller synchronizes before and after.
+// Rows s0 .. s0+ROWS-1 of Q or K in shared memory (LD elements apart), rotated in place: columns c and c + H
+// (H = L::rope_half(): D / 2, or R / 2 where only the first R columns rotate) are a pair, each rotated from
+// both (L::rope). Rows at or past `limit` (zero-filled) are left alone. The block's threads share the pairs;
+// the caller synchronizes before and after.
 template <class E, int ROWS, int D, int LD, int NT, class L>
 __device__ __forceinline__ void rotate_rows(E* rows, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0,
                                             ofz_i64 limit) {
-  static_assert(D % 2 == 0, "rotary pairs");
-  constexpr int H = D / 2;
+  const int H = (int)L::rope_half(a);  // a printed constant
   for (int e = threadIdx.x; e < ROWS * H; e += NT) {
     const int r = e / H, c = e % H;
     if (s0 + r >= limit) continue;

@@ -1,6 +1,7 @@
 """Rotary embeddings inside the attention kernel (search.attention.Rope, lower_attention's Q.rope / K.rope,
 ortfuse_attention.h rotate_rows): Llama's q * cos + rotate_half(q) * sin on Q and on K (before grouped-query
-attention's repeat) becomes a rotation of the rows the kernel loads, so no kernel writes the rotated Q and K.
+attention's repeat), or GPT-NeoX's on their first columns only, becomes a rotation of the rows the kernel
+loads, so no kernel writes the rotated Q and K.
 Run in CPU emulation against ORT CPU on the original graph: the tensor-core kernel (fp16, head 64, key tiles
 full and partial) and the SIMT kernel (fp32; fp16 at head 24), normwise 1e-2 (fp16) and 1e-5 (fp32)."""
 from __future__ import annotations
@@ -24,6 +25,18 @@ def test_q_and_k_rotated_inside_the_attention_kernel(dt, head):
     assert ("ofz::attn::tensor_core" in src) == (dt == H and head % 16 == 0)
     assert src.count("rope(const OfzArgs&") == 2
     assert not any(n.op_type in ("Neg", "Concat") for n in res.model.graph.node)
+
+
+@pytest.mark.parametrize("dt,head,rot", [(H, 64, 32), (F, 32, 8)])
+def test_a_partial_rotation_rotates_the_first_columns_only(dt, head, rot):
+    # GPT-NeoX / Phi-2: the first `rot` columns rotated (pairs rot / 2 apart), the rest passed through
+    m = rope_attention(dt, head=head, rot=rot)
+    res = fused_parity(m, rope_shapes(4, 2, head, "batch", "seq", rot), rope_shapes(4, 2, head, 2, 70, rot),
+                       ["attention"])
+    (r,) = res.plan.regions
+    assert [res.graph.nodes[i].op_type for i in r.nodes].count("Concat") == 4  # rotate_half's and the halves'
+    src = res.kernels[0].compiled.source
+    assert ("ofz::attn::tensor_core" in src) == (dt == H) and f"return {rot // 2}LL;" in src
 
 
 def test_a_rotated_k_also_returned_stays_its_own_kernel():

@@ -184,14 +184,15 @@ def test_grouped_query_attention_on_gpu(dt, heads, kv, head):
         assert rep.ok, "\n".join(rep.lines())
 
 
-@pytest.mark.parametrize("dt,head", [(H, 64), (F, 64), (H, 128)])
-def test_rotary_embeddings_inside_attention_on_gpu(dt, head):
-    # Q's and K's rotary embeddings as rotations of the rows the kernel loads (session 23, CPU only until now)
-    m = rope_attention(dt, head=head)
+@pytest.mark.parametrize("dt,head,rot", [(H, 64, 0), (F, 64, 0), (H, 128, 0), (H, 64, 32)])
+def test_rotary_embeddings_inside_attention_on_gpu(dt, head, rot):
+    # Q's and K's rotary embeddings (rot: of the first columns only) as rotations of the rows the kernel
+    # loads (session 23, CPU only until now)
+    m = rope_attention(dt, head=head, rot=rot)
     res = compile_model(m, None, "sm_90")
     assert [r.kind for r in res.plan.regions] == ["attention"]
     for b, s in ((1, 128), (3, 77)):
-        rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, head, b, s))
+        rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, head, b, s, rot))
         assert rep.ok, "\n".join(rep.lines())
 
 
