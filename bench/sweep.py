@@ -319,7 +319,8 @@ def sweep_shape(shape: tuple[int, int, int], timer: Timer, per_family: int = 6, 
                         variant)
 
     rows = [r for r in (one(*c) for c in cands) if r is not None]
-    staged = shape[1] * 2 % 16 != 0  # fp16 rows that are not 16-byte aligned: the kernels stage their stores
+    # fp16 rows that are not 16-byte aligned: the kernels stage their stores
+    staged = padded_width(shape[1], TensorProto.FLOAT16) != shape[1]
     variants = [v for v, on in zip(VARIANTS, (ablate, noflush is not None, direct_stores and staged)) if on]
     for name in NAMES if variants else ():
         best = _best(rows, name)

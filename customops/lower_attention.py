@@ -132,16 +132,18 @@ class _AttnLowerer(_Lowerer):
             return self.qk_value
         return super().node_value(node, pos, idx)
 
-    def back(self, t: str, idx: tuple[Expr, ...], source: str, stop: str | None = None) -> tuple[Expr, float]:
-        """Offset in `source` of element `idx` of `t`, and the product of scalar scales on the way (a rotary
-        embedding passes the index through: its rows are rotated in the kernel). With `stop`, the index at that
-        tensor instead of the offset (stopping there)."""
+    def back(self, t: str, idx: tuple[Expr, ...], source: str) -> tuple[Expr, float]:
+        """Offset in `source` of element `idx` of `t`, and the product of scalar scales on the way."""
+        idx, scale = self.walk(t, idx, source)
+        return self.linearize(idx, self._shape(source)), scale
+
+    def walk(self, t: str, idx: tuple[Expr, ...], until: str) -> tuple[tuple[Expr, ...], float]:
+        """Element `idx` of `t` as an index of `until`, up its operand path, and the product of scalar scales on
+        the way (a rotary embedding passes the index through: its rows are rotated in the kernel)."""
         scale = 1.0
         shape = self._shape(t)
         idx = tuple(ir.i64(0) if d == 1 else i for i, d in zip(idx, shape))
-        while t != source:
-            if t == stop:
-                return idx, scale  # type: ignore[return-value]
+        while t != until:
             if t in self.ropes:
                 t = self.ropes[t].x
                 continue
@@ -176,18 +178,16 @@ class _AttnLowerer(_Lowerer):
                 t = data[0]
             else:
                 raise LoweringError(f"{op} on an attention operand path")
-        if stop is not None:
-            raise LoweringError(f"'{stop}' is not on the path to '{source}'")
-        return self.linearize(idx, self._shape(source)), scale
+        return idx, scale
 
-    def rope(self, t: str, src: str, rope, transposed: bool) -> ir.Func:
+    def rope(self, t: str, rope, transposed: bool) -> ir.Func:
         """`<Q|K>.rope(b, h, s, d, x, xp)`: the rotary embedding's output at the kernel's (b, h, s, d) of the
         operand `t`, from x there and x at the partner column (xp)."""
         vb, vh, vs_, vd = (Var(n, I64) for n in ("ab", "ah", "as", "ad"))
         here, partner = Var("rx", F32), Var("rp", F32)
 
         def build() -> Expr:
-            idx, _ = self.back(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), src, stop=rope.out)
+            idx, _ = self.walk(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), rope.out)
             self.rope_sub = (rope.within, idx[-1], here, partner)
             try:  # (a partial rotation's columns past R are not rotated: the kernel asks for d < R only)
                 return self.value(rope.rotated, idx)
@@ -245,8 +245,8 @@ class _AttnLowerer(_Lowerer):
                  self.func("K.offset", params, layout(kt_op, p.k, True)),
                  self.func("V.offset", params, layout(v_op, p.v, False)),
                  self.func("O.offset", params, lambda: self.forward((vb, vh, vs_, vd)))]
-        ropes = [f for op, src, r, tr in ((q_op, p.q, p.q_rope, False), (kt_op, p.k, p.k_rope, True)) if r is not None
-                 for f in (self.rope(op, src, r, tr), self.rope_half(r, tr))]
+        ropes = [f for op, r, tr in ((q_op, p.q_rope, False), (kt_op, p.k_rope, True)) if r is not None
+                 for f in (self.rope(op, r, tr), self.rope_half(r, tr))]
         scale = scales[0] * scales[1] * scales[2]
         if scales[2] != 1.0:
             raise LoweringError("a scale on the V path")

@@ -46,9 +46,9 @@ class Rope:
     out: str  # the rotated tensor (the path continues from it toward the MatMul)
     x: str  # the tensor rotated (the path continues from it toward the kernel input)
     nodes: tuple[int, ...]  # Mul, Slice, Slice, Neg, Concat, Mul, Add (partial: and Slice, Slice, Concat)
-    rotated: str = ""  # the rotation's Add: `out`, or (partial) the first part of out's Concat
-    within: str = ""  # the tensor the rotation reads: `x`, or (partial) its first R columns
-    half: int = 0  # R / 2: columns c and c + R / 2 are rotated together
+    rotated: str  # the rotation's Add: `out`, or (partial) the first part of out's Concat
+    within: str  # the tensor the rotation reads: `x`, or (partial) its first R columns
+    half: int  # R / 2: columns c and c + R / 2 are rotated together
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ class CostModel:
         if node.op_type not in ops.GEMM or factor <= 1.0:
             return 0.0
         slow = sum(tensor_bytes(g, t) for t in region.outputs
-                   if len(shape := g.tensors[t].shape) >= 2 and isinstance(shape[-1], int) and
+                   if (shape := g.tensors[t].shape) and len(shape) >= 2 and isinstance(shape[-1], int) and
                    padded_width(shape[-1], g.tensors[t].dtype) != shape[-1])
         return (factor - 1.0) * slow / (self.target.dram_gbps * 1e3)
 
