@@ -23,7 +23,7 @@ MAX_HEAD_DIM = 128
 # Longest element-wise chain between the two MatMuls we accept; exporters emit 1 to 3 (scale, mask, Cast).
 MAX_SCORE_OPS = 8
 # Ops between the Softmax and the MatMul with V: only value-preserving ones (exporters add Casts).
-PROB_OPS = frozenset({"Cast", "Identity"})
+PROB_OPS = frozenset({"Cast", "Identity"})  # and the NaN guard of scaled_dot_product_attention (_nan_guard)
 # Layout ops that fold into a kernel's element-offset functions. An Expand (with a constant target) reads
 # its input at 0 along the broadcast axes: grouped-query attention's K and V repeated across the query heads
 # (Llama's repeat_kv: Unsqueeze, Expand, Reshape) are read where they are, never materialized.
@@ -57,7 +57,7 @@ class AttentionPattern:
     pv: int  # the MatMul(probabilities, V)
     softmax: int  # Softmax over the last axis
     score_ops: tuple[int, ...]  # element-wise nodes between qk and softmax, topological order
-    prob_ops: tuple[int, ...]  # Cast/Identity nodes between softmax and pv, topological order
+    prob_ops: tuple[int, ...]  # Cast/Identity nodes (and an IsNaN, Where guard) between softmax and pv, in order
     q_path: tuple[int, ...]  # layout and scalar-scale nodes from q to qk's first input, topological order
     k_path: tuple[int, ...]  # same, from k to qk's second input (Kᵀ)
     v_path: tuple[int, ...]  # same, from v to pv's second input
@@ -206,6 +206,11 @@ def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, .
 def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
     t, ops = g.nodes[sm].output[0], []
     while True:
+        guard = _nan_guard(g, t)
+        if guard is not None:  # the kernel's rows that see only -inf are 0 already (ortfuse_attention.h)
+            ops.extend(guard)
+            t = g.nodes[guard[1]].output[0]
+            continue
         users = set(g.consumers.get(t, ()))
         if t in g.graph_outputs or len(users) != 1:
             _refuse("probabilities used outside the attention")
@@ -221,6 +226,26 @@ def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
             _refuse(f"{g.node_label(c)} casts the probabilities to a non-float type")
         ops.append(c)
         t = n.output[0]
+
+
+def _nan_guard(g: Graph, t: str) -> tuple[int, int] | None:
+    """(IsNaN, Where) of Where(IsNaN(p), 0, p) on the probabilities `t`, as torch's scaled_dot_product_attention
+    exports (transformers' default attention): rows whose every score is -inf become 0 instead of NaN. None if
+    `t` is not read exactly so."""
+    users = set(g.consumers.get(t, ()))
+    if t in g.graph_outputs or len(users) != 2:
+        return None
+    isnan = next((c for c in users if g.nodes[c].op_type == "IsNaN"), None)
+    where = next((c for c in users if g.nodes[c].op_type == "Where"), None)
+    if isnan is None or where is None:
+        return None
+    flag, n = g.nodes[isnan].output[0], g.nodes[where]
+    if (flag in g.graph_outputs or set(g.consumers.get(flag, ())) != {where} or list(n.input) != [flag, n.input[1], t]
+            or not _scalar_const(g, n.input[1]) or float(g.constants[n.input[1]].reshape(-1)[0]) != 0.0
+            or g.info(n.output[0]).shape != g.info(t).shape or any(
+                g.nodes[i].domain not in ("", "ai.onnx") for i in (isnan, where))):
+        return None
+    return isnan, where
 
 
 # ---- layout paths -----------------------------------------------------------------------------------------

@@ -179,6 +179,12 @@ def _architecture(name: str):
     if name == "qwen2":  # Llama-like with biased Q, K and V projections
         cfg = tf.Qwen2Config(**small, num_key_value_heads=2, use_cache=False, attn_implementation="eager")
         return tf.Qwen2ForCausalLM(cfg), ["input_ids", "attention_mask"], (ids, mask)
+    if name in ("bert_sdpa", "mistral_sdpa"):  # transformers' default attention: torch's scaled_dot_product_attention,
+        # exported with its NaN guard on the probabilities (search.attention._nan_guard)
+        if name == "bert_sdpa":
+            return tf.BertModel(tf.BertConfig(**small)), ["input_ids", "attention_mask"], (ids, mask)
+        cfg = tf.MistralConfig(**small, num_key_value_heads=2, use_cache=False)
+        return tf.MistralForCausalLM(cfg), ["input_ids", "attention_mask"], (ids, mask)
     if name == "t5_encoder":  # relative position buckets: Log of fp16 positions cast to int64
         cfg = tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000,
                           attn_implementation="eager")
@@ -195,7 +201,7 @@ def _architecture(name: str):
 
 
 @pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("whisper_encoder", "fp16"),
-                                        ("swin", "fp32")])
+                                        ("swin", "fp32"), ("bert_sdpa", "fp32"), ("mistral_sdpa", "fp16")])
 def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     import onnx
     import torch
@@ -219,7 +225,11 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     if dtype == "fp16":
         onnx.save(convert_float_to_float16(onnx.load(str(path)), keep_io_types=False), str(path))
     res = compile_model(str(path), None, "sm_90")
-    assert "attention" in [r.kind for r in res.plan.regions]
+    kinds = [r.kind for r in res.plan.regions]
+    assert "attention" in kinds
+    if name.endswith("_sdpa"):  # every layer's, its NaN guard inside
+        att = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
+        assert len(att) == 2 and all("IsNaN" in o for o in att), att
     rep = check_models(str(path), res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)

@@ -126,6 +126,25 @@ def test_probability_casts_join_the_pattern():
     assert _ops(g, _one(g).prob_ops) == ["Cast", "Cast"]
 
 
+def _guarded(fill: float = 0.0, flag_out: bool = False) -> Graph:
+    """Softmax → Where(IsNaN(p), fill, p) → MatMul, as torch's scaled_dot_product_attention exports."""
+    nodes = [node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"]), node("IsNaN", ["p"], ["nan"]),
+             node("Where", ["nan", "fill", "p"], ["pz"]), node("MatMul", ["pz", "v"], ["y"])]
+    g = _graph(nodes, [vi("q", F, [2, H, 37, D]), vi("kt", F, [2, H, D, 37]), vi("v", F, [2, H, 37, D])],
+               [vi("y", F, None)] + ([vi("nan", TP.BOOL, None)] if flag_out else []), [const("fill", fill)])
+    return g
+
+
+def test_nan_guard_of_scaled_dot_product_attention_joins_the_pattern():
+    g = _guarded()
+    assert _ops(g, _one(g).prob_ops) == ["IsNaN", "Where"]
+
+
+@pytest.mark.parametrize("fill,flag_out", [(1.0, False), (0.0, True)], ids=["fills-one", "flag-read-outside"])
+def test_other_nan_selects_stay_outside(fill, flag_out):
+    assert _reason(_guarded(fill, flag_out)) == "probabilities used outside the attention"
+
+
 def test_path_stops_where_a_tensor_is_shared():
     # the transposed K is also a graph output: it becomes the kernel input, the path stays empty
     p = _one(_bert_like(extra_outputs=("kt",)))
