@@ -27,7 +27,7 @@ from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
-from ortfuse.rewriter.shapes import build_graph, parse_input_shapes
+from ortfuse.rewriter.shapes import build_graph, merged_sizes, parse_input_shapes
 from ortfuse.search import ops
 from ortfuse.search.attention import absorbed_selects
 from ortfuse.search.cost import CostModel
@@ -98,6 +98,28 @@ def _shapes(input_shapes: Shapes) -> dict:
     return parse_input_shapes(list(input_shapes))
 
 
+def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> Graph:
+    """Shape inference again where the folds made run-time shape arithmetic constant and the first pass had
+    merged a symbolic dim into a size (DINOv2's position embeddings, resized to a grid computed through Pow:
+    their token count met the patches' in an Add), so no region is refused for a size that is a fact now.
+    Rounds repeat while they fold more and remove merges; cheap where nothing was merged (the usual case)."""
+    for _ in range(3):
+        merged = merged_sizes(graph)
+        if not folded or not merged:
+            break
+        m = onnx.ModelProto()
+        m.CopyFrom(graph.model)
+        del m.graph.value_info[:]  # inferred afresh, not read back
+        again = build_graph(m, shapes)
+        again, a = fold_runtime_shapes(again)
+        again, b = fold_small_values(again)
+        if merged_sizes(again) >= merged:
+            break
+        say(f"shapes inferred again after folding: {len(merged - merged_sizes(again))} merged sizes resolved")
+        graph, folded = again, a + b
+    return graph
+
+
 def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) not in (None, "gemm") \
         and node.op_type not in ops.FREE_IN_ORT
@@ -128,6 +150,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, small = fold_small_values(graph)
     if small:
         say(f"{small} small tensors computed from constants and static dims became constants")
+    graph = _shapes_settled(graph, _shapes(input_shapes), folded + small, say)
     graph, unflattened = unflatten_gemms(graph)
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
