@@ -1,0 +1,206 @@
+"""Architecture coverage, no GPU needed: tiny configs of popular `transformers` models exported the way users
+export them (TorchScript, opset 17, each model's default attention implementation), fp32 and fp16 (onnxruntime's
+converter), then `ortfuse optimize` and `ortfuse check --emulate` on each. The table says what ortfuse fuses in
+each architecture (regions by kind, nodes before and after, attention fused or not) and whether every kernel
+matched ORT in CPU emulation. Random weights, tiny widths: this is about graph patterns, not speed.
+
+    python -m ortfuse.bench.coverage [--models NAME ...] [--out FILE.md]
+
+A failed export (a transformers version without the class) is a row with its error, never a crash of the
+sweep; a parity failure or an optimizer error is a row marked FAIL and the exit status is 1."""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+S = 16  # tokens
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100)
+_LM = dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _text(cfg: str, cls: str, **kw: Any) -> Callable[[], tuple[Any, dict]]:
+    def make() -> tuple[Any, dict]:
+        import torch
+        import transformers as tf
+        ids = torch.randint(0, 90, (2, S))
+        mask = torch.ones(2, S, dtype=torch.int64)
+        mask[1, -3:] = 0  # padding
+        return getattr(tf, cls)(getattr(tf, cfg)(**kw)), {"input_ids": ids, "attention_mask": mask}
+    return make
+
+
+def _image(cfg: str, cls: str, size: int, **kw: Any) -> Callable[[], tuple[Any, dict]]:
+    def make() -> tuple[Any, dict]:
+        import torch
+        import transformers as tf
+        return getattr(tf, cls)(getattr(tf, cfg)(**kw)), {"pixel_values": torch.rand(2, 3, size, size)}
+    return make
+
+
+def _audio(cfg: str, cls: str, name: str, shape: tuple[int, ...], **kw: Any) -> Callable[[], tuple[Any, dict]]:
+    def make() -> tuple[Any, dict]:
+        import torch
+        import transformers as tf
+        return getattr(tf, cls)(getattr(tf, cfg)(**kw)), {name: torch.randn(*shape)}
+    return make
+
+
+_VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
+    "distilbert": _text("DistilBertConfig", "DistilBertModel", dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                        vocab_size=100),
+    "roberta": _text("RobertaConfig", "RobertaModel", **_SMALL, max_position_embeddings=64),
+    "albert": _text("AlbertConfig", "AlbertModel", **_SMALL, embedding_size=32),
+    "electra": _text("ElectraConfig", "ElectraModel", **_SMALL, embedding_size=32),
+    "deberta_v2": _text("DebertaV2Config", "DebertaV2Model", **_SMALL),
+    "t5_encoder": _text("T5Config", "T5EncoderModel", d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                        vocab_size=100),
+    "mistral": _text("MistralConfig", "MistralForCausalLM", **_LM),
+    "qwen2": _text("Qwen2Config", "Qwen2ForCausalLM", **_LM),
+    "phi3": _text("Phi3Config", "Phi3ForCausalLM", **_LM, pad_token_id=0),
+    "gemma": _text("GemmaConfig", "GemmaForCausalLM", **_LM, head_dim=16),
+    "gpt_neox": _text("GPTNeoXConfig", "GPTNeoXForCausalLM", **_SMALL, rotary_pct=0.5, max_position_embeddings=64),
+    "gptj": _text("GPTJConfig", "GPTJForCausalLM", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=100,
+                  n_positions=64),
+    "opt": _text("OPTConfig", "OPTForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                 vocab_size=100, word_embed_proj_dim=64, max_position_embeddings=64),
+    "bloom": _text("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4, vocab_size=100),
+    "falcon": _text("FalconConfig", "FalconForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    vocab_size=100),
+    "swin": _image("SwinConfig", "SwinModel", 32, image_size=32, patch_size=2, embed_dim=16, depths=[1, 1],
+                   num_heads=[2, 2], window_size=4),
+    "deit": _image("DeiTConfig", "DeiTModel", 32, image_size=32, patch_size=8, intermediate_size=128, **_VIT),
+    "dinov2": _image("Dinov2Config", "Dinov2Model", 32, image_size=32, patch_size=8, mlp_ratio=2, **_VIT),
+    "clip_vision": _image("CLIPVisionConfig", "CLIPVisionModel", 32, image_size=32, patch_size=8,
+                          intermediate_size=128, **_VIT),
+    "segformer": _image("SegformerConfig", "SegformerForSemanticSegmentation", 64, num_encoder_blocks=2, depths=[1, 1],
+                        sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2], decoder_hidden_size=32,
+                        strides=[4, 2], patch_sizes=[7, 3], mlp_ratios=[2, 2]),
+    "regnet": _image("RegNetConfig", "RegNetModel", 64, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                     groups_width=8),
+    "mobilevit": _image("MobileViTConfig", "MobileViTModel", 64, image_size=64, hidden_sizes=[32, 48, 64],
+                        neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64]),
+    "poolformer": _image("PoolFormerConfig", "PoolFormerModel", 32, depths=[1, 1], hidden_sizes=[16, 32],
+                         num_encoder_blocks=2, patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1]),
+    "convnextv2": _image("ConvNextV2Config", "ConvNextV2Model", 32, hidden_sizes=[16, 32], depths=[1, 1],
+                         num_stages=2),
+    "wav2vec2": _audio("Wav2Vec2Config", "Wav2Vec2Model", "input_values", (2, 800), hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(16, 16),
+                       conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                       num_conv_pos_embedding_groups=4),
+    "whisper_encoder": _audio("WhisperConfig", "WhisperForAudioClassification", "input_features", (2, 16, 64),
+                              d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+                              num_mel_bins=16, max_source_positions=32, decoder_layers=1, decoder_attention_heads=4),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    dtype: str
+    kinds: str = ""  # regions by kind
+    nodes: str = ""  # before -> after
+    attention: str = ""  # attention regions / Softmax nodes
+    parity: str = ""  # "ok", "FAIL: ...", or the export / optimize error
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.parity.startswith("FAIL")
+
+    def line(self) -> str:
+        return (f"| {self.model} | {self.dtype} | {self.kinds} | {self.nodes} | {self.attention} | {self.parity} | "
+                f"{self.seconds:.1f} |")
+
+
+def export(name: str, folder: Path) -> dict[str, Path]:
+    """fp32 and fp16 ONNX files of the tiny model `name` (the first output only)."""
+    import onnx
+    import torch
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from ortfuse.rewriter._proto import sort_nodes
+
+    torch.manual_seed(0)
+    module, inputs = MODELS[name]()
+    names = list(inputs)
+
+    class First(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module.eval()
+
+        def forward(self, *xs: Any) -> Any:
+            out = self.inner(**dict(zip(names, xs)))
+            return out if isinstance(out, torch.Tensor) else out[0]
+
+    axes = {n: {0: "batch", **({1: "sequence"} if n in ("input_ids", "attention_mask") else {})} for n in names}
+    fp32 = folder / f"{name}-fp32.onnx"
+    with torch.no_grad():
+        torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False, opset_version=17,
+                          input_names=names, output_names=["out"], dynamic_axes=axes)
+    half = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=False)
+    sort_nodes(half.graph)
+    fp16 = folder / f"{name}-fp16.onnx"
+    onnx.save_model(half, str(fp16))
+    return {"fp32": fp32, "fp16": fp16}
+
+
+def run(name: str, dtype: str, path: Path) -> Row:
+    from collections import Counter
+
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+
+    t0 = time.perf_counter()
+    try:
+        res = compile_model(str(path), None, "sm_90")
+    except Exception as e:  # noqa: BLE001 -- a row, not a crash of the sweep
+        return Row(name, dtype, parity=f"FAIL: optimize: {type(e).__name__}: {e}"[:200],
+                   seconds=time.perf_counter() - t0)
+    kinds = Counter(r.kind for r in res.plan.regions)
+    softmax = sum(n.op_type == "Softmax" for n in res.graph.nodes)
+    rep = check_models(str(path), res.model, emulate=True)
+    parity = "ok" if rep.ok else "FAIL: " + "; ".join(line for line in rep.lines() if "FAIL" in line)[:200]
+    return Row(name, dtype, ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())),
+               f"{res.nodes_before} -> {res.nodes_after}", f"{kinds.get('attention', 0)} / {softmax}", parity,
+               time.perf_counter() - t0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.coverage", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
+    ap.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    args = ap.parse_args(argv)
+    import transformers
+
+    lines = [f"transformers {transformers.__version__}; regions by kind, graph nodes before -> after `optimize`, "
+             "attention regions / Softmax nodes, `check --emulate` parity", "",
+             "| model | dtype | regions | nodes | attention | parity | s |", "|---|---|---|---:|---:|---|---:|"]
+    print("\n".join(lines), flush=True)
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            try:
+                paths = export(name, Path(tmp))
+            except Exception as e:  # noqa: BLE001 -- this transformers may lack the class or its export
+                rows = [Row(name, "-", parity=f"export failed: {type(e).__name__}: {e}"[:160])]
+            else:
+                rows = [run(name, dt, paths[dt]) for dt in args.dtypes]
+            for row in rows:
+                failed |= row.failed
+                lines.append(row.line())
+                print(row.line(), flush=True)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

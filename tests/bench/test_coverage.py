@@ -1,0 +1,28 @@
+"""The architecture coverage sweep (bench/coverage.py) end to end on one model: export, optimize, emulated
+parity, a table row; and a failing export is a row, not a crash."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ortfuse.bench import coverage  # noqa: E402
+
+
+def test_one_architecture_end_to_end(tmp_path, capsys):
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "distilbert", "--dtypes", "fp16", "--out", str(out)]) == 0
+    row = [line for line in out.read_text().splitlines() if line.startswith("| distilbert")]
+    assert len(row) == 1
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[1] == "fp16" and cells[4] == "2 / 2" and cells[5] == "ok", cells  # every layer's attention
+
+
+def test_a_failed_export_is_a_row(monkeypatch, tmp_path):
+    def broken():
+        raise AttributeError("module 'transformers' has no attribute 'NoSuchConfig'")
+    monkeypatch.setitem(coverage.MODELS, "distilbert", broken)
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "distilbert", "--out", str(out)]) == 0
+    assert "export failed: AttributeError" in out.read_text()
