@@ -303,24 +303,95 @@ _DEPTHWISE_ACROSS = ("{}: a depthwise Conv computed {} reads its taps across cha
                      "per element, so it stays a separate kernel")
 
 
-def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[int]:
-    """A depthwise Conv of `nodes` whose output reaches a Transpose inside them: the kernel then iterates a
-    transposed order of the Conv's image. Without one it walks the image in memory order (element-wise ops
-    and Reshapes keep that order), which is what a depthwise window reads well."""
+def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, str]]:
+    """(a depthwise Conv of `nodes`, how) where the kernel's lanes would read its taps across channels: its
+    image is NCHW in memory and its output reaches a Transpose inside `nodes` (the kernel iterates a transposed
+    order of the image), or its image is channels-last in memory (read through layout ops, `_image_layout`)
+    and its output reaches none (the kernel walks W while memory steps along C). Element-wise ops and
+    Reshapes keep an order; a depthwise window reads well in its image's memory order."""
     members = set(nodes)
     for i in sorted(members):
         if not conv.is_depthwise(g, g.nodes[i]):
             continue
-        stack, seen = [i], set()
+        stack, seen, transposed = [i], set(), False
         while stack:
             j = stack.pop()
             if j in seen:
                 continue
             seen.add(j)
-            if g.nodes[j].op_type == "Transpose":
-                return i
+            transposed |= g.nodes[j].op_type == "Transpose"
             stack += [c for o in g.nodes[j].output if o for c in g.consumers.get(o, ()) if c in members]
+        channels_last = _image_layout(g, g.nodes[i].input[0], members) == "channels-last"
+        if transposed != channels_last:
+            return i, ("in a transposed order" if transposed else "in NCHW order over a channels-last image")
     return None
+
+
+def _image_layout(g: Graph, t: str, members: set[int]) -> Optional[str]:
+    """How a depthwise Conv's image `t` lies in memory where it is read through ops of the region that keep
+    its elements in place (`_tap_chain`: Transposes, Reshapes that keep the axis and the dims before it,
+    element-wise ops with constants) from a tensor the region reads: "channels-last" where its channel axis
+    (1) is that tensor's innermost one (SegFormer's Mix-FFN: tokens [B, H*W, C] viewed as NCHW), "nchw" where
+    its W axis is, None where the chain does not say."""
+    chain = _tap_chain(g, t, members)
+    if chain is None:
+        return None
+    src = _chain_input(g, g.nodes[chain[-1]]) if chain else t
+    shape = g.tensors[src].shape if src else None
+    if shape is None:
+        return None
+    axis = len(shape) - 1  # the memory's innermost axis, followed forward to the image
+    for p in reversed(chain):
+        n = g.nodes[p]
+        if n.op_type not in _TAP_LAYOUT:
+            continue  # element-wise: the same shape
+        src_shape, out = g.tensors[n.input[0]].shape, g.tensors[n.output[0]].shape
+        if out is None or src_shape is None:
+            return None
+        if n.op_type == "Transpose":
+            perm = list(scalar.attr(n, "perm") or reversed(range(len(src_shape))))
+            axis = perm.index(axis)
+        else:  # a Reshape (Squeeze, Unsqueeze) keeps the axis where the dims before it and the axis itself stay
+            axis = next((b for b in range(len(out)) if tuple(out[:b]) == tuple(src_shape[:axis])
+                         and out[b] == src_shape[axis]), None)
+            if axis is None:
+                return None
+    return {1: "channels-last", 3: "nchw"}.get(axis)
+
+
+def _chain_input(g: Graph, n: onnx.NodeProto) -> Optional[str]:
+    """The input a tap chain follows through `n`: a layout op's data, an element-wise op's one non-constant
+    input (None if it has several)."""
+    if n.op_type in _TAP_LAYOUT:
+        return n.input[0]
+    reads = [t for _, t in ops.data_inputs(n) if t not in g.constants]
+    return reads[0] if len(reads) == 1 else None
+
+
+_TAP_LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze")
+
+
+def _tap_chain(g: Graph, t: str, members: set[int]) -> Optional[list[int]]:
+    """The ops of `members` that compute a depthwise Conv's image `t` from one tensor the region reads, last
+    first, where every one is cheap to evaluate again at each tap of the window: layout ops (index arithmetic)
+    and, before a Transpose, element-wise ops whose other operands are constants (SegFormer's bias Add of the
+    tokens the window reads transposed: an add on values the cache holds). None where a producer in `members`
+    is anything else: recomputed at every tap, it would read its other tensors once per tap. An element-wise
+    producer of an image read in its own layout stays out: it is the epilogue of the GEMM before it, and the
+    window a prologue of the GEMM after it (MobileNetV2's conv chains, `_take_prologue`)."""
+    chain: list[int] = []
+    transposed = False
+    while g.producer.get(t) in members:
+        p = g.producer[t]
+        n = g.nodes[p]
+        nxt = _chain_input(g, n)
+        if nxt is None or (n.op_type not in _TAP_LAYOUT and (not transposed or ops.kind_of(n.op_type) != "elementwise"
+                                                             or g.tensors[nxt].shape != g.tensors[t].shape)):
+            return None
+        transposed |= n.op_type == "Transpose"
+        chain.append(p)
+        t = nxt
+    return chain
 
 
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
@@ -459,7 +530,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
         kind = "gemm_row" if reductions else "gemm"
         return Region(-1, kind, tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
     for i in nodes:
-        if conv.is_depthwise(g, g.nodes[i]) and g.producer.get(g.nodes[i].input[0]) in nodes:
+        if conv.is_depthwise(g, g.nodes[i]) and _tap_chain(g, g.nodes[i].input[0], set(nodes)) is None:
             return Reject(label, f"{g.node_label(i)} reads its input at neighbouring pixels: its producer "
                                  f"would be recomputed for every tap, so it stays a separate kernel")
     if not reductions:
@@ -470,7 +541,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
             return Reject(label, "outputs of different shapes would need separate iteration spaces")
         across = _depthwise_across(g, nodes)
         if across is not None:
-            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across), "in a transposed order"))
+            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across[0]), across[1]))
         return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
     spaces = {g.tensors[g.nodes[i].input[0]].shape for i in reductions}
     if len(spaces) > 1:
@@ -478,8 +549,9 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     space: tuple[Dim, ...] = tuple(spaces.pop() or ())
     across = _depthwise_across(g, nodes)
     if across is not None:
-        return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across), "inside a row reduction over a "
-                                                                           "transpose of its image"))
+        how = "inside a row reduction over a transpose of its image" if across[1].startswith("in a transposed") \
+            else "inside a row reduction, " + across[1]
+        return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across[0]), how))
     row = space[:-1]
     for o, s in shapes.items():
         if s not in (space, row, row + (1,)) and output_perm(g, nodes, o, space) is None:

@@ -188,6 +188,7 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
             group_of[n] = frozen
         return True
 
+    refused_for: dict[int, set[int]] = {}  # node -> producers whose groups it could not join
     for i in sorted(group_of):
         if i not in sourceless and closure(set(group_of[i])) != group_of[i]:
             attempt(closure(set(group_of[i])), f"{g.node_label(i)} + the iota it reads", None)
@@ -196,8 +197,16 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
             p = g.producer.get(t)
             if p is None or p not in group_of or group_of[p] == group_of[i]:
                 continue
-            if not merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}"):
-                refused[p] = group_of[i]
+            if merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}"):
+                continue
+            # with the groups p's own group could not take: a window op whose image is read channels-last is
+            # legal only once the kernel also iterates channels-last (SegFormer's depthwise Conv between the
+            # tokens' Transposes), which no two-group step reaches
+            held = {group_of[q] for m in group_of[p] for q in refused_for.get(m, ())} - {group_of[p], group_of[i]}
+            if held and attempt(set(group_of[p] | group_of[i]).union(*held), "", None, quiet=True):
+                continue
+            refused[p] = group_of[i]
+            refused_for.setdefault(i, set()).add(p)
         # producers refused while i's group was smaller merge with the grown one (a cycle through a group that
         # i's then joined: rotary embeddings, x * cos + rotate_half(x) * sin, x's Transpose in the first
         # product's group and read by the other)

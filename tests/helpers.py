@@ -323,3 +323,26 @@ def gated_mlp(dt: int, K: int, N: int, rows, seed: int = 3, gelu: bool = False, 
         inits.append(raw_init("wd", wd, dt))
         out = "y"
     return model(nodes, [vi("x", dt, [*rows, K])], [vi(out, dt, None)], inits), (wg, wgv), (wu, wuv)
+
+
+def mix_ffn(dt, back: bool = True, bias: str = "const", c: int = 8, hw: int = 6):
+    """SegFormer's Mix-FFN core: tokens x [n, H*W, C] (+ bias) transposed and reshaped to [n, C, H, W], a depthwise
+    3x3 Conv, then (`back`) reshaped and transposed back to tokens and a Relu. `bias`: "const" (a GEMM's bias,
+    constant) or "input" (a second tensor, read at every tap if recomputed)."""
+    rng = np.random.default_rng(0)
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+    nodes = [node("Add", ["x", "b"], ["xb"]), node("Transpose", ["xb"], ["t"], perm=[0, 2, 1]),
+             node("Reshape", ["t", "img"], ["im"]),
+             node("Conv", ["im", "w", "cb"], ["y"], group=c, kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    if back:
+        nodes += [node("Reshape", ["y", "flat"], ["f"]), node("Transpose", ["f"], ["ft"], perm=[0, 2, 1]),
+                  node("Relu", ["ft"], ["out"])]
+    else:
+        nodes += [node("Relu", ["y"], ["out"])]
+    inputs = [vi("x", dt, ["n", hw * hw, c])] + ([vi("b", dt, ["n", hw * hw, c])] if bias == "input" else [])
+    inits = [const("w", rng.standard_normal((c, 1, 3, 3)) * 0.3, npdt),
+             const("cb", rng.standard_normal(c) * 0.1, npdt),
+             const("img", [0, c, hw, hw], np.int64), const("flat", [0, c, hw * hw], np.int64)]
+    if bias == "const":
+        inits.append(const("b", rng.standard_normal(c) * 0.1, npdt))
+    return model(nodes, inputs, [vi("out", dt, None)], inits)

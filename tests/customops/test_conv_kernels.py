@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, conv_chain, conv_silu_residual, fused_parity, model, node, vi
+from helpers import const, conv_chain, conv_silu_residual, fused_parity, mix_ffn, model, node, vi
 
 F, H = TP.FLOAT, TP.FLOAT16
 NP = {F: np.float32, H: np.float16}
@@ -330,3 +330,11 @@ def test_forced_tile_whose_bk_does_not_divide_the_channels_gathers_channel_major
     assert not TAPS_FLAG.search(src) and "ofz::gemm::run<__half, 32, 32, 64," in src
     spec = lower(res.graph, res.kernels[0].region, for_cc(90), tile=(32, 32, 32, 16, 16, 3))
     assert spec.input_perms == (("w", (0, 2, 3, 1)),) and TAPS_FLAG.search(render(spec.kernel))
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_depthwise_conv_over_tokens_matches_ort(dt):
+    # SegFormer's Mix-FFN: bias, Transpose and Reshape to an image, depthwise 3x3, back to tokens, Relu: one
+    # kernel that reads the tokens at each tap through both layout changes
+    res = fused_parity(mix_ffn(dt, c=16, hw=7), {}, {"x": (2, 49, 16)}, ("pointwise",))
+    assert "fmaf(" in res.kernels[0].compiled.source

@@ -189,6 +189,11 @@ def _architecture(name: str):
         cfg = tf.Dinov2Config(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               mlp_ratio=2)
         return tf.Dinov2Model(cfg), ["pixel_values"], (torch.randn(2, 3, 32, 32),)
+    if name == "segformer":  # Mix-FFN: a depthwise Conv between Transposes of the tokens
+        cfg = tf.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                 num_attention_heads=[1, 2], decoder_hidden_size=32, strides=[4, 2], patch_sizes=[7, 3],
+                                 mlp_ratios=[2, 2])
+        return tf.SegformerForSemanticSegmentation(cfg), ["pixel_values"], (torch.rand(2, 3, 64, 64),)
     if name == "t5_encoder":  # relative position buckets: Log of fp16 positions cast to int64
         cfg = tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000,
                           attn_implementation="eager")
@@ -206,7 +211,7 @@ def _architecture(name: str):
 
 @pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("whisper_encoder", "fp16"),
                                         ("swin", "fp32"), ("bert_sdpa", "fp32"), ("mistral_sdpa", "fp16"),
-                                        ("dinov2", "fp16")])
+                                        ("dinov2", "fp16"), ("segformer", "fp16")])
 def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     import onnx
     import torch
@@ -235,6 +240,10 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     if name.endswith("_sdpa"):  # every layer's, its NaN guard inside
         att = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
         assert len(att) == 2 and all("IsNaN" in o for o in att), att
+    if name == "segformer":  # each Mix-FFN's depthwise Conv is one kernel with the Transposes around it
+        dw = [n for n in res.model.graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i > 1
+                                                                             for a in n.attribute)]
+        assert not dw, [n.name for n in dw]
     if name == "dinov2":  # shapes inferred again once the grid size folded: the encoder is ours, not ORT's
         assert not [str(r) for r in res.plan.refusals if "merged" in str(r)]
         assert kinds.count("gemm") >= 4 and len(res.model.graph.node) < 30, (kinds, len(res.model.graph.node))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, model, node, vi
+from helpers import const, mix_ffn, model, node, vi
 from ortfuse.customops.target import for_cc
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import conv, plan
@@ -174,3 +174,21 @@ def test_depthwise_conv_joins_a_row_kernel_only_in_its_own_layout(after, transpo
     conv_in_row = any(any(g.nodes[i].op_type == "Conv" for i in r.nodes) for r in rows)
     assert conv_in_row != transposed, [str(x) for x in p.refusals]
     assert transposed == any("a depthwise Conv computed" in str(x) and "across channels" in str(x) for x in p.refusals)
+
+
+def test_depthwise_conv_over_tokens_is_one_kernel_with_both_transposes():
+    # the window reads the tokens where they lie (channels innermost) and the kernel walks them in that order:
+    # the bias Add, both Transposes and the Conv are one pointwise kernel (the Add re-evaluated per tap)
+    g, p = _plan(mix_ffn(H))
+    assert [(r.kind, r.nodes) for r in p.regions] == [("pointwise", tuple(range(7)))], [str(r) for r in p.refusals]
+
+
+@pytest.mark.parametrize("back,bias,why", [(False, "const", "in NCHW order over a channels-last image"),
+                                           (True, "input", "neighbouring pixels")])
+def test_depthwise_conv_over_tokens_refusals(back, bias, why):
+    # walked in NCHW order the taps of consecutive lanes are C elements apart; an Add of a second tensor would
+    # read that tensor once per tap
+    g, p = _plan(mix_ffn(H, back, bias))
+    assert not any(any(g.nodes[i].op_type == "Conv" for i in r.nodes) and
+                   any(g.nodes[i].op_type == "Add" for i in r.nodes) for r in p.regions), p.regions
+    assert any(why in r.reason for r in p.refusals), [str(r) for r in p.refusals]
