@@ -100,23 +100,31 @@ def _shapes(input_shapes: Shapes) -> dict:
 
 def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> Graph:
     """Shape inference again where the folds made run-time shape arithmetic constant and the first pass had
-    merged a symbolic dim into a size (DINOv2's position embeddings, resized to a grid computed through Pow:
-    their token count met the patches' in an Add), so no region is refused for a size that is a fact now.
-    Rounds repeat while they fold more and remove merges; cheap where nothing was merged (the usual case)."""
-    for _ in range(3):
+    merged a symbolic dim into a size, so no region is refused for a size that is a fact now: DINOv2 resizes
+    its position embeddings to a grid whose side is computed through Pow (their token count met the patches'
+    in an Add); MobileViT's unfold Reshapes take targets computed from the batch, whose one run-time entry
+    becomes -1 once the rest folds (`canonical._one_entry_unknown`), one transformer stage a round (the next
+    stage's shapes are read from this one's). Rounds go on while they fold something and merges go away
+    (at most 8); none runs where nothing was merged (the usual case)."""
+    before = merged_sizes(graph)
+    counts = [len(before)]
+    for _ in range(8):
         merged = merged_sizes(graph)
-        if not folded or not merged:
+        if not folded or not merged or (len(counts) > 2 and counts[-1] >= counts[-3]):
             break
         m = onnx.ModelProto()
         m.CopyFrom(graph.model)
         del m.graph.value_info[:]  # inferred afresh, not read back
         again = build_graph(m, shapes)
+        if len(merged_sizes(again)) > len(merged):
+            break
         again, a = fold_runtime_shapes(again)
         again, b = fold_small_values(again)
-        if merged_sizes(again) >= merged:
-            break
-        say(f"shapes inferred again after folding: {len(merged - merged_sizes(again))} merged sizes resolved")
-        graph, folded = again, a + b
+        again, c = fold_runtime_shapes(again)  # targets whose other entries the small values just made constant
+        graph, folded = again, a + b + c
+        counts.append(len(merged_sizes(graph)))
+    if len(merged_sizes(graph)) < len(before):
+        say(f"shapes inferred again after folding: {len(before) - len(merged_sizes(graph))} merged sizes resolved")
     return graph
 
 

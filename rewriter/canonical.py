@@ -34,7 +34,7 @@ from onnx import numpy_helper
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
-from ortfuse.rewriter.shapes import assemble, dim_names, merged_sizes
+from ortfuse.rewriter.shapes import assemble, dim_names, merge_tainted, merged_sizes
 
 
 def _static_target(in_shape: tuple[Dim, ...], out_shape: tuple[Dim, ...]) -> Optional[list[int]]:
@@ -51,6 +51,31 @@ def _static_target(in_shape: tuple[Dim, ...], out_shape: tuple[Dim, ...]) -> Opt
         else:
             target.append(-1)
     return target if target.count(-1) <= 1 else None
+
+
+def _one_entry_unknown(g: Graph, node: onnx.NodeProto) -> Optional[list[int]]:
+    """A Reshape target built by a Concat whose parts are constants but one entry computed at run time
+    (MobileViT's unfold: [batch * C * rows, patch, cols, patch], the first entry from the batch through
+    Shape, Mul and Cast): that entry is -1, which Reshape infers to the same value (the element count is the
+    input's), and shape inference can then follow the batch through it. None where the target is not so."""
+    p = g.producer.get(node.input[1])
+    cat = g.nodes[p] if p is not None else None
+    if cat is None or cat.op_type != "Concat" or cat.domain not in ("", "ai.onnx"):
+        return None
+    target: list[int] = []
+    unknown = 0
+    for x in cat.input:
+        if x in g.constants:
+            target.extend(int(v) for v in np.asarray(g.constants[x]).reshape(-1))
+        elif (g.tensors.get(x) is not None and g.tensors[x].shape == (1,)):
+            target.append(-1)
+            unknown += 1
+        else:
+            return None
+    zero_means_zero = any(a.name == "allowzero" and a.i for a in node.attribute)
+    if unknown != 1 or target.count(-1) != 1 or (zero_means_zero and 0 in target):
+        return None
+    return target
 
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")  # row-major reshapes: any chain of them is one
@@ -130,6 +155,8 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
             if target is not None:
                 node.input[0] = src
                 break
+        if target is None:
+            target = _one_entry_unknown(g, node)
         if target is None:
             continue
         name = f"{node.output[0]}__ortfuse_shape"
@@ -353,11 +380,14 @@ _NONDETERMINISTIC = frozenset({"Bernoulli", "Multinomial", "Dropout"})  # and Ra
 
 def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -> Optional[list[Optional[int]]]:
     """The dims a Shape node reports (its start/end attributes applied): an int where static, None where
-    symbolic or of a size shape inference merged a symbolic dim into (1 at run time, maybe)."""
+    symbolic or of a size shape inference merged a symbolic dim into (1 at run time, maybe) where the tensor is
+    computed from where that merge happened (`shapes.merge_tainted`)."""
     x = g.tensors.get(shape_node.input[0])
     if x is None or x.shape is None:
         return None
-    dims = [d if isinstance(d, int) and d not in merged else None for d in x.shape]
+    tainted = merge_tainted(g) if merged else frozenset()
+    suspect = merged if tainted is None or x.name in tainted else frozenset()
+    dims = [d if isinstance(d, int) and d not in suspect else None for d in x.shape]
     start, end = attr(shape_node, "start", 0), attr(shape_node, "end", len(dims))
     return dims[slice(start, end)]  # negative and out-of-range bounds clamp as the spec says
 

@@ -79,6 +79,39 @@ def merged_sizes(g: Graph) -> frozenset[int]:
     return frozenset(v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int) and v != 1)
 
 
+_MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")  # SymbolicShapeInference's new dims: Op_<node>_o<k>__d<axis>
+
+
+@per_graph
+def merge_tainted(g: Graph) -> frozenset[str] | None:
+    """Tensors whose shape may carry a size a symbolic dim was merged into (`merged_sizes`): the outputs of the
+    nodes that minted such a symbol, graph inputs declaring one, and everything computed from them. A tensor
+    outside this set has its static dims from inference without that merge (MobileViT's conv outputs, static
+    from the image size, though other tensors' merged symbols took the same sizes). None where a merged
+    symbol is neither (then every tensor is suspect)."""
+    merges = _infer.recorded_merges(g.model)
+    seeds: set[str] = set()
+    declared = {d: vi.name for vi in g.model.graph.input for d in (x.dim_param for x in _dims_of(vi) or []) if d}
+    for sym, into in merges.items():
+        if not isinstance(into, int) or into == 1:
+            continue
+        found = _MINTED.match(sym)
+        if found and int(found.group(2)) < len(g.nodes) and g.nodes[int(found.group(2))].op_type == found.group(1):
+            seeds.update(o for o in g.nodes[int(found.group(2))].output if o)
+        elif sym in declared:
+            seeds.add(declared[sym])
+        else:
+            return None
+    tainted, stack = set(seeds), list(seeds)
+    while stack:
+        for c in g.consumers.get(stack.pop(), ()):
+            for o in g.nodes[c].output:
+                if o and o not in tainted:
+                    tainted.add(o)
+                    stack.append(o)
+    return frozenset(tainted)
+
+
 def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int) -> Graph:
     """The Graph's links and constants over an already shape-inferred model `m` (taken, not copied)."""
     nodes = tuple(m.graph.node)

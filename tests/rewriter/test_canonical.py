@@ -413,3 +413,52 @@ def test_an_expression_of_trusted_dims_is_trusted():
     trusted = frozenset({"batch", "past", "seq"})
     assert _trusted_dim("past + seq", trusted) and _trusted_dim("floor(seq/2)", trusted) and _trusted_dim("seq", trusted)
     assert not _trusted_dim("past + unk__3", trusted) and not _trusted_dim("total", trusted)
+
+
+def test_a_target_with_one_entry_computed_at_run_time_gets_minus_one_there():
+    # MobileViT's unfold: [batch * 2, 2, 4] with the first entry computed in floats (here through a Ceil, which
+    # shape inference does not follow: it mints new symbols for every output dim); the other entries are
+    # constants, so that entry is -1, the same value
+    nodes = [node("Shape", ["x"], ["s"]), node("Gather", ["s", "i0"], ["b"], axis=0),
+             node("Cast", ["b"], ["bf"], to=TP.FLOAT), node("Div", ["bf", "half"], ["q0"]), node("Ceil", ["q0"], ["q"]),
+             node("Cast", ["q"], ["qi"], to=TP.INT64), node("Unsqueeze", ["qi", "ax"], ["e0"]),
+             node("Concat", ["e0", "two", "four"], ["shp"], axis=0), node("Reshape", ["x", "shp"], ["r"]),
+             node("Relu", ["r"], ["y"])]
+    inits = [const("i0", 0, np.int64), const("half", 0.5), const("ax", [0], np.int64), const("two", [2], np.int64),
+             const("four", [4], np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["batch", 4, 4])], [vi("y", TP.FLOAT, None)], inits)
+    g = build_graph(m, {})
+    assert not any(isinstance(d, int) for d in g.tensors["r"].shape)  # what inference made of it
+    g2, n = fold_runtime_shapes(g)
+    assert n == 1
+    reshape = next(x for x in g2.nodes if x.op_type == "Reshape")
+    assert list(np.asarray(g2.constants[reshape.input[1]])) == [-1, 2, 4]
+    assert build_graph(g2.model, {}).tensors["r"].shape == ("2*batch", 2, 4)
+    x = np.random.default_rng(0).standard_normal((3, 4, 4)).astype(np.float32)
+    np.testing.assert_array_equal(_run(m, x), _run(g2.model, x))
+
+
+def test_a_merge_taints_only_what_is_computed_from_where_it_happened():
+    # z's shape comes from a Reshape whose target inference cannot follow (new symbols), and an Add with a
+    # [1, 8] constant merges its last dim into 8; y = Relu(x) has a static 8 of its own. Reading y's dim is
+    # folded to a constant, reading w's (the Add's) is not: at run time it may be 1
+    from ortfuse.rewriter.shapes import merge_tainted, merged_sizes
+
+    nodes = [node("Relu", ["x"], ["y"]), node("Shape", ["x"], ["s"]), node("Gather", ["s", "i0"], ["b"], axis=0),
+             node("Cast", ["b"], ["bf"], to=TP.FLOAT), node("Ceil", ["bf"], ["bc"]), node("Cast", ["bc"], ["bi"], to=TP.INT64),
+             node("Unsqueeze", ["bi", "ax"], ["b1"]), node("Concat", ["b1", "eight"], ["shp"], axis=0),
+             node("Reshape", ["x", "shp"], ["z"]), node("Add", ["z", "c"], ["w"]),
+             node("Shape", ["y"], ["sy"]), node("Gather", ["sy", "i1"], ["ny"], axis=0),
+             node("Shape", ["w"], ["sw"]), node("Gather", ["sw", "i1"], ["nw"], axis=0),
+             node("Range", ["zero", "ny", "one"], ["ry"]), node("Range", ["zero", "nw", "one"], ["rw"])]
+    inits = [const("i0", 0, np.int64), const("i1", 1, np.int64), const("ax", [0], np.int64),
+             const("eight", [8], np.int64), const("c", np.ones((1, 8))), const("zero", 0, np.int64),
+             const("one", 1, np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["batch", 8])], [vi("w", TP.FLOAT, None), vi("ry", TP.INT64, None), vi("rw", TP.INT64, None)], inits)
+    g = build_graph(m, {})
+    assert 8 in merged_sizes(g)
+    tainted = merge_tainted(g)
+    assert tainted is not None and {"z", "w", "sw"} <= tainted and not {"y", "sy"} & tainted
+    g2, _ = fold_small_values(g)
+    ranges = {x.output[0]: x for x in g2.nodes if x.op_type == "Range"}
+    assert ranges["ry"].input[1] in g2.constants and ranges["rw"].input[1] not in g2.constants
