@@ -93,6 +93,10 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
     seeds: set[str] = set()
     declared = {d: vi.name for vi in g.model.graph.input for d in (x.dim_param for x in _dims_of(vi) or []) if d}
     for sym, into in merges.items():
+        seen = {sym}
+        while isinstance(into, str) and into in merges and into not in seen:  # merged into a name merged on
+            seen.add(into)
+            into = merges[into]
         if not isinstance(into, int) or into == 1:
             continue
         found = _MINTED.match(sym)
