@@ -180,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import transformers
 
-    lines = [f"transformers {transformers.__version__}; regions by kind, graph nodes (after the shape folds) -> after `optimize`, "
+    lines = [f"transformers {transformers.__version__}; regions by kind, graph nodes (after the shape folds) -> "
+             "after `optimize`, "
              "attention regions / Softmax nodes, `check --emulate` parity", "",
              "| model | dtype | regions | nodes | attention | parity | s |", "|---|---|---|---:|---:|---|---:|"]
     print("\n".join(lines), flush=True)

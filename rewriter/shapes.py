@@ -79,7 +79,8 @@ def merged_sizes(g: Graph) -> frozenset[int]:
     return frozenset(v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int) and v != 1)
 
 
-_MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")  # SymbolicShapeInference's new dims: Op_<node>_o<k>__d<axis>
+# SymbolicShapeInference's names for the dims it mints: <Op>_<node index>_o<output>__d<axis>
+_MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")
 
 
 @per_graph

@@ -445,7 +445,8 @@ def test_a_merge_taints_only_what_is_computed_from_where_it_happened():
     from ortfuse.rewriter.shapes import merge_tainted, merged_sizes
 
     nodes = [node("Relu", ["x"], ["y"]), node("Shape", ["x"], ["s"]), node("Gather", ["s", "i0"], ["b"], axis=0),
-             node("Cast", ["b"], ["bf"], to=TP.FLOAT), node("Ceil", ["bf"], ["bc"]), node("Cast", ["bc"], ["bi"], to=TP.INT64),
+             node("Cast", ["b"], ["bf"], to=TP.FLOAT), node("Ceil", ["bf"], ["bc"]),
+             node("Cast", ["bc"], ["bi"], to=TP.INT64),
              node("Unsqueeze", ["bi", "ax"], ["b1"]), node("Concat", ["b1", "eight"], ["shp"], axis=0),
              node("Reshape", ["x", "shp"], ["z"]), node("Add", ["z", "c"], ["w"]),
              node("Shape", ["y"], ["sy"]), node("Gather", ["sy", "i1"], ["ny"], axis=0),
@@ -454,7 +455,8 @@ def test_a_merge_taints_only_what_is_computed_from_where_it_happened():
     inits = [const("i0", 0, np.int64), const("i1", 1, np.int64), const("ax", [0], np.int64),
              const("eight", [8], np.int64), const("c", np.ones((1, 8))), const("zero", 0, np.int64),
              const("one", 1, np.int64)]
-    m = model(nodes, [vi("x", TP.FLOAT, ["batch", 8])], [vi("w", TP.FLOAT, None), vi("ry", TP.INT64, None), vi("rw", TP.INT64, None)], inits)
+    outs = [vi("w", TP.FLOAT, None), vi("ry", TP.INT64, None), vi("rw", TP.INT64, None)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["batch", 8])], outs, inits)
     g = build_graph(m, {})
     assert 8 in merged_sizes(g)
     tainted = merge_tainted(g)
