@@ -438,6 +438,8 @@ class _Lowerer:
             return self.concat_value(node, idx)
         if op == "Slice":  # the start plus the coordinate times the step (legal.slice_verdict)
             return self.value(node.input[0], slice_index(self.g, node, idx))
+        if op == "Resize":
+            return self.resize_value(node, idx)
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]
@@ -509,6 +511,77 @@ class _Lowerer:
         v = self.value(data, tuple(idx[:axis]) + (at,) + tuple(idx[axis + q:]))
         zero = ir.Const(False if v.ctype == BOOL else 0.0 if v.ctype == F32 else 0, v.ctype)
         return ir.Op("select", (inside, v, zero), v.ctype)
+
+    def resize_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        """Resize at idx, as ORT's CPU Upsample computes it (fp32): each resized axis maps its coordinate to
+        the input's (`_original`); nearest reads the pixel its nearest_mode picks, clamped into the input;
+        linear (H and W) clamps the coordinate into the input and blends the pixels on either side by
+        their distances, dx2*dy2*X11 + dx1*dy2*X21 + dx2*dy1*X12 + dx1*dy1*X22 in ORT's order (both sides
+        0.5 where they are one pixel, at the border)."""
+        from ortfuse.search import resize
+
+        geo = resize.geometry(self.g, node)
+        if isinstance(geo, str):
+            raise LoweringError(f"Resize '{node.name}': {geo}")
+        x = node.input[0]
+        f32 = lambda v: ir.Const(float(v), F32)  # noqa: E731
+        coord = list(idx)
+        picks: dict[int, tuple[Expr, Expr, Expr, Expr]] = {}  # axis -> (i1, i2, d1, d2)
+        for a in geo.axes:
+            n_in, n_out = self.dim(geo.in_shape[a]), self.dim(geo.out_shape[a])
+            last = self.bind(ir.add(n_in, ir.i64(-1)), "i")
+            xo = self.bind(self._original(geo, a, idx[a], n_in, n_out), "rc")
+            if geo.mode == "nearest":
+                f = self.bind(ir.Op("floor", (xo,), F32), "rc")
+                frac = ir.Op("sub", (xo, f), F32)
+                up = {"floor": None, "ceil": ir.Op("gt", (frac, f32(0.0)), BOOL),
+                      "round_prefer_ceil": ir.Op("ge", (frac, f32(0.5)), BOOL),
+                      "round_prefer_floor": ir.Op("gt", (frac, f32(0.5)), BOOL)}[geo.nearest]
+                i = ir.Op("cast", (f,), I64)
+                if up is not None:
+                    i = ir.Op("select", (up, ir.add(i, ir.i64(1)), i), I64)
+                i = ir.Op("min", (ir.Op("max", (i, ir.i64(0)), I64), last), I64)
+                coord[a] = self.bind(i, "i")
+                continue
+            xo = self.bind(ir.Op("fmax", (f32(0.0), ir.Op("fmin", (xo, ir.Op("cast", (last,), F32)), F32)), F32), "rc")
+            i1 = self.bind(ir.Op("min", (ir.Op("cast", (xo,), I64), last), I64), "i")
+            i2 = self.bind(ir.Op("min", (ir.add(i1, ir.i64(1)), last), I64), "i")
+            same = ir.Op("eq", (i1, i2), BOOL)
+            d1 = ir.Op("abs", (ir.Op("sub", (xo, ir.Op("cast", (i1,), F32)), F32),), F32)
+            d2 = ir.Op("abs", (ir.Op("sub", (xo, ir.Op("cast", (i2,), F32)), F32),), F32)
+            picks[a] = (i1, i2, self.bind(ir.Op("select", (same, f32(0.5), d1), F32), "rc"),
+                        self.bind(ir.Op("select", (same, f32(0.5), d2), F32), "rc"))
+        if geo.mode == "nearest":
+            return self.value(x, tuple(coord))
+        # ORT's bilinear: y (H) and x (W); an axis not resized reads its own coordinate with weights 1 and 0
+        one = (coord[2], coord[2], f32(0.0), f32(1.0))
+        y1, y2, dy1, dy2 = picks.get(2, one)
+        x1, x2, dx1, dx2 = picks.get(3, (coord[3], coord[3], f32(0.0), f32(1.0)))
+        at = lambda yy, xx: self.value(x, (coord[0], coord[1], yy, xx))  # noqa: E731
+        terms = [(dx2, dy2, at(y1, x1)), (dx1, dy2, at(y1, x2)), (dx2, dy1, at(y2, x1)), (dx1, dy1, at(y2, x2))]
+        out: Optional[Expr] = None
+        for wx, wy, v in terms:
+            t = ir.Op("mul", (ir.Op("mul", (wx, wy), F32), v), F32)
+            out = t if out is None else ir.Op("add", (out, t), F32)
+        assert out is not None
+        return out
+
+    def _original(self, geo, a: int, c: Expr, n_in: Expr, n_out: Expr) -> Expr:
+        """The input coordinate (fp32) of output coordinate `c` on axis `a`, in ORT's float arithmetic."""
+        f32 = lambda v: ir.Const(float(v), F32)  # noqa: E731
+        xr = ir.Op("cast", (c,), F32)
+        scale = f32(geo.scales[a]) if geo.scales[a] is not None else \
+            ir.Op("div", (ir.Op("cast", (n_out,), F32), ir.Op("cast", (n_in,), F32)), F32)
+        if geo.coordinates == "asymmetric":
+            return ir.Op("div", (xr, scale), F32)
+        if geo.coordinates == "align_corners":
+            num = ir.Op("mul", (xr, ir.Op("cast", (ir.add(n_in, ir.i64(-1)),), F32)), F32)
+            v = ir.Op("div", (num, ir.Op("cast", (ir.add(n_out, ir.i64(-1)),), F32)), F32)
+            return ir.Op("select", (ir.Op("eq", (n_out, ir.i64(1)), BOOL), f32(0.0), v), F32)
+        v = ir.Op("sub", (ir.Op("div", (ir.Op("add", (xr, f32(0.5)), F32), scale), F32), f32(0.5)), F32)
+        if geo.coordinates == "pytorch_half_pixel":
+            return ir.Op("select", (ir.Op("gt", (n_out, ir.i64(1)), BOOL), v, f32(0.0)), F32)
+        return v
 
     def concat_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
         """Concat at idx: the input whose span along the axis holds idx's coordinate there. Every input is

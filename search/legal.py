@@ -112,6 +112,9 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
     if node.op_type == "Slice":
         why = slice_verdict(g, node)
         return f"Slice not computed in a kernel: {why}" if why else None
+    if node.op_type == "Resize":
+        from ortfuse.search import resize
+        return resize.verdict(g, node)
     if node.op_type == "Concat":
         ins = [x for x in node.input if x]
         rank = len(g.tensors[node.output[0]].shape or ())
@@ -396,8 +399,8 @@ def _tap_chain(g: Graph, t: str, members: set[int]) -> Optional[list[int]]:
 
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
     """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
-    each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`) and each
-    Expand target computed at run time, rebuilt from the inputs' shapes. None when a dim is no input's, or
+    each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`), each
+    Expand target and each Resize's sizes computed at run time, rebuilt from the inputs' shapes. None when a dim is no input's, or
     one shape inference may have merged (`iota.trusted_dims`)."""
     from ortfuse.rewriter import iota
 
@@ -422,6 +425,14 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
                 if p is None or p[0] < 0:
                     return None
                 out[n.input[2]] = (p,)
+            continue
+        if n.op_type == "Resize":  # sizes computed at run time (`resize.geometry`): the output's dims
+            sizes = n.input[3] if len(n.input) > 3 else ""
+            if sizes and sizes not in g.constants and sizes not in out:
+                parts = [part(d) for d in g.tensors[n.output[0]].shape or ()]
+                if not parts or any(p is None for p in parts):
+                    return None
+                out[sizes] = tuple(p for p in parts if p is not None)
             continue
         if n.op_type not in ("Range", "Expand") or n.input[1] in g.constants or n.input[1] in out:
             continue
