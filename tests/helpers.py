@@ -346,3 +346,40 @@ def mix_ffn(dt, back: bool = True, bias: str = "const", c: int = 8, hw: int = 6)
     if bias == "const":
         inits.append(const("b", rng.standard_normal(c) * 0.1, npdt))
     return model(nodes, inputs, [vi("out", dt, None)], inits)
+
+
+def nan_guarded(dt, masked: str):
+    """packed_attention as torch's scaled_dot_product_attention exports it: the probabilities read through
+    Where(IsNaN(p), 0, p), so a query row whose every key is masked with -inf gives 0 where Softmax gives
+    NaN. The mask is a constant [2, 1, 1, 37]: batch 1 masked everywhere (`masked`: "-inf" or fp16's / fp32's
+    lowest finite value), batch 0 past key 30."""
+    head = 64 if dt == onnx.TensorProto.FLOAT16 else 24
+    m = packed_attention(dt, 2, head)
+    g = m.graph
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+    mask = np.zeros((2, 1, 1, 37), npdt)
+    mask[0, ..., 30:] = -np.inf
+    mask[1] = -np.inf if masked == "-inf" else np.finfo(npdt).min
+    for n in g.node:
+        if n.op_type == "Softmax":
+            n.output[0] = "p_raw"
+    at = [i for i, n in enumerate(g.node) if n.op_type == "Softmax"][0] + 1
+    for k, n in enumerate([node("IsNaN", ["p_raw"], ["p_nan"]), node("Where", ["p_nan", "zf", "p_raw"], ["p"])]):
+        g.node.insert(at + k, n)
+    del g.input[1]
+    g.initializer.extend([const("mask", mask, npdt), const("zf", 0.0, npdt)])
+    return m, 3 * 2 * head
+
+
+def resized(mode: str, ctm: str, nearest: str, dt: int, scales=None, sizes=None, hw=(5, 7)):
+    """Resize(x) + y, x [n, 3, *hw]: by constant `scales`, or constant `sizes` (batch 2)."""
+    ins = ["x", "", "sc"] if scales is not None else ["x", "", "", "sz"]
+    nodes = [node("Resize", ins, ["r"], mode=mode, coordinate_transformation_mode=ctm, nearest_mode=nearest),
+             node("Add", ["r", "y"], ["out"])]
+    if scales is not None:
+        out_hw = [int(np.floor(d * s)) for d, s in zip(hw, scales[2:])]
+        inits, n = [const("sc", scales, np.float32)], "n"
+    else:
+        out_hw, inits, n = list(sizes[2:]), [const("sz", sizes, np.int64)], 2
+    m = model(nodes, [vi("x", dt, [n, 3, *hw]), vi("y", dt, [n, 3, *out_hw])], [vi("out", dt, None)], inits)
+    return m, {"x": (2, 3, *hw), "y": (2, 3, *out_hw)} if n == "n" else None

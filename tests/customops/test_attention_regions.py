@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import fused_parity, gqa_attention, packed_attention
+from helpers import fused_parity, gqa_attention, nan_guarded, packed_attention
 
 
 @pytest.mark.parametrize("select", ["split", "slice"])
@@ -175,40 +175,12 @@ def test_grouped_query_attention_reads_k_and_v_unrepeated(dt, heads, kv, head, r
     assert ("ofz::attn::tensor_core" in res.kernels[0].compiled.source) == (dt == TP.FLOAT16)
 
 
-def _nan_guarded(dt, masked: str):
-    """packed_attention as torch's scaled_dot_product_attention exports it: the probabilities read through
-    Where(IsNaN(p), 0, p), so a query row whose every key is masked with -inf gives 0 where Softmax gives
-    NaN. The mask is a constant [2, 1, 1, 37]: batch 1 masked everywhere (`masked`: "-inf" or fp16's / fp32's
-    lowest finite value), batch 0 past key 30."""
-    import numpy as np
-    from onnx import helper
-
-    from helpers import const, node
-
-    head = 64 if dt == TP.FLOAT16 else 24
-    m = packed_attention(dt, 2, head)
-    g = m.graph
-    npdt = helper.tensor_dtype_to_np_dtype(dt)
-    mask = np.zeros((2, 1, 1, 37), npdt)
-    mask[0, ..., 30:] = -np.inf
-    mask[1] = -np.inf if masked == "-inf" else np.finfo(npdt).min
-    for n in g.node:
-        if n.op_type == "Softmax":
-            n.output[0] = "p_raw"
-    at = [i for i, n in enumerate(g.node) if n.op_type == "Softmax"][0] + 1
-    for k, n in enumerate([node("IsNaN", ["p_raw"], ["p_nan"]), node("Where", ["p_nan", "zf", "p_raw"], ["p"])]):
-        g.node.insert(at + k, n)
-    del g.input[1]
-    g.initializer.extend([const("mask", mask, npdt), const("zf", 0.0, npdt)])
-    return m, 3 * 2 * head
-
-
 @pytest.mark.parametrize("masked", ["-inf", "lowest"])
 @pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
 def test_nan_guard_of_scaled_dot_product_attention(dt, masked):
     # transformers' default attention (sdpa) exported by TorchScript: the guard joins the attention, whose
     # rows that see only -inf are 0, as ORT's Where makes them; rows masked with the lowest finite value
     # average V in both
-    m, hd = _nan_guarded(dt, masked)
+    m, hd = nan_guarded(dt, masked)
     res = fused_parity(m, {"x": (2, 37, hd)}, {"x": (2, 37, hd)}, ["attention"])
     assert {"IsNaN", "Where"} <= {res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes}

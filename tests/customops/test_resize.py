@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, fused_parity, model, node, vi
+from helpers import const, fused_parity, model, node, resized, vi
 from ortfuse.customops.target import for_cc
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search import plan
@@ -18,26 +18,12 @@ NP = {F: np.float32, H: np.float16}
 CTM = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
 
 
-def _resized(mode: str, ctm: str, nearest: str, dt: int, scales=None, sizes=None, hw=(5, 7)):
-    """Resize(x) + y, x [n, 3, *hw]: by constant `scales`, or constant `sizes` (batch 2)."""
-    ins = ["x", "", "sc"] if scales is not None else ["x", "", "", "sz"]
-    nodes = [node("Resize", ins, ["r"], mode=mode, coordinate_transformation_mode=ctm, nearest_mode=nearest),
-             node("Add", ["r", "y"], ["out"])]
-    if scales is not None:
-        out_hw = [int(np.floor(d * s)) for d, s in zip(hw, scales[2:])]
-        inits, n = [const("sc", scales, np.float32)], "n"
-    else:
-        out_hw, inits, n = list(sizes[2:]), [const("sz", sizes, np.int64)], 2
-    m = model(nodes, [vi("x", dt, [n, 3, *hw]), vi("y", dt, [n, 3, *out_hw])], [vi("out", dt, None)], inits)
-    return m, {"x": (2, 3, *hw), "y": (2, 3, *out_hw)} if n == "n" else None
-
-
 @pytest.mark.parametrize("ctm", CTM)
 @pytest.mark.parametrize("nearest", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
 def test_nearest(ctm, nearest):
     # 2x up (FPNs, YOLO) and 1.5 / 0.6 (coordinates landing near half pixels), in one model each
     for scales in ([1, 1, 2, 2], [1, 1, 1.5, 0.6]):
-        m, at = _resized("nearest", ctm, nearest, F, scales=scales)
+        m, at = resized("nearest", ctm, nearest, F, scales=scales)
         fused_parity(m, {}, at, ("pointwise",))
 
 
@@ -45,13 +31,13 @@ def test_nearest(ctm, nearest):
 @pytest.mark.parametrize("dt", [F, H])
 def test_bilinear(ctm, dt):
     for scales in ([1, 1, 2, 2], [1, 1, 1.5, 0.6]):
-        m, at = _resized("linear", ctm, "floor", dt, scales=scales)
+        m, at = resized("linear", ctm, "floor", dt, scales=scales)
         fused_parity(m, {}, at, ("pointwise",))
 
 
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
 def test_by_sizes_up_and_down(mode):
-    m, _ = _resized(mode, "half_pixel", "round_prefer_floor", H, sizes=[2, 3, 9, 1])
+    m, _ = resized(mode, "half_pixel", "round_prefer_floor", H, sizes=[2, 3, 9, 1])
     fused_parity(m, {}, None, ("pointwise",))
 
 

@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention, model, node,
-                     rope_attention, rope_shapes, vi)
+from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention, mix_ffn, model,
+                     nan_guarded, node, resized, rope_attention, rope_shapes, vi)
 from ortfuse.api import compile_model
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
@@ -194,6 +194,39 @@ def test_rotary_embeddings_inside_attention_on_gpu(dt, head, rot):
     for b, s in ((1, 128), (3, 77)):
         rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, head, b, s, rot))
         assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_nan_guarded_attention_on_gpu(dt):
+    # scaled_dot_product_attention's export: rows masked everywhere are 0 in ORT (its Where) and in ours (session 24)
+    m, hd = nan_guarded(dt, "-inf")
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["attention"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 37, hd)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("mode,ctm,nearest,scales", [
+    ("nearest", "asymmetric", "floor", [1, 1, 2, 2]), ("nearest", "half_pixel", "round_prefer_floor", [1, 1, 1.5, 0.6]),
+    ("linear", "half_pixel", "floor", [1, 1, 2, 2]), ("linear", "align_corners", "floor", [1, 1, 1.5, 0.6]),
+    ("linear", "pytorch_half_pixel", "floor", [1, 1, 4, 4])])
+def test_resize_matches_the_cuda_ep(mode, ctm, nearest, scales):
+    # our Resize computes ORT's CPU coordinates; the CUDA EP's kernel must agree at every half pixel (session 24)
+    m, at = resized(mode, ctm, nearest, F, scales=scales)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["pointwise"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes=at)
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_depthwise_conv_over_tokens_on_gpu(dt):
+    # SegFormer's Mix-FFN: Transposes, depthwise 3x3 and Relu in one kernel reading the tokens channels-last
+    m = mix_ffn(dt, c=64, hw=14)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["pointwise"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 196, 64)})
+    assert rep.ok, "\n".join(rep.lines())
 
 
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
