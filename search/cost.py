@@ -16,7 +16,7 @@ from ortfuse.customops.target import Target
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
-from ortfuse.search import compute, conv, norm_fold, ops
+from ortfuse.search import compute, conv, legal, norm_fold, ops
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Ops ORT runs on shape metadata (on the host, or folded at session start): no kernel time.
@@ -276,8 +276,10 @@ class CostModel:
         """What a MatMul/Gemm region's outputs with rows not 16-byte aligned add to our kernel: a multiple of
         their aligned DRAM time, the excess. On mma fragments they are staged through shared memory
         (`Target.staged_store_factor`); SIMT lanes store them element by element, rows apart
-        (`Target.unaligned_store_factor`)."""
-        staged = self._math(g, node) != tiles.SIMT
+        (`Target.unaligned_store_factor`), and so does a gated epilogue (its outputs leave as scalar pairs)."""
+        anchor = next((i for i in region.nodes if g.nodes[i] is node), None)
+        gated = anchor is not None and legal.gated_reads(g, region.nodes, anchor) is not None
+        staged = self._math(g, node) != tiles.SIMT and not gated
         factor = self.target.staged_store_factor if staged else self.target.unaligned_store_factor
         if node.op_type not in ops.GEMM or factor <= 1.0:
             return 0.0

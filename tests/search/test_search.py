@@ -302,6 +302,27 @@ def test_our_gemm_storing_misaligned_rows_pays_for_its_stores(n, dt, charged):
     assert factor > 1.0 and abs(extra - want) < 1e-6 * want
 
 
+def test_a_gated_gemm_storing_misaligned_rows_pays_the_scalar_factor():
+    # the gated epilogue stores rows that are not 16-byte aligned as scalar pairs, not staged: charged
+    # Target.unaligned_store_factor, as the fragments' own stores measured
+    k, n = 256, 1001
+    h = np.float16
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Slice", ["y", "s0", "e", "ax", "st"], ["gt"]),
+               node("Slice", ["y", "s1", "e", "ax", "st"], ["up"]), node("Sigmoid", ["gt"], ["sg"]),
+               node("Mul", ["gt", "sg"], ["a"]), node("Mul", ["a", "up"], ["out"])],
+              [vi("x", TP.FLOAT16, [4096, k])], [vi("out", TP.FLOAT16, None)],
+              [const("w", np.full((k, 2 * n), 0.01, h), h), const("s0", [0], np.int64), const("s1", [1], np.int64),
+               const("e", [2 * n], np.int64), const("ax", [-1], np.int64), const("st", [2], np.int64)])
+    g = build_graph(m, {})
+    region = legal.classify(g, set(range(6)))
+    assert region.kind == "gemm" and legal.gated_reads(g, region.nodes, 0) is not None
+    region = dataclasses.replace(region, id=0, traffic=traffic(g, region))
+    free = dataclasses.replace(for_cc(90), unaligned_store_factor=1.0, staged_store_factor=1.0)
+    extra = CostModel(for_cc(90)).ours_us(g, region) - CostModel(free).ours_us(g, region)
+    want = (for_cc(90).unaligned_store_factor - 1) * 4096 * n * 2 / (for_cc(90).dram_gbps * 1e3)
+    assert abs(extra - want) < 1e-6 * want
+
+
 @pytest.mark.parametrize("starts,steps,extra,ok", [
     ((0, 1), (2, 2), False, True),    # gate from column 0, up from column 1: gated pairs
     ((1, 0), (2, 2), False, True),    # either Slice may come first
