@@ -21,7 +21,7 @@ from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
                                        fold_runtime_shapes, fold_small_values, unflatten_gemms)
-from ortfuse.rewriter.gemm_packing import interleave_halves, pack_sibling_gemms
+from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
@@ -225,6 +225,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
     say("rewriting the graph")
     out = replace(graph, [k.node for k in kernels])
+    undone = deinterleave_unfused(out)
+    if undone:
+        say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]

@@ -315,3 +315,75 @@ def interleave_halves(g: Graph, fused: Callable[[Graph], set[str]]) -> tuple[Gra
     if len(kept) == len(found):
         return trial, len(kept)
     return (_interleaved(g, kept), len(kept)) if kept else (g, 0)
+
+
+def deinterleave_unfused(m: onnx.ModelProto) -> int:
+    """Gated pairs ORT runs after all, split back in the output model `m` (in place; the number undone):
+    MatMul(x, W) with W a weight ortfuse interleaved (its name says so, only this MatMul reads it) whose result
+    only two Slices of step 2 read, from column 0 and column 1, become MatMul(x, W[:, 0::2]) and
+    MatMul(x, W[:, 1::2]), the two GEMMs the model had. `--profile` may place the gated region with ORT, where
+    the packing would otherwise leave a strided copy of each half behind."""
+    inits = {t.name: t for t in m.graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in m.graph.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outputs = {o.name for o in m.graph.output}
+    drop: set[int] = set()
+    new_inits: list[onnx.TensorProto] = []
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for k, n in enumerate(m.graph.node):
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or n.input[1] not in inits or \
+                "__ortfuse_" not in n.input[1] or len(readers.get(n.input[1], ())) != 1 or n.output[0] in outputs:
+            continue
+        w = numpy_helper.to_array(inits[n.input[1]])
+        halves = _strided_halves(readers.get(n.output[0], ()), inits, w)
+        if w.ndim != 2 or w.shape[1] % 2 or halves is None:
+            continue
+        mms = []
+        for first, sl in enumerate(halves):
+            name = f"{n.input[1]}__half{first}"
+            new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w[:, first::2]), name))
+            mms.append(onnx.helper.make_node("MatMul", [n.input[0], name], [sl.output[0]], name=f"{n.name}/half{first}"))
+        replaced[k] = mms
+        drop.update(id(sl) for sl in halves)
+        drop.add(id(inits[n.input[1]]))
+    if not replaced:
+        return 0
+    nodes = []
+    for k, n in enumerate(m.graph.node):
+        if k in replaced:
+            nodes.extend(replaced[k])
+        elif id(n) not in drop:
+            nodes.append(n)
+    keep_inits = [t for t in m.graph.initializer if id(t) not in drop]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(keep_inits + new_inits)
+    remove_dead(m)
+    made = {o for n in m.graph.node for o in n.output}
+    infos = [v for v in m.graph.value_info if v.name in made]  # the packed result is gone
+    del m.graph.value_info[:]
+    m.graph.value_info.extend(infos)
+    return len(replaced)
+
+
+def _strided_halves(users: list[onnx.NodeProto], inits: dict, w: np.ndarray) -> Optional[tuple[onnx.NodeProto, ...]]:
+    """The two Slices (column 0, column 1) of step 2 on the last axis that are a packed MatMul's only readers."""
+    if len(users) != 2 or any(u.op_type != "Slice" or len(u.input) < 5 for u in users):
+        return None
+    found: dict[int, onnx.NodeProto] = {}
+    axes = set()
+    for u in users:
+        vals = [numpy_helper.to_array(inits[x]).reshape(-1) if x in inits else None for x in u.input[1:5]]
+        if any(v is None or v.size != 1 for v in vals):
+            return None
+        start, end, axis, step = (int(v[0]) for v in vals)
+        if step != 2 or axis == 0 or start not in (0, 1) or end < w.shape[1]:
+            return None
+        found[start] = u
+        axes.add(axis)
+    # one axis, the last: the packings that name their weights so slice nowhere else
+    return (found[0], found[1]) if set(found) == {0, 1} and len(axes) == 1 else None
+

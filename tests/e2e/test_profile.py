@@ -572,3 +572,25 @@ def test_a_candidate_that_fails_on_the_device_loses_and_the_profile_goes_on(monk
     (pl,) = res.placements
     assert pl.failed and pl.ours_us[0][1] == (float("inf"),) and not pl.keep
     assert [n.op_type for n in res.model.graph.node] == ["Sigmoid", "Mul", "Tanh"]
+
+
+def test_a_gated_mlp_placed_with_ort_gets_its_two_gemms_back(monkeypatch, tmp_path):
+    # the gate and up weights were interleaved for one gated GEMM kernel; when --profile finds ORT faster (and
+    # cuBLAS + our epilogue too), ORT runs the region: as the model's two MatMuls, not the packed one plus a
+    # strided copy of each half
+    from helpers import gated_mlp
+    m, (wg, _), (wu, _) = gated_mlp(TP.FLOAT16, 64, 96, ["n", 16])
+    calls: list[bool] = []
+    monkeypatch.setattr(prof, "cuda_timer", _stand_in({"ort": 10.0, "ours": 50.0}, calls))
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    res = compile_model(m, {"x": (2, 16, 64)}, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    assert calls and not res.kernels
+    ops = [n.op_type for n in res.model.graph.node]
+    assert ops.count("MatMul") == 2 and "Slice" not in ops, ops
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in res.model.graph.initializer}
+    weights = sorted((inits[n.input[1]] for n in res.model.graph.node if n.op_type == "MatMul"), key=lambda a: a[0, 0])
+    got = sorted([wg.view(np.float16), wu.view(np.float16)], key=lambda a: a[0, 0])
+    for a, b in zip(weights, got):
+        np.testing.assert_array_equal(a, b)
+    rep = check_models(m, res.model, input_shapes={"x": (2, 16, 64)})
+    assert rep.ok, "\n".join(rep.lines())
