@@ -440,6 +440,8 @@ class _Lowerer:
             return self.value(node.input[0], slice_index(self.g, node, idx))
         if op == "Resize":
             return self.resize_value(node, idx)
+        if op == "Pad":
+            return self.pad_value(node, idx)
         out_shape = self._shape(node.output[pos])
         if op in ops.LAYOUT:
             src = node.input[0]
@@ -565,6 +567,40 @@ class _Lowerer:
             out = t if out is None else ir.Op("add", (out, t), F32)
         assert out is not None
         return out
+
+    def pad_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        """Pad at idx: the input at the coordinate less each leading pad; outside the input the fill (constant
+        mode: the load clamped in bounds, the value selected away), the nearest edge (edge), or the mirror
+        image about the edge pixel (reflect, pads narrower than the axis)."""
+        from ortfuse.search import pad
+
+        geo = pad.geometry(self.g, node)
+        if isinstance(geo, str):
+            raise LoweringError(f"Pad '{node.name}': {geo}")
+        coord, inside = list(idx), []
+        for a, (b, e) in enumerate(zip(geo.begins, geo.ends)):
+            if not b and not e:
+                continue
+            n = self.dim(geo.in_shape[a])
+            last = ir.add(n, ir.i64(-1))
+            c = self.bind(ir.add(idx[a], ir.i64(-b)), "i") if b else idx[a]
+            lo, hi = ir.Op("lt", (c, ir.i64(0)), BOOL), ir.Op("gt", (c, last), BOOL)
+            if geo.mode == "reflect":  # one mirror: |c| below, 2(n - 1) - c above
+                c = ir.Op("select", (lo, ir.mul(c, ir.i64(-1)), c), I64)
+                c = ir.Op("select", (hi, ir.add(ir.mul(last, ir.i64(2)), ir.mul(c, ir.i64(-1))), c), I64)
+            else:
+                if geo.mode == "constant":
+                    inside.append(ir.Op("not", (ir.Op("or", (lo, hi), BOOL),), BOOL))
+                c = ir.Op("min", (ir.Op("max", (c, ir.i64(0)), I64), last), I64)
+            coord[a] = self.bind(c, "i")
+        v = self.value(node.input[0], tuple(coord))
+        if not inside:
+            return v
+        ok = inside[0]
+        for more in inside[1:]:
+            ok = ir.Op("and", (ok, more), BOOL)
+        fill = ir.Const(bool(geo.value) if v.ctype == BOOL else geo.value if v.ctype == F32 else int(geo.value), v.ctype)
+        return ir.Op("select", (self.bind(ok, "inb"), v, fill), v.ctype)
 
     def _original(self, geo, a: int, c: Expr, n_in: Expr, n_out: Expr) -> Expr:
         """The input coordinate (fp32) of output coordinate `c` on axis `a`, in ORT's float arithmetic."""

@@ -27,7 +27,7 @@ from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
-from ortfuse.rewriter.shapes import build_graph, merged_sizes, parse_input_shapes
+from ortfuse.rewriter.shapes import build_graph, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.search import ops
 from ortfuse.search.attention import absorbed_selects
 from ortfuse.search.cost import CostModel
@@ -99,32 +99,35 @@ def _shapes(input_shapes: Shapes) -> dict:
 
 
 def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> Graph:
-    """Shape inference again where the folds made run-time shape arithmetic constant and the first pass had
-    merged a symbolic dim into a size, so no region is refused for a size that is a fact now: DINOv2 resizes
-    its position embeddings to a grid whose side is computed through Pow (their token count met the patches'
-    in an Add); MobileViT's unfold Reshapes take targets computed from the batch, whose one run-time entry
-    becomes -1 once the rest folds (`canonical._one_entry_unknown`), one transformer stage a round (the next
-    stage's shapes are read from this one's). Rounds go on while they fold something and merges go away
-    (at most 8); none runs where nothing was merged (the usual case)."""
-    before = merged_sizes(graph)
-    counts = [len(before)]
+    """Shape inference again where the folds made run-time shape arithmetic constant and the first pass could
+    not follow it: it minted symbols for the dims (a kernel cannot bind those: Swin's window Pad, whose pads
+    come from the image size) or merged a symbolic dim into a size (a region reading it is refused: DINOv2
+    resizes its position embeddings to a grid whose side is computed through Pow, and their token count met
+    the patches' in an Add; MobileViT's unfold Reshapes take targets computed from the batch, whose one
+    run-time entry becomes -1 once the rest folds, `canonical._one_entry_unknown`, one transformer stage a
+    round, the next stage's shapes read from this one's). Rounds go on while they fold something and the
+    unknowns go away (at most 8); none runs where inference knew every dim (the usual case)."""
+    def unknown(gr: Graph) -> int:
+        return len(merged_sizes(gr)) + len(minted_dims(gr))
+
+    before = unknown(graph)
+    counts = [before]
     for _ in range(8):
-        merged = merged_sizes(graph)
-        if not folded or not merged or (len(counts) > 2 and counts[-1] >= counts[-3]):
+        if not folded or not unknown(graph) or (len(counts) > 2 and counts[-1] >= counts[-3]):
             break
         m = onnx.ModelProto()
         m.CopyFrom(graph.model)
         del m.graph.value_info[:]  # inferred afresh, not read back
         again = build_graph(m, shapes)
-        if len(merged_sizes(again)) > len(merged):
+        if unknown(again) > unknown(graph):
             break
         again, a = fold_runtime_shapes(again)
         again, b = fold_small_values(again)
         again, c = fold_runtime_shapes(again)  # targets whose other entries the small values just made constant
         graph, folded = again, a + b + c
-        counts.append(len(merged_sizes(graph)))
-    if len(merged_sizes(graph)) < len(before):
-        say(f"shapes inferred again after folding: {len(before) - len(merged_sizes(graph))} merged sizes resolved")
+        counts.append(unknown(graph))
+    if unknown(graph) < before:
+        say(f"shapes inferred again after folding: {before - unknown(graph)} unknown dims and merged sizes resolved")
     return graph
 
 

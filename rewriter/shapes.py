@@ -84,6 +84,13 @@ _MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")
 
 
 @per_graph
+def minted_dims(g: Graph) -> frozenset[str]:
+    """Symbols shape inference minted for dims it could not compute (`_MINTED` names, or expressions of them)."""
+    return frozenset(d for t in g.tensors.values() for d in t.shape or () if isinstance(d, str) and "__d" in d
+                     and any(_MINTED.match(p) for p in re.findall(r"[A-Za-z0-9]+_\d+_o\d+__d\d+", d)))
+
+
+@per_graph
 def merge_tainted(g: Graph) -> frozenset[str] | None:
     """Tensors whose shape may carry a size a symbolic dim was merged into (`merged_sizes`): the outputs of the
     nodes that minted such a symbol, graph inputs declaring one, and everything computed from them. A tensor

@@ -115,6 +115,10 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
     if node.op_type == "Resize":
         from ortfuse.search import resize
         return resize.verdict(g, node)
+    if node.op_type == "Pad":
+        from ortfuse.search import pad
+        geo = pad.geometry(g, node)
+        return f"Pad not computed in a kernel: {geo}" if isinstance(geo, str) else None
     if node.op_type == "Concat":
         ins = [x for x in node.input if x]
         rank = len(g.tensors[node.output[0]].shape or ())

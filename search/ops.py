@@ -21,8 +21,9 @@ ANCHORS = GEMM | CONV
 # kernel; Range is an iota computed from the element's coordinate (its length comes from the region's dims);
 # Concat reads the input whose span along the axis holds the coordinate; a unit-step Slice reads its input
 # at the coordinate plus its start; a Resize reads its input at the pixel its coordinate maps to (nearest), or
-# blends the four around it (bilinear): `search.resize`.
-INDEXING = frozenset({"Gather", "Range", "Concat", "Slice", "Resize"})
+# blends the four around it (bilinear): `search.resize`; a Pad reads its input at the coordinate less the leading
+# pad, or gives the fill outside it (`search.pad`).
+INDEXING = frozenset({"Gather", "Range", "Concat", "Slice", "Resize", "Pad"})
 MAX_CONCAT_INPUTS = 4  # a fused Concat evaluates every input at each element and selects one
 # Pure data movement: folded into the index math of the ops around them.
 LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
@@ -37,6 +38,7 @@ META_INPUTS: dict[str, frozenset[int]] = {
     "Range": frozenset({0, 1, 2}),  # start and delta become literals; limit only sets the length
     "Slice": frozenset({1, 2, 3, 4}),  # starts fold into the index; ends only set the length
     "Resize": frozenset({1, 2, 3}),  # roi, scales, sizes: constants folded into the index math
+    "Pad": frozenset({1, 2, 3}),  # pads, constant_value, axes: constants folded into the index math
 }
 
 

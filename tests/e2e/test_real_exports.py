@@ -247,6 +247,9 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
         dw = [n for n in res.model.graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i > 1
                                                                              for a in n.attribute)]
         assert not dw, [n.name for n in dw]
+    if name == "swin":  # the window Pad's pads fold, shapes are inferred again, the Pad is an index op
+        assert "Pad" not in {n.op_type for n in res.model.graph.node}
+        assert len(res.model.graph.node) < 80, len(res.model.graph.node)
     if name in ("dinov2", "mobilevit"):  # shapes inferred again once the folds made the sizes facts
         assert not [str(r) for r in res.plan.refusals if "merged" in str(r)]
     if name == "dinov2":  # the encoder is ours, not ORT's
