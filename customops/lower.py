@@ -427,6 +427,8 @@ class _Lowerer:
         op = node.op_type
         if op == "Conv":
             return self.depthwise_value(node, idx)
+        if op in ops.WINDOW:
+            return self.pool_value(node, idx)
         if op == "Range":  # an iota: start + i * delta (legal.range_length_verdict checked the length)
             start, delta = (iota.const_int(self.g, x) for x in (node.input[0], node.input[2]))
             ct = ir.compute_type(_storage(self.g.tensors[node.output[0]].dtype, "Range output"))
@@ -599,7 +601,8 @@ class _Lowerer:
         ok = inside[0]
         for more in inside[1:]:
             ok = ir.Op("and", (ok, more), BOOL)
-        fill = ir.Const(bool(geo.value) if v.ctype == BOOL else geo.value if v.ctype == F32 else int(geo.value), v.ctype)
+        fill = ir.Const(bool(geo.value) if v.ctype == BOOL else geo.value if v.ctype == F32 else int(geo.value),
+                        v.ctype)
         return ir.Op("select", (self.bind(ok, "inb"), v, fill), v.ctype)
 
     def _original(self, geo, a: int, c: Expr, n_in: Expr, n_out: Expr) -> Expr:
@@ -684,6 +687,54 @@ class _Lowerer:
         self.loop(self.fresh("tap"), ir.i64(0), ir.i64(geo.kh * geo.kw), ir.i64(1), tap)
         result = Var(self.fresh("dw"), F32)
         self.emit(ir.Let(result, acc))
+        self.define(result.name)
+        return result
+
+    def pool_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
+        """A pool at (b, c, oh, ow), as ORT's CPU pools compute it: the taps of the window row by row, max over
+        those inside the image (MaxPool), or their sum divided by how many are inside (AveragePool,
+        count_include_pad=0) or by the window's size (=1)."""
+        from ortfuse.search import pool
+
+        geo = pool.geometry(self.g, node)
+        if isinstance(geo, str):
+            raise LoweringError(f"{node.op_type} '{node.name}': {geo}")
+        x = node.input[0]
+        b, c, oh, ow = idx
+        acc = Var(self.fresh("win"), F32)
+        self.emit(ir.Decl(acc, ir.Const(float("-inf") if geo.kind == "max" else 0.0, F32)))
+        self.define(acc.name)
+        count = Var(self.fresh("n"), F32) if geo.kind == "avg" and not geo.include_pad else None
+        if count is not None:
+            self.emit(ir.Decl(count, ir.Const(0.0, F32)))
+            self.define(count.name)
+
+        def tap(t: Var) -> None:
+            kh, kw = self.unravel(t, geo.kernel)
+            coords = tuple(self.bind(ir.add(ir.mul(o, ir.i64(s)), ir.add(ir.mul(k, ir.i64(d)), ir.i64(-p))), "i")
+                           for o, k, s, d, p in zip((oh, ow), (kh, kw), geo.stride, geo.dilation, geo.pad))
+            inside = self.bind(ir.Op("and", tuple(
+                ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, n), BOOL)), BOOL)
+                for e, n in zip(coords, (self.dim(geo.h), self.dim(geo.w)))), BOOL), "inb")
+            at = tuple(self.bind(ir.Op("select", (inside, e, ir.i64(0)), I64), "i") for e in coords)
+            v = self.value(x, (b, c) + at)
+            if geo.kind == "max":
+                self.emit(ir.Assign(acc, ir.Op("select", (inside, ir.Op("fmax", (acc, v), F32), acc), F32)))
+            else:
+                self.emit(ir.Assign(acc, ir.Op("add", (acc, ir.Op("select", (inside, v, ir.Const(0.0, F32)), F32)),
+                                               F32)))
+                if count is not None:
+                    self.emit(ir.Assign(count, ir.Op("add", (count, ir.Op("select", (
+                        inside, ir.Const(1.0, F32), ir.Const(0.0, F32)), F32)), F32)))
+
+        self.loop(self.fresh("tap"), ir.i64(0), ir.i64(geo.kernel[0] * geo.kernel[1]), ir.i64(1), tap)
+        if geo.kind == "avg":
+            div = count if count is not None else ir.Const(float(geo.kernel[0] * geo.kernel[1]), F32)
+            out: Expr = scalar.exact_div(acc, div)
+        else:
+            out = acc
+        result = Var(self.fresh("pool"), F32)
+        self.emit(ir.Let(result, out))
         self.define(result.name)
         return result
 

@@ -9,7 +9,7 @@ import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
-from ortfuse.search import conv, norm_fold, ops
+from ortfuse.search import conv, norm_fold, ops, pool
 from ortfuse.search.plan import Region, Reject, Traffic
 
 
@@ -167,6 +167,10 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
     if kind == "indexing":
         why = _indexing_verdict(g, n)
         return Reject(label, why) if why else None
+    if kind == "window":
+        from ortfuse.search import pool
+        geo = pool.geometry(g, n)
+        return Reject(label, f"{n.op_type} not computed in a kernel: {geo}") if isinstance(geo, str) else None
     for t in ops.meta_inputs(n):
         if n.op_type == "Expand" and expand_target(g, n) is not None:
             continue  # a run-time target: the kernel broadcasts to the inferred shape (`shape_reads`)
@@ -318,7 +322,7 @@ def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, str
     Reshapes keep an order; a depthwise window reads well in its image's memory order."""
     members = set(nodes)
     for i in sorted(members):
-        if not conv.is_depthwise(g, g.nodes[i]):
+        if not pool.is_window(g, g.nodes[i]):
             continue
         stack, seen, transposed = [i], set(), False
         while stack:
@@ -404,8 +408,8 @@ def _tap_chain(g: Graph, t: str, members: set[int]) -> Optional[list[int]]:
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
     """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
     each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`), each
-    Expand target and each Resize's sizes computed at run time, rebuilt from the inputs' shapes. None when a dim is no input's, or
-    one shape inference may have merged (`iota.trusted_dims`)."""
+    Expand target and each Resize's sizes computed at run time, rebuilt from the inputs' shapes. None when a
+    dim is no input's, or one shape inference may have merged (`iota.trusted_dims`)."""
     from ortfuse.rewriter import iota
 
     trusted = iota.trusted_dims(g)  # a dim shape inference merged in a broadcast may differ between inputs
@@ -545,7 +549,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
         kind = "gemm_row" if reductions else "gemm"
         return Region(-1, kind, tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
     for i in nodes:
-        if conv.is_depthwise(g, g.nodes[i]) and _tap_chain(g, g.nodes[i].input[0], set(nodes)) is None:
+        if pool.is_window(g, g.nodes[i]) and _tap_chain(g, g.nodes[i].input[0], set(nodes)) is None:
             return Reject(label, f"{g.node_label(i)} reads its input at neighbouring pixels: its producer "
                                  f"would be recomputed for every tap, so it stays a separate kernel")
     if not reductions:

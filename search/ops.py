@@ -42,9 +42,15 @@ META_INPUTS: dict[str, frozenset[int]] = {
 }
 
 
+# Window ops: each output pixel reads a window of its input, like a depthwise Conv (`search.pool`).
+WINDOW = frozenset({"MaxPool", "AveragePool"})
+
+
 def kind_of(op_type: str) -> str | None:
     if op_type in ELEMENTWISE:
         return "elementwise"
+    if op_type in WINDOW:
+        return "window"
     if op_type in REDUCTIONS:
         return "reduction"
     if op_type in LAYOUT:

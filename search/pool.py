@@ -1,0 +1,58 @@
+"""MaxPool and AveragePool as window ops: like a depthwise Conv, a loop over the window of each output
+pixel inside a memory-bound kernel (`_Lowerer.pool_value`), max over the taps inside the image (MaxPool), or
+their sum over the taps inside (count_include_pad=0) or over the whole window (=1). `geometry` says why a
+pool stays with ORT."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import onnx
+
+from ortfuse.customops import scalar
+from ortfuse.rewriter.graph import Dim, Graph
+
+POOLS = frozenset({"MaxPool", "AveragePool"})
+
+
+@dataclass(frozen=True)
+class PoolGeom:
+    kind: str  # "max" | "avg"
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    pad: tuple[int, int]  # top, left (the end pads only set the output size)
+    include_pad: bool  # AveragePool: divide by the whole window
+    h: Dim
+    w: Dim
+
+
+def geometry(g: Graph, node: onnx.NodeProto) -> Union[PoolGeom, str]:
+    x, y = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
+    if x is None or y is None or x.shape is None or y.shape is None or len(x.shape) != 4:
+        return "not a 2-D pool of a known shape"
+    if len([o for o in node.output if o]) != 1:
+        return "MaxPool's Indices output is read"
+    auto_pad = scalar.attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad not in ("NOTSET", "VALID") or scalar.attr(node, "storage_order", 0):
+        return f"auto_pad={auto_pad} or a column-major storage order"
+    kernel = tuple(scalar.attr(node, "kernel_shape") or ())
+    stride = tuple(scalar.attr(node, "strides") or (1, 1))
+    dil = tuple(scalar.attr(node, "dilations") or (1, 1))
+    pads = tuple(scalar.attr(node, "pads") or (0, 0, 0, 0)) if auto_pad == "NOTSET" else (0, 0, 0, 0)
+    if len(kernel) != 2 or len(stride) != 2 or len(dil) != 2 or len(pads) != 4 or min(kernel + stride + dil) < 1 \
+            or min(pads) < 0:
+        return f"kernel {kernel}, strides {stride}, dilations {dil} or pads {pads} of no 2-D pool"
+    kind = "max" if node.op_type == "MaxPool" else "avg"
+    if kind == "avg" and scalar.attr(node, "ceil_mode", 0):
+        return "AveragePool with ceil_mode (windows past the padded image change its divisor)"
+    return PoolGeom(kind, (int(kernel[0]), int(kernel[1])), (int(stride[0]), int(stride[1])),
+                    (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])),
+                    bool(scalar.attr(node, "count_include_pad", 0)), x.shape[2], x.shape[3])
+
+
+def is_window(g: Graph, node: onnx.NodeProto) -> bool:
+    """A window op that joins memory-bound kernels: a depthwise Conv or a pool."""
+    from ortfuse.search import conv
+    return node.op_type in POOLS or conv.is_depthwise(g, node)
