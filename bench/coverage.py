@@ -165,8 +165,11 @@ def run(name: str, dtype: str, path: Path) -> Row:
                    seconds=time.perf_counter() - t0)
     kinds = Counter(r.kind for r in res.plan.regions)
     softmax = sum(n.op_type == "Softmax" for n in res.graph.nodes)
-    rep = check_models(str(path), res.model, emulate=True)
-    parity = "ok" if rep.ok else "FAIL: " + "; ".join(line for line in rep.lines() if "FAIL" in line)[:200]
+    try:
+        rep = check_models(str(path), res.model, emulate=True)
+        parity = "ok" if rep.ok else "FAIL: " + "; ".join(line for line in rep.lines() if "FAIL" in line)[:200]
+    except Exception as e:  # noqa: BLE001 -- ORT could not run a model: a FAIL row, the sweep goes on
+        parity = f"FAIL: check: {type(e).__name__}: {e}"[:200]
     return Row(name, dtype, ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())),
                f"{res.nodes_before} -> {res.nodes_after}", f"{kinds.get('attention', 0)} / {softmax}", parity,
                time.perf_counter() - t0)

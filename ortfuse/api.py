@@ -117,7 +117,11 @@ def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> G
             break
         m = onnx.ModelProto()
         m.CopyFrom(graph.model)
-        del m.graph.value_info[:]  # inferred afresh, not read back
+        # inferred afresh, not read back; but what only the exporter could say (outputs of other domains' ops)
+        made_elsewhere = {o for n in m.graph.node if n.domain not in ("", "ai.onnx") for o in n.output}
+        keep = [v for v in m.graph.value_info if v.name in made_elsewhere]
+        del m.graph.value_info[:]
+        m.graph.value_info.extend(keep)
         again = build_graph(m, shapes)
         if unknown(again) > unknown(graph):
             break

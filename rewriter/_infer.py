@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 
 import onnx
@@ -75,13 +76,33 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 MERGES_KEY = "ortfuse.shape_merges"  # on the rewriter's private copy only; `replace` drops it
 
 
+MINTED_KEY = "ortfuse.minted_by"  # likewise: the tensor each merged minted symbol came from
+_MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")  # SymbolicShapeInference: Op_<node>_o<k>__d<axis>
+
+
 def record_merges(model: onnx.ModelProto, merges: dict) -> None:
-    """Notes on `model` (metadata) which symbolic dims inference merged into which (a name or a size)."""
-    props = [p for p in model.metadata_props if p.key != MERGES_KEY]
+    """Notes on `model` (metadata) which symbolic dims inference merged into which (a name or a size), and for
+    each merged symbol inference minted, the tensor it minted it for (by name: node positions change as the
+    rewriter folds; "" where the name says no node of `model`)."""
+    props = [p for p in model.metadata_props if p.key not in (MERGES_KEY, MINTED_KEY)]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
     if merges:
         model.metadata_props.add(key=MERGES_KEY, value=json.dumps({str(k): v for k, v in merges.items()}))
+        minted = {}
+        for sym in merges:
+            found = _MINTED.match(str(sym))
+            if found:
+                i, k = int(found.group(2)), int(found.group(3))
+                n = model.graph.node[i] if i < len(model.graph.node) else None
+                ok = n is not None and n.op_type == found.group(1) and k < len(n.output)
+                minted[str(sym)] = n.output[k] if ok else ""
+        model.metadata_props.add(key=MINTED_KEY, value=json.dumps(minted))
+
+
+def minted_by(model: onnx.ModelProto) -> dict:
+    """{merged minted symbol: the tensor it was minted for, or ""} as `record_merges` noted it."""
+    return next((json.loads(p.value) for p in model.metadata_props if p.key == MINTED_KEY), {})
 
 
 def recorded_merges(model: onnx.ModelProto) -> dict:

@@ -97,9 +97,12 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
     outside this set has its static dims from inference without that merge (MobileViT's conv outputs, static
     from the image size, though other tensors' merged symbols took the same sizes). None where a merged
     symbol is neither (then every tensor is suspect)."""
-    merges = _infer.recorded_merges(g.model)
+    merges, minted = _infer.recorded_merges(g.model), _infer.minted_by(g.model)
     seeds: set[str] = set()
-    declared = {d: vi.name for vi in g.model.graph.input for d in (x.dim_param for x in _dims_of(vi) or []) if d}
+    declared: dict[str, list[str]] = {}  # symbol -> every graph input declaring it
+    for vi in g.model.graph.input:
+        for d in {x.dim_param for x in _dims_of(vi) or [] if x.dim_param}:
+            declared.setdefault(d, []).append(vi.name)
     for sym, into in merges.items():
         seen = {sym}
         while isinstance(into, str) and into in merges and into not in seen:  # merged into a name merged on
@@ -107,13 +110,12 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
             into = merges[into]
         if not isinstance(into, int) or into == 1:
             continue
-        found = _MINTED.match(sym)
-        if found and int(found.group(2)) < len(g.nodes) and g.nodes[int(found.group(2))].op_type == found.group(1):
-            seeds.update(o for o in g.nodes[int(found.group(2))].output if o)
+        if minted.get(sym) and minted[sym] in g.tensors:
+            seeds.add(minted[sym])
         elif sym in declared:
-            seeds.add(declared[sym])
+            seeds.update(declared[sym])
         else:
-            return None
+            return None  # minted for a tensor the folds removed, or of no known origin
     tainted, stack = set(seeds), list(seeds)
     while stack:
         for c in g.consumers.get(stack.pop(), ()):

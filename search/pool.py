@@ -45,8 +45,14 @@ def geometry(g: Graph, node: onnx.NodeProto) -> Union[PoolGeom, str]:
             or min(pads) < 0:
         return f"kernel {kernel}, strides {stride}, dilations {dil} or pads {pads} of no 2-D pool"
     kind = "max" if node.op_type == "MaxPool" else "avg"
-    if kind == "avg" and scalar.attr(node, "ceil_mode", 0):
-        return "AveragePool with ceil_mode (windows past the padded image change its divisor)"
+    if scalar.attr(node, "ceil_mode", 0):
+        if kind == "avg":
+            return "AveragePool with ceil_mode (windows past the padded image change its divisor)"
+        # ORT (as PyTorch) drops a last window that would start past the image and its leading pad, which
+        # ONNX's shape inference keeps: only a ceil_mode whose windows all start inside is taken
+        for size, out, k, s, d, p in zip(x.shape[2:], y.shape[2:], kernel, stride, dil, pads[:2]):
+            if not isinstance(size, int) or not isinstance(out, int) or (out - 1) * s >= size + p:
+                return "MaxPool with ceil_mode whose last window starts past the image (or of a symbolic size)"
     return PoolGeom(kind, (int(kernel[0]), int(kernel[1])), (int(stride[0]), int(stride[1])),
                     (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])),
                     bool(scalar.attr(node, "count_include_pad", 0)), x.shape[2], x.shape[3])

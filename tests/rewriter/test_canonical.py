@@ -464,3 +464,44 @@ def test_a_merge_taints_only_what_is_computed_from_where_it_happened():
     g2, _ = fold_small_values(g)
     ranges = {x.output[0]: x for x in g2.nodes if x.op_type == "Range"}
     assert ranges["ry"].input[1] in g2.constants and ranges["rw"].input[1] not in g2.constants
+
+
+def _folded_agrees(m, feeds):
+    """The model with its small values folded computes what the model does, on `feeds`."""
+    g2, _ = fold_small_values(fold_runtime_shapes(build_graph(m, {}))[0])
+    folded = onnx.ModelProto()
+    folded.CopyFrom(g2.model)
+    del folded.graph.value_info[:]  # inferred with the merge: the optimized model carries none (replace)
+    for v in folded.graph.input:  # nor the merged size in place of the declared dim
+        v.CopyFrom(next(w for w in m.graph.input if w.name == v.name))
+    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    for a, b in zip(run(m), run(folded)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_merge_taints_every_input_declaring_the_symbol():
+    # a and b both declare 's'; the MatMul with a [5, 3, 4] weight merges 's' into 5: Relu(a)'s first dim may
+    # still be 1 at run time, so its Shape is not a constant
+    nodes = [node("Relu", ["a"], ["ra"]), node("MatMul", ["ra", "w"], ["y"]), node("Relu", ["b"], ["rb"]),
+             node("Shape", ["ra"], ["sa"]), node("Cast", ["sa"], ["saf"], to=TP.FLOAT), node("Add", ["rb", "c"], ["o2"])]
+    m = model(nodes, [vi("a", TP.FLOAT, ["s", 2, 3]), vi("b", TP.FLOAT, ["s", 2, 3])],
+              [vi("y", TP.FLOAT, None), vi("saf", TP.FLOAT, None), vi("o2", TP.FLOAT, None)],
+              [const("w", np.ones((5, 3, 4))), const("c", 1.0)])
+    x = np.ones((1, 2, 3), np.float32)
+    _folded_agrees(m, {"a": x, "b": x})
+
+
+def test_a_merge_is_traced_to_its_tensor_by_name_after_folds_remove_nodes():
+    # the first Tile's output dims are minted by inference and merged into [2, 5] by the Add; the Reshape's
+    # fold removes the Shape before it, so the node index in the minted name then points at the other Tile:
+    # the merge is traced by tensor name, and Shape(A) stays run-time
+    nodes = [node("Shape", ["x0"], ["s0"]), node("Reshape", ["x0", "s0"], ["r0"]),
+             node("Tile", ["z", "t"], ["A"]), node("Tile", ["r0", "c"], ["r1"]), node("Add", ["A", "x"], ["B"]),
+             node("Shape", ["A"], ["sA"]), node("Cast", ["sA"], ["sAf"], to=TP.FLOAT), node("Add", ["r1", "one"], ["o2"])]
+    m = model(nodes, [vi("x0", TP.FLOAT, [3]), vi("z", TP.FLOAT, [1, 1]), vi("t", TP.INT64, [2]),
+                      vi("x", TP.FLOAT, [2, 5])],
+              [vi("B", TP.FLOAT, None), vi("sAf", TP.FLOAT, None), vi("o2", TP.FLOAT, None)],
+              [const("one", 1.0), const("c", [2], np.int64)])
+    feeds = {"x0": np.ones(3, np.float32), "z": np.ones((1, 1), np.float32), "t": np.array([2, 1], np.int64),
+             "x": np.ones((2, 5), np.float32)}
+    _folded_agrees(m, feeds)
