@@ -21,9 +21,16 @@ CASES = [("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]
          ("AveragePool", dict(kernel_shape=[2, 2], strides=[2, 2]))]
 
 
-@pytest.mark.parametrize("op,attrs", CASES, ids=lambda v: v if isinstance(v, str) else "-".join(
-    f"{k}{''.join(map(str, x)) if isinstance(x, list) else x}" for k, x in v.items()))
-@pytest.mark.parametrize("dt", [F, H])
+def _id(v) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict):
+        return "-".join(f"{k}{''.join(map(str, x)) if isinstance(x, list) else x}" for k, x in v.items())
+    return "fp16" if v == H else "fp32"
+
+
+@pytest.mark.parametrize("op,attrs,dt", [(o, a, F) for o, a in CASES] + [(o, a, H) for o, a in (CASES[0], CASES[4])],
+                         ids=_id)
 def test_pools(op, attrs, dt):
     m = model([node(op, ["x"], ["p"], **attrs), node("Relu", ["p"], ["out"])], [vi("x", dt, ["n", 3, 9, 8])],
               [vi("out", dt, None)], [], opset=19)

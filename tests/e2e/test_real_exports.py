@@ -194,9 +194,6 @@ def _architecture(name: str):
                                  num_attention_heads=[1, 2], decoder_hidden_size=32, strides=[4, 2], patch_sizes=[7, 3],
                                  mlp_ratios=[2, 2])
         return tf.SegformerForSemanticSegmentation(cfg), ["pixel_values"], (torch.rand(2, 3, 64, 64),)
-    if name == "mobilevit":  # unfold / fold Reshapes whose targets are computed from the batch
-        cfg = tf.MobileViTConfig(image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64])
-        return tf.MobileViTModel(cfg), ["pixel_values"], (torch.rand(2, 3, 64, 64),)
     if name == "t5_encoder":  # relative position buckets: Log of fp16 positions cast to int64
         cfg = tf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000,
                           attn_implementation="eager")
@@ -214,7 +211,7 @@ def _architecture(name: str):
 
 @pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("whisper_encoder", "fp16"),
                                         ("swin", "fp32"), ("bert_sdpa", "fp32"), ("mistral_sdpa", "fp16"),
-                                        ("dinov2", "fp16"), ("segformer", "fp16"), ("mobilevit", "fp16")])
+                                        ("dinov2", "fp16"), ("segformer", "fp16")])
 def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     import onnx
     import torch
@@ -250,7 +247,8 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     if name == "swin":  # the window Pad's pads fold, shapes are inferred again, the Pad is an index op
         assert "Pad" not in {n.op_type for n in res.model.graph.node}
         assert len(res.model.graph.node) < 80, len(res.model.graph.node)
-    if name in ("dinov2", "mobilevit"):  # shapes inferred again once the folds made the sizes facts
+    if name == "dinov2":  # shapes inferred again once the folds made the sizes facts (MobileViT's case, 67
+        # kernels and 35 s, runs in `bench/coverage.py`; its mechanisms in tests/rewriter/test_canonical.py)
         assert not [str(r) for r in res.plan.refusals if "merged" in str(r)]
     if name == "dinov2":  # the encoder is ours, not ORT's
         assert kinds.count("gemm") >= 4 and len(res.model.graph.node) < 30, (kinds, len(res.model.graph.node))
