@@ -27,7 +27,7 @@ from ortfuse.customops.ir import BOOL, F32, I64, Expr, Var
 from ortfuse.rewriter import iota
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.rewriter.layernorm_fold import LayerNormFold
-from ortfuse.search import conv, legal, ops
+from ortfuse.search import conv, legal, ops, pad, pool, resize
 from ortfuse.search.plan import Region
 
 
@@ -522,8 +522,6 @@ class _Lowerer:
         linear (H and W) clamps the coordinate into the input and blends the pixels on either side by
         their distances, dx2*dy2*X11 + dx1*dy2*X21 + dx2*dy1*X12 + dx1*dy1*X22 in ORT's order (both sides
         0.5 where they are one pixel, at the border)."""
-        from ortfuse.search import resize
-
         geo = resize.geometry(self.g, node)
         if isinstance(geo, str):
             raise LoweringError(f"Resize '{node.name}': {geo}")
@@ -574,8 +572,6 @@ class _Lowerer:
         """Pad at idx: the input at the coordinate less each leading pad; outside the input the fill (constant
         mode: the load clamped in bounds, the value selected away), the nearest edge (edge), or the mirror
         image about the edge pixel (reflect, pads narrower than the axis)."""
-        from ortfuse.search import pad
-
         geo = pad.geometry(self.g, node)
         if isinstance(geo, str):
             raise LoweringError(f"Pad '{node.name}': {geo}")
@@ -694,8 +690,6 @@ class _Lowerer:
         """A pool at (b, c, oh, ow), as ORT's CPU pools compute it: the taps of the window row by row, max over
         those inside the image (MaxPool), or their sum divided by how many are inside (AveragePool,
         count_include_pad=0) or by the window's size (=1)."""
-        from ortfuse.search import pool
-
         geo = pool.geometry(self.g, node)
         if isinstance(geo, str):
             raise LoweringError(f"{node.op_type} '{node.name}': {geo}")

@@ -13,7 +13,7 @@ import onnx
 
 from ortfuse.customops import ir
 from ortfuse.customops.ir import F32, Const, Expr, Op
-from ortfuse.rewriter.attrs import attr  # noqa: F401 (also scalar.attr, for the lowerers)
+from ortfuse.rewriter.attrs import attr, attr_str  # noqa: F401 (also scalar.attr, attr_str, for the lowerers)
 
 # ONNX element type -> IR storage type. Anything else is left to ORT.
 STORAGE = {

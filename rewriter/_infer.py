@@ -77,7 +77,8 @@ MERGES_KEY = "ortfuse.shape_merges"  # on the rewriter's private copy only; `rep
 
 
 MINTED_KEY = "ortfuse.minted_by"  # likewise: the tensor each merged minted symbol came from
-_MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")  # SymbolicShapeInference: Op_<node>_o<k>__d<axis>
+# SymbolicShapeInference's names for the dims it mints: <Op>_<node index>_o<output>__d<axis>
+MINTED = re.compile(r"([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)")
 
 
 def record_merges(model: onnx.ModelProto, merges: dict) -> None:
@@ -91,7 +92,7 @@ def record_merges(model: onnx.ModelProto, merges: dict) -> None:
         model.metadata_props.add(key=MERGES_KEY, value=json.dumps({str(k): v for k, v in merges.items()}))
         minted = {}
         for sym in merges:
-            found = _MINTED.match(str(sym))
+            found = MINTED.fullmatch(str(sym))
             if found:
                 i, k = int(found.group(2)), int(found.group(3))
                 n = model.graph.node[i] if i < len(model.graph.node) else None

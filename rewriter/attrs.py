@@ -10,3 +10,9 @@ def attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     """The value of attribute `name` of `node` (an int, float, string, tensor or list), else `default`."""
     a = next((a for a in node.attribute if a.name == name), None)
     return default if a is None else onnx.helper.get_attribute_value(a)
+
+
+def attr_str(node: onnx.NodeProto, name: str, default: str) -> str:
+    """A string attribute (onnx gives bytes) as str, else `default`."""
+    v = attr(node, name, default)
+    return v.decode() if isinstance(v, bytes) else v

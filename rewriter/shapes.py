@@ -79,15 +79,12 @@ def merged_sizes(g: Graph) -> frozenset[int]:
     return frozenset(v for v in _infer.recorded_merges(g.model).values() if isinstance(v, int) and v != 1)
 
 
-# SymbolicShapeInference's names for the dims it mints: <Op>_<node index>_o<output>__d<axis>
-_MINTED = re.compile(r"^([A-Za-z0-9]+)_(\d+)_o(\d+)__d(\d+)$")
-
-
 @per_graph
 def minted_dims(g: Graph) -> frozenset[str]:
-    """Symbols shape inference minted for dims it could not compute (`_MINTED` names, or expressions of them)."""
-    return frozenset(d for t in g.tensors.values() for d in t.shape or () if isinstance(d, str) and "__d" in d
-                     and any(_MINTED.match(p) for p in re.findall(r"[A-Za-z0-9]+_\d+_o\d+__d\d+", d)))
+    """Dims shape inference minted because it could not compute them (`_infer.MINTED` names, or expressions of
+    them)."""
+    return frozenset(d for t in g.tensors.values() for d in t.shape or ()
+                     if isinstance(d, str) and _infer.MINTED.search(d))
 
 
 @per_graph

@@ -80,8 +80,7 @@ def conv_geometry(g: Graph, node) -> Union[ConvGeom, str]:
     if len(x.shape) != 4 or len(w.shape) != 4 or len(y.shape) != 4:
         return f"a {len(x.shape) - 2}-D convolution; ortfuse fuses 2-D convolutions only"
     group = int(scalar.attr(node, "group", 1))
-    auto_pad = scalar.attr(node, "auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = scalar.attr_str(node, "auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID"):
         return f"auto_pad={auto_pad}: left to ORT"
     dims = (x.shape[1], *w.shape, y.shape[1])

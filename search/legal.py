@@ -9,7 +9,7 @@ import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
-from ortfuse.search import conv, norm_fold, ops, pool
+from ortfuse.search import conv, norm_fold, ops, pad, pool, resize
 from ortfuse.search.plan import Region, Reject, Traffic
 
 
@@ -113,10 +113,8 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
         why = slice_verdict(g, node)
         return f"Slice not computed in a kernel: {why}" if why else None
     if node.op_type == "Resize":
-        from ortfuse.search import resize
         return resize.verdict(g, node)
     if node.op_type == "Pad":
-        from ortfuse.search import pad
         geo = pad.geometry(g, node)
         return f"Pad not computed in a kernel: {geo}" if isinstance(geo, str) else None
     if node.op_type == "Concat":
@@ -168,7 +166,6 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
         why = _indexing_verdict(g, n)
         return Reject(label, why) if why else None
     if kind == "window":
-        from ortfuse.search import pool
         geo = pool.geometry(g, n)
         return Reject(label, f"{n.op_type} not computed in a kernel: {geo}") if isinstance(geo, str) else None
     for t in ops.meta_inputs(n):
@@ -314,8 +311,9 @@ _DEPTHWISE_ACROSS = ("{}: a depthwise Conv computed {} reads its taps across cha
                      "per element, so it stays a separate kernel")
 
 
-def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, str]]:
-    """(a depthwise Conv of `nodes`, how) where the kernel's lanes would read its taps across channels: its
+def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, bool]]:
+    """(a depthwise Conv or pool of `nodes`, whether the kernel walks it transposed) where the kernel's lanes
+    would read its taps across channels: its
     image is NCHW in memory and its output reaches a Transpose inside `nodes` (the kernel iterates a transposed
     order of the image), or its image is channels-last in memory (read through layout ops, `_image_layout`)
     and its output reaches none (the kernel walks W while memory steps along C). Element-wise ops and
@@ -334,7 +332,7 @@ def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, str
             stack += [c for o in g.nodes[j].output if o for c in g.consumers.get(o, ()) if c in members]
         channels_last = _image_layout(g, g.nodes[i].input[0], members) == "channels-last"
         if transposed != channels_last:
-            return i, ("in a transposed order" if transposed else "in NCHW order over a channels-last image")
+            return i, transposed
     return None
 
 
@@ -379,7 +377,7 @@ def _chain_input(g: Graph, n: onnx.NodeProto) -> Optional[str]:
     return reads[0] if len(reads) == 1 else None
 
 
-_TAP_LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze")
+_TAP_LAYOUT = ops.LAYOUT - {"Expand"}  # a broadcast is no view of the image's memory
 
 
 def _tap_chain(g: Graph, t: str, members: set[int]) -> Optional[list[int]]:
@@ -560,7 +558,8 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
             return Reject(label, "outputs of different shapes would need separate iteration spaces")
         across = _depthwise_across(g, nodes)
         if across is not None:
-            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across[0]), across[1]))
+            how = "in a transposed order" if across[1] else "in NCHW order over a channels-last image"
+            return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across[0]), how))
         return Region(-1, "pointwise", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), tuple(space), empty)
     spaces = {g.tensors[g.nodes[i].input[0]].shape for i in reductions}
     if len(spaces) > 1:
@@ -568,8 +567,8 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     space: tuple[Dim, ...] = tuple(spaces.pop() or ())
     across = _depthwise_across(g, nodes)
     if across is not None:
-        how = "inside a row reduction over a transpose of its image" if across[1].startswith("in a transposed") \
-            else "inside a row reduction, " + across[1]
+        how = "inside a row reduction over a transpose of its image" if across[1] else \
+            "inside a row reduction, in NCHW order over a channels-last image"
         return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across[0]), how))
     row = space[:-1]
     for o, s in shapes.items():

@@ -24,8 +24,7 @@ class PadGeom:
 
 def geometry(g: Graph, node: onnx.NodeProto) -> Union[PadGeom, str]:
     """The Pad's geometry, or why it is not computed in a kernel."""
-    mode = scalar.attr(node, "mode", "constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = scalar.attr_str(node, "mode", "constant")
     if mode not in ("constant", "edge", "reflect"):
         return f"mode '{mode}'"
     in_shape = g.tensors[node.input[0]].shape

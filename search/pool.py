@@ -11,6 +11,7 @@ import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph
+from ortfuse.search import conv
 
 POOLS = frozenset({"MaxPool", "AveragePool"})
 
@@ -33,8 +34,7 @@ def geometry(g: Graph, node: onnx.NodeProto) -> Union[PoolGeom, str]:
         return "not a 2-D pool of a known shape"
     if len([o for o in node.output if o]) != 1:
         return "MaxPool's Indices output is read"
-    auto_pad = scalar.attr(node, "auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = scalar.attr_str(node, "auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID") or scalar.attr(node, "storage_order", 0):
         return f"auto_pad={auto_pad} or a column-major storage order"
     kernel = tuple(scalar.attr(node, "kernel_shape") or ())
@@ -60,5 +60,4 @@ def geometry(g: Graph, node: onnx.NodeProto) -> Union[PoolGeom, str]:
 
 def is_window(g: Graph, node: onnx.NodeProto) -> bool:
     """A window op that joins memory-bound kernels: a depthwise Conv or a pool."""
-    from ortfuse.search import conv
     return node.op_type in POOLS or conv.is_depthwise(g, node)

@@ -29,26 +29,21 @@ class ResizeGeom:
     axes: tuple[int, ...]  # the axes whose size changes (the others are read where they are)
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Union[int, str]) -> Union[int, str]:
-    v = scalar.attr(node, name, default)
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def geometry(g: Graph, node: onnx.NodeProto) -> Union[ResizeGeom, str]:
     """The Resize's geometry, or why it is not computed in a kernel."""
     if g.opset < 11:
         return "Resize before opset 11 (scales only, other conventions)"
-    mode = _attr(node, "mode", "nearest")
-    coordinates = _attr(node, "coordinate_transformation_mode", "half_pixel")
-    nearest = _attr(node, "nearest_mode", "round_prefer_floor")
+    mode = scalar.attr_str(node, "mode", "nearest")
+    coordinates = scalar.attr_str(node, "coordinate_transformation_mode", "half_pixel")
+    nearest = scalar.attr_str(node, "nearest_mode", "round_prefer_floor")
     if mode not in ("nearest", "linear"):
         return f"mode '{mode}'"
     if coordinates not in COORDINATES:
         return f"coordinate_transformation_mode '{coordinates}'"
     if mode == "nearest" and nearest not in NEAREST:
         return f"nearest_mode '{nearest}'"
-    if _attr(node, "antialias", 0) or scalar.attr(node, "axes") is not None or \
-            _attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
+    if scalar.attr(node, "antialias", 0) or scalar.attr(node, "axes") is not None or \
+            scalar.attr_str(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
         return "antialias, axes or a kept aspect ratio"
     x, y = node.input[0], node.output[0]
     in_shape, out_shape = g.tensors[x].shape, g.tensors[y].shape
