@@ -27,6 +27,7 @@ BINARY = ("Add", "Sub", "Mul", "Max", "Min")
 REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin")
 # Ops ortfuse leaves to ORT: regions must end at them and resume after.
 FOREIGN = ("CumSum", "Tile")
+WINDOW = ("Conv", "Pad", "Resize", "MaxPool", "AveragePool")  # ops whose output size follows the image's
 LAST_DIMS = (1, 2, 3, 7, 8, 16, 17, 33, 64, 67)
 
 
@@ -117,7 +118,7 @@ class _Builder:
         rank = len(s)
         static_last = isinstance(s[-1], int)
         if rank == 4 and s[0] == "n" and all(isinstance(d, int) for d in s[1:]) and self.rng.random() < 0.3:
-            self.conv(x, s)
+            self.conv(x, s) if self.rng.random() < 0.6 else self.window(x, s)
             return
         if self.rng.random() < 0.2:
             self.rare(x, s)
@@ -295,6 +296,79 @@ class _Builder:
             w = self.const(self.rng.uniform(-1, 1, (s[-3], s[-1], k)) / np.sqrt(s[-1]), "w")
             self.add("MatMul", [x, w], s[:-1] + (k,))
 
+    def window(self, x: str, s: Shape) -> None:
+        """An index or window op on NCHW `s`: Pad (constant with a random fill, crops among the pads; edge;
+        reflect), Resize (nearest in any nearest_mode, or bilinear; any coordinate mode; by scales up or
+        down, or by sizes), MaxPool or AveragePool (strides, pads, dilations, ceil_mode, the padding counted
+        or not), or a depthwise Conv over tokens (SegFormer's Mix-FFN: the image is [n, h*w, c] around it);
+        then an op the kernel can end in."""
+        _, c, h, w = s
+        kind = str(self.rng.choice(["pad", "resize", "pool", "tokens"]))
+        if kind == "pad":
+            mode = str(self.rng.choice(["constant", "edge", "reflect"]))
+            lim = [0, 1, min(2, h - 1), min(2, w - 1)]  # no batch pads; reflect needs pads under the dim
+            pads = [int(self.rng.integers(0, lim[i % 4] + 1)) for i in range(8)]
+            if mode == "constant" and self.rng.random() < 0.3:  # a crop on a spatial side
+                pads[int(self.rng.choice([2, 3, 6, 7]))] = -1
+            ins = [x, self.const(np.array(pads), "pads", np.int64)]
+            if mode == "constant":
+                ins.append(self.const(np.array(float(self.rng.choice([0.0, 0.25, -1.5])))))
+            out = tuple(d + pads[i] + pads[i + 4] if i else d for i, d in enumerate(s))
+            out = self.add("Pad", ins, out, mode=mode)
+        elif kind == "resize":
+            mode = str(self.rng.choice(["nearest", "linear"]))
+            ctm = str(self.rng.choice(["half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners"]))
+            attrs = dict(mode=mode, coordinate_transformation_mode=ctm)
+            if mode == "nearest":
+                attrs["nearest_mode"] = str(self.rng.choice(["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"]))
+            if self.rng.random() < 0.6:
+                sc = [float(self.rng.choice([2.0, 0.5, 1.5, 0.6])) for _ in range(2)]
+                ins = [x, "", self.const(np.array([1.0, 1.0] + sc), "sc", np.float32)]
+                out = ("n", c, int(np.floor(h * sc[0])), int(np.floor(w * sc[1])))
+                if min(out[2:]) < 1:
+                    return
+            else:
+                hw = [int(self.rng.integers(1, 2 * h + 1)), int(self.rng.integers(1, 2 * w + 1))]
+                # sizes of the batch and channels read from x at run time, the spatial ones constant
+                nc = self.add("Slice", [self.add("Shape", [x], (4,), pool=False), self.const(np.array([0]), "z", np.int64),
+                                        self.const(np.array([2]), "two", np.int64)], (2,), pool=False)
+                ins = [x, "", "", self.add("Concat", [nc, self.const(np.array(hw), "hw", np.int64)], (4,), pool=False,
+                                           axis=0)]
+                out = ("n", c) + tuple(hw)
+            out = self.add("Resize", ins, out, **attrs)
+        elif kind == "pool":
+            op = str(self.rng.choice(["MaxPool", "AveragePool"]))
+            k = [int(self.rng.choice([1, 2, 3])) for _ in range(2)]
+            stride = int(self.rng.choice([1, 1, 2]))
+            pads = [int(self.rng.integers(0, kk)) for kk in k] * 2  # under the kernel, as ONNX requires
+            attrs = dict(kernel_shape=k, strides=[stride] * 2, pads=pads)
+            dil = 1
+            if op == "MaxPool":
+                dil = int(self.rng.choice([1, 1, 2]))
+                attrs.update(dilations=[dil] * 2, ceil_mode=int(self.rng.random() < 0.3))
+            else:
+                attrs["count_include_pad"] = int(self.rng.random() < 0.5)
+            size = [(d + 2 * p - dil * (kk - 1) - 1) for d, p, kk in zip((h, w), pads, k)]
+            ceil = attrs.get("ceil_mode", 0)
+            size = [(v + (stride - 1 if ceil else 0)) // stride + 1 for v in size]
+            if min(size) < 1:
+                return
+            out = self.add(op, [x], ("n", c) + tuple(size), **attrs)
+        else:  # [n, c, h, w] -> tokens [n, h*w, c] -> (image -> depthwise 3x3 -> tokens) -> back
+            tok = self.add("Transpose", [self.add("Reshape", [x, self.const(np.array([0, c, h * w]), "shape", np.int64)],
+                                                  ("n", c, h * w), pool=False)], ("n", h * w, c), pool=False, perm=[0, 2, 1])
+            img = self.add("Reshape", [self.add("Transpose", [tok], ("n", c, h * w), pool=False, perm=[0, 2, 1]),
+                                       self.const(np.array([0, c, h, w]), "shape", np.int64)], s, pool=False)
+            wt = self.const(self.rng.uniform(-1, 1, (c, 1, 3, 3)) / 3.0, "w")
+            dw = self.add("Conv", [img, wt, self.random_const((c,))], s, pool=False, group=c, kernel_shape=[3, 3],
+                          pads=[1, 1, 1, 1])
+            back = self.add("Transpose", [self.add("Reshape", [dw, self.const(np.array([0, c, h * w]), "shape", np.int64)],
+                                                   ("n", c, h * w), pool=False)], ("n", h * w, c), pool=False, perm=[0, 2, 1])
+            self.add("Add", [back, tok], ("n", h * w, c))
+            return
+        if self.rng.random() < 0.6:
+            self.add(str(self.rng.choice(["Relu", "Sigmoid", "Neg"])), [out], self.values[out])
+
     def conv(self, x: str, s: Shape) -> None:
         """A Conv on NCHW `s`: random kernel, stride, padding, dilation and groups (depthwise among them),
         with a bias half of the time, then maybe an activation and a residual the epilogue can take."""
@@ -351,10 +425,10 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
 
 def symbolic_image(m: onnx.ModelProto, shapes: dict[str, tuple]) -> tuple[onnx.ModelProto, dict[str, tuple]] | None:
     """The random model with its image input's height and width declared symbolic ("h", "w") and its outputs'
-    shapes left to inference, if it has an image input and a Conv; shapes map "h", "w" to the sizes the
+    shapes left to inference, if it has an image input and a Conv or window op; shapes map "h", "w" to the sizes the
     graph was built for (its constants fit those)."""
     x = shapes.get("x", ())
-    if len(x) != 4 or not any(n.op_type == "Conv" for n in m.graph.node):
+    if len(x) != 4 or not any(n.op_type in WINDOW for n in m.graph.node):
         return None
     out = onnx.ModelProto()
     out.CopyFrom(m)

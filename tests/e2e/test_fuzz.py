@@ -5,8 +5,8 @@ every fourth lets fp32 GEMMs use tf32 and is checked at the tf32 tolerance). Ran
 (`random_attention`) must become one attention kernel each and match too; corrupted models (`corrupt`)
 must give our input errors, never a crash. CI runs fixed blocks of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi and
 ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi run others. Tolerances are check_models': fp32 normwise relative 1e-5,
-fp16 1e-2. Seeds whose graph has an image input and a Conv also run with the image size declared symbolic.
-On a GPU the same models also run against stock ORT's CUDA EP."""
+fp16 1e-2. Seeds whose graph has an image input and a Conv or window op (Pad, Resize, pools) also run
+with the image size declared symbolic. On a GPU the same models also run against stock ORT's CUDA EP."""
 from __future__ import annotations
 
 import os
@@ -73,7 +73,8 @@ def test_symbolic_image_seeds_reach_runtime_conv_sizes() -> None:
 
 def test_generator_covers_the_fusion_kinds() -> None:
     """The default seeds reach every memory-bound and GEMM region kind, so the block is worth its time."""
-    kinds, index_ops, wanted = set(), set(), {"Gather", "Range", "Concat", "Expand", "Slice"}
+    kinds, index_ops = set(), set()
+    wanted = {"Gather", "Range", "Concat", "Expand", "Slice", "Pad", "Resize", "MaxPool"}
     for seed in range(0, 60):  # index ops are rarer: seeds past the default block count for them only
         m, shapes = random_model(seed)
         if seed >= 24 and not wanted & {n.op_type for n in m.graph.node}:
