@@ -73,6 +73,10 @@ for name in "$@"; do
     sweep-diag)  # issue 5, 2026-11-26: where the fixed ~18 us per 4096x768 output goes (M scaling, no stores, warm L2)
       step "$name" 200 python3 -m ortfuse.bench.sweep --per-family 1 --ablate --no-flush --json "$WORK/sweep-diag.json" \
         --md "$WORK/sweep-diag.md" --shapes 1024x768x768 2048x768x768 4096x768x768 8192x768x768 4096x768x3072 ;;
+    groupnorm)  # 2026-11-27 (session 25, CPU only): GroupNorm + SiLU as one row kernel at a UNet's latent sizes and
+      # PoolFormer's one group, `--profile` against ORT's InstanceNormalization + 4 element-wise kernels, the
+      # cost model's few-rows estimate (CostModel.few_rows_us, assumed) beside each measurement
+      step "$name" 90 python3 -m ortfuse.bench.groupnorm --batch 8 ;;
     sweep-gated)  # 2026-11-26 (session 23): Llama's gated MLP as one GEMM (gate and up interleaved) on each
       # family's best tiles, against cuBLAS alone on the packed weight and cuBLAS + the gated element-wise kernel
       step "$name" 120 python3 -m ortfuse.bench.sweep --epilogue gated --per-family 2 \

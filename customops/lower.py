@@ -180,6 +180,13 @@ class _Lowerer:
             p = legal.output_perm(graph, set(region.nodes), o, space) if self._shape(o) != space else None
             if p is not None and p != tuple(range(len(space))):
                 self.perms[o] = p
+        # outputs that are reshapes of a row kernel's space (`legal.output_view`): stored at the linear offset
+        self.views = {o for o in region.outputs if region.kind == "rowreduce" and o not in self.perms
+                      and self._shape(o) != space and legal.output_view(graph, set(region.nodes), o, space)}
+        # index tuples known to address a row-major tensor of a shape at a linear offset, and the space index
+        # at each such offset: a Reshape between them maps the one to the other with no index arithmetic
+        self.linear_of: dict[tuple[tuple[Expr, ...], tuple[Dim, ...]], Expr] = {}
+        self.index_at: dict[tuple[Expr, tuple[Dim, ...]], tuple[Expr, ...]] = {}
         self.scopes = [_Scope(set())]
         self.defs: dict[str, Expr] = {}  # what each bound variable holds (the div/mod merge reads it)
         self.count = 0
@@ -353,6 +360,13 @@ class _Lowerer:
                 lin = self.bind(ir.idiv(lin, de), "i")
         return tuple(reversed(out))
 
+    def view_index(self, idx: tuple[Expr, ...], offset: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
+        """The index, in an output view of `shape`, of the space's element at `idx` (linear `offset`)."""
+        at = self.unravel(offset, shape)
+        self.linear_of[(at, tuple(shape))] = offset
+        self.index_at[(offset, tuple(self.r.space))] = tuple(idx)
+        return at
+
     @staticmethod
     def broadcast(idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
         lead = len(idx) - len(shape)
@@ -363,6 +377,13 @@ class _Lowerer:
     def reshape_index(self, idx: tuple[Expr, ...], out: tuple[Dim, ...], inp: tuple[Dim, ...]) -> tuple[Expr, ...]:
         """Index into a Reshape/Squeeze/Unsqueeze/Flatten input: size-1 dims dropped, common leading
         and trailing dims passed through, the middle re-linearized."""
+        lin = self.linear_of.get((tuple(idx), tuple(out)))
+        if lin is not None:  # an output view's index: the input's element at the same offset
+            at = self.index_at.get((lin, tuple(inp)))
+            if at is None:  # a view of a view: followed further by its offset
+                at = self.unravel(lin, inp)
+                self.linear_of[(at, tuple(inp))] = lin
+            return at
         keep_o = [k for k, d in enumerate(out) if d != 1]
         keep_i = [k for k, d in enumerate(inp) if d != 1]
         od, idim = [out[k] for k in keep_o], [inp[k] for k in keep_i]
@@ -766,7 +787,7 @@ class _Lowerer:
                 inv = self.bind(ir.Op("div", (ir.Const(1.0, F32), s), F32))
                 return ir.Op("mul", (ir.Op("exp", (shifted(idx[-1]),), F32), inv), F32)
             return ir.Op("sub", (shifted(idx[-1]), self.bind(ir.Op("log", (s,), F32))), F32)
-        # LayerNormalization (axis = -1): two passes, like ORT
+        # LayerNormalization (axis = -1) and InstanceNormalization ([N, C, L]): two passes, like ORT
         mean = self.bind(mean_of(self.row_reduce("sum", elem, (x, "sum"))))
         cent = lambda c: self.bind(ir.Op("sub", (elem(c), mean), F32))  # noqa: E731
         var = mean_of(self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (cent(c), cent(c)), F32)), (x, "var")))
@@ -775,8 +796,9 @@ class _Lowerer:
         y: Expr = ir.Op("mul", (cent(idx[-1]), inv), F32)
         for k, fn in ((1, "mul"), (2, "add")):
             if len(node.input) > k and node.input[k]:
-                w = node.input[k]
-                y = ir.Op(fn, (y, self.value(w, self.broadcast(idx, self._shape(w)))), F32)
+                w = node.input[k]  # LayerNorm's over the row, InstanceNorm's per channel
+                at = (idx[1],) if op == "InstanceNormalization" else self.broadcast(idx, self._shape(w))
+                y = ir.Op(fn, (y, self.value(w, at)), F32)
         return y
 
     def row_reduce(self, kind: str, elem: Callable[[Expr], Expr], key: object) -> Expr:
@@ -855,6 +877,15 @@ class _Lowerer:
         for o in outs:
             shape = self._shape(o)
             storage = _storage(self.g.tensors[o].dtype, f"output '{o}'")
+            if o in self.views:  # stored at the element's offset in the space, read at its index in o's shape
+                offsets = [self.linearize(idx_of(lane), tuple(self.r.space)) for lane in self.lanes]
+                vals = [self.value(o, self.view_index(idx_of(lane), off, shape))
+                        for lane, off in zip(self.lanes, offsets)]
+                if len(vals) > 1:
+                    stores.append(ir.VecStore(self.out_args[o], offsets[0], tuple(vals), storage))
+                else:
+                    stores.append(ir.Store(self.out_args[o], offsets[0], vals[0], storage))
+                continue
             perm = self.perms.get(o)
             at = (lambda lane: tuple(idx_of(lane)[k] for k in perm)) if perm else idx_of  # noqa: E731
             vals = [self.value(o, at(lane)) for lane in self.lanes]
@@ -941,7 +972,7 @@ class _Lowerer:
         self.row_depth = len(self.scopes)
         self.row_c, self.row_active = rowc, active
         self.row_idx = row_index(rowc)
-        full = [o for o in self.r.outputs if self._shape(o) == space or o in self.perms]
+        full = [o for o in self.r.outputs if self._shape(o) == space or o in self.perms or o in self.views]
         rowwise = [o for o in self.r.outputs if o not in full]
         for o in rowwise:
             oshape = self._shape(o)
@@ -962,7 +993,10 @@ class _Lowerer:
             for o in full:
                 at = self.row_idx + (col,)
                 perm = self.perms.get(o)
-                self.value(o, tuple(at[k] for k in perm) if perm else at)
+                if o in self.views:
+                    self.value(o, self.view_index(at, self.linearize(at, space), self._shape(o)))
+                else:
+                    self.value(o, tuple(at[k] for k in perm) if perm else at)
             for o in rowwise:
                 self.value(o, self.row_idx + ((ir.i64(0),) if len(self._shape(o)) == len(space) else ()))
             self.scopes.pop()
@@ -1032,7 +1066,7 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
         raise LoweringError("more than 32 tensors in one kernel")
     reads = legal.shape_reads(graph, region.nodes, region.inputs)
     if reads is None:
-        raise LoweringError("a Range's length or an Expand's run-time shape is not made of the region's input dims")
+        raise LoweringError("a run-time shape (a Range's length, an Expand's or Reshape's target, a Resize's sizes) is not made of the region's input dims")
     spec = _lower_kind(graph, region, tgt, tf32, tile, bound)
     if tgt.pdl:  # the same kernel, launched so that it may overlap its predecessor: a name of its own
         spec = dataclasses.replace(spec, kernel=dataclasses.replace(

@@ -13,6 +13,7 @@ import os
 import re
 import tempfile
 
+import numpy as np
 import onnx
 
 from ortfuse.rewriter import _proto
@@ -178,21 +179,23 @@ def _resize(ssi, node: onnx.NodeProto, fallback) -> None:
 
     scales = ssi._try_get_value(node, 2) if len(node.input) > 2 and node.input[2] else None
     sizes = ssi._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
-    whole = scales is not None and len(scales) > 0 and all(float(k) == int(k) and k >= 1 for k in scales)
+    x = ssi._get_sympy_shape(node, 0)
+    # each dim by a whole scale, or a static dim by any scale (ORT: int64(float(scale) * float(dim))): a
+    # symbolic batch kept at scale 1 stays itself, where the tool's rule would mint floor(1.0*batch)
+    scaled = sizes is None and scales is not None and len(scales) == len(x) and all(
+        (float(k) == int(k) and k >= 1) or isinstance(d, int) or getattr(d, "is_Integer", False)
+        for d, k in zip(x, scales))
     exact = sizes is not None and len(sizes) > 0 and all(sympy.sympify(d).is_integer for d in sizes)
-    if get_opset(ssi.out_mp_) <= 10 or not (exact or (sizes is None and whole)) \
+    if get_opset(ssi.out_mp_) <= 10 or not (exact or scaled) \
             or get_attribute(node, "coordinate_transformation_mode") == b"tf_crop_and_resize" \
             or get_attribute(node, "axes") is not None:
         fallback(node)
         return
-    x = ssi._get_sympy_shape(node, 0)
     if exact:  # sizes that are already whole (the lateral map's own dims, from its Shape): used as they are
         shape = [sympy.sympify(d) for d in sizes]
-    elif len(x) == len(scales):
-        shape = [d * sympy.Integer(int(k)) for d, k in zip(x, scales)]
     else:
-        fallback(node)
-        return
+        shape = [d * sympy.Integer(int(k)) if float(k) == int(k) and k >= 1
+                 else sympy.Integer(int(np.float32(k) * np.float32(int(d)))) for d, k in zip(x, scales)]
     ssi._update_computed_dims(shape)
     elem = ssi.known_vi_[node.input[0]].type.tensor_type.elem_type
     ssi.known_vi_[node.output[0]].CopyFrom(

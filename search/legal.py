@@ -26,6 +26,9 @@ def _reduction_verdict(g: Graph, node: onnx.NodeProto, rank: int) -> Optional[st
         if sorted(a % rank for a in axes) != [rank - 1]:
             return f"reduces over axes {axes}; ortfuse fuses innermost-axis reductions only"
         return None
+    if op == "InstanceNormalization":
+        return None if rank == 3 else (f"InstanceNormalization of a rank-{rank} tensor: ortfuse fuses rank 3 "
+                                       f"(one spatial axis, as GroupNorm's export normalizes) only")
     default = 1 if op in ("Softmax", "LogSoftmax") and g.opset < 13 else -1
     axis = scalar.attr(node, "axis", default)
     if not -rank <= axis < rank:
@@ -171,6 +174,8 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
     for t in ops.meta_inputs(n):
         if n.op_type == "Expand" and expand_target(g, n) is not None:
             continue  # a run-time target: the kernel broadcasts to the inferred shape (`shape_reads`)
+        if n.op_type == "Reshape" and t == n.input[1] and None not in (g.tensors[n.output[0]].shape or (None,)):
+            continue  # a run-time target: the inferred shape, if its dims are the region's (`shape_reads`)
         if t not in g.constants:
             return Reject(label, f"its shape/axes input '{t}' is computed at run time, not a constant")
     if n.op_type == "Cast" and scalar.attr(n, "to") not in scalar.STORAGE:
@@ -226,6 +231,33 @@ def output_perm(g: Graph, nodes: set[int], t: str, space: tuple[Dim, ...]) -> Op
         return p
 
     return walk(t)
+
+
+def output_view(g: Graph, nodes: set[int], t: str, space: tuple[Dim, ...]) -> bool:
+    """True if tensor t holds, in row-major order, the elements a kernel computes over its iteration space in
+    row-major order, under another shape: a space-shaped tensor seen through the region's Reshapes (Squeeze,
+    Unsqueeze, Flatten) and the element-wise ops around them, as GroupNorm's export views its [N, G, L]
+    normalization as the [N, C, H, W] image before the affine tail. The kernel stores it at the element's
+    linear offset."""
+    memo: dict[str, bool] = {}
+
+    def walk(x: str) -> bool:
+        if x not in memo:
+            memo[x] = False
+            shape = g.tensors[x].shape if x in g.tensors else None
+            i = g.producer.get(x)
+            n = g.nodes[i] if i is not None and i in nodes and shape is not None else None
+            if n is not None and n.op_type in _VIEW_OPS:
+                src = n.input[0]
+                memo[x] = tuple(g.tensors[src].shape or ()) == tuple(space) or walk(src)
+            elif n is not None and ops.kind_of(n.op_type) == "elementwise":
+                memo[x] = any(walk(y) for _, y in ops.data_inputs(n) if y in g.tensors and g.tensors[y].shape == shape)
+        return memo[x]
+
+    return walk(t)
+
+
+_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})  # keep the elements' row-major order
 
 
 def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
@@ -406,7 +438,8 @@ def _tap_chain(g: Graph, t: str, members: set[int]) -> Optional[list[int]]:
 def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[tuple[ShapeRead, ...]]:
     """The run-time shape tensors the region's ops read but the kernel does not (its dims say the same):
     each Range limit computed at run time (Range(0, n, 1) with n a dim, `range_length_verdict`), each
-    Expand target and each Resize's sizes computed at run time, rebuilt from the inputs' shapes. None when a
+    Expand or Reshape target and each Resize's sizes computed at run time, rebuilt from the inputs' shapes
+    (a Reshape's as its output's dims, 0 and -1 resolved). None when a
     dim is no input's, or one shape inference may have merged (`iota.trusted_dims`)."""
     from ortfuse.rewriter import iota
 
@@ -439,6 +472,17 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
                 if not parts or any(p is None for p in parts):
                     return None
                 out[sizes] = tuple(p for p in parts if p is not None)
+            continue
+        if n.op_type == "Reshape":  # a target computed at run time: the output's dims (torch's x.view(y.shape))
+            target = n.input[1]
+            if target not in g.constants and target not in out:
+                dims = g.tensors[n.output[0]].shape or ()
+                parts = [part(d) for d in dims]
+                readers = [c for c in g.consumers.get(target, ()) if c in members]
+                if any(p is None for p in parts) or any(g.nodes[c].op_type != "Reshape" or g.nodes[c].input[1] != target
+                                                        or g.tensors[g.nodes[c].output[0]].shape != dims for c in readers):
+                    return None  # the rebuilt target is the same only for Reshapes that it gives one shape
+                out[target] = tuple(p for p in parts if p is not None)
             continue
         if n.op_type not in ("Range", "Expand") or n.input[1] in g.constants or n.input[1] in out:
             continue
@@ -519,8 +563,8 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     if why:
         return Reject(label, why)
     if shape_reads(g, nodes, inputs) is None:
-        return Reject(label, "a Range's length or an Expand's run-time shape is not made of the region's "
-                             "input dims")
+        return Reject(label, "a run-time shape (a Range's length, an Expand's or Reshape's target, a Resize's "
+                             "sizes) is not made of the region's input dims")
     if all(ops.kind_of(g.nodes[i].op_type) == "layout" for i in nodes):
         return Reject(label, "only layout ops")
     shapes = {o: g.tensors[o].shape for o in outputs}
@@ -572,9 +616,10 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
         return Reject(label, _DEPTHWISE_ACROSS.format(g.node_label(across[0]), how))
     row = space[:-1]
     for o, s in shapes.items():
-        if s not in (space, row, row + (1,)) and output_perm(g, nodes, o, space) is None:
-            return Reject(label, f"output '{o}' of shape {s} is neither the reduced tensor's shape (or a "
-                                 f"transpose of it) nor its row shape")
+        if s not in (space, row, row + (1,)) and output_perm(g, nodes, o, space) is None \
+                and not output_view(g, set(nodes), o, space):
+            return Reject(label, f"output '{o}' of shape {s} is neither the reduced tensor's shape (a "
+                                 f"transpose or reshape of it) nor its row shape")
     return Region(-1, "rowreduce", tuple(sorted(nodes)), tuple(inputs), tuple(outputs), space, empty)
 
 

@@ -9,9 +9,10 @@ ELEMENTWISE = frozenset({
     "Identity", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
     "IsNaN",
 })
-# Reductions over the innermost axis, with the row-wise composites exporters and ORT use.
+# Reductions over the innermost axis, with the row-wise composites exporters and ORT use (InstanceNormalization
+# of a [N, C, L] tensor: GroupNorm as torch exports it, between Reshapes to [N, groups, -1] and back).
 REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
-                        "Softmax", "LogSoftmax", "LayerNormalization"})
+                        "Softmax", "LogSoftmax", "LayerNormalization", "InstanceNormalization"})
 # Compute-bound anchors: one per region, with element-wise prologue/epilogue ops around it. A Conv runs as
 # an implicit GEMM (search.conv).
 GEMM = frozenset({"MatMul", "Gemm"})

@@ -204,8 +204,9 @@ class _Builder:
             big = self.add("Mul", [x, self.const(np.array(self.rng.choice([300.0, 3000.0])))], s, pool=False)
             op = str(self.rng.choice(["Softplus", "Sigmoid", "Tanh", "Erf", "Elu", "HardSwish", "Softmax",
                                       "LogSoftmax"]))
-            out = self.add(op, [big], s, **({"axis": -1} if "Softmax" in op else {}))
-            if op in ("Softplus", "Elu", "HardSwish", "LogSoftmax"):  # unbounded: bring it back to O(1)
+            unbounded = op in ("Softplus", "Elu", "HardSwish", "LogSoftmax")
+            out = self.add(op, [big], s, pool=not unbounded, **({"axis": -1} if "Softmax" in op else {}))
+            if unbounded:  # brought back to O(1), and only that joins the pool
                 self.add("Mul", [out, self.const(np.array(1e-3))], s)
         elif kind == "gather":  # constant indices (some negative) along an axis of static size
             axes = [i for i in range(rank) if static[i] and s[i] > 1]
@@ -300,10 +301,10 @@ class _Builder:
         """An index or window op on NCHW `s`: Pad (constant with a random fill, crops among the pads; edge;
         reflect), Resize (nearest in any nearest_mode, or bilinear; any coordinate mode; by scales up or
         down, or by sizes), MaxPool or AveragePool (strides, pads, dilations, ceil_mode, the padding counted
-        or not), or a depthwise Conv over tokens (SegFormer's Mix-FFN: the image is [n, h*w, c] around it);
-        then an op the kernel can end in."""
+        or not), a depthwise Conv over tokens (SegFormer's Mix-FFN: the image is [n, h*w, c] around it), or
+        GroupNorm as torch exports it; then an op the kernel can end in."""
         _, c, h, w = s
-        kind = str(self.rng.choice(["pad", "resize", "pool", "tokens"]))
+        kind = str(self.rng.choice(["pad", "resize", "pool", "tokens", "groupnorm"]))
         if kind == "pad":
             mode = str(self.rng.choice(["constant", "edge", "reflect"]))
             lim = [0, 1, min(2, h - 1), min(2, w - 1)]  # no batch pads; reflect needs pads under the dim
@@ -354,6 +355,15 @@ class _Builder:
             if min(size) < 1:
                 return
             out = self.add(op, [x], ("n", c) + tuple(size), **attrs)
+        elif kind == "groupnorm":  # torch's export: [n, groups, -1], InstanceNormalization, back to Shape(x)
+            groups = int(self.rng.choice([d for d in (1, 2, 4, c) if c % d == 0]))
+            xg = self.add("Reshape", [x, self.const(np.array([0, groups, -1]), "shape", np.int64)],
+                          ("n", groups, c // groups * h * w), pool=False)
+            yn = self.add("InstanceNormalization", [xg, self.random_const((groups,)), self.random_const((groups,))],
+                          ("n", groups, c // groups * h * w), pool=False, epsilon=1e-5)
+            y = self.add("Reshape", [yn, self.add("Shape", [x], (4,), pool=False)], s, pool=False)
+            out = self.add("Add", [self.add("Mul", [y, self.random_const((c, 1, 1))], s, pool=False),
+                                   self.random_const((c, 1, 1))], s)
         else:  # [n, c, h, w] -> tokens [n, h*w, c] -> (image -> depthwise 3x3 -> tokens) -> back
             tok = self.add("Transpose", [self.add("Reshape", [x, self.const(np.array([0, c, h * w]), "shape", np.int64)],
                                                   ("n", c, h * w), pool=False)], ("n", h * w, c), pool=False, perm=[0, 2, 1])

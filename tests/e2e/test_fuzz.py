@@ -75,7 +75,7 @@ def test_generator_covers_the_fusion_kinds() -> None:
     """The default seeds reach every memory-bound and GEMM region kind, so the block is worth its time."""
     kinds, index_ops = set(), set()
     wanted = {"Gather", "Range", "Concat", "Expand", "Slice", "Pad", "Resize", "MaxPool"}
-    for seed in range(0, 60):  # index ops are rarer: seeds past the default block count for them only
+    for seed in range(0, 120):  # index ops are rarer: seeds past the default block count for them only
         m, shapes = random_model(seed)
         if seed >= 24 and not wanted & {n.op_type for n in m.graph.node}:
             continue

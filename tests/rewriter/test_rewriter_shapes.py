@@ -369,3 +369,19 @@ def test_merged_dims_are_recorded_and_their_shapes_not_written_out():
     for h in (1, 3):  # the Expand broadcasts at h = 1: regions reading x are left to ORT
         rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, h, 8), "y": (2, 3, 8)})
         assert rep.ok, "\n".join(rep.lines())
+
+
+def test_resize_by_fractional_scales_keeps_a_symbolic_batch():
+    # scale 1 over the batch, fractional over a static image: the batch stays 'n' (the tool's rule minted
+    # 'floor(1.0*n)', so a region reading the Resize found its batch in no input) and each static dim is ORT's
+    # int64(float(scale) * float(dim)), checked against ORT itself
+    import onnxruntime as ort
+    t = onnx.TensorProto
+    nodes = [helper.make_node("Resize", ["x", "", "sc"], ["y"], mode="linear")]
+    inits = [numpy_helper.from_array(np.array([1, 1, 0.6, 1.5], np.float32), "sc")]
+    g = helper.make_graph(nodes, "r", [helper.make_tensor_value_info("x", t.FLOAT, ["n", 3, 5, 7])],
+                          [helper.make_tensor_value_info("y", t.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    assert build_graph(m, {}).tensors["y"].shape == ("n", 3, 3, 10)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"x": np.ones((2, 3, 5, 7), np.float32)})[0].shape == (2, 3, 3, 10)

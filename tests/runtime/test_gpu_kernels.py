@@ -13,6 +13,7 @@ import ortfuse
 from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention, mix_ffn, model,
                      nan_guarded, node, resized, rope_attention, rope_shapes, vi)
 from ortfuse.api import compile_model
+from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
 from ortfuse.config import Options
 from ortfuse.feeds import random_feeds
@@ -227,6 +228,18 @@ def test_depthwise_conv_over_tokens_on_gpu(dt):
     assert [r.kind for r in res.plan.regions] == ["pointwise"]
     rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 196, 64)})
     assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_group_norm_on_gpu(dt):
+    # a diffusion UNet's GroupNorm + SiLU at its 64x64 latent (320 channels, 32 groups of 40,960 elements):
+    # one row kernel per group against ORT's InstanceNormalization and four element-wise kernels
+    m = group_norm(dt, 320, 32, hw=("h", "w"))
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["rowreduce"]
+    for shape in ((1, 320, 64, 64), (2, 320, 17, 9)):
+        rep = check_models(m, res.model, provider="cuda", input_shapes={"x": shape})
+        assert rep.ok, "\n".join(rep.lines())
 
 
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
+from ortfuse.bench.groupnorm import group_norm
 
 from ortfuse.customops.target import for_cc
 from ortfuse.demo import encoder
@@ -43,11 +44,23 @@ def test_out_of_range_axis_is_left_to_ort_not_wrapped():
     assert any("axis 7 out of range" in r.reason for r in p.rejects), [str(r) for r in p.rejects]
 
 
-def test_runtime_reshape_target_is_refused():
+def test_runtime_reshape_target_of_the_regions_dims_is_rebuilt():
+    # Reshape(r, Shape(x)): the target is x's dims, which the fused node's function reads from x itself
     m = model([node("Shape", ["x"], ["s"]), node("Relu", ["x"], ["r"]), node("Reshape", ["r", "s"], ["y"]),
                node("Exp", ["y"], ["z"])], [vi("x", F, ["n", 8])], [vi("z", F, None)])
     g, p = _plan(m)
-    assert any("computed at run time" in r.reason for r in p.rejects)
+    (r,) = p.regions
+    assert {g.nodes[i].op_type for i in r.nodes} == {"Relu", "Reshape", "Exp"}
+    assert legal.shape_reads(g, r.nodes, r.inputs) == (("s", ((0, 0), (-1, 8))),)
+
+
+def test_runtime_reshape_target_of_other_dims_is_refused():
+    # the target is Shape(w) of a tensor the region does not read: its dims cannot be rebuilt
+    m = model([node("Shape", ["w"], ["s"]), node("Relu", ["x"], ["r"]), node("Reshape", ["r", "s"], ["y"]),
+               node("Exp", ["y"], ["z"])], [vi("x", F, ["n", 8]), vi("w", F, ["a", "b"])], [vi("z", F, None)])
+    g, p = _plan(m)
+    assert not any(g.nodes[i].op_type == "Reshape" for r in p.regions for i in r.nodes)
+    assert any("run-time shape" in r.reason or "computed at run time" in r.reason for r in (*p.rejects, *p.refusals))
 
 
 def test_single_op_is_not_profitable():
@@ -344,3 +357,17 @@ def test_gated_reads_take_exactly_the_two_interleaved_halves(starts, steps, extr
     assert (reads is not None) == ok
     r = legal.classify(g, set(range(len(g.nodes))))
     assert isinstance(r, legal.Region) == ok, r
+
+
+def test_few_long_rows_are_priced_by_the_blocks_that_stream_them():
+    # a UNet's GroupNorm + SiLU at batch 1: 32 rows of 40,960 elements, one block each; the estimate is what 32
+    # blocks stream (Little's law), over the DRAM-bound figure, and still under ORT's five kernels
+    cm = CostModel(for_cc(90))
+    g, p = _plan(group_norm(TP.FLOAT16, 320, 32, hw=(64, 64)), {"x": (1, 320, 64, 64)})
+    (r,) = p.regions
+    assert cm.ours_us(g, r) == cm.few_rows_us(r) > cm.time_us(r.traffic.fused_bytes, 1)
+    g, p = _plan(group_norm(TP.FLOAT16, 320, 32, hw=(64, 64)), {"x": (8, 320, 64, 64)})
+    assert cm.few_rows_us(p.regions[0]) == 0.0  # 256 rows fill the GPU
+    # one group (PoolFormer's) of 200,704 fp32 elements per image at batch 2: two blocks; left to ORT
+    g, p = _plan(group_norm(F, 64, 1, hw=(56, 56), silu=False), {"x": (2, 64, 56, 56)})
+    assert not p.regions and any("estimated at" in r.reason for r in p.refusals), [str(r) for r in p.refusals]

@@ -1,0 +1,44 @@
+"""GroupNorm as exporters emit it (Reshape to [n, groups, -1], InstanceNormalization, Reshape back to the image
+by a target computed at run time, the per-channel affine, SiLU) as one row kernel: the rows are the groups,
+the output a view of them in the image's shape (`legal.output_view`), the affine read at each element's
+channel. Checked in CPU emulation against ORT CPU. Tolerances: fp32 1e-5, fp16 1e-2 normwise."""
+from __future__ import annotations
+
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import const, fused_parity, model, node, vi
+from ortfuse.bench.groupnorm import group_norm
+from ortfuse.customops.target import for_cc
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import plan
+
+F, H = TP.FLOAT, TP.FLOAT16
+
+
+@pytest.mark.parametrize("dt", [F, H], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("c,groups", [(8, 4), (6, 1), (6, 6)], ids=["groups", "poolformer-1", "per-channel"])
+def test_group_norm_is_one_row_kernel(dt, c, groups):
+    res = fused_parity(group_norm(dt, c, groups), {}, {"x": (2, c, 5, 6)}, ("rowreduce",))
+    assert [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"] == []
+
+
+def test_symbolic_image_size():
+    # H and W symbolic: the row length C/groups*H*W and the back Reshape's target are read at run time
+    m = group_norm(F, 8, 2, hw=("h", "w"))
+    for hw in ((5, 6), (3, 9)):
+        fused_parity(m, {}, {"x": (2, 8, *hw)}, ("rowreduce",))
+
+
+def test_view_of_a_view():
+    # [n, G, L] -> [n, C, H*W] (the affine there) -> [n, C, H, W]: an index followed through both by offset
+    fused_parity(group_norm(F, 8, 2, silu=False, view_of_view=True), {}, {"x": (2, 8, 5, 6)}, ("rowreduce",))
+
+
+def test_instance_norm_of_an_image_stays_with_ort():
+    m = model([node("InstanceNormalization", ["x", "s", "b"], ["y"]), node("Relu", ["y"], ["out"])],
+              [vi("x", F, [2, 3, 4, 5])], [vi("out", F, None)], [const("s", [1, 2, 3]), const("b", [0, 1, 0])])
+    g = build_graph(m, {})
+    p = plan(g, for_cc(90))
+    assert not any(g.nodes[i].op_type == "InstanceNormalization" for r in p.regions for i in r.nodes)
+    assert any("rank-4" in r.reason for r in p.rejects), [str(r) for r in p.rejects]
