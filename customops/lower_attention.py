@@ -218,8 +218,14 @@ class _AttnLowerer(_Lowerer):
         pv = g.nodes[p.pv]
         v_op = pv.input[1]
         qs, ks, vs, ss = (self._shape(t) for t in (q_op, kt_op, v_op, self.qk_node.output[0]))
-        if not all(len(s) == 4 for s in (qs, ks, vs, ss)):
-            raise LoweringError("attention operands are not [batch, heads, seq, head] tensors")
+        # [batch, heads, seq, head] operands, or [batch * heads, seq, head] ones (BLOOM's, DeBERTa's bmm): the
+        # kernel's heads axis is then 1 and its batch index the merged one
+        merged = all(len(s) == 3 for s in (qs, ks, vs, ss))
+        if not merged and not all(len(s) == 4 for s in (qs, ks, vs, ss)):
+            raise LoweringError("attention operands are not [batch, heads, seq, head] or [batch * heads, seq, "
+                                "head] tensors")
+        at = (lambda b, h, x, y: (b, x, y)) if merged else (lambda b, h, x, y: (b, h, x, y))  # noqa: E731
+        ss4 = (ss[0], 1, *ss[1:]) if merged else ss
         d, dv = qs[-1], vs[-1]
         if not (isinstance(d, int) and isinstance(dv, int)) or max(d, dv) > 128:
             raise LoweringError(f"head sizes {d}, {dv}: static sizes up to 128 are fused")
@@ -235,7 +241,7 @@ class _AttnLowerer(_Lowerer):
 
         def layout(t: str, src: str, transposed: bool):
             def build() -> Expr:
-                off, sc = self.back(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), src)
+                off, sc = self.back(t, at(vb, vh, vd, vs_) if transposed else at(vb, vh, vs_, vd), src)
                 scales.append(sc)
                 return off
             return build
@@ -244,7 +250,7 @@ class _AttnLowerer(_Lowerer):
         funcs = [self.func("Q.offset", params, layout(q_op, p.q, False)),
                  self.func("K.offset", params, layout(kt_op, p.k, True)),
                  self.func("V.offset", params, layout(v_op, p.v, False)),
-                 self.func("O.offset", params, lambda: self.forward((vb, vh, vs_, vd)))]
+                 self.func("O.offset", params, lambda: self.forward(at(vb, vh, vs_, vd)))]
         ropes = [f for op, r, tr in ((q_op, p.q_rope, False), (kt_op, p.k_rope, True)) if r is not None
                  for f in (self.rope(op, r, tr), self.rope_half(r, tr))]
         scale = scales[0] * scales[1] * scales[2]
@@ -253,13 +259,18 @@ class _AttnLowerer(_Lowerer):
         qk = Var("qk", F32)
         self.qk_value = ir.Op("mul", (qk, ir.Const(scale, F32)), F32) if scale != 1.0 else qk
         softmax_in = g.nodes[p.softmax].input[0]
-        funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), lambda: self.value(softmax_in, (vb, vh, vi, vj))))
+        sm_shape = self._shape(softmax_in)
+
+        def score() -> Expr:  # the Softmax input at the scores' element (b, h, i, j): through a batch regroup
+            idx = at(vb, vh, vi, vj)  # the same offset in both (search.attention._regroups_batch)
+            return self.value(softmax_in, idx if sm_shape == ss else self.reshape_index(idx, ss, sm_shape))
+        funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))
         funcs += ropes
 
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))
         block_m = MMA_BLOCK_M if mma else SIMT_BLOCK_M
-        terms = [self.encode(x) for x in ss]
-        dims = ir.Op("attn_dims", tuple(self.dim(x) for x in ss), I64)
+        terms = [self.encode(x) for x in ss4]
+        dims = ir.Op("attn_dims", tuple(self.dim(x) for x in ss4), I64)
         ptrs = tuple(Var(f"t{self.args[t]}", storage) for t in (p.q, p.k, p.v)) + (
             Var(f"t{self.out_args[p.output]}", storage),)
         targs = (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S")
@@ -277,7 +288,7 @@ class _AttnLowerer(_Lowerer):
         smem = mma_smem_bytes(d, dv) if mma else 0
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"attention tile needs {smem} bytes of shared memory")
-        split = key_split(self.tgt, d, dv, self.hint(ss[3])) if mma else 1
+        split = key_split(self.tgt, d, dv, self.hint(ss4[3])) if mma else 1
         return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem, split
 
     def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:

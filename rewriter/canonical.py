@@ -93,7 +93,7 @@ def _reshape_sources(g: Graph, t: str) -> list[str]:
     return out
 
 
-def _trusted_dim(d: str, trusted: frozenset[str]) -> bool:
+def trusted_dim(d: str, trusted: frozenset[str]) -> bool:
     """A symbolic dim every tensor inferred with it has at run time: a trusted graph-input dim
     (`iota.trusted_dims`) or an expression of such dims only (a KV cache's 'past + seq')."""
     names = dim_names(d, trusted)
@@ -103,7 +103,7 @@ def _trusted_dim(d: str, trusted: frozenset[str]) -> bool:
 def _static_expand_target(g: Graph, node: onnx.NodeProto, trusted: frozenset[str],
                           merged: frozenset[int]) -> Optional[list[int]]:
     """A constant Expand target giving the inferred output shape: 1 where the input has the output's dim
-    (a symbolic one only if every tensor with it has that size at run time: `_trusted_dim`), the output's
+    (a symbolic one only if every tensor with it has that size at run time: `trusted_dim`), the output's
     static dim where the input has 1 or no dim; None otherwise (Llama's repeat_kv: [B, KV, 1, S, D] to
     [B, KV, R, S, D] is [1, 1, R, 1, 1])."""
     src, out = g.tensors.get(node.input[0]), g.tensors.get(node.output[0])
@@ -113,7 +113,7 @@ def _static_expand_target(g: Graph, node: onnx.NodeProto, trusted: frozenset[str
     target: list[int] = []
     for k, d in enumerate(out.shape):
         s = src.shape[k - lead] if k >= lead else None
-        if s == d and (_trusted_dim(d, trusted) if isinstance(d, str) else d not in merged or d == 1):
+        if s == d and (trusted_dim(d, trusted) if isinstance(d, str) else d not in merged or d == 1):
             target.append(1)
         elif isinstance(d, int) and s in (None, 1):
             target.append(d)

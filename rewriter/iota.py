@@ -355,6 +355,26 @@ def input_ancestry(g: Graph) -> dict[str, frozenset[str]]:
     return anc
 
 
+def _one_dim_slice(g: Graph, node: onnx.NodeProto) -> Optional[int]:
+    """k where a Slice of a shape tensor selects its one entry k (constant starts and ends over axis 0, unit
+    step, e.g. torch's x.size(-2) as Slice(Shape(x), [-2], [-1])), else None."""
+    ins = list(node.input) + [""] * (5 - len(node.input))
+    vals = [g.constants.get(t) if t else None for t in ins[1:5]]
+    if vals[0] is None or vals[1] is None or (ins[3] and vals[2] is None) or (ins[4] and vals[3] is None):
+        return None
+    starts, ends = (np.asarray(v).reshape(-1) for v in vals[:2])
+    if starts.size != 1 or ends.size != 1 or (vals[2] is not None and np.asarray(vals[2]).reshape(-1).tolist() != [0]) \
+            or (vals[3] is not None and np.asarray(vals[3]).reshape(-1).tolist() != [1]):
+        return None
+    shape = g.tensors[node.input[0]].shape if node.input[0] in g.tensors else None
+    if not shape or not isinstance(shape[0], int):
+        return None
+    n = shape[0]
+    lo, hi = (int(v) + n if v < 0 else int(v) for v in (starts[0], ends[0]))
+    lo, hi = min(max(lo, 0), n), min(max(hi, 0), n)
+    return lo if hi - lo == 1 else None
+
+
 def trusted_dims(g: Graph) -> frozenset[str]:
     """Symbolic dims that are a graph input's declared dim and that shape inference merged with no other:
     every tensor inferred with such a dim has that input's size at run time."""
@@ -381,9 +401,16 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     count = 0
     shape_of: dict[str, str] = {}
     head: list[onnx.NodeProto] = []
+    def const_at(name: str, value: int, rank: int) -> str:
+        if name not in tensors:
+            m.graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.int64).reshape((1,) * rank), name))
+            tensors[name] = TensorInfo(name, onnx.TensorProto.INT64, (1,) * rank)
+        return name
+
     for i, node in enumerate(g.nodes):
-        src = _producer(g, node.input[0]) if node.op_type == "Gather" and node.input else None
-        k = const_int(g, node.input[1]) if src is not None else None
+        src = _producer(g, node.input[0]) if node.op_type in ("Gather", "Slice") and node.input else None
+        k = (const_int(g, node.input[1]) if node.op_type == "Gather" else _one_dim_slice(g, node)) \
+            if src is not None else None
         if src is None or src.op_type != "Shape" or src.attribute or k is None or src.input[0] in g.graph_inputs:
             continue
         dims = g.tensors[src.input[0]].shape if src.input[0] in g.tensors else None
@@ -394,11 +421,14 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             shape_of[x] = f"{x}__ortfuse_shape_of"
             tensors[shape_of[x]] = TensorInfo(shape_of[x], onnx.TensorProto.INT64, (len(g.tensors[x].shape),))
             head.append(onnx.helper.make_node("Shape", [x], [shape_of[x]], name=f"{x}/ortfuse_shape"))
+        if node.op_type == "Slice":  # Slice(shape, [axis], [axis + 1], [0]): the dim as a 1-element tensor
+            m.graph.node[i].input[0] = shape_of[x]
+            m.graph.node[i].input[1] = const_at(f"{shape_of[x]}_{axis}_1d", axis, 1)
+            m.graph.node[i].input[2] = const_at(f"{shape_of[x]}_{axis + 1}_1d", axis + 1, 1)
+            count += 1
+            continue
         rank = np.asarray(g.constants[node.input[1]]).ndim  # the index is a scalar or [k]: keep the output's rank
-        pos = f"{shape_of[x]}_{axis}" + ("_1d" if rank else "")
-        if pos not in tensors:
-            m.graph.initializer.append(numpy_helper.from_array(np.asarray(axis, np.int64).reshape((1,) * rank), pos))
-            tensors[pos] = TensorInfo(pos, onnx.TensorProto.INT64, (1,) * rank)
+        pos = const_at(f"{shape_of[x]}_{axis}" + ("_1d" if rank else ""), axis, rank)
         m.graph.node[i].input[0], m.graph.node[i].input[1] = shape_of[x], pos
         count += 1
     static: dict[int, str] = {}  # Range node -> its constant limit

@@ -129,10 +129,15 @@ def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
     out_path, output = _path_forward(g, g.nodes[pv].output[0])
     nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)  # paths may share a Split
     _check_shapes(g, qk, pv, nodes)
+    chain = {g.nodes[qk].output[0], *(g.nodes[p].output[0] for p in score_ops)}
     for p in score_ops:
-        if _shape(g, g.nodes[p].output[0]) != _shape(g, g.nodes[qk].output[0]):
-            _refuse(f"{g.node_label(p)} broadcasts the scores {_shape(g, g.nodes[qk].output[0])} "
-                    f"to {_shape(g, g.nodes[p].output[0])}")
+        n = g.nodes[p]
+        into = next(x for x in n.input if x in chain)
+        if n.op_type != "Reshape" and _shape(g, n.output[0]) != _shape(g, into):
+            _refuse(f"{g.node_label(p)} broadcasts the scores {_shape(g, into)} to {_shape(g, n.output[0])}")
+    if _shape(g, g.nodes[pv].input[0]) != _shape(g, g.nodes[qk].output[0]):
+        _refuse(f"the probabilities reach {g.node_label(pv)} as {_shape(g, g.nodes[pv].input[0])}, the scores "
+                f"are {_shape(g, g.nodes[qk].output[0])}")
     return AttentionPattern(qk, pv, sm, score_ops, prob_ops, q_path, k_path, v_path, out_path, q, k, v, output,
                             _extra_inputs(g, qk, score_ops), tuple(sorted(set(nodes))), q_rope, k_rope)
 
@@ -150,13 +155,25 @@ def _scores_back(g: Graph, sm: int) -> tuple[int, tuple[int, ...]]:
         _single_use(g, t, "scores")
         if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"):
             return p, tuple(reversed(ops))
-        if n.op_type not in ELEMENTWISE or n.domain not in ("", "ai.onnx"):
+        regroup = _regroups_batch(g, n)
+        if (n.op_type not in ELEMENTWISE and not regroup) or n.domain not in ("", "ai.onnx"):
             _refuse(f"the scores come from {g.node_label(p)}, not from a MatMul through element-wise ops")
         if len(ops) == MAX_SCORE_OPS:
             _refuse(f"more than {MAX_SCORE_OPS} element-wise ops between the MatMul and the Softmax")
         _check_score_op(g, p, t)
         ops.append(p)
-        t = _chain_input(g, p, MAX_SCORE_OPS - len(ops))
+        t = n.input[0] if regroup else _chain_input(g, p, MAX_SCORE_OPS - len(ops))
+
+
+def _regroups_batch(g: Graph, n: onnx.NodeProto) -> bool:
+    """A Reshape that only splits or merges the leading (batch and head) dims of scores or probabilities,
+    keeping the last two (queries, keys): BLOOM's and DeBERTa's [B*H, Sq, Sk] viewed as [B, H, Sq, Sk] around
+    the mask and back. Its target may be computed at run time (rebuilt from the region's dims)."""
+    if n.op_type != "Reshape" or n.domain not in ("", "ai.onnx"):
+        return False
+    src, out = (g.tensors[t].shape if t in g.tensors else None for t in (n.input[0], n.output[0]))
+    return src is not None and out is not None and len(src) >= 3 and len(out) >= 3 and \
+        tuple(src[-2:]) == tuple(out[-2:]) and None not in src and None not in out
 
 
 def _chain_input(g: Graph, p: int, depth: int) -> str:
@@ -180,6 +197,8 @@ def _reaches_matmul(g: Graph, t: str, depth: int) -> bool:
     n = g.nodes[p]
     if n.op_type == "MatMul":
         return True
+    if depth > 0 and _regroups_batch(g, n):
+        return _reaches_matmul(g, n.input[0], depth - 1)
     return depth > 0 and n.op_type in ELEMENTWISE and any(
         _reaches_matmul(g, x, depth - 1) for x in n.input if x and x not in g.constants)
 
@@ -195,7 +214,7 @@ def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, .
     chain = {g.nodes[qk].output[0], *(g.nodes[p].output[0] for p in score_ops)}
     extra: dict[str, None] = {}
     for p in score_ops:
-        for x in g.nodes[p].input:
+        for x in g.nodes[p].input[:1] if g.nodes[p].op_type == "Reshape" else g.nodes[p].input:
             if x and x not in chain and not _scalar_const(g, x):
                 extra[x] = None
     return tuple(extra)
@@ -220,7 +239,8 @@ def _probs_forward(g: Graph, sm: int) -> tuple[tuple[int, ...], int]:
             if n.input[0] != t or n.input[1] == t:
                 _refuse(f"probabilities are not the left operand of {g.node_label(c)}")
             return tuple(ops), c
-        if n.op_type not in PROB_OPS or n.domain not in ("", "ai.onnx") or len(ops) == MAX_SCORE_OPS:
+        if (n.op_type not in PROB_OPS and not _regroups_batch(g, n)) or n.domain not in ("", "ai.onnx") \
+                or len(ops) == MAX_SCORE_OPS:
             _refuse(f"probabilities feed {g.node_label(c)}, not a MatMul with V")
         if g.info(n.output[0]).dtype not in FLOAT_TYPES:
             _refuse(f"{g.node_label(c)} casts the probabilities to a non-float type")

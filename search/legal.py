@@ -442,13 +442,14 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
     (a Reshape's as its output's dims, 0 and -1 resolved). None when a
     dim is no input's, or one shape inference may have merged (`iota.trusted_dims`)."""
     from ortfuse.rewriter import iota
+    from ortfuse.rewriter.canonical import trusted_dim
 
     trusted = iota.trusted_dims(g)  # a dim shape inference merged in a broadcast may differ between inputs
 
     def part(d: Dim) -> Optional[tuple[int, int]]:
         if isinstance(d, int):
             return (-1, d)
-        if d not in trusted:
+        if not trusted_dim(d, trusted):  # a trusted input dim, or arithmetic on such dims ('4*batch')
             return None
         return next(((k, a) for k, t in enumerate(inputs) for a, e in enumerate(g.tensors[t].shape or ())
                      if e == d), None)

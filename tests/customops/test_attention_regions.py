@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import fused_parity, gqa_attention, nan_guarded, packed_attention
+from helpers import fused_parity, gqa_attention, merged_heads_attention, nan_guarded, packed_attention
 
 
 @pytest.mark.parametrize("select", ["split", "slice"])
@@ -184,3 +184,14 @@ def test_nan_guard_of_scaled_dot_product_attention(dt, masked):
     m, hd = nan_guarded(dt, masked)
     res = fused_parity(m, {"x": (2, 37, hd)}, {"x": (2, 37, hd)}, ["attention"])
     assert {"IsNaN", "Where"} <= {res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes}
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mask", ["add", "where"])
+def test_batch_and_heads_merged(dt, mask):
+    # BLOOM's and DeBERTa's bmm attention: [n*H, s, d] operands, the scores viewed as [n, H, s, s] for the mask
+    # and back (Reshapes with run-time targets in the score chain), a per-row bias over the merged axis
+    m = merged_heads_attention(dt, mask=mask)
+    for n, s in ((2, 7), (1, 19)):
+        shapes = {x: (n, s, 4, 16) for x in ("q", "k", "v")} | {"bias": (n, 4, 1, s), "mask": (n, 1, s, s)}
+        fused_parity(m, {}, shapes, ("attention",))

@@ -11,8 +11,8 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
-from ortfuse.rewriter.canonical import (_static_target, _trusted_dim, bypass_noop_expands, fold_constant_identities,
-                                       fold_conv_pads, fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.canonical import (_static_target, bypass_noop_expands, fold_constant_identities, fold_conv_pads,
+                                       fold_runtime_shapes, fold_small_values, trusted_dim, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
 
@@ -408,11 +408,11 @@ def test_repeat_kv_expand_targets_become_constants_and_symbolic_broadcasts_stay(
     assert fold_runtime_shapes(build_graph(m2, {}))[1] == 0
 
 
-def test_an_expression_of_trusted_dims_is_trusted():
+def test_an_expression_oftrusted_dims_is_trusted():
     # a KV cache's concatenation has 'past + seq' keys: known at run time exactly when past and seq are
     trusted = frozenset({"batch", "past", "seq"})
-    assert _trusted_dim("past + seq", trusted) and _trusted_dim("floor(seq/2)", trusted) and _trusted_dim("seq", trusted)
-    assert not _trusted_dim("past + unk__3", trusted) and not _trusted_dim("total", trusted)
+    assert trusted_dim("past + seq", trusted) and trusted_dim("floor(seq/2)", trusted) and trusted_dim("seq", trusted)
+    assert not trusted_dim("past + unk__3", trusted) and not trusted_dim("total", trusted)
 
 
 def test_a_target_with_one_entry_computed_at_run_time_gets_minus_one_there():

@@ -166,6 +166,21 @@ def test_isolate_iotas_reads_dims_from_inputs_and_copies_shared_iotas():
     assert isolate_iotas(g2)[1] == 0  # nothing left to do
 
 
+@pytest.mark.parametrize("ends", [[-1], [2**63 - 1]], ids=["next", "past-the-end"])
+def test_isolate_iotas_reads_a_sliced_dim_from_the_input(ends):
+    # torch's x.size(-2) / x.size(-1) as Slice(Shape(h), [k], [k + 1 or past the end]): read from x, so the
+    # intermediate h is not kept just for its shape (DeBERTa's attention views its scores so)
+    start = [-2] if ends == [-1] else [-1]
+    nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"]),
+             node("Slice", ["shp", "st", "en", "ax"], ["d1"]), node("Concat", ["d1", "d1"], ["tgt"], axis=0),
+             node("Reshape", ["h", "tgt"], ["y"])]
+    inits = [const("st", start, np.int64), const("en", ends, np.int64), const("ax", [0], np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["S", "S"])], [vi("y", TP.FLOAT, None)], inits)
+    g2, n = isolate_iotas(build_graph(m, {}))
+    assert n == 1 and [x.input[0] for x in g2.nodes if x.op_type == "Shape"] == ["x"]
+    _same_on_ort(m, g2, {"x": np.random.default_rng(0).standard_normal((5, 5)).astype(np.float32)})
+
+
 def test_isolate_iotas_makes_static_limits_constant():
     nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"]), node("Gather", ["shp", "i2"], ["n4"], axis=0),
              node("Range", ["r0", "n4", "r1"], ["pos"]), node("Cast", ["pos"], ["pf"], to=TP.FLOAT),

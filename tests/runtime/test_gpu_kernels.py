@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention, mix_ffn, model,
-                     nan_guarded, node, resized, rope_attention, rope_shapes, vi)
+from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention,
+                     merged_heads_attention, mix_ffn, model, nan_guarded, node, resized, rope_attention, rope_shapes, vi)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -239,6 +239,19 @@ def test_group_norm_on_gpu(dt):
     assert [r.kind for r in res.plan.regions] == ["rowreduce"]
     for shape in ((1, 320, 64, 64), (2, 320, 17, 9)):
         rep = check_models(m, res.model, provider="cuda", input_shapes={"x": shape})
+        assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
+@pytest.mark.parametrize("mask", ["add", "where"])
+def test_batch_and_heads_merged_attention_on_gpu(dt, mask):
+    # BLOOM's and DeBERTa's bmm attention ([n*H, s, d], scores viewed as [n, H, s, s] around the mask)
+    m = merged_heads_attention(dt, heads=12, head=64, mask=mask)
+    res = compile_model(m, None, "sm_90")
+    assert "attention" in [r.kind for r in res.plan.regions]
+    for n, s in ((1, 128), (4, 77)):
+        shapes = {x: (n, s, 12, 64) for x in ("q", "k", "v")} | {"bias": (n, 12, 1, s), "mask": (n, 1, s, s)}
+        rep = check_models(m, res.model, provider="cuda", input_shapes=shapes)
         assert rep.ok, "\n".join(rep.lines())
 
 

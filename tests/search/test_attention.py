@@ -189,6 +189,30 @@ def test_non_elementwise_op_in_the_score_chain():
     assert "Transpose" in _reason(g) and "element-wise" in _reason(g)
 
 
+def test_batch_regroup_in_the_score_chain_joins_the_pattern():
+    # [2, H, 37, 37] scores viewed as [2*H, 37, 37] around a bias and back: only the leading dims regroup
+    g = _core([node("Reshape", ["s0", "m3"], ["s1"]), node("Add", ["s1", "bias"], ["s2"]),
+               node("Reshape", ["s2", "m4"], ["s3"])], "s3", [vi("bias", F, [2 * H, 1, 37])],
+              [const("m3", [2 * H, 37, 37], np.int64), const("m4", [2, H, 37, 37], np.int64)])
+    p = _one(g)
+    assert _ops(g, p.score_ops) == ["Reshape", "Add", "Reshape"] and p.extra_inputs == ("bias",)
+
+
+def test_reshape_of_the_query_or_key_axis_in_the_score_chain():
+    g = _core([node("Reshape", ["s0", "m3"], ["s1"]), node("Reshape", ["s1", "m4"], ["s2"])], "s2", (),
+              [const("m3", [2, H * 37, 37], np.int64), const("m4", [2, H, 37, 37], np.int64)])
+    assert "Reshape" in _reason(g) and "element-wise" in _reason(g)
+
+
+def test_probabilities_regrouped_otherwise_than_the_scores():
+    # the probabilities reach the MatMul with V merged ([2*H, 37, 37]) while the scores are [2, H, 37, 37]
+    nodes = [node("MatMul", ["q", "kt"], ["s0"]), node("Softmax", ["s0"], ["p"], axis=-1),
+             node("Reshape", ["p", "m3"], ["p3"]), node("MatMul", ["p3", "v"], ["y"])]
+    g = _graph(nodes, [vi("q", F, [2, H, 37, D]), vi("kt", F, [2, H, D, 37]), vi("v", F, [2 * H, 37, D])],
+               [vi("y", F, None)], [const("m3", [2 * H, 37, 37], np.int64)])
+    assert "the probabilities reach" in _reason(g)
+
+
 def test_scores_combining_two_matmuls():
     g = _core([node("MatMul", ["q", "r"], ["s1"]), node("Add", ["s0", "s1"], ["s2"])], "s2",
               [vi("r", F, [2, H, D, 37])])
