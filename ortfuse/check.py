@@ -289,6 +289,11 @@ def _op_by_op(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: S
     return [np.asarray(got[o]) for o in outputs]
 
 
+def _casts_to_half(body: onnx.FunctionProto) -> bool:
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return any(n.op_type == "Cast" and any(a.name == "to" and a.i in half for a in n.attribute) for n in body.node)
+
+
 def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
                   tol32: Optional[float] = None, floors: Mapping[str, float] = {},
                   body: Optional[onnx.FunctionProto] = None) -> tuple[Diff, ...]:
@@ -317,9 +322,10 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
                                                  launch.smem, cluster, launch.arg_align, tma=launch.tma)
     diffs = [compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))
              for t, o in zip(node.output, outs)]
-    if body is not None and any(_is_half(a) for a in inputs):
-        # a discrete result (an integer or bool) of a half-precision chain: the kernel rounds op by op as the
-        # CUDA EP does, ORT's CPU EP computes the chain in fp32; equal to the op-by-op reference, it passes
+    if body is not None and (any(_is_half(a) for a in inputs) or _casts_to_half(body)):
+        # a discrete result (an integer or bool) of a half-precision chain (from half inputs, or from integers
+        # cast to half: T5's relative position buckets): the kernel rounds op by op as the CUDA EP does, ORT's
+        # CPU EP computes the chain in fp32; equal to the op-by-op reference, it passes
         discrete = [i for i, (d, o) in enumerate(zip(diffs, outs)) if not d.ok and o.dtype.kind in "biu"]
         try:
             refs = _op_by_op(body, inputs, [body.output[i] for i in discrete]) if discrete else []
@@ -327,8 +333,9 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
             refs = []
         for i, r in zip(discrete, refs):
             d = compare(node.output[i], outs[i], r.astype(outs[i].dtype))
+            n = int(np.count_nonzero(outs[i] != values[node.output[i]]))
             diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs op-by-op half precision; ORT's CPU EP, in fp32, "
-                                                   f"differs in {diffs[i].max_abs:.0f} elements)")
+                                                   f"differs in {n} elements, by up to {diffs[i].max_abs:.0f})")
     half = [i for i, (d, o) in enumerate(zip(diffs, outs)) if not d.ok and _is_half(o)]
     if half and body is not None:
         # ORT CPU rounds every fp16 intermediate (a variance as E[x^2] - E[x]^2 loses digits that way); the

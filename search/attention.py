@@ -90,9 +90,13 @@ def find_attention(g: Graph) -> tuple[tuple[AttentionPattern, ...], tuple[Reject
         if n.op_type != "Softmax" or n.domain not in ("", "ai.onnx"):
             continue
         try:
-            pat = _match(g, i, select=True)
+            select = True
+            pat = _match(g, i, select, runtime=True)
             if _leaking_selects(g, pat):  # e.g. K and V also returned as a KV cache: stop at the Split
-                pat = _match(g, i, select=False)
+                select = False
+                pat = _match(g, i, select, runtime=True)
+            if not _targets_rebuilt(g, pat):  # stop at Reshapes whose run-time targets cannot be rebuilt
+                pat = _match(g, i, select, runtime=False)
             found.append(pat)
         except _NoMatch as e:
             rejects.append(Reject(g.node_label(i), str(e)))
@@ -102,6 +106,14 @@ def find_attention(g: Graph) -> tuple[tuple[AttentionPattern, ...], tuple[Reject
 def absorbed_selects(g: Graph) -> set[str]:
     """Names of the Split/Slice nodes that an attention pattern reads through (they cost no kernel)."""
     return {g.nodes[i].name for p in find_attention(g)[0] for i in p.nodes if g.nodes[i].op_type in SELECT_OPS}
+
+
+def _targets_rebuilt(g: Graph, pat: AttentionPattern) -> bool:
+    """Whether the run-time shapes the pattern's Reshapes read are made of its inputs' dims
+    (`legal.shape_reads`), so the fused node's function can rebuild them."""
+    from ortfuse.search import legal
+    inputs, _ = legal.region_io(g, set(pat.nodes))
+    return legal.shape_reads(g, pat.nodes, inputs) is not None
 
 
 def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
@@ -116,17 +128,17 @@ def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
     return False
 
 
-def _match(g: Graph, sm: int, select: bool) -> AttentionPattern:
+def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionPattern:
     scores = _shape(g, g.nodes[sm].input[0])
     axis = attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
     if len(scores) < 2 or not -len(scores) <= axis < len(scores) or axis % len(scores) != len(scores) - 1:
         _refuse(f"Softmax over axis {axis} of a rank-{len(scores)} tensor, not the last axis")
     qk, score_ops = _scores_back(g, sm)
     prob_ops, pv = _probs_forward(g, sm)
-    q_path, q, q_rope = _rotated_path_back(g, g.nodes[qk].input[0], qk, select)
-    k_path, k, k_rope = _rotated_path_back(g, g.nodes[qk].input[1], qk, select)
-    v_path, v = _path_back(g, g.nodes[pv].input[1], pv, select)
-    out_path, output = _path_forward(g, g.nodes[pv].output[0])
+    q_path, q, q_rope = _rotated_path_back(g, g.nodes[qk].input[0], qk, select, runtime)
+    k_path, k, k_rope = _rotated_path_back(g, g.nodes[qk].input[1], qk, select, runtime)
+    v_path, v = _path_back(g, g.nodes[pv].input[1], pv, select, runtime)
+    out_path, output = _path_forward(g, g.nodes[pv].output[0], runtime)
     nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)  # paths may share a Split
     _check_shapes(g, qk, pv, nodes)
     chain = {g.nodes[qk].output[0], *(g.nodes[p].output[0] for p in score_ops)}
@@ -270,15 +282,16 @@ def _nan_guard(g: Graph, t: str) -> tuple[int, int] | None:
 
 # ---- layout paths -----------------------------------------------------------------------------------------
 
-def _rotated_path_back(g: Graph, t: str, user: int, select: bool) -> tuple[tuple[int, ...], str, Rope | None]:
+def _rotated_path_back(g: Graph, t: str, user: int, select: bool,
+                       runtime: bool = False) -> tuple[tuple[int, ...], str, Rope | None]:
     """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one."""
-    path, src = _path_back(g, t, user, select)
+    path, src = _path_back(g, t, user, select, runtime)
     users = {path[0]} if path else {user}
     rope = _rope_at(g, src, users) or _partial_rope_at(g, src, users)
     if rope is None:
         return path, src, None
     x_users = {c for c in g.consumers.get(rope.x, ())}
-    before, src = _path_back(g, rope.x, x_users, select)
+    before, src = _path_back(g, rope.x, x_users, select, runtime)
     return before + tuple(sorted(rope.nodes)) + path, src, rope
 
 
@@ -374,15 +387,17 @@ def _computed_from(g: Graph, t: str, x: str, depth: int = 8) -> bool:
     return depth > 0 and p is not None and any(_computed_from(g, i, x, depth - 1) for i in g.nodes[p].input if i)
 
 
-def _path_back(g: Graph, t: str, user: int | set[int], select: bool) -> tuple[tuple[int, ...], str]:
+def _path_back(g: Graph, t: str, user: int | set[int], select: bool,
+               runtime: bool = False) -> tuple[tuple[int, ...], str]:
     """Nodes from the path's input to `t` (consumed by `user`, or by exactly the nodes of a set), and that
     input. The walk stops before a tensor used anywhere else, and at the first node that is not a foldable
-    layout op, scalar scale or (when `select`) Split/Slice."""
+    layout op, scalar scale or (when `select`) Split/Slice; (unless `runtime`) at a Reshape whose target is
+    computed at run time."""
     path: list[int] = []
     users = user if isinstance(user, set) else {user}
     while t not in g.graph_outputs and set(g.consumers.get(t, ())) == users:
         p = g.producer.get(t)
-        src = None if p is None else _path_source(g, p, scale_ok=True, select_ok=select)
+        src = None if p is None else _path_source(g, p, scale_ok=True, select_ok=select, runtime_ok=runtime)
         if src is None:
             break
         path.append(p)
@@ -390,24 +405,26 @@ def _path_back(g: Graph, t: str, user: int | set[int], select: bool) -> tuple[tu
     return tuple(reversed(path)), t
 
 
-def _path_forward(g: Graph, t: str) -> tuple[tuple[int, ...], str]:
+def _path_forward(g: Graph, t: str, runtime: bool = False) -> tuple[tuple[int, ...], str]:
     path: list[int] = []
     while t not in g.graph_outputs:
         users = set(g.consumers.get(t, ()))
         if len(users) != 1:
             break
         c = next(iter(users))
-        if _path_source(g, c, scale_ok=False) != t:
+        if _path_source(g, c, scale_ok=False, runtime_ok=runtime) != t:
             break
         path.append(c)
         t = g.nodes[c].output[0]
     return tuple(path), t
 
 
-def _path_source(g: Graph, p: int, scale_ok: bool, select_ok: bool = False) -> str | None:
+def _path_source(g: Graph, p: int, scale_ok: bool, select_ok: bool = False, runtime_ok: bool = False) -> str | None:
     """The data input of node `p` if it may sit on a path: a layout op whose shape/axes/perm are
-    constants, (when `scale_ok`) a Mul/Div by a scalar constant (the 1/sqrt(d) scale applied to Q or K),
-    or (when `select_ok`) a Split or unit-step Slice whose starts `select_start` can compute."""
+    constants (or, when `runtime_ok`, a Reshape whose target is computed at run time and whose shapes are
+    inferred: the fused node rebuilds it, `_targets_rebuilt`), (when `scale_ok`) a Mul/Div by a scalar
+    constant (the 1/sqrt(d) scale applied to Q or K), or (when `select_ok`) a Split or unit-step Slice whose
+    starts `select_start` can compute."""
     n = g.nodes[p]
     if n.domain not in ("", "ai.onnx"):
         return None
@@ -423,11 +440,12 @@ def _path_source(g: Graph, p: int, scale_ok: bool, select_ok: bool = False) -> s
     if len(n.output) != 1:
         return None
     if n.op_type in LAYOUT_OPS:
-        if any(x and x not in g.constants for x in n.input[1:]):
-            return None  # a shape or axes computed at run time
-        src, out = g.info(n.input[0]).shape, g.info(n.output[0]).shape
+        src, out = (g.tensors[t].shape if t in g.tensors else None for t in (n.input[0], n.output[0]))
         if src is None or out is None:
             return None
+        if any(x and x not in g.constants for x in n.input[1:]) and not (
+                runtime_ok and n.op_type == "Reshape" and None not in src and None not in out):
+            return None  # a shape or axes computed at run time
         if n.op_type == "Expand" and (len(src) > len(out) or any(
                 s not in (1, d) for s, d in zip(src, out[len(out) - len(src):]))):
             return None  # not a broadcast of its input to the inferred shape

@@ -285,18 +285,21 @@ _DEVICE_ONLY = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}) 
 def host_tensors(g: Graph) -> frozenset[str]:
     """Tensors ORT's CUDA EP computes in host memory: Shape/Size outputs and what nodes derive from them alone.
     ORT (framework/fallback_cpu_capability.cc) places a node that reads such a tensor on the CPU when every
-    other input is a small constant or a graph input and none is fp16/bf16. Over-approximated: inputs that
-    a CUDA kernel itself reads on the host (Reshape's shape, ...) would keep some of these nodes on the GPU."""
+    other input is a small constant or a graph input and none is fp16/bf16, unless the node's CUDA kernel reads
+    that host tensor on the host itself (Reshape's shape, Slice's starts, ...: `ops.META_INPUTS`), which keeps
+    it on the GPU."""
     host: set[str] = set()
     for n in g.nodes:
         if n.op_type in ("Shape", "Size") and n.domain in ("", "ai.onnx"):
             host.update(o for o in n.output if o)
-        elif _host_placed(g, [t for t in n.input if t], host):
+        elif _host_placed(g, [t for t in n.input if t], host,
+                          set(ops.meta_inputs(n)) if n.domain in ("", "ai.onnx") else set()):
             host.update(o for o in n.output if o)
     return frozenset(host)
 
 
-def _host_placed(g: Graph, inputs: list[str], host: set[str] | frozenset[str]) -> bool:
+def _host_placed(g: Graph, inputs: list[str], host: set[str] | frozenset[str], on_host: set[str] = frozenset()) -> bool:
+    """ORT's walk for one node (inputs `on_host`: what its kernel reads from host memory by definition)."""
     if not any(t in host for t in inputs):
         return False  # not reached by ORT's walk from host tensors
     for t in inputs:
@@ -304,7 +307,9 @@ def _host_placed(g: Graph, inputs: list[str], host: set[str] | frozenset[str]) -
         if info is not None and info.dtype in _DEVICE_ONLY:
             return False
         const = g.constants.get(t)
-        if t not in host and t not in g.graph_inputs and (const is None or const.size > SMALL_CONSTANT):
+        if t in g.graph_inputs or (const is not None and const.size <= SMALL_CONSTANT):
+            continue
+        if t not in host or t in on_host:
             return False
     return True
 
@@ -479,6 +484,8 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
             if target not in g.constants and target not in out:
                 dims = g.tensors[n.output[0]].shape or ()
                 parts = [part(d) for d in dims]
+                if sum(p is None for p in parts) == 1:  # one dim no input has ('12*batch'): -1, the rest fix it
+                    parts = [(-1, -1) if p is None else p for p in parts]
                 readers = [c for c in g.consumers.get(target, ()) if c in members]
                 if any(p is None for p in parts) or any(g.nodes[c].op_type != "Reshape" or g.nodes[c].input[1] != target
                                                         or g.tensors[g.nodes[c].output[0]].shape != dims for c in readers):
