@@ -114,6 +114,16 @@ class _AttnLowerer(_Lowerer):
         self.ropes = {r.out: r for r in (self.p.q_rope, self.p.k_rope) if r is not None}
         # while a rope callback is printed: (x, d at the rotation's coordinates, x at d, x at the partner column)
         self.rope_sub: tuple[str, Expr, Var, Var] | None = None
+        # merged operands ([B*H, S, D]): (the merged index b * H + h, b, h, (B, H)), so a Reshape from the
+        # [B, H, S, D] tensor they view passes b and h through instead of dividing the merged index again
+        self.merged_heads: tuple[Expr, Var, Var, tuple] | None = None
+
+    def reshape_index(self, idx: tuple[Expr, ...], out: tuple, inp: tuple) -> tuple[Expr, ...]:
+        m = self.merged_heads
+        if m is not None and idx and idx[0] == m[0] and len(inp) == len(out) + 1 and tuple(inp[:2]) == m[3] \
+                and tuple(inp[2:]) == tuple(out[1:]):
+            return (m[1], m[2], *idx[1:])
+        return super().reshape_index(idx, out, inp)
 
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
         if self.rope_sub is not None and t == self.rope_sub[0]:
@@ -219,13 +229,25 @@ class _AttnLowerer(_Lowerer):
         v_op = pv.input[1]
         qs, ks, vs, ss = (self._shape(t) for t in (q_op, kt_op, v_op, self.qk_node.output[0]))
         # [batch, heads, seq, head] operands, or [batch * heads, seq, head] ones (BLOOM's, DeBERTa's bmm): the
-        # kernel's heads axis is then 1 and its batch index the merged one
+        # kernel's (batch, heads) are then those of the scores' [batch, heads, seq, seq] view around the mask,
+        # the operands read at batch * heads + head; without such a view, the merged index with one head
         merged = all(len(s) == 3 for s in (qs, ks, vs, ss))
         if not merged and not all(len(s) == 4 for s in (qs, ks, vs, ss)):
             raise LoweringError("attention operands are not [batch, heads, seq, head] or [batch * heads, seq, "
                                 "head] tensors")
-        at = (lambda b, h, x, y: (b, x, y)) if merged else (lambda b, h, x, y: (b, h, x, y))  # noqa: E731
-        ss4 = (ss[0], 1, *ss[1:]) if merged else ss
+        vb, vh, vs_, vd = (Var(n, I64) for n in ("ab", "ah", "as", "ad"))
+        softmax_in = g.nodes[p.softmax].input[0]
+        sm_shape = self._shape(softmax_in)
+        viewed = merged and len(sm_shape) == 4 and tuple(sm_shape[-2:]) == tuple(ss[-2:])
+        if viewed:
+            heads = self.dim(sm_shape[1])
+            bh = ir.add(ir.mul(vb, heads), vh)
+            self.merged_heads = (bh, vb, vh, tuple(sm_shape[:2]))
+            at = lambda b, h, x, y: (bh, x, y)  # noqa: E731
+            ss4 = tuple(sm_shape)
+        else:
+            at = (lambda b, h, x, y: (b, x, y)) if merged else (lambda b, h, x, y: (b, h, x, y))  # noqa: E731
+            ss4 = (ss[0], 1, *ss[1:]) if merged else ss
         d, dv = qs[-1], vs[-1]
         if not (isinstance(d, int) and isinstance(dv, int)) or max(d, dv) > 128:
             raise LoweringError(f"head sizes {d}, {dv}: static sizes up to 128 are fused")
@@ -235,7 +257,6 @@ class _AttnLowerer(_Lowerer):
         if storage not in C_ELEM:
             raise LoweringError(f"{storage} attention is left to ORT")
 
-        vb, vh, vs_, vd = (Var(n, I64) for n in ("ab", "ah", "as", "ad"))
         vi, vj = Var("ai", I64), Var("aj", I64)
         scales = []
 
@@ -258,10 +279,9 @@ class _AttnLowerer(_Lowerer):
             raise LoweringError("a scale on the V path")
         qk = Var("qk", F32)
         self.qk_value = ir.Op("mul", (qk, ir.Const(scale, F32)), F32) if scale != 1.0 else qk
-        softmax_in = g.nodes[p.softmax].input[0]
-        sm_shape = self._shape(softmax_in)
-
         def score() -> Expr:  # the Softmax input at the scores' element (b, h, i, j): through a batch regroup
+            if viewed:  # the kernel's index is the view's
+                return self.value(softmax_in, (vb, vh, vi, vj))
             idx = at(vb, vh, vi, vj)  # the same offset in both (search.attention._regroups_batch)
             return self.value(softmax_in, idx if sm_shape == ss else self.reshape_index(idx, ss, sm_shape))
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))

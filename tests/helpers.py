@@ -388,10 +388,10 @@ def resized(mode: str, ctm: str, nearest: str, dt: int, scales=None, sizes=None,
 def merged_heads_attention(dt, heads: int = 4, head: int = 16, mask: str = "add"):
     """Attention over batch and heads merged, as BLOOM's and DeBERTa's exports compute it: q, k, v [n, s, H, d]
     transposed to heads-major and reshaped to [n*H, s, d] (targets computed at run time from Shape(q)), bmm
-    scores scaled, a per-row bias
-    [n*H, 1, s] (BLOOM's ALiBi) added, viewed as [n, H, s, s] for the mask ("add": an additive [n, 1, s, s];
-    "where": DeBERTa's masked_fill, Where(bool mask, lowest, scores)), Softmax, viewed back, bmm with V, and
-    the result viewed as [n, H, s, d]."""
+    scores scaled, viewed as [n, H, s, s] for the mask, Softmax, viewed back, bmm with V, and the result viewed
+    as [n, H, s, d]. mask "add" (BLOOM's): a per-row ALiBi bias [n*H, 1, s] added before the view, then an
+    additive [n, 1, s, s] mask; "where" (DeBERTa's masked_fill): Where(bool mask, lowest, scores), and no
+    input has the merged dim n*H (the rebuilt targets take -1 there)."""
     npdt = helper.tensor_dtype_to_np_dtype(dt)
     i64 = np.int64
     nodes = [node("Transpose", [x], [x + "h"], perm=[0, 2, 1, 3]) for x in ("q", "k", "v")]
@@ -399,23 +399,22 @@ def merged_heads_attention(dt, heads: int = 4, head: int = 16, mask: str = "add"
               node("Mul", ["n1", "hh"], ["nh"]), node("Concat", ["nh", "s1", "dd"], ["t3"], axis=0),
               node("Reshape", ["qh", "t3"], ["q3"]), node("Reshape", ["kh", "t3"], ["k3"]),
               node("Reshape", ["vh", "t3"], ["v3"]), node("Transpose", ["k3"], ["kt"], perm=[0, 2, 1]),
-             node("Shape", ["bias"], ["sb"]), node("Gather", ["sb", "i3"], ["sb3"]),
-             node("Concat", ["m1", "one", "sb3"], ["tb"], axis=0), node("Reshape", ["bias", "tb"], ["bias3"]),
-             node("MatMul", ["q3", "kt"], ["sc"]), node("Mul", ["sc", "scale"], ["ss"]),
-             node("Add", ["ss", "bias3"], ["sa"]), node("Concat", ["n1", "hh", "s1", "s1"], ["t4"], axis=0),
-             node("Reshape", ["sa", "t4"], ["s4"])]
+              node("MatMul", ["q3", "kt"], ["sc"]), node("Mul", ["sc", "scale"], ["ss"]),
+              node("Concat", ["n1", "hh", "s1", "s1"], ["t4"], axis=0)]
+    inputs = [vi(x, dt, ["n", "s", heads, head]) for x in ("q", "k", "v")]
     if mask == "add":
-        nodes += [node("Add", ["s4", "mask"], ["sm_in"])]
-        mask_vi = vi("mask", dt, ["n", 1, "s", "s"])
+        nodes += [node("Shape", ["bias"], ["sb"]), node("Gather", ["sb", "i3"], ["sb3"]),
+                  node("Concat", ["m1", "one", "sb3"], ["tb"], axis=0), node("Reshape", ["bias", "tb"], ["bias3"]),
+                  node("Add", ["ss", "bias3"], ["sa"]), node("Reshape", ["sa", "t4"], ["s4"]),
+                  node("Add", ["s4", "mask"], ["sm_in"])]
+        inputs += [vi("bias", dt, ["n", heads, 1, "s"]), vi("mask", dt, ["n", 1, "s", "s"])]
     else:
-        nodes += [node("Where", ["mask", "lowest", "s4"], ["sm_in"])]
-        mask_vi = vi("mask", onnx.TensorProto.BOOL, ["n", 1, "s", "s"])
+        nodes += [node("Reshape", ["ss", "t4"], ["s4"]), node("Where", ["mask", "lowest", "s4"], ["sm_in"])]
+        inputs += [vi("mask", onnx.TensorProto.BOOL, ["n", 1, "s", "s"])]
     nodes += [node("Softmax", ["sm_in"], ["p4"], axis=-1), node("Concat", ["nh", "s1", "s1"], ["tp"], axis=0),
               node("Reshape", ["p4", "tp"], ["p3"]), node("MatMul", ["p3", "v3"], ["o3"]),
               node("Concat", ["n1", "hh", "s1", "dd"], ["to"], axis=0), node("Reshape", ["o3", "to"], ["out"])]
     inits = [const("i0", [0], i64), const("i2", [2], i64), const("i3", [3], i64), const("hh", [heads], i64),
              const("dd", [head], i64), const("m1", [-1], i64), const("one", [1], i64),
              const("scale", 1 / np.sqrt(head), npdt), const("lowest", np.finfo(npdt).min, npdt)]
-    inputs = [vi(x, dt, ["n", "s", heads, head]) for x in ("q", "k", "v")] + [
-        vi("bias", dt, ["n", heads, 1, "s"]), mask_vi]
     return model(nodes, inputs, [vi("out", dt, None)], inits)

@@ -193,5 +193,10 @@ def test_batch_and_heads_merged(dt, mask):
     # and back (Reshapes with run-time targets in the score chain), a per-row bias over the merged axis
     m = merged_heads_attention(dt, mask=mask)
     for n, s in ((2, 7), (1, 19)):
-        shapes = {x: (n, s, 4, 16) for x in ("q", "k", "v")} | {"bias": (n, 4, 1, s), "mask": (n, 1, s, s)}
-        fused_parity(m, {}, shapes, ("attention",))
+        shapes = {x: (n, s, 4, 16) for x in ("q", "k", "v")} | {"mask": (n, 1, s, s)}
+        res = fused_parity(m, {}, shapes | ({"bias": (n, 4, 1, s)} if mask == "add" else {}), ("attention",))
+    # Q, K and V read where they are (the Transposes and the run-time Reshapes on their paths folded in); the
+    # targets rebuilt from the inputs' dims, the merged n*H as -1 where no input has it
+    assert not [x for x in res.model.graph.node if x.op_type == "Transpose"]
+    reads = dict(res.kernels[0].spec.shape_reads)
+    assert (mask == "where") == ((-1, -1) in reads["t3"])

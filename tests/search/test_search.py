@@ -371,3 +371,20 @@ def test_few_long_rows_are_priced_by_the_blocks_that_stream_them():
     # one group (PoolFormer's) of 200,704 fp32 elements per image at batch 2: two blocks; left to ORT
     g, p = _plan(group_norm(F, 64, 1, hw=(56, 56), silu=False), {"x": (2, 64, 56, 56)})
     assert not p.regions and any("estimated at" in r.reason for r in p.refusals), [str(r) for r in p.refusals]
+
+
+def test_a_host_tensor_read_on_the_host_by_its_kernel_keeps_the_node_on_the_gpu():
+    # ORT (fallback_cpu_capability.cc) keeps a node on the GPU where the host tensor it reads is one its CUDA kernel
+    # declares a host input: Reshape(x, Concat(Shape...)) and Range(0, Shape(x)[1], 1) run there, so what reads
+    # them may be fused; Unsqueeze of a host scalar (its data input) is host-placed as before
+    m = model([node("Shape", ["x"], ["s"]), node("Gather", ["s", "i"], ["d"], axis=0),
+               node("Unsqueeze", ["d", "ax"], ["d1"]), node("Concat", ["d1", "m1"], ["tgt"], axis=0),
+               node("Reshape", ["x", "tgt"], ["xr"]), node("Range", ["z", "d", "one"], ["pos"]),
+               node("Cast", ["pos"], ["pf"], to=F), node("Add", ["xr", "pf"], ["y"])],
+              [vi("x", F, ["n", 8])], [vi("y", F, None)],
+              [const("i", np.array(1, np.int64), np.int64), const("ax", [0], np.int64), const("m1", [-1], np.int64),
+               const("z", np.array(0, np.int64), np.int64), const("one", np.array(1, np.int64), np.int64)])
+    g = build_graph(m, {})
+    host = legal.host_tensors(g)
+    assert {"s", "d", "d1", "tgt"} <= host and not {"xr", "pos", "pf", "y"} & host
+
