@@ -401,10 +401,14 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     count = 0
     shape_of: dict[str, str] = {}
     head: list[onnx.NodeProto] = []
-    def const_at(name: str, value: int, rank: int) -> str:
+    def const_at(name: str, value: int, rank: int, like: Optional[str] = None) -> str:
+        """An index constant, of the integer type of `like` (a Slice's starts, ends, axes and steps share one)."""
+        dtype = g.tensors[like].dtype if like in g.tensors else onnx.TensorProto.INT64
+        name += "_i32" if dtype == onnx.TensorProto.INT32 else ""
         if name not in tensors:
-            m.graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.int64).reshape((1,) * rank), name))
-            tensors[name] = TensorInfo(name, onnx.TensorProto.INT64, (1,) * rank)
+            arr = np.asarray(value, onnx.helper.tensor_dtype_to_np_dtype(dtype)).reshape((1,) * rank)
+            m.graph.initializer.append(numpy_helper.from_array(arr, name))
+            tensors[name] = TensorInfo(name, dtype, (1,) * rank)
         return name
 
     for i, node in enumerate(g.nodes):
@@ -423,8 +427,9 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
             head.append(onnx.helper.make_node("Shape", [x], [shape_of[x]], name=f"{x}/ortfuse_shape"))
         if node.op_type == "Slice":  # Slice(shape, [axis], [axis + 1], [0]): the dim as a 1-element tensor
             m.graph.node[i].input[0] = shape_of[x]
-            m.graph.node[i].input[1] = const_at(f"{shape_of[x]}_{axis}_1d", axis, 1)
-            m.graph.node[i].input[2] = const_at(f"{shape_of[x]}_{axis + 1}_1d", axis + 1, 1)
+            starts = node.input[1]
+            m.graph.node[i].input[1] = const_at(f"{shape_of[x]}_{axis}_1d", axis, 1, starts)
+            m.graph.node[i].input[2] = const_at(f"{shape_of[x]}_{axis + 1}_1d", axis + 1, 1, starts)
             count += 1
             continue
         rank = np.asarray(g.constants[node.input[1]]).ndim  # the index is a scalar or [k]: keep the output's rank

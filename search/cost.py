@@ -251,7 +251,7 @@ class CostModel:
         tr = region.traffic
         if region.kind in ("pointwise", "rowreduce"):  # DRAM-bound, unless its math is longer
             return max(self.time_us(tr.fused_bytes, 1), self.target.launch_us + self.compute_us(g, region.nodes),
-                       self.few_rows_us(region) if region.kind == "rowreduce" else 0.0)
+                       self.few_rows_us(g, region) if region.kind == "rowreduce" else 0.0)
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
@@ -273,13 +273,13 @@ class CostModel:
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
 
-    def few_rows_us(self, region: Region) -> float:
+    def few_rows_us(self, g: Graph, region: Region) -> float:
         """A row kernel with fewer rows than SMs (GroupNorm's groups at batch 1, each row C/groups x H x W long)
         runs a block per row on that many SMs, each streaming what one block keeps in flight over the DRAM
         latency (Little's law: ROW_MAX_THREADS threads x ROW_VECTORS_PER_THREAD vectors each, assumed, not
-        measured). 0 where the rows fill the GPU or their count is symbolic."""
-        rows = region.space[:-1]
-        if not all(isinstance(d, int) for d in rows) or math.prod(rows) >= self.target.sm_count:
+        measured). Symbolic dims at g's binding; 0 where the rows fill the GPU or have no hint."""
+        rows = [d if isinstance(d, int) else g.sym_hints.get(d) for d in region.space[:-1]]
+        if None in rows or math.prod(rows) >= self.target.sm_count:
             return 0.0
         per_block = ROW_MAX_THREADS * self.target.vector_bytes * ROW_VECTORS_PER_THREAD / self.target.mem_latency_ns
         return region.traffic.fused_bytes / max(math.prod(rows), 1) / (per_block * 1e3) + self.target.launch_us

@@ -286,16 +286,20 @@ def host_tensors(g: Graph) -> frozenset[str]:
     """Tensors ORT's CUDA EP computes in host memory: Shape/Size outputs and what nodes derive from them alone.
     ORT (framework/fallback_cpu_capability.cc) places a node that reads such a tensor on the CPU when every
     other input is a small constant or a graph input and none is fp16/bf16, unless the node's CUDA kernel reads
-    that host tensor on the host itself (Reshape's shape, Slice's starts, ...: `ops.META_INPUTS`), which keeps
-    it on the GPU."""
+    that host tensor on the host itself (Reshape's shape, Slice's starts, ...: `ops.CUDA_HOST_INPUTS`), which
+    keeps it on the GPU. Nodes the CUDA EP has no kernel for are not modelled (ORT runs them on the CPU)."""
     host: set[str] = set()
     for n in g.nodes:
         if n.op_type in ("Shape", "Size") and n.domain in ("", "ai.onnx"):
             host.update(o for o in n.output if o)
-        elif _host_placed(g, [t for t in n.input if t], host,
-                          set(ops.meta_inputs(n)) if n.domain in ("", "ai.onnx") else set()):
+        elif _host_placed(g, [t for t in n.input if t], host, _cuda_host_inputs(n)):
             host.update(o for o in n.output if o)
     return frozenset(host)
+
+
+def _cuda_host_inputs(n: onnx.NodeProto) -> set[str]:
+    at = ops.CUDA_HOST_INPUTS.get(n.op_type, frozenset()) if n.domain in ("", "ai.onnx") else frozenset()
+    return {t for k, t in enumerate(n.input) if t and k in at}
 
 
 def _host_placed(g: Graph, inputs: list[str], host: set[str] | frozenset[str], on_host: set[str] = frozenset()) -> bool:

@@ -42,6 +42,16 @@ META_INPUTS: dict[str, frozenset[int]] = {
     "Pad": frozenset({1, 2, 3}),  # pads, constant_value, axes: constants folded into the index math
 }
 
+# Inputs that ORT's CUDA kernels read from host memory (KernelDefBuilder's OrtMemTypeCPUInput, checked in ORT's
+# providers/cuda sources): a Shape-derived tensor there does not pull the node onto the CPU
+# (`legal.host_tensors`). Range is not one: its CUDA kernel copies start, limit and delta from the device.
+CUDA_HOST_INPUTS: dict[str, frozenset[int]] = {
+    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Squeeze": frozenset({1}), "Unsqueeze": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}), "Resize": frozenset({1, 2, 3}), "Upsample": frozenset({1}),
+    "Pad": frozenset({1, 2}), "ConstantOfShape": frozenset({0}), "Tile": frozenset({1}), "CumSum": frozenset({1}),
+    **{op: frozenset({1}) for op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
+                                     "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSumExp")},
+}
 
 # Window ops: each output pixel reads a window of its input, like a depthwise Conv (`search.pool`).
 WINDOW = frozenset({"MaxPool", "AveragePool"})

@@ -166,15 +166,17 @@ def test_isolate_iotas_reads_dims_from_inputs_and_copies_shared_iotas():
     assert isolate_iotas(g2)[1] == 0  # nothing left to do
 
 
-@pytest.mark.parametrize("ends", [[-1], [2**63 - 1]], ids=["next", "past-the-end"])
-def test_isolate_iotas_reads_a_sliced_dim_from_the_input(ends):
+@pytest.mark.parametrize("dt", [np.int64, np.int32])
+@pytest.mark.parametrize("ends", [[-1], [2**31 - 1]], ids=["next", "past-the-end"])
+def test_isolate_iotas_reads_a_sliced_dim_from_the_input(ends, dt):
     # torch's x.size(-2) / x.size(-1) as Slice(Shape(h), [k], [k + 1 or past the end]): read from x, so the
-    # intermediate h is not kept just for its shape (DeBERTa's attention views its scores so)
+    # intermediate h is not kept just for its shape (DeBERTa's attention views its scores so); the new starts
+    # and ends keep the integer type of the axes (one type for all of a Slice's indices)
     start = [-2] if ends == [-1] else [-1]
     nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"]),
              node("Slice", ["shp", "st", "en", "ax"], ["d1"]), node("Concat", ["d1", "d1"], ["tgt"], axis=0),
              node("Reshape", ["h", "tgt"], ["y"])]
-    inits = [const("st", start, np.int64), const("en", ends, np.int64), const("ax", [0], np.int64)]
+    inits = [const("st", start, dt), const("en", ends, dt), const("ax", [0], dt)]
     m = model(nodes, [vi("x", TP.FLOAT, ["S", "S"])], [vi("y", TP.FLOAT, None)], inits)
     g2, n = isolate_iotas(build_graph(m, {}))
     assert n == 1 and [x.input[0] for x in g2.nodes if x.op_type == "Shape"] == ["x"]
