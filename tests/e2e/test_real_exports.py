@@ -204,6 +204,13 @@ def _architecture(name: str):
                                max_source_positions=16, vocab_size=1000, pad_token_id=0, bos_token_id=1,
                                eos_token_id=2, decoder_start_token_id=1, attn_implementation="eager")
         return tf.WhisperModel(cfg).encoder, ["input_features"], (torch.randn(2, 16, 32),)
+    if name == "bloom":  # ALiBi attention over batch and heads merged ([B*H, S, D] bmm, the scores viewed 4-D)
+        cfg = tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=1000)
+        return tf.BloomForCausalLM(cfg), ["input_ids", "attention_mask"], (ids, mask)
+    if name == "poolformer":  # GroupNorm(1, C) exported as Reshape, InstanceNormalization, Reshape, affine
+        cfg = tf.PoolFormerConfig(depths=[1, 1], hidden_sizes=[16, 32], num_encoder_blocks=2, patch_sizes=[7, 3],
+                                  strides=[4, 2], padding=[2, 1])
+        return tf.PoolFormerModel(cfg), ["pixel_values"], (torch.randn(2, 3, 32, 32),)
     assert name == "swin"  # window attention: shifted windows, a relative position bias table
     cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4)
     return tf.SwinModel(cfg), ["pixel_values"], (torch.randn(2, 3, 32, 32),)
@@ -211,7 +218,8 @@ def _architecture(name: str):
 
 @pytest.mark.parametrize("name,dtype", [("qwen2", "fp16"), ("t5_encoder", "fp16"), ("whisper_encoder", "fp16"),
                                         ("swin", "fp32"), ("bert_sdpa", "fp32"), ("mistral_sdpa", "fp16"),
-                                        ("dinov2", "fp16"), ("segformer", "fp16")])
+                                        ("dinov2", "fp16"), ("segformer", "fp16"), ("bloom", "fp16"),
+                                        ("poolformer", "fp32")])
 def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     import onnx
     import torch
@@ -236,7 +244,12 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
         onnx.save(convert_float_to_float16(onnx.load(str(path)), keep_io_types=False), str(path))
     res = compile_model(str(path), None, "sm_90")
     kinds = [r.kind for r in res.plan.regions]
-    assert "attention" in kinds
+    assert ("attention" in kinds) != (name == "poolformer")
+    if name == "poolformer":  # each GroupNorm is one row kernel, its affine tail inside
+        assert "InstanceNormalization" not in {n.op_type for n in res.model.graph.node}
+    if name == "bloom":  # each layer's attention, the batch regroups of its scores inside
+        att = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
+        assert len(att) == 2 and all(o.count("Reshape") >= 2 for o in att), att
     if name.endswith("_sdpa"):  # every layer's, its NaN guard inside
         att = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
         assert len(att) == 2 and all("IsNaN" in o for o in att), att
