@@ -50,6 +50,45 @@ def _audio(cfg: str, cls: str, name: str, shape: tuple[int, ...], **kw: Any) -> 
     return make
 
 
+def _decoder(cfg: str, cls: str, **kw: Any) -> Callable[[], tuple[Any, dict]]:
+    """A causal LM exported for generation with a KV cache, as a serving stack runs it: input ids of the new
+    tokens, a mask over past + new, each layer's past keys and values in, logits and the present keys and
+    values (past and new concatenated) out."""
+    def make() -> tuple[Any, dict]:
+        import torch
+        import transformers as tf
+        from transformers import DynamicCache
+
+        config = getattr(tf, cfg)(**kw)
+        layers, heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or \
+            config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+        class WithPast(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lm = getattr(tf, cls)(config)
+
+            def forward(self, input_ids: Any, attention_mask: Any, **past: Any) -> tuple:
+                cache = DynamicCache()
+                for i in range(layers):
+                    cache.update(past[f"past_key_values.{i}.key"], past[f"past_key_values.{i}.value"], i)
+                out = self.lm(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                              use_cache=True)
+                return (out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)))
+
+        past = 5  # traced with 3 new tokens: a single one would let the tracer fold the sequence dim
+        mask = torch.ones(2, past + 3, dtype=torch.int64)
+        mask[1, :2] = 0  # left padding, as batched generation pads
+        inputs = {"input_ids": torch.randint(0, 90, (2, 3)), "attention_mask": mask}
+        for i in range(layers):
+            for kv in ("key", "value"):
+                inputs[f"past_key_values.{i}.{kv}"] = torch.randn(2, heads, past, head_dim)
+        return WithPast(), inputs
+    make.decoder = True  # type: ignore[attr-defined]
+    return make
+
+
 _VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "distilbert": _text("DistilBertConfig", "DistilBertModel", dim=64, n_layers=2, n_heads=4, hidden_dim=128,
@@ -72,6 +111,10 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "bloom": _text("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4, vocab_size=100),
     "falcon": _text("FalconConfig", "FalconForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     vocab_size=100),
+    "llama_past": _decoder("LlamaConfig", "LlamaForCausalLM", **_LM),
+    "qwen2_past": _decoder("Qwen2Config", "Qwen2ForCausalLM", **_LM),
+    "gpt2_past": _decoder("GPT2Config", "GPT2LMHeadModel", n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                          n_positions=64, bos_token_id=0, eos_token_id=0),
     "swin": _image("SwinConfig", "SwinModel", 32, image_size=32, patch_size=2, embed_dim=16, depths=[1, 1],
                    num_heads=[2, 2], window_size=4),
     "deit": _image("DeiTConfig", "DeiTModel", 32, image_size=32, patch_size=8, intermediate_size=128, **_VIT),
@@ -137,13 +180,18 @@ def export(name: str, folder: Path) -> dict[str, Path]:
 
         def forward(self, *xs: Any) -> Any:
             out = self.inner(**dict(zip(names, xs)))
-            return out if isinstance(out, torch.Tensor) else out[0]
+            return out if isinstance(out, (torch.Tensor, tuple)) else out[0]
 
     axes = {n: {0: "batch", **({1: "sequence"} if n in ("input_ids", "attention_mask") else {})} for n in names}
+    outputs = ["out"]
+    if getattr(MODELS[name], "decoder", False):  # optimum's naming: the mask spans past and new tokens
+        axes["attention_mask"] = {0: "batch", 1: "past_sequence + sequence"}
+        axes.update({n: {0: "batch", 2: "past_sequence"} for n in names if n.startswith("past_key_values.")})
+        outputs += [n.replace("past_key_values", "present") for n in names if n.startswith("past_key_values.")]
     fp32 = folder / f"{name}-fp32.onnx"
     with torch.no_grad():
         torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False, opset_version=17,
-                          input_names=names, output_names=["out"], dynamic_axes=axes)
+                          input_names=names, output_names=outputs, dynamic_axes=axes)
     half = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=False)
     sort_nodes(half.graph)
     fp16 = folder / f"{name}-fp16.onnx"
@@ -165,9 +213,12 @@ def run(name: str, dtype: str, path: Path) -> Row:
                    seconds=time.perf_counter() - t0)
     kinds = Counter(r.kind for r in res.plan.regions)
     softmax = sum(n.op_type == "Softmax" for n in res.graph.nodes)
+    # a decoder with a KV cache: a prompt after a past (8 tokens each) and a one-token generation step
+    bindings = [{}, {"input_ids": [2, 1]}] if getattr(MODELS.get(name), "decoder", False) else [{}]
     try:
-        rep = check_models(str(path), res.model, emulate=True)
-        parity = "ok" if rep.ok else "FAIL: " + "; ".join(line for line in rep.lines() if "FAIL" in line)[:200]
+        reps = [check_models(str(path), res.model, emulate=True, input_shapes=b) for b in bindings]
+        parity = "ok" if all(r.ok for r in reps) else \
+            "FAIL: " + "; ".join(line for r in reps for line in r.lines() if "FAIL" in line)[:200]
     except Exception as e:  # noqa: BLE001 -- ORT could not run a model: a FAIL row, the sweep goes on
         parity = f"FAIL: check: {type(e).__name__}: {e}"[:200]
     return Row(name, dtype, ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())),

@@ -37,6 +37,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import onnx
 
+from ortfuse.feeds import bind_dims
+
 from . import roofline, zoo
 
 log = logging.getLogger(__name__)
@@ -126,24 +128,21 @@ _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
 def make_feeds(model: onnx.ModelProto, batch: int, dims: dict[str, int] | None = None, seed: int = 0,
                meta: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
   """Random valid inputs: floats uniform in range (never all zero), ids in the vocabulary, masks of ones
-  with padding at the end of every row but the first. The first symbolic dim of each input is the batch."""
+  with padding at the end of every row but the first. A symbolic dim leading an input is the batch."""
   rng = np.random.default_rng(seed)
   specs = {s.name: s for s in zoo.info_from_sidecar(meta).inputs} if meta else {}
   dims = {**(zoo.info_from_sidecar(meta).dims if meta else {}), **(dims or {})}
   inits = {i.name for i in model.graph.initializer}
+  # one value per dim name across inputs; a name leading an input is the batch; expressions of names
+  # (a decoder's mask over "past_sequence_length + 1") are evaluated from theirs
+  bound = bind_dims(model, fixed={**dims, "batch": batch}, default=lambda name, leading: batch if leading else 128)
   feeds = {}
   for inp in model.graph.input:
     if inp.name in inits:
       continue
     t = inp.type.tensor_type
-    shape = []
-    for i, d in enumerate(t.shape.dim):
-      if d.HasField("dim_value"):
-        shape.append(d.dim_value)
-      elif d.dim_param == "batch" or (i == 0 and d.dim_param not in dims):
-        shape.append(batch)
-      else:
-        shape.append(dims.get(d.dim_param, 128))
+    shape = [d.dim_value if d.HasField("dim_value") else bound[d.dim_param] if d.dim_param else batch if i == 0
+             else 128 for i, d in enumerate(t.shape.dim)]
     np_type = _NP[t.elem_type]
     spec = specs.get(inp.name)
     kind = spec.kind if spec else ("mask" if "mask" in inp.name else "ids" if np.issubdtype(np_type, np.integer) else "random")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -343,8 +343,15 @@ def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], ba
                   and isinstance(t.shape[0], str)}
     names = {d for t in tensors.values() for d in t.shape or () if isinstance(d, str)}
     declared = {d for name in graph_inputs for d in tensors[name].shape or () if isinstance(d, str)}
-    base = {n: _base_hint(n, batch_like, batch) for n in names if _DIM_NAME.fullmatch(n) or n in declared}
+    base = {n: _base_hint(n, batch_like, batch) for n in names
+            if _DIM_NAME.fullmatch(n) or (n in declared and not is_dim_expression(n))}
     return {n: base.get(n) or _expr_hint(n, base, batch_like, batch) for n in sorted(names)}
+
+
+def is_dim_expression(text: str) -> bool:
+    """A dim name that is arithmetic on other names ("past + seq", "2*sequence_length"), not a name of its own
+    ("p2o.DynamicDimension.0", "seq-len")."""
+    return bool(re.search(r"[+*/()]|\s-\s", text))
 
 
 def _base_hint(name: str, batch_like: set[str], batch: int = BATCH_HINT) -> int:
@@ -366,28 +373,34 @@ def dim_names(text: str, known: Iterable[str] = ()) -> frozenset[str]:
 
 def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str], batch: int = BATCH_HINT) -> int:
     """Evaluate an expression like "2*sequence_length" with its symbols at their hints."""
-    # base names that are not identifiers ("p2o.DynamicDimension.1") become placeholders first
-    odd = sorted((n for n in base if not _DIM_NAME.fullmatch(n)), key=len, reverse=True)
+    value = eval_dim(text, base, lambda name: _base_hint(name, batch_like, batch))
+    return value if value is not None and value > 0 else DEFAULT_HINT
+
+
+def eval_dim(text: str, known: Mapping[str, int], default: Callable[[str], int]) -> int | None:
+    """The value of a dim expression ("past_sequence_length + 1", "2*floor(seq/2)") with the names of `known`
+    at their values and any other identifier at default(name); None where `text` is not plain arithmetic."""
+    # known names that are not identifiers ("p2o.DynamicDimension.1") become placeholders first
+    odd = sorted((n for n in known if not _DIM_NAME.fullmatch(n)), key=len, reverse=True)
     values: dict[str, int] = {}
     if odd:
         pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, odd)) + r")(?![\w.])")
 
         def placeholder(m: re.Match) -> str:
             key = f"_ofz_dim{odd.index(m.group(1))}"
-            values[key] = base[m.group(1)]
+            values[key] = known[m.group(1)]
             return key
         text = pattern.sub(placeholder, text)
     # dim names come from the model file and sympify evaluates Python: accept arithmetic only, with
     # every identifier bound to a Symbol (or a whitelisted function), and no "**" (huge powers hang)
     if not _SAFE_EXPR.fullmatch(text) or "**" in text:
-        return DEFAULT_HINT
+        return None
     try:
         # every identifier is a Symbol: names like "sequence" or "N" must not resolve to sympy objects
         names = {n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)}
         names.update({f: getattr(sympy, f) for f in _SYMPY_FUNCS if f in names})
         expr = sympy.sympify(text, locals=names)
-        value = int(expr.subs({s: values.get(s.name) or base.get(s.name, _base_hint(s.name, batch_like, batch))
-                               for s in expr.free_symbols}))
+        return int(expr.subs({s: values[s.name] if s.name in values else known[s.name] if s.name in known
+                              else default(s.name) for s in expr.free_symbols}))
     except (sympy.SympifyError, TypeError, ValueError, AttributeError, SyntaxError):
-        return DEFAULT_HINT
-    return value if value > 0 else DEFAULT_HINT
+        return None
