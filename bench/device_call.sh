@@ -126,7 +126,7 @@ for name in "$@"; do
                         --models mobilenetv2 --dtypes fp16 --work "$WORK/mnv2-work" "${BASE[@]}" ;;
     fp32-rows)  # issue 4's fp32 rows, the default build, model after model (the report keeps what finished)
       step "$name" 600 python3 -m ortfuse.bench.gpu_suite "$WORK/fp32" --no-tests --no-profile --dtypes fp32 \
-        --models bert gpt2 vit resnet50 mobilenetv2 llama convnext_t --work "$WORK/fp32-work" "${BASE[@]}" ;;
+        --models bert gpt2 vit resnet50 mobilenetv2 llama llama_decode convnext_t --work "$WORK/fp32-work" "${BASE[@]}" ;;
     convnext-fp32) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/cnx" --no-tests \
                      --models convnext_t --dtypes fp32 --work "$WORK/cnx-work" "${BASE[@]}" ;;
     shipped)  # the trained models from PyPI wheels: a warm call after one that carried .devgpu, carrying

@@ -132,6 +132,46 @@ def _llama(tiny: bool) -> tuple[Any, ModelInfo]:
   return _tag(module, source), info
 
 
+PAST, TOTAL = "past_sequence", "past_sequence + sequence"  # a decoder's cache length, and its mask's (optimum's way)
+
+
+def _llama_decode(tiny: bool) -> tuple[Any, ModelInfo]:
+  """`llama` as a serving stack runs it for generation: the new tokens' ids, a mask over past and new tokens,
+  every layer's cached keys and values in; logits and the present keys and values (past and new concatenated)
+  out. Benchmarked one new token after a past of 512 (tiny: 16): the step generation repeats."""
+  layers, hidden, heads, kv, inter, vocab, past = ((2, 64, 4, 2, 172, 1000, 16) if tiny
+                                                   else (30, 576, 9, 3, 1536, 49152, 512))
+  tf = _transformers()
+  import torch
+  cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
+                       tie_word_embeddings=True, use_cache=True, attn_implementation="eager")
+  lm = tf.LlamaForCausalLM(cfg)
+  cached = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+
+  class WithCache(torch.nn.Module):
+    """Keyword tensors in (the cache as one tensor per layer and kind), a dict of tensors out."""
+    def __init__(self) -> None:
+      super().__init__()
+      self.lm = lm
+
+    def forward(self, input_ids: Any, attention_mask: Any, **past: Any) -> dict[str, Any]:
+      cache = tf.DynamicCache(config=cfg)
+      for i in range(layers):
+        cache.update(past[f"past_key_values.{i}.key"], past[f"past_key_values.{i}.value"], i)
+      out = self.lm(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+      present = {f"present.{i}.{k}": t for i, layer in enumerate(out.past_key_values.layers)
+                 for k, t in (("key", layer.keys), ("value", layer.values))}
+      return {"logits": out.logits, **present}
+
+  inputs = (InputSpec("input_ids", "int64", ("batch", "sequence"), 0, vocab, "ids"),
+            InputSpec("attention_mask", "int64", ("batch", TOTAL), 0, 2, "mask"),
+            *(InputSpec(n, "float32", ("batch", kv, PAST, hidden // heads), -1.0, 1.0) for n in cached))
+  outputs = ("logits", *(n.replace("past_key_values", "present") for n in cached))
+  info = ModelInfo("llama_decode", "llama", None, heads, hidden, inputs, outputs, {"sequence": 1, PAST: past})
+  return _tag(WithCache().eval(), "transformers.LlamaForCausalLM with a DynamicCache"), info
+
+
 def _image_input(size: int) -> tuple[InputSpec, ...]:
   return (InputSpec("pixel_values", "float32", ("batch", 3, size, size), -1.0, 1.0),)
 
@@ -204,6 +244,8 @@ MODELS: dict[str, _Entry] = {
   "gpt2": _Entry("GPT-2 small with LM head, plain forward (no cache), seq 128; tiny: 2 layers, hidden 64", _gpt2),
   "llama": _Entry("SmolLM-135M-shaped Llama (30 layers, hidden 576, 9 query / 3 key-value heads) with LM head, no "
                    "cache, seq 128; tiny: 2 layers, hidden 64", _llama),
+  "llama_decode": _Entry("`llama` with a KV cache: one generation step, one new token after 512 cached (past keys "
+                          "and values in, present ones out); tiny: 2 layers, 16 cached", _llama_decode),
   "vit": _Entry("ViT-B/16 at 224x224, no pooler; tiny: 32x32, patch 8, 2 layers", _vit),
   "resnet50": _Entry("ResNet-50 classifier at 224x224; tiny: 2 stages of 1 bottleneck", _cnn("resnet50", _resnet_cfg)),
   "mobilenetv2": _Entry("MobileNetV2 1.0 at 224x224; tiny: width 0.35 at 32x32", _cnn("mobilenetv2", _mobilenet_cfg)),
@@ -267,7 +309,7 @@ def example_inputs(info: ModelInfo, batch: int = 2) -> dict[str, Any]:
   g = torch.Generator().manual_seed(SEED)
   out: dict[str, Any] = {}
   for spec in info.inputs:
-    shape = [batch if d == "batch" else info.dims[d] if isinstance(d, str) else d for d in spec.shape]
+    shape = [batch if d == "batch" else _dim(d, info.dims) if isinstance(d, str) else d for d in spec.shape]
     if spec.kind == "mask":
       out[spec.name] = torch.ones(shape, dtype=torch.int64)
     elif spec.dtype.startswith("int"):
@@ -275,6 +317,17 @@ def example_inputs(info: ModelInfo, batch: int = 2) -> dict[str, Any]:
     else:
       out[spec.name] = torch.rand(shape, generator=g) * (spec.high - spec.low) + spec.low
   return out
+
+
+def _dim(name: str, dims: dict[str, int]) -> int:
+  """A named dim's value, an expression of named dims ("past_sequence + sequence") evaluated from theirs."""
+  if name in dims:
+    return dims[name]
+  from ortfuse.rewriter.shapes import eval_dim
+  value = eval_dim(name, dims, lambda n: dims[n])
+  if value is None:
+    raise KeyError(f"zoo: no value for dim {name!r}")
+  return value
 
 
 def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = False,
@@ -362,7 +415,8 @@ def _export(name: str, tiny: bool, path: Path, exporter: str = "torchscript") ->
     axes[spec.name] = {i: d for i, d in enumerate(spec.shape) if isinstance(d, str)}
   for out in info.outputs:
     text = info.family in ("bert", "gpt2", "llama") and out != "pooler_output"
-    axes[out] = {0: "batch", 1: "sequence"} if text else {0: "batch"}
+    axes[out] = {0: "batch", 2: TOTAL} if out.startswith("present.") else {0: "batch", 1: "sequence"} if text \
+        else {0: "batch"}
   tmp = path.with_suffix(".tmp.onnx")
   wrapped, args = _Positional(module, names, info.outputs), tuple(example[n] for n in names)
   with torch.no_grad():

@@ -69,3 +69,19 @@ def test_bad_exporter_requests_are_refused():
     zoo.build("bert", exporter="tflite")
   with pytest.raises(ValueError, match="ships as an ONNX file"):
     zoo.build("magika", exporter="dynamo")
+
+
+def test_tiny_decoder_step_runs_at_any_number_of_new_tokens(zoo_cache):
+  # a generation step: the cache in, present keys and values (past + new) out; the tracer saw one new token,
+  # and the file must still run a prompt of several after the past
+  path = zoo.build("llama_decode", tiny=True)
+  model = onnx.load(str(path))
+  dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+  assert dims["attention_mask"] == ["batch", zoo.TOTAL] and dims["past_key_values.1.value"] == ["batch", 2, zoo.PAST, 16]
+  sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+  for new in (1, 3):
+    feeds = harness.make_feeds(model, batch=2, dims={"sequence": new}, meta=zoo.read_sidecar(path))
+    assert feeds["attention_mask"].shape == (2, 16 + new)
+    logits, key, *_ = sess.run(None, feeds)
+    assert logits.shape == (2, new, 1000) and key.shape == (2, 2, 16 + new, 16) and np.isfinite(logits).all()
+    assert np.array_equal(key[:, :, :16], feeds["past_key_values.0.key"])  # the cache comes through unchanged

@@ -258,7 +258,8 @@ def test_batch_and_heads_merged_attention_on_gpu(dt, mask):
 
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
                                         ("llama", "fp32"), ("llama", "fp16"), ("convnext_t", "fp16"),
-                                        ("resnet50", "fp16"), ("mobilenetv2", "fp32"), ("mobilenetv2", "fp16")])
+                                        ("resnet50", "fp16"), ("mobilenetv2", "fp32"), ("mobilenetv2", "fp16"),
+                                        ("llama_decode", "fp16")])
 def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
@@ -267,9 +268,12 @@ def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     res = compile_model(path, None, "sm_90")
     # transformers: flash attention (Llama's reading K and V at their own heads); ConvNeXt: GEMM epilogues
     # stored transposed (NHWC -> NCHW); ResNet and MobileNetV2: convolutions as implicit GEMMs
-    assert ("attention" if name in ("bert", "gpt2", "vit", "llama") else "gemm") in [r.kind for r in res.plan.regions]
-    rep = check_models(path, res.model, provider="cuda")
-    assert rep.ok, "\n".join(rep.lines())
+    assert ("attention" if name in ("bert", "gpt2", "vit", "llama", "llama_decode") else "gemm") in \
+        [r.kind for r in res.plan.regions]
+    # a decoder step: 8 new tokens after 8 cached, then one (generation)
+    for shapes in ([None, {"input_ids": [2, 1]}] if name == "llama_decode" else [None]):
+        rep = check_models(path, res.model, provider="cuda", input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
 
 
 def test_gemm_and_attention_under_cuda_graph_replay(tmp_path, monkeypatch):
