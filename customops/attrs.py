@@ -40,6 +40,7 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel,
         _ints("out_ranks", [len(s) for s in spec.out_shapes]),
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
         *([_ints("sym_derived", [v for rule in spec.sym_derived for v in rule])] if spec.sym_derived else []),
+        *([_ints("sym_sums", [v for rule in spec.sym_sums for v in rule])] if spec.sym_sums else []),
         *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
     ]
     out = shared + _kernel_attributes(spec, ck, "")
@@ -118,6 +119,7 @@ class Launch:
     row_cluster: int = 1  # exact blocks per cluster of a row split across a cluster (1: none)
     multicast: int = 1  # exact blocks per cluster of a TMA GEMM sharing B (the grid counts clusters; 1: none)
     pdl: bool = False  # launched as a programmatic dependent launch on sm_90+ (ir.Kernel.pdl)
+    sym_sums: tuple[tuple[int, int], ...] = ()  # (term, term): runtime dims after the derived ones, their sum
     # further kernels of the node: (rows from, launch), and the terms whose product is the rows
     variants: tuple[tuple[int, "Launch"], ...] = ()
     variant_rows: tuple[int, ...] = ()
@@ -150,6 +152,8 @@ class Launch:
                 raise ValueError(f"{self.entry}: an image size of {size} is smaller than a Conv's padded kernel "
                                  f"({-add} with padding)")
             dims.append((size + add) // div + 1)
+        for a, b in self.sym_sums:  # a Concat's span along a run-time axis
+            dims.append(sum(self.resolve((a, b), dims)))
         for terms, limit in self.dim_limits:
             if math.prod(self.resolve(terms, dims)) >= limit:
                 raise ValueError(f"{self.entry}: a size of {math.prod(self.resolve(terms, dims))} exceeds what this "
@@ -203,6 +207,7 @@ def _read_kernel(node: onnx.NodeProto, a: dict, sfx: str) -> Launch:
         pos += r
     ceil, limits = _groups(a.get("units_ceil", [])), _groups(a.get("dim_limits", []))
     derived, checks, tma = list(a.get("sym_derived", [])), list(a.get("dim_checks", [])), list(a.get("tma", []))
+    sums = list(a.get("sym_sums", []))
     src = a["source"]
     return Launch(a["entry"].decode() if isinstance(a["entry"], bytes) else a["entry"],
                   src.decode() if isinstance(src, bytes) else src, int(a["block"]), int(a["smem"]),
@@ -213,7 +218,7 @@ def _read_kernel(node: onnx.NodeProto, a: dict, sfx: str) -> Launch:
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
                   tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])),
                   int(a.get("blocks_per_sm", 0)), int(a.get("row_cluster", 1)), int(a.get("multicast", 1)),
-                  bool(a.get("pdl", 0)))
+                  bool(a.get("pdl", 0)), tuple(zip(sums[0::2], sums[1::2])))
 
 
 # a kernel's own attributes (`_kernel_attributes`); a variant's carry its suffix

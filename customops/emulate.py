@@ -132,7 +132,7 @@ class EmulatedModule:
         for i, a in enumerate(args):
             if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
                 raise ValueError(f"{entry}: argument {i} must be a C-contiguous numpy array")
-            packed.ptr[i] = a.ctypes.data
+            packed.ptr[i] = a.ctypes.data if a.size else None  # an empty tensor has no memory (ORT: null)
         for i, d in enumerate(dims):
             packed.dim[i] = int(d)
         counts = (ctypes.c_ulonglong * 5)()

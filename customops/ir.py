@@ -112,6 +112,7 @@ class VecLoad:
     offset: Expr
     width: int
     storage: str
+    guard: Optional[Expr] = None  # load only where it holds; the vector is zeros elsewhere
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ def _reads(s: Stmt) -> frozenset[str]:
     elif isinstance(s, If):
         exprs, nested = (s.cond,), s.body
     elif isinstance(s, (VecLoad, Store)):
-        exprs = (s.offset,) + ((s.value,) if isinstance(s, Store) else ())
+        exprs = (s.offset,) + ((s.value,) if isinstance(s, Store) else (s.guard,) if s.guard is not None else ())
     elif isinstance(s, VecStore):
         exprs = (s.offset, *s.values)
     elif isinstance(s, RowReduce):

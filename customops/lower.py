@@ -109,6 +109,9 @@ class KernelSpec:
     # leading dims) at each: kernel variants by size where no --profile measures them
     tile_us: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()
     binding_rows: tuple[int, ...] = ()
+    # runtime dims after the derived ones: the sum of two terms each (a Concat of run-time spans: a KV cache's
+    # past and new tokens)
+    sym_sums: tuple[tuple[int, int], ...] = ()
 
     @property
     def block(self) -> int:
@@ -162,6 +165,7 @@ class _Lowerer:
         # a Conv's output size on a symbolic image, from its input's: dim n_sym + j is
         # floor((d[src] + add) / div) + 1 for derived[j] = (src term, add, div)
         self.derived: list[tuple[int, int, int]] = []
+        self.sums: list[tuple[int, int]] = []  # after the derived ones (`_sum_dim`)
         for i in region.nodes:
             n = graph.nodes[i]
             geo = conv.conv_geometry(graph, n) if n.op_type in ops.CONV else None
@@ -173,6 +177,12 @@ class _Lowerer:
                     self.dims[out] = self.num_dims
                     self.derived.append((-self.dims[size] - 1, add, div))
                     self.hints.setdefault(out, (self.hint(size) + add) // div + 1)
+        # a dim that is a sum of the inputs' dims ('past + seq': a Concat along a run-time axis), from theirs
+        for i in region.nodes:
+            for o in graph.nodes[i].output:
+                for d in (graph.tensors[o].shape or ()) if o in graph.tensors else ():
+                    if isinstance(d, str) and d not in self.dims:
+                        self._sum_dim(d)
         # outputs that are transposes of the iteration space: stored at the permuted index
         space = tuple(region.space)
         self.perms: dict[str, tuple[int, ...]] = {}
@@ -198,6 +208,8 @@ class _Lowerer:
         self.tpr = 0
         self.split_row: Optional[RowSplit] = None
         self.row_c: Optional[Expr] = None  # row_pass: the row (clamped) and whether it exists
+        # while set, every load is made under this condition (a Concat operand that may be empty at run time)
+        self.guard: Optional[Expr] = None
         self.row_active: Optional[Expr] = None
         # the most columns a row pass covers where they are static (a GEMM row-wise epilogue's tile or row, a
         # short row kernel's row), so a column loop of a few trips is printed straight-line (column_groups)
@@ -224,6 +236,27 @@ class _Lowerer:
             return out
         raise LoweringError(f"dim '{d}' cannot be computed from the region's inputs")
 
+    def _sum_dim(self, d: str) -> None:
+        """Make `d` a runtime dim if it is a sum of dims the kernel has, small multiples of them and constants
+        ("past + seq", "p + 2*s", "seq + 1", as symbolic inference writes them): a chain of sym_sums rules, each
+        adding one term."""
+        terms: list[int] = []
+        for part in (p.strip() for p in d.split(" + ")):
+            k, _, name = part.rpartition("*")  # "2*s": s added twice (a Concat of s-spans)
+            if part.isdigit():
+                terms.append(int(part))
+            elif name in self.dims and (not k or (k.isdigit() and 1 <= int(k) <= 8)):
+                terms += [-self.dims[name] - 1] * (int(k) if k else 1)
+            else:
+                return
+        if len(terms) < 2:
+            return
+        acc = terms[0]
+        for t in terms[1:]:
+            self.sums.append((acc, t))
+            acc = -self.num_dims  # the rule just added is runtime dim num_dims - 1
+        self.dims[d] = -acc - 1
+
     def encode(self, d: Dim) -> int:
         if isinstance(d, int):
             return d
@@ -234,7 +267,7 @@ class _Lowerer:
     @property
     def num_dims(self) -> int:
         """Runtime dims the kernel reads: those bound from input shapes, then the derived ones."""
-        return len(self.sym_pairs) + len(self.derived)
+        return len(self.sym_pairs) + len(self.derived) + len(self.sums)
 
     def hint(self, d: Dim) -> int:
         return d if isinstance(d, int) else self.hints.get(d, 128)
@@ -260,6 +293,15 @@ class _Lowerer:
         scope.stmts.append(ir.Let(v, e))
         scope.names.add(v.name)
         return v
+
+    def bind_once(self, e: Expr, stem: str = "v") -> Expr:
+        """`bind`, reusing the variable an equal expression was bound to where it is in scope."""
+        key = ("bound", e)
+        hit = self.lookup(key)
+        if hit is None:
+            hit = self.bind(e, stem)
+            self.remember(key, hit)
+        return hit
 
     def emit(self, s: ir.Stmt) -> None:
         self.scopes[-1].stmts.append(s)
@@ -404,7 +446,7 @@ class _Lowerer:
 
     # ------------------------------------------------------------------ values
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
-        key = (t, idx)
+        key = (t, idx) if self.guard is None else (t, idx, self.guard)  # a guarded value is 0 off its guard
         hit = self.lookup(key)
         if hit is not None:
             return hit
@@ -428,21 +470,45 @@ class _Lowerer:
             raise LoweringError(f"'{t}' is read but is not a region input")
         shape = self._shape(t)
         storage = _storage(self.g.tensors[t].dtype, f"input '{t}'")
-        if self.vec > 1 and idx and idx[-1] in self.lanes and shape[-1] == self.inner_dim:
+        guard = self.guard
+        vector = self.vec > 1 and idx and idx[-1] in self.lanes and shape[-1] == self.inner_dim
+        if guard is not None and not (vector and not self._reads_any(guard, self.lanes)):
+            # read only where the guard holds (the C ternary evaluates one branch); a guard that differs
+            # between the lanes of a vector (a Concat along the innermost axis) reads lane by lane
+            load = ir.Load(self.args[t], self.linearize(idx, shape), storage)
+            return ir.Op("select", (guard, load, ir.const(False if load.ctype == BOOL else 0, load.ctype)),
+                         load.ctype)
+        if vector:
             lane = self.lanes.index(idx[-1])
             base = idx[:-1] + (self.lanes[0],)
-            key = ("vec", t, base)
+            key = ("vec", t, base) if guard is None else ("vec", t, base, guard)
             name = self.lookup(key)
             if name is None:
                 off = self.linearize(base, shape)
                 nm = self.fresh("x")
-                scope = self._scope_for(off)
-                scope.stmts.append(ir.VecLoad(nm, self.args[t], off, self.vec, storage))
+                # the innermost scope holding what both the offset and the guard read
+                scope = self._scope_for(off if guard is None else ir.Op("and", (off, guard), BOOL))
+                scope.stmts.append(ir.VecLoad(nm, self.args[t], off, self.vec, storage, guard))
                 scope.names.add(nm)
                 name = Var(nm, storage)
                 scope.memo[key] = name
             return ir.Lane(name.name, lane, storage)
         return ir.Load(self.args[t], self.linearize(idx, shape), storage)
+
+    def _reads_any(self, e: Expr, of: tuple[Expr, ...]) -> bool:
+        """Whether `e` depends on a variable of the expressions `of`, through the variables bound since."""
+        targets = frozenset().union(*(ir.free_vars(x) for x in of))
+        seen: set[str] = set()
+        todo = list(ir.free_vars(e))
+        while todo:
+            v = todo.pop()
+            if v in targets:
+                return True
+            if v not in seen:
+                seen.add(v)
+                if v in self.defs:
+                    todo.extend(ir.free_vars(self.defs[v]))
+        return False
 
     def node_value(self, node: onnx.NodeProto, pos: int, idx: tuple[Expr, ...]) -> Expr:
         op = node.op_type
@@ -642,23 +708,37 @@ class _Lowerer:
     def concat_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
         """Concat at idx: the input whose span along the axis holds idx's coordinate there. Every input is
         read (at a coordinate clamped into its span, so in bounds) and the value selected: a handful of
-        inputs at most (`ops.MAX_CONCAT_INPUTS`)."""
+        inputs at most (`ops.MAX_CONCAT_INPUTS`). Spans known only at run time (a KV cache's past, which is
+        empty at the first step) may be empty: each input is then read under the guard that the coordinate
+        is in its span, so an empty one is never touched."""
         ins = [x for x in node.input if x]
         rank = len(idx)
         axis = scalar.attr(node, "axis", 0) % rank
+        runtime = any(isinstance(self._shape(x)[axis], str) for x in ins)
         c, start = idx[axis], ir.i64(0)
         picks: list[tuple[Optional[Expr], Expr]] = []
         for k, x in enumerate(ins):
             n = self.dim(self._shape(x)[axis])
             end = ir.add(start, n)
-            local = self.bind(ir.add(c, ir.mul(start, ir.i64(-1))), "i") if start != ir.i64(0) else c
+            local = self.bind_once(ir.add(c, ir.mul(start, ir.i64(-1))), "i") if start != ir.i64(0) else c
             if k < len(ins) - 1:  # clamp into [0, n - 1]; the last input is reached only past the others
-                local = self.bind(ir.Op("select", (ir.Op("lt", (local, n), BOOL), local,
+                local = self.bind_once(ir.Op("select", (ir.Op("lt", (local, n), BOOL), local,
                                                    ir.add(n, ir.i64(-1))), I64), "i")
             if k:
-                local = self.bind(ir.Op("select", (ir.Op("lt", (local, ir.i64(0)), BOOL), ir.i64(0), local), I64), "i")
-            v = self.value(x, tuple(idx[:axis]) + (local,) + tuple(idx[axis + 1:]))
-            picks.append((self.bind(ir.Op("lt", (c, end), BOOL), "inb") if k < len(ins) - 1 else None, v))
+                local = self.bind_once(ir.Op("select", (ir.Op("lt", (local, ir.i64(0)), BOOL), ir.i64(0), local), I64),
+                                       "i")
+            before = self.bind_once(ir.Op("lt", (c, end), BOOL), "inb") if k < len(ins) - 1 else None
+            outer = self.guard
+            if runtime:  # c in [start, end): past the inputs before this one and before its end
+                guard = None
+                for e in (outer, before, ir.Op("ge", (c, start), BOOL) if k else None):
+                    guard = e if guard is None else guard if e is None else ir.Op("and", (guard, e), BOOL)
+                self.guard = self.bind_once(guard, "inb")  # one variable per condition: lanes share its loads
+            try:
+                v = self.value(x, tuple(idx[:axis]) + (local,) + tuple(idx[axis + 1:]))
+            finally:
+                self.guard = outer
+            picks.append((before, v))
             start = end
         out = picks[-1][1]
         for cond, v in reversed(picks[:-1]):
@@ -1166,5 +1246,5 @@ def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(k, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, per_block,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes,
-                      sym_derived=tuple(lw.derived))
+                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums))
 

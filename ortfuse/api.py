@@ -19,8 +19,8 @@ from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
-from ortfuse.rewriter.canonical import (bypass_noop_expands, fold_constant_identities, fold_conv_pads,
-                                       fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, fold_constant_identities,
+                                        fold_conv_pads, fold_runtime_shapes, fold_small_values, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
@@ -170,6 +170,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
     graph, _ = fold_constant_identities(graph)
+    graph, _ = bypass_lone_concats(graph)
     graph, _ = bypass_noop_expands(graph)
     graph, _ = isolate_iotas(graph)
     # --profile times a row-wise GEMM epilogue against cuBLAS + our row kernel, so it plans them by the tile

@@ -21,6 +21,7 @@
 * `fold_constant_identities`: an Identity of a constant (the TorchScript exporter's way of sharing equal
   weights, such as zero biases) is bypassed, so its consumers see a constant, as ORT's constant folding
   gives them.
+* `bypass_lone_concats`: a Concat of one input (a copy ORT would run) is bypassed.
 * `rewriter.gemm_packing`: sibling MatMuls packed into one, gated pairs interleaved (run after these).
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
@@ -478,6 +479,22 @@ def fold_constant_identities(g: Graph) -> tuple[Graph, int]:
         users = g.consumers.get(n.output[0], ())
         if src in g.constants and all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads
             alias[n.output[0]] = src
+    return _bypass(g, alias)
+
+
+def bypass_lone_concats(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Concats bypassed): a Concat of a single input is a copy, which ORT runs as a kernel
+    (transformers' DynamicCache traces one of the first layer's cached keys, read only by Shape: at a past of
+    512 and batch 32, a 3 MB copy for a shape). Its consumers read the input. `g` is left untouched."""
+    alias: dict[str, str] = {}
+    for n in g.nodes:
+        ins = [x for x in n.input if x]
+        if n.op_type != "Concat" or n.domain not in ("", "ai.onnx") or len(ins) != 1 \
+                or n.output[0] in g.graph_outputs:
+            continue
+        users = g.consumers.get(n.output[0], ())
+        if all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads it
+            alias[n.output[0]] = alias.get(ins[0], ins[0])
     return _bypass(g, alias)
 
 

@@ -12,7 +12,8 @@
     if (st_) return st_;             \
   } while (0)
 
-// A term is a constant (t >= 0) or the runtime dim d[-t-1]: bound (sym_dims) or derived (sym_derived).
+// A term is a constant (t >= 0) or the runtime dim d[-t-1]: bound (sym_dims), derived (sym_derived) or a sum
+// (sym_sums), in that order.
 static OrtStatus* check_terms_below(const OfzSpec* s, const char* what, const int64_t* t, size_t n, size_t dims) {
   for (size_t i = 0; i < n; ++i)
     if (t[i] < 0 && (size_t)(-(t[i] + 1)) >= dims)
@@ -22,7 +23,7 @@ static OrtStatus* check_terms_below(const OfzSpec* s, const char* what, const in
 }
 
 static OrtStatus* check_terms(const OfzSpec* s, const char* what, const int64_t* t, size_t n) {
-  return check_terms_below(s, what, t, n, s->n_sym + s->n_derived);
+  return check_terms_below(s, what, t, n, s->n_sym + s->n_derived + s->n_sums);
 }
 
 // Groups (count, terms..., value) with count >= 1 terms and a value >= 1 (units_ceil, dim_limits).
@@ -123,6 +124,16 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
       return BAD("ortfuse: node '%s': sym_derived rule %zu has divisor %lld, expected >= 1", node, j,
                  (long long)s->derived[3 * j + 2]);
   }
+  size_t n_sum2 = 0;
+  TRY(ofz_attr_ints_opt(info, node, "sym_sums", s->sums, 2 * OFZ_MAX_DIMS, &n_sum2));
+  if (n_sum2 % 2) return BAD("ortfuse: node '%s': sym_sums has odd length %zu (expected (term, term) pairs)", node,
+                             n_sum2);
+  s->n_sums = n_sum2 / 2;
+  if (s->n_sym + s->n_derived + s->n_sums > OFZ_MAX_DIMS)
+    return BAD("ortfuse: node '%s': %zu runtime dims; the kernel ABI allows at most %d", node,
+               s->n_sym + s->n_derived + s->n_sums, OFZ_MAX_DIMS);
+  for (size_t j = 0; j < s->n_sums; ++j)  // each reads dims defined before it
+    TRY(check_terms_below(s, "sym_sums", &s->sums[2 * j], 2, s->n_sym + s->n_derived + j));
   TRY(ofz_attr_ints(info, node, V("units"), s->units, OFZ_MAX_TERMS, &s->n_units));
   TRY(check_terms(s, "units", s->units, s->n_units));
   TRY(ofz_attr_ints_opt(info, node, V("units_ceil"), s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
@@ -358,6 +369,8 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, 
                  s->node, (long long)size, (long long)-r[1]);
     args->dim[s->n_sym + j] = (size + r[1]) / r[2] + 1;
   }
+  for (size_t j = 0; j < s->n_sums; ++j)  // a Concat's span: the sum of its inputs' spans
+    args->dim[s->n_sym + s->n_derived + j] = term(s->sums[2 * j], args) + term(s->sums[2 * j + 1], args);
   for (size_t i = 0; i < s->n_limits;) {  // sizes the kernel was built for: 32-bit index math, sliced tables
     const size_t count = (size_t)s->dim_limits[i];
     const long long limit = s->dim_limits[i + 1 + count];
@@ -454,9 +467,21 @@ OrtStatus* ofz_spec_tma(const OfzSpec* s, OrtKernelContext* ctx, const OfzArgs* 
 }
 
 typedef struct InferDims {
-  int64_t sym[2 * OFZ_MAX_DIMS], derived[3 * OFZ_MAX_DIMS];
-  size_t n_sym, n_derived, n_in;
+  int64_t sym[2 * OFZ_MAX_DIMS], derived[3 * OFZ_MAX_DIMS], sums[2 * OFZ_MAX_DIMS];
+  size_t n_sym, n_derived, n_sums, n_in;
 } InferDims;
+
+static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_t p, int64_t* value,
+                            const char** name);
+
+// A term at shape inference: a constant, or a runtime dim before dim p that is known; -1 when unknown.
+static OrtStatus* infer_term(OrtShapeInferContext* ctx, const InferDims* d, int64_t t, size_t p, int64_t* value) {
+  const char* ignored = NULL;
+  *value = t;
+  if (t < 0 && (size_t)(-(t + 1)) < p) return infer_dim(ctx, d, (size_t)(-(t + 1)), value, &ignored);
+  if (t < 0) *value = -1;
+  return NULL;
+}
 
 // Runtime dim p at shape inference: an input's dim (with its symbol when it has no value), or a derived
 // one computed from its source when that is known; -1 (no name) when unknown.
@@ -464,14 +489,20 @@ static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_
                             const char** name) {
   *value = -1;
   *name = "";
+  if (p >= d->n_sym + d->n_derived) {  // a sum of two terms, where both are known
+    const size_t j = p - d->n_sym - d->n_derived;
+    if (j >= d->n_sums) return NULL;
+    int64_t a = -1, b = -1;
+    TRY(infer_term(ctx, d, d->sums[2 * j], p, &a));
+    TRY(infer_term(ctx, d, d->sums[2 * j + 1], p, &b));
+    if (a >= 0 && b >= 0) *value = a + b;
+    return NULL;
+  }
   if (p >= d->n_sym) {
     const size_t j = p - d->n_sym;
-    if (j >= d->n_derived) return NULL;
-    const int64_t t = d->derived[3 * j], add = d->derived[3 * j + 1], div = d->derived[3 * j + 2];
-    int64_t size = t;
-    const char* ignored = NULL;
-    if (t < 0 && (size_t)(-(t + 1)) < p) TRY(infer_dim(ctx, d, (size_t)(-(t + 1)), &size, &ignored));
-    else if (t < 0) return NULL;
+    const int64_t add = d->derived[3 * j + 1], div = d->derived[3 * j + 2];
+    int64_t size = -1;
+    TRY(infer_term(ctx, d, d->derived[3 * j], p, &size));
     if (size < 0 || div < 1 || size + add < 0) return NULL;  // unknown, or too small: Compute says so
     *value = (size + add) / div + 1;
     return NULL;
@@ -495,16 +526,18 @@ static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_
 OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t extra_len) {
   int64_t dtypes[OFZ_MAX_TENSORS], ranks[OFZ_MAX_TENSORS];
   static __thread int64_t odims[OFZ_MAX_OUT_DIMS];  // 4 KiB: keep it off the stack
-  size_t n_dt = 0, n_rk = 0, n_od = 0, n_sym2 = 0, n_der3 = 0;
+  size_t n_dt = 0, n_rk = 0, n_od = 0, n_sym2 = 0, n_der3 = 0, n_sum2 = 0;
   InferDims d;
   TRY(ofz_infer_ints(ctx, "out_dtypes", dtypes, OFZ_MAX_TENSORS, &n_dt));
   TRY(ofz_infer_ints(ctx, "out_ranks", ranks, OFZ_MAX_TENSORS, &n_rk));
   TRY(ofz_infer_ints(ctx, "out_dims", odims, OFZ_MAX_OUT_DIMS, &n_od));
   TRY(ofz_infer_ints(ctx, "sym_dims", d.sym, 2 * OFZ_MAX_DIMS, &n_sym2));
   TRY(ofz_infer_ints(ctx, "sym_derived", d.derived, 3 * OFZ_MAX_DIMS, &n_der3));
+  TRY(ofz_infer_ints(ctx, "sym_sums", d.sums, 2 * OFZ_MAX_DIMS, &n_sum2));
   TRY(ofz_ort.ShapeInferContext_GetInputCount(ctx, &d.n_in));
   d.n_sym = n_sym2 / 2;
   d.n_derived = n_der3 / 3;
+  d.n_sums = n_sum2 / 2;
   if (n_dt != n_rk) return BAD("ortfuse: shape inference: out_dtypes has %zu entries, out_ranks %zu", n_dt, n_rk);
   size_t used = 0;
   for (size_t k = 0; k < n_dt + n_extra; ++k) {

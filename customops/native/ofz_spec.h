@@ -28,6 +28,8 @@ typedef struct OfzSpec {
   int64_t sym[2 * OFZ_MAX_DIMS];
   size_t n_derived;  // triples (term, add, div): d[n_sym + j] = floor((term + add) / div) + 1
   int64_t derived[3 * OFZ_MAX_DIMS];
+  size_t n_sums;  // pairs (term, term): d[n_sym + n_derived + j] = their sum (a Concat's span along its axis)
+  int64_t sums[2 * OFZ_MAX_DIMS];
   size_t n_units;
   int64_t units[OFZ_MAX_TERMS];
   size_t n_ceil;  // groups (count, term * count, divisor): each multiplies the units by ceil(product / divisor)

@@ -11,6 +11,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, fused_parity, launch_spec, model, node, rotary, vi
 from ortfuse.api import compile_model
+from ortfuse.customops.attrs import read_launch
 from ortfuse.customops.lower import lower
 from ortfuse.customops.target import parse_arch
 
@@ -158,8 +159,9 @@ def test_vit_class_token_concat_fuses_with_the_position_add_and_layernorm(dt):
 
 def test_concat_of_computed_tensors_on_any_axis():
     """Three inputs along axis 1 (spans 5, 3, 2) and two along the last axis, the ops on either side in the
-    same kernel. A Concat with spans of symbolic size (possibly 0 at run time, where even a clamped read
-    would touch an empty buffer) is left to ORT; the one after it, of static spans, still fuses."""
+    same kernel. With spans of run-time size the same graph is one kernel too: its output's span is the sum
+    of theirs (`sym_sums` rules: s + t + 2), and each input is read only where the coordinate is in its span,
+    so an empty one (s = 0, t = 0: emulation passes it as a null pointer, as ORT may) is never touched."""
     def build(s, t):
         return model([node("Relu", ["a"], ["ra"]), node("Neg", ["b"], ["nb"]),
                       node("Concat", ["ra", "nb", "c"], ["x"], axis=1), node("Mul", ["x", "two"], ["y"]),
@@ -169,9 +171,35 @@ def test_concat_of_computed_tensors_on_any_axis():
     shapes = {"a": ("n", 5, 6), "b": ("n", 3, 6), "c": ("n", 2, 6)}
     res = fused_parity(build(5, 3), shapes, {k: (2, *v[1:]) for k, v in shapes.items()}, ["pointwise"])
     assert len(res.model.graph.node) == 1
-    res = compile_model(build("s", "t"), None, "sm_90")
-    assert any("Concats of static, non-empty spans" in r.reason for r in res.plan.rejects)
-    assert [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions] == [["Mul", "Concat", "Sigmoid"]]
+    m = build("s", "t")
+    for s, t in ((4, 3), (0, 3), (4, 0), (0, 0)):
+        res = fused_parity(m, None, {"a": (2, s, 6), "b": (2, t, 6), "c": (2, 2, 6)}, ["pointwise"])
+    assert len(res.model.graph.node) == 1
+    fused = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    spec = read_launch(fused)
+    assert len(spec.sym_sums) == 2 and spec.out_shapes[0][1] == -(len(spec.sym_dims) + 2)  # (s + t) + 2
+    given = {"a": (3, 4, 6), "b": (3, 5, 6), "c": (3, 2, 6)}
+    assert spec.dims([given[x] for x in fused.input])[-2:] == [9, 11]
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_kv_cache_concat_joins_the_kernel_and_reads_the_past_by_vectors(dt):
+    """A decoder's present key: the past [B, H, P, D] (empty at the first step) and the new tokens' key, scaled
+    from [B, S, H*D] and transposed, concatenated along the sequence: one kernel writing the present, each input
+    read by vectors under the guard that the row is one of its rows."""
+    h, d = 2, 16
+    m = model([node("Reshape", ["k", "shape"], ["k4"]), node("Transpose", ["k4"], ["kt"], perm=[0, 2, 1, 3]),
+               node("Mul", ["kt", "scale"], ["ks"]), node("Concat", ["past", "ks"], ["present"], axis=2)],
+              [vi("k", dt, ["batch", "seq", h * d]), vi("past", dt, ["batch", h, "past_seq", d])],
+              [vi("present", dt, None)],
+              [const("shape", [0, 0, h, d], I64), const("scale", 0.5, NP[dt])])
+    for past, seq in ((5, 1), (0, 3), (7, 4)):
+        res = fused_parity(m, None, {"k": (2, seq, h * d), "past": (2, h, past, d)}, ["pointwise"])
+    assert [n.op_type for n in res.model.graph.node] == ["Reshape", res.kernels[0].node.op_type]
+    src = res.kernels[0].compiled.source
+    width = 8 if dt == H else 4
+    # the past and the new key (its innermost dim is D too), each one guarded vector load per D-chunk
+    assert src.count(f"ofz::load_arg<{width}>") == 2 and src.count(") ofz::load_arg<") == 2, src
 
 
 def test_gemm_reading_a_gathered_iota_keeps_its_epilogue():

@@ -597,3 +597,48 @@ def corrupt(m: onnx.ModelProto, seed: int) -> tuple[str, onnx.ModelProto | bytes
                 t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
                 break
     return kind, m
+
+
+def random_cache(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """(model, {input: shape}) of a KV-cache-like Concat along an axis of run-time size: a cached input
+    ("past", its span "p", empty at a first step) and one or two tensors computed from "x" (span "s", or a
+    static one), in a random order along a random axis (the innermost too), element-wise ops after it, the
+    concatenation itself an output for half the seeds (the present key or value)."""
+    rng = np.random.default_rng(seed)
+    dtype = TP.FLOAT if rng.random() < 0.5 else TP.FLOAT16
+    npdt = helper.tensor_dtype_to_np_dtype(dtype)
+    rank = int(rng.integers(3, 5))
+    base = ["n"] + [int(rng.choice([2, 3, 4])) for _ in range(rank - 2)] + [int(rng.choice([4, 8, 16, 17]))]
+    axis = int(rng.integers(1, rank))
+    new_span = "s" if rng.random() < 0.6 else int(rng.choice([1, 3]))
+    nodes, inits = [], []
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=npdt), name))
+        return name
+
+    def add(op, ins, out, **attrs):
+        nodes.append(helper.make_node(op, ins, [out], name=f"{op}_{out}", **attrs))
+        return out
+
+    shape = lambda span: base[:axis] + [span] + base[axis + 1:]  # noqa: E731
+    inputs = [helper.make_tensor_value_info("past", dtype, shape("p")),
+              helper.make_tensor_value_info("x", dtype, shape(new_span))]
+    row = [1] * (rank - 1) + [base[-1]] if axis != rank - 1 else [1] * rank
+    new = add("Mul", ["x", const("scale", rng.uniform(0.5, 2.0, row))], "xs")
+    parts = ["past", add(str(rng.choice(["Neg", "Tanh", "Sigmoid"])), [new], "xn")]
+    if rng.random() < 0.3:  # a third part: the new tokens again, shifted
+        parts.append(add("Add", [new, const("shift", 0.25)], "xa"))
+    order = [parts[i] for i in rng.permutation(len(parts))]
+    cat = add("Concat", order, "present", axis=axis - rank if rng.random() < 0.5 else axis)
+    y = add("Relu", [add("Add", [cat, const("bias", rng.uniform(-1, 1, row))], "cb")], "y")
+    outputs = [helper.make_tensor_value_info(y, dtype, None)]
+    if rng.random() < 0.5:
+        outputs.append(helper.make_tensor_value_info(cat, dtype, None))
+    g = helper.make_graph(nodes, f"cache{seed}", inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = 9
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    for out, inf in zip(m.graph.output, inferred.graph.output):
+        out.type.CopyFrom(inf.type)
+    return m, {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}

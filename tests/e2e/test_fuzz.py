@@ -2,18 +2,20 @@
 run in CPU emulation against ORT on the same tensors, and the whole optimized model against the original,
 at two bindings of the symbolic dims (every third seed is optimized and checked at a fixed batch instead;
 every fourth lets fp32 GEMMs use tf32 and is checked at the tf32 tolerance). Random attention blocks
-(`random_attention`) must become one attention kernel each and match too; corrupted models (`corrupt`)
-must give our input errors, never a crash. CI runs fixed blocks of seeds; ORTFUSE_FUZZ_SEEDS=lo:hi and
-ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi run others. Tolerances are check_models': fp32 normwise relative 1e-5,
-fp16 1e-2. Seeds whose graph has an image input and a Conv or window op (Pad, Resize, pools) also run
-with the image size declared symbolic. On a GPU the same models also run against stock ORT's CUDA EP."""
+(`random_attention`) must become one attention kernel each and match too, and KV-cache Concats along a
+run-time axis (`random_cache`) must join their kernels and match with the cached part empty; corrupted
+models (`corrupt`) must give our input errors, never a crash. CI runs fixed blocks of seeds;
+ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi and ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi run others.
+Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2. Seeds whose graph has an image input
+and a Conv or window op (Pad, Resize, pools) also run with the image size declared symbolic. On a GPU the
+same models also run against stock ORT's CUDA EP."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from fuzz_graphs import corrupt, random_attention, random_model, symbolic_image
+from fuzz_graphs import corrupt, random_attention, random_cache, random_model, symbolic_image
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.config import Options
@@ -21,6 +23,7 @@ from ortfuse.errors import InputError, UnsupportedError
 
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
 _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
+_clo, _chi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_CACHE_SEEDS", "0:12").split(":"))
 _image = [s for s in range(_lo, _hi) if symbolic_image(*random_model(s)) is not None]  # seeds with a Conv
 
 
@@ -43,6 +46,19 @@ def test_random_graph_matches_ort(seed: int) -> None:
         rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n), seed=seed)
         assert rep.ok, f"seed {seed}, n={n}\n" + "\n".join(rep.lines())
         assert len(rep.kernels) == len(res.kernels)
+
+
+@pytest.mark.parametrize("seed", range(_clo, _chi))
+def test_random_cache_concat_matches_ort_with_an_empty_past(seed: int) -> None:
+    """A Concat along a run-time axis (`random_cache`) joins the kernel, which must match at a first step (the
+    cached span empty: emulation passes a null pointer for it), a later one, and with no new tokens."""
+    m, shapes = random_cache(seed)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert "Concat" not in {n.op_type for n in res.model.graph.node}, [str(r) for r in res.plan.refusals]
+    for p, s in ((0, 1), (5, 4), (3, 0)):
+        bound = {k: tuple({"n": 2, "p": p, "s": s}.get(d, d) for d in v) for k, v in shapes.items()}
+        rep = check_models(m, res.model, emulate=True, input_shapes=bound, seed=seed)
+        assert rep.ok, f"seed {seed}, past {p}, new {s}\n" + "\n".join(rep.lines())
 
 
 def _symbolic_case(seed: int):
@@ -133,3 +149,16 @@ def test_random_conv_graphs_on_symbolic_images_on_the_cuda_ep(seed: int) -> None
     res = compile_model(m, shapes, "sm_90")
     rep = check_models(m, res.model, provider="cuda", input_shapes=bound, seed=seed)
     assert rep.ok, f"seed {seed}, {bound}\n" + "\n".join(rep.lines())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(_clo, _chi))
+def test_random_cache_concats_on_the_cuda_ep(seed: int) -> None:
+    """The KV-cache Concats on the CUDA EP: sym_sums resolved by the native library, the cached part empty
+    (ORT's buffer for it may be null) and not."""
+    m, shapes = random_cache(seed)
+    res = compile_model(m, None, "sm_90")
+    for p, s in ((0, 1), (5, 4)):
+        bound = {k: tuple({"n": 2, "p": p, "s": s}.get(d, d) for d in v) for k, v in shapes.items()}
+        rep = check_models(m, res.model, provider="cuda", input_shapes=bound, seed=seed)
+        assert rep.ok, f"seed {seed}, {bound}\n" + "\n".join(rep.lines())

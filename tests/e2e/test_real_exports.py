@@ -319,3 +319,24 @@ def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
         shapes = {"input_ids": (2, new), "attention_mask": (2, total), **{n: (2, 2, 5, 16) for n in past_names}}
         rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)
         assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_decoder_step_writes_the_present_cache_in_its_kernels(zoo, dtype):
+    # the zoo's llama_decode: each layer's present key and value (Concat of the past and the new tokens along
+    # the run-time sequence axis) are written by the kernels that make the new ones (the first layer's
+    # one-input Concat, a copy DynamicCache traces, is bypassed; fp32's rotary table, on the host, stays with
+    # ORT); checked with an empty past (a
+    # prompt's first step), at one new token after 5 cached, and at 8 after 8
+    path = zoo.build("llama_decode", dtype=dtype, tiny=True)
+    res = compile_model(path, None, "sm_90")
+    cats = [n for n in res.model.graph.node if n.op_type == "Concat"]
+    assert not [n.name for n in cats if n.output[0].startswith("present") or len(n.input) == 1]
+    made_by = {o: n for n in res.model.graph.node for o in n.output}
+    presents = [o.name for o in res.model.graph.output if o.name.startswith("present")]
+    assert len(presents) == 4 and all(made_by[o].domain == "ortfuse" for o in presents)
+    past = [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+    for p, s in ((0, 4), (5, 1), (8, 8)):
+        shapes = {"input_ids": (2, s), "attention_mask": (2, p + s), **{n: (2, 2, p, 16) for n in past}}
+        rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)
+        assert rep.ok, f"past {p}, new {s}\n" + "\n".join(rep.lines())

@@ -11,8 +11,9 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
-from ortfuse.rewriter.canonical import (_static_target, bypass_noop_expands, fold_constant_identities, fold_conv_pads,
-                                       fold_runtime_shapes, fold_small_values, trusted_dim, unflatten_gemms)
+from ortfuse.rewriter.canonical import (_static_target, bypass_lone_concats, bypass_noop_expands,
+                                        fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
+                                        fold_small_values, trusted_dim, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
 
@@ -255,6 +256,21 @@ def test_identities_of_constants_are_bypassed_unless_graph_outputs():
     assert n == 3
     assert [x.output[0] for x in g2.nodes if x.op_type == "Identity"] == ["bcopy"]
     assert {x.input[0] for x in g2.nodes if x.op_type == "Add"} == {"bsrc0", "bsrc1", "bsrc2"}
+    _same_function(m, g2.model)
+
+
+def test_a_concat_of_one_input_is_bypassed_unless_a_graph_output():
+    # DynamicCache's trace: Concat([past]) read by Shape only (a copy of the cache for its size), and one that
+    # is a graph output, which stays
+    m = model([node("Concat", ["past"], ["c1"], axis=2), node("Shape", ["c1"], ["sh"]),
+               node("Concat", ["past"], ["c2"], axis=0), node("Relu", ["past"], ["r"]),
+               node("Concat", ["r", "c2"], ["c3"], axis=0)],
+              [vi("past", TP.FLOAT, ["b", 2, "p", 4])],
+              [vi("sh", TP.INT64, None), vi("c2", TP.FLOAT, None), vi("c3", TP.FLOAT, None)])
+    g2, n = bypass_lone_concats(build_graph(m, {}))
+    assert n == 1
+    assert [(x.op_type, list(x.input)) for x in g2.nodes] == [("Shape", ["past"]), ("Concat", ["past"]),
+                                                               ("Relu", ["past"]), ("Concat", ["r", "c2"])]
     _same_function(m, g2.model)
 
 

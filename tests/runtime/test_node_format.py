@@ -88,6 +88,24 @@ def test_shape_inference_computes_derived_dims_from_known_sizes() -> None:
     assert outs["Z"][1] == 4 and outs["Z"][0] in (-1, None)  # from a symbol: unknown to ORT
 
 
+# a Concat's span along a run-time axis: d1 = d0 + 3 and d2 = d1 + d0, as sym_sums (term, term) pairs
+SUMS = dict(sym_sums=[-1, 3, -2, -1], units=[-2, -3], out_dims=[-2, 4, -3, 4])
+
+
+@pytest.mark.parametrize("n", [0, 1, 9])
+def test_sum_dims_add_their_terms(n: int) -> None:
+    z, w, plan = run(session(plan_model(**SUMS)), n)
+    assert list(plan[6:9]) == [n, n + 3, 2 * n + 3] and not plan[9:22].any()
+    assert z.shape == (n + 3, 4) and w.shape == (2 * n + 3, 4) and plan[5] == (n + 3) * (2 * n + 3)
+
+
+def test_shape_inference_computes_sums_from_known_sizes() -> None:
+    outs = {o.name: o.shape for o in session(plan_model(n=5, **SUMS)).get_outputs()}
+    assert outs["Z"] == [8, 4] and outs["W"] == [13, 4]
+    outs = {o.name: o.shape for o in session(plan_model(**SUMS)).get_outputs()}
+    assert outs["Z"][1] == 4 and outs["Z"][0] in (-1, None)  # from a symbol: unknown to ORT
+
+
 def test_an_image_smaller_than_the_kernel_is_an_error_naming_the_node() -> None:
     # 7x7 kernel, no padding: the input size must be at least 7
     rule = dict(sym_derived=[-1, -7, 1], units=[-2], out_dims=[-2, 4, -2, 4])
@@ -268,6 +286,9 @@ BAD_NODES = [
     (dict(sym_derived=[-2, 0, 1]), "sym_derived\\[0\\] = -2 names runtime dim 1 but only 1"),
     (dict(sym_derived=[-1, 0, 0]), "rule 0 has divisor 0"),
     (dict(sym_derived=[-1, 0, 1], units=[-3]), "units\\[0\\] = -3 names runtime dim 2 but only 2"),
+    (dict(sym_sums=[-1, 3, -1]), "sym_sums has odd length 3"),
+    (dict(sym_sums=[-1, -2]), "sym_sums\\[1\\] = -2 names runtime dim 1 but only 1"),
+    (dict(sym_sums=[-1, 3], units=[-3]), "units\\[0\\] = -3 names runtime dim 2 but only 2"),
     (dict(dim_limits=[2, -1]), "dim_limits group at 0 has count 2"),
     (dict(dim_limits=[1, -1, 0]), "dim_limits limit at 2 = 0"),
     (dict(dim_limits=[1, -9, 5]), "dim_limits\\[0\\] = -9"),
