@@ -117,18 +117,22 @@ def _gpt2(tiny: bool) -> tuple[Any, ModelInfo]:
   return _tag(module, source), info
 
 
+def _smollm(tiny: bool, use_cache: bool) -> Any:
+  """SmolLM-135M's configuration (Llama: RMSNorm, rotary embeddings, grouped-query attention with 3 key/value
+  heads for 9 query heads, SiLU-gated MLP, tied LM head); tiny: 2 layers, hidden 64."""
+  layers, hidden, heads, kv, inter, vocab = (2, 64, 4, 2, 172, 1000) if tiny else (30, 576, 9, 3, 1536, 49152)
+  return _transformers().LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                     max_position_embeddings=2048, tie_word_embeddings=True, use_cache=use_cache,
+                                     attn_implementation="eager")
+
+
 def _llama(tiny: bool) -> tuple[Any, ModelInfo]:
-  """SmolLM-135M's architecture (Llama: RMSNorm, rotary embeddings, grouped-query attention with 3 key/value
-  heads for 9 query heads, SiLU-gated MLP, tied LM head)."""
-  layers, hidden, heads, kv, inter, vocab, seq = ((2, 64, 4, 2, 172, 1000, 16) if tiny
-                                                  else (30, 576, 9, 3, 1536, 49152, 128))
-  tf = _transformers()
-  cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
-                       tie_word_embeddings=True, use_cache=False, attn_implementation="eager")
-  module, source = tf.LlamaForCausalLM(cfg), "transformers.LlamaForCausalLM"
-  info = ModelInfo("llama", "llama", None, heads, hidden, _text_inputs(vocab, seq, True, False), ("logits",),
-                   {"sequence": seq})
+  """SmolLM-135M's architecture, a plain forward over 128 tokens (tiny: 16)."""
+  cfg, seq = _smollm(tiny, False), 16 if tiny else 128
+  module, source = _transformers().LlamaForCausalLM(cfg), "transformers.LlamaForCausalLM"
+  info = ModelInfo("llama", "llama", None, cfg.num_attention_heads, cfg.hidden_size,
+                   _text_inputs(cfg.vocab_size, seq, True, False), ("logits",), {"sequence": seq})
   return _tag(module, source), info
 
 
@@ -139,13 +143,10 @@ def _llama_decode(tiny: bool) -> tuple[Any, ModelInfo]:
   """`llama` as a serving stack runs it for generation: the new tokens' ids, a mask over past and new tokens,
   every layer's cached keys and values in; logits and the present keys and values (past and new concatenated)
   out. Benchmarked one new token after a past of 512 (tiny: 16): the step generation repeats."""
-  layers, hidden, heads, kv, inter, vocab, past = ((2, 64, 4, 2, 172, 1000, 16) if tiny
-                                                   else (30, 576, 9, 3, 1536, 49152, 512))
-  tf = _transformers()
   import torch
-  cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
-                       tie_word_embeddings=True, use_cache=True, attn_implementation="eager")
+  tf, cfg, past = _transformers(), _smollm(tiny, True), 16 if tiny else 512
+  layers, heads, kv, hidden, vocab = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                      cfg.hidden_size, cfg.vocab_size)
   lm = tf.LlamaForCausalLM(cfg)
   cached = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
 
