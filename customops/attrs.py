@@ -137,15 +137,9 @@ class Launch:
         return [self, *(launch for _, launch in self.variants)]
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
-        """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size)."""
+        """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size), then
+        sums (a Concat's span along a run-time axis); other inputs' axes checked against them."""
         dims = [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
-        for i, axis, t in self.dim_checks:
-            shape, want = input_shapes[i], self.resolve([t], dims)[0]
-            if axis >= len(shape) or int(shape[axis]) != want:
-                got = f"size {shape[axis]} at axis {axis}" if axis < len(shape) else f"rank {len(shape)}, no axis {axis}"
-                raise ValueError(f"{self.entry}: input {i} has {got}, but the kernel was built for {want} there "
-                                 f"({'axis %d of input %d' % self.sym_dims[-t - 1][::-1] if t < 0 else 'a size'} "
-                                 f"shape inference took for it)")
         for t, add, div in self.sym_derived:
             size = t if t >= 0 else dims[-t - 1]
             if size + add < 0:
@@ -154,6 +148,15 @@ class Launch:
             dims.append((size + add) // div + 1)
         for a, b in self.sym_sums:  # a Concat's span along a run-time axis
             dims.append(sum(self.resolve((a, b), dims)))
+        for i, axis, t in self.dim_checks:
+            shape, want = input_shapes[i], self.resolve([t], dims)[0]
+            if axis >= len(shape) or int(shape[axis]) != want:
+                got = f"size {shape[axis]} at axis {axis}" if axis < len(shape) else f"rank {len(shape)}, no axis {axis}"
+                why = ("axis %d of input %d, which shape inference took for it" % self.sym_dims[-t - 1][::-1]
+                       if 0 < -t <= len(self.sym_dims) else "the spans a Concat joins along it, summed" if t < 0
+                       else "a size shape inference took for it")
+                raise ValueError(f"{self.entry}: input {i} has {got}, but the kernel was built for {want} there "
+                                 f"({why})")
         for terms, limit in self.dim_limits:
             if math.prod(self.resolve(terms, dims)) >= limit:
                 raise ValueError(f"{self.entry}: a size of {math.prod(self.resolve(terms, dims))} exceeds what this "

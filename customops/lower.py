@@ -183,6 +183,20 @@ class _Lowerer:
                 for d in (graph.tensors[o].shape or ()) if o in graph.tensors else ():
                     if isinstance(d, str) and d not in self.dims:
                         self._sum_dim(d)
+        # a Concat's span that an input declares too (a mask over "past + seq" beside the Concat of the past and
+        # the new tokens): bound from that input, so checked at launch against the sum of the spans it joins
+        self.sum_checks: list[tuple[int, int, int]] = []
+        for i in region.nodes:
+            n = graph.nodes[i]
+            out = graph.tensors.get(n.output[0]) if n.op_type == "Concat" else None
+            if out is None or not out.shape:
+                continue
+            axis = scalar.attr(n, "axis", 0) % len(out.shape)
+            d, spans = out.shape[axis], [self._shape(x)[axis] for x in n.input if x]
+            if isinstance(d, str) and self.dims.get(d, len(self.sym_pairs)) < len(self.sym_pairs) and \
+                    all(isinstance(x, int) or x in self.dims for x in spans):
+                terms = [x if isinstance(x, int) else -self.dims[x] - 1 for x in spans]
+                self.sum_checks.append((*self.sym_pairs[self.dims[d]], self._sum_of(terms)))
         # outputs that are transposes of the iteration space: stored at the permuted index
         space = tuple(region.space)
         self.perms: dict[str, tuple[int, ...]] = {}
@@ -249,13 +263,17 @@ class _Lowerer:
                 terms += [-self.dims[name] - 1] * (int(k) if k else 1)
             else:
                 return
-        if len(terms) < 2:
-            return
+        if len(terms) >= 2:
+            self.dims[d] = -self._sum_of(terms) - 1
+
+    def _sum_of(self, terms: list[int]) -> int:
+        """The term of a new runtime dim that is the sum of `terms` (encoded like `units`): a chain of sym_sums
+        rules, each adding one term."""
         acc = terms[0]
         for t in terms[1:]:
             self.sums.append((acc, t))
             acc = -self.num_dims  # the rule just added is runtime dim num_dims - 1
-        self.dims[d] = -acc - 1
+        return acc
 
     def encode(self, d: Dim) -> int:
         if isinstance(d, int):
@@ -662,6 +680,11 @@ class _Lowerer:
         geo = pad.geometry(self.g, node)
         if isinstance(geo, str):
             raise LoweringError(f"Pad '{node.name}': {geo}")
+        # a padded axis of run-time size may be empty (ORT may then give a null buffer): the input is read only
+        # inside it; edge and reflect modes have nothing to read there, so they stay with ORT
+        runtime = any(isinstance(geo.in_shape[a], str) for a, (b, e) in enumerate(zip(geo.begins, geo.ends)) if b or e)
+        if runtime and geo.mode != "constant":
+            raise LoweringError(f"Pad '{node.name}': {geo.mode} padding along an axis of run-time size (it may be empty)")
         coord, inside = list(idx), []
         for a, (b, e) in enumerate(zip(geo.begins, geo.ends)):
             if not b and not e:
@@ -678,15 +701,24 @@ class _Lowerer:
                     inside.append(ir.Op("not", (ir.Op("or", (lo, hi), BOOL),), BOOL))
                 c = ir.Op("min", (ir.Op("max", (c, ir.i64(0)), I64), last), I64)
             coord[a] = self.bind(c, "i")
-        v = self.value(node.input[0], tuple(coord))
         if not inside:
-            return v
-        ok = inside[0]
+            return self.value(node.input[0], tuple(coord))
+        ok: Expr = inside[0]
         for more in inside[1:]:
             ok = ir.Op("and", (ok, more), BOOL)
+        if runtime:  # read under the guard that the coordinate is inside
+            ok, outer = self.bind_once(ok, "inb"), self.guard
+            self.guard = ok if outer is None else self.bind_once(ir.Op("and", (outer, ok), BOOL), "inb")
+            try:
+                v = self.value(node.input[0], tuple(coord))
+            finally:
+                self.guard = outer
+        else:
+            v = self.value(node.input[0], tuple(coord))
+            ok = self.bind(ok, "inb")
         fill = ir.Const(bool(geo.value) if v.ctype == BOOL else geo.value if v.ctype == F32 else int(geo.value),
                         v.ctype)
-        return ir.Op("select", (self.bind(ok, "inb"), v, fill), v.ctype)
+        return ir.Op("select", (ok, v, fill), v.ctype)
 
     def _original(self, geo, a: int, c: Expr, n_in: Expr, n_out: Expr) -> Expr:
         """The input coordinate (fp32) of output coordinate `c` on axis `a`, in ORT's float arithmetic."""
@@ -1151,8 +1183,11 @@ def lower(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
     if tgt.pdl:  # the same kernel, launched so that it may overlap its predecessor: a name of its own
         spec = dataclasses.replace(spec, kernel=dataclasses.replace(
             spec.kernel, name=spec.kernel.name + "_pdl", pdl=True, prefetch=prefetched(graph, region, spec, tgt)))
+    checks = tuple(sorted(dim_checks(graph, spec) + spec.dim_checks))  # grouped by input: one shape query each
+    if len(checks) > MAX_DIM_CHECKS:
+        raise LoweringError(f"{len(checks)} input dims to check at launch; the node format holds {MAX_DIM_CHECKS}")
     return dataclasses.replace(spec, arg_align=ir.arg_alignment(spec.kernel, len(spec.inputs) + len(spec.outputs)),
-                               shape_reads=reads, dim_checks=dim_checks(graph, spec),
+                               shape_reads=reads, dim_checks=checks,
                                dim_limits=spec.dim_limits + slice_limits(graph, region, spec))
 
 
@@ -1246,5 +1281,5 @@ def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(k, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, per_block,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes,
-                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums))
+                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums), dim_checks=tuple(lw.sum_checks))
 

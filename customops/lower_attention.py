@@ -334,5 +334,6 @@ def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = 
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil,
-                      split_k=split, sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums))
+                      split_k=split, sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums),
+                      dim_checks=tuple(lw.sum_checks))
 

@@ -800,5 +800,6 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
                       tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
                       tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster, multicast=lw.multicast,
-                      tile_us=lw.tile_us, binding_rows=lw.binding_rows, sym_sums=tuple(lw.sums))
+                      tile_us=lw.tile_us, binding_rows=lw.binding_rows, sym_sums=tuple(lw.sums),
+                      dim_checks=tuple(lw.sum_checks))
 

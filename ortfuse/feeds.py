@@ -52,7 +52,7 @@ def bind_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None = No
     for _, _, p, _ in dims:
         if p not in bound:
             v = eval_dim(p, bound, lambda n: default(n, False))
-            bound[p] = v if v is not None and v > 0 else default(p, p in leading)
+            bound[p] = v if v is not None and v >= 0 else default(p, p in leading)
     return bound
 
 
@@ -66,7 +66,7 @@ def _solve_for(text: str, value: int, bound: dict[str, int], plain: set[str]) ->
     if at0 is None or at1 is None or at1 == at0 or (value - at0) % (at1 - at0):
         return
     x = (value - at0) // (at1 - at0)
-    if x > 0 and eval_dim(text, {**bound, free[0]: x}, lambda n: DEFAULT_DIM) == value:
+    if x >= 0 and eval_dim(text, {**bound, free[0]: x}, lambda n: DEFAULT_DIM) == value:  # an empty past: 0
         bound[free[0]] = x
 
 
@@ -96,7 +96,7 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None =
                              f"{'x'.join(map(str, given))}, has rank {len(given)}")
         dims = [given[k] if given is not None and isinstance(given[k], int)
                 else d.dim_value if d.HasField("dim_value") and d.dim_value > 0
-                else bound.get(d.dim_param) or DEFAULT_DIM for k, d in enumerate(tt.shape.dim)]
+                else bound.get(d.dim_param, DEFAULT_DIM) for k, d in enumerate(tt.shape.dim)]
         dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
         if dt.kind == "f":
             feeds[vi.name] = rng.standard_normal(dims).astype(dt)

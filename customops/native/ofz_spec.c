@@ -148,9 +148,10 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
   s->n_checks = n_chk3 / 3;
   for (size_t j = 0; j < s->n_checks; ++j) {
     const int64_t* c = &s->dim_checks[3 * j];
-    if (c[0] < 0 || (size_t)c[0] >= n_in || c[1] < 0 || c[1] >= 64 || (c[2] < 0 && (size_t)(-(c[2] + 1)) >= s->n_sym))
+    if (c[0] < 0 || (size_t)c[0] >= n_in || c[1] < 0 || c[1] >= 64 ||
+        (c[2] < 0 && (size_t)(-(c[2] + 1)) >= s->n_sym + s->n_derived + s->n_sums))
       return BAD("ortfuse: node '%s': dim_checks triple %zu = (%lld, %lld, %lld) does not name an input axis and a "
-                 "size or bound dim", node, j, (long long)c[0], (long long)c[1], (long long)c[2]);
+                 "size or runtime dim", node, j, (long long)c[0], (long long)c[1], (long long)c[2]);
   }
 
   TRY(ofz_attr_ints_opt(info, node, V("arg_align"), s->align, OFZ_MAX_TENSORS, &s->n_align));
@@ -342,25 +343,6 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, 
   *variant = pick(s, args);
   s = specs[*variant];  // from here on the chosen kernel's own rules (alignment, limits, grid)
   for (size_t i = 0; i < n_in; ++i) TRY(check_aligned(s, i, args->ptr[i]));
-  for (size_t j = 0; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims
-    const int64_t* c = &s->dim_checks[3 * j];
-    if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each
-      have = (size_t)c[0];
-      TRY(input_dims(ctx, have, dims, &rank));
-    }
-    const int64_t want = term(c[2], args);
-    if ((size_t)c[1] >= rank || dims[c[1]] != want) {
-      char got[64], from[64];
-      if ((size_t)c[1] >= rank) snprintf(got, sizeof got, "rank %zu, no axis %lld", rank, (long long)c[1]);
-      else snprintf(got, sizeof got, "size %lld at axis %lld", (long long)dims[c[1]], (long long)c[1]);
-      if (c[2] < 0) snprintf(from, sizeof from, "axis %lld of input %lld", (long long)s->sym[2 * -(c[2] + 1) + 1],
-                             (long long)s->sym[2 * -(c[2] + 1)]);
-      else snprintf(from, sizeof from, "a size");
-      return BAD("ortfuse: node '%s': input %lld has %s, but the kernel was built for %lld there (%s shape "
-                 "inference took for it); run the original model, or optimize with the input shapes fixed "
-                 "(--input-shape)", s->node, (long long)c[0], got, (long long)want, from);
-    }
-  }
   for (size_t j = 0; j < s->n_derived; ++j) {  // a Conv's output size from its input's
     const int64_t* r = &s->derived[3 * j];
     const int64_t size = term(r[0], args);
@@ -371,6 +353,28 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, 
   }
   for (size_t j = 0; j < s->n_sums; ++j)  // a Concat's span: the sum of its inputs' spans
     args->dim[s->n_sym + s->n_derived + j] = term(s->sums[2 * j], args) + term(s->sums[2 * j + 1], args);
+  for (size_t j = 0; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims, or their sums
+    const int64_t* c = &s->dim_checks[3 * j];
+    if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each
+      have = (size_t)c[0];
+      TRY(input_dims(ctx, have, dims, &rank));
+    }
+    const int64_t want = term(c[2], args);
+    if ((size_t)c[1] >= rank || dims[c[1]] != want) {
+      char got[64], from[96];
+      if ((size_t)c[1] >= rank) snprintf(got, sizeof got, "rank %zu, no axis %lld", rank, (long long)c[1]);
+      else snprintf(got, sizeof got, "size %lld at axis %lld", (long long)dims[c[1]], (long long)c[1]);
+      const size_t k = c[2] < 0 ? (size_t)(-(c[2] + 1)) : 0;
+      if (c[2] < 0 && k < s->n_sym)
+        snprintf(from, sizeof from, "axis %lld of input %lld, which shape inference took for it",
+                 (long long)s->sym[2 * k + 1], (long long)s->sym[2 * k]);
+      else if (c[2] < 0) snprintf(from, sizeof from, "the spans a Concat joins along it, summed");
+      else snprintf(from, sizeof from, "a size shape inference took for it");
+      return BAD("ortfuse: node '%s': input %lld has %s, but the kernel was built for %lld there (%s); run the "
+                 "original model, or optimize with the input shapes fixed (--input-shape)", s->node,
+                 (long long)c[0], got, (long long)want, from);
+    }
+  }
   for (size_t i = 0; i < s->n_limits;) {  // sizes the kernel was built for: 32-bit index math, sliced tables
     const size_t count = (size_t)s->dim_limits[i];
     const long long limit = s->dim_limits[i + 1 + count];

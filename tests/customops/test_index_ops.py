@@ -182,6 +182,23 @@ def test_concat_of_computed_tensors_on_any_axis():
     assert spec.dims([given[x] for x in fused.input])[-2:] == [9, 11]
 
 
+def test_an_input_declaring_the_concat_span_is_checked_against_its_sum():
+    """A mask declared over "p + s" beside the Concat of the past and new masks: the kernel binds the span from
+    the mask, so each launch checks it against p + s (an input ORT would refuse is an error, never a read past
+    the new mask's end)."""
+    m = model([node("Concat", ["pm", "nm"], ["c"], axis=-1), node("Cast", ["c"], ["cb"], to=TP.BOOL),
+               node("Where", ["cb", "x", "neg"], ["y"])],
+              [vi("pm", TP.INT64, ["b", "p"]), vi("nm", TP.INT64, ["b", "s"]), vi("x", F, ["b", "p + s"])],
+              [vi("y", F, None)], [const("neg", -1e4)])
+    for p, s in ((3, 2), (0, 2)):
+        res = fused_parity(m, None, {"pm": (2, p), "nm": (2, s), "x": (2, p + s)}, ["pointwise"])
+    fused = next(n for n in res.model.graph.node if n.domain == "ortfuse")
+    spec = read_launch(fused)
+    shapes = {"pm": (2, 3), "nm": (2, 0), "x": (2, 5)}
+    with pytest.raises(ValueError, match="has size 5 at axis 1, but the kernel was built for 3 there \\(the spans"):
+        spec.dims([shapes[t] for t in fused.input])
+
+
 @pytest.mark.parametrize("dt", [F, H])
 def test_kv_cache_concat_joins_the_kernel_and_reads_the_past_by_vectors(dt):
     """A decoder's present key: the past [B, H, P, D] (empty at the first step) and the new tokens' key, scaled

@@ -42,3 +42,20 @@ def test_what_stays_with_ort(mode, pads, why):
     p = plan(g, for_cc(90))
     assert not any(g.nodes[i].op_type == "Pad" for r in p.regions for i in r.nodes)
     assert any(why in r.reason for r in p.rejects), [str(r) for r in p.rejects]
+
+
+def test_constant_pad_along_a_run_time_axis_reads_only_inside():
+    """A zero Pad of an axis of run-time size (a cache that may be empty: ORT may then give a null buffer, and
+    emulation passes one) reads the input under the guard that the coordinate is inside it; the output's size
+    'p + 3' is a runtime dim. Edge padding of such an axis has nothing to read when it is empty: ORT's."""
+    def build(mode):
+        return model([node("Pad", ["past", "pads"], ["pp"], mode=mode), node("Relu", ["pp"], ["z"])],
+                     [vi("past", TP.FLOAT, ["b", "p", 16])], [vi("z", TP.FLOAT, None)],
+                     [const("pads", np.array([0, 2, 0, 0, 1, 0]), np.int64)])
+    for p in (3, 0):
+        res = fused_parity(build("constant"), None, {"past": (2, p, 16)}, ["pointwise"])
+    assert "if (inb" in res.kernels[0].compiled.source
+    from ortfuse.api import compile_model
+    res = compile_model(build("edge"), None, "sm_90")
+    assert "Pad" in {n.op_type for n in res.model.graph.node}
+    assert any("edge padding along an axis of run-time size" in str(r) for r in res.plan.refusals)

@@ -61,3 +61,12 @@ def test_harness_feeds_evaluate_the_decoder_mask():
     assert feeds["attention_mask"].shape == (3, 32) and feeds["past_key_values.0.key"].shape == (3, 2, 31, 16)
     assert feeds["input_ids"].shape == (3, 1)
     assert np.all(feeds["attention_mask"][0] == 1) and feeds["attention_mask"].min() == 0  # padding on later rows
+
+
+def test_an_empty_past_binds_zero():
+    # the cache given empty: the other cache input and the mask follow; a mask as long as the new tokens solves
+    # for an empty past
+    feeds = random_feeds(_decoder_inputs(), {"past_key_values.0.key": [2, 2, 0, 16], "input_ids": [2, 4]})
+    assert feeds["attention_mask"].shape == (2, 4)
+    bound = bind_dims(_decoder_inputs(), {"input_ids": [2, 4], "attention_mask": [2, 4]})
+    assert bound["past_sequence_length"] == 0 and bound[TOTAL] == 4

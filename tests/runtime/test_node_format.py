@@ -99,6 +99,16 @@ def test_sum_dims_add_their_terms(n: int) -> None:
     assert z.shape == (n + 3, 4) and w.shape == (2 * n + 3, 4) and plan[5] == (n + 3) * (2 * n + 3)
 
 
+def test_an_input_declaring_a_sum_is_checked_against_it() -> None:
+    # Y's rows declared the Concat's span (a mask over past + new beside the Concat of the two): n + 3 here
+    sess = session(plan_model(name="sum_node", sym_sums=[-1, 3], dim_checks=[1, 0, -2]))
+    with pytest.raises(Exception, match="sum_node.*input 1 has size 4 at axis 0, but the kernel was built for 7 "
+                                        "there \\(the spans a Concat joins along it, summed"):
+        run(sess, 4)
+    z, _, plan = sess.run(None, {"X": np.ones((4, 4), np.float32), "Y": np.ones((7, 4), np.float32)})
+    assert list(plan[6:8]) == [4, 7]
+
+
 def test_shape_inference_computes_sums_from_known_sizes() -> None:
     outs = {o.name: o.shape for o in session(plan_model(n=5, **SUMS)).get_outputs()}
     assert outs["Z"] == [8, 4] and outs["W"] == [13, 4]
