@@ -317,6 +317,9 @@ def _size_variants(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKer
 
     if k.retiled or len(k.spec.tile_us) < 2 or len(k.spec.binding_rows) < 2:
         return k
+    from ortfuse.customops.attrs import variant_rows
+    if any(t < 0 and -t - 1 >= len(k.spec.sym_dims) for t in variant_rows(k.spec)):
+        return k  # the library picks a variant from dims bound at inputs, before it derives or sums others
     first, more, _ = by_size(k.spec.tile_us, k.spec.binding_rows, k.spec.tile_us[0][1])
     if first is None:
         return k

@@ -25,18 +25,17 @@ def bind_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None = No
               default: Callable[[str, bool], int] = default_dim) -> dict[str, int]:
     """A value for every symbolic dim the graph inputs declare, one per name across all inputs: the value of
     a shape given for an input (`shapes`: ints, other entries left open), else `fixed`, else
-    default(name, leading: the name leads some input of rank >= 2). A dim that is an expression of others
+    default(name, leading: the name leads some input). A dim that is an expression of others
     ("past_sequence_length + 1", as optimum names a decoder's attention mask) is evaluated from theirs, and
     a value given for one solves for its one unbound name."""
     shapes, fixed = shapes or {}, dict(fixed or {})
     inits = {i.name for i in model.graph.initializer}
-    dims = [(vi.name, k, d.dim_param, len(vi.type.tensor_type.shape.dim))
-            for vi in model.graph.input if vi.name not in inits
+    dims = [(vi.name, k, d.dim_param) for vi in model.graph.input if vi.name not in inits
             for k, d in enumerate(vi.type.tensor_type.shape.dim) if d.dim_param]
-    plain = {p for _, _, p, _ in dims if not is_dim_expression(p)}
+    plain = {p for _, _, p in dims if not is_dim_expression(p)}
     given: dict[str, int] = {}
     solve: list[tuple[str, int]] = []
-    for name, k, p, _ in dims:
+    for name, k, p in dims:
         g = shapes.get(name)
         if g is not None and k < len(g) and isinstance(g[k], int):
             if p in plain:
@@ -46,10 +45,10 @@ def bind_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None = No
     bound = {**fixed, **given}
     for text, value in solve:
         _solve_for(text, value, bound, plain)
-    leading = {p for _, k, p, rank in dims if k == 0 and rank >= 2}
+    leading = {p for _, k, p in dims if k == 0}
     for p in sorted(plain - bound.keys()):
         bound[p] = default(p, p in leading)
-    for _, _, p, _ in dims:
+    for _, _, p in dims:
         if p not in bound:
             v = eval_dim(p, bound, lambda n: default(n, False))
             bound[p] = v if v is not None and v >= 0 else default(p, p in leading)
