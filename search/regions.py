@@ -10,7 +10,9 @@
 2. GEMM epilogues: each MatMul/Gemm/Conv absorbs the group that consumes its result when the merged region
    lowers to one GEMM kernel (a group with a row reduction over the GEMM's N axis becomes a row-wise
    epilogue, one tile spanning each row) and the cost model says it beats cuBLAS followed by the group
-   as its own kernel;
+   as its own kernel; element-wise groups left reading one GEMM's result in the same iteration space
+   (siblings: a decoder's present key and value, both made from the packed projection) then merge into one
+   kernel, which reads the result once and launches once;
 3. conv chains: a Conv whose image is computed by a group of element-wise ops (a depthwise Conv with its
    activation, typically: MobileNet's depthwise -> pointwise pair) takes that group into its im2col gather
    when nothing else reads the group's result, so the intermediate image is never written; the cost model
@@ -242,6 +244,22 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
             offered.add(i)
             merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}",
                   beats_split(grp, group_of[i] if i in claimed_folds else None))
+
+    for i in gemms:  # phase 2b: element-wise groups reading one GEMM's result in the same space are one kernel
+        # (a decoder's present key and value, both made from the packed projection): one launch, one read
+        def pointwise_space(grp: frozenset[int]) -> Optional[tuple]:
+            r = legal.classify(g, set(grp))
+            return None if isinstance(r, Reject) or r.kind != "pointwise" else tuple(r.space)
+        sibs: list[frozenset[int]] = []
+        for c in g.consumers.get(g.nodes[i].output[0], ()):
+            grp = group_of.get(c)
+            if grp is not None and i not in grp and grp not in sibs and pointwise_space(grp) is not None:
+                sibs.append(grp)
+        for k, grp in enumerate(sibs):
+            for other in sibs[k + 1:]:
+                mine, theirs = group_of[min(grp)], group_of[min(other)]
+                if mine != theirs and pointwise_space(mine) == pointwise_space(theirs):
+                    attempt(set(mine | theirs), f"siblings reading {g.node_label(i)}", None, quiet=True)
 
     for i in gemms:  # phase 3: conv chains
         _take_prologue(g, i, group_of, merge, cost, with_traffic, refusals)

@@ -335,6 +335,8 @@ def test_decoder_step_writes_the_present_cache_in_its_kernels(zoo, dtype):
     made_by = {o: n for n in res.model.graph.node for o in n.output}
     presents = [o.name for o in res.model.graph.output if o.name.startswith("present")]
     assert len(presents) == 4 and all(made_by[o].domain == "ortfuse" for o in presents)
+    # each layer's key and value, both made from the packed projection, are one kernel's outputs
+    assert made_by["present.0.key"] is made_by["present.0.value"]
     past = [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
     for p, s in ((0, 4), (5, 1), (8, 8)):
         shapes = {"input_ids": (2, s), "attention_mask": (2, p + s), **{n: (2, 2, p, 16) for n in past}}

@@ -391,3 +391,22 @@ def test_a_host_tensor_read_on_the_host_by_its_kernel_keeps_the_node_on_the_gpu(
     host = legal.host_tensors(g)
     assert {"s", "d", "d1", "tgt", "pos", "pf"} <= host and not {"xr", "y"} & host
 
+
+
+def test_element_wise_siblings_of_one_gemm_are_one_kernel():
+    # a decoder's present key and value: both made from one projection's result in the same space, one launch
+    # reading it once; a third consumer in another space stays a kernel of its own
+    rng = np.random.default_rng(0)
+    m = model([node("MatMul", ["x", "w"], ["y"]),
+               node("Slice", ["y", "s0", "s1", "ax"], ["k"]), node("Mul", ["k", "two"], ["k2"]),
+               node("Concat", ["pk", "k2"], ["present_k"], axis=1),
+               node("Slice", ["y", "s1", "s2", "ax"], ["v"]), node("Concat", ["pv", "v"], ["present_v"], axis=1),
+               node("ReduceSum", ["y", "ax"], ["r"], keepdims=1), node("Sigmoid", ["r"], ["rs"])],
+              [vi("x", F, ["b", "s", 32]), vi("pk", F, ["b", "p", 16]), vi("pv", F, ["b", "p", 16])],
+              [vi("present_k", F, None), vi("present_v", F, None), vi("rs", F, None)],
+              [const("w", rng.standard_normal((32, 32)).astype(np.float32)), const("two", 2.0),
+               const("s0", [0], np.int64), const("s1", [16], np.int64), const("s2", [32], np.int64),
+               const("ax", [-1], np.int64)])
+    g, p = _plan(m)
+    outs = [set(r.outputs) for r in p.regions if r.kind == "pointwise"]
+    assert {"present_k", "present_v"} in outs, [(r.kind, r.outputs) for r in p.regions]
