@@ -245,16 +245,19 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
             merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}",
                   beats_split(grp, group_of[i] if i in claimed_folds else None))
 
-    for i in gemms:  # phase 2b: element-wise groups reading one GEMM's result in the same space are one kernel
-        # (a decoder's present key and value, both made from the packed projection): one launch, one read
+    for i in gemms:  # phase 2b: element-wise groups reading one GEMM's result (with its epilogue) in the same space
+        # are one kernel (a decoder's present key and value, both made from the packed projection): one launch,
+        # one read
         def pointwise_space(grp: frozenset[int]) -> Optional[tuple]:
             r = legal.classify(g, set(grp))
             return None if isinstance(r, Reject) or r.kind != "pointwise" else tuple(r.space)
         sibs: list[frozenset[int]] = []
-        for c in g.consumers.get(g.nodes[i].output[0], ()):
-            grp = group_of.get(c)
-            if grp is not None and i not in grp and grp not in sibs and pointwise_space(grp) is not None:
-                sibs.append(grp)
+        mine = group_of.get(i, frozenset((i,)))  # with its epilogue (a bias), if it took one
+        for t in (o for n in mine for o in g.nodes[n].output):
+            for c in g.consumers.get(t, ()):
+                grp = group_of.get(c)
+                if grp is not None and i not in grp and grp not in sibs and pointwise_space(grp) is not None:
+                    sibs.append(grp)
         for k, grp in enumerate(sibs):
             for other in sibs[k + 1:]:
                 mine, theirs = group_of[min(grp)], group_of[min(other)]
