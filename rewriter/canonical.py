@@ -483,8 +483,9 @@ def fold_constant_identities(g: Graph) -> tuple[Graph, int]:
 
 
 def bypass_lone_concats(g: Graph) -> tuple[Graph, int]:
-    """(new graph, number of Concats bypassed): a Concat of a single input is a copy, which ORT runs as a kernel
-    (transformers' DynamicCache traces one of the first layer's cached keys, read only by Shape: at a past of
+    """(new graph, number of Concats bypassed): a Concat of a single input is a copy, which ORT runs as a kernel.
+    transformers' DynamicCache traces them: each layer's key and value when the cache starts empty (a CausalLM
+    exported as it comes), and the first layer's cached key read only by Shape when it does not (at a past of
     512 and batch 32, a 3 MB copy for a shape). Its consumers read the input. `g` is left untouched."""
     alias: dict[str, str] = {}
     for n in g.nodes:

@@ -245,24 +245,25 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
             merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}",
                   beats_split(grp, group_of[i] if i in claimed_folds else None))
 
+    def pointwise_space(grp: frozenset[int]) -> Optional[tuple]:
+        r = legal.classify(g, set(grp))
+        return None if isinstance(r, Reject) or r.kind != "pointwise" else tuple(r.space)
+
     for i in gemms:  # phase 2b: element-wise groups reading one GEMM's result (with its epilogue) in the same space
         # are one kernel (a decoder's present key and value, both made from the packed projection): one launch,
         # one read
-        def pointwise_space(grp: frozenset[int]) -> Optional[tuple]:
-            r = legal.classify(g, set(grp))
-            return None if isinstance(r, Reject) or r.kind != "pointwise" else tuple(r.space)
         sibs: list[frozenset[int]] = []
-        mine = group_of.get(i, frozenset((i,)))  # with its epilogue (a bias), if it took one
-        for t in (o for n in mine for o in g.nodes[n].output):
+        gemm = group_of.get(i, frozenset((i,)))  # with its epilogue (a bias), if it took one
+        for t in (o for n in gemm for o in g.nodes[n].output):
             for c in g.consumers.get(t, ()):
                 grp = group_of.get(c)
                 if grp is not None and i not in grp and grp not in sibs and pointwise_space(grp) is not None:
                     sibs.append(grp)
         for k, grp in enumerate(sibs):
             for other in sibs[k + 1:]:
-                mine, theirs = group_of[min(grp)], group_of[min(other)]
-                if mine != theirs and pointwise_space(mine) == pointwise_space(theirs):
-                    attempt(set(mine | theirs), f"siblings reading {g.node_label(i)}", None, quiet=True)
+                a, b = group_of[min(grp)], group_of[min(other)]  # as merged so far
+                if a != b and pointwise_space(a) == pointwise_space(b):
+                    attempt(set(a | b), f"siblings reading {g.node_label(i)}", None, quiet=True)
 
     for i in gemms:  # phase 3: conv chains
         _take_prologue(g, i, group_of, merge, cost, with_traffic, refusals)
