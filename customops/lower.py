@@ -165,7 +165,7 @@ class _Lowerer:
         # a Conv's output size on a symbolic image, from its input's: dim n_sym + j is
         # floor((d[src] + add) / div) + 1 for derived[j] = (src term, add, div)
         self.derived: list[tuple[int, int, int]] = []
-        self.sums: list[tuple[int, int]] = []  # after the derived ones (`_sum_dim`)
+        self.sums: list[tuple[int, int]] = []  # after the derived ones (`_sum_of`)
         for i in region.nodes:
             n = graph.nodes[i]
             geo = conv.conv_geometry(graph, n) if n.op_type in ops.CONV else None
@@ -177,12 +177,6 @@ class _Lowerer:
                     self.dims[out] = self.num_dims
                     self.derived.append((-self.dims[size] - 1, add, div))
                     self.hints.setdefault(out, (self.hint(size) + add) // div + 1)
-        # a dim that is a sum of the inputs' dims ('past + seq': a Concat along a run-time axis), from theirs
-        for i in region.nodes:
-            for o in graph.nodes[i].output:
-                for d in (graph.tensors[o].shape or ()) if o in graph.tensors else ():
-                    if isinstance(d, str) and d not in self.dims:
-                        self._sum_dim(d)
         # a Concat's span that an input declares too (a mask over "past + seq" beside the Concat of the past and
         # the new tokens): bound from that input, so checked at launch against the sum of the spans it joins
         self.sum_checks: list[tuple[int, int, int]] = []
@@ -193,7 +187,7 @@ class _Lowerer:
                 continue
             axis = scalar.attr(n, "axis", 0) % len(out.shape)
             d, spans = out.shape[axis], [self._shape(x)[axis] for x in n.input if x]
-            if isinstance(d, str) and self.dims.get(d, len(self.sym_pairs)) < len(self.sym_pairs) and \
+            if isinstance(d, str) and d in self.dims and self.dims[d] < len(self.sym_pairs) and \
                     all(isinstance(x, int) or x in self.dims for x in spans):
                 terms = [x if isinstance(x, int) else -self.dims[x] - 1 for x in spans]
                 self.sum_checks.append((*self.sym_pairs[self.dims[d]], self._sum_of(terms)))
@@ -248,12 +242,13 @@ class _Lowerer:
             for p in terms:
                 out = ir.mul(out, ir.i64(int(p)) if p.isdigit() else Var(f"d{self.dims[p]}", I64))
             return out
+        if self._sum_dim(d):
+            return Var(f"d{self.dims[d]}", I64)
         raise LoweringError(f"dim '{d}' cannot be computed from the region's inputs")
 
-    def _sum_dim(self, d: str) -> None:
-        """Make `d` a runtime dim if it is a sum of dims the kernel has, small multiples of them and constants
-        ("past + seq", "p + 2*s", "seq + 1", as symbolic inference writes them): a chain of sym_sums rules, each
-        adding one term."""
+    def _sum_dim(self, d: str) -> bool:
+        """Whether `d` is (now) a runtime dim: a sum of dims the kernel has, small multiples of them and constants
+        ("past + seq", "p + 2*s", "seq + 1", as symbolic inference writes them; a Concat along a run-time axis)."""
         terms: list[int] = []
         for part in (p.strip() for p in d.split(" + ")):
             k, _, name = part.rpartition("*")  # "2*s": s added twice (a Concat of s-spans)
@@ -262,9 +257,11 @@ class _Lowerer:
             elif name in self.dims and (not k or (k.isdigit() and 1 <= int(k) <= 8)):
                 terms += [-self.dims[name] - 1] * (int(k) if k else 1)
             else:
-                return
-        if len(terms) >= 2:
-            self.dims[d] = -self._sum_of(terms) - 1
+                return False
+        if len(terms) < 2:
+            return False
+        self.dims[d] = -self._sum_of(terms) - 1
+        return True
 
     def _sum_of(self, terms: list[int]) -> int:
         """The term of a new runtime dim that is the sum of `terms` (encoded like `units`): a chain of sym_sums
@@ -278,13 +275,14 @@ class _Lowerer:
     def encode(self, d: Dim) -> int:
         if isinstance(d, int):
             return d
-        if d in self.dims:
+        if d in self.dims or self._sum_dim(d):
             return -self.dims[d] - 1
         raise LoweringError(f"output dim '{d}' is not a dim of any region input")
 
     @property
     def num_dims(self) -> int:
-        """Runtime dims the kernel reads: those bound from input shapes, then the derived ones."""
+        """Runtime dims: those bound from input shapes, then the derived ones, then the sums (which `dim` and
+        `encode` add as they meet them)."""
         return len(self.sym_pairs) + len(self.derived) + len(self.sums)
 
     def hint(self, d: Dim) -> int:
@@ -295,8 +293,9 @@ class _Lowerer:
         self.count += 1
         return f"{stem}{self.count}"
 
-    def _scope_for(self, e: Expr) -> _Scope:
-        fv = ir.free_vars(e)
+    def _scope_for(self, *es: Expr) -> _Scope:
+        """The innermost scope holding a variable the expressions read (the outermost if none)."""
+        fv = frozenset().union(*(ir.free_vars(e) for e in es))
         for s in reversed(self.scopes):
             if s.names & fv:
                 return s
@@ -504,14 +503,23 @@ class _Lowerer:
             if name is None:
                 off = self.linearize(base, shape)
                 nm = self.fresh("x")
-                # the innermost scope holding what both the offset and the guard read
-                scope = self._scope_for(off if guard is None else ir.Op("and", (off, guard), BOOL))
+                scope = self._scope_for(off, *((guard,) if guard is not None else ()))
                 scope.stmts.append(ir.VecLoad(nm, self.args[t], off, self.vec, storage, guard))
                 scope.names.add(nm)
                 name = Var(nm, storage)
                 scope.memo[key] = name
             return ir.Lane(name.name, lane, storage)
         return ir.Load(self.args[t], self.linearize(idx, shape), storage)
+
+    def guarded_value(self, t: str, idx: tuple[Expr, ...], cond: Expr) -> Expr:
+        """`value(t, idx)` with every load made only where `cond` (and any guard already set) holds: an input
+        that may be empty at run time is never touched outside it."""
+        outer = self.guard
+        self.guard = self.bind_once(cond if outer is None else ir.Op("and", (outer, cond), BOOL), "inb")
+        try:
+            return self.value(t, idx)
+        finally:
+            self.guard = outer
 
     def _reads_any(self, e: Expr, of: tuple[Expr, ...]) -> bool:
         """Whether `e` depends on a variable of the expressions `of`, through the variables bound since."""
@@ -707,12 +715,8 @@ class _Lowerer:
         for more in inside[1:]:
             ok = ir.Op("and", (ok, more), BOOL)
         if runtime:  # read under the guard that the coordinate is inside
-            ok, outer = self.bind_once(ok, "inb"), self.guard
-            self.guard = ok if outer is None else self.bind_once(ir.Op("and", (outer, ok), BOOL), "inb")
-            try:
-                v = self.value(node.input[0], tuple(coord))
-            finally:
-                self.guard = outer
+            ok = self.bind_once(ok, "inb")
+            v = self.guarded_value(node.input[0], tuple(coord), ok)
         else:
             v = self.value(node.input[0], tuple(coord))
             ok = self.bind(ok, "inb")
@@ -760,16 +764,13 @@ class _Lowerer:
                 local = self.bind_once(ir.Op("select", (ir.Op("lt", (local, ir.i64(0)), BOOL), ir.i64(0), local), I64),
                                        "i")
             before = self.bind_once(ir.Op("lt", (c, end), BOOL), "inb") if k < len(ins) - 1 else None
-            outer = self.guard
+            at = tuple(idx[:axis]) + (local,) + tuple(idx[axis + 1:])
             if runtime:  # c in [start, end): past the inputs before this one and before its end
-                guard = None
-                for e in (outer, before, ir.Op("ge", (c, start), BOOL) if k else None):
-                    guard = e if guard is None else guard if e is None else ir.Op("and", (guard, e), BOOL)
-                self.guard = self.bind_once(guard, "inb")  # one variable per condition: lanes share its loads
-            try:
-                v = self.value(x, tuple(idx[:axis]) + (local,) + tuple(idx[axis + 1:]))
-            finally:
-                self.guard = outer
+                after = ir.Op("ge", (c, start), BOOL) if k else None
+                cond = before if after is None else after if before is None else ir.Op("and", (before, after), BOOL)
+                v = self.guarded_value(x, at, cond)
+            else:
+                v = self.value(x, at)
             picks.append((before, v))
             start = end
         out = picks[-1][1]
