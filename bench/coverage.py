@@ -57,25 +57,13 @@ def _decoder(cfg: str, cls: str, **kw: Any) -> Callable[[], tuple[Any, dict]]:
     def make() -> tuple[Any, dict]:
         import torch
         import transformers as tf
-        from transformers import DynamicCache
+
+        from ortfuse.bench.zoo import with_cache
 
         config = getattr(tf, cfg)(**kw)
         layers, heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or \
             config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-        class WithPast(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.lm = getattr(tf, cls)(config)
-
-            def forward(self, input_ids: Any, attention_mask: Any, **past: Any) -> tuple:
-                cache = DynamicCache()
-                for i in range(layers):
-                    cache.update(past[f"past_key_values.{i}.key"], past[f"past_key_values.{i}.value"], i)
-                out = self.lm(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                              use_cache=True)
-                return (out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)))
 
         past = 5  # traced with 3 new tokens: a single one would let the tracer fold the sequence dim
         mask = torch.ones(2, past + 3, dtype=torch.int64)
@@ -84,7 +72,7 @@ def _decoder(cfg: str, cls: str, **kw: Any) -> Callable[[], tuple[Any, dict]]:
         for i in range(layers):
             for kv in ("key", "value"):
                 inputs[f"past_key_values.{i}.{kv}"] = torch.randn(2, heads, past, head_dim)
-        return WithPast(), inputs
+        return with_cache(getattr(tf, cls)(config)), inputs
     make.decoder = True  # type: ignore[attr-defined]
     return make
 
@@ -180,7 +168,9 @@ def export(name: str, folder: Path) -> dict[str, Path]:
 
         def forward(self, *xs: Any) -> Any:
             out = self.inner(**dict(zip(names, xs)))
-            return out if isinstance(out, (torch.Tensor, tuple)) else out[0]
+            if isinstance(out, dict) and not hasattr(out, "to_tuple"):  # a decoder with a cache: every output
+                return tuple(out.values())
+            return out if isinstance(out, torch.Tensor) else out[0]
 
     axes = {n: {0: "batch", **({1: "sequence"} if n in ("input_ids", "attention_mask") else {})} for n in names}
     outputs = ["out"]

@@ -139,38 +139,42 @@ def _llama(tiny: bool) -> tuple[Any, ModelInfo]:
 PAST, TOTAL = "past_sequence", "past_sequence + sequence"  # a decoder's cache length, and its mask's (optimum's way)
 
 
-def _llama_decode(tiny: bool) -> tuple[Any, ModelInfo]:
-  """`llama` as a serving stack runs it for generation: the new tokens' ids, a mask over past and new tokens,
-  every layer's cached keys and values in; logits and the present keys and values (past and new concatenated)
-  out. Benchmarked one new token after a past of 512 (tiny: 16): the step generation repeats."""
+def with_cache(lm: Any) -> Any:
+  """A causal LM as generation runs it: input_ids and attention_mask, each layer's cached keys and values as
+  keyword tensors `past_key_values.{i}.key` / `.value` in; a dict of the logits and each layer's present key
+  and value (`present.{i}.key`, past and new concatenated) out."""
   import torch
-  tf, cfg, past = _transformers(), _smollm(tiny, True), 16 if tiny else 512
-  layers, heads, kv, hidden, vocab = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                      cfg.hidden_size, cfg.vocab_size)
-  lm = tf.LlamaForCausalLM(cfg)
-  cached = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+  from transformers import DynamicCache
 
   class WithCache(torch.nn.Module):
-    """Keyword tensors in (the cache as one tensor per layer and kind), a dict of tensors out."""
     def __init__(self) -> None:
       super().__init__()
       self.lm = lm
 
     def forward(self, input_ids: Any, attention_mask: Any, **past: Any) -> dict[str, Any]:
-      cache = tf.DynamicCache(config=cfg)
-      for i in range(layers):
+      cache = DynamicCache(config=self.lm.config)
+      for i in range(self.lm.config.num_hidden_layers):
         cache.update(past[f"past_key_values.{i}.key"], past[f"past_key_values.{i}.value"], i)
       out = self.lm(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-      present = {f"present.{i}.{k}": t for i, layer in enumerate(out.past_key_values.layers)
-                 for k, t in (("key", layer.keys), ("value", layer.values))}
-      return {"logits": out.logits, **present}
+      return {"logits": out.logits, **{f"present.{i}.{k}": t for i, layer in enumerate(out.past_key_values.layers)
+                                       for k, t in (("key", layer.keys), ("value", layer.values))}}
+  return WithCache()
 
+
+def _llama_decode(tiny: bool) -> tuple[Any, ModelInfo]:
+  """`llama` as a serving stack runs it for generation: the new tokens' ids, a mask over past and new tokens,
+  every layer's cached keys and values in; logits and the present keys and values (past and new concatenated)
+  out. Benchmarked one new token after a past of 512 (tiny: 16): the step generation repeats."""
+  tf, cfg, past = _transformers(), _smollm(tiny, True), 16 if tiny else 512
+  layers, heads, kv, hidden, vocab = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                      cfg.hidden_size, cfg.vocab_size)
+  cached = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
   inputs = (InputSpec("input_ids", "int64", ("batch", "sequence"), 0, vocab, "ids"),
             InputSpec("attention_mask", "int64", ("batch", TOTAL), 0, 2, "mask"),
             *(InputSpec(n, "float32", ("batch", kv, PAST, hidden // heads), -1.0, 1.0) for n in cached))
   outputs = ("logits", *(n.replace("past_key_values", "present") for n in cached))
   info = ModelInfo("llama_decode", "llama", None, heads, hidden, inputs, outputs, {"sequence": 1, PAST: past})
-  return _tag(WithCache().eval(), "transformers.LlamaForCausalLM with a DynamicCache"), info
+  return _tag(with_cache(tf.LlamaForCausalLM(cfg)).eval(), "transformers.LlamaForCausalLM with a DynamicCache"), info
 
 
 def _image_input(size: int) -> tuple[InputSpec, ...]:
