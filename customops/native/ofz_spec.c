@@ -473,45 +473,76 @@ OrtStatus* ofz_spec_tma(const OfzSpec* s, OrtKernelContext* ctx, const OfzArgs* 
 typedef struct InferDims {
   int64_t sym[2 * OFZ_MAX_DIMS], derived[3 * OFZ_MAX_DIMS], sums[2 * OFZ_MAX_DIMS];
   size_t n_sym, n_derived, n_sums, n_in;
+  unsigned long long unk[OFZ_MAX_DIMS];  // the name of a bound dim that has none at the input, once given
 } InferDims;
 
-static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_t p, int64_t* value,
-                            const char** name);
+// ORT turns an output dim without a name into dim_value, -1 included, and ONNX shape inference downstream
+// then aborts the process on it (std::clamp in Slice's, 2026-11-27 on an H100; reproduced on the CPU EP).
+// So a dim shape inference cannot size is always named: by its formula over the names it is made of
+// ("h+2", "(h-1)/2+1"), which states equality where ONNX semantics give it (one name, one value in a graph),
+// or, where nothing names it, by a name of its own that equals nothing else.
+enum { INFER_NAME_MAX = 128 };
 
-// A term at shape inference: a constant, or a runtime dim before dim p that is known; -1 when unknown.
-static OrtStatus* infer_term(OrtShapeInferContext* ctx, const InferDims* d, int64_t t, size_t p, int64_t* value) {
-  const char* ignored = NULL;
+static void unique_name(char* name, unsigned long long* id) {
+  static unsigned long long next;
+  unsigned long long own = 0;
+  if (!id) id = &own;
+  if (!*id) *id = __atomic_add_fetch(&next, 1, __ATOMIC_RELAXED);
+  snprintf(name, INFER_NAME_MAX, "ortfuse_unk_%llu", *id);
+}
+
+// `fmt` over the two parts where the result fits; else a name of its own (a cut name could equal another).
+static void compose_name(char* name, const char* fmt, const char* a, const char* b) {
+  if (snprintf(name, INFER_NAME_MAX, fmt, a, b) >= INFER_NAME_MAX) unique_name(name, NULL);
+}
+
+static OrtStatus* infer_dim(OrtShapeInferContext* ctx, InferDims* d, size_t p, int64_t* value, char* name);
+
+// A term at shape inference: a constant, or a runtime dim before dim p: its value, or -1 and its name.
+static OrtStatus* infer_term(OrtShapeInferContext* ctx, InferDims* d, int64_t t, size_t p, int64_t* value,
+                             char* name) {
   *value = t;
-  if (t < 0 && (size_t)(-(t + 1)) < p) return infer_dim(ctx, d, (size_t)(-(t + 1)), value, &ignored);
-  if (t < 0) *value = -1;
+  name[0] = '\0';
+  if (t < 0 && (size_t)(-(t + 1)) < p) return infer_dim(ctx, d, (size_t)(-(t + 1)), value, name);
+  if (t < 0) *value = -1, unique_name(name, NULL);  // malformed: kernel creation says so
   return NULL;
 }
 
-// Runtime dim p at shape inference: an input's dim (with its symbol when it has no value), or a derived
-// one computed from its source when that is known; -1 (no name) when unknown.
-static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_t p, int64_t* value,
-                            const char** name) {
+// Runtime dim p at shape inference: an input's dim, a derived one computed from its source, or a sum of two
+// terms; its value where known, else -1 and a non-empty name (see above).
+static OrtStatus* infer_dim(OrtShapeInferContext* ctx, InferDims* d, size_t p, int64_t* value, char* name) {
   *value = -1;
-  *name = "";
-  if (p >= d->n_sym + d->n_derived) {  // a sum of two terms, where both are known
+  name[0] = '\0';
+  if (p >= d->n_sym + d->n_derived) {  // a sum of two terms
     const size_t j = p - d->n_sym - d->n_derived;
-    if (j >= d->n_sums) return NULL;
+    if (j >= d->n_sums) return unique_name(name, NULL), NULL;
     int64_t a = -1, b = -1;
-    TRY(infer_term(ctx, d, d->sums[2 * j], p, &a));
-    TRY(infer_term(ctx, d, d->sums[2 * j + 1], p, &b));
+    char na[INFER_NAME_MAX], nb[INFER_NAME_MAX];
+    TRY(infer_term(ctx, d, d->sums[2 * j], p, &a, na));
+    TRY(infer_term(ctx, d, d->sums[2 * j + 1], p, &b, nb));
     if (a >= 0 && b >= 0) *value = a + b;
+    else {
+      if (a >= 0) snprintf(na, sizeof na, "%lld", (long long)a);
+      if (b >= 0) snprintf(nb, sizeof nb, "%lld", (long long)b);
+      compose_name(name, "%s+%s", na, nb);
+    }
     return NULL;
   }
-  if (p >= d->n_sym) {
+  if (p >= d->n_sym) {  // a Conv's output size: (size + add) / div + 1
     const size_t j = p - d->n_sym;
     const int64_t add = d->derived[3 * j + 1], div = d->derived[3 * j + 2];
     int64_t size = -1;
-    TRY(infer_term(ctx, d, d->derived[3 * j], p, &size));
-    if (size < 0 || div < 1 || size + add < 0) return NULL;  // unknown, or too small: Compute says so
-    *value = (size + add) / div + 1;
+    char src[INFER_NAME_MAX], tail[48];
+    TRY(infer_term(ctx, d, d->derived[3 * j], p, &size, src));
+    if (size >= 0 && div >= 1 && size + add >= 0) *value = (size + add) / div + 1;
+    else if (size >= 0 || div < 1) unique_name(name, NULL);  // too small or malformed: Compute says so
+    else {
+      snprintf(tail, sizeof tail, "%+lld)/%lld+1", (long long)add, (long long)div);
+      compose_name(name, "(%s%s", src, add ? tail : tail + 2);  // "(h-1)/2+1", or "(h)/2+1" for add 0
+    }
     return NULL;
   }
-  if (d->sym[2 * p] < 0 || (size_t)d->sym[2 * p] >= d->n_in) return NULL;
+  if (d->sym[2 * p] < 0 || (size_t)d->sym[2 * p] >= d->n_in) return unique_name(name, NULL), NULL;
   OrtTSI* in = NULL;  // owned by the context
   size_t in_rank = 0, axis = (size_t)d->sym[2 * p + 1];
   if (ofz_ort.ShapeInferContext_GetInputTypeShape(ctx, (size_t)d->sym[2 * p], &in) ||
@@ -523,15 +554,20 @@ static OrtStatus* infer_dim(OrtShapeInferContext* ctx, const InferDims* d, size_
   TRY(ofz_ort.GetDimensions(in, in_dims, in_rank));
   TRY(ofz_ort.GetSymbolicDimensions(in, in_names, in_rank));
   *value = in_dims[axis];
-  if (in_dims[axis] < 0 && in_names[axis] && in_names[axis][0]) *name = in_names[axis];
+  if (in_dims[axis] >= 0) return NULL;
+  *value = -1;
+  if (in_names[axis] && in_names[axis][0]) compose_name(name, "%s%s", in_names[axis], "");
+  else unique_name(name, &d->unk[p]);  // one name for the dim in all outputs of the node
   return NULL;
 }
 
 OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t extra_len) {
   int64_t dtypes[OFZ_MAX_TENSORS], ranks[OFZ_MAX_TENSORS];
   static __thread int64_t odims[OFZ_MAX_OUT_DIMS];  // 4 KiB: keep it off the stack
+  static __thread char name_buf[OFZ_MAX_DIMS][INFER_NAME_MAX];
   size_t n_dt = 0, n_rk = 0, n_od = 0, n_sym2 = 0, n_der3 = 0, n_sum2 = 0;
   InferDims d;
+  memset(d.unk, 0, sizeof d.unk);
   TRY(ofz_infer_ints(ctx, "out_dtypes", dtypes, OFZ_MAX_TENSORS, &n_dt));
   TRY(ofz_infer_ints(ctx, "out_ranks", ranks, OFZ_MAX_TENSORS, &n_rk));
   TRY(ofz_infer_ints(ctx, "out_dims", odims, OFZ_MAX_OUT_DIMS, &n_od));
@@ -557,8 +593,9 @@ OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t ext
       dims[j] = t;
       names[j] = "";
       if (t >= 0) continue;
-      TRY(infer_dim(ctx, &d, (size_t)(-(t + 1)), &dims[j], &names[j]));
-      named |= names[j][0] != '\0';
+      TRY(infer_dim(ctx, &d, (size_t)(-(t + 1)), &dims[j], name_buf[j]));
+      names[j] = name_buf[j];
+      named = 1;  // infer_dim names every dim it cannot size
     }
     OrtTSI* out = NULL;
     TRY(ofz_ort.CreateTSI(&out));

@@ -15,6 +15,9 @@
 #include "ofz_spec.h"
 
 #define OFZ_CONFIG_KEY "ortfuse.op_types"
+#ifndef OFZ_FUSED_EP  // tests build a CPU-EP copy to check, without a GPU, that ORT accepts an optimized graph
+#define OFZ_FUSED_EP "CUDAExecutionProvider"
+#endif
 #define OFZ_DOMAIN "ortfuse"
 #define OFZ_SMEM_DEFAULT_LIMIT (48 * 1024)
 
@@ -309,7 +312,7 @@ static OfzOp* fused_op(const char* name) {
   if (!grow((void**)&g_ops, &g_cap_ops, g_n_ops + 1, sizeof *g_ops)) return NULL;
   OfzOp* op = malloc(sizeof *op);
   if (!op) return NULL;
-  ofz_op_init(op, name, "CUDAExecutionProvider", fused_create, fused_compute, fused_destroy, fused_infer);
+  ofz_op_init(op, name, OFZ_FUSED_EP, fused_create, fused_compute, fused_destroy, fused_infer);
   g_ops[g_n_ops++] = op;
   return op;
 }

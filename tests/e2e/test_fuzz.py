@@ -16,6 +16,7 @@ import os
 import pytest
 
 from fuzz_graphs import corrupt, random_attention, random_cache, random_model, symbolic_image
+from ort_accepts import assert_ort_accepts
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.config import Options
@@ -42,6 +43,7 @@ def test_random_graph_matches_ort(seed: int) -> None:
     tf32 = seed % 4 == 1  # and every fourth lets fp32 GEMMs use tf32 tensor cores (`--tf32`)
     res = compile_model(m, bound if static else shapes, "sm_90", options=Options(archs=(90,), tf32=tf32))
     assert m.SerializeToString() == before, "the input model was modified"
+    assert_ort_accepts(res.model)
     for n in (2,) if static else (2, 3):
         rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n), seed=seed)
         assert rep.ok, f"seed {seed}, n={n}\n" + "\n".join(rep.lines())
@@ -55,6 +57,7 @@ def test_random_cache_concat_matches_ort_with_an_empty_past(seed: int) -> None:
     m, shapes = random_cache(seed)
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
     assert "Concat" not in {n.op_type for n in res.model.graph.node}, [str(r) for r in res.plan.refusals]
+    assert_ort_accepts(res.model)
     for p, s in ((0, 1), (5, 4), (3, 0)):
         bound = {k: tuple({"n": 2, "p": p, "s": s}.get(d, d) for d in v) for k, v in shapes.items()}
         rep = check_models(m, res.model, emulate=True, input_shapes=bound, seed=seed)
@@ -73,6 +76,7 @@ def test_random_conv_graph_on_a_symbolic_image_matches_ort(seed: int) -> None:
     """The seed's graph with its image size declared symbolic: Conv output sizes become runtime dims."""
     m, shapes, bound = _symbolic_case(seed)
     res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,)))
+    assert_ort_accepts(res.model)  # runtime dims named at shape inference (seed 16 aborted ORT before)
     rep = check_models(m, res.model, emulate=True, input_shapes=bound, seed=seed)
     assert rep.ok, f"seed {seed}\n" + "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
@@ -107,6 +111,7 @@ def test_random_attention_matches_ort(seed: int) -> None:
     m, shapes = random_attention(seed)
     res = compile_model(m, shapes, "sm_90")
     assert [r.kind for r in res.plan.regions].count("attention") == 1, [str(r) for r in res.plan.refusals]
+    assert_ort_accepts(res.model)
     for n, s in ((2, 7), (1, 19)):
         bind = _bind(shapes, n, s)
         rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from ortfuse.api import compile_model  # noqa: E402
 from ortfuse.check import check_models  # noqa: E402
+from ort_accepts import assert_ort_accepts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,7 @@ def zoo(tmp_path_factory):
 def test_exported_model(zoo, name, dtype, min_fused):
     path = zoo.build(name, dtype=dtype, tiny=True)
     res = compile_model(path, None, "sm_80,sm_90")
+    assert_ort_accepts(res.model)
     frac = res.memory_bound_fused / res.memory_bound_ops
     assert frac >= min_fused, (frac, [str(r) for r in res.plan.refusals][:20])
     for k in res.kernels:
@@ -55,6 +57,7 @@ def test_exported_llama(zoo, dtype):
     # Shape and folded) inside grouped-query attention (K and V repeated by Expands), SiLU-gated MLP
     path = zoo.build("llama", dtype=dtype, tiny=True)
     res = compile_model(path, None, "sm_90")
+    assert_ort_accepts(res.model)
     ops = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions]
     kinds = [r.kind for r in res.plan.regions]
     assert kinds.count("attention") == 2 and kinds.count("rowreduce") == 5, kinds  # 2 norms a layer + the final
@@ -243,6 +246,7 @@ def test_other_architectures_match_ort_kernel_by_kernel(tmp_path, name, dtype):
     if dtype == "fp16":
         onnx.save(convert_float_to_float16(onnx.load(str(path)), keep_io_types=False), str(path))
     res = compile_model(str(path), None, "sm_90")
+    assert_ort_accepts(res.model)
     kinds = [r.kind for r in res.plan.regions]
     assert ("attention" in kinds) != (name == "poolformer")
     if name == "poolformer":  # each GroupNorm is one row kernel, its affine tail inside
@@ -307,6 +311,7 @@ def test_llama_with_a_kv_cache_matches_ort_at_decode_and_prefill(tmp_path):
         torch.onnx.export(WithCache().eval(), args, str(path), dynamo=False, opset_version=17, input_names=names,
                           output_names=outs, dynamic_axes=axes)
     res = compile_model(str(path), None, "sm_90")
+    assert_ort_accepts(res.model)
     att = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions if r.kind == "attention"]
     # K and V (the concatenations with the past, also graph outputs) read at their own heads: repeat_kv's
     # Expand, whose kept dim is the expression 'past + seq', folded into the offsets
@@ -330,6 +335,7 @@ def test_decoder_step_writes_the_present_cache_in_its_kernels(zoo, dtype):
     # prompt's first step), at one new token after 5 cached, and at 8 after 8
     path = zoo.build("llama_decode", dtype=dtype, tiny=True)
     res = compile_model(path, None, "sm_90")
+    assert_ort_accepts(res.model)
     cats = [n for n in res.model.graph.node if n.op_type == "Concat"]
     assert not [n.name for n in cats if n.output[0].startswith("present") or len(n.input) == 1]
     made_by = {o: n for n in res.model.graph.node for o in n.output}
