@@ -131,6 +131,11 @@ ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many 
 # residual + LayerNorm (768 fp16) holds 24 elements and each per-column input's 24 in registers (118 of them;
 # 4 groups, 1024 columns, took 168); longer rows keep the loop over several warps (2026-11-26, unmeasured)
 ROW_KERNEL_GROUPS = 3
+# a long row's column loops (each thread at least this many vectors: more rows than threads cover, as a
+# GroupNorm's group or a big softmax) keep this many vector loads in flight per thread, where one each left
+# a lone block streaming ~8 GB/s (GroupNorm(1, 64) at 56x56: 106 us on an H100 for 0.8 MB a row,
+# 2026-11-27); the effect is not measured yet
+ROW_LONG_UNROLL = 4
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
@@ -222,6 +227,10 @@ class _Lowerer:
         # the most columns a row pass covers where they are static (a GEMM row-wise epilogue's tile or row, a
         # short row kernel's row), so a column loop of a few trips is printed straight-line (column_groups)
         self.row_span: Optional[int] = None
+        self.row_unroll = 0  # a long row's column loops: their `#pragma unroll` (ROW_LONG_UNROLL)
+        # the lanes' first column where it is a multiple of VEC (the lanes then are it + 0 .. VEC - 1): a read
+        # whose offset is it plus multiples of VEC and a constant is one aligned vector load (`_lane_vector`)
+        self.lane_base: Optional[Var] = None
 
     # ------------------------------------------------------------------ shapes and dims
     def _shape(self, t: str) -> tuple[Dim, ...]:
@@ -391,14 +400,18 @@ class _Lowerer:
             (hi, dh), (lo, dl) = coords[k], coords[k + 1]
             q = self.defs.get(hi.name) if isinstance(hi, Var) else None
             r = self.defs.get(lo.name) if isinstance(lo, Var) else None
+            lane: Expr = ir.i64(0)  # x % D + j: a lane's column after its vector's (unravel)
+            if isinstance(r, ir.Op) and r.fn == "add" and isinstance(r.args[0], Var) and \
+                    isinstance(r.args[1], ir.Const):
+                r, lane = self.defs.get(r.args[0].name), r.args[1]
             merged: Optional[Expr] = None
             if isinstance(r, ir.Op) and r.fn == "mod" and r.args[1] == dl:
                 quot = ir.Op("div", r.args, I64)  # x / D, as `unravel` binds it
                 if q == quot:
-                    merged = r.args[0]
+                    merged = ir.add(r.args[0], lane)
                 elif isinstance(q, ir.Op) and q.fn == "mod" and q.args[1] == dh and isinstance(q.args[0], Var) \
                         and self.defs.get(q.args[0].name) == quot:
-                    merged = ir.imod(r.args[0], ir.mul(dh, dl))
+                    merged = ir.add(ir.imod(r.args[0], ir.mul(dh, dl)), lane)
             if merged is None:
                 k += 1
                 continue
@@ -407,6 +420,15 @@ class _Lowerer:
         return coords
 
     def unravel(self, lin: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
+        split = self._lane_split(lin) if shape and isinstance(shape[-1], int) and shape[-1] % self.vec == 0 \
+            else None
+        if split is not None:  # a lane's index is its vector's, plus the lane on the innermost axis
+            base, j = split
+            out = self.unravel_plain(base, shape)
+            return out[:-1] + (self.bind(ir.add(out[-1], ir.i64(j)), "i"),) if j else out
+        return self.unravel_plain(lin, shape)
+
+    def unravel_plain(self, lin: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
         out: list[Expr] = []
         for k, d in enumerate(reversed(shape)):
             if d == 1:
@@ -414,9 +436,9 @@ class _Lowerer:
             elif k == len(shape) - 1:
                 out.append(lin)
             else:
-                de = self.dim(d)
-                out.append(self.bind(ir.imod(lin, de), "i"))
-                lin = self.bind(ir.idiv(lin, de), "i")
+                de = self.dim(d)  # bound once: the lanes of a vector share their vector's index (unravel)
+                out.append(self.bind_once(ir.imod(lin, de), "i"))
+                lin = self.bind_once(ir.idiv(lin, de), "i")
         return tuple(reversed(out))
 
     def view_index(self, idx: tuple[Expr, ...], offset: Expr, shape: tuple[Dim, ...]) -> tuple[Expr, ...]:
@@ -495,6 +517,10 @@ class _Lowerer:
             load = ir.Load(self.args[t], self.linearize(idx, shape), storage)
             return ir.Op("select", (guard, load, ir.const(False if load.ctype == BOOL else 0, load.ctype)),
                          load.ctype)
+        if not vector and guard is None and self.vec > 1:
+            lv = self._lane_vector(t, idx, shape, storage)
+            if lv is not None:
+                return lv
         if vector:
             lane = self.lanes.index(idx[-1])
             base = idx[:-1] + (self.lanes[0],)
@@ -510,6 +536,72 @@ class _Lowerer:
                 scope.memo[key] = name
             return ir.Lane(name.name, lane, storage)
         return ir.Load(self.args[t], self.linearize(idx, shape), storage)
+
+    def set_lanes(self, first: Var, aligned: bool) -> None:
+        """The lanes first + 0 .. VEC - 1; `aligned`: `first` is a multiple of VEC (the loops that make it)."""
+        self.lanes = tuple(ir.add(first, ir.i64(l)) for l in range(self.vec))
+        self.lane_base = first if aligned else None
+
+    def _lane_vector(self, t: str, idx: tuple[Expr, ...], shape: tuple[Dim, ...], storage: str) -> Optional[Expr]:
+        """A lane's element of `t` read out of the one aligned VEC-vector that holds it, where its offset is the
+        lanes' (aligned) first column plus multiples of VEC plus a constant: a row read through a view of
+        another shape (a GroupNorm's group, a Reshape's input), whose index is not the lanes' own. The vector
+        lies inside `t` since its innermost size is a multiple of VEC. None where that does not hold."""
+        split = self._lane_split(self.linearize(idx, shape)) if shape and isinstance(shape[-1], int) and \
+            shape[-1] % self.vec == 0 else None
+        if split is None:
+            return None
+        base, j = split
+        key = ("lanevec", t, base)
+        name = self.lookup(key)
+        if name is None:
+            nm = self.fresh("x")
+            scope = self._scope_for(base)
+            scope.stmts.append(ir.VecLoad(nm, self.args[t], base, self.vec, storage, None))
+            scope.names.add(nm)
+            name = Var(nm, storage)
+            scope.memo[key] = name
+        return ir.Lane(name.name, j, storage)
+
+    def _lane_split(self, off: Expr) -> Optional[tuple[Expr, int]]:
+        """(v, j) with `off` = v + j, 0 <= j < VEC and v a multiple of VEC, where `off` is the aligned lanes'
+        first column plus multiples of VEC (not reading it) plus a constant; else None."""
+        first = self.lane_base
+        if first is None or self.vec == 1:
+            return None
+        terms: list[Expr] = []
+
+        def flatten(e: Expr) -> None:
+            if isinstance(e, ir.Op) and e.fn == "add" and e.ctype == I64:
+                flatten(e.args[0])
+                flatten(e.args[1])
+            else:
+                terms.append(e)
+        flatten(off)
+        const = sum(int(e.value) for e in terms if isinstance(e, ir.Const))
+        rest = [e for e in terms if not isinstance(e, ir.Const)]
+        if rest.count(first) != 1 or const < 0:
+            return None
+        rest.remove(first)
+        if any(first.name in ir.free_vars(e) or not self._multiple_of(e, self.vec) for e in rest):
+            return None
+        base: Expr = first
+        for e in rest:
+            base = ir.add(base, e)
+        return ir.add(base, ir.i64(const - const % self.vec)), const % self.vec
+
+    def _multiple_of(self, e: Expr, k: int, depth: int = 8) -> bool:
+        """Whether the index expression `e` is a multiple of `k` for every value of its variables (through the
+        variables' bound definitions)."""
+        if isinstance(e, ir.Const):
+            return int(e.value) % k == 0
+        if depth and isinstance(e, Var) and e.name in self.defs:
+            return self._multiple_of(self.defs[e.name], k, depth - 1)
+        if isinstance(e, ir.Op) and e.fn == "mul":
+            return any(self._multiple_of(a, k, depth - 1) for a in e.args)
+        if isinstance(e, ir.Op) and e.fn in ("add", "sub"):
+            return all(self._multiple_of(a, k, depth - 1) for a in e.args)
+        return False
 
     def guarded_value(self, t: str, idx: tuple[Expr, ...], cond: Expr) -> Expr:
         """`value(t, idx)` with every load made only where `cond` (and any guard already set) holds: an input
@@ -925,7 +1017,7 @@ class _Lowerer:
             if memo_key not in xs.order:
                 raise LoweringError("a row reduction the cluster split did not see")
             at = xs.order.index(memo_key)
-        saved_scopes, saved_lanes = self.scopes, self.lanes
+        saved_scopes, saved_lanes, saved_base = self.scopes, self.lanes, self.lane_base
         self.scopes = self.scopes[:self.row_depth]
         if at is not None and at > xs.phase:  # reduced in a later phase: nothing this phase stores uses it
             result = Var(self.fresh("r"), F32)
@@ -942,7 +1034,7 @@ class _Lowerer:
             c_dim = self.dim(self.r.space[-1]) if xs is None else xs.n1
 
             def body(cb: Var) -> None:
-                self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+                self.set_lanes(cb, aligned=xs is None)
                 for lane in self.lanes:
                     self.emit(ir.Assign(acc, ir.Op(_COMBINE[kind], (acc, elem(lane)), F32)))
 
@@ -951,9 +1043,10 @@ class _Lowerer:
                 start = ir.add(xs.n0, start)
             groups = self.column_groups(start, c_dim)
             if groups is None:
-                self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body)
+                self.loop(self.fresh("c"), start, c_dim, ir.i64(self.tpr * self.vec), body,
+                          unroll=self.row_unroll if xs is None else 0)
             for cs, valid in groups or ():
-                self.lanes = tuple(ir.add(cs, ir.i64(l)) for l in range(self.vec))
+                self.set_lanes(cs, aligned=xs is None)
                 for lane in self.lanes:
                     x = ir.Op("select", (valid, elem(lane), ir.Const(_IDENTITY[kind], F32)), F32)
                     self.emit(ir.Assign(acc, ir.Op(_COMBINE[kind], (acc, x), F32)))
@@ -969,7 +1062,7 @@ class _Lowerer:
             self.emit(ir.Let(result, acc))
         self.define(result.name)
         self.scopes[-1].memo[memo_key] = result
-        self.scopes, self.lanes = saved_scopes, saved_lanes
+        self.scopes, self.lanes, self.lane_base = saved_scopes, saved_lanes, saved_base
         return result
 
     # ------------------------------------------------------------------ kernels
@@ -1026,13 +1119,13 @@ class _Lowerer:
 
         def body(u: Var) -> None:
             if not space:
-                self.lanes = (ir.i64(0),)
+                self.lanes, self.lane_base = (ir.i64(0),), None
                 self.store_outputs(list(self.r.outputs), lambda lane: (), None)
                 return
             inner_units = ir.idiv(self.dim(self.inner_dim), ir.i64(self.vec))
             cb = self.bind(ir.mul(ir.imod(u, inner_units), ir.i64(self.vec)), "cb")
             prefix = self.unravel(self.bind(ir.idiv(u, inner_units), "i"), space[:-1]) if len(space) > 1 else ()
-            self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+            self.set_lanes(cb, aligned=True)
             self.store_outputs(list(self.r.outputs), lambda lane: prefix + (lane,), None)
 
         self.loop("u", tid, units, stride, body)
@@ -1058,6 +1151,8 @@ class _Lowerer:
             self.tpr, self.row_span = 32, c
         else:
             self.tpr = self.row_threads(c, hw.ROW_MAX_THREADS)
+            if self.hint(c) >= ROW_LONG_UNROLL * self.tpr * self.vec:
+                self.row_unroll = ROW_LONG_UNROLL
         block = max(self.tpr, hw.ROW_MIN_BLOCK)
         rpb = block // self.tpr
         rows_terms = [self.encode(d) for d in space[:-1]]
@@ -1102,7 +1197,7 @@ class _Lowerer:
             # (at a column of its own, so nothing that reads a column is hoisted out of the dropped scope)
             col = Var(self.fresh("c"), I64)
             self.scopes.append(_Scope({col.name}))
-            self.lanes = (col,)
+            self.lanes, self.lane_base = (col,), None
             for o in full:
                 at = self.row_idx + (col,)
                 perm = self.perms.get(o)
@@ -1114,7 +1209,7 @@ class _Lowerer:
                 self.value(o, self.row_idx + ((ir.i64(0),) if len(self._shape(o)) == len(space) else ()))
             self.scopes.pop()
             return
-        self.lanes = (ir.i64(0),)
+        self.lanes, self.lane_base = (ir.i64(0),), None
         lead = ir.Op("and", (active, ir.Op("eq", (Var("rlane", I64), ir.i64(0)), "bool")), "bool")
         if xs is not None:  # split across a cluster: the row-shaped outputs are the first block's
             lead = ir.Op("and", (lead, ir.Op("eq", (xs.n0, ir.i64(0)), BOOL)), BOOL)
@@ -1123,13 +1218,14 @@ class _Lowerer:
             self.store_outputs([o], lambda lane: self.row_idx + keep, lead)
         if full:
             def col_body(cb: Var) -> None:
-                self.lanes = tuple(ir.add(cb, ir.i64(l)) for l in range(self.vec))
+                self.set_lanes(cb, aligned=xs is None)
                 self.store_outputs(full, lambda lane: self.row_idx + (lane,), active)
             groups = self.column_groups(c_start, c_stop)
             if groups is None:
-                self.loop(self.fresh("c"), c_start, c_stop, ir.i64(self.tpr * self.vec), col_body)
+                self.loop(self.fresh("c"), c_start, c_stop, ir.i64(self.tpr * self.vec), col_body,
+                          unroll=self.row_unroll if xs is None else 0)
             for cs, valid in groups or ():
-                self.lanes = tuple(ir.add(cs, ir.i64(l)) for l in range(self.vec))
+                self.set_lanes(cs, aligned=xs is None)
                 self.store_outputs(full, lambda lane: self.row_idx + (lane,),
                                    self.bind(ir.Op("and", (active, valid), BOOL), "st"))
 

@@ -42,3 +42,16 @@ def test_instance_norm_of_an_image_stays_with_ort():
     p = plan(g, for_cc(90))
     assert not any(g.nodes[i].op_type == "InstanceNormalization" for r in p.regions for i in r.nodes)
     assert any("rank-4" in r.reason for r in p.rejects), [str(r) for r in p.rejects]
+
+
+def test_a_long_group_is_read_in_vectors_with_its_loops_unrolled():
+    # PoolFormer's one group at 32x32 (65536 fp16 a row): the group, read through the [n, C, H, W] -> [n, G, L]
+    # view, is one 16-byte load per 8 columns (it was 8 scalar loads), the column loops keep 4 of them in
+    # flight (ROW_LONG_UNROLL), and the per-channel affine is read once per vector: the 8 lanes share its index
+    res = fused_parity(group_norm(H, 64, 1, hw=(32, 32)), {}, {"x": (2, 64, 32, 32)}, ("rowreduce",))
+    (k,) = res.kernels
+    src = k.compiled.source
+    body = src[src.index("__global__"):]
+    assert body.count("#pragma unroll 4") == 3, body  # the two reductions and the output pass
+    assert "t0[" not in body and body.count("load_arg<8>(t0") == 3
+    assert body.count("ofz::to_f32(t1[") == 1, body
