@@ -231,6 +231,7 @@ class _Lowerer:
         # the lanes' first column where it is a multiple of VEC (the lanes then are it + 0 .. VEC - 1): a read
         # whose offset is it plus multiples of VEC and a constant is one aligned vector load (`_lane_vector`)
         self.lane_base: Optional[Var] = None
+        self.lane_vec = 1  # the VEC lane_base is a multiple of
 
     # ------------------------------------------------------------------ shapes and dims
     def _shape(self, t: str) -> tuple[Dim, ...]:
@@ -540,7 +541,7 @@ class _Lowerer:
     def set_lanes(self, first: Var, aligned: bool) -> None:
         """The lanes first + 0 .. VEC - 1; `aligned`: `first` is a multiple of VEC (the loops that make it)."""
         self.lanes = tuple(ir.add(first, ir.i64(l)) for l in range(self.vec))
-        self.lane_base = first if aligned else None
+        self.lane_base, self.lane_vec = (first if aligned else None), self.vec
 
     def _lane_vector(self, t: str, idx: tuple[Expr, ...], shape: tuple[Dim, ...], storage: str) -> Optional[Expr]:
         """A lane's element of `t` read out of the one aligned VEC-vector that holds it, where its offset is the
@@ -567,7 +568,7 @@ class _Lowerer:
         """(v, j) with `off` = v + j, 0 <= j < VEC and v a multiple of VEC, where `off` is the aligned lanes'
         first column plus multiples of VEC (not reading it) plus a constant; else None."""
         first = self.lane_base
-        if first is None or self.vec == 1:
+        if first is None or self.vec == 1 or self.lane_vec % self.vec:
             return None
         terms: list[Expr] = []
 
