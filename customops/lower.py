@@ -230,7 +230,7 @@ class _Lowerer:
         self.row_unroll = 0  # a long row's column loops: their `#pragma unroll` (ROW_LONG_UNROLL)
         # the lanes' first column where it is a multiple of VEC (the lanes then are it + 0 .. VEC - 1): a read
         # whose offset is it plus multiples of VEC and a constant is one aligned vector load (`_lane_vector`)
-        self.lane_base: Optional[Var] = None
+        self.lane_base: Optional[Expr] = None  # a Var, or 0 where the row is one vector
         self.lane_vec = 1  # the VEC lane_base is a multiple of
 
     # ------------------------------------------------------------------ shapes and dims
@@ -538,7 +538,7 @@ class _Lowerer:
             return ir.Lane(name.name, lane, storage)
         return ir.Load(self.args[t], self.linearize(idx, shape), storage)
 
-    def set_lanes(self, first: Var, aligned: bool) -> None:
+    def set_lanes(self, first: Expr, aligned: bool) -> None:
         """The lanes first + 0 .. VEC - 1; `aligned`: `first` is a multiple of VEC (the loops that make it)."""
         self.lanes = tuple(ir.add(first, ir.i64(l)) for l in range(self.vec))
         self.lane_base, self.lane_vec = (first if aligned else None), self.vec
@@ -572,19 +572,30 @@ class _Lowerer:
             return None
         terms: list[Expr] = []
 
-        def flatten(e: Expr) -> None:
-            if isinstance(e, ir.Op) and e.fn == "add" and e.ctype == I64:
-                flatten(e.args[0])
-                flatten(e.args[1])
+        def flatten(e: Expr, depth: int = 4) -> None:  # through bound sums (a lane's column after its vector's)
+            if depth and isinstance(e, Var) and isinstance(self.defs.get(e.name), ir.Op) and \
+                    self.defs[e.name].fn == "add":
+                flatten(self.defs[e.name], depth - 1)
+            elif isinstance(e, ir.Op) and e.fn == "add" and e.ctype == I64:
+                flatten(e.args[0], depth)
+                flatten(e.args[1], depth)
             else:
                 terms.append(e)
         flatten(off)
         const = sum(int(e.value) for e in terms if isinstance(e, ir.Const))
         rest = [e for e in terms if not isinstance(e, ir.Const)]
-        if rest.count(first) != 1 or const < 0:
+        if isinstance(first, ir.Const):  # one vector a row (the innermost size is VEC): lanes 0 .. VEC - 1
+            if int(first.value) % self.vec:
+                return None
+            first = ir.i64(0)
+        elif rest.count(first) != 1 or const < 0:
             return None
-        rest.remove(first)
-        if any(first.name in ir.free_vars(e) or not self._multiple_of(e, self.vec) for e in rest):
+        else:
+            rest.remove(first)
+        if const < 0:
+            return None
+        if any((isinstance(first, Var) and first.name in ir.free_vars(e)) or not self._multiple_of(e, self.vec)
+               for e in rest):
             return None
         base: Expr = first
         for e in rest:

@@ -209,7 +209,7 @@ class _GemmLowerer(_Lowerer):
 
         def store(vals: list[Var]) -> None:
             c0 = self.bind(ir.idiv(vn, ir.i64(2)), "gc")
-            self.lanes = tuple(ir.add(c0, ir.i64(j)) for j in range(len(vals) // 2))
+            self.lanes, self.lane_base = tuple(ir.add(c0, ir.i64(j)) for j in range(len(vals) // 2)), None
             self.vec = len(self.lanes)
             prefix = out_prefix(vb, vm)
             # the GEMM column each Slice reads at output column c (2c, 2c + 1), as its lowering computes it
@@ -242,7 +242,7 @@ class _GemmLowerer(_Lowerer):
             for chunk in ([cols] if vec > 1 else [[c] for c in cols]):
                 first = col_index(chunk[0][0])
                 trail = [first[:-1] + (ir.add(first[-1], ir.i64(j)),) for j in range(len(chunk))]
-                self.lanes = tuple(t[-1] for t in trail)
+                self.lanes, self.lane_base = tuple(t[-1] for t in trail), None
                 self.acc = {t[-1]: v for t, (_, v) in zip(trail, chunk)}
                 prefix = out_prefix(vb, vm) + first[:-1]
                 self.out_idx = prefix + (self.lanes[0],)
@@ -251,7 +251,7 @@ class _GemmLowerer(_Lowerer):
 
         def store_rows(rows: list[tuple[Expr, Var]]) -> None:  # one element per row, all at column vn
             first = col_index(vn)
-            self.vec, self.lanes = 1, (first[-1],)
+            self.vec, self.lanes, self.lane_base = 1, (first[-1],), None
             for m, v in rows:
                 self.acc = {first[-1]: v}
                 prefix = out_prefix(vb, m) + first[:-1]
@@ -304,6 +304,7 @@ class _GemmLowerer(_Lowerer):
             def row_in8() -> None:
                 self.vec, self.inner_dim = 8, y_s[-1]
                 self.lanes = tuple(vn if j == 0 else ir.add(vn, ir.i64(j)) for j in range(8))
+                self.lane_base = None
                 self.acc = dict(zip(self.lanes, vs))
                 prefix = out_prefix(vb, vm)
                 self.out_idx = prefix + (vn,)

@@ -7,44 +7,50 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
 import tempfile
+import warnings
 from pathlib import Path
 
 import onnx
 import onnxruntime as ort
-import pytest
 
 from ortfuse.runtime import CONFIG_KEY, fused_op_types
 
 NATIVE = Path(__file__).resolve().parents[1] / "customops" / "native"
-# kernel creation on a machine without a driver; with one, the session is simply created
-NO_DRIVER = "CUDA driver unavailable"
+# our kernel creation ran: it stops at the missing driver (or, on a GPU, at whatever it refuses there)
+OUR_KERNEL = "ortfuse: node '"
 # The CPU EP alone casts fp16 values around CPU nodes it has no fp16 kernel for (InsertCastTransformer, which
-# knows only its built-in kernels), our node included; our shape inference then refuses the float it is
-# given. On the CUDA EP this cannot happen, so the check ends there for such a graph.
-CPU_ONLY_CASTS = "InsertedPrecisionFreeCast"
+# knows only its built-in kernels), our node included, and the graph's re-resolution then refuses the float
+# our shape inference does not give. On the CUDA EP this cannot happen; the check ends there (after the
+# load's shape inference, before ORT's later optimizations), with a warning saying so.
+CPU_ONLY_CASTS = re.compile(r"Type \(tensor\(float\)\) of output arg \(InsertedPrecisionFreeCast_[^)]*\) of node "
+                            r"\(ortfuse_region_\d+\) does not match expected type \(tensor\(float16\)\)")
 
 
-def cpu_ep_library() -> Path:
-    """The CPU-EP copy of libortfuse_ops.so, built once per source state (skips where no C compiler exists)."""
+def cpu_ep_library() -> Path | None:
+    """The CPU-EP copy of libortfuse_ops.so, built once per source state; None where no C compiler exists."""
     sources = sorted(NATIVE.glob("*.c"))
     digest = hashlib.sha256()
     for p in sorted(NATIVE.glob("*.[ch]")) + sorted((NATIVE.parent / "include").glob("*.h")):
         digest.update(p.name.encode() + p.read_bytes())
-    out = Path(tempfile.gettempdir()) / f"ortfuse-cpu-ep-{digest.hexdigest()[:16]}.so"
+    out = Path(tempfile.gettempdir()) / f"ortfuse-cpu-ep-{os.getuid()}-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     cc = next((c for c in (cc.split()[0], "cc", "gcc", "clang") if shutil.which(c)), None)
     if cc is None:
-        pytest.skip("no C compiler to build the CPU-EP copy of the native library")
+        return None
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-O1", "-fPIC", "-fvisibility=hidden",
-                    '-DOFZ_FUSED_EP="CPUExecutionProvider"', "-shared", "-o", str(tmp), *map(str, sources), "-ldl"],
-                   check=True, capture_output=True)
+    r = subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-O1", "-fPIC", "-fvisibility=hidden",
+                        '-DOFZ_FUSED_EP="CPUExecutionProvider"', "-shared", "-o", str(tmp), *map(str, sources), "-ldl"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"building the CPU-EP copy of the native library failed:\n{r.stderr[-3000:]}")
     os.replace(tmp, out)  # atomic: test workers may build it at once
     return out
 
@@ -52,13 +58,19 @@ def cpu_ep_library() -> Path:
 def assert_ort_accepts(model: onnx.ModelProto) -> None:
     """Session creation of `model` with the CPU-EP copy gets as far as kernel creation (see the module doc)."""
     types = fused_op_types(model)
-    if not types:
+    lib = cpu_ep_library() if types else None
+    if lib is None:
+        if types:
+            warnings.warn("no C compiler: ORT's acceptance of the optimized graph is not checked")
         return
     so = ort.SessionOptions()
     so.log_severity_level = 4
     so.add_session_config_entry(CONFIG_KEY, ",".join(types))
-    so.register_custom_ops_library(str(cpu_ep_library()))
+    so.register_custom_ops_library(str(lib))
     try:
         ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-        assert NO_DRIVER in str(e) or CPU_ONLY_CASTS in str(e), f"ORT refused the optimized graph before kernel creation: {e}"
+        if CPU_ONLY_CASTS.search(str(e)):
+            warnings.warn("the CPU EP cast an fp16 node's values to float: ORT's acceptance checked up to there")
+            return
+        assert OUR_KERNEL in str(e), f"ORT refused the optimized graph before kernel creation: {e}"

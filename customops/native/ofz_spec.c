@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define BAD(...) ofz_err(ORT_INVALID_ARGUMENT, __VA_ARGS__)
 #define TRY(expr)                    \
@@ -488,7 +489,7 @@ static void unique_name(char* name, unsigned long long* id) {
   unsigned long long own = 0;
   if (!id) id = &own;
   if (!*id) *id = __atomic_add_fetch(&next, 1, __ATOMIC_RELAXED);
-  snprintf(name, INFER_NAME_MAX, "ortfuse_unk_%llu", *id);
+  snprintf(name, INFER_NAME_MAX, "ortfuse_unk_%ld_%llu", (long)getpid(), *id);  // a saved graph's names too
 }
 
 // `fmt` over the two parts where the result fits; else a name of its own (a cut name could equal another).
