@@ -24,7 +24,7 @@ from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.invariance import invariant_axes
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
-from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.search.attention import SELECT_OPS, AttentionPattern, find_attention, select_start
 from ortfuse.search.plan import Region
 
@@ -190,14 +190,16 @@ class _AttnLowerer(_Lowerer):
                 raise LoweringError(f"{op} on an attention operand path")
         return idx, scale
 
-    def rope(self, t: str, rope, transposed: bool) -> ir.Func:
+    def rope(self, t: str, rope, transposed: bool, at) -> ir.Func:
         """`<Q|K>.rope(b, h, s, d, x, xp)`: the rotary embedding's output at the kernel's (b, h, s, d) of the
-        operand `t`, from x there and x at the partner column (xp)."""
+        operand `t`, from x there and x at the partner column (xp); `at` maps the kernel's (h, s) to the
+        operand's (packed query heads)."""
         vb, vh, vs_, vd = (Var(n, I64) for n in ("ab", "ah", "as", "ad"))
         here, partner = Var("rx", F32), Var("rp", F32)
 
         def build() -> Expr:
-            idx, _ = self.walk(t, (vb, vh, vd, vs_) if transposed else (vb, vh, vs_, vd), rope.out)
+            h, s = at(vh, vs_)
+            idx, _ = self.walk(t, (vb, h, vd, s) if transposed else (vb, h, s, vd), rope.out)
             self.rope_sub = (rope.within, idx[-1], here, partner)
             try:  # (a partial rotation's columns past R are not rotated: the kernel asks for d < R only)
                 return self.value(rope.rotated, idx)
@@ -259,21 +261,45 @@ class _AttnLowerer(_Lowerer):
 
         vi, vj = Var("ai", I64), Var("aj", I64)
         scales = []
+        sq_dim = self.dim(ss4[2])
+        group = 1  # query heads packed per K/V head (see below)
+
+        def q_at(h: Expr, s: Expr) -> tuple[Expr, Expr]:  # a query row's head and row, packed or not
+            if group == 1:
+                return h, s
+            return ir.add(ir.mul(h, ir.i64(group)), ir.idiv(s, sq_dim)), ir.imod(s, sq_dim)
+
+        def kv_h(h: Expr) -> Expr:  # the first query head of a packed group reads its K/V head
+            return h if group == 1 else ir.mul(h, ir.i64(group))
 
         def layout(t: str, src: str, transposed: bool):
             def build() -> Expr:
-                off, sc = self.back(t, at(vb, vh, vd, vs_) if transposed else at(vb, vh, vs_, vd), src)
+                h, s = (kv_h(vh), vs_) if t != q_op else q_at(vh, vs_)
+                off, sc = self.back(t, at(vb, h, vd, s) if transposed else at(vb, h, s, vd), src)
                 scales.append(sc)
                 return off
             return build
 
-        params = (vb, vh, vs_, vd)
-        funcs = [self.func("Q.offset", params, layout(q_op, p.q, False)),
-                 self.func("K.offset", params, layout(kt_op, p.k, True)),
-                 self.func("V.offset", params, layout(v_op, p.v, False)),
-                 self.func("O.offset", params, lambda: self.forward(at(vb, vh, vs_, vd)))]
+        def build_funcs() -> list[ir.Func]:
+            scales.clear()
+            params = (vb, vh, vs_, vd)
+            return [self.func("Q.offset", params, layout(q_op, p.q, False)),
+                    self.func("K.offset", params, layout(kt_op, p.k, True)),
+                    self.func("V.offset", params, layout(v_op, p.v, False)),
+                    self.func("O.offset", params, lambda: self.forward(at(vb, *q_at(vh, vs_), vd)))]
+
+        funcs = build_funcs()
+        # Grouped-query attention with K and V repeated across G query heads (folded into their offsets): the
+        # G heads' query rows are packed into one unit's rows (row r of group h: head h * G + r / Sq, row
+        # r % Sq), so a generation step's few rows fill the tile and each K/V tile is read once per group,
+        # not once per head (flash-decoding's packing); units and the key split see G times fewer heads
+        if not merged:
+            group = self.kv_group(funcs[1:3], ss4[1])
+            if group > 1:
+                funcs = build_funcs()
         ropes = [f for op, r, tr in ((q_op, p.q_rope, False), (kt_op, p.k_rope, True)) if r is not None
-                 for f in (self.rope(op, r, tr), self.rope_half(r, tr))]
+                 for f in (self.rope(op, r, tr, q_at if not tr else lambda h, s: (kv_h(h), s)),
+                           self.rope_half(r, tr))]
         scale = scales[0] * scales[1] * scales[2]
         if scales[2] != 1.0:
             raise LoweringError("a scale on the V path")
@@ -282,7 +308,7 @@ class _AttnLowerer(_Lowerer):
         def score() -> Expr:  # the Softmax input at the scores' element (b, h, i, j): through a batch regroup
             if viewed:  # the kernel's index is the view's
                 return self.value(softmax_in, (vb, vh, vi, vj))
-            idx = at(vb, vh, vi, vj)  # the same offset in both (search.attention._regroups_batch)
+            idx = at(vb, *q_at(vh, vi), vj)  # the same offset in both (search.attention._regroups_batch)
             return self.value(softmax_in, idx if sm_shape == ss else self.reshape_index(idx, ss, sm_shape))
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))
         funcs += ropes
@@ -290,7 +316,11 @@ class _AttnLowerer(_Lowerer):
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))
         block_m = MMA_BLOCK_M if mma else SIMT_BLOCK_M
         terms = [self.encode(x) for x in ss4]
-        dims = ir.Op("attn_dims", tuple(self.dim(x) for x in ss4), I64)
+        sizes = [self.dim(x) for x in ss4]
+        if group > 1:  # G times fewer heads of G times the rows
+            terms[1] = ss4[1] // group
+            sizes[1], sizes[2] = ir.i64(ss4[1] // group), ir.mul(sizes[2], ir.i64(group))
+        dims = ir.Op("attn_dims", tuple(sizes), I64)
         ptrs = tuple(Var(f"t{self.args[t]}", storage) for t in (p.q, p.k, p.v)) + (
             Var(f"t{self.out_args[p.output]}", storage),)
         targs = (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S")
@@ -309,7 +339,24 @@ class _AttnLowerer(_Lowerer):
         if smem > self.tgt.smem_per_block:
             raise LoweringError(f"attention tile needs {smem} bytes of shared memory")
         split = key_split(self.tgt, d, dv, self.hint(ss4[3])) if mma else 1
-        return kernel, tuple(terms[:2]), (((terms[2],), block_m),), smem, split
+        return kernel, tuple(terms[:2]), (((terms[2],) + ((group,) if group > 1 else ()), block_m),), smem, split
+
+    def kv_group(self, kv: list[ir.Func], heads: Dim) -> int:
+        """The most query heads G (dividing the static head count) whose K and V offsets are those of their
+        group's first head, probed at several sizes of every symbolic dim (repeat_kv's Expand folded into the
+        offsets gives G = heads / kv_heads); 1 where there is none."""
+        if not isinstance(heads, int) or heads < 2:
+            return 1
+        envs = []
+        for v in (1, 3, 7, 13):
+            env = {f"d{k}": v for k in range(len(self.sym_pairs))}
+            for b, s, d in itertools.product((0, 1), (0, 5), (0, 3)):
+                envs.append({**env, "ab": b, "as": s, "ad": d})
+        for g in range(heads, 1, -1):
+            if heads % g == 0 and all(_run(f, {**env, "ah": h}) == _run(f, {**env, "ah": h // g * g})
+                                      for f in kv for env in envs for h in range(heads)):
+                return g
+        return 1
 
     def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:
         """Rows contiguous in d and starting on 16 bytes, probed at several sizes of every symbolic dim

@@ -200,3 +200,25 @@ def test_batch_and_heads_merged(dt, mask):
     assert not [x for x in res.model.graph.node if x.op_type == "Transpose"]
     reads = dict(res.kernels[0].spec.shape_reads)
     assert (mask == "where") == ((-1, -1) in reads["t3"])
+
+
+@pytest.mark.parametrize("dt,heads,kv", [(TP.FLOAT16, 6, 2), (TP.FLOAT, 4, 1), (TP.FLOAT16, 9, 3)])
+@pytest.mark.parametrize("sq", [1, 5, 37])
+def test_grouped_query_heads_share_a_unit(dt, heads, kv, sq):
+    # the G = heads / kv query heads of one K/V head are one unit's rows (row r: head h * G + r / Sq, row r % Sq):
+    # a generation step's one row per head fills G rows of the tile, and K and V are read once per group
+    m = gqa_attention(dt, heads, kv, 32 if dt == TP.FLOAT else 64)
+    hd = 32 if dt == TP.FLOAT else 64
+    res = fused_parity(m, {}, {"q": (2, heads, sq, hd), "k": (2, kv, sq, hd), "v": (2, kv, sq, hd),
+                               "mask": (2, 1, sq, sq)}, ["attention"])
+    spec = res.kernels[0].spec
+    group = heads // kv
+    assert spec.units[1] == kv and spec.units_ceil[0][0][1:] == (group,), (spec.units, spec.units_ceil)
+
+
+def test_heads_with_their_own_keys_are_not_packed():
+    m = gqa_attention(TP.FLOAT16, 4, 4, 64)  # repeat_kv of 1: every head reads its own K and V
+    res = fused_parity(m, {}, {"q": (1, 4, 3, 64), "k": (1, 4, 3, 64), "v": (1, 4, 3, 64), "mask": (1, 1, 3, 3)},
+                       ["attention"])
+    spec = res.kernels[0].spec
+    assert spec.units[1] == 4 and len(spec.units_ceil[0][0]) == 1

@@ -17,7 +17,7 @@ F, H = TP.FLOAT, TP.FLOAT16
 @pytest.mark.parametrize("dt,head", [(H, 64), (F, 64), (H, 24), (H, 128)])
 def test_q_and_k_rotated_inside_the_attention_kernel(dt, head):
     m = rope_attention(dt, head=head)
-    for b, s in ((2, 37), (1, 100)):  # one partial key tile; a full and a partial one
+    for b, s in ((2, 37), (1, 100), (2, 1)):  # one partial key tile; a full and a partial one; one row a head
         res = fused_parity(m, rope_shapes(4, 2, head, "batch", "seq"), rope_shapes(4, 2, head, b, s), ["attention"])
     (r,) = res.plan.regions
     assert [res.graph.nodes[i].op_type for i in r.nodes].count("Neg") == 2
