@@ -27,7 +27,7 @@ from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import FusedNode, replace
-from ortfuse.rewriter.shapes import build_graph, merged_sizes, minted_dims, parse_input_shapes
+from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.search import ops
 from ortfuse.search.attention import absorbed_selects
 from ortfuse.search.cost import CostModel
@@ -122,7 +122,7 @@ def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> G
         keep = [v for v in m.graph.value_info if v.name in made_elsewhere]
         del m.graph.value_info[:]
         m.graph.value_info.extend(keep)
-        again = build_graph(m, shapes)
+        again = build_graph(m, shapes, graph.hint_overrides)
         if unknown(again) > unknown(graph):
             break
         again, a = fold_runtime_shapes(again)
@@ -155,7 +155,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     say("loading model")
     model = load_model(model_or_path)
     say("inferring shapes")
-    graph = build_graph(model, _shapes(input_shapes))
+    graph = build_graph(model, _shapes(input_shapes), dict(opts.dim_hints))
+    check_dim_hints(graph)
     graph, gathers = fold_iota_gathers(graph)
     if gathers:
         say(f"{gathers} Gathers of a flattened tensor at its own index (exported masks) became Reshapes")

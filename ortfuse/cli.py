@@ -30,6 +30,19 @@ def _check_paths(src: str, dst: str) -> None:
         raise InputError(f"{dst}: folder {parent} does not exist")
 
 
+def _dim_hints(specs: list[str]) -> tuple[tuple[str, int], ...]:
+    """NAME=VALUE pairs (--dim-hint), each name once."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        name, eq, value = spec.rpartition("=")
+        if not eq or not name or not value.strip().isdigit():
+            raise InputError(f"--dim-hint '{spec}': expected NAME=VALUE, e.g. sequence=1")
+        if name in out:
+            raise InputError(f"--dim-hint: '{name}' given twice")
+        out[name] = int(value)
+    return tuple(out.items())
+
+
 def cmd_optimize(a: argparse.Namespace) -> int:
     from ortfuse import report
     from ortfuse.api import compile_model
@@ -44,6 +57,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
         raise InputError(f"--wgmma builds sm_90a kernels, which run on sm_90 only: use --arch sm_90 "
                          f"(got {a.arch})")
     opts = Options(archs=archs, tf32=a.tf32, profile=a.profile, profile_batch=a.profile_batch,
+                   dim_hints=_dim_hints(a.dim_hint),
                    **({"wgmma": a.wgmma} if a.wgmma is not None else {}),
                    **({"ln_fold": a.ln_fold} if a.ln_fold else {}),
                    **({"pdl": a.pdl} if a.pdl is not None else {}))
@@ -105,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("output")
     o.add_argument("--input-shape", action="append", default=[], metavar="NAME:1x128",
                    help="fix an input's shape (repeatable); dims not given stay symbolic")
+    o.add_argument("--dim-hint", action="append", default=[], metavar="NAME=VALUE",
+                   help="the typical value of a symbolic dim, for the cost model only: the shapes stay symbolic "
+                        "(repeatable; a decoder's generation step: sequence=1, past_sequence=512)")
     o.add_argument("--arch", default="sm_90", help="target arch(s), comma separated, e.g. sm_80,sm_90")
     o.add_argument("--wgmma", action=argparse.BooleanOptionalAction, default=None,
                    help="Hopper warpgroup-MMA (wgmma) GEMM kernels: sm_90a cubins, which run on sm_90 GPUs (H100, "

@@ -56,6 +56,9 @@ class Options:
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
     # GPU ($ORTFUSE_PDL=1 turns them on)
     pdl: bool = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_PDL", "")) is True)
+    # (name, value): typical values of symbolic dims for the cost model, the shapes left symbolic (--dim-hint;
+    # a decoder's generation step: sequence=1)
+    dim_hints: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.archs:

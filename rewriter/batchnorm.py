@@ -80,7 +80,7 @@ def fold_batchnorms(g: Graph) -> tuple[Graph, int]:
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     remove_dead(m)
-    return assemble(m, tensors, g.opset), len(plans)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
 
 
 def _constant(m: onnx.ModelProto, tensors: dict[str, TensorInfo], name: str, value: np.ndarray, dtype: int) -> str:

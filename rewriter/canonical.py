@@ -175,7 +175,7 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     for t in m.graph.initializer[len(g.model.graph.initializer):]:
         tensors[t.name] = TensorInfo(t.name, onnx.TensorProto.INT64, tuple(t.dims))
     remove_dead(m)
-    return assemble(m, tensors, g.opset), folded
+    return assemble(m, tensors, g.opset, g.hint_overrides), folded
 
 
 def _unflatten_plan(g: Graph, i: int) -> Optional[tuple[str, int, int]]:
@@ -255,7 +255,7 @@ def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     remove_dead(m)
-    return assemble(m, tensors, g.opset), len(plans)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
 
 
 def remove_dead(m: onnx.ModelProto) -> None:
@@ -370,7 +370,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             conv.attribute.extend(keep + [onnx.helper.make_attribute("pads", [a + b for a, b in zip(old, p)])])
             conv.input[0] = pad.input[0]
     remove_dead(m)
-    return assemble(m, dict(g.tensors), g.opset), len(plans)
+    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(plans)
 
 
 # ---- small values computed from static shapes -----------------------------------------------------------
@@ -464,7 +464,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
                     tensors[names[x]] = TensorInfo(names[x], onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
                 node.input[k] = names[x]
     remove_dead(m)
-    return assemble(m, tensors, g.opset), len(names)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(names)
 
 
 # ---- Identity of a constant ---------------------------------------------------------------------------------
@@ -510,7 +510,7 @@ def _bypass(g: Graph, alias: dict[str, str]) -> tuple[Graph, int]:
             if x in alias:
                 node.input[k] = alias[x]
     remove_dead(m)
-    return assemble(m, dict(g.tensors), g.opset), len(alias)
+    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(alias)
 
 
 # ---- Expand to the shape its input already has -------------------------------------------------------------

@@ -123,7 +123,7 @@ def _apply_packs(g: Graph, packs: list[_Pack], sliced: frozenset[_Pack] = frozen
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     remove_dead(m)
-    return assemble(m, tensors, g.opset)
+    return assemble(m, tensors, g.opset, g.hint_overrides)
 
 
 def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, TensorInfo],
@@ -292,7 +292,7 @@ def _interleaved(g: Graph, found: dict[int, tuple[str, tuple[int, ...], tuple[st
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     remove_dead(m)
-    return assemble(m, tensors, g.opset)
+    return assemble(m, tensors, g.opset, g.hint_overrides)
 
 
 def interleave_halves(g: Graph, fused: Callable[[Graph], set[str]]) -> tuple[Graph, int]:

@@ -75,7 +75,7 @@ def pad_unaligned_gemms(g: Graph, worth: Callable[[Graph, int, int], bool]) -> t
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     remove_dead(m)
-    return assemble(m, tensors, g.opset), len(todo)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(todo)
 
 
 def _padded(g: Graph, i: int, wide: int, m: onnx.ModelProto, tensors: dict[str, TensorInfo]) -> list[onnx.NodeProto]:

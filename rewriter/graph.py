@@ -43,6 +43,7 @@ class Graph:
     graph_outputs: tuple[str, ...]
     opset: int  # default-domain opset version
     sym_hints: Mapping[str, int] = field(default_factory=dict)  # typical values for symbolic dims (cost model)
+    hint_overrides: Mapping[str, int] = field(default_factory=dict)  # the user's own typical values (--dim-hint)
 
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]

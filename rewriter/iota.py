@@ -250,7 +250,7 @@ def fold_iota_gathers(g: Graph) -> tuple[Graph, int]:
         reshape = onnx.helper.make_node("Reshape", [x, name], [out], name=f"{node.name or out}/iota_gather")
         node.CopyFrom(reshape)
     remove_dead(m)
-    return assemble(m, tensors, g.opset), len(plans)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
 
 
 _CLONABLE = frozenset({"Range", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity", "Add", "Sub", "Mul", "Neg",
@@ -480,4 +480,4 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     remove_dead(m)
-    return assemble(m, tensors, g.opset), count
+    return assemble(m, tensors, g.opset, g.hint_overrides), count

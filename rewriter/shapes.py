@@ -53,8 +53,10 @@ def _parse_dim(text: str, spec: str) -> Dim:
     raise InputError(f"input shape '{spec}': bad dim '{text}' (want a non-negative int or a name)")
 
 
-def build_graph(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[Dim, ...]] | None = None) -> Graph:
-    """A shape-inferred Graph over a private copy of `model` (which is left untouched)."""
+def build_graph(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[Dim, ...]] | None = None,
+                hint_overrides: Mapping[str, int] | None = None) -> Graph:
+    """A shape-inferred Graph over a private copy of `model` (which is left untouched); `hint_overrides`: the
+    user's typical values of symbolic dims for the cost model (the shapes stay symbolic)."""
     m = _proto.copy_model(model)
     opset = _proto.opset_of(m)
     if opset is None:
@@ -69,7 +71,7 @@ def build_graph(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[Dim, ..
         inferred = _infer.infer_value_infos(m)
     except _infer.ShapeInferenceError as e:
         raise InputError(f"model: shape inference failed: {e}") from None
-    return assemble(m, _record_value_infos(m, inferred), opset)
+    return assemble(m, _record_value_infos(m, inferred), opset, hint_overrides)
 
 
 @per_graph
@@ -123,7 +125,8 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
     return frozenset(tainted)
 
 
-def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int) -> Graph:
+def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int,
+             hint_overrides: Mapping[str, int] | None = None) -> Graph:
     """The Graph's links and constants over an already shape-inferred model `m` (taken, not copied)."""
     nodes = tuple(m.graph.node)
     init_names = {t.name for t in m.graph.initializer}
@@ -137,7 +140,7 @@ def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int) 
         model=m, tensors=tensors, constants=Constants(m.graph), nodes=nodes, producer=producer,
         consumers={k: tuple(v) for k, v in consumers.items()}, graph_inputs=inputs,
         graph_outputs=tuple(v.name for v in m.graph.output), opset=opset,
-        sym_hints=sym_hints(tensors, inputs),
+        sym_hints=sym_hints(tensors, inputs, overrides=hint_overrides), hint_overrides=dict(hint_overrides or {}),
     )
 
 
@@ -335,17 +338,31 @@ def _dense(sp: onnx.SparseTensorProto) -> np.ndarray:
 
 # ---- symbolic dim hints ------------------------------------------------------------------------------
 
-def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], batch: int = BATCH_HINT) -> dict[str, int]:
+def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], batch: int = BATCH_HINT,
+              overrides: Mapping[str, int] | None = None) -> dict[str, int]:
     """Typical values of the symbolic dims: `batch` for batch-like ones (named so, or leading a graph
-    input), DEFAULT_HINT for others, expressions evaluated from those. Base names are identifiers or any
-    name a graph input declares (exporters write names like "p2o.DynamicDimension.0")."""
+    input), DEFAULT_HINT for others, `overrides` (the user's) where given, expressions evaluated from those.
+    Base names are identifiers or any name a graph input declares (exporters write names like
+    "p2o.DynamicDimension.0")."""
     batch_like = {t.shape[0] for name in graph_inputs if (t := tensors[name]).shape and len(t.shape) >= 2
                   and isinstance(t.shape[0], str)}
     names = {d for t in tensors.values() for d in t.shape or () if isinstance(d, str)}
     declared = {d for name in graph_inputs for d in tensors[name].shape or () if isinstance(d, str)}
     base = {n: _base_hint(n, batch_like, batch) for n in names
             if _DIM_NAME.fullmatch(n) or (n in declared and not is_dim_expression(n))}
-    return {n: base.get(n) or _expr_hint(n, base, batch_like, batch) for n in sorted(names)}
+    base.update({n: v for n, v in (overrides or {}).items() if n in base})  # (checked once: check_dim_hints)
+    return {n: base[n] if n in base else _expr_hint(n, base, batch_like, batch) for n in sorted(names)}
+
+
+def check_dim_hints(g: Graph) -> None:
+    """The user's hints (`build_graph`'s hint_overrides) name symbolic dims of `g`, each at least 1."""
+    names = {d for t in g.tensors.values() for d in t.shape or () if isinstance(d, str) and not is_dim_expression(d)}
+    for n, v in g.hint_overrides.items():
+        if n not in names:
+            known = ", ".join(sorted(names)) or "none"
+            raise InputError(f"--dim-hint {n}={v}: '{n}' is not a symbolic dim of the model (its dims: {known})")
+        if v < 1:
+            raise InputError(f"--dim-hint {n}={v}: a typical value is at least 1")
 
 
 def is_dim_expression(text: str) -> bool:

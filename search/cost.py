@@ -114,7 +114,7 @@ def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
     when the batch is symbolic, batch THROUGHPUT_BATCH."""
-    large = sym_hints(g.tensors, g.graph_inputs, THROUGHPUT_BATCH)
+    large = sym_hints(g.tensors, g.graph_inputs, THROUGHPUT_BATCH, g.hint_overrides)
     if large == dict(g.sym_hints):
         return (("", g),)
     return ("", g), (f" at batch {THROUGHPUT_BATCH}", dataclasses.replace(g, sym_hints=large))

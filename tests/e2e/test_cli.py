@@ -82,6 +82,9 @@ def _bad_cases(tmp: Path):
         (["optimize", str(good), "--input-shape", "nope:1x8"], "nope"),
         (["optimize", str(good), "--input-shape", "hidden_states=1x8"], "hidden_states=1x8"),
         (["optimize", str(good), "--wgmma", "--arch", "sm_80,sm_90"], "--arch sm_90"),
+        (["optimize", str(good), "--dim-hint", "sequence"], "NAME=VALUE"),
+        (["optimize", str(good), "--dim-hint", "nope=3"], "'nope' is not a symbolic dim"),
+        (["optimize", str(good), "--dim-hint", "batch=2", "--dim-hint", "batch=3"], "'batch' given twice"),
     ]
 
 
@@ -224,3 +227,14 @@ def test_ln_fold_switch(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
     assert "LayerNorm fold mode 'sometimes'" in capsys.readouterr().err
+
+
+def test_dim_hints_reach_the_cost_model_and_leave_shapes_symbolic(tmp_path, capsys):
+    from ortfuse.demo import encoder
+
+    src = _save(encoder(layers=1, hidden=32, heads=2, ffn=64), tmp_path / "e.onnx")
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), str(out), "--dim-hint", "seq=16", "--dim-hint", "batch=4"]) == 0
+    assert "batch=4, seq=16" in capsys.readouterr().out
+    dims = [d.dim_param for d in onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim[:2]]
+    assert dims == ["batch", "seq"]

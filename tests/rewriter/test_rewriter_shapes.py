@@ -260,6 +260,25 @@ def test_sym_hints_evaluate_expressions():
     assert graph.sym_hints[expr] == 256
 
 
+def test_dim_hints_given_by_the_user():
+    # --dim-hint: a decoder's generation step (seq 1 after 512 cached); expressions follow, shapes stay symbolic
+    model = M.make_model([helper.make_node("Concat", ["p", "a"], ["y"], axis=1)],
+                         [M.vi("p", ["batch", "past"]), M.vi("a", ["batch", "seq"])], [M.vi("y", ["batch", None])])
+    graph = build_graph(load_model(model), None, {"seq": 1, "past": 512})
+    expr = graph.tensors["y"].shape[1]
+    assert isinstance(expr, str) and graph.sym_hints[expr] == 513
+    assert graph.sym_hints["seq"] == 1 and graph.tensors["a"].shape == ("batch", "seq")
+    assert graph.hint_overrides == {"seq": 1, "past": 512}
+    from ortfuse.search.cost import bindings
+    assert [g.sym_hints["seq"] for _, g in bindings(graph)] == [1, 1]  # batch 32 too: still one new token
+    from ortfuse.rewriter.shapes import check_dim_hints
+    check_dim_hints(graph)
+    with pytest.raises(InputError, match="'sequence' is not a symbolic dim of the model .*batch, past, seq"):
+        check_dim_hints(build_graph(load_model(model), None, {"sequence": 1}))
+    with pytest.raises(InputError, match="at least 1"):
+        check_dim_hints(build_graph(load_model(model), None, {"past": 0}))
+
+
 def test_sym_hints_for_names_that_are_not_identifiers():
     # paddle2onnx names dims "p2o.DynamicDimension.N"; a 3x3/2 Conv makes "floor(... - 1/2) + 1" of them
     x = M.vi("x", ["p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1", "p2o.DynamicDimension.10"])
