@@ -137,7 +137,8 @@ for name in "$@"; do
       # the default build and a --pdl build beside it, with and without CUDA graphs (kernel time, gaps, overlap)
       IFS=- read -r _ model dtype <<<"$name"
       step "$name" 240 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
-        python3 -m ortfuse optimize \$M $WORK/$name.onnx >/dev/null && python3 -m ortfuse optimize \$M $WORK/$name.pdl.onnx --pdl >/dev/null &&
+        H=\$(python3 -c \"import onnx, sys; from ortfuse.bench import zoo; m = onnx.load(sys.argv[1], load_external_data=False); print(' '.join(f'--dim-hint {n}={v}' for n, v in zoo.dim_hints(m, zoo.read_sidecar(sys.argv[1]))))\" \$M) &&
+        python3 -m ortfuse optimize \$M $WORK/$name.onnx \$H >/dev/null && python3 -m ortfuse optimize \$M $WORK/$name.pdl.onnx --pdl \$H >/dev/null &&
         python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --beside $WORK/$name.pdl.onnx --batch 1 --md $WORK/$name.md --json $WORK/$name.json" ;;
     torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
       IFS=- read -r _ _ model dtype <<<"$name"

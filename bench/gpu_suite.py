@@ -89,8 +89,10 @@ def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = No
     from ortfuse.config import Options
     arch = harness._arch()  # type: ignore[attr-defined]
     # --profile: each region and GEMM tile is timed against ORT's own kernels for the same sub-graph
-    shapes = zoo.fixed_image_shapes(onnx.load(str(src), load_external_data=False), zoo.read_sidecar(src))
-    opts = Options(archs=_archs(arch), profile=profile)
+    proto = onnx.load(str(src), load_external_data=False)
+    meta = zoo.read_sidecar(src)
+    shapes = zoo.fixed_image_shapes(proto, meta)
+    opts = Options(archs=_archs(arch), profile=profile, dim_hints=zoo.dim_hints(proto, meta, shapes))
     res = compile_model(str(src), shapes, arch, options=opts if pdl is None else dataclasses.replace(opts, pdl=pdl))
     seconds = time.perf_counter() - start
     model = res.model

@@ -293,8 +293,18 @@ class _AttnLowerer(_Lowerer):
         # G heads' query rows are packed into one unit's rows (row r of group h: head h * G + r / Sq, row
         # r % Sq), so a generation step's few rows fill the tile and each K/V tile is read once per group,
         # not once per head (flash-decoding's packing); units and the key split see G times fewer heads
-        if not merged:
-            group = self.kv_group(funcs[1:3], ss4[1])
+        # Only where the rows leave the tile room (Sq's hint below BLOCK_M: a generation step, at its
+        # `--dim-hint` or static): at a prompt's Sq the units are the same, and the divided Q offsets cost
+        # registers and the affine row loads of Q (2026-11-27 review: 128 -> 158 registers in SmolLM's kernel).
+        # A rotation of K after the repeat may differ per query head: its index at the rotation's output is
+        # probed with K's and V's offsets.
+        block_rows = MMA_BLOCK_M if storage in ("f16", "bf16") else SIMT_BLOCK_M
+        if not merged and self.hint(ss4[2]) < block_rows:
+            probes = funcs[1:3]
+            if p.k_rope is not None:
+                probes = probes + [self.func("K.rope_at", (vb, vh, vs_, vd),
+                                             lambda: self.back(kt_op, at(vb, vh, vd, vs_), p.k_rope.out)[0])]
+            group = self.kv_group(probes, ss4[1])
             if group > 1:
                 funcs = build_funcs()
         ropes = [f for op, r, tr in ((q_op, p.q_rope, False), (kt_op, p.k_rope, True)) if r is not None
@@ -324,8 +334,9 @@ class _AttnLowerer(_Lowerer):
         ptrs = tuple(Var(f"t{self.args[t]}", storage) for t in (p.q, p.k, p.v)) + (
             Var(f"t{self.out_args[p.output]}", storage),)
         targs = (C_ELEM[storage], str(d), str(dv), "OPS::Q", "OPS::K", "OPS::V", "OPS::O", "OPS::S")
-        if mma and all(_linear_in(f, "as") for f in funcs[:3]):  # Q, K, V offsets affine in the sequence index
-            targs += ("true",)
+        affine_q, affine_kv = _linear_in(funcs[0], "as"), all(_linear_in(f, "as") for f in funcs[1:3])
+        if mma and (affine_q or affine_kv):  # Q's, and K's and V's, offsets affine in the sequence index
+            targs += ("true" if affine_q else "false", "true" if affine_kv else "false")
         call = ir.Call("ofz::attn::tensor_core" if mma else "ofz::attn::simt", targs, ptrs + (dims,))
         self.scopes = [_Scope(set())]
         self.emit(call)

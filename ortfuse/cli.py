@@ -35,7 +35,8 @@ def _dim_hints(specs: list[str]) -> tuple[tuple[str, int], ...]:
     out: dict[str, int] = {}
     for spec in specs:
         name, eq, value = spec.rpartition("=")
-        if not eq or not name or not value.strip().isdigit():
+        value = value.strip()
+        if not eq or not name or not (value.isascii() and value.isdigit()) or len(value) > 9:
             raise InputError(f"--dim-hint '{spec}': expected NAME=VALUE, e.g. sequence=1")
         if name in out:
             raise InputError(f"--dim-hint: '{name}' given twice")

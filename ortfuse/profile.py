@@ -36,7 +36,7 @@ from ortfuse.errors import OrtfuseError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.replace import FusedNode, replace
-from ortfuse.rewriter.shapes import build_graph, sym_hints
+from ortfuse.rewriter.shapes import build_graph, hints_at_batch
 from ortfuse.search import legal
 from ortfuse.search.plan import Region
 
@@ -141,7 +141,7 @@ def profile_bindings(g: Graph, batch: int) -> list[tuple[str, dict[str, int]]]:
         return out
     # every dim at the large batch, expressions of it ("128*batch" after a flatten) included, as the cost
     # model's own bindings evaluate them (`cost.bindings`)
-    big = {d: v for d, v in sym_hints(g.tensors, g.graph_inputs, batch, g.hint_overrides).items() if v != g.sym_hints.get(d)}
+    big = {d: v for d, v in hints_at_batch(g, batch).items() if v != g.sym_hints.get(d)}
     if big:
         out.append((label({d: v for d, v in big.items() if d in hints}), big))
     return out

@@ -344,8 +344,7 @@ def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], ba
     input), DEFAULT_HINT for others, `overrides` (the user's) where given, expressions evaluated from those.
     Base names are identifiers or any name a graph input declares (exporters write names like
     "p2o.DynamicDimension.0")."""
-    batch_like = {t.shape[0] for name in graph_inputs if (t := tensors[name]).shape and len(t.shape) >= 2
-                  and isinstance(t.shape[0], str)}
+    batch_like = _batch_like(tensors, graph_inputs)
     names = {d for t in tensors.values() for d in t.shape or () if isinstance(d, str)}
     declared = {d for name in graph_inputs for d in tensors[name].shape or () if isinstance(d, str)}
     base = {n: _base_hint(n, batch_like, batch) for n in names
@@ -354,15 +353,35 @@ def sym_hints(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str], ba
     return {n: base[n] if n in base else _expr_hint(n, base, batch_like, batch) for n in sorted(names)}
 
 
+MAX_DIM_HINT = 1 << 20  # a typical value's bound: the cost model's int64 products of dims stay exact
+
+
+def _batch_like(tensors: Mapping[str, TensorInfo], graph_inputs: Iterable[str]) -> set[str]:
+    """The symbolic dims leading a graph input of rank 2 or more."""
+    return {t.shape[0] for name in graph_inputs if (t := tensors[name]).shape and len(t.shape) >= 2
+            and isinstance(t.shape[0], str)}
+
+
+def hints_at_batch(g: Graph, batch: int) -> dict[str, int]:
+    """g's hints with its batch-like dims at `batch` (the user's hints for other dims kept, for the batch given
+    way): the throughput binding of `cost.bindings` and of `--profile-batch`."""
+    like = _batch_like(g.tensors, g.graph_inputs)
+    keep = {n: v for n, v in g.hint_overrides.items() if "batch" not in n.lower() and n not in like}
+    return sym_hints(g.tensors, g.graph_inputs, batch, keep)
+
+
 def check_dim_hints(g: Graph) -> None:
-    """The user's hints (`build_graph`'s hint_overrides) name symbolic dims of `g`, each at least 1."""
-    names = {d for t in g.tensors.values() for d in t.shape or () if isinstance(d, str) and not is_dim_expression(d)}
+    """The user's hints (`build_graph`'s hint_overrides) name symbolic dims of g's inputs, each an int in
+    [1, MAX_DIM_HINT]."""
+    names = {d for t in g.graph_inputs for d in g.tensors[t].shape or () if isinstance(d, str)
+             and not is_dim_expression(d)}
     for n, v in g.hint_overrides.items():
         if n not in names:
             known = ", ".join(sorted(names)) or "none"
-            raise InputError(f"--dim-hint {n}={v}: '{n}' is not a symbolic dim of the model (its dims: {known})")
-        if v < 1:
-            raise InputError(f"--dim-hint {n}={v}: a typical value is at least 1")
+            raise InputError(f"--dim-hint {n}={v}: '{n}' is not a symbolic dim of the model's inputs (they have: "
+                             f"{known})")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_DIM_HINT:
+            raise InputError(f"--dim-hint {n}={v}: a typical value is an integer from 1 to {MAX_DIM_HINT}")
 
 
 def is_dim_expression(text: str) -> bool:

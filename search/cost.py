@@ -15,7 +15,7 @@ from ortfuse.customops import tiles
 from ortfuse.customops.target import ROW_MAX_THREADS, ROW_VECTORS_PER_THREAD, Target
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
-from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, sym_hints
+from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
 from ortfuse.search import compute, conv, legal, norm_fold, ops
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
@@ -114,7 +114,7 @@ def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
     when the batch is symbolic, batch THROUGHPUT_BATCH."""
-    large = sym_hints(g.tensors, g.graph_inputs, THROUGHPUT_BATCH, g.hint_overrides)
+    large = hints_at_batch(g, THROUGHPUT_BATCH)
     if large == dict(g.sym_hints):
         return (("", g),)
     return ("", g), (f" at batch {THROUGHPUT_BATCH}", dataclasses.replace(g, sym_hints=large))

@@ -21,7 +21,9 @@
 // Then a kernel body is one call, e.g. ofz::attn::simt<__half, 64, 64, Q, K, V, O, S>(a, q, k, v, o, dims).
 // Launch rule: block = Tile::THREADS threads; one block computes BLOCK_M query rows of one (b, h), and
 // grid-strides over all batch * heads * ceil(Sq / BLOCK_M) such units, so `units` = batch * heads * Sq with
-// `units_per_block` = BLOCK_M gives enough blocks (never too many).
+// `units_per_block` = BLOCK_M gives enough blocks (never too many). Grouped-query heads packed by the lowering
+// (lower_attention): `heads` is then the K/V heads, `sq` G times the query rows, and the callbacks map a
+// packed row back to its head and row.
 //
 // Rows whose scores are all -inf produce 0 (ORT's Softmax gives NaN there); exporters mask with the
 // finite lowest float, which behaves exactly like the unfused graph.
@@ -200,7 +202,8 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
 // shared memory. K and V tiles are double-buffered with cp.async: tile t+1 loads while tile t computes.
 // Preconditions the generated code guarantees: every layout is contiguous in d
 // (offset(b, h, s, d) == offset(b, h, s, 0) + d) and each row starts 16-byte aligned (8 elements);
-// AFFINE (optional): Q's, K's and V's offsets are affine in s (load_rows steps rows by one stride).
+// AFFINE (optional): Q's offsets are affine in s (load_rows steps rows by one stride); AFFINE_KV likewise for K's
+// and V's (by default as Q's: packed grouped-query rows make Q's and O's offsets divide by Sq, not K's or V's).
 // Each thread keeps two query rows' state and its output accumulators in registers; Q's fragments are
 // read from shared memory per key tile (D / 4 registers fewer for the unit: the unrolled copies fit).
 // Dynamic shared memory: launch with smem = Tile::SMEM_BYTES (above 48 KiB for head size 128: opt-in).
@@ -321,7 +324,8 @@ template <int DV, int NT> __device__ __forceinline__ void split_merge(float* sta
   cluster_sync();  // the cluster has read this block's state
 }
 
-template <class T, int D, int DV, class Q, class K, class V, class O, class Score, bool AFFINE = false>
+template <class T, int D, int DV, class Q, class K, class V, class O, class Score, bool AFFINE = false,
+          bool AFFINE_KV = AFFINE>
 __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, T* __restrict__ o, const Dims n) {
   using Tile = MmaTile<D, DV>;
@@ -350,8 +354,8 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
     const ofz_i64 srow[2] = {row_ok[0] ? rows[0] : n.sq - 1, row_ok[1] ? rows[1] : n.sq - 1};
     __syncthreads();  // the previous unit is done with every buffer
     load_rows<T, BM, D, P, NT, AFFINE, Q>(sq, q, a, b, h, i0, n.sq);
-    load_rows<T, BN, D, P, NT, AFFINE, K>(sk, k, a, b, h, tn0 * BN, n.sk);
-    load_rows<T, BN, DV, P, NT, AFFINE, V>(sv, v, a, b, h, tn0 * BN, n.sk);
+    load_rows<T, BN, D, P, NT, AFFINE_KV, K>(sk, k, a, b, h, tn0 * BN, n.sk);
+    load_rows<T, BN, DV, P, NT, AFFINE_KV, V>(sv, v, a, b, h, tn0 * BN, n.sk);
     cp_async_commit();
     RowState st[2];
     st[0].init(), st[1].init();
@@ -365,8 +369,8 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       const T* kt = sk + buf * BN * QS;
       const T* vt = sv + buf * BN * VS;
       if (tn + 1 < tn1) {  // prefetch the next tile into the other buffer (freed at the end of tn - 1)
-        load_rows<T, BN, D, P, NT, AFFINE, K>(sk + (buf ^ 1) * BN * QS, k, a, b, h, j0 + BN, n.sk);
-        load_rows<T, BN, DV, P, NT, AFFINE, V>(sv + (buf ^ 1) * BN * VS, v, a, b, h, j0 + BN, n.sk);
+        load_rows<T, BN, D, P, NT, AFFINE_KV, K>(sk + (buf ^ 1) * BN * QS, k, a, b, h, j0 + BN, n.sk);
+        load_rows<T, BN, DV, P, NT, AFFINE_KV, V>(sv + (buf ^ 1) * BN * VS, v, a, b, h, j0 + BN, n.sk);
         cp_async_commit();
         cp_async_wait<1>();
       } else {

@@ -85,3 +85,7 @@ def test_tiny_decoder_step_runs_at_any_number_of_new_tokens(zoo_cache):
     logits, key, *_ = sess.run(None, feeds)
     assert logits.shape == (2, new, 1000) and key.shape == (2, 2, 16 + new, 16) and np.isfinite(logits).all()
     assert np.array_equal(key[:, :, :16], feeds["past_key_values.0.key"])  # the cache comes through unchanged
+  # the suite optimizes it for the step it measures (--dim-hint): one new token after the zoo's cache
+  assert zoo.dim_hints(model, zoo.read_sidecar(path)) == (("past_sequence", 16), ("sequence", 1))
+  bert = zoo.build("bert", tiny=True)
+  assert zoo.dim_hints(onnx.load(str(bert)), zoo.read_sidecar(bert)) == (("sequence", 16),)  # tiny: 16 tokens

@@ -4,10 +4,11 @@ kernel (fp32) and the tensor-core kernel (fp16), at several sequence lengths of 
 of grouped-query attention read at their own heads through the repeat across query heads."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import fused_parity, gqa_attention, merged_heads_attention, nan_guarded, packed_attention
+from helpers import const, fused_parity, gqa_attention, merged_heads_attention, model, nan_guarded, node, packed_attention, vi
 
 
 @pytest.mark.parametrize("select", ["split", "slice"])
@@ -203,22 +204,70 @@ def test_batch_and_heads_merged(dt, mask):
 
 
 @pytest.mark.parametrize("dt,heads,kv", [(TP.FLOAT16, 6, 2), (TP.FLOAT, 4, 1), (TP.FLOAT16, 9, 3)])
-@pytest.mark.parametrize("sq", [1, 5, 37])
-def test_grouped_query_heads_share_a_unit(dt, heads, kv, sq):
-    # the G = heads / kv query heads of one K/V head are one unit's rows (row r: head h * G + r / Sq, row r % Sq):
-    # a generation step's one row per head fills G rows of the tile, and K and V are read once per group
-    m = gqa_attention(dt, heads, kv, 32 if dt == TP.FLOAT else 64)
+def test_grouped_query_heads_share_a_unit(dt, heads, kv):
+    # at a generation step's Sq (its --dim-hint, 1), the G = heads / kv query heads of one K/V head are one unit's
+    # rows (row r: head h * G + r / Sq, row r % Sq): one row a head fills G rows of the tile, and K and V are
+    # read once per group; the packed kernel serves any Sq
     hd = 32 if dt == TP.FLOAT else 64
-    res = fused_parity(m, {}, {"q": (2, heads, sq, hd), "k": (2, kv, sq, hd), "v": (2, kv, sq, hd),
-                               "mask": (2, 1, sq, sq)}, ["attention"])
+    m = gqa_attention(dt, heads, kv, hd)
+    for sq in (1, 5, 37):
+        res = fused_parity(m, {}, {"q": (2, heads, sq, hd), "k": (2, kv, sq, hd), "v": (2, kv, sq, hd),
+                                   "mask": (2, 1, sq, sq)}, ["attention"], dim_hints=[("seq", 1)])
     spec = res.kernels[0].spec
-    group = heads // kv
-    assert spec.units[1] == kv and spec.units_ceil[0][0][1:] == (group,), (spec.units, spec.units_ceil)
+    assert spec.units[1] == kv and spec.units_ceil[0][0][1:] == (heads // kv,), (spec.units, spec.units_ceil)
+    if dt == TP.FLOAT16:  # K's and V's row loads stay affine (one stride) where Q's divide by Sq
+        assert "OPS::S, false, true>" in res.kernels[0].compiled.source.replace(f"{res.kernels[0].spec.kernel.name}_ops", "OPS")
+
+
+def test_a_prompt_is_not_packed():
+    # at a prompt's Sq (the default hint, 128) packing would change no unit and cost the affine row loads
+    m = gqa_attention(TP.FLOAT16, 6, 2, 64)
+    res = fused_parity(m, {}, {"q": (1, 6, 3, 64), "k": (1, 2, 3, 64), "v": (1, 2, 3, 64), "mask": (1, 1, 3, 3)},
+                       ["attention"])
+    spec = res.kernels[0].spec
+    assert spec.units[1] == 6 and len(spec.units_ceil[0][0]) == 1
+
+
+def _k_rotated_after_the_repeat(dt: int, cos_heads: int):
+    """GQA whose K rotation comes after repeat_kv, with cos and sin [1, cos_heads, S, D]: per query head when
+    cos_heads is the head count."""
+    from helpers import _rope
+    heads, kv, hd = 8, 2, 64
+    np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
+    nodes = []
+    for t in ("k", "v"):
+        nodes += [node("Unsqueeze", [t, "ax2"], [f"{t}5"]), node("Expand", [f"{t}5", "tgt"], [f"{t}e"]),
+                  node("Reshape", [f"{t}e", "flat"], [f"{t}r"])]
+    nodes += _rope("kr", "krr", hd // 2)
+    nodes += [node("Transpose", ["krr"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["qk"]),
+              node("Mul", ["qk", "scale"], ["sc"]), node("Add", ["sc", "mask"], ["sm"]),
+              node("Softmax", ["sm"], ["p"], axis=-1), node("MatMul", ["p", "vr"], ["o"])]
+    inits = [const("ax2", [2], np.int64), const("tgt", [1, 1, heads // kv, 1, 1], np.int64),
+             const("flat", [0, heads, -1, hd], np.int64), const("scale", hd ** -0.5, np_dt),
+             const("zero", [0], np.int64), const(f"h{hd // 2}", [hd // 2], np.int64), const("big", [2 ** 62], np.int64),
+             const("last", [-1], np.int64)]
+    ins = [vi("q", dt, ["b", heads, "seq", hd]), vi("k", dt, ["b", kv, "seq", hd]), vi("v", dt, ["b", kv, "seq", hd]),
+           vi("mask", dt, ["b", 1, "seq", "seq"]), vi("cos", dt, [1, cos_heads, "seq", hd]),
+           vi("sin", dt, [1, cos_heads, "seq", hd])]
+    m = model(nodes, ins, [vi("o", dt, ["b", heads, "seq", hd])], inits)
+    return m, {"q": (2, heads, 1, hd), "k": (2, kv, 1, hd), "v": (2, kv, 1, hd), "mask": (2, 1, 1, 1),
+               "cos": (1, cos_heads, 1, hd), "sin": (1, cos_heads, 1, hd)}
+
+
+@pytest.mark.parametrize("cos_heads", [8, 1])
+def test_a_k_rotation_after_the_repeat_keeps_the_heads_apart(cos_heads):
+    # 2026-11-27 review: a rotation of K after the repeat with a cos per query head gave every head of a group
+    # the first head's rotation when packed. Its index at the rotation's output is now probed with K's and V's
+    # offsets: per query head there, so not packed (conservatively also with one cos for all heads; exporters
+    # rotate K before repeat_kv, which packs: test_attention_rope)
+    m, shapes = _k_rotated_after_the_repeat(TP.FLOAT16, cos_heads)
+    res = fused_parity(m, {}, shapes, ["attention"], dim_hints=[("seq", 1)])
+    assert res.kernels[0].spec.units[1] == 8, res.kernels[0].spec.units
 
 
 def test_heads_with_their_own_keys_are_not_packed():
     m = gqa_attention(TP.FLOAT16, 4, 4, 64)  # repeat_kv of 1: every head reads its own K and V
     res = fused_parity(m, {}, {"q": (1, 4, 3, 64), "k": (1, 4, 3, 64), "v": (1, 4, 3, 64), "mask": (1, 1, 3, 3)},
-                       ["attention"])
+                       ["attention"], dim_hints=[("seq", 1)])
     spec = res.kernels[0].spec
     assert spec.units[1] == 4 and len(spec.units_ceil[0][0]) == 1

@@ -27,6 +27,17 @@ def test_q_and_k_rotated_inside_the_attention_kernel(dt, head):
     assert not any(n.op_type in ("Neg", "Concat") for n in res.model.graph.node)
 
 
+@pytest.mark.parametrize("dt", [H, F])
+def test_rotated_grouped_query_heads_packed_at_a_generation_step(dt):
+    # Llama rotates K before repeat_kv: at a generation step (--dim-hint seq=1) the 2 query heads of each K/V
+    # head share a unit (rows rotated at their own head and row), and the kernel serves a prompt too
+    m = rope_attention(dt, head=64)
+    for b, s in ((2, 1), (1, 37)):
+        res = fused_parity(m, rope_shapes(4, 2, 64, "batch", "seq"), rope_shapes(4, 2, 64, b, s), ["attention"],
+                           dim_hints=[("seq", 1)])
+    assert res.kernels[0].spec.units[1] == 2 and res.kernels[0].spec.units_ceil[0][0][1:] == (2,)
+
+
 @pytest.mark.parametrize("dt,head,rot", [(H, 64, 32), (F, 32, 8)])
 def test_a_partial_rotation_rotates_the_first_columns_only(dt, head, rot):
     # GPT-NeoX / Phi-2: the first `rot` columns rotated (pairs rot / 2 apart), the rest passed through

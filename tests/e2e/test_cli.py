@@ -83,6 +83,10 @@ def _bad_cases(tmp: Path):
         (["optimize", str(good), "--input-shape", "hidden_states=1x8"], "hidden_states=1x8"),
         (["optimize", str(good), "--wgmma", "--arch", "sm_80,sm_90"], "--arch sm_90"),
         (["optimize", str(good), "--dim-hint", "sequence"], "NAME=VALUE"),
+        (["optimize", str(good), "--dim-hint", "seq=\u00b2"], "NAME=VALUE"),
+        (["optimize", str(good), "--dim-hint", "seq=99999999999999999999"], "NAME=VALUE"),
+        (["optimize", str(good), "--dim-hint", "seq=3000000000"], "NAME=VALUE"),
+        (["optimize", str(good), "--dim-hint", "seq=2000000"], "an integer from 1 to"),
         (["optimize", str(good), "--dim-hint", "nope=3"], "'nope' is not a symbolic dim"),
         (["optimize", str(good), "--dim-hint", "batch=2", "--dim-hint", "batch=3"], "'batch' given twice"),
     ]

@@ -270,13 +270,17 @@ def test_dim_hints_given_by_the_user():
     assert graph.sym_hints["seq"] == 1 and graph.tensors["a"].shape == ("batch", "seq")
     assert graph.hint_overrides == {"seq": 1, "past": 512}
     from ortfuse.search.cost import bindings
-    assert [g.sym_hints["seq"] for _, g in bindings(graph)] == [1, 1]  # batch 32 too: still one new token
+    assert [(g.sym_hints["batch"], g.sym_hints["seq"]) for _, g in bindings(graph)] == [(1, 1), (32, 1)]
+    # a batch hint replaces batch 1; the throughput binding still prices batch 32 (one model serves both)
+    graph4 = build_graph(load_model(model), None, {"batch": 4, "seq": 1})
+    assert [(g.sym_hints["batch"], g.sym_hints["seq"]) for _, g in bindings(graph4)] == [(4, 1), (32, 1)]
     from ortfuse.rewriter.shapes import check_dim_hints
     check_dim_hints(graph)
-    with pytest.raises(InputError, match="'sequence' is not a symbolic dim of the model .*batch, past, seq"):
+    with pytest.raises(InputError, match="'sequence' is not a symbolic dim of the model's inputs .*batch, past, seq"):
         check_dim_hints(build_graph(load_model(model), None, {"sequence": 1}))
-    with pytest.raises(InputError, match="at least 1"):
-        check_dim_hints(build_graph(load_model(model), None, {"past": 0}))
+    for bad in (0, 1 << 21, "3"):  # too small, too large for the cost model's products, not an integer
+        with pytest.raises(InputError, match="an integer from 1 to"):
+            check_dim_hints(build_graph(load_model(model), None, {"past": bad}))
 
 
 def test_sym_hints_for_names_that_are_not_identifiers():
