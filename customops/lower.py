@@ -588,7 +588,7 @@ class _Lowerer:
             if int(first.value) % self.vec:
                 return None
             first = ir.i64(0)
-        elif rest.count(first) != 1 or const < 0:
+        elif rest.count(first) != 1:
             return None
         else:
             rest.remove(first)

@@ -292,7 +292,7 @@ class _AttnLowerer(_Lowerer):
         # Grouped-query attention with K and V repeated across G query heads (folded into their offsets): the
         # G heads' query rows are packed into one unit's rows (row r of group h: head h * G + r / Sq, row
         # r % Sq), so a generation step's few rows fill the tile and each K/V tile is read once per group,
-        # not once per head (flash-decoding's packing); units and the key split see G times fewer heads
+        # not once per head (flash-decoding's packing); units and the key split see G times fewer heads.
         # Only where the rows leave the tile room (Sq's hint below BLOCK_M: a generation step, at its
         # `--dim-hint` or static): at a prompt's Sq the units are the same, and the divided Q offsets cost
         # registers and the affine row loads of Q (2026-11-27 review: 128 -> 158 registers in SmolLM's kernel).
@@ -359,14 +359,17 @@ class _AttnLowerer(_Lowerer):
         if not isinstance(heads, int) or heads < 2:
             return 1
         envs = []
-        for v in (1, 3, 7, 13):
-            env = {f"d{k}": v for k in range(len(self.sym_pairs))}
+        for v in (1, 3, 7, 13):  # every runtime dim, derived and summed ones included (a KV cache's span)
+            env = {f"d{k}": v + k for k in range(self.num_dims)}
             for b, s, d in itertools.product((0, 1), (0, 5), (0, 3)):
                 envs.append({**env, "ab": b, "as": s, "ad": d})
-        for g in range(heads, 1, -1):
-            if heads % g == 0 and all(_run(f, {**env, "ah": h}) == _run(f, {**env, "ah": h // g * g})
-                                      for f in kv for env in envs for h in range(heads)):
-                return g
+        try:
+            for g in range(heads, 1, -1):
+                if heads % g == 0 and all(_run(f, {**env, "ah": h}) == _run(f, {**env, "ah": h // g * g})
+                                          for f in kv for env in envs for h in range(heads)):
+                    return g
+        except (KeyError, ZeroDivisionError):  # an offset the probe cannot evaluate: not packed
+            return 1
         return 1
 
     def aligned(self, layouts: list[ir.Func], widths: tuple[int, ...]) -> bool:

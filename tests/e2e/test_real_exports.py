@@ -348,3 +348,22 @@ def test_decoder_step_writes_the_present_cache_in_its_kernels(zoo, dtype):
         shapes = {"input_ids": (2, s), "attention_mask": (2, p + s), **{n: (2, 2, p, 16) for n in past}}
         rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)
         assert rep.ok, f"past {p}, new {s}\n" + "\n".join(rep.lines())
+
+
+def test_decoder_step_built_for_one_new_token_packs_its_query_heads(zoo):
+    # optimized at the zoo's own sizes (--dim-hint sequence=1, past_sequence=16): the attention kernels pack
+    # each K/V head's 2 query heads into one unit, and still match ORT at an empty past, after one, and at a
+    # prompt of several tokens
+    import onnx
+
+    from ortfuse.config import Options
+    path = zoo.build("llama_decode", dtype="fp16", tiny=True)
+    hints = zoo.dim_hints(onnx.load(str(path)), zoo.read_sidecar(path))
+    res = compile_model(path, None, "sm_90", options=Options(archs=(90,), dim_hints=hints))
+    att = [k.spec for k in res.kernels if k.region.kind == "attention"]
+    assert att and all(s.units[1] == 2 and s.units_ceil[0][0][1:] == (2,) for s in att), [s.units for s in att]
+    past = [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+    for p, s in ((0, 1), (5, 1), (8, 3)):
+        shapes = {"input_ids": (2, s), "attention_mask": (2, p + s), **{n: (2, 2, p, 16) for n in past}}
+        rep = check_models(str(path), res.model, emulate=True, input_shapes=shapes)
+        assert rep.ok, f"past {p}, new {s}\n" + "\n".join(rep.lines())

@@ -279,6 +279,25 @@ def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
         assert rep.ok, "\n".join(rep.lines())
 
 
+def test_decode_step_at_its_hints_on_gpu(tmp_path, monkeypatch):
+    """llama_decode optimized at the zoo's sizes, as the suite builds it (session 27: grouped-query heads
+    packed into one attention unit, the gated GEMM tiled for one row), on the CUDA EP, the cache empty too."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    import onnx
+
+    from ortfuse.bench import zoo
+    from ortfuse.config import Options
+    path = zoo.build("llama_decode", dtype="fp16", tiny=True)
+    hints = zoo.dim_hints(onnx.load(str(path)), zoo.read_sidecar(path))
+    res = compile_model(path, None, "sm_90", options=Options(archs=(90,), dim_hints=hints))
+    assert all(k.spec.units[1] == 2 for k in res.kernels if k.region.kind == "attention")
+    empty = {f"past_key_values.{i}.{k}": [2, 2, 0, 16] for i in range(2) for k in ("key", "value")}
+    for shapes in (None, {"input_ids": [2, 1]}, {"input_ids": [2, 4], **empty}, {"input_ids": [2, 1], **empty}):
+        rep = check_models(path, res.model, provider="cuda", input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
+
+
 def test_gemm_and_attention_under_cuda_graph_replay(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
