@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -132,7 +133,7 @@ class EmulatedModule:
         for i, a in enumerate(args):
             if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
                 raise ValueError(f"{entry}: argument {i} must be a C-contiguous numpy array")
-            packed.ptr[i] = a.ctypes.data if a.size else None  # an empty tensor has no memory (ORT: null)
+            packed.ptr[i] = a.ctypes.data if a.size else no_memory()  # an empty tensor has no memory
         for i, d in enumerate(dims):
             packed.dim[i] = int(d)
         counts = (ctypes.c_ulonglong * 5)()
@@ -151,6 +152,21 @@ class EmulatedModule:
         if rc:
             raise EmulationError(f"{msg} (source: {self.source_path})")
         return SmemTraffic(*map(int, counts[:4]), bool(counts[4])) if count_smem else None
+
+
+@functools.lru_cache(maxsize=None)
+def no_memory() -> Optional[int]:
+    """An empty tensor's address in emulation: 64 GiB of address space reserved with no access (Linux), so a
+    kernel that reads one faults at any offset a buffer could have had, where ORT's null (None elsewhere) only
+    faults near 0."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot_none, private_anonymous_noreserve = 0, 0x02 | 0x20 | 0x4000
+    addr = libc.mmap(None, 1 << 36, prot_none, private_anonymous_noreserve, -1, 0)
+    return None if addr in (None, ctypes.c_void_p(-1).value) else addr
 
 
 def _placed(a: np.ndarray, align: int) -> np.ndarray:

@@ -562,3 +562,19 @@ def test_cluster_source_compiles_for_sm_90(tmp_path) -> None:
     from ortfuse.customops.compile import compile_kernel
     ck = compile_kernel(CLUSTER, "gather", (90,), tmp_path)
     assert b"barrier.cluster" in ck.ptx and b"mapa" in ck.ptx
+
+
+def test_an_empty_tensor_is_memory_no_read_can_touch():
+    # emulation gives an empty argument an address whose 64 GiB fault on any access (a KV cache's empty past:
+    # a kernel reading it unguarded crashes the run, at whatever offset it computes, not only near 0 as with
+    # ORT's null); a subprocess, since the read kills the process
+    import subprocess
+    import sys
+
+    from ortfuse.customops.emulate import no_memory
+    if no_memory() is None:
+        pytest.skip("no reserved address space off Linux")
+    code = ("import ctypes; from ortfuse.customops.emulate import no_memory; "
+            "print(ctypes.string_at(no_memory() + (5 << 30), 1))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode < 0, (r.returncode, r.stdout, r.stderr[-500:])
