@@ -366,7 +366,7 @@ def hints_at_batch(g: Graph, batch: int) -> dict[str, int]:
     """g's hints with its batch-like dims at `batch` (the user's hints for other dims kept, for the batch given
     way): the throughput binding of `cost.bindings` and of `--profile-batch`."""
     like = _batch_like(g.tensors, g.graph_inputs)
-    keep = {n: v for n, v in g.hint_overrides.items() if "batch" not in n.lower() and n not in like}
+    keep = {n: v for n, v in g.hint_overrides.items() if not _is_batch(n, like)}
     return sym_hints(g.tensors, g.graph_inputs, batch, keep)
 
 
@@ -390,8 +390,12 @@ def is_dim_expression(text: str) -> bool:
     return bool(re.search(r"[+*/()]|\s-\s", text))
 
 
+def _is_batch(name: str, batch_like: set[str]) -> bool:
+    return "batch" in name.lower() or name in batch_like
+
+
 def _base_hint(name: str, batch_like: set[str], batch: int = BATCH_HINT) -> int:
-    return batch if "batch" in name.lower() or name in batch_like else DEFAULT_HINT
+    return batch if _is_batch(name, batch_like) else DEFAULT_HINT
 
 
 def dim_names(text: str, known: Iterable[str] = ()) -> frozenset[str]:
