@@ -127,15 +127,14 @@ class _Scope:
 
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many trips is printed straight-line
-# a row kernel's rows of at most this many 16-byte vectors per lane are a warp's, straight-line: BERT-base's
-# residual + LayerNorm (768 fp16) holds 24 elements and each per-column input's 24 in registers (118 of them;
-# 4 groups, 1024 columns, took 168); longer rows keep the loop over several warps (2026-11-26, unmeasured)
-ROW_KERNEL_GROUPS = 3
 # a long row's column loops (each thread at least this many vectors: more rows than threads cover, as a
 # GroupNorm's group or a big softmax) keep this many vector loads in flight per thread, where one each left
 # a lone block streaming ~8 GB/s (GroupNorm(1, 64) at 56x56: 106 us on an H100 for 0.8 MB a row,
 # 2026-11-27); the effect is not measured yet
 ROW_LONG_UNROLL = 4
+# a depthwise window of at most this many taps is straight-line: each tap's offsets are constants and its image
+# read a guarded load (ConvNeXt's 7x7: 49); larger ones loop
+WINDOW_UNROLL = 64
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
@@ -232,6 +231,11 @@ class _Lowerer:
         # whose offset is it plus multiples of VEC and a constant is one aligned vector load (`_lane_vector`)
         self.lane_base: Optional[Expr] = None  # a Var, or 0 where the row is one vector
         self.lane_vec = 1  # the VEC lane_base is a multiple of
+        # constant inputs read in another layout (`KernelSpec.input_perms`): loads index them permuted
+        self.permuted: dict[str, tuple[int, ...]] = {}
+        # while set, values are bound no further out than this scope (by index): reads the code must repeat
+        # rather than hold (a window's weights: held across a row loop, 49 vectors spilled)
+        self.floor: Optional[int] = None
 
     # ------------------------------------------------------------------ shapes and dims
     def _shape(self, t: str) -> tuple[Dim, ...]:
@@ -304,11 +308,12 @@ class _Lowerer:
         return f"{stem}{self.count}"
 
     def _scope_for(self, *es: Expr) -> _Scope:
-        """The innermost scope holding a variable the expressions read (the outermost if none)."""
+        """The innermost scope holding a variable the expressions read (the outermost if none), but never one
+        outside the `floor` scope while that is set."""
         fv = frozenset().union(*(ir.free_vars(e) for e in es))
-        for s in reversed(self.scopes):
-            if s.names & fv:
-                return s
+        for k in range(len(self.scopes) - 1, -1, -1):
+            if self.scopes[k].names & fv or (self.floor is not None and k <= self.floor):
+                return self.scopes[k]
         return self.scopes[0]
 
     def bind(self, e: Expr, stem: str = "v") -> Expr:
@@ -383,13 +388,22 @@ class _Lowerer:
 
     # ------------------------------------------------------------------ index math
     def linearize(self, idx: tuple[Expr, ...], shape: tuple[Dim, ...]) -> Expr:
+        """The row-major offset of idx in `shape`. A coordinate bound as x + constant (a window's tap) adds
+        x's term and the constant's apart, so the taps of one window share one base and differ by constants
+        (addresses an immediate offset apart)."""
         coords = self._merge_divmod([(i, self.dim(d)) for i, d in zip(idx, shape) if d != 1])
         off: Expr = ir.i64(0)
+        shift: Expr = ir.i64(0)
         stride: Expr = ir.i64(1)
         for i, de in reversed(coords):
+            bound = self.defs.get(i.name) if isinstance(i, Var) else None
+            if isinstance(bound, ir.Op) and bound.fn == "add" and isinstance(bound.args[1], ir.Const) \
+                    and bound.ctype == I64:
+                shift = ir.add(shift, ir.mul(bound.args[1], stride))
+                i = bound.args[0]
             off = ir.add(off, ir.mul(i, stride))
             stride = ir.mul(stride, de)
-        return off
+        return ir.add(off, shift)
 
     def _merge_divmod(self, coords: list[tuple[Expr, Expr]]) -> list[tuple[Expr, Expr]]:
         """Adjacent coordinates (x / D, x % D) over dims (A, D) become x over A * D, and ((x / D) % E, x % D)
@@ -509,6 +523,9 @@ class _Lowerer:
         if t not in self.args:
             raise LoweringError(f"'{t}' is read but is not a region input")
         shape = self._shape(t)
+        perm = self.permuted.get(t) if t in self.permuted else None
+        if perm is not None:  # the kernel is given Transpose(t, perm)
+            shape, idx = tuple(shape[p] for p in perm), tuple(idx[p] for p in perm)
         storage = _storage(self.g.tensors[t].dtype, f"input '{t}'")
         guard = self.guard
         vector = self.vec > 1 and idx and idx[-1] in self.lanes and shape[-1] == self.inner_dim
@@ -891,38 +908,95 @@ class _Lowerer:
         return scalar.round_to(storage, value)
 
     def depthwise_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
-        """A depthwise Conv at (b, c, oh, ow): a loop over the KH x KW window of channel c (taps in the zero
-        padding read an in-bounds element and select zero) accumulating input x weight, from the bias."""
+        """A depthwise Conv at (b, c, oh, ow): input x weight over the KH x KW window of channel c, from the
+        bias; taps in the zero padding contribute nothing. Windows of at most WINDOW_UNROLL taps are
+        straight-line (every tap's offsets constants), each image read made only inside the image (a guarded
+        load, zero outside); larger ones loop, reading an in-bounds element and selecting zero.
+
+        Where c is one of a vector's lanes (a kernel walking the image channels-last), every lane's window is
+        computed together: each tap's position and bounds once, its image read once for all lanes (one vector
+        load where the image is channels-last in memory), and the weight read as a [1, KH, KW, C] constant
+        (`input_perms`) so that the lanes' weights are one vector too. The other lanes' values are remembered
+        for their own walks."""
         geo = conv.conv_geometry(self.g, node)
         if isinstance(geo, str) or not geo.depthwise:
             raise LoweringError(f"{node.op_type} '{node.name}': only depthwise convolutions join memory-bound kernels")
         x, w = node.input[0], node.input[1]
         b, c, oh, ow = idx
+        lanes = self.lanes if self.guard is None and self.vec > 1 and c in self.lanes else (c,)
+        if len(lanes) > 1 and w not in self.permuted and w in self.args and w in self.g.constants \
+                and set(self.g.consumers.get(w, ())) == {self.g.producer[node.output[0]]}:
+            self.permuted[w] = (1, 2, 3, 0)
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        acc = Var(self.fresh("win"), F32)
-        self.emit(ir.Decl(acc, self.value(bias, (c,)) if bias else ir.Const(0.0, F32)))
-        self.define(acc.name)
+        accs = [Var(self.fresh("win"), F32) for _ in lanes]
+        for acc, lane in zip(accs, lanes):
+            self.emit(ir.Decl(acc, self.value(bias, (lane,)) if bias else ir.Const(0.0, F32)))
+            self.define(acc.name)
+        dims = (self.dim(geo.h), self.dim(geo.w))
 
-        def tap(t: Var) -> None:
-            kh, kw = self.unravel(t, (geo.kh, geo.kw))
-            coords = tuple(self.bind(ir.add(ir.mul(o, ir.i64(s)), ir.add(ir.mul(k, ir.i64(d)), ir.i64(-p))), "i")
-                           for o, k, s, d, p in zip((oh, ow), (kh, kw), geo.stride, geo.dilation, geo.pad))
-            wv = self.value(w, (c, ir.i64(0), kh, kw))
-            if geo.padded:
-                inside = self.bind(ir.Op("and", tuple(
-                    ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, n), BOOL)), BOOL)
-                    for e, n in zip(coords, (self.dim(geo.h), self.dim(geo.w)))), BOOL), "inb")
-                at = tuple(self.bind(ir.Op("select", (inside, e, ir.i64(0)), I64), "i") for e in coords)
-                xv: Expr = ir.Op("select", (inside, self.value(x, (b, c) + at), ir.Const(0.0, F32)), F32)
-            else:
-                xv = self.value(x, (b, c) + coords)
-            self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
+        def position(k: Expr, axis: int) -> Expr:
+            o = (oh, ow)[axis]
+            return ir.add(ir.mul(o, ir.i64(geo.stride[axis])),
+                          ir.add(ir.mul(k, ir.i64(geo.dilation[axis])), ir.i64(-geo.pad[axis])))
 
-        self.loop(self.fresh("tap"), ir.i64(0), ir.i64(geo.kh * geo.kw), ir.i64(1), tap)
-        result = Var(self.fresh("dw"), F32)
-        self.emit(ir.Let(result, acc))
-        self.define(result.name)
-        return result
+        def within(e: Expr, axis: int) -> Expr:
+            return ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, dims[axis]), BOOL)), BOOL)
+
+        def accumulate(kh: Expr, kw: Expr, at: tuple[Expr, ...], inside: Optional[Expr]) -> None:
+            for acc, lane in zip(accs, lanes):
+                self.floor, outer = len(self.scopes) - 1, self.floor  # reloaded per pixel from L1, not held
+                try:
+                    wv = self.value(w, (lane, ir.i64(0), kh, kw))
+                finally:
+                    self.floor = outer
+                if inside is None:
+                    xv = self.value(x, (b, lane) + at)
+                else:  # a guarded load is zero outside; a value computed from one need not be
+                    xv = self.guarded_value(x, (b, lane) + at, inside)
+                    if not isinstance(self.defs.get(xv.name) if isinstance(xv, Var) else xv, (ir.Lane, ir.Load)):
+                        xv = ir.Op("select", (inside, xv, ir.Const(0.0, F32)), F32)
+                self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
+
+        if geo.kh * geo.kw <= WINDOW_UNROLL:
+            rows = [self.bind_once(position(ir.i64(k), 0), "i") for k in range(geo.kh)]
+            cols = [self.bind_once(position(ir.i64(k), 1), "i") for k in range(geo.kw)]
+            row_in = [self.bind_once(within(e, 0), "inb") if geo.padded else None for e in rows]
+            col_in = [self.bind_once(within(e, 1), "inb") if geo.padded else None for e in cols]
+            for kh in range(geo.kh):
+                for kw in range(geo.kw):
+                    conds = [e for e in (row_in[kh], col_in[kw]) if e is not None]
+                    inside = None if not conds else conds[0] if len(conds) == 1 else \
+                        self.bind_once(ir.Op("and", tuple(conds), BOOL), "inb")
+                    accumulate(ir.i64(kh), ir.i64(kw), (rows[kh], cols[kw]), inside)
+        else:
+            def tap(t: Var) -> None:
+                kh, kw = self.unravel(t, (geo.kh, geo.kw))
+                coords = tuple(self.bind(position(k, a), "i") for a, k in enumerate((kh, kw)))
+                at = coords
+                inside: Optional[Expr] = None
+                if geo.padded:
+                    inside = self.bind(ir.Op("and", tuple(within(e, a) for a, e in enumerate(coords)), BOOL), "inb")
+                    at = tuple(self.bind(ir.Op("select", (inside, e, ir.i64(0)), I64), "i") for e in coords)
+                for acc, lane in zip(accs, lanes):
+                    wv = self.value(w, (lane, ir.i64(0), kh, kw))
+                    xv = self.value(x, (b, lane) + at)
+                    if inside is not None:
+                        xv = ir.Op("select", (inside, xv, ir.Const(0.0, F32)), F32)
+                    self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
+
+            self.loop(self.fresh("tap"), ir.i64(0), ir.i64(geo.kh * geo.kw), ir.i64(1), tap)
+        out = node.output[0]
+        mine: Optional[Var] = None
+        for acc, lane in zip(accs, lanes):
+            result = Var(self.fresh("dw"), F32)
+            self.emit(ir.Let(result, acc))
+            self.define(result.name)
+            if lane == c:
+                mine = result
+            else:  # the walk of that lane's value finds it
+                self.remember((out, (b, lane, oh, ow)), result)
+        assert mine is not None
+        return mine
 
     def pool_value(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Expr:
         """A pool at (b, c, oh, ow), as ORT's CPU pools compute it: the taps of the window row by row, max over
@@ -1156,7 +1230,7 @@ class _Lowerer:
         c = space[-1]
         self.inner_dim = c
         self.vec = self.vector_width(c)
-        if isinstance(c, int) and c <= 32 * self.vec * ROW_KERNEL_GROUPS:
+        if isinstance(c, int) and c <= 32 * self.vec * hw.ROW_KERNEL_GROUPS:
             # a warp per row, its columns straight-line (column_groups): each element read once and kept in
             # registers for every reduction and output, the reductions shuffles alone (a row across warps met
             # at two block barriers per reduction, and each pass's loop re-read the row from the caches)
@@ -1390,5 +1464,6 @@ def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
     shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
     return KernelSpec(k, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, per_block,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes,
-                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums), dim_checks=tuple(lw.sum_checks))
+                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums), dim_checks=tuple(lw.sum_checks),
+                      input_perms=tuple(lw.permuted.items()))
 

@@ -140,8 +140,8 @@ def _stmt(s: ir.Stmt, ind: str, out: list[str]) -> None:
             _stmt(b, ind + "  ", out)
         out.append(f"{ind}}}")
     elif isinstance(s, ir.VecLoad) and s.guard is not None:  # an argument that may be empty: read under the guard
-        out.append(f"{ind}{C_TYPE[s.storage]} {s.name}[{s.width}] = {{}};")
-        out.append(f"{ind}if ({expr(s.guard)}) ofz::load_arg<{s.width}>(t{s.arg} + {expr(s.offset)}, {s.name});")
+        out.append(f"{ind}{C_TYPE[s.storage]} {s.name}[{s.width}];")
+        out.append(f"{ind}ofz::load_arg_if<{s.width}>({expr(s.guard)}, t{s.arg} + {expr(s.offset)}, {s.name});")
     elif isinstance(s, ir.VecLoad):
         out.append(f"{ind}{C_TYPE[s.storage]} {s.name}[{s.width}];")
         out.append(f"{ind}ofz::load_arg<{s.width}>(t{s.arg} + {expr(s.offset)}, {s.name});")

@@ -163,6 +163,11 @@ FN_INSTRUCTIONS: dict[str, float] = {
     "exp": 8.25, "log": 25.4, "sqrt": 14.0, "rsqrt": 4.0, "erf": 21.1, "tanh": 15.25, "sin": 113.5,
     "cos": 114.5, "log1p": 29.25, "div": 12.75, "pow": 91.5, "fmod": 72.25, "recip_fast": 5.1,
 }
+# SASS instructions per output element and tap of a depthwise window in a memory-bound kernel (the image's and
+# weight's vector loads and their conversions, the padding guard, the FMA): ConvNeXt-T's 7x7 walked
+# channels-last inside its LayerNorm kernel, the row loop's instructions over its window FMAs, 3.7 (fp16) and
+# about 3.3 (fp32), sm_90, NVRTC 13.5 (`python -m ortfuse.bench.sass`, 2026-11-27). Pools count the same.
+WINDOW_TAP_INSTRUCTIONS = 3.5
 # Per-element branches (BSSY convergence regions on the main line) of the same functions, same count; exp,
 # log, rsqrt, erf, tanh and recip_fast (Sigmoid's) have none.
 FN_BRANCHES: dict[str, float] = {"sqrt": 1, "div": 1, "log1p": 1, "pow": 1, "sin": 2, "cos": 2, "fmod": 3}
@@ -173,6 +178,10 @@ FN_BRANCHES: dict[str, float] = {"sqrt": 1, "div": 1, "log1p": 1, "pow": 1, "sin
 ROW_VECTORS_PER_THREAD = 2
 ROW_MAX_THREADS = 512
 ROW_MIN_BLOCK = 128
+# a row kernel's rows of at most this many 16-byte vectors per lane are a warp's, straight-line: BERT-base's
+# residual + LayerNorm (768 fp16) holds 24 elements and each per-column input's 24 in registers (118 of them;
+# 4 groups, 1024 columns, took 168); longer rows keep the loop over several warps (2026-11-26, unmeasured)
+ROW_KERNEL_GROUPS = 3
 POINTWISE_BLOCK = 256
 
 

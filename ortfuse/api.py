@@ -21,6 +21,7 @@ from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, fold_constant_identities,
                                         fold_conv_pads, fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
@@ -71,6 +72,7 @@ class OptimizeResult:
     seconds: float
     archs: tuple[int, ...]
     placements: tuple = ()  # ortfuse.profile.Placement per region when profiled on the GPU
+    layout: tuple[str, ...] = ()  # each residual stream's layout decision, with its estimate (`_layout_chosen`)
 
 
 def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
@@ -135,6 +137,31 @@ def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> G
     return graph
 
 
+def _layout_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: CostModel,
+                   always: bool = False) -> tuple[Graph, list[str]]:
+    """`graph` with each residual stream kept in its blocks' layout (`rewriter.layout`) where the whole-model
+    estimate of the two plans says that pays, chain by chain (ConvNeXt's stages differ: the depthwise Convs
+    it lets into row kernels cost issue slots that the DRAM traffic saved must cover, `CostModel.window_us`
+    and `row_lane_use`), and a line per stream saying what was decided. `always`: every stream where that
+    saves transposed copies (`--layout blocks`)."""
+    if always:
+        sunk, n = sink_transposes(graph)
+        return sunk, [f"{n} residual ops kept in their blocks' layout (--layout blocks)"] if n else []
+    notes = []
+    for head in chain_heads(graph):
+        trial, n = sink_transposes(graph, lambda h: h == head)
+        if not n:
+            continue
+        times = cost.plan_times(trial, plan_of(trial), plan_of(graph), graph)
+        kept = cost.pays(times)
+        where = "kept in its blocks' layout" if kept else "left in the model's layout"
+        notes.append(f"the residual stream of {n} ops from '{head}' {where}: estimated {cost.figures(times)} "
+                     f"in the model's")
+        if kept:
+            graph = trial
+    return graph, notes
+
+
 def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) not in (None, "gemm") \
         and node.op_type not in ops.FREE_IN_ORT
@@ -181,16 +208,26 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # fused kernel beats ORT and lets the measurement choose between the two
     cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile)
 
-    searched: list = []  # (graph, plan) of the last search: the packing's last trial is often the graph searched
+    # (graph, plan) of the last two searches: the packing's last trial is often the graph searched, and the
+    # layout choice plans two graphs
+    searched: dict[int, tuple[Graph, Plan]] = {}
 
-    def plan_of(g: Graph):
-        if not searched or searched[0] is not g:
-            searched[:] = [g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold)]
-        return searched[1]
+    def plan_of(g: Graph) -> Plan:
+        hit = searched.get(id(g))
+        if hit is None or hit[0] is not g:
+            if len(searched) > 1:
+                searched.clear()
+            hit = searched[id(g)] = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold))
+        return hit[1]
 
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
+    layout_notes: list[str] = []
+    if opts.layout != "model":
+        graph, layout_notes = _layout_chosen(graph, plan_of, cost, always=opts.layout == "blocks")
+        for note in layout_notes:
+            say(note)
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
@@ -244,7 +281,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
                           sum(1 for i in mb if i in fused), len({e for k in kernels for e, _ in k.all_kernels()}),
                           sum(k.region.traffic.saved_bytes for k in kernels),
-                          time.perf_counter() - t0, archs, placements)
+                          time.perf_counter() - t0, archs, placements, tuple(layout_notes))
 
 
 def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,

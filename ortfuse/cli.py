@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ortfuse.config import LN_FOLD_MODES
+from ortfuse.config import LAYOUT_MODES, LN_FOLD_MODES
 from ortfuse.errors import InputError, OrtfuseError
 
 
@@ -61,6 +61,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
                    dim_hints=_dim_hints(a.dim_hint),
                    **({"wgmma": a.wgmma} if a.wgmma is not None else {}),
                    **({"ln_fold": a.ln_fold} if a.ln_fold else {}),
+                   **({"layout": a.layout} if a.layout else {}),
                    **({"pdl": a.pdl} if a.pdl is not None else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
@@ -132,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--ln-fold", choices=LN_FOLD_MODES, default=None,
                    help="LayerNorms folded into the 16-bit GEMMs that read them: where the whole-model estimate "
                         "gains (auto, the default), wherever they can (on), or never (off); also ORTFUSE_LN_FOLD")
+    o.add_argument("--layout", choices=LAYOUT_MODES, default=None,
+                   help="residual streams a model's blocks transpose around (ConvNeXt's NCHW stream, its blocks "
+                        "channels-last): kept in the blocks' layout where the whole-model estimate gains, stream "
+                        "by stream (auto, the default), wherever that saves copies (blocks), or never (model); "
+                        "also ORTFUSE_LAYOUT")
     o.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="programmatic dependent launches where every --arch is sm_90+: each kernel may start while "
                         "the one before it finishes, and waits for it before touching memory. Off by default "

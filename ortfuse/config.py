@@ -29,6 +29,7 @@ def debug() -> bool:
 
 
 LN_FOLD_MODES = ("auto", "on", "off")
+LAYOUT_MODES = ("auto", "blocks", "model")
 
 
 def _tristate(env: str) -> bool | None:
@@ -53,6 +54,10 @@ class Options:
     # LayerNorms folded into the GEMMs that read them: "auto" where the cost model says the whole model gains,
     # "on" wherever they can, "off" never ($ORTFUSE_LN_FOLD; docs/design.md, LayerNorm prologues)
     ln_fold: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LN_FOLD", "auto") or "auto")
+    # residual streams that blocks transpose around (ConvNeXt): kept in the blocks' layout where the
+    # whole-model estimate gains, chain by chain ("auto"), wherever that saves copies ("blocks"), or left in
+    # the model's ("model") ($ORTFUSE_LAYOUT; rewriter.layout)
+    layout: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LAYOUT", "auto") or "auto")
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
     # GPU ($ORTFUSE_PDL=1 turns them on)
     pdl: bool = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_PDL", "")) is True)
@@ -66,3 +71,6 @@ class Options:
         if self.ln_fold not in LN_FOLD_MODES:  # (a user's setting, so an input error)
             raise InputError(f"LayerNorm fold mode '{self.ln_fold}' (ORTFUSE_LN_FOLD): expected one of "
                              f"{', '.join(LN_FOLD_MODES)}")
+        if self.layout not in LAYOUT_MODES:
+            raise InputError(f"layout mode '{self.layout}' (ORTFUSE_LAYOUT): expected one of "
+                             f"{', '.join(LAYOUT_MODES)}")

@@ -112,5 +112,7 @@ def markdown(r: OptimizeResult, source: str) -> str:
             model = (f"{us_text(pl.model_ort_us)}, {us_text(pl.model_ours_us)}"
                      if pl.model_ort_us is not None and pl.model_ours_us is not None else "—")
             out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x | {model} |")
+    if r.layout:
+        out += ["", "## Residual-stream layout (rewriter.layout)", ""] + [f"- {x}" for x in r.layout]
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

@@ -12,11 +12,12 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import tiles
-from ortfuse.customops.target import ROW_MAX_THREADS, ROW_VECTORS_PER_THREAD, Target
+from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MIN_BLOCK, ROW_VECTORS_PER_THREAD,
+                                      Target)
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
-from ortfuse.search import compute, conv, legal, norm_fold, ops
+from ortfuse.search import compute, conv, legal, norm_fold, ops, pool
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Ops ORT runs on shape metadata (on the host, or folded at session start): no kernel time.
@@ -214,14 +215,15 @@ class CostModel:
             times.append((where, padded, bare * self.target.unaligned_gemm_slowdown))
         return _pays(times)
 
-    def plan_times(self, g: Graph, plan: Plan, other: Plan) -> list[tuple[str, float, float]]:
-        """(binding, plan's time, other's time) for two plans of the same graph: each region as ours_us, each
-        node outside the regions as ORT runs it (cuBLAS/cuDNN for an anchor, one kernel for any other op;
-        the ops ORT aliases or runs on the host cost nothing)."""
-        out = []
-        for where, gb in bindings(g):
-            out.append((where, *(self._plan_us(gb, g, p) for p in (plan, other))))
-        return out
+    def plan_times(self, g: Graph, plan: Plan, other: Plan, other_g: Optional[Graph] = None
+                   ) -> list[tuple[str, float, float]]:
+        """(binding, plan's time, other's time) for two plans of the same graph, or `other` of `other_g` (the
+        same function rewritten, with the same inputs): each region as ours_us, each node outside the regions
+        as ORT runs it (cuBLAS/cuDNN for an anchor, one kernel for any other op; the ops ORT aliases or runs
+        on the host cost nothing)."""
+        og = g if other_g is None else other_g
+        return [(where, self._plan_us(gb, g, plan), self._plan_us(ob, og, other))
+                for (where, gb), (_, ob) in zip(bindings(g), bindings(og))]
 
     def _plan_us(self, gb: Graph, g: Graph, plan: Plan) -> float:
         inside = {i for r in plan.regions for i in r.nodes}
@@ -250,7 +252,10 @@ class CostModel:
         """Estimated time of the region as one of our kernels."""
         tr = region.traffic
         if region.kind in ("pointwise", "rowreduce"):  # DRAM-bound, unless its math is longer
-            return max(self.time_us(tr.fused_bytes, 1), self.target.launch_us + self.compute_us(g, region.nodes),
+            lanes = self.row_lane_use(g, region) if region.kind == "rowreduce" else 1.0
+            return max(self.time_us(tr.fused_bytes, 1),
+                       self.target.launch_us + self.compute_us(g, region.nodes) / lanes,
+                       self.target.launch_us + self.window_us(g, region.nodes),
                        self.few_rows_us(g, region) if region.kind == "rowreduce" else 0.0)
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
@@ -272,6 +277,23 @@ class CostModel:
         # the tile model's row tile, but never under the measured floor over the plain kernel as a whole
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
+
+    def row_lane_use(self, g: Graph, region: Region) -> float:
+        """The share of a row kernel's issued lanes that hold columns: a row of at most ROW_KERNEL_GROUPS
+        vectors a lane is one warp's (`_Lowerer.rowreduce`), whose last group may leave lanes idle (ConvNeXt's
+        96 fp16 channels: 12 vectors, 12 of 32 lanes); longer rows fill their threads."""
+        c = region.space[-1] if region.space else None
+        if not isinstance(c, int) or c <= 0:
+            return 1.0
+        item = max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
+                   for t in (*region.inputs, *region.outputs))
+        vec = max(1, self.target.vector_bytes // item)
+        while vec > 1 and c % vec:
+            vec //= 2
+        vectors = -(-c // vec)
+        if vectors > 32 * ROW_KERNEL_GROUPS:
+            return 1.0
+        return vectors / (32 * -(-vectors // 32))
 
     def few_rows_us(self, g: Graph, region: Region) -> float:
         """A row kernel with fewer rows than SMs (GroupNorm's groups at batch 1, each row C/groups x H x W long)
@@ -305,6 +327,32 @@ class CostModel:
         its chains' latency (search.compute)."""
         warp_instructions = compute.work(g, nodes)[0] / 32  # at 4 per clock per SM
         return warp_instructions / 4 / self.target.sm_count / (self.target.clock_ghz * 1e3)
+
+    def window_us(self, g: Graph, nodes: Iterable[int]) -> float:
+        """The window ops' (depthwise Convs', pools') tap reads in a memory-bound kernel: each output element
+        reads its image once per tap. The reads are served at L1's rate (the same 128-byte wavefront per clock
+        as shared memory, `smem_bytes_per_clk`) where the taps of the pixels one block walks together overlap,
+        and from L2 where they do not: along a kernel row, R consecutive pixels read R + KW - 1 distinct ones.
+        R is a warp's 32 lanes where the kernel walks W (NCHW order), and a row kernel's block of rows, one
+        pixel each, where it walks channels-last (`legal.image_layout`: 16 bytes of channels a lane). Assumed
+        from the access pattern, not measured."""
+        tgt = self.target
+        l1 = l2 = 0.0
+        members = set(nodes)
+        for i in members:
+            n = g.nodes[i]
+            if not pool.is_window(g, n):
+                continue
+            geo = conv.conv_geometry(g, n) if n.op_type in ops.CONV else pool.geometry(g, n)
+            if isinstance(geo, str):
+                continue
+            kh, kw = (geo.kh, geo.kw) if n.op_type in ops.CONV else geo.kernel
+            reads = kh * kw * tensor_bytes(g, n.output[0])
+            pixels = ROW_MIN_BLOCK // 32 if legal.image_layout(g, n.input[0], members) == "channels-last" else 32
+            l1 += reads
+            l2 += reads * (pixels + kw - 1) / (pixels * kw)
+        return max(l1 / (tgt.smem_bytes_per_clk * tgt.sm_count * tgt.clock_ghz * 1e3),
+                   l2 / (tgt.dram_gbps * tgt.l2_over_dram * 1e3))
 
     def epilogue_us(self, g: Graph, region: Region) -> float:
         """What a GEMM region's epilogue adds to our kernel: its per-element branches, which serialize the

@@ -356,7 +356,7 @@ def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, boo
     """(a depthwise Conv or pool of `nodes`, whether the kernel walks it transposed) where the kernel's lanes
     would read its taps across channels: its
     image is NCHW in memory and its output reaches a Transpose inside `nodes` (the kernel iterates a transposed
-    order of the image), or its image is channels-last in memory (read through layout ops, `_image_layout`)
+    order of the image), or its image is channels-last in memory (read through layout ops, `image_layout`)
     and its output reaches none (the kernel walks W while memory steps along C). Element-wise ops and
     Reshapes keep an order; a depthwise window reads well in its image's memory order."""
     members = set(nodes)
@@ -371,13 +371,13 @@ def _depthwise_across(g: Graph, nodes: Iterable[int]) -> Optional[tuple[int, boo
             seen.add(j)
             transposed |= g.nodes[j].op_type == "Transpose"
             stack += [c for o in g.nodes[j].output if o for c in g.consumers.get(o, ()) if c in members]
-        channels_last = _image_layout(g, g.nodes[i].input[0], members) == "channels-last"
+        channels_last = image_layout(g, g.nodes[i].input[0], members) == "channels-last"
         if transposed != channels_last:
             return i, transposed
     return None
 
 
-def _image_layout(g: Graph, t: str, members: set[int]) -> Optional[str]:
+def image_layout(g: Graph, t: str, members: set[int]) -> Optional[str]:
     """How a depthwise Conv's image `t` lies in memory where it is read through ops of the region that keep
     its elements in place (`_tap_chain`: Transposes, Reshapes that keep the axis and the dims before it,
     element-wise ops with constants) from a tensor the region reads: "channels-last" where its channel axis

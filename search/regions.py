@@ -28,7 +28,7 @@ import onnx
 
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
-from ortfuse.search import conv, legal, norm_fold, ops
+from ortfuse.search import conv, legal, norm_fold, ops, pool
 from ortfuse.search.attention import find_attention
 from ortfuse.search.cost import CostModel, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
@@ -199,6 +199,10 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
             p = g.producer.get(t)
             if p is None or p not in group_of or group_of[p] == group_of[i]:
                 continue
+            if _view_for_windows(g, i, t):
+                refusals.append(Reject(f"{g.node_label(p)} + {g.node_label(i)}", _VIEW_FOR_WINDOWS.format(
+                    g.node_label(i), t)))
+                continue
             if merge(set(group_of[p] | group_of[i]), f"{g.node_label(p)} + {g.node_label(i)}"):
                 continue
             # with the groups p's own group could not take: a window op whose image is read channels-last is
@@ -291,6 +295,22 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     result = Plan(tuple(regions), tuple(rejects), tuple(refusals))
     result.validate(len(g.nodes))
     return result
+
+
+_VIEW_FOR_WINDOWS = ("{} only rearranges '{}' for window ops, which read it through the layout op as a view; "
+                     "in its producer's kernel it would be written a second time, rearranged")
+
+
+def _view_for_windows(g: Graph, i: int, t: str) -> bool:
+    """Layout op i reads `t`, which others read too, and only window ops read its result (a depthwise Conv
+    reading a residual stream kept channels-last, `rewriter.layout`): it stays out of t's producer's group, so
+    the windows' kernel reads t through it rather than the producer writing t twice."""
+    node = g.nodes[i]
+    if ops.kind_of(node.op_type) != "layout" or t in g.graph_outputs or len(g.consumers.get(t, ())) < 2:
+        return False
+    readers = [c for o in node.output if o for c in g.consumers.get(o, ())]
+    return bool(readers) and all(pool.is_window(g, g.nodes[c]) for c in readers) \
+        and not any(o in g.graph_outputs for o in node.output)
 
 
 def _take_prologue(g: Graph, anchor: int, group_of: dict[int, frozenset[int]],

@@ -176,6 +176,23 @@ template <int N, class T> __device__ __forceinline__ void load_arg(const T* p, T
 template <int N, class T> __device__ __forceinline__ void load_arg(T* p, T (&out)[N]) {  // an output read back
   load_vec<N>(static_cast<const T*>(p), out);
 }
+// An input vector read only where `ok` holds, zeros elsewhere (a window's tap in the padding, an empty input):
+// selected as whole words, so the elements stay in the load's registers (a zero-filled array loaded under a
+// branch was merged back half by half)
+template <int N, class T> __device__ __forceinline__ void load_arg_if(bool ok, const T* p, T (&out)[N]) {
+  typedef typename Word<sizeof(T) * N>::type W;
+  W w;
+  memset(&w, 0, sizeof w);
+  if (ok) {
+    OFZ_CHECK_VEC(p, sizeof(W));
+    w = ld_readonly<W>(p);
+  }
+  memcpy(out, &w, sizeof w);
+}
+template <int N, class T> __device__ __forceinline__ void load_arg_if(bool ok, T* p, T (&out)[N]) {
+  for (int i = 0; i < N; ++i) out[i] = T();
+  if (ok) load_vec<N>(static_cast<const T*>(p), out);
+}
 
 // ONNX Max / Min (and Relu, Clip, HardSigmoid built on them) as ORT's CPU and CUDA kernels compute them:
 // a NaN operand gives NaN, where fmaxf / fminf return the other operand. sm_80+: one max.NaN / min.NaN.
