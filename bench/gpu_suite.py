@@ -77,9 +77,11 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
     return {"ok": False, "note": f"{type(err).__name__}: {err}"}
 
 
-def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = None) -> dict[str, Any]:
-  """`pdl`: overrides Options.pdl (a second build, written beside the first)."""
-  out = work / f"{src.stem}{'' if pdl is None else '.pdl' if pdl else '.nopdl'}.ortfuse.onnx"
+def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = None,
+              layout: str | None = None) -> dict[str, Any]:
+  """`pdl`, `layout`: override Options.pdl / Options.layout (a second build, written beside the first)."""
+  tag = ('' if pdl is None else '.pdl' if pdl else '.nopdl') + ('' if layout is None else f'.layout-{layout}')
+  out = work / f"{src.stem}{tag}.ortfuse.onnx"
   try:
     import onnx
     import ortfuse
@@ -93,7 +95,11 @@ def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = No
     meta = zoo.read_sidecar(src)
     shapes = zoo.fixed_image_shapes(proto, meta)
     opts = Options(archs=_archs(arch), profile=profile, dim_hints=zoo.dim_hints(proto, meta, shapes))
-    res = compile_model(str(src), shapes, arch, options=opts if pdl is None else dataclasses.replace(opts, pdl=pdl))
+    if pdl is not None:
+      opts = dataclasses.replace(opts, pdl=pdl)
+    if layout is not None:
+      opts = dataclasses.replace(opts, layout=layout)
+    res = compile_model(str(src), shapes, arch, options=opts)
     seconds = time.perf_counter() - start
     model = res.model
     onnx.save_model(model, str(out))
@@ -199,11 +205,12 @@ def variant_label(profile: bool = True) -> str:
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
               kernels: bool = False, sweep: bool = False, profile: bool = True,
-              beside_pdl: bool = False) -> dict[str, Any]:
+              beside_pdl: bool = False, beside_layout: str | None = None) -> dict[str, Any]:
   """`profile`: optimize with --profile (measured placement and tiles); without it the rows read
   'NAME no-profile' (the default build: the cost model's placement, the tile model's kernel variants).
   `beside_pdl`: also build with programmatic dependent launches toggled (`--pdl` against the build's
-  default), timed in the same run as the harness's ortfuse-beside rows."""
+  default), timed in the same run as the harness's ortfuse-beside rows; `beside_layout`: also build with
+  that `--layout` mode, the same way."""
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -238,6 +245,10 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
         from ortfuse.config import Options
         entry["beside"] = {"label": "pdl" if not Options().pdl else "no pdl",
                            **_optimize(src, work, profile, pdl=not Options().pdl)}
+        beside = entry["beside"].get("path")
+      elif beside_layout and opt:
+        entry["beside"] = {"label": f"--layout {beside_layout}",
+                           **_optimize(src, work, profile, layout=beside_layout)}
         beside = entry["beside"].get("path")
       start = time.perf_counter()
       entry["bench"] = _bench(src, opt, batches, work, variants, beside)
@@ -351,7 +362,8 @@ def render(report: dict[str, Any], results: bool = False) -> str:
 
 
 def beside_lines(report: dict[str, Any]) -> list[str]:
-  """Each entry's second build (`--beside-pdl`) against its first, same run: median ms and the ratio."""
+  """Each entry's second build (`--beside-pdl`, `--beside-layout`) against its first, same run: median ms and the
+  ratio."""
   out = []
   for e in report["entries"]:
     if "beside" not in e:
@@ -444,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--beside-pdl", action="store_true",
                  help="also build each model with programmatic dependent launches toggled and time it in the same "
                       "run (harness --beside): 'built with pdl beside the row's build' lines")
+  p.add_argument("--beside-layout", choices=("auto", "blocks", "model"),
+                 help="also build each model with this --layout mode and time it in the same run (harness "
+                      "--beside): 'built with --layout MODE beside the row's build' lines")
   p.add_argument("--pdl", action="store_true",
                  help="optimize with programmatic dependent launches (sets ORTFUSE_PDL=1); rows read 'NAME pdl'")
   p.add_argument("--no-profile", action="store_true",
@@ -470,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, args.beside_pdl)
+                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, args.beside_pdl,
+                     args.beside_layout)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

@@ -233,6 +233,7 @@ class _Lowerer:
         self.lane_vec = 1  # the VEC lane_base is a multiple of
         # constant inputs read in another layout (`KernelSpec.input_perms`): loads index them permuted
         self.permuted: dict[str, tuple[int, ...]] = {}
+        self.laid_out: set[str] = set()  # constants whose layout (permuted or not) is decided
         # while set, values are bound no further out than this scope (by index): reads the code must repeat
         # rather than hold (a window's weights: held across a row loop, 49 vectors spilled)
         self.floor: Optional[int] = None
@@ -924,9 +925,11 @@ class _Lowerer:
         x, w = node.input[0], node.input[1]
         b, c, oh, ow = idx
         lanes = self.lanes if self.guard is None and self.vec > 1 and c in self.lanes else (c,)
-        if len(lanes) > 1 and w not in self.permuted and w in self.args and w in self.g.constants \
-                and set(self.g.consumers.get(w, ())) == {self.g.producer[node.output[0]]}:
-            self.permuted[w] = (1, 2, 3, 0)
+        if w not in self.laid_out:  # decided at its first read, for every read (only this Conv reads it)
+            self.laid_out.add(w)
+            if len(lanes) > 1 and w in self.args and w in self.g.constants \
+                    and set(self.g.consumers.get(w, ())) == {self.g.producer[node.output[0]]}:
+                self.permuted[w] = (1, 2, 3, 0)
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         accs = [Var(self.fresh("win"), F32) for _ in lanes]
         for acc, lane in zip(accs, lanes):

@@ -420,3 +420,45 @@ def merged_heads_attention(dt, heads: int = 4, head: int = 16, mask: str = "add"
              const("dd", [head], i64), const("m1", [-1], i64), const("one", [1], i64),
              const("scale", 1 / np.sqrt(head), npdt), const("lowest", np.finfo(npdt).min, npdt)]
     return model(nodes, inputs, [vi("out", dt, None)], inits)
+
+
+def convnext_stage(dt: int, c: int = 16, depth: int = 3, hw: int = 7, tail: str = "out") -> onnx.ModelProto:
+    """A ConvNeXt stage as transformers exports it: per block a depthwise 7x7 Conv of the NCHW residual stream,
+    a Transpose to channels-last, LayerNorm, Linear, erf GELU, Linear, the layer scale, a Transpose back and
+    the residual Add. `tail`: "out" (the stream is the output), "ln" (the next stage's LayerNorm through its
+    Transposes), "mean" (the classifier's global average pool)."""
+    rng = np.random.default_rng(11)
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+
+    def w(name, shape, scale):
+        return const(name, rng.standard_normal(shape) * scale, npdt)
+
+    nodes, inits, s = [], [const("sqrt2", np.sqrt(2.0), npdt), const("one", 1.0, npdt),
+                           const("half", 0.5, npdt)], "x"
+    for k in range(depth):
+        p = f"b{k}_"
+        inits += [w(p + "dw_w", (c, 1, 7, 7), 0.15), w(p + "dw_b", c, 0.1), const(p + "g", 1 + rng.standard_normal(c) * 0.1, npdt),
+                  w(p + "beta", c, 0.1), w(p + "w1", (c, 4 * c), 0.25), w(p + "b1", 4 * c, 0.1),
+                  w(p + "w2", (4 * c, c), 0.15), w(p + "b2", c, 0.1), w(p + "gamma", c, 0.5)]
+        out = "out" if k == depth - 1 and tail == "out" else p + "s"
+        nodes += [node("Conv", [s, p + "dw_w", p + "dw_b"], [p + "dw"], group=c, kernel_shape=[7, 7], pads=[3] * 4),
+                  node("Transpose", [p + "dw"], [p + "t"], perm=[0, 2, 3, 1]),
+                  node("LayerNormalization", [p + "t", p + "g", p + "beta"], [p + "ln"], axis=-1, epsilon=1e-6),
+                  node("MatMul", [p + "ln", p + "w1"], [p + "h"]), node("Add", [p + "h", p + "b1"], [p + "hb"]),
+                  node("Div", [p + "hb", "sqrt2"], [p + "d"]), node("Erf", [p + "d"], [p + "e"]),
+                  node("Add", [p + "e", "one"], [p + "e1"]), node("Mul", [p + "hb", p + "e1"], [p + "m"]),
+                  node("Mul", [p + "m", "half"], [p + "gelu"]),
+                  node("MatMul", [p + "gelu", p + "w2"], [p + "o"]), node("Add", [p + "o", p + "b2"], [p + "ob"]),
+                  node("Mul", [p + "ob", p + "gamma"], [p + "os"]),
+                  node("Transpose", [p + "os"], [p + "back"], perm=[0, 3, 1, 2]),
+                  node("Add", [s, p + "back"], [out])]
+        s = out
+    if tail == "ln":
+        inits += [w("n_g", c, 0.1), w("n_b", c, 0.1)]
+        nodes += [node("Transpose", [s], ["nt"], perm=[0, 2, 3, 1]),
+                  node("LayerNormalization", ["nt", "n_g", "n_b"], ["nln"], axis=-1, epsilon=1e-6),
+                  node("Transpose", ["nln"], ["out"], perm=[0, 3, 1, 2])]
+    elif tail == "mean":
+        inits.append(const("axes", [2, 3], np.int64))
+        nodes.append(node("ReduceMean", [s, "axes"], ["out"], keepdims=0))
+    return model(nodes, [vi("x", dt, ["n", c, hw, hw])], [vi("out", dt, None)], inits)

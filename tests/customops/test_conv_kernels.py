@@ -82,7 +82,7 @@ def test_static_unit_dims(dt):
 
 @pytest.mark.parametrize("dt", [F, H])
 @pytest.mark.parametrize("c,k,s,p,d,hw", [(8, 3, 1, 1, 1, 9), (8, 3, 2, 1, 1, 10), (6, 7, 1, 3, 1, 8),
-                                          (4, 3, 1, 0, 2, 9)])
+                                          (4, 3, 1, 0, 2, 9), (4, 9, 1, 4, 1, 11)])  # 81 taps: a loop
 def test_depthwise_conv_joins_a_pointwise_kernel(dt, c, k, s, p, d, hw):
     # MobileNetV2's depthwise Conv + ReLU6: a window loop per output element, zero padding selected away
     m = model([node("Conv", ["x", "w", "b"], ["y"], group=c, kernel_shape=[k, k], strides=[s, s], pads=[p] * 4,
@@ -91,7 +91,8 @@ def test_depthwise_conv_joins_a_pointwise_kernel(dt, c, k, s, p, d, hw):
               [const("w", _w((c, 1, k, k), dt, 5, 0.3), NP[dt]), const("b", _w(c, dt, 6), NP[dt]),
                const("lo", 0.0, NP[dt]), const("hi", 0.5, NP[dt])])
     res = fused_parity(m, {}, {"x": (2, c, hw, hw)}, ("pointwise",))
-    assert "fmaf(" in res.kernels[0].compiled.source
+    src = res.kernels[0].compiled.source
+    assert "fmaf(" in src and ("for (ofz_i64 tap" in src) == (k * k > 64)
 
 
 def test_depthwise_conv_inside_a_layernorm_kernel():
@@ -338,3 +339,28 @@ def test_depthwise_conv_over_tokens_matches_ort(dt):
     # kernel that reads the tokens at each tap through both layout changes
     res = fused_parity(mix_ffn(dt, c=16, hw=7), {}, {"x": (2, 49, 16)}, ("pointwise",))
     assert "fmaf(" in res.kernels[0].compiled.source
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_convnext_stage_in_its_blocks_layout_matches_ort(dt):
+    # --layout blocks: the residual stream stays channels-last, so each later block's depthwise 7x7 is computed
+    # inside its LayerNorm's row kernel (lanes on channels, one vector load a tap for all of a vector's lanes,
+    # its weight a [1, 7, 7, C] constant) and each block's residual Add is its last GEMM's plain epilogue
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    from helpers import convnext_stage
+    m = convnext_stage(dt, c=16, depth=3, tail="ln")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), layout="blocks", ln_fold="off"))
+    ops = [(r.kind, {res.graph.nodes[i].op_type for i in r.nodes}) for r in res.plan.regions]
+    windows = [o for kind, o in ops if kind == "rowreduce" and "Conv" in o]
+    assert len(windows) == 2, ops  # blocks 1 and 2 (block 0's Conv reads the stage's NCHW input: cuDNN)
+    assert sum(kind == "gemm" and "Transpose" not in o and {"Mul", "Add"} <= o for kind, o in ops) >= 2, ops
+    perms = {p for k in res.kernels for p in k.spec.input_perms}
+    assert {("b1_dw_w", (1, 2, 3, 0)), ("b2_dw_w", (1, 2, 3, 0))} <= perms, perms
+    src = next(k.compiled.source for k in res.kernels if "b1_dw_w" in dict(k.spec.input_perms))
+    assert "load_arg_if<" in src and "for (" not in src.split("row0")[1].split("row_reduce")[0]  # taps unrolled
+    assert any("rearranges" in str(x) for x in res.plan.refusals)
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 16, 7, 7)})
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)

@@ -368,3 +368,18 @@ def test_index_ops_match_the_cuda_ep_out_of_range_too(dt):
     assert sess.fused_kernels and sum(n.domain == "ortfuse" for n in res.model.graph.node) == 2
     for name, got, ref in zip(("y", "bias"), sess.run(None, feeds), want):
         assert compare(name, got, ref).ok
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_convnext_stage_in_its_blocks_layout_on_gpu(dt):
+    # session 28 (CPU only so far): the residual stream kept channels-last, each later block's depthwise 7x7
+    # inside its LayerNorm's row kernel (guarded vector taps, the weight as a [1, 7, 7, C] constant), against
+    # the CUDA EP on the model as exported; 96 channels leave lanes idle, 384 fill two groups
+    from helpers import convnext_stage
+    for c, hw in ((96, 14), (384, 7)):
+        m = convnext_stage(dt, c=c, depth=3, hw=hw, tail="ln")
+        res = compile_model(m, None, "sm_90", options=Options(archs=(90,), layout="blocks"))
+        assert sum(r.kind == "rowreduce" and any(res.graph.nodes[i].op_type == "Conv" for i in r.nodes)
+                   for r in res.plan.regions) == 2
+        rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (3, c, hw, hw)})
+        assert rep.ok, "\n".join(rep.lines())

@@ -192,3 +192,25 @@ def test_depthwise_conv_over_tokens_refusals(back, bias, why):
     assert not any(any(g.nodes[i].op_type == "Conv" for i in r.nodes) and
                    any(g.nodes[i].op_type == "Add" for i in r.nodes) for r in p.regions), p.regions
     assert any(why in r.reason for r in p.refusals), [str(r) for r in p.refusals]
+
+
+def test_window_cost_counts_its_taps_and_a_row_kernels_idle_lanes():
+    # a depthwise 7x7 in a row kernel issues ~3.5 instructions per output element and tap (SASS, 2026-11-27);
+    # ConvNeXt's 96 fp16 channels fill 12 of a warp's 32 lanes, 768 fill all; each tap also reads the image
+    # once, from L1 where the block's pixels share it and from L2 where they do not
+    from helpers import convnext_stage
+    from ortfuse.customops.target import WINDOW_TAP_INSTRUCTIONS
+    from ortfuse.rewriter.layout import sink_transposes
+    from ortfuse.search import compute
+    g = build_graph(convnext_stage(H, c=96, depth=2, hw=14, tail="ln"), {})
+    dw = next(i for i, n in enumerate(g.nodes) if n.op_type == "Conv")
+    assert compute.node_work(g, g.nodes[dw]) == (49 * WINDOW_TAP_INSTRUCTIONS, 0.0)
+    sunk, n = sink_transposes(g)
+    assert n == 2
+    cost = CostModel(H100)
+    p = plan(sunk, H100, cost)
+    row = next(r for r in p.regions if r.kind == "rowreduce" and any(sunk.nodes[i].op_type == "Conv" for i in r.nodes))
+    assert cost.row_lane_use(sunk, row) == 12 / 32
+    assert cost.row_lane_use(sunk, dataclasses.replace(row, space=row.space[:-1] + (768,))) == 1.0
+    taps = cost.window_us(sunk, row.nodes)
+    assert taps > 0 and cost.ours_us(sunk, row) >= cost.compute_us(sunk, row.nodes) / (12 / 32)
