@@ -213,21 +213,17 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     searched: dict[int, tuple[Graph, Plan]] = {}
 
     def plan_of(g: Graph) -> Plan:
-        hit = searched.get(id(g))
+        hit = searched.pop(id(g), None)  # least recently used first
         if hit is None or hit[0] is not g:
-            if len(searched) > 1:
-                searched.clear()
-            hit = searched[id(g)] = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold))
+            while len(searched) > 1:
+                del searched[next(iter(searched))]
+            hit = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold))
+        searched[id(g)] = hit
         return hit[1]
 
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
-    layout_notes: list[str] = []
-    if opts.layout != "model":
-        graph, layout_notes = _layout_chosen(graph, plan_of, cost, always=opts.layout == "blocks")
-        for note in layout_notes:
-            say(note)
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
@@ -249,6 +245,11 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, normed = fold_batchnorms(graph)
     if normed:
         say(f"{normed} BatchNormalizations folded into their Convs or became a per-channel scale and shift")
+    layout_notes: list[str] = []
+    if opts.layout != "model":  # on the graph the search gets (each chain planned both ways)
+        graph, layout_notes = _layout_chosen(graph, plan_of, cost, always=opts.layout == "blocks")
+        for note in layout_notes:
+            say(note)
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
     the_plan = plan_of(graph)
     say(f"lowering {len(the_plan.regions)} regions")

@@ -131,7 +131,8 @@ def _gains(g: Graph, chain: list[_Link], k: int) -> Optional[tuple[int, bool]]:
             kept = True
         elif c == following:
             continue
-        elif _undoes(g, c, link.perm) or _depthwise_channels_last(g, c, link.perm):
+        elif (_undoes(g, c, link.perm) and g.nodes[c].output[0] not in g.graph_outputs) \
+                or _depthwise_channels_last(g, c, link.perm):  # (a graph output keeps its name: read y)
             gained += 1
         else:
             kept = True

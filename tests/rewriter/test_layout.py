@@ -75,3 +75,64 @@ def test_chains_are_taken_by_head():
     assert heads == ["b0_s"]
     assert sink_transposes(g, lambda h: False)[1] == 0
     assert sink_transposes(g, lambda h: h == "b0_s")[1] == 3
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_chains_keep_their_values(seed):
+    # chains of Add/Sub/Mul/Div with the transposed operand on either side, 3-D permutations, readers that
+    # undo the chain's Transpose (gains) or need a stream as it was (a Relu, a graph output): whatever is
+    # rewritten computes what ORT computes on the original
+    rng = np.random.default_rng(seed)
+    perm = [(0, 2, 1), (1, 2, 0), (2, 0, 1), (1, 0, 2)][seed % 4]
+    inv = [perm.index(a) for a in range(3)]
+    shape = (2, 3, 4)
+    tshape = [shape[p] for p in inv]  # Transpose(a, perm) has `shape`
+    depth = int(rng.integers(1, 5))
+    nodes, inputs, outputs, s = [], [vi("x", F, list(shape))], [], "x"
+    for k in range(depth):
+        inputs.append(vi(f"a{k}", F, tshape))
+        nodes.append(onnx.helper.make_node("Transpose", [f"a{k}"], [f"t{k}"], perm=list(perm), name=f"T{k}"))
+        op = ["Add", "Sub", "Mul", "Div"][int(rng.integers(0, 4))]
+        ins = [s, f"t{k}"] if rng.random() < 0.5 else [f"t{k}", s]
+        nodes.append(onnx.helper.make_node(op, ins, [f"y{k}"], name=f"op{k}"))
+        s = f"y{k}"
+        for r in range(int(rng.integers(0 if k < depth - 1 else 1, 3))):
+            if rng.random() < 0.8:
+                nodes.append(onnx.helper.make_node("Transpose", [s], [f"u{k}_{r}"], perm=inv, name=f"U{k}_{r}"))
+                nodes.append(onnx.helper.make_node("Relu", [f"u{k}_{r}"], [f"o{k}_{r}"], name=f"R{k}_{r}"))
+            else:
+                nodes.append(onnx.helper.make_node("Relu", [s], [f"o{k}_{r}"], name=f"R{k}_{r}"))
+            outputs.append(vi(f"o{k}_{r}", F, None))
+    outputs.append(vi(s, F, None))
+    m = onnx.helper.make_model(onnx.helper.make_graph(nodes, "t", inputs, outputs),
+                               opset_imports=[onnx.helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    g = build_graph(m, {})
+    new, n = sink_transposes(g)
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32) + 3}
+    feeds |= {f"a{k}": rng.standard_normal(tshape).astype(np.float32) + 2 for k in range(depth)}
+
+    def run(model):
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    want, got = run(m), run(new.model)
+    assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} (seed {seed}, {n} ops sunk)")
+    assert [o.name for o in new.model.graph.output] == [o.name for o in m.graph.output]
+
+
+def test_an_undoing_transpose_that_is_a_graph_output_saves_no_copy():
+    # it keeps its name, so it still reads the stream as it was: no gain, and the chain is left alone
+    nodes = [onnx.helper.make_node("Transpose", ["a0"], ["t0"], perm=[0, 2, 1]),
+             onnx.helper.make_node("Sub", ["x", "t0"], ["y0"]),
+             onnx.helper.make_node("Transpose", ["a1"], ["t1"], perm=[0, 2, 1]),
+             onnx.helper.make_node("Div", ["y0", "t1"], ["y1"]),
+             onnx.helper.make_node("Transpose", ["y0"], ["u0"], perm=[0, 2, 1]),
+             onnx.helper.make_node("Transpose", ["y1"], ["u1"], perm=[0, 2, 1])]
+    m = onnx.helper.make_model(onnx.helper.make_graph(
+        nodes, "t", [vi("x", F, [2, 3, 4]), vi("a0", F, [2, 4, 3]), vi("a1", F, [2, 4, 3])],
+        [vi("u0", F, None), vi("u1", F, None)]), opset_imports=[onnx.helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    assert sink_transposes(build_graph(m, {}))[1] == 0
