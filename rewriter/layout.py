@@ -193,7 +193,8 @@ def sink_transposes(g: Graph, take: Callable[[str], bool] = lambda head: True) -
             new.append(onnx.helper.make_node("Transpose", [y_new], [y], name=f"{n.name or y}/transpose",
                                              perm=list(link.perm)))
             for c in g.consumers.get(y, ()):
-                if _reads_directly(g, y, c) and _undoes(g, c, link.perm) and g.nodes[c].output[0] not in g.graph_outputs:
+                if _reads_directly(g, y, c) and _undoes(g, c, link.perm) \
+                        and g.nodes[c].output[0] not in g.graph_outputs:
                     alias[g.nodes[c].output[0]] = y_new
             before[link.op] = new
             prev_new = y_new

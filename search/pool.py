@@ -53,6 +53,16 @@ def geometry(g: Graph, node: onnx.NodeProto) -> Union[PoolGeom, str]:
         for size, out, k, s, d, p in zip(x.shape[2:], y.shape[2:], kernel, stride, dil, pads[:2]):
             if not isinstance(size, int) or not isinstance(out, int) or (out - 1) * s >= size + p:
                 return "MaxPool with ceil_mode whose last window starts past the image (or of a symbolic size)"
+    ceil = bool(scalar.attr(node, "ceil_mode", 0))
+    for axis, (size, out) in enumerate(zip(x.shape[2:], y.shape[2:])):
+        if isinstance(size, int) and isinstance(out, int):
+            span = size + pads[axis] + pads[axis + 2] - dil[axis] * (kernel[axis] - 1) - 1
+            if out != (span + (stride[axis] - 1 if ceil else 0)) // stride[axis] + 1:
+                return f"output size {out} along axis {axis + 2} is not the pool's of the input's {size}"
+        if not isinstance(size, int) and isinstance(out, int):
+            # kernels compute the size from the input's at run time; a static one here came from a merge
+            # (ORT's symbolic inference takes a broadcast partner's size, as an Expand to [.., 3, ..] after it)
+            return f"output size {out} along axis {axis + 2} does not follow from the symbolic input size {size}"
     return PoolGeom(kind, (int(kernel[0]), int(kernel[1])), (int(stride[0]), int(stride[1])),
                     (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])),
                     bool(scalar.attr(node, "count_include_pad", 0)), x.shape[2], x.shape[3])

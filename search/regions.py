@@ -333,7 +333,9 @@ def _take_prologue(g: Graph, anchor: int, group_of: dict[int, frozenset[int]],
             refusals.append(Reject(label, f"'{t}' is also read outside the Conv's kernel, so it is written anyway"))
             return
     rest = legal.classify(g, set(mine))
-    rest_region = with_traffic(rest) if not isinstance(rest, Reject) else None
+    if isinstance(rest, Reject):  # the Conv's own group has no kernel (its refusal is reported with it)
+        return
+    rest_region = with_traffic(rest)
 
     def pays(merged: Region) -> Optional[str]:
         return cost.prologue_verdict(g, with_traffic(merged), rest_region, with_traffic(prologue))

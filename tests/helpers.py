@@ -437,7 +437,8 @@ def convnext_stage(dt: int, c: int = 16, depth: int = 3, hw: int = 7, tail: str 
                            const("half", 0.5, npdt)], "x"
     for k in range(depth):
         p = f"b{k}_"
-        inits += [w(p + "dw_w", (c, 1, 7, 7), 0.15), w(p + "dw_b", c, 0.1), const(p + "g", 1 + rng.standard_normal(c) * 0.1, npdt),
+        inits += [w(p + "dw_w", (c, 1, 7, 7), 0.15), w(p + "dw_b", c, 0.1),
+                  const(p + "g", 1 + rng.standard_normal(c) * 0.1, npdt),
                   w(p + "beta", c, 0.1), w(p + "w1", (c, 4 * c), 0.25), w(p + "b1", 4 * c, 0.1),
                   w(p + "w2", (4 * c, c), 0.15), w(p + "b2", c, 0.1), w(p + "gamma", c, 0.5)]
         out = "out" if k == depth - 1 and tail == "out" else p + "s"

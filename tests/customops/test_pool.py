@@ -58,3 +58,22 @@ def test_what_stays_with_ort(op, attrs, why):
     p = plan(g, for_cc(90))
     assert not any(g.nodes[i].op_type == op for r in p.regions for i in r.nodes)
     assert any(why in r.reason for r in p.rejects), [str(r) for r in p.rejects]
+
+
+def test_a_symbolic_pool_size_merged_into_a_broadcast_stays_with_ort():
+    # fuzz seed 372 (session 28): ORT's symbolic shape inference takes the size of the Expand target's 3 for
+    # the pool's output along H (the broadcast it sees needs 3 or 1; at run time it is 1), so a kernel built on
+    # it would iterate 3 rows. The inferred static size contradicts the symbolic input's: the pool is refused,
+    # and nothing is fused on the merged size; the model still matches ORT
+    from onnx import numpy_helper
+    import numpy as np
+    m = model([node("MaxPool", ["x"], ["p"], kernel_shape=[2, 3], strides=[2, 2], pads=[1, 2, 1, 2]),
+               node("Neg", ["p"], ["q"]), node("Expand", ["q", "to"], ["out"])],
+              [vi("x", F, ["n", 4, "h", "w"])], [vi("out", F, None)],
+              [numpy_helper.from_array(np.array([1, 1, 3, 1], np.int64), "to")], opset=19)
+    g = build_graph(m, {})
+    assert g.tensors["p"].shape[2] == 3  # the merge this guards against (if ORT's tool stops it, drop the test)
+    res = fused_parity(m, {}, {"x": (2, 4, 1, 3)}, ())
+    assert not res.plan.regions
+    assert any("does not follow from the symbolic input size" in r.reason for r in res.plan.rejects), \
+        [str(r) for r in res.plan.rejects]

@@ -304,7 +304,8 @@ class _Builder:
         or not), a depthwise Conv over tokens (SegFormer's Mix-FFN: the image is [n, h*w, c] around it), or
         GroupNorm as torch exports it; then an op the kernel can end in."""
         _, c, h, w = s
-        kind = str(self.rng.choice(["pad", "resize", "pool", "tokens", "groupnorm"]))
+        kinds = ["pad", "resize", "pool", "tokens", "groupnorm"] + ["convnext"] * (self.rng.random() < 0.25)
+        kind = str(self.rng.choice(kinds))
         if kind == "pad":
             mode = str(self.rng.choice(["constant", "edge", "reflect"]))
             lim = [0, 1, min(2, h - 1), min(2, w - 1)]  # no batch pads; reflect needs pads under the dim
@@ -351,7 +352,12 @@ class _Builder:
                 attrs["count_include_pad"] = int(self.rng.random() < 0.5)
             size = [(d + 2 * p - dil * (kk - 1) - 1) for d, p, kk in zip((h, w), pads, k)]
             ceil = attrs.get("ceil_mode", 0)
+            floor = [v // stride + 1 for v in size]
             size = [(v + (stride - 1 if ceil else 0)) // stride + 1 for v in size]
+            if ceil and any((o - 1) * stride >= d + p for o, d, p in zip(size, (h, w), pads[:2])):
+                # ORT drops a last window that starts past the image and its leading pad, ONNX's shape
+                # inference keeps it: such a model disagrees with itself, so it is not generated
+                attrs["ceil_mode"], size = 0, floor
             if min(size) < 1:
                 return
             out = self.add(op, [x], ("n", c) + tuple(size), **attrs)
@@ -364,6 +370,21 @@ class _Builder:
             y = self.add("Reshape", [yn, self.add("Shape", [x], (4,), pool=False)], s, pool=False)
             out = self.add("Add", [self.add("Mul", [y, self.random_const((c, 1, 1))], s, pool=False),
                                    self.random_const((c, 1, 1))], s)
+        elif kind == "convnext":  # ConvNeXt's blocks: a depthwise KxK of the NCHW stream, LayerNorm and a scale
+            # channels-last, back to NCHW and the residual Add (rewriter.layout may keep the stream channels-last)
+            k = int(self.rng.choice([3, 7]))
+            cl = ("n", h, w, c)
+            out = x
+            for _ in range(int(self.rng.integers(1, 4))):
+                wt = self.const(self.rng.uniform(-1, 1, (c, 1, k, k)) / k, "w")
+                dw = self.add("Conv", [out, wt, self.random_const((c,))], s, pool=False, group=c, kernel_shape=[k, k],
+                              pads=[k // 2] * 4)
+                t = self.add("Transpose", [dw], cl, pool=False, perm=[0, 2, 3, 1])
+                ln = self.add("LayerNormalization", [t, self.random_const((c,)), self.random_const((c,))], cl,
+                              pool=False, axis=-1, epsilon=1e-5)
+                back = self.add("Transpose", [self.add("Mul", [ln, self.random_const((c,))], cl, pool=False)], s,
+                                pool=False, perm=[0, 3, 1, 2])
+                out = self.add("Add", [out, back], s)
         else:  # [n, c, h, w] -> tokens [n, h*w, c] -> (image -> depthwise 3x3 -> tokens) -> back
             tok = self.add("Transpose", [self.add("Reshape", [x, self.const(np.array([0, c, h * w]), "shape", np.int64)],
                                                   ("n", c, h * w), pool=False)], ("n", h * w, c), pool=False, perm=[0, 2, 1])

@@ -242,3 +242,23 @@ def test_dim_hints_reach_the_cost_model_and_leave_shapes_symbolic(tmp_path, caps
     assert "batch=4, seq=16" in capsys.readouterr().out
     dims = [d.dim_param for d in onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim[:2]]
     assert dims == ["batch", "seq"]
+
+
+def test_layout_switch(tmp_path, monkeypatch, capsys):
+    # a ConvNeXt stage: --layout blocks keeps its residual stream channels-last (the second block's depthwise
+    # Conv then joins its LayerNorm's kernel: no Conv left to ORT but the first block's) and the report says
+    # so; model leaves both Convs to ORT; a bad ORTFUSE_LAYOUT is one line and exit 2
+    from helpers import convnext_stage
+    src = _save(convnext_stage(TP.FLOAT16, c=16, depth=2, tail="ln"), tmp_path / "stage.onnx")
+    for mode, convs in (("blocks", 1), ("model", 2)):
+        dst, rep = tmp_path / f"{mode}.onnx", tmp_path / f"{mode}.md"
+        capsys.readouterr()
+        assert main(["optimize", str(src), str(dst), "--layout", mode, "--report", str(rep)]) == 0
+        assert sum(n.op_type == "Conv" for n in onnx.load(str(dst)).graph.node) == convs
+        assert ("## Residual-stream layout" in rep.read_text()) == (mode == "blocks")
+        assert ("2 residual ops kept in their blocks' layout" in capsys.readouterr().err) == (mode == "blocks")
+    monkeypatch.setenv("ORTFUSE_LAYOUT", "sideways")
+    capsys.readouterr()
+    assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layout mode 'sideways'" in err[0]

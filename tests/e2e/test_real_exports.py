@@ -143,7 +143,8 @@ def test_exported_convnext_blocks_fuse_through_their_transposes(zoo):
     g = res.graph
     ops = [{g.nodes[i].op_type for i in r.nodes} for r in res.plan.regions if r.kind == "gemm"]
     assert any({"MatMul", "Transpose", "Mul"} <= o for o in ops), ops
-    windows = [(r, i) for r in res.plan.regions if r.kind == "rowreduce" for i in r.nodes if g.nodes[i].op_type == "Conv"]
+    windows = [(r, i) for r in res.plan.regions if r.kind == "rowreduce"
+               for i in r.nodes if g.nodes[i].op_type == "Conv"]
     assert len(windows) == 1, [str(x) for x in res.plan.refusals]
     assert all(legal.image_layout(g, g.nodes[i].input[0], set(r.nodes)) == "channels-last" for r, i in windows)
     assert any("a depthwise Conv computed" in str(x) and "across channels" in str(x) for x in res.plan.refusals)
