@@ -610,8 +610,8 @@ class _Lowerer:
             return None
         else:
             rest.remove(first)
-        if const < 0:
-            return None
+        # (a negative constant, a tap's or a crop's `x - k` split apart by `linearize`, is fine: the offset is
+        # a valid one, so with j = const mod VEC the aligned base is too)
         if any((isinstance(first, Var) and first.name in ir.free_vars(e)) or not self._multiple_of(e, self.vec)
                for e in rest):
             return None
