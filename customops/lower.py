@@ -945,7 +945,9 @@ class _Lowerer:
         def within(e: Expr, axis: int) -> Expr:
             return ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, dims[axis]), BOOL)), BOOL)
 
-        def accumulate(kh: Expr, kw: Expr, at: tuple[Expr, ...], inside: Optional[Expr]) -> None:
+        def accumulate(kh: Expr, kw: Expr, at: tuple[Expr, ...], inside: Optional[Expr], guarded: bool) -> None:
+            """Every lane's tap (kh, kw) at image position `at`; `inside`: whether it is in the image, the image
+            read under it where `guarded` (zero outside), else read at `at` (clamped in) and selected away."""
             for acc, lane in zip(accs, lanes):
                 self.floor, outer = len(self.scopes) - 1, self.floor  # reloaded per pixel from L1, not held
                 try:
@@ -954,10 +956,12 @@ class _Lowerer:
                     self.floor = outer
                 if inside is None:
                     xv = self.value(x, (b, lane) + at)
-                else:  # a guarded load is zero outside; a value computed from one need not be
+                elif guarded:  # a guarded load is zero outside; a value computed from one need not be
                     xv = self.guarded_value(x, (b, lane) + at, inside)
                     if not isinstance(self.defs.get(xv.name) if isinstance(xv, Var) else xv, (ir.Lane, ir.Load)):
                         xv = ir.Op("select", (inside, xv, ir.Const(0.0, F32)), F32)
+                else:
+                    xv = ir.Op("select", (inside, self.value(x, (b, lane) + at), ir.Const(0.0, F32)), F32)
                 self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
 
         if geo.kh * geo.kw <= WINDOW_UNROLL:
@@ -970,7 +974,7 @@ class _Lowerer:
                     conds = [e for e in (row_in[kh], col_in[kw]) if e is not None]
                     inside = None if not conds else conds[0] if len(conds) == 1 else \
                         self.bind_once(ir.Op("and", tuple(conds), BOOL), "inb")
-                    accumulate(ir.i64(kh), ir.i64(kw), (rows[kh], cols[kw]), inside)
+                    accumulate(ir.i64(kh), ir.i64(kw), (rows[kh], cols[kw]), inside, guarded=True)
         else:
             def tap(t: Var) -> None:
                 kh, kw = self.unravel(t, (geo.kh, geo.kw))
@@ -980,12 +984,7 @@ class _Lowerer:
                 if geo.padded:
                     inside = self.bind(ir.Op("and", tuple(within(e, a) for a, e in enumerate(coords)), BOOL), "inb")
                     at = tuple(self.bind(ir.Op("select", (inside, e, ir.i64(0)), I64), "i") for e in coords)
-                for acc, lane in zip(accs, lanes):
-                    wv = self.value(w, (lane, ir.i64(0), kh, kw))
-                    xv = self.value(x, (b, lane) + at)
-                    if inside is not None:
-                        xv = ir.Op("select", (inside, xv, ir.Const(0.0, F32)), F32)
-                    self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
+                accumulate(kh, kw, at, inside, guarded=False)
 
             self.loop(self.fresh("tap"), ir.i64(0), ir.i64(geo.kh * geo.kw), ir.i64(1), tap)
         out = node.output[0]
@@ -1160,10 +1159,7 @@ class _Lowerer:
             return 1
         itemsize = max(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.g.tensors[t].dtype)).itemsize
                        for t in (*self.r.inputs, *self.r.outputs))
-        vec = max(1, self.tgt.vector_bytes // itemsize)
-        while vec > 1 and inner % vec:
-            vec //= 2
-        return vec
+        return hw.vector_lanes(inner, itemsize, self.tgt.vector_bytes)
 
     def store_outputs(self, outs: list[str], idx_of: Callable[[Expr], tuple[Expr, ...]], guard: Optional[Expr]) -> None:
         """Every output at the iteration-space index idx_of(lane) of each lane: one vector store when the

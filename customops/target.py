@@ -185,6 +185,15 @@ ROW_KERNEL_GROUPS = 3
 POINTWISE_BLOCK = 256
 
 
+def vector_lanes(inner: int, itemsize: int, vector_bytes: int) -> int:
+    """Elements a memory-bound kernel moves per vector access along an innermost axis of `inner` elements: the
+    widest access holds, halved until it divides the axis."""
+    vec = max(1, vector_bytes // itemsize)
+    while vec > 1 and inner % vec:
+        vec //= 2
+    return vec
+
+
 def for_cc(cc: int) -> Target:
     if cc not in TABLE:
         raise KeyError(f"no hardware entry for compute capability {cc}; known: {sorted(TABLE)}")

@@ -12,7 +12,7 @@ import onnx
 from ortfuse.customops import ir, scalar
 from ortfuse.customops.target import FN_BRANCHES, FN_INSTRUCTIONS, WINDOW_TAP_INSTRUCTIONS
 from ortfuse.rewriter.graph import Graph
-from ortfuse.search import conv, ops, pool
+from ortfuse.search import ops, pool
 
 
 def _ops(e: ir.Expr) -> Iterator[ir.Op]:
@@ -38,11 +38,9 @@ def node_work(g: Graph, node: onnx.NodeProto) -> tuple[float, float]:
     instruction."""
     if node.op_type in ops.FREE_IN_ORT or node.op_type in ops.LAYOUT:
         return 0.0, 0.0
-    if pool.is_window(g, node):  # a loop over the window's taps
-        geo = conv.conv_geometry(g, node) if node.op_type in ops.CONV else pool.geometry(g, node)
-        if not isinstance(geo, str):
-            taps = geo.kh * geo.kw if node.op_type in ops.CONV else geo.kernel[0] * geo.kernel[1]
-            return WINDOW_TAP_INSTRUCTIONS * taps, 0.0
+    kernel = pool.window(g, node)
+    if kernel is not None:  # a loop over the window's taps
+        return WINDOW_TAP_INSTRUCTIONS * kernel[0] * kernel[1], 0.0
     if node.op_type not in scalar.RULES or not node.output or node.output[0] not in g.tensors:
         return 1.0, 0.0
     args: list = []

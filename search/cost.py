@@ -13,7 +13,7 @@ import onnx
 
 from ortfuse.customops import tiles
 from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MIN_BLOCK, ROW_VECTORS_PER_THREAD,
-                                      Target)
+                                      Target, vector_lanes)
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
@@ -287,10 +287,7 @@ class CostModel:
             return 1.0
         item = max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
                    for t in (*region.inputs, *region.outputs))
-        vec = max(1, self.target.vector_bytes // item)
-        while vec > 1 and c % vec:
-            vec //= 2
-        vectors = -(-c // vec)
+        vectors = -(-c // vector_lanes(c, item, self.target.vector_bytes))
         if vectors > 32 * ROW_KERNEL_GROUPS:
             return 1.0
         return vectors / (32 * -(-vectors // 32))
@@ -341,12 +338,10 @@ class CostModel:
         members = set(nodes)
         for i in members:
             n = g.nodes[i]
-            if not pool.is_window(g, n):
+            kernel = pool.window(g, n)
+            if kernel is None:
                 continue
-            geo = conv.conv_geometry(g, n) if n.op_type in ops.CONV else pool.geometry(g, n)
-            if isinstance(geo, str):
-                continue
-            kh, kw = (geo.kh, geo.kw) if n.op_type in ops.CONV else geo.kernel
+            kh, kw = kernel
             reads = kh * kw * tensor_bytes(g, n.output[0])
             pixels = ROW_MIN_BLOCK // 32 if legal.image_layout(g, n.input[0], members) == "channels-last" else 32
             l1 += reads

@@ -5,13 +5,13 @@ pool stays with ORT."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search import conv
+from ortfuse.search import conv, ops
 
 POOLS = frozenset({"MaxPool", "AveragePool"})
 
@@ -66,6 +66,16 @@ def geometry(g: Graph, node: onnx.NodeProto) -> Union[PoolGeom, str]:
     return PoolGeom(kind, (int(kernel[0]), int(kernel[1])), (int(stride[0]), int(stride[1])),
                     (int(dil[0]), int(dil[1])), (int(pads[0]), int(pads[1])),
                     bool(scalar.attr(node, "count_include_pad", 0)), x.shape[2], x.shape[3])
+
+
+def window(g: Graph, node: onnx.NodeProto) -> Optional[tuple[int, int]]:
+    """(KH, KW) of a window op (depthwise Conv or pool) whose geometry ortfuse reads; None for anything else."""
+    if not is_window(g, node):
+        return None
+    geo = conv.conv_geometry(g, node) if node.op_type in ops.CONV else geometry(g, node)
+    if isinstance(geo, str):
+        return None
+    return (geo.kh, geo.kw) if node.op_type in ops.CONV else geo.kernel
 
 
 def is_window(g: Graph, node: onnx.NodeProto) -> bool:
