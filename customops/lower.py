@@ -1230,10 +1230,11 @@ class _Lowerer:
         self.inner_dim = c
         self.vec = self.vector_width(c)
         if isinstance(c, int) and c <= 32 * self.vec * hw.ROW_KERNEL_GROUPS:
-            # a warp per row, its columns straight-line (column_groups): each element read once and kept in
-            # registers for every reduction and output, the reductions shuffles alone (a row across warps met
-            # at two block barriers per reduction, and each pass's loop re-read the row from the caches)
-            self.tpr, self.row_span = 32, c
+            # a warp per row (or a share of one: a row of fewer than 32 vectors), its columns straight-line
+            # (column_groups): each element read once and kept in registers for every reduction and output, the
+            # reductions shuffles alone (a row across warps met at two block barriers per reduction, and each
+            # pass's loop re-read the row from the caches)
+            self.tpr, self.row_span = hw.short_row_threads(-(-c // self.vec)), c
         else:
             self.tpr = self.row_threads(c, hw.ROW_MAX_THREADS)
             if self.hint(c) >= ROW_LONG_UNROLL * self.tpr * self.vec:

@@ -13,7 +13,7 @@ import onnx
 
 from ortfuse.customops import tiles
 from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MIN_BLOCK, ROW_VECTORS_PER_THREAD,
-                                      Target, vector_lanes)
+                                      Target, short_row_threads, vector_lanes)
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
@@ -255,7 +255,7 @@ class CostModel:
             lanes = self.row_lane_use(g, region) if region.kind == "rowreduce" else 1.0
             return max(self.time_us(tr.fused_bytes, 1),
                        self.target.launch_us + self.compute_us(g, region.nodes) / lanes,
-                       self.target.launch_us + self.window_us(g, region.nodes),
+                       self.target.launch_us + self.window_us(g, region),
                        self.few_rows_us(g, region) if region.kind == "rowreduce" else 0.0)
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
@@ -280,17 +280,27 @@ class CostModel:
 
     def row_lane_use(self, g: Graph, region: Region) -> float:
         """The share of a row kernel's issued lanes that hold columns: a row of at most ROW_KERNEL_GROUPS
-        vectors a lane is one warp's (`_Lowerer.rowreduce`), whose last group may leave lanes idle (ConvNeXt's
-        96 fp16 channels: 12 vectors, 12 of 32 lanes); longer rows fill their threads."""
+        vectors a lane is a warp's or a power-of-two share of one (`_Lowerer.rowreduce`), whose last group
+        may leave lanes idle (ConvNeXt's 96 fp16 channels: 12 vectors on 16 lanes); longer rows fill their
+        threads."""
+        threads = self.row_threads(g, region)
+        if threads is None:
+            return 1.0
+        vectors, tpr = threads
+        return vectors / (tpr * -(-vectors // tpr))
+
+    def row_threads(self, g: Graph, region: Region) -> Optional[tuple[int, int]]:
+        """A row kernel's (vectors a row, threads a row) where its rows are short (at most ROW_KERNEL_GROUPS
+        vectors a lane of a warp: `_Lowerer.rowreduce`); None for longer or symbolic rows."""
         c = region.space[-1] if region.space else None
         if not isinstance(c, int) or c <= 0:
-            return 1.0
+            return None
         item = max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
                    for t in (*region.inputs, *region.outputs))
         vectors = -(-c // vector_lanes(c, item, self.target.vector_bytes))
         if vectors > 32 * ROW_KERNEL_GROUPS:
-            return 1.0
-        return vectors / (32 * -(-vectors // 32))
+            return None
+        return vectors, short_row_threads(vectors)
 
     def few_rows_us(self, g: Graph, region: Region) -> float:
         """A row kernel with fewer rows than SMs (GroupNorm's groups at batch 1, each row C/groups x H x W long)
@@ -325,17 +335,20 @@ class CostModel:
         warp_instructions = compute.work(g, nodes)[0] / 32  # at 4 per clock per SM
         return warp_instructions / 4 / self.target.sm_count / (self.target.clock_ghz * 1e3)
 
-    def window_us(self, g: Graph, nodes: Iterable[int]) -> float:
+    def window_us(self, g: Graph, region: Region) -> float:
         """The window ops' (depthwise Convs', pools') tap reads in a memory-bound kernel: each output element
         reads its image once per tap. The reads are served at L1's rate (the same 128-byte wavefront per clock
         as shared memory, `smem_bytes_per_clk`) where the taps of the pixels one block walks together overlap,
         and from L2 where they do not: along a kernel row, R consecutive pixels read R + KW - 1 distinct ones.
         R is a warp's 32 lanes where the kernel walks W (NCHW order), and a row kernel's block of rows, one
-        pixel each, where it walks channels-last (`legal.image_layout`: 16 bytes of channels a lane). Assumed
-        from the access pattern, not measured."""
+        pixel each, where it walks channels-last (`legal.image_layout`: 16 bytes of channels a lane; a short
+        row's share of a warp, `row_threads`, else a warp a pixel). Assumed from the access pattern, not
+        measured."""
         tgt = self.target
         l1 = l2 = 0.0
-        members = set(nodes)
+        members = set(region.nodes)
+        short = self.row_threads(g, region) if region.kind == "rowreduce" else None
+        row_pixels = ROW_MIN_BLOCK // (short[1] if short else 32)
         for i in members:
             n = g.nodes[i]
             kernel = pool.window(g, n)
@@ -343,7 +356,7 @@ class CostModel:
                 continue
             kh, kw = kernel
             reads = kh * kw * tensor_bytes(g, n.output[0])
-            pixels = ROW_MIN_BLOCK // 32 if legal.image_layout(g, n.input[0], members) == "channels-last" else 32
+            pixels = row_pixels if legal.image_layout(g, n.input[0], members) == "channels-last" else 32
             l1 += reads
             l2 += reads * (pixels + kw - 1) / (pixels * kw)
         return max(l1 / (tgt.smem_bytes_per_clk * tgt.sm_count * tgt.clock_ghz * 1e3),

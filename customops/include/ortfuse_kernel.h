@@ -233,20 +233,22 @@ struct SumOp { __device__ __forceinline__ static float apply(float a, float b) {
 struct MaxOp { __device__ __forceinline__ static float apply(float a, float b) { return fmaxf(a, b); } };
 struct MinOp { __device__ __forceinline__ static float apply(float a, float b) { return fminf(a, b); } };
 
-template <class Op> __device__ __forceinline__ float warp_reduce(float v) {
+// Reduce `v` over aligned groups of W lanes (W a power of two, at most 32): each lane gets its group's result.
+template <class Op, int W = 32> __device__ __forceinline__ float warp_reduce(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, off));
+  for (int off = W / 2; off > 0; off >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
 
-// Reduce `v` over the TPR threads that share one row (TPR a multiple of 32, rows laid out as
-// consecutive groups of TPR threads). `scratch` holds blockDim.x / 32 floats. Every thread of
-// the block must call it (it contains __syncthreads when TPR > 32); all threads of the row get
-// the result.
+// Reduce `v` over the TPR threads that share one row (TPR a power of two: a short row's lanes within one
+// warp, or a multiple of 32; rows laid out as consecutive groups of TPR threads). `scratch` holds
+// blockDim.x / 32 floats. Every thread of the block must call it (it contains __syncthreads when TPR > 32);
+// all threads of the row get the result.
 template <class Op, int TPR> __device__ __forceinline__ float row_reduce(float v, float* scratch) {
+  static_assert(TPR >= 1 && (TPR & (TPR - 1)) == 0, "row threads: a power of two");
+  if (TPR <= 32) return warp_reduce<Op, TPR>(v);
   v = warp_reduce<Op>(v);
-  if (TPR == 32) return v;
-  const int warps = TPR / 32;
+  const int warps = TPR > 32 ? TPR / 32 : 1;  // (TPR <= 32 returned above)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first = (warp / warps) * warps;
   __syncthreads();  // scratch may still be read by the previous reduction

@@ -582,3 +582,25 @@ def test_residual_layernorm_row_kernel_form(hidden, dt, warp):
                        {"y": (3, 5, hidden), "r": (3, 5, hidden)}, ("rowreduce",))
     src = res.kernels[0].compiled.source
     assert ("for (ofz_i64 c" not in src and "row_reduce<ofz::SumOp, 32>" in src) == warp
+
+
+@pytest.mark.parametrize("hidden,dt,tpr", [(96, TP.FLOAT16, 16), (24, TP.FLOAT16, 4), (8, TP.FLOAT16, 1),
+                                           (6, TP.FLOAT16, 4), (12, TP.FLOAT, 4), (64, TP.FLOAT, 16)])
+def test_short_rows_share_a_warp(hidden, dt, tpr):
+    # a row of fewer than 32 vectors gets the smallest power of two of lanes that holds it, one vector each, and
+    # its reductions shuffle within that share of the warp (ConvNeXt's 96 fp16 channels: 16 lanes, 8 rows a
+    # block); rows past the last (7 x 5 of them) and lanes past the row (6 fp16: 3 pairs on 4 lanes) sit out
+    from helpers import fused_parity
+    np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
+    rng = np.random.default_rng(hidden)
+    inits = {"g": rng.standard_normal(hidden) * 0.5 + 1.0, "beta": rng.standard_normal(hidden) * 0.2}
+    m = model([node("Add", ["y", "r"], ["s"]),
+               node("LayerNormalization", ["s", "g", "beta"], ["ln"], axis=-1, epsilon=1e-5),
+               node("Softmax", ["s"], ["p"], axis=-1), node("Add", ["ln", "p"], ["out"])],
+              [vi("y", dt, ["n", 5, hidden]), vi("r", dt, ["n", 5, hidden])], [vi("out", dt, None)],
+              [const(k, v, np_dt) for k, v in inits.items()])
+    res = fused_parity(m, {"y": ("n", 5, hidden), "r": ("n", 5, hidden)},
+                       {"y": (7, 5, hidden), "r": (7, 5, hidden)}, ("rowreduce",))
+    src = res.kernels[0].compiled.source
+    assert f"row_reduce<ofz::SumOp, {tpr}>" in src and f"row_reduce<ofz::MaxOp, {tpr}>" in src
+    assert "for (ofz_i64 c" not in src and res.kernels[0].spec.units_per_block == 128 // tpr
