@@ -463,3 +463,16 @@ def convnext_stage(dt: int, c: int = 16, depth: int = 3, hw: int = 7, tail: str 
         inits.append(const("axes", [2, 3], np.int64))
         nodes.append(node("ReduceMean", [s, "axes"], ["out"], keepdims=0))
     return model(nodes, [vi("x", dt, ["n", c, hw, hw])], [vi("out", dt, None)], inits)
+
+
+def short_rows(dt: int, hidden: int) -> onnx.ModelProto:
+    """A residual add, then the LayerNorm and the Softmax of its rows, added: one row kernel over rows of
+    `hidden` columns (['n', 5, hidden] inputs y and r)."""
+    np_dt = helper.tensor_dtype_to_np_dtype(dt)
+    rng = np.random.default_rng(hidden)
+    inits = {"g": rng.standard_normal(hidden) * 0.5 + 1.0, "beta": rng.standard_normal(hidden) * 0.2}
+    return model([node("Add", ["y", "r"], ["s"]),
+                  node("LayerNormalization", ["s", "g", "beta"], ["ln"], axis=-1, epsilon=1e-5),
+                  node("Softmax", ["s"], ["p"], axis=-1), node("Add", ["ln", "p"], ["out"])],
+                 [vi("y", dt, ["n", 5, hidden]), vi("r", dt, ["n", 5, hidden])], [vi("out", dt, None)],
+                 [const(k, v, np_dt) for k, v in inits.items()])

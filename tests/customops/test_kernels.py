@@ -590,15 +590,8 @@ def test_short_rows_share_a_warp(hidden, dt, tpr):
     # a row of fewer than 32 vectors gets the smallest power of two of lanes that holds it, one vector each, and
     # its reductions shuffle within that share of the warp (ConvNeXt's 96 fp16 channels: 16 lanes, 8 rows a
     # block); rows past the last (7 x 5 of them) and lanes past the row (6 fp16: 3 pairs on 4 lanes) sit out
-    from helpers import fused_parity
-    np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
-    rng = np.random.default_rng(hidden)
-    inits = {"g": rng.standard_normal(hidden) * 0.5 + 1.0, "beta": rng.standard_normal(hidden) * 0.2}
-    m = model([node("Add", ["y", "r"], ["s"]),
-               node("LayerNormalization", ["s", "g", "beta"], ["ln"], axis=-1, epsilon=1e-5),
-               node("Softmax", ["s"], ["p"], axis=-1), node("Add", ["ln", "p"], ["out"])],
-              [vi("y", dt, ["n", 5, hidden]), vi("r", dt, ["n", 5, hidden])], [vi("out", dt, None)],
-              [const(k, v, np_dt) for k, v in inits.items()])
+    from helpers import fused_parity, short_rows
+    m = short_rows(dt, hidden)
     res = fused_parity(m, {"y": ("n", 5, hidden), "r": ("n", 5, hidden)},
                        {"y": (7, 5, hidden), "r": (7, 5, hidden)}, ("rowreduce",))
     src = res.kernels[0].compiled.source

@@ -11,7 +11,8 @@ from onnx import TensorProto as TP
 
 import ortfuse
 from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention,
-                     merged_heads_attention, mix_ffn, model, nan_guarded, node, resized, rope_attention, rope_shapes, vi)
+                     merged_heads_attention, mix_ffn, model, nan_guarded, node, resized, rope_attention, rope_shapes,
+                     short_rows, vi)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -227,6 +228,17 @@ def test_depthwise_conv_over_tokens_on_gpu(dt):
     res = compile_model(m, None, "sm_90")
     assert [r.kind for r in res.plan.regions] == ["pointwise"]
     rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 196, 64)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt,hidden", [(H, 96), (H, 24), (H, 8), (F, 12), (F, 64)])
+def test_short_rows_sharing_a_warp_on_gpu(dt, hidden):
+    # rows of fewer than 32 vectors on a power-of-two share of a warp (16, 4, 1, 4 and 16 lanes), their
+    # reductions shuffled within it; 7 x 5 rows leave the last block part empty
+    m = short_rows(dt, hidden)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["rowreduce"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"y": (7, 5, hidden), "r": (7, 5, hidden)})
     assert rep.ok, "\n".join(rep.lines())
 
 
