@@ -77,6 +77,12 @@ def _decoder(cfg: str, cls: str, **kw: Any) -> Callable[[], tuple[Any, dict]]:
     return make
 
 
+def _at(make: Callable[[], tuple[Any, dict]], **shapes: tuple[int, ...]) -> Callable[[], tuple[Any, dict]]:
+    """`make`, whose export only runs at these input shapes (traced constants): the check feeds them."""
+    make.shapes = shapes  # type: ignore[attr-defined]
+    return make
+
+
 _VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "distilbert": _text("DistilBertConfig", "DistilBertModel", dim=64, n_layers=2, n_heads=4, hidden_dim=128,
@@ -127,6 +133,50 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "whisper_encoder": _audio("WhisperConfig", "WhisperForAudioClassification", "input_features", (2, 16, 64),
                               d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
                               num_mel_bins=16, max_source_positions=32, decoder_layers=1, decoder_attention_heads=4),
+    # session 29
+    "qwen3": _text("Qwen3Config", "Qwen3ForCausalLM", **_LM, head_dim=16),
+    "gemma2": _text("Gemma2Config", "Gemma2ForCausalLM", **_LM, head_dim=16, sliding_window=8),
+    "mpt": _text("MptConfig", "MptForCausalLM", d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64,
+                 vocab_size=100),
+    "gpt_bigcode": _text("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                         vocab_size=100, multi_query=True),
+    "phi": _text("PhiConfig", "PhiForCausalLM", **_SMALL, partial_rotary_factor=0.5, max_position_embeddings=64),
+    "stablelm": _text("StableLmConfig", "StableLmForCausalLM", **_LM, partial_rotary_factor=0.25),
+    "bart": _text("BartConfig", "BartModel", d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=100,
+                  max_position_embeddings=64),
+    "mpnet": _text("MPNetConfig", "MPNetModel", **_SMALL, max_position_embeddings=64),
+    "squeezebert": _text("SqueezeBertConfig", "SqueezeBertModel", **_SMALL, embedding_size=64, q_groups=2, k_groups=2,
+                         v_groups=2, post_attention_groups=2, intermediate_groups=2, output_groups=2,
+                         max_position_embeddings=64),
+    "convbert": _text("ConvBertConfig", "ConvBertModel", **_SMALL, embedding_size=32, head_ratio=2, conv_kernel_size=3,
+                      max_position_embeddings=64),
+    # its pooling is traced at the export's sequence length: checked there
+    "funnel": _at(_text("FunnelConfig", "FunnelModel", block_sizes=[1, 1], d_model=64, n_head=4, d_head=16,
+                        d_inner=128, vocab_size=100), input_ids=(2, S), attention_mask=(2, S)),
+    "convnext": _image("ConvNextConfig", "ConvNextModel", 32, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2),
+    "efficientnet": _image("EfficientNetConfig", "EfficientNetModel", 32, image_size=32, width_coefficient=0.25,
+                           depth_coefficient=0.25, hidden_dim=320),
+    "mobilenet_v2": _image("MobileNetV2Config", "MobileNetV2Model", 32, image_size=32, depth_multiplier=0.25),
+    "bit": _image("BitConfig", "BitModel", 32, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                  layer_type="bottleneck", num_groups=4),
+    "levit": _image("LevitConfig", "LevitModel", 64, image_size=64, hidden_sizes=[32, 48, 64],
+                    num_attention_heads=[2, 2, 2], depths=[1, 1, 1], key_dim=[8, 8, 8]),
+    "beit": _image("BeitConfig", "BeitModel", 32, image_size=32, patch_size=8, intermediate_size=128,
+                   use_relative_position_bias=True, **_VIT),
+    "yolos": _image("YolosConfig", "YolosModel", 32, image_size=[32, 32], patch_size=8, intermediate_size=128,
+                    num_detection_tokens=4, **_VIT),
+    "pvt": _image("PvtConfig", "PvtModel", 32, image_size=32, num_encoder_blocks=2, depths=[1, 1],
+                  sequence_reduction_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[4, 2], strides=[4, 2],
+                  num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
+    "focalnet": _image("FocalNetConfig", "FocalNetModel", 32, image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                       focal_levels=[2, 2], focal_windows=[3, 3]),
+    "swinv2": _image("Swinv2Config", "Swinv2Model", 32, image_size=32, patch_size=2, embed_dim=16, depths=[1, 1],
+                     num_heads=[2, 2], window_size=4),
+    "resnet": _image("ResNetConfig", "ResNetModel", 32, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]),
+    "hubert": _audio("HubertConfig", "HubertModel", "input_values", (2, 800), hidden_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
+                     conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4),
 }
 
 
@@ -204,7 +254,8 @@ def run(name: str, dtype: str, path: Path) -> Row:
     kinds = Counter(r.kind for r in res.plan.regions)
     softmax = sum(n.op_type == "Softmax" for n in res.graph.nodes)
     # a decoder with a KV cache: a prompt after a past (8 tokens each) and a one-token generation step
-    bindings = [{}, {"input_ids": [2, 1]}] if getattr(MODELS.get(name), "decoder", False) else [{}]
+    bindings = [{}, {"input_ids": [2, 1]}] if getattr(MODELS.get(name), "decoder", False) else \
+        [getattr(MODELS.get(name), "shapes", {})]
     try:
         reps = [check_models(str(path), res.model, emulate=True, input_shapes=b) for b in bindings]
         parity = "ok" if all(r.ok for r in reps) else \

@@ -684,7 +684,7 @@ class _Lowerer:
             src = node.input[0]
             in_shape = self._shape(src)
             if op == "Transpose":
-                perm = scalar.attr(node, "perm") or list(reversed(range(len(in_shape))))
+                perm = scalar.transpose_perm(node, len(in_shape))
                 inv = [ir.i64(0)] * len(perm)
                 for j, p in enumerate(perm):
                     inv[p] = idx[j]

@@ -162,7 +162,7 @@ class _AttnLowerer(_Lowerer):
                 raise LoweringError(f"'{t}' is not produced inside the attention region")
             op = node.op_type
             if op == "Transpose":
-                perm = scalar.attr(node, "perm") or list(reversed(range(len(idx))))
+                perm = scalar.transpose_perm(node, len(idx))
                 inv: list[Expr] = [ir.i64(0)] * len(perm)
                 for j, p in enumerate(perm):
                     inv[p] = idx[j]
@@ -217,7 +217,7 @@ class _AttnLowerer(_Lowerer):
             node = self.g.nodes[n]
             out = node.output[0]
             if node.op_type == "Transpose":
-                perm = scalar.attr(node, "perm") or list(reversed(range(len(idx))))
+                perm = scalar.transpose_perm(node, len(idx))
                 idx = tuple(idx[p] for p in perm)
             else:
                 idx = self.reshape_index(idx, self._shape(t), self._shape(out))

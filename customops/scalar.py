@@ -13,7 +13,8 @@ import onnx
 
 from ortfuse.customops import ir
 from ortfuse.customops.ir import F32, Const, Expr, Op
-from ortfuse.rewriter.attrs import attr, attr_str  # noqa: F401 (also scalar.attr, attr_str, for the lowerers)
+# re-exported: scalar.attr, attr_str and transpose_perm serve the lowerers
+from ortfuse.rewriter.attrs import attr, attr_str, transpose_perm  # noqa: F401
 
 # ONNX element type -> IR storage type. Anything else is left to ORT.
 STORAGE = {

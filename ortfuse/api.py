@@ -19,8 +19,9 @@ from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
-from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, fold_constant_identities,
-                                        fold_conv_pads, fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
+                                        fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
+                                        fold_small_values, unflatten_gemms)
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
@@ -239,6 +240,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if aligned:
         say(f"{aligned} GEMMs left to cuBLAS with misaligned rows got weights padded to 16-byte rows (and a "
             "Slice of the result)")
+    graph, explicit = explicit_auto_pads(graph)
+    if explicit:
+        say(f"{explicit} Convs and pools with auto_pad SAME got the explicit pads ORT computes for them")
     graph, padded = fold_conv_pads(graph)
     if padded:
         say(f"{padded} zero Pads became the padding of the Convs they feed")

@@ -16,3 +16,9 @@ def attr_str(node: onnx.NodeProto, name: str, default: str) -> str:
     """A string attribute (onnx gives bytes) as str, else `default`."""
     v = attr(node, name, default)
     return v.decode() if isinstance(v, bytes) else v
+
+
+def transpose_perm(node: onnx.NodeProto, rank: int) -> list[int]:
+    """A Transpose's perm: its attribute, else the axes reversed (ONNX's default)."""
+    perm = attr(node, "perm")
+    return list(perm) if perm else list(reversed(range(rank)))

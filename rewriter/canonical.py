@@ -13,8 +13,11 @@
   `[B, S, H*D]` takes its place.
 * `fold_small_values`: small tensors computed from constants and static dims (a Slice's end read through
   Shape, a ConstantOfShape of a constant) become constants, as ORT's constant folding makes them.
+* `explicit_auto_pads`: a Conv's or pool's auto_pad SAME_UPPER / SAME_LOWER becomes the `pads` ORT computes
+  for it, where they do not depend on a symbolic image size (TF-converted models, HF's EfficientNet).
 * `fold_conv_pads`: a zero Pad of the spatial dims feeding only Convs (the TF-style "same" padding HF's
-  MobileNetV2 computes from constants) becomes the Convs' own `pads`, as ORT's PadFusion does after its
+  MobileNetV2 and EfficientNet compute from constants) becomes the Convs' own `pads` (an auto_pad VALID
+  Conv's too), as ORT's PadFusion does after its
   constant folding; otherwise a Conv we fuse would leave ORT a Pad kernel it never ran before.
 * `bypass_noop_expands`: an Expand to the shape its input already has is bypassed (its host-computed
   target goes with it).
@@ -343,6 +346,59 @@ def _spatial_pads(g: Graph, pad: onnx.NodeProto) -> Optional[list[int]]:
     return [p[2], p[3], p[6], p[7]]
 
 
+def _set_pads(node: onnx.NodeProto, pads: list[int]) -> None:
+    """`node`'s padding made explicit: `pads` and no auto_pad."""
+    keep = [a for a in node.attribute if a.name not in ("pads", "auto_pad")]
+    del node.attribute[:]
+    node.attribute.extend(keep + [onnx.helper.make_attribute("pads", pads)])
+
+
+def _auto_pads(g: Graph, n: onnx.NodeProto) -> Optional[list[int]]:
+    """[top, left, bottom, right] that ORT computes for a 2-D Conv's or pool's auto_pad SAME_UPPER / SAME_LOWER
+    (total ceil(in / stride) - 1) * stride + kernel - in, the odd one at the end / the start), where they do not
+    depend on a symbolic image size (stride 1, or a static size); None otherwise, or where ORT itself would not
+    pad that way (dilations, which it refuses with SAME; a negative total; ceil_mode)."""
+    mode = attr(n, "auto_pad", b"NOTSET")
+    x = g.tensors.get(n.input[0])
+    if mode not in (b"SAME_UPPER", b"SAME_LOWER") or x is None or x.shape is None or len(x.shape) != 4 \
+            or attr(n, "pads") is not None or attr(n, "ceil_mode", 0):
+        return None
+    kernel = attr(n, "kernel_shape")
+    if kernel is None and n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in g.tensors:
+        kernel = (g.tensors[n.input[1]].shape or ())[2:]
+    strides = list(attr(n, "strides") or (1, 1))
+    if kernel is None or len(kernel) != 2 or not all(isinstance(k, int) for k in kernel) or len(strides) != 2 \
+            or any(d != 1 for d in attr(n, "dilations") or (1, 1)):
+        return None
+    head, tail = [], []
+    for size, k, s in zip(x.shape[2:], kernel, strides):
+        if s != 1 and not isinstance(size, int):
+            return None
+        total = k - 1 if s == 1 else (-(-size // s) - 1) * s + k - size
+        if total < 0:
+            return None
+        first = (total + 1) // 2 if mode == b"SAME_LOWER" else total // 2
+        head.append(first)
+        tail.append(total - first)
+    return head + tail
+
+
+def explicit_auto_pads(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Convs and pools whose auto_pad SAME_UPPER / SAME_LOWER became explicit `pads`: the
+    padding ORT computes for them, `_auto_pads`; TF-converted models and HF's EfficientNet write them).
+    `g` is left untouched."""
+    plans = {i: p for i, n in enumerate(g.nodes)
+             if n.op_type in ("Conv", "MaxPool", "AveragePool") and n.domain in ("", "ai.onnx")
+             and (p := _auto_pads(g, n)) is not None}
+    if not plans:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    for i, p in plans.items():
+        _set_pads(m.graph.node[i], p)
+    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(plans)
+
+
 def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
     """(new graph, number of Pads folded into the Convs they feed). `g` is left untouched."""
     plans: dict[int, list[int]] = {}
@@ -351,7 +407,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             continue
         users = g.consumers.get(n.output[0], ())
         if not users or any(g.nodes[c].op_type != "Conv" or g.nodes[c].input[0] != n.output[0]
-                            or attr(g.nodes[c], "auto_pad", b"NOTSET") != b"NOTSET" for c in users):
+                            or attr(g.nodes[c], "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID") for c in users):
             continue
         p = _spatial_pads(g, n)
         if p is not None:
@@ -364,10 +420,7 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
         pad = g.nodes[i]
         for c in g.consumers[pad.output[0]]:
             conv = m.graph.node[c]
-            old = list(attr(conv, "pads", [0, 0, 0, 0]))
-            keep = [a for a in conv.attribute if a.name != "pads"]
-            del conv.attribute[:]
-            conv.attribute.extend(keep + [onnx.helper.make_attribute("pads", [a + b for a, b in zip(old, p)])])
+            _set_pads(conv, [a + b for a, b in zip(attr(conv, "pads", [0, 0, 0, 0]), p)])
             conv.input[0] = pad.input[0]
     remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(plans)

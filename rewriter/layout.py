@@ -50,7 +50,7 @@ def _perm(g: Graph, i: int) -> Optional[tuple[int, ...]]:
     shape = g.tensors[n.input[0]].shape if n.input[0] in g.tensors else None
     if shape is None:
         return None
-    perm = tuple(scalar.attr(n, "perm", list(range(len(shape)))[::-1]))
+    perm = tuple(scalar.transpose_perm(n, len(shape)))
     return perm if sorted(perm) == list(range(len(shape))) else None
 
 

@@ -219,7 +219,7 @@ def output_perm(g: Graph, nodes: set[int], t: str, space: tuple[Dim, ...]) -> Op
         n = g.nodes[i] if i is not None and i in nodes else None
         p: Optional[tuple[int, ...]] = None
         if shape is not None and n is not None and n.op_type == "Transpose":
-            perm = scalar.attr(n, "perm") or list(reversed(range(len(shape))))
+            perm = scalar.transpose_perm(n, len(shape))
             p_in = walk(n.input[0])
             p = None if p_in is None else tuple(p_in[k] for k in perm)
         elif shape is not None and n is not None and ops.kind_of(n.op_type) == "elementwise":
@@ -399,7 +399,7 @@ def image_layout(g: Graph, t: str, members: set[int]) -> Optional[str]:
         if out is None or src_shape is None:
             return None
         if n.op_type == "Transpose":
-            perm = list(scalar.attr(n, "perm") or reversed(range(len(src_shape))))
+            perm = scalar.transpose_perm(n, len(src_shape))
             axis = perm.index(axis)
         else:  # a Reshape (Squeeze, Unsqueeze) keeps the axis where the dims before it and the axis itself stay
             axis = next((b for b in range(len(out)) if tuple(out[:b]) == tuple(src_shape[:axis])

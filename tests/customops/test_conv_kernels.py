@@ -364,3 +364,20 @@ def test_convnext_stage_in_its_blocks_layout_matches_ort(dt):
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 16, 7, 7)})
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)
+
+
+@pytest.mark.parametrize("dt,kinds", [(TP.FLOAT, ("gemm",)), (TP.FLOAT16, ("gemm", "pointwise"))])
+def test_auto_padded_convs_run_as_our_kernels(dt, kinds):
+    # auto_pad SAME_UPPER (a strided 3x3 over an odd image: one more pad at the end) and SAME_LOWER (a
+    # depthwise 4x4: one more at the start) take the pads ORT computes (`canonical.explicit_auto_pads`), so
+    # the Conv + SiLU is our GEMM kernel and the depthwise Conv + Relu ours in fp16 (fp32: cuDNN's FusedConv)
+    np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
+    rng = np.random.default_rng(3)
+    m = model([node("Conv", ["x", "w", "b"], ["c"], auto_pad="SAME_UPPER", strides=[2, 2]),
+               node("Sigmoid", ["c"], ["sg"]), node("Mul", ["c", "sg"], ["a"]),
+               node("Conv", ["a", "dw"], ["d"], auto_pad="SAME_LOWER", group=16), node("Relu", ["d"], ["y"])],
+              [vi("x", dt, ["n", 8, 15, 15])], [vi("y", dt, None)],
+              [const("w", rng.standard_normal((16, 8, 3, 3)) * 0.2, np_dt),
+               const("b", rng.standard_normal(16) * 0.1, np_dt),
+               const("dw", rng.standard_normal((16, 1, 4, 4)) * 0.2, np_dt)])
+    fused_parity(m, None, {"x": (2, 8, 15, 15)}, kinds)

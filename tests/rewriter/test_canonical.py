@@ -12,7 +12,8 @@ from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
 from ortfuse.rewriter.canonical import (_static_target, bypass_lone_concats, bypass_noop_expands,
-                                        fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
+                                        explicit_auto_pads, fold_constant_identities, fold_conv_pads,
+                                        fold_runtime_shapes,
                                         fold_small_values, trusted_dim, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
@@ -202,6 +203,58 @@ def test_pads_that_are_not_conv_padding_stay(kwargs):
     # a non-zero value, another mode, a consumer that is not a Conv, padding of the channels
     g = build_graph(_pad_conv(**kwargs), {})
     assert fold_conv_pads(g)[1] == 0
+
+
+def _auto_padded(hw, op: str, mode: str, k: int, s: int, **extra):
+    """x [n, 4, hw, hw] -> `op` with auto_pad `mode`, kernel k x k (or k x k-1), stride s -> Relu."""
+    kw = k - 1 if k > 2 else k
+    if op == "Conv":
+        first = node("Conv", ["x", "w"], ["c"], auto_pad=mode, strides=[s, s], **extra)
+        inits = [const("w", np.random.default_rng(k).standard_normal((4, 4, k, kw)) * 0.3)]
+    else:
+        first = node(op, ["x"], ["c"], auto_pad=mode, kernel_shape=[k, kw], strides=[s, s], **extra)
+        inits = []
+    return model([first, node("Relu", ["c"], ["y"])], [vi("x", TP.FLOAT, ["n", 4, hw, hw])], [vi("y", TP.FLOAT, None)],
+                 inits)
+
+
+@pytest.mark.parametrize("op,mode,k,s,hw,extra", [
+    ("Conv", "SAME_UPPER", 3, 2, 17, {}), ("Conv", "SAME_LOWER", 4, 2, 16, {}), ("Conv", "SAME_UPPER", 5, 1, "h", {}),
+    ("Conv", "SAME_LOWER", 2, 3, 13, {}), ("MaxPool", "SAME_UPPER", 3, 2, 9, {}),
+    ("AveragePool", "SAME_LOWER", 4, 2, 11, {}), ("AveragePool", "SAME_UPPER", 3, 1, "h", dict(count_include_pad=1))])
+def test_auto_pad_same_becomes_the_pads_ort_computes(op, mode, k, s, hw, extra):
+    # the pads ORT computes for SAME (the odd one at the end for UPPER, the start for LOWER), where they do
+    # not depend on a symbolic image size (stride 1): the same results, bit for bit, and no auto_pad left
+    m = _auto_padded(hw, op, mode, k, s, **extra)
+    g = build_graph(m, {})
+    g2, n = explicit_auto_pads(g)
+    assert n == 1 and all(a.name != "auto_pad" for a in g2.nodes[0].attribute)
+    assert any(a.name == "auto_pad" for a in g.nodes[0].attribute)  # the input graph is untouched
+    x = np.random.default_rng(1).standard_normal((2, 4, 17 if hw == "h" else hw, 17 if hw == "h" else hw))
+    for a, b in zip(_run(m, x.astype(np.float32)), _run(g2.model, x.astype(np.float32))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("hw,s,extra", [("h", 2, {}), (16, 2, dict(dilations=[2, 2])), (7, 4, {})])
+def test_auto_pads_that_depend_on_the_image_or_that_ort_refuses_stay(hw, s, extra):
+    # a strided Conv over a symbolic image (the pads follow its size), dilations (ORT refuses SAME with them),
+    # a total under zero (kernel 1 x 1 at stride 4 over 7: ORT pads by -1 at the end)
+    k = 1 if s == 4 else 3
+    g = build_graph(_auto_padded(hw, "Conv", "SAME_UPPER", k, s, **extra), {})
+    assert explicit_auto_pads(g)[1] == 0
+
+
+def test_a_zero_pad_before_a_valid_conv_becomes_its_padding():
+    # EfficientNet's strided depthwise Convs: ZeroPad2d, then a Conv with auto_pad VALID
+    m = model([node("Pad", ["x", "p"], ["xp"]), node("Conv", ["xp", "w"], ["y"], auto_pad="VALID", strides=[2, 2])],
+              [vi("x", TP.FLOAT, ["n", 4, 9, 9])], [vi("y", TP.FLOAT, None)],
+              [const("p", [0, 0, 0, 1, 0, 0, 1, 2], np.int64),
+               const("w", np.random.default_rng(0).standard_normal((4, 4, 3, 3)))])
+    g2, n = fold_conv_pads(build_graph(m, {}))
+    assert n == 1 and [x.op_type for x in g2.nodes] == ["Conv"]
+    assert {a.name: list(a.ints) for a in g2.nodes[0].attribute}["pads"] == [0, 1, 1, 2]
+    x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype(np.float32)
+    np.testing.assert_allclose(_run(m, x)[0], _run(g2.model, x)[0], rtol=1e-6, atol=1e-6)
 
 
 # ---- Identity of a constant, sibling MatMuls ---------------------------------------------------------------
