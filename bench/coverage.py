@@ -77,6 +77,14 @@ def _decoder(cfg: str, cls: str, **kw: Any) -> Callable[[], tuple[Any, dict]]:
     return make
 
 
+def _torch(name: str) -> Callable[[], tuple[Any, dict]]:
+    """An architecture transformers does not ship, in plain PyTorch (`bench.torch_nets`)."""
+    def make() -> tuple[Any, dict]:
+        from ortfuse.bench import torch_nets
+        return torch_nets.make(name)
+    return make
+
+
 def _at(make: Callable[[], tuple[Any, dict]], **shapes: tuple[int, ...]) -> Callable[[], tuple[Any, dict]]:
     """`make`, whose export only runs at these input shapes (traced constants): the check feeds them."""
     make.shapes = shapes  # type: ignore[attr-defined]
@@ -174,6 +182,11 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "swinv2": _image("Swinv2Config", "Swinv2Model", 32, image_size=32, patch_size=2, embed_dim=16, depths=[1, 1],
                      num_heads=[2, 2], window_size=4),
     "resnet": _image("ResNetConfig", "ResNetModel", 32, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]),
+    "yolo": _torch("yolo"),
+    "mobilenet_v3": _torch("mobilenet_v3"),
+    "shufflenet_v2": _torch("shufflenet_v2"),
+    "densenet": _torch("densenet"),
+    "unet": _torch("unet"),
     "hubert": _audio("HubertConfig", "HubertModel", "input_values", (2, 800), hidden_size=64, num_hidden_layers=2,
                      num_attention_heads=4, intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
                      conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4),

@@ -36,3 +36,13 @@ def test_a_decoder_with_a_kv_cache(tmp_path):
     row = [line for line in out.read_text().splitlines() if line.startswith("| gpt2_past")]
     cells = [c.strip() for c in row[0].strip("|").split("|")]
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
+
+
+def test_a_plain_pytorch_architecture(tmp_path):
+    # bench/torch_nets.py: a YOLOv8-style detector (C2f Split/Concat, SPPF MaxPools, an FPN Upsample + Concat,
+    # the DFL head's Softmax over bins), its Conv + BatchNorm + SiLU layers our GEMM kernels
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "yolo", "--dtypes", "fp16", "--out", str(out)]) == 0
+    row = [line for line in out.read_text().splitlines() if line.startswith("| yolo")]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[5] == "ok" and "gemm" in cells[2], cells

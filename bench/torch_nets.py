@@ -1,0 +1,258 @@
+"""Tiny pure-PyTorch versions of architectures that `transformers` does not ship, written the way their
+reference code writes them (so exported the way users export them): a YOLOv8-style detector, MobileNetV3,
+ShuffleNetV2, DenseNet and a diffusion UNet's blocks. Random weights; used by `ortfuse.bench.coverage`."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _cbn(c1: int, c2: int, k: int = 1, s: int = 1, act: Any = nn.SiLU, groups: int = 1) -> nn.Sequential:
+    """Conv (no bias) + BatchNorm + activation, padded to keep the size at stride 1."""
+    return nn.Sequential(nn.Conv2d(c1, c2, k, s, k // 2, groups=groups, bias=False), nn.BatchNorm2d(c2),
+                         act() if act else nn.Identity())
+
+
+# ---- YOLOv8-style: C2f blocks (Split, Bottlenecks, Concat), SPPF (three 5x5 MaxPools), an FPN Upsample +
+# Concat, and a head decoding box distributions (DFL: a Softmax over 16 bins, then their expectation)
+
+class _Bottleneck(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.cv1, self.cv2 = _cbn(c, c, 3), _cbn(c, c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.cv2(self.cv1(x))
+
+
+class _C2f(nn.Module):
+    def __init__(self, c1: int, c2: int, n: int = 1) -> None:
+        super().__init__()
+        self.c = c2 // 2
+        self.cv1, self.cv2 = _cbn(c1, 2 * self.c), _cbn((2 + n) * self.c, c2)
+        self.m = nn.ModuleList(_Bottleneck(self.c) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = list(self.cv1(x).chunk(2, 1))
+        y.extend(m(y[-1]) for m in self.m)
+        return self.cv2(torch.cat(y, 1))
+
+
+class _SPPF(nn.Module):
+    def __init__(self, c1: int, c2: int) -> None:
+        super().__init__()
+        self.cv1, self.cv2, self.m = _cbn(c1, c1 // 2), _cbn(c1 // 2 * 4, c2), nn.MaxPool2d(5, 1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = [self.cv1(x)]
+        y.extend(self.m(y[-1]) for _ in range(3))
+        return self.cv2(torch.cat(y, 1))
+
+
+class Yolo(nn.Module):
+    def __init__(self, classes: int = 4, bins: int = 16) -> None:
+        super().__init__()
+        self.bins = bins
+        self.stem = nn.Sequential(_cbn(3, 16, 3, 2), _cbn(16, 32, 3, 2), _C2f(32, 32))
+        self.down = nn.Sequential(_cbn(32, 64, 3, 2), _C2f(64, 64), _SPPF(64, 64))
+        self.fuse = _C2f(96, 32)
+        self.box = nn.Sequential(_cbn(32, 32, 3), nn.Conv2d(32, 4 * bins, 1))
+        self.cls = nn.Sequential(_cbn(32, 32, 3), nn.Conv2d(32, classes, 1))
+        self.register_buffer("proj", torch.arange(bins, dtype=torch.float32).view(1, bins, 1, 1))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = pixel_values
+        p3 = self.stem(x)
+        p4 = self.down(p3)
+        f = self.fuse(torch.cat([F.interpolate(p4, scale_factor=2.0, mode="nearest"), p3], 1))
+        n, _, h, w = f.shape
+        box = self.box(f).view(n, 4, self.bins, h * w).transpose(1, 2).softmax(1)  # [n, bins, 4, anchors]
+        dist = (box * self.proj).sum(1)  # DFL: each side's expected bin
+        return torch.cat([dist, self.cls(f).view(n, -1, h * w).sigmoid()], 1)
+
+
+# ---- MobileNetV3: Hardswish, squeeze-excite with Hardsigmoid, inverted residuals
+
+class _SE(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.adaptive_avg_pool2d(x, 1)
+        return x * F.hardsigmoid(self.fc2(F.relu(self.fc1(s))))
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, c1: int, mid: int, c2: int, k: int, s: int, se: bool, act: Any) -> None:
+        super().__init__()
+        self.res = s == 1 and c1 == c2
+        self.block = nn.Sequential(_cbn(c1, mid, 1, act=act), _cbn(mid, mid, k, s, act=act, groups=mid),
+                                   _SE(mid) if se else nn.Identity(), _cbn(mid, c2, 1, act=None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.res else y
+
+
+class MobileNetV3(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        hs, re = nn.Hardswish, nn.ReLU
+        self.features = nn.Sequential(
+            _cbn(3, 16, 3, 2, act=hs), _InvertedResidual(16, 16, 16, 3, 2, True, re),
+            _InvertedResidual(16, 72, 24, 3, 2, False, re), _InvertedResidual(24, 88, 24, 3, 1, False, re),
+            _InvertedResidual(24, 96, 40, 5, 2, True, hs), _InvertedResidual(40, 240, 40, 5, 1, True, hs),
+            _cbn(40, 240, 1, act=hs))
+        self.head = nn.Sequential(nn.Linear(240, 128), nn.Hardswish(), nn.Linear(128, classes))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = pixel_values
+        return self.head(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+
+# ---- ShuffleNetV2: channel split, branches, Concat and the channel shuffle (Reshape, Transpose, Reshape)
+
+def _shuffle(x: torch.Tensor, groups: int = 2) -> torch.Tensor:
+    n, c, h, w = x.shape
+    return x.view(n, groups, c // groups, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+
+
+class _ShuffleUnit(nn.Module):
+    def __init__(self, c1: int, c2: int, s: int) -> None:
+        super().__init__()
+        self.s, half = s, c2 // 2
+        inp = c1 if s > 1 else half
+        self.branch2 = nn.Sequential(_cbn(inp, half, 1, act=nn.ReLU), _cbn(half, half, 3, s, act=None, groups=half),
+                                     _cbn(half, half, 1, act=nn.ReLU))
+        self.branch1 = nn.Sequential(_cbn(c1, c1, 3, s, act=None, groups=c1), _cbn(c1, half, 1, act=nn.ReLU)) \
+            if s > 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.branch1 is None:
+            x1, x2 = x.chunk(2, dim=1)
+            return _shuffle(torch.cat((x1, self.branch2(x2)), 1))
+        return _shuffle(torch.cat((self.branch1(x), self.branch2(x)), 1))
+
+
+class ShuffleNetV2(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(_cbn(3, 24, 3, 2, act=nn.ReLU), nn.MaxPool2d(3, 2, 1))
+        self.stages = nn.Sequential(_ShuffleUnit(24, 48, 2), _ShuffleUnit(48, 48, 1), _ShuffleUnit(48, 96, 2),
+                                    _ShuffleUnit(96, 96, 1))
+        self.fc = nn.Linear(96, classes)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = pixel_values
+        return self.fc(self.stages(self.stem(x)).mean([2, 3]))
+
+
+# ---- DenseNet: BN-ReLU-Conv layers whose outputs are concatenated onto their inputs, AvgPool transitions
+
+class _DenseLayer(nn.Module):
+    def __init__(self, c: int, growth: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, 4 * growth, 1, bias=False),
+                                  nn.BatchNorm2d(4 * growth), nn.ReLU(), nn.Conv2d(4 * growth, growth, 3, 1, 1, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.body(x)], 1)
+
+
+class DenseNet(nn.Module):
+    def __init__(self, classes: int = 10, growth: int = 8) -> None:
+        super().__init__()
+        c = 16
+        layers: list[nn.Module] = [nn.Conv2d(3, c, 3, 1, 1, bias=False)]
+        for block in range(2):
+            for _ in range(3):
+                layers.append(_DenseLayer(c, growth))
+                c += growth
+            if block == 0:
+                layers += [nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c // 2, 1, bias=False), nn.AvgPool2d(2)]
+                c //= 2
+        self.features = nn.Sequential(*layers, nn.BatchNorm2d(c), nn.ReLU())
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = pixel_values
+        return self.fc(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+
+# ---- a diffusion UNet's blocks: GroupNorm + SiLU + Conv residual blocks with a time embedding, a spatial
+# self-attention block, a strided-Conv downsample, a nearest Upsample and a skip Concat
+
+class _ResBlock(nn.Module):
+    def __init__(self, c1: int, c2: int, temb: int) -> None:
+        super().__init__()
+        self.n1, self.c1 = nn.GroupNorm(8, c1), nn.Conv2d(c1, c2, 3, 1, 1)
+        self.t = nn.Linear(temb, c2)
+        self.n2, self.c2 = nn.GroupNorm(8, c2), nn.Conv2d(c2, c2, 3, 1, 1)
+        self.skip = nn.Conv2d(c1, c2, 1) if c1 != c2 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.c1(F.silu(self.n1(x))) + self.t(F.silu(t))[:, :, None, None]
+        return self.skip(x) + self.c2(F.silu(self.n2(h)))
+
+
+class _AttnBlock(nn.Module):
+    def __init__(self, c: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.norm = heads, nn.GroupNorm(8, c)
+        self.qkv, self.out = nn.Linear(c, 3 * c), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        t = self.norm(x).view(n, c, h * w).transpose(1, 2)
+        q, k, v = self.qkv(t).view(n, h * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, h * w, c)
+        return x + self.out(a).transpose(1, 2).view(n, c, h, w)
+
+
+class UNet(nn.Module):
+    def __init__(self, c: int = 32, temb: int = 32) -> None:
+        super().__init__()
+        self.temb = temb
+        self.t = nn.Sequential(nn.Linear(temb, temb), nn.SiLU(), nn.Linear(temb, temb))
+        self.inp = nn.Conv2d(4, c, 3, 1, 1)
+        self.d1, self.down = _ResBlock(c, c, temb), nn.Conv2d(c, c, 3, 2, 1)
+        self.mid, self.attn = _ResBlock(c, 2 * c, temb), _AttnBlock(2 * c)
+        self.u1 = _ResBlock(3 * c, c, temb)
+        self.out = nn.Sequential(nn.GroupNorm(8, c), nn.SiLU(), nn.Conv2d(c, 4, 3, 1, 1))
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        x = sample
+        half = self.temb // 2
+        freqs = torch.exp(-torch.arange(half, dtype=torch.float32) * (9.21 / half))
+        args = timestep[:, None].float() * freqs[None]
+        t = self.t(torch.cat([torch.cos(args), torch.sin(args)], -1))
+        h1 = self.d1(self.inp(x), t)
+        m = self.attn(self.mid(self.down(h1), t))
+        up = F.interpolate(m, scale_factor=2.0, mode="nearest")
+        return self.out(self.u1(torch.cat([up, h1], 1), t))
+
+
+def _randomized(net: nn.Module) -> nn.Module:
+    """Normalization statistics and affines drawn at random (fresh ones are the identity, which folds away)."""
+    g = torch.Generator().manual_seed(0)
+    for m in net.modules():
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            m.weight.data = 1.0 + 0.2 * torch.randn(m.weight.shape, generator=g)
+            m.bias.data = 0.1 * torch.randn(m.bias.shape, generator=g)
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean = 0.1 * torch.randn(m.running_mean.shape, generator=g)
+            m.running_var = 0.5 + torch.rand(m.running_var.shape, generator=g)
+    return net.eval()
+
+
+def make(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The module (random weights and statistics) and its example inputs (2 images)."""
+    if name == "unet":
+        return _randomized(UNet()), {"sample": torch.randn(2, 4, 16, 16), "timestep": torch.tensor([10, 500])}
+    cls = {"yolo": Yolo, "mobilenet_v3": MobileNetV3, "shufflenet_v2": ShuffleNetV2, "densenet": DenseNet}[name]
+    size = 64 if name == "yolo" else 32
+    return _randomized(cls()), {"pixel_values": torch.rand(2, 3, size, size)}
