@@ -157,7 +157,8 @@ class _DenseLayer(nn.Module):
     def __init__(self, c: int, growth: int) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, 4 * growth, 1, bias=False),
-                                  nn.BatchNorm2d(4 * growth), nn.ReLU(), nn.Conv2d(4 * growth, growth, 3, 1, 1, bias=False))
+                                  nn.BatchNorm2d(4 * growth), nn.ReLU(),
+                                  nn.Conv2d(4 * growth, growth, 3, 1, 1, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, self.body(x)], 1)

@@ -20,8 +20,8 @@ from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
-                                        fold_constant_identities, fold_conv_pads, fold_runtime_shapes,
-                                        fold_small_values, unflatten_gemms)
+                                        fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
+                                        fold_runtime_shapes, fold_small_values, unflatten_gemms)
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
@@ -191,6 +191,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, folded = fold_runtime_shapes(graph)
     if folded:
         say(f"{folded} Reshape targets computed at run time became constants")
+    graph, weights = fold_constant_subgraphs(graph)
+    if weights:
+        say(f"{weights} tensors computed from constants alone became constants (as ORT folds them)")
     graph, small = fold_small_values(graph)
     if small:
         say(f"{small} small tensors computed from constants and static dims became constants")

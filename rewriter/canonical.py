@@ -520,6 +520,107 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
     return assemble(m, tensors, g.opset, g.hint_overrides), len(names)
 
 
+# ---- subgraphs of constants (weights computed at run time) -------------------------------------------------
+
+MAX_FOLD_GROWTH = 1 << 16  # bytes a fold may add to the model (values that keep their sources alive)
+MAX_FOLD_SOURCE = 1 << 30  # bytes of constants one fold may read (evaluated in memory, as one model)
+_NOT_FOLDED = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})  # ORT keeps QDQ pairs
+
+
+def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of constants that replace computed tensors). Tensors computed from constants alone
+    (HF BiT's weight standardization, a weight norm, a Cast of a weight) become constants, as ORT's constant
+    folding makes them when a session starts, and computed by ORT's CPU kernels (those folding runs), so the
+    values are the ones stock ORT runs with: the search sees constant weights where it saw computed ones. Per
+    connected group of such nodes, only where the model grows by at most MAX_FOLD_GROWTH bytes (a transposed
+    copy of a tied embedding, or a mask broadcast from a small constant, stays computed). Quantize and
+    DequantizeLinear stay (ORT keeps them for its quantized kernels). `g` is left untouched."""
+    computed: dict[str, int] = {}  # tensor -> the foldable node making it
+    nodes: list[int] = []
+    for i, n in enumerate(g.nodes):  # topological order
+        outs = [o for o in n.output if o]
+        ins = [x for x in n.input if x]
+        if n.domain not in ("", "ai.onnx") or not outs or not ins or n.op_type in _NOT_FOLDED \
+                or n.op_type.startswith("Random") or n.op_type in _NONDETERMINISTIC \
+                or any(o in g.graph_outputs for o in outs) or _proto.has_subgraph(n) \
+                or not all(x in computed or (x in g.constants and x not in g.graph_inputs) for x in ins):
+            continue
+        nodes.append(i)
+        computed.update((o, i) for o in outs)
+    if not nodes:
+        return g, 0
+    # connected groups (union-find over the tensors the nodes share, constants included)
+    parent = {i: i for i in nodes}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    reader: dict[str, int] = {}
+    for i in nodes:
+        for x in g.nodes[i].input:
+            if x:
+                j = computed.get(x, reader.setdefault(x, i))
+                parent[root(i)] = root(j)
+    chosen = set(nodes)
+    frontier = sorted(t for t in computed if any(k not in chosen for k in g.consumers.get(t, ())))
+    if not frontier:
+        return g, 0
+    leaves = {x for i in nodes for x in g.nodes[i].input if x and x not in computed}
+    if sum(np.asarray(g.constants[x]).nbytes for x in leaves) > MAX_FOLD_SOURCE:
+        return g, 0
+    values = _run_on_ort([g.nodes[i] for i in nodes], {x: np.asarray(g.constants[x]) for x in sorted(leaves)},
+                         frontier, g)
+    if values is None:
+        return g, 0
+    # per group: what its folded values add, less the constants only it reads (which then go)
+    growth: dict[int, int] = {}
+    for t, v in values.items():
+        growth[root(computed[t])] = growth.get(root(computed[t]), 0) + v.nbytes
+    for x in leaves:
+        groups = {root(i) if i in chosen else -1 for i in g.consumers.get(x, ())}
+        if len(groups) == 1 and -1 not in groups and x not in g.graph_outputs:
+            r = groups.pop()
+            growth[r] = growth.get(r, 0) - np.asarray(g.constants[x]).nbytes
+    folded = {t: v for t, v in values.items() if growth.get(root(computed[t]), 0) <= MAX_FOLD_GROWTH}
+    if not folded:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    for t, v in folded.items():
+        name = f"{t}__ortfuse_value"
+        m.graph.initializer.append(numpy_helper.from_array(v, name))
+        tensors[name] = TensorInfo(name, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), tuple(v.shape))
+        for node in m.graph.node:
+            for k, x in enumerate(node.input):
+                if x == t:
+                    node.input[k] = name
+    remove_dead(m)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(folded)
+
+
+def _run_on_ort(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[str],
+                g: Graph) -> Optional[dict[str, np.ndarray]]:
+    """`outputs` of `nodes` on constant `inputs`, by ONNX Runtime's CPU kernels with its graph optimizations off
+    (what its constant folding runs); None where ORT cannot (an op it lacks on the CPU)."""
+    import onnxruntime as ort
+
+    graph = onnx.helper.make_graph(nodes, "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in outputs],
+                                   [numpy_helper.from_array(v, x) for x, v in inputs.items()])
+    m = onnx.helper.make_model(graph, opset_imports=list(g.model.opset_import))
+    m.ir_version = _proto.MAX_IR_VERSION
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return dict(zip(outputs, sess.run(outputs, {})))
+    except Exception:  # noqa: BLE001 -- ORT refused or failed: the nodes simply stay
+        return None
+
+
 # ---- Identity of a constant ---------------------------------------------------------------------------------
 
 def fold_constant_identities(g: Graph) -> tuple[Graph, int]:

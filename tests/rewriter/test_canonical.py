@@ -12,8 +12,8 @@ from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
 from ortfuse.rewriter.canonical import (_static_target, bypass_lone_concats, bypass_noop_expands,
-                                        explicit_auto_pads, fold_constant_identities, fold_conv_pads,
-                                        fold_runtime_shapes,
+                                        explicit_auto_pads, fold_constant_identities, fold_constant_subgraphs,
+                                        fold_conv_pads, fold_runtime_shapes,
                                         fold_small_values, trusted_dim, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
@@ -255,6 +255,63 @@ def test_a_zero_pad_before_a_valid_conv_becomes_its_padding():
     assert {a.name: list(a.ints) for a in g2.nodes[0].attribute}["pads"] == [0, 1, 1, 2]
     x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype(np.float32)
     np.testing.assert_allclose(_run(m, x)[0], _run(g2.model, x)[0], rtol=1e-6, atol=1e-6)
+
+
+def _standardized_conv(tied: bool = False, qdq: bool = False):
+    """BiT's weight standardization: (w - mean) / sqrt(var + eps) over each output channel, computed from the
+    weight at run time, then the Conv; `tied`: the raw weight also feeds an output; `qdq`: an int8 weight
+    dequantized instead."""
+    rng = np.random.default_rng(0)
+    if qdq:
+        nodes = [node("DequantizeLinear", ["wq", "sc"], ["ws"])]
+        inits = [const("wq", rng.integers(-100, 100, (8, 4, 3, 3)), np.int8), const("sc", 0.01)]
+    else:
+        nodes = [node("ReduceMean", ["w", "axes"], ["m"]), node("Sub", ["w", "m"], ["d"]),
+                 node("Mul", ["d", "d"], ["d2"]), node("ReduceMean", ["d2", "axes"], ["v"]),
+                 node("Add", ["v", "eps"], ["ve"]), node("Sqrt", ["ve"], ["sd"]), node("Div", ["d", "sd"], ["ws"])]
+        inits = [const("w", rng.standard_normal((8, 4, 3, 3))), const("axes", [1, 2, 3], np.int64), const("eps", 1e-6)]
+    nodes.append(node("Conv", ["x", "ws"], ["y"], pads=[1, 1, 1, 1]))
+    outs = [vi("y", TP.FLOAT, None)]
+    if tied:
+        nodes.append(node("Add", ["w", "w"], ["w2"]))
+        nodes.append(node("Mul", ["w2", "eps"], ["w3"]))
+        nodes.append(node("ReduceSum", ["w3", "axes"], ["tie"]))
+        outs.append(vi("tie", TP.FLOAT, None))
+    return model(nodes, [vi("x", TP.FLOAT, ["n", 4, 6, 6])], outs, inits)
+
+
+def test_a_weight_computed_from_constants_becomes_one_as_ort_folds_it():
+    m = _standardized_conv()
+    g = build_graph(m, {})
+    g2, n = fold_constant_subgraphs(g)
+    assert n == 1 and [x.op_type for x in g2.nodes] == ["Conv"] and g2.nodes[0].input[1] in g2.constants
+    assert len(g2.model.graph.initializer) == 1  # the raw weight and the reduction's constants went with it
+    x = np.random.default_rng(1).standard_normal((2, 4, 6, 6)).astype(np.float32)
+    np.testing.assert_array_equal(_run(m, x)[0], _run(g2.model, x)[0])  # ORT's own kernels computed it
+    assert len(g.nodes) == 8  # the input graph is untouched
+
+
+def test_graph_outputs_and_qdq_stay_computed():
+    # a graph output computed from the weight: its producer stays (the output is the model's interface), what it
+    # reads folds (2 values: the standardized weight and 2 x w x eps); an int8 weight's DequantizeLinear stays
+    g2, n = fold_constant_subgraphs(build_graph(_standardized_conv(tied=True), {}))
+    assert n == 2 and sorted(x.op_type for x in g2.nodes) == ["Conv", "ReduceSum"]
+    g3, n = fold_constant_subgraphs(build_graph(_standardized_conv(qdq=True), {}))
+    assert n == 0 and [x.op_type for x in g3.nodes] == ["DequantizeLinear", "Conv"]
+
+
+def test_a_large_value_that_keeps_its_source_alive_stays(monkeypatch):
+    # a tied embedding: the table is gathered and read transposed by the LM head; folding the Transpose would
+    # store the table twice
+    from ortfuse.rewriter import canonical
+    monkeypatch.setattr(canonical, "MAX_FOLD_GROWTH", 1024)
+    table = np.random.default_rng(0).standard_normal((50, 16)).astype(np.float32)
+    m = model([node("Gather", ["emb", "ids"], ["h"]), node("Transpose", ["emb"], ["embt"], perm=[1, 0]),
+               node("MatMul", ["h", "embt"], ["logits"])],
+              [vi("ids", TP.INT64, ["b", "s"])], [vi("logits", TP.FLOAT, None)], [const("emb", table)])
+    assert fold_constant_subgraphs(build_graph(m, {}))[1] == 0
+    monkeypatch.setattr(canonical, "MAX_FOLD_GROWTH", 1 << 16)
+    assert fold_constant_subgraphs(build_graph(m, {}))[1] == 1
 
 
 # ---- Identity of a constant, sibling MatMuls ---------------------------------------------------------------
