@@ -1227,6 +1227,8 @@ class _Lowerer:
         if not space:
             raise LoweringError("reduction of a scalar")
         c = space[-1]
+        if isinstance(c, int) and c < 1:
+            raise LoweringError("rows of no columns (an empty tensor)")
         self.inner_dim = c
         self.vec = self.vector_width(c)
         if isinstance(c, int) and c <= 32 * self.vec * hw.ROW_KERNEL_GROUPS:

@@ -126,6 +126,9 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
         # guess_output_rank=False: an unknown shape is safer for fusion than a guessed one.
         ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
         ssi.dispatcher_.setdefault("ConvTranspose", lambda node: _conv_transpose(ssi, node))
+        own_conv_pool = ssi._compute_conv_pool_shape
+        ssi._compute_conv_pool_shape = lambda node, channels_last=False: _same_padded(ssi, node, channels_last,
+                                                                                      own_conv_pool)
         own_resize = ssi.dispatcher_.get("Resize")
         if own_resize is not None:
             ssi.dispatcher_["Resize"] = lambda node: _resize(ssi, node, own_resize)
@@ -139,6 +142,27 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
     except Exception as e:  # the tool raises bare Exception/AssertionError on models it cannot handle
         log.debug("symbolic shape inference failed, falling back to ONNX: %s", e)
         return None, False, {}
+
+
+def _same_padded(ssi, node: onnx.NodeProto, channels_last: bool, own):
+    """A Conv's or pool's output shape, the tool's, but ceil(in / stride) along every spatial axis for auto_pad
+    SAME_UPPER / SAME_LOWER where an input size is symbolic: the tool's rule assumes no remainder there and
+    takes floor(in / stride) (a stride-2 Conv over [h, 1] came out [floor(h/2), 0])."""
+    import sympy
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute, is_literal
+
+    shape = own(node, channels_last)
+    if get_attribute(node, "auto_pad", b"NOTSET") not in (b"SAME_UPPER", b"SAME_LOWER") or channels_last \
+            or get_attribute(node, "pads") is not None:
+        return shape
+    x = ssi._get_sympy_shape(node, 0)
+    rank = len(x) - 2
+    strides = get_attribute(node, "strides", [1] * rank)
+    if rank < 1 or len(shape) != rank + 2 or len(strides) != rank or all(is_literal(d) for d in x[2:]):
+        return shape  # static sizes: ONNX's own inference, which the tool keeps, is right
+    shape[2:] = [sympy.Integer(-(-int(d) // s)) if is_literal(d) else d if s == 1 else sympy.ceiling(d / s)
+                 for d, s in zip(x[2:], strides)]
+    return shape
 
 
 def _conv_transpose(ssi, node: onnx.NodeProto) -> None:

@@ -42,6 +42,8 @@ class _Builder:
     values: dict = field(default_factory=dict)  # the pool later steps draw from: name -> shape
     consts: dict = field(default_factory=dict)  # initializer name -> shape
     produced: list = field(default_factory=list)  # names made by nodes, in order
+    # draws for variations added later (auto_pad, computed weights), apart so older seeds keep their graphs
+    alt: np.random.Generator | None = None
 
     @property
     def np_dtype(self):
@@ -78,6 +80,19 @@ class _Builder:
         if self.opset >= 18 or op == "ReduceSum":
             return self.add(op, [x, self.axes(*axes)], out, keepdims=keepdims)
         return self.add(op, [x], out, axes=list(axes), keepdims=keepdims)
+
+    def standardized(self, w: str, shape: tuple[int, ...]) -> str:
+        """Constant weight `w` standardized per output channel at run time (BiT's convolutions): the graph
+        computes it from the constant, which `canonical.fold_constant_subgraphs` folds."""
+        def mean(x: str) -> str:
+            if self.opset >= 18:
+                return self.add("ReduceMean", [x, self.axes(1, 2, 3)], shape[:1] + (1, 1, 1), False, keepdims=1)
+            return self.add("ReduceMean", [x], shape[:1] + (1, 1, 1), False, axes=[1, 2, 3], keepdims=1)
+        d = self.add("Sub", [w, mean(w)], shape, False)
+        var = mean(self.add("Mul", [d, d], shape, False))
+        sd = self.add("Sqrt", [self.add("Add", [var, self.const(np.array(1e-3))], shape[:1] + (1, 1, 1), False)],
+                      shape[:1] + (1, 1, 1), False)
+        return self.add("Div", [d, sd], shape, False)
 
     def random_const(self, shape: tuple[int, ...]) -> str:
         v = self.rng.uniform(0.3, 1.2, shape) * self.rng.choice([-1.0, 1.0], shape)
@@ -360,6 +375,10 @@ class _Builder:
                 # ORT drops a last window that starts past the image and its leading pad, ONNX's shape
                 # inference keeps it: such a model disagrees with itself, so it is not generated
                 attrs["ceil_mode"], size = 0, floor
+            if self.alt is not None and dil == 1 and not attrs.get("ceil_mode") and self.alt.random() < 0.25:
+                del attrs["pads"]  # TF's "same" padding
+                attrs["auto_pad"] = str(self.alt.choice(["SAME_UPPER", "SAME_LOWER"]))
+                size = [-(-h // stride), -(-w // stride)]
             if min(size) < 1:
                 return
             out = self.add(op, [x], ("n", c) + tuple(size), **attrs)
@@ -413,12 +432,19 @@ class _Builder:
         pads = [int(self.rng.integers(0, k)) for k in (kh, kw)] * 2
         oh = (h + pads[0] + pads[2] - dil * (kh - 1) - 1) // stride + 1
         ow = (w + pads[1] + pads[3] - dil * (kw - 1) - 1) // stride + 1
+        padding: dict = dict(pads=pads)
+        if self.alt is not None and dil == 1 and self.alt.random() < 0.25:  # TF's "same" padding
+            padding = dict(auto_pad=str(self.alt.choice(["SAME_UPPER", "SAME_LOWER"])))
+            oh, ow = -(-h // stride), -(-w // stride)
         if oh < 1 or ow < 1:
             return
-        wt = self.const(self.rng.uniform(-1, 1, (oc, c // group, kh, kw)) / np.sqrt(c // group * kh * kw), "w")
+        wshape = (oc, c // group, kh, kw)
+        wt = self.const(self.rng.uniform(-1, 1, wshape) / np.sqrt(c // group * kh * kw), "w")
+        if self.alt is not None and self.alt.random() < 0.2:
+            wt = self.standardized(wt, wshape)
         ins = [x, wt] + ([self.random_const((oc,))] if self.rng.random() < 0.5 else [])
         out = self.add("Conv", ins, ("n", oc, oh, ow), group=group, kernel_shape=[kh, kw], strides=[stride] * 2,
-                       pads=pads, dilations=[dil] * 2)
+                       dilations=[dil] * 2, **padding)
         if self.rng.random() < 0.5:
             out = self.add(str(self.rng.choice(["Relu", "Sigmoid", "HardSwish"])), [out], ("n", oc, oh, ow))
         if (oc, oh, ow) == (c, h, w) and self.rng.random() < 0.5:
@@ -436,6 +462,7 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     rng = np.random.default_rng(seed)
     dtype = TP.FLOAT if rng.random() < 0.6 else TP.FLOAT16
     b = _Builder(rng, dtype, OLD_OPSET if rng.random() < 0.25 else OPSET)
+    b.alt = np.random.default_rng(seed + 1_000_003)
     rank = int(rng.integers(2, 5))
     shape = ("n",) + tuple(int(rng.choice([2, 3, 5, 8])) for _ in range(rank - 2)) + (int(rng.choice(LAST_DIMS[3:])),)
     if rank == 4 and rng.random() < 0.5:  # an image: channels, then a small spatial map

@@ -327,6 +327,35 @@ def test_conv_transpose_shapes_follow_symbolic_input(attrs):
     assert got == want and {d for d in shape if isinstance(d, str)} - {"n"}  # spatial dims stay symbolic
 
 
+@pytest.mark.parametrize("op,attrs,width", [
+    ("Conv", dict(auto_pad="SAME_UPPER", strides=[2, 2]), 1),
+    ("Conv", dict(auto_pad="SAME_LOWER", strides=[3, 1]), "w"),
+    ("MaxPool", dict(auto_pad="SAME_UPPER", strides=[2, 2], kernel_shape=[3, 3]), "w"),
+    ("AveragePool", dict(auto_pad="SAME_LOWER", strides=[2, 3], kernel_shape=[2, 4]), 5)])
+def test_same_padded_shapes_over_a_symbolic_image(op, attrs, width):
+    """auto_pad SAME gives ceil(in / stride) along each spatial axis; ORT's symbolic inference took floor(in /
+    stride) where a size is symbolic (a static width of 1 came out 0). The dims evaluate to what ORT makes."""
+    import onnxruntime as ort
+    import sympy
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "w")] if op == "Conv" else []
+    node = helper.make_node(op, ["x", "w"] if op == "Conv" else ["x"], ["y"], **attrs)
+    model = M.make_model([node, helper.make_node("Relu", ["y"], ["z"])], [M.vi("x", ["n", 4, "h", width])],
+                         [M.vi("z", [None] * 4)], inits)
+    shape = build_graph(load_model(model)).tensors["z"].shape
+    for h, w in ((7, 5), (8, 1), (9, 11)):
+        if width != "w" and w != width:
+            continue
+        x = rng.standard_normal((2, 4, h, w)).astype(np.float32)
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        values = {"n": 2, "h": h, "w": w}
+        got = tuple(d if isinstance(d, int) else int(sympy.sympify(d, locals={k: sympy.Symbol(k) for k in values})
+                                                     .subs({sympy.Symbol(k): v for k, v in values.items()}))
+                    for d in shape)
+        assert got == want[0].shape, (shape, h, w)
+
+
 def _pyramid() -> onnx.ModelProto:
     """A feature-pyramid step over a symbolic image: a stride-2 Conv, then Resizes back up by whole scales, to
     the sizes of another map (read through Shape), and by a fractional scale."""
