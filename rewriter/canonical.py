@@ -370,9 +370,12 @@ def _auto_pads(g: Graph, n: onnx.NodeProto) -> Optional[list[int]]:
     if kernel is None or len(kernel) != 2 or not all(isinstance(k, int) for k in kernel) or len(strides) != 2 \
             or any(d != 1 for d in attr(n, "dilations") or (1, 1)):
         return None
+    merged = merged_sizes(g)  # a size shape inference merged a symbolic dim into may be 1 at run time
+    tainted = merge_tainted(g) if merged else frozenset()
+    suspect = merged if tainted is None or x.name in tainted else frozenset()
     head, tail = [], []
     for size, k, s in zip(x.shape[2:], kernel, strides):
-        if s != 1 and not isinstance(size, int):
+        if s != 1 and (not isinstance(size, int) or size in suspect):
             return None
         total = k - 1 if s == 1 else (-(-size // s) - 1) * s + k - size
         if total < 0:
@@ -407,7 +410,9 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
             continue
         users = g.consumers.get(n.output[0], ())
         if not users or any(g.nodes[c].op_type != "Conv" or g.nodes[c].input[0] != n.output[0]
-                            or attr(g.nodes[c], "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID") for c in users):
+                            or attr(g.nodes[c], "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID")
+                            or (attr(g.nodes[c], "auto_pad", b"NOTSET") == b"VALID" and attr(g.nodes[c], "pads"))
+                            for c in users):
             continue
         p = _spatial_pads(g, n)
         if p is not None:
@@ -533,8 +538,12 @@ def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
     folding makes them when a session starts, and computed by ORT's CPU kernels (those folding runs), so the
     values are the ones stock ORT runs with: the search sees constant weights where it saw computed ones. Per
     connected group of such nodes, only where the model grows by at most MAX_FOLD_GROWTH bytes (a transposed
-    copy of a tied embedding, or a mask broadcast from a small constant, stays computed). Quantize and
-    DequantizeLinear stay (ORT keeps them for its quantized kernels). `g` is left untouched."""
+    copy of a tied embedding, or a mask broadcast from a small constant, stays computed): checked on the
+    inferred sizes before anything runs, and on the values after. Left alone: Quantize/DequantizeLinear (ORT
+    keeps them for its quantized kernels), initializers a user may override (listed as graph inputs, IR 4 on),
+    tensors read inside an If/Loop body or of other than tensor type. `g` is left untouched."""
+    listed = {v.name for v in g.model.graph.input}
+    overridable = listed if g.model.ir_version >= 4 else set()
     computed: dict[str, int] = {}  # tensor -> the foldable node making it
     nodes: list[int] = []
     for i, n in enumerate(g.nodes):  # topological order
@@ -542,63 +551,89 @@ def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
         ins = [x for x in n.input if x]
         if n.domain not in ("", "ai.onnx") or not outs or not ins or n.op_type in _NOT_FOLDED \
                 or n.op_type.startswith("Random") or n.op_type in _NONDETERMINISTIC \
-                or any(o in g.graph_outputs for o in outs) or _proto.has_subgraph(n) \
-                or not all(x in computed or (x in g.constants and x not in g.graph_inputs) for x in ins):
+                or any(o in g.graph_outputs or _static_bytes(g, o) is None for o in outs) \
+                or _proto.has_subgraph(n) \
+                or not all(x in computed or (x in g.constants and x not in overridable) for x in ins):
             continue
         nodes.append(i)
         computed.update((o, i) for o in outs)
     if not nodes:
         return g, 0
-    # connected groups (union-find over the tensors the nodes share, constants included)
-    parent = {i: i for i in nodes}
+    parent = {i: i for i in nodes}  # connected groups: union-find over the tensors they share, constants too
 
     def root(i: int) -> int:
         while parent[i] != i:
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
-    reader: dict[str, int] = {}
+    first_reader: dict[str, int] = {}
     for i in nodes:
         for x in g.nodes[i].input:
             if x:
-                j = computed.get(x, reader.setdefault(x, i))
-                parent[root(i)] = root(j)
+                parent[root(i)] = root(computed.get(x, first_reader.setdefault(x, i)))
     chosen = set(nodes)
-    frontier = sorted(t for t in computed if any(k not in chosen for k in g.consumers.get(t, ())))
-    if not frontier:
-        return g, 0
-    leaves = {x for i in nodes for x in g.nodes[i].input if x and x not in computed}
-    if sum(np.asarray(g.constants[x]).nbytes for x in leaves) > MAX_FOLD_SOURCE:
-        return g, 0
-    values = _run_on_ort([g.nodes[i] for i in nodes], {x: np.asarray(g.constants[x]) for x in sorted(leaves)},
-                         frontier, g)
-    if values is None:
-        return g, 0
-    # per group: what its folded values add, less the constants only it reads (which then go)
-    growth: dict[int, int] = {}
-    for t, v in values.items():
-        growth[root(computed[t])] = growth.get(root(computed[t]), 0) + v.nbytes
-    for x in leaves:
-        groups = {root(i) if i in chosen else -1 for i in g.consumers.get(x, ())}
-        if len(groups) == 1 and -1 not in groups and x not in g.graph_outputs:
-            r = groups.pop()
-            growth[r] = growth.get(r, 0) - np.asarray(g.constants[x]).nbytes
-    folded = {t: v for t, v in values.items() if growth.get(root(computed[t]), 0) <= MAX_FOLD_GROWTH}
+    groups: dict[int, list[int]] = {}
+    for i in nodes:
+        groups.setdefault(root(i), []).append(i)
+    folded: dict[str, np.ndarray] = {}
+    for members in groups.values():
+        folded.update(_fold_group(g, members, chosen, computed, listed))
     if not folded:
         return g, 0
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
     tensors = dict(g.tensors)
+    taken = set(g.tensors) | {t.name for t in m.graph.initializer} | {o for n in m.graph.node for o in n.output}
+    names: dict[str, str] = {}
     for t, v in folded.items():
-        name = f"{t}__ortfuse_value"
+        name, k = f"{t}__ortfuse_value", 1
+        while name in taken:
+            name, k = f"{t}__ortfuse_value{k}", k + 1
+        taken.add(name)
+        names[t] = name
         m.graph.initializer.append(numpy_helper.from_array(v, name))
         tensors[name] = TensorInfo(name, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), tuple(v.shape))
-        for node in m.graph.node:
-            for k, x in enumerate(node.input):
-                if x == t:
-                    node.input[k] = name
+    for node in m.graph.node:
+        for k, x in enumerate(node.input):
+            if x in names:
+                node.input[k] = names[x]
     remove_dead(m)
     return assemble(m, tensors, g.opset, g.hint_overrides), len(folded)
+
+
+def _static_bytes(g: Graph, t: str) -> Optional[int]:
+    """Bytes of tensor t by its inferred static shape and element type; None where unknown (or not a tensor)."""
+    info = g.tensors.get(t)
+    if info is None or info.shape is None or not all(isinstance(d, int) for d in info.shape) or not info.dtype \
+            or info.dtype in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    return int(np.prod(info.shape, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(info.dtype).itemsize
+
+
+def _fold_group(g: Graph, members: list[int], chosen: set[int], computed: dict[str, int],
+                listed: set[str]) -> dict[str, np.ndarray]:
+    """{tensor: value} for one connected group of constant-only nodes: its tensors read outside it, computed by
+    ORT, where that adds at most MAX_FOLD_GROWTH bytes to the model (less the constants only the group reads,
+    which go; not those listed as graph inputs, which stay); {} otherwise."""
+    inside = set(members)
+    outs = [o for i in members for o in g.nodes[i].output if o]
+    frontier = [t for t in outs if any(k not in chosen for k in g.consumers.get(t, ()))]
+    if not frontier or any(t not in g.nodes[k].input for t in frontier for k in g.consumers.get(t, ())):
+        return {}  # nothing read outside, or a read inside an If/Loop body (only inputs are renamed)
+    leaves = sorted({x for i in members for x in g.nodes[i].input if x and x not in computed})
+    freed = sum(np.asarray(g.constants[x]).nbytes for x in leaves
+                if x not in listed and x not in g.graph_outputs and set(g.consumers.get(x, ())) <= inside)
+    sizes = [_static_bytes(g, o) or 0 for o in outs]
+    if sum(_static_bytes(g, t) or 0 for t in frontier) - freed > MAX_FOLD_GROWTH \
+            or max(sizes, default=0) > MAX_FOLD_SOURCE \
+            or sum(np.asarray(g.constants[x]).nbytes for x in leaves) > MAX_FOLD_SOURCE:
+        return {}
+    values = _run_on_ort([g.nodes[i] for i in members], {x: np.asarray(g.constants[x]) for x in leaves},
+                         frontier, g)
+    if values is None or not all(isinstance(v, np.ndarray) for v in values.values()) \
+            or sum(v.nbytes for v in values.values()) - freed > MAX_FOLD_GROWTH:
+        return {}
+    return values
 
 
 def _run_on_ort(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[str],

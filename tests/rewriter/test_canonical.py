@@ -314,6 +314,45 @@ def test_a_large_value_that_keeps_its_source_alive_stays(monkeypatch):
     assert fold_constant_subgraphs(build_graph(m, {}))[1] == 1
 
 
+def _fold_case(kind: str) -> onnx.ModelProto:
+    """Constant-only computations that must stay computed (or go unevaluated): `kind` names which."""
+    w = const("w", np.arange(16).reshape(4, 4) / 16)
+    x = vi("x", TP.FLOAT, [4, 4])
+    if kind == "overridable":  # an initializer listed as a graph input: a user may feed another value
+        return model([node("Transpose", ["w"], ["wt"]), node("MatMul", ["x", "wt"], ["y"])],
+                     [x, vi("w", TP.FLOAT, [4, 4])], [vi("y", TP.FLOAT, None)], [w])
+    if kind == "if_body":  # the Transpose is also read inside a branch, which the renaming does not reach
+        branch = onnx.helper.make_graph([node("Add", ["x", "wt"], ["o"])], "b", [], [vi("o", TP.FLOAT, None)])
+        return model([node("Transpose", ["w"], ["wt"]), node("MatMul", ["x", "wt"], ["mm"]),
+                      node("ReduceSum", ["mm"], ["s"], keepdims=0), node("Greater", ["s", "zero"], ["c"]),
+                      onnx.helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)],
+                     [x], [vi("y", TP.FLOAT, None)], [w, const("zero", 0.0)])
+    # "huge": a 1-element constant broadcast to 4096 x 4096 (a mask): too big to add, never computed
+    return model([node("Expand", ["one", "shape"], ["big"]), node("Add", ["xb", "big"], ["y"])],
+                 [vi("xb", TP.FLOAT, [4096, 4096])], [vi("y", TP.FLOAT, None)],
+                 [const("one", [1.0]), const("shape", [4096, 4096], np.int64)])
+
+
+@pytest.mark.parametrize("kind", ["overridable", "if_body", "huge"])
+def test_constant_computations_that_stay(kind, monkeypatch):
+    from ortfuse.rewriter import canonical
+    if kind == "huge":
+        monkeypatch.setattr(canonical, "_run_on_ort", lambda *a: pytest.fail("a 64 MiB value was computed"))
+    g = build_graph(_fold_case(kind), {})
+    g2, n = fold_constant_subgraphs(g)
+    assert n == 0 and g2 is g
+
+
+def test_a_folded_value_gets_a_name_of_its_own():
+    m = model([node("Transpose", ["w"], ["wt"]), node("Add", ["x", "wt"], ["a"]),
+               node("Relu", ["x"], ["wt__ortfuse_value"]), node("Add", ["a", "wt__ortfuse_value"], ["y"])],
+              [vi("x", TP.FLOAT, [4, 4])], [vi("y", TP.FLOAT, None)], [const("w", np.arange(16).reshape(4, 4))])
+    g2, n = fold_constant_subgraphs(build_graph(m, {}))
+    assert n == 1 and [t.name for t in g2.model.graph.initializer] == ["wt__ortfuse_value1"]
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    np.testing.assert_array_equal(_run(m, x)[0], _run(g2.model, x)[0])
+
+
 # ---- Identity of a constant, sibling MatMuls ---------------------------------------------------------------
 
 def _siblings(biases=(True, True, True), shared_weight=False, opset=18, dtype=TP.FLOAT, extra_identity_out=False):
