@@ -178,7 +178,8 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
     """(new graph, number of MatMuls packed). `keep(packed graph)` names the Split nodes worth keeping. A
     packing whose Split is not named is tried with one Slice per result instead, where `fused(graph)` (the
     outputs of the nodes the search fuses) has none of its MatMuls in `g` (a GEMM with its epilogue fused
-    stays ours), and kept where it has every Slice in that graph (each absorbed by the kernel reading it: a
+    stays ours) or where every MatMul has a bias Add (packed, they are the one GEMM's epilogue: Qwen2's Q took
+    its bias, K and V went to cuBLAS), and kept where it has every Slice in that graph (each absorbed by the kernel reading it: a
     decoder's Q and K by their rotary embedding's, V by the attention's); pairs of one width still undone are
     tried interleaved and kept where the search fuses their packed MatMul; the others are undone. `g` is left
     untouched."""
@@ -194,7 +195,7 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
         trial = g
         if rest and fused is not None and g.opset >= 13:
             ours = fused(g)
-            rest = frozenset(p for p in rest if not any(g.nodes[i].output[0] in ours for i in p.matmuls))
+            rest = frozenset(p for p in rest if p.adds or not any(g.nodes[i].output[0] in ours for i in p.matmuls))
             if rest:
                 trial = _apply_packs(g, [p for p in packs if p in kept or p in rest], rest)
                 absorbed = fused(trial)

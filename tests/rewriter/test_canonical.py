@@ -464,6 +464,23 @@ def test_a_packing_no_attention_splits_is_sliced_where_every_slice_is_fused():
     assert pack_sibling_gemms(g, never, lambda gr: results)[1] == 0  # our GEMMs already (epilogues fused)
 
 
+def test_a_biased_packing_is_sliced_even_where_one_of_its_gemms_was_ours():
+    # Qwen2's KV-cache step: Q's GEMM took its bias (ours), K and V went to cuBLAS and their biases into the
+    # cache kernels; packed with the biases, one GEMM takes all three as its epilogue and its Slices feed those
+    # kernels (kept only where the search fuses every Slice)
+    m = _siblings()
+    g = fold_constant_identities(build_graph(m, {}))[0]
+    mms = [i for i, x in enumerate(g.nodes) if x.op_type == "MatMul"]
+    adds = {g.nodes[c].output[0] for i in mms for c in g.consumers[g.nodes[i].output[0]]
+            if g.nodes[c].op_type == "Add"}
+    ours, never = {g.nodes[mms[0]].output[0]}, (lambda gr: set())
+    sliced, n = pack_sibling_gemms(g, never, lambda gr: ours if gr is g else adds)
+    assert n == 3 and [x.op_type for x in sliced.nodes].count("Slice") == 3
+    assert sum(x.op_type == "MatMul" for x in sliced.nodes) == 1
+    _same_function(m, sliced.model)
+    assert pack_sibling_gemms(g, never, lambda gr: ours if gr is g else set())[1] == 0  # a Slice left to ORT
+
+
 def test_a_weight_used_elsewhere_is_not_packed():
     m = _siblings(shared_weight=True)
     g2, n = pack_sibling_gemms(fold_constant_identities(build_graph(m, {}))[0])
