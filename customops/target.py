@@ -182,6 +182,7 @@ ROW_MIN_BLOCK = 128
 # residual + LayerNorm (768 fp16) holds 24 elements and each per-column input's 24 in registers (118 of them;
 # 4 groups, 1024 columns, took 168); longer rows keep the loop over several warps (2026-11-26, unmeasured)
 ROW_KERNEL_GROUPS = 3
+POINTWISE_BLOCK = 256
 
 
 def short_row_threads(vectors: int) -> int:
@@ -189,7 +190,6 @@ def short_row_threads(vectors: int) -> int:
     the smallest power of two of lanes that holds them, at most a warp; rows of fewer vectors share a warp
     (ConvNeXt's 96 fp16 channels, 12 vectors: 16 lanes a row, 75% of them busy, where a warp a row had 37%)."""
     return min(32, 1 << max(vectors - 1, 0).bit_length())
-POINTWISE_BLOCK = 256
 
 
 def vector_lanes(inner: int, itemsize: int, vector_bytes: int) -> int:

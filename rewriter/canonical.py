@@ -528,7 +528,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
 # ---- subgraphs of constants (weights computed at run time) -------------------------------------------------
 
 MAX_FOLD_GROWTH = 1 << 16  # bytes a fold may add to the model (values that keep their sources alive)
-MAX_FOLD_SOURCE = 1 << 30  # bytes of constants one fold may read (evaluated in memory, as one model)
+MAX_FOLD_SOURCE = 1 << 30  # bytes of constants one fold may read, and of any tensor it makes (all in memory)
 # ORT keeps QDQ pairs for its quantized kernels; an Identity of a constant is bypassed, not copied
 # (`fold_constant_identities`: a tiny model's copies would fit the growth limit where a real model's would not)
 _NOT_FOLDED = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "Identity"})
@@ -542,8 +542,9 @@ def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
     connected group of such nodes, only where the model grows by at most MAX_FOLD_GROWTH bytes (a transposed
     copy of a tied embedding, or a mask broadcast from a small constant, stays computed): checked on the
     inferred sizes before anything runs, and on the values after. Left alone: Quantize/DequantizeLinear (ORT
-    keeps them for its quantized kernels), Identity (`fold_constant_identities` bypasses it), initializers a user may override (listed as graph inputs, IR 4 on),
-    tensors read inside an If/Loop body or of other than tensor type. `g` is left untouched."""
+    keeps them for its quantized kernels), Identity (`fold_constant_identities` bypasses it), initializers a
+    user may override (listed as graph inputs, IR 4 on), tensors read inside an If/Loop body or of other than
+    tensor type. `g` is left untouched."""
     listed = {v.name for v in g.model.graph.input}
     overridable = listed if g.model.ir_version >= 4 else set()
     computed: dict[str, int] = {}  # tensor -> the foldable node making it

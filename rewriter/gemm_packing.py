@@ -179,10 +179,10 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
     packing whose Split is not named is tried with one Slice per result instead, where `fused(graph)` (the
     outputs of the nodes the search fuses) has none of its MatMuls in `g` (a GEMM with its epilogue fused
     stays ours) or where every MatMul has a bias Add (packed, they are the one GEMM's epilogue: Qwen2's Q took
-    its bias, K and V went to cuBLAS), and kept where it has every Slice in that graph (each absorbed by the kernel reading it: a
-    decoder's Q and K by their rotary embedding's, V by the attention's); pairs of one width still undone are
-    tried interleaved and kept where the search fuses their packed MatMul; the others are undone. `g` is left
-    untouched."""
+    its bias, K and V went to cuBLAS), and kept where it has every Slice in that graph (each absorbed by the
+    kernel reading it: a decoder's Q and K by their rotary embedding's, V by the attention's); pairs of one
+    width still undone are tried interleaved and kept where the search fuses their packed MatMul; the others
+    are undone. `g` is left untouched."""
     packs = _sibling_packs(g)
     if not packs:
         return g, 0
