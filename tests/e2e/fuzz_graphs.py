@@ -510,6 +510,7 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     optional Cast around the Softmax (mixed precision), heads merged back. Batch is symbolic ("n"), the
     sequence symbolic ("s") for half the seeds; sizes hit odd lengths and head dims up to 128."""
     rng = np.random.default_rng(seed)
+    alt = np.random.default_rng(seed + 1_000_003)  # variations added later: older seeds keep their blocks
     dtype = TP.FLOAT if rng.random() < 0.5 else TP.FLOAT16
     npdt = helper.tensor_dtype_to_np_dtype(dtype)
     heads, head = int(rng.choice([1, 2, 3, 4])), int(rng.choice([8, 16, 24, 32, 40, 64, 80, 128]))
@@ -548,6 +549,9 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
             q, k, v = (add("Slice", [qkv, const(f"st{i}", [i * hidden], np.int64),
                                      const(f"en{i}", [(i + 1) * hidden], np.int64), const(f"ax{i}", [2], np.int64)],
                            [f"x{t}"]) for i, t in enumerate("qkv"))
+    if packing in ("separate", "cross") and alt.random() < 0.4:  # biased projections (BERT's, Qwen2's)
+        q, k, v = (add("Add", [const(f"b{t}", alt.uniform(-0.2, 0.2, hidden)), y], [f"{y}b"])
+                   for t, y in zip("qkv", (q, k, v)))
     shp4 = const("shp4", [0, 0, heads, head], np.int64)
     qh = add("Transpose", [add("Reshape", [q, shp4], ["q4"])], ["qh"], perm=[0, 2, 1, 3])
     k4 = add("Reshape", [k, shp4], ["k4"])
