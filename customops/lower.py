@@ -524,7 +524,7 @@ class _Lowerer:
         if t not in self.args:
             raise LoweringError(f"'{t}' is read but is not a region input")
         shape = self._shape(t)
-        perm = self.permuted.get(t) if t in self.permuted else None
+        perm = self.permuted.get(t)
         if perm is not None:  # the kernel is given Transpose(t, perm)
             shape, idx = tuple(shape[p] for p in perm), tuple(idx[p] for p in perm)
         storage = _storage(self.g.tensors[t].dtype, f"input '{t}'")

@@ -29,6 +29,7 @@
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -578,9 +579,20 @@ def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
     groups: dict[int, list[int]] = {}
     for i in nodes:
         groups.setdefault(root(i), []).append(i)
+    plans = [p for members in groups.values() if (p := _fold_plan(g, members, chosen, computed, listed))]
     folded: dict[str, np.ndarray] = {}
-    for members in groups.values():
-        folded.update(_fold_group(g, members, chosen, computed, listed))
+    if plans:  # one ORT session for every group; should ORT fail one (or they be too big together), each alone
+        leaves = sorted({x for p in plans for x in p.leaves})
+        together = _run_on_ort([g.nodes[i] for p in plans for i in p.members],
+                               {x: np.asarray(g.constants[x]) for x in leaves}, [t for p in plans for t in p.frontier],
+                               g) if sum(np.asarray(g.constants[x]).nbytes for x in leaves) <= MAX_FOLD_SOURCE else None
+        for p in plans:
+            values = {t: together[t] for t in p.frontier} if together is not None else \
+                _run_on_ort([g.nodes[i] for i in p.members], {x: np.asarray(g.constants[x]) for x in p.leaves},
+                            list(p.frontier), g)
+            if values is not None and all(isinstance(v, np.ndarray) for v in values.values()) \
+                    and sum(v.nbytes for v in values.values()) - p.freed <= MAX_FOLD_GROWTH:
+                folded.update(values)
     if not folded:
         return g, 0
     m = onnx.ModelProto()
@@ -613,16 +625,26 @@ def _static_bytes(g: Graph, t: str) -> Optional[int]:
     return int(np.prod(info.shape, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(info.dtype).itemsize
 
 
-def _fold_group(g: Graph, members: list[int], chosen: set[int], computed: dict[str, int],
-                listed: set[str]) -> dict[str, np.ndarray]:
-    """{tensor: value} for one connected group of constant-only nodes: its tensors read outside it, computed by
-    ORT, where that adds at most MAX_FOLD_GROWTH bytes to the model (less the constants only the group reads,
-    which go; not those listed as graph inputs, which stay); {} otherwise."""
+@dataclass(frozen=True)
+class _FoldPlan:
+    """One connected group of constant-only nodes to evaluate: its nodes, the tensors read outside it, the
+    constants it reads, and the bytes of those only it reads (which go with it)."""
+    members: tuple[int, ...]
+    frontier: tuple[str, ...]
+    leaves: tuple[str, ...]
+    freed: int
+
+
+def _fold_plan(g: Graph, members: list[int], chosen: set[int], computed: dict[str, int],
+               listed: set[str]) -> Optional[_FoldPlan]:
+    """The group's plan where folding it adds at most MAX_FOLD_GROWTH bytes to the model by the inferred sizes
+    (less the constants only the group reads, which go; not those listed as graph inputs, which stay) and no
+    tensor it makes exceeds MAX_FOLD_SOURCE; None otherwise (checked again on the computed values)."""
     inside = set(members)
     outs = [o for i in members for o in g.nodes[i].output if o]
     frontier = [t for t in outs if any(k not in chosen for k in g.consumers.get(t, ()))]
     if not frontier or any(t not in g.nodes[k].input for t in frontier for k in g.consumers.get(t, ())):
-        return {}  # nothing read outside, or a read inside an If/Loop body (only inputs are renamed)
+        return None  # nothing read outside, or a read inside an If/Loop body (only inputs are renamed)
     leaves = sorted({x for i in members for x in g.nodes[i].input if x and x not in computed})
     freed = sum(np.asarray(g.constants[x]).nbytes for x in leaves
                 if x not in listed and x not in g.graph_outputs and set(g.consumers.get(x, ())) <= inside)
@@ -630,13 +652,8 @@ def _fold_group(g: Graph, members: list[int], chosen: set[int], computed: dict[s
     if sum(_static_bytes(g, t) or 0 for t in frontier) - freed > MAX_FOLD_GROWTH \
             or max(sizes, default=0) > MAX_FOLD_SOURCE \
             or sum(np.asarray(g.constants[x]).nbytes for x in leaves) > MAX_FOLD_SOURCE:
-        return {}
-    values = _run_on_ort([g.nodes[i] for i in members], {x: np.asarray(g.constants[x]) for x in leaves},
-                         frontier, g)
-    if values is None or not all(isinstance(v, np.ndarray) for v in values.values()) \
-            or sum(v.nbytes for v in values.values()) - freed > MAX_FOLD_GROWTH:
-        return {}
-    return values
+        return None
+    return _FoldPlan(tuple(members), tuple(frontier), tuple(leaves), freed)
 
 
 def _run_on_ort(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[str],

@@ -343,6 +343,19 @@ def test_constant_computations_that_stay(kind, monkeypatch):
     assert n == 0 and g2 is g
 
 
+def test_a_group_ort_cannot_run_leaves_the_others_folded():
+    # all groups run in one ORT session; ORT's CPU has no bfloat16 Add, so that session fails and each group
+    # runs alone: the Transpose of w still folds, the bfloat16 group stays
+    m = model([node("Transpose", ["w"], ["wt"]), node("Add", ["x", "wt"], ["a"]),
+               node("Cast", ["v"], ["vb"], to=TP.BFLOAT16), node("Add", ["vb", "vb"], ["v2"]),
+               node("Cast", ["v2"], ["vf"], to=TP.FLOAT), node("Add", ["a", "vf"], ["y"])],
+              [vi("x", TP.FLOAT, [4, 4])], [vi("y", TP.FLOAT, None)],
+              [const("w", np.arange(16).reshape(4, 4)), const("v", np.ones((4, 4)))])
+    g2, n = fold_constant_subgraphs(build_graph(m, {}))
+    assert n == 1 and "Transpose" not in [x.op_type for x in g2.nodes]
+    assert [x.op_type for x in g2.nodes].count("Cast") == 2
+
+
 def test_a_folded_value_gets_a_name_of_its_own():
     m = model([node("Transpose", ["w"], ["wt"]), node("Add", ["x", "wt"], ["a"]),
                node("Relu", ["x"], ["wt__ortfuse_value"]), node("Add", ["a", "wt__ortfuse_value"], ["y"])],
