@@ -1,7 +1,7 @@
 """Reading a node's attributes (one helper for every stage)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import onnx
 
@@ -22,3 +22,11 @@ def transpose_perm(node: onnx.NodeProto, rank: int) -> list[int]:
     """A Transpose's perm: its attribute, else the axes reversed (ONNX's default)."""
     perm = attr(node, "perm")
     return list(perm) if perm else list(reversed(range(rank)))
+
+
+def inverse_perm(perm: Sequence[int]) -> tuple[int, ...]:
+    """The perm that undoes `perm`."""
+    inv = [0] * len(perm)
+    for k, p in enumerate(perm):
+        inv[p] = k
+    return tuple(inv)

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import onnx
 
 from ortfuse.customops import scalar
+from ortfuse.rewriter.attrs import inverse_perm
 from ortfuse.rewriter.canonical import remove_dead
 from ortfuse.rewriter.graph import Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
@@ -54,13 +55,6 @@ def _perm(g: Graph, i: int) -> Optional[tuple[int, ...]]:
     return perm if sorted(perm) == list(range(len(shape))) else None
 
 
-def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(perm)
-    for k, p in enumerate(perm):
-        inv[p] = k
-    return tuple(inv)
-
-
 def _link(g: Graph, i: int) -> Optional[_Link]:
     """Node i as a chain op: a binary element-wise op of the default domain whose two inputs and output
     have one shape (no broadcast), one input a Transpose's output."""
@@ -80,7 +74,7 @@ def _link(g: Graph, i: int) -> Optional[_Link]:
 
 
 def _undoes(g: Graph, i: int, perm: tuple[int, ...]) -> bool:
-    return _perm(g, i) == _inverse(perm)
+    return _perm(g, i) == inverse_perm(perm)
 
 
 def _depthwise_channels_last(g: Graph, i: int, perm: tuple[int, ...]) -> bool:
@@ -168,7 +162,7 @@ def sink_transposes(g: Graph, take: Callable[[str], bool] = lambda head: True) -
         prev_new: Optional[str] = None
         for link in chain:
             n = g.nodes[link.op]
-            inv = _inverse(link.perm)
+            inv = inverse_perm(link.perm)
             y, stream = n.output[0], n.input[link.stream]
             y_new = f"{y}__ortfuse_sunk"
             shape = g.tensors[y].shape

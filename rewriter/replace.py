@@ -17,6 +17,7 @@ from onnx import numpy_helper
 
 from ortfuse.errors import InputError
 from ortfuse.rewriter import _infer, _proto
+from ortfuse.rewriter.attrs import inverse_perm
 from ortfuse.rewriter.layernorm_fold import LayerNormFold, fold_constants
 from ortfuse.rewriter.graph import Graph
 
@@ -256,8 +257,7 @@ def _function(graph: Graph, f: FusedNode, opsets) -> onnx.FunctionProto:
     body: list[onnx.NodeProto] = []
     for x, perm in f.input_perms:  # the node is given the transposed constant: transpose it back
         k = f.inputs.index(x)
-        inverse = [perm.index(a) for a in range(len(perm))]
-        body.append(onnx.helper.make_node("Transpose", [f"in{k}"], [f"p{k}"], perm=inverse))
+        body.append(onnx.helper.make_node("Transpose", [f"in{k}"], [f"p{k}"], perm=list(inverse_perm(perm))))
         rename[x] = f"p{k}"
     for x, parts in f.shape_reads:  # dims of inputs, as the shape tensor x the region reads
         rename[x] = _shape_read(body, graph.tensors[x], parts)
