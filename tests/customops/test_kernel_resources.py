@@ -69,3 +69,52 @@ def test_resources_parse_ptxas_log():
               "to insufficient register resources for the wgmma pipeline in the function 'k' in line 12\n")
     assert Resources.parse(log + serial, "k").wgmma_serialized == "insufficient register resources for the wgmma pipeline"
     assert Resources.parse(log, "k").wgmma_serialized == ""
+
+
+def test_convnext_window_row_kernels_do_not_spill():
+    # a later ConvNeXt stage kept channels-last: each block's 7x7 depthwise inside its LayerNorm's row kernel,
+    # straight-line (3,000 lines); NVRTC 13.5's ptxas put it on 40 registers with 2.7 KB of spills until the
+    # register cap was made explicit (compile._without_spills)
+    from helpers import convnext_stage
+    from ortfuse.api import Options
+    res = compile_model(convnext_stage(H, c=384, depth=3, hw=14, tail="ln"), None, "sm_90",
+                        options=Options(archs=(90,), layout="blocks"))
+    assert any(r.kind == "rowreduce" and any(res.graph.nodes[i].op_type == "Conv" for i in r.nodes)
+               for r in res.plan.regions)
+    _no_spills(res)
+
+
+def test_a_spilling_build_is_retried_at_the_launch_bounds_register_cap(monkeypatch, tmp_path):
+    from ortfuse.customops import compile as cc
+    assert cc.register_cap('__launch_bounds__(384, 1) k(', "k") == 168
+    assert cc.register_cap('__launch_bounds__(128) k(', "k") == 255
+    assert cc.register_cap('__launch_bounds__(256, 2) k(', "k") == 128
+    assert cc.register_cap('__global__ void k(', "k") == 255
+
+    def log(regs: int, spill: int) -> str:
+        return (f"ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+                f"    {spill} bytes stack frame, {spill // 2} bytes spill stores, {spill - spill // 2} bytes spill loads\n"
+                f"ptxas info    : Used {regs} registers, used 0 barriers\n")
+    calls = []
+
+    def fake(source, entry, arch, dump, extra=()):
+        calls.append(tuple(extra))
+        if arch.startswith("compute"):
+            return b"ptx", "", b"ptx"
+        return (b"capped" if extra else b"default"), log(140, 0) if extra else log(40, 2704), b"ptx"
+    monkeypatch.setattr(cc, "_run_nvrtc", fake)
+    monkeypatch.setattr(cc, "check_elf", lambda image: None)
+    src = 'extern "C" __global__ void __launch_bounds__(128) k(const OfzArgs a) {}'
+    k = cc.compile_kernel(src, "k", (90,), tmp_path)
+    assert dict(k.cubins)[90] == b"capped" and dict(k.resources)[90] == Resources(140, 0, 0)
+    assert calls[:2] == [(), ("--maxrregcount=255",)]
+    # a kernel that does not spill is built once; a retry that spills no less is dropped
+    monkeypatch.setattr(cc, "_run_nvrtc", lambda source, entry, arch, dump, extra=():
+                        calls.append(tuple(extra)) or (b"dflt", log(96, 0), b"ptx"))
+    calls.clear()
+    cc.compile_kernel(src + " ", "k", (90,), tmp_path)
+    assert ("--maxrregcount=255",) not in calls
+    monkeypatch.setattr(cc, "_run_nvrtc", lambda source, entry, arch, dump, extra=():
+                        (b"cap" if extra else b"dflt", log(40, 100), b"ptx"))
+    k = cc.compile_kernel(src + "  ", "k", (90,), tmp_path)
+    assert dict(k.cubins)[90] == b"dflt" and dict(k.resources)[90].spill_bytes == 100
