@@ -107,11 +107,12 @@ for name in "$@"; do
         --section MemoryWorkloadAnalysis python3 -m ortfuse.bench.ncu_attention bert fp16 --batch 32 --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
-    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-baselines]: one zoo row with
+    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-baselines]: one zoo row with
       # --profile (wgmma is the sm_90 default; -kernels adds the per-kernel table, -nowgmma optimizes without
       # wgmma, -noprofile without --profile: the default build; -lnfoldoff the default build with --ln-fold off;
       # -pdl the default build with a --pdl build timed beside it in the same run; -layout the default build
-      # with a --layout model build (residual streams left in the model's layout) beside it;
+      # with a --layout model build (residual streams left in the model's layout) beside it; -blocks the same with
+      # a --layout blocks build (every stream kept in its blocks' layout where it can be);
       # -baselines the default build beside every baseline, ORT's transformers optimizer and torch.compile
       # included, all in one process), e.g. suite-vit-fp16-kernels
       IFS=- read -r _ model dtype extra <<<"$name"
@@ -121,6 +122,7 @@ for name in "$@"; do
       [[ $extra == lnfoldoff ]] && flags=(--no-profile --ln-fold off)
       [[ $extra == pdl ]] && flags=(--no-profile --beside-pdl)
       [[ $extra == layout ]] && flags=(--no-profile --beside-layout model)
+      [[ $extra == blocks ]] && flags=(--no-profile --beside-layout blocks)
       [[ $extra == baselines ]] && flags=(--no-profile) && variants=()
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests "${flags[@]}" --models "$model" \
         --dtypes "$dtype" --work "$WORK/$name-work" "${variants[@]}" ;;
@@ -129,6 +131,9 @@ for name in "$@"; do
     fp32-rows)  # issue 4's fp32 rows, the default build, model after model (the report keeps what finished)
       step "$name" 600 python3 -m ortfuse.bench.gpu_suite "$WORK/fp32" --no-tests --no-profile --dtypes fp32 \
         --models bert gpt2 vit resnet50 mobilenetv2 llama llama_decode convnext_t --work "$WORK/fp32-work" "${BASE[@]}" ;;
+    fp32-rest)  # the fp32 rows session 30's call did not reach (BERT, GPT-2 and ViT are in docs/results.md)
+      step "$name" 600 python3 -m ortfuse.bench.gpu_suite "$WORK/fp32-rest" --no-tests --no-profile --dtypes fp32 \
+        --models resnet50 mobilenetv2 convnext_t llama_decode llama --work "$WORK/fp32-rest-work" "${BASE[@]}" ;;
     convnext-fp32) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/cnx" --no-tests \
                      --models convnext_t --dtypes fp32 --work "$WORK/cnx-work" "${BASE[@]}" ;;
     shipped)  # the trained models from PyPI wheels: a warm call after one that carried .devgpu, carrying

@@ -132,9 +132,6 @@ ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many 
 # a lone block streaming ~8 GB/s (GroupNorm(1, 64) at 56x56: 106 us on an H100 for 0.8 MB a row,
 # 2026-11-27); the effect is not measured yet
 ROW_LONG_UNROLL = 4
-# a depthwise window of at most this many taps is straight-line: each tap's offsets are constants and its image
-# read a guarded load (ConvNeXt's 7x7: 49); larger ones loop
-WINDOW_UNROLL = 64
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
@@ -945,10 +942,13 @@ class _Lowerer:
         def within(e: Expr, axis: int) -> Expr:
             return ir.Op("and", (ir.Op("ge", (e, ir.i64(0)), BOOL), ir.Op("lt", (e, dims[axis]), BOOL)), BOOL)
 
-        def accumulate(kh: Expr, kw: Expr, at: tuple[Expr, ...], inside: Optional[Expr], guarded: bool) -> None:
-            """Every lane's tap (kh, kw) at image position `at`; `inside`: whether it is in the image, the image
-            read under it where `guarded` (zero outside), else read at `at` (clamped in) and selected away."""
-            for acc, lane in zip(accs, lanes):
+        def operands(kh: Expr, kw: Expr, at: tuple[Expr, ...], inside: Optional[Expr], guarded: bool,
+                     lanes_: tuple[Expr, ...]) -> list[tuple[Expr, Expr]]:
+            """(image, weight) of tap (kh, kw) for each of `lanes_` at image position `at`; `inside`: whether
+            it is in the image, the image read under it where `guarded` (zero outside), else read at `at`
+            (clamped in) and selected away."""
+            out = []
+            for lane in lanes_:
                 self.floor, outer = len(self.scopes) - 1, self.floor  # reloaded per pixel from L1, not held
                 try:
                     wv = self.value(w, (lane, ir.i64(0), kh, kw))
@@ -962,19 +962,32 @@ class _Lowerer:
                         xv = ir.Op("select", (inside, xv, ir.Const(0.0, F32)), F32)
                 else:
                     xv = ir.Op("select", (inside, self.value(x, (b, lane) + at), ir.Const(0.0, F32)), F32)
+                out.append((xv, wv))
+            return out
+
+        def accumulate(kh: Expr, kw: Expr, at: tuple[Expr, ...], inside: Optional[Expr], guarded: bool) -> None:
+            for acc, (xv, wv) in zip(accs, operands(kh, kw, at, inside, guarded, lanes)):
                 self.emit(ir.Assign(acc, ir.Op("fma", (xv, wv, acc), F32)))
 
-        if geo.kh * geo.kw <= WINDOW_UNROLL:
+        if geo.kh * geo.kw <= hw.WINDOW_UNROLL:
             rows = [self.bind_once(position(ir.i64(k), 0), "i") for k in range(geo.kh)]
             cols = [self.bind_once(position(ir.i64(k), 1), "i") for k in range(geo.kw)]
             row_in = [self.bind_once(within(e, 0), "inb") if geo.padded else None for e in rows]
             col_in = [self.bind_once(within(e, 1), "inb") if geo.padded else None for e in cols]
             for kh in range(geo.kh):
+                taps = []
                 for kw in range(geo.kw):
                     conds = [e for e in (row_in[kh], col_in[kw]) if e is not None]
                     inside = None if not conds else conds[0] if len(conds) == 1 else \
                         self.bind_once(ir.Op("and", tuple(conds), BOOL), "inb")
-                    accumulate(ir.i64(kh), ir.i64(kw), (rows[kh], cols[kw]), inside, guarded=True)
+                    taps.append((ir.i64(kh), ir.i64(kw), (rows[kh], cols[kw]), inside))
+                # a kernel row's reads first (the first lane's value makes a vector's load), then its math:
+                # ptxas issues them together, where tap by tap each waited for its load (a whole memory
+                # latency per tap: a warp alone on its SM, ConvNeXt's later stages at batch 1, is bound by it)
+                for tap in taps:
+                    operands(*tap, guarded=True, lanes_=lanes[:1])
+                for tap in taps:
+                    accumulate(*tap, guarded=True)
         else:
             def tap(t: Var) -> None:
                 kh, kw = self.unravel(t, (geo.kh, geo.kw))

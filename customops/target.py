@@ -168,6 +168,10 @@ FN_INSTRUCTIONS: dict[str, float] = {
 # channels-last inside its LayerNorm kernel, the row loop's instructions over its window FMAs, 3.7 (fp16) and
 # about 3.3 (fp32), sm_90, NVRTC 13.5 (`python -m ortfuse.bench.sass`, 2026-11-27). Pools count the same.
 WINDOW_TAP_INSTRUCTIONS = 3.5
+# a depthwise window of at most this many taps is straight-line (customops.lower): each tap's offsets are
+# constants, its image read a guarded load, a kernel row's reads issued together (ConvNeXt's 7x7: 49); larger
+# windows loop tap by tap
+WINDOW_UNROLL = 64
 # Per-element branches (BSSY convergence regions on the main line) of the same functions, same count; exp,
 # log, rsqrt, erf, tanh and recip_fast (Sigmoid's) have none.
 FN_BRANCHES: dict[str, float] = {"sqrt": 1, "div": 1, "log1p": 1, "pow": 1, "sin": 2, "cos": 2, "fmod": 3}

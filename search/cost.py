@@ -13,7 +13,7 @@ import onnx
 
 from ortfuse.customops import tiles
 from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MIN_BLOCK, ROW_VECTORS_PER_THREAD,
-                                      Target, short_row_threads, vector_lanes)
+                                      WINDOW_UNROLL, Target, short_row_threads, vector_lanes)
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
@@ -256,7 +256,8 @@ class CostModel:
             return max(self.time_us(tr.fused_bytes, 1),
                        self.target.launch_us + self.compute_us(g, region.nodes) / lanes,
                        self.target.launch_us + self.window_us(g, region),
-                       self.few_rows_us(g, region) if region.kind == "rowreduce" else 0.0)
+                       self.few_rows_us(g, region) if region.kind == "rowreduce" else 0.0,
+                       self.window_chain_us(g, region))
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
@@ -361,6 +362,32 @@ class CostModel:
             l2 += reads * (pixels + kw - 1) / (pixels * kw)
         return max(l1 / (tgt.smem_bytes_per_clk * tgt.sm_count * tgt.clock_ghz * 1e3),
                    l2 / (tgt.dram_gbps * tgt.l2_over_dram * 1e3))
+
+    def window_chain_us(self, g: Graph, region: Region) -> float:
+        """A kernel with straight-line depthwise windows takes at least one thread's chain: its tap reads in
+        rounds, a kernel row's reads of a vector group together (`depthwise_value`), each round a memory
+        latency, then its instructions issued one a clock. Many warps hide this; a warp alone on its SM does
+        not (ConvNeXt-T's later stages kept channels-last at batch 1: 196 and 49 rows for 132 SMs, measured
+        1.47x slower than the model's layout on an H100, 2026-11-27, when its reads waited tap by tap: ptxas
+        kept 2 in flight). 0 for other kernels: pools' and large windows' loops are not modelled. Rounds at
+        `mem_latency_ns` are assumed, not measured per kernel."""
+        members = set(region.nodes)
+        rounds = 0
+        for i in members:
+            n = g.nodes[i]
+            kernel = pool.window(g, n)
+            if kernel is not None and n.op_type in ops.CONV and kernel[0] * kernel[1] <= WINDOW_UNROLL:
+                rounds += kernel[0]
+        if not rounds:
+            return 0.0
+        short = self.row_threads(g, region) if region.kind == "rowreduce" else None
+        groups, lanes = (-(-short[0] // short[1]), short[1]) if short else (1, 1)
+        rows = [d if isinstance(d, int) else g.sym_hints.get(d, 1) for d in region.space[:-1]]
+        threads = max(math.prod(rows) * lanes if short else math.prod(rows) * (region.space[-1] if isinstance(
+            region.space[-1], int) else 1), 1)
+        per_thread = compute.work(g, region.nodes)[0] / threads
+        return self.target.launch_us + groups * rounds * self.target.mem_latency_ns / 1e3 + \
+            per_thread / (self.target.clock_ghz * 1e3)
 
     def epilogue_us(self, g: Graph, region: Region) -> float:
         """What a GEMM region's epilogue adds to our kernel: its per-element branches, which serialize the

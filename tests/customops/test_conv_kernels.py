@@ -359,7 +359,14 @@ def test_convnext_stage_in_its_blocks_layout_matches_ort(dt):
     perms = {p for k in res.kernels for p in k.spec.input_perms}
     assert {("b1_dw_w", (1, 2, 3, 0)), ("b2_dw_w", (1, 2, 3, 0))} <= perms, perms
     src = next(k.compiled.source for k in res.kernels if "b1_dw_w" in dict(k.spec.input_perms))
-    assert "load_arg_if<" in src and "for (" not in src.split("row0")[1].split("row_reduce")[0]  # taps unrolled
+    body = src.split("for (ofz_i64 row0", 1)[1]
+    assert "load_arg_if<" in body and "for (" not in body.split("row_reduce")[0]  # taps unrolled
+    # each kernel row's 7 image reads (guarded vector loads) come before its math: tap by tap, ptxas let each
+    # wait for its load, a memory latency a tap for a warp alone on its SM
+    reads = [ln for ln in body.splitlines() if "load_arg_if<" in ln or "fmaf(" in ln]
+    assert sum("load_arg_if<" in ln for ln in reads) == 49
+    starts = [i for i, ln in enumerate(reads) if "load_arg_if<" in ln and (i == 0 or "fmaf(" in reads[i - 1])]
+    assert len(starts) == 7 and all(all("load_arg_if<" in ln for ln in reads[i:i + 7]) for i in starts), reads
     assert any("rearranges" in str(x) for x in res.plan.refusals)
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 16, 7, 7)})
     assert rep.ok, "\n".join(rep.lines())

@@ -220,6 +220,16 @@ def test_window_cost_counts_its_taps_and_a_row_kernels_idle_lanes():
     l1 = reads / (H100.smem_bytes_per_clk * H100.sm_count * H100.clock_ghz * 1e3)
     l2 = reads * 14 / 56 / (H100.dram_gbps * H100.l2_over_dram * 1e3)
     assert cost.window_us(sunk, row) == pytest.approx(max(l1, l2))
-    # at this size the issue slots bind, idle lanes included
+    # at batch 1 (196 pixels of 16 lanes: under a warp an SM) one thread's chain binds: 7 rounds of reads
+    # (a kernel row's together), each a memory latency, then its instructions one a clock
+    from ortfuse.search.cost import bindings
     idle = cost.compute_us(sunk, row.nodes) / (12 / 16)
-    assert idle > max(l1, l2) and cost.ours_us(sunk, row) == pytest.approx(H100.launch_us + idle)
+    chain = H100.launch_us + 7 * H100.mem_latency_ns / 1e3 + \
+        compute.work(sunk, row.nodes)[0] / (14 * 14 * 16) / (H100.clock_ghz * 1e3)
+    assert cost.window_chain_us(sunk, row) == pytest.approx(chain)
+    assert chain > H100.launch_us + idle > max(l1, l2) and cost.ours_us(sunk, row) == pytest.approx(chain)
+    # at batch 32 the issue slots bind, idle lanes included; the chain is the same
+    (_, big), = bindings(sunk)[1:]
+    idle = cost.compute_us(big, row.nodes) / (12 / 16)
+    assert cost.window_chain_us(big, row) == pytest.approx(chain)
+    assert H100.launch_us + idle > chain and cost.ours_us(big, row) == pytest.approx(H100.launch_us + idle)
