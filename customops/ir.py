@@ -342,6 +342,41 @@ def _reads(s: Stmt) -> frozenset[str]:
     return out
 
 
+def loads_first(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
+    """`body` with its reads moved ahead of the math: each vector load, each `Let` of a load, and the index
+    and guard `Let`s they need (integer and bool values computed from such statements or from outside the
+    body), in their order, then the rest in theirs. Nothing moves past a statement it reads from, so the
+    result computes the same values; ptxas then has every read of an unrolled loop body in flight at once,
+    where it left each next to its use."""
+    early: list[Stmt] = []
+    late: list[Stmt] = []
+    defined: set[str] = set()  # names the body defines or assigns
+    moved: set[str] = set()  # names the early part defines
+    for st in body:
+        movable = isinstance(st, VecLoad) or (isinstance(st, Let) and (
+            isinstance(st.value, Load) or st.var.ctype in (I64, BOOL)))
+        if movable and all(n in moved or n not in defined for n in _reads(st)):
+            early.append(st)
+            moved |= _writes(st)
+        else:
+            late.append(st)
+        defined |= _writes(st)
+    return tuple(early + late)
+
+
+def _writes(s: Stmt) -> frozenset[str]:
+    """Names a statement (and anything nested in it) defines or assigns."""
+    if isinstance(s, VecLoad):
+        return frozenset((s.name,))
+    if isinstance(s, (Let, Decl, Assign, RowReduce)):
+        return frozenset((s.var.name,))
+    if isinstance(s, For):
+        return frozenset((s.var.name,)).union(*(_writes(b) for b in s.body))
+    if isinstance(s, If):
+        return frozenset().union(*(_writes(b) for b in s.body))
+    return frozenset()
+
+
 def live(body: tuple[Stmt, ...], result: Optional[Expr] = None) -> tuple[Stmt, ...]:
     """`body` without the `Let`s nothing reads (index math made redundant by the div/mod merge, for
     example); repeated until none is left, so whole dead chains go."""

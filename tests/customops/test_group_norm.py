@@ -46,12 +46,21 @@ def test_instance_norm_of_an_image_stays_with_ort():
 
 def test_a_long_group_is_read_in_vectors_with_its_loops_unrolled():
     # PoolFormer's one group at 32x32 (65536 fp16 a row): the group, read through the [n, C, H, W] -> [n, G, L]
-    # view, is one 16-byte load per 8 columns (it was 8 scalar loads), the column loops keep 4 of them in
-    # flight (ROW_LONG_UNROLL), and the per-channel affine is read once per vector: the 8 lanes share its index
+    # view, is one 16-byte load per 8 columns (it was 8 scalar loads), the column loops are unrolled by hand
+    # (ROW_LONG_UNROLL: 4 columns a trip, their loads first, then one a trip for the rest), and the
+    # per-channel affine is read once per vector: the 8 lanes share its index
     res = fused_parity(group_norm(H, 64, 1, hw=(32, 32)), {}, {"x": (2, 64, 32, 32)}, ("rowreduce",))
     (k,) = res.kernels
     src = k.compiled.source
     body = src[src.index("__global__"):]
-    assert body.count("#pragma unroll 4") == 3, body  # the two reductions and the output pass
-    assert "t0[" not in body and body.count("load_arg<8>(t0") == 3
-    assert body.count("ofz::to_f32(t1[") == 1, body
+    assert "#pragma unroll" not in body and "t0[" not in body
+    assert body.count("load_arg<8>(t0") == 3 * (4 + 1), body  # the two reductions and the output pass
+    assert body.count("ofz::to_f32(t1[") == 4 + 1, body
+    loops = body.split("for (ofz_i64 c")[1:]
+    unrolled = [lp for lp in loops if "16384LL)" in lp.split("{")[0]]
+    assert len(unrolled) == 3
+    for lp in unrolled:  # every read of the trip before the first use of a loaded vector
+        lines = lp.split("}")[0].splitlines()
+        reads = [i for i, ln in enumerate(lines) if "load_arg<8>(t0" in ln]
+        uses = [i for i, ln in enumerate(lines) if "ofz::to_f32(x" in ln]
+        assert len(reads) == 4 and max(reads) < min(uses), lines

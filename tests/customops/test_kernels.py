@@ -597,3 +597,45 @@ def test_short_rows_share_a_warp(hidden, dt, tpr):
     src = res.kernels[0].compiled.source
     assert f"row_reduce<ofz::SumOp, {tpr}>" in src and f"row_reduce<ofz::MaxOp, {tpr}>" in src
     assert "for (ofz_i64 c" not in src and res.kernels[0].spec.units_per_block == 128 // tpr
+
+
+@pytest.mark.parametrize("hidden,dt", [(16392, TP.FLOAT16), (9000, TP.FLOAT), (33000, TP.FLOAT16), (8192, TP.FLOAT)])
+def test_long_rows_unrolled_by_hand(hidden, dt):
+    # rows of at least 4 trips of the block's columns: each pass runs 4 columns a trip, their reads first
+    # (`row_loop`, `ir.loads_first`), then the rest one a trip; lanes whose first column lies past the row's
+    # last whole trip, or past the row, take the rest loop alone or nothing. Parity in emulation.
+    from helpers import fused_parity
+    np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
+    rng = np.random.default_rng(hidden)
+    inits = {"b": rng.standard_normal(hidden) * 0.2, "g": rng.standard_normal(hidden) * 0.5 + 1.0,
+             "beta": rng.standard_normal(hidden) * 0.2}
+    m = model([node("Add", ["y", "b"], ["z"]), node("Add", ["z", "r"], ["s"]),
+               node("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1, epsilon=1e-12)],
+              [vi("y", dt, ["n", 3, hidden]), vi("r", dt, ["n", 3, hidden])], [vi("out", dt, None)],
+              [const(k, v, np_dt) for k, v in inits.items()])
+    res = fused_parity(m, {"y": ("n", 3, hidden), "r": ("n", 3, hidden)},
+                       {"y": (2, 3, hidden), "r": (2, 3, hidden)}, ("rowreduce",))
+    src = res.kernels[0].compiled.source
+    assert "#pragma unroll" not in src and src.count("cend") >= 2 * 3, src  # defined and used, per pass
+
+
+def test_loads_first_keeps_every_dependence():
+    # the reads of an unrolled trip move ahead of its math, with the index and guard values they need; a
+    # value read from an accumulator the body updates, or from the math, stays after it
+    from ortfuse.customops import ir
+    i64, f32 = ir.I64, ir.F32
+    c, acc = ir.Var("c", i64), ir.Var("acc", f32)
+    c1 = ir.Var("c1", i64)
+    body = (ir.VecLoad("x0", 0, c, 8, "f16"),
+            ir.Let(ir.Var("v0", f32), ir.Lane("x0", 0, "f16")),
+            ir.Assign(acc, ir.Op("add", (acc, ir.Var("v0", f32)), f32)),
+            ir.Let(c1, ir.add(c, ir.i64(8))),
+            ir.Let(ir.Var("ok", ir.BOOL), ir.Op("lt", (c1, ir.i64(100)), ir.BOOL)),
+            ir.VecLoad("x1", 0, c1, 8, "f16", ir.Var("ok", ir.BOOL)),
+            ir.Let(ir.Var("k", i64), ir.Op("f2i", (acc,), i64)),  # reads the accumulator: stays
+            ir.VecLoad("x2", 0, ir.Var("k", i64), 8, "f16"),  # its offset is computed late: stays
+            ir.Let(ir.Var("w", f32), ir.Load(1, c1, "f16")))  # a scalar read: moves
+    out = ir.loads_first(body)
+    names = [s.name if isinstance(s, ir.VecLoad) else s.var.name for s in out]
+    assert names == ["x0", "c1", "ok", "x1", "w", "v0", "acc", "k", "x2"]
+    assert sorted(map(repr, out)) == sorted(map(repr, body))
