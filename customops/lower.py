@@ -128,9 +128,9 @@ class _Scope:
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many trips is printed straight-line
 # a long row's column loops (each thread at least this many vectors: more rows than threads cover, as a
-# GroupNorm's group or a big softmax) keep this many vector loads in flight per thread, where one each left
-# a lone block streaming ~8 GB/s (GroupNorm(1, 64) at 56x56: 106 us on an H100 for 0.8 MB a row,
-# 2026-11-27); the effect is not measured yet
+# GroupNorm's group or a big softmax) run this many columns a trip, their loads first (`row_loop`), where one
+# load in flight each left a lone block streaming ~8 GB/s (GroupNorm(32, 320) at 64x64, n=1: 40.5 us on an
+# H100, 2026-11-27); the hand-unrolled loops are not measured yet
 ROW_LONG_UNROLL = 4
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
@@ -223,7 +223,7 @@ class _Lowerer:
         # the most columns a row pass covers where they are static (a GEMM row-wise epilogue's tile or row, a
         # short row kernel's row), so a column loop of a few trips is printed straight-line (column_groups)
         self.row_span: Optional[int] = None
-        self.row_unroll = 0  # a long row's column loops: their `#pragma unroll` (ROW_LONG_UNROLL)
+        self.row_unroll = 0  # a long row's column loops: columns a trip (ROW_LONG_UNROLL, `row_loop`)
         # the lanes' first column where it is a multiple of VEC (the lanes then are it + 0 .. VEC - 1): a read
         # whose offset is it plus multiples of VEC and a constant is one aligned vector load (`_lane_vector`)
         self.lane_base: Optional[Expr] = None  # a Var, or 0 where the row is one vector
