@@ -563,12 +563,9 @@ def test_inputs_declaring_one_dim_name_are_checked_where_they_meet():
     assert all(not k.spec.dim_checks for k in res.kernels)
 
 
-@pytest.mark.parametrize("hidden,dt,warp", [(768, TP.FLOAT16, True), (200, TP.FLOAT16, True), (384, TP.FLOAT, True),
-                                            (1024, TP.FLOAT16, False), (1000, TP.FLOAT, False)])
-def test_residual_layernorm_row_kernel_form(hidden, dt, warp):
-    # bias + residual + LayerNorm (BERT's post-attention block after cuBLAS): rows of at most 3 groups of a warp's
-    # 16-byte vectors are one warp's, straight-line (no column loop, shuffles alone, no block barrier; 200
-    # columns leave lanes past the row); longer rows keep the loop over several warps. Parity in emulation.
+def _residual_layernorm(hidden: int, dt: int, seq: int, n: int):
+    """bias + residual + LayerNorm over `hidden` ([n, seq, hidden] at run time), optimized and checked in
+    emulation against ORT (`fused_parity`): one row kernel."""
     from helpers import fused_parity
     np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
     rng = np.random.default_rng(hidden)
@@ -576,11 +573,19 @@ def test_residual_layernorm_row_kernel_form(hidden, dt, warp):
              "beta": rng.standard_normal(hidden) * 0.2}
     m = model([node("Add", ["y", "b"], ["z"]), node("Add", ["z", "r"], ["s"]),
                node("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1, epsilon=1e-12)],
-              [vi("y", dt, ["n", 5, hidden]), vi("r", dt, ["n", 5, hidden])], [vi("out", dt, None)],
+              [vi("y", dt, ["n", seq, hidden]), vi("r", dt, ["n", seq, hidden])], [vi("out", dt, None)],
               [const(k, v, np_dt) for k, v in inits.items()])
-    res = fused_parity(m, {"y": ("n", 5, hidden), "r": ("n", 5, hidden)},
-                       {"y": (3, 5, hidden), "r": (3, 5, hidden)}, ("rowreduce",))
-    src = res.kernels[0].compiled.source
+    return fused_parity(m, {"y": ("n", seq, hidden), "r": ("n", seq, hidden)},
+                        {"y": (n, seq, hidden), "r": (n, seq, hidden)}, ("rowreduce",))
+
+
+@pytest.mark.parametrize("hidden,dt,warp", [(768, TP.FLOAT16, True), (200, TP.FLOAT16, True), (384, TP.FLOAT, True),
+                                            (1024, TP.FLOAT16, False), (1000, TP.FLOAT, False)])
+def test_residual_layernorm_row_kernel_form(hidden, dt, warp):
+    # bias + residual + LayerNorm (BERT's post-attention block after cuBLAS): rows of at most 3 groups of a warp's
+    # 16-byte vectors are one warp's, straight-line (no column loop, shuffles alone, no block barrier; 200
+    # columns leave lanes past the row); longer rows keep the loop over several warps. Parity in emulation.
+    src = _residual_layernorm(hidden, dt, 5, 3).kernels[0].compiled.source
     assert ("for (ofz_i64 c" not in src and "row_reduce<ofz::SumOp, 32>" in src) == warp
 
 
@@ -604,18 +609,7 @@ def test_long_rows_unrolled_by_hand(hidden, dt):
     # rows of at least 4 trips of the block's columns: each pass runs 4 columns a trip, their reads first
     # (`row_loop`, `ir.loads_first`), then the rest one a trip; lanes whose first column lies past the row's
     # last whole trip, or past the row, take the rest loop alone or nothing. Parity in emulation.
-    from helpers import fused_parity
-    np_dt = np.float16 if dt == TP.FLOAT16 else np.float32
-    rng = np.random.default_rng(hidden)
-    inits = {"b": rng.standard_normal(hidden) * 0.2, "g": rng.standard_normal(hidden) * 0.5 + 1.0,
-             "beta": rng.standard_normal(hidden) * 0.2}
-    m = model([node("Add", ["y", "b"], ["z"]), node("Add", ["z", "r"], ["s"]),
-               node("LayerNormalization", ["s", "g", "beta"], ["out"], axis=-1, epsilon=1e-12)],
-              [vi("y", dt, ["n", 3, hidden]), vi("r", dt, ["n", 3, hidden])], [vi("out", dt, None)],
-              [const(k, v, np_dt) for k, v in inits.items()])
-    res = fused_parity(m, {"y": ("n", 3, hidden), "r": ("n", 3, hidden)},
-                       {"y": (2, 3, hidden), "r": (2, 3, hidden)}, ("rowreduce",))
-    src = res.kernels[0].compiled.source
+    src = _residual_layernorm(hidden, dt, 3, 2).kernels[0].compiled.source
     assert "#pragma unroll" not in src and src.count("cend") >= 2 * 3, src  # defined and used, per pass
 
 
