@@ -135,6 +135,18 @@ ROW_LONG_UNROLL = 4
 _COMBINE = {"sum": "add", "max": "fmax", "min": "fmin"}
 
 
+def _even_chunks(items: list, most: int) -> list[list]:
+    """`items` in order, in the fewest chunks of at most `most`, their sizes differing by at most one."""
+    n = -(-len(items) // most) if items else 0
+    size, extra = divmod(len(items), n) if n else (0, 0)
+    out, at = [], 0
+    for k in range(n):
+        step = size + (k < extra)
+        out.append(items[at:at + step])
+        at += step
+    return out
+
+
 def slice_index(g: Graph, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> tuple[Expr, ...]:
     """The element of a Slice's input that its output holds at `idx`: start + coordinate * step per axis."""
     from ortfuse.search.attention import slice_steps
@@ -1010,13 +1022,15 @@ class _Lowerer:
                     inside = None if not conds else conds[0] if len(conds) == 1 else \
                         self.bind_once(ir.Op("and", tuple(conds), BOOL), "inb")
                     taps.append((ir.i64(kh), ir.i64(kw), (rows[kh], cols[kw]), inside))
-                # a kernel row's reads first (the first lane's value makes a vector's load), then its math:
-                # ptxas issues them together, where tap by tap each waited for its load (a whole memory
-                # latency per tap: a warp alone on its SM, ConvNeXt's later stages at batch 1, is bound by it)
-                for tap in taps:
-                    operands(*tap, guarded=True, lanes_=lanes[:1])
-                for tap in taps:
-                    accumulate(*tap, guarded=True)
+                # a kernel row's reads first (the first lane's value makes a vector's load), then its math, at
+                # most WINDOW_READ_AHEAD taps at a time (a 1x63 row read at once spilled): ptxas issues them
+                # together, where tap by tap each waited for its load (a memory latency per tap, which binds
+                # a warp alone on its SM: ConvNeXt's later stages at batch 1)
+                for batch in _even_chunks(taps, hw.WINDOW_READ_AHEAD):
+                    for tap in batch:
+                        operands(*tap, guarded=True, lanes_=lanes[:1])
+                    for tap in batch:
+                        accumulate(*tap, guarded=True)
         else:
             def tap(t: Var) -> None:
                 kh, kw = self.unravel(t, (geo.kh, geo.kw))
@@ -1361,8 +1375,7 @@ class _Lowerer:
 
     def row_threads(self, c: Dim, cap: int) -> int:
         """Threads per row: about ROW_VECTORS_PER_THREAD vectors each, a power of two in [32, cap]."""
-        per_row = max(1, math.ceil(self.hint(c) / (self.vec * hw.ROW_VECTORS_PER_THREAD)))
-        return min(cap, max(32, 1 << (per_row - 1).bit_length()))
+        return hw.long_row_threads(math.ceil(self.hint(c) / self.vec), cap)
 
     def func(self, name: str, params: tuple[Var, ...], build: Callable[[], Optional[Expr]]) -> ir.Func:
         """A template callback: `build()` emits into a fresh scope where `params` are bound and returns

@@ -172,6 +172,9 @@ WINDOW_TAP_INSTRUCTIONS = 3.5
 # constants, its image read a guarded load, a kernel row's reads issued together (ConvNeXt's 7x7: 49); larger
 # windows loop tap by tap
 WINDOW_UNROLL = 64
+# of which at most this many taps of a kernel row are read ahead of their math at a time (ConvNeXt's 7: all;
+# a 1x63 row read at once took 255 registers and spilled 384 bytes)
+WINDOW_READ_AHEAD = 8
 # Per-element branches (BSSY convergence regions on the main line) of the same functions, same count; exp,
 # log, rsqrt, erf, tanh and recip_fast (Sigmoid's) have none.
 FN_BRANCHES: dict[str, float] = {"sqrt": 1, "div": 1, "log1p": 1, "pow": 1, "sin": 2, "cos": 2, "fmod": 3}
@@ -194,6 +197,12 @@ def short_row_threads(vectors: int) -> int:
     the smallest power of two of lanes that holds them, at most a warp; rows of fewer vectors share a warp
     (ConvNeXt's 96 fp16 channels, 12 vectors: 16 lanes a row, 75% of them busy, where a warp a row had 37%)."""
     return min(32, 1 << max(vectors - 1, 0).bit_length())
+
+
+def long_row_threads(vectors: int, cap: int = ROW_MAX_THREADS) -> int:
+    """Threads of a longer row: about ROW_VECTORS_PER_THREAD vectors each, a power of two in [32, cap]."""
+    per_row = max(1, -(-vectors // ROW_VECTORS_PER_THREAD))
+    return min(cap, max(32, 1 << (per_row - 1).bit_length()))
 
 
 def vector_lanes(inner: int, itemsize: int, vector_bytes: int) -> int:

@@ -13,7 +13,8 @@ import onnx
 
 from ortfuse.customops import tiles
 from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MIN_BLOCK, ROW_VECTORS_PER_THREAD,
-                                      WINDOW_UNROLL, Target, short_row_threads, vector_lanes)
+                                      WINDOW_READ_AHEAD, WINDOW_UNROLL, Target, long_row_threads,
+                                      short_row_threads, vector_lanes)
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
@@ -364,29 +365,41 @@ class CostModel:
                    l2 / (tgt.dram_gbps * tgt.l2_over_dram * 1e3))
 
     def window_chain_us(self, g: Graph, region: Region) -> float:
-        """A kernel with straight-line depthwise windows takes at least one thread's chain: its tap reads in
-        rounds, a kernel row's reads of a vector group together (`depthwise_value`), each round a memory
-        latency, then its instructions issued one a clock. Many warps hide this; a warp alone on its SM does
-        not (ConvNeXt-T's later stages kept channels-last at batch 1: 196 and 49 rows for 132 SMs, measured
-        1.47x slower than the model's layout on an H100, 2026-11-27, when its reads waited tap by tap: ptxas
-        kept 2 in flight). 0 for other kernels: pools' and large windows' loops are not modelled. Rounds at
-        `mem_latency_ns` are assumed, not measured per kernel."""
+        """A row kernel walking straight-line depthwise windows channels-last takes at least one thread's chain:
+        its tap reads in rounds (a kernel row's reads of a vector group together, at most WINDOW_READ_AHEAD
+        taps: `depthwise_value`), each round a memory latency, then its instructions issued one a clock. Many
+        warps hide this; a warp alone on its SM does not (ConvNeXt-T's later stages kept channels-last at
+        batch 1: 196 and 49 rows for 132 SMs, measured 1.47x slower than the model's layout on an H100,
+        2026-11-27, when its reads waited tap by tap: ptxas kept 2 in flight). 0 for other kernels: pointwise
+        kernels, windows walked in NCHW order (each lane its own window), pools' and large windows' loops are
+        not modelled.
+        Rounds at `mem_latency_ns` are assumed (most taps hit L1 or L2: an upper bound), not measured."""
+        if region.kind != "rowreduce" or not region.space:
+            return 0.0
         members = set(region.nodes)
         rounds = 0
         for i in members:
             n = g.nodes[i]
             kernel = pool.window(g, n)
-            if kernel is not None and n.op_type in ops.CONV and kernel[0] * kernel[1] <= WINDOW_UNROLL:
-                rounds += kernel[0]
+            if kernel is None or n.op_type not in ops.CONV or kernel[0] * kernel[1] > WINDOW_UNROLL:
+                continue
+            if legal.image_layout(g, n.input[0], members) != "channels-last":
+                return 0.0
+            rounds += kernel[0] * -(-kernel[1] // WINDOW_READ_AHEAD)
         if not rounds:
             return 0.0
-        short = self.row_threads(g, region) if region.kind == "rowreduce" else None
-        groups, lanes = (-(-short[0] // short[1]), short[1]) if short else (1, 1)
-        rows = [d if isinstance(d, int) else g.sym_hints.get(d, 1) for d in region.space[:-1]]
-        threads = max(math.prod(rows) * lanes if short else math.prod(rows) * (region.space[-1] if isinstance(
-            region.space[-1], int) else 1), 1)
+        dims = [d if isinstance(d, int) else g.sym_hints.get(d, 128) for d in region.space]  # as compute.elements
+        short = self.row_threads(g, region)
+        if short:
+            vectors, tpr = short
+        else:
+            item = max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
+                       for t in (*region.inputs, *region.outputs))
+            vectors = -(-dims[-1] // vector_lanes(dims[-1], item, self.target.vector_bytes))
+            tpr = long_row_threads(vectors)
+        threads = max(math.prod(dims[:-1]) * tpr, 1)
         per_thread = compute.work(g, region.nodes)[0] / threads
-        return self.target.launch_us + groups * rounds * self.target.mem_latency_ns / 1e3 + \
+        return self.target.launch_us + -(-vectors // tpr) * rounds * self.target.mem_latency_ns / 1e3 + \
             per_thread / (self.target.clock_ghz * 1e3)
 
     def epilogue_us(self, g: Graph, region: Region) -> float:

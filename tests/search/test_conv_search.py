@@ -233,3 +233,15 @@ def test_window_cost_counts_its_taps_and_a_row_kernels_idle_lanes():
     idle = cost.compute_us(big, row.nodes) / (12 / 16)
     assert cost.window_chain_us(big, row) == pytest.approx(chain)
     assert H100.launch_us + idle > chain and cost.ours_us(big, row) == pytest.approx(H100.launch_us + idle)
+    # a longer row (768 fp32 channels: 192 vectors on 128 threads, two groups a lane) counts each group's rounds
+    g = build_graph(convnext_stage(F, c=768, depth=2, hw=7, tail="ln"), {})
+    sunk, _ = sink_transposes(g)
+    p = plan(sunk, H100, cost)
+    row = next(r for r in p.regions if r.kind == "rowreduce" and any(sunk.nodes[i].op_type == "Conv" for i in r.nodes))
+    assert cost.row_threads(sunk, row) is None
+    chain = H100.launch_us + 2 * 7 * H100.mem_latency_ns / 1e3 + \
+        compute.work(sunk, row.nodes)[0] / (7 * 7 * 128) / (H100.clock_ghz * 1e3)
+    assert cost.window_chain_us(sunk, row) == pytest.approx(chain)
+    # pointwise kernels' windows (SegFormer's Mix-FFN over its tokens) are not modelled
+    g, p = _plan(mix_ffn(H))
+    assert all(cost.window_chain_us(g, r) == 0.0 for r in p.regions)
