@@ -137,6 +137,7 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
     m.CopyFrom(g.model)
     folded = 0
     trusted, merged = trusted_dims(g), merged_sizes(g)
+    tainted = merge_tainted(g) if merged else frozenset()
     for node in m.graph.node:
         if node.op_type == "Expand" and node.domain in ("", "ai.onnx") and node.input[1] not in g.constants:
             target = _static_expand_target(g, node, trusted, merged)
@@ -153,6 +154,9 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
         out = g.tensors.get(node.output[0])
         if out is None or out.shape is None:
             continue
+        if (tainted is None or node.output[0] in tainted) and any(isinstance(d, int) and d in merged
+                                                                 for d in out.shape):
+            continue  # a size inference merged a symbolic dim into: it may be 1 at run time (a broadcast)
         target = None
         for src in _reshape_sources(g, node.input[0]):
             info = g.tensors.get(src)

@@ -234,22 +234,29 @@ def _record_value_infos(m: onnx.ModelProto, inferred: dict[str, onnx.ValueInfoPr
     outputs = {v.name for v in g.output}
     del g.value_info[:]
     g.value_info.extend(records[o] for o in node_outputs if o not in outputs)
+    suspect = frozenset(v for v in _infer.recorded_merges(m).values() if isinstance(v, int) and v != 1)
     for out in g.output:
         if out.name in records:
-            _fill_gaps(out, records[out.name])
+            _fill_gaps(out, records[out.name], suspect)
     return tensors
 
 
-def _fill_gaps(declared: onnx.ValueInfoProto, inferred: onnx.ValueInfoProto) -> None:
-    """Keep a graph output's declared type; fill only what the exporter left out (shape, anonymous dims)."""
+def _fill_gaps(declared: onnx.ValueInfoProto, inferred: onnx.ValueInfoProto, suspect: frozenset[int]) -> None:
+    """Keep a graph output's declared type; fill only what the exporter left out (shape, anonymous dims), but
+    not with a size inference merged a symbolic dim into (`suspect`): it may be 1 at run time, and ORT takes
+    a declared output shape as a fact (its Expand elimination dropped an Expand that broadcast such a dim)."""
     if declared.type.WhichOneof("value") != "tensor_type" or inferred.type.WhichOneof("value") != "tensor_type":
         return
     have, got = _dims_of(declared), _dims_of(inferred)
     if have is None:
         declared.type.CopyFrom(inferred.type)
+        for d in _dims_of(declared) or []:
+            if d.HasField("dim_value") and d.dim_value in suspect:
+                d.Clear()
     elif got is not None and len(have) == len(got):
         for d, e in zip(have, got):
-            if not d.HasField("dim_value") and not d.dim_param:
+            if not d.HasField("dim_value") and not d.dim_param and \
+                    not (e.HasField("dim_value") and e.dim_value in suspect):
                 d.CopyFrom(e)
 
 
