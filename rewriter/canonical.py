@@ -154,11 +154,12 @@ def fold_runtime_shapes(g: Graph) -> tuple[Graph, int]:
         out = g.tensors.get(node.output[0])
         if out is None or out.shape is None:
             continue
-        if (tainted is None or node.output[0] in tainted) and any(isinstance(d, int) and d in merged
-                                                                 for d in out.shape):
-            continue  # a size inference merged a symbolic dim into: it may be 1 at run time (a broadcast)
+        # an output computed from where inference merged a symbolic dim into a size: its static dims may be
+        # that size, or built from it (a product), where the run has 1 (a broadcast); its target stays
+        suspect = merged and (tainted is None or node.output[0] in tainted) and \
+            any(isinstance(d, int) and d != 1 for d in out.shape)
         target = None
-        for src in _reshape_sources(g, node.input[0]):
+        for src in () if suspect else _reshape_sources(g, node.input[0]):
             info = g.tensors.get(src)
             target = None if info is None or info.shape is None else _static_target(info.shape, out.shape)
             if target is not None:

@@ -243,20 +243,21 @@ def _record_value_infos(m: onnx.ModelProto, inferred: dict[str, onnx.ValueInfoPr
 
 def _fill_gaps(declared: onnx.ValueInfoProto, inferred: onnx.ValueInfoProto, suspect: frozenset[int]) -> None:
     """Keep a graph output's declared type; fill only what the exporter left out (shape, anonymous dims), but
-    not with a size inference merged a symbolic dim into (`suspect`): it may be 1 at run time, and ORT takes
-    a declared output shape as a fact (its Expand elimination dropped an Expand that broadcast such a dim)."""
+    with no static size other than 1 where inference merged a symbolic dim into a size (`suspect`): such a
+    size, or one built from it, may be 1 or another value at run time, and ORT takes a declared output shape
+    as a fact (its Expand elimination dropped an Expand that broadcast such a dim)."""
     if declared.type.WhichOneof("value") != "tensor_type" or inferred.type.WhichOneof("value") != "tensor_type":
         return
     have, got = _dims_of(declared), _dims_of(inferred)
     if have is None:
         declared.type.CopyFrom(inferred.type)
         for d in _dims_of(declared) or []:
-            if d.HasField("dim_value") and d.dim_value in suspect:
+            if suspect and d.HasField("dim_value") and d.dim_value != 1:
                 d.Clear()
     elif got is not None and len(have) == len(got):
         for d, e in zip(have, got):
             if not d.HasField("dim_value") and not d.dim_param and \
-                    not (e.HasField("dim_value") and e.dim_value in suspect):
+                    not (suspect and e.HasField("dim_value") and e.dim_value != 1):
                 d.CopyFrom(e)
 
 

@@ -426,8 +426,9 @@ def test_merged_dims_are_recorded_and_their_shapes_not_written_out():
 def test_merged_dims_stay_out_of_output_shapes_and_reshape_targets():
     """Fuzz seed 1059's shape: a strided Conv over a symbolic image whose output (also a graph output) an Expand
     broadcasts against 3, and a Reshape back to Shape(conv). Inference merges the Conv's height into 3, but
-    at h = 2 it is 1: the output is not declared with that 3 (ORT's Expand elimination took it as a fact and
-    dropped the broadcast), and the Reshape's target is not folded to [0, 3, 3, -1]."""
+    at h = 2 it is 1: the outputs are not declared with that 3 or a size built from it (ORT's Expand
+    elimination took one as a fact and dropped the broadcast), and no Reshape target is folded from them
+    ([0, 3, 3, -1], [0, 63])."""
     from helpers import const, model, node, vi
     from ortfuse.api import compile_model
     from ortfuse.check import check_models
@@ -436,20 +437,27 @@ def test_merged_dims_stay_out_of_output_shapes_and_reshape_targets():
     m = model([node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 3], strides=[2, 2], group=3),
                node("Sigmoid", ["c"], ["s"]), node("Reshape", ["s", "flat"], ["r"]),
                node("InstanceNormalization", ["r", "sc", "b"], ["i"]), node("Shape", ["s"], ["sh"]),
-               node("Reshape", ["i", "sh"], ["back"]), node("Add", ["s", "s"], ["a"]),
-               node("Expand", ["a", "tgt"], ["e"]), node("Relu", ["e"], ["out"])],
-              [vi("x", F, ["n", 3, "h", "w"])], [vi("back", F, None), vi("a", F, None), vi("out", F, None)],
+               node("Reshape", ["i", "sh"], ["back"]), node("Pad", ["s", "pads"], ["p"], mode="reflect"),
+               node("Sigmoid", ["p"], ["ps"]), node("Add", ["ps", "ps"], ["a"]),
+               node("Expand", ["a", "tgt"], ["e"]), node("Relu", ["e"], ["out"]),
+               # a size built from the merged one: [n, 3 * 3 * 7] by inference, [n, 21] at h = 2
+               node("Neg", ["a"], ["q"]), node("Shape", ["q"], ["qs"]), node("Slice", ["qs", "z", "o"], ["n1"]),
+               node("Concat", ["n1", "m1"], ["tgt2"], axis=0), node("Reshape", ["q", "tgt2"], ["fl"]),
+               node("Relu", ["fl"], ["fo"])],
+              [vi("x", F, ["n", 3, "h", 16])],
+              [vi("back", F, None), vi("a", F, [None] * 4), vi("out", F, None), vi("fo", F, [None, None])],
               [const("w", np.linspace(-1, 1, 9).reshape(3, 1, 1, 3), np.float32),
                const("flat", [0, 1, -1], np.int64), const("sc", [1.1], np.float32), const("b", [0.2], np.float32),
-               const("tgt", [1, 1, 3, 1], np.int64)])
+               const("tgt", [1, 1, 3, 1], np.int64), const("z", [0], np.int64), const("o", [1], np.int64),
+               const("m1", [-1], np.int64), const("pads", [0, 1, 0, 2, 0, 0, 0, 1], np.int64)])
     g = build_graph(m, {})
     if 3 not in _infer.recorded_merges(g.model).values():
         pytest.skip("this ORT's symbolic inference merged nothing here")
     res = compile_model(m, None, "sm_90")
     declared = {o.name: [d.dim_value or d.dim_param or None for d in o.type.tensor_type.shape.dim]
                 for o in res.model.graph.output}
-    assert 3 not in declared["a"][2:], declared
-    assert not any(i.name.startswith("back") for i in res.model.graph.initializer)  # the target is Shape(s)
+    assert 3 not in declared["a"][2:] and not any(isinstance(d, int) and d > 4 for d in declared["fo"]), declared
+    assert not any(i.name.endswith("__ortfuse_shape") for i in res.model.graph.initializer)  # targets as given
     for h in (2, 5):  # h = 2: the Conv's height is 1 and the Expand broadcasts it
         rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 3, h, 16)})
         assert rep.ok, "\n".join(rep.lines())
