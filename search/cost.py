@@ -113,6 +113,12 @@ def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
 
 
 @per_graph
+def _row_itemsize(g: Graph, region: Region) -> int:
+    """Bytes of the widest element a row kernel reads or writes: its vectors' width follows it."""
+    return max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
+               for t in (*region.inputs, *region.outputs))
+
+
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
     when the batch is symbolic, batch THROUGHPUT_BATCH."""
@@ -297,9 +303,7 @@ class CostModel:
         c = region.space[-1] if region.space else None
         if not isinstance(c, int) or c <= 0:
             return None
-        item = max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
-                   for t in (*region.inputs, *region.outputs))
-        vectors = -(-c // vector_lanes(c, item, self.target.vector_bytes))
+        vectors = -(-c // vector_lanes(c, _row_itemsize(g, region), self.target.vector_bytes))
         if vectors > 32 * ROW_KERNEL_GROUPS:
             return None
         return vectors, short_row_threads(vectors)
@@ -372,8 +376,8 @@ class CostModel:
         batch 1: 196 and 49 rows for 132 SMs, measured 1.47x slower than the model's layout on an H100,
         2026-11-27, when its reads waited tap by tap: ptxas kept 2 in flight). 0 for other kernels: pointwise
         kernels, windows walked in NCHW order (each lane its own window), pools' and large windows' loops are
-        not modelled.
-        Rounds at `mem_latency_ns` are assumed (most taps hit L1 or L2: an upper bound), not measured."""
+        not modelled. Rounds at `mem_latency_ns` are assumed (most taps hit L1 or L2: an upper bound), not
+        measured."""
         if region.kind != "rowreduce" or not region.space:
             return 0.0
         members = set(region.nodes)
@@ -393,9 +397,7 @@ class CostModel:
         if short:
             vectors, tpr = short
         else:
-            item = max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
-                       for t in (*region.inputs, *region.outputs))
-            vectors = -(-dims[-1] // vector_lanes(dims[-1], item, self.target.vector_bytes))
+            vectors = -(-dims[-1] // vector_lanes(dims[-1], _row_itemsize(g, region), self.target.vector_bytes))
             tpr = long_row_threads(vectors)
         threads = max(math.prod(dims[:-1]) * tpr, 1)
         per_thread = compute.work(g, region.nodes)[0] / threads
