@@ -112,13 +112,13 @@ def gemm_flops(g: Graph, node: onnx.NodeProto) -> float:
     return 2.0 * batch * m * n * k
 
 
-@per_graph
 def _row_itemsize(g: Graph, region: Region) -> int:
     """Bytes of the widest element a row kernel reads or writes: its vectors' width follows it."""
     return max(int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(g.tensors[t].dtype)).itemsize)
                for t in (*region.inputs, *region.outputs))
 
 
+@per_graph
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
     when the batch is symbolic, batch THROUGHPUT_BATCH."""
