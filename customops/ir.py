@@ -342,21 +342,24 @@ def _reads(s: Stmt) -> frozenset[str]:
     return out
 
 
-def loads_first(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
-    """`body` with its reads moved ahead of the math: each vector load, each `Let` of a load, and the index
-    and guard `Let`s they need (integer and bool values computed from such statements or from outside the
-    body), in their order, then the rest in theirs. Nothing moves past a statement it reads from, so the
-    result computes the same values; ptxas then has every read of an unrolled loop body in flight at once,
-    where it left each next to its use."""
+def loads_first(body: tuple[Stmt, ...], most: int) -> tuple[Stmt, ...]:
+    """`body` with its first `most` reads moved ahead of the math: each vector load, each `Let` of a load,
+    and the index and guard `Let`s they need (integer and bool values computed from such statements or from
+    outside the body), in their order, then the rest in theirs. Nothing moves past a statement it reads from,
+    so the result computes the same values; ptxas then has those reads of an unrolled loop body in flight at
+    once, where it left each next to its use. Reads past `most` keep their place (a window's taps, already
+    issued a kernel row at a time, would otherwise all be held at once: 180 loads a trip for a 3x3)."""
     early: list[Stmt] = []
     late: list[Stmt] = []
     defined: set[str] = set()  # names the body defines or assigns
     moved: set[str] = set()  # names the early part defines
+    reads = 0
     for st in body:
-        movable = isinstance(st, VecLoad) or (isinstance(st, Let) and (
-            isinstance(st.value, Load) or st.var.ctype in (I64, BOOL)))
+        read = isinstance(st, VecLoad) or (isinstance(st, Let) and isinstance(st.value, Load))
+        movable = (read and reads < most) or (isinstance(st, Let) and not read and st.var.ctype in (I64, BOOL))
         if movable and all(n in moved or n not in defined for n in _reads(st)):
             early.append(st)
+            reads += read
             moved |= _writes(st)
         else:
             late.append(st)

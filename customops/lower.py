@@ -236,7 +236,6 @@ class _Lowerer:
         # short row kernel's row), so a column loop of a few trips is printed straight-line (column_groups)
         self.row_span: Optional[int] = None
         self.row_unroll = 0  # a long row's column loops: columns a trip (ROW_LONG_UNROLL, `row_loop`)
-        self.row_by_hand = True  # ... unrolled by hand, else by `#pragma unroll`
         # the lanes' first column where it is a multiple of VEC (the lanes then are it + 0 .. VEC - 1): a read
         # whose offset is it plus multiples of VEC and a constant is one aligned vector load (`_lane_vector`)
         self.lane_base: Optional[Expr] = None  # a Var, or 0 where the row is one vector
@@ -374,11 +373,11 @@ class _Lowerer:
     def row_loop(self, var: str, start: Expr, stop: Expr, step: Expr, body: Callable[[Var], None],
                  unroll: int = 0) -> None:
         """A row pass's column loop; `unroll` > 1: unrolled by hand, `unroll` columns a trip, each trip's
-        reads issued before its math (`ir.loads_first`), then the remaining columns one a trip. Left to
-        `#pragma unroll`, ptxas kept one or two loads in flight (GroupNorm's rows at n=1, a block an SM:
-        measured 40 us for 32 rows of 80 KB on an H100, 2026-11-27)."""
-        if unroll <= 1 or not self.row_by_hand:
-            self.loop(var, start, stop, step, body, unroll)
+        reads (up to ROW_READ_AHEAD) issued before its math (`ir.loads_first`), then the remaining columns one
+        a trip. Left to `#pragma unroll`, ptxas kept one or two loads in flight (GroupNorm's rows at n=1, a
+        block an SM: measured 40 us for 32 rows of 80 KB on an H100, 2026-11-27)."""
+        if unroll <= 1:
+            self.loop(var, start, stop, step, body)
             return
         span = ir.mul(step, ir.i64(unroll))
         # this lane's columns: ceil((stop - start) / step); its whole trips of `unroll` end at `whole`
@@ -391,7 +390,7 @@ class _Lowerer:
         for k in range(unroll):
             body(v if k == 0 else self.bind(ir.add(v, ir.mul(step, ir.i64(k))), "c"))
         inner = self.scopes.pop()
-        self.emit(ir.For(v, start, whole, span, ir.loads_first(tuple(inner.stmts))))
+        self.emit(ir.For(v, start, whole, span, ir.loads_first(tuple(inner.stmts), hw.ROW_READ_AHEAD)))
         self.loop(self.fresh("c"), whole, stop, step, body)
 
     def column_groups(self, start: Expr, stop: Expr) -> Optional[list[tuple[Expr, Expr]]]:
@@ -1298,9 +1297,6 @@ class _Lowerer:
             self.tpr = self.row_threads(c, hw.ROW_MAX_THREADS)
             if self.hint(c) >= ROW_LONG_UNROLL * self.tpr * self.vec:
                 self.row_unroll = ROW_LONG_UNROLL
-                # by hand (each trip's reads first) unless a window is walked: its taps' reads, all moved
-                # ahead, would undo WINDOW_READ_AHEAD (a 3x3 into GroupNorm(1): 180 loads a trip)
-                self.row_by_hand = not any(pool.is_window(self.g, self.g.nodes[i]) for i in self.r.nodes)
         block = max(self.tpr, hw.ROW_MIN_BLOCK)
         rpb = block // self.tpr
         rows_terms = [self.encode(d) for d in space[:-1]]

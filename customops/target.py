@@ -175,6 +175,9 @@ WINDOW_UNROLL = 64
 # of which at most this many taps of a kernel row are read ahead of their math at a time (ConvNeXt's 7: all;
 # a 1x63 row read at once took 255 registers and spilled 384 bytes)
 WINDOW_READ_AHEAD = 8
+# a long row's hand-unrolled trip (ROW_LONG_UNROLL columns) moves at most this many reads ahead of its math:
+# every vector of its columns (GroupNorm: 4 image vectors and the per-channel affine), not a window's taps
+ROW_READ_AHEAD = 16
 # Per-element branches (BSSY convergence regions on the main line) of the same functions, same count; exp,
 # log, rsqrt, erf, tanh and recip_fast (Sigmoid's) have none.
 FN_BRANCHES: dict[str, float] = {"sqrt": 1, "div": 1, "log1p": 1, "pow": 1, "sin": 2, "cos": 2, "fmod": 3}
