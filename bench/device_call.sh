@@ -101,10 +101,15 @@ for name in "$@"; do
       step "$name" 120 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|nvjet|gemm|xmma' -c 4 \
         --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         python3 -m ortfuse.bench.ncu_gemm 4096x768x768 --runs 1 ;;
-    ncu-attention)  # issue 5: our BERT attention kernel next to ORT's MultiHeadAttention (30.0 vs 21.7 us, batch 32)
+    ncu-attention|ncu-attention-*)  # issue 5: our attention kernel next to ORT's MultiHeadAttention, with stall
+      # sampling; ncu-attention-MODEL-DTYPE-BATCH (default bert-fp16-32), e.g. ncu-attention-llama_decode-fp16-1:
+      # session 31's timeline put a key tile at ~6-7 us for a lone block (18 us a decode step)
+      spec=${name#ncu-attention}; spec=${spec#-}; [[ -z $spec ]] && spec=bert-fp16-32
+      IFS=- read -r am ad ab <<<"$spec"
       step "$name" 150 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|fmha|flash|[Aa]ttention|cutlass' -c 4 \
         --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
-        --section MemoryWorkloadAnalysis python3 -m ortfuse.bench.ncu_attention bert fp16 --batch 32 --runs 1 ;;
+        --section MemoryWorkloadAnalysis --section LaunchStats \
+        python3 -m ortfuse.bench.ncu_attention "$am" "$ad" --batch "$ab" --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
     suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-baselines]: one zoo row with

@@ -21,6 +21,7 @@ import itertools
 import onnx
 
 from ortfuse.customops import ir, scalar, target as hw
+from ortfuse.customops.tiles import MMA_BLOCK_M, MMA_MIN_BLOCKS, SIMT_BLOCK_M, THREADS, key_split, mma_smem_bytes
 from ortfuse.customops.invariance import invariant_axes
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
@@ -29,35 +30,13 @@ from ortfuse.search.attention import SELECT_OPS, AttentionPattern, find_attentio
 from ortfuse.search.plan import Region
 
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
-THREADS = 128
-SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
-MMA_MIN_BLOCKS = 4
-KEY_SPLIT_MAX = 4  # ortfuse_attention.h kMaxKeySplit
+
+
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
     for p in find_attention(g)[0]:
         if p.nodes == tuple(region.nodes):
             return p
     raise LoweringError("the region is not an attention pattern")
-
-
-def mma_block_n(d: int, dv: int) -> int:
-    """MmaTile<D, DV>::BLOCK_N: keys per tile."""
-    return 32 if d > 64 or dv > 64 else 64
-
-
-def mma_smem_bytes(d: int, dv: int, esize: int = 2) -> int:
-    """MmaTile<D, DV>::SMEM_BYTES of ortfuse_attention.h."""
-    bn, pad = mma_block_n(d, dv), 8
-    return esize * (MMA_BLOCK_M * (d + pad) + 2 * bn * (d + pad) + 2 * bn * (dv + pad))
-
-
-def key_split(tgt: hw.Target, d: int, dv: int, sk_hint: int) -> int:
-    """Blocks of a cluster that may share a unit's keys (the node's split_k; the library launches clusters only
-    while the units fit in one wave: small batches): up to KEY_SPLIT_MAX and the key tiles at the hint, where
-    the target has clusters and the merge's state fits the tile's shared memory (MmaTile::SPLIT_STATE_BYTES)."""
-    if (4 + dv // 2) * THREADS * 4 > mma_smem_bytes(d, dv):
-        return 1
-    return max(1, min(KEY_SPLIT_MAX, tgt.max_cluster, -(-sk_hint // mma_block_n(d, dv))))
 
 
 def _eval(e: Expr, env: dict[str, int]) -> int:

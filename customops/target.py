@@ -105,6 +105,19 @@ class Target:
     # The 33.9 us over 384 elements per thread: 175 clocks each. Branch-free epilogue math costs ~nothing
     # there (the producer keeps loading the next tile meanwhile), so it is not charged.
     epilogue_branch_clocks: float = 175.0
+    # Our attention kernel (ortfuse_attention.h), in core clocks per key tile (the tensor-core tile: 64 query
+    # rows x 64 keys, the SIMT one 32 x 32; head sizes 64): `*_tile_clocks` is one block's time per tile
+    # alone on its SM (small batches: the chain of one block's tiles), `*_sm_clocks` an SM's time per tile
+    # when every SM is busy (large batches: co-resident blocks overlap), `attn_fixed_clocks` a block's start
+    # and finish outside its tiles. Fitted on an H100 (docs/gpu: kernel tables of 2026-11-26/27, device time,
+    # L2 flushed, launch ~2 us included in the fixed part): tensor-core BERT 12 heads x 128 (1 tile a block)
+    # 10-13 us, ViT 197 (2 tiles a block) 18-20 us, batch 32: 24-30 / 77-80 us; SIMT fp32 ViT 69.6 us (7 tiles
+    # a block) and 394 us at batch 32 (session 31). The same clocks are assumed on other archs.
+    attn_mma_tile_clocks: float = 13900.0
+    attn_mma_sm_clocks: float = 4350.0
+    attn_simt_tile_clocks: float = 17800.0
+    attn_simt_sm_clocks: float = 6200.0
+    attn_fixed_clocks: float = 7000.0
     # cuBLAS on a GEMM whose weight or output rows are not 16-byte aligned (N = 50,257 fp16 logits), over the
     # roofline estimate of the aligned GEMM (`CostModel.gemm_us`). 1.0 (never pad) where nothing was observed.
     # sm_90: measured on an H100 (2026-11-26, docs/gpu/2026-11-26-h100-s21-sweep-unaligned.md), GPT-2's LM head

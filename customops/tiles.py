@@ -634,3 +634,35 @@ def with_both_row_kinds(cands: Sequence[Ranked], pool: Sequence[Ranked], n: int)
         if not any((row_split(n, r.tile) > 1) == split for r in out):
             out += [r for r in pool if (row_split(n, r.tile) > 1) == split][:1]
     return out
+
+
+# ---- the attention kernel's tiles (ortfuse_attention.h), for the lowering and the cost model ----------------
+THREADS = 128
+SIMT_BLOCK_M, MMA_BLOCK_M = 32, 64
+MMA_MIN_BLOCKS = 4
+KEY_SPLIT_MAX = 4  # ortfuse_attention.h kMaxKeySplit
+
+
+def simt_block_n(d: int, dv: int) -> int:
+    """SimtTile<D, DV>::BLOCK_N: keys per tile."""
+    return 16 if d > 64 or dv > 64 else 32
+
+
+def mma_block_n(d: int, dv: int) -> int:
+    """MmaTile<D, DV>::BLOCK_N: keys per tile."""
+    return 32 if d > 64 or dv > 64 else 64
+
+
+def mma_smem_bytes(d: int, dv: int, esize: int = 2) -> int:
+    """MmaTile<D, DV>::SMEM_BYTES of ortfuse_attention.h."""
+    bn, pad = mma_block_n(d, dv), 8
+    return esize * (MMA_BLOCK_M * (d + pad) + 2 * bn * (d + pad) + 2 * bn * (dv + pad))
+
+
+def key_split(tgt: Target, d: int, dv: int, sk_hint: int) -> int:
+    """Blocks of a cluster that may share a unit's keys (the node's split_k; the library launches clusters only
+    while the units fit in one wave: small batches): up to KEY_SPLIT_MAX and the key tiles at the hint, where
+    the target has clusters and the merge's state fits the tile's shared memory (MmaTile::SPLIT_STATE_BYTES)."""
+    if (4 + dv // 2) * THREADS * 4 > mma_smem_bytes(d, dv):
+        return 1
+    return max(1, min(KEY_SPLIT_MAX, tgt.max_cluster, -(-sk_hint // mma_block_n(d, dv))))

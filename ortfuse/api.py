@@ -209,8 +209,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # model alone; without it the measured floor (Target.row_epilogue_floor) prices them
     plan_tgt = dataclasses.replace(tgt, row_epilogue_floor=1.0) if opts.profile else tgt
     # and it times every GEMM epilogue against cuBLAS + the epilogue as our kernel, so it fuses wherever the
-    # fused kernel beats ORT and lets the measurement choose between the two
-    cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile)
+    # fused kernel beats ORT and lets the measurement choose between the two (and so for attention regions)
+    cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile, attention_measured=opts.profile)
 
     # (graph, plan) of the last two searches: the packing's last trial is often the graph searched, and the
     # layout choice plans two graphs
@@ -384,7 +384,7 @@ def _attention_occupancy(graph: Graph, tgt, opts: Options, k: FusedKernel) -> Fu
     MMA_MIN_BLOCKS blocks per SM leave (BERT-base's: 141, 3 blocks), compiled again asking for those blocks
     (__launch_bounds__(128, 4)), and kept where it does not spill more. Bounded, ptxas rematerializes values
     (BERT's: ~45 instructions more per key tile), so a kernel that fits unbounded stays so (GPT-2's: 128)."""
-    from ortfuse.customops.lower_attention import MMA_MIN_BLOCKS, THREADS
+    from ortfuse.customops.tiles import MMA_MIN_BLOCKS, THREADS
 
     regs = max((r.regs for _, r in k.compiled.resources), default=0)
     if regs * THREADS * MMA_MIN_BLOCKS <= tgt.regs_per_sm:

@@ -19,6 +19,7 @@ from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
 from ortfuse.search import compute, conv, legal, norm_fold, ops, pool
+from ortfuse.search.attention import AttentionPattern, find_attention
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Ops ORT runs on shape metadata (on the host, or folded at session start): no kernel time.
@@ -118,6 +119,40 @@ def _row_itemsize(g: Graph, region: Region) -> int:
                for t in (*region.inputs, *region.outputs))
 
 
+@dataclass(frozen=True)
+class AttentionGeometry:
+    pattern: AttentionPattern
+    mma: bool  # the tensor-core kernel (16-bit data, head sizes multiples of 16), else SIMT
+    d: int
+    dv: int
+    keys: int  # Sk
+    block_m: int  # query rows per unit
+    block_n: int  # keys per tile
+    units: int  # blocks' work items: (batch, head) pairs times query-row tiles, grouped-query heads packed
+    key_tiles: int  # a unit's key tiles
+
+
+def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
+    """The attention kernel's work as `customops.lower_attention` lays it out, symbolic dims at g's hints.
+    Grouped-query packing is taken where K holds a whole number of times fewer heads than the scores and
+    the query rows leave the tile room (the lowering proves it on the offsets; here K's size says it)."""
+    p = next(p for p in find_attention(g)[0] if p.nodes == tuple(region.nodes))
+    hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+    s = [hint(d) for d in g.tensors[g.nodes[p.qk].output[0]].shape]
+    bh, sq, sk = int(np.prod(s[:-2], dtype=np.int64)), s[-2], s[-1]
+    d = hint(g.tensors[g.nodes[p.qk].input[0]].shape[-1])
+    dv = hint(g.tensors[g.nodes[p.pv].output[0]].shape[-1])
+    mma = g.tensors[p.q].dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) and d % 16 == 0 \
+        and dv % 16 == 0
+    bm = tiles.MMA_BLOCK_M if mma else tiles.SIMT_BLOCK_M
+    bn = (tiles.mma_block_n if mma else tiles.simt_block_n)(d, dv)
+    group, k_heads = 1, compute.elements(g, p.k) / max(1, bh // (s[-3] if len(s) > 2 else 1) * sk * d)
+    if len(s) > 2 and sq < bm and k_heads >= 1 and k_heads == int(k_heads) and s[-3] % int(k_heads) == 0:
+        group = s[-3] // int(k_heads)
+    units = bh // group * -(-sq * group // bm)
+    return AttentionGeometry(p, mma, d, dv, sk, bm, bn, units, -(-sk // bn))
+
+
 @per_graph
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
@@ -141,6 +176,8 @@ class CostModel:
     # kernel (ortfuse.profile.time_split), so the plan fuses wherever that beats ORT and the measurement
     # decides; the estimate decides only what it cannot measure (a GEMM with a LayerNorm folded in)
     splits_measured: bool = False
+    # and it times each attention region against ORT's ops for it, so the search offers every one that lowers
+    attention_measured: bool = False
 
     def time_us(self, bytes_moved: int, launches: int) -> float:
         return bytes_moved / (self.target.dram_gbps * 1e3) + launches * self.target.launch_us
@@ -265,6 +302,8 @@ class CostModel:
                        self.target.launch_us + self.window_us(g, region),
                        self.few_rows_us(g, region) if region.kind == "rowreduce" else 0.0,
                        self.window_chain_us(g, region))
+        if region.kind == "attention":
+            return self.attention_us(g, region)
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(tr.fused_bytes, 1)
         node = self._anchor(g, region)
@@ -285,6 +324,28 @@ class CostModel:
         # the tile model's row tile, but never under the measured floor over the plain kernel as a whole
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
+
+    def attention_us(self, g: Graph, region: Region) -> float:
+        """Our attention kernel (ortfuse_attention.h): the longer of one block's chain over its key tiles
+        (the blocks alone on their SMs: small batches) and the SMs' time over every unit's tiles (all SMs
+        busy: large batches), at the clocks per tile measured on an H100 (`Target.attn_*`); never under its
+        DRAM traffic. The units and the key split are the lowering's and the library's: query rows in tiles
+        of BLOCK_M per (batch, head), grouped-query heads packed into one unit's rows at a generation step's
+        few rows, and a tensor-core unit's key tiles split across a cluster while the units fit one wave."""
+        tgt, geo = self.target, attention_geometry(g, region)
+        ref = 128 * (64 * 64 if geo.mma else 32 * 32)  # the fitted tile's (d + dv) * rows * keys
+        work = max(0.5, (geo.d + geo.dv) * geo.block_m * geo.block_n / ref)
+        tile_clk, sm_clk = ((tgt.attn_mma_tile_clocks, tgt.attn_mma_sm_clocks) if geo.mma else
+                            (tgt.attn_simt_tile_clocks, tgt.attn_simt_sm_clocks))
+        split = 1
+        if geo.mma:  # ofz_spec_cluster: powers of two up to the node's split, while the clusters fit one wave
+            most = tiles.key_split(tgt, geo.d, geo.dv, geo.keys)
+            while 2 * split <= most and geo.units * 2 * split <= tgt.sm_count:
+                split *= 2
+        chain = tgt.attn_fixed_clocks + -(-geo.key_tiles // split) * tile_clk * work
+        busy = geo.units * geo.keys / geo.block_n * sm_clk * work / tgt.sm_count  # a last partial tile's share
+        return max(self.time_us(region.traffic.fused_bytes, 1),
+                   tgt.launch_us + max(chain, busy) / (tgt.clock_ghz * 1e3))
 
     def row_lane_use(self, g: Graph, region: Region) -> float:
         """The share of a row kernel's issued lanes that hold columns: a row of at most ROW_KERNEL_GROUPS
@@ -479,6 +540,11 @@ class CostModel:
                        if g.producer.get(t) not in region.nodes and t not in chain)  # FusedConv's Z input
         rest = tr.unfused_bytes - sum(node_bytes(g, n) for n in folded) + residual
         launches = tr.unfused_launches - len(folded)
+        if region.kind == "attention":  # its two MatMuls at ORT's rate (TF32 for fp32), where over their bytes
+            geo = attention_geometry(g, region)
+            return self.time_us(rest, launches) + sum(
+                max(0.0, us - node_bytes(g, n) / (self.target.dram_gbps * 1e3))
+                for n in (g.nodes[geo.pattern.qk], g.nodes[geo.pattern.pv]) for us in (self.gemm_us(g, n)[0],))
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(rest, launches)
         mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
@@ -495,7 +561,8 @@ class CostModel:
         times = [(where, self.ours_us(gb, r), self.ort_us(gb, r))
                  for where, gb in bindings(g) for r in (_at(gb, region, g),)]
         if not _pays(times):
-            what = {"gemm": "GEMM + epilogue", "gemm_row": "GEMM + row-wise epilogue"}.get(region.kind, "fused kernel")
+            what = {"gemm": "GEMM + epilogue", "gemm_row": "GEMM + row-wise epilogue",
+                    "attention": "attention kernel"}.get(region.kind, "fused kernel")
             return Reject(label, f"{what} estimated at {_figures(times)} as ORT runs it")
         return None
 

@@ -1,5 +1,6 @@
 """Region growth in three phases:
-0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed);
+0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed) where
+   the cost model prefers our kernel to ORT's ops;
    LayerNorm prologues: a LayerNormalization read only by a MatMul/Gemm's A operand joins that GEMM's
    region (`search.norm_fold`). Whether the folds pay depends on what their absence leaves the kernels
    that produce X (a row-wise epilogue, or a separate kernel), so the search runs with and without them
@@ -59,7 +60,10 @@ def _candidate(g: Graph, nodes: set[int], check: Check) -> Region | Reject:
     return Reject(f"region at {g.node_label(min(nodes))}", why) if why else r
 
 
-def _attention(g: Graph, check: Check, refusals: list[Reject]) -> list[Region]:
+def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) -> list[Region]:
+    """Each attention pattern that lowers and whose kernel the cost model prefers to ORT's unfused ops (fp32
+    attention runs on CUDA cores in ours, on TF32 MatMuls in ORT), or every one where `--profile` measures
+    both; the nodes of one refused stay free for the phases after."""
     found, rejects = find_attention(g)
     refusals.extend(rejects)
     out = []
@@ -73,6 +77,11 @@ def _attention(g: Graph, check: Check, refusals: list[Reject]) -> list[Region]:
         why = legal.host_verdict(g, r.inputs) or check(g, r)
         if why:
             refusals.append(Reject(g.node_label(pat.softmax), f"attention not lowered: {why}"))
+            continue
+        r = dataclasses.replace(r, traffic=traffic(g, r))
+        priced = None if cost.attention_measured else cost.verdict(g, r)
+        if priced:
+            refusals.append(priced)
             continue
         out.append(r)
     return out
@@ -121,7 +130,7 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     """The phases above, with `folds` (by anchor) as LayerNorm prologues."""
     rejects: list[Reject] = []
     refusals: list[Reject] = []
-    attention = _attention(g, check, refusals)
+    attention = _attention(g, cost, check, refusals)
     claimed = {n for r in attention for n in r.nodes}
     group_of: dict[int, frozenset[int]] = {}
     gemms: list[int] = []
@@ -274,7 +283,7 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
 
     regions: list[Region] = []
     for r in attention:
-        regions.append(Region(len(regions), r.kind, r.nodes, r.inputs, r.outputs, r.space, traffic(g, r)))
+        regions.append(dataclasses.replace(r, id=len(regions)))
     for group in sorted(set(group_of.values()), key=min):
         if len(group) == 1 and conv.is_anchor(g, g.nodes[min(group)]):
             lib = "cuDNN" if g.nodes[min(group)].op_type in ops.CONV else "cuBLAS"

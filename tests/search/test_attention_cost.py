@@ -1,0 +1,81 @@
+"""The attention kernel's price (`search.cost.attention_geometry`, `CostModel.attention_us`) against the H100
+device times it was fitted on, and the placement it drives: fp32 attention, which ours runs on CUDA cores
+and ORT on TF32 MatMuls, is left to ORT at ViT-B's size; at fp16, and at small fp32 sizes, it is ours."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import gqa_attention, packed_attention
+
+from ortfuse.customops.target import for_cc
+from ortfuse.rewriter.canonical import fold_runtime_shapes
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search import legal
+from ortfuse.search.attention import find_attention
+from ortfuse.search.cost import CostModel, attention_geometry, bindings, traffic
+from ortfuse.search.plan import Region, Traffic
+from ortfuse.search.regions import plan
+
+H100 = for_cc(90)
+
+
+def _attention(m, hints):
+    g, _ = fold_runtime_shapes(build_graph(m, {}, hints))
+    return g, plan(g, H100)
+
+
+def _region(g) -> Region:
+    """The graph's one attention pattern as a region, whether the plan takes it or not."""
+    (pat,), _ = find_attention(g)
+    inputs, outputs = legal.region_io(g, set(pat.nodes))
+    return Region(0, "attention", pat.nodes, tuple(inputs), tuple(outputs), (), Traffic(0, 0, 0))
+
+
+# (dtype, sequence, measured device us at batch 1 and 32): bench/kernels.py, L2 flushed (docs/gpu,
+# 2026-11-26/27; BERT's and ViT's first attention region, 12 heads of 64)
+MEASURED = [(TP.FLOAT16, 128, (11.5, 27.0)), (TP.FLOAT16, 197, (19.0, 78.7)), (TP.FLOAT, 197, (69.6, 394.1))]
+
+
+@pytest.mark.parametrize("dt,seq,measured", MEASURED)
+def test_attention_estimate_tracks_the_measured_kernel(dt, seq, measured):
+    g, _ = fold_runtime_shapes(build_graph(packed_attention(dt, 12, 64), {}, {"seq": seq}))
+    r, cm = _region(g), CostModel(H100)
+    got = [cm.attention_us(gb, dataclasses.replace(r, traffic=traffic(gb, r))) - H100.launch_us
+           for _, gb in bindings(g)]
+    assert len(got) == 2 and all(abs(est / meas - 1) < 0.2 for est, meas in zip(got, measured)), (got, measured)
+
+
+def test_fp32_attention_at_vit_size_is_left_to_ort():
+    # ViT-B fp32 on the H100 (session 31): ours 69.7 / 393.7 us, ORT's ops 56.5 / 346.6 (--profile, batch 1 / 32)
+    g, p = _attention(packed_attention(TP.FLOAT, 12, 64), {"seq": 197})
+    assert not [r for r in p.regions if r.kind == "attention"]
+    why = [r.reason for r in p.refusals if "attention kernel estimated" in r.reason]
+    assert len(why) == 1 and "at batch 32 as ORT runs it" in why[0], p.refusals
+    # its Softmax and score ops are then free for the memory-bound phases
+    assert any(g.nodes[i].op_type == "Softmax" for r in p.regions for i in r.nodes)
+
+
+@pytest.mark.parametrize("dt,heads,head,seq", [(TP.FLOAT16, 12, 64, 197), (TP.FLOAT16, 2, 64, 128),
+                                               (TP.FLOAT, 12, 64, 128), (TP.FLOAT, 3, 24, 128)])
+def test_attention_that_pays_is_ours(dt, heads, head, seq):
+    g, p = _attention(packed_attention(dt, heads, head), {"seq": seq})
+    assert [r.kind for r in p.regions].count("attention") == 1, p.refusals
+
+
+@pytest.mark.parametrize("seq,units", [(1, 3), (128, 18)])
+def test_grouped_query_units_packed_at_a_generation_step(seq, units):
+    # 9 query heads over 3 K/V heads (SmolLM's): one row a head packs 3 heads into one unit's rows, as the lowering
+    # does below BLOCK_M rows; a prompt's rows keep a unit per head and 64-row tile
+    g, _ = fold_runtime_shapes(build_graph(gqa_attention(TP.FLOAT16, 9, 3, 64), {}, {"seq": seq}))
+    geo = attention_geometry(g, _region(g))
+    assert geo.mma and geo.units == units and geo.key_tiles == -(-seq // 64)
+
+
+def test_profile_is_offered_every_attention_region():
+    # --profile times our kernel against ORT's ops per region, so the estimate does not refuse one beforehand
+    g, _ = fold_runtime_shapes(build_graph(packed_attention(TP.FLOAT, 12, 64), {}, {"seq": 197}))
+    p = plan(g, H100, CostModel(H100, attention_measured=True))
+    assert [r.kind for r in p.regions].count("attention") == 1
