@@ -109,15 +109,19 @@ class Target:
     # rows x 64 keys, the SIMT one 32 x 32; head sizes 64): `*_tile_clocks` is one block's time per tile
     # alone on its SM (small batches: the chain of one block's tiles), `*_sm_clocks` an SM's time per tile
     # when every SM is busy (large batches: co-resident blocks overlap), `attn_fixed_clocks` a block's start
-    # and finish outside its tiles. Fitted on an H100 (docs/gpu: kernel tables of 2026-11-26/27, device time,
-    # L2 flushed, launch ~2 us included in the fixed part): tensor-core BERT 12 heads x 128 (1 tile a block)
-    # 10-13 us, ViT 197 (2 tiles a block) 18-20 us, batch 32: 24-30 / 77-80 us; SIMT fp32 ViT 69.6 us (7 tiles
-    # a block) and 394 us at batch 32 (session 31). The same clocks are assumed on other archs.
-    attn_mma_tile_clocks: float = 13900.0
-    attn_mma_sm_clocks: float = 4350.0
-    attn_simt_tile_clocks: float = 17800.0
+    # and finish outside its tiles (the launch included), `attn_split_clocks` what splitting a unit's keys
+    # across a cluster adds (the cluster launch, two cluster barriers, the merge over distributed shared
+    # memory). Fitted on an H100 to --profile's and the timeline's times (warm L2; docs/gpu, 2026-11-26/27):
+    # BERT fp16 at batch 1 (12 heads x 128, 2 key tiles a unit) 8.3 us with its keys in one block, 11.9 split
+    # across clusters of 2, 24.6 at batch 32; SmolLM's decode step (3 units x 9 tiles, clusters of 4) 18.0;
+    # SIMT fp32 ViT-B (197 keys: 7 tiles) 69.7 / 393.7 us at batch 1 / 32. ViT fp16's tiles took 4.2 us on a
+    # flushed L2 (the kernel table) against 3.05 here. The same clocks are assumed on other archs.
+    attn_mma_tile_clocks: float = 6040.0
+    attn_mma_sm_clocks: float = 4000.0
+    attn_simt_tile_clocks: float = 19100.0
     attn_simt_sm_clocks: float = 6200.0
-    attn_fixed_clocks: float = 7000.0
+    attn_fixed_clocks: float = 4360.0
+    attn_split_clocks: float = 13170.0
     # cuBLAS on a GEMM whose weight or output rows are not 16-byte aligned (N = 50,257 fp16 logits), over the
     # roofline estimate of the aligned GEMM (`CostModel.gemm_us`). 1.0 (never pad) where nothing was observed.
     # sm_90: measured on an H100 (2026-11-26, docs/gpu/2026-11-26-h100-s21-sweep-unaligned.md), GPT-2's LM head

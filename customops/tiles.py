@@ -666,3 +666,16 @@ def key_split(tgt: Target, d: int, dv: int, sk_hint: int) -> int:
     if (4 + dv // 2) * THREADS * 4 > mma_smem_bytes(d, dv):
         return 1
     return max(1, min(KEY_SPLIT_MAX, tgt.max_cluster, -(-sk_hint // mma_block_n(d, dv))))
+
+
+def attention_clocks(tgt: Target, mma: bool, units: int, keys: int, block_n: int, split: int,
+                     work: float = 1.0) -> float:
+    """Core clocks of our attention kernel (Target.attn_*): the longer of one block's chain over its share of
+    a unit's key tiles (the split the library launches: `runtime_split`, clusters only while the units fit one
+    wave) and the SMs' time over every unit's tiles; `work`: a tile's work over the fitted tile's."""
+    tile, per_sm = ((tgt.attn_mma_tile_clocks, tgt.attn_mma_sm_clocks) if mma else
+                    (tgt.attn_simt_tile_clocks, tgt.attn_simt_sm_clocks))
+    tiles = -(-keys // block_n)
+    c = runtime_split(split, units, tgt.sm_count)
+    chain = tgt.attn_fixed_clocks + (tgt.attn_split_clocks if c > 1 else 0.0) + -(-tiles // c) * tile * work
+    return max(chain, units * keys / block_n * per_sm * work / tgt.sm_count)  # a last partial tile's share

@@ -131,6 +131,12 @@ class AttentionGeometry:
     units: int  # blocks' work items: (batch, head) pairs times query-row tiles, grouped-query heads packed
     key_tiles: int  # a unit's key tiles
 
+    @property
+    def work(self) -> float:
+        """A key tile's work over the fitted tile's (head sizes 64), at least half: latency stays."""
+        ref = 128 * (64 * 64 if self.mma else 32 * 32)
+        return max(0.5, (self.d + self.dv) * self.block_m * self.block_n / ref)
+
 
 def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
     """The attention kernel's work as `customops.lower_attention` lays it out, symbolic dims at g's hints.
@@ -325,27 +331,27 @@ class CostModel:
         # (launch and fixed costs included: at batch 1 they are most of it)
         return max(mm_us * self.row_penalty(g, node) + rest, (mm_us + rest) * self.target.row_epilogue_floor)
 
-    def attention_us(self, g: Graph, region: Region) -> float:
-        """Our attention kernel (ortfuse_attention.h): the longer of one block's chain over its key tiles
-        (the blocks alone on their SMs: small batches) and the SMs' time over every unit's tiles (all SMs
-        busy: large batches), at the clocks per tile measured on an H100 (`Target.attn_*`); never under its
-        DRAM traffic. The units and the key split are the lowering's and the library's: query rows in tiles
-        of BLOCK_M per (batch, head), grouped-query heads packed into one unit's rows at a generation step's
-        few rows, and a tensor-core unit's key tiles split across a cluster while the units fit one wave."""
+    def attention_us(self, g: Graph, region: Region, split: Optional[int] = None) -> float:
+        """Our attention kernel (ortfuse_attention.h) at `tiles.attention_clocks`, never under its DRAM traffic.
+        The units are the lowering's: query rows in tiles of BLOCK_M per (batch, head), grouped-query heads
+        packed into one unit's rows at a generation step's few rows. `split`: the kernel's key split (split_k),
+        else the one `attention_split` gives it."""
         tgt, geo = self.target, attention_geometry(g, region)
-        ref = 128 * (64 * 64 if geo.mma else 32 * 32)  # the fitted tile's (d + dv) * rows * keys
-        work = max(0.5, (geo.d + geo.dv) * geo.block_m * geo.block_n / ref)
-        tile_clk, sm_clk = ((tgt.attn_mma_tile_clocks, tgt.attn_mma_sm_clocks) if geo.mma else
-                            (tgt.attn_simt_tile_clocks, tgt.attn_simt_sm_clocks))
-        split = 1
-        if geo.mma:  # ofz_spec_cluster: powers of two up to the node's split, while the clusters fit one wave
-            most = tiles.key_split(tgt, geo.d, geo.dv, geo.keys)
-            while 2 * split <= most and geo.units * 2 * split <= tgt.sm_count:
-                split *= 2
-        chain = tgt.attn_fixed_clocks + -(-geo.key_tiles // split) * tile_clk * work
-        busy = geo.units * geo.keys / geo.block_n * sm_clk * work / tgt.sm_count  # a last partial tile's share
-        return max(self.time_us(region.traffic.fused_bytes, 1),
-                   tgt.launch_us + max(chain, busy) / (tgt.clock_ghz * 1e3))
+        if split is None:
+            split = self.attention_split(g, region)
+        clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n, split, geo.work)
+        return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
+
+    def attention_split(self, g: Graph, region: Region) -> int:
+        """The key split (split_k) of a tensor-core attention kernel: the most the kernel allows
+        (`tiles.key_split`) where splitting beats one block's walk over a unit's keys at g's hints, else 1
+        (a cluster costs about two key tiles: BERT's 2 tiles a unit lose to it, a decode step's 9 gain)."""
+        tgt, geo = self.target, attention_geometry(g, region)
+        most = tiles.key_split(tgt, geo.d, geo.dv, geo.keys) if geo.mma else 1
+        if most < 2:
+            return 1
+        at = [tiles.attention_clocks(tgt, True, geo.units, geo.keys, geo.block_n, s, geo.work) for s in (1, most)]
+        return most if at[1] < at[0] else 1
 
     def row_lane_use(self, g: Graph, region: Region) -> float:
         """The share of a row kernel's issued lanes that hold columns: a row of at most ROW_KERNEL_GROUPS

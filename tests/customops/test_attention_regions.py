@@ -117,20 +117,22 @@ def test_attention_asks_for_four_blocks_per_sm_only_where_it_needs_to(monkeypatc
                          f"more" if bounded else "")
 
 
-@pytest.mark.parametrize("dt,split", [(TP.FLOAT16, 2), (TP.FLOAT, 1)])
-def test_keys_split_across_a_cluster_at_small_batches(dt, split):
-    # for sm_90 the tensor-core kernel carries split_k (up to its key tiles at the hint: 128 keys, 2 tiles of
-    # 64); the library clusters it while the units fit in one wave: at batch 2 x 128 queries (8 units) in
-    # pairs of blocks, at batch 64 not at all. Parity in emulation at both (check_models launches as the
-    # library does). An arch without clusters in --arch: no split (fused_parity builds for sm_80 too)
+@pytest.mark.parametrize("dt,seq,split", [(TP.FLOAT16, 1024, 4), (TP.FLOAT16, 128, 1), (TP.FLOAT, 128, 1)])
+def test_keys_split_across_a_cluster_at_small_batches(dt, seq, split):
+    # for sm_90 the tensor-core kernel carries split_k (up to 4 and its key tiles at the hint) where the cost
+    # model says the split pays at the hint: 1024 keys (16 tiles of 64), not 128 (2 tiles: a cluster costs
+    # about two tiles); the library clusters it while the units fit in one wave: at batch 2 x 128 queries (8
+    # units) in clusters of 4, at batch 64 not at all. Parity in emulation at both (check_models launches as
+    # the library does). An arch without clusters in --arch: no split (fused_parity builds for sm_80 too)
     from ortfuse.api import compile_model
     from ortfuse.check import check_models
+    from ortfuse.config import Options
     from ortfuse.customops.attrs import cluster_for, read_launch
     from ortfuse.customops.target import for_cc
 
     m, hd = _with_computed_mask(dt, causal=False)
     shapes = {"x": ("batch", "seq", hd), "km": ("batch", "seq")}
-    res = compile_model(m, shapes, "sm_90")
+    res = compile_model(m, shapes, "sm_90", Options(archs=(90,), dim_hints=(("seq", seq),)))
     k = next(k for k in res.kernels if k.region.kind == "attention")
     assert k.spec.split_k == split
     launch = read_launch(next(n for n in res.model.graph.node if n.name == k.node.name))
