@@ -89,3 +89,14 @@ def test_profile_is_offered_every_attention_region():
     g, _ = fold_runtime_shapes(build_graph(packed_attention(TP.FLOAT, 12, 64), {}, {"seq": 197}))
     p = plan(g, H100, CostModel(H100, attention_measured=True))
     assert [r.kind for r in p.regions].count("attention") == 1
+
+
+def test_fp32_attention_left_to_ort_keeps_parity():
+    # at ViT-B's size (the hint) fp32 attention goes to ORT; the scale, mask and Softmax between its MatMuls
+    # become a row kernel and P.V takes the output Transpose as its epilogue: both match ORT in emulation
+    from helpers import fused_parity
+
+    m = packed_attention(TP.FLOAT, 12, 64)
+    res = fused_parity(m, {}, {"x": (2, 9, 2304), "mask": (2, 1, 1, 9)}, ["gemm", "rowreduce"],
+                       dim_hints=[("seq", 197)])
+    assert any("attention kernel estimated" in r.reason for r in res.plan.refusals)
