@@ -109,7 +109,7 @@ for name in "$@"; do
       step "$name" 150 "$NCU" --clock-control none -k 'regex:ofz_[0-9a-f]{10}$|fmha|flash|[Aa]ttention|cutlass' -c 4 \
         --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
         --section MemoryWorkloadAnalysis --section LaunchStats \
-        python3 -m ortfuse.bench.ncu_attention "$am" "$ad" --batch "$ab" --runs 1 ;;
+        python3 -m ortfuse.bench.ncu_attention "$am" "${ad:-fp16}" --batch "${ab:-32}" --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
     suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-baselines]: one zoo row with

@@ -228,6 +228,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
+    # a Split an attention pattern reads through is kept whether or not the pattern's region is taken: with
+    # Slices instead, ORT's alternative to the region gains three Slice kernels, and the estimate then takes
+    # the attention the Split form leaves to ORT (ViT-B fp32)
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
@@ -261,8 +264,6 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     the_plan = plan_of(graph)
     say(f"lowering {len(the_plan.regions)} regions")
     specs = [(r, lower(graph, r, tgt, opts.tf32)) for r in the_plan.regions]
-    if not opts.profile:  # --profile times each attention kernel with and without its key split
-        specs = [(r, _attention_split(graph, cost, r, spec)) for r, spec in specs]
     sources = {spec.kernel.name: render(spec.kernel) for _, spec in specs}
     say(f"compiling {len(sources)} kernels for {', '.join(f'sm_{a}' for a in archs)}")
     if opts.dump:
@@ -274,7 +275,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                                               sources.items())))
         kernels = [fused_kernel(region, spec, compiled[spec.kernel.name]) for region, spec in specs]
         kernels = list(pool.map(lambda k: _after_ptxas(graph, tgt, opts, k), kernels))
-        if not opts.profile:  # --profile chooses variants from measurements
+        if not opts.profile:  # --profile chooses variants (and attention's key split) from measurements
+            kernels = [_attention_split(graph, cost, k) for k in kernels]
             kernels = list(pool.map(lambda k: _size_variants(graph, tgt, opts, k), kernels))
     placements: tuple = ()
     if opts.profile:
@@ -381,13 +383,15 @@ def _size_variants(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKer
         return k
 
 
-def _attention_split(graph: Graph, cost: CostModel, region: Region, spec: KernelSpec) -> KernelSpec:
+def _attention_split(graph: Graph, cost: CostModel, k: FusedKernel) -> FusedKernel:
     """A tensor-core attention kernel keeps its keys split across a cluster (split_k, the same kernel) only
     where the cost model says the split pays at the hints (a decode step's 9 key tiles a unit), else one block
-    walks a unit's keys (BERT at batch 1, 2 tiles a unit: 8.3 us unsplit against 11.9 split on an H100)."""
-    if region.kind != "attention" or spec.split_k < 2 or cost.attention_split(graph, region) > 1:
-        return spec
-    return dataclasses.replace(spec, split_k=1)
+    walks a unit's keys (BERT at batch 1, 2 tiles a unit: 8.3 us unsplit against 11.9 split on an H100).
+    After ptxas: a kernel compiled again under a blocks-per-SM bound is lowered with the split anew."""
+    if k.region.kind != "attention" or k.spec.split_k < 2 or cost.attention_split(graph, k.region) > 1:
+        return k
+    return dataclasses.replace(fused_kernel(k.region, dataclasses.replace(k.spec, split_k=1), k.compiled),
+                               retiled=k.retiled)
 
 
 def _attention_occupancy(graph: Graph, tgt, opts: Options, k: FusedKernel) -> FusedKernel:

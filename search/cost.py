@@ -139,22 +139,29 @@ class AttentionGeometry:
 
 
 def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
-    """The attention kernel's work as `customops.lower_attention` lays it out, symbolic dims at g's hints.
-    Grouped-query packing is taken where K holds a whole number of times fewer heads than the scores and
-    the query rows leave the tile room (the lowering proves it on the offsets; here K's size says it)."""
+    """The attention kernel's work as `customops.lower_attention` lays it out, symbolic dims at g's hints: the
+    tensor-core kernel for 16-bit data and head sizes multiples of 16 (the lowering also needs rows 16-byte
+    aligned: a misaligned packing runs SIMT, priced here as tensor cores); grouped-query heads packed into one
+    unit's rows where the scores have a static head count, K's path repeats its heads (repeat_kv's Expand)
+    and the query rows leave the tile room (the lowering proves the grouping on the offsets)."""
     p = next(p for p in find_attention(g)[0] if p.nodes == tuple(region.nodes))
     hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
-    s = [hint(d) for d in g.tensors[g.nodes[p.qk].output[0]].shape]
+    raw = g.tensors[g.nodes[p.qk].output[0]].shape
+    s = [hint(d) for d in raw]
     bh, sq, sk = int(np.prod(s[:-2], dtype=np.int64)), s[-2], s[-1]
     d = hint(g.tensors[g.nodes[p.qk].input[0]].shape[-1])
     dv = hint(g.tensors[g.nodes[p.pv].output[0]].shape[-1])
-    mma = g.tensors[p.q].dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) and d % 16 == 0 \
-        and dv % 16 == 0
+    sixteen = g.tensors[p.q].dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    mma = sixteen and d % 16 == 0 and dv % 16 == 0
     bm = tiles.MMA_BLOCK_M if mma else tiles.SIMT_BLOCK_M
     bn = (tiles.mma_block_n if mma else tiles.simt_block_n)(d, dv)
-    group, k_heads = 1, compute.elements(g, p.k) / max(1, bh // (s[-3] if len(s) > 2 else 1) * sk * d)
-    if len(s) > 2 and sq < bm and k_heads >= 1 and k_heads == int(k_heads) and s[-3] % int(k_heads) == 0:
-        group = s[-3] // int(k_heads)
+    group = 1
+    if len(raw) == 4 and isinstance(raw[1], int) and sq < (tiles.MMA_BLOCK_M if sixteen else tiles.SIMT_BLOCK_M):
+        for i in p.k_path:
+            n = g.nodes[i]
+            if n.op_type == "Expand" and compute.elements(g, n.input[0]):
+                rep = compute.elements(g, n.output[0]) // compute.elements(g, n.input[0])
+                group = rep if rep > 1 and raw[1] % rep == 0 else 1
     units = bh // group * -(-sq * group // bm)
     return AttentionGeometry(p, mma, d, dv, sk, bm, bn, units, -(-sk // bn))
 

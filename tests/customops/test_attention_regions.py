@@ -117,6 +117,23 @@ def test_attention_asks_for_four_blocks_per_sm_only_where_it_needs_to(monkeypatc
                          f"more" if bounded else "")
 
 
+@pytest.mark.parametrize("seq,split", [(128, 1), (1024, 4)])
+def test_a_bounded_attention_kernel_keeps_the_split_the_cost_model_chose(monkeypatch, seq, split):
+    # compiled again under __launch_bounds__(128, 4) after ptxas, the kernel is lowered anew: the key split the
+    # cost model chose at the hints (none for 2 key tiles a unit, 4 for 16) is what the node carries
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    from ortfuse.customops.attrs import read_launch
+
+    _registers(monkeypatch, 141)
+    m, hd = _with_computed_mask(TP.FLOAT16, causal=True)
+    res = compile_model(m, {"x": ("batch", "seq", hd), "km": ("batch", "seq")}, "sm_90",
+                        Options(archs=(90,), dim_hints=(("seq", seq),)))
+    k = next(k for k in res.kernels if k.region.kind == "attention")
+    assert k.retiled and k.spec.kernel.min_blocks == 4
+    assert k.spec.split_k == read_launch(next(n for n in res.model.graph.node if n.name == k.node.name)).split_k == split
+
+
 @pytest.mark.parametrize("dt,seq,split", [(TP.FLOAT16, 1024, 4), (TP.FLOAT16, 128, 1), (TP.FLOAT, 128, 1)])
 def test_keys_split_across_a_cluster_at_small_batches(dt, seq, split):
     # for sm_90 the tensor-core kernel carries split_k (up to 4 and its key tiles at the hint) where the cost
@@ -141,7 +158,8 @@ def test_keys_split_across_a_cluster_at_small_batches(dt, seq, split):
     for b in (2, 64) if split > 1 else (2,):
         rep = check_models(m, res.model, emulate=True, input_shapes={"x": (b, 128, hd), "km": (b, 128)})
         assert rep.ok, "\n".join(rep.lines())
-    both = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"])
+    both = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"],
+                        dim_hints=[("seq", seq)])
     assert next(k for k in both.kernels if k.region.kind == "attention").spec.split_k == 1
 
 

@@ -75,13 +75,28 @@ def test_attention_that_pays_is_ours(dt, heads, head, seq):
     assert [r.kind for r in p.regions].count("attention") == 1, p.refusals
 
 
-@pytest.mark.parametrize("seq,units", [(1, 3), (128, 18)])
-def test_grouped_query_units_packed_at_a_generation_step(seq, units):
-    # 9 query heads over 3 K/V heads (SmolLM's): one row a head packs 3 heads into one unit's rows, as the lowering
-    # does below BLOCK_M rows; a prompt's rows keep a unit per head and 64-row tile
-    g, _ = fold_runtime_shapes(build_graph(gqa_attention(TP.FLOAT16, 9, 3, 64), {}, {"seq": seq}))
-    geo = attention_geometry(g, _region(g))
-    assert geo.mma and geo.units == units and geo.key_tiles == -(-seq // 64)
+@pytest.mark.parametrize("model,seq", [
+    (lambda: packed_attention(TP.FLOAT16, 2, 64), 128), (lambda: packed_attention(TP.FLOAT, 3, 24), 37),
+    (lambda: packed_attention(TP.FLOAT16, 2, 64), 1024),
+    (lambda: gqa_attention(TP.FLOAT16, 9, 3, 64), 1), (lambda: gqa_attention(TP.FLOAT16, 9, 3, 64), 128),
+    (lambda: gqa_attention(TP.FLOAT16, 6, 2, 40), 40), (lambda: gqa_attention(TP.FLOAT, 4, 1, 32), 1)])
+def test_geometry_is_the_lowered_kernels(model, seq):
+    # the units the cost model prices are the ones the library launches at the hints (grouped-query heads
+    # packed at a generation step's one row, 16-bit SIMT kernels grouped below 64 rows as tensor-core ones),
+    # and the key split it picks is the node's
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    from ortfuse.customops.attrs import read_launch
+
+    res = compile_model(model(), {}, "sm_90", Options(archs=(90,), dim_hints=(("seq", seq),)))
+    (k,) = [k for k in res.kernels if k.region.kind == "attention"]
+    g = res.graph
+    launch = read_launch(next(n for n in res.model.graph.node if n.name == k.node.name))
+    hint = lambda d: d if isinstance(d, int) else g.sym_hints[d]  # noqa: E731
+    dims = [hint(g.tensors[k.region.inputs[i]].shape[a]) for i, a in launch.sym_dims]
+    geo = attention_geometry(g, k.region)
+    assert geo.units == launch.grid(dims), (geo, dims)
+    assert k.spec.split_k == CostModel(H100).attention_split(g, k.region)
 
 
 def test_profile_is_offered_every_attention_region():
