@@ -79,7 +79,8 @@ def test_attention_that_pays_is_ours(dt, heads, head, seq):
     (lambda: packed_attention(TP.FLOAT16, 2, 64), 128), (lambda: packed_attention(TP.FLOAT, 3, 24), 37),
     (lambda: packed_attention(TP.FLOAT16, 2, 64), 1024),
     (lambda: gqa_attention(TP.FLOAT16, 9, 3, 64), 1), (lambda: gqa_attention(TP.FLOAT16, 9, 3, 64), 128),
-    (lambda: gqa_attention(TP.FLOAT16, 6, 2, 40), 40), (lambda: gqa_attention(TP.FLOAT, 4, 1, 32), 1)])
+    (lambda: gqa_attention(TP.FLOAT16, 6, 2, 40), 40), (lambda: gqa_attention(TP.FLOAT, 4, 1, 32), 1)],
+    ids=["packed-fp16", "packed-fp32", "packed-fp16-long", "gqa-step", "gqa-prompt", "gqa-fp16-simt", "gqa-fp32-step"])
 def test_geometry_is_the_lowered_kernels(model, seq):
     # the units the cost model prices are the ones the library launches at the hints (grouped-query heads
     # packed at a generation step's one row, 16-bit SIMT kernels grouped below 64 rows as tensor-core ones),
