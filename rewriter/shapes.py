@@ -234,14 +234,14 @@ def _record_value_infos(m: onnx.ModelProto, inferred: dict[str, onnx.ValueInfoPr
     outputs = {v.name for v in g.output}
     del g.value_info[:]
     g.value_info.extend(records[o] for o in node_outputs if o not in outputs)
-    suspect = frozenset(v for v in _infer.recorded_merges(m).values() if isinstance(v, int) and v != 1)
+    suspect = any(isinstance(v, int) and v != 1 for v in _infer.recorded_merges(m).values())
     for out in g.output:
         if out.name in records:
             _fill_gaps(out, records[out.name], suspect)
     return tensors
 
 
-def _fill_gaps(declared: onnx.ValueInfoProto, inferred: onnx.ValueInfoProto, suspect: frozenset[int]) -> None:
+def _fill_gaps(declared: onnx.ValueInfoProto, inferred: onnx.ValueInfoProto, suspect: bool) -> None:
     """Keep a graph output's declared type; fill only what the exporter left out (shape, anonymous dims), but
     with no static size other than 1 where inference merged a symbolic dim into a size (`suspect`): such a
     size, or one built from it, may be 1 or another value at run time, and ORT takes a declared output shape

@@ -121,7 +121,6 @@ def _row_itemsize(g: Graph, region: Region) -> int:
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    pattern: AttentionPattern
     mma: bool  # the tensor-core kernel (16-bit data, head sizes multiples of 16), else SIMT
     d: int
     dv: int
@@ -138,13 +137,17 @@ class AttentionGeometry:
         return max(0.5, (self.d + self.dv) * self.block_m * self.block_n / ref)
 
 
+def _attention_pattern(g: Graph, region: Region) -> AttentionPattern:
+    return next(p for p in find_attention(g)[0] if p.nodes == tuple(region.nodes))
+
+
 def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
     """The attention kernel's work as `customops.lower_attention` lays it out, symbolic dims at g's hints: the
     tensor-core kernel for 16-bit data and head sizes multiples of 16 (the lowering also needs rows 16-byte
     aligned: a misaligned packing runs SIMT, priced here as tensor cores); grouped-query heads packed into one
     unit's rows where the scores have a static head count, K's path repeats its heads (repeat_kv's Expand)
     and the query rows leave the tile room (the lowering proves the grouping on the offsets)."""
-    p = next(p for p in find_attention(g)[0] if p.nodes == tuple(region.nodes))
+    p = _attention_pattern(g, region)
     hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
     raw = g.tensors[g.nodes[p.qk].output[0]].shape
     s = [hint(d) for d in raw]
@@ -163,7 +166,7 @@ def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
                 rep = compute.elements(g, n.output[0]) // compute.elements(g, n.input[0])
                 group = rep if rep > 1 and raw[1] % rep == 0 else 1
     units = bh // group * -(-sq * group // bm)
-    return AttentionGeometry(p, mma, d, dv, sk, bm, bn, units, -(-sk // bn))
+    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn))
 
 
 @per_graph
@@ -344,16 +347,18 @@ class CostModel:
         packed into one unit's rows at a generation step's few rows. `split`: the kernel's key split (split_k),
         else the one `attention_split` gives it."""
         tgt, geo = self.target, attention_geometry(g, region)
-        if split is None:
-            split = self.attention_split(g, region)
-        clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n, split, geo.work)
+        clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
+                                     self._split(geo) if split is None else split, geo.work)
         return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def attention_split(self, g: Graph, region: Region) -> int:
         """The key split (split_k) of a tensor-core attention kernel: the most the kernel allows
         (`tiles.key_split`) where splitting beats one block's walk over a unit's keys at g's hints, else 1
         (a cluster costs about two key tiles: BERT's 2 tiles a unit lose to it, a decode step's 9 gain)."""
-        tgt, geo = self.target, attention_geometry(g, region)
+        return self._split(attention_geometry(g, region))
+
+    def _split(self, geo: AttentionGeometry) -> int:
+        tgt = self.target
         most = tiles.key_split(tgt, geo.d, geo.dv, geo.keys) if geo.mma else 1
         if most < 2:
             return 1
@@ -554,10 +559,10 @@ class CostModel:
         rest = tr.unfused_bytes - sum(node_bytes(g, n) for n in folded) + residual
         launches = tr.unfused_launches - len(folded)
         if region.kind == "attention":  # its two MatMuls at ORT's rate (TF32 for fp32), where over their bytes
-            geo = attention_geometry(g, region)
+            p = _attention_pattern(g, region)
             return self.time_us(rest, launches) + sum(
                 max(0.0, us - node_bytes(g, n) / (self.target.dram_gbps * 1e3))
-                for n in (g.nodes[geo.pattern.qk], g.nodes[geo.pattern.pv]) for us in (self.gemm_us(g, n)[0],))
+                for n in (g.nodes[p.qk], g.nodes[p.pv]) for us in (self.gemm_us(g, n)[0],))
         if region.kind not in ("gemm", "gemm_row"):
             return self.time_us(rest, launches)
         mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
