@@ -122,6 +122,18 @@ class Target:
     attn_simt_sm_clocks: float = 6200.0
     attn_fixed_clocks: float = 4360.0
     attn_split_clocks: float = 13170.0
+    # ORT's MultiHeadAttention (com.microsoft; `rewriter.mha`), in us: fixed + per 64-key tile of a query
+    # row's keys + FLOPs (2 B N Sq Sk (D + Dv)) at a rate, for each path ORT takes. Fitted through bench/kernels'
+    # device times (L2 flushed; docs/gpu 2026-11-26 H100 s20 and H200 s14, 2026-11-27 H100 s31), each class
+    # through its own points and so not yet checked on any other shape: 16-bit without a bias (flash
+    # attention) BERT-base 128 keys 7.6 / 16.8 us at batch 1 / 32, ViT-B 197 keys 9.3 / 27.7; 16-bit with an
+    # attention_bias BERT 9.2 / 23.0, ViT 16.9 / 77.1 (keys not a multiple of 8 run at about half the rate);
+    # fp32 ViT 35.4 / 294.0 without a bias, 36.0 / 311.7 with one (no tile term: one shape only).
+    mha_flash_us: tuple[float, float, float] = (5.9, 0.7, 185.0)  # (fixed us, us a key tile, TFLOP/s)
+    mha_bias_us: tuple[float, float, float] = (2.55, 3.1, 113.0)
+    mha_bias_unaligned_tflops: float = 61.0
+    mha_fp32_us: tuple[float, float, float] = (27.1, 0.0, 14.3)
+    mha_fp32_bias_tflops: float = 13.4
     # cuBLAS on a GEMM whose weight or output rows are not 16-byte aligned (N = 50,257 fp16 logits), over the
     # roofline estimate of the aligned GEMM (`CostModel.gemm_us`). 1.0 (never pad) where nothing was observed.
     # sm_90: measured on an H100 (2026-11-26, docs/gpu/2026-11-26-h100-s21-sweep-unaligned.md), GPT-2's LM head

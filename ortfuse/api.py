@@ -28,10 +28,11 @@ from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
+from ortfuse.rewriter.mha import to_mha
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
-from ortfuse.search import ops
-from ortfuse.search.attention import absorbed_selects
+from ortfuse.search import ops, ort_attention
+from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
@@ -74,6 +75,7 @@ class OptimizeResult:
     archs: tuple[int, ...]
     placements: tuple = ()  # ortfuse.profile.Placement per region when profiled on the GPU
     layout: tuple[str, ...] = ()  # each residual stream's layout decision, with its estimate (`_layout_chosen`)
+    ort_attention: tuple[str, ...] = ()  # each kind of attention pattern's MultiHeadAttention decision, or why none
 
 
 def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
@@ -163,6 +165,36 @@ def _layout_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: CostMod
     return graph, notes
 
 
+def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: CostModel,
+                          mode: str = "auto") -> tuple[Graph, list[str]]:
+    """`graph` with attention patterns handed to ORT's MultiHeadAttention (`rewriter.mha`) where the
+    whole-model estimate of the two plans gains (Collage's third backend: the plan without it has the better
+    of our kernel and ORT's unfused ops), one decision per kind of pattern (a model's layers are one), and a
+    line per kind saying what was decided. `mode` "on": wherever MultiHeadAttention computes the pattern."""
+    if mode == "off":
+        return graph, []
+    found, refused = ort_attention.forms(graph, find_attention(graph)[0])
+    notes = [f"attention at {where} stays: not ORT's MultiHeadAttention ({why})" for where, why in refused]
+    for sig in dict.fromkeys(f.signature(graph) for f in found):
+        # the forms on the graph as rewritten so far (node indices move; the tensors they read do not)
+        now = [f for f in ort_attention.forms(graph, find_attention(graph)[0])[0] if f.signature(graph) == sig]
+        if not now:
+            continue
+        trial = to_mha(graph, now)
+        like = f"{len(now)} attention pattern{'s' if len(now) > 1 else ''} like Softmax '{now[0].softmax}'"
+        if mode == "on":
+            notes.append(f"{like} -> ORT's MultiHeadAttention (--ort-attention on)")
+            graph = trial
+            continue
+        times = cost.plan_times(trial, plan_of(trial), plan_of(graph), graph)
+        taken = cost.pays(times)
+        notes.append(f"{like} {'-> ORT' if taken else 'not to ORT'}'s MultiHeadAttention: the model estimated at "
+                     f"{cost.figures(times)} with our kernel or ORT's unfused ops")
+        if taken:
+            graph = trial
+    return graph, notes
+
+
 def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) not in (None, "gemm") \
         and node.op_type not in ops.FREE_IN_ORT
@@ -228,6 +260,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
+    graph, mha_notes = _ort_attention_chosen(graph, plan_of, cost, opts.ort_attention)
+    for note in mha_notes:
+        say(note)
     # a Split an attention pattern reads through is kept whether or not the pattern's region is taken: with
     # Slices instead, ORT's alternative to the region gains three Slice kernels, and the estimate then takes
     # the attention the Split form leaves to ORT (ViT-B fp32)
@@ -293,7 +328,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
                           sum(1 for i in mb if i in fused), len({e for k in kernels for e, _ in k.all_kernels()}),
                           sum(k.region.traffic.saved_bytes for k in kernels),
-                          time.perf_counter() - t0, archs, placements, tuple(layout_notes))
+                          time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes))
 
 
 def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,

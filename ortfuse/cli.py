@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ortfuse.config import LAYOUT_MODES, LN_FOLD_MODES
+from ortfuse.config import LAYOUT_MODES, LN_FOLD_MODES, ORT_ATTENTION_MODES
 from ortfuse.errors import InputError, OrtfuseError
 
 
@@ -62,6 +62,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
                    **({"wgmma": a.wgmma} if a.wgmma is not None else {}),
                    **({"ln_fold": a.ln_fold} if a.ln_fold else {}),
                    **({"layout": a.layout} if a.layout else {}),
+                   **({"ort_attention": a.ort_attention} if a.ort_attention else {}),
                    **({"pdl": a.pdl} if a.pdl is not None else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
@@ -138,6 +139,10 @@ def _parser() -> argparse.ArgumentParser:
                         "channels-last): kept in the blocks' layout where the whole-model estimate gains, stream "
                         "by stream (auto, the default), wherever that saves copies (blocks), or never (model); "
                         "also ORTFUSE_LAYOUT")
+    o.add_argument("--ort-attention", choices=ORT_ATTENTION_MODES, default=None,
+                   help="attention patterns handed to ORT's own fused MultiHeadAttention where the whole-model "
+                        "estimate gains over our attention kernel and ORT's unfused ops (auto, the default), "
+                        "wherever it computes them (on), or never (off); also ORTFUSE_ORT_ATTENTION")
     o.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="programmatic dependent launches where every --arch is sm_90+: each kernel may start while "
                         "the one before it finishes, and waits for it before touching memory. Off by default "

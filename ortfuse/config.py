@@ -30,6 +30,7 @@ def debug() -> bool:
 
 LN_FOLD_MODES = ("auto", "on", "off")
 LAYOUT_MODES = ("auto", "blocks", "model")
+ORT_ATTENTION_MODES = ("auto", "on", "off")
 
 
 def _tristate(env: str) -> bool | None:
@@ -58,6 +59,10 @@ class Options:
     # whole-model estimate gains, chain by chain ("auto"), wherever that saves copies ("blocks"), or left in
     # the model's ("model") ($ORTFUSE_LAYOUT; rewriter.layout)
     layout: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LAYOUT", "auto") or "auto")
+    # attention patterns handed to ORT's own fused MultiHeadAttention (rewriter.mha) where the whole-model
+    # estimate gains over our kernel or ORT's unfused ops ("auto"), wherever it computes them ("on"), or never
+    # ("off") ($ORTFUSE_ORT_ATTENTION)
+    ort_attention: str = field(default_factory=lambda: os.environ.get("ORTFUSE_ORT_ATTENTION", "auto") or "auto")
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
     # GPU ($ORTFUSE_PDL=1 turns them on)
     pdl: bool = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_PDL", "")) is True)
@@ -71,6 +76,9 @@ class Options:
         if self.ln_fold not in LN_FOLD_MODES:  # (a user's setting, so an input error)
             raise InputError(f"LayerNorm fold mode '{self.ln_fold}' (ORTFUSE_LN_FOLD): expected one of "
                              f"{', '.join(LN_FOLD_MODES)}")
+        if self.ort_attention not in ORT_ATTENTION_MODES:
+            raise InputError(f"ORT attention mode '{self.ort_attention}' (ORTFUSE_ORT_ATTENTION): expected one of "
+                             f"{', '.join(ORT_ATTENTION_MODES)}")
         if self.layout not in LAYOUT_MODES:
             raise InputError(f"layout mode '{self.layout}' (ORTFUSE_LAYOUT): expected one of "
                              f"{', '.join(LAYOUT_MODES)}")

@@ -114,5 +114,7 @@ def markdown(r: OptimizeResult, source: str) -> str:
             out.append(f"| {pl.region} | {us_text(pl.ort_us)} | {tiles} | {split} | {kept} | {pl.speedup:.2f}x | {model} |")
     if r.layout:
         out += ["", "## Residual-stream layout (rewriter.layout)", ""] + [f"- {x}" for x in r.layout]
+    if r.ort_attention:
+        out += ["", "## ORT's fused attention (rewriter.mha)", ""] + [f"- {x}" for x in r.ort_attention]
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

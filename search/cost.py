@@ -17,6 +17,7 @@ from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MI
                                       short_row_threads, vector_lanes)
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
+from ortfuse.rewriter.mha import is_mha
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
 from ortfuse.search import compute, conv, legal, norm_fold, ops, pool
 from ortfuse.search.attention import AttentionPattern, find_attention
@@ -293,6 +294,8 @@ class CostModel:
                 continue
             if conv.is_anchor(g, n) and not (n.op_type in ops.CONV and isinstance(conv.conv_geometry(g, n), str)):
                 total += self.gemm_us(gb, n)[0] + self.target.launch_us
+            elif is_mha(n):
+                total += self.mha_us(gb, n)
             else:  # other ops, and a Conv we cannot describe (1-D): by their bytes, the same in both plans
                 total += self.time_us(node_bytes(gb, n), 1)
         return total
@@ -350,6 +353,27 @@ class CostModel:
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
                                      self._split(geo) if split is None else split, geo.work)
         return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
+
+    def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:
+        """ORT's MultiHeadAttention (`rewriter.mha`) at g's hints: the path ORT takes for its dtype and bias
+        (`Target.mha_*`), never under its DRAM traffic."""
+        tgt = self.target
+        hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+        b, sq, hd = (hint(d) for d in g.tensors[node.input[0]].shape)
+        sk, hdv = (hint(d) for d in g.tensors[node.input[2]].shape[1:])
+        biased = len(node.input) > 5 and bool(node.input[5])
+        flops = 2.0 * b * sq * sk * (hd + hdv)  # over every head: N (D + Dv) = hd + hdv
+        if g.tensors[node.input[0]].dtype == onnx.TensorProto.FLOAT:
+            fixed, per_tile, tflops = tgt.mha_fp32_us
+            tflops = tgt.mha_fp32_bias_tflops if biased else tflops
+        elif biased:
+            fixed, per_tile, tflops = tgt.mha_bias_us
+            tflops = tflops if sk % 8 == 0 else tgt.mha_bias_unaligned_tflops
+        else:
+            fixed, per_tile, tflops = tgt.mha_flash_us
+        bytes_moved = sum(tensor_bytes(g, t) for t in (*node.input, *node.output) if t)
+        return max(self.time_us(bytes_moved, 1),
+                   tgt.launch_us + fixed + per_tile * -(-sk // 64) + flops / (tflops * 1e6))
 
     def attention_split(self, g: Graph, region: Region) -> int:
         """The key split (split_k) of a tensor-core attention kernel: the most the kernel allows

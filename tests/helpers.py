@@ -476,3 +476,51 @@ def short_rows(dt: int, hidden: int) -> onnx.ModelProto:
                   node("Softmax", ["s"], ["p"], axis=-1), node("Add", ["ln", "p"], ["out"])],
                  [vi("y", dt, ["n", 5, hidden]), vi("r", dt, ["n", 5, hidden])], [vi("out", dt, None)],
                  [const(k, v, np_dt) for k, v in inits.items()])
+
+
+def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", softmax_fp32=False, q_scaled=False,
+              out="merged") -> onnx.ModelProto:
+    """Self-attention on three projections q, k, v [B, S, heads*head] as exporters write it. `mask`: "none",
+    "full" [B, 1, S, S], "rank2" [S, S], "rows" [B, 1, 1, S] (broadcast over query rows); `scale`: "div",
+    "mul" or "none"; `kt`: Kᵀ by one Transpose(0,2,3,1) or "two" (0,2,1,3 then 0,1,3,2); `softmax_fp32`:
+    scores cast to fp32 around the Softmax; `q_scaled`: Q scaled by a scalar after its Transpose; `out`:
+    "merged" (Transpose back + Reshape) or "heads" (P·V is the model's output)."""
+    hd = heads * head
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+    nodes = [node("Reshape", ["q", "shp4"], ["q4"]),
+             node("Transpose", ["q4"], ["qh0" if q_scaled else "qh"], perm=[0, 2, 1, 3]),
+             node("Reshape", ["k", "shp4"], ["k4"]), node("Reshape", ["v", "shp4"], ["v4"]),
+             node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3])]
+    if q_scaled:
+        nodes.append(node("Mul", ["qh0", "qscale"], ["qh"]))
+    if kt == "one":
+        nodes.append(node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]))
+    else:
+        nodes += [node("Transpose", ["k4"], ["kh"], perm=[0, 2, 1, 3]),
+                  node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2])]
+    nodes.append(node("MatMul", ["qh", "kt"], ["s0"]))
+    s = "s0"
+    if scale != "none":
+        nodes.append(node("Div" if scale == "div" else "Mul", [s, "scale"], ["s1"]))
+        s = "s1"
+    inputs = [vi(t, dt, ["batch", "seq", hd]) for t in ("q", "k", "v")]
+    if mask != "none":
+        shape = {"full": ["batch", 1, "seq", "seq"], "rank2": ["seq", "seq"], "rows": ["batch", 1, 1, "seq"]}[mask]
+        inputs.append(vi("mask", dt, shape))
+        nodes.append(node("Add", [s, "mask"], ["s2"]))
+        s = "s2"
+    if softmax_fp32:
+        nodes += [node("Cast", [s], ["s3"], to=onnx.TensorProto.FLOAT), node("Softmax", ["s3"], ["p0"], axis=-1),
+                  node("Cast", ["p0"], ["p"], to=dt)]
+    else:
+        nodes.append(node("Softmax", [s], ["p"], axis=-1))
+    nodes.append(node("MatMul", ["p", "vh"], ["o"]))
+    if out == "merged":
+        nodes += [node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]), node("Reshape", ["o4", "shp3"], ["y"])]
+        outputs = [vi("y", dt, ["batch", "seq", hd])]
+    else:
+        outputs = [vi("o", dt, ["batch", heads, "seq", head])]
+    value = np.sqrt(head) if scale == "div" else 1 / np.sqrt(head)
+    inits = [const("shp4", [0, 0, heads, head], np.int64), const("shp3", [0, 0, hd], np.int64),
+             const("scale", value, npdt), const("qscale", 0.7, npdt)]
+    return model(nodes, inputs, outputs, inits)

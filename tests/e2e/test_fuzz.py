@@ -113,14 +113,16 @@ def test_generator_covers_the_fusion_kinds() -> None:
 @pytest.mark.parametrize("seed", range(_alo, _ahi))
 def test_random_attention_matches_ort(seed: int, monkeypatch) -> None:
     # the attention kernel's parity whatever the placement: first as the cost model places it (a region it
-    # leaves to ORT frees its nodes for the other phases), then with every attention region taken
+    # leaves to ORT frees its nodes for the other phases, or becomes ORT's MultiHeadAttention), then with
+    # every attention region taken, then as ORT's MultiHeadAttention wherever that computes it
     m, shapes = random_attention(seed)
     plain = compile_model(m, shapes, "sm_90")
+    mha = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="on"))
     real = CostModel.verdict
     monkeypatch.setattr(CostModel, "verdict", lambda cm, g, r: None if r.kind == "attention" else real(cm, g, r))
-    res = compile_model(m, shapes, "sm_90")
+    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="off"))
     assert [r.kind for r in res.plan.regions].count("attention") == 1, [str(r) for r in res.plan.refusals]
-    for out in (res, plain) if plain.plan != res.plan else (res,):
+    for out in {r.model.SerializeToString(): r for r in (res, plain, mha)}.values():  # each distinct model once
         assert_ort_accepts(out.model)
         for n, s in ((2, 7), (1, 19)):
             bind = _bind(shapes, n, s)

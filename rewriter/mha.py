@@ -1,0 +1,195 @@
+"""ORT's own fused attention for an attention pattern: `com.microsoft.MultiHeadAttention`, a stock kernel of
+ORT's CUDA EP (flash attention for 16-bit data without a bias, memory-efficient or unfused kernels otherwise;
+its CPU EP runs it too). Collage's third backend for an attention region, beside our kernel and ORT's unfused
+ops: the search decides which (`ortfuse.api._ort_attention_chosen`).
+
+The pattern's two MatMuls, score ops and Softmax become one MultiHeadAttention node. It reads Q, K and V as
+[B, S, heads * D] and writes [B, Sq, heads * Dv], so each operand is re-viewed from the pattern's
+[B, heads, S, D] tensors (Kᵀ for K): a Transpose that undoes the exporter's own reads the tensor before it
+instead (no copy), a Reshape that merges the last two dims reads the exporter's unmerged tensor. What the
+output's consumers transpose back is read the same way from the node's result. The layout paths of the
+pattern stay as they are for ORT (Reshapes cost nothing there; the search may fuse the rest).
+
+Which patterns MultiHeadAttention computes exactly is `search.ort_attention`'s to say (`MhaForm`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ortfuse.rewriter.canonical import remove_dead
+from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
+from ortfuse.rewriter.shapes import assemble
+
+DOMAIN = "com.microsoft"
+OP = "MultiHeadAttention"
+DTYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16})
+BNSD_TO_BSND = (0, 2, 1, 3)  # Q, V and the output: [B, N, S, D] <-> [B, S, N, D] (its own inverse)
+KT_TO_BSND = (0, 3, 1, 2)  # Kᵀ [B, N, D, S] -> [B, S, N, D]
+
+
+@dataclass(frozen=True)
+class MhaForm:
+    """An attention pattern as MultiHeadAttention computes it."""
+    softmax: str  # the pattern's Softmax (its name, or output where unnamed): how reports name it
+    q: str  # Q [B, N, Sq, D] (the scores MatMul's first input)
+    kt: str  # Kᵀ [B, N, D, Sk] (its second)
+    v: str  # V [B, N, Sk, Dv] (the second MatMul's second input)
+    out: str  # P·V [B, N, Sq, Dv]
+    heads: int
+    d: int
+    dv: int
+    scale: float  # the scores' scalar factor (MultiHeadAttention's `scale`)
+    bias: Optional[str]  # the additive mask (`attention_bias`), if any
+    dtype: int
+    nodes: tuple[int, ...]  # the nodes the attention node replaces: MatMuls, score ops, Softmax, prob ops
+
+    def signature(self, g: Graph) -> tuple:
+        """Forms that cost the same: one decision serves them all (a model's layers)."""
+        shape = lambda t: tuple(g.tensors[t].shape or ())  # noqa: E731
+        return (self.dtype, self.heads, self.d, self.dv, shape(self.q), shape(self.kt),
+                shape(self.bias) if self.bias else None)
+
+
+class _Emitter:
+    """New nodes and tensors for one rewrite, named uniquely after a prefix."""
+
+    def __init__(self, g: Graph, m: onnx.ModelProto, tensors: dict[str, TensorInfo]):
+        self.g, self.m, self.tensors = g, m, tensors
+        self.nodes: list[onnx.NodeProto] = []
+        self.taken = set(tensors) | {t.name for t in m.graph.initializer}
+
+    def name(self, base: str) -> str:
+        k, out = 0, base
+        while out in self.taken:
+            k += 1
+            out = f"{base}_{k}"
+        self.taken.add(out)
+        return out
+
+    def const(self, base: str, values: Sequence[int]) -> str:
+        t = self.name(base)
+        self.m.graph.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), t))
+        self.tensors[t] = TensorInfo(t, onnx.TensorProto.INT64, (len(values),))
+        return t
+
+    def node(self, op: str, inputs: list[str], base: str, shape: tuple[Dim, ...], dtype: int,
+             out: Optional[str] = None, domain: str = "", **attrs) -> str:
+        y = out or self.name(base)
+        self.nodes.append(onnx.helper.make_node(op, inputs, [y], name=self.name(f"{base}/{op}"), domain=domain,
+                                                **attrs))
+        self.tensors[y] = TensorInfo(y, dtype, shape)
+        return y
+
+
+def _compose(first: Sequence[int], then: Sequence[int]) -> tuple[int, ...]:
+    """The one permutation of Transpose(Transpose(x, first), then)."""
+    return tuple(first[i] for i in then)
+
+
+def _transposed(e: _Emitter, x: str, perm: tuple[int, ...], base: str) -> str:
+    """x transposed by `perm`: the tensor before the exporter's Transposes where they undo it (no copy)."""
+    g, t, acc = e.g, x, perm
+    while (p := g.producer.get(t)) is not None and g.nodes[p].op_type in ("Transpose", "Identity") \
+            and g.nodes[p].domain in ("", "ai.onnx"):
+        node = g.nodes[p]
+        first = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        if node.op_type == "Transpose" and first is None:
+            break
+        acc, t = (acc if first is None else _compose(first, acc)), node.input[0]
+        if acc == tuple(range(len(acc))):
+            return t
+    shape = g.tensors[x].shape
+    return e.node("Transpose", [x], base, tuple(shape[i] for i in perm), g.tensors[x].dtype, perm=list(perm))
+
+
+def _heads_merged(e: _Emitter, x: str, base: str) -> str:
+    """x [B, S, N, D] as [B, S, N * D]: the exporter's tensor before its Reshape where that is it."""
+    g = e.g
+    b, s, n, d = e.tensors[x].shape
+    want = (b, s, n * d)
+    p = g.producer.get(x)
+    if p is not None and g.nodes[p].op_type == "Reshape":
+        src = g.nodes[p].input[0]
+        if src in g.tensors and tuple(g.tensors[src].shape or ()) == want:
+            return src
+    return e.node("Reshape", [x, e.const(f"{base}_shape", [0, 0, -1])], base, want, e.tensors[x].dtype)
+
+
+def _replacement(e: _Emitter, f: MhaForm) -> dict[str, str]:
+    """Emit f's nodes; returns the aliases of tensors the output's consumers re-view."""
+    g = e.g
+    base = f"{f.softmax}/mha"
+    q = _heads_merged(e, _transposed(e, f.q, BNSD_TO_BSND, f"{base}/q"), f"{base}/q")
+    k = _heads_merged(e, _transposed(e, f.kt, KT_TO_BSND, f"{base}/k"), f"{base}/k")
+    v = _heads_merged(e, _transposed(e, f.v, BNSD_TO_BSND, f"{base}/v"), f"{base}/v")
+    inputs = [q, k, v]
+    if f.bias is not None:
+        bias, rank = f.bias, len(g.tensors[f.bias].shape)
+        if rank < 4:
+            shape = (1,) * (4 - rank) + tuple(g.tensors[bias].shape)
+            axes = list(range(4 - rank))
+            if g.opset >= 13:
+                bias = e.node("Unsqueeze", [bias, e.const(f"{base}/bias_axes", axes)], f"{base}/bias", shape, f.dtype)
+            else:
+                bias = e.node("Unsqueeze", [bias], f"{base}/bias", shape, f.dtype, axes=axes)
+        inputs += ["", "", bias]
+    b, _, sq, _ = g.tensors[f.q].shape
+    merged = e.node(OP, inputs, base, (b, sq, f.heads * f.dv), f.dtype, domain=DOMAIN, num_heads=f.heads,
+                    scale=float(f.scale))
+    split = e.node("Reshape", [merged, e.const(f"{base}/out_shape", [0, 0, f.heads, f.dv])], f"{base}/out",
+                   (b, sq, f.heads, f.dv), f.dtype)
+    e.node("Transpose", [split], f"{base}/out", (b, f.heads, sq, f.dv), f.dtype, out=f.out, perm=list(BNSD_TO_BSND))
+    alias: dict[str, str] = {}
+    for c in g.consumers.get(f.out, ()):  # the exporter's Transpose back (and Reshape merging the heads)
+        node = g.nodes[c]
+        perm = next((tuple(a.ints) for a in node.attribute if a.name == "perm"), None)
+        if node.op_type != "Transpose" or perm is None or _compose(BNSD_TO_BSND, perm) != (0, 1, 2, 3) \
+                or node.output[0] in g.graph_outputs:
+            continue
+        alias[node.output[0]] = split
+        for r in g.consumers.get(node.output[0], ()):
+            rn = g.nodes[r]
+            if rn.op_type == "Reshape" and rn.output[0] not in g.graph_outputs and \
+                    tuple(g.tensors[rn.output[0]].shape or ()) == e.tensors[merged].shape:
+                alias[rn.output[0]] = merged
+    return alias
+
+
+def to_mha(g: Graph, chosen: Sequence[MhaForm]) -> Graph:
+    """g with each form's nodes replaced by ORT's MultiHeadAttention (g is left untouched)."""
+    if not chosen:
+        return g
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    e = _Emitter(g, m, tensors)
+    removed = {i for f in chosen for i in f.nodes}
+    at: dict[int, list[onnx.NodeProto]] = {}
+    alias: dict[str, str] = {}
+    for f in chosen:
+        e.nodes = []
+        alias.update(_replacement(e, f))
+        at[max(f.nodes)] = e.nodes  # where P·V was: every input is computed by then
+    new_nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(m.graph.node):
+        if i not in removed:
+            new_nodes.append(node)
+        new_nodes.extend(at.get(i, ()))
+    for node in new_nodes:
+        for k, x in enumerate(node.input):
+            if x in alias:
+                node.input[k] = alias[x]
+    del m.graph.node[:]
+    m.graph.node.extend(new_nodes)
+    if not any(o.domain == DOMAIN for o in m.opset_import):
+        m.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    remove_dead(m)
+    return assemble(m, tensors, g.opset, g.hint_overrides)
+
+
+def is_mha(node: onnx.NodeProto) -> bool:
+    return node.op_type == OP and node.domain == DOMAIN

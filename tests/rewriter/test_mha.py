@@ -1,0 +1,109 @@
+"""Attention patterns rewritten to ORT's MultiHeadAttention (rewriter.mha), run on ORT's CPU EP against the
+original model on random inputs: Q, K and V read where the exporter's Transposes and Reshapes leave them (no
+copy added), the scale and the mask carried over, the output re-viewed for its consumers."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+from helpers import gqa_attention, rope_attention, rope_shapes
+from helpers import plain_attention as attention
+from ortfuse.feeds import random_feeds
+from ortfuse.rewriter.mha import is_mha, to_mha
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search.attention import find_attention
+from ortfuse.search.ort_attention import forms
+
+TOL = {TP.FLOAT: 1e-5, TP.FLOAT16: 3e-3}  # max abs error over max abs output
+
+
+def _feeds(m: onnx.ModelProto, b: int, s: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for v in m.graph.input:
+        dims = [b if d.dim_param == "batch" else s if d.dim_param == "seq" else d.dim_value
+                for d in v.type.tensor_type.shape.dim]
+        npdt = helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+        out[v.name] = (rng.standard_normal(dims) * (2.0 if v.name == "mask" else 0.5)).astype(npdt)
+    return out
+
+
+def _run(m: onnx.ModelProto, feeds) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def rewritten(m: onnx.ModelProto):
+    g = build_graph(m, {}, {})
+    found, refused = forms(g, find_attention(g)[0])
+    assert not refused and len(found) == 1, refused
+    out = to_mha(g, found)
+    onnx.checker.check_model(out.model)
+    return g, out
+
+
+def assert_same(m: onnx.ModelProto, r: onnx.ModelProto, dt: int) -> None:
+    for b, s in ((2, 7), (1, 19)):
+        feeds = _feeds(m, b, s, seed=b * 100 + s)
+        for want, got in zip(_run(m, feeds), _run(r, feeds)):
+            assert want.shape == got.shape and np.abs(want).max() > 0.05
+            err = np.abs(want.astype(np.float64) - got.astype(np.float64)).max() / np.abs(want).max()
+            assert err < TOL[dt], err
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+@pytest.mark.parametrize("mask,scale,kt", [("full", "div", "one"), ("none", "mul", "two"), ("rank2", "none", "one")])
+def test_rewrite_reads_the_projections_and_matches_ort(dt, mask, scale, kt):
+    m = attention(dt, mask=mask, scale=scale, kt=kt)
+    before = m.SerializeToString()
+    g, out = rewritten(m)
+    ops = [n.op_type for n in out.nodes]
+    assert ops.count("MultiHeadAttention") == 1 and "Transpose" not in ops and "Softmax" not in ops, ops
+    mha = next(n for n in out.nodes if is_mha(n))
+    assert list(mha.input[:3]) == ["q", "k", "v"]  # the exporter's Reshapes and Transposes undone, not copied
+    # the output's Transpose back undone; the model's output keeps its name, a Reshape (free in ORT) away
+    assert out.nodes[out.producer["y"]].op_type == "Reshape"
+    assert any(o.domain == "com.microsoft" for o in out.model.opset_import)
+    assert m.SerializeToString() == before  # the input model untouched
+    assert_same(m, out.model, dt)
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+def test_scores_cast_to_fp32_around_the_softmax(dt):
+    m = attention(dt, softmax_fp32=True)
+    _, out = rewritten(m)
+    assert [n.op_type for n in out.nodes].count("Cast") == 0
+    assert_same(m, out.model, dt)
+
+
+def test_a_scaled_q_is_transposed_back_and_a_heads_output_transposed_forward():
+    """Q scaled after its Transpose: the exporter's Transpose cannot be undone, so one is added; P·V as the
+    model's output [B, N, S, D] is transposed back from MultiHeadAttention's [B, S, N*D]."""
+    m = attention(TP.FLOAT, q_scaled=True, out="heads")
+    _, out = rewritten(m)
+    assert [n.op_type for n in out.nodes].count("Transpose") == 3  # the exporter's, ours back, the output
+    assert_same(m, out.model, TP.FLOAT)
+
+
+@pytest.mark.parametrize("make,shapes", [
+    (lambda: gqa_attention(TP.FLOAT16, runtime_target=False), {"q": (2, 4, 9, 64), "k": (2, 2, 9, 64),
+                                                               "v": (2, 2, 9, 64), "mask": (2, 1, 9, 9)}),
+    (lambda: rope_attention(TP.FLOAT, kv_heads=4, head=16), rope_shapes(4, 4, 16, 2, 9)),
+], ids=["gqa", "rope"])
+def test_operand_paths_stay_with_ort(make, shapes):
+    """K and V repeated across grouped query heads, or Q and K rotated: the paths stay as ORT ops in front of
+    MultiHeadAttention, which gets the repeated (rotated) heads."""
+    m = make()
+    g = build_graph(m, {}, {})
+    found, refused = forms(g, find_attention(g)[0])
+    assert len(found) == 1 and not refused
+    out = to_mha(g, found).model
+    feeds = random_feeds(m, shapes, seed=3)
+    for want, got in zip(_run(m, feeds), _run(out, feeds)):
+        err = np.abs(want.astype(np.float64) - got.astype(np.float64)).max() / np.abs(want).max()
+        assert err < 3e-3, err
