@@ -112,12 +112,13 @@ for name in "$@"; do
         python3 -m ortfuse.bench.ncu_attention "$am" "${ad:-fp16}" --batch "${ab:-32}" --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
-    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-baselines]: one zoo row with
+    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-mhaon|-mhaoff|-baselines]: one zoo row with
       # --profile (wgmma is the sm_90 default; -kernels adds the per-kernel table, -nowgmma optimizes without
       # wgmma, -noprofile without --profile: the default build; -lnfoldoff the default build with --ln-fold off;
       # -pdl the default build with a --pdl build timed beside it in the same run; -layout the default build
       # with a --layout model build (residual streams left in the model's layout) beside it; -blocks the same with
-      # a --layout blocks build (every stream kept in its blocks' layout where it can be);
+      # a --layout blocks build (every stream kept in its blocks' layout where it can be); -mhaon / -mhaoff the same
+      # with an --ort-attention on / off build (attention as ORT's MultiHeadAttention wherever it can be / never);
       # -baselines the default build beside every baseline, ORT's transformers optimizer and torch.compile
       # included, all in one process), e.g. suite-vit-fp16-kernels
       IFS=- read -r _ model dtype extra <<<"$name"
@@ -128,6 +129,8 @@ for name in "$@"; do
       [[ $extra == pdl ]] && flags=(--no-profile --beside-pdl)
       [[ $extra == layout ]] && flags=(--no-profile --beside-layout model)
       [[ $extra == blocks ]] && flags=(--no-profile --beside-layout blocks)
+      [[ $extra == mhaon ]] && flags=(--no-profile --beside-ort-attention on)
+      [[ $extra == mhaoff ]] && flags=(--no-profile --beside-ort-attention off)
       [[ $extra == baselines ]] && flags=(--no-profile) && variants=()
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests "${flags[@]}" --models "$model" \
         --dtypes "$dtype" --work "$WORK/$name-work" "${variants[@]}" ;;

@@ -78,9 +78,10 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
 
 
 def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = None,
-              layout: str | None = None) -> dict[str, Any]:
-  """`pdl`, `layout`: override Options.pdl / Options.layout (a second build, written beside the first)."""
-  tag = ('' if pdl is None else '.pdl' if pdl else '.nopdl') + ('' if layout is None else f'.layout-{layout}')
+              layout: str | None = None, ort_attention: str | None = None) -> dict[str, Any]:
+  """`pdl`, `layout`, `ort_attention`: override those Options (a second build, written beside the first)."""
+  tag = ('' if pdl is None else '.pdl' if pdl else '.nopdl') + ('' if layout is None else f'.layout-{layout}') \
+      + ('' if ort_attention is None else f'.ort-attention-{ort_attention}')
   out = work / f"{src.stem}{tag}.ortfuse.onnx"
   try:
     import onnx
@@ -99,6 +100,8 @@ def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = No
       opts = dataclasses.replace(opts, pdl=pdl)
     if layout is not None:
       opts = dataclasses.replace(opts, layout=layout)
+    if ort_attention is not None:
+      opts = dataclasses.replace(opts, ort_attention=ort_attention)
     res = compile_model(str(src), shapes, arch, options=opts)
     seconds = time.perf_counter() - start
     model = res.model
@@ -205,12 +208,13 @@ def variant_label(profile: bool = True) -> str:
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
               kernels: bool = False, sweep: bool = False, profile: bool = True,
-              beside_pdl: bool = False, beside_layout: str | None = None) -> dict[str, Any]:
+              beside_pdl: bool = False, beside_layout: str | None = None,
+              beside_ort_attention: str | None = None) -> dict[str, Any]:
   """`profile`: optimize with --profile (measured placement and tiles); without it the rows read
   'NAME no-profile' (the default build: the cost model's placement, the tile model's kernel variants).
   `beside_pdl`: also build with programmatic dependent launches toggled (`--pdl` against the build's
   default), timed in the same run as the harness's ortfuse-beside rows; `beside_layout`: also build with
-  that `--layout` mode, the same way."""
+  that `--layout` mode, the same way; `beside_ort_attention`: with that `--ort-attention` mode."""
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -249,6 +253,10 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       elif beside_layout and opt:
         entry["beside"] = {"label": f"--layout {beside_layout}",
                            **_optimize(src, work, profile, layout=beside_layout)}
+        beside = entry["beside"].get("path")
+      elif beside_ort_attention and opt:
+        entry["beside"] = {"label": f"--ort-attention {beside_ort_attention}",
+                           **_optimize(src, work, profile, ort_attention=beside_ort_attention)}
         beside = entry["beside"].get("path")
       start = time.perf_counter()
       entry["bench"] = _bench(src, opt, batches, work, variants, beside)
@@ -459,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--beside-layout", choices=("auto", "blocks", "model"),
                  help="also build each model with this --layout mode and time it in the same run (harness "
                       "--beside): 'built with --layout MODE beside the row's build' lines")
+  p.add_argument("--beside-ort-attention", choices=("auto", "on", "off"),
+                 help="also build each model with this --ort-attention mode and time it in the same run (harness "
+                      "--beside): 'built with --ort-attention MODE beside the row's build' lines")
   p.add_argument("--pdl", action="store_true",
                  help="optimize with programmatic dependent launches (sets ORTFUSE_PDL=1); rows read 'NAME pdl'")
   p.add_argument("--no-profile", action="store_true",
@@ -486,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
                      args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, args.beside_pdl,
-                     args.beside_layout)
+                     args.beside_layout, args.beside_ort_attention)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

@@ -28,13 +28,13 @@ from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
-from ortfuse.rewriter.mha import to_mha
+from ortfuse.rewriter.mha import MhaForm, to_mha
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel
-from ortfuse.search.plan import Plan, Region
+from ortfuse.search.plan import Plan, Region, Traffic
 from ortfuse.search.regions import plan as search_plan
 
 ModelLike = Union[str, Path, onnx.ModelProto]
@@ -165,12 +165,14 @@ def _layout_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: CostMod
     return graph, notes
 
 
-def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: CostModel,
-                          mode: str = "auto") -> tuple[Graph, list[str]]:
+def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: CostModel, mode: str = "auto",
+                          measure: Optional[Callable[[Graph, MhaForm], Optional[tuple[bool, str]]]] = None
+                          ) -> tuple[Graph, list[str]]:
     """`graph` with attention patterns handed to ORT's MultiHeadAttention (`rewriter.mha`) where the
     whole-model estimate of the two plans gains (Collage's third backend: the plan without it has the better
-    of our kernel and ORT's unfused ops), one decision per kind of pattern (a model's layers are one), and a
-    line per kind saying what was decided. `mode` "on": wherever MultiHeadAttention computes the pattern."""
+    of our kernel and ORT's unfused ops), or where `measure` (--profile) times it faster than both; one
+    decision per kind of pattern (a model's layers are one), and a line per kind saying what was decided.
+    `mode` "on": wherever MultiHeadAttention computes the pattern."""
     if mode == "off":
         return graph, []
     found, refused = ort_attention.forms(graph, find_attention(graph)[0])
@@ -186,13 +188,47 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
             notes.append(f"{like} -> ORT's MultiHeadAttention (--ort-attention on)")
             graph = trial
             continue
-        times = cost.plan_times(trial, plan_of(trial), plan_of(graph), graph)
-        taken = cost.pays(times)
-        notes.append(f"{like} {'-> ORT' if taken else 'not to ORT'}'s MultiHeadAttention: the model estimated at "
-                     f"{cost.figures(times)} with our kernel or ORT's unfused ops")
+        verdict = measure(graph, now[0]) if measure else None
+        if verdict is None:
+            times = cost.plan_times(trial, plan_of(trial), plan_of(graph), graph)
+            verdict = cost.pays(times), (f"the model estimated at {cost.figures(times)} with our kernel or ORT's "
+                                         "unfused ops")
+        taken, why = verdict
+        notes.append(f"{like} {'-> ORT' if taken else 'not to ORT'}'s MultiHeadAttention: {why}")
         if taken:
             graph = trial
     return graph, notes
+
+
+def _attention_measured(tgt: Target, opts: Options, cost: CostModel
+                        ) -> Callable[[Graph, MhaForm], Optional[tuple[bool, str]]]:
+    """--profile's verdict on handing an attention pattern to ORT's MultiHeadAttention: (taken, the times)
+    where it beats both our kernel (its key split as the cost model chooses it) and ORT's unfused ops at
+    every profiled binding's geometric mean, or None where the pattern is no region of its own (the
+    estimate decides)."""
+    from ortfuse import profile as prof
+    from ortfuse.search import legal
+    from ortfuse.search.cost import traffic
+
+    def measure(g: Graph, form: MhaForm) -> Optional[tuple[bool, str]]:
+        pat = next(p for p in find_attention(g)[0] if ort_attention.softmax_name(g, p.softmax) == form.softmax)
+        inputs, outputs = legal.region_io(g, set(pat.nodes))
+        if outputs != [pat.output]:
+            return None
+        region = Region(0, "attention", pat.nodes, tuple(inputs), tuple(outputs),
+                        tuple(g.tensors[pat.output].shape or ()), Traffic(0, 0, 0))
+        region = dataclasses.replace(region, traffic=traffic(g, region))
+        try:
+            k = _attention_split(g, cost, _after_ptxas(g, tgt, opts, _relowered(g, tgt, opts, region)))
+            node: Optional[FusedNode] = k.node
+        except LoweringError:
+            node = None
+        ort_us, ours_us, mha_us = prof.time_attention(g, region, node, prof.profile_bindings(g, opts.profile_batch),
+                                                      opts.cache / "profile.json")
+        taken = prof.wins(mha_us, ort_us) and prof.wins(mha_us, ours_us)
+        return taken, (f"measured {prof.us_text(mha_us)} us, our kernel {prof.us_text(ours_us)}, ORT's unfused ops "
+                       f"{prof.us_text(ort_us)}")
+    return measure
 
 
 def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
@@ -260,7 +296,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     def fused_outputs(g: Graph) -> set[str]:  # the outputs of the nodes the search would fuse in g
         return {o for r in plan_of(g).regions for i in r.nodes for o in g.nodes[i].output if o}
 
-    graph, mha_notes = _ort_attention_chosen(graph, plan_of, cost, opts.ort_attention)
+    graph, mha_notes = _ort_attention_chosen(graph, plan_of, cost, opts.ort_attention,
+                                             _attention_measured(tgt, opts, cost) if opts.profile else None)
     for note in mha_notes:
         say(note)
     # a Split an attention pattern reads through is kept whether or not the pattern's region is taken: with

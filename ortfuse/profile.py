@@ -488,3 +488,41 @@ def time_split(g: Graph, gemm: Region, rest: Region, rest_node: FusedNode,
     finally:
         cache.save()
     return tuple(out)
+
+
+def mha_model(sub: onnx.ModelProto) -> Optional[onnx.ModelProto]:
+    """`sub` (an attention region's region_model) with its pattern as ORT's MultiHeadAttention
+    (`rewriter.mha`), or None where that does not compute it."""
+    from ortfuse.rewriter.mha import to_mha
+    from ortfuse.search.attention import find_attention
+    from ortfuse.search.ort_attention import forms
+    sg = build_graph(sub, {})
+    found, _ = forms(sg, find_attention(sg)[0])
+    return to_mha(sg, found).model if len(found) == 1 else None
+
+
+def time_attention(g: Graph, region: Region, ours: Optional[FusedNode],
+                   bindings: Sequence[tuple[str, Mapping[str, int]]], cache_path: Optional[Path],
+                   timer: Optional[Timer] = None, device: Optional[str] = None) -> tuple[Times, Times, Times]:
+    """An attention region's three backends at each binding, measured and cached like `place`: (ORT's
+    unfused ops, our kernel `ours` (inf where None or where it fails on the device), ORT's
+    MultiHeadAttention (inf where it does not compute the pattern))."""
+    timer, dev, cache = _measuring(timer, device, cache_path)
+    headers = headers_digest()
+    ort_us, ours_us, mha_us = [], [], []
+    try:
+        for _, dims in bindings:
+            sub = region_model(g, region, dims)
+            feeds = random_feeds(sub, None, seed=region.id)
+            ort_us.append(cache.get(_digest("ort", signature(sub), dev), lambda: timer(sub, feeds, False)))
+            mha = mha_model(sub)
+            mha_us.append(math.inf if mha is None else
+                          cache.get(_digest("ort", signature(mha), dev), lambda: timer(mha, feeds, False)))
+            us = math.inf
+            if ours is not None:
+                us, _ = _time_ours(cache, _digest("ours", signature(sub), _source(ours), headers, dev),
+                                   lambda: timer(fused_model(sub, ours), feeds, True))
+            ours_us.append(us)
+    finally:
+        cache.save()
+    return tuple(ort_us), tuple(ours_us), tuple(mha_us)

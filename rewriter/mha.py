@@ -93,6 +93,8 @@ def _compose(first: Sequence[int], then: Sequence[int]) -> tuple[int, ...]:
 def _transposed(e: _Emitter, x: str, perm: tuple[int, ...], base: str) -> str:
     """x transposed by `perm`: the tensor before the exporter's Transposes where they undo it (no copy)."""
     g, t, acc = e.g, x, perm
+    shape = g.tensors[x].shape
+    want = tuple(shape[i] for i in perm)
     while (p := g.producer.get(t)) is not None and g.nodes[p].op_type in ("Transpose", "Identity") \
             and g.nodes[p].domain in ("", "ai.onnx"):
         node = g.nodes[p]
@@ -100,10 +102,9 @@ def _transposed(e: _Emitter, x: str, perm: tuple[int, ...], base: str) -> str:
         if node.op_type == "Transpose" and first is None:
             break
         acc, t = (acc if first is None else _compose(first, acc)), node.input[0]
-        if acc == tuple(range(len(acc))):
+        if acc == tuple(range(len(acc))) and t in g.tensors and g.tensors[t].shape == want:
             return t
-    shape = g.tensors[x].shape
-    return e.node("Transpose", [x], base, tuple(shape[i] for i in perm), g.tensors[x].dtype, perm=list(perm))
+    return e.node("Transpose", [x], base, want, g.tensors[x].dtype, perm=list(perm))
 
 
 def _heads_merged(e: _Emitter, x: str, base: str) -> str:

@@ -45,9 +45,9 @@ def mha_form(g: Graph, p: AttentionPattern) -> MhaForm | str:
         others = [x for x in node.input if x != t]
         c = _scalar(g, others[0]) if len(others) == 1 else None
         if node.op_type in ("Mul", "Div") and c is not None and bias is None and (node.op_type == "Mul" or c):
-            scale = scale * c if node.op_type == "Mul" or node.input[1] != others[0] else scale / c
             if node.op_type == "Div" and node.input[0] != t:
                 return f"{g.node_label(i)} divides by the scores"
+            scale = scale * c if node.op_type == "Mul" else scale / c
         elif node.op_type == "Add" and len(others) == 1 and c is None and bias is None:
             why = _bias_fit(g, others[0], (b, n, sq, sk), dtype)
             if why:
@@ -60,8 +60,12 @@ def mha_form(g: Graph, p: AttentionPattern) -> MhaForm | str:
     if bias is not None and any(g.nodes[i].op_type not in ("Cast", "Identity") for i in p.prob_ops):
         return "a NaN guard on the probabilities of masked scores"
     removed = (p.qk, *p.score_ops, p.softmax, *p.prob_ops, p.pv)
-    name = g.nodes[p.softmax].name or g.nodes[p.softmax].output[0]
-    return MhaForm(name, q, kt, v, out, n, d, dv, scale, bias, dtype, tuple(sorted(removed)))
+    return MhaForm(softmax_name(g, p.softmax), q, kt, v, out, n, d, dv, scale, bias, dtype, tuple(sorted(removed)))
+
+
+def softmax_name(g: Graph, i: int) -> str:
+    """How a form names its pattern: the Softmax's name, or its output where unnamed."""
+    return g.nodes[i].name or g.nodes[i].output[0]
 
 
 def _bias_fit(g: Graph, m: str, scores: tuple[Dim, ...], dtype: int) -> Optional[str]:

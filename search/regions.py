@@ -30,7 +30,7 @@ import onnx
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import conv, legal, norm_fold, ops, pool
-from ortfuse.search.attention import find_attention
+from ortfuse.search.attention import AttentionPattern, find_attention
 from ortfuse.search.cost import CostModel, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
@@ -60,6 +60,19 @@ def _candidate(g: Graph, nodes: set[int], check: Check) -> Region | Reject:
     return Reject(f"region at {g.node_label(min(nodes))}", why) if why else r
 
 
+def attention_region(g: Graph, pat: AttentionPattern, check: Check) -> Region | Reject:
+    """The pattern as a region (id -1) our attention kernel computes, or why it is not one."""
+    inputs, outputs = legal.region_io(g, set(pat.nodes))
+    if outputs != [pat.output]:
+        return Reject(g.node_label(pat.softmax), f"attention has outputs {outputs}, not just its result")
+    shape = g.tensors[pat.output].shape
+    r = Region(-1, "attention", pat.nodes, tuple(inputs), tuple(outputs), tuple(shape or ()), Traffic(0, 0, 0))
+    why = legal.host_verdict(g, r.inputs) or check(g, r)
+    if why:
+        return Reject(g.node_label(pat.softmax), f"attention not lowered: {why}")
+    return dataclasses.replace(r, traffic=traffic(g, r))
+
+
 def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) -> list[Region]:
     """Each attention pattern that lowers and whose kernel the cost model prefers to ORT's unfused ops (fp32
     attention runs on CUDA cores in ours, on TF32 MatMuls in ORT), or every one where `--profile` measures
@@ -68,17 +81,10 @@ def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) 
     refusals.extend(rejects)
     out = []
     for pat in found:
-        inputs, outputs = legal.region_io(g, set(pat.nodes))
-        if outputs != [pat.output]:
-            refusals.append(Reject(g.node_label(pat.softmax), f"attention has outputs {outputs}, not just its result"))
+        r = attention_region(g, pat, check)
+        if isinstance(r, Reject):
+            refusals.append(r)
             continue
-        shape = g.tensors[pat.output].shape
-        r = Region(-1, "attention", pat.nodes, tuple(inputs), tuple(outputs), tuple(shape or ()), Traffic(0, 0, 0))
-        why = legal.host_verdict(g, r.inputs) or check(g, r)
-        if why:
-            refusals.append(Reject(g.node_label(pat.softmax), f"attention not lowered: {why}"))
-            continue
-        r = dataclasses.replace(r, traffic=traffic(g, r))
         priced = None if cost.attention_measured else cost.verdict(g, r)
         if priced:
             refusals.append(priced)

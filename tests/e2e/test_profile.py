@@ -594,3 +594,28 @@ def test_a_gated_mlp_placed_with_ort_gets_its_two_gemms_back(monkeypatch, tmp_pa
         np.testing.assert_array_equal(a, b)
     rep = check_models(m, res.model, input_shapes={"x": (2, 16, 64)})
     assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("mha_us,taken", [(5.0, True), (12.0, False)])
+def test_profile_times_ort_multiheadattention_beside_ours_and_ort_ops(monkeypatch, tmp_path, mha_us, taken):
+    # an attention pattern ORT's MultiHeadAttention computes is timed three ways (its region's ORT ops, our
+    # kernel, MultiHeadAttention on the same feeds) and goes to MultiHeadAttention only where that is fastest
+    from helpers import plain_attention
+    seen: list[str] = []
+
+    def timer(sub: onnx.ModelProto, feeds, fused: bool) -> float:
+        ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, dict(feeds))
+        kind = "mha" if any(n.op_type == "MultiHeadAttention" for n in sub.graph.node) else \
+            "ours" if fused else "ort"
+        seen.append(kind)
+        return {"mha": mha_us, "ours": 9.0, "ort": 20.0}[kind]
+    monkeypatch.setattr(prof, "cuda_timer", timer)
+    monkeypatch.setattr(prof, "device_name", lambda: "test-device")
+    m = plain_attention(TP.FLOAT16, heads=2, head=64, mask="full")
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), cache=tmp_path, profile=True))
+    assert seen[:6] == ["ort", "mha", "ours"] * 2  # at the hint and at batch 32, before the search
+    assert any(n.op_type == "MultiHeadAttention" for n in res.model.graph.node) == taken
+    assert [r.kind for r in res.plan.regions].count("attention") == (0 if taken else 1)
+    assert f"measured {mha_us}/{mha_us} us, our kernel 9.0/9.0, ORT's unfused ops 20.0/20.0" in res.ort_attention[0]
+    rep = check_models(m, res.model, emulate=True, input_shapes={t: (2, 9, 128) for t in "qkv"} | {"mask": (2, 1, 9, 9)})
+    assert rep.ok, "\n".join(rep.lines())
