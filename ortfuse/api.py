@@ -28,7 +28,7 @@ from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
-from ortfuse.rewriter.mha import MhaForm, to_mha
+from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.replace import FusedNode, replace
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.search import ops, ort_attention
@@ -182,8 +182,12 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
         now = [f for f in ort_attention.forms(graph, find_attention(graph)[0])[0] if f.signature(graph) == sig]
         if not now:
             continue
-        trial = to_mha(graph, now)
         like = f"{len(now)} attention pattern{'s' if len(now) > 1 else ''} like Softmax '{now[0].softmax}'"
+        # the projections' bias Adds into the node's bias input where the estimate says that gains
+        trial, biased = to_mha(graph, now), to_mha(graph, now, biases=True)
+        if any(is_mha(n) and len(n.input) > 3 and n.input[3] for n in biased.nodes) and \
+                cost.pays(cost.plan_times(biased, plan_of(biased), plan_of(trial), trial)):
+            trial, like = biased, like + " (the projections' bias Adds taken in)"
         if mode == "on":
             notes.append(f"{like} -> ORT's MultiHeadAttention (--ort-attention on)")
             graph = trial

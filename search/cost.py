@@ -15,6 +15,7 @@ from ortfuse.customops import tiles
 from ortfuse.customops.target import (ROW_KERNEL_GROUPS, ROW_MAX_THREADS, ROW_MIN_BLOCK, ROW_VECTORS_PER_THREAD,
                                       WINDOW_READ_AHEAD, WINDOW_UNROLL, Target, long_row_threads,
                                       short_row_threads, vector_lanes)
+from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.mha import is_mha
@@ -355,25 +356,33 @@ class CostModel:
         return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:
-        """ORT's MultiHeadAttention (`rewriter.mha`) at g's hints: the path ORT takes for its dtype and bias
-        (`Target.mha_*`), never under its DRAM traffic."""
+        """ORT's MultiHeadAttention (`rewriter.mha`) at g's hints: the path ORT takes for its dtype, bias and
+        head sizes (`Target.mha_*`; flash attention for 16-bit data without an attention_bias and with equal
+        head sizes up to 256, multiples of 8), never under its DRAM traffic; plus, where the node adds the
+        projections' biases (its `bias` input), one kernel reading and writing Q, K and V (assumed: ORT lays
+        them out with the bias added before the attention)."""
         tgt = self.target
         hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
         b, sq, hd = (hint(d) for d in g.tensors[node.input[0]].shape)
         sk, hdv = (hint(d) for d in g.tensors[node.input[2]].shape[1:])
+        heads = max(1, attr(node, "num_heads", 1))
         biased = len(node.input) > 5 and bool(node.input[5])
         flops = 2.0 * b * sq * sk * (hd + hdv)  # over every head: N (D + Dv) = hd + hdv
+        d, dv = hd // heads, hdv // heads
         if g.tensors[node.input[0]].dtype == onnx.TensorProto.FLOAT:
             fixed, per_tile, tflops = tgt.mha_fp32_us
             tflops = tgt.mha_fp32_bias_tflops if biased else tflops
-        elif biased:
+        elif biased or d != dv or d % 8 or d > 256:
             fixed, per_tile, tflops = tgt.mha_bias_us
             tflops = tflops if sk % 8 == 0 else tgt.mha_bias_unaligned_tflops
         else:
             fixed, per_tile, tflops = tgt.mha_flash_us
+        qkv = [t for t in node.input[:3] if t]
         bytes_moved = sum(tensor_bytes(g, t) for t in (*node.input, *node.output) if t)
-        return max(self.time_us(bytes_moved, 1),
-                   tgt.launch_us + fixed + per_tile * -(-sk // 64) + flops / (tflops * 1e6))
+        us = max(self.time_us(bytes_moved, 1), tgt.launch_us + fixed + per_tile * -(-sk // 64) + flops / (tflops * 1e6))
+        if len(node.input) > 3 and node.input[3]:
+            us += self.time_us(2 * sum(tensor_bytes(g, t) for t in qkv), 1)
+        return us
 
     def attention_split(self, g: Graph, region: Region) -> int:
         """The key split (split_k) of a tensor-core attention kernel: the most the kernel allows

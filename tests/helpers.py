@@ -479,12 +479,13 @@ def short_rows(dt: int, hidden: int) -> onnx.ModelProto:
 
 
 def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", softmax_fp32=False, q_scaled=False,
-              out="merged") -> onnx.ModelProto:
+                    out="merged", proj=False) -> onnx.ModelProto:
     """Self-attention on three projections q, k, v [B, S, heads*head] as exporters write it. `mask`: "none",
     "full" [B, 1, S, S], "rank2" [S, S], "rows" [B, 1, 1, S] (broadcast over query rows); `scale`: "div",
     "mul" or "none"; `kt`: Kᵀ by one Transpose(0,2,3,1) or "two" (0,2,1,3 then 0,1,3,2); `softmax_fp32`:
     scores cast to fp32 around the Softmax; `q_scaled`: Q scaled by a scalar after its Transpose; `out`:
-    "merged" (Transpose back + Reshape) or "heads" (P·V is the model's output)."""
+    "merged" (Transpose back + Reshape) or "heads" (P·V is the model's output); `proj`: q, k, v projected from
+    one input x [B, S, heads*head] by MatMuls, Q's and K's with a bias Add (V's without)."""
     hd = heads * head
     npdt = helper.tensor_dtype_to_np_dtype(dt)
     nodes = [node("Reshape", ["q", "shp4"], ["q4"]),
@@ -504,6 +505,16 @@ def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", sof
         nodes.append(node("Div" if scale == "div" else "Mul", [s, "scale"], ["s1"]))
         s = "s1"
     inputs = [vi(t, dt, ["batch", "seq", hd]) for t in ("q", "k", "v")]
+    inits = []
+    if proj:
+        rng = np.random.default_rng(7)
+        inputs = [vi("x", dt, ["batch", "seq", hd])]
+        for t in "qkv":
+            inits.append(const(f"w{t}", rng.standard_normal((hd, hd)) * 0.3, npdt))
+            nodes.insert(0, node("MatMul", ["x", f"w{t}"], [f"{t}m" if t != "v" else "v"]))
+            if t != "v":
+                inits.append(const(f"b{t}", rng.standard_normal(hd) * 0.5, npdt))
+                nodes.insert(1, node("Add", [f"{t}m", f"b{t}"], [t]))
     if mask != "none":
         shape = {"full": ["batch", 1, "seq", "seq"], "rank2": ["seq", "seq"], "rows": ["batch", 1, 1, "seq"]}[mask]
         inputs.append(vi("mask", dt, shape))
@@ -521,6 +532,6 @@ def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", sof
     else:
         outputs = [vi("o", dt, ["batch", heads, "seq", head])]
     value = np.sqrt(head) if scale == "div" else 1 / np.sqrt(head)
-    inits = [const("shp4", [0, 0, heads, head], np.int64), const("shp3", [0, 0, hd], np.int64),
-             const("scale", value, npdt), const("qscale", 0.7, npdt)]
+    inits += [const("shp4", [0, 0, heads, head], np.int64), const("shp3", [0, 0, hd], np.int64),
+              const("scale", value, npdt), const("qscale", 0.7, npdt)]
     return model(nodes, inputs, outputs, inits)

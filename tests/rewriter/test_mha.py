@@ -107,3 +107,24 @@ def test_operand_paths_stay_with_ort(make, shapes):
     for want, got in zip(_run(m, feeds), _run(out, feeds)):
         err = np.abs(want.astype(np.float64) - got.astype(np.float64)).max() / np.abs(want).max()
         assert err < 3e-3, err
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+def test_projection_biases_go_into_the_node(dt):
+    """Q's and K's bias Adds become MultiHeadAttention's bias input (V's part zeros); the MatMuls feed it."""
+    m = attention(dt, mask="none", proj=True)
+    g = build_graph(m, {}, {})
+    found, _ = forms(g, find_attention(g)[0])
+    out = to_mha(g, found, biases=True)
+    onnx.checker.check_model(out.model)
+    ops = [n.op_type for n in out.nodes]
+    assert ops.count("Add") == 0 and ops.count("MatMul") == 3, ops
+    mha = next(n for n in out.nodes if is_mha(n))
+    bias = out.constants[mha.input[3]]
+    assert bias.shape == (72,) and not bias[48:].any() and bias[:48].all()
+    assert [out.nodes[out.producer[x]].op_type for x in mha.input[:3]] == ["MatMul"] * 3
+    for b, s in ((2, 7), (1, 19)):
+        feeds = _feeds(m, b, s, seed=s)
+        want, got = _run(m, feeds)[0], _run(out.model, feeds)[0]
+        assert np.abs(want.astype(np.float64) - got).max() / np.abs(want).max() < TOL[dt]
+    assert [n.op_type for n in to_mha(g, found).nodes].count("Add") == 2  # kept without `biases`

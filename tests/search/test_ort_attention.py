@@ -89,3 +89,15 @@ def test_modes_and_parity(mode):
 def test_refusals_are_reported():
     res = _compile(attention(TP.FLOAT16, heads=2, head=16, mask="rows"), "auto")
     assert any("broadcast over query rows" in x for x in res.ort_attention)
+
+
+def test_bias_adds_taken_in_where_they_would_stay_ort_kernels():
+    """fp32 projections stay cuBLAS's (TF32), so their bias Adds would be ORT kernels of their own: the node
+    takes them in (its bias input), and the result matches ORT."""
+    m = attention(TP.FLOAT, heads=12, head=64, mask="none", proj=True)
+    res = _compile(m, "on", (("seq", 128),))
+    (mha,) = [n for n in res.model.graph.node if is_mha(n)]
+    assert len(mha.input) > 3 and mha.input[3] and "bias Adds taken in" in res.ort_attention[0]
+    assert "Add" not in [n.op_type for n in res.model.graph.node]
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 9, 768)})
+    assert rep.ok, "\n".join(rep.lines())
