@@ -312,7 +312,8 @@ def run(model: str, batch: int = 32, arch: str = "sm_90", timer: Optional[Timer]
     from ortfuse.bench import zoo
     meta = zoo.read_sidecar(Path(model))
     shapes = zoo.fixed_image_shapes(onnx.load(model, load_external_data=False), meta) if meta else None
-    opts = Options(archs=_archs(arch), **({} if wgmma is None else {"wgmma": wgmma}))
+    # attention stays in the plan (ours or ORT's unfused ops): its row times ours against MultiHeadAttention
+    opts = Options(archs=_archs(arch), ort_attention="off", **({} if wgmma is None else {"wgmma": wgmma}))
     return measure(compile_model(model, shapes, arch, options=opts), batch, timer)
 
 

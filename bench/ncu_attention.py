@@ -42,7 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     proto = onnx.load(path, load_external_data=False)
     meta = zoo.read_sidecar(Path(path))
     shapes = zoo.fixed_image_shapes(proto, meta)
-    res = compile_model(path, shapes, "sm_90", Options(archs=(90,), dim_hints=zoo.dim_hints(proto, meta, shapes)))
+    res = compile_model(path, shapes, "sm_90", Options(archs=(90,), ort_attention="off",  # our kernel, profiled
+                                                       dim_hints=zoo.dim_hints(proto, meta, shapes)))
     k = next((k for k in res.kernels if k.region.kind == "attention"), None)
     if k is None:  # none lowers, or the cost model leaves each to ORT (fp32 at ViT-B's size)
         print(f"{path}: no attention region of ours; the report's refusals say why")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import os
 import tempfile
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import onnx
 
@@ -140,3 +140,11 @@ def check_model(model: onnx.ModelProto) -> None:
         path = os.path.join(tmp, "model.onnx")
         save_external(model, path, "model.onnx.data")
         onnx.checker.check_model(path, full_check=False)
+
+
+def read_instead(nodes: Iterable[onnx.NodeProto], alias: Mapping[str, str]) -> None:
+    """Each node reads alias[x] wherever it read x (in place; subgraph bodies are not rewritten)."""
+    for node in nodes:
+        for k, x in enumerate(node.input):
+            if x in alias:
+                node.input[k] = alias[x]

@@ -719,10 +719,7 @@ def _bypass(g: Graph, alias: dict[str, str]) -> tuple[Graph, int]:
         return g, 0
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
-    for node in m.graph.node:
-        for k, x in enumerate(node.input):
-            if x in alias:
-                node.input[k] = alias[x]
+    _proto.read_instead(m.graph.node, alias)
     remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(alias)
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import onnx
 
 from ortfuse.customops import scalar
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.attrs import inverse_perm
 from ortfuse.rewriter.canonical import remove_dead
 from ortfuse.rewriter.graph import Graph, TensorInfo
@@ -195,10 +196,7 @@ def sink_transposes(g: Graph, take: Callable[[str], bool] = lambda head: True) -
     nodes: list[onnx.NodeProto] = []
     for i, node in enumerate(m.graph.node):
         nodes.extend(before.get(i, [node]))
-    for node in nodes:
-        for k, x in enumerate(node.input):
-            if x in alias:
-                node.input[k] = alias[x]
+    _proto.read_instead(nodes, alias)
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     remove_dead(m)

@@ -182,10 +182,7 @@ def to_mha(g: Graph, chosen: Sequence[MhaForm], biases: bool = False) -> Graph:
         if i not in removed:
             new_nodes.append(node)
         new_nodes.extend(at.get(i, ()))
-    for node in new_nodes:
-        for k, x in enumerate(node.input):
-            if x in alias:
-                node.input[k] = alias[x]
+    _proto.read_instead(new_nodes, alias)
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     if not any(o.domain == DOMAIN for o in m.opset_import):
