@@ -219,9 +219,9 @@ def _take_biases(g: Graph, m: onnx.ModelProto, e: _Emitter) -> int:
                     and x not in outputs:
                 for a, b in ((0, 1), (1, 0)):
                     c = g.constants.get(add.input[b])
-                    if c is not None and np.asarray(c).shape == (width,) and add.input[a] in e.tensors \
-                            and e.tensors[add.input[a]].shape == e.tensors[x].shape \
-                            and e.tensors[add.input[b]].dtype == e.tensors[x].dtype:
+                    src = e.tensors.get(add.input[a])
+                    if c is not None and np.asarray(c).shape == (width,) and src is not None \
+                            and src.shape == e.tensors[x].shape and src.dtype == e.tensors[x].dtype:
                         vec, other = np.asarray(c), add.input[a]
                         break
             parts.append(vec)

@@ -366,13 +366,13 @@ class CostModel:
         b, sq, hd = (hint(d) for d in g.tensors[node.input[0]].shape)
         sk, hdv = (hint(d) for d in g.tensors[node.input[2]].shape[1:])
         heads = max(1, attr(node, "num_heads", 1))
-        biased = len(node.input) > 5 and bool(node.input[5])
+        masked = len(node.input) > 5 and bool(node.input[5])  # an attention_bias
         flops = 2.0 * b * sq * sk * (hd + hdv)  # over every head: N (D + Dv) = hd + hdv
         d, dv = hd // heads, hdv // heads
         if g.tensors[node.input[0]].dtype == onnx.TensorProto.FLOAT:
             fixed, per_tile, tflops = tgt.mha_fp32_us
-            tflops = tgt.mha_fp32_bias_tflops if biased else tflops
-        elif biased or d != dv or d % 8 or d > 256:
+            tflops = tgt.mha_fp32_bias_tflops if masked else tflops
+        elif masked or d != dv or d % 8 or d > 256:
             fixed, per_tile, tflops = tgt.mha_bias_us
             tflops = tflops if sk % 8 == 0 else tgt.mha_bias_unaligned_tflops
         else:
