@@ -127,7 +127,8 @@ class Target:
     # device times (L2 flushed; docs/gpu 2026-11-26 H100 s20 and H200 s14, 2026-11-27 H100 s31), each class
     # through its own points and so not yet checked on any other shape: 16-bit without a bias (flash
     # attention) BERT-base 128 keys 7.6 / 16.8 us at batch 1 / 32, ViT-B 197 keys 9.3 / 27.7; 16-bit with an
-    # attention_bias BERT 9.2 / 23.0, ViT 16.9 / 77.1 (keys not a multiple of 8 run at about half the rate);
+    # attention_bias BERT 9.2 / 23.0, ViT 16.9 / 77.1 (query rows not a multiple of 8, which ORT's
+    # memory-efficient kernel wants with a bias, run at about half the rate);
     # fp32 ViT 35.4 / 294.0 without a bias, 36.0 / 311.7 with one (no tile term: one shape only).
     mha_flash_us: tuple[float, float, float] = (5.9, 0.7, 185.0)  # (fixed us, us a key tile, TFLOP/s)
     mha_bias_us: tuple[float, float, float] = (2.55, 3.1, 113.0)

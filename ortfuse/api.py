@@ -34,7 +34,7 @@ from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, 
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel
-from ortfuse.search.plan import Plan, Region, Traffic
+from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
 ModelLike = Union[str, Path, onnx.ModelProto]
@@ -209,24 +209,27 @@ def _attention_measured(tgt: Target, opts: Options, cost: CostModel
     """--profile's verdict on handing an attention pattern to ORT's MultiHeadAttention: (taken, the times)
     where it beats both our kernel (its key split as the cost model chooses it) and ORT's unfused ops at
     every profiled binding's geometric mean, or None where the pattern is no region of its own (the
-    estimate decides)."""
+    estimate decides, against a plan that takes every attention region as ours: --profile offers them all).
+    The measure is of the form without the projections' biases; whether the node takes them in is the
+    estimate's."""
     from ortfuse import profile as prof
-    from ortfuse.search import legal
-    from ortfuse.search.cost import traffic
+    from ortfuse.search.regions import attention_region, lowering_check
 
     def measure(g: Graph, form: MhaForm) -> Optional[tuple[bool, str]]:
-        pat = next(p for p in find_attention(g)[0] if ort_attention.softmax_name(g, p.softmax) == form.softmax)
-        inputs, outputs = legal.region_io(g, set(pat.nodes))
-        if outputs != [pat.output]:
-            return None
-        region = Region(0, "attention", pat.nodes, tuple(inputs), tuple(outputs),
-                        tuple(g.tensors[pat.output].shape or ()), Traffic(0, 0, 0))
-        region = dataclasses.replace(region, traffic=traffic(g, region))
-        try:
-            k = _attention_split(g, cost, _after_ptxas(g, tgt, opts, _relowered(g, tgt, opts, region)))
-            node: Optional[FusedNode] = k.node
-        except LoweringError:
-            node = None
+        pat = next(p for p in find_attention(g)[0] if p.softmax in form.nodes)
+        region = attention_region(g, pat, lowering_check(tgt, opts.tf32))
+        node: Optional[FusedNode] = None
+        if isinstance(region, Region):
+            try:
+                node = _attention_split(g, cost, _after_ptxas(g, tgt, opts,
+                                                              _relowered(g, tgt, opts, region))).node
+            except (LoweringError, OrtfuseError):  # our kernel does not take part; the other two are timed
+                pass
+        else:  # a kernel that does not lower: timed without it, where the pattern is a region of its own
+            region = attention_region(g, pat, lambda *_: None)
+            if not isinstance(region, Region):
+                return None
+        region = dataclasses.replace(region, id=0)  # (random_feeds' seed)
         ort_us, ours_us, mha_us = prof.time_attention(g, region, node, prof.profile_bindings(g, opts.profile_batch),
                                                       opts.cache / "profile.json")
         taken = prof.wins(mha_us, ort_us) and prof.wins(mha_us, ours_us)

@@ -218,7 +218,7 @@ def _take_biases(g: Graph, m: onnx.ModelProto, e: _Emitter) -> int:
             if add is not None and add.op_type == "Add" and add.domain in ("", "ai.onnx") and readers.get(x) == 1 \
                     and x not in outputs:
                 for a, b in ((0, 1), (1, 0)):
-                    c = g.constants.get(add.input[b])
+                    c = None if g.fed(add.input[b]) else g.constants.get(add.input[b])
                     src = e.tensors.get(add.input[a])
                     if c is not None and np.asarray(c).shape == (width,) and src is not None \
                             and src.shape == e.tensors[x].shape and src.dtype == e.tensors[x].dtype:

@@ -372,9 +372,9 @@ class CostModel:
         if g.tensors[node.input[0]].dtype == onnx.TensorProto.FLOAT:
             fixed, per_tile, tflops = tgt.mha_fp32_us
             tflops = tgt.mha_fp32_bias_tflops if masked else tflops
-        elif masked or d != dv or d % 8 or d > 256:
-            fixed, per_tile, tflops = tgt.mha_bias_us
-            tflops = tflops if sk % 8 == 0 else tgt.mha_bias_unaligned_tflops
+        elif masked or d != dv or d % 8 or d > 256:  # with an attention_bias ORT's memory-efficient kernel
+            fixed, per_tile, tflops = tgt.mha_bias_us  # wants the query rows a multiple of 8
+            tflops = tflops if sq % 8 == 0 else tgt.mha_bias_unaligned_tflops
         else:
             fixed, per_tile, tflops = tgt.mha_flash_us
         qkv = [t for t in node.input[:3] if t]

@@ -17,8 +17,10 @@ from ortfuse.search.attention import AttentionPattern
 
 
 def _scalar(g: Graph, t: str) -> Optional[float]:
+    """A one-element constant's value; None for anything else, an initializer a user may feed included."""
     v = g.constants.get(t)
-    return float(np.asarray(v).reshape(-1)[0]) if v is not None and np.asarray(v).size == 1 else None
+    return float(np.asarray(v).reshape(-1)[0]) if v is not None and np.asarray(v).size == 1 and not g.fed(t) \
+        else None
 
 
 def mha_form(g: Graph, p: AttentionPattern) -> MhaForm | str:
@@ -57,6 +59,8 @@ def mha_form(g: Graph, p: AttentionPattern) -> MhaForm | str:
                 (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
             return f"{g.node_label(i)} on the scores (MultiHeadAttention: scalar scales, then one additive mask)"
         t = node.output[0]
+    if scale == 0.0:  # MultiHeadAttention reads a scale of 0 as its default, 1 / sqrt(D)
+        return "scores scaled by 0"
     if bias is not None and any(g.nodes[i].op_type not in ("Cast", "Identity") for i in p.prob_ops):
         return "a NaN guard on the probabilities of masked scores"
     removed = (p.qk, *p.score_ops, p.softmax, *p.prob_ops, p.pv)

@@ -40,7 +40,7 @@ Check = Callable[[Graph, Region], Optional[str]]
 REGROWS = 3
 
 
-def _lowering_check(tgt: Target, tf32: bool) -> Check:
+def lowering_check(tgt: Target, tf32: bool) -> Check:
     from ortfuse.customops.lower import LoweringError, lower
 
     def check(g: Graph, region: Region) -> Optional[str]:
@@ -98,7 +98,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     """The regions to fuse. `ln_fold`: LayerNorm prologues where the whole model gains ("auto"), wherever
     they apply ("on"), or never ("off")."""
     cost = cost or CostModel(tgt, tf32)
-    check = check or _lowering_check(tgt, tf32)
+    check = check or lowering_check(tgt, tf32)
     found = norm_fold.candidates(g) if ln_fold != "off" else {}
     folds = {i: f for i, f in found.items() if isinstance(f, norm_fold.NormFold)}
     unfit = tuple(Reject(f"LayerNorm before {g.node_label(i)}", f) for i, f in found.items() if isinstance(f, str))

@@ -479,18 +479,21 @@ def short_rows(dt: int, hidden: int) -> onnx.ModelProto:
 
 
 def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", softmax_fp32=False, q_scaled=False,
-                    out="merged", proj=False) -> onnx.ModelProto:
-    """Self-attention on three projections q, k, v [B, S, heads*head] as exporters write it. `mask`: "none",
-    "full" [B, 1, S, S], "rank2" [S, S], "rows" [B, 1, 1, S] (broadcast over query rows); `scale`: "div",
-    "mul" or "none"; `kt`: Kᵀ by one Transpose(0,2,3,1) or "two" (0,2,1,3 then 0,1,3,2); `softmax_fp32`:
-    scores cast to fp32 around the Softmax; `q_scaled`: Q scaled by a scalar after its Transpose; `out`:
-    "merged" (Transpose back + Reshape) or "heads" (P·V is the model's output); `proj`: q, k, v projected from
-    one input x [B, S, heads*head] by MatMuls, Q's and K's with a bias Add (V's without)."""
-    hd = heads * head
+                    out="merged", proj=False, factor=None, head_v=None, kv="seq", mask_after="") -> onnx.ModelProto:
+    """Attention on three projections q [B, S, heads*head], k [B, KV, heads*head], v [B, KV, heads*head_v] as
+    exporters write it (`kv`: the keys' dim name, "seq" for self-attention). `mask`: "none", "full"
+    [B, 1, S, KV], "rank2" [S, KV], "heads" [heads, S, KV], "rows" [B, 1, 1, KV] (broadcast over query rows),
+    "wide" (an fp32 mask added to scores cast to fp32 in a 16-bit model); `scale`: "div", "mul" or "none", by
+    `factor` (default 1/sqrt(head)); `mask_after`: "scale" (a Mul by 0.5 after the mask), "mask" (a second
+    mask); `kt`: Kᵀ by one Transpose(0,2,3,1) or "two" (0,2,1,3 then 0,1,3,2); `softmax_fp32`: scores cast
+    to fp32 around the Softmax; `q_scaled`: Q scaled by a scalar after its Transpose; `out`: "merged"
+    (Transpose back + Reshape) or "heads" (P·V is the model's output); `proj`: q, k, v projected from one
+    input x [B, S, heads*head] by MatMuls, Q's and K's with a bias Add (V's without; self-attention)."""
+    hd, head_v = heads * head, head_v or head
     npdt = helper.tensor_dtype_to_np_dtype(dt)
     nodes = [node("Reshape", ["q", "shp4"], ["q4"]),
              node("Transpose", ["q4"], ["qh0" if q_scaled else "qh"], perm=[0, 2, 1, 3]),
-             node("Reshape", ["k", "shp4"], ["k4"]), node("Reshape", ["v", "shp4"], ["v4"]),
+             node("Reshape", ["k", "shp4"], ["k4"]), node("Reshape", ["v", "shp4v"], ["v4"]),
              node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3])]
     if q_scaled:
         nodes.append(node("Mul", ["qh0", "qscale"], ["qh"]))
@@ -504,7 +507,7 @@ def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", sof
     if scale != "none":
         nodes.append(node("Div" if scale == "div" else "Mul", [s, "scale"], ["s1"]))
         s = "s1"
-    inputs = [vi(t, dt, ["batch", "seq", hd]) for t in ("q", "k", "v")]
+    inputs = [vi("q", dt, ["batch", "seq", hd]), vi("k", dt, ["batch", kv, hd]), vi("v", dt, ["batch", kv, heads * head_v])]
     inits = []
     if proj:
         rng = np.random.default_rng(7)
@@ -515,23 +518,40 @@ def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", sof
             if t != "v":
                 inits.append(const(f"b{t}", rng.standard_normal(hd) * 0.5, npdt))
                 nodes.insert(1, node("Add", [f"{t}m", f"b{t}"], [t]))
-    if mask != "none":
-        shape = {"full": ["batch", 1, "seq", "seq"], "rank2": ["seq", "seq"], "rows": ["batch", 1, 1, "seq"]}[mask]
-        inputs.append(vi("mask", dt, shape))
-        nodes.append(node("Add", [s, "mask"], ["s2"]))
-        s = "s2"
-    if softmax_fp32:
-        nodes += [node("Cast", [s], ["s3"], to=onnx.TensorProto.FLOAT), node("Softmax", ["s3"], ["p0"], axis=-1),
+    if mask == "wide":
+        nodes.append(node("Cast", [s], ["sw"], to=onnx.TensorProto.FLOAT))
+        inputs.append(vi("mask", onnx.TensorProto.FLOAT, ["batch", 1, "seq", kv]))
+        nodes += [node("Add", ["sw", "mask"], ["s2"]), node("Softmax", ["s2"], ["p0"], axis=-1),
                   node("Cast", ["p0"], ["p"], to=dt)]
     else:
-        nodes.append(node("Softmax", [s], ["p"], axis=-1))
+        if mask != "none":
+            shape = {"full": ["batch", 1, "seq", kv], "rank2": ["seq", kv], "heads": [heads, "seq", kv],
+                     "rows": ["batch", 1, 1, kv]}[mask]
+            inputs.append(vi("mask", dt, shape))
+            nodes.append(node("Add", [s, "mask"], ["s2"]))
+            s = "s2"
+        if mask_after == "scale":
+            nodes.append(node("Mul", [s, "half"], ["s4"]))
+            s = "s4"
+        elif mask_after == "mask":
+            inputs.append(vi("mask2", dt, ["batch", 1, "seq", kv]))
+            nodes.append(node("Add", [s, "mask2"], ["s4"]))
+            s = "s4"
+        if softmax_fp32:
+            nodes += [node("Cast", [s], ["s3"], to=onnx.TensorProto.FLOAT), node("Softmax", ["s3"], ["p0"], axis=-1),
+                      node("Cast", ["p0"], ["p"], to=dt)]
+        else:
+            nodes.append(node("Softmax", [s], ["p"], axis=-1))
     nodes.append(node("MatMul", ["p", "vh"], ["o"]))
     if out == "merged":
         nodes += [node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]), node("Reshape", ["o4", "shp3"], ["y"])]
-        outputs = [vi("y", dt, ["batch", "seq", hd])]
+        outputs = [vi("y", dt, ["batch", "seq", heads * head_v])]
     else:
-        outputs = [vi("o", dt, ["batch", heads, "seq", head])]
-    value = np.sqrt(head) if scale == "div" else 1 / np.sqrt(head)
-    inits += [const("shp4", [0, 0, heads, head], np.int64), const("shp3", [0, 0, hd], np.int64),
-              const("scale", value, npdt), const("qscale", 0.7, npdt)]
+        outputs = [vi("o", dt, ["batch", heads, "seq", head_v])]
+    if factor is None:
+        factor = 1 / np.sqrt(head)
+    value = 1 / factor if scale == "div" else factor
+    inits += [const("shp4", [0, 0, heads, head], np.int64), const("shp4v", [0, 0, heads, head_v], np.int64),
+              const("shp3", [0, 0, heads * head_v], np.int64), const("scale", value, npdt),
+              const("qscale", 0.7, npdt), const("half", 0.5, npdt)]
     return model(nodes, inputs, outputs, inits)

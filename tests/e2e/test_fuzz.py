@@ -118,6 +118,8 @@ def test_random_attention_matches_ort(seed: int, monkeypatch) -> None:
     m, shapes = random_attention(seed)
     plain = compile_model(m, shapes, "sm_90")
     mha = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="on"))
+    taken = any("-> ORT's MultiHeadAttention" in x for x in mha.ort_attention)
+    assert len(mha.ort_attention) == 1 and taken == any(n.op_type == "MultiHeadAttention" for n in mha.model.graph.node)
     real = CostModel.verdict
     monkeypatch.setattr(CostModel, "verdict", lambda cm, g, r: None if r.kind == "attention" else real(cm, g, r))
     res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="off"))

@@ -25,8 +25,8 @@ def _feeds(m: onnx.ModelProto, b: int, s: int, seed: int = 0) -> dict[str, np.nd
     rng = np.random.default_rng(seed)
     out = {}
     for v in m.graph.input:
-        dims = [b if d.dim_param == "batch" else s if d.dim_param == "seq" else d.dim_value
-                for d in v.type.tensor_type.shape.dim]
+        dims = [b if d.dim_param == "batch" else s if d.dim_param == "seq" else s + 4 if d.dim_param == "kv"
+                else d.dim_value for d in v.type.tensor_type.shape.dim]
         npdt = helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
         out[v.name] = (rng.standard_normal(dims) * (2.0 if v.name == "mask" else 0.5)).astype(npdt)
     return out
@@ -128,3 +128,27 @@ def test_projection_biases_go_into_the_node(dt):
         want, got = _run(m, feeds)[0], _run(out.model, feeds)[0]
         assert np.abs(want.astype(np.float64) - got).max() / np.abs(want).max() < TOL[dt]
     assert [n.op_type for n in to_mha(g, found).nodes].count("Add") == 2  # kept without `biases`
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+@pytest.mark.parametrize("scale,factor", [("mul", 0.3), ("div", 0.45), ("none", None)])
+def test_the_scale_is_the_scores_not_the_default(dt, scale, factor):
+    """MultiHeadAttention's default scale is 1/sqrt(D): the node carries the pattern's own, 1 where it has none."""
+    m = attention(dt, head=16, scale=scale, factor=factor, mask="none")
+    _, out = rewritten(m)
+    mha = next(n for n in out.nodes if is_mha(n))
+    got = next(a.f for a in mha.attribute if a.name == "scale")
+    assert got == pytest.approx(factor or 1.0, rel=1e-3)
+    assert_same(m, out.model, dt)
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+@pytest.mark.parametrize("mask", ["heads", "full", "none"])
+def test_cross_attention_with_another_value_head_size(dt, mask):
+    """Keys of another length than the queries, V's heads 12 wide against Q's and K's 8, a per-head mask
+    [heads, Sq, Sk] unsqueezed to attention_bias' rank."""
+    m = attention(dt, head=8, head_v=12, kv="kv", mask=mask)
+    _, out = rewritten(m)
+    mha = next(n for n in out.nodes if is_mha(n))
+    assert list(mha.input[:3]) == ["q", "k", "v"] and "Transpose" not in [n.op_type for n in out.nodes]
+    assert_same(m, out.model, dt)

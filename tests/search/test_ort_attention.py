@@ -30,7 +30,11 @@ def _refusals(m, hints=None):
 @pytest.mark.parametrize("make,why", [
     (lambda: attention(TP.BFLOAT16), "bfloat16 data"),
     (lambda: attention(TP.FLOAT16, mask="rows"), "broadcast over query rows"),
-], ids=["bf16", "padding-mask-rows"])
+    (lambda: attention(TP.FLOAT16, mask="wide"), "another type than the attention's"),
+    (lambda: attention(TP.FLOAT, scale="mul", factor=0.0), "scaled by 0"),
+    (lambda: attention(TP.FLOAT, mask_after="scale"), "Mul 'Mul_s4' on the scores"),
+    (lambda: attention(TP.FLOAT, mask_after="mask"), "Add 'Add_s4' on the scores"),
+], ids=["bf16", "padding-mask-rows", "fp32-mask-of-fp16", "zero-scale", "scale-after-mask", "two-masks"])
 def test_what_multiheadattention_does_not_compute_stays(make, why):
     reasons = _refusals(make())
     assert len(reasons) == 1 and why in reasons[0], reasons
