@@ -183,7 +183,10 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
         if not now:
             continue
         like = f"{len(now)} attention pattern{'s' if len(now) > 1 else ''} like Softmax '{now[0].softmax}'"
-        # the projections' bias Adds into the node's bias input where the estimate says that gains
+        # the projections' bias Adds into the node's bias input where the estimate says that gains (the plan
+        # without the node first: each of the three is planned once)
+        if mode != "on":
+            plan_of(graph)
         trial, biased = to_mha(graph, now), to_mha(graph, now, biases=True)
         if any(is_mha(n) and len(n.input) > 3 and n.input[3] for n in biased.nodes) and \
                 cost.pays(cost.plan_times(biased, plan_of(biased), plan_of(trial), trial)):
@@ -287,14 +290,14 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # fused kernel beats ORT and lets the measurement choose between the two (and so for attention regions)
     cost = CostModel(plan_tgt, opts.tf32, splits_measured=opts.profile, attention_measured=opts.profile)
 
-    # (graph, plan) of the last two searches: the packing's last trial is often the graph searched, and the
-    # layout choice plans two graphs
+    # (graph, plan) of the last three searches: the packing's last trial is often the graph searched, the
+    # layout choice plans two graphs, the MultiHeadAttention choice three
     searched: dict[int, tuple[Graph, Plan]] = {}
 
     def plan_of(g: Graph) -> Plan:
         hit = searched.pop(id(g), None)  # least recently used first
         if hit is None or hit[0] is not g:
-            while len(searched) > 1:
+            while len(searched) > 2:
                 del searched[next(iter(searched))]
             hit = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold))
         searched[id(g)] = hit
