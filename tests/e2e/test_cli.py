@@ -262,3 +262,23 @@ def test_layout_switch(tmp_path, monkeypatch, capsys):
     assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "layout mode 'sideways'" in err[0]
+
+
+def test_ort_attention_switch(tmp_path, monkeypatch, capsys):
+    # --ort-attention on hands the attention pattern to ORT's MultiHeadAttention and the report says so; off
+    # keeps our kernel; a bad ORTFUSE_ORT_ATTENTION is one line and exit 2
+    from helpers import plain_attention
+    src = _save(plain_attention(TP.FLOAT16, heads=2, head=16), tmp_path / "attn.onnx")
+    for mode in ("on", "off"):
+        dst, rep = tmp_path / f"{mode}.onnx", tmp_path / f"{mode}.md"
+        capsys.readouterr()
+        assert main(["optimize", str(src), str(dst), "--ort-attention", mode, "--report", str(rep)]) == 0
+        ops = [n.op_type for n in onnx.load(str(dst)).graph.node]
+        assert ("MultiHeadAttention" in ops) == (mode == "on") and ("Softmax" not in ops)
+        assert ("## ORT's fused attention" in rep.read_text()) == (mode == "on")
+        assert ("-> ORT's MultiHeadAttention" in capsys.readouterr().err) == (mode == "on")
+    monkeypatch.setenv("ORTFUSE_ORT_ATTENTION", "maybe")
+    capsys.readouterr()
+    assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ORT attention mode 'maybe'" in err[0]
