@@ -257,11 +257,7 @@ def test_layout_switch(tmp_path, monkeypatch, capsys):
         assert sum(n.op_type == "Conv" for n in onnx.load(str(dst)).graph.node) == convs
         assert ("## Residual-stream layout" in rep.read_text()) == (mode == "blocks")
         assert ("2 residual ops kept in their blocks' layout" in capsys.readouterr().err) == (mode == "blocks")
-    monkeypatch.setenv("ORTFUSE_LAYOUT", "sideways")
-    capsys.readouterr()
-    assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "layout mode 'sideways'" in err[0]
+    _bad_setting(monkeypatch, capsys, src, tmp_path, "ORTFUSE_LAYOUT", "sideways", "layout mode 'sideways'")
 
 
 def test_ort_attention_switch(tmp_path, monkeypatch, capsys):
@@ -277,8 +273,13 @@ def test_ort_attention_switch(tmp_path, monkeypatch, capsys):
         assert ("MultiHeadAttention" in ops) == (mode == "on") and ("Softmax" not in ops)
         assert ("## ORT's fused attention" in rep.read_text()) == (mode == "on")
         assert ("-> ORT's MultiHeadAttention" in capsys.readouterr().err) == (mode == "on")
-    monkeypatch.setenv("ORTFUSE_ORT_ATTENTION", "maybe")
+    _bad_setting(monkeypatch, capsys, src, tmp_path, "ORTFUSE_ORT_ATTENTION", "maybe", "ORT attention mode 'maybe'")
+
+
+def _bad_setting(monkeypatch, capsys, src, tmp_path, env: str, value: str, says: str) -> None:
+    """A bad setting in the environment: one line naming it, exit status 2."""
+    monkeypatch.setenv(env, value)
     capsys.readouterr()
     assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ORT attention mode 'maybe'" in err[0]
+    assert len(err) == 1 and says in err[0]
