@@ -11,7 +11,7 @@ import onnx
 
 from ortfuse.customops import ir, scalar
 from ortfuse.customops.target import FN_BRANCHES, FN_INSTRUCTIONS, WINDOW_TAP_INSTRUCTIONS
-from ortfuse.rewriter.graph import Graph
+from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.search import ops, pool
 
 
@@ -67,10 +67,15 @@ def node_work(g: Graph, node: onnx.NodeProto) -> tuple[float, float]:
         return 1.0, 0.0
 
 
+def dim_hint(g: Graph, d: Dim) -> int:
+    """A dim at its typical value: a symbolic one at its hint (128 where the graph has none)."""
+    return d if isinstance(d, int) else g.sym_hints.get(d, 128)
+
+
 def elements(g: Graph, t: str) -> int:
     info = g.tensors[t]
     assert info.shape is not None
-    return int(np.prod([d if isinstance(d, int) else g.sym_hints.get(d, 128) for d in info.shape], dtype=np.int64))
+    return int(np.prod([dim_hint(g, d) for d in info.shape], dtype=np.int64))
 
 
 def work(g: Graph, nodes: Iterable[int]) -> tuple[float, float]:

@@ -4,6 +4,7 @@ optimized model serves every batch, so a fusion is judged at batch 1 and batch 3
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -94,7 +95,7 @@ def _fold_anchor(g: Graph, region: Region) -> Optional[int]:
 def gemm_dims(g: Graph, node: onnx.NodeProto) -> tuple[int, int, int, int]:
     """(batch, M, N, K) of a MatMul/Gemm/Conv as our kernel tiles it, symbolic dims at their hints: A's batch
     dims fold into M when B has none; a Conv is one GEMM per image."""
-    hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+    hint = functools.partial(compute.dim_hint, g)
     if node.op_type in ops.CONV:  # per image: (OC x C*KH*KW) . (C*KH*KW x OH*OW)
         geo = conv.conv_geometry(g, node)
         assert not isinstance(geo, str), geo
@@ -150,7 +151,7 @@ def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
     unit's rows where the scores have a static head count, K's path repeats its heads (repeat_kv's Expand)
     and the query rows leave the tile room (the lowering proves the grouping on the offsets)."""
     p = _attention_pattern(g, region)
-    hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+    hint = functools.partial(compute.dim_hint, g)
     raw = g.tensors[g.nodes[p.qk].output[0]].shape
     s = [hint(d) for d in raw]
     bh, sq, sk = int(np.prod(s[:-2], dtype=np.int64)), s[-2], s[-1]
@@ -362,7 +363,7 @@ class CostModel:
         projections' biases (its `bias` input), one kernel reading and writing Q, K and V (assumed: ORT lays
         them out with the bias added before the attention)."""
         tgt = self.target
-        hint = lambda d: d if isinstance(d, int) else g.sym_hints.get(d, 128)  # noqa: E731
+        hint = functools.partial(compute.dim_hint, g)
         b, sq, hd = (hint(d) for d in g.tensors[node.input[0]].shape)
         sk, hdv = (hint(d) for d in g.tensors[node.input[2]].shape[1:])
         heads = max(1, attr(node, "num_heads", 1))
@@ -504,7 +505,7 @@ class CostModel:
             rounds += kernel[0] * -(-kernel[1] // WINDOW_READ_AHEAD)
         if not rounds:
             return 0.0
-        dims = [d if isinstance(d, int) else g.sym_hints.get(d, 128) for d in region.space]  # as compute.elements
+        dims = [compute.dim_hint(g, d) for d in region.space]
         short = self.row_threads(g, region)
         if short:
             vectors, tpr = short
