@@ -30,6 +30,12 @@ OP = "MultiHeadAttention"
 DTYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16})
 BNSD_TO_BSND = (0, 2, 1, 3)  # Q, V and the output: [B, N, S, D] <-> [B, S, N, D] (its own inverse)
 KT_TO_BSND = (0, 3, 1, 2)  # Kᵀ [B, N, D, S] -> [B, S, N, D]
+# An fp32 attention_bias' floor. ORT's memory-efficient kernel (CUDA, fp32 from 256 keys or queries) multiplies
+# scores + bias by log2(e) in fp32: a bias of float32's lowest (what exporters mask with) becomes -inf there, so a
+# query row masked on every key gives NaN where the pattern's Softmax gives a uniform row, and the NaN reaches
+# every row through the next layer's keys. Raised to -1e38 a finite bias keeps its probabilities (e^-1e38 is 0
+# beside any visible score) unless every key of a row is below the floor; -inf is kept as it is.
+BIAS_FLOOR = -1e38
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class _Emitter:
         self.g, self.m, self.tensors = g, m, tensors
         self.nodes: list[onnx.NodeProto] = []
         self.taken = set(tensors) | {t.name for t in m.graph.initializer}
+        self.floored: dict[str, str] = {}  # mask -> the mask the nodes read (`_bias_floored`)
+        self.after: dict[str, list[onnx.NodeProto]] = {}  # nodes placed right after a mask's producer
 
     def name(self, base: str) -> str:
         k, out = 0, base
@@ -75,6 +83,13 @@ class _Emitter:
         t = self.name(base)
         self.m.graph.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), t))
         self.tensors[t] = TensorInfo(t, onnx.TensorProto.INT64, (len(values),))
+        return t
+
+    def scalar(self, base: str, value: float, dtype: int) -> str:
+        t = self.name(base)
+        npdt = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+        self.m.graph.initializer.append(numpy_helper.from_array(np.asarray(value, npdt), t))
+        self.tensors[t] = TensorInfo(t, dtype, ())
         return t
 
     def node(self, op: str, inputs: list[str], base: str, shape: tuple[Dim, ...], dtype: int,
@@ -121,6 +136,35 @@ def _heads_merged(e: _Emitter, x: str, base: str) -> str:
     return e.node("Reshape", [x, e.const(f"{base}_shape", [0, 0, -1])], base, want, e.tensors[x].dtype)
 
 
+def _bias_floored(e: _Emitter, bias: str) -> str:
+    """An fp32 mask with its finite values below BIAS_FLOOR raised to it: a constant's values where it has
+    such values, otherwise Where(mask == -inf, mask, Max(mask, floor)) once per mask, after its producer."""
+    g = e.g
+    if bias in e.floored:
+        return e.floored[bias]
+    info = g.tensors[bias]
+    c = None if g.fed(bias) else g.constants.get(bias)
+    if c is not None:
+        v = np.asarray(c, np.float32)
+        out = bias
+        if (np.isfinite(v) & (v < BIAS_FLOOR)).any():
+            out = e.name(f"{bias}/floored")
+            kept = np.where(np.isneginf(v), v, np.maximum(v, np.float32(BIAS_FLOOR))).astype(np.float32)
+            e.m.graph.initializer.append(numpy_helper.from_array(kept, out))
+            e.tensors[out] = TensorInfo(out, info.dtype, info.shape)
+    else:
+        outer, e.nodes = e.nodes, []
+        base = f"{bias}/floored"
+        out = e.node("Max", [bias, e.scalar(f"{base}/floor", BIAS_FLOOR, info.dtype)], base, info.shape, info.dtype)
+        if g.opset >= 11:  # Equal on floats (before, -inf is raised too: a row of -inf keys gets a uniform row)
+            ninf = e.node("Equal", [bias, e.scalar(f"{base}/ninf", -np.inf, info.dtype)], base, info.shape,
+                          onnx.TensorProto.BOOL)
+            out = e.node("Where", [ninf, bias, out], base, info.shape, info.dtype)
+        e.after[bias], e.nodes = e.nodes, outer
+    e.floored[bias] = out
+    return out
+
+
 def _replacement(e: _Emitter, f: MhaForm) -> dict[str, str]:
     """Emit f's nodes; returns the aliases of tensors the output's consumers re-view."""
     g = e.g
@@ -131,8 +175,10 @@ def _replacement(e: _Emitter, f: MhaForm) -> dict[str, str]:
     inputs = [q, k, v]
     if f.bias is not None:
         bias, rank = f.bias, len(g.tensors[f.bias].shape)
+        if f.dtype == onnx.TensorProto.FLOAT:
+            bias = _bias_floored(e, bias)
         if rank < 4:
-            shape = (1,) * (4 - rank) + tuple(g.tensors[bias].shape)
+            shape = (1,) * (4 - rank) + tuple(e.tensors[bias].shape)
             axes = list(range(4 - rank))
             if g.opset >= 13:
                 bias = e.node("Unsqueeze", [bias, e.const(f"{base}/bias_axes", axes)], f"{base}/bias", shape, f.dtype)
@@ -177,7 +223,10 @@ def to_mha(g: Graph, chosen: Sequence[MhaForm], biases: bool = False) -> Graph:
         e.nodes = []
         alias.update(_replacement(e, f))
         at[max(f.nodes)] = e.nodes  # where P·V was: every input is computed by then
-    new_nodes: list[onnx.NodeProto] = []
+    for mask, nodes in e.after.items():  # a floored mask: right after its producer (first for an input)
+        p = g.producer.get(mask, -1)
+        at.setdefault(p, [])[:0] = nodes
+    new_nodes: list[onnx.NodeProto] = list(at.get(-1, ()))
     for i, node in enumerate(m.graph.node):
         if i not in removed:
             new_nodes.append(node)

@@ -152,3 +152,84 @@ def test_cross_attention_with_another_value_head_size(dt, mask):
     mha = next(n for n in out.nodes if is_mha(n))
     assert list(mha.input[:3]) == ["q", "k", "v"] and "Transpose" not in [n.op_type for n in out.nodes]
     assert_same(m, out.model, dt)
+
+
+def _masked_rows(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The mask of `feeds` with rows as exporters mask them: every key at its dtype's lowest, some keys at it,
+    every key -inf (the pattern's Softmax: NaN), some keys -inf."""
+    m = feeds["mask"].copy()
+    m[0, 0, 0, :] = np.finfo(m.dtype).min
+    m[0, 0, 1, :3] = np.finfo(m.dtype).min
+    m[-1, 0, 2, :] = -np.inf
+    m[-1, 0, 3, ::2] = -np.inf
+    return {**feeds, "mask": m}
+
+
+def _floor_nodes(out) -> list[str]:
+    return [n.op_type for n in out.nodes if "floored" in n.name]
+
+
+def test_an_fp32_mask_is_floored_for_the_memory_efficient_kernel():
+    """ORT's memory-efficient kernel scales scores + mask by log2(e) in fp32, where float32's lowest becomes
+    -inf: a fully masked row would be NaN. The mask reaches the node raised to -1e38 (-inf kept), once for all
+    the nodes that read it, and rows masked at float32's lowest, fully or partly, or at -inf keep the pattern's
+    results, NaN where it has NaN."""
+    m = attention(TP.FLOAT, mask="full")
+    _, out = rewritten(m)
+    assert sorted(_floor_nodes(out)) == ["Equal", "Max", "Where"]
+    mha = next(n for n in out.nodes if is_mha(n))
+    assert out.nodes[out.producer[mha.input[5]]].op_type == "Where"
+    for b, s in ((2, 7), (1, 19)):
+        feeds = _masked_rows(_feeds(m, b, s, seed=s))
+        want, got = _run(m, feeds)[0], _run(out.model, feeds)[0]
+        rows = want.reshape(b, s, 3, 8)  # [B, S, heads, head]: query rows 0 and 1 of batch 0 are finite
+        assert np.isfinite(rows[0, :2]).all() and np.isnan(rows[-1, 2]).all() and np.isfinite(got[0, :2]).all()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_a_constant_fp32_mask_is_floored_offline_and_an_fp16_one_not_at_all():
+    m = attention(TP.FLOAT, mask="full")
+    feeds = _masked_rows(_feeds(m, 1, 5, seed=1))
+    const = onnx.ModelProto()
+    const.CopyFrom(m)
+    for v in const.graph.input:
+        if v.name == "mask":
+            for k, d in enumerate(v.type.tensor_type.shape.dim):
+                d.dim_value = feeds["mask"].shape[k]
+    const.graph.initializer.append(onnx.numpy_helper.from_array(feeds["mask"], "mask"))
+    del feeds["mask"]
+    inputs = [v for v in const.graph.input if v.name != "mask"]
+    del const.graph.input[:]
+    const.graph.input.extend(inputs)
+    _, out = rewritten(const)
+    assert not _floor_nodes(out)
+    mha = next(n for n in out.nodes if is_mha(n))
+    floored = out.constants[mha.input[5]]
+    assert floored.min() == -np.inf and floored[np.isfinite(floored)].min() == np.float32(-1e38)
+    np.testing.assert_allclose(_run(out.model, feeds)[0], _run(const, feeds)[0], rtol=1e-4, atol=1e-5, equal_nan=True)
+    _, out16 = rewritten(attention(TP.FLOAT16, mask="full"))  # fp16's lowest, -65504, stays finite in fp32
+    assert not _floor_nodes(out16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+@pytest.mark.parametrize("s", [256, 197])
+def test_masked_rows_on_ort_cuda_kernels(dt, s):
+    """On ORT's CUDA EP, where 256 queries (a multiple of 16) send fp32 with a mask to the memory-efficient
+    kernel and 197 to the unfused one (fp16: 256 to the memory-efficient kernel, 197 unfused): rows masked at
+    the dtype's lowest, fully or partly, or partly at -inf, match the pattern as stock ORT runs it. A fully
+    masked fp16 row is left out: the pattern adds the mask in fp16 (its sum rounds to 32s, or to -inf), where
+    MultiHeadAttention adds it in fp32."""
+    m = attention(dt, head=16, mask="full")
+    _, out = rewritten(m)
+    feeds = _masked_rows(_feeds(m, 2, s, seed=s))
+    if dt == TP.FLOAT16:
+        feeds["mask"][0, 0, 0, :] = 0
+    providers = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+    so = ort.SessionOptions()
+    want = ort.InferenceSession(m.SerializeToString(), so, providers=providers).run(None, feeds)[0]
+    got = ort.InferenceSession(out.model.SerializeToString(), so, providers=providers).run(None, feeds)[0]
+    rows = got.reshape(2, s, 3, 16)
+    assert np.isfinite(rows[0, :2]).all() and np.isnan(rows[-1, 2]).all() == np.isnan(want.reshape(rows.shape)[-1, 2]).all()
+    tol = 3e-3 if dt == TP.FLOAT16 else 2e-3  # TF32 in the memory-efficient kernel's GEMMs, if it takes them
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol, equal_nan=True)
