@@ -23,13 +23,18 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from ortfuse.config import cache_dir
+from ortfuse.config import cache_dir, emu_opt_level
 from ortfuse.customops.compile import INCLUDE_DIR, atomic_write, headers_digest
 from ortfuse.errors import CompileError
 
 CXX = "g++"
-CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-DORTFUSE_EMU", "-fno-strict-aliasing",
-             "-fvisibility=hidden", "-Wno-unknown-pragmas", "-Wno-attributes")
+BASE_FLAGS = ("-std=c++17", "-fPIC", "-shared", "-DORTFUSE_EMU", "-fno-strict-aliasing",
+              "-fvisibility=hidden", "-Wno-unknown-pragmas", "-Wno-attributes")
+
+
+def cxx_flags() -> tuple[str, ...]:
+    """g++'s flags, at the -O level of $ORTFUSE_EMU_OPT (config.emu_opt_level)."""
+    return (*BASE_FLAGS, f"-O{emu_opt_level()}")
 MAX_TENSORS, MAX_DIMS = 32, 16  # OFZ_MAX_TENSORS / OFZ_MAX_DIMS in ortfuse_kernel.h
 
 
@@ -182,7 +187,7 @@ def _placed(a: np.ndarray, align: int) -> np.ndarray:
 def compile_emulated(source: str) -> EmulatedModule:
     """Build `source` for the host (cached on disk by source, flags, headers and compiler) and load it."""
     compiler = _compiler_version()
-    key = hashlib.sha256("\0".join([source, " ".join(CXX_FLAGS), compiler, headers_digest()]).encode())
+    key = hashlib.sha256("\0".join([source, " ".join(cxx_flags()), compiler, headers_digest()]).encode())
     return _load(key.hexdigest()[:24], source)
 
 
@@ -203,7 +208,7 @@ _pch_lock = threading.Lock()
 def _pch_flags() -> tuple[str, ...]:
     """`-include` flags for the precompiled kernel headers (built on first use, cached by headers, flags and
     compiler); () if g++ cannot build one, and kernels then parse the headers themselves."""
-    key = hashlib.sha256("\0".join([" ".join(CXX_FLAGS), " ".join(PCH_HEADERS), _compiler_version(),
+    key = hashlib.sha256("\0".join([" ".join(cxx_flags()), " ".join(PCH_HEADERS), _compiler_version(),
                                     headers_digest()]).encode())
     folder = cache_dir() / "emu" / f"pch-{key.hexdigest()[:16]}"
     header, gch = folder / "ortfuse_pch.h", folder / "ortfuse_pch.h.gch"
@@ -216,7 +221,7 @@ def _pch_flags() -> tuple[str, ...]:
         atomic_write(header, "".join(f'#include "{h}"\n' for h in PCH_HEADERS).encode())
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".gch")
         os.close(fd)
-        flags = [f for f in CXX_FLAGS if f != "-shared"]
+        flags = [f for f in cxx_flags() if f != "-shared"]
         proc = subprocess.run([CXX, *flags, f"-I{INCLUDE_DIR}", "-x", "c++-header", str(header), "-o", tmp],
                               capture_output=True, text=True)
         if proc.returncode != 0:
@@ -237,7 +242,7 @@ def _load(key: str, source: str) -> EmulatedModule:
     if not so.exists():
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".so")
         os.close(fd)
-        cmd = [CXX, *CXX_FLAGS, f"-I{INCLUDE_DIR}", *_pch_flags(), "-x", "c++", str(cu), "-o", tmp]
+        cmd = [CXX, *cxx_flags(), f"-I{INCLUDE_DIR}", *_pch_flags(), "-x", "c++", str(cu), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             Path(tmp).unlink(missing_ok=True)  # g++ may have removed it

@@ -28,6 +28,15 @@ def debug() -> bool:
     return os.environ.get("ORTFUSE_DEBUG", "0") not in ("", "0")
 
 
+def emu_opt_level() -> str:
+    """$ORTFUSE_EMU_OPT: g++'s -O level for emulated kernels, 0-3 (default 2). The tests take 1: their tensors
+    are small, so building dominates, and -O1 builds in two thirds of -O2's time."""
+    level = os.environ.get("ORTFUSE_EMU_OPT", "") or "2"
+    if level not in ("0", "1", "2", "3"):
+        raise InputError(f"ORTFUSE_EMU_OPT={level!r}: expected 0, 1, 2 or 3")
+    return level
+
+
 LN_FOLD_MODES = ("auto", "on", "off")
 LAYOUT_MODES = ("auto", "blocks", "model")
 ORT_ATTENTION_MODES = ("auto", "on", "off")

@@ -401,7 +401,7 @@ def test_kernel_headers_come_precompiled(monkeypatch: pytest.MonkeyPatch, tmp_pa
     src = tmp_path / "k.cu"
     src.write_text(ELEMENTWISE)
     # g++ falls back to parsing the headers without a word when a PCH does not fit: -H says which it took
-    proc = subprocess.run([emulate.CXX, *emulate.CXX_FLAGS, f"-I{INCLUDE}", *flags, "-Winvalid-pch", "-H",
+    proc = subprocess.run([emulate.CXX, *emulate.cxx_flags(), f"-I{INCLUDE}", *flags, "-Winvalid-pch", "-H",
                            "-x", "c++", str(src), "-o", str(tmp_path / "k.so")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert f"! {flags[1]}.gch" in proc.stderr.splitlines()[0] and "invalid" not in proc.stderr
@@ -578,3 +578,15 @@ def test_an_empty_tensor_is_memory_no_read_can_touch():
             "print(ctypes.string_at(no_memory() + (5 << 30), 1))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode < 0, (r.returncode, r.stdout, r.stderr[-500:])
+
+
+def test_the_build_level_is_configurable_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests build at -O1 (tests/conftest.py); users at -O2 unless they set ORTFUSE_EMU_OPT."""
+    from ortfuse.errors import InputError
+
+    assert emulate.cxx_flags()[-1] == "-O1"
+    monkeypatch.delenv("ORTFUSE_EMU_OPT")
+    assert emulate.cxx_flags()[-1] == "-O2"
+    monkeypatch.setenv("ORTFUSE_EMU_OPT", "fast")
+    with pytest.raises(InputError, match="ORTFUSE_EMU_OPT='fast'"):
+        emulate.cxx_flags()
