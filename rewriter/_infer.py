@@ -35,11 +35,12 @@ def infer_value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     a model ORT would refuse (an op's inputs bound to different types, a string fed to Abs, an axis out
     of range) is refused here too, naming the node, whether or not symbolic inference coped with it."""
     checked = _onnx(_skeleton(model))
-    inferred, complete, merges = _symbolic(model)
+    weightless, weights = _skeleton(model, as_inputs=True)
+    inferred, complete, merges = _symbolic(weightless)
     record_merges(model, merges)
     if inferred is None:
         return _collect(checked)
-    infos = _collect(inferred)
+    infos = {k: v for k, v in _collect(inferred).items() if k not in weights}
     if not complete:  # symbolic gave up on some nodes: let ONNX fill what it can
         for name, vi in _collect(checked).items():
             infos.setdefault(name, vi)
@@ -55,8 +56,11 @@ def infer_dtypes(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Everything inference reads, with big non-integer initializers reduced to dtype and dims."""
+def _skeleton(model: onnx.ModelProto, as_inputs: bool = False):
+    """Everything inference reads, with big non-integer initializers reduced to dtype and dims: stubs that
+    fail loudly when read (ONNX's inference), or (`as_inputs`) graph inputs, returned with their names.
+    Symbolic inference reads every constant input of an element-wise op as a value (a bias converted to
+    numpy), and copies the model and each node's initializers: a weight is only a shape to it."""
     sk = onnx.ModelProto(ir_version=model.ir_version)
     sk.opset_import.extend(model.opset_import)
     sk.functions.extend(model.functions)
@@ -64,14 +68,20 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     g.name = src.name
     for field in ("node", "input", "output", "value_info", "sparse_initializer"):
         getattr(g, field).extend(getattr(src, field))
+    listed, weights = {v.name for v in src.input}, set()
     for t in src.initializer:
-        if t.data_type in _SHAPE_DTYPES or t.ByteSize() <= STRIP_BYTES:
+        if t.data_type in _SHAPE_DTYPES or _proto.tensor_bytes(t) <= STRIP_BYTES:
             g.initializer.append(t)
+            continue
+        if as_inputs:
+            if t.name not in listed:
+                g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+            weights.add(t.name)
             continue
         stub = g.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
         stub.data_location = onnx.TensorProto.EXTERNAL
         stub.external_data.add(key="location", value=_STRIPPED)
-    return sk
+    return (sk, frozenset(weights)) if as_inputs else sk
 
 
 MERGES_KEY = "ortfuse.shape_merges"  # on the rewriter's private copy only; `replace` drops it

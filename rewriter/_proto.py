@@ -20,8 +20,45 @@ MAX_IR_VERSION = 13
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
+_PACKED_4BIT = frozenset({onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1})
+
+
 def is_large(model: onnx.ModelProto) -> bool:
+    """Whether `model` serializes to the protobuf limit or more. ByteSize() serializes, copying every weight:
+    it is asked only where a bound that counts the weights' raw bytes from their dims comes near the limit."""
+    if _size_bound(model) < PROTOBUF_LIMIT - 2**24:
+        return False
     return model.ByteSize() >= PROTOBUF_LIMIT
+
+
+def tensor_bytes(t: onnx.TensorProto) -> int:
+    """The bytes of `t`'s data: its raw bytes counted from dims and item size (not copied out); for data held
+    otherwise (typed fields, strings) its serialized size."""
+    if not t.HasField("raw_data") or t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return t.ByteSize()
+    n = 1
+    for d in t.dims:
+        n *= d
+    return (n + 1) // 2 if t.data_type in _PACKED_4BIT else n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+def _size_bound(model: onnx.ModelProto) -> int:
+    """At least model.ByteSize(): each initializer held as raw bytes by its dims, item size and an upper bound
+    on its other fields and framing; everything else by ByteSize() per message (no weights there)."""
+    g = model.graph
+    total = 4096 + sum(6 + x.ByteSize() for x in (*model.opset_import, *model.metadata_props, *model.functions,
+                                                   *model.training_info))
+    total += len(model.doc_string) + len(model.producer_name) + len(model.producer_version) + len(model.domain)
+    total += len(g.name) + len(g.doc_string) + sum(6 + x.ByteSize() for x in (
+        *g.node, *g.input, *g.output, *g.value_info, *g.sparse_initializer, *g.quantization_annotation,
+        *g.metadata_props))
+    for t in g.initializer:
+        if not t.HasField("raw_data") or t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+            total += 6 + t.ByteSize()
+            continue
+        total += 64 + tensor_bytes(t) + len(t.name) + len(t.doc_string) + 11 * len(t.dims) + \
+            sum(6 + x.ByteSize() for x in (*t.external_data, *t.metadata_props))
+    return total
 
 
 def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:

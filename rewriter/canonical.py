@@ -276,11 +276,12 @@ def remove_dead(m: onnx.ModelProto) -> None:
         if any(o and o in used for o in node.output) or _has_side_graph(node):
             alive.append(node)
             used.update(_proto.node_reads(node))  # names read inside subgraphs (at any depth) stay alive
-    del m.graph.node[:]
-    m.graph.node.extend(reversed(alive))
-    inits = [t for t in m.graph.initializer if t.name in used]
-    del m.graph.initializer[:]
-    m.graph.initializer.extend(inits)
+    if len(alive) < len(m.graph.node):
+        del m.graph.node[:]
+        m.graph.node.extend(reversed(alive))
+    # deleted in place: extending a repeated field copies each message, a model's weights included
+    for k in reversed([k for k, t in enumerate(m.graph.initializer) if t.name not in used]):
+        del m.graph.initializer[k]
 
 
 def _has_side_graph(node: onnx.NodeProto) -> bool:

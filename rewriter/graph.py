@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping, Optional, TypeVar
 
 import numpy as np
 import onnx
@@ -52,6 +52,13 @@ class Graph:
         """An initializer that is also a graph input (IR < 4 style): a user may feed it at run time, so it is
         not a fixed constant to rewrite."""
         return name in _listed_inputs(self)
+
+    def constant_size(self, name: str) -> Optional[int]:
+        """Elements of constant `name`, None where it is none, without converting a weight to numpy."""
+        if name not in self.constants:
+            return None
+        size_of = getattr(self.constants, "size_of", None)
+        return size_of(name) if size_of else int(np.asarray(self.constants[name]).size)
 
     def node_label(self, index: int) -> str:
         n = self.nodes[index]

@@ -302,6 +302,13 @@ class Constants(Mapping[str, np.ndarray]):
                                  else constant_value(src))
         return self._cache[name]
 
+    def size_of(self, name: str) -> int:
+        """Constant `name`'s element count, from its dims where it is an initializer (not converted)."""
+        src = self._sources[name]
+        if name not in self._cache and isinstance(src, onnx.TensorProto):
+            return int(np.prod(src.dims, dtype=np.int64))
+        return int(self[name].size)
+
     def __contains__(self, name: object) -> bool:
         return name in self._sources
 

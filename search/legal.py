@@ -267,8 +267,7 @@ def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
     outputs: list[str] = []
     for i in sorted(nodes):
         for _, t in ops.data_inputs(g.nodes[i]):
-            const = g.constants.get(t)
-            if t in produced or t in inputs or (const is not None and const.size == 1):
+            if t in produced or t in inputs or g.constant_size(t) == 1:
                 continue
             inputs.append(t)
         for o in g.nodes[i].output:

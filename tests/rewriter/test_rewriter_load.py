@@ -158,3 +158,34 @@ def test_cycle_is_an_input_error():
     model = M.make_model(nodes, [M.vi("x", [2])], [M.vi("b", [2])])
     with pytest.raises(InputError, match="cycle through node Relu"):
         load_model(model)
+
+
+def test_size_bound_is_at_least_the_serialized_size_without_serializing_weights():
+    """`_proto.is_large` asks ByteSize() (which serializes every weight) only near the limit: the bound it
+    takes first must never be under the true size, whatever way a tensor holds its data."""
+    import numpy as np
+    from onnx import TensorProto as TP, helper, numpy_helper
+
+    from ortfuse.rewriter import _proto
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 33)).astype(np.float32), "raw32"),
+             numpy_helper.from_array(rng.standard_normal(7).astype(np.float16), "raw16"),
+             helper.make_tensor("floats", TP.FLOAT, [5], [1.5, -2.0, 3.0, 0.0, 1e30]),
+             helper.make_tensor("ints", TP.INT64, [3], [-1, 2**40, 7]),
+             helper.make_tensor("int8s", TP.INT8, [4], [-1, -128, 5, 0]),
+             helper.make_tensor("int4", TP.INT4, [5], [-1, 2, 3, -8, 7]),
+             helper.make_tensor("strings", TP.STRING, [2], [b"ab", b"c" * 300])]
+    ext = numpy_helper.from_array(np.ones(4, np.float32), "ext")
+    ext.ClearField("raw_data")
+    ext.data_location = TP.EXTERNAL
+    ext.external_data.add(key="location", value="w.bin")
+    inits.append(ext)
+    node = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.arange(300, dtype=np.float32)))
+    graph = helper.make_graph([node, helper.make_node("Identity", ["x"], ["y"], doc_string="d" * 500)], "g",
+                              [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 3])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, ["n", 3])], inits)
+    m = helper.make_model(graph, doc_string="model " * 100)
+    m.metadata_props.add(key="k", value="v" * 1000)
+    exact = m.ByteSize()
+    assert exact <= _proto._size_bound(m) <= exact + 4096 + 200 * len(inits)
