@@ -35,6 +35,8 @@ BASE_FLAGS = ("-std=c++17", "-fPIC", "-shared", "-DORTFUSE_EMU", "-fno-strict-al
 def cxx_flags() -> tuple[str, ...]:
     """g++'s flags, at the -O level of $ORTFUSE_EMU_OPT (config.emu_opt_level)."""
     return (*BASE_FLAGS, f"-O{emu_opt_level()}")
+
+
 MAX_TENSORS, MAX_DIMS = 32, 16  # OFZ_MAX_TENSORS / OFZ_MAX_DIMS in ortfuse_kernel.h
 
 

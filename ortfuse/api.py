@@ -262,6 +262,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     model = load_model(model_or_path)
     say("inferring shapes")
     graph = build_graph(model, _shapes(input_shapes), dict(opts.dim_hints))
+    del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, gathers = fold_iota_gathers(graph)
     if gathers:
@@ -344,6 +345,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
             say(note)
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
     the_plan = plan_of(graph)
+    searched.clear()  # earlier graphs (and their weights) are not planned again
     say(f"lowering {len(the_plan.regions)} regions")
     specs = [(r, lower(graph, r, tgt, opts.tf32)) for r in the_plan.regions]
     sources = {spec.kernel.name: render(spec.kernel) for _, spec in specs}

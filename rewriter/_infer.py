@@ -1,10 +1,10 @@
 """Running shape inference: ONNX Runtime's symbolic inference first (it resolves the Shape/Gather/Concat
 chains exporters use for Reshape targets and keeps dims symbolic), ONNX's own inference as fallback.
 
-Symbolic inference works on the in-memory proto (no 2 GB limit there) and reads initializer values
-freely, so it gets the whole model. ONNX's inference serializes the model, so for a model over the
-protobuf limit it runs on a skeleton with large weights reduced to dtype and dims, through
-onnx.shape_inference.infer_shapes_path if even the skeleton is too big."""
+Both run on skeletons: large non-integer weights reduced to dtype and dims (stubs for ONNX's inference,
+graph inputs for symbolic inference, which would otherwise copy the model and read every constant operand
+of an element-wise op as a value). ONNX's inference serializes the model: over the protobuf limit it goes
+through onnx.shape_inference.infer_shapes_path."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,8 @@ import logging
 import os
 import re
 import tempfile
+
+from typing import Union
 
 import numpy as np
 import onnx
@@ -56,7 +58,8 @@ def infer_dtypes(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def _skeleton(model: onnx.ModelProto, as_inputs: bool = False):
+def _skeleton(model: onnx.ModelProto, as_inputs: bool = False
+              ) -> Union[onnx.ModelProto, tuple[onnx.ModelProto, frozenset[str]]]:
     """Everything inference reads, with big non-integer initializers reduced to dtype and dims: stubs that
     fail loudly when read (ONNX's inference), or (`as_inputs`) graph inputs, returned with their names.
     Symbolic inference reads every constant input of an element-wise op as a value (a bias converted to
@@ -73,9 +76,11 @@ def _skeleton(model: onnx.ModelProto, as_inputs: bool = False):
         if t.data_type in _SHAPE_DTYPES or _proto.tensor_bytes(t) <= STRIP_BYTES:
             g.initializer.append(t)
             continue
+        if as_inputs and t.name in listed:  # fed like an input already: kept whole (IR < 4 style)
+            g.initializer.append(t)
+            continue
         if as_inputs:
-            if t.name not in listed:
-                g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
             weights.add(t.name)
             continue
         stub = g.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
@@ -129,7 +134,7 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
     Drives SymbolicShapeInference's loop ourselves: its infer_shapes() writes a debug model into the
     current directory when inference is incomplete, and we want partial results instead of an error."""
     if (_proto.opset_of(model) or 0) < 7:
-        return None, False
+        return None, False, {}
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 

@@ -31,33 +31,48 @@ def is_large(model: onnx.ModelProto) -> bool:
     return model.ByteSize() >= PROTOBUF_LIMIT
 
 
+_TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+
+
+def _raw_only(t: onnx.TensorProto) -> bool:
+    """`t` holds its data as raw bytes alone, of a type with a fixed item size."""
+    return t.HasField("raw_data") and t.data_type not in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED) \
+        and not any(len(getattr(t, f)) for f in _TYPED_FIELDS)
+
+
 def tensor_bytes(t: onnx.TensorProto) -> int:
-    """The bytes of `t`'s data: its raw bytes counted from dims and item size (not copied out); for data held
-    otherwise (typed fields, strings) its serialized size."""
-    if not t.HasField("raw_data") or t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+    """The bytes of `t`'s data: raw bytes counted from dims and item size (not copied out; a tensor whose raw
+    bytes do not match its dims is the checker's to refuse); otherwise its serialized size."""
+    if not _raw_only(t):
+        return t.ByteSize()
+    try:
+        item = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except KeyError:  # a type this onnx does not know: the checker names it
         return t.ByteSize()
     n = 1
     for d in t.dims:
         n *= d
-    return (n + 1) // 2 if t.data_type in _PACKED_4BIT else n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return (n + 1) // 2 if t.data_type in _PACKED_4BIT else n * item
 
 
 def _size_bound(model: onnx.ModelProto) -> int:
-    """At least model.ByteSize(): each initializer held as raw bytes by its dims, item size and an upper bound
-    on its other fields and framing; everything else by ByteSize() per message (no weights there)."""
+    """At least model.ByteSize() for a well-formed model: each initializer held as raw bytes alone by its dims,
+    item size and an upper bound on its other fields and framing; everything else by ByteSize() per message
+    (no weights there)."""
     g = model.graph
+    text = lambda x: len(x.encode())  # noqa: E731 (UTF-8 bytes, not characters)
     total = 4096 + sum(6 + x.ByteSize() for x in (*model.opset_import, *model.metadata_props, *model.functions,
-                                                   *model.training_info))
-    total += len(model.doc_string) + len(model.producer_name) + len(model.producer_version) + len(model.domain)
-    total += len(g.name) + len(g.doc_string) + sum(6 + x.ByteSize() for x in (
-        *g.node, *g.input, *g.output, *g.value_info, *g.sparse_initializer, *g.quantization_annotation,
-        *g.metadata_props))
+                                                   *model.training_info, *model.configuration))
+    total += sum(map(text, (model.doc_string, model.producer_name, model.producer_version, model.domain,
+                            g.name, g.doc_string)))
+    total += sum(6 + x.ByteSize() for x in (*g.node, *g.input, *g.output, *g.value_info, *g.sparse_initializer,
+                                            *g.quantization_annotation, *g.metadata_props))
     for t in g.initializer:
-        if not t.HasField("raw_data") or t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        if not _raw_only(t):
             total += 6 + t.ByteSize()
             continue
-        total += 64 + tensor_bytes(t) + len(t.name) + len(t.doc_string) + 11 * len(t.dims) + \
-            sum(6 + x.ByteSize() for x in (*t.external_data, *t.metadata_props))
+        total += 64 + tensor_bytes(t) + text(t.name) + text(t.doc_string) + 11 * len(t.dims) + \
+            t.segment.ByteSize() + sum(6 + x.ByteSize() for x in (*t.external_data, *t.metadata_props))
     return total
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, TypeVar
 
 import numpy as np
 import onnx
+
+if TYPE_CHECKING:
+    from ortfuse.rewriter.shapes import Constants
 
 Dim = int | str  # a static size, or the name of a symbolic dim ("batch", "seq")
 
@@ -35,7 +38,7 @@ class Graph:
 
     model: onnx.ModelProto
     tensors: Mapping[str, TensorInfo]
-    constants: Mapping[str, np.ndarray]  # initializers and Constant-node outputs
+    constants: Constants  # initializers and Constant-node outputs (rewriter.shapes)
     nodes: tuple[onnx.NodeProto, ...]  # topological order, as in model.graph.node
     producer: Mapping[str, int]  # tensor name -> index into nodes
     consumers: Mapping[str, tuple[int, ...]]  # tensor name -> indices of consuming nodes
@@ -55,10 +58,7 @@ class Graph:
 
     def constant_size(self, name: str) -> Optional[int]:
         """Elements of constant `name`, None where it is none, without converting a weight to numpy."""
-        if name not in self.constants:
-            return None
-        size_of = getattr(self.constants, "size_of", None)
-        return size_of(name) if size_of else int(np.asarray(self.constants[name]).size)
+        return self.constants.size_of(name) if name in self.constants else None
 
     def node_label(self, index: int) -> str:
         n = self.nodes[index]

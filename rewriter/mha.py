@@ -155,11 +155,14 @@ def _bias_floored(e: _Emitter, bias: str) -> str:
     else:
         outer, e.nodes = e.nodes, []
         base = f"{bias}/floored"
-        out = e.node("Max", [bias, e.scalar(f"{base}/floor", BIAS_FLOOR, info.dtype)], base, info.shape, info.dtype)
-        if g.opset >= 11:  # Equal on floats (before, -inf is raised too: a row of -inf keys gets a uniform row)
+        if g.opset >= 11:  # Equal on floats, Max broadcasting a scalar
+            out = e.node("Max", [bias, e.scalar(f"{base}/floor", BIAS_FLOOR, info.dtype)], base, info.shape,
+                         info.dtype)
             ninf = e.node("Equal", [bias, e.scalar(f"{base}/ninf", -np.inf, info.dtype)], base, info.shape,
                           onnx.TensorProto.BOOL)
             out = e.node("Where", [ninf, bias, out], base, info.shape, info.dtype)
+        else:  # Clip's bound an attribute (opset 6-10); -inf is raised too: a row of -inf keys gets a uniform row
+            out = e.node("Clip", [bias], base, info.shape, info.dtype, min=BIAS_FLOOR)
         e.after[bias], e.nodes = e.nodes, outer
     e.floored[bias] = out
     return out
@@ -223,9 +226,8 @@ def to_mha(g: Graph, chosen: Sequence[MhaForm], biases: bool = False) -> Graph:
         e.nodes = []
         alias.update(_replacement(e, f))
         at[max(f.nodes)] = e.nodes  # where P·V was: every input is computed by then
-    for mask, nodes in e.after.items():  # a floored mask: right after its producer (first for an input)
-        p = g.producer.get(mask, -1)
-        at.setdefault(p, [])[:0] = nodes
+    for mask, nodes in e.after.items():  # a floored mask: after its producer's nodes (first for an input)
+        at.setdefault(g.producer.get(mask, -1), []).extend(nodes)
     new_nodes: list[onnx.NodeProto] = list(at.get(-1, ()))
     for i, node in enumerate(m.graph.node):
         if i not in removed:

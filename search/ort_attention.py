@@ -59,6 +59,8 @@ def mha_form(g: Graph, p: AttentionPattern) -> MhaForm | str:
                 (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
             return f"{g.node_label(i)} on the scores (MultiHeadAttention: scalar scales, then one additive mask)"
         t = node.output[0]
+    if bias is not None and dtype == onnx.TensorProto.FLOAT and g.opset < 6:
+        return "an fp32 mask before opset 6 (its floor is a Clip: rewriter.mha.BIAS_FLOOR)"
     if scale == 0.0:  # MultiHeadAttention reads a scale of 0 as its default, 1 / sqrt(D)
         return "scores scaled by 0"
     if bias is not None and any(g.nodes[i].op_type not in ("Cast", "Identity") for i in p.prob_ops):

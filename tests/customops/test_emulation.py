@@ -584,6 +584,7 @@ def test_the_build_level_is_configurable_and_checked(monkeypatch: pytest.MonkeyP
     """The tests build at -O1 (tests/conftest.py); users at -O2 unless they set ORTFUSE_EMU_OPT."""
     from ortfuse.errors import InputError
 
+    monkeypatch.setenv("ORTFUSE_EMU_OPT", "1")
     assert emulate.cxx_flags()[-1] == "-O1"
     monkeypatch.delenv("ORTFUSE_EMU_OPT")
     assert emulate.cxx_flags()[-1] == "-O2"

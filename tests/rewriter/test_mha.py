@@ -154,15 +154,15 @@ def test_cross_attention_with_another_value_head_size(dt, mask):
     assert_same(m, out.model, dt)
 
 
-def _masked_rows(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _masked_rows(feeds: dict[str, np.ndarray], key: str = "mask") -> dict[str, np.ndarray]:
     """The mask of `feeds` with rows as exporters mask them: every key at its dtype's lowest, some keys at it,
     every key -inf (the pattern's Softmax: NaN), some keys -inf."""
-    m = feeds["mask"].copy()
+    m = feeds[key].copy()
     m[0, 0, 0, :] = np.finfo(m.dtype).min
     m[0, 0, 1, :3] = np.finfo(m.dtype).min
     m[-1, 0, 2, :] = -np.inf
     m[-1, 0, 3, ::2] = -np.inf
-    return {**feeds, "mask": m}
+    return {**feeds, key: m}
 
 
 def _floor_nodes(out) -> list[str]:
@@ -233,3 +233,43 @@ def test_masked_rows_on_ort_cuda_kernels(dt, s):
     assert np.isfinite(rows[0, :2]).all() and np.isnan(rows[-1, 2]).all() == np.isnan(want.reshape(rows.shape)[-1, 2]).all()
     tol = 3e-3 if dt == TP.FLOAT16 else 2e-3  # TF32 in the memory-efficient kernel's GEMMs, if it takes them
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol, equal_nan=True)
+
+
+def _with_opset(m: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    for o in out.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = opset
+    return out
+
+
+def _mask_computed(m: onnx.ModelProto) -> onnx.ModelProto:
+    """m with its mask input scaled by 1 in a node: a mask that a node computes, as BERT's is."""
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    for v in out.graph.input:
+        if v.name == "mask":
+            v.name = "mask_in"
+    out.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(1.0, np.float32), "one"))
+    out.graph.node.insert(0, helper.make_node("Mul", ["mask_in", "one"], ["mask"], name="mask_scale"))
+    return out
+
+
+@pytest.mark.parametrize("opset,floor", [(17, ["Max", "Equal", "Where"]), (10, ["Clip"]), (7, ["Clip"])])
+def test_a_computed_mask_is_floored_after_its_producer(opset, floor):
+    """The floor reads the mask where its producer leaves it (the nodes come after it); before opset 11 it is
+    one Clip (Max broadcasts a scalar from opset 8 on, Equal compares floats from 11 on), which raises -inf
+    too: a row masked at -inf on every key is then uniform, not the pattern's NaN."""
+    m = _with_opset(_mask_computed(attention(TP.FLOAT, mask="full")), opset)
+    _, out = rewritten(m)
+    assert _floor_nodes(out) == floor
+    assert [n.op_type for n in out.nodes[:1 + len(floor)]] == ["Mul", *floor]  # right after the mask's producer
+    feeds = _masked_rows(_feeds(m, 2, 7, seed=opset), "mask_in")
+    if opset < 11:
+        feeds["mask_in"][-1, 0, 2, :] = -1e39  # -inf in float32: the row left out below
+    want, got = _run(m, feeds)[0], _run(out.model, feeds)[0]
+    keep = np.ones(want.shape[:2], bool)
+    if opset < 11:
+        keep[-1, 2] = False
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-5, equal_nan=True)

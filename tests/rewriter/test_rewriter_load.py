@@ -182,10 +182,17 @@ def test_size_bound_is_at_least_the_serialized_size_without_serializing_weights(
     ext.external_data.add(key="location", value="w.bin")
     inits.append(ext)
     node = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.arange(300, dtype=np.float32)))
-    graph = helper.make_graph([node, helper.make_node("Identity", ["x"], ["y"], doc_string="d" * 500)], "g",
+    both = numpy_helper.from_array(np.ones(8, np.float32), "both")  # raw bytes and a typed field: serialized
+    both.float_data.extend([1.0] * 5000)
+    inits.append(both)
+    odd = numpy_helper.from_array(np.ones(3, np.uint8), "odd")
+    odd.data_type = 999  # a type this onnx does not know: counted as serialized, no KeyError
+    inits.append(odd)
+    graph = helper.make_graph([node, helper.make_node("Identity", ["x"], ["y"], doc_string="d" * 500)], "gé" * 300,
                               [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 3])],
                               [helper.make_tensor_value_info("y", TP.FLOAT, ["n", 3])], inits)
-    m = helper.make_model(graph, doc_string="model " * 100)
+    m = helper.make_model(graph, doc_string="modèle " * 100)
     m.metadata_props.add(key="k", value="v" * 1000)
+    m.configuration.add(name="c" * 10000)
     exact = m.ByteSize()
     assert exact <= _proto._size_bound(m) <= exact + 4096 + 200 * len(inits)

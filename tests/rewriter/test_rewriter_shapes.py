@@ -477,3 +477,23 @@ def test_resize_by_fractional_scales_keeps_a_symbolic_batch():
     assert build_graph(m, {}).tensors["y"].shape == ("n", 3, 3, 10)
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     assert sess.run(None, {"x": np.ones((2, 3, 5, 7), np.float32)})[0].shape == (2, 3, 3, 10)
+
+
+@pytest.mark.parametrize("listed", [None, "unshaped", "shaped"])
+def test_weights_are_shapes_only_to_symbolic_inference(listed):
+    """Symbolic inference sees a big weight as a graph input of its dims (it would copy and convert it): the
+    shapes downstream are the weight's, a weight also listed as an input (IR < 4 style) keeps its own entry
+    as before, and no name is added to the result."""
+    from onnx import TensorProto as TP
+
+    w = numpy_helper.from_array(np.ones((64, 48), np.float32), "w")
+    inputs = [helper.make_tensor_value_info("x", TP.FLOAT, ["b", 64])]
+    if listed:
+        inputs.append(helper.make_tensor_value_info("w", TP.FLOAT, None if listed == "unshaped" else ["n", 48]))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+                          "g", inputs, [helper.make_tensor_value_info("z", TP.FLOAT, None)], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    infos = _infer.infer_value_infos(m)
+    dims = [d.dim_param or d.dim_value for d in infos["y"].type.tensor_type.shape.dim]
+    assert dims == ["b", 48]
+    assert ("w" in infos) == bool(listed)
