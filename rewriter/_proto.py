@@ -182,9 +182,14 @@ def save_external(model: onnx.ModelProto, path: str, location: str) -> None:
                     location=location, size_threshold=1024)
 
 
-def check_model(model: onnx.ModelProto) -> None:
+def check_model(model: onnx.ModelProto, weights: bool = True) -> None:
     """onnx.checker.check_model(full_check=False); over 2 GB the checker only accepts a path, so the
-    model is written with external data to a temporary folder first."""
+    model is written with external data to a temporary folder first. `weights=False`: the checker reads
+    the model with its large raw initializers emptied (`_weightless`), for a model whose tensors were checked
+    at load or made from numpy arrays (the rewriter's output): its structure is checked without serializing
+    every weight, nor writing them out over 2 GB."""
+    if not weights:
+        model = _weightless(model)
     if not is_large(model):
         onnx.checker.check_model(model, full_check=False)
         return
@@ -192,6 +197,37 @@ def check_model(model: onnx.ModelProto) -> None:
         path = os.path.join(tmp, "model.onnx")
         save_external(model, path, "model.onnx.data")
         onnx.checker.check_model(path, full_check=False)
+
+
+WEIGHTLESS_BYTES = 1024  # raw initializers above this are emptied for a structural check
+
+
+def _copied_but(msg, skip: str):
+    """A new message of msg's type with every field set in msg copied but `skip`."""
+    out = type(msg)()
+    for fd, value in msg.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED:  # protobuf < 5.28
+            getattr(out, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(out, fd.name).CopyFrom(value)
+        else:
+            setattr(out, fd.name, value)
+    return out
+
+
+def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each initializer that holds over WEIGHTLESS_BYTES as raw bytes alone replaced by an empty
+    tensor of its name and type (the checker does not match initializers against their uses)."""
+    out = _copied_but(model, "graph")
+    out.graph.CopyFrom(_copied_but(model.graph, "initializer"))
+    for t in model.graph.initializer:
+        if _raw_only(t) and tensor_bytes(t) > WEIGHTLESS_BYTES:
+            out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=[0])
+        else:
+            out.graph.initializer.append(t)
+    return out
 
 
 def read_instead(nodes: Iterable[onnx.NodeProto], alias: Mapping[str, str]) -> None:

@@ -276,3 +276,30 @@ def test_large_model_saved_with_external_data(tmp_path, monkeypatch):
     again = load_model(tmp_path / "big.onnx")
     x = np.ones((3, 64), np.float32)
     np.testing.assert_allclose(run(again, {"x": x})[0], run(source, {"x": x})[0], rtol=1e-6)
+
+
+def test_the_structural_check_reads_no_weights_and_still_catches_a_dangling_input():
+    """`replace` checks its output with the large raw initializers emptied (they were checked at load or come
+    from numpy): the weightless copy keeps every name, type and small tensor, the checker still refuses a
+    node reading a tensor nothing produces, and the model itself is untouched."""
+    from onnx import TensorProto as TP
+
+    from ortfuse.rewriter import _proto
+
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    small = numpy_helper.from_array(np.ones(4, np.float32), "b")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"])],
+                          "g", [helper.make_tensor_value_info("x", TP.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("z", TP.FLOAT, [4, 64])], [w, small])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    m.metadata_props.add(key="k", value="v")
+    before = m.SerializeToString()
+    light = _proto._weightless(m)
+    assert [(t.name, list(t.dims)) for t in light.graph.initializer] == [("w", [0]), ("b", [4])]
+    assert light.metadata_props[0].value == "v" and light.opset_import[0].version == 17
+    _proto.check_model(m, weights=False)
+    m.graph.node[1].input[0] = "nowhere"
+    with pytest.raises(onnx.checker.ValidationError):
+        _proto.check_model(m, weights=False)
+    m.graph.node[1].input[0] = "y"
+    assert m.SerializeToString() == before
