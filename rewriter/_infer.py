@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import tempfile
-
 from typing import Union
 
 import numpy as np

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import os
 import tempfile
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence, TypeVar
 
 import onnx
 
@@ -200,9 +200,10 @@ def check_model(model: onnx.ModelProto, weights: bool = True) -> None:
 
 
 WEIGHTLESS_BYTES = 1024  # raw initializers above this are emptied for a structural check
+_M = TypeVar("_M", onnx.ModelProto, onnx.GraphProto)
 
 
-def _copied_but(msg, skip: str):
+def _copied_but(msg: _M, skip: str) -> _M:
     """A new message of msg's type with every field set in msg copied but `skip`."""
     out = type(msg)()
     for fd, value in msg.ListFields():

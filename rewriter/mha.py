@@ -69,7 +69,7 @@ class _Emitter:
         self.nodes: list[onnx.NodeProto] = []
         self.taken = set(tensors) | {t.name for t in m.graph.initializer}
         self.floored: dict[str, str] = {}  # mask -> the mask the nodes read (`_bias_floored`)
-        self.after: dict[str, list[onnx.NodeProto]] = {}  # nodes placed right after a mask's producer
+        self.after: dict[str, list[onnx.NodeProto]] = {}  # nodes placed after a mask's producer
 
     def name(self, base: str) -> str:
         k, out = 0, base
@@ -138,7 +138,8 @@ def _heads_merged(e: _Emitter, x: str, base: str) -> str:
 
 def _bias_floored(e: _Emitter, bias: str) -> str:
     """An fp32 mask with its finite values below BIAS_FLOOR raised to it: a constant's values where it has
-    such values, otherwise Where(mask == -inf, mask, Max(mask, floor)) once per mask, after its producer."""
+    such values, otherwise Where(mask == -inf, mask, Max(mask, floor)) (before opset 11 one Clip, which raises
+    -inf too) once per mask, after its producer."""
     g = e.g
     if bias in e.floored:
         return e.floored[bias]
