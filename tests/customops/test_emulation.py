@@ -591,3 +591,19 @@ def test_the_build_level_is_configurable_and_checked(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("ORTFUSE_EMU_OPT", "fast")
     with pytest.raises(InputError, match="ORTFUSE_EMU_OPT='fast'"):
         emulate.cxx_flags()
+
+
+def test_the_users_build_level_runs_fibers_clusters_and_tensor_cores(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """The suite builds at -O1; users at -O2. The emulator's fiber switches, cluster barriers and tensor-core
+    fragments are where an optimization level could matter: they run at -O2 here too."""
+    import test_tensorcore_emu as tc
+
+    monkeypatch.setenv("ORTFUSE_EMU_OPT", "2")
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    assert emulate.cxx_flags()[-1] == "-O2"
+    test_cluster_blocks_share_distributed_shared_memory(8, 8, 1024)
+    test_cluster_misuse_is_an_error_not_a_hang()
+    tc.test_mma_m16n8k16("__half", 1, 3)
+    tc.test_cp_async_lands_at_wait()
+    assert any(p.name.startswith("pch-") for p in (tmp_path / "emu").iterdir())
