@@ -63,13 +63,8 @@ def _skeleton(model: onnx.ModelProto, as_inputs: bool = False
     fail loudly when read (ONNX's inference), or (`as_inputs`) graph inputs, returned with their names.
     Symbolic inference reads every constant input of an element-wise op as a value (a bias converted to
     numpy), and copies the model and each node's initializers: a weight is only a shape to it."""
-    sk = onnx.ModelProto(ir_version=model.ir_version)
-    sk.opset_import.extend(model.opset_import)
-    sk.functions.extend(model.functions)
+    sk = _proto.without_initializers(model)
     g, src = sk.graph, model.graph
-    g.name = src.name
-    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(g, field).extend(getattr(src, field))
     listed, weights = {v.name for v in src.input}, set()
     for t in src.initializer:
         if t.data_type in _SHAPE_DTYPES or _proto.tensor_bytes(t) <= STRIP_BYTES:

@@ -218,11 +218,17 @@ def _copied_but(msg: _M, skip: str) -> _M:
     return out
 
 
+def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` but its graph's initializers (for a copy whose weights are stubbed: no weight copied)."""
+    out = _copied_but(model, "graph")
+    out.graph.CopyFrom(_copied_but(model.graph, "initializer"))
+    return out
+
+
 def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with each initializer that holds over WEIGHTLESS_BYTES as raw bytes alone replaced by an empty
     tensor of its name and type (the checker does not match initializers against their uses)."""
-    out = _copied_but(model, "graph")
-    out.graph.CopyFrom(_copied_but(model.graph, "initializer"))
+    out = without_initializers(model)
     for t in model.graph.initializer:
         if _raw_only(t) and tensor_bytes(t) > WEIGHTLESS_BYTES:
             out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=[0])

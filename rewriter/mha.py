@@ -79,17 +79,12 @@ class _Emitter:
         self.taken.add(out)
         return out
 
-    def const(self, base: str, values: Sequence[int]) -> str:
+    def const(self, base: str, values: Sequence[float] | float, dtype: int = onnx.TensorProto.INT64) -> str:
+        """A new initializer of `values` (a list, or a scalar) as `dtype`."""
         t = self.name(base)
-        self.m.graph.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), t))
-        self.tensors[t] = TensorInfo(t, onnx.TensorProto.INT64, (len(values),))
-        return t
-
-    def scalar(self, base: str, value: float, dtype: int) -> str:
-        t = self.name(base)
-        npdt = onnx.helper.tensor_dtype_to_np_dtype(dtype)
-        self.m.graph.initializer.append(numpy_helper.from_array(np.asarray(value, npdt), t))
-        self.tensors[t] = TensorInfo(t, dtype, ())
+        v = np.asarray(values, onnx.helper.tensor_dtype_to_np_dtype(dtype))
+        self.m.graph.initializer.append(numpy_helper.from_array(v, t))
+        self.tensors[t] = TensorInfo(t, dtype, v.shape)
         return t
 
     def node(self, op: str, inputs: list[str], base: str, shape: tuple[Dim, ...], dtype: int,
@@ -157,9 +152,9 @@ def _bias_floored(e: _Emitter, bias: str) -> str:
         outer, e.nodes = e.nodes, []
         base = f"{bias}/floored"
         if g.opset >= 11:  # Equal on floats, Max broadcasting a scalar
-            out = e.node("Max", [bias, e.scalar(f"{base}/floor", BIAS_FLOOR, info.dtype)], base, info.shape,
+            out = e.node("Max", [bias, e.const(f"{base}/floor", BIAS_FLOOR, info.dtype)], base, info.shape,
                          info.dtype)
-            ninf = e.node("Equal", [bias, e.scalar(f"{base}/ninf", -np.inf, info.dtype)], base, info.shape,
+            ninf = e.node("Equal", [bias, e.const(f"{base}/ninf", -np.inf, info.dtype)], base, info.shape,
                           onnx.TensorProto.BOOL)
             out = e.node("Where", [ninf, bias, out], base, info.shape, info.dtype)
         else:  # Clip's bound an attribute (opset 6-10); -inf is raised too: a row of -inf keys gets a uniform row

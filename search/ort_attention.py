@@ -18,9 +18,9 @@ from ortfuse.search.attention import AttentionPattern
 
 def _scalar(g: Graph, t: str) -> Optional[float]:
     """A one-element constant's value; None for anything else, an initializer a user may feed included."""
-    v = g.constants.get(t)
-    return float(np.asarray(v).reshape(-1)[0]) if v is not None and np.asarray(v).size == 1 and not g.fed(t) \
-        else None
+    if g.constant_size(t) != 1 or g.fed(t):  # (a mask constant is not converted to find out)
+        return None
+    return float(np.asarray(g.constants[t]).reshape(-1)[0])
 
 
 def mha_form(g: Graph, p: AttentionPattern) -> MhaForm | str:
