@@ -104,8 +104,8 @@ def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = No
       opts = dataclasses.replace(opts, ort_attention=ort_attention)
     res = compile_model(str(src), shapes, arch, options=opts)
     seconds = time.perf_counter() - start
-    model = res.model
-    onnx.save_model(model, str(out))
+    model = res.stubbed  # (its weights stay in the store; `save` streams them out)
+    res.save(out)
     (work / f"{out.name.removesuffix('.ortfuse.onnx')}.report.md").write_text(report.markdown(res, str(src)))
     fused = sum(1 for n in model.graph.node if n.domain == "ortfuse")
     placements = [pl.line() for pl in res.placements]

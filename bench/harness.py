@@ -418,9 +418,9 @@ def _optimize(model_path: str, out_dir: Path, arch: str, notes: list[str]) -> tu
     shapes = zoo.fixed_image_shapes(onnx.load(model_path, load_external_data=False), zoo.read_sidecar(model_path))
     if shapes:
       notes.append("ortfuse optimized with image sizes fixed: " + zoo.shapes_text(shapes))
-    model = ortfuse.optimize(model_path, input_shapes=shapes, arch=arch)  # type: ignore[attr-defined]
+    result = ortfuse.compile_model(model_path, input_shapes=shapes, arch=arch)  # type: ignore[attr-defined]
     seconds = time.perf_counter() - start
-    onnx.save_model(model, str(out))
+    result.save(out)
     return str(out), seconds
   except Exception as err:  # noqa: BLE001 - missing or failing optimize only removes the ortfuse row
     notes.append(f"ortfuse.optimize unavailable or failed, no ortfuse row: {type(err).__name__}: {err}")

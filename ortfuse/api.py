@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,9 @@ from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
-from ortfuse.rewriter.replace import FusedNode, replace
+from ortfuse.rewriter.replace import FusedNode, replace, save_model
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
+from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel
@@ -61,7 +63,7 @@ class FusedKernel:
 
 @dataclass(frozen=True)
 class OptimizeResult:
-    model: onnx.ModelProto
+    stubbed: onnx.ModelProto  # the result, its large weights stubs into `weights` (what `save` streams out)
     graph: Graph
     plan: Plan
     kernels: tuple[FusedKernel, ...]
@@ -76,6 +78,17 @@ class OptimizeResult:
     placements: tuple = ()  # ortfuse.profile.Placement per region when profiled on the GPU
     layout: tuple[str, ...] = ()  # each residual stream's layout decision, with its estimate (`_layout_chosen`)
     ort_attention: tuple[str, ...] = ()  # each kind of attention pattern's MultiHeadAttention decision, or why none
+    weights: Optional[WeightStore] = None  # the large weights of `stubbed` and `graph` (rewriter.weights)
+
+    @functools.cached_property
+    def model(self) -> onnx.ModelProto:
+        """The optimized model, every weight in it (made on first use: one more copy of the weights)."""
+        return materialized(self.stubbed)
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Writes the optimized model as `rewriter.replace.save_model` does, streaming the weights from the
+        store (over 2 GB into "<name>.data") rather than copying them into one model first."""
+        save_model(self.stubbed, path)
 
 
 def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
@@ -259,7 +272,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say("wgmma kernels not used: every target arch must be sm_90 (" + ", ".join(f"sm_{a}" for a in archs) + ")")
 
     say("loading model")
-    model = load_model(model_or_path)
+    store = WeightStore()  # the weights stay here while every rewrite copies the model (rewriter.weights)
+    model = load_model(model_or_path, store)
     say("inferring shapes")
     graph = build_graph(model, _shapes(input_shapes), dict(opts.dim_hints))
     del model  # the graph holds its own copy: one copy of the weights less from here on
@@ -372,12 +386,13 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
+    store.keep_only([out, graph.model])  # weights the rewrites replaced (the packed GEMMs' parts) go
     mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n)]
     fused = {i for k in kernels for i in k.region.nodes}
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
                           sum(1 for i in mb if i in fused), len({e for k in kernels for e, _ in k.all_kernels()}),
                           sum(k.region.traffic.saved_bytes for k in kernels),
-                          time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes))
+                          time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes), store)
 
 
 def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,

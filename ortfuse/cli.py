@@ -66,7 +66,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
                    **({"pdl": a.pdl} if a.pdl is not None else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
-    save_model(result.model, a.output)
+    result.save(a.output)
     if a.report:
         Path(a.report).write_text(report.markdown(result, a.input))
     if a.explain:
@@ -103,7 +103,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"built-in model: {src} (2-layer BERT-style encoder, decomposed LayerNorm/GELU/Softmax)")
     result = compile_model(src, ["hidden_states:1x128x128", "attention_mask:1x128"] if a.static else None,
                            a.arch, progress=_progress())
-    save_model(result.model, dst)
+    result.save(dst)
     (out / "report.md").write_text(report.markdown(result, str(src)))
     print(report.summary(result))
     rep = check_models(src, dst, provider="cpu", emulate=True, input_shapes={"hidden_states": (2, 16, 128),

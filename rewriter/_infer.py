@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from ortfuse.rewriter import _proto
+from ortfuse.rewriter.weights import filled
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,9 @@ def _skeleton(model: onnx.ModelProto, as_inputs: bool = False
     g, src = sk.graph, model.graph
     listed, weights = {v.name for v in src.input}, set()
     for t in src.initializer:
-        if t.data_type in _SHAPE_DTYPES or _proto.tensor_bytes(t) <= STRIP_BYTES:
-            g.initializer.append(t)
-            continue
-        if as_inputs and t.name in listed:  # fed like an input already: kept whole (IR < 4 style)
-            g.initializer.append(t)
+        if t.data_type in _SHAPE_DTYPES or _proto.tensor_bytes(t) <= STRIP_BYTES \
+                or (as_inputs and t.name in listed):  # (fed like an input already: kept whole, IR < 4 style)
+            g.initializer.append(filled(t))  # (a weight store's stub filled: inference may read it)
             continue
         if as_inputs:
             g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import heapq
 import os
 import tempfile
-from typing import Iterable, Mapping, Sequence, TypeVar
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import onnx
+
+from ortfuse.rewriter import weights as _weights
 
 # Protobuf refuses to serialize a message of 2 GiB or more. A module attribute (not a constant folded
 # into callers) so tests can lower it and exercise the large-model paths with tiny models.
@@ -28,31 +30,50 @@ def is_large(model: onnx.ModelProto) -> bool:
     it is asked only where a bound that counts the weights' raw bytes from their dims comes near the limit."""
     if _size_bound(model) < PROTOBUF_LIMIT - 2**24:
         return False
-    return model.ByteSize() >= PROTOBUF_LIMIT
+    # a stub's bytes come back as raw_data: its tag, length and the tensor's longer length cost under 16 bytes
+    return model.ByteSize() + sum(tensor_bytes(t) + 16 for t in _weights.stubs(model)) >= PROTOBUF_LIMIT
 
 
 _TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
 
 
-def _raw_only(t: onnx.TensorProto) -> bool:
+def fixed_size(data_type: int) -> bool:
+    return data_type not in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED)
+
+
+def raw_only(t: onnx.TensorProto) -> bool:
     """`t` holds its data as raw bytes alone, of a type with a fixed item size."""
-    return t.HasField("raw_data") and t.data_type not in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED) \
-        and not any(len(getattr(t, f)) for f in _TYPED_FIELDS)
+    return t.HasField("raw_data") and fixed_size(t.data_type) and not any(len(getattr(t, f)) for f in _TYPED_FIELDS)
+
+
+def _sized_by_dims(t: onnx.TensorProto) -> bool:
+    """`t`'s data is raw bytes as its dims and type say: held in the proto, or a stub's in its store."""
+    return raw_only(t) or _weights.is_stub(t)
 
 
 def tensor_bytes(t: onnx.TensorProto) -> int:
-    """The bytes of `t`'s data: raw bytes counted from dims and item size (not copied out; a tensor whose raw
-    bytes do not match its dims is the checker's to refuse); otherwise its serialized size."""
-    if not _raw_only(t):
+    """The bytes of `t`'s data: raw bytes (in the proto or a weight store) counted from dims and item size (not
+    copied out; a tensor whose raw bytes do not match its dims is the checker's to refuse); otherwise its
+    serialized size."""
+    if not _sized_by_dims(t):
         return t.ByteSize()
+    n = dims_bytes(t.data_type, t.dims)
+    return t.ByteSize() if n is None else n
+
+
+def dims_bytes(data_type: int, dims: Iterable[int]) -> int | None:
+    """Raw bytes of a tensor of this type and dims; None for a type without a fixed item size or one this onnx
+    does not know (the checker names it)."""
+    if not fixed_size(data_type):
+        return None
     try:
-        item = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    except KeyError:  # a type this onnx does not know: the checker names it
-        return t.ByteSize()
+        item = onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except KeyError:
+        return None
     n = 1
-    for d in t.dims:
+    for d in dims:
         n *= d
-    return (n + 1) // 2 if t.data_type in _PACKED_4BIT else n * item
+    return (n + 1) // 2 if data_type in _PACKED_4BIT else n * item
 
 
 def _size_bound(model: onnx.ModelProto) -> int:
@@ -68,7 +89,7 @@ def _size_bound(model: onnx.ModelProto) -> int:
     total += sum(6 + x.ByteSize() for x in (*g.node, *g.input, *g.output, *g.value_info, *g.sparse_initializer,
                                             *g.quantization_annotation, *g.metadata_props))
     for t in g.initializer:
-        if not _raw_only(t):
+        if not _sized_by_dims(t):
             total += 6 + t.ByteSize()
             continue
         total += 64 + tensor_bytes(t) + text(t.name) + text(t.doc_string) + 11 * len(t.dims) + \
@@ -184,11 +205,12 @@ def save_external(model: onnx.ModelProto, path: str, location: str) -> None:
 
 def check_model(model: onnx.ModelProto, weights: bool = True) -> None:
     """onnx.checker.check_model(full_check=False); over 2 GB the checker only accepts a path, so the
-    model is written with external data to a temporary folder first. `weights=False`: the checker reads
+    model is written with external data to a temporary folder first. A model with weight stubs
+    (`rewriter.weights`) is always checked as with `weights=False`. `weights=False`: the checker reads
     the model with its large raw initializers emptied (`_weightless`), for a model whose tensors were checked
     at load or made from numpy arrays (the rewriter's output): its structure is checked without serializing
     every weight, nor writing them out over 2 GB."""
-    if not weights:
+    if not weights or _weights.has_stubs(model):
         model = _weightless(model)
     if not is_large(model):
         onnx.checker.check_model(model, full_check=False)
@@ -203,11 +225,11 @@ WEIGHTLESS_BYTES = 1024  # raw initializers above this are emptied for a structu
 _M = TypeVar("_M", onnx.ModelProto, onnx.GraphProto)
 
 
-def _copied_but(msg: _M, skip: str) -> _M:
-    """A new message of msg's type with every field set in msg copied but `skip`."""
+def copied_where(msg: _M, keep: Callable[[int], bool]) -> _M:
+    """A new message of msg's type with the fields set in msg whose field number `keep` accepts (copied)."""
     out = type(msg)()
     for fd, value in msg.ListFields():
-        if fd.name == skip:
+        if not keep(fd.number):
             continue
         if fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED:  # protobuf < 5.28
             getattr(out, fd.name).extend(value)
@@ -218,19 +240,24 @@ def _copied_but(msg: _M, skip: str) -> _M:
     return out
 
 
+_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
+
+
 def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` but its graph's initializers (for a copy whose weights are stubbed: no weight copied)."""
-    out = _copied_but(model, "graph")
-    out.graph.CopyFrom(_copied_but(model.graph, "initializer"))
+    out = copied_where(model, lambda k: k != _GRAPH)
+    out.graph.CopyFrom(copied_where(model.graph, lambda k: k != _INITIALIZER))
     return out
 
 
 def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with each initializer that holds over WEIGHTLESS_BYTES as raw bytes alone replaced by an empty
-    tensor of its name and type (the checker does not match initializers against their uses)."""
+    """`model` with each initializer that holds over WEIGHTLESS_BYTES as raw bytes alone, and each weight store
+    stub, replaced by an empty tensor of its name and type (the checker does not match initializers against their
+    uses)."""
     out = without_initializers(model)
     for t in model.graph.initializer:
-        if _raw_only(t) and tensor_bytes(t) > WEIGHTLESS_BYTES:
+        if _weights.is_stub(t) or (raw_only(t) and tensor_bytes(t) > WEIGHTLESS_BYTES):
             out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=[0])
         else:
             out.graph.initializer.append(t)

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ortfuse.rewriter import weights
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.canonical import remove_dead
 from ortfuse.rewriter.graph import Graph, TensorInfo
@@ -337,7 +338,7 @@ def deinterleave_unfused(m: onnx.ModelProto) -> int:
         if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or n.input[1] not in inits or \
                 "__ortfuse_" not in n.input[1] or len(readers.get(n.input[1], ())) != 1 or n.output[0] in outputs:
             continue
-        w = numpy_helper.to_array(inits[n.input[1]])
+        w = weights.array_of(inits[n.input[1]])
         halves = _strided_halves(readers.get(n.output[0], ()), inits, w)
         if w.ndim != 2 or w.shape[1] % 2 or halves is None:
             continue
@@ -362,6 +363,7 @@ def deinterleave_unfused(m: onnx.ModelProto) -> int:
     m.graph.node.extend(nodes)
     del m.graph.initializer[:]
     m.graph.initializer.extend(keep_inits + new_inits)
+    weights.set_aside(m)
     remove_dead(m)
     made = {o for n in m.graph.node for o in n.output}
     infos = [v for v in m.graph.value_info if v.name in made]  # the packed result is gone
@@ -377,7 +379,7 @@ def _strided_halves(users: list[onnx.NodeProto], inits: dict, w: np.ndarray) -> 
     found: dict[int, onnx.NodeProto] = {}
     axes = set()
     for u in users:
-        vals = [numpy_helper.to_array(inits[x]).reshape(-1) if x in inits else None for x in u.input[1:5]]
+        vals = [weights.array_of(inits[x]).reshape(-1) if x in inits else None for x in u.input[1:5]]
         if any(v is None or v.size != 1 for v in vals):
             return None
         start, end, axis, step = (int(v[0]) for v in vals)

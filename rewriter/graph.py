@@ -12,6 +12,7 @@ import onnx
 
 if TYPE_CHECKING:
     from ortfuse.rewriter.shapes import Constants
+    from ortfuse.rewriter.weights import WeightStore
 
 Dim = int | str  # a static size, or the name of a symbolic dim ("batch", "seq")
 
@@ -47,6 +48,8 @@ class Graph:
     opset: int  # default-domain opset version
     sym_hints: Mapping[str, int] = field(default_factory=dict)  # typical values for symbolic dims (cost model)
     hint_overrides: Mapping[str, int] = field(default_factory=dict)  # the user's own typical values (--dim-hint)
+    # the weight store `model`'s stubs name (rewriter.weights), held so that it lives as long as the graph
+    store: Optional[WeightStore] = field(default=None, compare=False, repr=False)
 
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]

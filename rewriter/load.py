@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from ortfuse.errors import InputError, UnsupportedError
-from ortfuse.rewriter import _proto
+from ortfuse.rewriter import _proto, weights
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +30,21 @@ FUSED_DOMAIN = "ortfuse"
 ModelSource = onnx.ModelProto | str | os.PathLike
 
 
-def load_model(model_or_path: ModelSource) -> onnx.ModelProto:
+def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] = None) -> onnx.ModelProto:
     """A private copy of the model, external data loaded, nodes topologically sorted, checked.
-    Raises InputError (unreadable or invalid model) or UnsupportedError (an op no runtime knows)."""
+    With `store`, the graph's large weights go there and the copy keeps stubs (`rewriter.weights`); those in
+    external data files are memory-mapped, not read. Raises InputError (unreadable or invalid model) or
+    UnsupportedError (an op no runtime knows)."""
     if isinstance(model_or_path, onnx.ModelProto):
         label, path = "model", None
-        model = _proto.copy_model(model_or_path)
-        if any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
+        if any(external_data_helper.uses_external_data(t) and not weights.is_stub(t)
+               for t in _all_tensors(model_or_path)):
             raise InputError("model: tensors refer to external data; pass the model's path instead")
+        model = weights.materialized(model_or_path)  # (a copy; stubs of a weight store, as `replace` leaves, filled)
     else:
         path = Path(os.fspath(model_or_path))
         label = str(path)
-        model = _read(path)
+        model = _read(path, store)
     check_ops(model, label)
     check_io_dtypes(model, label)
     try:
@@ -49,6 +52,8 @@ def load_model(model_or_path: ModelSource) -> onnx.ModelProto:
     except ValueError as e:
         raise InputError(f"{label}: {e}") from None
     _check(model, label, path if not moved else None)
+    if store is not None:
+        weights.set_aside(model, store)  # checked first: the checker reads the bytes that stay in the proto
     return model
 
 
@@ -56,7 +61,7 @@ def _all_tensors(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
     return external_data_helper._get_all_tensors(model)  # initializers and tensor attributes, nested
 
 
-def _read(path: Path) -> onnx.ModelProto:
+def _read(path: Path, store: Optional[weights.WeightStore] = None) -> onnx.ModelProto:
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if not path.is_file():
@@ -70,7 +75,11 @@ def _read(path: Path) -> onnx.ModelProto:
     if model.ir_version <= 0 or not model.HasField("graph") or not model.opset_import:
         raise InputError(f"{path}: not an ONNX model or truncated (no IR version, graph or opset import)")
     try:
-        external_data_helper.load_external_data_for_model(model, str(path.parent))
+        if store is not None:
+            weights.map_external(model, path.parent, str(path), store)
+        for t in _all_tensors(model):  # (as onnx's load_external_data_for_model, the store's stubs passed by)
+            if external_data_helper.uses_external_data(t) and not weights.is_stub(t):
+                external_data_helper.load_external_data_for_tensor(t, str(path.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as e:
         raise InputError(f"{path}: cannot load external data ({_first_line(e)})") from None
     return model

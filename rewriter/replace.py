@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 from ortfuse.errors import InputError
-from ortfuse.rewriter import _infer, _proto
+from ortfuse.rewriter import _infer, _proto, weights
 from ortfuse.rewriter.attrs import inverse_perm
 from ortfuse.rewriter.layernorm_fold import LayerNormFold, fold_constants
 from ortfuse.rewriter.graph import Graph
@@ -67,6 +67,7 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
     _add_functions(model, graph, fused)
     _drop_dead(g, {x for f in fused for i in f.node_indices for x in _proto.node_reads(graph.nodes[i])})
     _prune_value_info(g)
+    weights.set_aside(model)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=DOMAIN, version=DOMAIN_VERSION)
     model.ir_version = _proto.target_ir_version(model)
@@ -316,7 +317,7 @@ def _constant_node(graph: Graph, name: str, new_name: str) -> onnx.NodeProto:
         return node
     tensor = next(t for t in graph.model.graph.initializer if t.name == name)
     value = onnx.TensorProto()
-    value.CopyFrom(tensor)
+    value.CopyFrom(weights.filled(tensor))
     value.name = new_name
     return onnx.helper.make_node("Constant", [], [new_name], value=value)
 
@@ -370,16 +371,16 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
 
 
 def _save_small(model: onnx.ModelProto, path: Path) -> None:
+    """Serialized straight into the file, a weight store's stubs filled one at a time (weights.write_materialized)."""
     original = model.ir_version
-    model.ir_version = _proto.target_ir_version(model)
-    try:
-        data = model.SerializeToString()
-    finally:
-        model.ir_version = original
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            model.ir_version = _proto.target_ir_version(model)
+            try:
+                weights.write_materialized(model, f)
+            finally:
+                model.ir_version = original
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -389,17 +390,51 @@ def _save_small(model: onnx.ModelProto, path: Path) -> None:
         raise
 
 
+EXTERNAL_BYTES = 1024  # tensors above this go to the data file of a model over 2 GB
+ALIGN_FROM, ALIGNMENT = 1 << 20, 1 << 16  # tensors of 1 MiB or more start at 64 KiB offsets (ORT maps them)
+
+
 def _save_large(model: onnx.ModelProto, path: Path) -> None:
-    clone = _proto.copy_model(model)
-    clone.ir_version = _proto.target_ir_version(clone)
+    """The model beside "<name>.data", which receives every tensor over EXTERNAL_BYTES: graph initializers are
+    streamed from `model` (a weight store's stubs from the store) without copying the model's weights."""
     data_name = f"{path.name}.data"
     tmp = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # onnx.save_model moves tensor bytes out of the proto it writes, hence the clone
-        onnx.save_model(clone, os.path.join(tmp, path.name), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-        if os.path.exists(os.path.join(tmp, data_name)):  # absent when every tensor is under 1 KiB
+        out = _proto.without_initializers(model)
+        out.ir_version = _proto.target_ir_version(out)
+        with open(os.path.join(tmp, data_name), "wb") as f:
+            for t in model.graph.initializer:
+                if not (_proto.raw_only(t) or weights.is_stub(t)) or _proto.tensor_bytes(t) <= EXTERNAL_BYTES:
+                    out.graph.initializer.append(weights.filled(t))
+                    continue
+                stored = weights.bare(t)
+                data = weights.buffer_of(t) if weights.is_stub(t) else t.raw_data
+                _write_external(f, stored, memoryview(data), data_name)
+                out.graph.initializer.append(stored)
+            for t in external_data_helper._get_all_tensors(out):  # Constant values, subgraphs' initializers
+                if _proto.raw_only(t) and _proto.tensor_bytes(t) > EXTERNAL_BYTES:
+                    data = t.raw_data
+                    t.ClearField("raw_data")
+                    _write_external(f, t, memoryview(data), data_name)
+            f.flush()
+            os.fsync(f.fileno())
+            wrote = f.tell() > 0
+        _save_small(out, Path(tmp) / path.name)
+        if wrote:  # absent when every tensor is under EXTERNAL_BYTES
             os.replace(os.path.join(tmp, data_name), path.parent / data_name)  # data first: the model names it
         os.replace(os.path.join(tmp, path.name), path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_external(f, t: onnx.TensorProto, data: memoryview, location: str) -> None:
+    """Appends `data` to the data file `f` and points `t` (without data of its own) at it."""
+    offset = f.tell()
+    if data.nbytes >= ALIGN_FROM and offset % ALIGNMENT:
+        f.write(b"\0" * (ALIGNMENT - offset % ALIGNMENT))
+        offset = f.tell()
+    f.write(data)
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", data.nbytes)):
+        t.external_data.add(key=key, value=str(value))

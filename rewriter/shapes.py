@@ -18,7 +18,7 @@ import sympy
 from onnx import numpy_helper
 
 from ortfuse.errors import InputError
-from ortfuse.rewriter import _infer, _proto
+from ortfuse.rewriter import _infer, _proto, weights
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 
 BATCH_HINT = 1
@@ -128,6 +128,7 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
 def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int,
              hint_overrides: Mapping[str, int] | None = None) -> Graph:
     """The Graph's links and constants over an already shape-inferred model `m` (taken, not copied)."""
+    weights.set_aside(m)  # a rewrite's new weights join the store of the model's others (if it has one)
     nodes = tuple(m.graph.node)
     init_names = {t.name for t in m.graph.initializer}
     producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
@@ -141,6 +142,7 @@ def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int,
         consumers={k: tuple(v) for k, v in consumers.items()}, graph_inputs=inputs,
         graph_outputs=tuple(v.name for v in m.graph.output), opset=opset,
         sym_hints=sym_hints(tensors, inputs, overrides=hint_overrides), hint_overrides=dict(hint_overrides or {}),
+        store=weights.store_of(m),
     )
 
 
@@ -286,7 +288,7 @@ def _tensor_info(vi: onnx.ValueInfoProto, fresh: Iterator[str]) -> TensorInfo:
 
 class Constants(Mapping[str, np.ndarray]):
     """Initializers and Constant-node outputs, converted to numpy on first access (a >2 GB model's
-    weights are not duplicated unless someone reads them)."""
+    weights are not duplicated unless someone reads them; a weight store's are read-only views of it)."""
 
     def __init__(self, graph: onnx.GraphProto):
         self._sources: dict[str, onnx.TensorProto | onnx.NodeProto] = {t.name: t for t in graph.initializer}
@@ -298,7 +300,7 @@ class Constants(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._cache:
             src = self._sources[name]
-            self._cache[name] = (numpy_helper.to_array(src) if isinstance(src, onnx.TensorProto)
+            self._cache[name] = (weights.array_of(src) if isinstance(src, onnx.TensorProto)
                                  else constant_value(src))
         return self._cache[name]
 
