@@ -309,6 +309,12 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # layout choice plans two graphs, the MultiHeadAttention choice three
     searched: dict[int, tuple[Graph, Plan]] = {}
 
+    def compact(g: Graph) -> Graph:
+        """Drops the weights that only discarded graphs read (the rewrites' trials, replaced weights): `g` and
+        the searched graphs are the only ones alive here."""
+        store.keep_only([g.model, *(h.model for h, _ in searched.values())])
+        return g
+
     def plan_of(g: Graph) -> Plan:
         hit = searched.pop(id(g), None)  # least recently used first
         if hit is None or hit[0] is not g:
@@ -329,9 +335,11 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # Slices instead, ORT's alternative to the region gains three Slice kernels, and the estimate then takes
     # the attention the Split form leaves to ORT (ViT-B fp32)
     graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
+    graph = compact(graph)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
     graph, halved = interleave_halves(graph, fused_outputs)
+    graph = compact(graph)
     if halved:
         say(f"{halved} MatMuls whose two halves a gated activation combines got their halves interleaved, so one "
             "kernel computes both")
@@ -340,6 +348,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     pays = _padding_measured(opts, say) if opts.profile else cost.padding_pays
     graph, aligned = pad_unaligned_gemms(graph, lambda g, i, wide: g.nodes[i].output[0] not in fused_outputs(g)
                                          and pays(g, i, wide))
+    graph = compact(graph)
     if aligned:
         say(f"{aligned} GEMMs left to cuBLAS with misaligned rows got weights padded to 16-byte rows (and a "
             "Slice of the result)")
@@ -350,11 +359,13 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if padded:
         say(f"{padded} zero Pads became the padding of the Convs they feed")
     graph, normed = fold_batchnorms(graph)
+    graph = compact(graph)
     if normed:
         say(f"{normed} BatchNormalizations folded into their Convs or became a per-channel scale and shift")
     layout_notes: list[str] = []
     if opts.layout != "model":  # on the graph the search gets (each chain planned both ways)
         graph, layout_notes = _layout_chosen(graph, plan_of, cost, always=opts.layout == "blocks")
+        graph = compact(graph)
         for note in layout_notes:
             say(note)
     say(f"searching {len(graph.nodes)} nodes for fusion regions")
