@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -14,6 +15,7 @@ import onnxruntime as ort
 
 from ortfuse.errors import InputError, ParityError
 from ortfuse.feeds import random_feeds
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.load import load_model
 
 # Normwise relative error: max|out - ref| / max(max|ref|, 1e-6). fp32 kernels compute in fp32;
@@ -97,10 +99,27 @@ def compare(name: str, out: np.ndarray, ref: np.ndarray, tol: Optional[float] = 
     return Diff(name, max_abs, max_abs / scale, tol)
 
 
-def _session(model: onnx.ModelProto, providers: Sequence) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.log_severity_level = 4  # a failing Run is reported once, by _run
-    return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
+def _session(model: onnx.ModelProto, providers: Sequence, so: Optional[ort.SessionOptions] = None,
+             cls: type = ort.InferenceSession) -> ort.InferenceSession:
+    """A session of `cls` on `model`: given its bytes, or over 2 GB (which protobuf cannot serialize) a
+    temporary copy written with external data, removed once ORT has read it."""
+    if so is None:
+        so = ort.SessionOptions()
+        so.log_severity_level = 4  # a failing Run is reported once, by _run
+    if not _proto.is_large(model):
+        return cls(model.SerializeToString(), so, providers=list(providers))
+    with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        _proto.save_external(model, path, "model.onnx.data")
+        return cls(path, so, providers=list(providers))
+
+
+def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx.inliner.inline_local_functions(model); the inliner serializes what it is given, which protobuf cannot
+    over 2 GB, so it gets the model without initializers (top-level names stay) and they are put back."""
+    out = onnx.inliner.inline_local_functions(_proto.without_initializers(model))
+    out.graph.initializer.extend(model.graph.initializer)
+    return out
 
 
 def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
@@ -132,7 +151,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     if provider == "cuda":
         from ortfuse.runtime import InferenceSession
         cuda = [("CUDAExecutionProvider", {"use_tf32": "0"})]
-        ref_sess, out_sess = _session(src, cuda), InferenceSession(opt, providers=cuda)
+        ref_sess, out_sess = _session(src, cuda), _session(opt, cuda, cls=InferenceSession)
     elif provider == "cpu":
         ref_sess, out_sess = _session(src, ["CPUExecutionProvider"]), _session(opt, ["CPUExecutionProvider"])
     else:
@@ -155,7 +174,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     if emulate and fused:
         # ORT CPU on the optimized model with its functions inlined (each fused node's original sub-graph,
         # after the rewriter's canonicalization), also returning every fused node's inputs and outputs
-        probe = _with_outputs(onnx.inliner.inline_local_functions(opt), [t for n in fused for t in (*n.input, *n.output)])
+        probe = _with_outputs(_inlined(opt), [t for n in fused for t in (*n.input, *n.output)])
         names = [o.name for o in probe.graph.output]
         values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
         floors = _range_floors(probe)
@@ -176,7 +195,7 @@ def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, provi
     so = ort.SessionOptions()
     so.log_severity_level = 4
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    plain = dict(zip(names, ort.InferenceSession(src.SerializeToString(), so, providers=list(providers)).run(names, feeds)))
+    plain = dict(zip(names, _session(src, providers, so).run(names, feeds)))
     judged = []
     for d, n, o in zip(diffs, names, out):
         own = compare(n, plain[n], ref[n], d.tol, floors.get(n, 1e-6))

@@ -8,6 +8,7 @@ import tempfile
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import onnx
+from google.protobuf.message import EncodeError
 
 from ortfuse.rewriter import weights as _weights
 
@@ -31,7 +32,15 @@ def is_large(model: onnx.ModelProto) -> bool:
     if _size_bound(model) < PROTOBUF_LIMIT - 2**24:
         return False
     # a stub's bytes come back as raw_data: its tag, length and the tensor's longer length cost under 16 bytes
-    return model.ByteSize() + sum(tensor_bytes(t) + 16 for t in _weights.stubs(model)) >= PROTOBUF_LIMIT
+    return _byte_size(model) + sum(tensor_bytes(t) + 16 for t in _weights.stubs(model)) >= PROTOBUF_LIMIT
+
+
+def _byte_size(model: onnx.ModelProto) -> int:
+    """model.ByteSize(), which raises (upb: "Failed to serialize proto") from 2 GiB on: then the limit itself."""
+    try:
+        return model.ByteSize()
+    except EncodeError:
+        return PROTOBUF_LIMIT
 
 
 _TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
