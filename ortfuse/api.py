@@ -391,7 +391,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if opts.profile:
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
     say("rewriting the graph")
-    out = replace(graph, [k.node for k in kernels])
+    out = replace(graph, [k.node for k in kernels], stubs=True)
     undone = deinterleave_unfused(out)
     if undone:
         say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")

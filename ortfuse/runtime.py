@@ -19,6 +19,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from ortfuse.errors import OrtfuseError
+from ortfuse.rewriter import weights
 
 FUSED_DOMAIN = "ortfuse"
 CONFIG_KEY = "ortfuse.op_types"
@@ -74,6 +75,8 @@ def fused_op_types(model: onnx.ModelProto) -> list[str]:
 def _load(model_or_path: ModelSource) -> tuple[onnx.ModelProto, str | bytes]:
     """The model (for inspection, external data not loaded) and what to hand to ORT."""
     if isinstance(model_or_path, onnx.ModelProto):
+        if weights.has_stubs(model_or_path):  # OptimizeResult.stubbed: its weights filled for ORT
+            model_or_path = weights.materialized(model_or_path)
         return model_or_path, model_or_path.SerializeToString()
     if isinstance(model_or_path, bytes):
         return onnx.load_from_string(model_or_path), model_or_path

@@ -40,6 +40,11 @@ def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] 
         if any(external_data_helper.uses_external_data(t) and not weights.is_stub(t)
                for t in _all_tensors(model_or_path)):
             raise InputError("model: tensors refer to external data; pass the model's path instead")
+        gone = next((t.name for t in model_or_path.graph.initializer if weights.is_stub(t) and not weights.live(t)),
+                    None)
+        if gone is not None:
+            raise InputError(f"model: initializer '{gone}' is a stub of a weight store that is gone (keep the "
+                             "OptimizeResult whose model you use)")
         model = weights.materialized(model_or_path)  # (a copy; stubs of a weight store, as `replace` leaves, filled)
     else:
         path = Path(os.fspath(model_or_path))
@@ -74,10 +79,14 @@ def _read(path: Path, store: Optional[weights.WeightStore] = None) -> onnx.Model
     # after the graph loses opset_import (serialized after it).
     if model.ir_version <= 0 or not model.HasField("graph") or not model.opset_import:
         raise InputError(f"{path}: not an ONNX model or truncated (no IR version, graph or opset import)")
+    stub = next((t.name for t in _all_tensors(model) if weights.is_stub(t)), None)
+    if stub is not None:
+        raise InputError(f"{path}: initializer '{stub}' is a stub of ortfuse's weight store, not data (a model "
+                         "written from OptimizeResult.stubbed: write it with OptimizeResult.save)")
     try:
         if store is not None:
             weights.map_external(model, path.parent, str(path), store)
-        for t in _all_tensors(model):  # (as onnx's load_external_data_for_model, the store's stubs passed by)
+        for t in _all_tensors(model):  # (as onnx's load_external_data_for_model, the mapped ones passed by)
             if external_data_helper.uses_external_data(t) and not weights.is_stub(t):
                 external_data_helper.load_external_data_for_tensor(t, str(path.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as e:

@@ -46,9 +46,11 @@ class FusedNode:
     ln_fold: Optional[LayerNormFold] = None
 
 
-def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
-    """A new model with each region's nodes replaced by its fused node. Raises ValueError when the
-    FusedNode set is inconsistent with the graph (an internal error of the caller)."""
+def replace(graph: Graph, fused: Sequence[FusedNode], stubs: bool = False) -> onnx.ModelProto:
+    """A new model with each region's nodes replaced by its fused node. A graph over a weight store's stubs
+    (rewriter.weights) gives a model with its weights filled, or with `stubs` one that keeps them (the caller
+    holds the store: `compile_model`). Raises ValueError when the FusedNode set is inconsistent with the graph
+    (an internal error of the caller)."""
     fused = tuple(fused)
     owner = _validate(graph, fused)
     model = _proto.copy_model(graph.model)
@@ -75,7 +77,7 @@ def replace(graph: Graph, fused: Sequence[FusedNode]) -> onnx.ModelProto:
         _proto.check_model(model, weights=False)  # the weights were checked at load, or come from numpy
     except onnx.checker.ValidationError as e:
         raise ValueError(f"replace produced an invalid model: {str(e).strip().splitlines()[0]}") from None
-    return model
+    return model if stubs or not weights.has_stubs(model) else weights.materialized(model)
 
 
 # ---- validation --------------------------------------------------------------------------------------
@@ -378,7 +380,10 @@ def _save_small(model: onnx.ModelProto, path: Path) -> None:
         with os.fdopen(fd, "wb") as f:
             model.ir_version = _proto.target_ir_version(model)
             try:
-                weights.write_materialized(model, f)
+                if weights.has_stubs(model):
+                    weights.write_materialized(model, f)
+                else:
+                    f.write(model.SerializeToString())
             finally:
                 model.ir_version = original
             f.flush()

@@ -14,9 +14,10 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import uuid
 import weakref
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator, Optional
+from typing import BinaryIO, Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 import onnx
@@ -25,7 +26,8 @@ from onnx import external_data_helper, numpy_helper
 from ortfuse.errors import InputError
 
 STUB_BYTES = 64 * 1024  # raw initializers above this live in the store (matrices; biases and shapes stay)
-_PREFIX = "ortfuse-weights:"  # location of a stub: ortfuse-weights:<store id>/<key>
+PREFIX = "ortfuse-weights:"  # location of a stub: ortfuse-weights:<process token>.<store id>/<key>
+_TOKEN = uuid.uuid4().hex  # stubs saved by mistake and read in another process name none of its stores
 
 # element types whose raw bytes numpy reads as they are (little-endian, fixed size): zero-copy views
 _VIEWABLE = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -35,6 +37,7 @@ _VIEWABLE = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.fl
              onnx.TensorProto.UINT64: np.uint64, onnx.TensorProto.BOOL: np.bool_} \
     if sys.byteorder == "little" else {}
 
+_M = TypeVar("_M", onnx.ModelProto, onnx.GraphProto)
 _live: "weakref.WeakValueDictionary[int, WeightStore]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
 
@@ -55,8 +58,8 @@ class WeightStore:
         self._data[key] = buf
         return key
 
-    def get(self, key: str) -> np.ndarray:
-        return self._data[key]
+    def get(self, key: str) -> Optional[np.ndarray]:
+        return self._data.get(key)
 
     @property
     def nbytes(self) -> int:
@@ -78,14 +81,21 @@ def _ref(t: onnx.TensorProto) -> Optional[tuple[int, str]]:
     if t.data_location != onnx.TensorProto.EXTERNAL:
         return None
     loc = next((e.value for e in t.external_data if e.key == "location"), "")
-    if not loc.startswith(_PREFIX):
+    if not loc.startswith(PREFIX):
         return None
-    sid, _, key = loc[len(_PREFIX):].partition("/")
-    return int(sid), key
+    owner, _, key = loc[len(PREFIX):].partition("/")
+    token, _, sid = owner.partition(".")
+    return (int(sid) if token == _TOKEN and sid.isdigit() else -1), key  # -1: no store of this process
 
 
 def is_stub(t: onnx.TensorProto) -> bool:
     return _ref(t) is not None
+
+
+def live(t: onnx.TensorProto) -> bool:
+    """A stub whose store is alive in this process (False for any other tensor)."""
+    ref = _ref(t)
+    return ref is not None and ref[0] in _live and _live[ref[0]].get(ref[1]) is not None
 
 
 def has_stubs(model: onnx.ModelProto) -> bool:
@@ -103,8 +113,9 @@ def store_of(model: onnx.ModelProto) -> Optional[WeightStore]:
 def _store(sid: int, name: str) -> WeightStore:
     store = _live.get(sid)
     if store is None:
-        raise RuntimeError(f"initializer '{name}': its weight store was released (keep the OptimizeResult "
-                           "whose model or graph you use)")
+        why = "was released (keep the OptimizeResult whose model or graph you use)" if sid >= 0 else \
+            "belongs to another process (a stubbed model written as is: write OptimizeResult.save's output)"
+        raise RuntimeError(f"initializer '{name}': its weight store {why}")
     return store
 
 
@@ -112,7 +123,10 @@ def buffer_of(t: onnx.TensorProto) -> np.ndarray:
     """A stub's bytes (read-only uint8)."""
     ref = _ref(t)
     assert ref is not None, f"{t.name} is not a stub"
-    return _store(ref[0], t.name).get(ref[1])
+    buf = _store(ref[0], t.name).get(ref[1])
+    if buf is None:
+        raise RuntimeError(f"initializer '{t.name}': its weight store dropped it (a weight no live graph reads)")
+    return buf
 
 
 def stub_bytes(t: onnx.TensorProto) -> int:
@@ -141,23 +155,20 @@ def filled(t: onnx.TensorProto) -> onnx.TensorProto:
     return out
 
 
+_DATA_FIELDS = frozenset(onnx.TensorProto.DESCRIPTOR.fields_by_name[f].number
+                         for f in ("raw_data", "external_data", "data_location"))
+
+
 def bare(t: onnx.TensorProto) -> onnx.TensorProto:
     """`t` without its data: every field but raw_data, the external-data entries and data_location."""
-    out = onnx.TensorProto()
-    for fd, value in t.ListFields():
-        if fd.name in ("raw_data", "external_data", "data_location"):
-            continue
-        if fd.name in ("dims", "metadata_props"):
-            getattr(out, fd.name).extend(value)
-        else:
-            setattr(out, fd.name, value)
-    return out
+    from ortfuse.rewriter import _proto
+    return _proto.copied_where(t, lambda k: k not in _DATA_FIELDS)
 
 
 def _stub(t: onnx.TensorProto, store: WeightStore, key: str) -> onnx.TensorProto:
     out = bare(t)
     out.data_location = onnx.TensorProto.EXTERNAL
-    out.external_data.add(key="location", value=f"{_PREFIX}{store.id}/{key}")
+    out.external_data.add(key="location", value=f"{PREFIX}{_TOKEN}.{store.id}/{key}")
     return out
 
 
@@ -182,9 +193,11 @@ def set_aside(model: onnx.ModelProto, store: Optional[WeightStore] = None) -> in
 def materialized(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose stubs hold their bytes again (`model` itself is not changed)."""
     from ortfuse.rewriter import _proto
-    out = _proto.without_initializers(model)
-    for t in model.graph.initializer:
-        out.graph.initializer.append(filled(t))
+    out = _proto.copy_model(model)  # (fields this onnx does not know kept, as protobuf keeps them)
+    inits = out.graph.initializer
+    for k, t in enumerate(model.graph.initializer):
+        if is_stub(t):
+            inits[k].CopyFrom(filled(t))
     return out
 
 
@@ -197,7 +210,7 @@ def write_materialized(model: onnx.ModelProto, f: BinaryIO) -> None:
     g = model.graph
     sizes = [_filled_size(t) for t in g.initializer]
     g_lo = _proto.copied_where(g, lambda k: k < init_no).SerializeToString()
-    g_hi = _proto.copied_where(g, lambda k: k > init_no).SerializeToString()
+    g_hi = _fields_from(g, init_no + 1).SerializeToString()
     g_len = len(g_lo) + len(g_hi) + sum(_field_size(init_no, n) for n in sizes)
     f.write(_proto.copied_where(model, lambda k: k < graph_no).SerializeToString())
     if model.HasField("graph"):
@@ -208,7 +221,18 @@ def write_materialized(model: onnx.ModelProto, f: BinaryIO) -> None:
             f.write(_tag(init_no) + _varint(n))
             f.write(data)
         f.write(g_hi)
-    f.write(_proto.copied_where(model, lambda k: k > graph_no).SerializeToString())
+    f.write(_fields_from(model, graph_no + 1).SerializeToString())
+
+
+def _fields_from(msg: _M, number: int) -> _M:
+    """A copy of `msg` with its fields from `number` on, and the fields this onnx does not know (protobuf writes
+    those last). Only for a message whose fields below `number` are cheap to copy: a stubbed graph or model."""
+    out = type(msg)()
+    out.CopyFrom(msg)
+    for fd, _ in out.ListFields():
+        if fd.number < number:
+            out.ClearField(fd.name)
+    return out
 
 
 def _filled_size(t: onnx.TensorProto) -> int:
@@ -253,6 +277,8 @@ def map_external(model: onnx.ModelProto, base: Path, label: str, store: WeightSt
             maps[path] = _map(path, where)
         data = maps[path]
         offset = int(info.offset or 0)
+        if any(d < 0 for d in t.dims):
+            raise InputError(f"{where}: negative dims {list(t.dims)}")
         want = _proto.dims_bytes(t.data_type, t.dims)
         length = int(info.length) if info.length is not None else want
         if length is None or want is None:

@@ -172,14 +172,20 @@ def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
     return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn))
 
 
-@per_graph
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
     """(label, graph) for each binding of the symbolic dims a fusion is judged at: the hints (batch 1) and,
     when the batch is symbolic, batch THROUGHPUT_BATCH."""
+    large = _at_throughput_batch(g)
+    return (("", g),) if large is None else (("", g), (f" at batch {THROUGHPUT_BATCH}", large))
+
+
+@per_graph
+def _at_throughput_batch(g: Graph) -> Optional[Graph]:
+    """`g` with its symbolic dims at batch THROUGHPUT_BATCH (one object per graph, so caches keyed by graph hit),
+    None where the batch is not symbolic. (Memoized apart from `g` itself: a memo value holding its own key
+    would keep the graph, and its model, alive past the memo's weak reference.)"""
     large = hints_at_batch(g, THROUGHPUT_BATCH)
-    if large == dict(g.sym_hints):
-        return (("", g),)
-    return ("", g), (f" at batch {THROUGHPUT_BATCH}", dataclasses.replace(g, sym_hints=large))
+    return None if large == dict(g.sym_hints) else dataclasses.replace(g, sym_hints=large)
 
 
 def _at(g: Graph, region: Region, base: Graph) -> Region:
