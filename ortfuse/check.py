@@ -17,6 +17,7 @@ from ortfuse.errors import InputError, ParityError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.load import load_model
+from ortfuse.rewriter.replace import save_model
 
 # Normwise relative error: max|out - ref| / max(max|ref|, 1e-6). fp32 kernels compute in fp32;
 # half-precision outputs are rounded once, where ORT rounds after every op.
@@ -110,7 +111,7 @@ def _session(model: onnx.ModelProto, providers: Sequence, so: Optional[ort.Sessi
         return cls(model.SerializeToString(), so, providers=list(providers))
     with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
         path = os.path.join(tmp, "model.onnx")
-        _proto.save_external(model, path, "model.onnx.data")
+        save_model(model, path)  # (streamed: the weights are not copied into a clone first)
         return cls(path, so, providers=list(providers))
 
 

@@ -43,9 +43,9 @@ def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] 
         gone = next((t.name for t in model_or_path.graph.initializer if weights.is_stub(t) and not weights.live(t)),
                     None)
         if gone is not None:
-            raise InputError(f"model: initializer '{gone}' is a stub of a weight store that is gone (keep the "
-                             "OptimizeResult whose model you use)")
-        model = weights.materialized(model_or_path)  # (a copy; stubs of a weight store, as `replace` leaves, filled)
+            raise InputError(f"model: initializer '{gone}' is a stub of a weight store that is gone (released, or "
+                             "another process's: keep the OptimizeResult whose model you use)")
+        model = weights.materialized(model_or_path)  # (a copy; OptimizeResult.stubbed's stubs filled)
     else:
         path = Path(os.fspath(model_or_path))
         label = str(path)

@@ -155,6 +155,7 @@ def filled(t: onnx.TensorProto) -> onnx.TensorProto:
     return out
 
 
+_RAW_DATA = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
 _DATA_FIELDS = frozenset(onnx.TensorProto.DESCRIPTOR.fields_by_name[f].number
                          for f in ("raw_data", "external_data", "data_location"))
 
@@ -236,8 +237,8 @@ def _fields_from(msg: _M, number: int) -> _M:
 
 
 def _filled_size(t: onnx.TensorProto) -> int:
-    """filled(t).ByteSize() without filling it: a stub's bytes come back as raw_data (field 9)."""
-    return _field_size(9, stub_bytes(t)) + bare(t).ByteSize() if is_stub(t) else t.ByteSize()
+    """filled(t).ByteSize() without filling it: a stub's bytes come back as raw_data."""
+    return _field_size(_RAW_DATA, stub_bytes(t)) + bare(t).ByteSize() if is_stub(t) else t.ByteSize()
 
 
 def _field_size(number: int, n: int) -> int:
