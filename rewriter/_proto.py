@@ -2,10 +2,12 @@
 version, and checks that also work for models over the 2 GB protobuf limit."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import heapq
 import os
 import tempfile
-from typing import Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import onnx
 from google.protobuf.message import EncodeError
@@ -221,13 +223,78 @@ def check_model(model: onnx.ModelProto, weights: bool = True) -> None:
     every weight, nor writing them out over 2 GB."""
     if not weights or _weights.has_stubs(model):
         model = _weightless(model)
-    if not is_large(model):
-        onnx.checker.check_model(model, full_check=False)
-        return
-    with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        save_external(model, path, "model.onnx.data")
-        onnx.checker.check_model(path, full_check=False)
+    with _ort_ops_checkable(model):
+        if not is_large(model):
+            onnx.checker.check_model(model, full_check=False)
+            return
+        with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            save_external(model, path, "model.onnx.data")
+            onnx.checker.check_model(path, full_check=False)
+
+
+@functools.cache
+def ort_schemas() -> frozenset[tuple[str, str]] | None:
+    """(domain, op) of every op ONNX Runtime defines, its own included; None where the build does not say."""
+    return None if _ort_schema_list() is None else frozenset((d, name) for d, name, _ in _ort_schema_list())
+
+
+@functools.cache
+def _ort_schema_list() -> tuple[tuple[str, str, int], ...] | None:
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+        return tuple((s.domain, s.name, s.since_version) for s in C.get_all_operator_schema())
+    except (ImportError, AttributeError):
+        return None
+
+
+@functools.cache
+def _ort_own_default_ops() -> frozenset[tuple[str, int]]:
+    """(op, since version) of ORT's schemas in the default domain that ONNX has no schema for."""
+    def onnx_has(name: str, version: int) -> bool:
+        try:
+            return onnx.defs.get_schema(name, version, "").since_version == version
+        except onnx.defs.SchemaError:
+            return False
+
+    return frozenset((name, v) for d, name, v in _ort_schema_list() or () if d in DEFAULT_DOMAINS
+                     and not onnx_has(name, v))
+
+
+def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    """A default-domain op ONNX lacks at the model's opset that ORT defines itself (SimplifiedLayerNormalization;
+    LayerNormalization before opset 17: ORT's transformers optimizer writes both)."""
+    if node.domain not in DEFAULT_DOMAINS:
+        return False
+    opset = opset_of(model, "") or onnx.defs.onnx_opset_version()
+    try:
+        onnx.defs.get_schema(node.op_type, opset, "")
+        return False
+    except onnx.defs.SchemaError:
+        return any(name == node.op_type and v <= opset for name, v in _ort_own_default_ops())
+
+
+_ORT_CHECKED_AS = "com.microsoft"  # a domain the checker takes on trust, as it does any but ONNX's own
+
+
+@contextlib.contextmanager
+def _ort_ops_checkable(model: onnx.ModelProto) -> Iterator[None]:
+    """ONNX's checker refuses ORT's own default-domain ops; while this lasts, they are in ORT's contrib domain
+    (in place, main graph; undone on exit)."""
+    moved = [(n, n.domain) for n in model.graph.node if ort_default_domain_op(model, n)]
+    added = bool(moved) and opset_of(model, _ORT_CHECKED_AS) is None
+    for n, _ in moved:
+        n.domain = _ORT_CHECKED_AS
+    if added:
+        model.opset_import.add(domain=_ORT_CHECKED_AS, version=1)
+    try:
+        yield
+    finally:
+        for n, domain in moved:
+            n.domain = domain
+        if added:
+            del model.opset_import[len(model.opset_import) - 1]
 
 
 WEIGHTLESS_BYTES = 1024  # raw initializers above this are emptied for a structural check

@@ -56,7 +56,8 @@ def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] 
         moved = _proto.sort_nodes(model.graph)
     except ValueError as e:
         raise InputError(f"{label}: {e}") from None
-    _check(model, label, path if not moved else None)
+    ort_ops = any(_proto.ort_default_domain_op(model, n) for n in model.graph.node)  # the checker refuses them
+    _check(model, label, path if not moved and not ort_ops else None)
     if store is not None:
         weights.set_aside(model, store)  # checked first: the checker reads the bytes that stay in the proto
     return model
@@ -109,15 +110,6 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _ort_contrib_ops() -> set[tuple[str, str]] | None:
-    try:
-        from onnxruntime.capi import onnxruntime_pybind11_state as C
-
-        return {(s.domain, s.name) for s in C.get_all_operator_schema()}
-    except (ImportError, AttributeError):  # some ORT builds lack the schema export: trust the domain
-        return None
-
-
 def _walk_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
     for node in graph.node:
         yield node
@@ -130,15 +122,15 @@ def check_ops(model: onnx.ModelProto, label: str = "model") -> None:
     """Every node's op must be known to ONNX (default and ai.onnx.ml domains, at the model's opset),
     to ORT's contrib domains, or be a model-local function. UnsupportedError otherwise."""
     functions = {(f.domain, f.name) for f in model.functions}
-    contrib = None
+    contrib = _proto.ort_schemas()  # None: this ORT build does not list them, so its domains are trusted
     for node in _walk_nodes(model.graph):
         domain = "" if node.domain == "ai.onnx" else node.domain
         if (node.domain, node.op_type) in functions:
             continue
         if domain in ("", "ai.onnx.ml"):
             known = _onnx_has(node.op_type, _proto.opset_of(model, domain), domain)
+            known = known or (domain == "" and _proto.ort_default_domain_op(model, node))
         elif domain in ORT_CONTRIB_DOMAINS:
-            contrib = _ort_contrib_ops() if contrib is None else contrib
             known = contrib is None or (domain, node.op_type) in contrib
         else:
             known = False

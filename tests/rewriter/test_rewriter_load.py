@@ -122,6 +122,27 @@ def test_contrib_and_function_ops_are_accepted():
         load_model(model)
 
 
+def test_orts_own_default_domain_ops_are_accepted(tmp_path):
+    # ORT's transformers optimizer writes SimplifiedLayerNormalization, and LayerNormalization before opset
+    # 17, in the default domain: ORT defines both there, ONNX (and its checker) does not
+    w = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["s"], name="rms", epsilon=1e-6),
+             helper.make_node("LayerNormalization", ["s", "w", "w"], ["y"], name="ln", axis=-1)]
+    model = M.make_model(nodes, [M.vi("x", [2, 4])], [M.vi("y", [2, 4])], [w], opset=14)
+    path = tmp_path / "m.onnx"
+    onnx.save_model(model, path)
+    for source in (model, path):
+        assert [n.domain for n in load_model(source).graph.node] == ["", ""]
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 14)]  # the checker's detour undone
+    model.graph.node[0].op_type = "FrobnicatedLayerNormalization"
+    with pytest.raises(UnsupportedError, match="ai.onnx::FrobnicatedLayerNormalization"):
+        load_model(model)
+    model.graph.node[0].op_type = "SimplifiedLayerNormalization"
+    model.graph.node[1].input[0] = "nowhere"  # the rest of the checker still applies
+    with pytest.raises(InputError, match="invalid ONNX model"):
+        load_model(model)
+
+
 def test_checker_failure_is_one_line():
     model = M.make_model([helper.make_node("Relu", ["missing"], ["y"], name="r")], [M.vi("x", [2])], [M.vi("y", [2])])
     with pytest.raises(InputError, match="invalid ONNX model") as e:
