@@ -1,6 +1,7 @@
 """`optimize`: the whole pipeline as a recipe, one stage per line."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -8,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import onnx
 
@@ -20,6 +21,7 @@ from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
+from ortfuse.rewriter.contrib import restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
                                         fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
                                         fold_runtime_shapes, fold_small_values, unflatten_gemms)
@@ -254,6 +256,11 @@ def _attention_measured(tgt: Target, opts: Options, cost: CostModel
     return measure
 
 
+def _op_counts(nodes: Iterable[onnx.NodeProto]) -> str:
+    """'3 SkipLayerNormalization, 2 BiasGelu', most first."""
+    return ", ".join(f"{k} {op}" for op, k in collections.Counter(n.op_type for n in nodes).most_common())
+
+
 def _counts_as_memory_bound(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and ops.kind_of(node.op_type) not in (None, "gemm") \
         and node.op_type not in ops.FREE_IN_ORT
@@ -278,6 +285,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph = build_graph(model, _shapes(input_shapes), dict(opts.dim_hints))
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
+    graph, splits = split_contrib_ops(graph)
+    if splits:
+        say(f"{len(splits)} ONNX Runtime fused ops ({_op_counts(s.original for s in splits)}) written as the standard "
+            "ops the search fuses")
     graph, gathers = fold_iota_gathers(graph)
     if gathers:
         say(f"{gathers} Gathers of a flattened tensor at its own index (exported masks) became Reshapes")
@@ -395,6 +406,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     undone = deinterleave_unfused(out)
     if undone:
         say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
+    back = restore_contrib_ops(out, splits)
+    if back:
+        say(f"{back} of them left to ORT were put back as ORT's own ops")
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     store.keep_only([out, graph.model])  # weights the rewrites replaced (the packed GEMMs' parts) go

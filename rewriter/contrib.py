@@ -1,0 +1,299 @@
+"""ONNX Runtime's own fused ops split into the standard ops the search fuses, and put back where it fused none.
+
+A model run through `onnxruntime.transformers`' optimizer (or optimum's ORTOptimizer) carries ORT's fused ops
+in place of the exporter's: BiasGelu or FastGelu after a MatMul, SkipLayerNormalization after the next one,
+(Skip)SimplifiedLayerNormalization in Llamas. The search knows none of them, so such a model's GEMMs had
+nothing to fuse. `split_contrib_ops` writes each as the standard ops an exporter writes for it (the erf or tanh
+GELU, Add + LayerNormalization, the RMSNorm chain Llama's exporter writes, fp16 computed in fp32 between
+Casts), so the search plans them as it plans a raw export. `restore` then puts back, in the output model, each
+node whose split ops all stayed with ORT (or the tail of one: the RMSNorm of a SkipSimplifiedLayerNormalization
+whose Add went into a GEMM's epilogue), so ORT runs the kernels it ran before wherever we fuse nothing.
+
+Split only where the result is the same function: float, float16 or bfloat16; the statistics outputs (mean,
+inverse standard deviation) unused; RMSNorm over the last axis with a scale of the input's type."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ortfuse.rewriter import _proto
+from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
+from ortfuse.rewriter.shapes import assemble
+
+MS = "com.microsoft"
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
+          (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization")}
+_TANH_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@dataclass(frozen=True)
+class Split:
+    """One ORT node written as standard ops. `parts`: (names of split nodes, the node that computes what they
+    compute), the whole first, then tails that can be put back alone; `constants`: the scalars it added."""
+    original: onnx.NodeProto
+    parts: tuple[tuple[tuple[str, ...], onnx.NodeProto], ...]
+    constants: tuple[str, ...]
+
+
+def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
+    """(new graph, the nodes split); `g` is left untouched."""
+    todo = [i for i, n in enumerate(g.nodes) if (_domain(n), n.op_type) in _SPLIT and _splittable(g, n)]
+    if not todo:
+        return g, ()
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    b = _Builder(g, tensors, {n.name for n in g.nodes} | {o for n in g.nodes for o in n.output} | set(g.tensors))
+    new_nodes: list[onnx.NodeProto] = []
+    splits: list[Split] = []
+    at = set(todo)
+    for i, n in enumerate(g.nodes):
+        if i not in at:
+            new_nodes.append(n)
+            continue
+        b.start(n)
+        parts = _EXPAND[n.op_type](b, n)
+        new_nodes.extend(b.nodes)
+        splits.append(Split(n, ((tuple(x.name for x in b.nodes), n), *parts), tuple(b.constants)))
+    del m.graph.node[:]
+    m.graph.node.extend(new_nodes)
+    m.graph.initializer.extend(b.initializers)
+    return assemble(m, tensors, g.opset, g.hint_overrides), tuple(splits)
+
+
+def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
+    """Put back (in place, in the output model `m`) each split node, or tail of one, whose split ops are all
+    still there and read by nothing else; drops the scalars no node reads any more. Returns the number of
+    nodes put back."""
+    if not splits:
+        return 0
+    by_name = {n.name: n for n in m.graph.node}
+    readers: dict[str, set[str]] = {}
+    for n in m.graph.node:
+        for x in _proto.node_reads(n):
+            readers.setdefault(x, set()).add(n.name)
+    outputs = {o.name for o in m.graph.output}
+    gone: set[str] = set()
+    back: list[onnx.NodeProto] = []
+    for s in splits:
+        for names, node in s.parts:
+            if any(x not in by_name or x in gone for x in names):
+                continue
+            made = {o for x in names for o in by_name[x].output if o}
+            inner = made - set(node.output)
+            if any(t in outputs or not readers.get(t, set()) <= set(names) for t in inner):
+                continue
+            gone.update(names)
+            back.append(node)
+    if not back:
+        return 0
+    kept = [n for n in m.graph.node if n.name not in gone]
+    del m.graph.node[:]
+    m.graph.node.extend(kept + back)
+    _proto.sort_nodes(m.graph)
+    read = {x for n in m.graph.node for x in _proto.node_reads(n)} | outputs
+    added = {c for s in splits for c in s.constants}
+    keep = [t for t in m.graph.initializer if t.name not in added or t.name in read]
+    if len(keep) < len(m.graph.initializer):
+        del m.graph.initializer[:]
+        m.graph.initializer.extend(keep)
+    made = {o for n in m.graph.node for o in n.output}
+    vis = [v for v in m.graph.value_info if v.name in made or v.name in read]
+    if len(vis) < len(m.graph.value_info):
+        del m.graph.value_info[:]
+        m.graph.value_info.extend(vis)
+    return len(back)
+
+
+def _domain(n: onnx.NodeProto) -> str:
+    return "" if n.domain == "ai.onnx" else n.domain
+
+
+def _used(g: Graph, t: str) -> bool:
+    return bool(t) and (bool(g.consumers.get(t)) or t in g.graph_outputs)
+
+
+def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
+    x = g.tensors.get(n.input[0])
+    if x is None or x.dtype not in _FLOATS:
+        return False
+    if n.op_type in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"):
+        stats = n.output[1:3] if n.op_type != "SimplifiedLayerNormalization" else n.output[1:2]
+        if any(_used(g, o) for o in stats):
+            return False
+        if x.shape is None:
+            return False
+    if n.op_type == "SimplifiedLayerNormalization":
+        scale = g.tensors.get(n.input[1])
+        axis = attr(n, "axis", -1)
+        if scale is None or scale.dtype != x.dtype or attr(n, "stash_type", 1) != 1 \
+                or axis not in (-1, len(x.shape) - 1):
+            return False
+    return True
+
+
+@dataclass
+class _Builder:
+    """New nodes, tensors and scalar constants for one split node at a time, with names no one else has."""
+    g: Graph
+    tensors: dict[str, TensorInfo]
+    taken: set[str]
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    constants: list[str] = field(default_factory=list)
+    initializers: list[onnx.TensorProto] = field(default_factory=list)
+    base: str = ""
+
+    def start(self, n: onnx.NodeProto) -> None:
+        self.nodes, self.constants = [], []
+        self.base = n.name or n.output[0]
+
+    def _name(self, what: str) -> str:
+        k, name = 0, f"{self.base}/ortfuse_{what}"
+        while name in self.taken:
+            k += 1
+            name = f"{self.base}/ortfuse_{what}_{k}"
+        self.taken.add(name)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], like: str, out: Optional[str] = None,
+           shape: Optional[tuple[Dim, ...]] = None, dtype: Optional[int] = None, **attrs) -> str:
+        """A node computing a tensor shaped as `like` (or `shape`), of `like`'s dtype (or `dtype`)."""
+        name = self._name(op_type)
+        out = out or self._name(f"{op_type}_out")
+        ref = self.tensors.get(like)
+        self.tensors[out] = TensorInfo(out, dtype if dtype is not None else ref.dtype,
+                                       shape if shape is not None else ref.shape)
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=name, **attrs))
+        return out
+
+    def scalar(self, value: float, dtype: int) -> str:
+        name = self._name("const")
+        arr = np.array(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
+        self.initializers.append(numpy_helper.from_array(arr, name) if dtype != TensorProto.BFLOAT16
+                                 else helper.make_tensor(name, dtype, [], [float(value)]))
+        self.tensors[name] = TensorInfo(name, dtype, ())
+        self.constants.append(name)
+        return name
+
+    def dtype(self, t: str) -> int:
+        return self.tensors[t].dtype
+
+
+def _erf_gelu(b: _Builder, x: str, out: str) -> None:
+    """x * 0.5 * (1 + erf(x / sqrt(2))), as torch exports nn.GELU()."""
+    dt = b.dtype(x)
+    e = b.op("Erf", [b.op("Div", [x, b.scalar(math.sqrt(2.0), dt)], x)], x)
+    b.op("Mul", [b.op("Mul", [x, b.op("Add", [e, b.scalar(1.0, dt)], x)], x), b.scalar(0.5, dt)], x, out=out)
+
+
+def _tanh_gelu(b: _Builder, x: str, out: str) -> None:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), as torch exports GELU(approximate='tanh')."""
+    dt = b.dtype(x)
+    cube = b.op("Mul", [b.op("Mul", [x, x], x), x], x)
+    inner = b.op("Add", [x, b.op("Mul", [cube, b.scalar(0.044715, dt)], x)], x)
+    t = b.op("Tanh", [b.op("Mul", [inner, b.scalar(_TANH_GELU_C, dt)], x)], x)
+    b.op("Mul", [b.op("Mul", [x, b.scalar(0.5, dt)], x), b.op("Add", [t, b.scalar(1.0, dt)], x)], x, out=out)
+
+
+def _tail(b: _Builder, first: int, node: onnx.NodeProto) -> tuple[tuple[str, ...], onnx.NodeProto]:
+    return tuple(x.name for x in b.nodes[first:]), node
+
+
+def _gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+    _erf_gelu(b, n.input[0], n.output[0])
+    return ()
+
+
+def _bias_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+    s = b.op("Add", [n.input[0], n.input[1]], n.input[0])
+    k = len(b.nodes)
+    _erf_gelu(b, s, n.output[0])
+    return (_tail(b, k, helper.make_node("Gelu", [s], [n.output[0]], name=b._name("Gelu"), domain=MS)),)
+
+
+def _fast_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+    biased = len(n.input) > 1 and bool(n.input[1])
+    x = b.op("Add", [n.input[0], n.input[1]], n.input[0]) if biased else n.input[0]
+    k = len(b.nodes)
+    _tanh_gelu(b, x, n.output[0])
+    return (_tail(b, k, helper.make_node("FastGelu", [x], [n.output[0]], name=b._name("FastGelu"), domain=MS)),) \
+        if biased else ()
+
+
+def _quick_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+    x = n.input[0]
+    sig = b.op("Sigmoid", [b.op("Mul", [x, b.scalar(attr(n, "alpha", 1.702), b.dtype(x))], x)], x)
+    b.op("Mul", [x, sig], x, out=n.output[0])
+    return ()
+
+
+def _skip_sum(b: _Builder, n: onnx.NodeProto, bias: str) -> str:
+    """input + skip (+ bias): the bias joins whichever of the two a GEMM computes, as in the exported graph."""
+    x, skip = n.input[0], n.input[1]
+    gemm = lambda t: t in b.g.producer and b.g.nodes[b.g.producer[t]].op_type in ("MatMul", "Gemm")  # noqa: E731
+    if gemm(skip) and not gemm(x):
+        x, skip = skip, x
+    out = n.output[3] if len(n.output) > 3 and n.output[3] else None
+    like = n.input[0]
+    if bias:
+        x = b.op("Add", [x, bias], like)
+    return b.op("Add", [x, skip], like, out=out)
+
+
+def _rms_norm(b: _Builder, x: str, scale: str, eps: float, out: str) -> None:
+    """x * 1 / sqrt(mean(x^2) + eps) * scale over the last axis, in fp32 (as Llama's exporter writes it)."""
+    dt = b.dtype(x)
+    shape = b.tensors[x].shape
+    wide = b.op("Cast", [x], x, dtype=TensorProto.FLOAT, to=TensorProto.FLOAT) if dt != TensorProto.FLOAT else x
+    sq = b.op("Pow", [wide, b.scalar(2.0, TensorProto.FLOAT)], wide)
+    row = (*shape[:-1], 1)
+    if b.g.opset >= 18:
+        axes = b._name("axes")
+        b.initializers.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
+        b.tensors[axes] = TensorInfo(axes, TensorProto.INT64, (1,))
+        b.constants.append(axes)
+        mean = b.op("ReduceMean", [sq, axes], wide, shape=row, keepdims=1)
+    else:
+        mean = b.op("ReduceMean", [sq], wide, shape=row, axes=[-1], keepdims=1)
+    inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [mean, b.scalar(eps, TensorProto.FLOAT)], mean)], mean)], mean)
+    normed = b.op("Mul", [wide, inv], wide)
+    if dt != TensorProto.FLOAT:
+        normed = b.op("Cast", [normed], x, to=dt)
+    b.op("Mul", [normed, scale], x, out=out)
+
+
+def _skip_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+    bias = n.input[4] if len(n.input) > 4 else ""
+    s = _skip_sum(b, n, bias)
+    beta = n.input[3] if len(n.input) > 3 else ""
+    b.op("LayerNormalization", [s, n.input[2], *([beta] if beta else [])], n.input[0], out=n.output[0], axis=-1,
+         epsilon=attr(n, "epsilon", 1e-12))
+    return ()
+
+
+def _skip_simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+    bias = n.input[3] if len(n.input) > 3 else ""
+    s = _skip_sum(b, n, bias)
+    k = len(b.nodes)
+    eps = attr(n, "epsilon", 1e-12)
+    _rms_norm(b, s, n.input[2], eps, n.output[0])
+    return (_tail(b, k, helper.make_node("SimplifiedLayerNormalization", [s, n.input[2]], [n.output[0]],
+                                         name=b._name("SimplifiedLayerNormalization"), axis=-1, epsilon=eps)),)
+
+
+def _simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+    _rms_norm(b, n.input[0], n.input[1], attr(n, "epsilon", 1e-5), n.output[0])
+    return ()
+
+
+_EXPAND = {"Gelu": _gelu, "BiasGelu": _bias_gelu, "FastGelu": _fast_gelu, "QuickGelu": _quick_gelu,
+           "SkipLayerNormalization": _skip_layer_norm,
+           "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
+           "SimplifiedLayerNormalization": _simplified_layer_norm}

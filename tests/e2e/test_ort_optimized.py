@@ -1,0 +1,78 @@
+"""Models run through ORT's transformers optimizer first: its fused ops (BiasGelu, FastGelu, SkipLayerNormalization,
+(Skip)SimplifiedLayerNormalization) are written as standard ops, fused into the GEMMs' epilogues like a raw
+export's, and match ORT's own kernels; what stays with ORT is ORT's fused op again."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ort_accepts import assert_ort_accepts
+from ortfuse.api import compile_model
+from ortfuse.check import check_models
+from ortfuse.config import Options
+
+MS = "com.microsoft"
+D, F = 64, 256
+
+
+def _block(dtype: int, kind: str) -> onnx.ModelProto:
+    """One transformer MLP block as ORT's optimizer leaves it: x -> MatMul -> BiasGelu/FastGelu -> MatMul ->
+    SkipLayerNormalization(bias) with x as the skip (kind "bert" / "gpt2"), or MatMul -> SiLU gate product ->
+    MatMul -> SkipSimplifiedLayerNormalization (kind "llama")."""
+    np_t = helper.tensor_dtype_to_np_dtype(dtype)
+    rng = np.random.default_rng(11)
+    w = lambda *s, k=1.0: (rng.standard_normal(s) * k).astype(np_t)  # noqa: E731
+    inits = {"w1": w(D, F, k=D ** -0.5), "b1": w(F, k=0.1), "w2": w(F, D, k=F ** -0.5), "b2": w(D, k=0.1),
+             "g": w(D, k=0.2) + np.ones(D, np_t), "be": w(D, k=0.1)}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1")]
+    if kind == "llama":
+        nodes += [helper.make_node("Sigmoid", ["h"], ["sg"], name="sig"), helper.make_node("Mul", ["h", "sg"], ["a"], name="silu"),
+                  helper.make_node("MatMul", ["a", "w2"], ["o"], name="fc2"),
+                  helper.make_node("SkipSimplifiedLayerNormalization", ["o", "x", "g"], ["y", "", "", "res"],
+                                   name="skipnorm", domain=MS, epsilon=1e-6)]
+        del inits["b2"], inits["be"]
+    else:
+        gelu = ("BiasGelu", ["h", "b1"]) if kind == "bert" else ("FastGelu", ["h", "b1"])
+        nodes += [helper.make_node(gelu[0], gelu[1], ["a"], name="gelu", domain=MS),
+                  helper.make_node("MatMul", ["a", "w2"], ["o"], name="fc2"),
+                  helper.make_node("SkipLayerNormalization", ["o", "x", "g", "be", "b2"], ["y", "", "", "res"],
+                                   name="skipnorm", domain=MS, epsilon=1e-5)]
+    outs = [helper.make_tensor_value_info(t, dtype, ["batch", "seq", D]) for t in ("y", "res")]
+    g = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", dtype, ["batch", "seq", D])], outs,
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
+def test_orts_fused_ops_join_the_gemms_and_match(kind, dtype):
+    m = _block(dtype, kind)
+    before = m.SerializeToString()
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert m.SerializeToString() == before
+    assert_ort_accepts(res.model)
+    kinds = sorted(k.region.kind for k in res.kernels)
+    fc1 = next(k for k in res.kernels if any(res.graph.nodes[i].name == "fc1" for i in k.region.nodes))
+    absorbed = {res.graph.nodes[i].op_type for i in fc1.region.nodes}
+    assert absorbed >= ({"Sigmoid", "Mul"} if kind == "llama" else {"Add", "Mul", "Erf" if kind == "bert" else "Tanh"}), kinds
+    left = {n.op_type for n in res.model.graph.node if n.domain != "ortfuse"}
+    assert not left & {"Erf", "Tanh", "Pow", "ReduceMean", "Sqrt", "Reciprocal"}, left  # put back, or fused
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 9, D)}, seed=5)
+    assert rep.ok, rep
+
+
+def test_what_stays_with_ort_is_put_back(monkeypatch):
+    # where the search fuses nothing (here: told to), the output holds ORT's fused ops again, not their parts
+    import ortfuse.api as api
+    from ortfuse.search.plan import Plan
+
+    m = _block(TensorProto.FLOAT16, "gpt2")
+    monkeypatch.setattr(api, "search_plan", lambda *a, **k: Plan((), (), ()))
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [(n.op_type, n.domain) for n in res.model.graph.node] == [(n.op_type, n.domain) for n in m.graph.node]
+    assert sorted(t.name for t in res.model.graph.initializer) == sorted(t.name for t in m.graph.initializer)
+    assert check_models(m, res.model).ok
