@@ -10,6 +10,10 @@ Variants (each a row per batch; any that cannot run here becomes a row with a no
                  comparison where launch overhead is what separates stock ORT from ortfuse
   ort+static     diagnostic, not run by default: stock ORT with the symbolic dims pinned as ort+cudagraph
                  pins them, but no graph; separates what pinning changes from what the graph does
+  ort-transformers+ortfuse
+                 diagnostic, not run by default: ortfuse applied to the ort-transformers model (its fused ops
+                 written as standard ops where a GEMM can take them: rewriter/contrib.py), for users who
+                 start from a model ORT's optimizer already fused
   ortfuse-beside, ortfuse-beside+cudagraph
                  with `--beside OTHER.onnx` only: a second ortfuse build of the model (another option, e.g.
                  --pdl) timed like ortfuse and ortfuse+cudagraph in the same run, so the two compare side by side
@@ -46,7 +50,7 @@ log = logging.getLogger(__name__)
 # torch.compile runs last: importing torch slows ORT's CPU thread pool 2-4x on the 2-core CI machine
 # (measured here), so nothing in a CPU run imports torch and GPU runs import it only at the end.
 VARIANTS = ("ort", "ort+cudagraph", "ort-transformers", "ortfuse", "ortfuse+cudagraph", "torch.compile")
-DIAGNOSTIC = ("ort+static",)  # only when asked for (--variants)
+DIAGNOSTIC = ("ort+static", "ort-transformers+ortfuse")  # only when asked for (--variants)
 BESIDE = ("ortfuse-beside", "ortfuse-beside+cudagraph")  # with a second ortfuse model (`beside_path`)
 CPU_VARIANTS = ("ort", "ortfuse")
 DEFAULTS = {"cuda": dict(runs=200, warmup=20, max_seconds=10.0), "cpu": dict(runs=20, warmup=3, max_seconds=3.0)}
@@ -377,6 +381,15 @@ def _measure(ctx: _Ctx, variant: str, batch: int, feed_sets: list[dict[str, np.n
       runner = _ort_runner(sess, feed_sets[:1], "cuda", shapes)
     elif variant == "ort-transformers":
       runner = _ort_runner(_session(_prepare_ort_transformers(ctx), ctx.provider), feed_sets, ctx.provider)
+    elif variant == "ort-transformers+ortfuse":
+      src = _prepare_ort_transformers(ctx)
+      path = ctx.out_dir / f"{Path(src).stem}.ortfuse.onnx"
+      if not path.exists():
+        import ortfuse
+        start = time.perf_counter()
+        ortfuse.compile_model(src, arch=_arch() if ctx.provider == "cuda" else "sm_90").save(path)
+        ctx.notes.append(f"ort-transformers+ortfuse optimized in {time.perf_counter() - start:.1f} s")
+      runner = _ort_runner(_session(str(path), ctx.provider, cls=_ortfuse_session_cls(ctx)), feed_sets, ctx.provider)
     elif variant == "torch.compile":
       runner = _torch_runner(ctx, feed_sets)
     elif variant in ("ortfuse", "ortfuse-beside"):
