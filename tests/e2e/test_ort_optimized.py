@@ -76,3 +76,14 @@ def test_what_stays_with_ort_is_put_back(monkeypatch):
     assert [(n.op_type, n.domain) for n in res.model.graph.node] == [(n.op_type, n.domain) for n in m.graph.node]
     assert sorted(t.name for t in res.model.graph.initializer) == sorted(t.name for t in m.graph.initializer)
     assert check_models(m, res.model).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
+def test_orts_fused_ops_on_the_cuda_ep(kind, dtype):
+    # ours on the CUDA EP against the original's ORT kernels (BiasGelu, SkipLayerNormalization, ...) there
+    m = _block(dtype, kind)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 77, D)}, seed=7)
+    assert rep.ok, "\n".join(rep.lines())
