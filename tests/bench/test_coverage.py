@@ -46,3 +46,13 @@ def test_a_plain_pytorch_architecture(tmp_path):
     row = [line for line in out.read_text().splitlines() if line.startswith("| yolo")]
     cells = [c.strip() for c in row[0].strip("|").split("|")]
     assert cells[5] == "ok" and "gemm" in cells[2], cells
+
+
+def test_a_model_orts_optimizer_fused_first(tmp_path):
+    # distilbert through onnxruntime.transformers' optimizer: BiasGelu and SkipLayerNormalization in the input,
+    # written as standard ops and fused as in the raw export's row
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "distilbert_ortopt", "--dtypes", "fp16", "--out", str(out)]) == 0
+    row = [line for line in out.read_text().splitlines() if line.startswith("| distilbert_ortopt")]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[5] == "ok" and "4 gemm" in cells[2] and cells[4] == "2 / 2", cells
