@@ -7,7 +7,7 @@ import functools
 import heapq
 import os
 import tempfile
-from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import onnx
 from google.protobuf.message import EncodeError
@@ -262,12 +262,15 @@ def _ort_own_default_ops() -> frozenset[tuple[str, int]]:
                      and not onnx_has(name, v))
 
 
-def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
-    """A default-domain op ONNX lacks at the model's opset that ORT defines itself (SimplifiedLayerNormalization;
-    LayerNormalization before opset 17: ORT's transformers optimizer writes both)."""
+def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto,
+                          opsets: Sequence[onnx.OperatorSetIdProto] | None = None) -> bool:
+    """A default-domain op ONNX lacks at the model's opset (or `opsets`': a function's) that ORT defines
+    itself (SimplifiedLayerNormalization; LayerNormalization before opset 17: ORT's transformers optimizer
+    writes both)."""
     if node.domain not in DEFAULT_DOMAINS:
         return False
-    opset = opset_of(model, "") or onnx.defs.onnx_opset_version()
+    versions = [o.version for o in (model.opset_import if opsets is None else opsets) if o.domain in DEFAULT_DOMAINS]
+    opset = max(versions) if versions else onnx.defs.onnx_opset_version()
     try:
         onnx.defs.get_schema(node.op_type, opset, "")
         return False
@@ -281,20 +284,25 @@ _ORT_CHECKED_AS = "com.microsoft"  # a domain the checker takes on trust, as it 
 @contextlib.contextmanager
 def _ort_ops_checkable(model: onnx.ModelProto) -> Iterator[None]:
     """ONNX's checker refuses ORT's own default-domain ops; while this lasts, they are in ORT's contrib domain
-    (in place, main graph; undone on exit)."""
+    (in place, in the main graph and the model-local functions; undone on exit)."""
     moved = [(n, n.domain) for n in model.graph.node if ort_default_domain_op(model, n)]
-    added = bool(moved) and opset_of(model, _ORT_CHECKED_AS) is None
+    imports: list[Any] = [model.opset_import] if moved else []
+    for f in model.functions:
+        here = [(n, n.domain) for n in f.node if ort_default_domain_op(model, n, f.opset_import)]
+        moved += here
+        imports += [f.opset_import] if here else []
     for n, _ in moved:
         n.domain = _ORT_CHECKED_AS
-    if added:
-        model.opset_import.add(domain=_ORT_CHECKED_AS, version=1)
+    added = [ops for ops in imports if not any(o.domain == _ORT_CHECKED_AS for o in ops)]
+    for ops in added:
+        ops.add(domain=_ORT_CHECKED_AS, version=1)
     try:
         yield
     finally:
         for n, domain in moved:
             n.domain = domain
-        if added:
-            del model.opset_import[len(model.opset_import) - 1]
+        for ops in added:
+            del ops[len(ops) - 1]
 
 
 WEIGHTLESS_BYTES = 1024  # raw initializers above this are emptied for a structural check

@@ -2,12 +2,16 @@
 
 A model run through `onnxruntime.transformers`' optimizer (or optimum's ORTOptimizer) carries ORT's fused ops
 in place of the exporter's: BiasGelu or FastGelu after a MatMul, SkipLayerNormalization after the next one,
-(Skip)SimplifiedLayerNormalization in Llamas. The search knows none of them, so such a model's GEMMs had
-nothing to fuse. `split_contrib_ops` writes each as the standard ops an exporter writes for it (the erf or tanh
-GELU, Add + LayerNormalization, the RMSNorm chain Llama's exporter writes, fp16 computed in fp32 between
-Casts), so the search plans them as it plans a raw export. `restore` then puts back, in the output model, each
+(Skip)SimplifiedLayerNormalization in Llamas, and LayerNormalization before opset 17 (ORT's own op then, in
+the default domain). The search knows none of them, so such a model's GEMMs had nothing to fuse. And ORT 1.31
+crashes on its default-domain ops inside a model-local function, which a fused node's fallback is, so none of
+them may go into a region as it is. `split_contrib_ops` writes each as the standard ops an exporter writes for
+it (the erf or tanh GELU, Add + LayerNormalization, or the LayerNorm's own ops before opset 17, the RMSNorm
+chain Llama's exporter writes; fp16 norms computed in fp32 between Casts), so the search plans them as it
+plans a raw export. `restore` then puts back, in the output model, each
 node whose split ops all stayed with ORT (or the tail of one: the RMSNorm of a SkipSimplifiedLayerNormalization
-whose Add went into a GEMM's epilogue), so ORT runs the kernels it ran before wherever we fuse nothing.
+whose Add went into a GEMM's epilogue), in the main graph, so ORT runs the kernels it ran before wherever we
+fuse nothing.
 
 Split only where the result is the same function: float, float16 or bfloat16; the statistics outputs (mean,
 inverse standard deviation) unused; RMSNorm over the last axis with a scale of the input's type."""
@@ -29,7 +33,10 @@ from ortfuse.rewriter.shapes import assemble
 MS = "com.microsoft"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
-          (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization")}
+          (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization"),
+          ("", "LayerNormalization")}  # the last only before opset 17: ORT's own then, not ONNX's
+_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
+          "LayerNormalization")
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -124,13 +131,13 @@ def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
     if x is None or x.dtype not in _FLOATS:
         return False
-    if n.op_type in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"):
-        stats = n.output[1:3] if n.op_type != "SimplifiedLayerNormalization" else n.output[1:2]
-        if any(_used(g, o) for o in stats):
+    if n.op_type == "LayerNormalization" and g.opset >= 17:
+        return False  # ONNX's own: the search takes it as it is
+    if n.op_type in _NORMS:
+        stats = n.output[1:3] if n.op_type.startswith("Skip") or n.op_type == "LayerNormalization" else n.output[1:2]
+        if any(_used(g, o) for o in stats) or x.shape is None:
             return False
-        if x.shape is None:
-            return False
-    if n.op_type == "SimplifiedLayerNormalization":
+    if n.op_type in ("SimplifiedLayerNormalization", "LayerNormalization"):
         scale = g.tensors.get(n.input[1])
         axis = attr(n, "axis", -1)
         if scale is None or scale.dtype != x.dtype or attr(n, "stash_type", 1) != 1 \
@@ -247,34 +254,71 @@ def _skip_sum(b: _Builder, n: onnx.NodeProto, bias: str) -> str:
     return b.op("Add", [x, skip], like, out=out)
 
 
+def _row_mean(b: _Builder, x: str) -> str:
+    """ReduceMean over the last axis, kept."""
+    row = (*b.tensors[x].shape[:-1], 1)
+    if b.g.opset < 18:
+        return b.op("ReduceMean", [x], x, shape=row, axes=[-1], keepdims=1)
+    axes = b._name("axes")
+    b.initializers.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
+    b.tensors[axes] = TensorInfo(axes, TensorProto.INT64, (1,))
+    b.constants.append(axes)
+    return b.op("ReduceMean", [x, axes], x, shape=row, keepdims=1)
+
+
+def _widened(b: _Builder, x: str) -> str:
+    return x if b.dtype(x) == TensorProto.FLOAT else b.op("Cast", [x], x, dtype=TensorProto.FLOAT, to=TensorProto.FLOAT)
+
+
+def _narrowed(b: _Builder, wide: str, like: str) -> str:
+    return wide if b.dtype(like) == TensorProto.FLOAT else b.op("Cast", [wide], like, to=b.dtype(like))
+
+
+def _inv_std(b: _Builder, mean_sq: str, eps: float) -> str:
+    """1 / sqrt(mean_sq + eps)."""
+    f = TensorProto.FLOAT
+    return b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [mean_sq, b.scalar(eps, f)], mean_sq)], mean_sq)], mean_sq)
+
+
 def _rms_norm(b: _Builder, x: str, scale: str, eps: float, out: str) -> None:
     """x * 1 / sqrt(mean(x^2) + eps) * scale over the last axis, in fp32 (as Llama's exporter writes it)."""
-    dt = b.dtype(x)
-    shape = b.tensors[x].shape
-    wide = b.op("Cast", [x], x, dtype=TensorProto.FLOAT, to=TensorProto.FLOAT) if dt != TensorProto.FLOAT else x
+    wide = _widened(b, x)
     sq = b.op("Pow", [wide, b.scalar(2.0, TensorProto.FLOAT)], wide)
-    row = (*shape[:-1], 1)
-    if b.g.opset >= 18:
-        axes = b._name("axes")
-        b.initializers.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
-        b.tensors[axes] = TensorInfo(axes, TensorProto.INT64, (1,))
-        b.constants.append(axes)
-        mean = b.op("ReduceMean", [sq, axes], wide, shape=row, keepdims=1)
-    else:
-        mean = b.op("ReduceMean", [sq], wide, shape=row, axes=[-1], keepdims=1)
-    inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [mean, b.scalar(eps, TensorProto.FLOAT)], mean)], mean)], mean)
-    normed = b.op("Mul", [wide, inv], wide)
-    if dt != TensorProto.FLOAT:
-        normed = b.op("Cast", [normed], x, to=dt)
-    b.op("Mul", [normed, scale], x, out=out)
+    normed = b.op("Mul", [wide, _inv_std(b, _row_mean(b, sq), eps)], wide)
+    b.op("Mul", [_narrowed(b, normed, x), scale], x, out=out)
+
+
+def _layer_norm_ops(b: _Builder, x: str, scale: str, beta: str, eps: float, out: str) -> None:
+    """(x - mean) / sqrt(var + eps) * scale (+ beta) over the last axis, in fp32: ONNX's LayerNormalization before
+    opset 17, which ORT defines as its own op and cannot run inside a model-local function."""
+    wide = _widened(b, x)
+    d = b.op("Sub", [wide, _row_mean(b, wide)], wide)
+    var = _row_mean(b, b.op("Mul", [d, d], d))
+    scaled = b.op("Mul", [_narrowed(b, b.op("Mul", [d, _inv_std(b, var, eps)], d), x), scale], x,
+                  out=None if beta else out)
+    if beta:
+        b.op("Add", [scaled, beta], x, out=out)
 
 
 def _skip_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
     bias = n.input[4] if len(n.input) > 4 else ""
     s = _skip_sum(b, n, bias)
     beta = n.input[3] if len(n.input) > 3 else ""
-    b.op("LayerNormalization", [s, n.input[2], *([beta] if beta else [])], n.input[0], out=n.output[0], axis=-1,
-         epsilon=attr(n, "epsilon", 1e-12))
+    eps = attr(n, "epsilon", 1e-12)
+    norm = helper.make_node("LayerNormalization", [s, n.input[2], *([beta] if beta else [])], [n.output[0]],
+                            name=b._name("LayerNormalization"), axis=-1, epsilon=eps)
+    if b.g.opset >= 17:
+        b.nodes.append(norm)
+        b.tensors[n.output[0]] = TensorInfo(n.output[0], b.dtype(s), b.tensors[s].shape)
+        return ()
+    k = len(b.nodes)
+    _layer_norm_ops(b, s, n.input[2], beta, eps, n.output[0])
+    return (_tail(b, k, norm),)  # before 17: ORT's own LayerNormalization, in the main graph only
+
+
+def _layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+    _layer_norm_ops(b, n.input[0], n.input[1], n.input[2] if len(n.input) > 2 else "", attr(n, "epsilon", 1e-5),
+                    n.output[0])
     return ()
 
 
@@ -296,4 +340,4 @@ def _simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
 _EXPAND = {"Gelu": _gelu, "BiasGelu": _bias_gelu, "FastGelu": _fast_gelu, "QuickGelu": _quick_gelu,
            "SkipLayerNormalization": _skip_layer_norm,
            "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
-           "SimplifiedLayerNormalization": _simplified_layer_norm}
+           "SimplifiedLayerNormalization": _simplified_layer_norm, "LayerNormalization": _layer_norm}

@@ -696,3 +696,79 @@ def random_cache(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     for out, inf in zip(m.graph.output, inferred.graph.output):
         out.type.CopyFrom(inf.type)
     return m, {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}
+
+
+def random_ort_block(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """(model, {input: shape}) of 1-3 transformer MLP blocks as onnxruntime.transformers' optimizer leaves them:
+    MatMul -> BiasGelu / FastGelu (with or without its bias) / Gelu / QuickGelu / SiLU -> MatMul ->
+    SkipLayerNormalization (optional beta and bias) or SkipSimplifiedLayerNormalization (optional bias), its
+    residual sum sometimes read by the next block or returned, its skip either operand; an optional
+    SimplifiedLayerNormalization or LayerNormalization (ORT's, in the default domain at opset 14) at the end.
+    fp32 or fp16; batch symbolic ("n"), the sequence symbolic ("s") for half the seeds; hidden sizes odd or
+    aligned."""
+    rng = np.random.default_rng(seed)
+    dtype = TP.FLOAT if rng.random() < 0.5 else TP.FLOAT16
+    npdt = helper.tensor_dtype_to_np_dtype(dtype)
+    hidden, ffn = int(rng.choice([24, 40, 64, 72, 96])), int(rng.choice([48, 64, 100, 128, 192]))
+    seq = int(rng.choice([1, 5, 16, 33]))
+    sdim = "s" if rng.random() < 0.5 else seq
+    opset = 17 if rng.random() < 0.7 else 14
+    nodes, inits, outputs = [], [], []
+    ms = "com.microsoft"
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=npdt), name))
+        return name
+
+    def add(op, ins, outs, domain="", **attrs):
+        nodes.append(helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", domain=domain, **attrs))
+        return outs[0]
+
+    x = "x"
+    for layer in range(int(rng.integers(1, 4))):
+        p = f"l{layer}_"
+        w1 = const(p + "w1", rng.uniform(-1, 1, (hidden, ffn)) / np.sqrt(hidden))
+        b1 = const(p + "b1", rng.uniform(-0.2, 0.2, ffn))
+        h = add("MatMul", [x, w1], [p + "h"])
+        act = str(rng.choice(["BiasGelu", "FastGelu", "FastGelu-nobias", "Gelu", "QuickGelu", "silu"]))
+        if act == "BiasGelu":
+            a = add("BiasGelu", [h, b1], [p + "a"], ms)
+        elif act == "FastGelu":
+            a = add("FastGelu", [h, b1], [p + "a"], ms)
+        elif act == "silu":
+            a = add("Mul", [h, add("Sigmoid", [h], [p + "sg"])], [p + "a"])
+        else:
+            hb = add("Add", [h, b1], [p + "hb"])
+            a = add(act.split("-")[0], [hb], [p + "a"], ms, **({"alpha": 1.5} if act == "QuickGelu" else {}))
+        w2 = const(p + "w2", rng.uniform(-1, 1, (ffn, hidden)) / np.sqrt(ffn))
+        o = add("MatMul", [a, w2], [p + "o"])
+        gamma = const(p + "g", 1 + rng.uniform(-0.3, 0.3, hidden))
+        ins = [o, x] if rng.random() < 0.7 else [x, o]
+        summed = rng.random() < 0.5
+        outs = [p + "y", "", "", p + "sum"] if summed else [p + "y"]
+        eps = float(rng.choice([1e-5, 1e-6, 1e-12]))
+        if rng.random() < 0.6:
+            beta = const(p + "be", rng.uniform(-0.2, 0.2, hidden)) if rng.random() < 0.7 else ""
+            bias = const(p + "b2", rng.uniform(-0.2, 0.2, hidden)) if rng.random() < 0.7 else ""
+            extra = [beta, bias] if bias else [beta] if beta else []
+            y = add("SkipLayerNormalization", [*ins, gamma, *extra], outs, ms, epsilon=eps)
+        else:
+            bias = [const(p + "b2", rng.uniform(-0.2, 0.2, hidden))] if rng.random() < 0.5 else []
+            y = add("SkipSimplifiedLayerNormalization", [*ins, gamma, *bias], outs, ms, epsilon=eps)
+        if summed:
+            outputs.append(p + "sum")
+        x = y
+    last = rng.random()
+    if last < 0.3:
+        x = add("SimplifiedLayerNormalization", [x, const("fg", 1 + rng.uniform(-0.3, 0.3, hidden))], ["yn"],
+                epsilon=1e-6)
+    elif last < 0.5:
+        x = add("LayerNormalization", [x, const("fg", 1 + rng.uniform(-0.3, 0.3, hidden)),
+                                       const("fb", rng.uniform(-0.2, 0.2, hidden))], ["yn"], epsilon=1e-5)
+    outputs.append(x)
+    inputs = [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])]
+    g = helper.make_graph(nodes, f"ortblock{seed}", inputs,
+                          [helper.make_tensor_value_info(t, dtype, ["n", sdim, hidden]) for t in outputs], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(ms, 1)])
+    m.ir_version = 8
+    return m, {"x": ("n", sdim, hidden)}

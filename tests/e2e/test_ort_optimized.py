@@ -3,11 +3,14 @@
 export's, and match ORT's own kernels; what stays with ORT is ORT's fused op again."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from fuzz_graphs import random_ort_block
 from ort_accepts import assert_ort_accepts
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
@@ -15,6 +18,7 @@ from ortfuse.config import Options
 
 MS = "com.microsoft"
 D, F = 64, 256
+_lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ORT_SEEDS", "0:6").split(":"))
 
 
 def _block(dtype: int, kind: str) -> onnx.ModelProto:
@@ -63,6 +67,37 @@ def test_orts_fused_ops_join_the_gemms_and_match(kind, dtype):
     assert not left & {"Erf", "Tanh", "Pow", "ReduceMean", "Sqrt", "Reciprocal"}, left  # put back, or fused
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 9, D)}, seed=5)
     assert rep.ok, rep
+
+
+@pytest.mark.parametrize("seed", range(_lo, _hi))
+def test_random_ort_optimized_blocks_match(seed):
+    # fuzz_graphs.random_ort_block: ORT's fused ops in random MLP blocks; ORTFUSE_FUZZ_ORT_SEEDS=lo:hi runs others
+    m, shapes = random_ort_block(seed)
+    before = m.SerializeToString()
+    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,)))
+    assert m.SerializeToString() == before
+    assert_ort_accepts(res.model)
+    for n, s in ((2, 7), (1, 1)):
+        bound = {k: tuple({"n": n, "s": s}.get(d, d) for d in v) for k, v in shapes.items()}
+        rep = check_models(m, res.model, emulate=True, input_shapes=bound, seed=seed)
+        assert rep.ok, f"seed {seed}\n" + "\n".join(rep.lines())
+
+
+def test_orts_layer_norm_before_opset_17_never_enters_a_function():
+    # ORT 1.31 crashes (SIGSEGV) on its own default-domain ops inside a model-local function; a LayerNormalization
+    # at opset 14 that cannot be split (its scale, and so its output, fp32 for an fp16 input) stays in the main graph
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, [3, D])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("LayerNormalization", ["r", "g"], ["y"], name="ln", epsilon=1e-5)]
+    g = helper.make_graph(nodes, "mixed", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, D])],
+                          [numpy_helper.from_array(np.linspace(0.5, 1.5, D, dtype=np.float32), "g")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert "LayerNormalization" in {n.op_type for n in res.model.graph.node}
+    assert all(n.op_type != "LayerNormalization" for f in res.model.functions for n in f.node)
+    assert any("ORT's own op" in r.reason for r in (*res.plan.rejects, *res.plan.refusals))
+    assert check_models(m, res.model, emulate=True).ok
 
 
 def test_what_stays_with_ort_is_put_back(monkeypatch):

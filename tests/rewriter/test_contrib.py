@@ -52,6 +52,14 @@ def _cases(dtype: int) -> list[tuple[str, onnx.ModelProto]]:
         ("SimplifiedLayerNormalization", _model(
             helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"], name="n", epsilon=1e-6),
             x3, {"g": w(H)}, out, dtype)),
+        ("SkipLayerNormalization@opset14", _model(sn("SkipLayerNormalization", ["x", "s", "g", "be", "b"], epsilon=1e-5),
+                                                  skip, {"g": w(H), "be": w(H), "b": w(H)}, out, dtype, opset=14)),
+        ("LayerNormalization@opset14", _model(  # ORT's own before 17
+            helper.make_node("LayerNormalization", ["x", "g", "be"], ["y"], name="n", epsilon=1e-5),
+            x3, {"g": w(H), "be": w(H)}, out, dtype, opset=14)),
+        ("LayerNormalization@opset14-nobias", _model(
+            helper.make_node("LayerNormalization", ["x", "g"], ["y"], name="n", epsilon=1e-5),
+            x3, {"g": w(H)}, out, dtype, opset=14)),
         ("SimplifiedLayerNormalization@opset18", _model(
             helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"], name="n", epsilon=1e-6),
             x3, {"g": w(H)}, out, dtype, opset=18)),
@@ -72,6 +80,7 @@ def test_split_computes_what_orts_kernel_computes(dtype):
         split, splits = split_contrib_ops(g)
         assert len(splits) == 1, label
         assert all(n.domain == "" and n.op_type != "SimplifiedLayerNormalization" for n in split.model.graph.node), label
+        assert m.opset_import[0].version >= 17 or "LayerNormalization" not in {n.op_type for n in split.model.graph.node}
         rng = np.random.default_rng(0)
         np_t = helper.tensor_dtype_to_np_dtype(dtype)
         feeds = {v.name: (rng.standard_normal((2, 5, H)) * 2).astype(np_t) for v in m.graph.input}
@@ -143,6 +152,17 @@ def test_not_split_where_the_function_would_change():
     for m in (stats, inner_axis, mixed, double):
         g = build_graph(load_model(m))
         assert split_contrib_ops(g) == (g, ())
+
+
+def test_restore_puts_back_the_layer_norm_before_opset_17_when_the_add_was_fused():
+    label, m = next(c for c in _cases(F16) if c[0] == "SkipLayerNormalization@opset14")
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    out = onnx.ModelProto()
+    out.CopyFrom(split.model)
+    _fuse(out, {n.name for n in out.graph.node if n.op_type == "Add" and "s" in n.input})
+    assert restore(out, splits) == 1
+    ln = next(n for n in out.graph.node if n.op_type == "LayerNormalization")
+    assert list(ln.input[1:]) == ["g", "be"] and list(ln.output) == ["y"] and ln.domain == ""
 
 
 def test_split_names_are_fresh():
