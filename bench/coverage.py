@@ -205,11 +205,12 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
 # (BiasGelu, FastGelu, QuickGelu, SkipLayerNormalization, SkipSimplifiedLayerNormalization, Attention, ...).
 # fp16 as the harness makes it: fused in fp32, then converted. (Mistral has no model type of its own; gpt2's
 # fusions take its RMSNorms.)
-ORT_OPTIMIZED: dict[str, tuple[str, str]] = {
-    "distilbert_ortopt": ("distilbert", "bert"), "roberta_ortopt": ("roberta", "bert"),
-    "deit_ortopt": ("deit", "vit"), "clip_vision_ortopt": ("clip_vision", "clip"), "swin_ortopt": ("swin", "swin"),
-    "t5_encoder_ortopt": ("t5_encoder", "t5"), "bart_ortopt": ("bart", "bart"),
-    "mistral_ortopt": ("mistral", "gpt2"), "gpt2_past_ortopt": ("gpt2_past", "gpt2"),
+ORT_OPTIMIZED: dict[str, tuple[str, str, int, int]] = {  # source, model type, num_heads, hidden_size (0: detect)
+    "distilbert_ortopt": ("distilbert", "bert", 4, 64), "roberta_ortopt": ("roberta", "bert", 4, 64),
+    "deit_ortopt": ("deit", "vit", 4, 64), "clip_vision_ortopt": ("clip_vision", "clip", 4, 64),
+    "swin_ortopt": ("swin", "swin", 0, 0), "t5_encoder_ortopt": ("t5_encoder", "t5", 4, 64),
+    "bart_ortopt": ("bart", "bart", 4, 64), "mistral_ortopt": ("mistral", "gpt2", 4, 64),
+    "gpt2_past_ortopt": ("gpt2_past", "gpt2", 4, 64),
 }
 NAMES = [*MODELS, *ORT_OPTIMIZED]
 
@@ -286,11 +287,12 @@ def _ort_optimized(name: str, folder: Path) -> dict[str, Path]:
 
     from ortfuse.rewriter._proto import sort_nodes
 
-    source, model_type = ORT_OPTIMIZED[name]
+    source, model_type, heads, hidden = ORT_OPTIMIZED[name]
     fp32 = export(source, folder)["fp32"]
     paths = {}
     for dtype in ("fp32", "fp16"):
-        opt = optimize_model(str(fp32), model_type=model_type, num_heads=4, hidden_size=64, opt_level=0, use_gpu=True)
+        opt = optimize_model(str(fp32), model_type=model_type, num_heads=heads, hidden_size=hidden, opt_level=0,
+                             use_gpu=True)
         if dtype == "fp16":
             opt.convert_float_to_float16(keep_io_types=False)
         sort_nodes(opt.model.graph)

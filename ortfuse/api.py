@@ -408,7 +408,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
     back = restore_contrib_ops(out, splits)
     if back:
-        say(f"{back} of them left to ORT were put back as ORT's own ops")
+        say(f"{back} ORT fused ops whose standard ops the search left to ORT were put back (or their norm or GELU)")
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     store.keep_only([out, graph.model])  # weights the rewrites replaced (the packed GEMMs' parts) go

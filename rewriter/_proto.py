@@ -262,6 +262,19 @@ def _ort_own_default_ops() -> frozenset[tuple[str, int]]:
                      and not onnx_has(name, v))
 
 
+def has_ort_default_domain_ops(model: onnx.ModelProto) -> bool:
+    """Whether any node (subgraphs and model-local functions included) is one of ORT's own default-domain ops."""
+    return any(ort_default_domain_op(model, n) for n in _deep_nodes(model.graph.node)) or \
+        any(ort_default_domain_op(model, n, f.opset_import) for f in model.functions for n in _deep_nodes(f.node))
+
+
+def _deep_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+    for n in nodes:
+        yield n
+        for sub in _subgraphs(n):
+            yield from _deep_nodes(sub.node)
+
+
 def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto,
                           opsets: Sequence[onnx.OperatorSetIdProto] | None = None) -> bool:
     """A default-domain op ONNX lacks at the model's opset (or `opsets`': a function's) that ORT defines
@@ -284,11 +297,11 @@ _ORT_CHECKED_AS = "com.microsoft"  # a domain the checker takes on trust, as it 
 @contextlib.contextmanager
 def _ort_ops_checkable(model: onnx.ModelProto) -> Iterator[None]:
     """ONNX's checker refuses ORT's own default-domain ops; while this lasts, they are in ORT's contrib domain
-    (in place, in the main graph and the model-local functions; undone on exit)."""
-    moved = [(n, n.domain) for n in model.graph.node if ort_default_domain_op(model, n)]
+    (in place, in the main graph, the model-local functions and their subgraphs; undone on exit)."""
+    moved = [(n, n.domain) for n in _deep_nodes(model.graph.node) if ort_default_domain_op(model, n)]
     imports: list[Any] = [model.opset_import] if moved else []
     for f in model.functions:
-        here = [(n, n.domain) for n in f.node if ort_default_domain_op(model, n, f.opset_import)]
+        here = [(n, n.domain) for n in _deep_nodes(f.node) if ort_default_domain_op(model, n, f.opset_import)]
         moved += here
         imports += [f.opset_import] if here else []
     for n, _ in moved:

@@ -41,11 +41,21 @@ _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
 @dataclass(frozen=True)
+class Part:
+    """Split nodes (by name) and the node that computes what they compute; `reads[k]` is the split node and input
+    slot that read the node's k-th input, so a put-back node reads what that slot reads then (a later pass may
+    have bypassed an Identity of a weight or folded a Cast of one), or None where no split node reads it."""
+    names: tuple[str, ...]
+    node: onnx.NodeProto
+    reads: tuple[Optional[tuple[str, int]], ...]
+
+
+@dataclass(frozen=True, eq=False)
 class Split:
-    """One ORT node written as standard ops. `parts`: (names of split nodes, the node that computes what they
-    compute), the whole first, then tails that can be put back alone; `constants`: the scalars it added."""
+    """One ORT node written as standard ops. `parts`: the whole first, then tails that can be put back alone;
+    `constants`: the scalars it added."""
     original: onnx.NodeProto
-    parts: tuple[tuple[tuple[str, ...], onnx.NodeProto], ...]
+    parts: tuple[Part, ...]
     constants: tuple[str, ...]
 
 
@@ -66,19 +76,32 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
             new_nodes.append(n)
             continue
         b.start(n)
-        parts = _EXPAND[n.op_type](b, n)
+        tails = _EXPAND[n.op_type](b, n)
         new_nodes.extend(b.nodes)
-        splits.append(Split(n, ((tuple(x.name for x in b.nodes), n), *parts), tuple(b.constants)))
+        parts = [_part(b.nodes, node) for node in (n, *tails)]
+        splits.append(Split(n, tuple(parts), tuple(b.constants)))
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     m.graph.initializer.extend(b.initializers)
     return assemble(m, tensors, g.opset, g.hint_overrides), tuple(splits)
 
 
+def _part(nodes: list[onnx.NodeProto], node: onnx.NodeProto) -> Part:
+    """The split `nodes` that compute `node` (the whole split; a tail's start after the node making its first
+    input), with the slot that reads each of its inputs."""
+    start = next((k + 1 for k, n in enumerate(nodes) if node.input[0] in n.output), 0)
+    tail = nodes[start:]
+
+    def reader(x: str) -> Optional[tuple[str, int]]:
+        return next(((n.name, j) for n in tail for j, y in enumerate(n.input) if y == x), None) if x else None
+
+    return Part(tuple(n.name for n in tail), node, tuple(reader(x) for x in node.input))
+
+
 def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
     """Put back (in place, in the output model `m`) each split node, or tail of one, whose split ops are all
-    still there and read by nothing else; drops the scalars no node reads any more. Returns the number of
-    nodes put back."""
+    still there and read by nothing else, reading what its split ops read now; drops the scalars no node reads
+    any more. Returns the number of nodes put back."""
     if not splits:
         return 0
     by_name = {n.name: n for n in m.graph.node}
@@ -90,18 +113,28 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
     gone: set[str] = set()
     back: list[onnx.NodeProto] = []
     for s in splits:
-        for names, node in s.parts:
-            if any(x not in by_name or x in gone for x in names):
+        for part in s.parts:
+            if any(x not in by_name or x in gone for x in part.names):
                 continue
-            made = {o for x in names for o in by_name[x].output if o}
-            inner = made - set(node.output)
-            if any(t in outputs or not readers.get(t, set()) <= set(names) for t in inner):
+            made = {o for x in part.names for o in by_name[x].output if o}
+            inner = made - set(part.node.output)
+            if any(t in outputs or not readers.get(t, set()) <= set(part.names) for t in inner):
                 continue
-            gone.update(names)
+            node = onnx.NodeProto()
+            node.CopyFrom(part.node)
+            for k, read in enumerate(part.reads):
+                if read is not None:
+                    node.input[k] = by_name[read[0]].input[read[1]]
+            gone.update(part.names)
             back.append(node)
     if not back:
         return 0
     kept = [n for n in m.graph.node if n.name not in gone]
+    known = {v.name for v in m.graph.input} | {t.name for t in m.graph.initializer} | \
+        {o for n in kept + back for o in n.output}
+    missing = [x for n in back for x in n.input if x and x not in known]
+    if missing:  # (cannot happen: each input is read from a split node) keep the split ops, which are correct
+        raise AssertionError(f"contrib.restore: a node put back would read {missing[0]}, which nothing makes")
     del m.graph.node[:]
     m.graph.node.extend(kept + back)
     _proto.sort_nodes(m.graph)
@@ -161,7 +194,7 @@ class _Builder:
         self.nodes, self.constants = [], []
         self.base = n.name or n.output[0]
 
-    def _name(self, what: str) -> str:
+    def name(self, what: str) -> str:
         k, name = 0, f"{self.base}/ortfuse_{what}"
         while name in self.taken:
             k += 1
@@ -172,8 +205,8 @@ class _Builder:
     def op(self, op_type: str, inputs: list[str], like: str, out: Optional[str] = None,
            shape: Optional[tuple[Dim, ...]] = None, dtype: Optional[int] = None, **attrs) -> str:
         """A node computing a tensor shaped as `like` (or `shape`), of `like`'s dtype (or `dtype`)."""
-        name = self._name(op_type)
-        out = out or self._name(f"{op_type}_out")
+        name = self.name(op_type)
+        out = out or self.name(f"{op_type}_out")
         ref = self.tensors.get(like)
         self.tensors[out] = TensorInfo(out, dtype if dtype is not None else ref.dtype,
                                        shape if shape is not None else ref.shape)
@@ -181,7 +214,7 @@ class _Builder:
         return out
 
     def scalar(self, value: float, dtype: int) -> str:
-        name = self._name("const")
+        name = self.name("const")
         arr = np.array(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
         self.initializers.append(numpy_helper.from_array(arr, name) if dtype != TensorProto.BFLOAT16
                                  else helper.make_tensor(name, dtype, [], [float(value)]))
@@ -209,32 +242,25 @@ def _tanh_gelu(b: _Builder, x: str, out: str) -> None:
     b.op("Mul", [b.op("Mul", [x, b.scalar(0.5, dt)], x), b.op("Add", [t, b.scalar(1.0, dt)], x)], x, out=out)
 
 
-def _tail(b: _Builder, first: int, node: onnx.NodeProto) -> tuple[tuple[str, ...], onnx.NodeProto]:
-    return tuple(x.name for x in b.nodes[first:]), node
-
-
-def _gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _gelu(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     _erf_gelu(b, n.input[0], n.output[0])
     return ()
 
 
-def _bias_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _bias_gelu(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     s = b.op("Add", [n.input[0], n.input[1]], n.input[0])
-    k = len(b.nodes)
     _erf_gelu(b, s, n.output[0])
-    return (_tail(b, k, helper.make_node("Gelu", [s], [n.output[0]], name=b._name("Gelu"), domain=MS)),)
+    return (helper.make_node("Gelu", [s], [n.output[0]], name=b.name("Gelu"), domain=MS),)
 
 
-def _fast_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _fast_gelu(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     biased = len(n.input) > 1 and bool(n.input[1])
     x = b.op("Add", [n.input[0], n.input[1]], n.input[0]) if biased else n.input[0]
-    k = len(b.nodes)
     _tanh_gelu(b, x, n.output[0])
-    return (_tail(b, k, helper.make_node("FastGelu", [x], [n.output[0]], name=b._name("FastGelu"), domain=MS)),) \
-        if biased else ()
+    return (helper.make_node("FastGelu", [x], [n.output[0]], name=b.name("FastGelu"), domain=MS),) if biased else ()
 
 
-def _quick_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _quick_gelu(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     x = n.input[0]
     sig = b.op("Sigmoid", [b.op("Mul", [x, b.scalar(attr(n, "alpha", 1.702), b.dtype(x))], x)], x)
     b.op("Mul", [x, sig], x, out=n.output[0])
@@ -244,14 +270,16 @@ def _quick_gelu(b: _Builder, n: onnx.NodeProto) -> tuple:
 def _skip_sum(b: _Builder, n: onnx.NodeProto, bias: str) -> str:
     """input + skip (+ bias): the bias joins whichever of the two a GEMM computes, as in the exported graph."""
     x, skip = n.input[0], n.input[1]
-    gemm = lambda t: t in b.g.producer and b.g.nodes[b.g.producer[t]].op_type in ("MatMul", "Gemm")  # noqa: E731
-    if gemm(skip) and not gemm(x):
+    if _from_gemm(b.g, skip) and not _from_gemm(b.g, x):
         x, skip = skip, x
     out = n.output[3] if len(n.output) > 3 and n.output[3] else None
-    like = n.input[0]
     if bias:
-        x = b.op("Add", [x, bias], like)
-    return b.op("Add", [x, skip], like, out=out)
+        x = b.op("Add", [x, bias], x)  # shaped as that operand (a skip may broadcast)
+    return b.op("Add", [x, skip], n.input[0], out=out)
+
+
+def _from_gemm(g: Graph, t: str) -> bool:
+    return t in g.producer and g.nodes[g.producer[t]].op_type in ("MatMul", "Gemm")
 
 
 def _row_mean(b: _Builder, x: str) -> str:
@@ -259,7 +287,7 @@ def _row_mean(b: _Builder, x: str) -> str:
     row = (*b.tensors[x].shape[:-1], 1)
     if b.g.opset < 18:
         return b.op("ReduceMean", [x], x, shape=row, axes=[-1], keepdims=1)
-    axes = b._name("axes")
+    axes = b.name("axes")
     b.initializers.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
     b.tensors[axes] = TensorInfo(axes, TensorProto.INT64, (1,))
     b.constants.append(axes)
@@ -300,39 +328,37 @@ def _layer_norm_ops(b: _Builder, x: str, scale: str, beta: str, eps: float, out:
         b.op("Add", [scaled, beta], x, out=out)
 
 
-def _skip_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _skip_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     bias = n.input[4] if len(n.input) > 4 else ""
     s = _skip_sum(b, n, bias)
     beta = n.input[3] if len(n.input) > 3 else ""
     eps = attr(n, "epsilon", 1e-12)
     norm = helper.make_node("LayerNormalization", [s, n.input[2], *([beta] if beta else [])], [n.output[0]],
-                            name=b._name("LayerNormalization"), axis=-1, epsilon=eps)
+                            name=b.name("LayerNormalization"), axis=-1, epsilon=eps)
     if b.g.opset >= 17:
         b.nodes.append(norm)
         b.tensors[n.output[0]] = TensorInfo(n.output[0], b.dtype(s), b.tensors[s].shape)
         return ()
-    k = len(b.nodes)
     _layer_norm_ops(b, s, n.input[2], beta, eps, n.output[0])
-    return (_tail(b, k, norm),)  # before 17: ORT's own LayerNormalization, in the main graph only
+    return (norm,)  # before 17: ORT's own LayerNormalization, in the main graph only
 
 
-def _layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     _layer_norm_ops(b, n.input[0], n.input[1], n.input[2] if len(n.input) > 2 else "", attr(n, "epsilon", 1e-5),
                     n.output[0])
     return ()
 
 
-def _skip_simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _skip_simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     bias = n.input[3] if len(n.input) > 3 else ""
     s = _skip_sum(b, n, bias)
-    k = len(b.nodes)
     eps = attr(n, "epsilon", 1e-12)
     _rms_norm(b, s, n.input[2], eps, n.output[0])
-    return (_tail(b, k, helper.make_node("SimplifiedLayerNormalization", [s, n.input[2]], [n.output[0]],
-                                         name=b._name("SimplifiedLayerNormalization"), axis=-1, epsilon=eps)),)
+    return (helper.make_node("SimplifiedLayerNormalization", [s, n.input[2]], [n.output[0]],
+                             name=b.name("SimplifiedLayerNormalization"), axis=-1, epsilon=eps),)
 
 
-def _simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple:
+def _simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     _rms_norm(b, n.input[0], n.input[1], attr(n, "epsilon", 1e-5), n.output[0])
     return ()
 

@@ -56,7 +56,7 @@ def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] 
         moved = _proto.sort_nodes(model.graph)
     except ValueError as e:
         raise InputError(f"{label}: {e}") from None
-    ort_ops = any(_proto.ort_default_domain_op(model, n) for n in model.graph.node)  # the checker refuses them
+    ort_ops = _proto.has_ort_default_domain_ops(model)  # the file's check would refuse them
     _check(model, label, path if not moved and not ort_ops else None)
     if store is not None:
         weights.set_aside(model, store)  # checked first: the checker reads the bytes that stay in the proto

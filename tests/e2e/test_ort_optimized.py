@@ -100,6 +100,30 @@ def test_orts_layer_norm_before_opset_17_never_enters_a_function():
     assert check_models(m, res.model, emulate=True).ok
 
 
+def test_a_node_put_back_reads_what_its_split_ops_read_then(monkeypatch):
+    # its bias and gamma were an Identity and a Cast of weights, which the canonical passes bypass and fold: the
+    # SkipLayerNormalization put back reads the weights they left, not the tensors they removed
+    import ortfuse.api as api
+    from ortfuse.search.plan import Plan
+
+    h = TensorProto.FLOAT16
+    nodes = [helper.make_node("Cast", ["g0"], ["g"], name="castg", to=h),
+             helper.make_node("Identity", ["be0"], ["be"], name="idbe"),
+             helper.make_node("SkipLayerNormalization", ["x", "s", "g", "be"], ["y"], name="sln", domain=MS)]
+    io = [helper.make_tensor_value_info(t, h, [2, 8, D]) for t in ("x", "s", "y")]
+    rng = np.random.default_rng(2)
+    g = helper.make_graph(nodes, "tied", io[:2], io[2:],
+                          [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(D)).astype(np.float32), "g0"),
+                           numpy_helper.from_array((0.1 * rng.standard_normal(D)).astype(np.float16), "be0")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    m.ir_version = 8
+    monkeypatch.setattr(api, "search_plan", lambda *a, **k: Plan((), (), ()))
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [n.op_type for n in res.model.graph.node] == ["SkipLayerNormalization"]
+    assert_ort_accepts(res.model)
+    assert check_models(m, res.model).ok
+
+
 def test_what_stays_with_ort_is_put_back(monkeypatch):
     # where the search fuses nothing (here: told to), the output holds ORT's fused ops again, not their parts
     import ortfuse.api as api

@@ -143,6 +143,19 @@ def test_orts_own_default_domain_ops_are_accepted(tmp_path):
         load_model(model)
 
 
+def test_orts_own_ops_in_a_subgraph_are_accepted():
+    # a merged decoder's If branch after ORT's optimizer: its RMSNorm is ORT's SimplifiedLayerNormalization
+    w = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    branch = lambda name: helper.make_graph(  # noqa: E731
+        [helper.make_node("SimplifiedLayerNormalization", ["x", "w"], [f"{name}_y"], name=f"{name}_rms")], name, [],
+        [M.vi(f"{name}_y", [2, 4])])
+    node = helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch("then"), else_branch=branch("else"))
+    model = M.make_model([node], [M.vi("c", [], onnx.TensorProto.BOOL), M.vi("x", [2, 4])], [M.vi("y", [2, 4])], [w])
+    before = model.SerializeToString()
+    assert len(load_model(model).graph.node) == 1
+    assert model.SerializeToString() == before
+
+
 def test_checker_failure_is_one_line():
     model = M.make_model([helper.make_node("Relu", ["missing"], ["y"], name="r")], [M.vi("x", [2])], [M.vi("y", [2])])
     with pytest.raises(InputError, match="invalid ONNX model") as e:
