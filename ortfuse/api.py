@@ -21,10 +21,10 @@ from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
-from ortfuse.rewriter.contrib import restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
                                         fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
                                         fold_runtime_shapes, fold_small_values, unflatten_gemms)
+from ortfuse.rewriter.contrib import restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms

@@ -40,7 +40,7 @@ _NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "Simplif
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Part:
     """Split nodes (by name) and the node that computes what they compute; `reads[k]` is the split node and input
     slot that read the node's k-th input, so a put-back node reads what that slot reads then (a later pass may
@@ -110,6 +110,8 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
         for x in _proto.node_reads(n):
             readers.setdefault(x, set()).add(n.name)
     outputs = {o.name for o in m.graph.output}
+    known = {v.name for v in m.graph.input} | {t.name for t in m.graph.initializer} | \
+        {o for n in m.graph.node for o in n.output}
     gone: set[str] = set()
     back: list[onnx.NodeProto] = []
     for s in splits:
@@ -125,16 +127,13 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
             for k, read in enumerate(part.reads):
                 if read is not None:
                     node.input[k] = by_name[read[0]].input[read[1]]
+            if any(x and (x not in known or x in made) for x in node.input):
+                continue  # (not seen) it would read what nothing else makes: the split ops stay, which are right
             gone.update(part.names)
             back.append(node)
     if not back:
         return 0
     kept = [n for n in m.graph.node if n.name not in gone]
-    known = {v.name for v in m.graph.input} | {t.name for t in m.graph.initializer} | \
-        {o for n in kept + back for o in n.output}
-    missing = [x for n in back for x in n.input if x and x not in known]
-    if missing:  # (cannot happen: each input is read from a split node) keep the split ops, which are correct
-        raise AssertionError(f"contrib.restore: a node put back would read {missing[0]}, which nothing makes")
     del m.graph.node[:]
     m.graph.node.extend(kept + back)
     _proto.sort_nodes(m.graph)
