@@ -24,7 +24,7 @@ from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
                                         fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
                                         fold_runtime_shapes, fold_small_values, unflatten_gemms)
-from ortfuse.rewriter.contrib import restore as restore_contrib_ops, split_contrib_ops
+from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
@@ -81,6 +81,7 @@ class OptimizeResult:
     layout: tuple[str, ...] = ()  # each residual stream's layout decision, with its estimate (`_layout_chosen`)
     ort_attention: tuple[str, ...] = ()  # each kind of attention pattern's MultiHeadAttention decision, or why none
     weights: Optional[WeightStore] = None  # the large weights of `stubbed` and `graph` (rewriter.weights)
+    contrib: tuple[str, ...] = ()  # each of ORT's fused ops in the input: fused as standard ops, or put back
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
@@ -408,7 +409,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
     back = restore_contrib_ops(out, splits)
     if back:
-        say(f"{back} ORT fused ops whose standard ops the search left to ORT were put back (or their norm or GELU)")
+        say(f"{len(back)} ORT fused ops whose standard ops the search left to ORT were put back (or their norm or "
+            "GELU)")
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     store.keep_only([out, graph.model])  # weights the rewrites replaced (the packed GEMMs' parts) go
@@ -417,7 +419,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
                           sum(1 for i in mb if i in fused), len({e for k in kernels for e, _ in k.all_kernels()}),
                           sum(k.region.traffic.saved_bytes for k in kernels),
-                          time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes), store)
+                          time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes), store,
+                          contrib_notes(out, splits, back))
 
 
 def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,

@@ -116,5 +116,7 @@ def markdown(r: OptimizeResult, source: str) -> str:
         out += ["", "## Residual-stream layout (rewriter.layout)", ""] + [f"- {x}" for x in r.layout]
     if r.ort_attention:
         out += ["", "## ORT's fused attention (rewriter.mha)", ""] + [f"- {x}" for x in r.ort_attention]
+    if r.contrib:
+        out += ["", "## ORT's fused ops in the input (rewriter.contrib)", ""] + [f"- {x}" for x in r.contrib]
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

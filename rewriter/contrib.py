@@ -98,12 +98,12 @@ def _part(nodes: list[onnx.NodeProto], node: onnx.NodeProto) -> Part:
     return Part(tuple(n.name for n in tail), node, tuple(reader(x) for x in node.input))
 
 
-def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
+def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split, Part], ...]:
     """Put back (in place, in the output model `m`) each split node, or tail of one, whose split ops are all
     still there and read by nothing else, reading what its split ops read now; drops the scalars no node reads
-    any more. Returns the number of nodes put back."""
+    any more. Returns what was put back."""
     if not splits:
-        return 0
+        return ()
     by_name = {n.name: n for n in m.graph.node}
     readers: dict[str, set[str]] = {}
     for n in m.graph.node:
@@ -114,6 +114,7 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
         {o for n in m.graph.node for o in n.output}
     gone: set[str] = set()
     back: list[onnx.NodeProto] = []
+    done: list[tuple[Split, Part]] = []
     for s in splits:
         for part in s.parts:
             if any(x not in by_name or x in gone for x in part.names):
@@ -131,8 +132,9 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
                 continue  # (not seen) it would read what nothing else makes: the split ops stay, which are right
             gone.update(part.names)
             back.append(node)
+            done.append((s, part))
     if not back:
-        return 0
+        return ()
     kept = [n for n in m.graph.node if n.name not in gone]
     del m.graph.node[:]
     m.graph.node.extend(kept + back)
@@ -148,7 +150,28 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> int:
     if len(vis) < len(m.graph.value_info):
         del m.graph.value_info[:]
         m.graph.value_info.extend(vis)
-    return len(back)
+    return tuple(done)
+
+
+def notes(m: onnx.ModelProto, splits: tuple[Split, ...], back: tuple[tuple[Split, Part], ...]) -> tuple[str, ...]:
+    """One line a split node of the output model `m`: fused, put back (or its tail), or in part left to ORT."""
+    put = {id(s): p for s, p in back}
+    present = {n.name for n in m.graph.node}
+    lines = []
+    for s in splits:
+        label = f"{s.original.op_type} '{s.original.name or s.original.output[0]}'"
+        part = put.get(id(s))
+        left = [x for x in s.parts[0].names if x in present]
+        if part is s.parts[0]:
+            lines.append(f"{label}: its standard ops were left to ORT, so it was put back as it was")
+        elif part is not None:
+            lines.append(f"{label}: its Add fused, its {part.node.op_type} put back as ORT's op")
+        elif left:
+            ops = ", ".join(sorted({n.op_type for n in m.graph.node if n.name in set(left)}))
+            lines.append(f"{label}: written as standard ops, fused but for {len(left)} left to ORT ({ops})")
+        else:
+            lines.append(f"{label}: written as standard ops, all fused")
+    return tuple(lines)
 
 
 def _domain(n: onnx.NodeProto) -> str:

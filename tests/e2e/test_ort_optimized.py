@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuzz_graphs import random_ort_block
 from ort_accepts import assert_ort_accepts
+from ortfuse import report
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.config import Options
@@ -63,6 +64,8 @@ def test_orts_fused_ops_join_the_gemms_and_match(kind, dtype):
     fc1 = next(k for k in res.kernels if any(res.graph.nodes[i].name == "fc1" for i in k.region.nodes))
     absorbed = {res.graph.nodes[i].op_type for i in fc1.region.nodes}
     assert absorbed >= ({"Sigmoid", "Mul"} if kind == "llama" else {"Add", "Mul", "Erf" if kind == "bert" else "Tanh"}), kinds
+    assert len(res.contrib) == (1 if kind == "llama" else 2), res.contrib
+    assert all(line.endswith("all fused") for line in res.contrib), res.contrib
     left = {n.op_type for n in res.model.graph.node if n.domain != "ortfuse"}
     assert not left & {"Erf", "Tanh", "Pow", "ReduceMean", "Sqrt", "Reciprocal"}, left  # put back, or fused
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 9, D)}, seed=5)
@@ -135,6 +138,10 @@ def test_what_stays_with_ort_is_put_back(monkeypatch):
     assert [(n.op_type, n.domain) for n in res.model.graph.node] == [(n.op_type, n.domain) for n in m.graph.node]
     assert sorted(t.name for t in res.model.graph.initializer) == sorted(t.name for t in m.graph.initializer)
     assert check_models(m, res.model).ok
+    assert res.contrib == ("FastGelu 'gelu': its standard ops were left to ORT, so it was put back as it was",
+                           "SkipLayerNormalization 'skipnorm': its standard ops were left to ORT, so it was put back "
+                           "as it was")
+    assert "## ORT's fused ops in the input" in report.markdown(res, "m.onnx")
 
 
 @pytest.mark.gpu
