@@ -72,6 +72,67 @@ def test_orts_fused_ops_join_the_gemms_and_match(kind, dtype):
     assert rep.ok, rep
 
 
+def _gqa_layer(dtype: int) -> onnx.ModelProto:
+    """A decoder layer as onnxruntime-genai's model builder writes one: SimplifiedLayerNormalization, the packed
+    QKV MatMul, GroupQueryAttention (rotary inside, its sequence lengths computed from the mask), o_proj,
+    SkipSimplifiedLayerNormalization, the gated MLP, SkipSimplifiedLayerNormalization."""
+    np_t = helper.tensor_dtype_to_np_dtype(dtype)
+    heads, kv, hd, f, maxs = 4, 2, 16, 128, 64
+    rng = np.random.default_rng(4)
+    inits: list[onnx.TensorProto] = []
+
+    def w(*shape, k=None):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * (k or shape[0] ** -0.5)).astype(np_t),
+                                             f"w{len(inits)}"))
+        return inits[-1].name
+
+    pos = np.arange(maxs)[:, None] * (10000 ** (-np.arange(0, hd, 2) / hd))[None]
+    inits += [numpy_helper.from_array(np.cos(pos).astype(np_t), "cos"),
+              numpy_helper.from_array(np.sin(pos).astype(np_t), "sin"),
+              numpy_helper.from_array(np.array([1], np.int64), "one")]
+    mk = helper.make_node
+    nodes = [mk("ReduceSum", ["attention_mask", "one"], ["msum"], keepdims=0), mk("Sub", ["msum", "one"], ["msub"]),
+             mk("Cast", ["msub"], ["seqlens_k"], to=TensorProto.INT32), mk("Shape", ["attention_mask"], ["mshape"]),
+             mk("Gather", ["mshape", "one"], ["tl"], axis=0), mk("Squeeze", ["tl"], ["tls"]),
+             mk("Cast", ["tls"], ["total_len"], to=TensorProto.INT32),
+             mk("SimplifiedLayerNormalization", ["x", w(D, k=1.0)], ["n1"], epsilon=1e-6),
+             mk("MatMul", ["n1", w(D, (heads + 2 * kv) * hd)], ["qkv"]),
+             mk("GroupQueryAttention", ["qkv", "", "", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin"],
+                ["attn", "present_k", "present_v"], domain=MS, num_heads=heads, kv_num_heads=kv, do_rotary=1),
+             mk("MatMul", ["attn", w(heads * hd, D)], ["o"]),
+             mk("SkipSimplifiedLayerNormalization", ["o", "x", w(D, k=1.0)], ["n2", "", "", "r1"], epsilon=1e-6, domain=MS),
+             mk("MatMul", ["n2", w(D, f)], ["gate"]), mk("MatMul", ["n2", w(D, f)], ["up"]),
+             mk("Sigmoid", ["gate"], ["sg"]), mk("Mul", ["gate", "sg"], ["silu"]), mk("Mul", ["silu", "up"], ["gu"]),
+             mk("MatMul", ["gu", w(f, D)], ["down"]),
+             mk("SkipSimplifiedLayerNormalization", ["down", "r1", w(D, k=1.0)], ["y", "", "", "r2"], epsilon=1e-6,
+                domain=MS)]
+    for k, n in enumerate(nodes):
+        n.name = f"{n.op_type}_{k}"
+    vi = helper.make_tensor_value_info
+    ins = [vi("x", dtype, ["batch", "seq", D]), vi("past_k", dtype, ["batch", kv, "past", hd]),
+           vi("past_v", dtype, ["batch", kv, "past", hd]), vi("attention_mask", TensorProto.INT64, ["batch", "total"])]
+    outs = [vi("y", dtype, ["batch", "seq", D]), vi("r2", dtype, ["batch", "seq", D]),
+            vi("present_k", dtype, ["batch", kv, "total", hd]), vi("present_v", dtype, ["batch", kv, "total", hd])]
+    m = helper.make_model(helper.make_graph(nodes, "layer", ins, outs, inits),
+                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["fp32", "fp16"])
+def test_a_model_builder_decoder_layer(dtype):
+    # GroupQueryAttention stays with ORT; its norms are split and fused, the gated MLP is one GEMM kernel
+    m = _gqa_layer(dtype)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), dim_hints=(("seq", 1), ("past", 512))))
+    assert_ort_accepts(res.model)
+    assert "GroupQueryAttention" in {n.op_type for n in res.model.graph.node}
+    assert all(line.endswith("all fused") for line in res.contrib) and len(res.contrib) == 3, res.contrib
+    assert any(r.kind == "gemm" for r in res.plan.regions)
+    shapes = {"x": (2, 1, D), "past_k": (2, 2, 3, 16), "past_v": (2, 2, 3, 16), "attention_mask": (2, 4)}
+    rep = check_models(m, res.model, emulate=True, input_shapes=shapes, seed=3)
+    assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.parametrize("seed", range(_lo, _hi))
 def test_random_ort_optimized_blocks_match(seed):
     # fuzz_graphs.random_ort_block: ORT's fused ops in random MLP blocks; ORTFUSE_FUZZ_ORT_SEEDS=lo:hi runs others
@@ -152,4 +213,14 @@ def test_orts_fused_ops_on_the_cuda_ep(kind, dtype):
     m = _block(dtype, kind)
     res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
     rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 77, D)}, seed=7)
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["fp32", "fp16"])
+def test_a_model_builder_decoder_layer_on_the_cuda_ep(dtype):
+    m = _gqa_layer(dtype)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), dim_hints=(("seq", 1), ("past", 512))))
+    shapes = {"x": (2, 1, D), "past_k": (2, 2, 3, 16), "past_v": (2, 2, 3, 16), "attention_mask": (2, 4)}
+    rep = check_models(m, res.model, provider="cuda", input_shapes=shapes, seed=3)
     assert rep.ok, "\n".join(rep.lines())
