@@ -348,13 +348,18 @@ def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def emptied_for_check(t: onnx.TensorProto) -> bool:
+    """A weight store stub, or raw bytes over WEIGHTLESS_BYTES: `_weightless` empties it."""
+    return _weights.is_stub(t) or (raw_only(t) and tensor_bytes(t) > WEIGHTLESS_BYTES)
+
+
 def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with each initializer that holds over WEIGHTLESS_BYTES as raw bytes alone, and each weight store
     stub, replaced by an empty tensor of its name and type (the checker does not match initializers against their
     uses)."""
     out = without_initializers(model)
     for t in model.graph.initializer:
-        if _weights.is_stub(t) or (raw_only(t) and tensor_bytes(t) > WEIGHTLESS_BYTES):
+        if emptied_for_check(t):
             out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=[0])
         else:
             out.graph.initializer.append(t)

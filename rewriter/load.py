@@ -56,8 +56,7 @@ def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] 
         moved = _proto.sort_nodes(model.graph)
     except ValueError as e:
         raise InputError(f"{label}: {e}") from None
-    ort_ops = _proto.has_ort_default_domain_ops(model)  # the file's check would refuse them
-    _check(model, label, path if not moved and not ort_ops else None)
+    _check(model, label)
     if store is not None:
         weights.set_aside(model, store)  # checked first: the checker reads the bytes that stay in the proto
     return model
@@ -95,12 +94,19 @@ def _read(path: Path, store: Optional[weights.WeightStore] = None) -> onnx.Model
     return model
 
 
-def _check(model: onnx.ModelProto, label: str, path: Path | None) -> None:
+def _check(model: onnx.ModelProto, label: str) -> None:
+    """ONNX's checker on the model with its large raw initializers emptied (`_proto.check_model(weights=False)`:
+    no second parse of the file, no serialization of the weights, at any size), and those initializers' byte
+    counts checked here against their dims and type, exactly, as ORT checks them (the checker refuses too few
+    bytes only)."""
+    for t in model.graph.initializer:
+        if _proto.emptied_for_check(t) and not weights.is_stub(t):
+            need, have = _proto.dims_bytes(t.data_type, t.dims), len(t.raw_data)
+            if need is not None and have != need:
+                raise InputError(f"{label}: invalid ONNX model: initializer '{t.name}' holds {have} bytes of raw data; "
+                                 f"its dims {list(t.dims)} and type need {need}")
     try:
-        if path is not None:  # the file as-is: works at any size without re-serializing
-            onnx.checker.check_model(str(path), full_check=False)
-        else:
-            _proto.check_model(model)
+        _proto.check_model(model, weights=False)
     except onnx.checker.ValidationError as e:
         raise InputError(f"{label}: invalid ONNX model: {_first_line(e)}") from None
 

@@ -156,6 +156,22 @@ def test_orts_own_ops_in_a_subgraph_are_accepted():
     assert model.SerializeToString() == before
 
 
+def test_raw_bytes_must_match_dims_as_ort_requires(tmp_path):
+    # large raw initializers are checked here, not by a second parse in the checker; ORT refuses any mismatch
+    # (the checker, too few bytes only)
+    for n in (299, 301):
+        w = numpy_helper.from_array(np.ones(300, np.float32), "w")
+        w.raw_data = np.ones(n, np.float32).tobytes()
+        model = M.make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [M.vi("x", [300])],
+                             [M.vi("y", [300])], [w])
+        path = tmp_path / f"m{n}.onnx"
+        onnx.save_model(model, path)
+        for source in (model, path):
+            with pytest.raises(InputError, match=f"initializer 'w' holds {4 * n} bytes of raw data; its dims "
+                                                 r"\[300\] and type need 1200"):
+                load_model(source)
+
+
 def test_checker_failure_is_one_line():
     model = M.make_model([helper.make_node("Relu", ["missing"], ["y"], name="r")], [M.vi("x", [2])], [M.vi("y", [2])])
     with pytest.raises(InputError, match="invalid ONNX model") as e:
