@@ -288,7 +288,9 @@ def _ort_optimized(name: str, folder: Path) -> dict[str, Path]:
     from ortfuse.rewriter._proto import sort_nodes
 
     source, model_type, heads, hidden = ORT_OPTIMIZED[name]
-    fp32 = export(source, folder)["fp32"]
+    fp32 = folder / f"{source}-fp32.onnx"  # the source's own row exported it into this folder, when it ran
+    if not fp32.exists():
+        fp32 = export(source, folder)["fp32"]
     paths = {}
     for dtype in ("fp32", "fp16"):
         opt = optimize_model(str(fp32), model_type=model_type, num_heads=heads, hidden_size=hidden, opt_level=0,

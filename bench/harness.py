@@ -304,13 +304,12 @@ def _prepare_ort_transformers(ctx: _Ctx) -> str:
 def _prepare_ortfuse_on_ort_transformers(ctx: _Ctx) -> str:
   """ortfuse's build of the ort-transformers model, made once a run (as the ortfuse row's model is)."""
   if ctx.ortfuse_on_ort_transformers is None:
-    import ortfuse
-    src = _prepare_ort_transformers(ctx)
-    out = ctx.out_dir / f"{Path(src).stem}.ortfuse.onnx"
-    start = time.perf_counter()
-    ortfuse.compile_model(src, arch=_arch() if ctx.provider == "cuda" else "sm_90").save(out)
-    ctx.notes.append(f"ort-transformers+ortfuse optimized in {time.perf_counter() - start:.1f} s")
-    ctx.ortfuse_on_ort_transformers = str(out)
+    path, seconds = _optimize(_prepare_ort_transformers(ctx), ctx.out_dir,
+                              _arch() if ctx.provider == "cuda" else "sm_90", ctx.notes)
+    if path is None:
+      raise _Skip("ortfuse could not optimize the ort-transformers model (see notes)")
+    ctx.notes.append(f"ort-transformers+ortfuse optimized in {seconds:.1f} s")
+    ctx.ortfuse_on_ort_transformers = path
   return ctx.ortfuse_on_ort_transformers
 
 

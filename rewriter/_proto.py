@@ -250,29 +250,27 @@ def _ort_schema_list() -> tuple[tuple[str, str, int], ...] | None:
 
 
 @functools.cache
-def _ort_own_default_ops() -> frozenset[tuple[str, int]]:
-    """(op, since version) of ORT's schemas in the default domain that ONNX has no schema for."""
+def _ort_own_default_ops() -> dict[str, tuple[int, ...]]:
+    """Op -> since versions of ORT's schemas in the default domain that ONNX has no schema for."""
     def onnx_has(name: str, version: int) -> bool:
         try:
             return onnx.defs.get_schema(name, version, "").since_version == version
         except onnx.defs.SchemaError:
             return False
 
-    return frozenset((name, v) for d, name, v in _ort_schema_list() or () if d in DEFAULT_DOMAINS
-                     and not onnx_has(name, v))
+    own: dict[str, tuple[int, ...]] = {}
+    for d, name, v in _ort_schema_list() or ():
+        if d in DEFAULT_DOMAINS and not onnx_has(name, v):
+            own[name] = (*own.get(name, ()), v)
+    return own
 
 
-def has_ort_default_domain_ops(model: onnx.ModelProto) -> bool:
-    """Whether any node (subgraphs and model-local functions included) is one of ORT's own default-domain ops."""
-    return any(ort_default_domain_op(model, n) for n in _deep_nodes(model.graph.node)) or \
-        any(ort_default_domain_op(model, n, f.opset_import) for f in model.functions for n in _deep_nodes(f.node))
-
-
-def _deep_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+def deep_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+    """`nodes` and, after each, the nodes of its subgraphs (If/Loop/Scan bodies), recursively."""
     for n in nodes:
         yield n
         for sub in _subgraphs(n):
-            yield from _deep_nodes(sub.node)
+            yield from deep_nodes(sub.node)
 
 
 def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto,
@@ -280,7 +278,8 @@ def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto,
     """A default-domain op ONNX lacks at the model's opset (or `opsets`': a function's) that ORT defines
     itself (SimplifiedLayerNormalization; LayerNormalization before opset 17: ORT's transformers optimizer
     writes both)."""
-    if node.domain not in DEFAULT_DOMAINS:
+    own = _ort_own_default_ops()
+    if node.domain not in DEFAULT_DOMAINS or node.op_type not in own:
         return False
     versions = [o.version for o in (model.opset_import if opsets is None else opsets) if o.domain in DEFAULT_DOMAINS]
     opset = max(versions) if versions else onnx.defs.onnx_opset_version()
@@ -288,7 +287,7 @@ def ort_default_domain_op(model: onnx.ModelProto, node: onnx.NodeProto,
         onnx.defs.get_schema(node.op_type, opset, "")
         return False
     except onnx.defs.SchemaError:
-        return any(name == node.op_type and v <= opset for name, v in _ort_own_default_ops())
+        return min(own[node.op_type]) <= opset
 
 
 _ORT_CHECKED_AS = "com.microsoft"  # a domain the checker takes on trust, as it does any but ONNX's own
@@ -298,10 +297,10 @@ _ORT_CHECKED_AS = "com.microsoft"  # a domain the checker takes on trust, as it 
 def _ort_ops_checkable(model: onnx.ModelProto) -> Iterator[None]:
     """ONNX's checker refuses ORT's own default-domain ops; while this lasts, they are in ORT's contrib domain
     (in place, in the main graph, the model-local functions and their subgraphs; undone on exit)."""
-    moved = [(n, n.domain) for n in _deep_nodes(model.graph.node) if ort_default_domain_op(model, n)]
+    moved = [(n, n.domain) for n in deep_nodes(model.graph.node) if ort_default_domain_op(model, n)]
     imports: list[Any] = [model.opset_import] if moved else []
     for f in model.functions:
-        here = [(n, n.domain) for n in _deep_nodes(f.node) if ort_default_domain_op(model, n, f.opset_import)]
+        here = [(n, n.domain) for n in deep_nodes(f.node) if ort_default_domain_op(model, n, f.opset_import)]
         moved += here
         imports += [f.opset_import] if here else []
     for n, _ in moved:

@@ -34,7 +34,7 @@ MS = "com.microsoft"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
           (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization"),
-          ("", "LayerNormalization")}  # the last only before opset 17: ORT's own then, not ONNX's
+          ("", "LayerNormalization")}  # the default-domain ones only as ORT's own (LayerNormalization before 17)
 _NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
           "LayerNormalization")
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
@@ -186,8 +186,8 @@ def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
     if x is None or x.dtype not in _FLOATS:
         return False
-    if n.op_type == "LayerNormalization" and g.opset >= 17:
-        return False  # ONNX's own: the search takes it as it is
+    if _domain(n) == "" and not _proto.ort_default_domain_op(g.model, n):
+        return False  # ONNX's own LayerNormalization (17 on): the search takes it as it is
     if n.op_type in _NORMS:
         stats = n.output[1:3] if n.op_type.startswith("Skip") or n.op_type == "LayerNormalization" else n.output[1:2]
         if any(_used(g, o) for o in stats) or x.shape is None:

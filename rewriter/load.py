@@ -116,20 +116,12 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _walk_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                yield from _walk_nodes(g)
-
-
 def check_ops(model: onnx.ModelProto, label: str = "model") -> None:
     """Every node's op must be known to ONNX (default and ai.onnx.ml domains, at the model's opset),
     to ORT's contrib domains, or be a model-local function. UnsupportedError otherwise."""
     functions = {(f.domain, f.name) for f in model.functions}
     contrib = _proto.ort_schemas()  # None: this ORT build does not list them, so its domains are trusted
-    for node in _walk_nodes(model.graph):
+    for node in _proto.deep_nodes(model.graph.node):
         domain = "" if node.domain == "ai.onnx" else node.domain
         if (node.domain, node.op_type) in functions:
             continue

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
 from ortfuse.search import conv, norm_fold, ops, pad, pool, resize
 from ortfuse.search.plan import Region, Reject, Traffic
@@ -158,10 +159,10 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
     kind = ops.kind_of(n.op_type)
     if kind is None:
         return Reject(label, "not a memory-bound op ortfuse fuses: left to ORT")
-    if n.op_type == "LayerNormalization" and g.opset < 17:
-        # ORT's own op before 17 (rewriter.contrib writes it as its ops where it can); ORT 1.31 crashes on it
-        # inside a model-local function, which a fused node's fallback is
-        return Reject(label, "LayerNormalization before opset 17 is ORT's own op, which ORT cannot run inside a "
+    if _proto.ort_default_domain_op(g.model, n):
+        # LayerNormalization before opset 17 (rewriter.contrib writes it as its ops where it can): ORT 1.31
+        # crashes on its own default-domain ops inside a model-local function, which a fused node's fallback is
+        return Reject(label, f"{n.op_type} at opset {g.opset} is ORT's own op, which ORT cannot run inside a "
                              "fused node's function: left to ORT")
     used_outputs = [o for o in n.output if o][:1] if n.op_type == "LayerNormalization" else [o for o in n.output if o]
     for t in [t for _, t in ops.data_inputs(n)] + used_outputs:
