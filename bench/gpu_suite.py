@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("out", type=Path)
   p.add_argument("--models", nargs="*", default=list(zoo.MODELS), choices=list(zoo.MODELS),
                  help="zoo models (none: only the tests, the overhead and the sweep)")
-  p.add_argument("--dtypes", nargs="+", default=list(zoo.DTYPES), choices=list(zoo.DTYPES))
+  p.add_argument("--dtypes", nargs="+", default=list(zoo.DTYPES), choices=list(zoo.ALL_DTYPES))
   p.add_argument("--batches", default="1,32")
   p.add_argument("--variants", help="harness variants (default: all)")
   p.add_argument("--tiny", action="store_true", help="tiny zoo configs (a quick smoke run)")

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import onnx
 
+from ortfuse import ortvalues
 from ortfuse.feeds import bind_dims
 
 from . import roofline, zoo
@@ -126,7 +127,8 @@ def _si(x: float | None, unit: str) -> str:
 # --- inputs ------------------------------------------------------------------------------------------
 
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64,
-       onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.DOUBLE: np.float64}
+       onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.DOUBLE: np.float64,
+       onnx.TensorProto.BFLOAT16: onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)}
 
 
 def make_feeds(model: onnx.ModelProto, batch: int, dims: dict[str, int] | None = None, seed: int = 0,
@@ -204,18 +206,19 @@ def _ort_runner(sess: Any, feed_sets: list[dict[str, np.ndarray]], provider: str
   pre-allocated when `out_shapes` is given (CUDA graphs need fixed addresses)."""
   if provider == "cpu":
     cycle = itertools.cycle(feed_sets)
-    return _Runner(lambda: sess.run(None, next(cycle)), lambda: sess.run(None, feed_sets[0]))
+    return _Runner(lambda: ortvalues.run(sess, None, next(cycle)), lambda: ortvalues.run(sess, None, feed_sets[0]))
   import onnxruntime as ort
   keep, bindings = [], []
   for feeds in feed_sets:
     b = sess.io_binding()
     for name, arr in feeds.items():
-      v = ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
+      v = ortvalues.to_ortvalue(arr, "cuda", 0)
       keep.append(v)
       b.bind_ortvalue_input(name, v)
     for o in sess.get_outputs():
       if out_shapes:
         shape, dtype = out_shapes[o.name]
+        dtype = onnx.TensorProto.BFLOAT16 if np.dtype(dtype).name == "bfloat16" else dtype  # (no numpy type to ORT)
         v = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", 0)
         keep.append(v)
         b.bind_ortvalue_output(o.name, v)
@@ -231,7 +234,7 @@ def _ort_runner(sess: Any, feed_sets: list[dict[str, np.ndarray]], provider: str
 
   def first() -> list[np.ndarray]:
     sess.run_with_iobinding(bindings[0])
-    return bindings[0].copy_outputs_to_cpu()
+    return [ortvalues.to_numpy(v) for v in bindings[0].get_outputs()]
   return _Runner(run, first, keep)
 
 
@@ -331,13 +334,16 @@ def _torch_runner(ctx: _Ctx, feed_sets: list[dict[str, np.ndarray]]) -> _Runner:
   if not ctx.meta:
     raise _Skip("no PyTorch source (not a zoo model)")
   module, info = zoo.torch_module(ctx.meta["zoo"], ctx.meta.get("tiny", False))
-  half = ctx.meta.get("dtype") == "fp16"
+  half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(ctx.meta.get("dtype", ""))
   module = module.cuda().eval()
-  if half:
-    module = module.half()
+  if half is not None:
+    module = module.to(half)
   names, outputs = [s.name for s in info.inputs], info.outputs
   compiled = torch.compile(module)
-  args = [[torch.from_numpy(f[n]).cuda() for n in names] for f in feed_sets]
+
+  def tensor(a: np.ndarray) -> Any:  # (torch takes no ml_dtypes array: bf16 goes over as its bits)
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+  args = [[tensor(f[n]).cuda() for n in names] for f in feed_sets]
   cycle = itertools.cycle(args)
 
   @torch.no_grad()

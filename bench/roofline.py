@@ -38,7 +38,7 @@ class Work:
   flops: int
   weight_bytes: int
   io_bytes: int
-  dtype: str                        # "fp16" when most weight bytes are fp16, else "fp32"
+  dtype: str                        # "fp16" when most weight bytes are fp16 or bf16, else "fp32"
 
   @property
   def bytes(self) -> int:
@@ -154,7 +154,8 @@ def count_work(model_or_path: onnx.ModelProto | str | Path, input_shapes: dict[s
   for vi in list(inferred.graph.input) + list(inferred.graph.output):
     if vi.name in shp:
       io_bytes += int(np.prod(shp[vi.name])) * _itemsize(vi.type.tensor_type.elem_type)
-  dtype = "fp16" if by_type.get(TensorProto.FLOAT16, 0) > by_type.get(TensorProto.FLOAT, 0) else "fp32"
+  half = by_type.get(TensorProto.FLOAT16, 0) + by_type.get(TensorProto.BFLOAT16, 0)
+  dtype = "fp16" if half > by_type.get(TensorProto.FLOAT, 0) else "fp32"  # (bf16 runs at fp16's tensor-core rate)
   return Work(flops, weight_bytes, io_bytes, dtype)
 
 

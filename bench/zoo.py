@@ -275,7 +275,8 @@ MODELS: dict[str, _Entry] = {
     Shipped("magika==1.0.3", "magika/models/standard_v3_3/model.onnx",
             "fe2d2eb49c5f88a9e0a6c048e15d6ffdf86235519c2afc535044de433169ec8c", "tf2onnx 1.16.1 (jax2tf), opset 15")),
 }
-DTYPES = ("fp32", "fp16")
+DTYPES = ("fp32", "fp16")  # what the zoo builds by default
+ALL_DTYPES = (*DTYPES, "bf16")  # bf16: the fp16 model retyped (bench/bf16.py), built when asked for
 
 
 # --- paths and building ------------------------------------------------------------------------------
@@ -337,12 +338,12 @@ def _dim(name: str, dims: dict[str, int]) -> int:
 
 def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = False,
           exporter: str = "torchscript") -> Path:
-  """Export (once) and return the path of zoo model `name` in `dtype` ("fp32" | "fp16"), exported by
+  """Export (once) and return the path of zoo model `name` in `dtype` ("fp32" | "fp16" | "bf16"), exported by
   `exporter` (one of EXPORTERS; shipped models have their own)."""
   if name not in MODELS:
     raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+  if dtype not in ALL_DTYPES:
+    raise ValueError(f"dtype must be one of {ALL_DTYPES}, got {dtype!r}")
   if exporter not in EXPORTERS:
     raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
   if exporter != "torchscript" and MODELS[name].shipped is not None:
@@ -351,8 +352,8 @@ def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = Fals
   if path.exists() and Path(str(path) + ".json").exists() and not force:
     return path
   path.parent.mkdir(parents=True, exist_ok=True)
-  if dtype == "fp16":
-    return _to_fp16(build(name, "fp32", tiny, force, exporter), path)
+  if dtype in ("fp16", "bf16"):
+    return _to_half(build(name, "fp32", tiny, force, exporter), path, dtype)
   if MODELS[name].shipped is not None:
     return _extract(name, tiny, path)
   return _export(name, tiny, path, exporter)
@@ -479,19 +480,24 @@ class _Positional:
     return Wrap().eval()
 
 
-def _to_fp16(src: Path, path: Path) -> Path:
+def _to_half(src: Path, path: Path, dtype: str) -> Path:
   import onnx
   from onnxruntime.transformers.float16 import convert_float_to_float16
   from ortfuse.rewriter._proto import sort_nodes
+  from . import bf16
   start = time.perf_counter()
-  model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
+  if dtype == "bf16":
+    model, how = bf16.to_bf16(onnx.load(str(src))), "ortfuse.bench.bf16.to_bf16 (the fp16 conversion, retyped)"
+  else:
+    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
+    how = "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=False)"
   sort_nodes(model.graph)  # the converter appends the fp32 Casts it keeps for Resize's scales at the end
   tmp = path.with_suffix(".tmp.onnx")
   onnx.save_model(model, str(tmp))
   meta = dict(read_sidecar(src) or {})
   info = meta.pop("info")
-  meta.update(dtype="fp16", fp32_source=str(src), fp16_converter="onnxruntime.transformers.float16."
-              "convert_float_to_float16(keep_io_types=False)", fp16_seconds=round(time.perf_counter() - start, 2))
+  meta.update(dtype=dtype, fp32_source=str(src), half_converter=how,
+              half_seconds=round(time.perf_counter() - start, 2))
   _finish(tmp, path, info, meta)
   return path
 
@@ -565,7 +571,7 @@ def info_from_sidecar(meta: dict[str, Any]) -> ModelInfo:
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m ortfuse.bench.zoo", description="Build the ortfuse model zoo.")
   p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-  p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+  p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(ALL_DTYPES))
   p.add_argument("--tiny", action="store_true", help="tiny configs of the same architectures (for CI)")
   p.add_argument("--exporter", default="torchscript", choices=EXPORTERS,
                  help="torch.onnx.export's TorchScript exporter (default) or torch.export ('dynamo')")

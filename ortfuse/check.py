@@ -13,6 +13,8 @@ import onnx
 import onnx.inliner
 import onnxruntime as ort
 
+from ortfuse import ortvalues
+from ortfuse.bf16_shadow import Shadow, computes_in_bf16, shadow
 from ortfuse.errors import InputError, ParityError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter import _proto
@@ -123,15 +125,22 @@ def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy of `model` that also returns the named intermediate tensors. Only their dtypes are needed, so
-    ONNX's type inference serves (symbolic shape inference of the inlined PP-OCR detector took 28 s); the
-    full inference runs only for a tensor it left untyped."""
+def _dtypes(model: onnx.ModelProto, names: Optional[Sequence[str]] = None) -> dict[str, int]:
+    """Element types of `names` (default: every node output). ONNX's type inference serves (symbolic shape
+    inference of the inlined PP-OCR detector took 28 s); the full inference runs only for a tensor it left
+    untyped."""
     from ortfuse.rewriter._infer import infer_dtypes
     from ortfuse.rewriter.shapes import build_graph
     types = infer_dtypes(model)
-    if any(n not in types for n in names):
+    wanted = names if names is not None else [o for n in model.graph.node for o in n.output if o]
+    if any(n not in types for n in wanted):
         types.update({n: t.dtype for n, t in build_graph(model, {}).tensors.items() if n not in types})
+    return types
+
+
+def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of `model` that also returns the named intermediate tensors (typed: see _dtypes)."""
+    types = _dtypes(model, names)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     have = {o.name for o in m.graph.output}
@@ -140,6 +149,16 @@ def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelPro
             m.graph.output.append(onnx.helper.make_tensor_value_info(n, types[n], None))
             have.add(n)
     return m
+
+
+def _on_cpu(model: onnx.ModelProto, label: str) -> tuple[onnx.ModelProto, Optional[Shadow]]:
+    """What ORT's CPU EP runs for `model`: the model, or where it computes in bfloat16 (which ORT's CPU EP
+    cannot) its fp32 shadow (ortfuse.bf16_shadow), local functions inlined first."""
+    if not computes_in_bf16(model):
+        return model, None
+    flat = _inlined(model) if model.functions else model
+    sh = shadow(flat, _dtypes(flat), label)
+    return sh.model, sh
 
 
 def check_models(original, optimized, provider: str = "cpu", emulate: bool = False,
@@ -153,14 +172,18 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         from ortfuse.runtime import InferenceSession
         cuda = [("CUDAExecutionProvider", {"use_tf32": "0"})]
         ref_sess, out_sess = _session(src, cuda), _session(opt, cuda, cls=InferenceSession)
+        ref_model, ref_sh, out_sh = src, None, None
     elif provider == "cpu":
-        ref_sess, out_sess = _session(src, ["CPUExecutionProvider"]), _session(opt, ["CPUExecutionProvider"])
+        label = os.fspath(original) if isinstance(original, (str, os.PathLike)) else "the original model"
+        (ref_model, ref_sh), (out_model, out_sh) = _on_cpu(src, label), _on_cpu(opt, "the optimized model")
+        ref_sess, out_sess = _session(ref_model, ["CPUExecutionProvider"]), \
+            _session(out_model, ["CPUExecutionProvider"])
     else:
         raise InputError(f"unknown provider '{provider}': expected cpu or cuda")
     out_names = [o.name for o in opt.graph.output]
     # the original failing is a question of shapes; the optimized model failing where it ran is ours
-    ref_vals = dict(zip(out_names, _run(ref_sess, out_names, feeds, original, InputError)))
-    out_vals = _run(out_sess, out_names, feeds, optimized, ParityError)
+    ref_vals = dict(zip(out_names, _run(ref_sess, out_names, feeds, original, InputError, ref_sh)))
+    out_vals = _run(out_sess, out_names, feeds, optimized, ParityError, out_sh)
     tf32 = any(p.key == "ortfuse.tf32" and p.value == "1" for p in opt.metadata_props)
     tol32 = TF32_RTOL if tf32 else None
     half_fed = _half_fed(src)  # fp32 outputs computed from half-precision data carry its rounding
@@ -169,15 +192,17 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
                                 floors.get(n, 1e-6))
                         for n, o in zip(out_names, out_vals))
     if not all(d.ok for d in model_diffs):
-        model_diffs = _judged_by_conditioning(model_diffs, src, ref_sess.get_providers(), feeds, out_names, ref_vals,
-                                              out_vals, floors)
+        model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, ref_sess.get_providers(), feeds,
+                                              out_names, ref_vals, out_vals, floors)
     kernels: tuple = ()
     if emulate and fused:
         # ORT CPU on the optimized model with its functions inlined (each fused node's original sub-graph,
         # after the rewriter's canonicalization), also returning every fused node's inputs and outputs
         probe = _with_outputs(_inlined(opt), [t for n in fused for t in (*n.input, *n.output)])
         names = [o.name for o in probe.graph.output]
-        values = dict(zip(names, _session(probe, ["CPUExecutionProvider"]).run(names, feeds)))
+        probe_model, probe_sh = _on_cpu(probe, "the optimized model")
+        values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"]), names, feeds, optimized,
+                                      ParityError, probe_sh)))
         floors = _range_floors(probe)
         bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
         from ortfuse.customops.attrs import read_launch
@@ -187,16 +212,17 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     return CheckReport(model_diffs, kernels)
 
 
-def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, providers: Sequence[str],
-                            feeds: Mapping[str, np.ndarray], names: Sequence[str], ref: Mapping[str, np.ndarray],
-                            out: Sequence[np.ndarray], floors: Mapping[str, float]) -> tuple[Diff, ...]:
+def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, sh: Optional[Shadow],
+                            providers: Sequence[str], feeds: Mapping[str, np.ndarray], names: Sequence[str],
+                            ref: Mapping[str, np.ndarray], out: Sequence[np.ndarray],
+                            floors: Mapping[str, float]) -> tuple[Diff, ...]:
     """Failing outputs of an ill-conditioned model: where ORT's own graph optimizations (ORT_ENABLE_ALL against
     ORT_DISABLE_ALL, the same model and inputs) change a half-precision output by more than its tolerance, the
     output cannot be held to that tolerance; ours is then held to CONDITIONING_FACTOR times ORT's change."""
     so = ort.SessionOptions()
     so.log_severity_level = 4
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    plain = dict(zip(names, _session(src, providers, so).run(names, feeds)))
+    plain = dict(zip(names, _run(_session(src, providers, so), names, feeds, "the original model", InputError, sh)))
     judged = []
     for d, n, o in zip(diffs, names, out):
         own = compare(n, plain[n], ref[n], d.tol, floors.get(n, 1e-6))
@@ -218,9 +244,12 @@ def pinned_shapes(model: onnx.ModelProto) -> dict[str, list]:
 
 
 def _run(sess: ort.InferenceSession, names: Sequence[str], feeds: Mapping[str, np.ndarray],
-         model, error: type) -> list:
+         model, error: type, sh: Optional[Shadow] = None) -> list:
+    """The named outputs of `sess` on `feeds` (any dtype, bf16 included); `sh`: the session runs that shadow."""
     try:
-        return sess.run(list(names), dict(feeds))
+        if sh is not None:
+            return [sh.restored(n, v) for n, v in zip(names, ortvalues.run(sess, names, sh.feeds(feeds)))]
+        return ortvalues.run(sess, names, feeds)
     except Exception as e:  # ORT raises its own exception types, one per status code
         shapes = ", ".join(f"{k}:{'x'.join(map(str, v.shape))}" for k, v in feeds.items())
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -364,6 +393,6 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
         for i, r in zip(half, ref):
             d = compare(node.output[i], outs[i].astype(np.float32), r, RTOL["fp16"], floors.get(node.output[i], 1e-6),
                         fp16=outs[i].dtype == np.float16)
-            diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs fp32: ORT's fp16 differs by "
-                                                   f"{diffs[i].max_rel:.3g})")
+            own = "ORT's fp16" if outs[i].dtype == np.float16 else "op by op in bf16, it"
+            diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs fp32: {own} differs by {diffs[i].max_rel:.3g})")
     return tuple(diffs)

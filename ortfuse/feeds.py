@@ -97,7 +97,7 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None =
                 else d.dim_value if d.HasField("dim_value") and d.dim_value > 0
                 else bound.get(d.dim_param, DEFAULT_DIM) for k, d in enumerate(tt.shape.dim)]
         dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        if dt.kind == "f":
+        if dt.kind == "f" or dt.name == "bfloat16":  # (ml_dtypes' bfloat16 is a void kind to numpy)
             feeds[vi.name] = rng.standard_normal(dims).astype(dt)
         elif dt == np.bool_:
             feeds[vi.name] = rng.random(dims) < 0.7

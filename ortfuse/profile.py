@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ortfuse import ortvalues
 from ortfuse.customops.compile import atomic_write, headers_digest
 from ortfuse.customops.tiles import Times, Variants, by_size, geomean  # noqa: F401 - re-exported
 from ortfuse.errors import OrtfuseError
@@ -226,12 +227,11 @@ def bound_run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], fused: bo
               cuda_options: Optional[Mapping[str, str]] = None, run_options=None) -> Callable[[], None]:
     """A session of `model` on the CUDA EP with `feeds` and its outputs bound on the device (IOBinding), as
     one call that runs it once."""
-    import onnxruntime as ort
     sess = _session(model, fused, cuda_options or {})
     io = sess.io_binding()
     keep = []
     for name, arr in feeds.items():
-        v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda", 0)
+        v = ortvalues.to_ortvalue(arr, "cuda", 0)
         keep.append(v)
         io.bind_ortvalue_input(name, v)
     for o in sess.get_outputs():

@@ -271,7 +271,8 @@ def test_batch_and_heads_merged_attention_on_gpu(dt, mask):
 @pytest.mark.parametrize("name,dtype", [("bert", "fp32"), ("bert", "fp16"), ("gpt2", "fp16"), ("vit", "fp32"),
                                         ("llama", "fp32"), ("llama", "fp16"), ("convnext_t", "fp16"),
                                         ("resnet50", "fp16"), ("mobilenetv2", "fp32"), ("mobilenetv2", "fp16"),
-                                        ("llama_decode", "fp16")])
+                                        ("llama_decode", "fp16"), ("bert", "bf16"), ("vit", "bf16"),
+                                        ("llama", "bf16"), ("llama_decode", "bf16")])
 def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))

@@ -1,0 +1,159 @@
+"""bfloat16 models end to end on the CPU: ORT's CPU EP has no bf16 Add or MatMul, so `check` runs the model's
+fp32 shadow (every bf16 tensor rounded as it is produced) and feeds every kernel, in emulation, the bf16
+values it would see; ORT's Python binding, which has no numpy bf16, gets and returns such tensors as bits."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+
+from helpers import model, node, vi
+from ortfuse import ortvalues
+from ortfuse.api import compile_model
+from ortfuse.bench.bf16 import to_bf16, without_bf16
+from ortfuse.bf16_shadow import computes_in_bf16, shadow
+from ortfuse.check import _dtypes, check_models
+from ortfuse.cli import main
+from ortfuse.demo import encoder
+from ortfuse.errors import InputError
+from ortfuse.feeds import random_feeds
+
+BF = ml_dtypes.bfloat16
+
+
+def _bf(a) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(BF).astype(np.float32)
+
+
+def _block() -> onnx.ModelProto:
+    """x [2, 5, 16] bf16 -> MatMul, bias Add, Softmax, Mul by a constant, Cast to fp32."""
+    rng = np.random.default_rng(1)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32).astype(BF), "w")
+    b = onnx.numpy_helper.from_array(rng.standard_normal(16).astype(np.float32).astype(BF), "b")
+    nodes = [node("MatMul", ["x", "w"], ["mm"]), node("Add", ["mm", "b"], ["z"]),
+             node("Softmax", ["z"], ["p"], axis=-1),
+             onnx.helper.make_node("Constant", [], ["k"], value=onnx.numpy_helper.from_array(np.array(3.3, BF), "k")),
+             node("Mul", ["p", "k"], ["y"]), node("Cast", ["y"], ["y32"], to=TP.FLOAT)]
+    return model(nodes, [vi("x", TP.BFLOAT16, [2, 5, 16])], [vi("y", TP.BFLOAT16, None), vi("y32", TP.FLOAT, None)],
+                 [w, b])
+
+
+def test_shadow_rounds_every_op_as_a_bf16_model_does():
+    m = _block()
+    assert computes_in_bf16(m) and not computes_in_bf16(encoder(layers=1, hidden=16, heads=2, ffn=32))
+    sh = shadow(m, _dtypes(m))
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32).astype(BF)
+    sess = ort.InferenceSession(sh.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, y32 = (sh.restored(n, v) for n, v in zip(["y", "y32"], sess.run(["y", "y32"], sh.feeds({"x": x}))))
+    assert y.dtype == BF and y32.dtype == np.float32
+    # the reference, op by op in fp32 with each bf16 result rounded (what the CUDA EP computes)
+    w, b = (onnx.numpy_helper.to_array(t).astype(np.float32) for t in m.graph.initializer)
+    z = _bf(_bf(x.astype(np.float32) @ w) + b)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    want = _bf(_bf(e / e.sum(-1, keepdims=True)) * _bf(3.3))
+    np.testing.assert_allclose(y.astype(np.float32), want, rtol=0, atol=2 ** -9)  # within one bf16 rounding
+    assert np.array_equal(y32, y.astype(np.float32))
+    unrounded = (x.astype(np.float32) @ w)
+    assert not np.array_equal(_bf(unrounded), unrounded)  # (the rounding is there to see)
+
+
+def test_bf16_values_through_orts_python_binding():
+    m = _block()
+    feeds = random_feeds(m)
+    assert feeds["x"].dtype == BF and np.unique(feeds["x"].astype(np.float32)).size > 100  # random normal
+    x = ortvalues.to_ortvalue(feeds["x"])
+    assert x.data_type() == "tensor(bfloat16)" and np.array_equal(ortvalues.to_numpy(x).view(np.uint16),
+                                                                   feeds["x"].view(np.uint16))
+    cast = model([node("Cast", ["x"], ["f"], to=TP.FLOAT), node("Cast", ["f"], ["y"], to=TP.BFLOAT16)],
+                 [vi("x", TP.BFLOAT16, [2, 5, 16])], [vi("y", TP.BFLOAT16, [2, 5, 16]), vi("f", TP.FLOAT, None)])
+    sess = ort.InferenceSession(cast.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, f = ortvalues.run(sess, ["y", "f"], feeds)
+    assert y.dtype == BF and np.array_equal(y.view(np.uint16), feeds["x"].view(np.uint16))
+    assert np.array_equal(f, feeds["x"].astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("bf16")
+    src = d / "in.onnx"
+    onnx.save(to_bf16(encoder(layers=1, hidden=64, heads=2, ffn=128)), str(src))
+    return src, d / "out.onnx"
+
+
+def test_bf16_encoder_optimizes_and_checks_in_emulation(demo, capsys):
+    src, dst = demo
+    assert main(["optimize", str(src), str(dst)]) == 0
+    m = onnx.load(str(dst))
+    fused = [n for n in m.graph.node if n.domain == "ortfuse"]
+    assert len(fused) >= 4
+    sources = " ".join(a.s.decode() for n in fused for a in n.attribute if a.type == onnx.AttributeProto.STRING)
+    assert "__nv_bfloat16" in sources  # the kernels store bf16
+    capsys.readouterr()
+    assert main(["check", str(src), str(dst), "--emulate"]) == 0
+    out = capsys.readouterr().out
+    assert "parity PASS" in out and out.count("kernel ") == len(fused), out
+
+
+def test_bf16_check_detects_a_wrong_kernel(demo, tmp_path, capsys):
+    src, dst = demo
+    if not dst.exists():
+        main(["optimize", str(src), str(dst)])
+    m = onnx.load(str(dst))
+    f = next(f for f in m.functions if any(n.op_type == "Erf" for n in f.node))
+    for n in f.node:
+        if n.op_type == "Erf":
+            n.op_type = "Tanh"
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+    capsys.readouterr()
+    assert main(["check", str(src), str(bad), "--emulate"]) == 1
+    out = capsys.readouterr().out
+    # the kernel, still right, differs from its (wrong) sub-graph. (The whole model, which runs that sub-graph,
+    # moves by about 0.5% here, within bf16's tolerance: the LayerNorm after it dilutes the change.)
+    assert any("FAIL" in k for k in out.split("kernel ")[1:]), out
+
+
+def test_bf16_with_subgraphs_is_a_clear_error(tmp_path):
+    then = onnx.helper.make_graph([node("Identity", ["x"], ["t"])], "then", [], [vi("t", TP.BFLOAT16, [4])])
+    other = onnx.helper.make_graph([node("Neg", ["x"], ["e"])], "else", [], [vi("e", TP.BFLOAT16, [4])])
+    m = model([node("Add", ["x", "x"], ["s"]), node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+               node("Mul", ["y", "s"], ["z"])],
+              [vi("x", TP.BFLOAT16, [4]), vi("c", TP.BOOL, [])], [vi("z", TP.BFLOAT16, [4])])
+    with pytest.raises(InputError, match="If/Loop/Scan"):
+        check_models(m, m)
+
+
+def test_to_bf16_keeps_ops_without_bf16_at_the_opset_in_fp32():
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    m = model([node("MatMul", ["x", "w"], ["a"]), node("Cos", ["a"], ["c"]), node("Sin", ["a"], ["s"]),
+               node("Add", ["c", "s"], ["y"])], [vi("x", TP.FLOAT, [2, 8])], [vi("y", TP.FLOAT, None)], [w], opset=17)
+    assert without_bf16(m) == {"Cos", "Sin"}
+    b = to_bf16(m)
+    onnx.checker.check_model(b, full_check=True)  # valid: Cos and Sin stay fp32 (one Cast feeds both)
+    types = _dtypes(b)
+    trig = [n for n in b.graph.node if n.op_type in ("Cos", "Sin")]
+    assert types["a"] == types["y"] == TP.BFLOAT16 and {types[t] for n in trig for t in (*n.input, *n.output)} == {TP.FLOAT}
+    assert b.graph.initializer[0].data_type == TP.BFLOAT16
+    res = compile_model(b, None, "sm_90")
+    rep = check_models(b, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("name", ["llama", "vit"])
+def test_zoo_tiny_bf16_in_emulation(name, tmp_path, monkeypatch):
+    """Real exports in bf16 (Llama's rotary Cos/Sin and ViT's patch Conv stay fp32 at opset 17)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("ORTFUSE_CACHE_DIR", str(tmp_path))
+    from ortfuse.bench import zoo
+    path = zoo.build(name, dtype="bf16", tiny=True)
+    res = compile_model(path, None, "sm_90")
+    assert "attention" in [r.kind for r in res.plan.regions]
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)
