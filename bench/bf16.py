@@ -1,7 +1,7 @@
 """bfloat16 models for the zoo and the coverage sweep: an fp32 export converted as its fp16 twin is
 (onnxruntime's `convert_float_to_float16(keep_io_types=False)`), then every fp16 tensor retyped to bf16.
 Ops whose schema at the model's opset takes fp16 but not bf16 (Cos, Sin, Conv and the pools before opset 22,
-Range, ...) stay in fp32 between Casts, as the converter keeps the ops it is told to block: the model is
+ConstantOfShape's output before 20, ...) stay in fp32 between Casts, as the converter keeps the ops it is told to block: the model is
 valid ONNX. Values go fp32 -> fp16 -> bf16 (the converter clamps constants to fp16's range: attention masks
 stay finite), the same model as the fp16 row, in the other half-precision type.
 
@@ -23,7 +23,8 @@ def opset(model: onnx.ModelProto) -> int:
 
 
 def without_bf16(model: onnx.ModelProto) -> set[str]:
-    """Default-domain ops of `model` whose first input takes fp16 but not bf16 at the model's opset."""
+    """Default-domain ops of `model` with a type (of an input or output) that takes fp16 but not bf16 at the
+    model's opset: Cos's input before opset 22, ConstantOfShape's output before opset 20."""
     blocked = set()
     version = opset(model)
     for op in {n.op_type for n in _proto.deep_nodes(model.graph.node) if n.domain in ("", "ai.onnx")}:
@@ -31,12 +32,11 @@ def without_bf16(model: onnx.ModelProto) -> set[str]:
             schema = onnx.defs.get_schema(op, version)
         except onnx.defs.SchemaError:
             continue
-        if not schema.inputs:
-            continue
-        allowed = next((set(c.allowed_type_strs) for c in schema.type_constraints
-                        if c.type_param_str == schema.inputs[0].type_str), set())
-        if "tensor(float16)" in allowed and "tensor(bfloat16)" not in allowed:
-            blocked.add(op)
+        used = {p.type_str for p in (*schema.inputs, *schema.outputs)}
+        for c in schema.type_constraints:
+            allowed = set(c.allowed_type_strs)
+            if c.type_param_str in used and "tensor(float16)" in allowed and "tensor(bfloat16)" not in allowed:
+                blocked.add(op)
     return blocked
 
 

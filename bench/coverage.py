@@ -244,6 +244,7 @@ def export(name: str, folder: Path) -> dict[str, Path]:
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    from ortfuse.bench.bf16 import to_bf16
     from ortfuse.rewriter._proto import sort_nodes
 
     if name in ORT_OPTIMIZED:
@@ -279,7 +280,9 @@ def export(name: str, folder: Path) -> dict[str, Path]:
     sort_nodes(half.graph)
     fp16 = folder / f"{name}-fp16.onnx"
     onnx.save_model(half, str(fp16))
-    return {"fp32": fp32, "fp16": fp16}
+    bf16 = folder / f"{name}-bf16.onnx"
+    onnx.save_model(to_bf16(onnx.load(str(fp32))), str(bf16))
+    return {"fp32": fp32, "fp16": fp16, "bf16": bf16}
 
 
 def _ort_optimized(name: str, folder: Path) -> dict[str, Path]:
@@ -334,7 +337,8 @@ def run(name: str, dtype: str, path: Path) -> Row:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.coverage", description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=NAMES, choices=NAMES)
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16", "bf16"],
+                    help="bf16: the fp16 model retyped (bench/bf16.py; not for the _ortopt rows)")
     ap.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     import transformers
@@ -352,7 +356,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             except Exception as e:  # noqa: BLE001 -- this transformers may lack the class or its export
                 rows = [Row(name, "-", parity=f"export failed: {type(e).__name__}: {e}"[:160])]
             else:
-                rows = [run(name, dt, paths[dt]) for dt in args.dtypes]
+                rows = [run(name, dt, paths[dt]) if dt in paths else Row(name, dt, parity="not built (bf16: no "
+                                                                        "bf16 conversion of ORT's fused ops)")
+                        for dt in args.dtypes]
             for row in rows:
                 failed |= row.failed
                 lines.append(row.line())

@@ -53,21 +53,24 @@ class Shadow:
     holds them as fp32 with bf16 values)."""
     model: onnx.ModelProto
     bf16: frozenset[str]
+    rounded: bool = True
 
     def feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The original's inputs for the shadow: bf16 arrays as fp32 (exact)."""
         return {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in feeds.items()}
 
     def restored(self, name: str, value: np.ndarray) -> np.ndarray:
-        """A shadow value as the original's dtype (exact: it holds a bf16 value)."""
+        """A shadow value as the original's dtype (exact where rounded: it holds a bf16 value); unrounded, the
+        fp32 value itself."""
         import ml_dtypes
-        return value.astype(ml_dtypes.bfloat16) if name in self.bf16 else value
+        return value.astype(ml_dtypes.bfloat16) if name in self.bf16 and self.rounded else value
 
 
-def shadow(model: onnx.ModelProto, dtypes: Mapping[str, int], label: str = "model") -> Shadow:
+def shadow(model: onnx.ModelProto, dtypes: Mapping[str, int], label: str = "model", rounded: bool = True) -> Shadow:
     """The fp32 shadow of `model` (no model-local functions: inline them first). `dtypes`: the element type of
     every tensor the graph's nodes produce (type inference's). The weights are converted, so the shadow holds
-    fp32 copies of the bf16 ones."""
+    fp32 copies of the bf16 ones. `rounded=False`: no rounding at all, the model's computation in fp32 (its
+    bf16 constants, weights and inputs as they are), the reference a bf16 result is an approximation of."""
     if model.functions:
         raise ValueError("shadow() takes a model whose local functions are inlined")
     g = model.graph
@@ -95,7 +98,7 @@ def shadow(model: onnx.ModelProto, dtypes: Mapping[str, int], label: str = "mode
             elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == BF16:
                 a.t.CopyFrom(_fp32_tensor(a.t))
         nodes.append(n)
-        if n.op_type in EXACT and n.domain in ("", "ai.onnx"):
+        if not rounded or (n.op_type in EXACT and n.domain in ("", "ai.onnx")):
             continue
         for k, o in enumerate(n.output):
             if o and o in bf16:  # computed in fp32: round it to bf16, under its own name
@@ -106,7 +109,7 @@ def shadow(model: onnx.ModelProto, dtypes: Mapping[str, int], label: str = "mode
                           onnx.helper.make_node("Cast", [mid], [o], to=FLOAT, name=_fresh(f"{o}_widen", taken))]
     del og.node[:]
     og.node.extend(nodes)
-    return Shadow(out, frozenset(bf16))
+    return Shadow(out, frozenset(bf16), rounded)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
