@@ -12,11 +12,12 @@ from ortfuse.bench import coverage  # noqa: E402
 
 def test_one_architecture_end_to_end(tmp_path, capsys):
     out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "distilbert", "--dtypes", "fp16", "--out", str(out)]) == 0
-    row = [line for line in out.read_text().splitlines() if line.startswith("| distilbert")]
-    assert len(row) == 1
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
-    assert cells[1] == "fp16" and cells[4] == "2 / 2" and cells[5] == "ok", cells  # every layer's attention
+    assert coverage.main(["--models", "distilbert", "--dtypes", "fp16", "bf16", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| distilbert")]
+    assert len(rows) == 2
+    half, bf16 = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
+    assert half[1] == "fp16" and half[4] == "2 / 2" and half[5] == "ok", half  # every layer's attention
+    assert bf16[1] == "bf16" and bf16[2:6] == half[2:6], bf16  # the same plan in bf16
 
 
 def test_a_failed_export_is_a_row(monkeypatch, tmp_path):
