@@ -51,6 +51,14 @@ def to_bf16(model: onnx.ModelProto) -> onnx.ModelProto:
     return half
 
 
+def retyped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of fp16 `model` with every fp16 tensor bf16 (values rounded to nearest even)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _retype(out.graph)
+    return out
+
+
 def _drop_repeats(g: onnx.GraphProto) -> None:
     """Drop second copies of a node. The converter gives each blocked node a Cast of its inputs to fp32, named
     after the input: two blocked nodes reading one tensor (Llama's Cos and Sin of one angle) get the same

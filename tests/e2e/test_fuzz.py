@@ -5,7 +5,9 @@ every fourth lets fp32 GEMMs use tf32 and is checked at the tf32 tolerance). Ran
 (`random_attention`) must become one attention kernel each and match too, and KV-cache Concats along a
 run-time axis (`random_cache`) must join their kernels and match with the cached part empty; corrupted
 models (`corrupt`) must give our input errors, never a crash. CI runs fixed blocks of seeds;
-ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi and ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi run others.
+ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi, ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi and
+ORTFUSE_FUZZ_BF16_SEEDS=lo:hi run others. The fp16 graphs of the random-graph and attention seeds also run in
+bf16 (retyped), where every op has bf16 at the graph's opset.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2. Seeds whose graph has an image input
 and a Conv or window op (Pad, Resize, pools) also run with the image size declared symbolic. On a GPU the
 same models also run against stock ORT's CUDA EP."""
@@ -15,9 +17,12 @@ import os
 
 import pytest
 
+from onnx import TensorProto as TP
+
 from fuzz_graphs import corrupt, random_attention, random_cache, random_model, symbolic_image
 from ort_accepts import assert_ort_accepts
 from ortfuse.api import compile_model
+from ortfuse.bench.bf16 import retyped, without_bf16
 from ortfuse.check import check_models
 from ortfuse.config import Options
 from ortfuse.errors import InputError, UnsupportedError
@@ -26,10 +31,21 @@ from ortfuse.search.cost import CostModel
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
 _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
 _clo, _chi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_CACHE_SEEDS", "0:12").split(":"))
+_blo, _bhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_BF16_SEEDS", "0:24").split(":"))
 # seeds with a Conv, and seeds campaigns found a bug with (1059: a size inference merged a symbolic dim into,
 # taken as a fact by a folded Reshape target and by ORT through a declared output shape)
 _image = [s for s in range(_lo, _hi) if symbolic_image(*random_model(s)) is not None] + \
     [s for s in (1059,) if not _lo <= s < _hi]
+
+
+def _in_bf16(make, seed: int):
+    """(the fp16 model of `make(seed)` retyped to bf16, its shapes), or None: an fp32 seed, or an op without bf16
+    at the graph's opset (Conv, HardSwish, ... before opset 22)."""
+    m, shapes = make(seed)
+    if m.graph.input[0].type.tensor_type.elem_type != TP.FLOAT16:
+        return None
+    b = retyped(m)
+    return None if without_bf16(b) else (b, shapes)
 
 
 def _bind(shapes: dict[str, tuple], n: int = 2, s: int = 7) -> dict[str, tuple]:
@@ -181,3 +197,17 @@ def test_random_cache_concats_on_the_cuda_ep(seed: int) -> None:
         bound = {k: tuple({"n": 2, "p": p, "s": s}.get(d, d) for d in v) for k, v in shapes.items()}
         rep = check_models(m, res.model, provider="cuda", input_shapes=bound, seed=seed)
         assert rep.ok, f"seed {seed}, {bound}\n" + "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("make,seed", [(make, s) for make in (random_model, random_attention) for s in range(_blo, _bhi)
+                                       if _in_bf16(make, s) is not None])
+def test_random_graph_in_bf16_matches_ort(make, seed: int) -> None:
+    """bf16 graphs (ORT's CPU EP cannot run them): every kernel in emulation against the op-by-op bf16 reference
+    (ortfuse.bf16_shadow), the whole model too, at the bindings the fp16 tests use."""
+    m, shapes = _in_bf16(make, seed)
+    res = compile_model(m, shapes, "sm_90")
+    assert res.kernels, "nothing fused"
+    for n, s in ((2, 7), (3, 19)):
+        rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n, s), seed=seed)
+        assert rep.ok, f"{make.__name__} seed {seed}, n={n}\n" + "\n".join(rep.lines())
+        assert len(rep.kernels) == len(res.kernels)
