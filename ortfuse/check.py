@@ -367,8 +367,9 @@ def _op_by_op(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: S
     return [np.asarray(got[o]) for o in outputs]
 
 
-def _casts_to_half(body: onnx.FunctionProto) -> bool:
-    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+def _casts_to_half(body: onnx.FunctionProto, *types: int) -> bool:
+    """Whether a node of `body` casts to fp16 or bf16 (to one of `types` where given)."""
+    half = types or (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     return any(n.op_type == "Cast" and any(a.name == "to" and a.i in half for a in n.attribute) for n in body.node)
 
 
@@ -420,11 +421,17 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
     if half and body is not None:
         # ORT CPU rounds every fp16 intermediate (a variance as E[x^2] - E[x]^2 loses digits that way); the
         # kernel rounds once. The contract is fp16 within 1e-2 of the fp32 computation: judge against that.
+        # bf16 (8 significant bits) gets no closer than its op-by-op result where a kernel must round an
+        # intermediate too (attention's probabilities, the tensor-core operand of P.V): it is held to 1e-2 or
+        # to CONDITIONING_FACTOR times that result's own distance from fp32, whichever is larger.
+        bf16 = any(a.dtype.name == "bfloat16" for a in inputs) or _casts_to_half(body, onnx.TensorProto.BFLOAT16)
         ref = _fp32_twin(body, inputs, [body.output[i] for i in half])
         for i, r in zip(half, ref):
-            d = compare(node.output[i], outs[i].astype(np.float32), r, RTOL["fp16"], floors.get(node.output[i], 1e-6),
-                        fp16=outs[i].dtype == np.float16)
-            own = {"float16": "ORT's fp16", "bfloat16": "op by op in bf16, it"}.get(outs[i].dtype.name,
-                                                                                   "op by op in half precision, it")
-            diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs fp32: {own} differs by {diffs[i].max_rel:.3g})")
+            t, floor = node.output[i], floors.get(node.output[i], 1e-6)
+            tol, why = RTOL["fp16"], {"float16": "ORT's fp16"}.get(outs[i].dtype.name, "op by op in half precision, it")
+            if bf16 or outs[i].dtype.name == "bfloat16":
+                drift = compare(t, values[t].astype(np.float32), r, 1.0, floor).max_rel
+                tol, why = max(tol, CONDITIONING_FACTOR * drift), f"op by op in bf16 (itself {drift:.3g} from fp32), it"
+            d = compare(t, outs[i].astype(np.float32), r, tol, floor, fp16=outs[i].dtype == np.float16)
+            diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs fp32: {why} differs by {diffs[i].max_rel:.3g})")
     return tuple(diffs)

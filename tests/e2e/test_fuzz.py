@@ -206,7 +206,6 @@ def test_random_graph_in_bf16_matches_ort(make, seed: int) -> None:
     (ortfuse.bf16_shadow), the whole model too, at the bindings the fp16 tests use."""
     m, shapes = _in_bf16(make, seed)
     res = compile_model(m, shapes, "sm_90")
-    assert res.kernels, "nothing fused"
     for n, s in ((2, 7), (3, 19)):
         rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n, s), seed=seed)
         assert rep.ok, f"{make.__name__} seed {seed}, n={n}\n" + "\n".join(rep.lines())
