@@ -555,3 +555,19 @@ def plain_attention(dt, heads=3, head=8, mask="full", scale="div", kt="one", sof
               const("shp3", [0, 0, heads * head_v], np.int64), const("scale", value, npdt),
               const("qscale", 0.7, npdt), const("half", 0.5, npdt)]
     return model(nodes, inputs, outputs, inits)
+
+
+def wrong_gelu(src, dst, out) -> None:
+    """Optimize `src` to `dst` (unless there), then write to `out` a copy whose fused GELU's function body
+    computes Tanh where its kernel computes Erf: `check --emulate` must fail on it."""
+    from pathlib import Path
+
+    from ortfuse.cli import main
+    if not Path(dst).exists():
+        main(["optimize", str(src), str(dst)])
+    m = onnx.load(str(dst))
+    f = next(f for f in m.functions if any(n.op_type == "Erf" for n in f.node))
+    for n in f.node:
+        if n.op_type == "Erf":
+            n.op_type = "Tanh"
+    onnx.save(m, str(out))

@@ -493,7 +493,7 @@ def test_ill_conditioned_half_outputs_are_held_to_orts_own_variation():
 
     def judge(ref, out):
         d = compare("y", out, ref)
-        (j,) = _judged_by_conditioning((d,), src, ["CPUExecutionProvider"], {"x": x}, ["y"], {"y": ref}, [out], {})
+        (j,) = _judged_by_conditioning((d,), src, None, ["CPUExecutionProvider"], {"x": x}, ["y"], {"y": ref}, [out], {})
         return d, j
     moved = (plain * 1.05).astype(np.float16)  # ORT's optimizations moved it 5%
     d, j = judge(moved, plain)

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import model, node, vi
+from helpers import model, node, vi, wrong_gelu
 from ortfuse import ortvalues
 from ortfuse.api import compile_model
 from ortfuse.bench.bf16 import to_bf16, without_bf16
@@ -101,15 +101,8 @@ def test_bf16_encoder_optimizes_and_checks_in_emulation(demo, capsys):
 
 def test_bf16_check_detects_a_wrong_kernel(demo, tmp_path, capsys):
     src, dst = demo
-    if not dst.exists():
-        main(["optimize", str(src), str(dst)])
-    m = onnx.load(str(dst))
-    f = next(f for f in m.functions if any(n.op_type == "Erf" for n in f.node))
-    for n in f.node:
-        if n.op_type == "Erf":
-            n.op_type = "Tanh"
     bad = tmp_path / "bad.onnx"
-    onnx.save(m, str(bad))
+    wrong_gelu(src, dst, bad)
     capsys.readouterr()
     assert main(["check", str(src), str(bad), "--emulate"]) == 1
     out = capsys.readouterr().out
