@@ -206,7 +206,10 @@ def _ort_runner(sess: Any, feed_sets: list[dict[str, np.ndarray]], provider: str
   pre-allocated when `out_shapes` is given (CUDA graphs need fixed addresses)."""
   if provider == "cpu":
     cycle = itertools.cycle(feed_sets)
-    return _Runner(lambda: ortvalues.run(sess, None, next(cycle)), lambda: ortvalues.run(sess, None, feed_sets[0]))
+    bf16 = any(o.type == "tensor(bfloat16)" for o in sess.get_outputs()) or \
+        any(ortvalues.is_bf16(v) for v in feed_sets[0].values())
+    call = (lambda f: ortvalues.run(sess, None, f)) if bf16 else (lambda f: sess.run(None, f))  # (decided once)
+    return _Runner(lambda: call(next(cycle)), lambda: call(feed_sets[0]))
   import onnxruntime as ort
   keep, bindings = [], []
   for feeds in feed_sets:
