@@ -1,8 +1,9 @@
 """bfloat16 models for the zoo and the coverage sweep: an fp32 export converted as its fp16 twin is
 (onnxruntime's `convert_float_to_float16(keep_io_types=False)`), then every fp16 tensor retyped to bf16.
-Ops whose schema at the model's opset takes fp16 but not bf16 (Cos, Sin, Conv and the pools before opset 22,
-ConstantOfShape's output before 20, ...) stay in fp32 between Casts, as the converter keeps the ops it is told to block: the model is
-valid ONNX. Values go fp32 -> fp16 -> bf16 (the converter clamps constants to fp16's range: attention masks
+Ops whose schema at the model's opset takes fp16 but not bf16 for an input or output (Cos, Sin, Conv and
+the pools before opset 22, ConstantOfShape's output before 20, Dropout for its ratio and Resize for its
+scales: 65 ops at opset 17, 19 at 22) stay in fp32 between Casts, as the converter keeps the ops it is told
+to block: the model is valid ONNX. Values go fp32 -> fp16 -> bf16 (the converter clamps constants to fp16's range: attention masks
 stay finite), the same model as the fp16 row, in the other half-precision type.
 
 ONNX Runtime has no converter to bf16; an exporter writes one from a bf16 module (torch.onnx.export's dynamo

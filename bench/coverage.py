@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 S = 16  # tokens
 _SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100)
@@ -239,8 +239,9 @@ class Row:
                 f"{self.seconds:.1f} |")
 
 
-def export(name: str, folder: Path) -> dict[str, Path]:
-    """fp32 and fp16 ONNX files of the tiny model `name` (the first output only)."""
+def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16")) -> dict[str, Path]:
+    """ONNX files of the tiny model `name` (the first output only) in `dtypes`: fp32 always (the others are
+    converted from it), fp16 and bf16 where asked."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -248,7 +249,7 @@ def export(name: str, folder: Path) -> dict[str, Path]:
     from ortfuse.rewriter._proto import sort_nodes
 
     if name in ORT_OPTIMIZED:
-        return _ort_optimized(name, folder)
+        return _ort_optimized(name, folder, dtypes)
     import torch
 
     torch.manual_seed(0)
@@ -276,16 +277,19 @@ def export(name: str, folder: Path) -> dict[str, Path]:
     with torch.no_grad():
         torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False, opset_version=17,
                           input_names=names, output_names=outputs, dynamic_axes=axes)
-    half = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=False)
-    sort_nodes(half.graph)
-    fp16 = folder / f"{name}-fp16.onnx"
-    onnx.save_model(half, str(fp16))
-    bf16 = folder / f"{name}-bf16.onnx"
-    onnx.save_model(to_bf16(onnx.load(str(fp32))), str(bf16))
-    return {"fp32": fp32, "fp16": fp16, "bf16": bf16}
+    paths = {"fp32": fp32}
+    if "fp16" in dtypes:
+        half = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=False)
+        sort_nodes(half.graph)
+        paths["fp16"] = folder / f"{name}-fp16.onnx"
+        onnx.save_model(half, str(paths["fp16"]))
+    if "bf16" in dtypes:
+        paths["bf16"] = folder / f"{name}-bf16.onnx"
+        onnx.save_model(to_bf16(onnx.load(str(fp32))), str(paths["bf16"]))
+    return paths
 
 
-def _ort_optimized(name: str, folder: Path) -> dict[str, Path]:
+def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str]) -> dict[str, Path]:
     from onnxruntime.transformers.optimizer import optimize_model
 
     from ortfuse.rewriter._proto import sort_nodes
@@ -295,7 +299,7 @@ def _ort_optimized(name: str, folder: Path) -> dict[str, Path]:
     if not fp32.exists():
         fp32 = export(source, folder)["fp32"]
     paths = {}
-    for dtype in ("fp32", "fp16"):
+    for dtype in [d for d in ("fp32", "fp16") if d in dtypes]:
         opt = optimize_model(str(fp32), model_type=model_type, num_heads=heads, hidden_size=hidden, opt_level=0,
                              use_gpu=True)
         if dtype == "fp16":
@@ -352,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             try:
-                paths = export(name, Path(tmp))
+                paths = export(name, Path(tmp), args.dtypes)
             except Exception as e:  # noqa: BLE001 -- this transformers may lack the class or its export
                 rows = [Row(name, "-", parity=f"export failed: {type(e).__name__}: {e}"[:160])]
             else:

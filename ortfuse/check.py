@@ -157,7 +157,10 @@ def _on_cpu(model: onnx.ModelProto, label: str) -> tuple[onnx.ModelProto, Option
     if not computes_in_bf16(model):
         return model, None
     flat = _inlined(model) if model.functions else model
-    sh = shadow(flat, _dtypes(flat), label)
+    try:
+        sh = shadow(flat, _dtypes(flat), label)
+    except InputError as e:
+        raise InputError(f"{e}; ORT's CPU EP has no bfloat16 arithmetic, so check it on a GPU (--provider cuda)") from e
     return sh.model, sh
 
 
@@ -226,7 +229,12 @@ def _judged_against_fp32(diffs: tuple[Diff, ...], src: onnx.ModelProto, feeds: M
     are approximations of the model's computation in fp32 (the unrounded shadow, on ORT's CPU EP), so ours
     is held to that: within 1e-2 of it, or within CONDITIONING_FACTOR times ORT's own distance from it."""
     flat = _inlined(src) if src.functions else src
-    twin = shadow(flat, _dtypes(flat), "the original model", rounded=False)
+    try:
+        twin = shadow(flat, _dtypes(flat), "the original model", rounded=False)
+    except InputError as e:  # (on the CUDA EP: ORT's verdict stands, and says why it was not judged again)
+        return tuple(d if d.ok or n not in half_fed else dataclasses.replace(d, name=f"{d.name} (bf16, not judged "
+                                                                             f"against fp32: {e})")
+                     for d, n in zip(diffs, names))
     exact = dict(zip(names, _run(_session(twin.model, ["CPUExecutionProvider"]), names, feeds,
                                  "the original model", InputError, twin)))
     judged = []
@@ -315,15 +323,24 @@ _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 def _half_fed(model: onnx.ModelProto) -> set[str]:
     """Tensors computed from fp16/bf16 data: half graph inputs, initializers and Constants, Cast-to-half
-    outputs, and everything downstream of them (nodes in topological order, as load_model leaves them)."""
+    outputs, and everything downstream of them."""
     g = model.graph
     fed = {v.name for v in g.input if v.type.tensor_type.elem_type in _HALF}
-    fed |= {t.name for t in g.initializer if t.data_type in _HALF}
-    for n in g.node:
-        to_half = n.op_type == "Cast" and any(a.name == "to" and a.i in _HALF for a in n.attribute)
-        const_half = n.op_type == "Constant" and any(a.name == "value" and a.t.data_type in _HALF for a in n.attribute)
-        if to_half or const_half or any(t in fed for t in n.input):
-            fed.update(o for o in n.output if o)
+    return _fed_by(g.node, fed | {t.name for t in g.initializer if t.data_type in _HALF})
+
+
+def _fed_by(nodes: Sequence[onnx.NodeProto], seeds: set[str], types: tuple[int, ...] = _HALF) -> set[str]:
+    """`seeds` and the tensors computed from them or from a Cast to, or a Constant of, one of `types`."""
+    fed, grew = set(seeds), True
+    while grew:  # (to a fixed point: a function body need not be in topological order)
+        grew = False
+        for n in nodes:
+            to_half = n.op_type == "Cast" and any(a.name == "to" and a.i in types for a in n.attribute)
+            const_half = n.op_type == "Constant" and any(a.name == "value" and a.t.data_type in types
+                                                         for a in n.attribute)
+            if (to_half or const_half or any(t in fed for t in n.input)) and not fed.issuperset(o for o in n.output if o):
+                fed.update(o for o in n.output if o)
+                grew = True
     return fed
 
 
@@ -332,31 +349,20 @@ def _tol_for(ref: np.ndarray, tol32: Optional[float]) -> Optional[float]:
 
 
 def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
-    """A fused node's sub-graph run by ORT CPU in fp32 on its (half-precision) inputs: fp16/bf16 inputs,
-    Constants and Casts become fp32, so no intermediate is rounded."""
-    to32 = {onnx.TensorProto.FLOAT16: onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
-    nodes = []
-    for n in body.node:
-        n2 = onnx.NodeProto()
-        n2.CopyFrom(n)
-        for a in n2.attribute:
-            if n2.op_type == "Cast" and a.name == "to" and a.i in to32:
-                a.i = to32[a.i]
-            elif n2.op_type == "Constant" and a.name == "value" and a.t.data_type in to32:
-                a.t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
-        nodes.append(n2)
-    feeds = {name: (x.astype(np.float32) if _is_half(x) else x) for name, x in zip(body.input, inputs)}
-    m = _body_model(body, nodes, feeds)
-    got = dict(zip(body.output, _session(m, ["CPUExecutionProvider"]).run(None, feeds)))
+    """A fused node's sub-graph run by ORT CPU in fp32 on its (half-precision) inputs: its fp32 shadow, where
+    fp16/bf16 inputs, weights, Constants and Casts are fp32, so no intermediate is rounded."""
+    feeds = dict(zip(body.input, inputs))
+    m = _body_model(body, feeds)
+    twin = shadow(m, _dtypes(m), f"function {body.name}", rounded=False, types=_HALF)
+    got = dict(zip(body.output, _session(twin.model, ["CPUExecutionProvider"]).run(None, twin.feeds(feeds))))
     return [got[o] for o in outputs]
 
 
-def _body_model(body: onnx.FunctionProto, nodes: Sequence[onnx.NodeProto],
-                feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """A model of a fused node's sub-graph (`nodes`: the body's, or changed copies) with inputs typed as `feeds`."""
+def _body_model(body: onnx.FunctionProto, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """A model of a fused node's sub-graph with inputs typed as `feeds`."""
     ins = [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
            for k, v in feeds.items()]
-    return onnx.helper.make_model(onnx.helper.make_graph(list(nodes), "body", ins,
+    return onnx.helper.make_model(onnx.helper.make_graph(list(body.node), "body", ins,
                                                          [onnx.ValueInfoProto(name=o) for o in body.output]),
                                   opset_imports=list(body.opset_import), ir_version=10)
 
@@ -367,14 +373,8 @@ def _op_by_op(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: S
     from onnx.reference import ReferenceEvaluator
     feeds = dict(zip(body.input, inputs))
     with np.errstate(all="ignore"):  # a Cast of inf to an integer, as the model itself may do
-        got = dict(zip(body.output, ReferenceEvaluator(_body_model(body, body.node, feeds)).run(None, feeds)))
+        got = dict(zip(body.output, ReferenceEvaluator(_body_model(body, feeds)).run(None, feeds)))
     return [np.asarray(got[o]) for o in outputs]
-
-
-def _casts_to_half(body: onnx.FunctionProto, *types: int) -> bool:
-    """Whether a node of `body` casts to fp16 or bf16 (to one of `types` where given)."""
-    half = types or (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    return any(n.op_type == "Cast" and any(a.name == "to" and a.i in half for a in n.attribute) for n in body.node)
 
 
 def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
@@ -386,8 +386,15 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
     launch = read_launch(node)
     inputs = [np.ascontiguousarray(values[t]) for t in node.input]
     launch = launch.pick([int(inputs[i].shape[axis]) for i, axis in launch.sym_dims])  # as the library does
-    if any(_is_half(a) for a in inputs) or (body is not None and _casts_to_half(body)):
-        tol32 = RTOL["fp16"]  # fp32 outputs computed from half-precision data carry its rounding
+    # per output: computed from half-precision data (half inputs, or a Cast to half in the body), and from bf16
+    if body is not None:
+        half_in = {t for t, a in zip(body.input, inputs) if _is_half(a)}
+        bf16_in = {t for t, a in zip(body.input, inputs) if a.dtype.name == "bfloat16"}
+        fed = [o in _fed_by(body.node, half_in) for o in body.output]
+        fed_bf16 = [o in _fed_by(body.node, bf16_in, (onnx.TensorProto.BFLOAT16,)) for o in body.output]
+    else:
+        fed = [any(_is_half(a) for a in inputs)] * len(node.output)
+        fed_bf16 = [any(a.dtype.name == "bfloat16" for a in inputs)] * len(node.output)
     dims = launch.dims([a.shape for a in inputs])
     outs = [np.zeros(s, dtype=onnx.helper.tensor_dtype_to_np_dtype(dt))
             for s, dt in zip(launch.output_shapes(dims), launch.out_dtypes)]
@@ -403,13 +410,14 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
                                         launch.multicast)
         compile_emulated(launch.source).launch(launch.entry, blocks, launch.block, [*inputs, *outs], dims,
                                                  launch.smem, cluster, launch.arg_align, tma=launch.tma)
-    diffs = [compare(t, o, values[t], _tol_for(values[t], tol32), floors.get(t, 1e-6))
-             for t, o in zip(node.output, outs)]
-    if body is not None and (any(_is_half(a) for a in inputs) or _casts_to_half(body)):
+    # fp32 outputs computed from half-precision data carry its rounding
+    diffs = [compare(t, o, values[t], _tol_for(values[t], RTOL["fp16"] if f else tol32), floors.get(t, 1e-6))
+             for t, o, f in zip(node.output, outs, fed)]
+    if body is not None and any(fed):
         # a discrete result (an integer or bool) of a half-precision chain (from half inputs, or from integers
         # cast to half: T5's relative position buckets): the kernel rounds op by op as the CUDA EP does, ORT's
         # CPU EP computes the chain in fp32; equal to the op-by-op reference, it passes
-        discrete = [i for i, (d, o) in enumerate(zip(diffs, outs)) if not d.ok and o.dtype.kind in "biu"]
+        discrete = [i for i, (d, o) in enumerate(zip(diffs, outs)) if fed[i] and not d.ok and o.dtype.kind in "biu"]
         try:
             refs = _op_by_op(body, inputs, [body.output[i] for i in discrete]) if discrete else []
         except Exception:  # an op or type the reference evaluator lacks: ORT's verdict stands
@@ -419,21 +427,19 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
             n = int(np.count_nonzero(outs[i] != values[node.output[i]]))
             diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs op-by-op half precision; ORT's CPU EP, in fp32, "
                                                    f"differs in {n} elements, by up to {diffs[i].max_abs:.0f})")
-    chain = body is not None and (any(_is_half(a) for a in inputs) or _casts_to_half(body))
     half = [i for i, (d, o) in enumerate(zip(diffs, outs))
-            if not d.ok and (_is_half(o) or (chain and o.dtype == np.float32))]  # (fp32: cast from half)
+            if not d.ok and (_is_half(o) or (fed[i] and o.dtype == np.float32))]  # (fp32: cast from half)
     if half and body is not None:
         # ORT CPU rounds every fp16 intermediate (a variance as E[x^2] - E[x]^2 loses digits that way); the
         # kernel rounds once. The contract is fp16 within 1e-2 of the fp32 computation: judge against that.
         # bf16 (8 significant bits) gets no closer than its op-by-op result where a kernel must round an
         # intermediate too (attention's probabilities, the tensor-core operand of P.V): it is held to 1e-2 or
         # to CONDITIONING_FACTOR times that result's own distance from fp32, whichever is larger.
-        bf16 = any(a.dtype.name == "bfloat16" for a in inputs) or _casts_to_half(body, onnx.TensorProto.BFLOAT16)
         ref = _fp32_twin(body, inputs, [body.output[i] for i in half])
         for i, r in zip(half, ref):
             t, floor = node.output[i], floors.get(node.output[i], 1e-6)
             tol, why = RTOL["fp16"], {"float16": "ORT's fp16"}.get(outs[i].dtype.name, "op by op in half precision, it")
-            if bf16 or outs[i].dtype.name == "bfloat16":
+            if fed_bf16[i] or outs[i].dtype.name == "bfloat16":
                 drift = compare(t, values[t].astype(np.float32), r, 1.0, floor).max_rel
                 drift = drift if np.isfinite(drift) else 0.0  # (op by op overflowed: 1e-2 stands)
                 tol, why = max(tol, CONDITIONING_FACTOR * drift), f"op by op in bf16 (itself {drift:.3g} from fp32), it"

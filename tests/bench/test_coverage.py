@@ -57,3 +57,9 @@ def test_a_model_orts_optimizer_fused_first(tmp_path):
     row = [line for line in out.read_text().splitlines() if line.startswith("| distilbert_ortopt")]
     cells = [c.strip() for c in row[0].strip("|").split("|")]
     assert cells[5] == "ok" and "4 gemm" in cells[2] and cells[4] == "2 / 2", cells
+
+
+def test_only_the_asked_dtypes_are_built(tmp_path):
+    paths = coverage.export("distilbert", tmp_path, ["fp32", "bf16"])
+    assert set(paths) == {"fp32", "bf16"} and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["distilbert-bf16.onnx", "distilbert-fp32.onnx"]

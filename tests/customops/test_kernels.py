@@ -479,6 +479,26 @@ def test_half_outputs_fall_back_to_the_fp32_computation_where_ort_rounds_each_op
     assert not _emulate_node(fused, values, body=wrong)[0].ok
 
 
+def test_half_tolerance_applies_only_downstream_of_the_cast_to_half():
+    """One kernel, two fp32 outputs: y1 computed in fp32 only, y2 through a Cast to fp16 and back. y2 carries
+    fp16's rounding (1e-2); y1 is held to fp32's 1e-5, so an error of 1e-3 there fails."""
+    F, H = TP.FLOAT, TP.FLOAT16
+    m = model([node("Mul", ["x", "a"], ["p"]), node("Add", ["p", "b"], ["y1"]), node("Cast", ["y1"], ["h"], to=H),
+               node("Mul", ["h", "c"], ["q"]), node("Cast", ["q"], ["y2"], to=F)],
+              [vi("x", F, [4, 64])], [vi("y1", F, None), vi("y2", F, None)],
+              [const("a", 1.7, np.float32), const("b", 0.3, np.float32), const("c", 2.5, np.float16)])
+    res = compile_model(m, None, "sm_90")
+    (fused,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    body = next(f for f in res.model.functions if f.name == fused.op_type)
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    y1, y2 = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    d1, d2 = _emulate_node(fused, {**values, "x": x, "y1": y1, "y2": y2}, body=body)
+    assert d1.ok and d2.ok and (d1.tol, d2.tol) == (1e-5, 1e-2)
+    d1, d2 = _emulate_node(fused, {**values, "x": x, "y1": y1 * (1 + 1e-3), "y2": y2 * (1 + 3e-3)}, body=body)
+    assert not d1.ok and d2.ok
+
+
 def test_ill_conditioned_half_outputs_are_held_to_orts_own_variation():
     """A half output that ORT's own graph optimizations move past 1e-2 (ppocr_det in fp16: BatchNorm variances
     near fp16's subnormal range) is held to twice that move, labelled so; a larger error still fails, and fp32

@@ -174,3 +174,54 @@ def test_bf16_outputs_are_judged_against_the_model_in_fp32():
         rep = check_models(src, _chain([exact * scale]), input_shapes={"x": [64, 64]})
         assert rep.ok == ok, "\n".join(rep.lines())
         assert "vs the model in fp32" in rep.model[0].name
+
+
+def _rounded(sh, tensor: str) -> bool:
+    """Whether the shadow rounds `tensor` to bf16 after the op that computes it."""
+    return any(n.op_type == "Cast" and n.output[0] == f"{tensor}__bf16" for n in sh.model.graph.node)
+
+
+def test_shadow_rounds_every_op_that_computes_values():
+    """A Scatter that adds and a Dropout told it trains (which scales) compute; plain ones only move values."""
+    i = onnx.numpy_helper.from_array(np.array([[0, 1]], np.int64), "i")
+    t = onnx.numpy_helper.from_array(np.array(True), "t")
+    m = model([node("ScatterElements", ["x", "i", "u"], ["sa"], axis=1, reduction="add"),
+               node("ScatterElements", ["x", "i", "u"], ["sn"], axis=1),
+               node("ScatterElements", ["x", "i", "u"], ["sm"], axis=1, reduction="max"),
+               node("Dropout", ["x", "", "t"], ["dt"]), node("Dropout", ["x"], ["dn"])],
+              [vi("x", TP.BFLOAT16, [2, 4]), vi("u", TP.BFLOAT16, [1, 2])],
+              [vi(o, TP.BFLOAT16, [2, 4]) for o in ("sa", "sn", "sm", "dt", "dn")], [i, t])
+    sh = shadow(m, _dtypes(m))
+    assert {o: _rounded(sh, o) for o in ("sa", "sn", "sm", "dt", "dn")} == \
+        {"sa": True, "sn": False, "sm": False, "dt": True, "dn": False}
+
+
+def test_shadow_retypes_only_element_type_attributes():
+    """EyeLike's dtype is a type; another domain's `to` is that op's business; a BitCast of bf16 bits has no
+    fp32 shadow and is refused by name."""
+    g = onnx.helper.make_graph([node("EyeLike", ["x"], ["e"], dtype=TP.BFLOAT16), node("Add", ["e", "x"], ["y"]),
+                                onnx.helper.make_node("Pack", ["y"], ["z"], domain="com.example", to=TP.BFLOAT16)],
+                               "g", [vi("x", TP.BFLOAT16, [4, 4])], [vi("z", TP.BFLOAT16, [4, 4])])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18),
+                                                 onnx.helper.make_opsetid("com.example", 1)])
+    sh = shadow(m, {"e": TP.BFLOAT16, "y": TP.BFLOAT16, "z": TP.BFLOAT16})
+    eye, pack = (next(n for n in sh.model.graph.node if n.op_type == op) for op in ("EyeLike", "Pack"))
+    assert eye.attribute[0].i == TP.FLOAT and pack.attribute[0].i == TP.BFLOAT16
+    bits = onnx.helper.make_model(onnx.helper.make_graph(
+        [node("BitCast", ["x"], ["b"], to=TP.INT16)], "g", [vi("x", TP.BFLOAT16, [4])], [vi("b", TP.INT16, [4])]))
+    with pytest.raises(InputError, match="node 'BitCast_b' .BitCast. reinterprets bits"):
+        shadow(bits, {"b": TP.INT16})
+
+
+def test_bf16_on_the_gpu_with_subgraphs_keeps_orts_verdict():
+    """Where the model's fp32 computation cannot be built (If/Loop/Scan bodies), a failing bf16 output is not
+    judged again, and the report says why; it never raises the CPU path's advice to use the GPU."""
+    from ortfuse.check import Diff, _judged_against_fp32
+    then = onnx.helper.make_graph([node("Identity", ["x"], ["t"])], "then", [], [vi("t", TP.BFLOAT16, [4])])
+    other = onnx.helper.make_graph([node("Neg", ["x"], ["e"])], "else", [], [vi("e", TP.BFLOAT16, [4])])
+    m = model([node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+              [vi("x", TP.BFLOAT16, [4]), vi("c", TP.BOOL, [])], [vi("y", TP.BFLOAT16, [4])])
+    bad = Diff("y", 0.5, 0.05, 1e-2)
+    y = np.ones(4, np.float32).astype(BF)
+    (d,) = _judged_against_fp32((bad,), m, {}, ["y"], {"y": y}, [y], {}, {"y"})
+    assert not d.ok and "not judged against fp32" in d.name and "--provider cuda" not in d.name
