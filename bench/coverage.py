@@ -4,7 +4,10 @@ converter), then `ortfuse optimize` and `ortfuse check --emulate` on each. The t
 each architecture (regions by kind, nodes before and after, attention fused or not) and whether every kernel
 matched ORT in CPU emulation. Random weights, tiny widths: this is about graph patterns, not speed.
 
-    python -m ortfuse.bench.coverage [--models NAME ...] [--out FILE.md]
+    python -m ortfuse.bench.coverage [--models NAME ...] [--dtypes fp32 fp16 bf16] [--opset N] [--out FILE.md]
+
+`--opset 22` converts each export (onnx's version converter) before the dtypes are made: ONNX has bf16 Conv
+and pools from opset 22, so that is where a bf16 CNN computes its convolutions in bf16.
 
 A failed export (a transformers version without the class) is a row with its error, never a crash of the
 sweep; a parity failure or an optimizer error is a row marked FAIL and the exit status is 1."""
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 S = 16  # tokens
+EXPORT_OPSET = 17  # the TorchScript exporter's opset here (the one most exported models in use carry)
 _SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100)
 _LM = dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64)
 
@@ -239,17 +243,18 @@ class Row:
                 f"{self.seconds:.1f} |")
 
 
-def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16")) -> dict[str, Path]:
+def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"), opset: int = EXPORT_OPSET) -> dict[str, Path]:
     """ONNX files of the tiny model `name` (the first output only) in `dtypes`: fp32 always (the others are
-    converted from it), fp16 and bf16 where asked."""
+    converted from it), fp16 and bf16 where asked; exported at opset 17, converted to `opset` if another."""
     import onnx
+    import onnx.version_converter
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     from ortfuse.bench.bf16 import to_bf16
     from ortfuse.rewriter._proto import sort_nodes
 
     if name in ORT_OPTIMIZED:
-        return _ort_optimized(name, folder, dtypes)
+        return _ort_optimized(name, folder, dtypes, opset)
     import torch
 
     torch.manual_seed(0)
@@ -275,8 +280,10 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16")) ->
         outputs += [n.replace("past_key_values", "present") for n in names if n.startswith("past_key_values.")]
     fp32 = folder / f"{name}-fp32.onnx"
     with torch.no_grad():
-        torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False, opset_version=17,
-                          input_names=names, output_names=outputs, dynamic_axes=axes)
+        torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False,
+                          opset_version=EXPORT_OPSET, input_names=names, output_names=outputs, dynamic_axes=axes)
+    if opset != EXPORT_OPSET:
+        onnx.save_model(onnx.version_converter.convert_version(onnx.load(str(fp32)), opset), str(fp32))
     paths = {"fp32": fp32}
     if "fp16" in dtypes:
         half = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=False)
@@ -289,7 +296,7 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16")) ->
     return paths
 
 
-def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str]) -> dict[str, Path]:
+def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str], opset: int) -> dict[str, Path]:
     from onnxruntime.transformers.optimizer import optimize_model
 
     from ortfuse.rewriter._proto import sort_nodes
@@ -297,7 +304,7 @@ def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str]) -> dict[str, 
     source, model_type, heads, hidden = ORT_OPTIMIZED[name]
     fp32 = folder / f"{source}-fp32.onnx"  # the source's own row exported it into this folder, when it ran
     if not fp32.exists():
-        fp32 = export(source, folder)["fp32"]
+        fp32 = export(source, folder, ("fp32",), opset)["fp32"]
     paths = {}
     for dtype in [d for d in ("fp32", "fp16") if d in dtypes]:
         opt = optimize_model(str(fp32), model_type=model_type, num_heads=heads, hidden_size=hidden, opt_level=0,
@@ -343,11 +350,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--models", nargs="+", default=NAMES, choices=NAMES)
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16", "bf16"],
                     help="bf16: the fp16 model retyped (bench/bf16.py; not for the _ortopt rows)")
+    ap.add_argument("--opset", type=int, default=EXPORT_OPSET,
+                    help="convert each export to this opset first (22: bf16 Conv and pools)")
     ap.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     import transformers
 
-    lines = [f"transformers {transformers.__version__}; regions by kind, graph nodes (after the shape folds) -> "
+    opset = "" if args.opset == EXPORT_OPSET else f"; converted to opset {args.opset}"
+    lines = [f"transformers {transformers.__version__}{opset}; regions by kind, graph nodes (after the shape folds) -> "
              "after `optimize`, "
              "attention regions / Softmax nodes, `check --emulate` parity", "",
              "| model | dtype | regions | nodes | attention | parity | s |", "|---|---|---|---:|---:|---|---:|"]
@@ -356,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             try:
-                paths = export(name, Path(tmp), args.dtypes)
+                paths = export(name, Path(tmp), args.dtypes, args.opset)
             except Exception as e:  # noqa: BLE001 -- this transformers may lack the class or its export
                 rows = [Row(name, "-", parity=f"export failed: {type(e).__name__}: {e}"[:160])]
             else:

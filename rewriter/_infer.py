@@ -140,6 +140,10 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
         own_resize = ssi.dispatcher_.get("Resize")
         if own_resize is not None:
             ssi.dispatcher_["Resize"] = lambda node: _resize(ssi, node, own_resize)
+        if (_proto.opset_of(model) or 0) >= 18:
+            for op in AXES_INPUT_FROM_18:
+                own = ssi.dispatcher_.get(op)
+                ssi.dispatcher_[op] = lambda node, own=own: _reduce_18(ssi, node, own)
         ssi._preprocess(model)
         complete = False
         while ssi.run_:
@@ -150,6 +154,29 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
     except Exception as e:  # the tool raises bare Exception/AssertionError on models it cannot handle
         log.debug("symbolic shape inference failed, falling back to ONNX: %s", e)
         return None, False, {}
+
+
+# Reductions whose axes became an input at opset 18 (ReduceSum's did at 13). The tool's rule for an axes input
+# serves ReduceSum and ReduceMean only: for these, ONNX's single-node inference cannot read axes that a Constant
+# node makes, and gives the output new symbolic dims (SwinV2's ReduceL2 at opset 22: no shape folded after it).
+AXES_INPUT_FROM_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMin",
+                      "ReduceProd", "ReduceSumSquare")
+
+
+def _reduce_18(ssi, node: onnx.NodeProto, own) -> None:
+    """An opset-18 reduction: its output shape by the tool's ReduceSum rule where axes is an input, and for a
+    ReduceProd over axis 0 of a known vector (a shape's element count) its value, as the tool's rule for the
+    attribute form gives it."""
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute, sympy_reduce_product
+    if len(node.input) > 1 and node.input[1]:
+        ssi._infer_ReduceSum(node)
+        if node.op_type == "ReduceProd" and get_attribute(node, "keepdims", 1) == 0:
+            axes = ssi._try_get_value(node, 1)
+            data = ssi._try_get_value(node, 0)
+            if axes is not None and [int(a) for a in np.asarray(axes).reshape(-1)] == [0] and data is not None:
+                ssi.sympy_data_[node.output[0]] = sympy_reduce_product(ssi._get_int_or_float_values(node)[0])
+    elif own is not None:
+        own(node)
 
 
 def _same_padded(ssi, node: onnx.NodeProto, channels_last: bool, own):

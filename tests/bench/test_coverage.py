@@ -63,3 +63,14 @@ def test_only_the_asked_dtypes_are_built(tmp_path):
     paths = coverage.export("distilbert", tmp_path, ["fp32", "bf16"])
     assert set(paths) == {"fp32", "bf16"} and sorted(p.name for p in tmp_path.iterdir()) == \
         ["distilbert-bf16.onnx", "distilbert-fp32.onnx"]
+
+
+def test_an_export_converted_to_opset_22_computes_its_convs_in_bf16(tmp_path):
+    import onnx
+
+    from ortfuse.bench.bf16 import opset
+    from ortfuse.check import _dtypes
+    m = onnx.load(str(coverage.export("resnet", tmp_path, ["bf16"], opset=22)["bf16"]))
+    types = _dtypes(m)
+    assert opset(m) == 22 and {types[n.output[0]] for n in m.graph.node if n.op_type == "Conv"} == \
+        {onnx.TensorProto.BFLOAT16}

@@ -497,3 +497,26 @@ def test_weights_are_shapes_only_to_symbolic_inference(listed):
     dims = [d.dim_param or d.dim_value for d in infos["y"].type.tensor_type.shape.dim]
     assert dims == ["b", 48]
     assert ("w" in infos) == bool(listed)
+
+
+@pytest.mark.parametrize("op", _infer.AXES_INPUT_FROM_18)
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_opset_18_reductions_with_axes_from_a_constant_node(op, keepdims):
+    """Axes as an input (opset 18), made by a Constant node: the output keeps the input's symbolic dims, so
+    the Reshape after it folds to the same target as at opset 17 (ONNX's single-node inference gave new
+    names). A ReduceProd over a shape's vector is its value, as a Reshape target computes it."""
+    t = onnx.TensorProto
+    nodes = [helper.make_node("Constant", [], ["ax"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+             helper.make_node(op, ["x", "ax"], ["r"], keepdims=keepdims),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array([0], np.int64))),
+             helper.make_node("ReduceProd", ["s", "zero"], ["count"], keepdims=0),
+             helper.make_node("Reshape", ["x", "count1"], ["flat"]),
+             helper.make_node("Unsqueeze", ["count", "zero"], ["count1"])]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", t.FLOAT, ["n", "s", 8])],
+                          [helper.make_tensor_value_info("r", t.FLOAT, [None] * (3 if keepdims else 2)),
+                           helper.make_tensor_value_info("flat", t.FLOAT, [None])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    shapes = build_graph(load_model(m)).tensors
+    assert shapes["r"].shape == (("n", "s", 1) if keepdims else ("n", "s"))
+    assert shapes["flat"].shape == ("8*n*s",)
