@@ -1124,10 +1124,20 @@ class _Lowerer:
         if op in ("ReduceSum", "ReduceMean"):
             s = self.row_reduce("sum", elem, (x, "sum"))
             return mean_of(s) if op == "ReduceMean" else s
-        if op == "ReduceSumSquare":
-            return self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (x, "ssq"))
+        if op in ("ReduceSumSquare", "ReduceL2"):  # (one sum of squares serves both)
+            s = self.row_reduce("sum", lambda c: self.bind(ir.Op("mul", (elem(c), elem(c)), F32)), (x, "ssq"))
+            return s if op == "ReduceSumSquare" else ir.Op("sqrt", (s,), F32)
+        if op == "ReduceL1":
+            return self.row_reduce("sum", lambda c: self.bind(ir.Op("abs", (elem(c),), F32)), (x, "l1"))
+        if op == "ReduceLogSum":
+            return ir.Op("log", (self.row_reduce("sum", elem, (x, "sum")),), F32)
         if op in ("ReduceMax", "ReduceMin"):
             return self.row_reduce(op[6:].lower(), elem, (x, op[6:].lower()))
+        if op == "ReduceLogSumExp":  # max + log(sum(exp(x - max))), as ORT computes it (no overflow)
+            m = self.row_reduce("max", elem, (x, "max"))
+            s = self.row_reduce("sum", lambda c: self.bind(ir.Op("exp", (ir.Op("sub", (elem(c), m), F32),), F32)),
+                                (x, "sumexp"))
+            return ir.Op("add", (m, ir.Op("log", (s,), F32)), F32)
         if op in ("Softmax", "LogSoftmax"):
             m = self.row_reduce("max", elem, (x, "max"))
             shifted = lambda c: self.bind(ir.Op("sub", (elem(c), m), F32))  # noqa: E731

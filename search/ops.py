@@ -11,8 +11,9 @@ ELEMENTWISE = frozenset({
 })
 # Reductions over the innermost axis, with the row-wise composites exporters and ORT use (InstanceNormalization
 # of a [N, C, L] tensor: GroupNorm as torch exports it, between Reshapes to [N, groups, -1] and back).
-REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
-                        "Softmax", "LogSoftmax", "LayerNormalization", "InstanceNormalization"})
+REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1",
+                        "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "Softmax", "LogSoftmax", "LayerNormalization",
+                        "InstanceNormalization"})
 # Compute-bound anchors: one per region, with element-wise prologue/epilogue ops around it. A Conv runs as
 # an implicit GEMM (search.conv).
 GEMM = frozenset({"MatMul", "Gemm"})
@@ -36,6 +37,8 @@ META_INPUTS: dict[str, frozenset[int]] = {
     "Reshape": frozenset({1}), "Expand": frozenset({1}), "Squeeze": frozenset({1}),
     "Unsqueeze": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceSum": frozenset({1}),
     "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "ReduceSumSquare": frozenset({1}),
+    "ReduceL1": frozenset({1}), "ReduceL2": frozenset({1}), "ReduceLogSum": frozenset({1}),
+    "ReduceLogSumExp": frozenset({1}),
     "Range": frozenset({0, 1, 2}),  # start and delta become literals; limit only sets the length
     "Slice": frozenset({1, 2, 3, 4}),  # starts fold into the index; ends only set the length
     "Resize": frozenset({1, 2, 3}),  # roi, scales, sizes: constants folded into the index math

@@ -178,3 +178,17 @@ def test_reduction_of_a_side_input_in_the_epilogue():
               [const("w", _w((k, n), H, 1), np.float16), const("b", _w(n, H, 2), np.float16),
                const("g", _w(n, H, 3, 1.0), np.float16), const("e", _w(n, H, 4), np.float16)])
     fused_parity(m, {"x": ("n", k), "r": ("n", n)}, {"x": (19, k), "r": (19, n)}, ("gemm_row",))
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_l2_normalize_and_logsumexp_in_the_gemm_tile(dt, monkeypatch):
+    # a projection then F.normalize (CLIP's embeddings) and a log-sum-exp over the row, axes as an opset-18
+    # input; forced, since at these sizes the cost model prefers cuBLAS + our row kernel
+    from ortfuse.search.cost import CostModel
+    monkeypatch.setattr(CostModel, "split_verdict", lambda *a: None)
+    monkeypatch.setattr(CostModel, "verdict", lambda *a: None)
+    m = model([node("MatMul", ["x", "w"], ["p"]), node("ReduceL2", ["p", "ax"], ["n"], keepdims=1),
+               node("Div", ["p", "n"], ["y"]), node("ReduceLogSumExp", ["p", "ax"], ["l"], keepdims=1),
+               node("Sub", ["y", "l"], ["z"])], [vi("x", dt, ["n", 7, 64])], [vi("z", dt, None)],
+              [const("w", _w((64, 96), dt, 1), NP[dt]), const("ax", [-1], np.int64)], opset=18)
+    fused_parity(m, {"x": ("n", 7, 64)}, {"x": (3, 7, 64)}, ("gemm_row",))
