@@ -1,5 +1,8 @@
 """ONNX Runtime's own fused ops split into the standard ops the search fuses, and put back where it fused none.
 
+ONNX's own RMSNormalization (opset 23) is split the same way, so it joins the GEMM before it as Llama's
+exported RMSNorm chain does, and is put back where nothing fused it.
+
 A model run through `onnxruntime.transformers`' optimizer (or optimum's ORTOptimizer) carries ORT's fused ops
 in place of the exporter's: BiasGelu or FastGelu after a MatMul, SkipLayerNormalization after the next one,
 (Skip)SimplifiedLayerNormalization in Llamas, and LayerNormalization before opset 17 (ORT's own op then, in
@@ -34,9 +37,10 @@ MS = "com.microsoft"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
           (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization"),
-          ("", "LayerNormalization")}  # the default-domain ones only as ORT's own (LayerNormalization before 17)
+          ("", "LayerNormalization"), ("", "RMSNormalization")}
+# (the default-domain ones as ORT's own: LayerNormalization before 17; and ONNX's RMSNormalization, opset 23)
 _NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
-          "LayerNormalization")
+          "LayerNormalization", "RMSNormalization")
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -186,13 +190,13 @@ def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
     if x is None or x.dtype not in _FLOATS:
         return False
-    if _domain(n) == "" and not _proto.ort_default_domain_op(g.model, n):
+    if _domain(n) == "" and n.op_type != "RMSNormalization" and not _proto.ort_default_domain_op(g.model, n):
         return False  # ONNX's own LayerNormalization (17 on): the search takes it as it is
     if n.op_type in _NORMS:
         stats = n.output[1:3] if n.op_type.startswith("Skip") or n.op_type == "LayerNormalization" else n.output[1:2]
         if any(_used(g, o) for o in stats) or x.shape is None:
             return False
-    if n.op_type in ("SimplifiedLayerNormalization", "LayerNormalization"):
+    if n.op_type in ("SimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization"):
         scale = g.tensors.get(n.input[1])
         axis = attr(n, "axis", -1)
         if scale is None or scale.dtype != x.dtype or attr(n, "stash_type", 1) != 1 \
@@ -388,4 +392,7 @@ def _simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodePro
 _EXPAND = {"Gelu": _gelu, "BiasGelu": _bias_gelu, "FastGelu": _fast_gelu, "QuickGelu": _quick_gelu,
            "SkipLayerNormalization": _skip_layer_norm,
            "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
-           "SimplifiedLayerNormalization": _simplified_layer_norm, "LayerNormalization": _layer_norm}
+           "SimplifiedLayerNormalization": _simplified_layer_norm, "LayerNormalization": _layer_norm,
+           # ONNX's (opset 23; torch's exporter writes it for F.rms_norm): the same function, its own
+           # body's ops (x * 1 / sqrt(mean(x^2) + eps) in stash_type fp32, cast back, times scale)
+           "RMSNormalization": _simplified_layer_norm}

@@ -192,3 +192,20 @@ def test_l2_normalize_and_logsumexp_in_the_gemm_tile(dt, monkeypatch):
                node("Sub", ["y", "l"], ["z"])], [vi("x", dt, ["n", 7, 64])], [vi("z", dt, None)],
               [const("w", _w((64, 96), dt, 1), NP[dt]), const("ax", [-1], np.int64)], opset=18)
     fused_parity(m, {"x": ("n", 7, 64)}, {"x": (3, 7, 64)}, ("gemm_row",))
+
+
+@pytest.mark.parametrize("dt", [F, H])
+def test_onnx_rms_normalization_fuses_as_the_exported_chain(dt):
+    # ONNX's RMSNormalization (opset 23: torch's exporter writes it for F.rms_norm) is split into the chain
+    # Llama's exporter writes, so the residual Add and the norm join one row kernel; parity against ORT's own op
+    from ortfuse.api import compile_model
+    m = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "r"], ["s"]),
+               node("RMSNormalization", ["s", "g"], ["out"], epsilon=1e-6)],
+              [vi("x", dt, ["n", 7, 64]), vi("r", dt, ["n", 7, 96])], [vi("out", dt, None)],
+              [const("w", _w((64, 96), dt, 1), NP[dt]), const("g", _w(96, dt, 3, 1.0), NP[dt])], opset=23)
+    res = compile_model(m, {"x": ("n", 7, 64), "r": ("n", 7, 96)}, "sm_90")
+    assert "RMSNormalization" not in {n.op_type for n in res.model.graph.node}
+    assert any(r.kind in ("rowreduce", "gemm_row") for r in res.plan.regions)
+    from ortfuse.check import check_models
+    rep = check_models(m, res.model, emulate=True, input_shapes={"x": (3, 7, 64), "r": (3, 7, 96)})
+    assert rep.ok, "\n".join(rep.lines())

@@ -63,6 +63,12 @@ def _cases(dtype: int) -> list[tuple[str, onnx.ModelProto]]:
         ("SimplifiedLayerNormalization@opset18", _model(
             helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"], name="n", epsilon=1e-6),
             x3, {"g": w(H)}, out, dtype, opset=18)),
+        ("RMSNormalization@opset23", _model(  # ONNX's own
+            helper.make_node("RMSNormalization", ["x", "g"], ["y"], name="n", epsilon=1e-6),
+            x3, {"g": w(H)}, out, dtype, opset=23)),
+        ("RMSNormalization@opset23-default-eps", _model(
+            helper.make_node("RMSNormalization", ["x", "g"], ["y"], name="n", axis=-1),
+            x3, {"g": w(H)}, out, dtype, opset=23)),
     ]
 
 
@@ -83,7 +89,8 @@ def test_split_computes_what_orts_kernel_computes(dtype, label):
         g = build_graph(load_model(m))
         split, splits = split_contrib_ops(g)
         assert len(splits) == 1, label
-        assert all(n.domain == "" and n.op_type != "SimplifiedLayerNormalization" for n in split.model.graph.node), label
+        assert all(n.domain == "" and n.op_type not in ("SimplifiedLayerNormalization", "RMSNormalization")
+                   for n in split.model.graph.node), label
         assert m.opset_import[0].version >= 17 or "LayerNormalization" not in {n.op_type for n in split.model.graph.node}
         rng = np.random.default_rng(0)
         np_t = helper.tensor_dtype_to_np_dtype(dtype)
@@ -153,7 +160,9 @@ def test_not_split_where_the_function_would_change():
     mixed.graph.output[0].type.tensor_type.elem_type = F16
     double = _model(helper.make_node("Gelu", ["x"], ["y"], name="n", domain=MS), x, {}, {"y": (2, 5, H)},
                     TensorProto.DOUBLE)
-    for m in (stats, inner_axis, mixed, double):
+    two_axes = _model(helper.make_node("RMSNormalization", ["x", "g"], ["y"], name="n", axis=1),
+                      x, {"g": np.ones((5, H), np.float32)}, {"y": (2, 5, H)}, F32, opset=23)
+    for m in (stats, inner_axis, mixed, double, two_axes):
         g = build_graph(load_model(m))
         assert split_contrib_ops(g) == (g, ())
 
