@@ -157,8 +157,9 @@ def _on_cpu(model: onnx.ModelProto, label: str) -> tuple[onnx.ModelProto, Option
     if not computes_in_bf16(model):
         return model, None
     flat = _inlined(model) if model.functions else model
+    types = _dtypes(flat)  # (an inference error is the model's, not bf16's)
     try:
-        sh = shadow(flat, _dtypes(flat), label)
+        sh = shadow(flat, types, label)
     except InputError as e:
         raise InputError(f"{e}; ORT's CPU EP has no bfloat16 arithmetic, so check it on a GPU (--provider cuda)") from e
     return sh.model, sh
@@ -230,7 +231,7 @@ def _judged_against_fp32(diffs: tuple[Diff, ...], src: onnx.ModelProto, feeds: M
     is held to that: within 1e-2 of it, or within CONDITIONING_FACTOR times ORT's own distance from it."""
     flat = _inlined(src) if src.functions else src
     try:
-        twin = shadow(flat, _dtypes(flat), "the original model", rounded=False)
+        twin = shadow(flat, {}, "the original model", rounded=False)
     except InputError as e:  # (on the CUDA EP: ORT's verdict stands, and says why it was not judged again)
         return tuple(d if d.ok or n not in half_fed else dataclasses.replace(d, name=f"{d.name} (bf16, not judged "
                                                                              f"against fp32: {e})")
@@ -330,11 +331,14 @@ def _half_fed(model: onnx.ModelProto) -> set[str]:
 
 
 def _fed_by(nodes: Sequence[onnx.NodeProto], seeds: set[str], types: tuple[int, ...] = _HALF) -> set[str]:
-    """`seeds` and the tensors computed from them or from a Cast to, or a Constant of, one of `types`."""
+    """`seeds` and the tensors computed from them or from a Cast to, or a Constant of, one of `types`; not through
+    a Shape or Size, whose values are a tensor's dims (a run-time Expand target read from a half input)."""
     fed, grew = set(seeds), True
     while grew:  # (to a fixed point: a function body need not be in topological order)
         grew = False
         for n in nodes:
+            if n.op_type in ("Shape", "Size"):
+                continue
             to_half = n.op_type == "Cast" and any(a.name == "to" and a.i in types for a in n.attribute)
             const_half = n.op_type == "Constant" and any(a.name == "value" and a.t.data_type in types
                                                          for a in n.attribute)
@@ -353,7 +357,7 @@ def _fp32_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: 
     fp16/bf16 inputs, weights, Constants and Casts are fp32, so no intermediate is rounded."""
     feeds = dict(zip(body.input, inputs))
     m = _body_model(body, feeds)
-    twin = shadow(m, _dtypes(m), f"function {body.name}", rounded=False, types=_HALF)
+    twin = shadow(m, {}, f"function {body.name}", rounded=False, types=_HALF)
     got = dict(zip(body.output, _session(twin.model, ["CPUExecutionProvider"]).run(None, twin.feeds(feeds))))
     return [got[o] for o in outputs]
 
@@ -390,8 +394,9 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
     if body is not None:
         half_in = {t for t, a in zip(body.input, inputs) if _is_half(a)}
         bf16_in = {t for t, a in zip(body.input, inputs) if a.dtype.name == "bfloat16"}
-        fed = [o in _fed_by(body.node, half_in) for o in body.output]
-        fed_bf16 = [o in _fed_by(body.node, bf16_in, (onnx.TensorProto.BFLOAT16,)) for o in body.output]
+        half_fed, bf16_fed = _fed_by(body.node, half_in), _fed_by(body.node, bf16_in, (onnx.TensorProto.BFLOAT16,))
+        fed = [o in half_fed for o in body.output]
+        fed_bf16 = [o in bf16_fed for o in body.output]
     else:
         fed = [any(_is_half(a) for a in inputs)] * len(node.output)
         fed_bf16 = [any(a.dtype.name == "bfloat16" for a in inputs)] * len(node.output)

@@ -517,6 +517,43 @@ def test_half_tolerance_applies_only_downstream_of_the_cast_to_half():
     assert not d1.ok and d2.ok
 
 
+def test_a_run_time_shape_read_from_a_half_input_does_not_loosen_fp32_outputs():
+    """y1 = Expand(Exp(v), Shape(x16)) moves fp32 values only: its target, read from an fp16 input, is dims, not
+    half-precision data, so y1 keeps 1e-5 while y0 = Cast(x16) * y1 gets fp16's 1e-2."""
+    F, H = TP.FLOAT, TP.FLOAT16
+    m = model([node("Shape", ["x"], ["sh"]), node("Exp", ["v"], ["ev"]), node("Expand", ["ev", "sh"], ["y1"]),
+               node("Cast", ["x"], ["xf"], to=F), node("Mul", ["xf", "y1"], ["y0"])],
+              [vi("x", H, [4, "S"]), vi("v", F, [4, 1])], [vi("y0", F, [4, "S"]), vi("y1", F, [4, "S"])])
+    res = compile_model(m, None, "sm_90")
+    rng = np.random.default_rng(0)
+    x, v = rng.standard_normal((4, 64)).astype(np.float16), rng.standard_normal((4, 1)).astype(np.float32)
+    y0, y1 = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "v": v})
+    fused = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    bodies = {f.name: f for f in res.model.functions}
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    values.update(x=x, v=v, ev=np.exp(v), y0=y0 * (1 + 3e-3), y1=y1 * (1 + 3e-3))
+    diffs = {d.name.split()[0]: d for n in fused for d in _emulate_node(n, values, body=bodies[n.op_type])}
+    assert diffs["y1"].tol == 1e-5 and not diffs["y1"].ok and diffs["y0"].ok
+
+
+def test_the_fp32_twin_converts_every_half_type_in_a_body():
+    """A body whose fp16 comes from ConstantOfShape's value and EyeLike's dtype as well as its inputs: its fp32
+    computation runs (an fp16 constant beside an fp32 input was a type clash) and matches numpy in fp32."""
+    from ortfuse.check import _fp32_twin
+    H = TP.FLOAT16
+    body = onnx.helper.make_function(
+        "ortfuse", "f", ["x", "s"], ["y"],
+        [onnx.helper.make_node("ConstantOfShape", ["s"], ["c"],
+                               value=onnx.numpy_helper.from_array(np.array([0.1], np.float16))),
+         onnx.helper.make_node("EyeLike", ["x"], ["e"], dtype=H), onnx.helper.make_node("Add", ["x", "c"], ["a"]),
+         onnx.helper.make_node("Mul", ["a", "e"], ["m"]), onnx.helper.make_node("Exp", ["m"], ["y"])],
+        [onnx.helper.make_opsetid("", 18)])
+    x = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float16)
+    (y,) = _fp32_twin(body, [x, np.array([6, 6], np.int64)], ["y"])
+    want = np.exp((x.astype(np.float32) + np.float32(np.float16(0.1))) * np.eye(6, dtype=np.float32))
+    assert y.dtype == np.float32 and np.allclose(y, want, rtol=1e-6)
+
+
 def test_ill_conditioned_half_outputs_are_held_to_orts_own_variation():
     """A half output that ORT's own graph optimizations move past 1e-2 (ppocr_det in fp16: BatchNorm variances
     near fp16's subnormal range) is held to twice that move, labelled so; a larger error still fails, and fp32
