@@ -140,10 +140,9 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
         own_resize = ssi.dispatcher_.get("Resize")
         if own_resize is not None:
             ssi.dispatcher_["Resize"] = lambda node: _resize(ssi, node, own_resize)
-        if (_proto.opset_of(model) or 0) >= 18:
-            for op in AXES_INPUT_FROM_18:
-                own = ssi.dispatcher_.get(op)
-                ssi.dispatcher_[op] = lambda node, own=own: _reduce_18(ssi, node, own)
+        opset = _proto.opset_of(model) or 0
+        for op in ("ReduceSum", *AXES_INPUT_FROM_18) if opset >= 18 else ("ReduceSum",) if opset >= 13 else ():
+            ssi.dispatcher_[op] = lambda node: _reduce_axes_input(ssi, node)
         ssi._preprocess(model)
         complete = False
         while ssi.run_:
@@ -159,24 +158,38 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
 # Reductions whose axes became an input at opset 18 (ReduceSum's did at 13). The tool's rule for an axes input
 # serves ReduceSum and ReduceMean only: for these, ONNX's single-node inference cannot read axes that a Constant
 # node makes, and gives the output new symbolic dims (SwinV2's ReduceL2 at opset 22: no shape folded after it).
-AXES_INPUT_FROM_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMin",
-                      "ReduceProd", "ReduceSumSquare")
+# The tool's rule itself takes empty axes for no reduction (noop_with_empty_axes=0 reduces every axis) and
+# asserts on run-time axes with keepdims=0, which fails the whole inference: `_reduce_axes_input` covers both.
+AXES_INPUT_FROM_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
+                      "ReduceMin", "ReduceProd", "ReduceSumSquare")
 
 
-def _reduce_18(ssi, node: onnx.NodeProto, own) -> None:
-    """An opset-18 reduction: its output shape by the tool's ReduceSum rule where axes is an input, and for a
-    ReduceProd over axis 0 of a known vector (a shape's element count) its value, as the tool's rule for the
-    attribute form gives it."""
+def _reduce_axes_input(ssi, node: onnx.NodeProto) -> None:
+    """A reduction's output shape where axes is an input; and a ReduceProd of a shape vector (its element
+    count, as a Reshape target computes it) as a value, as the tool's rule for the attribute form gives it."""
     from onnxruntime.tools.symbolic_shape_infer import get_attribute, sympy_reduce_product
-    if len(node.input) > 1 and node.input[1]:
+    keep = get_attribute(node, "keepdims", 1)
+    given = len(node.input) > 1 and bool(node.input[1])
+    axes = ssi._try_get_value(node, 1) if given else None
+    if given and axes is None:  # computed at run time: the rank only, where it is kept
+        if keep:
+            ssi._infer_ReduceSum(node)
+        return
+    axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+    if axes is not None and len(axes) > 0:
         ssi._infer_ReduceSum(node)
-        if node.op_type == "ReduceProd" and get_attribute(node, "keepdims", 1) == 0:
-            axes = ssi._try_get_value(node, 1)
-            data = ssi._try_get_value(node, 0)
-            if axes is not None and [int(a) for a in np.asarray(axes).reshape(-1)] == [0] and data is not None:
-                ssi.sympy_data_[node.output[0]] = sympy_reduce_product(ssi._get_int_or_float_values(node)[0])
-    elif own is not None:
-        own(node)
+    else:  # no axes: every axis, or none with noop_with_empty_axes
+        shape = ssi._get_shape(node, 0)
+        if shape is None:
+            return
+        out = shape if get_attribute(node, "noop_with_empty_axes", 0) else ([1] * len(shape) if keep else [])
+        ssi.known_vi_[node.output[0]].CopyFrom(onnx.helper.make_tensor_value_info(
+            node.output[0], ssi.known_vi_[node.input[0]].type.tensor_type.elem_type, out))
+    if node.op_type == "ReduceProd" and not keep:
+        data = ssi._try_get_value(node, 0)
+        whole = axes in ([0], [-1]) or (axes is None or axes == []) and not get_attribute(node, "noop_with_empty_axes", 0)
+        if data is not None and np.ndim(data) == 1 and whole:
+            ssi.sympy_data_[node.output[0]] = sympy_reduce_product(ssi._get_int_or_float_values(node)[0])
 
 
 def _same_padded(ssi, node: onnx.NodeProto, channels_last: bool, own):

@@ -53,7 +53,7 @@ CUDA_HOST_INPUTS: dict[str, frozenset[int]] = {
     "Slice": frozenset({1, 2, 3, 4}), "Resize": frozenset({1, 2, 3}), "Upsample": frozenset({1}),
     "Pad": frozenset({1, 2}), "ConstantOfShape": frozenset({0}), "Tile": frozenset({1}), "CumSum": frozenset({1}),
     **{op: frozenset({1}) for op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
-                                     "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSumExp")},
+                                     "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp")},
 }
 
 # Window ops: each output pixel reads a window of its input, like a depthwise Conv (`search.pool`).

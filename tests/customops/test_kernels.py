@@ -300,6 +300,25 @@ def test_norm_and_log_reductions(dt):
     assert not [n.op_type for n in res.model.graph.node if n.domain != "ortfuse" and n.op_type != "Constant"]
 
 
+@pytest.mark.parametrize("dt", [F, H])
+def test_log_sum_exp_of_infinite_rows(dt):
+    """A row of -inf (every key masked) has log-sum-exp -inf, a row with +inf +inf, as ONNX and ORT give;
+    max + log(sum(exp(x - max))) alone makes NaN of both."""
+    m = model([node("Mul", ["x", "two"], ["x2"]), node("ReduceLogSumExp", ["x2", "ax"], ["l"], keepdims=0),
+               node("Add", ["l", "two"], ["y"])], [vi("x", dt, [4, 8])], [vi("y", dt, None)],
+              [const("ax", [-1], np.int64), const("two", 2.0, NP[dt])], opset=18)
+    res = compile_model(m, {}, "sm_90")
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(NP[dt])
+    x[0] = -np.inf
+    x[1, 3] = np.inf
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert want[0] == -np.inf and want[1] == np.inf
+    (fused,) = [n for n in res.model.graph.node if n.domain == "ortfuse"]
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    (d,) = _emulate_node(fused, {**values, "x": x, "y": want})
+    assert d.ok, d
+
+
 def test_layout_ops_folded_into_index_math():
     # bias add, head split (Reshape + Transpose), Squeeze/Unsqueeze/Expand around element-wise ops
     m = model([node("Add", ["x", "b"], ["xb"]), node("Reshape", ["xb", "shp"], ["r"]),

@@ -520,3 +520,27 @@ def test_opset_18_reductions_with_axes_from_a_constant_node(op, keepdims):
     shapes = build_graph(load_model(m)).tensors
     assert shapes["r"].shape == (("n", "s", 1) if keepdims else ("n", "s"))
     assert shapes["flat"].shape == ("8*n*s",)
+
+
+@pytest.mark.parametrize("keepdims,noop,want", [(1, 0, (1, 1)), (0, 0, ()), (1, 1, ("n", 8)), (0, 1, ("n", 8))])
+def test_empty_axes_reduce_every_axis_unless_noop(keepdims, noop, want):
+    t = onnx.TensorProto
+    nodes = [helper.make_node("Constant", [], ["ax"], value=numpy_helper.from_array(np.array([], np.int64))),
+             helper.make_node("ReduceMax", ["x", "ax"], ["r"], keepdims=keepdims, noop_with_empty_axes=noop)]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", t.FLOAT, ["n", 8])],
+                          [helper.make_tensor_value_info("r", t.FLOAT, [None] * len(want))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    assert build_graph(load_model(m)).tensors["r"].shape == want
+
+
+def test_run_time_axes_without_kept_dims_leave_the_rest_of_the_model_symbolic():
+    # the tool's ReduceSum rule asserts keepdims there, which failed inference for the whole model
+    t = onnx.TensorProto
+    nodes = [helper.make_node("Neg", ["k"], ["ax"]), helper.make_node("ReduceL2", ["x", "ax"], ["r"], keepdims=0),
+             helper.make_node("Relu", ["x"], ["y"])]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", t.FLOAT, ["n", 8]),
+                                       helper.make_tensor_value_info("k", t.INT64, [1])],
+                          [helper.make_tensor_value_info("r", t.FLOAT, [None]),
+                           helper.make_tensor_value_info("y", t.FLOAT, [None, None])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    assert build_graph(load_model(m)).tensors["y"].shape == ("n", 8)
