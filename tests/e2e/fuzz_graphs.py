@@ -207,7 +207,7 @@ class _Builder:
 
     def rare(self, x: str, s: Shape) -> None:
         """The less common fusible forms: Expand, Unsqueeze/Squeeze, Flatten, Pow, Div, LogSoftmax, a
-        Softmax or sum of squares not over the last axis, Gemm with transB and alpha, MatMul with a batched
+        Softmax not over the last axis, a sum of squares, L2 or L1 norm or log-sum-exp over it, Gemm with transB and alpha, MatMul with a batched
         constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
@@ -301,8 +301,9 @@ class _Builder:
             self.add("LogSoftmax", [x], s, axis=-1)
         elif kind == "softmax1" and rank >= 3:
             self.add("Softmax", [x], s, axis=1)
-        elif kind == "sumsquare" and static[-1]:
-            self.reduce("ReduceSumSquare", x, (-1,), s[:-1] + (1,), 1)
+        elif kind == "sumsquare" and static[-1]:  # or another norm-like reduction over the row
+            op = str(self.rng.choice(["ReduceSumSquare", "ReduceL2", "ReduceL1", "ReduceLogSumExp"]))
+            self.reduce(op, x, (-1,), s[:-1] + (1,), 1)
         elif kind == "gemm" and rank == 2 and static[-1]:
             k = int(self.rng.choice([8, 24]))
             w = self.const(self.rng.uniform(-1, 1, (k, s[-1])) / np.sqrt(s[-1]), "w")
