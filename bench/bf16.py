@@ -3,7 +3,8 @@
 Ops whose schema at the model's opset takes fp16 but not bf16 for an input or output (Cos, Sin, Conv and
 the pools before opset 22, ConstantOfShape's output before 20, Dropout for its ratio and Resize for its
 scales: 65 ops at opset 17, 19 at 22) stay in fp32 between Casts, as the converter keeps the ops it is told
-to block: the model is valid ONNX. Values go fp32 -> fp16 -> bf16 (the converter clamps constants to fp16's range: attention masks
+to block: the model is valid ONNX. Values go fp32 -> fp16 -> bf16 (the converter clamps constants to fp16's
+range: attention masks
 stay finite), the same model as the fp16 row, in the other half-precision type.
 
 ONNX Runtime has no converter to bf16; an exporter writes one from a bf16 module (torch.onnx.export's dynamo

@@ -243,7 +243,8 @@ class Row:
                 f"{self.seconds:.1f} |")
 
 
-def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"), opset: int = EXPORT_OPSET) -> dict[str, Path]:
+def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
+           opset: int = EXPORT_OPSET) -> dict[str, Path]:
     """ONNX files of the tiny model `name` (the first output only) in `dtypes`: fp32 always (the others are
     converted from it), fp16 and bf16 where asked; exported at opset 17, converted to `opset` if another."""
     import onnx

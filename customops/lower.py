@@ -1138,7 +1138,8 @@ class _Lowerer:
             s = self.row_reduce("sum", lambda c: self.bind(ir.Op("exp", (ir.Op("sub", (elem(c), m), F32),), F32)),
                                 (x, "sumexp"))
             # a row of -inf (every key masked) or with a +inf: the max itself, as ONNX and ORT give (x - max is NaN)
-            return ir.Op("select", (ir.Op("isinf", (m,), BOOL), m, ir.Op("add", (m, ir.Op("log", (s,), F32)), F32)), F32)
+            lse = ir.Op("add", (m, ir.Op("log", (s,), F32)), F32)
+            return ir.Op("select", (ir.Op("isinf", (m,), BOOL), m, lse), F32)
         if op in ("Softmax", "LogSoftmax"):
             m = self.row_reduce("max", elem, (x, "max"))
             shifted = lambda c: self.bind(ir.Op("sub", (elem(c), m), F32))  # noqa: E731

@@ -99,10 +99,10 @@ class Shadow:
 def shadow(model: onnx.ModelProto, dtypes: Mapping[str, int], label: str = "model", rounded: bool = True,
            types: tuple[int, ...] = (BF16,)) -> Shadow:
     """The fp32 shadow of `model` (no model-local functions: inline them first). `dtypes`: the element type of
-    every tensor the graph's nodes produce (type inference's; unused unrounded: pass {}). The weights are converted, so the shadow holds
-    fp32 copies of the bf16 ones. `rounded=False`: no rounding at all, the model's computation in fp32 (its
-    bf16 constants, weights and inputs as they are), the reference a bf16 result is an approximation of; then
-    `types` may add fp16, for a half-precision model computed in fp32."""
+    every tensor the graph's nodes produce (type inference's; unused unrounded: pass {}). The weights are
+    converted, so the shadow holds fp32 copies of the bf16 ones. `rounded=False`: no rounding at all, the
+    model's computation in fp32 (its bf16 constants, weights and inputs as they are), the reference a bf16
+    result is an approximation of; then `types` may add fp16, for a half-precision model computed in fp32."""
     if model.functions:
         raise ValueError("shadow() takes a model whose local functions are inlined")
     if rounded and types != (BF16,):

@@ -342,8 +342,9 @@ def _fed_by(nodes: Sequence[onnx.NodeProto], seeds: set[str], types: tuple[int, 
             to_half = n.op_type == "Cast" and any(a.name == "to" and a.i in types for a in n.attribute)
             const_half = n.op_type == "Constant" and any(a.name == "value" and a.t.data_type in types
                                                          for a in n.attribute)
-            if (to_half or const_half or any(t in fed for t in n.input)) and not fed.issuperset(o for o in n.output if o):
-                fed.update(o for o in n.output if o)
+            outs = [o for o in n.output if o]
+            if (to_half or const_half or any(t in fed for t in n.input)) and not fed.issuperset(outs):
+                fed.update(outs)
                 grew = True
     return fed
 

@@ -156,7 +156,7 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
 
 
 # Reductions whose axes became an input at opset 18 (ReduceSum's did at 13). The tool's rule for an axes input
-# serves ReduceSum and ReduceMean only: for these, ONNX's single-node inference cannot read axes that a Constant
+# serves ReduceSum and ReduceMean only: for the others, ONNX's single-node inference cannot read axes that a Constant
 # node makes, and gives the output new symbolic dims (SwinV2's ReduceL2 at opset 22: no shape folded after it).
 # The tool's rule itself takes empty axes for no reduction (noop_with_empty_axes=0 reduces every axis) and
 # asserts on run-time axes with keepdims=0, which fails the whole inference: `_reduce_axes_input` covers both.
@@ -187,7 +187,8 @@ def _reduce_axes_input(ssi, node: onnx.NodeProto) -> None:
             node.output[0], ssi.known_vi_[node.input[0]].type.tensor_type.elem_type, out))
     if node.op_type == "ReduceProd" and not keep:
         data = ssi._try_get_value(node, 0)
-        whole = axes in ([0], [-1]) or (axes is None or axes == []) and not get_attribute(node, "noop_with_empty_axes", 0)
+        every = not axes and not get_attribute(node, "noop_with_empty_axes", 0)  # (None or [])
+        whole = axes in ([0], [-1]) or every
         if data is not None and np.ndim(data) == 1 and whole:
             ssi.sympy_data_[node.output[0]] = sympy_reduce_product(ssi._get_int_or_float_values(node)[0])
 

@@ -207,8 +207,8 @@ class _Builder:
 
     def rare(self, x: str, s: Shape) -> None:
         """The less common fusible forms: Expand, Unsqueeze/Squeeze, Flatten, Pow, Div, LogSoftmax, a
-        Softmax not over the last axis, a sum of squares, L2 or L1 norm or log-sum-exp over it, Gemm with transB and alpha, MatMul with a batched
-        constant weight, and values scaled to extremes."""
+        Softmax not over the last axis; a sum of squares, L2 or L1 norm or log-sum-exp over the last one; Gemm
+        with transB and alpha, MatMul with a batched constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
                                     "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat", "expand_rt", "slice"]))
