@@ -571,3 +571,18 @@ def wrong_gelu(src, dst, out) -> None:
         if n.op_type == "Erf":
             n.op_type = "Tanh"
     onnx.save(m, str(out))
+
+
+def norm_reductions(dt: int) -> onnx.ModelProto:
+    """Row reductions beyond the sums (opset 18, axes from a Constant node): F.normalize's x / max(||x||, eps),
+    a sum of squares sharing ReduceL2's, ReduceL1, ReduceLogSum of |x| and ReduceLogSumExp, over x [r, 50]."""
+    npd = helper.tensor_dtype_to_np_dtype(dt)
+    ax = helper.make_node("Constant", [], ["ax"], value=numpy_helper.from_array(np.array([-1], np.int64)))
+    return model([ax, node("ReduceL2", ["x", "ax"], ["n2"], keepdims=1), node("Max", ["n2", "eps"], ["nc"]),
+                  node("Div", ["x", "nc"], ["y"]), node("ReduceSumSquare", ["x", "ax"], ["ss"], keepdims=0),
+                  node("ReduceL1", ["x", "ax"], ["l1"], keepdims=0), node("Abs", ["x"], ["ab"]),
+                  node("ReduceLogSum", ["ab", "ax"], ["ls"], keepdims=0),
+                  node("ReduceLogSumExp", ["x", "ax"], ["lse"], keepdims=0), node("Add", ["ss", "l1"], ["a"]),
+                  node("Add", ["ls", "lse"], ["b"]), node("Sub", ["a", "b"], ["z"])],
+                 [vi("x", dt, ["r", 50])], [vi("y", dt, None), vi("z", dt, None)], [const("eps", 1e-6, npd)],
+                 opset=18)

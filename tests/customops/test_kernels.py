@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, model, node, vi
+from helpers import const, model, node, norm_reductions, vi
 from ortfuse.api import compile_model
 from ortfuse.check import _emulate_node, check_models, compare
 from ortfuse.customops.compile import _run_nvrtc, check_elf
@@ -287,15 +287,7 @@ def test_norm_and_log_reductions(dt):
     """ReduceL2 (F.normalize: x / max(||x||, eps), SwinV2's cosine attention, CLIP's embeddings), ReduceL1,
     ReduceLogSum and ReduceLogSumExp over the row, kept and dropped dims, in one kernel with the sum of squares
     shared with a ReduceSumSquare; axes as an input (opset 18), from a Constant node."""
-    ax = onnx.helper.make_node("Constant", [], ["ax"], value=onnx.numpy_helper.from_array(np.array([-1], np.int64)))
-    m = model([ax, node("ReduceL2", ["x", "ax"], ["n2"], keepdims=1), node("Max", ["n2", "eps"], ["nc"]),
-               node("Div", ["x", "nc"], ["y"]), node("ReduceSumSquare", ["x", "ax"], ["ss"], keepdims=0),
-               node("ReduceL1", ["x", "ax"], ["l1"], keepdims=0), node("Abs", ["x"], ["ab"]),
-               node("ReduceLogSum", ["ab", "ax"], ["ls"], keepdims=0),
-               node("ReduceLogSumExp", ["x", "ax"], ["lse"], keepdims=0), node("Add", ["ss", "l1"], ["a"]),
-               node("Add", ["ls", "lse"], ["b"]), node("Sub", ["a", "b"], ["z"])],
-              [vi("x", dt, ["r", 50])], [vi("y", dt, None), vi("z", dt, None)], [const("eps", 1e-6, NP[dt])],
-              opset=18)
+    m = norm_reductions(dt)
     res = _run(m, {}, {"x": (9, 50)})
     assert not [n.op_type for n in res.model.graph.node if n.domain != "ortfuse" and n.op_type != "Constant"]
 

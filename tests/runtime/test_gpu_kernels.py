@@ -11,8 +11,8 @@ from onnx import TensorProto as TP
 
 import ortfuse
 from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention,
-                     merged_heads_attention, mix_ffn, model, nan_guarded, node, resized, rope_attention, rope_shapes,
-                     short_rows, vi)
+                     merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, resized,
+                     rope_attention, rope_shapes, short_rows, vi)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -239,6 +239,25 @@ def test_short_rows_sharing_a_warp_on_gpu(dt, hidden):
     res = compile_model(m, None, "sm_90")
     assert [r.kind for r in res.plan.regions] == ["rowreduce"]
     rep = check_models(m, res.model, provider="cuda", input_shapes={"y": (7, 5, hidden), "r": (7, 5, hidden)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_norm_and_log_reductions_on_gpu(dt):
+    # session 37 (CPU only until this runs): ReduceL2 / L1 / LogSum / LogSumExp row kernels, and ONNX's
+    # RMSNormalization (opset 23) split after a GEMM + residual, against ORT's own CUDA kernels
+    m = norm_reductions(dt)
+    res = compile_model(m, None, "sm_90")
+    assert not [n.op_type for n in res.model.graph.node if n.domain != "ortfuse" and n.op_type != "Constant"]
+    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (333, 50)})
+    assert rep.ok, "\n".join(rep.lines())
+    rms = model([node("MatMul", ["x", "w"], ["y"]), node("Add", ["y", "r"], ["s"]),
+                 node("RMSNormalization", ["s", "g"], ["out"], epsilon=1e-6)],
+                [vi("x", dt, ["n", 7, 64]), vi("r", dt, ["n", 7, 96])], [vi("out", dt, None)],
+                [const("w", _w((64, 96), dt, 1), NP[dt]), const("g", _w(96, dt, 3) + NP[dt](1), NP[dt])], opset=23)
+    res = compile_model(rms, None, "sm_90")
+    assert "RMSNormalization" not in {n.op_type for n in res.model.graph.node}
+    rep = check_models(rms, res.model, provider="cuda", input_shapes={"x": (3, 7, 64), "r": (3, 7, 96)})
     assert rep.ok, "\n".join(rep.lines())
 
 
