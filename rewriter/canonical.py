@@ -665,8 +665,12 @@ def _fold_plan(g: Graph, members: list[int], chosen: set[int], computed: dict[st
 def _run_on_ort(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[str],
                 g: Graph) -> Optional[dict[str, np.ndarray]]:
     """`outputs` of `nodes` on constant `inputs`, by ONNX Runtime's CPU kernels with its graph optimizations off
-    (what its constant folding runs); None where ORT cannot (an op it lacks on the CPU)."""
+    (what its constant folding runs); None where ORT cannot (an op it lacks on the CPU). bf16, for which the CPU
+    EP has almost no kernels (so ORT itself leaves such nodes to run on the GPU), runs as its fp32 shadow: each
+    op in fp32, each bf16 result rounded to bf16, as the CUDA EP computes them op by op."""
     import onnxruntime as ort
+
+    from ortfuse.bf16_shadow import computes_in_bf16, shadow
 
     graph = onnx.helper.make_graph(nodes, "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in outputs],
                                    [numpy_helper.from_array(v, x) for x, v in inputs.items()])
@@ -676,8 +680,13 @@ def _run_on_ort(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outp
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     try:
+        sh = None
+        if computes_in_bf16(m):
+            sh = shadow(m, {o: g.tensors[o].dtype for n in nodes for o in n.output if o in g.tensors}, "fold")
+            m = sh.model
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return dict(zip(outputs, sess.run(outputs, {})))
+        got = sess.run(outputs, {})
+        return {o: sh.restored(o, v) if sh is not None else v for o, v in zip(outputs, got)}
     except Exception:  # noqa: BLE001 -- ORT refused or failed: the nodes simply stay
         return None
 

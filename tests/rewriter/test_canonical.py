@@ -700,3 +700,27 @@ def test_a_merge_is_traced_to_its_tensor_by_name_after_folds_remove_nodes():
     feeds = {"x0": np.ones(3, np.float32), "z": np.ones((1, 1), np.float32), "t": np.array([2, 1], np.int64),
              "x": np.ones((2, 5), np.float32)}
     _folded_agrees(m, feeds)
+
+
+def test_a_bf16_weight_computed_from_constants_folds_through_the_fp32_shadow():
+    """ORT's CPU EP has no bf16 ReduceMean, Sub or Sqrt, so ORT's own constant folding leaves a bf16 BiT weight
+    standardization to run on the GPU, op by op; it folds here to those values: each op in fp32, each result
+    rounded to bf16 (numpy below, the same order). (Conv stays fp32 at this opset: the folded weight is the
+    Cast of the bf16 result.)"""
+    import ml_dtypes
+
+    from ortfuse.bench.bf16 import to_bf16
+    m = to_bf16(_standardized_conv())
+    assert next(t for t in m.graph.initializer if t.name == "w").data_type == TP.BFLOAT16
+    g2, n = fold_constant_subgraphs(build_graph(m, {}))
+    assert n == 1 and [x.op_type for x in g2.nodes if x.op_type != "Cast"] == ["Conv"]
+    got = np.asarray(g2.constants[next(x for x in g2.nodes if x.op_type == "Conv").input[1]], np.float32)
+
+    def bf(a):
+        return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    w = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "w")).astype(np.float32)
+    eps = bf(np.float32(np.float16(1e-6)))  # (the fp16 conversion's value, retyped)
+    d = bf(w - bf(w.mean(axis=(1, 2, 3), keepdims=True)))
+    var = bf(bf(d * d).mean(axis=(1, 2, 3), keepdims=True))
+    want = bf(d / bf(np.sqrt(bf(var + eps))))
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
