@@ -141,7 +141,8 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
         if own_resize is not None:
             ssi.dispatcher_["Resize"] = lambda node: _resize(ssi, node, own_resize)
         opset = _proto.opset_of(model) or 0
-        for op in ("ReduceSum", *AXES_INPUT_FROM_18) if opset >= 18 else ("ReduceSum",) if opset >= 13 else ():
+        axes_inputs = (("ReduceSum",) if opset >= 13 else ()) + (AXES_INPUT_FROM_18 if opset >= 18 else ())
+        for op in axes_inputs:
             ssi.dispatcher_[op] = lambda node: _reduce_axes_input(ssi, node)
         ssi._preprocess(model)
         complete = False

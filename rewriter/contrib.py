@@ -41,6 +41,8 @@ _SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
 # (the default-domain ones as ORT's own: LayerNormalization before 17; and ONNX's RMSNormalization, opset 23)
 _NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
           "LayerNormalization", "RMSNormalization")
+# ONNX's own ops split as ORT's are (the search knows only their standard ops)
+_ONNX_SPLIT = frozenset({"RMSNormalization"})
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -190,7 +192,7 @@ def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
     if x is None or x.dtype not in _FLOATS:
         return False
-    if _domain(n) == "" and n.op_type != "RMSNormalization" and not _proto.ort_default_domain_op(g.model, n):
+    if _domain(n) == "" and n.op_type not in _ONNX_SPLIT and not _proto.ort_default_domain_op(g.model, n):
         return False  # ONNX's own LayerNormalization (17 on): the search takes it as it is
     if n.op_type in _NORMS:
         stats = n.output[1:3] if n.op_type.startswith("Skip") or n.op_type == "LayerNormalization" else n.output[1:2]

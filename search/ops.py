@@ -32,13 +32,14 @@ LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "F
 # Layout ops ORT runs without a kernel (it aliases the buffer): fusing them saves no traffic.
 FREE_IN_ORT = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
+# The reductions whose axes are input 1 (opset 18 on; ReduceSum from 13).
+AXES_INPUT_REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceProd",
+                         "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp")
+
 # Input positions that carry shapes or axes, not element data.
 META_INPUTS: dict[str, frozenset[int]] = {
     "Reshape": frozenset({1}), "Expand": frozenset({1}), "Squeeze": frozenset({1}),
-    "Unsqueeze": frozenset({1}), "ReduceMean": frozenset({1}), "ReduceSum": frozenset({1}),
-    "ReduceMax": frozenset({1}), "ReduceMin": frozenset({1}), "ReduceSumSquare": frozenset({1}),
-    "ReduceL1": frozenset({1}), "ReduceL2": frozenset({1}), "ReduceLogSum": frozenset({1}),
-    "ReduceLogSumExp": frozenset({1}),
+    "Unsqueeze": frozenset({1}), **{op: frozenset({1}) for op in AXES_INPUT_REDUCTIONS},
     "Range": frozenset({0, 1, 2}),  # start and delta become literals; limit only sets the length
     "Slice": frozenset({1, 2, 3, 4}),  # starts fold into the index; ends only set the length
     "Resize": frozenset({1, 2, 3}),  # roi, scales, sizes: constants folded into the index math
@@ -52,8 +53,7 @@ CUDA_HOST_INPUTS: dict[str, frozenset[int]] = {
     "Reshape": frozenset({1}), "Expand": frozenset({1}), "Squeeze": frozenset({1}), "Unsqueeze": frozenset({1}),
     "Slice": frozenset({1, 2, 3, 4}), "Resize": frozenset({1, 2, 3}), "Upsample": frozenset({1}),
     "Pad": frozenset({1, 2}), "ConstantOfShape": frozenset({0}), "Tile": frozenset({1}), "CumSum": frozenset({1}),
-    **{op: frozenset({1}) for op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceSumSquare",
-                                     "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp")},
+    **{op: frozenset({1}) for op in AXES_INPUT_REDUCTIONS},
 }
 
 # Window ops: each output pixel reads a window of its input, like a depthwise Conv (`search.pool`).
