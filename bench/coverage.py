@@ -244,18 +244,20 @@ class Row:
 
 
 def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
-           opset: int = EXPORT_OPSET) -> dict[str, Path]:
+           opset: Optional[int] = EXPORT_OPSET, exporter: str = "torchscript") -> dict[str, Path]:
     """ONNX files of the tiny model `name` (the first output only) in `dtypes`: fp32 always (the others are
-    converted from it), fp16 and bf16 where asked; exported at opset 17, converted to `opset` if another."""
+    converted from it), fp16 and bf16 where asked. TorchScript exports at opset 17, dynamo (torch.export) at
+    torch's default opset; converted to `opset` if another (None: keep the exporter's)."""
     import onnx
     import onnx.version_converter
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     from ortfuse.bench.bf16 import to_bf16
+    from ortfuse.bench.zoo import _opset
     from ortfuse.rewriter._proto import sort_nodes
 
     if name in ORT_OPTIMIZED:
-        return _ort_optimized(name, folder, dtypes, opset)
+        return _ort_optimized(name, folder, dtypes, opset, exporter)
     import torch
 
     torch.manual_seed(0)
@@ -281,9 +283,17 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
         outputs += [n.replace("past_key_values", "present") for n in names if n.startswith("past_key_values.")]
     fp32 = folder / f"{name}-fp32.onnx"
     with torch.no_grad():
-        torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False,
-                          opset_version=EXPORT_OPSET, input_names=names, output_names=outputs, dynamic_axes=axes)
-    if opset != EXPORT_OPSET:
+        if exporter == "dynamo":  # torch.export's Dims are identifiers: the mask's is renamed after
+            from ortfuse.bench.zoo import _export_dynamo
+            total = {"past_sequence + sequence": "total_sequence"}
+            _export_dynamo(First().eval(), tuple(inputs.values()), names, tuple(outputs),
+                           {n: {i: total.get(d, d) for i, d in a.items()} for n, a in axes.items()}, fp32)
+            _rename_dims(fp32, {v: k for k, v in total.items()})
+        else:
+            torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False,
+                              opset_version=EXPORT_OPSET, input_names=names, output_names=outputs,
+                              dynamic_axes=axes)
+    if opset is not None and opset != _opset(fp32):
         onnx.save_model(onnx.version_converter.convert_version(onnx.load(str(fp32)), opset), str(fp32))
     paths = {"fp32": fp32}
     if "fp16" in dtypes:
@@ -297,7 +307,22 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
     return paths
 
 
-def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str], opset: int) -> dict[str, Path]:
+def _rename_dims(path: Path, names: dict[str, str]) -> None:
+    """Rename symbolic dims everywhere in the model at `path` (so `check` sees how the mask's length
+    relates to the others, as the TorchScript export's names say)."""
+    import onnx
+
+    m = onnx.load(str(path))
+    g = m.graph
+    for vi in [*g.input, *g.output, *g.value_info]:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in names:
+                d.dim_param = names[d.dim_param]
+    onnx.save_model(m, str(path))
+
+
+def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str], opset: Optional[int],
+                   exporter: str) -> dict[str, Path]:
     from onnxruntime.transformers.optimizer import optimize_model
 
     from ortfuse.rewriter._proto import sort_nodes
@@ -305,7 +330,7 @@ def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str], opset: int) -
     source, model_type, heads, hidden = ORT_OPTIMIZED[name]
     fp32 = folder / f"{source}-fp32.onnx"  # the source's own row exported it into this folder, when it ran
     if not fp32.exists():
-        fp32 = export(source, folder, ("fp32",), opset)["fp32"]
+        fp32 = export(source, folder, ("fp32",), opset, exporter)["fp32"]
     paths = {}
     for dtype in [d for d in ("fp32", "fp16") if d in dtypes]:
         opt = optimize_model(str(fp32), model_type=model_type, num_heads=heads, hidden_size=hidden, opt_level=0,
@@ -351,13 +376,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--models", nargs="+", default=NAMES, choices=NAMES)
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16", "bf16"],
                     help="bf16: the fp16 model retyped (bench/bf16.py; not for the _ortopt rows)")
-    ap.add_argument("--opset", type=int, default=EXPORT_OPSET,
-                    help="convert each export to this opset first (22: bf16 Conv and pools)")
+    ap.add_argument("--exporter", choices=["torchscript", "dynamo"], default="torchscript",
+                    help="dynamo: torch.onnx.export(dynamo=True), torch's default since 2.9 (needs onnxscript)")
+    ap.add_argument("--opset", type=int, default=None,
+                    help="convert each export to this opset first (22: bf16 Conv and pools; default: the "
+                         "exporter's own, 17 for TorchScript)")
     ap.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     import transformers
 
-    opset = "" if args.opset == EXPORT_OPSET else f"; converted to opset {args.opset}"
+    opset = "" if args.opset in (None, EXPORT_OPSET) else f"; converted to opset {args.opset}"
+    opset = ("; torch.export (dynamo) " if args.exporter == "dynamo" else "") + opset
     lines = [f"transformers {transformers.__version__}{opset}; regions by kind, graph nodes (after the shape folds) -> "
              "after `optimize`, "
              "attention regions / Softmax nodes, `check --emulate` parity", "",
@@ -367,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             try:
-                paths = export(name, Path(tmp), args.dtypes, args.opset)
+                paths = export(name, Path(tmp), args.dtypes, args.opset, args.exporter)
             except Exception as e:  # noqa: BLE001 -- this transformers may lack the class or its export
                 rows = [Row(name, "-", parity=f"export failed: {type(e).__name__}: {e}"[:160])]
             else:

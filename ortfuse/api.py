@@ -23,7 +23,8 @@ from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
 from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
                                         fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
-                                        fold_runtime_shapes, fold_small_values, unflatten_gemms)
+                                        fold_runtime_shapes, fold_small_values, merge_regrouped_transposes,
+                                        unflatten_gemms)
 from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
@@ -309,6 +310,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, _ = fold_constant_identities(graph)
     graph, _ = bypass_lone_concats(graph)
     graph, _ = bypass_noop_expands(graph)
+    graph, _ = merge_regrouped_transposes(graph)
     graph, _ = isolate_iotas(graph)
     # --profile times a row-wise GEMM epilogue against cuBLAS + our row kernel, so it plans them by the tile
     # model alone; without it the measured floor (Target.row_epilogue_floor) prices them

@@ -25,6 +25,9 @@
   weights, such as zero biases) is bypassed, so its consumers see a constant, as ORT's constant folding
   gives them.
 * `bypass_lone_concats`: a Concat of one input (a copy ORT would run) is bypassed.
+* `merge_regrouped_transposes`: a Reshape that merges adjacent dims, a Transpose of the merged tensor and a
+  Reshape that splits the dims again (torch.export's scaled_dot_product_attention transposes K so:
+  `[B, H, S, D] -> [B*H, S, D] -> [B*H, D, S] -> [B, H, D, S]`) become the one Transpose they compute.
 * `rewriter.gemm_packing`: sibling MatMuls packed into one, gated pairs interleaved (run after these).
 Shape computations left without consumers are removed. BatchNormalization: `rewriter.batchnorm`."""
 from __future__ import annotations
@@ -756,3 +759,80 @@ def bypass_noop_expands(g: Graph) -> tuple[Graph, int]:
         if all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads it
             alias[n.output[0]] = alias.get(n.input[0], n.input[0])
     return _bypass(g, alias)
+
+
+# ---- Reshape, Transpose, Reshape back: one Transpose ----------------------------------------------------------
+
+def _merge_groups(xs: tuple[Dim, ...], ys: tuple[Dim, ...]) -> Optional[list[tuple[int, ...]]]:
+    """For a Reshape from `xs` to `ys` that merges one run of adjacent dims (or none), the dims of xs each
+    dim of ys holds, else None. Equal leading dims keep their index in a row-major reshape (the element
+    count to their right is the same on both sides), so do equal trailing ones; what lies between must be
+    one dim of ys, the run's product (the reshape keeps the element count)."""
+    n, m = len(xs), len(ys)
+    a = 0
+    while a < min(n, m) and xs[a] == ys[a]:
+        a += 1
+    b = 0
+    while b < min(n, m) - a and xs[n - 1 - b] == ys[m - 1 - b]:
+        b += 1
+    if (n - a - b, m - a - b) == (0, 0):
+        return [(i,) for i in range(n)]
+    if m - a - b != 1 or n - a - b < 1:
+        return None
+    return [(i,) for i in range(a)] + [tuple(range(a, n - b))] + [(i,) for i in range(n - b, n)]
+
+
+def merge_regrouped_transposes(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of Reshape → Transpose → Reshape chains now one Transpose): where the first Reshape
+    merges a run of adjacent dims (`_merge_groups`), and the second gives exactly the source's dims in the
+    transposed order of the groups, the chain is Transpose(x) with the groups' perm expanded. The tensors
+    between are read by nothing else. Shapes are the inferred ones, with no size shape inference merged a
+    symbolic dim into. `g` is left untouched."""
+    merged = merged_sizes(g)
+    default = ("", "ai.onnx")
+
+    def shape(t: str) -> Optional[tuple[Dim, ...]]:
+        info = g.tensors.get(t)
+        if info is None or info.shape is None or any(isinstance(d, int) and d in merged for d in info.shape):
+            return None
+        return info.shape
+
+    def single_use(t: str, user: int) -> bool:
+        return t not in g.graph_outputs and g.consumers.get(t, ()) == (user,)
+
+    replaced: dict[int, onnx.NodeProto] = {}
+    for i, split in enumerate(g.nodes):
+        if split.op_type != "Reshape" or split.domain not in default:
+            continue
+        t_i = g.producer.get(split.input[0])
+        transpose = None if t_i is None else g.nodes[t_i]
+        if transpose is None or transpose.op_type != "Transpose" or transpose.domain not in default \
+                or not single_use(transpose.output[0], i):
+            continue
+        r_i = g.producer.get(transpose.input[0])
+        merge = None if r_i is None else g.nodes[r_i]
+        if merge is None or merge.op_type != "Reshape" or merge.domain not in default \
+                or not single_use(merge.output[0], t_i):
+            continue
+        xs, ys, zs = shape(merge.input[0]), shape(merge.output[0]), shape(split.output[0])
+        if xs is None or ys is None or zs is None:
+            continue
+        groups = _merge_groups(xs, ys)
+        perm = attr(transpose, "perm", None)
+        perm = list(range(len(ys)))[::-1] if perm is None else list(perm)
+        if groups is None or sorted(perm) != list(range(len(ys))):
+            continue
+        full = [x for p in perm for x in groups[p]]
+        if full == list(range(len(xs))) or tuple(xs[x] for x in full) != zs:
+            continue
+        replaced[i] = onnx.helper.make_node("Transpose", [merge.input[0]], [split.output[0]],
+                                            name=f"{transpose.name or transpose.output[0]}/regrouped", perm=full)
+    if not replaced:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    nodes = [replaced.get(i, n) for i, n in enumerate(m.graph.node)]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    remove_dead(m)
+    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(replaced)

@@ -85,13 +85,25 @@ def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
     if op == "Gather":
         shape_node = _producer(g, node.input[0])
         k = const_int(g, node.input[1])
-        if shape_node is None or shape_node.op_type != "Shape" or k is None or shape_node.attribute:
-            return None  # Shape's start/end attributes: not followed
-        dims = g.tensors.get(shape_node.input[0])
-        if dims is None or dims.shape is None or not -len(dims.shape) <= k < len(dims.shape):
+        if shape_node is None or shape_node.op_type != "Shape" or k is None:
             return None
-        return coef_of(dims.shape[k])
+        read = _shape_read(g, shape_node)
+        return None if read is None or not -len(read) <= k < len(read) else coef_of(read[k])
+    if op == "Shape":  # Shape(x, start=k, end=k+1): torch.export's sym_size
+        read = _shape_read(g, node)
+        return None if read is None or len(read) != 1 else coef_of(read[0])
     return None
+
+
+def _shape_read(g: Graph, shape_node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
+    """The dims a Shape node outputs (its start/end attributes applied, as ONNX clamps them)."""
+    dims = g.tensors.get(shape_node.input[0])
+    if dims is None or dims.shape is None:
+        return None
+    rank = len(dims.shape)
+    start, end = (attr(shape_node, name, default) for name, default in (("start", 0), ("end", rank)))
+    start, end = (min(max(v + rank if v < 0 else v, 0), rank) for v in (start, end))
+    return tuple(dims.shape[start:end])
 
 
 def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
@@ -385,8 +397,8 @@ def trusted_dims(g: Graph) -> frozenset[str]:
 def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     """Rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
     * a Range limit that is a static dim read through Shape becomes a constant;
-    * a dim read as Gather(Shape(x), k) from an intermediate tensor x is read from a graph input with the
-      same symbolic dim instead, so x need not be written just for its shape (not for dims shape inference
+    * a dim read as Gather(Shape(x), k) or Shape(x, start=k, end=k + 1) from an intermediate tensor x is
+      read from a graph input with the same symbolic dim instead, so x need not be written just for its shape (not for dims shape inference
       merged in a broadcast: `broadcast_merged_dims`);
     * an iota (a Range and the ops on it) read by several nodes is copied for each reader, so each kernel
       can absorb its own copy. Copies that stay unfused are merged again by ORT's common-subexpression
@@ -412,6 +424,17 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
         return name
 
     for i, node in enumerate(g.nodes):
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.attribute \
+                and node.input[0] not in g.graph_inputs:  # Shape(x, start=k, end=k + 1): torch.export's
+            read = _shape_read(g, node)
+            if read is not None and len(read) == 1 and read[0] in where:
+                x, axis = where[read[0]]
+                m.graph.node[i].input[0] = x
+                del m.graph.node[i].attribute[:]
+                m.graph.node[i].attribute.extend([onnx.helper.make_attribute("start", axis),
+                                                  onnx.helper.make_attribute("end", axis + 1)])
+                count += 1
+            continue
         src = _producer(g, node.input[0]) if node.op_type in ("Gather", "Slice") and node.input else None
         k = (const_int(g, node.input[1]) if node.op_type == "Gather" else _one_dim_slice(g, node)) \
             if src is not None else None

@@ -57,9 +57,22 @@ def load_model(model_or_path: ModelSource, store: Optional[weights.WeightStore] 
     except ValueError as e:
         raise InputError(f"{label}: {e}") from None
     _check(model, label)
+    _drop_initializer_value_infos(model)
     if store is not None:
         weights.set_aside(model, store)  # checked first: the checker reads the bytes that stay in the proto
     return model
+
+
+def _drop_initializer_value_infos(model: onnx.ModelProto) -> None:
+    """value_info entries that name an initializer go: the initializer declares its own type and dims, and
+    ORT reads those. torch.export lists its initializers in value_info too, and onnxruntime's fp16
+    converter retypes those entries to fp16 where it keeps an initializer fp32 (a Resize's scales), which
+    ONNX's strict type inference then refuses."""
+    inits = {t.name for t in model.graph.initializer}
+    keep = [v for v in model.graph.value_info if v.name not in inits]
+    if len(keep) != len(model.graph.value_info):
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(keep)
 
 
 def _all_tensors(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:

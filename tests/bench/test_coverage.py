@@ -74,3 +74,35 @@ def test_an_export_converted_to_opset_22_computes_its_convs_in_bf16(tmp_path):
     types = _dtypes(m)
     assert opset(m) == 22 and {types[n.output[0]] for n in m.graph.node if n.op_type == "Conv"} == \
         {onnx.TensorProto.BFLOAT16}
+
+
+def test_torch_export_of_sdpa_attention_fuses_whole(tmp_path):
+    # torch.onnx.export(dynamo=True), torch's default exporter: scaled_dot_product_attention decomposed with
+    # Kᵀ as Reshape [B*H, S, D] -> Transpose -> Reshape [B, H, D, S] (targets from Shape on the host), the
+    # sequence length as Squeeze(Shape(ids, start=1, end=2)) feeding the mask's and the positions' Ranges:
+    # nothing but our kernels and the MatMuls ORT keeps is left
+    pytest.importorskip("onnxscript")
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+
+    path = coverage.export("distilbert", tmp_path, ["fp16"], None, "dynamo")["fp16"]
+    res = compile_model(str(path), None, "sm_90")
+    assert [r.kind for r in res.plan.regions].count("attention") == 2
+    left = {n.op_type for n in res.model.graph.node if n.domain != "ortfuse"}
+    assert left == {"MatMul"}, left
+    copies = [ops for ops in ([res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions)
+              if set(ops) <= {"Reshape", "Transpose", "Slice", "Split", "Squeeze", "Unsqueeze"}]
+    assert not copies, copies  # Kᵀ is read by the attention kernels where the QKV projection wrote K
+    rep = check_models(str(path), res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+
+
+def test_torch_export_of_a_decoder_with_a_kv_cache(tmp_path):
+    # the mask's dim, named "total_sequence" for torch.export, is renamed "past_sequence + sequence" so the
+    # check feeds it past + new tokens
+    pytest.importorskip("onnxscript")
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "llama_past", "--exporter", "dynamo", "--dtypes", "fp32", "--out", str(out)]) == 0
+    row = [line for line in out.read_text().splitlines() if line.startswith("| llama_past")]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[4] == "2 / 2" and cells[5] == "ok", cells

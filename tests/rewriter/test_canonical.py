@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
-from ortfuse.rewriter.canonical import (_static_target, bypass_lone_concats, bypass_noop_expands,
+from ortfuse.rewriter.canonical import (_merge_groups, _static_target, bypass_lone_concats, bypass_noop_expands,
                                         explicit_auto_pads, fold_constant_identities, fold_constant_subgraphs,
-                                        fold_conv_pads, fold_runtime_shapes,
-                                        fold_small_values, trusted_dim, unflatten_gemms)
+                                        fold_conv_pads, fold_runtime_shapes, fold_small_values,
+                                        merge_regrouped_transposes, trusted_dim, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
 
@@ -724,3 +724,55 @@ def test_a_bf16_weight_computed_from_constants_folds_through_the_fp32_shadow():
     var = bf(bf(d * d).mean(axis=(1, 2, 3), keepdims=True))
     want = bf(d / bf(np.sqrt(bf(var + eps))))
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+
+
+def _regrouped_key(back: str = "transposed", k_out: bool = False, batch="B"):
+    """torch.export's Kᵀ in scaled_dot_product_attention: k [B, 4, S, 16] -> Reshape [-1, S, 16] ->
+    Transpose (0, 2, 1) -> Reshape [B, 4, 16, S], both targets computed from Shape(k) on the host; then
+    q @ Kᵀ. `back`: "transposed" (the dims of k in the transposed order), or "plain" (k's own order, a
+    reinterpretation of the transposed data)."""
+    nodes = [node("Shape", ["k"], ["shp"]),
+             node("Slice", ["shp", "m2", "m1"], ["s"]), node("Slice", ["shp", "m1", "big"], ["d"]),
+             node("Slice", ["shp", "z", "m2"], ["bh"]),
+             node("Concat", ["m1", "s", "d"], ["t1"], axis=0),
+             node("Concat", ["bh", "d", "s"] if back == "transposed" else ["bh", "s", "d"], ["t2"], axis=0),
+             node("Reshape", ["k", "t1"], ["k3"]), node("Transpose", ["k3"], ["kt3"], perm=[0, 2, 1]),
+             node("Reshape", ["kt3", "t2"], ["kt"]), node("MatMul", ["q", "kt"], ["y"])]
+    inits = [const(n, [v], np.int64) for n, v in (("m2", -2), ("m1", -1), ("big", 2**62), ("z", 0))]
+    outs = [vi("y", TP.FLOAT, None)] + ([vi("kt3", TP.FLOAT, None)] if k_out else [])
+    qs = [batch, 4, "S", 16] if back == "transposed" else [batch, 4, "S", "S"]
+    return model(nodes, [vi("q", TP.FLOAT, qs), vi("k", TP.FLOAT, [batch, 4, "S", 16])], outs, inits)
+
+
+@pytest.mark.parametrize("batch", ["B", 2])
+def test_a_reshape_transpose_reshape_that_regroups_dims_is_one_transpose(batch):
+    m = _regrouped_key(batch=batch)
+    g2, n = merge_regrouped_transposes(build_graph(m, {}))
+    assert n == 1
+    assert [(x.op_type, [a.ints for a in x.attribute]) for x in g2.nodes] == \
+        [("Transpose", [[0, 1, 3, 2]]), ("MatMul", [])]  # the host shape ops went with the Reshapes
+    rng = np.random.default_rng(3)
+    b = batch if isinstance(batch, int) else 3
+    feeds = {"q": rng.standard_normal((b, 4, 5, 16)).astype(np.float32),
+             "k": rng.standard_normal((b, 4, 5, 16)).astype(np.float32)}
+    np.testing.assert_allclose(_cpu(g2.model, feeds)[0], _cpu(m, feeds)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(back="plain"), dict(k_out=True)], ids=["reinterpreted", "read-elsewhere"])
+def test_regroupings_that_are_not_one_transpose_stay(kw):
+    g = build_graph(_regrouped_key(**kw), {})
+    g2, n = merge_regrouped_transposes(g)
+    assert n == 0 and g2 is g
+
+
+@pytest.mark.parametrize("xs,ys,groups", [
+    (("B", 4, "S", 16), ("4*B", "S", 16), [(0, 1), (2,), (3,)]),
+    (("B", 4, "S", 16), ("B", 4, "S", 16), [(0,), (1,), (2,), (3,)]),
+    (("B", "S", 4, 16), ("B", "S", 64), [(0,), (1,), (2, 3)]),
+    ((2, 3, 4), (2, 12), [(0,), (1, 2)]),
+    (("B", 1, "S", 16), ("B", "S", 16), None),  # a dim dropped, not merged
+    (("B", "S", 64), ("B", "S", 4, 16), None),  # a split
+    ((2, 3, 4), (6, 2, 2), None),
+])
+def test_merge_groups(xs, ys, groups):
+    assert _merge_groups(xs, ys) == groups

@@ -234,3 +234,50 @@ def test_dims_merged_in_a_broadcast_are_not_rebased():
     feeds = {"a": np.ones(1, np.float32), "b": np.ones(5, np.float32)}
     got = ort.InferenceSession(g2.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert int(got[0]) == 5
+
+
+def _sym_size_positions(axis: int):
+    """torch.export's position ids: the sequence length as Squeeze(Shape(h, start=k, end=k + 1)) (its
+    sym_size), read from an intermediate h; Range over it, looked up in a table and added to h."""
+    nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"], start=axis, end=axis + 1),
+             node("Squeeze", ["shp"], ["n"]), node("Range", ["r0", "n", "r1"], ["pos"]),
+             node("Gather", ["table", "pos"], ["pe"], axis=0), node("Add", ["h", "pe"], ["y"])]
+    inits = [const("r0", 0, np.int64), const("r1", 1, np.int64),
+             const("table", np.arange(40, dtype=np.float32).reshape(10, 4))]
+    return model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("y", TP.FLOAT, None)], inits)
+
+
+def test_a_sym_size_dim_is_read_from_the_input_and_its_range_is_computed_in_the_kernel():
+    from ortfuse.search.legal import range_length_verdict
+
+    m = _sym_size_positions(1)
+    g = build_graph(m, {})
+    rng = next(i for i, x in enumerate(g.nodes) if x.op_type == "Range")
+    assert range_length_verdict(g, g.nodes[rng]) is None  # the limit is the output's dim "S"
+    g2, n = isolate_iotas(g)
+    assert n == 1
+    shape = next(x for x in g2.nodes if x.op_type == "Shape")
+    assert shape.input[0] == "x" and {a.name: a.i for a in shape.attribute} == {"start": 1, "end": 2}
+    _same_on_ort(m, g2, {"x": np.random.default_rng(0).standard_normal((2, 7, 4)).astype(np.float32)})
+
+
+def test_a_sym_size_of_a_static_dim_becomes_a_constant_limit():
+    # Shape(h, start=-1) reads the static 4 (negative starts count from the end, as ONNX clamps them)
+    nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"], start=-1),
+             node("Squeeze", ["shp"], ["n"]), node("Range", ["r0", "n", "r1"], ["pos"]),
+             node("Cast", ["pos"], ["pf"], to=TP.FLOAT), node("Add", ["h", "pf"], ["y"])]
+    inits = [const("r0", 0, np.int64), const("r1", 1, np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("y", TP.FLOAT, None)], inits)
+    g2, n = isolate_iotas(build_graph(m, {}))
+    assert n == 1 and [int(g2.constants[x.input[1]]) for x in g2.nodes if x.op_type == "Range"] == [4]
+    assert not [x for x in g2.nodes if x.op_type == "Shape"]
+    _same_on_ort(m, g2, {"x": np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)})
+
+
+def test_a_shape_of_several_dims_is_not_a_scalar():
+    from ortfuse.rewriter.iota import scalar
+
+    nodes = [node("Shape", ["x"], ["shp"], start=1), node("Shape", ["x"], ["one"], start=1, end=2)]
+    g = build_graph(model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("shp", TP.INT64, None),
+                                                                      vi("one", TP.INT64, None)]), {})
+    assert scalar(g, "shp") is None and scalar(g, "one") == (1, ("S",))

@@ -246,3 +246,26 @@ def test_size_bound_is_at_least_the_serialized_size_without_serializing_weights(
     m.configuration.add(name="c" * 10000)
     exact = m.ByteSize()
     assert exact <= _proto._size_bound(m) <= exact + 4096 + 200 * len(inits)
+
+
+def test_a_value_info_retyping_an_initializer_is_dropped(tmp_path):
+    # onnxruntime's fp16 converter on a torch.export model: a Resize's scales stay an fp32 initializer, their
+    # value_info entry says fp16; ORT runs it (the initializer rules), ONNX's strict inference refuses it
+    import onnxruntime as ort
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, [1, 2, 4, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, [1, 2, 8, 8])
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    g = helper.make_graph([helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")], "g", [x], [y],
+                          [scales], value_info=[helper.make_tensor_value_info("scales", onnx.TensorProto.FLOAT16, [4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    path = tmp_path / "m.onnx"
+    onnx.save_model(m, str(path))
+    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # ORT loads it
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    loaded = load_model(path)
+    assert [v.name for v in loaded.graph.value_info] == []
+    assert build_graph(loaded).tensors["y"].shape == (1, 2, 8, 8)
+    assert len(onnx.load(str(path)).graph.value_info) == 1  # the file is left as it was
