@@ -21,10 +21,10 @@ from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
 from ortfuse.errors import OrtfuseError
 from ortfuse.rewriter.batchnorm import fold_batchnorms
-from ortfuse.rewriter.canonical import (bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
-                                        fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
-                                        fold_runtime_shapes, fold_small_values, merge_regrouped_transposes,
-                                        unflatten_gemms)
+from ortfuse.rewriter.canonical import (bypass_broadcast_expands, bypass_lone_concats, bypass_noop_expands,
+                                        explicit_auto_pads, fold_constant_identities, fold_constant_subgraphs,
+                                        fold_conv_pads, fold_runtime_shapes, fold_small_values,
+                                        merge_regrouped_transposes, sink_constant_expands, unflatten_gemms)
 from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
@@ -297,6 +297,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, folded = fold_runtime_shapes(graph)
     if folded:
         say(f"{folded} Reshape targets computed at run time became constants")
+    graph, _ = sink_constant_expands(graph)
     graph, weights = fold_constant_subgraphs(graph)
     if weights:
         say(f"{weights} tensors computed from constants alone became constants (as ORT folds them)")
@@ -310,6 +311,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, _ = fold_constant_identities(graph)
     graph, _ = bypass_lone_concats(graph)
     graph, _ = bypass_noop_expands(graph)
+    graph, _ = bypass_broadcast_expands(graph)
     graph, _ = merge_regrouped_transposes(graph)
     graph, _ = isolate_iotas(graph)
     # --profile times a row-wise GEMM epilogue against cuBLAS + our row kernel, so it plans them by the tile

@@ -25,6 +25,11 @@
   weights, such as zero biases) is bypassed, so its consumers see a constant, as ORT's constant folding
   gives them.
 * `bypass_lone_concats`: a Concat of one input (a copy ORT would run) is bypassed.
+* `sink_constant_expands`: an element-wise op on a constant broadcast by an Expand to a run-time shape (and on
+  other constants) computes on the constant itself, the Expand after it; so the op folds with the constants
+  (torch.export's all-true attention mask of a ViT: `Where(Expand(c, [B, 1, S, S]), 0, -inf)`).
+* `bypass_broadcast_expands`: an element-wise op that broadcasts an Expand's output to a shape it would reach
+  from the Expand's input as well reads the input (an additive mask: the scores broadcast it anyway).
 * `merge_regrouped_transposes`: a Reshape that merges adjacent dims, a Transpose of the merged tensor and a
   Reshape that splits the dims again (torch.export's scaled_dot_product_attention transposes K so:
   `[B, H, S, D] -> [B*H, S, D] -> [B*H, D, S] -> [B, H, D, S]`) become the one Transpose they compute.
@@ -759,6 +764,112 @@ def bypass_noop_expands(g: Graph) -> tuple[Graph, int]:
         if all(n.output[0] in g.nodes[c].input for c in users):  # no subgraph reads it
             alias[n.output[0]] = alias.get(n.input[0], n.input[0])
     return _bypass(g, alias)
+
+
+# ---- Expands of constants: broadcast late, or not at all ------------------------------------------------------
+
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal",
+                           "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "BitShift", "Mod"})
+_ELEMENTWISE_ON_CONSTANTS = _BROADCASTING | {"Not", "Neg", "Abs", "Cast", "Sign", "Reciprocal", "Sqrt", "Exp", "Log"}
+
+
+def broadcast(*shapes: tuple[Dim, ...]) -> Optional[tuple[Dim, ...]]:
+    """Multidirectional broadcast of (possibly symbolic) shapes; None where dims neither match nor are 1."""
+    rank = max(map(len, shapes), default=0)
+    out: list[Dim] = []
+    for k in range(rank):
+        dims = {s[len(s) - rank + k] for s in shapes if len(s) - rank + k >= 0} - {1}
+        if len(dims) > 1:
+            return None
+        out.append(next(iter(dims)) if dims else 1)
+    return tuple(out)
+
+
+def sink_constant_expands(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of element-wise ops moved before the Expand that fed them): `op(Expand(c, s), k...)`
+    with c and every k constant becomes `Expand(op(c, k...), s)` (the same values: broadcasting composes), and
+    so on down a chain of such ops; `fold_constant_subgraphs` then folds each `op(c, k...)` as ORT would. Static
+    shapes only on the constant side; `g` is left untouched."""
+    default = ("", "ai.onnx")
+    small: dict[str, tuple[str, str]] = {}  # tensor -> (the constant-side tensor it broadcasts, the target)
+    for n in g.nodes:
+        if n.op_type == "Expand" and n.domain in default and n.input[0] in g.constants \
+                and n.input[1] not in g.constants and n.output[0] not in g.graph_outputs:
+            small[n.output[0]] = (n.input[0], n.input[1])
+    if not small:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    shape = {t: tuple(np.asarray(g.constants[t]).shape) for t, _ in small.values()}
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for i, n in enumerate(g.nodes):
+        ins = [x for x in n.input if x]
+        fed = [x for x in ins if x in small]
+        if n.op_type not in _ELEMENTWISE_ON_CONSTANTS or n.domain not in default or len(n.output) != 1 or not fed \
+                or len({small[x][1] for x in fed}) != 1 or n.output[0] in g.graph_outputs \
+                or not all(x in small or x in g.constants for x in ins) or n.output[0] not in g.tensors:
+            continue
+        sides = [small[x][0] if x in small else x for x in ins]
+        out_shape = broadcast(*(shape.get(x) or tuple(np.asarray(g.constants[x]).shape) for x in sides))
+        if out_shape is None:
+            continue
+        out, target = n.output[0], small[fed[0]][1]
+        t = f"{out}__ortfuse_unexpanded"
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        for k, x in enumerate(c.input):
+            c.input[k] = small[x][0] if x in small else x
+        c.output[0] = t
+        c.name = f"{n.name or out}/unexpanded"
+        tensors[t] = TensorInfo(t, g.tensors[out].dtype, out_shape)
+        shape[t] = out_shape
+        small[out] = (t, target)
+        before[i] = [c, onnx.helper.make_node("Expand", [t, target], [out], name=f"{n.name or out}/expand")]
+    if not before:
+        return g, 0
+    nodes = [x for i, n in enumerate(m.graph.node) for x in before.get(i, [n])]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    remove_dead(m)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(before)
+
+
+def bypass_broadcast_expands(g: Graph) -> tuple[Graph, int]:
+    """(new graph, number of reads bypassed): an element-wise op of several inputs reading `Expand(x, s)` reads x
+    where that leaves its output's (inferred) shape as it was: its other inputs broadcast x there anyway.
+    Not across sizes shape inference merged a symbolic dim into (one may be 1 at run time). `g` is untouched."""
+    default = ("", "ai.onnx")
+    merged = merged_sizes(g)
+
+    def shape(t: str) -> Optional[tuple[Dim, ...]]:
+        info = g.tensors.get(t)
+        if info is None or info.shape is None or any(isinstance(d, int) and d in merged for d in info.shape):
+            return None
+        return info.shape
+
+    reads: dict[tuple[int, int], str] = {}  # (consumer, input slot) -> the Expand's input
+    for n in g.nodes:
+        if n.op_type != "Expand" or n.domain not in default or shape(n.input[0]) is None:
+            continue
+        for c in g.consumers.get(n.output[0], ()):
+            k = g.nodes[c]
+            if k.op_type not in _BROADCASTING or k.domain not in default or len(k.output) != 1 \
+                    or n.output[0] not in k.input:
+                continue
+            ins = [n.input[0] if x == n.output[0] else x for x in k.input if x]
+            shapes = [shape(x) for x in ins]
+            out = shape(k.output[0])
+            if out is not None and None not in shapes and broadcast(*shapes) == out:  # type: ignore[arg-type]
+                reads.update({(c, s): n.input[0] for s, x in enumerate(k.input) if x == n.output[0]})
+    if not reads:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    for (c, s), x in reads.items():
+        m.graph.node[c].input[s] = x
+    remove_dead(m)
+    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(reads)
 
 
 # ---- Reshape, Transpose, Reshape back: one Transpose ----------------------------------------------------------

@@ -11,10 +11,11 @@ import pytest
 from onnx import TensorProto as TP
 
 from helpers import const, gqa_attention, model, node, rotary, vi
-from ortfuse.rewriter.canonical import (_merge_groups, _static_target, bypass_lone_concats, bypass_noop_expands,
-                                        explicit_auto_pads, fold_constant_identities, fold_constant_subgraphs,
-                                        fold_conv_pads, fold_runtime_shapes, fold_small_values,
-                                        merge_regrouped_transposes, trusted_dim, unflatten_gemms)
+from ortfuse.rewriter.canonical import (_merge_groups, _static_target, broadcast, bypass_broadcast_expands,
+                                        bypass_lone_concats, bypass_noop_expands, explicit_auto_pads,
+                                        fold_constant_identities, fold_constant_subgraphs, fold_conv_pads,
+                                        fold_runtime_shapes, fold_small_values, merge_regrouped_transposes,
+                                        sink_constant_expands, trusted_dim, unflatten_gemms)
 from ortfuse.rewriter.gemm_packing import pack_sibling_gemms
 from ortfuse.rewriter.shapes import build_graph
 
@@ -776,3 +777,55 @@ def test_regroupings_that_are_not_one_transpose_stay(kw):
 ])
 def test_merge_groups(xs, ys, groups):
     assert _merge_groups(xs, ys) == groups
+
+
+def _vit_mask(other: str = "scores"):
+    """torch.export's attention mask of a ViT: an all-true constant [1, 1, 6, 1] expanded to [B, 1, 6, 6] (the
+    batch read through Shape on the host), Where(mask, 0, -inf), added to the scores [B, 2, 6, 6] (`other`:
+    "scores", or "narrow", a [B, 2, 6, 1] tensor the expanded mask widens)."""
+    nodes = [node("Shape", ["x"], ["nb"], start=0, end=1), node("Concat", ["nb", "one", "six", "six"], ["tgt"], axis=0),
+             node("Expand", ["ge", "tgt"], ["m"]), node("Where", ["m", "zero", "low"], ["bias"]),
+             node("Add", ["x" if other == "scores" else "n", "bias"], ["s"]), node("Softmax", ["s"], ["y"], axis=-1)]
+    inits = [const("one", [1], np.int64), const("six", [6], np.int64), const("ge", np.ones((1, 1, 6, 1), bool), bool),
+             const("zero", 0.0), const("low", -np.inf)]
+    ins = [vi("x", TP.FLOAT, ["B", 2, 6, 6])] + ([vi("n", TP.FLOAT, ["B", 2, 6, 1])] if other != "scores" else [])
+    return model(nodes, ins, [vi("y", TP.FLOAT, None)], inits)
+
+
+def test_a_broadcast_constant_mask_folds_and_the_scores_read_it_unexpanded():
+    m = _vit_mask()
+    g, sunk = sink_constant_expands(build_graph(m, {}))
+    assert sunk == 1  # Where(Expand(ge), 0, -inf) -> Expand(Where(ge, 0, -inf))
+    g, folded = fold_constant_subgraphs(g)
+    assert folded == 1
+    g, bypassed = bypass_broadcast_expands(g)
+    assert bypassed == 1  # the Add broadcasts the [1, 1, 6, 1] mask over [B, 2, 6, 6] itself
+    assert [x.op_type for x in g.nodes] == ["Add", "Softmax"]  # the host's Shape and Concat went too
+    feeds = {"x": np.random.default_rng(4).standard_normal((3, 2, 6, 6)).astype(np.float32)}
+    np.testing.assert_allclose(_cpu(g.model, feeds)[0], _cpu(m, feeds)[0], rtol=1e-6)
+
+
+def test_an_expand_that_widens_the_result_stays():
+    m = _vit_mask(other="narrow")
+    g, _ = sink_constant_expands(build_graph(m, {}))
+    g, _ = fold_constant_subgraphs(g)
+    g2, bypassed = bypass_broadcast_expands(g)
+    assert bypassed == 0 and "Expand" in {x.op_type for x in g2.nodes}  # [B, 2, 6, 1] + [1, 1, 6, 1] is narrower
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((3, 2, 6, 6)).astype(np.float32),
+             "n": rng.standard_normal((3, 2, 6, 1)).astype(np.float32)}
+    np.testing.assert_allclose(_cpu(g2.model, feeds)[0], _cpu(m, feeds)[0], rtol=1e-6)
+
+
+def test_an_op_on_an_expanded_constant_and_a_computed_tensor_is_not_moved():
+    nodes = [node("Shape", ["x"], ["shp"]), node("Expand", ["c", "shp"], ["e"]), node("Mul", ["e", "x"], ["y"])]
+    m = model(nodes, [vi("x", TP.FLOAT, ["B", 4])], [vi("y", TP.FLOAT, None)], [const("c", np.ones((1, 4)))])
+    g = build_graph(m, {})
+    assert sink_constant_expands(g) == (g, 0)
+
+
+@pytest.mark.parametrize("shapes,out", [
+    ([("B", 2, 6, 6), (1, 1, 6, 1)], ("B", 2, 6, 6)), ([(6,), ("B", 1, 1)], ("B", 1, 6)), ([(2, 3), (3, 2)], None),
+    ([(), (4,)], (4,)), ([("B", 1), ("S", 1)], None)])
+def test_broadcast(shapes, out):
+    assert broadcast(*shapes) == out
