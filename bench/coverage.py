@@ -385,8 +385,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import transformers
 
-    opset = "" if args.opset in (None, EXPORT_OPSET) else f"; converted to opset {args.opset}"
-    opset = ("; torch.export (dynamo) " if args.exporter == "dynamo" else "") + opset
+    dynamo = args.exporter == "dynamo"
+    opset = "" if args.opset is None or (args.opset == EXPORT_OPSET and not dynamo) else \
+        f"; converted to opset {args.opset}"
+    opset = ("; torch.export (dynamo), torch's default opset" if dynamo else "") + opset
     lines = [f"transformers {transformers.__version__}{opset}; regions by kind, graph nodes (after the shape folds) -> "
              "after `optimize`, "
              "attention regions / Softmax nodes, `check --emulate` parity", "",

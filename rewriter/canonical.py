@@ -38,7 +38,7 @@ Shape computations left without consumers are removed. BatchNormalization: `rewr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import onnx
@@ -768,9 +768,10 @@ def bypass_noop_expands(g: Graph) -> tuple[Graph, int]:
 
 # ---- Expands of constants: broadcast late, or not at all ------------------------------------------------------
 
-_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal",
-                           "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "BitShift", "Mod"})
-_ELEMENTWISE_ON_CONSTANTS = _BROADCASTING | {"Not", "Neg", "Abs", "Cast", "Sign", "Reciprocal", "Sqrt", "Exp", "Log"}
+# element-wise ops whose inputs broadcast multidirectionally (not PRelu: its slope broadcasts to X only)
+BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "Equal",
+                          "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "BitShift"})
+_ELEMENTWISE_ON_CONSTANTS = BROADCASTING | {"Not", "Neg", "Abs", "Cast", "Sign", "Reciprocal", "Sqrt", "Exp", "Log"}
 
 
 def broadcast(*shapes: tuple[Dim, ...]) -> Optional[tuple[Dim, ...]]:
@@ -838,38 +839,51 @@ def sink_constant_expands(g: Graph) -> tuple[Graph, int]:
 def bypass_broadcast_expands(g: Graph) -> tuple[Graph, int]:
     """(new graph, number of reads bypassed): an element-wise op of several inputs reading `Expand(x, s)` reads x
     where that leaves its output's (inferred) shape as it was: its other inputs broadcast x there anyway.
-    Not across sizes shape inference merged a symbolic dim into (one may be 1 at run time). `g` is untouched."""
+    Every Expand a consumer reads is bypassed at once and the shape checked with all of them bypassed. Not across
+    sizes shape inference merged a symbolic dim into, nor symbolic dims it merged with another (either may be 1
+    at run time: `iota.broadcast_merged_dims`). `g` is left untouched."""
+    shape = _unmerged_shapes(g)
     default = ("", "ai.onnx")
-    merged = merged_sizes(g)
-
-    def shape(t: str) -> Optional[tuple[Dim, ...]]:
-        info = g.tensors.get(t)
-        if info is None or info.shape is None or any(isinstance(d, int) and d in merged for d in info.shape):
-            return None
-        return info.shape
-
-    reads: dict[tuple[int, int], str] = {}  # (consumer, input slot) -> the Expand's input
-    for n in g.nodes:
-        if n.op_type != "Expand" or n.domain not in default or shape(n.input[0]) is None:
+    expanded = {n.output[0]: n.input[0] for n in g.nodes if n.op_type == "Expand" and n.domain in default
+                and shape(n.input[0]) is not None}
+    readers = sorted({c for t in expanded for c in g.consumers.get(t, ())})
+    reads: dict[int, list[str]] = {}  # consumer -> its inputs, the Expands bypassed
+    for c in readers:
+        k = g.nodes[c]
+        if k.op_type not in BROADCASTING or k.domain not in default or len(k.output) != 1 \
+                or not any(x in expanded for x in k.input):  # (a read inside a subgraph body)
             continue
-        for c in g.consumers.get(n.output[0], ()):
-            k = g.nodes[c]
-            if k.op_type not in _BROADCASTING or k.domain not in default or len(k.output) != 1 \
-                    or n.output[0] not in k.input:
-                continue
-            ins = [n.input[0] if x == n.output[0] else x for x in k.input if x]
-            shapes = [shape(x) for x in ins]
-            out = shape(k.output[0])
-            if out is not None and None not in shapes and broadcast(*shapes) == out:  # type: ignore[arg-type]
-                reads.update({(c, s): n.input[0] for s, x in enumerate(k.input) if x == n.output[0]})
+        ins = [expanded.get(x, x) for x in k.input]
+        shapes = [shape(x) for x in ins if x]
+        out = shape(k.output[0])
+        if out is not None and None not in shapes and broadcast(*shapes) == out:  # type: ignore[arg-type]
+            reads[c] = ins
     if not reads:
         return g, 0
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
-    for (c, s), x in reads.items():
-        m.graph.node[c].input[s] = x
+    for c, ins in reads.items():
+        del m.graph.node[c].input[:]
+        m.graph.node[c].input.extend(ins)
     remove_dead(m)
     return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(reads)
+
+
+def _unmerged_shapes(g: Graph) -> Callable[[str], Optional[tuple[Dim, ...]]]:
+    """A tensor's inferred shape where no dim of it is a size or a name shape inference merged a symbolic dim
+    into (`merged_sizes`, `iota.broadcast_merged_dims`), else None: such a dim may really be 1, or another
+    dim, at run time."""
+    from ortfuse.rewriter.iota import broadcast_merged_dims
+
+    sizes, names = merged_sizes(g), broadcast_merged_dims(g)
+
+    def shape(t: str) -> Optional[tuple[Dim, ...]]:
+        info = g.tensors.get(t)
+        if info is None or info.shape is None or any(d in sizes if isinstance(d, int) else d in names
+                                                     for d in info.shape):
+            return None
+        return info.shape
+    return shape
 
 
 # ---- Reshape, Transpose, Reshape back: one Transpose ----------------------------------------------------------
@@ -897,16 +911,10 @@ def merge_regrouped_transposes(g: Graph) -> tuple[Graph, int]:
     """(new graph, number of Reshape → Transpose → Reshape chains now one Transpose): where the first Reshape
     merges a run of adjacent dims (`_merge_groups`), and the second gives exactly the source's dims in the
     transposed order of the groups, the chain is Transpose(x) with the groups' perm expanded. The tensors
-    between are read by nothing else. Shapes are the inferred ones, with no size shape inference merged a
-    symbolic dim into. `g` is left untouched."""
-    merged = merged_sizes(g)
+    between are read by nothing else. Shapes are the inferred ones, with no dim shape inference merged
+    (`_unmerged_shapes`). `g` is left untouched."""
+    shape = _unmerged_shapes(g)
     default = ("", "ai.onnx")
-
-    def shape(t: str) -> Optional[tuple[Dim, ...]]:
-        info = g.tensors.get(t)
-        if info is None or info.shape is None or any(isinstance(d, int) and d in merged for d in info.shape):
-            return None
-        return info.shape
 
     def single_use(t: str, user: int) -> bool:
         return t not in g.graph_outputs and g.consumers.get(t, ()) == (user,)

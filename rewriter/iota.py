@@ -18,9 +18,9 @@ from onnx import numpy_helper
 
 from ortfuse.rewriter import _infer
 from ortfuse.rewriter.attrs import attr
-from ortfuse.rewriter.canonical import _static_target, remove_dead
+from ortfuse.rewriter.canonical import BROADCASTING, _static_target, remove_dead
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
-from ortfuse.rewriter.shapes import assemble
+from ortfuse.rewriter.shapes import assemble, merged_sizes
 
 # An integer coefficient: value * the product of the named symbolic dims (names sorted).
 Coef = tuple[int, tuple[str, ...]]
@@ -295,8 +295,7 @@ def _iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> O
     return memo[t]
 
 
-_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "PRelu",
-                           "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor"})
+_BROADCASTING = BROADCASTING | {"PRelu"}  # where two dims meet
 
 
 @per_graph
@@ -396,7 +395,8 @@ def trusted_dims(g: Graph) -> frozenset[str]:
 
 def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     """Rewrites that let a kernel compute an iota instead of reading it (docs/design.md, "Index ops"):
-    * a Range limit that is a static dim read through Shape becomes a constant;
+    * a Range limit that is a static dim read through Shape becomes a constant (not a size shape inference
+      merged a symbolic dim into);
     * a dim read as Gather(Shape(x), k) or Shape(x, start=k, end=k + 1) from an intermediate tensor x is
       read from a graph input with the same symbolic dim instead, so x need not be written just for its shape (not for dims shape inference
       merged in a broadcast: `broadcast_merged_dims`);
@@ -460,10 +460,11 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
         m.graph.node[i].input[0], m.graph.node[i].input[1] = shape_of[x], pos
         count += 1
     static: dict[int, str] = {}  # Range node -> its constant limit
+    merged = merged_sizes(g)  # a static size a symbolic dim was merged into may be another at run time
     for i, node in enumerate(g.nodes):
         limit = node.input[1] if node.op_type == "Range" and node.domain in ("", "ai.onnx") else None
         value = scalar(g, limit) if limit and limit not in g.constants and limit in g.tensors else None
-        if value is not None and not value[1]:
+        if value is not None and not value[1] and value[0] not in merged:
             name = f"{limit}__ortfuse_static"
             if name not in tensors:
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(g.tensors[limit].dtype)

@@ -829,3 +829,37 @@ def test_an_op_on_an_expanded_constant_and_a_computed_tensor_is_not_moved():
     ([(), (4,)], (4,)), ([("B", 1), ("S", 1)], None)])
 def test_broadcast(shapes, out):
     assert broadcast(*shapes) == out
+
+
+def test_two_expands_read_by_one_op_are_judged_together():
+    # each alone could go (the other still widens the Add to [5]); both together would leave [1]
+    nodes = [node("Expand", ["x1", "s"], ["e1"]), node("Expand", ["x2", "s"], ["e2"]), node("Add", ["e1", "e2"], ["y"])]
+    m = model(nodes, [vi("x1", TP.FLOAT, [1]), vi("x2", TP.FLOAT, [1])], [vi("y", TP.FLOAT, None)],
+              [const("s", [5], np.int64)])
+    g = build_graph(m, {})
+    assert bypass_broadcast_expands(g) == (g, 0)
+
+
+def test_an_expand_to_a_dim_inference_merged_stays():
+    # Add(Expand(x, Shape(b)), a) with a [T], b [U]: inference names both T (or U), but T may be 1 at run time
+    nodes = [node("Shape", ["b"], ["sb"]), node("Expand", ["x", "sb"], ["e"]), node("Add", ["e", "a"], ["y"])]
+    m = model(nodes, [vi("x", TP.FLOAT, [1]), vi("a", TP.FLOAT, ["T"]), vi("b", TP.FLOAT, ["U"])],
+              [vi("y", TP.FLOAT, None)])
+    g = build_graph(m, {})
+    assert bypass_broadcast_expands(g)[1] == 0
+
+
+def test_a_regrouping_over_merged_dims_stays():
+    # x [P, Q, R] -> [-1, R] -> Transpose -> [R, Q, P]: a Transpose only if Q is P, which inference assumed from
+    # an Add of [P] and [Q] elsewhere (Q = 1 at run time broadcasts)
+    nodes = [node("Shape", ["x"], ["sx"]),
+             node("Slice", ["sx", "i2", "i3"], ["r"]), node("Slice", ["sx", "i1", "i2"], ["q"]),
+             node("Slice", ["sx", "i0", "i1"], ["p"]),
+             node("Concat", ["m1", "r"], ["t1"], axis=0), node("Concat", ["r", "q", "p"], ["t2"], axis=0),
+             node("Reshape", ["x", "t1"], ["x2"]), node("Transpose", ["x2"], ["xt"], perm=[1, 0]),
+             node("Reshape", ["xt", "t2"], ["y"]), node("Add", ["a", "b"], ["z"])]
+    inits = [const(f"i{k}", [k], np.int64) for k in range(4)] + [const("m1", [-1], np.int64)]
+    m = model(nodes, [vi("x", TP.FLOAT, ["P", "Q", "R"]), vi("a", TP.FLOAT, ["P"]), vi("b", TP.FLOAT, ["Q"])],
+              [vi("y", TP.FLOAT, None), vi("z", TP.FLOAT, None)], inits)
+    g = build_graph(m, {})
+    assert merge_regrouped_transposes(g) == (g, 0)

@@ -281,3 +281,15 @@ def test_a_shape_of_several_dims_is_not_a_scalar():
     g = build_graph(model(nodes, [vi("x", TP.FLOAT, ["B", "S", 4])], [vi("shp", TP.INT64, None),
                                                                       vi("one", TP.INT64, None)]), {})
     assert scalar(g, "shp") is None and scalar(g, "one") == (1, ("S",))
+
+
+@pytest.mark.parametrize("via", ["shape", "gather"])
+def test_a_range_limit_inference_merged_into_a_size_stays_computed(via):
+    # inp [S] meets a [4] constant in an Add: inference calls S 4, but S may be 1 at run time (broadcast)
+    read = [node("Shape", ["x"], ["d1"], start=0, end=1), node("Squeeze", ["d1"], ["d"])] if via == "shape" else \
+        [node("Shape", ["x"], ["sx"]), node("Gather", ["sx", "z1"], ["d"], axis=0)]
+    nodes = [node("Relu", ["inp"], ["x"]), node("Add", ["x", "c"], ["z"]), *read, node("Range", ["r0", "d", "r1"], ["y"])]
+    m = model(nodes, [vi("inp", TP.FLOAT, ["S"])], [vi("y", TP.INT64, None), vi("z", TP.FLOAT, None)],
+              [const("c", np.ones(4)), const("r0", 0, np.int64), const("r1", 1, np.int64), const("z1", 0, np.int64)])
+    g2, n = isolate_iotas(build_graph(m, {}))
+    assert not any(x.op_type == "Range" and x.input[1] in g2.constants for x in g2.nodes)
