@@ -144,6 +144,9 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
         axes_inputs = (("ReduceSum",) if opset >= 13 else ()) + (AXES_INPUT_FROM_18 if opset >= 18 else ())
         for op in axes_inputs:
             ssi.dispatcher_[op] = lambda node: _reduce_axes_input(ssi, node)
+        own_split = ssi.dispatcher_.get("Split")
+        if own_split is not None:
+            ssi.dispatcher_["Split"] = lambda node: _split(ssi, node, own_split)
         ssi._preprocess(model)
         complete = False
         while ssi.run_:
@@ -192,6 +195,28 @@ def _reduce_axes_input(ssi, node: onnx.NodeProto) -> None:
         whole = axes in ([0], [-1]) or every
         if data is not None and np.ndim(data) == 1 and whole:
             ssi.sympy_data_[node.output[0]] = sympy_reduce_product(ssi._get_int_or_float_values(node)[0])
+
+
+def _split(ssi, node: onnx.NodeProto, own) -> None:
+    """A Split into equal parts (no sizes given) of a static dim: ONNX's ceil-sized parts, the last one smaller
+    (`num_outputs`, opset 18). The tool's rule divides the dim by the output count and truncates: a Split
+    of 10 into 3 came out 3, 3, 3, not 4, 4, 2. Everything else: the tool's rule."""
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute
+
+    shape = ssi._get_shape(node, 0)
+    given = (len(node.input) > 1 and node.input[1]) or get_attribute(node, "split") is not None
+    axis = get_attribute(node, "axis", 0)
+    count = len(node.output)
+    if given or shape is None or not -len(shape) <= axis < len(shape) or not isinstance(shape[axis], int) \
+            or shape[axis] % count == 0:
+        own(node)
+        return
+    axis %= len(shape)
+    part = -(-shape[axis] // count)
+    elem = ssi.known_vi_[node.input[0]].type.tensor_type.elem_type
+    for k, out in enumerate(node.output):
+        dims = [*shape[:axis], min(part, max(shape[axis] - part * k, 0)), *shape[axis + 1:]]
+        ssi.known_vi_[out].CopyFrom(onnx.helper.make_tensor_value_info(out, elem, dims))
 
 
 def _same_padded(ssi, node: onnx.NodeProto, channels_last: bool, own):

@@ -1,7 +1,10 @@
 """ONNX Runtime's own fused ops split into the standard ops the search fuses, and put back where it fused none.
 
 ONNX's own RMSNormalization (opset 23) is split the same way, so it joins the GEMM before it as Llama's
-exported RMSNorm chain does, and is put back where nothing fused it.
+exported RMSNorm chain does, and is put back where nothing fused it. So is ONNX's Split (torch.export writes
+`chunk` and `split` as one, where TorchScript wrote Slices): one Slice per output, each an indexed read the
+kernel of its reader takes (ShuffleNet's channel split, YOLO's C2f), the Split put back where all of them stay
+with ORT (a KV cache's projection).
 
 A model run through `onnxruntime.transformers`' optimizer (or optimum's ORTOptimizer) carries ORT's fused ops
 in place of the exporter's: BiasGelu or FastGelu after a MatMul, SkipLayerNormalization after the next one,
@@ -37,12 +40,12 @@ MS = "com.microsoft"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
           (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization"),
-          ("", "LayerNormalization"), ("", "RMSNormalization")}
+          ("", "LayerNormalization"), ("", "RMSNormalization"), ("", "Split")}
 # (the default-domain ones as ORT's own: LayerNormalization before 17; and ONNX's RMSNormalization, opset 23)
 _NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
           "LayerNormalization", "RMSNormalization")
 # ONNX's own ops split as ORT's are (the search knows only their standard ops)
-_ONNX_SPLIT = frozenset({"RMSNormalization"})
+_ONNX_SPLIT = frozenset({"RMSNormalization", "Split"})
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -59,10 +62,12 @@ class Part:
 @dataclass(frozen=True, eq=False)
 class Split:
     """One ORT node written as standard ops. `parts`: the whole first, then tails that can be put back alone;
-    `constants`: the scalars it added."""
+    `constants`: the scalars it added; `kept`: constant inputs of the original that no split op reads (a
+    Split's sizes), added back with it."""
     original: onnx.NodeProto
     parts: tuple[Part, ...]
     constants: tuple[str, ...]
+    kept: tuple[onnx.TensorProto, ...] = ()
 
 
 def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
@@ -85,7 +90,10 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
         tails = _EXPAND[n.op_type](b, n)
         new_nodes.extend(b.nodes)
         parts = [_part(b.nodes, node) for node in (n, *tails)]
-        splits.append(Split(n, tuple(parts), tuple(b.constants)))
+        read = {x for node in b.nodes for x in node.input}
+        kept = tuple(numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in n.input[1:]
+                     if x and x not in read and x in g.constants)
+        splits.append(Split(n, tuple(parts), tuple(b.constants), kept))
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     m.graph.initializer.extend(b.initializers)
@@ -122,6 +130,8 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split,
     back: list[onnx.NodeProto] = []
     done: list[tuple[Split, Part]] = []
     for s in splits:
+        kept = [t for t in s.kept if t.name not in known]
+        known |= {t.name for t in kept}
         for part in s.parts:
             if any(x not in by_name or x in gone for x in part.names):
                 continue
@@ -139,6 +149,9 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split,
             gone.update(part.names)
             back.append(node)
             done.append((s, part))
+            m.graph.initializer.extend(t for t in kept if t.name in node.input)
+            kept = [t for t in kept if t.name not in node.input]
+        known -= {t.name for t in kept}
     if not back:
         return ()
     kept = [n for n in m.graph.node if n.name not in gone]
@@ -190,6 +203,8 @@ def _used(g: Graph, t: str) -> bool:
 
 def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
+    if n.op_type == "Split" and _domain(n) == "":
+        return x is not None and x.shape is not None and _split_sizes(g, n) is not None
     if x is None or x.dtype not in _FLOATS:
         return False
     if _domain(n) == "" and n.op_type not in _ONNX_SPLIT and not _proto.ort_default_domain_op(g.model, n):
@@ -252,6 +267,14 @@ class _Builder:
 
     def dtype(self, t: str) -> int:
         return self.tensors[t].dtype
+
+    def ints(self, values: list[int]) -> str:
+        """A 1-D int64 constant (a Slice's starts, ends or axes)."""
+        name = self.name("ints")
+        self.initializers.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        self.tensors[name] = TensorInfo(name, TensorProto.INT64, (len(values),))
+        self.constants.append(name)
+        return name
 
 
 def _erf_gelu(b: _Builder, x: str, out: str) -> None:
@@ -391,10 +414,50 @@ def _simplified_layer_norm(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodePro
     return ()
 
 
+def _split_sizes(g: Graph, n: onnx.NodeProto) -> Optional[list[int]]:
+    """The sizes of a Split's outputs along its axis: its `split` input (opset 13 on) or attribute, else equal
+    parts of a static dim (`num_outputs` from opset 18: ceil-sized, the last one smaller); None where they
+    are not constants or do not fit a static dim."""
+    shape = g.tensors[n.input[0]].shape or ()
+    axis = attr(n, "axis", 0)
+    if not -len(shape) <= axis < len(shape):
+        return None
+    dim = shape[axis]
+    count = len(n.output)
+    if len(n.input) > 1 and n.input[1]:
+        given = g.constants.get(n.input[1])
+        sizes = None if given is None else [int(v) for v in np.asarray(given).reshape(-1)]
+    elif attr(n, "split", None) is not None:
+        sizes = [int(v) for v in attr(n, "split", None)]
+    elif not isinstance(dim, int):
+        return None
+    else:
+        part = -(-dim // count)
+        sizes = [min(part, max(dim - part * k, 0)) for k in range(count)]
+    if sizes is None or len(sizes) != count or any(v < 0 for v in sizes) \
+            or (isinstance(dim, int) and sum(sizes) != dim):
+        return None
+    return sizes
+
+
+def _split(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
+    """One Slice per output, named as it (an output nothing reads gets none)."""
+    x = n.input[0]
+    axis = attr(n, "axis", 0)
+    start = 0
+    for out, size in zip(n.output, _split_sizes(b.g, n) or ()):
+        if out and _used(b.g, out):
+            shape = tuple(size if k == axis % len(b.tensors[x].shape) else d
+                          for k, d in enumerate(b.tensors[x].shape))
+            b.op("Slice", [x, b.ints([start]), b.ints([start + size]), b.ints([axis])], x, out=out, shape=shape)
+        start += size
+    return ()
+
+
 _EXPAND = {"Gelu": _gelu, "BiasGelu": _bias_gelu, "FastGelu": _fast_gelu, "QuickGelu": _quick_gelu,
            "SkipLayerNormalization": _skip_layer_norm,
            "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
            "SimplifiedLayerNormalization": _simplified_layer_norm, "LayerNormalization": _layer_norm,
            # ONNX's (opset 23; torch's exporter writes it for F.rms_norm): the same function, its own
            # body's ops (x * 1 / sqrt(mean(x^2) + eps) in stash_type fp32, cast back, times scale)
-           "RMSNormalization": _simplified_layer_norm}
+           "RMSNormalization": _simplified_layer_norm, "Split": _split}

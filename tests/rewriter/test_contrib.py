@@ -202,3 +202,54 @@ def test_split_names_are_fresh():
     names = [n.name for n in split.model.graph.node]
     outs = [o for n in split.model.graph.node for o in n.output]
     assert len(set(names)) == len(names) and len(set(outs)) == len(outs)
+
+
+def _onnx_split(form: str) -> onnx.ModelProto:
+    """ONNX's Split of x [B, 3, 10] along the last axis into three outputs, each read by a Relu, in the forms
+    exporters write it: sizes as an input (opset 13 on), num_outputs (18 on: ceil-sized parts 4, 4, 2),
+    the `split` attribute (before 13), or equal parts (no sizes)."""
+    ins = ["x", "sizes"] if form == "input" else ["x"]
+    attrs = {"num_outputs": 3} if form == "num_outputs" else {"split": [3, 3, 4]} if form == "attribute" else {}
+    outs = ["a", "b"] if form == "equal" else ["a", "b", "c"]
+    nodes = [helper.make_node("Split", ins, outs, name="split", axis=-1, **attrs)] + \
+        [helper.make_node("Relu", [o], [f"{o}_r"], name=f"relu_{o}") for o in outs]
+    inits = [numpy_helper.from_array(np.array([2, 5, 3], np.int64), "sizes")] if form == "input" else []
+    opset = {"input": 18, "num_outputs": 18, "attribute": 11, "equal": 13}[form]
+    sizes = {"input": [2, 5, 3], "num_outputs": [4, 4, 2], "attribute": [3, 3, 4], "equal": [5, 5]}[form]
+    return M.make_model(nodes, [M.vi("x", ["B", 3, 10])], [M.vi(f"{o}_r", ["B", 3, k]) for o, k in zip(outs, sizes)],
+                        inits, opset=opset)
+
+
+@pytest.mark.parametrize("form", ["input", "num_outputs", "attribute", "equal"])
+def test_an_onnx_split_is_one_slice_per_output_and_put_back_where_none_fused(form):
+    m = _onnx_split(form)
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    assert len(splits) == 1
+    assert sorted({n.op_type for n in split.model.graph.node}) == ["Relu", "Slice"]
+    x = np.random.default_rng(1).standard_normal((2, 3, 10)).astype(np.float32)
+    for a, b in zip(_run(m, {"x": x}), _run(split.model, {"x": x})):
+        np.testing.assert_array_equal(a, b)
+    out = onnx.ModelProto()
+    out.CopyFrom(split.model)
+    assert len(restore(out, splits)) == 1  # nothing fused: the Split as it was, its sizes too
+    assert [(n.op_type, list(n.input)) for n in out.graph.node if n.op_type == "Split"] == \
+        [("Split", ["x", "sizes"] if form == "input" else ["x"])]
+    assert sorted(t.name for t in out.graph.initializer) == sorted(t.name for t in m.graph.initializer)
+    onnx.checker.check_model(out, full_check=True)
+
+
+def test_a_split_with_one_slice_fused_keeps_the_others_as_slices():
+    m = _onnx_split("input")
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    out = onnx.ModelProto()
+    out.CopyFrom(split.model)
+    first = next(n for n in out.graph.node if n.op_type == "Slice" and n.output[0] == "a")
+    _fuse(out, {first.name, "relu_a"})
+    assert restore(out, splits) == ()
+    assert sorted(n.op_type for n in out.graph.node) == ["Fused", "Relu", "Relu", "Slice", "Slice"]
+
+
+def test_a_split_of_a_symbolic_dim_into_equal_parts_stays():
+    nodes = [helper.make_node("Split", ["x"], ["a", "b"], name="split", axis=-1, num_outputs=2)]
+    m = M.make_model(nodes, [M.vi("x", ["B", "S"])], [M.vi("a", ["B", "H"]), M.vi("b", ["B", "H"])], opset=18)
+    assert split_contrib_ops(build_graph(load_model(m)))[1] == ()

@@ -544,3 +544,16 @@ def test_run_time_axes_without_kept_dims_leave_the_rest_of_the_model_symbolic():
                            helper.make_tensor_value_info("y", t.FLOAT, [None, None])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
     assert build_graph(load_model(m)).tensors["y"].shape == ("2*n", 8)
+
+
+def test_a_split_into_uneven_equal_parts_has_onnxs_ceil_sized_outputs():
+    # num_outputs (opset 18) of a dim the count does not divide: 10 into 3 is 4, 4, 2 (ORT's symbolic tool said
+    # 3, 3, 3); by the symbolic tool itself, so the symbolic dims around it stay
+    nodes = [helper.make_node("Split", ["x"], ["a", "b", "c"], axis=-1, num_outputs=3)]
+    m = helper.make_model(helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 10])],
+                                            [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in "abc"]),
+                          opset_imports=[helper.make_opsetid("", 18)])
+    inferred, complete, _ = _infer._symbolic(m)
+    assert complete
+    dims = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in inferred.graph.output}
+    assert dims == {"a": ["B", 4], "b": ["B", 4], "c": ["B", 2]}

@@ -109,10 +109,12 @@ def test_profile_is_offered_every_attention_region():
 
 def test_fp32_attention_left_to_ort_keeps_parity():
     # at ViT-B's size (the hint) fp32 attention goes to ORT; the scale, mask and Softmax between its MatMuls
-    # become a row kernel and P.V takes the output Transpose as its epilogue: both match ORT in emulation
+    # become a row kernel and P.V takes the output Transpose as its epilogue; the packed QKV's Split is one
+    # Slice per head tensor (rewriter.contrib), each with its head Transpose one copy kernel (ORT ran the
+    # Split and three Transposes): all match ORT in emulation
     from helpers import fused_parity
 
     m = packed_attention(TP.FLOAT, 12, 64)
-    res = fused_parity(m, {}, {"x": (2, 9, 2304), "mask": (2, 1, 1, 9)}, ["gemm", "rowreduce"],
-                       dim_hints=[("seq", 197)])
+    res = fused_parity(m, {}, {"x": (2, 9, 2304), "mask": (2, 1, 1, 9)},
+                       ["gemm", "pointwise", "pointwise", "pointwise", "rowreduce"], dim_hints=[("seq", 197)])
     assert any("attention kernel estimated" in r.reason for r in res.plan.refusals)
