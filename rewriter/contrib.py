@@ -152,18 +152,19 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split,
             m.graph.initializer.extend(t for t in kept if t.name in node.input)
             kept = [t for t in kept if t.name not in node.input]
         known -= {t.name for t in kept}
-    if not back:
-        return ()
-    kept = [n for n in m.graph.node if n.name not in gone]
-    del m.graph.node[:]
-    m.graph.node.extend(kept + back)
-    _proto.sort_nodes(m.graph)
-    read = {x for n in m.graph.node for x in _proto.node_reads(n)} | outputs
-    added = {c for s in splits for c in s.constants}
+    if back:
+        kept = [n for n in m.graph.node if n.name not in gone]
+        del m.graph.node[:]
+        m.graph.node.extend(kept + back)
+        _proto.sort_nodes(m.graph)
+    read = {x for n in m.graph.node for x in _proto.node_reads(n)} | outputs | {v.name for v in m.graph.input}
+    added = {c for s in splits for c in s.constants} | {t.name for s in splits for t in s.kept}
     keep = [t for t in m.graph.initializer if t.name not in added or t.name in read]
     if len(keep) < len(m.graph.initializer):
         del m.graph.initializer[:]
         m.graph.initializer.extend(keep)
+    if not back:
+        return ()
     made = {o for n in m.graph.node for o in n.output}
     vis = [v for v in m.graph.value_info if v.name in made or v.name in read]
     if len(vis) < len(m.graph.value_info):
@@ -203,8 +204,9 @@ def _used(g: Graph, t: str) -> bool:
 
 def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
-    if n.op_type == "Split" and _domain(n) == "":
-        return x is not None and x.shape is not None and _split_sizes(g, n) is not None
+    if n.op_type == "Split" and _domain(n) == "":  # (Slice takes its starts as inputs from opset 10)
+        return g.opset >= 10 and x is not None and x.shape is not None and _split_sizes(g, n) is not None \
+            and any(_used(g, o) for o in n.output)
     if x is None or x.dtype not in _FLOATS:
         return False
     if _domain(n) == "" and n.op_type not in _ONNX_SPLIT and not _proto.ort_default_domain_op(g.model, n):
@@ -431,9 +433,11 @@ def _split_sizes(g: Graph, n: onnx.NodeProto) -> Optional[list[int]]:
         sizes = [int(v) for v in attr(n, "split", None)]
     elif not isinstance(dim, int):
         return None
-    else:
+    else:  # (ORT refuses a count whose ceil-sized parts leave the last one empty: so do we)
         part = -(-dim // count)
-        sizes = [min(part, max(dim - part * k, 0)) for k in range(count)]
+        if part * (count - 1) >= dim and count > 1:
+            return None
+        sizes = [min(part, dim - part * k) for k in range(count)]
     if sizes is None or len(sizes) != count or any(v < 0 for v in sizes) \
             or (isinstance(dim, int) and sum(sizes) != dim):
         return None

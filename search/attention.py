@@ -138,6 +138,7 @@ def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionP
     q_path, q, q_rope = _rotated_path_back(g, g.nodes[qk].input[0], qk, select, runtime)
     k_path, k, k_rope = _rotated_path_back(g, g.nodes[qk].input[1], qk, select, runtime)
     v_path, v = _path_back(g, g.nodes[pv].input[1], pv, select, runtime)
+    (q_path, q), (k_path, k), (v_path, v) = _joined_paths(g, ((q_path, q), (k_path, k), (v_path, v)), select, runtime)
     out_path, output = _path_forward(g, g.nodes[pv].output[0], runtime)
     nodes = (qk, pv, sm, *score_ops, *prob_ops, *q_path, *k_path, *v_path, *out_path)  # paths may share a Split
     _check_shapes(g, qk, pv, nodes)
@@ -281,6 +282,24 @@ def _nan_guard(g: Graph, t: str) -> tuple[int, int] | None:
 
 
 # ---- layout paths -----------------------------------------------------------------------------------------
+
+def _joined_paths(g: Graph, paths: tuple[tuple[tuple[int, ...], str], ...], select: bool,
+                  runtime: bool) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """Operand paths that stop at one tensor read by nothing but their first nodes (the Slices of a packed
+    QKV projection, one per operand: ONNX's Split as `rewriter.contrib` writes it) continue back from it
+    together, each with the shared part first, as paths through one Split do."""
+    out = list(paths)
+    for t in dict.fromkeys(src for _, src in paths):
+        ends = [k for k, (path, src) in enumerate(paths) if src == t and path]
+        readers = set(g.consumers.get(t, ()))
+        if len(ends) < 2 or t in g.graph_outputs or readers != {paths[k][0][0] for k in ends}:
+            continue
+        shared, src = _path_back(g, t, readers, select, runtime)
+        if shared:
+            for k in ends:
+                out[k] = (shared + paths[k][0], src)
+    return tuple(out)
+
 
 def _rotated_path_back(g: Graph, t: str, user: int, select: bool,
                        runtime: bool = False) -> tuple[tuple[int, ...], str, Rope | None]:

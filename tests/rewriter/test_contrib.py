@@ -253,3 +253,24 @@ def test_a_split_of_a_symbolic_dim_into_equal_parts_stays():
     nodes = [helper.make_node("Split", ["x"], ["a", "b"], name="split", axis=-1, num_outputs=2)]
     m = M.make_model(nodes, [M.vi("x", ["B", "S"])], [M.vi("a", ["B", "H"]), M.vi("b", ["B", "H"])], opset=18)
     assert split_contrib_ops(build_graph(load_model(m)))[1] == ()
+
+
+def test_splits_slice_cannot_write_or_ort_refuses_stay():
+    # before opset 10 Slice takes its starts as attributes; 4 into 3 leaves the last part empty (ORT refuses it)
+    old = M.make_model([helper.make_node("Split", ["x"], ["a", "b"], name="split", axis=1, split=[16, 48])],
+                       [M.vi("x", ["B", 64])], [M.vi("a", ["B", 16]), M.vi("b", ["B", 48])], opset=9)
+    empty = M.make_model([helper.make_node("Split", ["x"], ["a", "b", "c"], name="split", axis=1, num_outputs=3)],
+                         [M.vi("x", ["B", 4])], [M.vi(o, ["B", 2]) for o in "ab"] + [M.vi("c", ["B", 0])], opset=18)
+    for m in (old, empty):
+        assert split_contrib_ops(build_graph(load_model(m)))[1] == ()
+
+
+def test_a_split_not_put_back_leaves_no_unread_sizes():
+    m = _onnx_split("input")
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    out = onnx.ModelProto()
+    out.CopyFrom(split.model)
+    out.graph.initializer.append(numpy_helper.from_array(np.array([2, 5, 3], np.int64), "sizes"))  # still there
+    _fuse(out, {n.name for n in out.graph.node if n.op_type == "Slice" and n.output[0] == "a"} | {"relu_a"})
+    restore(out, splits)
+    assert "sizes" not in {t.name for t in out.graph.initializer}

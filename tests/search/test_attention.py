@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import onnx
 from onnx import TensorProto as TP
 
 from helpers import const, model, node, packed_attention, vi
@@ -327,3 +328,32 @@ def test_every_layer_of_exported_models(zoo, name: str, dtype: str):
         assert _ops(g, p.score_ops) == (["Mul"] if name == "vit" else ["Mul", "Add"])
         assert _ops(g, p.prob_ops) == {"bert": [], "gpt2": ["Cast"], "vit": ["Cast", "Cast"]}[name]
         assert len(p.extra_inputs) == (0 if name == "vit" else 1)
+
+
+@pytest.mark.parametrize("also_out", [False, True])
+def test_operand_paths_through_slices_of_one_tensor_continue_back_together(also_out):
+    # Q, K and V as three Slices of one tensor that a layout op makes (an ONNX Split as rewriter.contrib writes it,
+    # after GPTBigCode's Unsqueeze): the paths go on through the layout op together, to the projection itself,
+    # unless that tensor is read elsewhere too (here: a graph output)
+    m = packed_attention(TP.FLOAT, 2, 8, select="slice")
+    m.graph.input[0].name = "x0"
+    m.graph.node.insert(0, node("Reshape", ["x0", "flat"], ["x"]))
+    m.graph.initializer.append(const("flat", [0, 0, 48], np.int64))
+    if also_out:
+        m.graph.output.append(vi("x", TP.FLOAT, ["batch", "seq", 48]))
+    (pat,), _ = find_attention(build_graph(m, {}))
+    assert pat.q == pat.k == pat.v == ("x" if also_out else "x0")
+
+
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16], ids=["fp32", "fp16"])
+def test_a_split_packed_projection_behind_a_layout_op_is_one_attention_kernel(dt):
+    # GPTBigCode's c_attn: Unsqueeze, then a Split (one Slice per operand after rewriter.contrib): the attention
+    # kernel reads the projection itself; checked against ORT in emulation
+    from helpers import fused_parity
+
+    m = packed_attention(dt, 2, 8)
+    m.graph.input[0].name = "x0"
+    m.graph.input[0].type.tensor_type.shape.dim.insert(1, onnx.TensorShapeProto.Dimension(dim_value=1))
+    m.graph.node.insert(0, node("Squeeze", ["x0", "one"], ["x"]))
+    m.graph.initializer.append(const("one", [1], np.int64))
+    fused_parity(m, {}, {"x0": (2, 1, 5, 48), "mask": (2, 1, 1, 5)}, ["attention"])
