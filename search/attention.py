@@ -287,7 +287,9 @@ def _joined_paths(g: Graph, paths: tuple[tuple[tuple[int, ...], str], ...], sele
                   runtime: bool) -> tuple[tuple[tuple[int, ...], str], ...]:
     """Operand paths that stop at one tensor read by nothing but their first nodes (the Slices of a packed
     QKV projection, one per operand: ONNX's Split as `rewriter.contrib` writes it) continue back from it
-    together, each with the shared part first, as paths through one Split do."""
+    together, each with the shared part first, as paths through one Split do; not to a tensor lacking one of
+    the symbolic dims the shared one has (a kernel reading it could not compute that dim: LeViT's batch,
+    merged into its rows before the Reshape that splits the heads)."""
     out = list(paths)
     for t in dict.fromkeys(src for _, src in paths):
         ends = [k for k, (path, src) in enumerate(paths) if src == t and path]
@@ -295,7 +297,9 @@ def _joined_paths(g: Graph, paths: tuple[tuple[tuple[int, ...], str], ...], sele
         if len(ends) < 2 or t in g.graph_outputs or readers != {paths[k][0][0] for k in ends}:
             continue
         shared, src = _path_back(g, t, readers, select, runtime)
-        if shared:
+        dims, src_dims = (g.tensors[x].shape if x in g.tensors else None for x in (t, src))
+        if shared and dims is not None and src_dims is not None \
+                and {d for d in dims if isinstance(d, str)} <= set(src_dims):
             for k in ends:
                 out[k] = (shared + paths[k][0], src)
     return tuple(out)

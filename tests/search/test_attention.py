@@ -358,3 +358,18 @@ def test_a_split_packed_projection_behind_a_layout_op_is_one_attention_kernel(dt
     m.graph.initializer.append(const("one", [1], np.int64))
     res = fused_parity(m, {}, {"x0": (2, 1, 5, 48), "mask": (2, 1, 1, 5)}, ["attention"])
     assert [n.domain for n in res.model.graph.node] == ["ortfuse"]  # the Squeeze too
+
+
+def test_joined_operand_paths_stop_where_a_symbolic_dim_is_merged_away():
+    # LeViT: the packed projection's rows are batch x tokens merged; the Reshape that splits them makes the tensor
+    # the Slices read. A kernel reading the merged rows could not compute `batch`: the paths stop at the Reshape
+    m = packed_attention(TP.FLOAT, 2, 8, select="slice")
+    m.graph.input[0].name = "x0"
+    dims = m.graph.input[0].type.tensor_type.shape.dim
+    del dims[:]
+    for d in ("rows", 48):
+        dims.add(**({"dim_param": d} if isinstance(d, str) else {"dim_value": d}))
+    m.graph.node.insert(0, node("Reshape", ["x0", "split_rows"], ["x"]))
+    m.graph.initializer.append(const("split_rows", [-1, 5, 48], np.int64))
+    (pat,), _ = find_attention(build_graph(m, {}))
+    assert pat.q == pat.k == pat.v == "x"
