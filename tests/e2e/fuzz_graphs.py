@@ -44,6 +44,7 @@ class _Builder:
     produced: list = field(default_factory=list)  # names made by nodes, in order
     # draws for variations added later (auto_pad, computed weights), apart so older seeds keep their graphs
     alt: np.random.Generator | None = None
+    late: np.random.Generator | None = None  # session 38's forms (torch.export's): apart again, as `alt`
 
     @property
     def np_dtype(self):
@@ -210,6 +211,9 @@ class _Builder:
         Softmax not over the last axis; a sum of squares, L2 or L1 norm or log-sum-exp over the last one; Gemm
         with transB and alpha, MatMul with a batched constant weight, and values scaled to extremes."""
         rank, static = len(s), [isinstance(d, int) for d in s]
+        if self.late is not None and self.late.random() < 0.3:
+            self.exported(x, s)
+            return
         kind = str(self.rng.choice(["expand", "unsqueeze", "flatten", "pow", "div", "logsoftmax", "softmax1",
                                     "sumsquare", "gemm", "batched", "extreme", "gather", "iota", "concat", "expand_rt", "slice"]))
         if kind == "extreme" and self.dtype == TP.FLOAT:
@@ -312,6 +316,43 @@ class _Builder:
             k = int(self.rng.choice([8, 16]))
             w = self.const(self.rng.uniform(-1, 1, (s[-3], s[-1], k)) / np.sqrt(s[-1]), "w")
             self.add("MatMul", [x, w], s[:-1] + (k,))
+
+    def exported(self, x: str, s: Shape) -> None:
+        """torch.export's forms: a Split into uneven parts along a static axis (sizes as an input, or
+        num_outputs at opset 18), Kᵀ's Reshape [-1, a, b] -> Transpose -> Reshape [.., b, a] with targets read
+        through Shape, and an all-true mask expanded to x's run-time shape, Where(mask, 0, -10) added to x."""
+        rng, rank = self.late, len(s)
+        kind = str(rng.choice(["split", "regroup", "mask"]))
+        axes = [i for i in range(rank) if isinstance(s[i], int) and s[i] > 2]
+        if kind == "split" and axes:
+            a = axes[int(rng.integers(len(axes)))]
+            count = int(rng.integers(2, min(3, s[a]) + 1))
+            if self.opset >= 18 and rng.random() < 0.5 and -(-s[a] // count) * (count - 1) < s[a]:
+                part = -(-s[a] // count)
+                sizes, ins, attrs = [min(part, s[a] - part * k) for k in range(count)], [x], {"num_outputs": count}
+            else:
+                cuts = sorted(rng.choice(np.arange(1, s[a]), count - 1, replace=False).tolist())
+                sizes = [e - b for b, e in zip([0, *cuts], [*cuts, s[a]])]
+                ins, attrs = [x, self.const(np.array(sizes), "sz", np.int64)], {}
+            outs = [self.fresh("part") + f"_{k}" for k in range(count)]
+            self.nodes.append(helper.make_node("Split", ins, outs, name=f"Split_{outs[0]}", axis=a - rank, **attrs))
+            for o, n, op in zip(outs, sizes, ("Relu", "Neg", "Sigmoid")):
+                self.add(op, [o], s[:a] + (n,) + s[a + 1:])
+        elif kind == "regroup" and rank >= 3 and all(isinstance(d, int) for d in s[-2:]):
+            shp = self.add("Shape", [x], (rank,), pool=False)
+            lead = self.add("Slice", [shp, self.const(np.array([0]), "z", np.int64),
+                                      self.const(np.array([-2]), "m2", np.int64)], (rank - 2,), pool=False)
+            tail = [self.const(np.array([d]), "d", np.int64) for d in s[-2:]]
+            merged = self.add("Reshape", [x, self.add("Concat", [self.const(np.array([-1]), "m1", np.int64), *tail], (3,),
+                                                      pool=False, axis=0)], (None, *s[-2:]), pool=False)
+            t = self.add("Transpose", [merged], (None, s[-1], s[-2]), pool=False, perm=[0, 2, 1])
+            back = self.add("Concat", [lead, tail[1], tail[0]], (rank,), pool=False, axis=0)
+            self.add("Reshape", [t, back], s[:-2] + (s[-1], s[-2]))
+        elif kind == "mask" and isinstance(s[-1], int):
+            mask = self.const(np.ones((1,) * (rank - 1) + (s[-1],), bool), "mask", np.bool_)
+            e = self.add("Expand", [mask, self.add("Shape", [x], (rank,), pool=False)], s, pool=False)
+            bias = self.add("Where", [e, self.const(np.array(0.0)), self.const(np.array(-10.0))], s, pool=False)
+            self.add("Add", [x, bias], s)
 
     def window(self, x: str, s: Shape) -> None:
         """An index or window op on NCHW `s`: Pad (constant with a random fill, crops among the pads; edge;
@@ -464,6 +505,7 @@ def random_model(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     dtype = TP.FLOAT if rng.random() < 0.6 else TP.FLOAT16
     b = _Builder(rng, dtype, OLD_OPSET if rng.random() < 0.25 else OPSET)
     b.alt = np.random.default_rng(seed + 1_000_003)
+    b.late = np.random.default_rng(seed + 2_000_003)
     rank = int(rng.integers(2, 5))
     shape = ("n",) + tuple(int(rng.choice([2, 3, 5, 8])) for _ in range(rank - 2)) + (int(rng.choice(LAST_DIMS[3:])),)
     if rank == 4 and rng.random() < 0.5:  # an image: channels, then a small spatial map
