@@ -289,8 +289,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
     if splits:
-        say(f"{len(splits)} fused ops ({_op_counts(s.original for s in splits)}) written as the standard ops the "
-            "search fuses")
+        say(f"{len(splits)} ops the search does not take as they are ({_op_counts(s.original for s in splits)}) "
+            "written as the standard ops it fuses")
     graph, gathers = fold_iota_gathers(graph)
     if gathers:
         say(f"{gathers} Gathers of a flattened tensor at its own index (exported masks) became Reshapes")
@@ -413,7 +413,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
     back = restore_contrib_ops(out, splits)
     if back:
-        say(f"{len(back)} fused ops whose standard ops the search left to ORT were put back (or their norm or "
+        say(f"{len(back)} of those ops put back where the search left their standard ops to ORT (or their norm or "
             "GELU)")
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})

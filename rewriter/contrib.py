@@ -130,8 +130,8 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split,
     back: list[onnx.NodeProto] = []
     done: list[tuple[Split, Part]] = []
     for s in splits:
-        kept = [t for t in s.kept if t.name not in known]
-        known |= {t.name for t in kept}
+        missing = [t for t in s.kept if t.name not in known]  # (a Split's sizes, which no Slice read)
+        known |= {t.name for t in missing}
         for part in s.parts:
             if any(x not in by_name or x in gone for x in part.names):
                 continue
@@ -149,13 +149,13 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split,
             gone.update(part.names)
             back.append(node)
             done.append((s, part))
-            m.graph.initializer.extend(t for t in kept if t.name in node.input)
-            kept = [t for t in kept if t.name not in node.input]
-        known -= {t.name for t in kept}
+            m.graph.initializer.extend(t for t in missing if t.name in node.input)
+            missing = [t for t in missing if t.name not in node.input]
+        known -= {t.name for t in missing}
     if back:
-        kept = [n for n in m.graph.node if n.name not in gone]
+        remaining = [n for n in m.graph.node if n.name not in gone]
         del m.graph.node[:]
-        m.graph.node.extend(kept + back)
+        m.graph.node.extend(remaining + back)
         _proto.sort_nodes(m.graph)
     read = {x for n in m.graph.node for x in _proto.node_reads(n)} | outputs | {v.name for v in m.graph.input}
     added = {c for s in splits for c in s.constants} | {t.name for s in splits for t in s.kept}

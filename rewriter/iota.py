@@ -398,8 +398,8 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     * a Range limit that is a static dim read through Shape becomes a constant (not a size shape inference
       merged a symbolic dim into);
     * a dim read as Gather(Shape(x), k) or Shape(x, start=k, end=k + 1) from an intermediate tensor x is
-      read from a graph input with the same symbolic dim instead, so x need not be written just for its shape (not for dims shape inference
-      merged in a broadcast: `broadcast_merged_dims`);
+      read from a graph input with the same symbolic dim instead, so x need not be written just for its
+      shape (not for dims shape inference merged in a broadcast: `broadcast_merged_dims`);
     * an iota (a Range and the ops on it) read by several nodes is copied for each reader, so each kernel
       can absorb its own copy. Copies that stay unfused are merged again by ORT's common-subexpression
       elimination.
