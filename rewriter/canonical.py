@@ -28,8 +28,9 @@
 * `sink_constant_expands`: an element-wise op on a constant broadcast by an Expand to a run-time shape (and on
   other constants) computes on the constant itself, the Expand after it; so the op folds with the constants
   (torch.export's all-true attention mask of a ViT: `Where(Expand(c, [B, 1, S, S]), 0, -inf)`).
-* `bypass_broadcast_expands`: an element-wise op that broadcasts an Expand's output to a shape it would reach
-  from the Expand's input as well reads the input (an additive mask: the scores broadcast it anyway).
+* `bypass_broadcast_expands`: an Expand whose every reader broadcasts its output to a shape it would reach from
+  the Expand's input as well goes, its readers reading the input (an additive mask: the scores broadcast it
+  anyway).
 * `merge_regrouped_transposes`: a Reshape that merges adjacent dims, a Transpose of the merged tensor and a
   Reshape that splits the dims again (torch.export's scaled_dot_product_attention transposes K so:
   `[B, H, S, D] -> [B*H, S, D] -> [B*H, D, S] -> [B, H, D, S]`) become the one Transpose they compute.
@@ -837,28 +838,39 @@ def sink_constant_expands(g: Graph) -> tuple[Graph, int]:
 
 
 def bypass_broadcast_expands(g: Graph) -> tuple[Graph, int]:
-    """(new graph, number of reads bypassed): an element-wise op of several inputs reading `Expand(x, s)` reads x
-    where that leaves its output's (inferred) shape as it was: its other inputs broadcast x there anyway.
-    Every Expand a consumer reads is bypassed at once and the shape checked with all of them bypassed. Not across
-    sizes shape inference merged a symbolic dim into, nor symbolic dims it merged with another (either may be 1
-    at run time: `iota.broadcast_merged_dims`). `g` is left untouched."""
+    """(new graph, number of Expands bypassed): an Expand whose every reader is an element-wise op of several
+    inputs that broadcasts to the shape it would reach from the Expand's input as well (its other inputs
+    broadcast there anyway) goes, its readers reading its input; with it go the host ops computing its target
+    (torch.export's expanded all-true mask). Where some reader needs the Expand (or it is a graph output), a
+    fused kernel indexes it as cheaply as its input, so it stays. A reader of several Expands is judged with
+    all of those it bypasses bypassed. Not across sizes shape inference merged a symbolic dim into, nor
+    symbolic dims it merged with another (either may be 1 at run time: `iota.broadcast_merged_dims`). `g` is
+    left untouched."""
     shape = _unmerged_shapes(g)
     default = ("", "ai.onnx")
-    expanded = {n.output[0]: n.input[0] for n in g.nodes if n.op_type == "Expand" and n.domain in default
-                and shape(n.input[0]) is not None}
-    readers = sorted({c for t in expanded for c in g.consumers.get(t, ())})
-    reads: dict[int, list[str]] = {}  # consumer -> its inputs, the Expands bypassed
-    for c in readers:
+
+    def bypassable_reader(c: int, t: str) -> bool:
         k = g.nodes[c]
-        if k.op_type not in BROADCASTING or k.domain not in default or len(k.output) != 1 \
-                or not any(x in expanded for x in k.input):  # (a read inside a subgraph body)
-            continue
-        ins = [expanded.get(x, x) for x in k.input]
-        shapes = [shape(x) for x in ins if x]
-        out = shape(k.output[0])
-        if out is not None and None not in shapes and broadcast(*shapes) == out:  # type: ignore[arg-type]
-            reads[c] = ins
-    if not reads:
+        return k.op_type in BROADCASTING and k.domain in default and len(k.output) == 1 and t in k.input
+
+    gone = {n.output[0]: n.input[0] for n in g.nodes if n.op_type == "Expand" and n.domain in default
+            and shape(n.input[0]) is not None and n.output[0] not in g.graph_outputs and g.consumers.get(n.output[0])
+            and all(bypassable_reader(c, n.output[0]) for c in g.consumers[n.output[0]])}  # (not a subgraph read)
+    while True:
+        reads: dict[int, list[str]] = {}  # reader -> its inputs, the Expands that go bypassed
+        kept: set[str] = set()
+        for c in sorted({c for t in gone for c in g.consumers[t]}):
+            ins = [gone.get(x, x) for x in g.nodes[c].input]
+            shapes = [shape(x) for x in ins if x]
+            out = shape(g.nodes[c].output[0])
+            if out is not None and None not in shapes and broadcast(*shapes) == out:  # type: ignore[arg-type]
+                reads[c] = ins
+            else:
+                kept |= {x for x in g.nodes[c].input if x in gone}
+        if not kept:
+            break
+        gone = {t: x for t, x in gone.items() if t not in kept}
+    if not gone:
         return g, 0
     m = onnx.ModelProto()
     m.CopyFrom(g.model)
@@ -866,7 +878,7 @@ def bypass_broadcast_expands(g: Graph) -> tuple[Graph, int]:
         del m.graph.node[c].input[:]
         m.graph.node[c].input.extend(ins)
     remove_dead(m)
-    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(reads)
+    return assemble(m, dict(g.tensors), g.opset, g.hint_overrides), len(gone)
 
 
 def _unmerged_shapes(g: Graph) -> Callable[[str], Optional[tuple[Dim, ...]]]:
