@@ -453,18 +453,25 @@ MAX_SMALL_VALUE = 64  # elements: a folded value is a shape, axes or bounds, nev
 _NONDETERMINISTIC = frozenset({"Bernoulli", "Multinomial", "Dropout"})  # and Random*: a new value each run
 
 
-def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -> Optional[list[Optional[int]]]:
-    """The dims a Shape node reports (its start/end attributes applied): an int where static, None where
-    symbolic or of a size shape inference merged a symbolic dim into (1 at run time, maybe) where the tensor is
-    computed from where that merge happened (`shapes.merge_tainted`)."""
+def shape_dims(g: Graph, shape_node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
+    """The (inferred, possibly symbolic) dims a Shape node outputs, its start/end attributes applied."""
     x = g.tensors.get(shape_node.input[0])
     if x is None or x.shape is None:
         return None
+    start, end = attr(shape_node, "start", 0), attr(shape_node, "end", len(x.shape))
+    return tuple(x.shape[slice(start, end)])  # negative and out-of-range bounds clamp as the spec says
+
+
+def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -> Optional[list[Optional[int]]]:
+    """The dims a Shape node reports (`shape_dims`): an int where static, None where symbolic or of a size
+    shape inference merged a symbolic dim into (1 at run time, maybe) where the tensor is computed from where
+    that merge happened (`shapes.merge_tainted`)."""
+    dims = shape_dims(g, shape_node)
+    if dims is None:
+        return None
     tainted = merge_tainted(g) if merged else frozenset()
-    suspect = merged if tainted is None or x.name in tainted else frozenset()
-    dims = [d if isinstance(d, int) and d not in suspect else None for d in x.shape]
-    start, end = attr(shape_node, "start", 0), attr(shape_node, "end", len(dims))
-    return dims[slice(start, end)]  # negative and out-of-range bounds clamp as the spec says
+    suspect = merged if tainted is None or shape_node.input[0] in tainted else frozenset()
+    return [d if isinstance(d, int) and d not in suspect else None for d in dims]
 
 
 def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optional[np.ndarray]:
@@ -813,7 +820,7 @@ def sink_constant_expands(g: Graph) -> tuple[Graph, int]:
                 or not all(x in small or x in g.constants for x in ins) or n.output[0] not in g.tensors:
             continue
         sides = [small[x][0] if x in small else x for x in ins]
-        out_shape = broadcast(*(shape.get(x) or tuple(np.asarray(g.constants[x]).shape) for x in sides))
+        out_shape = broadcast(*(shape[x] if x in shape else tuple(np.asarray(g.constants[x]).shape) for x in sides))
         if out_shape is None:
             continue
         out, target = n.output[0], small[fed[0]][1]

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from ortfuse.rewriter import _infer
 from ortfuse.rewriter.attrs import attr
-from ortfuse.rewriter.canonical import BROADCASTING, _static_target, remove_dead
+from ortfuse.rewriter.canonical import BROADCASTING, _static_target, remove_dead, shape_dims
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 from ortfuse.rewriter.shapes import assemble, merged_sizes
 
@@ -87,23 +87,12 @@ def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
         k = const_int(g, node.input[1])
         if shape_node is None or shape_node.op_type != "Shape" or k is None:
             return None
-        read = _shape_read(g, shape_node)
+        read = shape_dims(g, shape_node)
         return None if read is None or not -len(read) <= k < len(read) else coef_of(read[k])
     if op == "Shape":  # Shape(x, start=k, end=k+1): torch.export's sym_size
-        read = _shape_read(g, node)
+        read = shape_dims(g, node)
         return None if read is None or len(read) != 1 else coef_of(read[0])
     return None
-
-
-def _shape_read(g: Graph, shape_node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
-    """The dims a Shape node outputs (its start/end attributes applied, as ONNX clamps them)."""
-    dims = g.tensors.get(shape_node.input[0])
-    if dims is None or dims.shape is None:
-        return None
-    rank = len(dims.shape)
-    start, end = (attr(shape_node, name, default) for name, default in (("start", 0), ("end", rank)))
-    start, end = (min(max(v + rank if v < 0 else v, 0), rank) for v in (start, end))
-    return tuple(dims.shape[start:end])
 
 
 def affine(g: Graph, t: str, depth: int = 0) -> Optional[Affine]:
@@ -426,7 +415,7 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     for i, node in enumerate(g.nodes):
         if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.attribute \
                 and node.input[0] not in g.graph_inputs:  # Shape(x, start=k, end=k + 1): torch.export's
-            read = _shape_read(g, node)
+            read = shape_dims(g, node)
             if read is not None and len(read) == 1 and read[0] in where:
                 x, axis = where[read[0]]
                 m.graph.node[i].input[0] = x

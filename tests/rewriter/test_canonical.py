@@ -863,3 +863,19 @@ def test_a_regrouping_over_merged_dims_stays():
               [vi("y", TP.FLOAT, None), vi("z", TP.FLOAT, None)], inits)
     g = build_graph(m, {})
     assert merge_regrouped_transposes(g) == (g, 0)
+
+
+def test_a_chain_on_an_expanded_scalar_moves_before_the_expand():
+    # Expand(2.0, Shape(x)) -> Neg -> Mul by a constant -> Add to x: the chain computes on the scalar (shape (),
+    # which broadcasts like any other), the Expand after it
+    nodes = [node("Shape", ["x"], ["shp"]), node("Expand", ["two", "shp"], ["e"]), node("Neg", ["e"], ["n"]),
+             node("Mul", ["n", "three"], ["m"]), node("Add", ["x", "m"], ["y"])]
+    m = model(nodes, [vi("x", TP.FLOAT, ["B", 4])], [vi("y", TP.FLOAT, None)],
+              [const("two", 2.0), const("three", 3.0)])
+    g, sunk = sink_constant_expands(build_graph(m, {}))
+    assert sunk == 2
+    g, _ = fold_constant_subgraphs(g)
+    g, bypassed = bypass_broadcast_expands(g)
+    assert bypassed == 1 and [x.op_type for x in g.nodes] == ["Add"]
+    feeds = {"x": np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)}
+    np.testing.assert_allclose(_cpu(g.model, feeds)[0], _cpu(m, feeds)[0], rtol=1e-6)
