@@ -7,7 +7,9 @@ matched ORT in CPU emulation. Random weights, tiny widths: this is about graph p
     python -m ortfuse.bench.coverage [--models NAME ...] [--dtypes fp32 fp16 bf16] [--opset N] [--out FILE.md]
 
 `--opset 22` converts each export (onnx's version converter) before the dtypes are made: ONNX has bf16 Conv
-and pools from opset 22, so that is where a bf16 CNN computes its convolutions in bf16.
+and pools from opset 22, so that is where a bf16 CNN computes its convolutions in bf16. With `--exporter
+dynamo` torch exports at that opset itself (at 23 it writes ONNX's Attention, RMSNormalization and
+RotaryEmbedding).
 
 A failed export (a transformers version without the class) is a row with its error, never a crash of the
 sweep; a parity failure or an optimizer error is a row marked FAIL and the exit status is 1."""
@@ -287,7 +289,8 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
             from ortfuse.bench.zoo import _export_dynamo
             total = {"past_sequence + sequence": "total_sequence"}
             _export_dynamo(First().eval(), tuple(inputs.values()), names, tuple(outputs),
-                           {n: {i: total.get(d, d) for i, d in a.items()} for n, a in axes.items()}, fp32)
+                           {n: {i: total.get(d, d) for i, d in a.items()} for n, a in axes.items()}, fp32,
+                           opset)  # (at 23 torch writes ONNX's Attention and RMSNormalization)
             _rename_dims(fp32, {v: k for k, v in total.items()})
         else:
             torch.onnx.export(First().eval(), tuple(inputs.values()), str(fp32), dynamo=False,
@@ -380,15 +383,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="dynamo: torch.onnx.export(dynamo=True), torch's default since 2.9 (needs onnxscript)")
     ap.add_argument("--opset", type=int, default=None,
                     help="convert each export to this opset first (22: bf16 Conv and pools; default: the "
-                         "exporter's own, 17 for TorchScript)")
+                         "exporter's own, 17 for TorchScript); dynamo exports at it")
     ap.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     import transformers
 
     dynamo = args.exporter == "dynamo"
-    opset = "" if args.opset is None or (args.opset == EXPORT_OPSET and not dynamo) else \
-        f"; converted to opset {args.opset}"
-    opset = ("; torch.export (dynamo), torch's default opset" if dynamo else "") + opset
+    if dynamo:
+        opset = "; torch.export (dynamo), " + ("torch's default opset" if args.opset is None else f"opset {args.opset}")
+    else:
+        opset = "" if args.opset in (None, EXPORT_OPSET) else f"; converted to opset {args.opset}"
     lines = [f"transformers {transformers.__version__}{opset}; regions by kind, graph nodes (after the shape folds) -> "
              "after `optimize`, "
              "attention regions / Softmax nodes, `check --emulate` parity", "",

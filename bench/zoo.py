@@ -440,9 +440,9 @@ def _export(name: str, tiny: bool, path: Path, exporter: str = "torchscript") ->
 
 
 def _export_dynamo(module: Any, args: tuple, names: list[str], outputs: tuple[str, ...],
-                   axes: dict[str, dict[int, str]], tmp: Path) -> None:
+                   axes: dict[str, dict[int, str]], tmp: Path, opset: int | None = None) -> None:
   """torch.export with one named Dim per symbolic dim (so "batch" and "sequence" are shared by all inputs
-  and named in the graph, as with dynamic_axes); needs onnxscript."""
+  and named in the graph, as with dynamic_axes), at `opset` (None: torch's default); needs onnxscript."""
   import torch
   try:
     import onnxscript  # noqa: F401
@@ -451,7 +451,7 @@ def _export_dynamo(module: Any, args: tuple, names: list[str], outputs: tuple[st
   dims = {d: torch.export.Dim(d) for spec in axes.values() for d in spec.values()}
   shapes = (tuple({i: dims[d] for i, d in axes[n].items()} for n in names),)  # the wrapper's *args
   program = torch.onnx.export(module, args, input_names=names, output_names=list(outputs), dynamic_shapes=shapes,
-                              dynamo=True, verbose=False)
+                              dynamo=True, verbose=False, opset_version=opset)
   program.save(str(tmp))
 
 

@@ -586,3 +586,53 @@ def norm_reductions(dt: int) -> onnx.ModelProto:
                   node("Add", ["ls", "lse"], ["b"]), node("Sub", ["a", "b"], ["z"])],
                  [vi("x", dt, ["r", 50])], [vi("y", dt, None), vi("z", dt, None)], [const("eps", 1e-6, npd)],
                  opset=18)
+
+
+def onnx_attention(dt: int, form: str = "", heads: int = 4, kv_heads: int = 4, head: int = 16,
+                   mask_value=None, opset: int = 23) -> onnx.ModelProto:
+    """One ONNX Attention node (opset 23) over graph inputs q, k, v [batch, H, seq, D] ("3d" in `form`:
+    [batch, seq, H·D]). `form` words: "bool" / "float" a mask input m [batch, 1, seq, keys] ("const": a constant
+    [2, 1, 5, keys] instead (with "static": batch 2), row 2 of batch 1 all hidden: False, or `mask_value` for a
+    float mask); "causal";
+    "past" (past_key/past_value inputs [batch, Hkv, past, D], present outputs; keys = "past + seq");
+    "cross" (keys and values over their own length "kv"); "scale" (0.3); "cap" (softcap 2); "static" (seq 5,
+    past 3, kv 7: is_causal is split only over static lengths)."""
+    three = "3d" in form
+    keys = "past + seq" if "past" in form else "kv" if "cross" in form else "seq"
+    new_kv = "kv" if "cross" in form else "seq"
+    if "static" in form:  # seq 5, past 3, kv 7
+        keys, new_kv = {"past + seq": 8, "kv": 7, "seq": 5}[keys], {"kv": 7, "seq": 5}[new_kv]
+    seq, past = (5, 3) if "static" in form else ("seq", "past")
+    batch = 2 if "const" in form else "batch"
+
+    def shaped(h: int, s):
+        return [batch, s, h * head] if three else [batch, h, s, head]
+
+    ins = [vi("q", dt, shaped(heads, seq)), vi("k", dt, shaped(kv_heads, new_kv)),
+           vi("v", dt, shaped(kv_heads, new_kv))]
+    names, inits = ["q", "k", "v"], []
+    if "bool" in form or "float" in form:
+        mdt = onnx.TensorProto.BOOL if "bool" in form else dt
+        if "const" in form:
+            npdt = bool if "bool" in form else helper.tensor_dtype_to_np_dtype(dt)
+            rng = np.random.default_rng(5)
+            mask = rng.random((2, 1, 5, 5)) > 0.3 if "bool" in form else \
+                np.where(rng.random((2, 1, 5, 5)) > 0.3, 0.0, -np.inf)
+            mask[..., 0] = True if "bool" in form else rng.standard_normal()
+            mask[1, 0, 2] = False if "bool" in form else mask_value
+            inits.append(const("m", mask.astype(npdt), npdt))
+        else:
+            ins.append(vi("m", mdt, [batch, 1, seq, keys]))
+        names.append("m")
+    outs, out_vis = ["y"], [vi("y", dt, shaped(heads, seq))]
+    if "past" in form:
+        names += [""] * (4 - len(names)) + ["pk", "pv"]
+        ins += [vi(p, dt, [batch, kv_heads, past, head]) for p in ("pk", "pv")]
+        outs += ["present_k", "present_v"]
+        out_vis += [vi(p, dt, [batch, kv_heads, keys, head]) for p in ("present_k", "present_v")]
+    attrs = {"q_num_heads": heads, "kv_num_heads": kv_heads} if three else {}
+    attrs.update({"is_causal": 1} if "causal" in form else {})
+    attrs.update({"scale": 0.3} if "scale" in form else {})
+    attrs.update({"softcap": 2.0} if "cap" in form else {})
+    n = helper.make_node("Attention", names, outs, name="attention", **attrs)
+    return model([n], ins, out_vis, inits, opset=opset)

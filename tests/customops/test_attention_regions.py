@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto as TP
+from onnx import TensorProto as TP, helper
 
-from helpers import const, fused_parity, gqa_attention, merged_heads_attention, model, nan_guarded, node, packed_attention, vi
+from helpers import (const, fused_parity, gqa_attention, merged_heads_attention, model, nan_guarded, node, onnx_attention,
+                     packed_attention, vi)
 
 
 @pytest.mark.parametrize("select", ["split", "slice"])
@@ -293,3 +294,20 @@ def test_heads_with_their_own_keys_are_not_packed():
                        ["attention"], dim_hints=[("seq", 1)])
     spec = res.kernels[0].spec
     assert spec.units[1] == 4 and len(spec.units_ceil[0][0]) == 1
+
+
+@pytest.mark.parametrize("form,kinds", [
+    ("", ["attention"]), ("bool", ["attention"]), ("float", ["attention", "pointwise"]),
+    ("static causal", ["attention"]), ("static bool past causal", ["attention", "pointwise"]),
+    ("gqa past", ["attention"]), ("3d gqa past float", ["attention"] + ["pointwise"] * 3),
+    ("cap bool scale", ["attention"]), ("static const bool", ["attention"]), ("static const float", ["attention"]),
+    ("static const float lowest", ["attention"])])
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16], ids=["fp32", "fp16"])
+def test_onnx_attention_is_one_kernel(form, kinds, dt):
+    # ONNX's Attention (opset 23) as rewriter.onnx_attention writes it: one attention kernel, checked against
+    # ORT's own Attention kernel; the constant masks hide every key of one query row (-inf, or the lowest
+    # value: ORT gives 0 there, and so does the kernel)
+    low = np.finfo(helper.tensor_dtype_to_np_dtype(dt)).min if "lowest" in form else -np.inf
+    m = onnx_attention(dt, form, kv_heads=2 if "gqa" in form else 4, mask_value=low)
+    res = fused_parity(m, {}, {}, kinds)
+    assert "Attention" not in {n.op_type for n in res.model.graph.node}

@@ -1,0 +1,222 @@
+"""ONNX's Attention (opset 23 on: torch's exporter writes it for `scaled_dot_product_attention` from opset 23)
+written as the standard ops an exporter writes for attention, so the search fuses it, with the layout ops and
+rotary embeddings around it, into one attention kernel; `rewriter.contrib` puts it back where nothing fused it.
+
+The function is ORT 1.31.1's kernel's, as measured on its CPU EP (tests/rewriter/test_onnx_attention.py):
+  * scores = Q·Kᵀ · scale (1/√head size by default); then softcap · tanh(scores / softcap) where softcap is set;
+  * then the mask: a bool mask keeps the entries it marks true, a float one is added; is_causal hides key j
+    from query i where j > i + the past's length (upper-left aligned without a past, as ORT does). Both
+    become one additive bias, as torch's exporter writes a bool mask before opset 23 (Where(mask, 0, -inf)),
+    so its ops fuse as an exported mask's do;
+  * Softmax over the keys; a row that sees no key gives 0, as in ORT (a float mask entry at or below its
+    type's lowest value counts as hidden: ORT gives 0 for such a row, not the mean of V); then ·V.
+The ops are in the data's type, as an exporter writes them (the fused kernel accumulates in fp32).
+Grouped-query heads: query head h reads key/value head h // (Hq / Hkv), written as Llama's repeat_kv writes it
+(Unsqueeze, Expand, Reshape), which the kernel reads in place. 3-D inputs [B, S, H·D] (q_num_heads,
+kv_num_heads) are split into heads and the output merged back. past_key and past_value go before the new keys
+along the sequence (present_key, present_value).
+
+Not split (left to ORT as it is): is_causal over query or key counts that are not static (the causal bias, a
+constant where they are, would be computed on the host at every run; ORT's kernel computes it in place); the qk_matmul_output output
+in use; opset 24's nonpad_kv_seqlen; inputs that
+are not one float type; unknown ranks; head counts or head sizes that are not static; a mask neither bool nor
+the data's type, or whose last dim is neither 1 nor the keys' count (ORT refuses that at run time)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
+
+if TYPE_CHECKING:
+    from ortfuse.rewriter.contrib import _Builder
+
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_F32 = TensorProto.FLOAT
+_LOWEST = {TensorProto.FLOAT: float(np.finfo(np.float32).min), TensorProto.FLOAT16: float(np.finfo(np.float16).min),
+           TensorProto.BFLOAT16: -3.3895313892515355e38}  # bf16's lowest: (2 - 2^-7) * 2^127
+
+
+def splittable(g: Graph, n: onnx.NodeProto) -> bool:
+    """Whether `n` (an Attention in the default domain) can be written as standard ops computing the same."""
+    if g.opset < 23 or len(n.output) > 3 and n.output[3] and _used(g, n.output[3]) \
+            or len(n.input) > 6 and n.input[6]:
+        return False
+    q, k, v = (g.tensors.get(x) for x in n.input[:3])
+    if any(t is None or t.shape is None or t.dtype not in _FLOATS for t in (q, k, v)) \
+            or len({q.dtype, k.dtype, v.dtype}) != 1 or not (len(q.shape) == len(k.shape) == len(v.shape) in (3, 4)):
+        return False
+    heads = _heads(n, q.shape, k.shape, v.shape)
+    if heads is None:
+        return False
+    past = [g.tensors.get(n.input[j]) if len(n.input) > j and n.input[j] else None for j in (4, 5)]
+    if (past[0] is None) != (past[1] is None) or any(p is not None and (p.dtype != q.dtype or p.rank != 4)
+                                                      for p in past):
+        return False
+    axis = 1 if len(q.shape) == 3 else 2
+    keys, rows, new = _keys(g, n, k.shape), q.shape[axis], k.shape[axis]
+    if attr(n, "is_causal", 0) and not all(isinstance(x, int) for x in (keys, rows, new)):
+        return False  # (its bias would be computed on the host at run time: ORT's kernel computes it in place)
+    mask = g.tensors.get(n.input[3]) if len(n.input) > 3 and n.input[3] else None
+    if len(n.input) > 3 and n.input[3] and (mask is None or mask.shape is None):
+        return False
+    if mask is not None:
+        last = mask.shape[-1] if mask.shape else 1
+        if mask.dtype not in (TensorProto.BOOL, q.dtype) or len(mask.shape) > 4 or (last != 1 and last != keys):
+            return False
+    return True
+
+
+def expand(b: "_Builder", n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
+    """The standard ops (appended to `b`); nothing that can be put back alone."""
+    g = b.g
+    q, k, v = n.input[:3]
+    dt = b.dtype(q)
+    hq, hk, d, dv = _heads(n, *(g.tensors[x].shape for x in (q, k, v)))
+    three_d = len(g.tensors[q].shape) == 3
+    if three_d:
+        q, k, v = (_split_heads(b, x, h, size) for x, h, size in ((q, hq, d), (k, hk, d), (v, hk, dv)))
+    mask = n.input[3] if len(n.input) > 3 else ""
+    past_k, past_v = (n.input[j] if len(n.input) > j else "" for j in (4, 5))
+    k, v = (_with_past(b, x, p, n.output[j] if len(n.output) > j else "")
+            for x, p, j in ((k, past_k, 1), (v, past_v, 2)))
+    if hq != hk:
+        k, v = _repeat_heads(b, k, hq // hk, hq), _repeat_heads(b, v, hq // hk, hq)
+    kt_shape = _perm(b.tensors[k].shape, (0, 1, 3, 2))
+    kt = b.op("Transpose", [k], k, shape=kt_shape, perm=[0, 1, 3, 2])
+    qs, ks = b.tensors[q].shape, b.tensors[k].shape
+    s = b.op("MatMul", [q, kt], q, shape=(*qs[:3], ks[2]))
+    scale = attr(n, "scale", None)
+    s = b.op("Mul", [s, b.scalar(float(scale) if scale is not None else 1.0 / float(np.sqrt(d)), dt)], s)
+    cap = float(attr(n, "softcap", 0.0) or 0.0)
+    if cap > 0.0:  # (ORT caps before the mask: a hidden entry stays hidden)
+        t = b.op("Tanh", [b.op("Div", [s, b.scalar(cap, dt)], s)], s)
+        s = b.op("Mul", [t, b.scalar(cap, dt)], s)
+    bias = _bias(b, n, mask, dt, qs[2], ks[2])
+    if bias:
+        s = b.op("Add", [s, bias], s)
+    p = b.op("Softmax", [s], s, axis=-1)
+    if mask:  # a row that sees no key: Softmax gives NaN there, ORT's kernel 0 (the fused kernel: 0 already)
+        p = b.op("Where", [b.op("IsNaN", [p], p, dtype=TensorProto.BOOL), b.scalar(0.0, dt), p], p)
+    y_shape = (*qs[:3], b.tensors[v].shape[3])
+    if not three_d:
+        b.op("MatMul", [p, v], p, out=n.output[0], shape=y_shape)
+        return ()
+    y = b.op("MatMul", [p, v], p, shape=y_shape)
+    merged = b.op("Transpose", [y], y, shape=_perm(y_shape, (0, 2, 1, 3)), perm=[0, 2, 1, 3])
+    b.op("Reshape", [merged, b.ints([0, 0, hq * dv])], merged, out=n.output[0], shape=(*qs[:1], qs[2], hq * dv))
+    return ()
+
+
+def _bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim) -> str:
+    """The additive bias of the mask and the causal rule together ("" for none), in the data's type, as
+    torch's exporter writes a boolean mask (Where(mask, 0, -inf)) before opset 23; computed from the mask
+    alone, so its ops fuse into one kernel of their own, as an exported mask's do."""
+    causal = _causal_keys(b, n, sq, t) if attr(n, "is_causal", 0) else ""
+    zero, neg_inf = b.scalar(0.0, dt), b.scalar(float("-inf"), dt)
+    if mask and b.dtype(mask) != TensorProto.BOOL:  # at or below the type's lowest: hidden, as ORT treats it
+        wide = mask if b.dtype(mask) == _F32 else b.op("Cast", [mask], mask, dtype=_F32, to=_F32)
+        low = b.op("LessOrEqual", [wide, b.scalar(_LOWEST[dt], _F32)], wide, dtype=TensorProto.BOOL)
+        bias = b.op("Where", [low, neg_inf, mask], mask)
+        if causal:
+            bias = b.op("Add", [bias, b.op("Where", [causal, zero, neg_inf], causal, dtype=dt)], bias,
+                        shape=_broadcast(b.tensors[bias].shape, (sq, t)))
+        return bias
+    seen = mask
+    if mask and causal:
+        seen = b.op("And", [mask, causal], mask, shape=_broadcast(b.tensors[mask].shape, (sq, t)))
+    elif causal:
+        seen = causal
+    return b.op("Where", [seen, zero, neg_inf], seen, dtype=dt) if seen else ""
+
+
+def _broadcast(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
+    """Numpy's broadcast of two shapes (a 1 gives way; otherwise the first's dim)."""
+    r = max(len(a), len(b))
+    a, b = (1,) * (r - len(a)) + tuple(a), (1,) * (r - len(b)) + tuple(b)
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+def _used(g: Graph, t: str) -> bool:
+    return bool(t) and (bool(g.consumers.get(t)) or t in g.graph_outputs)
+
+
+def _heads(n: onnx.NodeProto, q: tuple[Dim, ...], k: tuple[Dim, ...], v: tuple[Dim, ...]
+           ) -> Optional[tuple[int, int, int, int]]:
+    """(query heads, key/value heads, head size of Q and K, of V), all static, query heads a multiple of the
+    key/value heads; None where not so."""
+    if len(q) == 4:
+        hq, hk, d, dv, vk = q[1], k[1], q[3], v[3], v[1]
+        if k[3] != d:
+            return None
+    else:
+        hq, hk = attr(n, "q_num_heads", 0), attr(n, "kv_num_heads", 0)
+        if not all(isinstance(x, int) for x in (q[2], k[2], v[2])) or hq <= 0 or hk <= 0 \
+                or q[2] % hq or k[2] % hk or v[2] % hk or q[2] // hq != k[2] // hk:
+            return None
+        d, dv, vk = q[2] // hq, v[2] // hk, hk
+    if not all(isinstance(x, int) and x > 0 for x in (hq, hk, d, dv, vk)) or vk != hk or hq % hk:
+        return None
+    return hq, hk, d, dv
+
+
+def _keys(g: Graph, n: onnx.NodeProto, k: tuple[Dim, ...]) -> Optional[Dim]:
+    """The keys' count (past and new): the present key's dim as inferred, else the new keys' count where there
+    is no past; None where unknown."""
+    present = g.tensors.get(n.output[1]) if len(n.output) > 1 and n.output[1] else None
+    if present is not None and present.shape is not None and len(present.shape) == 4:
+        return present.shape[2]
+    if len(n.input) > 4 and n.input[4]:
+        past = g.tensors[n.input[4]].shape[2]
+        new = k[1] if len(k) == 3 else k[2]
+        return past + new if isinstance(past, int) and isinstance(new, int) else None
+    return k[1] if len(k) == 3 else k[2]
+
+
+def _perm(shape: tuple[Dim, ...], perm: tuple[int, ...]) -> tuple[Dim, ...]:
+    return tuple(shape[p] for p in perm)
+
+
+def _split_heads(b: "_Builder", x: str, heads: int, size: int) -> str:
+    """[B, S, H·D] -> [B, H, S, D]."""
+    bs, s, _ = b.tensors[x].shape
+    r = b.op("Reshape", [x, b.ints([0, 0, heads, size])], x, shape=(bs, s, heads, size))
+    return b.op("Transpose", [r], r, shape=(bs, heads, s, size), perm=[0, 2, 1, 3])
+
+
+def _with_past(b: "_Builder", x: str, past: str, present: str) -> str:
+    """The keys (or values) after the past's along the sequence, written to `present` where it is used."""
+    out = present if present and _used(b.g, present) else None
+    if not past:
+        return b.op("Identity", [x], x, out=out) if out else x
+    known = b.g.tensors.get(present) if present else None
+    pd, xd = b.tensors[past].shape[2], b.tensors[x].shape[2]
+    if known is not None and known.shape is not None and len(known.shape) == 4:
+        total: Dim = known.shape[2]
+    else:
+        total = pd + xd if isinstance(pd, int) and isinstance(xd, int) else f"{pd} + {xd}"
+    shape = (*b.tensors[x].shape[:2], total, b.tensors[x].shape[3])
+    return b.op("Concat", [past, x], x, out=out, shape=shape, axis=2)
+
+
+def _repeat_heads(b: "_Builder", x: str, times: int, heads: int) -> str:
+    """[B, Hkv, T, D] -> [B, Hkv·times, T, D], each head repeated `times` times in place (repeat_kv)."""
+    bs, hk, t, d = b.tensors[x].shape
+    u = b.op("Unsqueeze", [x, b.ints([2])], x, shape=(bs, hk, 1, t, d))
+    e = b.op("Expand", [u, b.ints([1, 1, times, 1, 1])], u, shape=(bs, hk, times, t, d))
+    return b.op("Reshape", [e, b.ints([0, heads, -1, d])], e, shape=(bs, heads, t, d))
+
+
+def _causal_keys(b: "_Builder", n: onnx.NodeProto, sq: int, t: int) -> str:
+    """A [Sq, T] bool constant: key j is seen by query i where j <= i + the past's length (T - the new keys)."""
+    k = b.g.tensors[n.input[1]].shape
+    past = t - (k[1] if len(k) == 3 else k[2])
+    name = b.name("causal")
+    b.initializers.append(numpy_helper.from_array(np.arange(t)[None, :] <= np.arange(sq)[:, None] + past, name))
+    b.tensors[name] = TensorInfo(name, TensorProto.BOOL, (sq, t))
+    b.constants.append(name)
+    return name
