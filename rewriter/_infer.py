@@ -144,6 +144,12 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
         axes_inputs = (("ReduceSum",) if opset >= 13 else ()) + (AXES_INPUT_FROM_18 if opset >= 18 else ())
         for op in axes_inputs:
             ssi.dispatcher_[op] = lambda node: _reduce_axes_input(ssi, node)
+        # the tool's rules for these are com.microsoft's ops of the same name (and assert on ONNX's own, opset
+        # 23): ONNX's single-node inference, which the tool runs on every node first, is what they need
+        for op in ("Attention", "RotaryEmbedding"):
+            own = ssi.dispatcher_.get(op)
+            if own is not None:
+                ssi.dispatcher_[op] = lambda node, own=own: None if node.domain in ("", "ai.onnx") else own(node)
         own_split = ssi.dispatcher_.get("Split")
         if own_split is not None:
             ssi.dispatcher_["Split"] = lambda node: _split(ssi, node, own_split)
