@@ -2,7 +2,8 @@
 
 ONNX's own RMSNormalization (opset 23) is split the same way, so it joins the GEMM before it as Llama's
 exported RMSNorm chain does, and is put back where nothing fused it; and ONNX's Attention (opset 23), as the
-ops the attention search fuses into one kernel (`rewriter.onnx_attention`). So is ONNX's Split (torch.export writes
+ops the attention search fuses into one kernel (`rewriter.onnx_attention`), and its RotaryEmbedding as the
+rotate_half ops that kernel folds in (`rewriter.onnx_rotary`). So is ONNX's Split (torch.export writes
 `chunk` and `split` as one, where TorchScript wrote Slices): one Slice per output, each an indexed read the
 kernel of its reader takes (ShuffleNet's channel split, YOLO's C2f), the Split put back where all of them stay
 with ORT (a KV cache's projection).
@@ -32,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortfuse.rewriter import _proto, onnx_attention
+from ortfuse.rewriter import _proto, onnx_attention, onnx_rotary
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
@@ -41,12 +42,13 @@ MS = "com.microsoft"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _SPLIT = {(MS, "Gelu"), (MS, "BiasGelu"), (MS, "FastGelu"), (MS, "QuickGelu"),
           (MS, "SkipLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization"), ("", "SimplifiedLayerNormalization"),
-          ("", "LayerNormalization"), ("", "RMSNormalization"), ("", "Split"), ("", "Attention")}
+          ("", "LayerNormalization"), ("", "RMSNormalization"), ("", "Split"), ("", "Attention"),
+          ("", "RotaryEmbedding")}
 # (the default-domain ones as ORT's own: LayerNormalization before 17; and ONNX's RMSNormalization, opset 23)
 _NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
           "LayerNormalization", "RMSNormalization")
 # ONNX's own ops split as ORT's are (the search knows only their standard ops)
-_ONNX_SPLIT = frozenset({"RMSNormalization", "Split", "Attention"})
+_ONNX_SPLIT = frozenset({"RMSNormalization", "Split", "Attention", "RotaryEmbedding"})
 _TANH_GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -206,6 +208,8 @@ def _used(g: Graph, t: str) -> bool:
 def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     if n.op_type == "Attention" and _domain(n) == "":
         return onnx_attention.splittable(g, n)
+    if n.op_type == "RotaryEmbedding" and _domain(n) == "":
+        return onnx_rotary.splittable(g, n)
     x = g.tensors.get(n.input[0])
     if n.op_type == "Split" and _domain(n) == "":  # (Slice takes its starts as inputs from opset 10)
         return g.opset >= 10 and x is not None and x.shape is not None and _split_sizes(g, n) is not None \
@@ -468,4 +472,5 @@ _EXPAND = {"Gelu": _gelu, "BiasGelu": _bias_gelu, "FastGelu": _fast_gelu, "Quick
            # ONNX's (opset 23; torch's exporter writes it for F.rms_norm): the same function, its own
            # body's ops (x * 1 / sqrt(mean(x^2) + eps) in stash_type fp32, cast back, times scale)
            "RMSNormalization": _simplified_layer_norm, "Split": _split,
-           "Attention": onnx_attention.expand}  # ONNX's (opset 23 on), in rewriter/onnx_attention.py
+           # ONNX's (opset 23 on), in rewriter/onnx_attention.py and onnx_rotary.py
+           "Attention": onnx_attention.expand, "RotaryEmbedding": onnx_rotary.expand}

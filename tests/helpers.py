@@ -636,3 +636,30 @@ def onnx_attention(dt: int, form: str = "", heads: int = 4, kv_heads: int = 4, h
     attrs.update({"softcap": 2.0} if "cap" in form else {})
     n = helper.make_node("Attention", names, outs, name="attention", **attrs)
     return model([n], ins, out_vis, inits, opset=opset)
+
+
+def onnx_rotary(dt: int, form: str = "", heads: int = 3, head: int = 16, rot: int = 0) -> onnx.ModelProto:
+    """One ONNX RotaryEmbedding (opset 23) of x [batch, heads, seq, head] ("3d": [batch, seq, heads·head]) with
+    cos and sin inputs [batch, seq, R/2] ("b1": [1, seq, R/2], as torch's exporter writes them; "positions":
+    [32, R/2] caches and position_ids [batch, seq]); `rot`: rotary_embedding_dim (0: the head size); "attention":
+    q and k rotated, then ONNX's Attention (grouped: 1 key/value head) reading them."""
+    half = (rot or head) // 2
+    shape = ["batch", "seq", heads * head] if "3d" in form else ["batch", heads, "seq", head]
+    cache = [32, half] if "positions" in form else [1 if "b1" in form else "batch", "seq", half]
+    ins = [vi("c", dt, cache), vi("s", dt, cache)] + ([vi("pos", onnx.TensorProto.INT64, ["batch", "seq"])]
+                                                        if "positions" in form else [])
+    extra = ["pos"] if "positions" in form else []
+    attrs = {"rotary_embedding_dim": rot} if rot else {}
+    attrs.update({"num_heads": heads} if "3d" in form else {})
+    if "attention" not in form:
+        n = helper.make_node("RotaryEmbedding", ["x", "c", "s", *extra], ["y"], name="rope", **attrs)
+        return model([n], [vi("x", dt, shape)] + ins, [vi("y", dt, shape)], opset=23)
+    three = "3d" in form
+    kv = ["batch", "seq", head] if three else ["batch", 1, "seq", head]
+    k_attrs = dict(attrs, num_heads=1) if three else attrs
+    nodes = [helper.make_node("RotaryEmbedding", ["q", "c", "s", *extra], ["qr"], name="rope_q", **attrs),
+             helper.make_node("RotaryEmbedding", ["k", "c", "s", *extra], ["kr"], name="rope_k", **k_attrs),
+             helper.make_node("Attention", ["qr", "kr", "v"], ["y"], name="attention",
+                              **({"q_num_heads": heads, "kv_num_heads": 1} if three else {}))]
+    return model(nodes, [vi("q", dt, shape), vi("k", dt, kv), vi("v", dt, kv)] + ins, [vi("y", dt, shape)],
+                 opset=23)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP, helper
 
-from helpers import (const, fused_parity, gqa_attention, merged_heads_attention, model, nan_guarded, node, onnx_attention,
-                     packed_attention, vi)
+from helpers import (const, fused_parity, gqa_attention, merged_heads_attention, model, nan_guarded, node,
+                     onnx_attention, onnx_rotary, packed_attention, vi)
 
 
 @pytest.mark.parametrize("select", ["split", "slice"])
@@ -311,3 +311,18 @@ def test_onnx_attention_is_one_kernel(form, kinds, dt):
     m = onnx_attention(dt, form, kv_heads=2 if "gqa" in form else 4, mask_value=low)
     res = fused_parity(m, {}, {}, kinds)
     assert "Attention" not in {n.op_type for n in res.model.graph.node}
+
+
+@pytest.mark.parametrize("form,rot,kinds", [
+    ("attention", 0, ["attention"]), ("attention", 8, ["attention"]), ("b1 attention", 0, ["attention"]),
+    ("3d attention", 8, ["attention"]), ("positions attention", 0, ["attention"] + ["pointwise"] * 4)])
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16], ids=["fp32", "fp16"])
+def test_onnx_rotary_embedding_inside_attention(form, rot, kinds, dt):
+    # ONNX's RotaryEmbedding (opset 23) as rewriter.onnx_rotary writes it: the attention kernel rotates the Q and
+    # K rows it loads. Caches of batch 1 (torch's export) are checked at batch 1: ORT's kernel refuses more
+    three = "3d" in form
+    check = {"q": (1, 5, 48) if three else (1, 3, 5, 16)} if "b1" in form else {}
+    res = fused_parity(onnx_rotary(dt, form, rot=rot), {}, check, kinds)
+    attention = next(r for r in res.plan.regions if r.kind == "attention")
+    assert [res.graph.nodes[i].op_type for i in attention.nodes].count("Neg") == 2  # both rotations inside
+    assert not {"RotaryEmbedding", "Attention"} & {n.op_type for n in res.model.graph.node}
