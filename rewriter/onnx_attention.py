@@ -17,10 +17,10 @@ kv_num_heads) are split into heads and the output merged back. past_key and past
 along the sequence (present_key, present_value).
 
 Not split (left to ORT as it is): is_causal over query or key counts that are not static (the causal bias, a
-constant where they are, would be computed on the host at every run; ORT's kernel computes it in place); the qk_matmul_output output
-in use; opset 24's nonpad_kv_seqlen; inputs that
-are not one float type; unknown ranks; head counts or head sizes that are not static; a mask neither bool nor
-the data's type, or whose last dim is neither 1 nor the keys' count (ORT refuses that at run time)."""
+constant where they are, would be computed on the host at every run; ORT's kernel computes it in place); the
+qk_matmul_output output in use; opset 24's nonpad_kv_seqlen; inputs that are not one float type; unknown
+ranks; head counts or head sizes that are not static; a mask neither bool nor the data's type, or whose last
+dim is neither 1 nor the keys' count (ORT refuses that at run time)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
