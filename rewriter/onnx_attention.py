@@ -17,10 +17,13 @@ kv_num_heads) are split into heads and the output merged back. past_key and past
 along the sequence (present_key, present_value).
 
 Not split (left to ORT as it is): is_causal over query or key counts that are not static (the causal bias, a
-constant where they are, would be computed on the host at every run; ORT's kernel computes it in place); the
-qk_matmul_output output in use; opset 24's nonpad_kv_seqlen; inputs that are not one float type; unknown
-ranks; head counts or head sizes that are not static; a mask neither bool nor the data's type, or whose last
-dim is neither 1 nor the keys' count (ORT refuses that at run time)."""
+constant where they are, would be computed on the host at every run; ORT's kernel computes it in place); head
+sizes over the attention kernel's 128 (no kernel of ours would take it: ORT's kernel, not its ops unfused);
+opset 25's sliding windows (any attribute but opset 23's and 24's); the qk_matmul_output output in use; opset
+24's nonpad_kv_seqlen; inputs that are not one float type; unknown ranks; head counts or sizes that are not
+static; a scale <= 0; a mask neither bool nor the data's type, or whose last dim is neither 1 nor the keys'
+count. ORT's kernel refuses more masks than that at run time (any smaller than [Sq, T], [B, 1, 1, T] padding
+masks among them, and a past without present outputs): these ops broadcast them, as ONNX's function does."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
     from ortfuse.rewriter.contrib import _Builder
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_ATTRIBUTES = frozenset({"is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale", "softcap",
+                         "softmax_precision"})  # opset 23's and 24's
 _F32 = TensorProto.FLOAT
 _LOWEST = {TensorProto.FLOAT: float(np.finfo(np.float32).min), TensorProto.FLOAT16: float(np.finfo(np.float16).min),
            TensorProto.BFLOAT16: -3.3895313892515355e38}  # bf16's lowest: (2 - 2^-7) * 2^127
@@ -43,16 +48,17 @@ _LOWEST = {TensorProto.FLOAT: float(np.finfo(np.float32).min), TensorProto.FLOAT
 
 def splittable(g: Graph, n: onnx.NodeProto) -> bool:
     """Whether `n` (an Attention in the default domain) can be written as standard ops computing the same."""
-    if g.opset < 23 or len(n.output) > 3 and n.output[3] and _used(g, n.output[3]) \
-            or len(n.input) > 6 and n.input[6]:
-        return False
+    from ortfuse.search.attention import MAX_HEAD_DIM
+    if g.opset not in (23, 24) or any(a.name not in _ATTRIBUTES for a in n.attribute) \
+            or len(n.output) > 3 and n.output[3] and _used(g, n.output[3]) or len(n.input) > 6 and n.input[6]:
+        return False  # (opset 25 adds sliding windows: a function these ops do not compute)
     q, k, v = (g.tensors.get(x) for x in n.input[:3])
     if any(t is None or t.shape is None or t.dtype not in _FLOATS for t in (q, k, v)) \
             or len({q.dtype, k.dtype, v.dtype}) != 1 or not (len(q.shape) == len(k.shape) == len(v.shape) in (3, 4)):
         return False
     heads = _heads(n, q.shape, k.shape, v.shape)
-    if heads is None:
-        return False
+    if heads is None or max(heads[2:]) > MAX_HEAD_DIM or attr(n, "scale", 1.0) <= 0:
+        return False  # (no attention kernel would take it: ORT's kernel, not its ops unfused)
     past = [g.tensors.get(n.input[j]) if len(n.input) > j and n.input[j] else None for j in (4, 5)]
     if (past[0] is None) != (past[1] is None) or any(p is not None and (p.dtype != q.dtype or p.rank != 4)
                                                       for p in past):
@@ -89,9 +95,11 @@ def expand(b: "_Builder", n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     kt_shape = _perm(b.tensors[k].shape, (0, 1, 3, 2))
     kt = b.op("Transpose", [k], k, shape=kt_shape, perm=[0, 1, 3, 2])
     qs, ks = b.tensors[q].shape, b.tensors[k].shape
-    s = b.op("MatMul", [q, kt], q, shape=(*qs[:3], ks[2]))
+    # the scale's root on each operand, as torch's exporter writes it before opset 23: fp16 scores that
+    # ORT's MatMul computes unscaled overflow sooner than its Attention kernel's
     scale = attr(n, "scale", None)
-    s = b.op("Mul", [s, b.scalar(float(scale) if scale is not None else 1.0 / float(np.sqrt(d)), dt)], s)
+    root = b.scalar(float(np.sqrt(float(scale) if scale is not None else 1.0 / float(np.sqrt(d)))), dt)
+    s = b.op("MatMul", [b.op("Mul", [q, root], q), b.op("Mul", [kt, root], kt)], q, shape=(*qs[:3], ks[2]))
     cap = float(attr(n, "softcap", 0.0) or 0.0)
     if cap > 0.0:  # (ORT caps before the mask: a hidden entry stays hidden)
         t = b.op("Tanh", [b.op("Div", [s, b.scalar(cap, dt)], s)], s)
@@ -212,9 +220,13 @@ def _repeat_heads(b: "_Builder", x: str, times: int, heads: int) -> str:
 
 
 def _causal_keys(b: "_Builder", n: onnx.NodeProto, sq: int, t: int) -> str:
-    """A [Sq, T] bool constant: key j is seen by query i where j <= i + the past's length (T - the new keys)."""
+    """A [Sq, T] bool constant: key j is seen by query i where j <= i + the past's length (T - the new keys);
+    "" for one query after a past, which ORT's kernel lets see every key (attention.cc: is_causal && !(q == 1
+    && past > 0)), however many keys are new."""
     k = b.g.tensors[n.input[1]].shape
     past = t - (k[1] if len(k) == 3 else k[2])
+    if sq == 1 and past > 0:
+        return ""
     name = b.name("causal")
     b.initializers.append(numpy_helper.from_array(np.arange(t)[None, :] <= np.arange(sq)[:, None] + past, name))
     b.tensors[name] = TensorInfo(name, TensorProto.BOOL, (sq, t))

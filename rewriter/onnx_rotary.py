@@ -9,7 +9,8 @@ then x[..., R:] unchanged, over the heads of x [B, H, S, D] (or [B, S, H·D] wit
 refuses caches of batch 1 for a larger batch, which torch's exporter writes; ONNX's function broadcasts them,
 and so do these ops.
 
-Not split: interleaved rotation; sizes not static (head size, R); data or caches not one float type."""
+Not split: interleaved rotation; sizes not static (head size, R); data or caches not one float type; opsets
+after 24 or attributes other than opset 23's (a later version's function is not known to be this one)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -28,7 +29,8 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 def splittable(g: Graph, n: onnx.NodeProto) -> bool:
     """Whether `n` (a RotaryEmbedding in the default domain) can be written as the rotate_half ops."""
-    if g.opset < 23 or attr(n, "interleaved", 0) or len(n.input) < 3:
+    if g.opset not in (23, 24) or attr(n, "interleaved", 0) or len(n.input) < 3 \
+            or any(a.name not in ("interleaved", "num_heads", "rotary_embedding_dim") for a in n.attribute):
         return False
     x, cos, sin = (g.tensors.get(t) for t in n.input[:3])
     if any(t is None or t.shape is None or t.dtype not in _FLOATS for t in (x, cos, sin)) \

@@ -596,13 +596,16 @@ def onnx_attention(dt: int, form: str = "", heads: int = 4, kv_heads: int = 4, h
     float mask); "causal";
     "past" (past_key/past_value inputs [batch, Hkv, past, D], present outputs; keys = "past + seq");
     "cross" (keys and values over their own length "kv"); "scale" (0.3); "cap" (softcap 2); "static" (seq 5,
-    past 3, kv 7: is_causal is split only over static lengths)."""
+    past 3, kv 7: is_causal is split only over static lengths); "decode" (with "static past": one query, two
+    new keys)."""
     three = "3d" in form
     keys = "past + seq" if "past" in form else "kv" if "cross" in form else "seq"
     new_kv = "kv" if "cross" in form else "seq"
-    if "static" in form:  # seq 5, past 3, kv 7
+    if "static" in form:  # seq 5, past 3, kv 7 ("decode": one query after a past of 3, two new keys)
         keys, new_kv = {"past + seq": 8, "kv": 7, "seq": 5}[keys], {"kv": 7, "seq": 5}[new_kv]
     seq, past = (5, 3) if "static" in form else ("seq", "past")
+    if "decode" in form:
+        seq, new_kv, keys = 1, 2, 5
     batch = 2 if "const" in form else "batch"
 
     def shaped(h: int, s):
