@@ -241,6 +241,7 @@ class _Builder:
     constants: list[str] = field(default_factory=list)
     initializers: list[onnx.TensorProto] = field(default_factory=list)
     base: str = ""
+    memo: dict = field(default_factory=dict)  # tensors split nodes share (one attention bias for every layer)
 
     def start(self, n: onnx.NodeProto) -> None:
         self.nodes, self.constants = [], []

@@ -123,7 +123,17 @@ def expand(b: "_Builder", n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
 def _bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim) -> str:
     """The additive bias of the mask and the causal rule together ("" for none), in the data's type, as
     torch's exporter writes a boolean mask (Where(mask, 0, -inf)) before opset 23; computed from the mask
-    alone, so its ops fuse into one kernel of their own, as an exported mask's do."""
+    alone, so its ops fuse into one kernel of their own, as an exported mask's do. One for every Attention
+    with the same mask and causal rule (a model's layers): written once, read by each."""
+    k = b.g.tensors[n.input[1]].shape
+    causal = (sq, t, t - (k[1] if len(k) == 3 else k[2])) if attr(n, "is_causal", 0) else None
+    key = ("attention bias", mask, dt, causal)
+    if key not in b.memo:
+        b.memo[key] = _new_bias(b, n, mask, dt, sq, t)
+    return b.memo[key]
+
+
+def _new_bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim) -> str:
     causal = _causal_keys(b, n, sq, t) if attr(n, "is_causal", 0) else ""
     zero, neg_inf = b.scalar(0.0, dt), b.scalar(float("-inf"), dt)
     if mask and b.dtype(mask) != TensorProto.BOOL:  # at or below the type's lowest: hidden, as ORT treats it

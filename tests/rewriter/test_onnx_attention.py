@@ -168,3 +168,23 @@ def test_the_scale_is_on_the_operands_before_the_product():
     feeds["k"] = np.full_like(feeds["k"], 64.0)
     np.testing.assert_allclose(_run(split.model, feeds)[0].astype(np.float32),
                                _run(m, feeds)[0].astype(np.float32), rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("form", ["bool", "static causal", "static bool causal"])
+def test_layers_share_one_bias(form):
+    # a model's layers read one mask: its bias (and the causal rule's constant) is written once, not per layer
+    m = onnx_attention(TP.FLOAT, form)
+    first = m.graph.node[0]
+    second = onnx.NodeProto()
+    second.CopyFrom(first)
+    second.name, second.input[0] = "attention_2", "y1"
+    first.output[0] = "y1"
+    m.graph.node.append(second)
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    assert len(splits) == 2
+    nodes = split.model.graph.node
+    guards = {n.output[0] for n in nodes if n.op_type == "IsNaN"}
+    assert sum(n.op_type == "Where" and n.input[0] not in guards for n in nodes) == 1
+    assert sum(t.data_type == TP.BOOL for t in split.model.graph.initializer) == ("causal" in form)
+    feeds = _feeds(m)
+    np.testing.assert_allclose(_run(split.model, feeds)[0], _run(m, feeds)[0], rtol=1e-5, atol=1e-5)
