@@ -25,6 +25,7 @@ from ortfuse.rewriter.canonical import (bypass_broadcast_expands, bypass_lone_co
                                         explicit_auto_pads, fold_constant_identities, fold_constant_subgraphs,
                                         fold_conv_pads, fold_runtime_shapes, fold_small_values,
                                         merge_regrouped_transposes, sink_constant_expands, unflatten_gemms)
+from ortfuse.rewriter import onnx_attention
 from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
@@ -407,11 +408,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if opts.profile:
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
     say("rewriting the graph")
-    out = replace(graph, [k.node for k in kernels], stubs=True)
-    undone = deinterleave_unfused(out)
-    if undone:
-        say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
-    back = restore_contrib_ops(out, splits)
+    out, back, kernels, the_plan = _rewritten(graph, kernels, the_plan, splits, say)
     if back:
         say(f"{len(back)} of those ops put back where the search left their standard ops to ORT (or their norm or "
             "GELU)")
@@ -425,6 +422,32 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                           sum(k.region.traffic.saved_bytes for k in kernels),
                           time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes), store,
                           contrib_notes(out, splits, back))
+
+
+def _rewritten(graph: Graph, kernels: list[FusedKernel], plan: Plan, splits: tuple, say: Progress
+               ) -> tuple[onnx.ModelProto, tuple, list[FusedKernel], Plan]:
+    """The output model (fused nodes in, split ops put back where nothing fused them), what was put back, and
+    the kernels and plan it has. An ONNX Attention whose attention kernel the search declined goes back to
+    ORT whole (`onnx_attention.declined`): the kernels that took some of its ops are left out, where that
+    puts it back."""
+    def rewrite(ks: list[FusedKernel]) -> tuple[onnx.ModelProto, tuple]:
+        out = replace(graph, [k.node for k in ks], stubs=True)
+        undone = deinterleave_unfused(out)
+        if undone:
+            say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
+        return out, restore_contrib_ops(out, splits)
+
+    drop, count = onnx_attention.declined(graph, plan.regions, splits)
+    if drop:
+        kept = [k for k in kernels if k.region.id not in drop]
+        out, back = rewrite(kept)
+        whole = sum(1 for s, part in back if s.original.op_type == "Attention" and part is s.parts[0])
+        if whole >= count:
+            say(f"{count} ONNX Attention ops the search took no attention kernel for went back to ORT whole "
+                f"({len(kernels) - len(kept)} kernels that took some of their ops left out)")
+            return out, back, kept, dataclasses.replace(
+                plan, regions=tuple(r for r in plan.regions if r.id not in drop))
+    return (*rewrite(kernels), kernels, plan)
 
 
 def fused_kernel(region: Region, spec: KernelSpec, ck: CompiledKernel,

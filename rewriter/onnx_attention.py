@@ -26,11 +26,11 @@ count. ORT's kernel refuses more masks than that at run time (any smaller than [
 masks among them, and a past without present outputs): these ops broadcast them, as ONNX's function does."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
@@ -134,22 +134,22 @@ def _bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim)
 
 
 def _new_bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim) -> str:
-    causal = _causal_keys(b, n, sq, t) if attr(n, "is_causal", 0) else ""
+    seen = _causal_keys(b, n, sq, t) if attr(n, "is_causal", 0) else None
     zero, neg_inf = b.scalar(0.0, dt), b.scalar(float("-inf"), dt)
-    if mask and b.dtype(mask) != TensorProto.BOOL:  # at or below the type's lowest: hidden, as ORT treats it
+    if not mask:  # the causal rule alone: a constant bias (nothing for a fold to replace, so restore finds
+        return _constant(b, np.where(seen, 0.0, -np.inf), dt) if seen is not None else ""  # every split op)
+    if b.dtype(mask) != TensorProto.BOOL:  # at or below the type's lowest: hidden, as ORT treats it
         wide = mask if b.dtype(mask) == _F32 else b.op("Cast", [mask], mask, dtype=_F32, to=_F32)
         low = b.op("LessOrEqual", [wide, b.scalar(_LOWEST[dt], _F32)], wide, dtype=TensorProto.BOOL)
         bias = b.op("Where", [low, neg_inf, mask], mask)
-        if causal:
-            bias = b.op("Add", [bias, b.op("Where", [causal, zero, neg_inf], causal, dtype=dt)], bias,
-                        shape=_broadcast(b.tensors[bias].shape, (sq, t)))
+        if seen is not None:
+            causal = _constant(b, np.where(seen, 0.0, -np.inf), dt)
+            bias = b.op("Add", [bias, causal], bias, shape=_broadcast(b.tensors[bias].shape, (sq, t)))
         return bias
-    seen = mask
-    if mask and causal:
-        seen = b.op("And", [mask, causal], mask, shape=_broadcast(b.tensors[mask].shape, (sq, t)))
-    elif causal:
-        seen = causal
-    return b.op("Where", [seen, zero, neg_inf], seen, dtype=dt) if seen else ""
+    if seen is not None:
+        mask = b.op("And", [mask, _constant(b, seen, TensorProto.BOOL)], mask,
+                    shape=_broadcast(b.tensors[mask].shape, (sq, t)))
+    return b.op("Where", [mask, zero, neg_inf], mask, dtype=dt)
 
 
 def _broadcast(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
@@ -229,16 +229,43 @@ def _repeat_heads(b: "_Builder", x: str, times: int, heads: int) -> str:
     return b.op("Reshape", [e, b.ints([0, heads, -1, d])], e, shape=(bs, heads, t, d))
 
 
-def _causal_keys(b: "_Builder", n: onnx.NodeProto, sq: int, t: int) -> str:
-    """A [Sq, T] bool constant: key j is seen by query i where j <= i + the past's length (T - the new keys);
-    "" for one query after a past, which ORT's kernel lets see every key (attention.cc: is_causal && !(q == 1
-    && past > 0)), however many keys are new."""
+def _causal_keys(b: "_Builder", n: onnx.NodeProto, sq: int, t: int) -> Optional[np.ndarray]:
+    """[Sq, T] bools: key j is seen by query i where j <= i + the past's length (T - the new keys); None for
+    one query after a past, which ORT's kernel lets see every key (attention.cc: is_causal && !(q == 1 &&
+    past > 0)), however many keys are new."""
     k = b.g.tensors[n.input[1]].shape
     past = t - (k[1] if len(k) == 3 else k[2])
     if sq == 1 and past > 0:
-        return ""
+        return None
+    return np.arange(t)[None, :] <= np.arange(sq)[:, None] + past
+
+
+def _constant(b: "_Builder", value: np.ndarray, dtype: int) -> str:
     name = b.name("causal")
-    b.initializers.append(numpy_helper.from_array(np.arange(t)[None, :] <= np.arange(sq)[:, None] + past, name))
-    b.tensors[name] = TensorInfo(name, TensorProto.BOOL, (sq, t))
+    b.initializers.append(helper.make_tensor(name, dtype, value.shape, value.astype(np.float32).reshape(-1).tolist())
+                          if dtype == TensorProto.BFLOAT16 else
+                          numpy_helper.from_array(value.astype(helper.tensor_dtype_to_np_dtype(dtype)), name))
+    b.tensors[name] = TensorInfo(name, dtype, tuple(value.shape))
     b.constants.append(name)
     return name
+
+
+def declined(g: Graph, regions: Sequence, splits: Sequence) -> tuple[set[int], int]:
+    """(ids of the regions that hold split ops of an ONNX Attention the search took no attention kernel for,
+    how many such Attentions): dropping those regions leaves all its split ops to ORT, so `contrib.restore`
+    puts the Attention back whole, ORT's fused kernel rather than its ops unfused around a kernel of ours (the
+    softmax alone, say). Only where every split op is still in `g` (a fold may have replaced some)."""
+    at = {n.name: i for i, n in enumerate(g.nodes)}
+    attention = {i for r in regions if r.kind == "attention" for i in r.nodes}
+    drop: set[int] = set()
+    count = 0
+    for s in splits:
+        if s.original.op_type != "Attention" or s.original.domain not in ("", "ai.onnx"):
+            continue
+        names = s.parts[0].names
+        if any(x not in at for x in names) or any(at[x] in attention for x in names):
+            continue
+        mine = {at[x] for x in names}
+        count += 1
+        drop |= {r.id for r in regions if mine & set(r.nodes)}
+    return drop, count

@@ -326,3 +326,20 @@ def test_onnx_rotary_embedding_inside_attention(form, rot, kinds, dt):
     attention = next(r for r in res.plan.regions if r.kind == "attention")
     assert [res.graph.nodes[i].op_type for i in attention.nodes].count("Neg") == 2  # both rotations inside
     assert not {"RotaryEmbedding", "Attention"} & {n.op_type for n in res.model.graph.node}
+
+
+def test_onnx_attention_our_kernel_declines_goes_back_whole():
+    # fp32 at 128 keys: the estimate prefers ORT's unfused ops to our SIMT kernel, and a Softmax kernel of
+    # ours would take the scores between two cuBLAS calls. ONNX's Attention goes back to ORT whole instead:
+    # its fused kernel, no [S, S] scores in DRAM
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+
+    m = onnx_attention(TP.FLOAT, "static causal", heads=8, kv_heads=8, head=64)
+    for x in (*m.graph.input, *m.graph.output):
+        dims = x.type.tensor_type.shape.dim
+        dims[0].dim_value, dims[2].dim_value = 1, 128
+    res = compile_model(m)
+    assert not any(r.kind == "attention" for r in res.plan.regions)
+    assert [n.op_type for n in res.model.graph.node] == ["Attention"] and not res.model.graph.initializer
+    assert check_models(m, res.model).ok
