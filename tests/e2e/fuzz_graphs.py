@@ -815,3 +815,95 @@ def random_ort_block(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(ms, 1)])
     m.ir_version = 8
     return m, {"x": ("n", sdim, hidden)}
+
+
+def random_onnx_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """(model, {input: shape}) of 1-2 layers of ONNX's Attention (opset 23, as torch's exporter writes SDPA
+    there) in the forms ORT 1.31's kernel runs: Q, K, V projected from x and split into heads ([n, H, s, D]
+    through Reshape and Transpose) or left 3-D (q_num_heads, kv_num_heads); grouped key/value heads; a bool
+    or float mask [n, 1, s, T] or [s, T] shared by the layers (a float one hides some rows' every key with
+    -inf or its type's lowest); is_causal where the lengths are static; a past of "m" keys (present outputs);
+    a scale, a softcap; ONNX's RotaryEmbedding on Q and K (4-D, caches [n, s, R/2], partial R). fp32 or
+    fp16; the sequence symbolic ("s") or static."""
+    rng = np.random.default_rng(seed)
+    dtype = TP.FLOAT if rng.random() < 0.5 else TP.FLOAT16
+    npdt = helper.tensor_dtype_to_np_dtype(dtype)
+    kv_heads = int(rng.choice([1, 2, 3]))
+    heads = kv_heads * int(rng.choice([1, 2]))
+    head = int(rng.choice([8, 16, 24, 64]))
+    hidden = int(rng.choice([32, 48]))
+    seq = int(rng.choice([3, 7, 16]))
+    static = rng.random() < 0.4
+    sdim = seq if static else "s"
+    three = rng.random() < 0.3
+    past = rng.random() < 0.35
+    causal = static and not past and rng.random() < 0.5
+    mask = str(rng.choice(["none", "bool", "float"]))
+    mask_rank = 4 if rng.random() < 0.7 else 2
+    rope = not three and rng.random() < 0.4
+    keys = "m + s" if past else sdim
+    nodes, inits, inputs, outputs = [], [], [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])], []
+    shapes: dict[str, tuple] = {"x": ("n", sdim, hidden)}
+
+    def const(name, value, dt=None):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dt or npdt), name))
+        return name
+
+    def add(op, ins, outs, **attrs):
+        nodes.append(helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", **attrs))
+        return outs[0]
+
+    def vi(name, shape, dt=dtype):
+        inputs.append(helper.make_tensor_value_info(name, dt, list(shape)))
+        shapes[name] = tuple(shape)
+        return name
+
+    m = ""
+    if mask != "none":
+        m = vi("mask", ["n", 1, sdim, keys] if mask_rank == 4 else [sdim, keys], TP.BOOL if mask == "bool" else dtype)
+    rot = int(rng.choice([head, head // 2])) if rope and head % 4 == 0 else 0
+    if rot:
+        vi("cos", ["n", sdim, rot // 2])
+        vi("sin", ["n", sdim, rot // 2])
+    x = "x"
+    for layer in range(int(rng.integers(1, 3))):
+        p = f"l{layer}_"
+        proj = {}
+        for w, h in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            y = add("MatMul", [x, const(p + "w" + w, rng.uniform(-1, 1, (hidden, h * head)) / np.sqrt(hidden))],
+                    [p + w + "2"])
+            if not three:
+                r = add("Reshape", [y, const(p + w + "_sh", [0, 0, h, head], np.int64)], [p + w + "3"])
+                y = add("Transpose", [r], [p + w], perm=[0, 2, 1, 3])
+            proj[w] = y
+        if rot:
+            for w, h in (("q", heads), ("k", kv_heads)):
+                proj[w] = add("RotaryEmbedding", [proj[w], "cos", "sin"], [p + w + "_rope"],
+                              **({"rotary_embedding_dim": rot} if rot != head else {}))
+        names = [proj["q"], proj["k"], proj["v"], m]
+        outs = [p + "att"]
+        if past:
+            names += [vi(p + "past_k", ["n", kv_heads, "m", head]), vi(p + "past_v", ["n", kv_heads, "m", head])]
+            outs += [p + "present_k", p + "present_v"]
+            outputs += [(o, ["n", kv_heads, keys, head]) for o in outs[1:]]
+        attrs = {"q_num_heads": heads, "kv_num_heads": kv_heads} if three else {}
+        if causal:
+            attrs["is_causal"] = 1
+        if rng.random() < 0.3:
+            attrs["scale"] = float(rng.choice([0.1, 0.25, 0.5]))
+        if rng.random() < 0.2:
+            attrs["softcap"] = float(rng.choice([2.0, 20.0]))
+        while names and not names[-1]:
+            names.pop()
+        att = add("Attention", names, outs, **attrs)
+        if not three:
+            att = add("Reshape", [add("Transpose", [att], [p + "att_t"], perm=[0, 2, 1, 3]),
+                                  const(p + "o_sh", [0, 0, heads * head], np.int64)], [p + "att_m"])
+        x = add("Add", [x, add("MatMul", [att, const(p + "wo", rng.uniform(-1, 1, (heads * head, hidden)) /
+                                                      np.sqrt(heads * head))], [p + "o"])], [p + "y"])
+    outputs.insert(0, (x, ["n", sdim, hidden]))
+    g = helper.make_graph(nodes, f"onnxattention{seed}", inputs,
+                          [helper.make_tensor_value_info(t, dtype, s) for t, s in outputs], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    return model, shapes

@@ -5,8 +5,9 @@ every fourth lets fp32 GEMMs use tf32 and is checked at the tf32 tolerance). Ran
 (`random_attention`) must become one attention kernel each and match too, and KV-cache Concats along a
 run-time axis (`random_cache`) must join their kernels and match with the cached part empty; corrupted
 models (`corrupt`) must give our input errors, never a crash. CI runs fixed blocks of seeds;
-ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi, ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi and
-ORTFUSE_FUZZ_BF16_SEEDS=lo:hi run others. The fp16 graphs of the random-graph and attention seeds also run in
+ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi, ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi,
+ORTFUSE_FUZZ_BF16_SEEDS=lo:hi and ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS=lo:hi (`random_onnx_attention`: ONNX's
+Attention and RotaryEmbedding, opset 23) run others. The fp16 graphs of the random-graph and attention seeds also run in
 bf16 (retyped), where every op has bf16 at the graph's opset.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2. Seeds whose graph has an image input
 and a Conv or window op (Pad, Resize, pools) also run with the image size declared symbolic. On a GPU the
@@ -210,3 +211,28 @@ def test_random_graph_in_bf16_matches_ort(make, seed: int) -> None:
         rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n, s), seed=seed)
         assert rep.ok, f"{make.__name__} seed {seed}, n={n}\n" + "\n".join(rep.lines())
         assert len(rep.kernels) == len(res.kernels)
+
+
+_olo, _ohi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS", "0:6").split(":"))
+
+
+@pytest.mark.parametrize("seed", range(_olo, _ohi))
+def test_random_onnx_attention_matches_ort(seed: int) -> None:
+    # ONNX's Attention (opset 23; rewriter.onnx_attention): the optimized model against ORT's own Attention
+    # kernel, every fused kernel in emulation; each Attention is an attention kernel of ours, ORT's
+    # MultiHeadAttention (where the estimate prefers it) or back with ORT whole
+    from fuzz_graphs import random_onnx_attention
+    m, shapes = random_onnx_attention(seed)
+    res = compile_model(m, shapes, "sm_90")
+    attentions = sum(n.op_type == "Attention" for n in m.graph.node)
+    kept = sum(n.op_type in ("Attention", "MultiHeadAttention") for n in res.model.graph.node)
+    assert [r.kind for r in res.plan.regions].count("attention") + kept == attentions, \
+        [str(r) for r in res.plan.refusals]
+    assert_ort_accepts(res.model)
+    for n, s in ((2, 7), (1, 16)):
+        bind = {k: tuple({"n": n, "s": s, "m": 5}.get(d, d) if isinstance(d, str) else d for d in v)
+                for k, v in shapes.items()}
+        if "m + s" in str(shapes):
+            bind = {k: tuple(5 + s if d == "m + s" else d for d in v) for k, v in bind.items()}
+        rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
+        assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
