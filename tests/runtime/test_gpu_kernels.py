@@ -11,8 +11,8 @@ from onnx import TensorProto as TP
 
 import ortfuse
 from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention,
-                     merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, resized,
-                     rope_attention, rope_shapes, short_rows, vi)
+                     merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, onnx_attention,
+                     onnx_rotary, resized, rope_attention, rope_shapes, short_rows, vi)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -205,6 +205,32 @@ def test_nan_guarded_attention_on_gpu(dt):
     res = compile_model(m, None, "sm_90")
     assert [r.kind for r in res.plan.regions] == ["attention"]
     rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 37, hd)})
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("form", ["bool", "float", "static bool past causal", "static decode past causal",
+                                  "3d gqa past float", "static const float lowest", "cap bool scale"])
+@pytest.mark.parametrize("dt", [H, F])
+def test_onnx_attention_matches_the_cuda_ep(dt, form):
+    # ONNX's Attention (opset 23) as rewriter.onnx_attention writes it, against ORT's CUDA kernel for it: the
+    # function was measured on ORT's CPU kernel (rows that see no key give 0, a float mask at its lowest
+    # hides, one query after a past sees every key); the CUDA kernel must agree (session 39, unverified)
+    low = np.finfo(NP[dt]).min if "lowest" in form else -np.inf
+    m = onnx_attention(dt, form, kv_heads=2 if "gqa" in form else 4, mask_value=low)
+    res = compile_model(m, None, "sm_90")
+    assert "attention" in [r.kind for r in res.plan.regions]
+    rep = check_models(m, res.model, provider="cuda")
+    assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
+def test_onnx_rotary_inside_attention_matches_the_cuda_ep(dt):
+    # ONNX's RotaryEmbedding (opset 23) folded into the attention kernel, against ORT's CUDA kernels for both
+    # (caches of the input's batch: ORT refuses batch-1 caches for more)
+    m = onnx_rotary(dt, "attention", rot=8)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["attention"]
+    rep = check_models(m, res.model, provider="cuda")
     assert rep.ok, "\n".join(rep.lines())
 
 
