@@ -30,7 +30,7 @@ def _feeds(m: onnx.ModelProto, b: int = 2, s: int = 5, past: int = 3, kv: int = 
     """Random inputs; a mask hides about a third of the keys, and for batch 1 every key of query row 2
     (bool False; float: -inf, or its type's lowest value in row 3)."""
     rng = np.random.default_rng(seed)
-    sizes = {"batch": b, "seq": s, "past": past, "kv": kv, "past + seq": past + s}
+    sizes = {"batch": b, "seq": s, "past": past, "kv": kv, "past + seq": past + s, "total": s}
     feeds = {}
     for v in m.graph.input:
         shape = [sizes[d.dim_param] if d.dim_param else d.dim_value for d in v.type.tensor_type.shape.dim]
@@ -186,5 +186,16 @@ def test_layers_share_one_bias(form):
     guards = {n.output[0] for n in nodes if n.op_type == "IsNaN"}
     assert sum(n.op_type == "Where" and n.input[0] not in guards for n in nodes) == ("bool" in form)
     assert sum("causal" in t.name for t in split.model.graph.initializer) == ("causal" in form)
+    feeds = _feeds(m)
+    np.testing.assert_allclose(_run(split.model, feeds)[0], _run(m, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_whose_count_has_another_name_is_split():
+    # Mistral's sliding-window cache: the keys are "past + seq - Max(0, past - 4095)", its mask's last dim
+    # "past + seq"; equal at run time (or ORT's kernel and the split's Add both refuse the model)
+    m = onnx_attention(TP.FLOAT, "bool")
+    m.graph.input[3].type.tensor_type.shape.dim[3].dim_param = "total"
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    assert len(splits) == 1
     feeds = _feeds(m)
     np.testing.assert_allclose(_run(split.model, feeds)[0], _run(m, feeds)[0], rtol=1e-5, atol=1e-5)
