@@ -543,6 +543,23 @@ def symbolic_image(m: onnx.ModelProto, shapes: dict[str, tuple]) -> tuple[onnx.M
     return out, {**shapes, "x": ("n", x[1], "h", "w"), "sizes": (x[2], x[3])}
 
 
+@dataclass
+class _Parts:
+    """Nodes and initializers of a generated graph: `const` adds a weight of the graph's type (or `dt`), `add`
+    a node named after its first output."""
+    npdt: type
+    nodes: list = field(default_factory=list)
+    inits: list = field(default_factory=list)
+
+    def const(self, name: str, value, dt=None) -> str:
+        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype=dt or self.npdt), name))
+        return name
+
+    def add(self, op: str, ins, outs, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", **attrs))
+        return outs[0]
+
+
 def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """(model, {input: shape}) of one attention block in one of the layouts exporters emit: Q/K/V from
     projections of x (separate MatMuls, or one packed MatMul read through Split or Slices; or K/V from a
@@ -560,15 +577,8 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     seq = int(rng.choice([1, 5, 16, 33, 64, 77]))
     sdim = "s" if rng.random() < 0.5 else seq
     hidden = heads * head
-    nodes, inits = [], []
-
-    def const(name, value, dt=None):
-        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dt or npdt), name))
-        return name
-
-    def add(op, ins, outs, **attrs):
-        nodes.append(helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", **attrs))
-        return outs[0]
+    parts = _Parts(npdt)
+    nodes, inits, const, add = parts.nodes, parts.inits, parts.const, parts.add
 
     def weight(name, cols):
         return const(name, rng.uniform(-1, 1, (hidden, cols)) / np.sqrt(hidden))
@@ -842,16 +852,10 @@ def random_onnx_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]
     mask_rank = 4 if rng.random() < 0.7 else 2
     rope = not three and rng.random() < 0.4
     keys = "m + s" if past else sdim
-    nodes, inits, inputs, outputs = [], [], [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])], []
+    parts = _Parts(npdt)
+    nodes, inits, const, add = parts.nodes, parts.inits, parts.const, parts.add
+    inputs, outputs = [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])], []
     shapes: dict[str, tuple] = {"x": ("n", sdim, hidden)}
-
-    def const(name, value, dt=None):
-        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dt or npdt), name))
-        return name
-
-    def add(op, ins, outs, **attrs):
-        nodes.append(helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", **attrs))
-        return outs[0]
 
     def vi(name, shape, dt=dtype):
         inputs.append(helper.make_tensor_value_info(name, dt, list(shape)))
