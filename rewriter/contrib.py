@@ -130,31 +130,37 @@ def restore(m: onnx.ModelProto, splits: tuple[Split, ...]) -> tuple[tuple[Split,
     known = {v.name for v in m.graph.input} | {t.name for t in m.graph.initializer} | \
         {o for n in m.graph.node for o in n.output}
     gone: set[str] = set()
+    dead: set[str] = set()  # what the split ops put back made (the node made its outputs alone)
     back: list[onnx.NodeProto] = []
     done: list[tuple[Split, Part]] = []
-    for s in splits:
-        missing = [t for t in s.kept if t.name not in known]  # (a Split's sizes, which no Slice read)
-        known |= {t.name for t in missing}
-        for part in s.parts:
-            if any(x not in by_name or x in gone for x in part.names):
-                continue
-            made = {o for x in part.names for o in by_name[x].output if o}
-            inner = made - set(part.node.output)
-            if any(t in outputs or not readers.get(t, set()) <= set(part.names) for t in inner):
-                continue
-            node = onnx.NodeProto()
-            node.CopyFrom(part.node)
-            for k, read in enumerate(part.reads):
-                if read is not None:
-                    node.input[k] = by_name[read[0]].input[read[1]]
-            if any(x and (x not in known or x in made) for x in node.input):
-                continue  # (not seen) it would read what nothing else makes: the split ops stay, which are right
-            gone.update(part.names)
-            back.append(node)
-            done.append((s, part))
-            m.graph.initializer.extend(t for t in missing if t.name in node.input)
-            missing = [t for t in missing if t.name not in node.input]
-        known -= {t.name for t in missing}
+    progress = True
+    while progress:  # again while one put back frees another (layers' Attentions sharing one mask bias)
+        progress = False
+        for s in splits:
+            missing = [t for t in s.kept if t.name not in known]  # (a Split's sizes, which no Slice read)
+            known |= {t.name for t in missing}
+            for part in s.parts:
+                if any(x not in by_name or x in gone for x in part.names):
+                    continue
+                made = {o for x in part.names for o in by_name[x].output if o}
+                inner = made - set(part.node.output)
+                if any(t in outputs or not readers.get(t, set()) - gone <= set(part.names) for t in inner):
+                    continue
+                node = onnx.NodeProto()
+                node.CopyFrom(part.node)
+                for k, read in enumerate(part.reads):
+                    if read is not None:
+                        node.input[k] = by_name[read[0]].input[read[1]]
+                if any(x and (x not in known or x in made or x in dead) for x in node.input):
+                    continue  # (not seen) it would read what nothing else makes: the split ops stay, which are right
+                gone.update(part.names)
+                dead |= inner
+                back.append(node)
+                done.append((s, part))
+                progress = True
+                m.graph.initializer.extend(t for t in missing if t.name in node.input)
+                missing = [t for t in missing if t.name not in node.input]
+            known -= {t.name for t in missing}
     if back:
         remaining = [n for n in m.graph.node if n.name not in gone]
         del m.graph.node[:]

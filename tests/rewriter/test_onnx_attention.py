@@ -188,6 +188,11 @@ def test_layers_share_one_bias(form):
     assert sum("causal" in t.name for t in split.model.graph.initializer) == ("causal" in form)
     feeds = _feeds(m)
     np.testing.assert_allclose(_run(split.model, feeds)[0], _run(m, feeds)[0], rtol=1e-5, atol=1e-5)
+    out = onnx.ModelProto()  # and where nothing fused them, both go back (the first's bias read by the second)
+    out.CopyFrom(split.model)
+    assert len(restore(out, splits)) == 2
+    assert [(n.op_type, list(n.input)) for n in out.graph.node] == [(n.op_type, list(n.input)) for n in m.graph.node]
+    assert [t.name for t in out.graph.initializer] == [t.name for t in m.graph.initializer]
 
 
 def test_a_mask_whose_count_has_another_name_is_split():
