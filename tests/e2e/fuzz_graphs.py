@@ -851,7 +851,7 @@ def random_onnx_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]
     mask = str(rng.choice(["none", "bool", "float"]))
     mask_rank = 4 if rng.random() < 0.7 else 2
     rope = not three and rng.random() < 0.4
-    keys = "m + s" if past else sdim
+    keys = f"m + {sdim}" if past else sdim
     parts = _Parts(npdt)
     nodes, inits, const, add = parts.nodes, parts.inits, parts.const, parts.add
     inputs, outputs = [helper.make_tensor_value_info("x", dtype, ["n", sdim, hidden])], []
