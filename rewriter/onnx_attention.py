@@ -75,7 +75,8 @@ def splittable(g: Graph, n: onnx.NodeProto) -> bool:
         # (two symbolic counts under different names, as Mistral's sliding-window cache has them, are one at run
         # time or ORT's kernel and the split's Add both refuse)
         named = isinstance(last, str) and isinstance(keys, str)
-        if mask.dtype not in (TensorProto.BOOL, q.dtype) or len(mask.shape) > 4 or (last not in (1, keys) and not named):
+        if mask.dtype not in (TensorProto.BOOL, q.dtype) or len(mask.shape) > 4 \
+                or (last not in (1, keys) and not named):
             return False
     return True
 

@@ -87,7 +87,34 @@ def _slice(b: "_Builder", x: str, start: int, end: int) -> str:
 
 def _cache(b: "_Builder", c: str, positions: str, rows: tuple[Dim, Dim], rot: int, at: int) -> str:
     """cos or sin for every element of x's rotated part: [B, S, R/2] (gathered at the positions), twice along
-    the last axis, with a unit axis for the heads at `at`."""
+    the last axis, with a unit axis for the heads at `at`. One for every RotaryEmbedding whose cache is the
+    same computation: torch's exporter writes the cos and sin again for each (Q and K of every layer), which
+    would be a kernel each."""
+    key = ("rotary cache", _cone(b.g, c, {}), positions, rot, at)
+    if key not in b.memo:
+        b.memo[key] = _new_cache(b, c, positions, rows, rot, at)
+    return b.memo[key]
+
+
+def _cone(g: Graph, t: str, memo: dict, depth: int = 0) -> tuple:
+    """What computes `t`, as a value: its producers' ops, attributes and which output, down to constants and
+    graph inputs (by name); `t` itself past MAX_CONE levels or at an op of another domain."""
+    if t in memo:
+        return memo[t]
+    p = g.producer.get(t)
+    n = g.nodes[p] if p is not None else None
+    if n is None or depth >= MAX_CONE or n.domain not in ("", "ai.onnx") or t in g.constants:
+        memo[t] = ("tensor", t)
+    else:
+        memo[t] = (n.op_type, list(n.output).index(t), tuple(sorted(a.SerializeToString() for a in n.attribute)),
+                   tuple(_cone(g, x, memo, depth + 1) if x else () for x in n.input))
+    return memo[t]
+
+
+MAX_CONE = 16  # levels followed back from a cache (positions, inverse frequencies, a product, cos)
+
+
+def _new_cache(b: "_Builder", c: str, positions: str, rows: tuple[Dim, Dim], rot: int, at: int) -> str:
     if positions:
         c = b.op("Gather", [c, positions], c, shape=(*rows, rot // 2), axis=0)
     lead = b.tensors[c].shape[:-1]

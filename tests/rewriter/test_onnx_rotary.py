@@ -74,3 +74,32 @@ def test_restore_and_refusals():
     for label, bad in (("interleaved", interleaved), ("symbolic head", symbolic), ("cache width", odd)):
         _, splits = split_contrib_ops(build_graph(load_model(bad)))
         assert not splits, label
+
+
+def test_caches_computed_alike_are_prepared_once():
+    # torch's exporter computes cos and sin again for every RotaryEmbedding: the split prepares one full-width
+    # cache for all that compute the same (here Cos and Sin of one angle tensor, twice each)
+    dt = TP.FLOAT
+    nodes = [helper.make_node(op, ["theta"], [f"{op.lower()}{k}"]) for k in (1, 2) for op in ("Cos", "Sin")]
+    nodes += [helper.make_node("RotaryEmbedding", [x, f"cos{k}", f"sin{k}"], [f"y{k}"], name=f"rope{k}")
+              for k, x in ((1, "x1"), (2, "x2"))]
+    shape = ["batch", 3, "seq", 16]
+    m = helper.make_model(helper.make_graph(
+        nodes, "two", [helper.make_tensor_value_info(x, dt, shape) for x in ("x1", "x2")] +
+        [helper.make_tensor_value_info("theta", dt, ["batch", "seq", 8])],
+        [helper.make_tensor_value_info(y, dt, shape) for y in ("y1", "y2")]),
+        opset_imports=[helper.make_opsetid("", 23)])
+    m.ir_version = 10
+    split, splits = split_contrib_ops(build_graph(load_model(m)))
+    assert len(splits) == 2
+    doubled = [n for n in split.model.graph.node if n.op_type == "Concat" and n.input[0] == n.input[1]]
+    assert [n.input[0] for n in doubled] == ["cos1", "sin1"]
+    feeds = _feeds(m)
+    for a, b in zip(_run_all(split.model, feeds), _run_all(m, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _run_all(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
