@@ -16,6 +16,7 @@ sweep; a parity failure or an optimizer error is a row marked FAIL and the exit 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -241,7 +242,8 @@ class Row:
         return self.parity.startswith("FAIL")
 
     def line(self) -> str:
-        return (f"| {self.model} | {self.dtype} | {self.kinds} | {self.nodes} | {self.attention} | {self.parity} | "
+        parity = re.sub(r"\x1b\[[0-9;]*m", "", self.parity).splitlines()[0] if self.parity else ""  # one line
+        return (f"| {self.model} | {self.dtype} | {self.kinds} | {self.nodes} | {self.attention} | {parity} | "
                 f"{self.seconds:.1f} |")
 
 
