@@ -315,7 +315,7 @@ def test_onnx_attention_is_one_kernel(form, kinds, dt):
 
 @pytest.mark.parametrize("form,rot,kinds", [
     ("attention", 0, ["attention"]), ("attention", 8, ["attention"]), ("b1 attention", 0, ["attention"]),
-    ("3d attention", 8, ["attention"]), ("positions attention", 0, ["attention"] + ["pointwise"] * 4)])
+    ("3d attention", 8, ["attention"]), ("positions attention", 0, ["attention"] + ["pointwise"] * 2)])
 @pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16], ids=["fp32", "fp16"])
 def test_onnx_rotary_embedding_inside_attention(form, rot, kinds, dt):
     # ONNX's RotaryEmbedding (opset 23) as rewriter.onnx_rotary writes it: the attention kernel rotates the Q and
