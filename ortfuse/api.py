@@ -437,7 +437,8 @@ def _rewritten(graph: Graph, kernels: list[FusedKernel], plan: Plan, splits: tup
             say(f"{undone} interleaved gated MatMuls left to ORT were split back into their two GEMMs")
         return out, restore_contrib_ops(out, splits)
 
-    drop, count = onnx_attention.declined(graph, plan.regions, splits)
+    # (the kernels' regions, not the plan's: --profile may have handed a region back to ORT)
+    drop, count = onnx_attention.declined(graph, [k.region for k in kernels], splits)
     if drop:
         kept = [k for k in kernels if k.region.id not in drop]
         out, back = rewrite(kept)

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortfuse.rewriter import _proto, onnx_attention, onnx_rotary
 from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.canonical import remove_dead
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
 
@@ -92,7 +93,13 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
         b.start(n)
         tails = _EXPAND[n.op_type](b, n)
         new_nodes.extend(b.nodes)
-        parts = [_part(b.nodes, node) for node in (n, *tails)]
+        whole = n
+        if b.substitutes:  # put back, it reads the tensors of the same value the split ops read instead
+            whole = onnx.NodeProto()
+            whole.CopyFrom(n)
+            for k, x in enumerate(whole.input):
+                whole.input[k] = b.substitutes.get(x, x)
+        parts = [_part(b.nodes, node) for node in (whole, *tails)]
         read = {x for node in b.nodes for x in node.input}
         kept = tuple(numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in n.input[1:]
                      if x and x not in read and x in g.constants)
@@ -100,6 +107,8 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     m.graph.initializer.extend(b.initializers)
+    if any(b.memo):  # what only a split node sharing another's tensor read goes (a later layer's cos and sin)
+        remove_dead(m)
     return assemble(m, tensors, g.opset, g.hint_overrides), tuple(splits)
 
 
@@ -248,9 +257,10 @@ class _Builder:
     initializers: list[onnx.TensorProto] = field(default_factory=list)
     base: str = ""
     memo: dict = field(default_factory=dict)  # tensors split nodes share (one attention bias for every layer)
+    substitutes: dict = field(default_factory=dict)  # the node's inputs whose value a shared tensor holds
 
     def start(self, n: onnx.NodeProto) -> None:
-        self.nodes, self.constants = [], []
+        self.nodes, self.constants, self.substitutes = [], [], {}
         self.base = n.name or n.output[0]
 
     def name(self, what: str) -> str:

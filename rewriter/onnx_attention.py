@@ -255,21 +255,30 @@ def _constant(b: "_Builder", value: np.ndarray, dtype: int) -> str:
 
 
 def declined(g: Graph, regions: Sequence, splits: Sequence) -> tuple[set[int], int]:
-    """(ids of the regions that hold split ops of an ONNX Attention the search took no attention kernel for,
-    how many such Attentions): dropping those regions leaves all its split ops to ORT, so `contrib.restore`
-    puts the Attention back whole, ORT's fused kernel rather than its ops unfused around a kernel of ours (the
-    softmax alone, say). Only where every split op is still in `g` (a fold may have replaced some)."""
+    """(ids of the regions to leave out, how many ONNX Attentions that puts back): an Attention the search took
+    no attention kernel for goes back to ORT whole (`contrib.restore`), ORT's fused kernel rather than its ops
+    unfused around a kernel of ours (the softmax alone, say), where leaving out the regions that hold its split
+    ops costs nothing else: every split op still in `g` (a fold may have replaced some), those regions holding
+    split ops of such Attentions alone (not a rotary embedding's, not a projection's epilogue), and what its
+    split ops make read by no other node (a later layer's split ops may read the first layer's mask bias where
+    that layer goes back too)."""
     at = {n.name: i for i, n in enumerate(g.nodes)}
     attention = {i for r in regions if r.kind == "attention" for i in r.nodes}
-    drop: set[int] = set()
-    count = 0
-    for s in splits:
-        if s.original.op_type != "Attention" or s.original.domain not in ("", "ai.onnx"):
-            continue
+    mine: dict[int, set[int]] = {}
+    for k, s in enumerate(splits):
         names = s.parts[0].names
-        if any(x not in at for x in names) or any(at[x] in attention for x in names):
-            continue
-        mine = {at[x] for x in names}
-        count += 1
-        drop |= {r.id for r in regions if mine & set(r.nodes)}
-    return drop, count
+        if s.original.op_type == "Attention" and s.original.domain in ("", "ai.onnx") \
+                and all(x in at for x in names) and not any(at[x] in attention for x in names):
+            mine[k] = {at[x] for x in names}
+    while True:
+        ours = set().union(*mine.values()) if mine else set()
+        touched = [r for r in regions if ours & set(r.nodes)]
+        made = {k: {o for i in nodes for o in g.nodes[i].output if o} - set(splits[k].original.output)
+                for k, nodes in mine.items()}
+        bad = {k for k, nodes in mine.items()
+               if any(nodes & set(r.nodes) and not set(r.nodes) <= ours for r in touched)
+               or any(c not in ours for o in made[k] for c in g.consumers.get(o, ()))}
+        if not bad:
+            return {r.id for r in touched}, len(mine)
+        for k in bad:
+            del mine[k]

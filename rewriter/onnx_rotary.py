@@ -92,8 +92,11 @@ def _cache(b: "_Builder", c: str, positions: str, rows: tuple[Dim, Dim], rot: in
     would be a kernel each."""
     key = ("rotary cache", _cone(b.g, c, {}), positions, rot, at)
     if key not in b.memo:
-        b.memo[key] = _new_cache(b, c, positions, rows, rot, at)
-    return b.memo[key]
+        b.memo[key] = (_new_cache(b, c, positions, rows, rot, at), c)
+    prepared, source = b.memo[key]
+    if source != c:  # (put back, the node reads the tensor this one was prepared from: the same value)
+        b.substitutes[c] = source
+    return prepared
 
 
 def _cone(g: Graph, t: str, memo: dict, depth: int = 0) -> tuple:

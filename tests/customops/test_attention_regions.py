@@ -5,6 +5,7 @@ of grouped-query attention read at their own heads through the repeat across que
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto as TP, helper
 
@@ -343,3 +344,40 @@ def test_onnx_attention_our_kernel_declines_goes_back_whole():
     assert not any(r.kind == "attention" for r in res.plan.regions)
     assert [n.op_type for n in res.model.graph.node] == ["Attention"] and not res.model.graph.initializer
     assert check_models(m, res.model).ok
+    # two layers reading one bool mask at 256 keys (one bias, made by the first layer's split ops): both go back
+    m = onnx_attention(TP.FLOAT, "static bool causal", heads=8, kv_heads=8, head=64)
+    for x in (*m.graph.input, *m.graph.output):
+        dims = x.type.tensor_type.shape.dim
+        dims[0].dim_value, dims[2].dim_value = 1, 256
+        if x.name == "m":
+            dims[3].dim_value = 256
+    second = onnx.NodeProto()
+    second.CopyFrom(m.graph.node[0])
+    second.name, second.input[0], m.graph.node[0].output[0] = "attention_2", "y1", "y1"
+    m.graph.node.append(second)
+    res = compile_model(m)
+    assert [n.op_type for n in res.model.graph.node] == ["Attention", "Attention"], \
+        [n.op_type for n in res.model.graph.node]
+    assert check_models(m, res.model).ok
+
+
+def test_onnx_attentions_go_back_one_by_one():
+    # three Attentions on one bool mask, causal, 256 keys: the small-headed middle one is our kernel, the
+    # others are declined. The last goes back whole; the first cannot (its split ops make the mask's bias,
+    # which our kernel reads), and that does not keep the last from going back
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+
+    F = TP.FLOAT
+    nodes, ins = [], [vi("m", TP.BOOL, [1, 1, 256, 256])]
+    for k, (h, d) in enumerate([(8, 64), (1, 16), (8, 64)]):
+        ins += [vi(f"{x}{k}", F, [1, h, 256, d]) for x in "qkv"]
+        nodes.append(helper.make_node("Attention", [f"q{k}", f"k{k}", f"v{k}", "m"], [f"y{k}"], name=f"att{k}",
+                                      is_causal=1))
+    m = model(nodes, ins, [vi(f"y{k}", F, [1, h, 256, d]) for k, (h, d) in enumerate([(8, 64), (1, 16), (8, 64)])],
+              opset=23)
+    res = compile_model(m)
+    kept = [n.name for n in res.model.graph.node if n.op_type == "Attention"]
+    assert kept == ["att2"], [n.op_type for n in res.model.graph.node]
+    assert [r.kind for r in res.plan.regions].count("attention") == 1
+    assert check_models(m, res.model, emulate=True).ok

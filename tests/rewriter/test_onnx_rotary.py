@@ -94,8 +94,17 @@ def test_caches_computed_alike_are_prepared_once():
     assert len(splits) == 2
     doubled = [n for n in split.model.graph.node if n.op_type == "Concat" and n.input[0] == n.input[1]]
     assert [n.input[0] for n in doubled] == ["cos1", "sin1"]
+    made = {o for n in split.model.graph.node for o in n.output}
+    assert not {"cos2", "sin2"} & made  # (nothing reads them now: they go, not left for ORT to run)
     feeds = _feeds(m)
     for a, b in zip(_run_all(split.model, feeds), _run_all(m, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    out = onnx.ModelProto()  # where nothing fused them both go back, the second reading cos1 and sin1
+    out.CopyFrom(split.model)
+    assert len(restore(out, splits)) == 2
+    assert [(n.op_type, list(n.input)) for n in out.graph.node if n.op_type == "RotaryEmbedding"] == \
+        [("RotaryEmbedding", ["x1", "cos1", "sin1"]), ("RotaryEmbedding", ["x2", "cos1", "sin1"])]
+    for a, b in zip(_run_all(out, feeds), _run_all(m, feeds)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
