@@ -22,7 +22,7 @@ sizes over the attention kernel's 128 (no kernel of ours would take it: ORT's ke
 opset 25's sliding windows (any attribute but opset 23's and 24's); the qk_matmul_output output in use; opset
 24's nonpad_kv_seqlen; inputs that are not one float type; unknown ranks; head counts or sizes that are not
 static; a scale <= 0; a mask neither bool nor the data's type, or whose last dim is neither 1 nor the keys'
-count. ORT's kernel refuses more masks than that at run time (any smaller than [Sq, T], [B, 1, 1, T] padding
+count (a symbol under another name may be). ORT's kernel refuses more masks than that at run time (any smaller than [Sq, T], [B, 1, 1, T] padding
 masks among them, and a past without present outputs): these ops broadcast them, as ONNX's function does."""
 from __future__ import annotations
 
