@@ -220,14 +220,16 @@ _olo, _ohi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS"
 def test_random_onnx_attention_matches_ort(seed: int) -> None:
     # ONNX's Attention (opset 23; rewriter.onnx_attention): the optimized model against ORT's own Attention
     # kernel, every fused kernel in emulation; each Attention is an attention kernel of ours, ORT's
-    # MultiHeadAttention (where the estimate prefers it) or back with ORT whole
+    # MultiHeadAttention (where the estimate prefers it) or back with ORT whole, unless the estimate declined
+    # our kernel and putting it back would unfuse other work (its ops then run as ORT's and our kernels)
     from fuzz_graphs import random_onnx_attention
     m, shapes = random_onnx_attention(seed)
     res = compile_model(m, shapes, "sm_90")
     attentions = sum(n.op_type == "Attention" for n in m.graph.node)
     kept = sum(n.op_type in ("Attention", "MultiHeadAttention") for n in res.model.graph.node)
-    assert [r.kind for r in res.plan.regions].count("attention") + kept == attentions, \
-        [str(r) for r in res.plan.refusals]
+    ours = [r.kind for r in res.plan.regions].count("attention")
+    declined = sum("attention kernel estimated" in r.reason for r in res.plan.refusals)
+    assert ours + kept <= attentions <= ours + kept + declined, [str(r) for r in res.plan.refusals]
     assert_ort_accepts(res.model)
     for n, s in ((2, 7), (1, 16)):
         bind = {k: tuple({"n": n, "s": s, "m": 5}.get(d, d) if isinstance(d, str) else d for d in v)
