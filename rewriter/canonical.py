@@ -453,6 +453,11 @@ MAX_SMALL_VALUE = 64  # elements: a folded value is a shape, axes or bounds, nev
 _NONDETERMINISTIC = frozenset({"Bernoulli", "Multinomial", "Dropout"})  # and Random*: a new value each run
 
 
+def draws(op_type: str) -> bool:
+    """An op whose every run draws a new value (two of them are never one value)."""
+    return op_type.startswith("Random") or op_type in _NONDETERMINISTIC
+
+
 def shape_dims(g: Graph, shape_node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
     """The (inferred, possibly symbolic) dims a Shape node outputs, its start/end attributes applied."""
     x = g.tensors.get(shape_node.input[0])
@@ -508,8 +513,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
 
     for n in g.nodes:  # topological order: a node's inputs are known before it is reached
         outs = [o for o in n.output if o]
-        if n.domain not in ("", "ai.onnx") or not outs or not n.input or n.op_type.startswith("Random") \
-                or n.op_type in _NONDETERMINISTIC \
+        if n.domain not in ("", "ai.onnx") or not outs or not n.input or draws(n.op_type) \
                 or any(o in g.graph_outputs or o in g.constants or not small(o) for o in outs) \
                 or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             continue
@@ -576,7 +580,7 @@ def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
         outs = [o for o in n.output if o]
         ins = [x for x in n.input if x]
         if n.domain not in ("", "ai.onnx") or not outs or not ins or n.op_type in _NOT_FOLDED \
-                or n.op_type.startswith("Random") or n.op_type in _NONDETERMINISTIC \
+                or draws(n.op_type) \
                 or any(o in g.graph_outputs or _static_bytes(g, o) is None for o in outs) \
                 or _proto.has_subgraph(n) \
                 or not all(x in computed or (x in g.constants and x not in overridable) for x in ins):

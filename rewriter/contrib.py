@@ -85,6 +85,7 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
     b = _Builder(g, tensors, {n.name for n in g.nodes} | {o for n in g.nodes for o in n.output} | set(g.tensors))
     new_nodes: list[onnx.NodeProto] = []
     splits: list[Split] = []
+    substituted = False
     at = set(todo)
     for i, n in enumerate(g.nodes):
         if i not in at:
@@ -97,8 +98,8 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
         if b.substitutes:  # put back, it reads the tensors of the same value the split ops read instead
             whole = onnx.NodeProto()
             whole.CopyFrom(n)
-            for k, x in enumerate(whole.input):
-                whole.input[k] = b.substitutes.get(x, x)
+            _proto.read_instead([whole], b.substitutes)
+            substituted = True
         parts = [_part(b.nodes, node) for node in (whole, *tails)]
         read = {x for node in b.nodes for x in node.input}
         kept = tuple(numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in n.input[1:]
@@ -107,7 +108,7 @@ def split_contrib_ops(g: Graph) -> tuple[Graph, tuple[Split, ...]]:
     del m.graph.node[:]
     m.graph.node.extend(new_nodes)
     m.graph.initializer.extend(b.initializers)
-    if any(b.memo):  # what only a split node sharing another's tensor read goes (a later layer's cos and sin)
+    if substituted:  # what only a split node now reading another's tensor read goes (a later layer's cos, sin)
         remove_dead(m)
     return assemble(m, tensors, g.opset, g.hint_overrides), tuple(splits)
 
@@ -216,9 +217,6 @@ def _domain(n: onnx.NodeProto) -> str:
     return "" if n.domain == "ai.onnx" else n.domain
 
 
-def _used(g: Graph, t: str) -> bool:
-    return bool(t) and (bool(g.consumers.get(t)) or t in g.graph_outputs)
-
 
 def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     if n.op_type == "Attention" and _domain(n) == "":
@@ -228,14 +226,14 @@ def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     x = g.tensors.get(n.input[0])
     if n.op_type == "Split" and _domain(n) == "":  # (Slice takes its starts as inputs from opset 10)
         return g.opset >= 10 and x is not None and x.shape is not None and _split_sizes(g, n) is not None \
-            and any(_used(g, o) for o in n.output)
+            and any(g.used(o) for o in n.output)
     if x is None or x.dtype not in _FLOATS:
         return False
     if _domain(n) == "" and n.op_type not in _ONNX_SPLIT and not _proto.ort_default_domain_op(g.model, n):
         return False  # ONNX's own LayerNormalization (17 on): the search takes it as it is
     if n.op_type in _NORMS:
         stats = n.output[1:3] if n.op_type.startswith("Skip") or n.op_type == "LayerNormalization" else n.output[1:2]
-        if any(_used(g, o) for o in stats) or x.shape is None:
+        if any(g.used(o) for o in stats) or x.shape is None:
             return False
     if n.op_type in ("SimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization"):
         scale = g.tensors.get(n.input[1])
@@ -474,7 +472,7 @@ def _split(b: _Builder, n: onnx.NodeProto) -> tuple[onnx.NodeProto, ...]:
     axis = attr(n, "axis", 0)
     start = 0
     for out, size in zip(n.output, _split_sizes(b.g, n) or ()):
-        if out and _used(b.g, out):
+        if out and b.g.used(out):
             shape = tuple(size if k == axis % len(b.tensors[x].shape) else d
                           for k, d in enumerate(b.tensors[x].shape))
             b.op("Slice", [x, b.ints([start]), b.ints([start + size]), b.ints([axis])], x, out=out, shape=shape)

@@ -59,6 +59,10 @@ class Graph:
         not a fixed constant to rewrite."""
         return name in _listed_inputs(self)
 
+    def used(self, name: str) -> bool:
+        """A tensor some node reads or the graph returns ("" is an absent optional output: never)."""
+        return bool(name) and (bool(self.consumers.get(name)) or name in self.graph_outputs)
+
     def constant_size(self, name: str) -> Optional[int]:
         """Elements of constant `name`, None where it is none, without converting a weight to numpy."""
         return self.constants.size_of(name) if name in self.constants else None

@@ -22,8 +22,9 @@ sizes over the attention kernel's 128 (no kernel of ours would take it: ORT's ke
 opset 25's sliding windows (any attribute but opset 23's and 24's); the qk_matmul_output output in use; opset
 24's nonpad_kv_seqlen; inputs that are not one float type; unknown ranks; head counts or sizes that are not
 static; a scale <= 0; a mask neither bool nor the data's type, or whose last dim is neither 1 nor the keys'
-count (a symbol under another name may be). ORT's kernel refuses more masks than that at run time (any smaller than [Sq, T], [B, 1, 1, T] padding
-masks among them, and a past without present outputs): these ops broadcast them, as ONNX's function does."""
+count (a symbol under another name may be). ORT's kernel refuses more masks than that at run time (any
+smaller than [Sq, T], [B, 1, 1, T] padding masks among them, and a past without present outputs): these ops
+broadcast them, as ONNX's function does."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -33,6 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.canonical import broadcast
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ def splittable(g: Graph, n: onnx.NodeProto) -> bool:
     """Whether `n` (an Attention in the default domain) can be written as standard ops computing the same."""
     from ortfuse.search.attention import MAX_HEAD_DIM
     if g.opset not in (23, 24) or any(a.name not in _ATTRIBUTES for a in n.attribute) \
-            or len(n.output) > 3 and n.output[3] and _used(g, n.output[3]) or len(n.input) > 6 and n.input[6]:
+            or len(n.output) > 3 and n.output[3] and g.used(n.output[3]) or len(n.input) > 6 and n.input[6]:
         return False  # (opset 25 adds sliding windows: a function these ops do not compute)
     q, k, v = (g.tensors.get(x) for x in n.input[:3])
     if any(t is None or t.shape is None or t.dtype not in _FLOATS for t in (q, k, v)) \
@@ -148,23 +150,17 @@ def _new_bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: 
         bias = b.op("Where", [low, neg_inf, mask], mask)
         if seen is not None:
             causal = _constant(b, np.where(seen, 0.0, -np.inf), dt)
-            bias = b.op("Add", [bias, causal], bias, shape=_broadcast(b.tensors[bias].shape, (sq, t)))
+            bias = b.op("Add", [bias, causal], bias, shape=_with_rows(b.tensors[bias].shape, sq, t))
         return bias
     if seen is not None:
         mask = b.op("And", [mask, _constant(b, seen, TensorProto.BOOL)], mask,
-                    shape=_broadcast(b.tensors[mask].shape, (sq, t)))
+                    shape=_with_rows(b.tensors[mask].shape, sq, t))
     return b.op("Where", [mask, zero, neg_inf], mask, dtype=dt)
 
 
-def _broadcast(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
-    """Numpy's broadcast of two shapes (a 1 gives way; otherwise the first's dim)."""
-    r = max(len(a), len(b))
-    a, b = (1,) * (r - len(a)) + tuple(a), (1,) * (r - len(b)) + tuple(b)
-    return tuple(y if x == 1 else x for x, y in zip(a, b))
-
-
-def _used(g: Graph, t: str) -> bool:
-    return bool(t) and (bool(g.consumers.get(t)) or t in g.graph_outputs)
+def _with_rows(shape: tuple[Dim, ...], sq: Dim, t: Dim) -> tuple[Dim, ...]:
+    """A mask's shape broadcast with the causal rule's [Sq, T] (where a dim is another name for T, the mask's)."""
+    return broadcast(shape, (sq, t)) or broadcast(shape, (sq, shape[-1] if shape else t)) or tuple(shape)
 
 
 def _heads(n: onnx.NodeProto, q: tuple[Dim, ...], k: tuple[Dim, ...], v: tuple[Dim, ...]
@@ -212,7 +208,7 @@ def _split_heads(b: "_Builder", x: str, heads: int, size: int) -> str:
 
 def _with_past(b: "_Builder", x: str, past: str, present: str) -> str:
     """The keys (or values) after the past's along the sequence, written to `present` where it is used."""
-    out = present if present and _used(b.g, present) else None
+    out = present if present and b.g.used(present) else None
     if not past:
         return b.op("Identity", [x], x, out=out) if out else x
     known = b.g.tensors.get(present) if present else None

@@ -19,6 +19,7 @@ import onnx
 from onnx import TensorProto
 
 from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.canonical import draws
 from ortfuse.rewriter.graph import Dim, Graph
 
 if TYPE_CHECKING:
@@ -101,12 +102,12 @@ def _cache(b: "_Builder", c: str, positions: str, rows: tuple[Dim, Dim], rot: in
 
 def _cone(g: Graph, t: str, memo: dict, depth: int = 0) -> tuple:
     """What computes `t`, as a value: its producers' ops, attributes and which output, down to constants and
-    graph inputs (by name); `t` itself past MAX_CONE levels or at an op of another domain."""
+    graph inputs (by name); `t` itself past MAX_CONE levels, at an op of another domain or a random one."""
     if t in memo:
         return memo[t]
     p = g.producer.get(t)
     n = g.nodes[p] if p is not None else None
-    if n is None or depth >= MAX_CONE or n.domain not in ("", "ai.onnx") or t in g.constants:
+    if n is None or depth >= MAX_CONE or n.domain not in ("", "ai.onnx") or t in g.constants or draws(n.op_type):
         memo[t] = ("tensor", t)
     else:
         memo[t] = (n.op_type, list(n.output).index(t), tuple(sorted(a.SerializeToString() for a in n.attribute)),
