@@ -7,7 +7,8 @@ The function is ORT 1.31.1's kernel's, as measured on its CPU EP (tests/rewriter
   * then the mask: a bool mask keeps the entries it marks true, a float one is added; is_causal hides key j
     from query i where j > i + the past's length (upper-left aligned without a past, as ORT does). Both
     become one additive bias, as torch's exporter writes a bool mask before opset 23 (Where(mask, 0, -inf)),
-    so its ops fuse as an exported mask's do;
+    so its ops fuse as an exported mask's do. The causal rule is a constant over static lengths, and over
+    symbolic ones (no past) j <= i over two iotas, which the attention kernel computes in place;
   * Softmax over the keys; a row that sees no key gives 0, as in ORT (a float mask entry at or below its
     type's lowest value counts as hidden: ORT gives 0 for such a row, not the mean of V); then ·V.
 The ops are in the data's type, as an exporter writes them (the fused kernel accumulates in fp32).
@@ -16,8 +17,8 @@ Grouped-query heads: query head h reads key/value head h // (Hq / Hkv), written 
 kv_num_heads) are split into heads and the output merged back. past_key and past_value go before the new keys
 along the sequence (present_key, present_value).
 
-Not split (left to ORT as it is): is_causal over query or key counts that are not static (the causal bias, a
-constant where they are, would be computed on the host at every run; ORT's kernel computes it in place); head
+Not split (left to ORT as it is): is_causal over query or key counts that are not static after a past (ORT's
+rule for one query after a past depends on the counts at run time); head
 sizes over the attention kernel's 128 (no kernel of ours would take it: ORT's kernel, not its ops unfused);
 opset 25's sliding windows (any attribute but opset 23's and 24's); the qk_matmul_output output in use; opset
 24's nonpad_kv_seqlen; inputs that are not one float type; unknown ranks; head counts or sizes that are not
@@ -27,7 +28,7 @@ smaller than [Sq, T], [B, 1, 1, T] padding masks among them, and a past without 
 broadcast them, as ONNX's function does."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -67,8 +68,8 @@ def splittable(g: Graph, n: onnx.NodeProto) -> bool:
         return False
     axis = 1 if len(q.shape) == 3 else 2
     keys, rows, new = _keys(g, n, k.shape), q.shape[axis], k.shape[axis]
-    if attr(n, "is_causal", 0) and not all(isinstance(x, int) for x in (keys, rows, new)):
-        return False  # (its bias would be computed on the host at run time: ORT's kernel computes it in place)
+    if attr(n, "is_causal", 0) and not all(isinstance(x, int) for x in (keys, rows, new)) and past[0] is not None:
+        return False  # (ORT's rule for one query after a past depends on the lengths at run time)
     mask = g.tensors.get(n.input[3]) if len(n.input) > 3 and n.input[3] else None
     if len(n.input) > 3 and n.input[3] and (mask is None or mask.shape is None):
         return False
@@ -132,29 +133,37 @@ def _bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim)
     alone, so its ops fuse into one kernel of their own, as an exported mask's do. One for every Attention
     with the same mask and causal rule (a model's layers): written once, read by each."""
     k = b.g.tensors[n.input[1]].shape
-    causal = (sq, t, t - (k[1] if len(k) == 3 else k[2])) if attr(n, "is_causal", 0) else None
-    key = ("attention bias", mask, dt, causal)
+    causal = None
+    if attr(n, "is_causal", 0):
+        new = k[1] if len(k) == 3 else k[2]
+        causal = (sq, t, t - new) if _static(sq, t, new) else ("iota", sq, t)
+    # (the causal rule alone over iotas: one per Attention, each computed inside its kernel, `_iota_cone`)
+    key = ("attention bias", mask, dt, causal, n.name if causal and causal[0] == "iota" and not mask else "")
     if key not in b.memo:
         b.memo[key] = _new_bias(b, n, mask, dt, sq, t)
     return b.memo[key]
 
 
 def _new_bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim) -> str:
-    seen = _causal_keys(b, n, sq, t) if attr(n, "is_causal", 0) else None
+    seen = _causal_rule(b, n, sq, t) if attr(n, "is_causal", 0) else None
     zero, neg_inf = b.scalar(0.0, dt), b.scalar(float("-inf"), dt)
+
+    def causal_bias() -> str:
+        if isinstance(seen, np.ndarray):
+            return _constant(b, np.where(seen, 0.0, -np.inf), dt)
+        return b.op("Where", [seen, zero, neg_inf], seen, dtype=dt)
     if not mask:  # the causal rule alone: a constant bias (nothing for a fold to replace, so restore finds
-        return _constant(b, np.where(seen, 0.0, -np.inf), dt) if seen is not None else ""  # every split op)
+        return causal_bias() if seen is not None else ""  # every split op), or the iotas' Where
     if b.dtype(mask) != TensorProto.BOOL:  # at or below the type's lowest: hidden, as ORT treats it
         wide = mask if b.dtype(mask) == _F32 else b.op("Cast", [mask], mask, dtype=_F32, to=_F32)
         low = b.op("LessOrEqual", [wide, b.scalar(_LOWEST[dt], _F32)], wide, dtype=TensorProto.BOOL)
         bias = b.op("Where", [low, neg_inf, mask], mask)
         if seen is not None:
-            causal = _constant(b, np.where(seen, 0.0, -np.inf), dt)
-            bias = b.op("Add", [bias, causal], bias, shape=_with_rows(b.tensors[bias].shape, sq, t))
+            bias = b.op("Add", [bias, causal_bias()], bias, shape=_with_rows(b.tensors[bias].shape, sq, t))
         return bias
     if seen is not None:
-        mask = b.op("And", [mask, _constant(b, seen, TensorProto.BOOL)], mask,
-                    shape=_with_rows(b.tensors[mask].shape, sq, t))
+        rule = _constant(b, seen, TensorProto.BOOL) if isinstance(seen, np.ndarray) else seen
+        mask = b.op("And", [mask, rule], mask, shape=_with_rows(b.tensors[mask].shape, sq, t))
     return b.op("Where", [mask, zero, neg_inf], mask, dtype=dt)
 
 
@@ -229,15 +238,34 @@ def _repeat_heads(b: "_Builder", x: str, times: int, heads: int) -> str:
     return b.op("Reshape", [e, b.ints([0, heads, -1, d])], e, shape=(bs, heads, t, d))
 
 
-def _causal_keys(b: "_Builder", n: onnx.NodeProto, sq: int, t: int) -> Optional[np.ndarray]:
+def _static(*dims: Dim) -> bool:
+    return all(isinstance(x, int) for x in dims)
+
+
+def _causal_rule(b: "_Builder", n: onnx.NodeProto, sq: Dim, t: Dim) -> Union[np.ndarray, str, None]:
     """[Sq, T] bools: key j is seen by query i where j <= i + the past's length (T - the new keys); None for
     one query after a past, which ORT's kernel lets see every key (attention.cc: is_causal && !(q == 1 &&
-    past > 0)), however many keys are new."""
+    past > 0)), however many keys are new. A constant over static lengths; over symbolic ones (no past:
+    `splittable`) j <= i over two iotas read through Shape, which the attention kernel computes in place."""
     k = b.g.tensors[n.input[1]].shape
-    past = t - (k[1] if len(k) == 3 else k[2])
+    new = k[1] if len(k) == 3 else k[2]
+    if not _static(sq, t, new):
+        axis = 1 if len(k) == 3 else 2
+        i = b.op("Unsqueeze", [_iota(b, n.input[0], axis, sq), b.ints([1])], "", shape=(sq, 1),
+                 dtype=TensorProto.INT64)
+        return b.op("LessOrEqual", [_iota(b, n.input[1], axis, t), i], "", shape=(sq, t), dtype=TensorProto.BOOL)
+    past = t - new
     if sq == 1 and past > 0:
         return None
     return np.arange(t)[None, :] <= np.arange(sq)[:, None] + past
+
+
+def _iota(b: "_Builder", x: str, axis: int, length: Dim) -> str:
+    """Range(0, x's dim at `axis`): the dim read as torch's exporter reads a sym_size (Shape with start and end)."""
+    size = b.op("Shape", [x], "", shape=(1,), dtype=TensorProto.INT64, start=axis, end=axis + 1)
+    scalar = b.op("Squeeze", [size], "", shape=(), dtype=TensorProto.INT64)
+    zero, one = b.scalar(0, TensorProto.INT64), b.scalar(1, TensorProto.INT64)
+    return b.op("Range", [zero, scalar, one], "", shape=(length,), dtype=TensorProto.INT64)
 
 
 def _constant(b: "_Builder", value: np.ndarray, dtype: int) -> str:

@@ -15,6 +15,7 @@ import onnx
 
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.graph import Graph, per_graph
+from ortfuse.search import ops
 from ortfuse.search.ops import ELEMENTWISE
 from ortfuse.search.plan import Reject
 
@@ -151,8 +152,11 @@ def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionP
     if _shape(g, g.nodes[pv].input[0]) != _shape(g, g.nodes[qk].output[0]):
         _refuse(f"the probabilities reach {g.node_label(pv)} as {_shape(g, g.nodes[pv].input[0])}, the scores "
                 f"are {_shape(g, g.nodes[qk].output[0])}")
+    extra = _extra_inputs(g, qk, score_ops)
+    cones = {x: _iota_cone(g, x, set(score_ops)) for x in extra}
+    nodes += tuple(i for c in cones.values() if c for i in c)
     return AttentionPattern(qk, pv, sm, score_ops, prob_ops, q_path, k_path, v_path, out_path, q, k, v, output,
-                            _extra_inputs(g, qk, score_ops), tuple(sorted(set(nodes))), q_rope, k_rope)
+                            tuple(x for x in extra if not cones[x]), tuple(sorted(set(nodes))), q_rope, k_rope)
 
 
 # ---- the score chain: MatMul → element-wise ops → Softmax ------------------------------------------------
@@ -231,6 +235,42 @@ def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, .
             if x and x not in chain and not _scalar_const(g, x):
                 extra[x] = None
     return tuple(extra)
+
+
+# Ops of a score input computed from iotas alone (`_iota_cone`): a causal rule as ONNX's Attention is split over
+# symbolic lengths (`rewriter.onnx_attention`), Where(j <= i, 0, -inf) over two Ranges.
+_CONE_OPS = frozenset({"Range", "Unsqueeze", "Reshape", "Cast", "Where", "Less", "LessOrEqual", "Greater",
+                       "GreaterOrEqual", "Equal", "And", "Or", "Not", "Add", "Sub", "Mul"})
+_MAX_CONE = 16
+
+
+def _iota_cone(g: Graph, t: str, readers: set[int]) -> frozenset[int]:
+    """The nodes computing score input `t` from Range iotas (of lengths the kernel knows) and constants alone,
+    read by nothing but each other and `readers`: the kernel computes `t` from the element's coordinates, so no
+    [Sq, T] tensor is made or read (an exported mask made of iotas and a padding mask is read as it is: a
+    kernel of its own makes it once for every layer). Empty where `t` is not such a tensor."""
+    from ortfuse.search import legal
+    cone: set[int] = set()
+    todo = [t]
+    while todo:
+        x = todo.pop()
+        if x in g.constants:
+            continue
+        p = g.producer.get(x)
+        if p is None or len(cone) == _MAX_CONE:
+            return frozenset()
+        n = g.nodes[p]
+        if n.op_type not in _CONE_OPS or n.domain not in ("", "ai.onnx") \
+                or n.op_type == "Range" and legal.range_length_verdict(g, n) is not None:
+            return frozenset()
+        if p not in cone:
+            cone.add(p)
+            todo.extend(x for _, x in ops.data_inputs(n) if x)
+    inside = cone | readers
+    if not any(g.nodes[i].op_type == "Range" for i in cone) or any(
+            o in g.graph_outputs or not set(g.consumers.get(o, ())) <= inside for i in cone for o in g.nodes[i].output):
+        return frozenset()
+    return frozenset(cone)
 
 
 # ---- probabilities: Softmax → Cast/Identity → MatMul(P, V) ---------------------------------------------

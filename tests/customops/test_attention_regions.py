@@ -381,3 +381,31 @@ def test_onnx_attentions_go_back_one_by_one():
     assert kept == ["att2"], [n.op_type for n in res.model.graph.node]
     assert [r.kind for r in res.plan.regions].count("attention") == 1
     assert check_models(m, res.model, emulate=True).ok
+
+
+@pytest.mark.parametrize("form,check", [
+    ("causal", {}), ("3d gqa causal", {}), ("cap causal scale", {}),
+    ("cross causal", {"q": (2, 4, 5, 16), "k": (2, 4, 9, 16), "v": (2, 4, 9, 16)}),
+    ("cross causal", {"q": (2, 4, 9, 16), "k": (2, 4, 3, 16), "v": (2, 4, 3, 16)})])
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16], ids=["fp32", "fp16"])
+def test_causal_over_symbolic_lengths_is_computed_in_the_kernel(form, check, dt):
+    # torch.export's scaled_dot_product_attention(is_causal=True) over a dynamic sequence, as ONNX's Attention:
+    # the split's j <= i over two iotas is computed inside the attention kernel (no [Sq, T] bias made or read),
+    # upper-left where the query and key counts differ
+    res = fused_parity(onnx_attention(dt, form, kv_heads=2 if "gqa" in form else 4), {}, check, ["attention"])
+    assert len(res.model.graph.node) == 1
+    (r,) = res.plan.regions
+    assert "Range" in [res.graph.nodes[i].op_type for i in r.nodes]
+    assert sorted(r.inputs) == ["k", "q", "v"]
+
+
+def test_each_layers_causal_rule_is_its_own():
+    # two layers, is_causal over symbolic lengths: each split writes its own iotas, which its kernel computes
+    # (one [Sq, T] bias shared by both would be made by ORT's ops, on the host, at every run)
+    m = onnx_attention(TP.FLOAT16, "causal")
+    second = onnx.NodeProto()
+    second.CopyFrom(m.graph.node[0])
+    second.name, second.input[0], m.graph.node[0].output[0] = "attention_2", "y1", "y1"
+    m.graph.node.append(second)
+    res = fused_parity(m, {}, {}, ["attention", "attention"])
+    assert [n.domain for n in res.model.graph.node] == ["ortfuse", "ortfuse"]

@@ -832,7 +832,7 @@ def random_onnx_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]
     there) in the forms ORT 1.31's kernel runs: Q, K, V projected from x and split into heads ([n, H, s, D]
     through Reshape and Transpose) or left 3-D (q_num_heads, kv_num_heads); grouped key/value heads; a bool
     or float mask [n, 1, s, T] or [s, T] shared by the layers (a float one hides some rows' every key with
-    -inf or its type's lowest); is_causal where the lengths are static; a past of "m" keys (present outputs);
+    -inf or its type's lowest); is_causal without a past (any lengths); a past of "m" keys (present outputs);
     a scale, a softcap; ONNX's RotaryEmbedding on Q and K (4-D, caches [n, s, R/2], partial R). fp32 or
     fp16; the sequence symbolic ("s") or static."""
     rng = np.random.default_rng(seed)
@@ -847,7 +847,7 @@ def random_onnx_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]
     sdim = seq if static else "s"
     three = rng.random() < 0.3
     past = rng.random() < 0.35
-    causal = static and not past and rng.random() < 0.5
+    causal = not past and rng.random() < 0.5
     mask = str(rng.choice(["none", "bool", "float"]))
     mask_rank = 4 if rng.random() < 0.7 else 2
     rope = not three and rng.random() < 0.4

@@ -16,7 +16,8 @@ from ortfuse.rewriter.contrib import restore, split_contrib_ops
 FORMS = ["", "bool", "float", "static causal", "static bool causal", "static float causal", "past",
          "static past causal", "static bool past causal", "static cross causal", "gqa", "static gqa past causal",
          "3d", "3d gqa past float", "static 3d gqa past causal float", "scale", "cap bool",
-         "static cap float causal scale", "static decode past causal", "static decode past causal bool"]
+         "static cap float causal scale", "static decode past causal", "static decode past causal bool",
+         "causal", "bool causal", "float causal", "cross causal", "3d gqa causal", "cap causal scale"]
 TOL = {TP.FLOAT: 1e-5, TP.FLOAT16: 4e-3}
 
 
@@ -88,7 +89,7 @@ def test_a_row_whose_float_mask_is_the_lowest_value_gives_zero_as_in_ort():
 
 
 def test_restore_puts_back_the_attention_nothing_fused():
-    for form in ("static bool past causal", "3d gqa past float", "cap bool"):
+    for form in ("static bool past causal", "3d gqa past float", "cap bool", "bool causal", "causal"):
         m = _model(form, TP.FLOAT)
         split, splits = split_contrib_ops(build_graph(load_model(m)))
         out = onnx.ModelProto()
@@ -119,11 +120,25 @@ def test_not_split_where_the_function_would_change():
     nonpad = onnx_attention(TP.FLOAT, "", opset=24)
     nonpad.graph.node[0].input.extend(["", "", "", "lens"])
     nonpad.graph.input.append(vi("lens", TP.INT64, ["batch"]))
-    causal = onnx_attention(TP.FLOAT, "bool causal")  # (over symbolic lengths: a bias computed on the host)
+    # (is_causal over symbolic lengths after a past: ORT's rule for one query depends on the lengths at run time)
+    causal = onnx_attention(TP.FLOAT, "bool past causal")
     for label, m in (("qk output", qk), ("short mask", short), ("symbolic heads", heads), ("mixed", mixed),
                      ("nonpad_kv_seqlen", nonpad), ("causal", causal)):
         _, splits = split_contrib_ops(build_graph(load_model(m)))
         assert not splits, label
+
+
+@pytest.mark.parametrize("s,kv", [(7, 3), (3, 7), (1, 4), (6, 6)])
+def test_causal_over_symbolic_lengths_is_upper_left(s, kv):
+    # no past: query i sees keys j <= i whatever the two counts (ORT's kernel, torch's is_causal), computed from
+    # two iotas read through Shape at run time, so one split model serves every length
+    for form in ("cross causal", "cross bool causal", "3d gqa causal"):
+        m = _model(form, TP.FLOAT)
+        split, splits = split_contrib_ops(build_graph(load_model(m)))
+        assert len(splits) == 1 and "Range" in {n.op_type for n in split.model.graph.node}, form
+        feeds = _feeds(m, s=s, kv=kv if "cross" in form else s)
+        np.testing.assert_allclose(_run(split.model, feeds)[0], _run(m, feeds)[0], rtol=1e-5, atol=1e-5,
+                                   err_msg=form)
 
 
 def test_opset_24_splits_the_same():
