@@ -194,6 +194,7 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "shufflenet_v2": _torch("shufflenet_v2"),
     "densenet": _torch("densenet"),
     "unet": _torch("unet"),
+    "nanogpt": _torch("nanogpt"),
     "mistral_past": _decoder("MistralConfig", "MistralForCausalLM", **_LM),
     "qwen3_past": _decoder("Qwen3Config", "Qwen3ForCausalLM", **_LM, head_dim=16),
     "phi3_past": _decoder("Phi3Config", "Phi3ForCausalLM", **_LM, pad_token_id=0),

@@ -1,6 +1,7 @@
 """Tiny pure-PyTorch versions of architectures that `transformers` does not ship, written the way their
 reference code writes them (so exported the way users export them): a YOLOv8-style detector, MobileNetV3,
-ShuffleNetV2, DenseNet and a diffusion UNet's blocks. Random weights; used by `ortfuse.bench.coverage`."""
+ShuffleNetV2, DenseNet, a diffusion UNet's blocks and a nanoGPT-style decoder. Random weights; used by
+`ortfuse.bench.coverage`."""
 from __future__ import annotations
 
 from typing import Any
@@ -237,11 +238,55 @@ class UNet(nn.Module):
         return self.out(self.u1(torch.cat([up, h1], 1), t))
 
 
+# ---- a GPT in nanoGPT's style: learned positions (an arange), pre-LayerNorm blocks, one packed QKV Linear
+# split three ways, scaled_dot_product_attention(is_causal=True) (no mask tensor: torch writes the causal rule
+# itself, ONNX's Attention with is_causal at opset 23), a GELU MLP, the LM head tied to the embedding
+
+class _CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.c_attn, self.c_proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for y in self.c_attn(x).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _GptBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(d), _CausalSelfAttention(d, heads), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGpt(nn.Module):
+    def __init__(self, vocab: int = 100, d: int = 64, heads: int = 4, layers: int = 2, positions: int = 64) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.h = nn.ModuleList(_GptBlock(d, heads) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 def _randomized(net: nn.Module) -> nn.Module:
     """Normalization statistics and affines drawn at random (fresh ones are the identity, which folds away)."""
     g = torch.Generator().manual_seed(0)
     for m in net.modules():
-        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)):
             m.weight.data = 1.0 + 0.2 * torch.randn(m.weight.shape, generator=g)
             m.bias.data = 0.1 * torch.randn(m.bias.shape, generator=g)
         if isinstance(m, nn.BatchNorm2d):
@@ -251,9 +296,11 @@ def _randomized(net: nn.Module) -> nn.Module:
 
 
 def make(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The module (random weights and statistics) and its example inputs (2 images)."""
+    """The module (random weights and statistics) and its example inputs (2 images, or 2 rows of tokens)."""
     if name == "unet":
         return _randomized(UNet()), {"sample": torch.randn(2, 4, 16, 16), "timestep": torch.tensor([10, 500])}
+    if name == "nanogpt":
+        return _randomized(NanoGpt()), {"input_ids": torch.randint(0, 100, (2, 16))}
     cls = {"yolo": Yolo, "mobilenet_v3": MobileNetV3, "shufflenet_v2": ShuffleNetV2, "densenet": DenseNet}[name]
     size = 64 if name == "yolo" else 32
     return _randomized(cls()), {"pixel_values": torch.rand(2, 3, size, size)}

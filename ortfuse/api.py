@@ -31,7 +31,7 @@ from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
-from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas
+from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
@@ -295,6 +295,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     graph, gathers = fold_iota_gathers(graph)
     if gathers:
         say(f"{gathers} Gathers of a flattened tensor at its own index (exported masks) became Reshapes")
+    graph, trilus = trilus_as_iotas(graph)
+    if trilus:
+        say(f"{trilus} causal masks made by Trilu over run-time lengths became iotas a kernel computes")
     graph, folded = fold_runtime_shapes(graph)
     if folded:
         say(f"{folded} Reshape targets computed at run time became constants")

@@ -480,13 +480,19 @@ def _static_dims(g: Graph, shape_node: onnx.NodeProto, merged: frozenset[int]) -
 
 
 def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optional[np.ndarray]:
-    """The value of a Shape node, or of a Gather of one at constant indices, when every dim it reads is
-    static; else None."""
+    """The value of a Shape node, or of a Gather or Slice of one at constant indices (TorchScript's
+    `q.size(-1)` for scaled_dot_product_attention's default scale: Slice(Shape(q), [-1], [max])), when every
+    dim it reads is static; else None."""
     if node.op_type == "Shape":
         dims = _static_dims(g, node, merged)
         return None if dims is None or None in dims else np.asarray(dims, np.int64)
-    src = g.nodes[g.producer[node.input[0]]] if node.op_type == "Gather" and node.input[0] in g.producer else None
-    if src is None or src.op_type != "Shape" or node.input[1] not in g.constants or attr(node, "axis", 0) != 0:
+    src = g.nodes[g.producer[node.input[0]]] if node.op_type in ("Gather", "Slice") and node.input[0] in g.producer \
+        else None
+    if src is None or src.op_type != "Shape":
+        return None
+    if node.op_type == "Slice":
+        return _sliced_shape(g, node, _static_dims(g, src, merged))
+    if node.input[1] not in g.constants or attr(node, "axis", 0) != 0:
         return None
     dims = _static_dims(g, src, merged)
     idx = np.asarray(g.constants[node.input[1]])
@@ -494,6 +500,21 @@ def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optio
         return None
     picked = [dims[int(k)] for k in idx.reshape(-1)]
     return None if None in picked else np.asarray(picked, np.int64).reshape(idx.shape)
+
+
+def _sliced_shape(g: Graph, node: onnx.NodeProto, dims: Optional[list[Optional[int]]]) -> Optional[np.ndarray]:
+    """Slice(shape, starts, ends[, axes [0]][, steps of 1]) of a Shape's `dims` with constant arguments, where
+    every dim it picks is static; else None."""
+    args = [np.asarray(g.constants[x]).reshape(-1) if x in g.constants else None for x in node.input[1:]]
+    if dims is None or len(node.input) < 3 or any(a is None or a.size != 1 or a.dtype.kind not in "iu"
+                                                  for x, a in zip(node.input[1:], args) if x):
+        return None
+    start, end = int(args[0][0]), int(args[1][0])
+    if len(args) > 2 and node.input[3] and int(args[2][0]) not in (0, -1) \
+            or len(args) > 3 and node.input[4] and int(args[3][0]) != 1:
+        return None
+    picked = dims[start:end]  # (ONNX clamps a positive-step Slice's bounds as Python does)
+    return None if None in picked else np.asarray(picked, np.int64)
 
 
 def fold_small_values(g: Graph) -> tuple[Graph, int]:
@@ -517,7 +538,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
                 or any(o in g.graph_outputs or o in g.constants or not small(o) for o in outs) \
                 or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             continue
-        if n.op_type in ("Shape", "Gather"):
+        if n.op_type in ("Shape", "Gather", "Slice"):
             v = _shape_read(g, n, merged)
             if v is not None:
                 known[outs[0]] = v

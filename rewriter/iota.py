@@ -92,6 +92,10 @@ def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
     if op == "Shape":  # Shape(x, start=k, end=k+1): torch.export's sym_size
         read = shape_dims(g, node)
         return None if read is None or len(read) != 1 else coef_of(read[0])
+    if op == "Slice":  # Slice(Shape(x), [k], [k + 1]): TorchScript's x.size(k)
+        src, k = _producer(g, node.input[0]), _one_dim_slice(g, node)
+        read = shape_dims(g, src) if src is not None and src.op_type == "Shape" and k is not None else None
+        return None if read is None else coef_of(read[k])
     return None
 
 
@@ -252,6 +256,96 @@ def fold_iota_gathers(g: Graph) -> tuple[Graph, int]:
         node.CopyFrom(reshape)
     remove_dead(m)
     return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
+
+
+_TRILU_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                          onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL})
+
+
+def trilus_as_iotas(g: Graph) -> tuple[Graph, int]:
+    """(new graph, Trilus rewritten). A causal mask as torch exports scaled_dot_product_attention(is_causal=True)
+    over a dynamic sequence (TorchScript, and torch.export before opset 23): Trilu of a constant c expanded to
+    [Sq, T], its target read through Shape (Expand(c, Concat(Sq, T)) or ConstantOfShape), becomes
+    Where(j <= i + k, c, 0) over two iotas (j >= i + k for upper=1), which a kernel computes from its
+    coordinates: the attention kernel reading the mask takes it in (`search.attention._iota_cone`), where ORT
+    ran shape ops on the host, an Expand and a Trilu kernel and a [Sq, T] tensor for every layer. Where the
+    target is a constant the whole is a constant already (`canonical.fold_constant_subgraphs`). `g` is left
+    untouched."""
+    plans = {i: p for i, n in enumerate(g.nodes) if (p := _trilu_plan(g, n)) is not None}
+    if not plans:
+        return g, 0
+    m = onnx.ModelProto()
+    m.CopyFrom(g.model)
+    tensors = dict(g.tensors)
+    by_index: dict[int, list[onnx.NodeProto]] = {}
+    for i, (value, rows, cols, k) in plans.items():
+        node = g.nodes[i]
+        out, dt = node.output[0], g.tensors[node.output[0]].dtype
+        sq, t = g.tensors[out].shape
+        base = node.name or out
+        made: list[onnx.NodeProto] = []
+
+        def add(op: str, ins: list[str], what: str, shape: tuple, dtype: int = onnx.TensorProto.INT64,
+                **attrs) -> str:
+            name = f"{base}/ortfuse_{what}"
+            made.append(onnx.helper.make_node(op, ins, [name], name=name, **attrs))
+            tensors[name] = TensorInfo(name, dtype, shape)
+            return name
+
+        def const(what: str, v: np.ndarray) -> str:
+            name = f"{base}/ortfuse_{what}"
+            m.graph.initializer.append(numpy_helper.from_array(v, name))
+            tensors[name] = TensorInfo(name, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            return name
+        zero, one = const("zero", np.array(0, np.int64)), const("one", np.array(1, np.int64))
+        i_ = add("Range", [zero, add("Squeeze", [rows], "rows", ()), one], "i", (sq,))
+        i_ = add("Unsqueeze", [i_, const("axis", np.array([1], np.int64))], "i_col", (sq, 1))
+        if k:
+            i_ = add("Add", [i_, const("k", np.array(k, np.int64))], "i_k", (sq, 1))
+        j = add("Range", [zero, add("Squeeze", [cols], "cols", ()), one], "j", (t,))
+        seen = add("GreaterOrEqual" if attr(node, "upper", 1) else "LessOrEqual", [j, i_],
+                   "seen", (sq, t), onnx.TensorProto.BOOL)
+        values = []
+        for what, v in (("value", value), ("zero_value", np.zeros((), np.int64))):
+            name = f"{base}/ortfuse_{what}"
+            m.graph.initializer.append(
+                onnx.helper.make_tensor(name, dt, [], [float(v)]) if dt == onnx.TensorProto.BFLOAT16 else
+                numpy_helper.from_array(np.asarray(v).astype(onnx.helper.tensor_dtype_to_np_dtype(dt)), name))
+            tensors[name] = TensorInfo(name, dt, ())
+            values.append(name)
+        made.append(onnx.helper.make_node("Where", [seen, *values], [out], name=base))
+        by_index[i] = made
+    nodes = [x for i, n in enumerate(m.graph.node) for x in (by_index[i] if i in by_index else [n])]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    remove_dead(m)
+    return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
+
+
+def _trilu_plan(g: Graph, node: onnx.NodeProto) -> Optional[tuple[np.ndarray, str, str, int]]:
+    """(the constant c, the [1] tensors holding Sq and T, k) of a Trilu `trilus_as_iotas` rewrites, else None."""
+    if node.op_type != "Trilu" or node.domain not in ("", "ai.onnx"):
+        return None
+    k = const_int(g, node.input[1]) if len(node.input) > 1 and node.input[1] else 0
+    src = _producer(g, node.input[0])
+    out = g.tensors.get(node.output[0])
+    if k is None or src is None or out is None or out.shape is None or len(out.shape) != 2 \
+            or out.dtype not in _TRILU_TYPES:
+        return None
+    if src.op_type == "Expand" and g.constant_size(src.input[0]) == 1:
+        value, target = np.asarray(g.constants[src.input[0]]).reshape(-1)[0], src.input[1]
+    elif src.op_type == "ConstantOfShape":
+        t = attr(src, "value", None)
+        value, target = (numpy_helper.to_array(t).reshape(-1)[0] if t is not None else 0.0), src.input[0]
+    else:
+        return None
+    cat = _producer(g, target)
+    if target in g.constants or cat is None or cat.op_type != "Concat" or len(cat.input) != 2:
+        return None
+    if any(x not in g.tensors or g.tensors[x].dtype != onnx.TensorProto.INT64 or scalar(g, x) != coef_of(d)
+           for x, d in zip(cat.input, out.shape)):
+        return None  # (each a one-element tensor holding the output's dim, read through Shape)
+    return value, cat.input[0], cat.input[1], k
 
 
 _CLONABLE = frozenset({"Range", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity", "Add", "Sub", "Mul", "Neg",
@@ -427,9 +521,9 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
         src = _producer(g, node.input[0]) if node.op_type in ("Gather", "Slice") and node.input else None
         k = (const_int(g, node.input[1]) if node.op_type == "Gather" else _one_dim_slice(g, node)) \
             if src is not None else None
-        if src is None or src.op_type != "Shape" or src.attribute or k is None or src.input[0] in g.graph_inputs:
+        if src is None or src.op_type != "Shape" or k is None or src.input[0] in g.graph_inputs:
             continue
-        dims = g.tensors[src.input[0]].shape if src.input[0] in g.tensors else None
+        dims = shape_dims(g, src)  # (torch.export writes Shape(x, start=0) for the whole shape)
         if not dims or not -len(dims) <= k < len(dims) or dims[k] not in where:
             continue
         x, axis = where[dims[k]]

@@ -238,9 +238,10 @@ def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, .
 
 
 # Ops of a score input computed from iotas alone (`_iota_cone`): a causal rule as ONNX's Attention is split over
-# symbolic lengths (`rewriter.onnx_attention`), Where(j <= i, 0, -inf) over two Ranges.
-_CONE_OPS = frozenset({"Range", "Unsqueeze", "Reshape", "Cast", "Where", "Less", "LessOrEqual", "Greater",
-                       "GreaterOrEqual", "Equal", "And", "Or", "Not", "Add", "Sub", "Mul"})
+# symbolic lengths (`rewriter.onnx_attention`), Where(j <= i, 0, -inf) over two Ranges. Element-wise ops and
+# Unsqueeze only: every iota's length is then a dim of the scores, which the kernel knows.
+_CONE_OPS = frozenset({"Range", "Unsqueeze", "Cast", "Where", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+                       "Equal", "And", "Or", "Not", "Add", "Sub", "Mul"})
 _MAX_CONE = 16
 
 
@@ -261,7 +262,8 @@ def _iota_cone(g: Graph, t: str, readers: set[int]) -> frozenset[int]:
             return frozenset()
         n = g.nodes[p]
         if n.op_type not in _CONE_OPS or n.domain not in ("", "ai.onnx") \
-                or n.op_type == "Range" and legal.range_length_verdict(g, n) is not None:
+                or n.op_type == "Range" and legal.range_length_verdict(g, n) is not None \
+                or n.op_type == "Unsqueeze" and not all(x in g.constants for x in ops.meta_inputs(n)):
             return frozenset()
         if p not in cone:
             cone.add(p)

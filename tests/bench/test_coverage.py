@@ -108,3 +108,25 @@ def test_torch_export_of_a_decoder_with_a_kv_cache(tmp_path):
     row = [line for line in out.read_text().splitlines() if line.startswith("| llama_past")]
     cells = [c.strip() for c in row[0].strip("|").split("|")]
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
+
+
+@pytest.mark.parametrize("exporter,opset", [("torchscript", None), ("dynamo", None), ("dynamo", 23)])
+def test_causal_attention_without_a_mask_tensor(tmp_path, exporter, opset):
+    # nanoGPT's scaled_dot_product_attention(is_causal=True) over a dynamic sequence: exported as a Trilu of
+    # ones sized through Shape (TorchScript, torch.export before opset 23, with TorchScript's scale computed from
+    # q.size(-1)) or ONNX's Attention with is_causal: the causal rule becomes iotas the attention kernel computes,
+    # so the kernels and the two MatMuls ORT keeps (the MLP's down projection, the tied LM head) are all that is
+    # left, and the attention kernels read Q, K and V where the packed projection wrote them
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+
+    path = coverage.export("nanogpt", tmp_path, ["fp16"], opset if opset else coverage.EXPORT_OPSET
+                           if exporter == "torchscript" else None, exporter)["fp16"]
+    res = compile_model(str(path), None, "sm_90")
+    assert [n.op_type for n in res.model.graph.node if n.domain != "ortfuse"] == ["MatMul", "MatMul"]
+    attention = [r for r in res.plan.regions if r.kind == "attention"]
+    assert len(attention) == 2 and all(len(r.inputs) == 1 for r in attention), [r.inputs for r in attention]
+    rep = check_models(str(path), res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())

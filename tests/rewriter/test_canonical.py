@@ -567,6 +567,28 @@ def test_small_values_from_static_dims_become_constants_and_symbolic_ones_stay()
     assert any(x.op_type == "Div" for x in g.model.graph.node)  # the input graph is untouched
 
 
+@pytest.mark.parametrize("ends,steps", [([2**63 - 1], None), ([4], [1])])
+def test_a_sliced_static_dim_becomes_a_constant(ends, steps):
+    # TorchScript's scaled_dot_product_attention scale, 1 / sqrt(q.size(-1)) with q.size(-1) as
+    # Slice(Shape(q), [-1], [max]), on each of Q and Kᵀ as a root: a constant the attention kernel folds in
+    # (the sequence dim before it is symbolic, and not read)
+    nodes = [node("Shape", ["q"], ["qs"]), node("Slice", ["qs", "st", "en", "ax"] + (["sp"] if steps else []), ["d"]),
+             node("Cast", ["d"], ["df"], to=TP.FLOAT), node("Sqrt", ["df"], ["r"]), node("Div", ["one", "r"], ["sc"]),
+             node("Sqrt", ["sc"], ["root"]), node("Mul", ["q", "root"], ["y"])]
+    inits = [const("st", [-1], np.int64), const("en", ends, np.int64), const("ax", [0], np.int64),
+             const("one", np.array(1.0, np.float32))] + ([const("sp", steps, np.int64)] if steps else [])
+    m = model(nodes, [vi("q", TP.FLOAT, ["B", 4, "S", 16])], [vi("y", TP.FLOAT, None)], inits)
+    g2, n = fold_small_values(build_graph(m, {}))
+    assert n == 1 and [x.op_type for x in g2.nodes] == ["Mul"]
+    feeds = {"q": np.random.default_rng(0).standard_normal((2, 4, 5, 16)).astype(np.float32)}
+    np.testing.assert_array_equal(_cpu(m, feeds)[0], _cpu(g2.model, feeds)[0])
+    # a symbolic dim picked stays computed
+    inits[0] = const("st", [-2], np.int64)
+    inits[1] = const("en", [-1], np.int64)
+    g3 = build_graph(model(nodes, [vi("q", TP.FLOAT, ["B", 4, "S", 16])], [vi("y", TP.FLOAT, None)], inits), {})
+    assert fold_small_values(g3)[1] == 0
+
+
 def test_what_ort_folds_at_session_start_is_folded_and_large_random_or_output_values_are_not():
     nodes = [node("ConstantOfShape", ["shp"], ["ones"], value=onnx.helper.make_tensor("v", TP.INT64, [1], [1])),
              node("Mul", ["ones", "k"], ["neg"]), node("Equal", ["tgt", "neg"], ["eq"]),

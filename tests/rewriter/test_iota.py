@@ -10,7 +10,8 @@ from onnx import TensorProto as TP
 
 from helpers import const, model, node, vi
 from ortfuse.rewriter.canonical import fold_runtime_shapes
-from ortfuse.rewriter.iota import Affine, affine, broadcast_merged_dims, fold_iota_gathers, isolate_iotas, stride
+from ortfuse.rewriter.iota import (Affine, affine, broadcast_merged_dims, fold_iota_gathers, isolate_iotas, stride,
+                                   trilus_as_iotas)
 from ortfuse.rewriter.shapes import build_graph
 
 
@@ -168,12 +169,14 @@ def test_isolate_iotas_reads_dims_from_inputs_and_copies_shared_iotas():
 
 @pytest.mark.parametrize("dt", [np.int64, np.int32])
 @pytest.mark.parametrize("ends", [[-1], [2**31 - 1]], ids=["next", "past-the-end"])
-def test_isolate_iotas_reads_a_sliced_dim_from_the_input(ends, dt):
+@pytest.mark.parametrize("whole", [{}, {"start": 0}], ids=["shape", "shape-from-0"])
+def test_isolate_iotas_reads_a_sliced_dim_from_the_input(ends, dt, whole):
     # torch's x.size(-2) / x.size(-1) as Slice(Shape(h), [k], [k + 1 or past the end]): read from x, so the
     # intermediate h is not kept just for its shape (DeBERTa's attention views its scores so); the new starts
-    # and ends keep the integer type of the axes (one type for all of a Slice's indices)
+    # and ends keep the integer type of the axes (one type for all of a Slice's indices). torch.export writes
+    # the whole shape as Shape(h, start=0)
     start = [-2] if ends == [-1] else [-1]
-    nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"]),
+    nodes = [node("Relu", ["x"], ["h"]), node("Shape", ["h"], ["shp"], **whole),
              node("Slice", ["shp", "st", "en", "ax"], ["d1"]), node("Concat", ["d1", "d1"], ["tgt"], axis=0),
              node("Reshape", ["h", "tgt"], ["y"])]
     inits = [const("st", start, dt), const("en", ends, dt), const("ax", [0], dt)]
@@ -293,3 +296,59 @@ def test_a_range_limit_inference_merged_into_a_size_stays_computed(via):
               [const("c", np.ones(4)), const("r0", 0, np.int64), const("r1", 1, np.int64), const("z1", 0, np.int64)])
     g2, n = isolate_iotas(build_graph(m, {}))
     assert not any(x.op_type == "Range" and x.input[1] in g2.constants for x in g2.nodes)
+
+
+def _trilu_mask(dt: int = TP.FLOAT, upper: int = 0, k=None, source: str = "expand", kv: str = "T",
+                static: bool = False):
+    """The causal mask torch exports for scaled_dot_product_attention(is_causal=True): ones [Sq, T] (their
+    dims read as Slice(Shape(q), [-2], [-1]) and of k), Trilu, then Where(Equal(., 0), -inf, 0) added to the
+    scores [B, Sq, T]."""
+    npdt = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16}[dt]
+    nodes = [node("Shape", ["q"], ["qs"], start=0), node("Shape", ["k"], ["ks"]),
+             node("Slice", ["qs", "m2", "m1"], ["sq"]), node("Slice", ["ks", "m2", "m1"], ["t"]),
+             node("Concat", ["sq", "t"], ["hw"], axis=0)]
+    nodes.append(node("Expand", ["one", "hw"], ["ones"]) if source == "expand" else
+                 node("ConstantOfShape", ["hw"], ["ones"], value=__import__("onnx").helper.make_tensor(
+                     "v", dt, [1], [1.0])))
+    nodes += [node("Trilu", ["ones"] + ([k] if k else []), ["tri"], upper=upper),
+              node("Equal", ["tri", "zero"], ["hidden"]), node("Where", ["hidden", "ninf", "zero"], ["bias"]),
+              node("Add", ["s", "bias"], ["y"])]
+    inits = [const("m2", [-2], np.int64), const("m1", [-1], np.int64), const("one", np.array(1, npdt), npdt),
+             const("zero", np.array(0, npdt), npdt), const("ninf", np.array(-np.inf, npdt), npdt),
+             const("kk", np.array(1, np.int64), np.int64)]
+    sq, t = (5, 7) if static else ("S", kv)
+    return model(nodes, [vi("q", dt, ["B", sq, 4]), vi("k", dt, ["B", t, 4]), vi("s", dt, ["B", sq, t])],
+                 [vi("y", dt, None)], inits)
+
+
+@pytest.mark.parametrize("upper,k,source", [(0, None, "expand"), (1, "kk", "expand"), (0, "kk", "constant_of_shape")])
+@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+def test_a_trilu_causal_mask_becomes_iotas(upper, k, source, dt):
+    # no Trilu, Expand or [Sq, T] ones are left: Where(j <= i + k, 1, 0) over two Ranges whose limits are the
+    # dims read through Shape; the same values at every length, queries fewer or more than keys
+    m = _trilu_mask(dt, upper, k, source)
+    g2, n = trilus_as_iotas(build_graph(m, {}))
+    ops = [x.op_type for x in g2.nodes]
+    assert n == 1 and not {"Trilu", "Expand", "ConstantOfShape"} & set(ops) and ops.count("Range") == 2
+    rng = np.random.default_rng(0)
+    npdt = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16}[dt]
+    for sq, t in ((5, 9), (9, 5), (1, 1), (6, 6)):
+        feeds = {"q": rng.standard_normal((2, sq, 4)).astype(npdt), "k": rng.standard_normal((2, t, 4)).astype(npdt),
+                 "s": rng.standard_normal((2, sq, t)).astype(npdt)}
+        _same_on_ort(m, g2, feeds)
+
+
+def test_trilus_that_are_not_such_a_mask_stay():
+    # a Trilu of data, of ones expanded to a constant target (folded to a constant elsewhere)
+    static = _trilu_mask(static=True)
+    for x in static.graph.node:
+        if x.op_type == "Expand":
+            x.input[1] = "hw_c"
+    static.graph.initializer.append(__import__("onnx").numpy_helper.from_array(np.array([5, 7], np.int64), "hw_c"))
+    data = _trilu_mask()
+    for x in data.graph.node:
+        if x.op_type == "Trilu":
+            x.input[0] = "s"
+    for m in (static, data):
+        g = build_graph(m, {})
+        assert trilus_as_iotas(g) == (g, 0)

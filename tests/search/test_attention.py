@@ -373,3 +373,40 @@ def test_joined_operand_paths_stop_where_a_symbolic_dim_is_merged_away():
     m.graph.initializer.append(const("split_rows", [-1, 5, 48], np.int64))
     (pat,), _ = find_attention(build_graph(m, {}))
     assert pat.q == pat.k == pat.v == "x"
+
+
+def _causal_iota_attention(layers: int, shared: bool) -> Graph:
+    """`layers` attentions over q, k, v [B, H, S, D], each adding Where(Range(S) <= Unsqueeze(Range(S)), 0,
+    -inf) to its scores: its own iotas, or (`shared`) the first layer's for all."""
+    nodes, inits = [], [const("zero", np.array(0, np.int64), np.int64), const("one", np.array(1, np.int64), np.int64),
+                        const("ax1", [1], np.int64), const("f0", np.array(0.0, np.float32), np.float32),
+                        const("ninf", np.array(-np.inf, np.float32), np.float32)]
+    x = "q"
+    for k in range(layers):
+        p = "" if shared else f"l{k}_"
+        if not shared or k == 0:
+            nodes += [node("Shape", ["q"], [p + "sz"], start=2, end=3), node("Squeeze", [p + "sz"], [p + "n"]),
+                      node("Range", ["zero", p + "n", "one"], [p + "i"]),
+                      node("Unsqueeze", [p + "i", "ax1"], [p + "iu"]),
+                      node("Range", ["zero", p + "n", "one"], [p + "j"]),
+                      node("LessOrEqual", [p + "j", p + "iu"], [p + "seen"]),
+                      node("Where", [p + "seen", "f0", "ninf"], [p + "bias"])]
+        nodes += [node("Transpose", ["k"], [f"kt{k}"], perm=[0, 1, 3, 2]),
+                  node("MatMul", [x, f"kt{k}"], [f"s{k}"]), node("Add", [f"s{k}", p + "bias"], [f"b{k}"]),
+                  node("Softmax", [f"b{k}"], [f"p{k}"], axis=-1), node("MatMul", [f"p{k}", "v"], [f"y{k}"])]
+        x = f"y{k}"
+    ins = [vi(t, F, [B, H, S, D]) for t in "qkv"]
+    return _graph(nodes, ins, [vi(x, F, [B, H, S, D])], inits)
+
+
+@pytest.mark.parametrize("layers,shared", [(1, False), (2, False), (2, True)])
+def test_a_causal_rule_over_iotas_is_computed_in_the_kernel_unless_shared(layers, shared):
+    # a score input made of Range iotas and constants alone, read by nothing else, joins the pattern (the kernel
+    # computes it from the element's coordinates); one read by two patterns stays a tensor each reads
+    g = _causal_iota_attention(layers, shared)
+    pats, rejects = find_attention(g)
+    assert len(pats) == layers and not rejects
+    for p in pats:
+        ops_in = [g.nodes[i].op_type for i in p.nodes]
+        assert (ops_in.count("Range") == 2) == (not shared)
+        assert p.extra_inputs == (("bias",) if shared else ())
