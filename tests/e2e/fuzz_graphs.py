@@ -566,7 +566,7 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     memory of another length, cross-attention), heads
     split by Reshape + Transpose, Kᵀ by one 4-D Transpose or two, a scale on the scores (Mul or Div) or on
     Q, an optional mask (additive [n,1,1,Sk] or [n,1,Sq,Sk], a boolean keep-mask, or causal: Where on a
-    constant), an
+    constant, or over a symbolic length torch's Trilu of ones sized through Shape), an
     optional Cast around the Softmax (mixed precision), heads merged back. Batch is symbolic ("n"), the
     sequence symbolic ("s") for half the seeds; sizes hit odd lengths and head dims up to 128."""
     rng = np.random.default_rng(seed)
@@ -637,6 +637,17 @@ def random_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     elif mask == "causal" and sdim == seq and packing != "cross":
         keep = np.tril(np.ones((seq, seq), bool))[None, None]
         s = add("Where", [const("keep", keep, np.bool_), s, const("ninf", np.finfo(npdt).min)], ["s2"])
+    elif mask == "causal" and packing != "cross":  # over a symbolic length: torch's Trilu of ones sized by Shape
+        dims = [add("Slice", [add("Shape", [qh], ["qshape"]), const("m2", [-2], np.int64), const("m1", [-1], np.int64)],
+                    ["rows"]),
+                add("Slice", [add("Shape", [kt], ["kshape"]), const("m1b", [-1], np.int64),
+                              const("end", [2**63 - 1], np.int64)], ["cols"])]
+        hw = add("Concat", dims, ["hw"], axis=0)
+        ones = add("Expand", [const("one", np.array(1.0)), hw], ["ones"]) if alt.random() < 0.5 else \
+            add("ConstantOfShape", [hw], ["ones"], value=helper.make_tensor("v", dtype, [1], [1.0]))
+        hidden_ = add("Equal", [add("Trilu", [ones], ["tri"], upper=0), const("zero", np.array(0.0))], ["hidden"])
+        s = add("Add", [s, add("Where", [hidden_, const("ninf", np.array(-np.inf)), const("zero2", np.array(0.0))],
+                              ["bias"])], ["s2"])
     upcast = dtype == TP.FLOAT16 and rng.random() < 0.3
     if upcast:
         s = add("Cast", [s], ["s32"], to=TP.FLOAT)
