@@ -133,7 +133,7 @@ class AttentionSize:
     d: int
     dv: int
     dtype: int
-    mask: str  # "none" | "padding" | "causal+padding" | "bias" (MultiHeadAttention's forms)
+    mask: str  # "none" | "padding" | "causal" | "causal+padding" | "bias" (MultiHeadAttention's forms)
     mask_shape: tuple[int, ...] = ()  # the graph's mask, if any
 
     def flops(self) -> float:
@@ -142,7 +142,8 @@ class AttentionSize:
     def text(self) -> str:
         return (f"attention {self.batch}x{self.heads} heads, {self.sq}x{self.sk}, d {self.d}"
                 + (f"/{self.dv}" if self.dv != self.d else "") + f" {_dtype_name(self.dtype)}, "
-            + (f"additive mask {list(self.mask_shape)}" if self.mask_shape else "no mask"))
+            + (f"additive mask {list(self.mask_shape)}" if self.mask_shape else
+               "causal rule computed in the kernel" if self.mask == "causal" else "no mask"))
 
     def variants(self) -> dict[str, str]:
         """label -> MultiHeadAttention mask form of ORT's other paths for these sizes."""
@@ -168,8 +169,9 @@ def attention_size(g: Graph, region: Region) -> AttentionSize:
     batch, heads = (lead[0], math.prod(lead[1:])) if len(lead) >= 2 else (math.prod(lead), 1)
     sq, sk = scores[-2], scores[-1]
     mask = tuple(_dims(g, p.extra_inputs[0])) if p.extra_inputs else ()
+    iotas = any(g.nodes[i].op_type == "Range" for i in p.nodes)  # a causal rule the kernel computes
     return AttentionSize(batch, heads, sq, sk, q[-1], v[-1], g.tensors[qk.input[0]].dtype,
-                         "bias" if mask else "none", mask)
+                         "bias" if mask else "causal" if iotas else "none", mask)
 
 
 def mha_model(s: AttentionSize, mask: Optional[str] = None, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -188,6 +190,8 @@ def mha_model(s: AttentionSize, mask: Optional[str] = None, seed: int = 0) -> tu
         feeds["key_padding_mask"] = kpm
         inputs += ["", "key_padding_mask"]
         attrs["unidirectional"] = int(mask == "causal+padding")
+    elif mask == "causal":  # (ORT's rule for equal counts; ours is upper-left, the same there)
+        attrs["unidirectional"] = 1
     elif mask == "bias":
         feeds["attention_bias"] = rng.standard_normal((s.batch, 1, s.sq, s.sk)).astype(npdt)
         inputs += ["", "", "attention_bias"]

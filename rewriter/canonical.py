@@ -519,7 +519,7 @@ def _sliced_shape(g: Graph, node: onnx.NodeProto, dims: Optional[list[Optional[i
 
 def fold_small_values(g: Graph) -> tuple[Graph, int]:
     """(new graph, number of constants that replace computed tensors). A tensor of at most MAX_SMALL_VALUE elements
-    computed from constants and static dims (read through Shape, or a Gather of one) is a constant, as ORT's
+    computed from constants and static dims (read through Shape, or a Gather or Slice of one) is a constant, as ORT's
     constant folding makes it at session start: TorchScript's `x[..., : x.shape[-1] // 2]` in rotary
     embeddings (Shape, Gather, Div, Cast, Unsqueeze) becomes a constant Slice end the search computes in a
     kernel, and what ORT would fold anyway (a ConstantOfShape of a constant) is not taken for device data by

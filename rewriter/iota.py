@@ -66,8 +66,9 @@ def _producer(g: Graph, t: str) -> Optional[onnx.NodeProto]:
 
 
 def scalar(g: Graph, t: str, depth: int = 0) -> Optional[Coef]:
-    """A one-element integer tensor's value as a Coef: a constant, a dim read through Shape + Gather, and
-    products of those (through Cast, Reshape, Squeeze, Unsqueeze), else None."""
+    """A one-element integer tensor's value as a Coef: a constant, a dim read through Shape + Gather, Shape with
+    start and end, or a one-entry Slice of Shape, and products of those (through Cast, Reshape, Squeeze,
+    Unsqueeze), else None."""
     c = const_int(g, t)
     if c is not None:
         return c, ()
@@ -268,9 +269,9 @@ def trilus_as_iotas(g: Graph) -> tuple[Graph, int]:
     [Sq, T], its target read through Shape (Expand(c, Concat(Sq, T)) or ConstantOfShape), becomes
     Where(j <= i + k, c, 0) over two iotas (j >= i + k for upper=1), which a kernel computes from its
     coordinates: the attention kernel reading the mask takes it in (`search.attention._iota_cone`), where ORT
-    ran shape ops on the host, an Expand and a Trilu kernel and a [Sq, T] tensor for every layer. Where the
-    target is a constant the whole is a constant already (`canonical.fold_constant_subgraphs`). `g` is left
-    untouched."""
+    ran shape ops on the host, an Expand and a Trilu kernel and a [Sq, T] tensor for every layer. A bool Trilu
+    of true is the comparison itself. A constant target is left alone (static lengths: folded to a constant
+    where small, `canonical.fold_constant_subgraphs`). `g` is left untouched."""
     plans = {i: p for i, n in enumerate(g.nodes) if (p := _trilu_plan(g, n)) is not None}
     if not plans:
         return g, 0
@@ -303,8 +304,12 @@ def trilus_as_iotas(g: Graph) -> tuple[Graph, int]:
         if k:
             i_ = add("Add", [i_, const("k", np.array(k, np.int64))], "i_k", (sq, 1))
         j = add("Range", [zero, add("Squeeze", [cols], "cols", ()), one], "j", (t,))
-        seen = add("GreaterOrEqual" if attr(node, "upper", 1) else "LessOrEqual", [j, i_],
-                   "seen", (sq, t), onnx.TensorProto.BOOL)
+        compare = "GreaterOrEqual" if attr(node, "upper", 1) else "LessOrEqual"
+        if dt == onnx.TensorProto.BOOL:  # (true where kept: the comparison itself; ORT has no bool Where)
+            made.append(onnx.helper.make_node(compare, [j, i_], [out], name=base))
+            by_index[i] = made
+            continue
+        seen = add(compare, [j, i_], "seen", (sq, t), onnx.TensorProto.BOOL)
         values = []
         for what, v in (("value", value), ("zero_value", np.zeros((), np.int64))):
             name = f"{base}/ortfuse_{what}"
@@ -332,13 +337,17 @@ def _trilu_plan(g: Graph, node: onnx.NodeProto) -> Optional[tuple[np.ndarray, st
     if k is None or src is None or out is None or out.shape is None or len(out.shape) != 2 \
             or out.dtype not in _TRILU_TYPES:
         return None
-    if src.op_type == "Expand" and g.constant_size(src.input[0]) == 1:
+    if k and g.fed(node.input[1]):
+        return None  # (an initializer the user may feed: its value is not known here)
+    if src.op_type == "Expand" and g.constant_size(src.input[0]) == 1 and not g.fed(src.input[0]):
         value, target = np.asarray(g.constants[src.input[0]]).reshape(-1)[0], src.input[1]
     elif src.op_type == "ConstantOfShape":
         t = attr(src, "value", None)
         value, target = (numpy_helper.to_array(t).reshape(-1)[0] if t is not None else 0.0), src.input[0]
     else:
         return None
+    if out.dtype == onnx.TensorProto.BOOL and not bool(value):
+        return None  # (all false: nothing to compare)
     cat = _producer(g, target)
     if target in g.constants or cat is None or cat.op_type != "Concat" or len(cat.input) != 2:
         return None

@@ -112,9 +112,15 @@ def absorbed_selects(g: Graph) -> set[str]:
 def _targets_rebuilt(g: Graph, pat: AttentionPattern) -> bool:
     """Whether the run-time shapes the pattern's Reshapes read are made of its inputs' dims
     (`legal.shape_reads`), so the fused node's function can rebuild them."""
+    return _rebuilt(g, set(pat.nodes))
+
+
+def _rebuilt(g: Graph, nodes: set[int]) -> bool:
+    """Whether the run-time shapes these nodes read (Reshape targets, Range lengths) are made of their
+    inputs' dims (`legal.shape_reads`)."""
     from ortfuse.search import legal
-    inputs, _ = legal.region_io(g, set(pat.nodes))
-    return legal.shape_reads(g, pat.nodes, inputs) is not None
+    inputs, _ = legal.region_io(g, nodes)
+    return legal.shape_reads(g, nodes, inputs) is not None
 
 
 def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
@@ -154,7 +160,11 @@ def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionP
                 f"are {_shape(g, g.nodes[qk].output[0])}")
     extra = _extra_inputs(g, qk, score_ops)
     cones = {x: _iota_cone(g, x, set(score_ops)) for x in extra}
-    nodes += tuple(i for c in cones.values() if c for i in c)
+    for x, cone in cones.items():
+        if cone and _rebuilt(g, set(nodes) | cone):
+            nodes += tuple(cone)
+        else:
+            cones[x] = frozenset()
     return AttentionPattern(qk, pv, sm, score_ops, prob_ops, q_path, k_path, v_path, out_path, q, k, v, output,
                             tuple(x for x in extra if not cones[x]), tuple(sorted(set(nodes))), q_rope, k_rope)
 
@@ -239,7 +249,8 @@ def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, .
 
 # Ops of a score input computed from iotas alone (`_iota_cone`): a causal rule as ONNX's Attention is split over
 # symbolic lengths (`rewriter.onnx_attention`), Where(j <= i, 0, -inf) over two Ranges. Element-wise ops and
-# Unsqueeze only: every iota's length is then a dim of the scores, which the kernel knows.
+# Unsqueeze only: every iota's length is then a dim of the scores (the kernel takes the cone where its
+# function body can also rebuild those lengths from its inputs' shapes, `_rebuilt`).
 _CONE_OPS = frozenset({"Range", "Unsqueeze", "Cast", "Where", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
                        "Equal", "And", "Or", "Not", "Add", "Sub", "Mul"})
 _MAX_CONE = 16

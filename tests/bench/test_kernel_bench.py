@@ -59,9 +59,9 @@ def _reference(feeds, s: kernels.AttentionSize, mask: str) -> np.ndarray:
     q, k, v = (feeds[n].astype(np.float64).reshape(s.batch, -1, s.heads, dim).transpose(0, 2, 1, 3)
                for n, dim in (("query", s.d), ("key", s.d), ("value", s.dv)))
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(s.d)
-    if mask in ("padding", "causal+padding"):
-        keep = feeds["key_padding_mask"][:, None, None, :].astype(bool)
-        if mask == "causal+padding":
+    if mask in ("padding", "causal+padding", "causal"):
+        keep = feeds["key_padding_mask"][:, None, None, :].astype(bool) if mask != "causal" else True
+        if mask in ("causal+padding", "causal"):
             keep = keep & np.tril(np.ones((s.sq, s.sk), bool))[None, None]
         scores = np.where(keep, scores, -1e30)
     elif mask == "bias":
@@ -71,7 +71,7 @@ def _reference(feeds, s: kernels.AttentionSize, mask: str) -> np.ndarray:
     return (p @ v).transpose(0, 2, 1, 3).reshape(s.batch, s.sq, s.heads * s.dv)
 
 
-@pytest.mark.parametrize("mask", ["none", "padding", "causal+padding", "bias"])
+@pytest.mark.parametrize("mask", ["none", "padding", "causal", "causal+padding", "bias"])
 def test_multihead_attention_baseline_computes_the_same_attention(mask):
     s = kernels.AttentionSize(3, 2, 12, 12, 8, 8, TensorProto.FLOAT, mask)
     model, feeds = kernels.mha_model(s)
@@ -79,6 +79,17 @@ def test_multihead_attention_baseline_computes_the_same_attention(mask):
     out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert out.shape == (3, 12, 16)
     np.testing.assert_allclose(out, _reference(feeds, s, mask), rtol=1e-4, atol=1e-5)
+
+
+def test_a_causal_rule_the_kernel_computes_is_timed_against_causal_mha():
+    # ONNX's Attention with is_causal over a dynamic sequence: no mask tensor, the rule computed in the kernel;
+    # ORT's MultiHeadAttention baseline is its unidirectional form, not attention without a mask
+    from helpers import onnx_attention
+    res = compile_model(onnx_attention(TensorProto.FLOAT16, "causal"))
+    (r,) = [r for r in res.plan.regions if r.kind == "attention"]
+    size = kernels.attention_size(res.graph, r)
+    assert size.mask == "causal" and "causal rule" in size.text()
+    assert any(a.name == "unidirectional" and a.i == 1 for a in kernels.mha_model(size)[0].graph.node[0].attribute)
 
 
 @pytest.mark.gpu

@@ -405,7 +405,32 @@ def test_each_layers_causal_rule_is_its_own():
     m = onnx_attention(TP.FLOAT16, "causal")
     second = onnx.NodeProto()
     second.CopyFrom(m.graph.node[0])
-    second.name, second.input[0], m.graph.node[0].output[0] = "attention_2", "y1", "y1"
+    second.input[0], m.graph.node[0].output[0] = "y1", "y1"
     m.graph.node.append(second)
+    for n in m.graph.node:  # (unnamed, as ONNX allows)
+        n.name = ""
     res = fused_parity(m, {}, {}, ["attention", "attention"])
     assert [n.domain for n in res.model.graph.node] == ["ortfuse", "ortfuse"]
+
+
+def test_an_iota_cone_whose_lengths_cannot_be_rebuilt_stays_a_mask_input():
+    # a Trilu causal mask (TorchScript's) over queries whose length inference merged in a broadcast (q0 + pos):
+    # the fused node's function could not rebuild the Range lengths from its inputs, so the mask stays a
+    # tensor the attention kernel reads, as before iotas were computed in it; the attention is still ours
+    F16 = TP.FLOAT16
+    nodes = [node("Add", ["q0", "pos"], ["q"]), node("Shape", ["q"], ["qs"]), node("Shape", ["k"], ["ks"]),
+             node("Slice", ["qs", "m2", "m1"], ["sq"]), node("Slice", ["ks", "m2", "m1"], ["t"]),
+             node("Concat", ["sq", "t"], ["hw"], axis=0),
+             node("ConstantOfShape", ["hw"], ["ones"], value=helper.make_tensor("v", F16, [1], [1.0])),
+             node("Trilu", ["ones"], ["tri"], upper=0), node("Equal", ["tri", "zero"], ["hid"]),
+             node("Where", ["hid", "ninf", "zero"], ["bias"]), node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             node("MatMul", ["q", "kt"], ["s"]), node("Add", ["s", "bias"], ["sb"]),
+             node("Softmax", ["sb"], ["p"], axis=-1), node("MatMul", ["p", "v"], ["y"])]
+    inits = [const("m2", [-2], np.int64), const("m1", [-1], np.int64), const("zero", np.array(0, np.float16), np.float16),
+             const("ninf", np.array(-np.inf, np.float16), np.float16)]
+    m = model(nodes, [vi("q0", F16, ["B", 4, "S", 16]), vi("pos", F16, [1, 1, "P", 16])] +
+              [vi(t, F16, ["B", 4, "S", 16]) for t in "kv"], [vi("y", F16, None)], inits)
+    res = fused_parity(m, {}, {"q0": (2, 4, 6, 16), "pos": (1, 1, 6, 16), "k": (2, 4, 6, 16), "v": (2, 4, 6, 16)},
+                       ["attention", "pointwise"])
+    (r,) = [r for r in res.plan.regions if r.kind == "attention"]
+    assert "Range" not in [res.graph.nodes[i].op_type for i in r.nodes] and len(r.inputs) == 4

@@ -298,43 +298,50 @@ def test_a_range_limit_inference_merged_into_a_size_stays_computed(via):
     assert not any(x.op_type == "Range" and x.input[1] in g2.constants for x in g2.nodes)
 
 
-def _trilu_mask(dt: int = TP.FLOAT, upper: int = 0, k=None, source: str = "expand", kv: str = "T",
-                static: bool = False):
-    """The causal mask torch exports for scaled_dot_product_attention(is_causal=True): ones [Sq, T] (their
-    dims read as Slice(Shape(q), [-2], [-1]) and of k), Trilu, then Where(Equal(., 0), -inf, 0) added to the
-    scores [B, Sq, T]."""
-    npdt = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16}[dt]
+def _trilu_mask(dt: int = TP.FLOAT, upper: int = 0, k=None, source: str = "expand", static: bool = False):
+    """The causal mask torch exports for scaled_dot_product_attention(is_causal=True): ones [Sq, T] of `dt`
+    (their dims read as Slice(Shape(q), [-2], [-1]) and of k), Trilu (`k`: the name of its k input), then
+    Where(Equal(., 0), -inf, 0) added to the fp32 scores [B, Sq, T] (a bool or integer Trilu: kept where true
+    or nonzero)."""
+    onnx = __import__("onnx")
+    npdt = onnx.helper.tensor_dtype_to_np_dtype(dt)
     nodes = [node("Shape", ["q"], ["qs"], start=0), node("Shape", ["k"], ["ks"]),
              node("Slice", ["qs", "m2", "m1"], ["sq"]), node("Slice", ["ks", "m2", "m1"], ["t"]),
              node("Concat", ["sq", "t"], ["hw"], axis=0)]
     nodes.append(node("Expand", ["one", "hw"], ["ones"]) if source == "expand" else
-                 node("ConstantOfShape", ["hw"], ["ones"], value=__import__("onnx").helper.make_tensor(
-                     "v", dt, [1], [1.0])))
-    nodes += [node("Trilu", ["ones"] + ([k] if k else []), ["tri"], upper=upper),
-              node("Equal", ["tri", "zero"], ["hidden"]), node("Where", ["hidden", "ninf", "zero"], ["bias"]),
-              node("Add", ["s", "bias"], ["y"])]
+                 node("ConstantOfShape", ["hw"], ["ones"], value=onnx.helper.make_tensor("v", dt, [1], [1])))
+    nodes.append(node("Trilu", ["ones"] + ([k] if k else []), ["tri"], upper=upper))
+    if dt in (TP.FLOAT, TP.FLOAT16):
+        nodes += [node("Equal", ["tri", "zero"], ["hidden"]), node("Cast", ["hidden"], ["hid32"], to=TP.FLOAT),
+                  node("Mul", ["hid32", "big"], ["bias"]), node("Sub", ["s", "bias"], ["y"])]
+    else:
+        nodes += [node("Cast", ["tri"], ["keep"], to=TP.BOOL), node("Where", ["keep", "s", "low"], ["y"])]
     inits = [const("m2", [-2], np.int64), const("m1", [-1], np.int64), const("one", np.array(1, npdt), npdt),
-             const("zero", np.array(0, npdt), npdt), const("ninf", np.array(-np.inf, npdt), npdt),
-             const("kk", np.array(1, np.int64), np.int64)]
-    sq, t = (5, 7) if static else ("S", kv)
-    return model(nodes, [vi("q", dt, ["B", sq, 4]), vi("k", dt, ["B", t, 4]), vi("s", dt, ["B", sq, t])],
-                 [vi("y", dt, None)], inits)
+             const("zero", np.array(0, npdt), npdt), const("big", np.array(1e4, np.float32), np.float32),
+             const("low", np.array(-1e4, np.float32), np.float32), const("kk", np.array(1, np.int64), np.int64),
+             const("kneg", np.array(-2, np.int64), np.int64)]
+    sq, t = (5, 7) if static else ("S", "T")
+    f = TP.FLOAT
+    return model(nodes, [vi("q", f, ["B", sq, 4]), vi("k", f, ["B", t, 4]), vi("s", f, ["B", sq, t])],
+                 [vi("y", f, None)], inits)
 
 
-@pytest.mark.parametrize("upper,k,source", [(0, None, "expand"), (1, "kk", "expand"), (0, "kk", "constant_of_shape")])
-@pytest.mark.parametrize("dt", [TP.FLOAT, TP.FLOAT16])
+@pytest.mark.parametrize("upper,k,source,dt", [
+    (0, None, "expand", TP.FLOAT), (0, None, "expand", TP.FLOAT16), (1, "kk", "expand", TP.FLOAT),
+    (0, "kk", "constant_of_shape", TP.FLOAT16), (0, "kneg", "expand", TP.FLOAT), (1, "kneg", "expand", TP.INT64),
+    (0, None, "expand", TP.BOOL), (0, "kk", "constant_of_shape", TP.BOOL)])
 def test_a_trilu_causal_mask_becomes_iotas(upper, k, source, dt):
     # no Trilu, Expand or [Sq, T] ones are left: Where(j <= i + k, 1, 0) over two Ranges whose limits are the
-    # dims read through Shape; the same values at every length, queries fewer or more than keys
+    # dims read through Shape (a bool one: the comparison itself, ORT having no bool Where); the same values at
+    # every length, queries fewer or more than keys
     m = _trilu_mask(dt, upper, k, source)
     g2, n = trilus_as_iotas(build_graph(m, {}))
     ops = [x.op_type for x in g2.nodes]
     assert n == 1 and not {"Trilu", "Expand", "ConstantOfShape"} & set(ops) and ops.count("Range") == 2
     rng = np.random.default_rng(0)
-    npdt = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16}[dt]
     for sq, t in ((5, 9), (9, 5), (1, 1), (6, 6)):
-        feeds = {"q": rng.standard_normal((2, sq, 4)).astype(npdt), "k": rng.standard_normal((2, t, 4)).astype(npdt),
-                 "s": rng.standard_normal((2, sq, t)).astype(npdt)}
+        feeds = {x: rng.standard_normal(shape).astype(np.float32)
+                 for x, shape in (("q", (2, sq, 4)), ("k", (2, t, 4)), ("s", (2, sq, t)))}
         _same_on_ort(m, g2, feeds)
 
 
