@@ -176,6 +176,13 @@ def topo_order(nodes: Sequence[onnx.NodeProto]) -> list[int]:
     return order
 
 
+def splice(graph: onnx.GraphProto, replaced: Mapping[int, Sequence[onnx.NodeProto]]) -> None:
+    """Node i of `graph` replaced by the nodes `replaced[i]` (none: removed), in place, in order."""
+    nodes = [x for i, n in enumerate(graph.node) for x in replaced.get(i, (n,))]
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 def sort_nodes(graph: onnx.GraphProto) -> bool:
     """Put graph.node in topological order in place; returns whether anything moved."""
     order = topo_order(graph.node)

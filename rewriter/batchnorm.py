@@ -17,6 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from ortfuse.customops import scalar
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.canonical import remove_dead
 from ortfuse.rewriter.graph import Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble
@@ -74,11 +75,7 @@ def fold_batchnorms(g: Graph) -> tuple[Graph, int]:
             replaced[i] = []
         else:
             replaced[i] = _affine_nodes(g, m, tensors, bn, base, a, b)
-    nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(m.graph.node):
-        nodes.extend(replaced.get(i, [node]))
-    del m.graph.node[:]
-    m.graph.node.extend(nodes)
+    _proto.splice(m.graph, replaced)
     remove_dead(m)
     return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ortfuse.rewriter import _infer
+from ortfuse.rewriter import _infer, _proto
 from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.canonical import BROADCASTING, _static_target, remove_dead, shape_dims
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
@@ -320,9 +320,7 @@ def trilus_as_iotas(g: Graph) -> tuple[Graph, int]:
             values.append(name)
         made.append(onnx.helper.make_node("Where", [seen, *values], [out], name=base))
         by_index[i] = made
-    nodes = [x for i, n in enumerate(m.graph.node) for x in (by_index[i] if i in by_index else [n])]
-    del m.graph.node[:]
-    m.graph.node.extend(nodes)
+    _proto.splice(m.graph, by_index)
     remove_dead(m)
     return assemble(m, tensors, g.opset, g.hint_overrides), len(plans)
 
