@@ -502,18 +502,24 @@ def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optio
     return None if None in picked else np.asarray(picked, np.int64).reshape(idx.shape)
 
 
-def _sliced_shape(g: Graph, node: onnx.NodeProto, dims: Optional[list[Optional[int]]]) -> Optional[np.ndarray]:
-    """Slice(shape, starts, ends[, axes [0]][, steps of 1]) of a Shape's `dims` with constant arguments, where
-    every dim it picks is static; else None."""
-    args = [np.asarray(g.constants[x]).reshape(-1) if x in g.constants else None for x in node.input[1:]]
-    if dims is None or len(node.input) < 3 or any(a is None or a.size != 1 or a.dtype.kind not in "iu"
-                                                  for x, a in zip(node.input[1:], args) if x):
+def vector_slice(g: Graph, node: onnx.NodeProto) -> Optional[slice]:
+    """Slice(v, [start], [end][, [0]][, [1]]) of a 1-D tensor (a shape) with constant arguments, as the Python
+    slice that picks the same entries (ONNX clamps a unit-step Slice's bounds as Python does); else None."""
+    args = [np.asarray(g.constants[x]).reshape(-1) if x in g.constants else None for x in node.input[1:5]]
+    if len(node.input) < 3 or any(a is None or a.size != 1 or a.dtype.kind not in "iu"
+                                  for x, a in zip(node.input[1:5], args) if x):
         return None
-    start, end = int(args[0][0]), int(args[1][0])
     if len(args) > 2 and node.input[3] and int(args[2][0]) not in (0, -1) \
             or len(args) > 3 and node.input[4] and int(args[3][0]) != 1:
         return None
-    picked = dims[start:end]  # (ONNX clamps a positive-step Slice's bounds as Python does)
+    return slice(int(args[0][0]), int(args[1][0]))
+
+
+def _sliced_shape(g: Graph, node: onnx.NodeProto, dims: Optional[list[Optional[int]]]) -> Optional[np.ndarray]:
+    """A Shape's `dims` picked by a Slice of constant arguments (`vector_slice`), where every dim it picks is
+    static; else None."""
+    at = vector_slice(g, node)
+    picked = dims[at] if dims is not None and at is not None else [None]
     return None if None in picked else np.asarray(picked, np.int64)
 
 

@@ -217,7 +217,6 @@ def _domain(n: onnx.NodeProto) -> str:
     return "" if n.domain == "ai.onnx" else n.domain
 
 
-
 def _splittable(g: Graph, n: onnx.NodeProto) -> bool:
     if n.op_type == "Attention" and _domain(n) == "":
         return onnx_attention.splittable(g, n)

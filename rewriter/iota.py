@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from ortfuse.rewriter import _infer, _proto
 from ortfuse.rewriter.attrs import attr
-from ortfuse.rewriter.canonical import BROADCASTING, _static_target, remove_dead, shape_dims
+from ortfuse.rewriter.canonical import BROADCASTING, _static_target, remove_dead, shape_dims, vector_slice
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo, per_graph
 from ortfuse.rewriter.shapes import assemble, merged_sizes
 
@@ -268,7 +268,7 @@ def trilus_as_iotas(g: Graph) -> tuple[Graph, int]:
     over a dynamic sequence (TorchScript, and torch.export before opset 23): Trilu of a constant c expanded to
     [Sq, T], its target read through Shape (Expand(c, Concat(Sq, T)) or ConstantOfShape), becomes
     Where(j <= i + k, c, 0) over two iotas (j >= i + k for upper=1), which a kernel computes from its
-    coordinates: the attention kernel reading the mask takes it in (`search.attention._iota_cone`), where ORT
+    coordinates: the attention kernel reading the mask takes it in (`search.attention._computed_input`), where ORT
     ran shape ops on the host, an Expand and a Trilu kernel and a [Sq, T] tensor for every layer. A bool Trilu
     of true is the comparison itself. A constant target is left alone (static lengths: folded to a constant
     where small, `canonical.fold_constant_subgraphs`). `g` is left untouched."""
@@ -356,12 +356,14 @@ def _trilu_plan(g: Graph, node: onnx.NodeProto) -> Optional[tuple[np.ndarray, st
 
 
 _CLONABLE = frozenset({"Range", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity", "Add", "Sub", "Mul", "Neg",
-                       "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or"})
+                       "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Where"})
 
 
-def _iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> Optional[frozenset[int]]:
-    """The nodes computing t from constants and Range iotas alone (at least one Range), else None. Inputs
-    that only carry shapes (a Range's limit, an Unsqueeze's axes) are not followed: they stay shared."""
+def iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> Optional[frozenset[int]]:
+    """The nodes computing t from constants and Range iotas alone (at least one Range), else None: copied for
+    each reader (`isolate_iotas`), computed in the kernel that reads t (an attention's causal rule:
+    `search.attention`). Inputs that only carry shapes (a Range's limit, an Unsqueeze's axes) are not followed:
+    they stay shared."""
     if t in memo:
         return memo[t]
     memo[t] = None
@@ -376,7 +378,7 @@ def _iota_cone(g: Graph, t: str, memo: dict[str, Optional[frozenset[int]]]) -> O
     for x in data:
         if x in g.constants:
             continue
-        sub = _iota_cone(g, x, memo)
+        sub = iota_cone(g, x, memo)
         if sub is None:
             return None
         cone |= sub
@@ -459,21 +461,12 @@ def input_ancestry(g: Graph) -> dict[str, frozenset[str]]:
 def _one_dim_slice(g: Graph, node: onnx.NodeProto) -> Optional[int]:
     """k where a Slice of a shape tensor selects its one entry k (constant starts and ends over axis 0, unit
     step, e.g. torch's x.size(-2) as Slice(Shape(x), [-2], [-1])), else None."""
-    ins = list(node.input) + [""] * (5 - len(node.input))
-    vals = [g.constants.get(t) if t else None for t in ins[1:5]]
-    if vals[0] is None or vals[1] is None or (ins[3] and vals[2] is None) or (ins[4] and vals[3] is None):
-        return None
-    starts, ends = (np.asarray(v).reshape(-1) for v in vals[:2])
-    if starts.size != 1 or ends.size != 1 or (vals[2] is not None and np.asarray(vals[2]).reshape(-1).tolist() != [0]) \
-            or (vals[3] is not None and np.asarray(vals[3]).reshape(-1).tolist() != [1]):
-        return None
+    at = vector_slice(g, node)
     shape = g.tensors[node.input[0]].shape if node.input[0] in g.tensors else None
-    if not shape or not isinstance(shape[0], int):
+    if at is None or not shape or not isinstance(shape[0], int):
         return None
-    n = shape[0]
-    lo, hi = (int(v) + n if v < 0 else int(v) for v in (starts[0], ends[0]))
-    lo, hi = min(max(lo, 0), n), min(max(hi, 0), n)
-    return lo if hi - lo == 1 else None
+    picked = range(shape[0])[at]
+    return picked[0] if len(picked) == 1 else None
 
 
 def trusted_dims(g: Graph) -> frozenset[str]:
@@ -565,7 +558,7 @@ def isolate_iotas(g: Graph) -> tuple[Graph, int]:
     memo: dict[str, Optional[frozenset[int]]] = {}
     shared: dict[int, dict[str, frozenset[int]]] = {}  # reader -> the shared iotas it gets copies of (cones)
     for t, readers in g.consumers.items():
-        cone = _iota_cone(g, t, memo) if len(readers) > 1 else None
+        cone = iota_cone(g, t, memo) if len(readers) > 1 else None
         for r in readers[1:] if cone is not None else ():
             shared.setdefault(r, {})[t] = cone
     copies: dict[int, list[onnx.NodeProto]] = {}  # node index -> copies to insert before it

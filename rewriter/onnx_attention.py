@@ -8,8 +8,8 @@ The function is ORT 1.31.1's kernel's, as measured on its CPU EP (tests/rewriter
     from query i where j > i + the past's length (upper-left aligned without a past, as ORT does). Both
     become one additive bias, as torch's exporter writes a bool mask before opset 23 (Where(mask, 0, -inf)),
     so its ops fuse as an exported mask's do. The causal rule is a constant over static lengths, and over
-    symbolic ones (no past) j <= i over two iotas: alone, one per Attention, which its kernel computes in
-    place; with a mask, part of the one bias the layers share;
+    symbolic ones (no past) j <= i over two iotas, which each attention kernel computes in place (a copy
+    for each layer: `iota.isolate_iotas`);
   * Softmax over the keys; a row that sees no key gives 0, as in ORT (a float mask entry at or below its
     type's lowest value counts as hidden: ORT gives 0 for such a row, not the mean of V); then ·V.
 The ops are in the data's type, as an exporter writes them (the fused kernel accumulates in fp32).
@@ -138,8 +138,7 @@ def _bias(b: "_Builder", n: onnx.NodeProto, mask: str, dt: int, sq: Dim, t: Dim)
     if attr(n, "is_causal", 0):
         new = k[1] if len(k) == 3 else k[2]
         causal = (sq, t, t - new) if _static(sq, t, new) else ("iota", sq, t)
-    # (the causal rule alone over iotas: one per Attention, each computed inside its kernel, `_iota_cone`)
-    key = ("attention bias", mask, dt, causal, n.output[0] if causal and causal[0] == "iota" and not mask else "")
+    key = ("attention bias", mask, dt, causal)
     if key not in b.memo:
         b.memo[key] = _new_bias(b, n, mask, dt, sq, t)
     return b.memo[key]

@@ -159,7 +159,7 @@ def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionP
         _refuse(f"the probabilities reach {g.node_label(pv)} as {_shape(g, g.nodes[pv].input[0])}, the scores "
                 f"are {_shape(g, g.nodes[qk].output[0])}")
     extra = _extra_inputs(g, qk, score_ops)
-    cones = {x: _iota_cone(g, x, set(score_ops)) for x in extra}
+    cones = {x: _computed_input(g, x, set(score_ops)) for x in extra}
     for x, cone in cones.items():
         if cone and _rebuilt(g, set(nodes) | cone):
             nodes += tuple(cone)
@@ -247,43 +247,24 @@ def _extra_inputs(g: Graph, qk: int, score_ops: tuple[int, ...]) -> tuple[str, .
     return tuple(extra)
 
 
-# Ops of a score input computed from iotas alone (`_iota_cone`): a causal rule as ONNX's Attention is split over
-# symbolic lengths (`rewriter.onnx_attention`), Where(j <= i, 0, -inf) over two Ranges. Element-wise ops and
-# Unsqueeze only: every iota's length is then a dim of the scores (the kernel takes the cone where its
-# function body can also rebuild those lengths from its inputs' shapes, `_rebuilt`).
-_CONE_OPS = frozenset({"Range", "Unsqueeze", "Cast", "Where", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
-                       "Equal", "And", "Or", "Not", "Add", "Sub", "Mul"})
-_MAX_CONE = 16
-
-
-def _iota_cone(g: Graph, t: str, readers: set[int]) -> frozenset[int]:
-    """The nodes computing score input `t` from Range iotas (of lengths the kernel knows) and constants alone,
-    read by nothing but each other and `readers`: the kernel computes `t` from the element's coordinates, so no
-    [Sq, T] tensor is made or read (an exported mask made of iotas and a padding mask is read as it is: a
-    kernel of its own makes it once for every layer). Empty where `t` is not such a tensor."""
+def _computed_input(g: Graph, t: str, readers: set[int]) -> frozenset[int]:
+    """The nodes computing score input `t` from Range iotas and constants alone (`iota.iota_cone`: a causal rule
+    as ONNX's Attention is split over symbolic lengths, or torch's Trilu mask rewritten), read by nothing but
+    each other and `readers`, each Range of a length the kernel knows: the kernel computes `t` from the
+    element's coordinates, so no [Sq, T] tensor is made or read. (`isolate_iotas` gave every reader its own
+    copy; a mask also reading a tensor, a padding mask, is read as it is: a kernel of its own makes it once
+    for every layer.) Empty where `t` is not such a tensor."""
+    from ortfuse.rewriter import iota
     from ortfuse.search import legal
-    cone: set[int] = set()
-    todo = [t]
-    while todo:
-        x = todo.pop()
-        if x in g.constants:
-            continue
-        p = g.producer.get(x)
-        if p is None or len(cone) == _MAX_CONE:
-            return frozenset()
-        n = g.nodes[p]
-        if n.op_type not in _CONE_OPS or n.domain not in ("", "ai.onnx") \
-                or n.op_type == "Range" and legal.range_length_verdict(g, n) is not None \
-                or n.op_type == "Unsqueeze" and not all(x in g.constants for x in ops.meta_inputs(n)):
-            return frozenset()
-        if p not in cone:
-            cone.add(p)
-            todo.extend(x for _, x in ops.data_inputs(n) if x)
+    cone = iota.iota_cone(g, t, {}) or frozenset()
     inside = cone | readers
-    if not any(g.nodes[i].op_type == "Range" for i in cone) or any(
-            o in g.graph_outputs or not set(g.consumers.get(o, ())) <= inside for i in cone for o in g.nodes[i].output):
-        return frozenset()
-    return frozenset(cone)
+    for i in cone:
+        n = g.nodes[i]
+        if n.op_type == "Range" and legal.range_length_verdict(g, n) is not None \
+                or n.op_type != "Range" and not all(x in g.constants for x in ops.meta_inputs(n)) \
+                or any(o in g.graph_outputs or not set(g.consumers.get(o, ())) <= inside for o in n.output):
+            return frozenset()
+    return cone
 
 
 # ---- probabilities: Softmax → Cast/Identity → MatMul(P, V) ---------------------------------------------

@@ -400,8 +400,9 @@ def test_causal_over_symbolic_lengths_is_computed_in_the_kernel(form, check, dt)
 
 
 def test_each_layers_causal_rule_is_its_own():
-    # two layers, is_causal over symbolic lengths: each split writes its own iotas, which its kernel computes
-    # (one [Sq, T] bias shared by both would be made by ORT's ops, on the host, at every run)
+    # two layers, is_causal over symbolic lengths: one rule for both, copied for each reader
+    # (`iota.isolate_iotas`), so each kernel computes its own (a shared [Sq, T] bias would be made by ORT's ops,
+    # on the host, at every run)
     m = onnx_attention(TP.FLOAT16, "causal")
     second = onnx.NodeProto()
     second.CopyFrom(m.graph.node[0])
