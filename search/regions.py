@@ -31,7 +31,7 @@ from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import conv, legal, norm_fold, ops, pool
 from ortfuse.search.attention import AttentionPattern, find_attention
-from ortfuse.search.cost import CostModel, traffic
+from ortfuse.search.cost import CostModel, attention_geometry, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Lowering check: raises with a reason when a candidate region is not one kernel.
@@ -73,10 +73,11 @@ def attention_region(g: Graph, pat: AttentionPattern, check: Check) -> Region | 
     return dataclasses.replace(r, traffic=traffic(g, r))
 
 
-def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) -> list[Region]:
+def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) -> list[tuple[Region, tuple]]:
     """Each attention pattern that lowers and whose kernel the cost model prefers to ORT's unfused ops (fp32
     attention runs on CUDA cores in ours, on TF32 MatMuls in ORT), or every one where `--profile` measures
-    both; the nodes of one refused stay free for the phases after."""
+    both, with its kind: the shapes and types of the scores' operands and of V (regions of one kind cost the
+    same: a model's layers). The nodes of one refused stay free for the phases after."""
     found, rejects = find_attention(g)
     refusals.extend(rejects)
     out = []
@@ -89,7 +90,8 @@ def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) 
         if priced:
             refusals.append(priced)
             continue
-        out.append(r)
+        ts = (*g.nodes[pat.qk].input[:2], g.nodes[pat.pv].input[1])
+        out.append((r, tuple((tuple(g.tensors[t].shape or ()), g.tensors[t].dtype) for t in ts)))
     return out
 
 
@@ -133,10 +135,40 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
 
 
 def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"]) -> Plan:
-    """The phases above, with `folds` (by anchor) as LayerNorm prologues."""
-    rejects: list[Reject] = []
+    """The phases above, with `folds` (by anchor) as LayerNorm prologues. An attention region on CUDA cores
+    (fp32 without TF32) that beats ORT's unfused ops may still lose to its nodes fused otherwise: its score
+    ops and Softmax as a row kernel, P·V as a GEMM with its epilogue, the scores' MatMul cuBLAS's on TF32
+    (ViT-B fp32 at batch 32: our kernel measured 394 us a layer against 344 for ORT's ops, 2026-11-27; the
+    estimate of ORT's ops matched, so its parts price the alternative). So each kind of such region
+    (`_attention`: a model's layers are one) stays only where the whole-model estimate gains with it. The
+    tensor-core kernel was measured 2.4-4.3x faster than ORT's ops for its region (BERT fp16, 2026-11-26), and
+    a second search per kind would cost half again the optimize time (SmolLM's decode step: 31 s to 49 s), so
+    its kinds are not tried both ways. --profile measures each region instead."""
     refusals: list[Reject] = []
-    attention = _attention(g, cost, check, refusals)
+    found = _attention(g, cost, check, refusals)
+    kept = [r for r, _ in found]
+    best = _grow_with(g, cost, check, folds, kept, list(refusals))
+    if cost.attention_measured:
+        return best
+    for kind in dict.fromkeys(k for _, k in found):
+        mine = [r for r, k in found if k == kind]
+        if attention_geometry(g, mine[0]).mma:
+            continue
+        without = _grow_with(g, cost, check, folds, [r for r in kept if r not in mine], list(refusals))
+        times = cost.plan_times(g, best, without)
+        if not cost.pays(times):
+            why = tuple(Reject(f"region at {g.node_label(r.nodes[0])}",
+                               f"attention kernel ({len(mine)} of this kind) against its nodes fused otherwise: "
+                               f"the whole model estimated at {cost.figures(times)}") for r in mine)
+            best = dataclasses.replace(without, refusals=without.refusals + why)
+            kept = [r for r in kept if r not in mine]
+    return best
+
+
+def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"],
+               attention: list[Region], refusals: list[Reject]) -> Plan:
+    """The phases after attention, with `attention`'s regions taken."""
+    rejects: list[Reject] = []
     claimed = {n for r in attention for n in r.nodes}
     group_of: dict[int, frozenset[int]] = {}
     gemms: list[int] = []

@@ -228,7 +228,7 @@ def test_random_onnx_attention_matches_ort(seed: int) -> None:
     attentions = sum(n.op_type == "Attention" for n in m.graph.node)
     kept = sum(n.op_type in ("Attention", "MultiHeadAttention") for n in res.model.graph.node)
     ours = [r.kind for r in res.plan.regions].count("attention")
-    declined = sum("attention kernel estimated" in r.reason for r in res.plan.refusals)
+    declined = sum(r.reason.startswith("attention kernel") for r in res.plan.refusals)
     assert ours + kept <= attentions <= ours + kept + declined, [str(r) for r in res.plan.refusals]
     assert_ort_accepts(res.model)
     for n, s in ((2, 7), (1, 16)):
