@@ -155,12 +155,10 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
         if attention_geometry(g, mine[0]).mma:
             continue
         without = _grow_with(g, cost, check, folds, [r for r in kept if r not in mine], list(refusals))
-        times = cost.plan_times(g, best, without)
-        if not cost.pays(times):
-            why = tuple(Reject(f"region at {g.node_label(r.nodes[0])}",
-                               f"attention kernel ({len(mine)} of this kind) against its nodes fused otherwise: "
-                               f"the whole model estimated at {cost.figures(times)}") for r in mine)
-            best = dataclasses.replace(without, refusals=without.refusals + why)
+        why = cost.attention_plan_verdict(g, best, without, len(mine))
+        if why:
+            best = dataclasses.replace(without, refusals=without.refusals + tuple(
+                Reject(f"region at {g.node_label(r.nodes[0])}", why) for r in mine))
             kept = [r for r in kept if r not in mine]
     return best
 

@@ -139,6 +139,7 @@ def test_random_attention_matches_ort(seed: int, monkeypatch) -> None:
     assert len(mha.ort_attention) == 1 and taken == any(n.op_type == "MultiHeadAttention" for n in mha.model.graph.node)
     real = CostModel.verdict
     monkeypatch.setattr(CostModel, "verdict", lambda cm, g, r: None if r.kind == "attention" else real(cm, g, r))
+    monkeypatch.setattr(CostModel, "attention_plan_verdict", lambda *_: None)
     res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="off"))
     assert [r.kind for r in res.plan.regions].count("attention") == 1, [str(r) for r in res.plan.refusals]
     for out in {r.model.SerializeToString(): r for r in (res, plain, mha)}.values():  # each distinct model once
