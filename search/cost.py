@@ -624,13 +624,13 @@ class CostModel:
             return Reject(label, f"{what} estimated at {_figures(times)} as ORT runs it")
         return None
 
-    def attention_plan_verdict(self, g: Graph, ours: Plan, without: Plan, kind: int) -> Optional[str]:
-        """None if the plan with `kind` attention regions of ours beats the plan with their nodes fused otherwise
-        over the bindings of `bindings` (`_pays`), else why not."""
+    def attention_plan_verdict(self, g: Graph, ours: Plan, without: Plan, count: int) -> Optional[str]:
+        """None if the plan with `count` attention regions of one kind ours beats the plan with their nodes fused
+        otherwise over the bindings of `bindings` (`_pays`), else why not."""
         times = self.plan_times(g, ours, without)
         if _pays(times):
             return None
-        return f"attention kernel ({kind} of this kind) against its nodes fused otherwise: the whole model " \
+        return f"attention kernel ({count} of this kind) against its nodes fused otherwise: the whole model " \
                f"estimated at {self.figures(times)}"
 
     def split_verdict(self, g: Graph, merged: Region, group: Region, base: Optional[Region] = None) -> Optional[str]:
