@@ -1,6 +1,7 @@
 """Region growth in three phases:
 0. attention: each pattern `search.attention` recognises becomes one region (its nodes are claimed) where
-   the cost model prefers our kernel to ORT's ops;
+   the cost model prefers our kernel to ORT's ops (and, on CUDA cores, the whole model to its nodes fused
+   otherwise: `_grow`);
    LayerNorm prologues: a LayerNormalization read only by a MatMul/Gemm's A operand joins that GEMM's
    region (`search.norm_fold`). Whether the folds pay depends on what their absence leaves the kernels
    that produce X (a row-wise epilogue, or a separate kernel), so the search runs with and without them
@@ -136,7 +137,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
 
 def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"]) -> Plan:
     """The phases above, with `folds` (by anchor) as LayerNorm prologues. An attention region on CUDA cores
-    (fp32 without TF32, 16-bit heads not multiples of 16) that beats ORT's unfused ops may still lose to its
+    (fp32: the kernel has no TF32 path; 16-bit heads not multiples of 16) that beats ORT's unfused ops may still lose to its
     nodes fused otherwise: its score ops and Softmax as a row kernel, P·V as a GEMM with its epilogue, the
     scores' MatMul cuBLAS's on TF32 (ViT-B fp32 at batch 32: our kernel measured 394 us a layer against 344
     for ORT's ops, 2026-11-27; the estimate of ORT's ops matched, so its parts price the alternative). So
@@ -151,15 +152,16 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     best = _grow_with(g, cost, check, folds, kept, list(refusals))
     if cost.attention_measured:
         return best
+    declined: list[Reject] = []
     for kind in dict.fromkeys(k for _, k in found):
         mine = [r for r, k in found if k == kind]
         if attention_geometry(g, mine[0]).mma:
             continue
         without = _grow_with(g, cost, check, folds, [r for r in kept if r not in mine], list(refusals))
         why = cost.attention_plan_verdict(g, best, without, len(mine))
-        if why:
-            best = dataclasses.replace(without, refusals=without.refusals + tuple(
-                Reject(f"region at {g.node_label(r.nodes[0])}", why) for r in mine))
+        if why:  # with the reasons of the kinds declined before this one (each trial starts without them)
+            declined += [Reject(f"region at {g.node_label(r.nodes[0])}", why) for r in mine]
+            best = dataclasses.replace(without, refusals=without.refusals + tuple(declined))
             kept = [r for r in kept if r not in mine]
     return best
 

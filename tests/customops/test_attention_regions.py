@@ -312,7 +312,7 @@ def test_onnx_attention_is_one_kernel(form, kinds, dt):
     m = onnx_attention(dt, form, kv_heads=2 if "gqa" in form else 4, mask_value=low)
     # planned at 64 new rows: at the default 128 (and 128 past) fp32 "3d gqa past float" is estimated faster
     # as a row kernel between cuBLAS calls than as our CUDA-core kernel, and goes back to ORT whole
-    res = fused_parity(m, {}, {}, kinds, dim_hints=[("seq", 64)] if dt == TP.FLOAT and "static" not in form else ())
+    res = fused_parity(m, {}, {}, kinds, dim_hints=[("seq", 64)] if dt == TP.FLOAT and form == "3d gqa past float" else ())
     assert "Attention" not in {n.op_type for n in res.model.graph.node}
 
 
@@ -382,6 +382,24 @@ def test_onnx_attentions_go_back_one_by_one():
     assert kept == ["att2"], [n.op_type for n in res.model.graph.node]
     assert [r.kind for r in res.plan.regions].count("attention") == 1
     assert check_models(m, res.model, emulate=True).ok
+
+
+def test_two_kinds_of_attention_declined_each_keep_their_reason():
+    # two fp16 Attentions on CUDA cores (heads of 24, 8 and 6 of them: two kinds), each declined against its
+    # nodes fused otherwise: the second decision keeps the first's reason, and both go back to ORT whole
+    from ortfuse.api import compile_model
+
+    layers = [(8, 24), (6, 24)]
+    nodes, ins = [], [vi("m", TP.BOOL, [1, 1, 256, 256])]
+    for k, (h, d) in enumerate(layers):
+        ins += [vi(f"{x}{k}", TP.FLOAT16, [1, h, 256, d]) for x in "qkv"]
+        nodes.append(helper.make_node("Attention", [f"q{k}", f"k{k}", f"v{k}", "m"], [f"y{k}"], name=f"att{k}",
+                                      is_causal=1))
+    m = model(nodes, ins, [vi(f"y{k}", TP.FLOAT16, [1, h, 256, d]) for k, (h, d) in enumerate(layers)], opset=23)
+    res = compile_model(m)
+    why = [r.subject for r in res.plan.refusals if r.reason.startswith("attention kernel (1 of this kind)")]
+    assert len(why) == 2 and {w.split("'")[1].split("/")[0] for w in why} == {"att0", "att1"}, why
+    assert [n.op_type for n in res.model.graph.node] == ["Attention", "Attention"]
 
 
 @pytest.mark.parametrize("form,check", [
