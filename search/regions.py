@@ -137,15 +137,15 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
 
 def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"]) -> Plan:
     """The phases above, with `folds` (by anchor) as LayerNorm prologues. An attention region on CUDA cores
-    (fp32: the kernel has no TF32 path; 16-bit heads not multiples of 16) that beats ORT's unfused ops may still lose to its
-    nodes fused otherwise: its score ops and Softmax as a row kernel, P·V as a GEMM with its epilogue, the
-    scores' MatMul cuBLAS's on TF32 (ViT-B fp32 at batch 32: our kernel measured 394 us a layer against 344
-    for ORT's ops, 2026-11-27; the estimate of ORT's ops matched, so its parts price the alternative). So
-    each kind of such region (`_attention`: a model's layers are one) stays only where the whole-model
-    estimate gains with it (`CostModel.attention_plan_verdict`). The
-    tensor-core kernel was measured 2.4-4.3x faster than ORT's ops for its region (BERT fp16, 2026-11-26), and
-    a second search per kind would cost half again the optimize time (SmolLM's decode step: 31 s to 49 s), so
-    its kinds are not tried both ways. --profile measures each region instead."""
+    (fp32: the kernel has no TF32 path; 16-bit heads not multiples of 16) that beats ORT's unfused ops may
+    still lose to its nodes fused otherwise: its score ops and Softmax as a row kernel, P·V as a GEMM with
+    its epilogue, the scores' MatMul cuBLAS's on TF32 (ViT-B fp32 at batch 32: our kernel measured 394 us a
+    layer against 344 for ORT's ops, 2026-11-27; the estimate of ORT's ops matched, so its parts price the
+    alternative). So each kind of such region (`_attention`: a model's layers are one) stays only where the
+    whole-model estimate gains with it (`CostModel.attention_plan_verdict`). The tensor-core kernel was
+    measured 2.4-4.3x faster than ORT's ops for its region (BERT fp16, 2026-11-26), and a second search per
+    kind would cost half again the optimize time (SmolLM's decode step: 31 s to 49 s), so its kinds are not
+    tried both ways. --profile times each region against ORT's unfused ops instead."""
     refusals: list[Reject] = []
     found = _attention(g, cost, check, refusals)
     kept = [r for r, _ in found]
