@@ -187,9 +187,10 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
                           measure: Optional[Callable[[Graph, MhaForm], Optional[tuple[bool, str]]]] = None
                           ) -> tuple[Graph, list[str]]:
     """`graph` with attention patterns handed to ORT's MultiHeadAttention (`rewriter.mha`) where the
-    whole-model estimate of the two plans gains (Collage's third backend: the plan without it has the better
-    of our kernel and ORT's unfused ops), or where `measure` (--profile) times it faster than both; one
-    decision per kind of pattern (a model's layers are one), and a line per kind saying what was decided.
+    whole-model estimate of the two plans gains (Collage's third backend: the plan without it holds the
+    search's choice of our kernel, its ops fused otherwise or ORT's unfused ops), or where `measure`
+    (--profile) times it faster than our kernel and ORT's unfused ops; one decision per kind of pattern (a
+    model's layers are one), and a line per kind saying what was decided.
     `mode` "on": wherever MultiHeadAttention computes the pattern."""
     if mode == "off":
         return graph, []
@@ -216,8 +217,8 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
         verdict = measure(graph, now[0]) if measure else None
         if verdict is None:
             times = cost.plan_times(trial, plan_of(trial), plan_of(graph), graph)
-            verdict = cost.pays(times), (f"the model estimated at {cost.figures(times)} with our kernel or ORT's "
-                                         "unfused ops")
+            verdict = cost.pays(times), (f"the model estimated at {cost.figures(times)} without it (our "
+                                         "kernel, its ops fused otherwise or ORT's unfused ops)")
         taken, why = verdict
         notes.append(f"{like} {'-> ORT' if taken else 'not to ORT'}'s MultiHeadAttention: {why}")
         if taken:

@@ -69,7 +69,8 @@ class Options:
     # the model's ("model") ($ORTFUSE_LAYOUT; rewriter.layout)
     layout: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LAYOUT", "auto") or "auto")
     # attention patterns handed to ORT's own fused MultiHeadAttention (rewriter.mha) where the whole-model
-    # estimate gains over our kernel or ORT's unfused ops ("auto"), wherever it computes them ("on"), or never
+    # estimate gains over the plan without it (our kernel, its ops fused otherwise or ORT's unfused ops: "auto"),
+    # wherever it computes them ("on"), or never
     # ("off") ($ORTFUSE_ORT_ATTENTION)
     ort_attention: str = field(default_factory=lambda: os.environ.get("ORTFUSE_ORT_ATTENTION", "auto") or "auto")
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a

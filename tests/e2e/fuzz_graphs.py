@@ -417,10 +417,14 @@ class _Builder:
                 # ORT drops a last window that starts past the image and its leading pad, ONNX's shape
                 # inference keeps it: such a model disagrees with itself, so it is not generated
                 attrs["ceil_mode"], size = 0, floor
-            if self.alt is not None and dil == 1 and not attrs.get("ceil_mode") and self.alt.random() < 0.25:
+            same = [-(-h // stride), -(-w // stride)]
+            # (ORT refuses the negative padding that "same" asks of a kernel narrower than its stride: a
+            # condition after the draw, so the seeds drawn before it keep their graphs)
+            if self.alt is not None and dil == 1 and not attrs.get("ceil_mode") and self.alt.random() < 0.25 \
+                    and all((o - 1) * stride + kk >= d for o, kk, d in zip(same, k, (h, w))):
                 del attrs["pads"]  # TF's "same" padding
                 attrs["auto_pad"] = str(self.alt.choice(["SAME_UPPER", "SAME_LOWER"]))
-                size = [-(-h // stride), -(-w // stride)]
+                size = same
             if min(size) < 1:
                 return
             out = self.add(op, [x], ("n", c) + tuple(size), **attrs)
