@@ -206,6 +206,22 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "hubert": _audio("HubertConfig", "HubertModel", "input_values", (2, 800), hidden_size=64, num_hidden_layers=2,
                      num_attention_heads=4, intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
                      conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4),
+    # session 42: ModernBERT (rotary, GeGLU, global and sliding-window local attention in turns), CLIP's text
+    # tower (causal and padding masks), OLMo-2 (RMSNorm of Q and K), Granite (its multipliers), Gemma 3 (sliding
+    # and global layers), SigLIP's vision tower, and Mamba (its slow path: the selective scan unrolled over the
+    # traced length, so it runs only at that length)
+    "modernbert": _text("ModernBertConfig", "ModernBertModel", hidden_size=64, num_hidden_layers=3,
+                        num_attention_heads=4, intermediate_size=128, vocab_size=100, global_attn_every_n_layers=2,
+                        local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                        sep_token_id=2),
+    "clip_text": _text("CLIPTextConfig", "CLIPTextModel", **_SMALL, max_position_embeddings=64),
+    "olmo2": _text("Olmo2Config", "Olmo2ForCausalLM", **_LM),
+    "granite": _text("GraniteConfig", "GraniteForCausalLM", **_LM),
+    "gemma3": _text("Gemma3TextConfig", "Gemma3ForCausalLM", **_LM, head_dim=16, sliding_window=8),
+    "siglip_vision": _image("SiglipVisionConfig", "SiglipVisionModel", 32, image_size=32, patch_size=8,
+                            intermediate_size=128, **_VIT),
+    "mamba": _at(_text("MambaConfig", "MambaForCausalLM", hidden_size=64, num_hidden_layers=2, vocab_size=100,
+                       state_size=8), input_ids=(2, S), attention_mask=(2, S)),
 }
 
 # Rows `NAME_ortopt`: model NAME run through onnxruntime.transformers' optimizer (python fusions for a GPU, the

@@ -1,14 +1,41 @@
 """Human-readable output of `optimize`: the closing summary, `--explain`, and the markdown report."""
 from __future__ import annotations
 
+import re
+
 from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label, us_text
+from ortfuse.rewriter import _infer
 from ortfuse.search import conv, legal, ops
 from ortfuse.search.attention import find_attention
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
+
+
+def _merged_note(r: OptimizeResult) -> list[str]:
+    """A line where candidates were refused because shape inference merged a symbolic dim into a size (an
+    export that computes with its traced length, Mamba's unrolled scan): --input-shape is the way out."""
+    refused = {m.group(1) for x in r.plan.refusals if legal.MERGED_DIM in x.reason
+               for m in [re.search(r"input '(.*)' axis", x.reason)] if m}
+    if not refused:
+        return []
+    merges = _infer.recorded_merges(r.graph.model)
+
+    def size(sym: str):  # through names merged into names
+        seen, into = {sym}, merges[sym]
+        while isinstance(into, str) and into in merges and into not in seen:
+            seen.add(into)
+            into = merges[into]
+        return into
+    sizes = {s: v for s in merges if isinstance(v := size(s), int) and v != 1}
+    what = ", ".join(f"'{s}' into {v}" for s, v in sorted(sizes.items())) or "symbolic dims into sizes"
+    declaring = [vi.name for vi in r.graph.model.graph.input
+                 if any(d.dim_param in sizes for d in vi.type.tensor_type.shape.dim)]
+    return [f"merged dims:          shape inference merged {what}: the regions reading {len(refused)} tensors of "
+            "that size were left to ORT (the dim might be 1 at run time); if the model runs only at that size, "
+            "give the shapes of " + (", ".join(declaring) or "the inputs") + " with --input-shape"]
 
 
 def summary(r: OptimizeResult) -> str:
@@ -49,6 +76,7 @@ def summary(r: OptimizeResult) -> str:
         fetch = sum(1 for k in pdl if k.spec.kernel.prefetch)
         note.append(f"dependent launches:   {len(pdl)} kernels may start while the one before finishes (--pdl, sm_90+)"
                     + (f"; {fetch} prefetch their weights into L2 first" if fetch else ""))
+    note += _merged_note(r)
     return "\n".join(note + [
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",

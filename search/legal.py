@@ -524,6 +524,9 @@ def shape_reads(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Option
     return tuple(out.items())
 
 
+MERGED_DIM = "a size it merged a symbolic dim into"  # in the refusals below (the summary counts them)
+
+
 def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
     """An input whose static dim may be a symbolic one shape inference merged into that size where they met
     in a broadcast (`_infer.recorded_merges`): at run time it may be 1 there, and a kernel built for the size
@@ -538,8 +541,8 @@ def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
     for t in inputs:
         for axis, d in enumerate(g.tensors[t].shape or ()):
             if d in sizes and t not in g.constants and declared.get((t, axis)) != d:
-                return (f"input '{t}' axis {axis}: shape inference took it for {d}, a size it merged a symbolic "
-                        f"dim into (it may be 1 at run time): left to ORT")
+                return (f"input '{t}' axis {axis}: shape inference took it for {d}, {MERGED_DIM} (it may be 1 at "
+                        f"run time): left to ORT")
     return None
 
 

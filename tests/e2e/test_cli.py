@@ -277,3 +277,23 @@ def _bad_setting(monkeypatch, capsys, src, tmp_path, env: str, value: str, says:
     assert main(["optimize", str(src), str(tmp_path / "bad.onnx")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
+
+
+def test_a_dim_merged_into_a_size_says_how_to_fuse_what_it_left(tmp_path, capsys):
+    """Symbolic inference merges 's' into the constant's 16 where they broadcast (at run time 's' may be 1), so
+    every region reading a tensor of that size stays with ORT; the summary names the merge and the inputs whose
+    shapes --input-shape would fix, and with them the chain fuses."""
+    from onnx import numpy_helper
+    c = numpy_helper.from_array(np.random.default_rng(0).random((1, 16, 8), np.float32), "c")
+    m = model([node("Add", ["x", "c"], ["a"]), node("Relu", ["a"], ["b"]), node("Mul", ["b", "x"], ["d"]),
+               node("Tanh", ["d"], ["out"])], [vi("x", TP.FLOAT, ["n", "s", 8])], [vi("out", TP.FLOAT, None)], [c],
+              opset=17)
+    src = _save(m, tmp_path / "in.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "out.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "regions fused:        0" in out
+    assert "merged dims:          shape inference merged 's' into 16: the regions reading 4 tensors" in out
+    assert "give the shapes of x with --input-shape" in out
+    assert main(["optimize", str(src), str(tmp_path / "out.onnx"), "--input-shape", "x:2x16x8"]) == 0
+    out = capsys.readouterr().out
+    assert "merged dims" not in out and "regions fused:        1" in out
