@@ -270,6 +270,63 @@ template <class T, int ROWS, int W, int PAD, int NT, bool AFFINE, class L> __dev
   }
 }
 
+// K's or V's rows for one unit, a tile at a time. Where their offsets are affine in the key index (AFFINE, the
+// lowering checks it) and NT is a multiple of 8 chunk rows, a thread's chunks keep one column and step NT /
+// CHUNKS rows, and its address at key s is one base plus s strides, both fixed for the unit: the offset
+// callbacks run once a unit instead of twice a tile (ptxas rematerialized their b and h, divisions
+// included, inside the key loop), a tile's copy is pointer arithmetic, and a whole tile needs no bounds
+// selects. Otherwise each tile is load_rows.
+template <class T, int ROWS, int W, int PAD, int NT, bool AFFINE, class L> struct UnitRows {
+  static constexpr int CHUNKS = W / 8, TOTAL = ROWS * CHUNKS, ITERS = (TOTAL + NT - 1) / NT, STEP = NT / CHUNKS;
+  static constexpr bool FIXED = AFFINE && NT % (8 * CHUNKS) == 0;
+  const T* src;
+  const OfzArgs* args;
+  ofz_i64 b, h;
+  const T* base;  // FIXED: this thread's chunk column at key 0
+  ofz_i64 stride, jump;  // FIXED: elements from one key to the next, and from one of its chunks to the next
+  int shared;  // FIXED: its first chunk's place in a shared tile
+
+  __device__ __forceinline__ UnitRows(const T* src_, const OfzArgs& a, ofz_i64 b_, ofz_i64 h_)
+      : src(src_), args(&a), b(b_), h(h_) {
+    if constexpr (FIXED) {
+      int row, col;
+      chunk_place<ROWS, CHUNKS>((int)threadIdx.x, row, col);
+      col *= 8;
+      const ofz_i64 at0 = L::offset(a, b_, h_, 0, col);
+      stride = L::offset(a, b_, h_, 1, col) - at0;
+      jump = STEP * stride;
+      base = src_ + at0 + row * stride;
+      shared = row * (W + PAD) + col;
+    }
+  }
+
+  // rows s0 .. s0 + ROWS - 1 into `dst`; those at or past `limit` zero-filled without a global read
+  __device__ __forceinline__ void load(T* dst, ofz_i64 s0, ofz_i64 limit) const {
+    if constexpr (FIXED) {
+      const T* p = base + s0 * stride;
+      T* d = dst + shared;
+      if (s0 + ROWS <= limit) {  // a whole tile
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          if (TOTAL % NT != 0 && (int)threadIdx.x + it * NT >= TOTAL) break;
+          cp_async16(d + it * STEP * (W + PAD), p + it * jump, 16);
+        }
+      } else {
+        const int row = shared / (W + PAD);
+        const int left = limit - s0 < ROWS ? (int)(limit - s0) : ROWS;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          if (TOTAL % NT != 0 && (int)threadIdx.x + it * NT >= TOTAL) break;
+          const bool ok = row + it * STEP < left;
+          cp_async16(d + it * STEP * (W + PAD), ok ? p + it * jump : src, ok ? 16 : 0);
+        }
+      }
+    } else {
+      load_rows<T, ROWS, W, PAD, NT, AFFINE, L>(dst, src, *args, b, h, s0, limit);
+    }
+  }
+};
+
 // Keys split across a cluster: each block holds, per row of the unit, the online-softmax state of its share of
 // the keys (max m_q, sum l_q and accumulators relative to its base, m_q or 0 while -inf). The blocks put their
 // states in shared memory (`state`: the tile buffers, free after the key loop; MmaTile::SPLIT_STATE_BYTES,
@@ -354,8 +411,10 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
     const ofz_i64 srow[2] = {row_ok[0] ? rows[0] : n.sq - 1, row_ok[1] ? rows[1] : n.sq - 1};
     __syncthreads();  // the previous unit is done with every buffer
     load_rows<T, BM, D, P, NT, AFFINE, Q>(sq, q, a, b, h, i0, n.sq);
-    load_rows<T, BN, D, P, NT, AFFINE_KV, K>(sk, k, a, b, h, tn0 * BN, n.sk);
-    load_rows<T, BN, DV, P, NT, AFFINE_KV, V>(sv, v, a, b, h, tn0 * BN, n.sk);
+    const UnitRows<T, BN, D, P, NT, AFFINE_KV, K> krows(k, a, b, h);
+    const UnitRows<T, BN, DV, P, NT, AFFINE_KV, V> vrows(v, a, b, h);
+    krows.load(sk, tn0 * BN, n.sk);
+    vrows.load(sv, tn0 * BN, n.sk);
     cp_async_commit();
     RowState st[2];
     st[0].init(), st[1].init();
@@ -369,8 +428,8 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       const T* kt = sk + buf * BN * QS;
       const T* vt = sv + buf * BN * VS;
       if (tn + 1 < tn1) {  // prefetch the next tile into the other buffer (freed at the end of tn - 1)
-        load_rows<T, BN, D, P, NT, AFFINE_KV, K>(sk + (buf ^ 1) * BN * QS, k, a, b, h, j0 + BN, n.sk);
-        load_rows<T, BN, DV, P, NT, AFFINE_KV, V>(sv + (buf ^ 1) * BN * VS, v, a, b, h, j0 + BN, n.sk);
+        krows.load(sk + (buf ^ 1) * BN * QS, j0 + BN, n.sk);
+        vrows.load(sv + (buf ^ 1) * BN * VS, j0 + BN, n.sk);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
