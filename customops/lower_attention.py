@@ -30,6 +30,7 @@ from ortfuse.search.attention import SELECT_OPS, AttentionPattern, find_attentio
 from ortfuse.search.plan import Region
 
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
+LOG2E = 1.4426950408889634  # ortfuse_attention.h's
 
 
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
@@ -69,6 +70,26 @@ def _linear_in(f: ir.Func, var: str) -> bool:
             return min(sum(ds), 2)
         return 0 if not any(ds) else 2
     return f.result is not None and degree(f.result) <= 1
+
+
+def _bare_scale(f: ir.Func, qk: str) -> float | None:
+    """c where the score function is qk · c alone (multiplications and divisions by constants: no mask, no
+    other op), else None."""
+    defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
+
+    def scale(e: Expr) -> float | None:
+        if isinstance(e, Var):
+            return 1.0 if e.name == qk else scale(defs[e.name]) if e.name in defs else None
+        if not isinstance(e, ir.Op) or e.fn not in ("mul", "div") or len(e.args) != 2:
+            return None
+        x, y = e.args
+        if e.fn == "mul" and isinstance(x, ir.Const):
+            x, y = y, x
+        if not isinstance(y, ir.Const) or not float(y.value):
+            return None
+        c = scale(x)
+        return None if c is None else c * float(y.value) if e.fn == "mul" else c / float(y.value)
+    return scale(f.result) if f.result is not None else None
 
 
 def _run(f: ir.Func, env: dict[str, int]) -> int:
@@ -303,6 +324,9 @@ class _AttnLowerer(_Lowerer):
         funcs += ropes
 
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))
+        bare = _bare_scale(funcs[4], qk.name) if mma else None
+        if bare is not None and 0.0 < bare < float("inf"):  # no mask: the softmax terms fold the scale into one FFMA
+            funcs.append(self.func("S.log2_scale", (), lambda: ir.Const(bare * LOG2E, F32)))
         block_m = MMA_BLOCK_M if mma else SIMT_BLOCK_M
         terms = [self.encode(x) for x in ss4]
         sizes = [self.dim(x) for x in ss4]

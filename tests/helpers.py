@@ -99,11 +99,13 @@ def conv_silu_residual(dt, c, oc, k, s, pads, d, hw, bias=True):
     return m, {"x": ("n", c, hw, hw), "r": ("n", oc, oh, ow)}, lambda n: {"x": (n, c, hw, hw), "r": (n, oc, oh, ow)}
 
 
-def packed_attention(dt, heads: int, head: int, select: str = "split", kv_out: bool = False) -> onnx.ModelProto:
+def packed_attention(dt, heads: int, head: int, select: str = "split", kv_out: bool = False,
+                     mask: bool = True) -> onnx.ModelProto:
     """Self-attention reading Q, K and V from one packed projection x [B, S, 3*H*D], as GPT-2's c_attn
     (and BERT after QKV packing) feed it: `select` is "split" (one Split) or "slice" (three Slices).
     Heads reshaped and transposed, Kᵀ by Transpose(0,2,3,1), scores scaled and masked by a [B,1,1,S]
-    padding mask. `kv_out`: K also returned (a KV cache), so the Split cannot be absorbed."""
+    padding mask (`mask` False: none, as ViT's). `kv_out`: K also returned (a KV cache), so the Split cannot
+    be absorbed."""
     hd = heads * head
     if select == "split":
         nodes = [node("Split", ["x", "sizes"], ["xq", "xk", "xv"], axis=2)]
@@ -126,6 +128,10 @@ def packed_attention(dt, heads: int, head: int, select: str = "split", kv_out: b
     inits += [const("shp4", [0, 0, heads, head], np.int64), const("shp3", [0, 0, hd], np.int64),
               const("scale", np.sqrt(head), npdt)]
     inputs = [vi("x", dt, ["batch", "seq", 3 * hd]), vi("mask", dt, ["batch", 1, 1, "seq"])]
+    if not mask:
+        nodes = [n for n in nodes if n.op_type != "Add"]
+        nodes[[n.op_type for n in nodes].index("Softmax")].input[0] = "s1"
+        inputs = inputs[:1]
     outputs = [vi("y", dt, None)] + ([vi("xk", dt, None)] if kv_out else [])
     return model(nodes, inputs, outputs, inits)
 

@@ -55,19 +55,32 @@ constexpr float LOG2E = 1.4426950408889634f;
 // scores near a finite mask value (-1e30, fp32's lowest) are exact there, where s·log2e - base·log2e would
 // lose the exponent to rounding. `base` stays 0 while every score seen is -inf, so a masked tile never
 // computes e^(-inf - -inf) = NaN.
+// Scores that are only a positive scale c of Q·Kᵀ (no mask: the score functor has `log2_scale`, c·log2e) keep
+// the raw qk instead, and their `unit` is c·log2e: m and base are qk maxima, and `term_scaled(qk)` is
+// 2^(qk·unit - base·unit), one FFMA and the MUFU.EX2 (the scale's FMUL and the difference's FADD gone).
+// 16-bit Q and K bound qk, so neither product overflows; masks (fp32's lowest value among them) keep `term`.
 struct RowState {
-  float m, l, base;
-  __device__ __forceinline__ void init() { m = neg_inf(), l = 0.0f, base = 0.0f; }
-  __device__ __forceinline__ float rescale(float tile_max) {
+  float m, l, base, nbu;  // nbu = -base·unit (the scaled terms' addend)
+  __device__ __forceinline__ void init() { m = neg_inf(), l = 0.0f, base = 0.0f, nbu = 0.0f; }
+  __device__ __forceinline__ float rescale(float tile_max, float unit = LOG2E) {
     const float m_new = fmaxf(m, tile_max);
     const float new_base = m_new == neg_inf() ? 0.0f : m_new;
-    const float alpha = exp2_ftz((m - new_base) * LOG2E);  // 0 while m is -inf
-    m = m_new, base = new_base, l *= alpha;
+    const float alpha = exp2_ftz((m - new_base) * unit);  // 0 while m is -inf
+    m = m_new, base = new_base, nbu = -new_base * unit, l *= alpha;
     return alpha;
   }
   __device__ __forceinline__ float term(float s) const { return exp2_ftz((s - base) * LOG2E); }
+  __device__ __forceinline__ float term_scaled(float qk, float unit) const { return exp2_ftz(fmaf(qk, unit, nbu)); }
   __device__ __forceinline__ float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
 };
+
+// Whether a score functor is a bare scale of Q·Kᵀ (`log2_scale`, see RowState).
+template <class S, class = void> struct HasLog2Scale { static constexpr bool value = false; };
+template <class S> struct HasLog2Scale<S, decltype((void)&S::log2_scale)> { static constexpr bool value = true; };
+template <class S> __device__ __forceinline__ float log2_unit(const OfzArgs& a) {
+  if constexpr (HasLog2Scale<S>::value) return (float)S::log2_scale(a);
+  else return LOG2E;
+}
 
 // Whether a layout functor has `rope` (a rotary embedding applied to the rows it loads).
 template <class L, class = void> struct HasRope { static constexpr bool value = false; };
@@ -337,7 +350,7 @@ template <class T, int ROWS, int W, int PAD, int NT, bool AFFINE, class L> struc
 constexpr unsigned kMaxKeySplit = 4;
 template <int DV, int NT> __device__ __forceinline__ void split_merge(float* state, RowState (&st)[2],
                                                                      float (&acc)[DV / 8][4], unsigned splits,
-                                                                     unsigned rank) {
+                                                                     unsigned rank, float unit) {
   const int tid = threadIdx.x;
   cp_async_wait<0>();  // a block with no key tile still has its first copies in flight
   __syncthreads();     // the key loop is done with the buffers
@@ -361,7 +374,7 @@ template <int DV, int NT> __device__ __forceinline__ void split_merge(float* sta
   for (unsigned q = 0; q < kMaxKeySplit; ++q)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      f[q][r] = m[q][r] == neg_inf() ? 0.0f : exp2_ftz((m[q][r] - mx[r]) * LOG2E);
+      f[q][r] = m[q][r] == neg_inf() ? 0.0f : exp2_ftz((m[q][r] - mx[r]) * unit);
       if (q < splits) l[r] += f[q][r] * *cluster_peer(state + (2 + r) * NT + tid, q, rank);
     }
 #pragma unroll
@@ -387,6 +400,8 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
                                             const T* __restrict__ v, T* __restrict__ o, const Dims n) {
   using Tile = MmaTile<D, DV>;
   constexpr int BM = Tile::BLOCK_M, BN = Tile::BLOCK_N, P = Tile::PAD, QS = D + P, VS = DV + P, NT = Tile::THREADS;
+  constexpr bool SCALED = HasLog2Scale<Score>::value;
+  const float unit = log2_unit<Score>(a);
   static_assert(D % 16 == 0 && DV % 16 == 0 && D <= 128 && DV <= 128, "head sizes: multiples of 16 up to 128");
   OFZ_DYNAMIC_SMEM(T, smem);
   T* const sq = smem;               // [BM][QS]
@@ -465,7 +480,15 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       // A whole tile scores every element unconditionally, so reads the two rows share (a mask the same for
       // every row) are one load; the last, partial tile checks each key against the keys left (32-bit).
       const int keys = n.sk - j0 < BN ? (int)(n.sk - j0) : BN;
-      if (keys == BN) {
+      if constexpr (SCALED) {  // raw qk; only the keys past Sk in the last tile are -inf
+        if (keys < BN) {
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (nt * 8 + 2 * t + e % 2 >= keys) s[nt][e] = neg_inf();
+        }
+      } else if (keys == BN) {
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
@@ -486,12 +509,12 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
         for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
       float alpha[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) alpha[r] = st[r].rescale(group_reduce<MaxOp, 4>(mx[r]));
+      for (int r = 0; r < 2; ++r) alpha[r] = st[r].rescale(group_reduce<MaxOp, 4>(mx[r]), unit);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] = st[e / 2].term(s[nt][e]);
+          s[nt][e] = SCALED ? st[e / 2].term_scaled(s[nt][e], unit) : st[e / 2].term(s[nt][e]);
           sum[e / 2] += s[nt][e];
         }
       }
@@ -517,7 +540,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       }
       __syncthreads();  // this tile's buffers may be refilled
     }
-    if (splits > 1) split_merge<DV, NT>(reinterpret_cast<float*>(smem), st, acc, splits, rank);
+    if (splits > 1) split_merge<DV, NT>(reinterpret_cast<float*>(smem), st, acc, splits, rank, unit);
     // O: a thread's two adjacent columns as one 4-byte word (rows contiguous in d and 16-byte aligned); in a
     // cluster, block `rank` stores the column groups c = rank (mod splits)
     const float inv[2] = {st[0].inv_sum(), st[1].inv_sum()};

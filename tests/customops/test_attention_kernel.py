@@ -42,6 +42,10 @@ template <int D> struct Bhds {
 template <int D> struct Plain {
   DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64, ofz_i64, float qk) { return qk * (1.0f / sqrtf((float)D)); }
 };
+template <int D> struct Scaled {  // Plain, marked a bare scale: the tensor-core kernel keeps raw qk (log2_scale)
+  DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64, ofz_i64, float qk) { return qk * (1.0f / sqrtf((float)D)); }
+  DEV float log2_scale(const OfzArgs&) { return 1.4426950408889634f / sqrtf((float)D); }
+};
 template <int D> struct Padding {  // scores * scale + mask[b, j]
   DEV float score(const OfzArgs& a, ofz_i64 b, ofz_i64, ofz_i64, ofz_i64 j, float qk) {
     return qk * (1.0f / sqrtf((float)D)) + ((const float*)a.ptr[4])[b * a.dim[2] + j];
@@ -61,7 +65,7 @@ class Case:
     d: int
     dv: int
     layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
-    score: str  # "plain" | "padding" | "causal"
+    score: str  # "plain" | "scaled" (plain, as a bare scale) | "padding" | "causal"
     kernel: str = "simt"  # "simt" | "tensor_core"
     affine: bool = False  # tensor_core's AFFINE: K/V/Q copies step one row stride (these layouts are affine)
 
@@ -88,7 +92,8 @@ CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("pl
     Case(dt, 64, 64, lay, sc, "tensor_core") for dt in ("f16", "bf16") for lay in ("bhsd", "bshd")
     for sc in ("padding", "causal")] + [
     Case("f16", 128, 128, "bshd", "padding", "tensor_core"), Case("bf16", 32, 64, "bhsd", "plain", "tensor_core"),
-    Case("f16", 16, 16, "bshd", "causal", "tensor_core")]
+    Case("f16", 16, 16, "bshd", "causal", "tensor_core")] + [
+    Case(dt, d, d, "bshd", "scaled", "tensor_core") for dt in ("f16", "bf16") for d in (16, 64, 128)]
 CASES += [dataclasses.replace(c, affine=True) for c in CASES if c.kernel == "tensor_core"]
 
 
@@ -96,7 +101,7 @@ def _kernel(c: Case) -> str:
     t = STORAGE[c.dtype][0]
     lay = {"bhsd": "Bhsd", "bshd": "Bshd", "kt": "Bshd"}[c.layout]
     k = f"Bhds<{c.d}>" if c.layout == "kt" else f"{lay}<{c.d}, 2>"
-    score = {"plain": "Plain", "padding": "Padding", "causal": "Causal"}[c.score]
+    score = {"plain": "Plain", "scaled": "Scaled", "padding": "Padding", "causal": "Causal"}[c.score]
     return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
             f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
             f"{score}<{c.d}>{', true' if c.affine else ''}>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
@@ -177,11 +182,13 @@ def test_matches_numpy(mod, c: Case):
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (5, 3), (33, 70), (70, 130)])
-@pytest.mark.parametrize("kernel,dtype,affine", [("simt", "f32", False), ("tensor_core", "f16", False),
-                                                 ("tensor_core", "f16", True)])
-def test_odd_sizes(mod, sq: int, sk: int, kernel: str, dtype: str, affine: bool):
+@pytest.mark.parametrize("kernel,dtype,affine,score", [("simt", "f32", False, "padding"),
+                                                       ("tensor_core", "f16", False, "padding"),
+                                                       ("tensor_core", "f16", True, "padding"),
+                                                       ("tensor_core", "f16", True, "scaled")])
+def test_odd_sizes(mod, sq: int, sk: int, kernel: str, dtype: str, affine: bool, score: str):
     c = Case(dtype, 32, 32, "bshd", "padding") if kernel == "simt" else \
-        Case("f16", 64, 64, "bshd", "padding", kernel, affine)
+        Case("f16", 64, 64, "bshd", score, kernel, affine)
     mask = np.zeros((B, sk))
     mask[1, sk // 2:] = -1e30  # finite mask values, as exporters emit
     got, ref = _run(mod, c, mask, sq, sk, seed=1)
@@ -216,6 +223,7 @@ def test_rows_masked_with_the_lowest_float_average_v(mod, c: Case):
 @pytest.mark.parametrize("sk", [45, 130, 300])
 @pytest.mark.parametrize("c", [Case("f16", 64, 64, "bshd", "padding", "tensor_core", True),
                                Case("bf16", 32, 64, "bhsd", "plain", "tensor_core"),
+                               Case("f16", 64, 64, "bshd", "scaled", "tensor_core", True),
                                Case("f16", 128, 128, "bshd", "padding", "tensor_core")], ids=lambda c: c.entry)
 def test_keys_split_across_a_cluster(mod, c: Case, sk: int, cluster: int):
     # clusters of 2-4 blocks share each unit's key tiles and merge their rows' states through distributed
@@ -287,3 +295,25 @@ def test_tensor_core_key_tile_loop(tmp_path):
                           for a, t in body if start < a < end and re.match(r"@!?P\d+ BRA", t))
     loads = lambda a0, a1: sum(1 for a, t in body if a0 < a < a1 and "LDG.E" in t and "LDGSTS" not in t)
     assert sorted((loads(branch, target), loads(target - 1, end))) == [16, 32]
+
+
+def test_a_bare_scale_is_one_ffma_a_term(tmp_path):
+    # Scaled (a score that is only qk times a constant, log2_scale): each softmax term is 2^(qk·k - base·k),
+    # one FFMA before its MUFU.EX2, where Plain's score multiplies, subtracts the base and multiplies by
+    # log2 e. In the key loop: the 32 rescaled accumulators' FMULs (and each row's few) remain
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    sass = sass_or_skip()
+
+    def loop(c: Case) -> list[str]:
+        ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+        back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
+                if m and int(m.group(1), 16) < a]
+        mma = [a for a, t in ins if "HMMA" in t]
+        lo, hi = min(((l, h) for l, h in back if sum(l <= x <= h for x in mma) == 64), key=lambda r: r[1] - r[0])
+        return [t for a, t in ins if lo <= a <= hi]
+
+    def count(body: list[str], op: str) -> int:
+        return sum(1 for t in body if re.search(rf"\b{op}\b", t))
+    plain, scaled = (loop(Case("f16", 64, 64, "bshd", sc, "tensor_core", True)) for sc in ("plain", "scaled"))
+    assert count(scaled, "FMUL") <= 40 < 90 <= count(plain, "FMUL"), (count(scaled, "FMUL"), count(plain, "FMUL"))
+    assert count(scaled, "FFMA") >= 32 and count(scaled, "MUFU.EX2") == 32 + 2

@@ -27,6 +27,22 @@ def test_packed_qkv(select, dt, heads, head):
     assert [res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes].count("Slice") == 3
 
 
+@pytest.mark.parametrize("dt,masked", [(TP.FLOAT16, False), (TP.BFLOAT16, False), (TP.FLOAT16, True)])
+def test_a_bare_scale_folds_into_the_softmax_terms(dt, masked):
+    # scores that are Q·Kᵀ times a constant and nothing else (ViT's): the 16-bit kernel keeps the raw qk and
+    # takes each softmax term as one FFMA (S.log2_scale, the scale times log2 e); a mask keeps the score
+    # callback (the SIMT kernel, fp32, never looks). Sequences of 37 and 70: a partial last key tile
+    m = packed_attention(dt, 2, 64, mask=masked)
+    shapes = {"x": ("batch", "seq", 384)} | ({"mask": ("batch", 1, 1, "seq")} if masked else {})
+    for b, s in ((2, 37), (1, 70)):
+        res = fused_parity(m, shapes, {"x": (b, s, 384)} | ({"mask": (b, 1, 1, s)} if masked else {}),
+                           ["attention"])
+    src = res.kernels[0].compiled.source
+    assert ("log2_scale" in src) == (dt != TP.FLOAT and not masked)
+    if "log2_scale" in src:  # log2(e) / sqrt(64)
+        assert abs(float(src.split("log2_scale")[1].split("return ")[1].split("f;")[0]) - np.log2(np.e) / 8) < 1e-7
+
+
 def test_split_shared_with_a_kv_output_stays_with_ort():
     # K is also a graph output (a KV cache): its Slice stays with ORT to write it; Q and V are read in the kernel
     m = packed_attention(TP.FLOAT16, 2, 64, "split", kv_out=True)
