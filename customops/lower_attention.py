@@ -325,7 +325,8 @@ class _AttnLowerer(_Lowerer):
 
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))
         bare = _bare_scale(funcs[4], qk.name) if mma else None
-        if bare is not None and 0.0 < bare < float("inf"):  # no mask: the softmax terms fold the scale into one FFMA
+        if bare is not None and 1e-30 < bare * LOG2E < 1e30:  # no mask: the softmax terms fold the scale into one
+            # FFMA (a normal fp32 constant: a denormal one flushes to 0 under ftz, 0 · -inf is NaN)
             funcs.append(self.func("S.log2_scale", (), lambda: ir.Const(bare * LOG2E, F32)))
         block_m = MMA_BLOCK_M if mma else SIMT_BLOCK_M
         terms = [self.encode(x) for x in ss4]

@@ -34,7 +34,7 @@ def _merged_note(r: OptimizeResult) -> list[str]:
     declaring = [vi.name for vi in r.graph.model.graph.input
                  if any(d.dim_param in sizes for d in vi.type.tensor_type.shape.dim)]
     return [f"merged dims:          shape inference merged {what}: the regions reading {len(refused)} tensors of "
-            "that size were left to ORT (the dim might be 1 at run time); if the model runs only at that size, "
+            "a merged size were left to ORT (the dim might be 1 at run time); if the model runs only at that size, "
             "give the shapes of " + (", ".join(declaring) or "the inputs") + " with --input-shape"]
 
 

@@ -57,12 +57,24 @@ constexpr float LOG2E = 1.4426950408889634f;
 // computes e^(-inf - -inf) = NaN.
 // Scores that are only a positive scale c of Q·Kᵀ (no mask: the score functor has `log2_scale`, c·log2e) keep
 // the raw qk instead, and their `unit` is c·log2e: m and base are qk maxima, and `term_scaled(qk)` is
-// 2^(qk·unit - base·unit), one FFMA and the MUFU.EX2 (the scale's FMUL and the difference's FADD gone).
-// 16-bit Q and K bound qk, so neither product overflows; masks (fp32's lowest value among them) keep `term`.
+// 2^(qk·unit + nbu) with nbu = -base·unit rounded once a tile: one FFMA and the MUFU.EX2 (the scale's FMUL and
+// the difference's FADD gone). A tile's terms share nbu's rounding, which cancels in the normalization; the
+// rescale's factor is exact, so tiles of different bases differ by their roundings' difference, and the max
+// key's term is 2^(its tile's rounding): both near 1 while |qk·unit| is far below 2^24 (attention scores are;
+// past about 2^28 a 16-bit P overflows). Taking the factor as 2^(new nbu - old nbu) instead, exact between
+// tiles, cost ViT's kernel 9 registers (130: 3 blocks per SM; bounded to 4, it spilled). Masks (fp32's
+// lowest value among them) keep `term`: subtracting first.
 struct RowState {
-  float m, l, base, nbu;  // nbu = -base·unit (the scaled terms' addend)
+  float m, l, base, nbu;
   __device__ __forceinline__ void init() { m = neg_inf(), l = 0.0f, base = 0.0f, nbu = 0.0f; }
-  __device__ __forceinline__ float rescale(float tile_max, float unit = LOG2E) {
+  __device__ __forceinline__ float rescale(float tile_max) {
+    const float m_new = fmaxf(m, tile_max);
+    const float new_base = m_new == neg_inf() ? 0.0f : m_new;
+    const float alpha = exp2_ftz((m - new_base) * LOG2E);  // 0 while m is -inf
+    m = m_new, base = new_base, l *= alpha;
+    return alpha;
+  }
+  __device__ __forceinline__ float rescale_scaled(float tile_max, float unit) {
     const float m_new = fmaxf(m, tile_max);
     const float new_base = m_new == neg_inf() ? 0.0f : m_new;
     const float alpha = exp2_ftz((m - new_base) * unit);  // 0 while m is -inf
@@ -509,7 +521,10 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
         for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
       float alpha[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) alpha[r] = st[r].rescale(group_reduce<MaxOp, 4>(mx[r]), unit);
+      for (int r = 0; r < 2; ++r) {
+        const float tile_max = group_reduce<MaxOp, 4>(mx[r]);
+        alpha[r] = SCALED ? st[r].rescale_scaled(tile_max, unit) : st[r].rescale(tile_max);
+      }
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll

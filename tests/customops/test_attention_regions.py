@@ -470,3 +470,24 @@ def test_an_iota_cone_whose_lengths_cannot_be_rebuilt_stays_a_mask_input():
                        ["attention", "pointwise"])
     (r,) = [r for r in res.plan.regions if r.kind == "attention"]
     assert "Range" not in [res.graph.nodes[i].op_type for i in r.nodes] and len(r.inputs) == 4
+
+
+def test_only_a_bare_positive_scale_of_the_scores_is_one():
+    # `_bare_scale` reads the score function: products and quotients of qk by constants are a scale; a
+    # constant over qk, a division by 0, a rounding to fp16, a mask's add or select are not (a negative scale
+    # is returned and refused by the lowering, whose max would be the min)
+    from ortfuse.customops import ir
+    from ortfuse.customops.lower_attention import _bare_scale
+
+    qk, m = ir.Var("qk", ir.F32), ir.Var("m", ir.F32)
+    c = lambda v: ir.Const(v, ir.F32)  # noqa: E731
+    op = lambda fn, *a: ir.Op(fn, a, ir.F32)  # noqa: E731
+    f = lambda e, *lets: ir.Func("S.score", (qk,), tuple(lets), e)  # noqa: E731
+    v = ir.Var("v1", ir.F32)
+    assert _bare_scale(f(op("mul", qk, c(0.125))), "qk") == 0.125
+    assert _bare_scale(f(v, ir.Let(v, op("div", op("mul", c(2.0), qk), c(8.0)))), "qk") == 0.25
+    assert _bare_scale(f(op("mul", qk, c(-1.0))), "qk") == -1.0
+    assert _bare_scale(f(qk), "qk") == 1.0
+    for e in (op("div", c(1.0), qk), op("div", qk, c(0.0)), op("round_f16", op("mul", qk, c(0.125))),
+              op("add", op("mul", qk, c(0.125)), m), op("mul", qk, m)):
+        assert _bare_scale(f(e), "qk") is None, e
