@@ -67,18 +67,11 @@ constexpr float LOG2E = 1.4426950408889634f;
 struct RowState {
   float m, l, base, nbu;
   __device__ __forceinline__ void init() { m = neg_inf(), l = 0.0f, base = 0.0f, nbu = 0.0f; }
-  __device__ __forceinline__ float rescale(float tile_max) {
-    const float m_new = fmaxf(m, tile_max);
-    const float new_base = m_new == neg_inf() ? 0.0f : m_new;
-    const float alpha = exp2_ftz((m - new_base) * LOG2E);  // 0 while m is -inf
-    m = m_new, base = new_base, l *= alpha;
-    return alpha;
-  }
-  __device__ __forceinline__ float rescale_scaled(float tile_max, float unit) {
+  __device__ __forceinline__ float rescale(float tile_max, float unit = LOG2E) {
     const float m_new = fmaxf(m, tile_max);
     const float new_base = m_new == neg_inf() ? 0.0f : m_new;
     const float alpha = exp2_ftz((m - new_base) * unit);  // 0 while m is -inf
-    m = m_new, base = new_base, nbu = -new_base * unit, l *= alpha;
+    m = m_new, base = new_base, nbu = -new_base * unit, l *= alpha;  // (nbu: read by term_scaled alone)
     return alpha;
   }
   __device__ __forceinline__ float term(float s) const { return exp2_ftz((s - base) * LOG2E); }
@@ -521,10 +514,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
         for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
       float alpha[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float tile_max = group_reduce<MaxOp, 4>(mx[r]);
-        alpha[r] = SCALED ? st[r].rescale_scaled(tile_max, unit) : st[r].rescale(tile_max);
-      }
+      for (int r = 0; r < 2; ++r) alpha[r] = st[r].rescale(group_reduce<MaxOp, 4>(mx[r]), unit);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
