@@ -410,3 +410,34 @@ def test_element_wise_siblings_of_one_gemm_are_one_kernel():
     g, p = _plan(m)
     outs = [set(r.outputs) for r in p.regions if r.kind == "pointwise"]
     assert {"present_k", "present_v"} in outs, [(r.kind, r.outputs) for r in p.regions]
+
+
+def test_a_plan_lowers_each_candidate_once(monkeypatch):
+    # the encoder's plan grows its regions with and without LayerNorm folds (and again after dropping refused
+    # ones), meeting the same candidates each time: `lowering_check` lowers each distinct one once a graph, and
+    # the plan is the one the lowering unremembered gives
+    import ortfuse.customops.lower as lower_mod
+    from ortfuse.search import regions
+
+    m = encoder(layers=2)
+    shapes = {"hidden_states": (1, 128, 128), "attention_mask": (1, 128)}
+    calls: list[tuple] = []
+    real = lower_mod.lower
+
+    def counted(g, region, *a, **k):
+        calls.append((region.kind, region.nodes, region.inputs, region.outputs, region.space))
+        return real(g, region, *a, **k)
+    monkeypatch.setattr(lower_mod, "lower", counted)
+    g, p = _plan(m, shapes)
+    assert calls and len(calls) == len(set(calls))
+
+    def unremembered(tgt, tf32):
+        def check(gr, region):
+            try:
+                real(gr, region, tgt, tf32)
+            except lower_mod.LoweringError as e:
+                return str(e)
+            return None
+        return check
+    g2 = build_graph(m, shapes)
+    assert plan(g2, for_cc(90), check=unremembered(for_cc(90), False)).regions == p.regions
