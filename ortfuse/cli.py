@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--ort-attention", choices=ORT_ATTENTION_MODES, default=None,
                    help="attention patterns handed to ORT's own fused MultiHeadAttention where the whole-model "
                         "estimate gains over the plan without it (our attention kernel, its ops fused otherwise or "
-                        "ORT's unfused ops; auto, the default), wherever it computes them (on), or never (off); also ORTFUSE_ORT_ATTENTION")
+                        "ORT's unfused ops; auto, the default), wherever it computes them (on), or never (off); "
+                        "also ORTFUSE_ORT_ATTENTION")
     o.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="programmatic dependent launches where every --arch is sm_90+: each kernel may start while "
                         "the one before it finishes, and waits for it before touching memory. Off by default "

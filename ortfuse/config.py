@@ -70,8 +70,7 @@ class Options:
     layout: str = field(default_factory=lambda: os.environ.get("ORTFUSE_LAYOUT", "auto") or "auto")
     # attention patterns handed to ORT's own fused MultiHeadAttention (rewriter.mha) where the whole-model
     # estimate gains over the plan without it (our kernel, its ops fused otherwise or ORT's unfused ops: "auto"),
-    # wherever it computes them ("on"), or never
-    # ("off") ($ORTFUSE_ORT_ATTENTION)
+    # wherever it computes them ("on"), or never ("off") ($ORTFUSE_ORT_ATTENTION)
     ort_attention: str = field(default_factory=lambda: os.environ.get("ORTFUSE_ORT_ATTENTION", "auto") or "auto")
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
     # GPU ($ORTFUSE_PDL=1 turns them on)

@@ -5,7 +5,7 @@ import re
 
 from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label, us_text
-from ortfuse.rewriter import _infer
+from ortfuse.rewriter.shapes import merges_into_sizes
 from ortfuse.search import conv, legal, ops
 from ortfuse.search.attention import find_attention
 
@@ -21,15 +21,7 @@ def _merged_note(r: OptimizeResult) -> list[str]:
                for m in [re.search(r"input '(.*)' axis", x.reason)] if m}
     if not refused:
         return []
-    merges = _infer.recorded_merges(r.graph.model)
-
-    def size(sym: str):  # through names merged into names
-        seen, into = {sym}, merges[sym]
-        while isinstance(into, str) and into in merges and into not in seen:
-            seen.add(into)
-            into = merges[into]
-        return into
-    sizes = {s: v for s in merges if isinstance(v := size(s), int) and v != 1}
+    sizes = merges_into_sizes(r.graph)
     what = ", ".join(f"'{s}' into {v}" for s, v in sorted(sizes.items())) or "symbolic dims into sizes"
     declaring = [vi.name for vi in r.graph.model.graph.input
                  if any(d.dim_param in sizes for d in vi.type.tensor_type.shape.dim)]

@@ -90,25 +90,34 @@ def minted_dims(g: Graph) -> frozenset[str]:
 
 
 @per_graph
+def merges_into_sizes(g: Graph) -> dict[str, int]:
+    """{symbol: the size other than 1 symbolic inference merged it into}, through names merged into names
+    (`_infer.recorded_merges`)."""
+    merges, out = _infer.recorded_merges(g.model), {}
+    for sym, into in merges.items():
+        seen = {sym}
+        while isinstance(into, str) and into in merges and into not in seen:  # merged into a name merged on
+            seen.add(into)
+            into = merges[into]
+        if isinstance(into, int) and into != 1:
+            out[sym] = into
+    return out
+
+
+@per_graph
 def merge_tainted(g: Graph) -> frozenset[str] | None:
     """Tensors whose shape may carry a size a symbolic dim was merged into (`merged_sizes`): the outputs of the
     nodes that minted such a symbol, graph inputs declaring one, and everything computed from them. A tensor
     outside this set has its static dims from inference without that merge (MobileViT's conv outputs, static
     from the image size, though other tensors' merged symbols took the same sizes). None where a merged
     symbol is neither (then every tensor is suspect)."""
-    merges, minted = _infer.recorded_merges(g.model), _infer.minted_by(g.model)
+    minted = _infer.minted_by(g.model)
     seeds: set[str] = set()
     declared: dict[str, list[str]] = {}  # symbol -> every graph input declaring it
     for vi in g.model.graph.input:
         for d in {x.dim_param for x in _dims_of(vi) or [] if x.dim_param}:
             declared.setdefault(d, []).append(vi.name)
-    for sym, into in merges.items():
-        seen = {sym}
-        while isinstance(into, str) and into in merges and into not in seen:  # merged into a name merged on
-            seen.add(into)
-            into = merges[into]
-        if not isinstance(into, int) or into == 1:
-            continue
+    for sym in merges_into_sizes(g):
         if minted.get(sym) and minted[sym] in g.tensors:
             seeds.add(minted[sym])
         elif sym in declared:
