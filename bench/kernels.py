@@ -49,7 +49,7 @@ from ortfuse.profile import fused_model, profile_bindings, region_model, signatu
 from ortfuse.rewriter.replace import FusedNode
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import legal
-from ortfuse.search.attention import AttentionPattern, find_attention
+from ortfuse.search.attention import AttentionPattern, pattern_of
 from ortfuse.search.conv import is_anchor
 from ortfuse.search.cost import gemm_dims
 from ortfuse.search.plan import Region
@@ -156,8 +156,9 @@ class AttentionSize:
 
 
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
-    pats, _ = find_attention(g)
-    return next(p for p in pats if set(p.nodes) <= set(region.nodes))
+    p = pattern_of(g, region.nodes)
+    assert p is not None, "not an attention region"
+    return p
 
 
 def attention_size(g: Graph, region: Region) -> AttentionSize:

@@ -26,7 +26,7 @@ from ortfuse.customops.invariance import invariant_axes
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
-from ortfuse.search.attention import SELECT_OPS, AttentionPattern, find_attention, select_start
+from ortfuse.search.attention import SELECT_OPS, AttentionPattern, pattern_of, select_start
 from ortfuse.search.plan import Region
 
 C_ELEM = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -34,10 +34,10 @@ LOG2E = 1.4426950408889634  # ortfuse_attention.h's
 
 
 def _pattern(g: Graph, region: Region) -> AttentionPattern:
-    for p in find_attention(g)[0]:
-        if p.nodes == tuple(region.nodes):
-            return p
-    raise LoweringError("the region is not an attention pattern")
+    p = pattern_of(g, region.nodes)
+    if p is None:
+        raise LoweringError("the region is not an attention pattern")
+    return p
 
 
 def _eval(e: Expr, env: dict[str, int]) -> int:

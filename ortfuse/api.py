@@ -341,7 +341,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         if hit is None or hit[0] is not g:
             while len(searched) > 2:
                 del searched[next(iter(searched))]
-            hit = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold))
+            hit = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold,
+                                      k_rope=opts.k_rope))
         searched[id(g)] = hit
         return hit[1]
 

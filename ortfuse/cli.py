@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ortfuse.config import LAYOUT_MODES, LN_FOLD_MODES, ORT_ATTENTION_MODES
+from ortfuse.config import K_ROPE_MODES, LAYOUT_MODES, LN_FOLD_MODES, ORT_ATTENTION_MODES
 from ortfuse.errors import InputError, OrtfuseError
 
 
@@ -63,6 +63,7 @@ def cmd_optimize(a: argparse.Namespace) -> int:
                    **({"ln_fold": a.ln_fold} if a.ln_fold else {}),
                    **({"layout": a.layout} if a.layout else {}),
                    **({"ort_attention": a.ort_attention} if a.ort_attention else {}),
+                   **({"k_rope": a.k_rope} if a.k_rope else {}),
                    **({"pdl": a.pdl} if a.pdl is not None else {}))
     result = compile_model(a.input, a.input_shape, a.arch, options=opts, progress=say)
     say(f"writing {a.output}")
@@ -144,6 +145,11 @@ def _parser() -> argparse.ArgumentParser:
                         "estimate gains over the plan without it (our attention kernel, its ops fused otherwise or "
                         "ORT's unfused ops; auto, the default), wherever it computes them (on), or never (off); "
                         "also ORTFUSE_ORT_ATTENTION")
+    o.add_argument("--k-rope", choices=K_ROPE_MODES, default=None,
+                   help="K's rotary embedding in an attention pattern (prompts without a KV cache, rotary "
+                        "encoders): applied by our attention kernel to every K tile it loads (kernel), once "
+                        "before the kernel (once), or as the whole-model estimate prefers (auto, the default); "
+                        "also ORTFUSE_K_ROPE")
     o.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="programmatic dependent launches where every --arch is sm_90+: each kernel may start while "
                         "the one before it finishes, and waits for it before touching memory. Off by default "

@@ -40,6 +40,7 @@ def emu_opt_level() -> str:
 LN_FOLD_MODES = ("auto", "on", "off")
 LAYOUT_MODES = ("auto", "blocks", "model")
 ORT_ATTENTION_MODES = ("auto", "on", "off")
+K_ROPE_MODES = ("auto", "kernel", "once")
 
 
 def _tristate(env: str) -> bool | None:
@@ -72,6 +73,10 @@ class Options:
     # estimate gains over the plan without it (our kernel, its ops fused otherwise or ORT's unfused ops: "auto"),
     # wherever it computes them ("on"), or never ("off") ($ORTFUSE_ORT_ATTENTION)
     ort_attention: str = field(default_factory=lambda: os.environ.get("ORTFUSE_ORT_ATTENTION", "auto") or "auto")
+    # K's rotary embedding (a decoder's prompt without a cache, rotary encoders): applied by our attention kernel
+    # to every K tile it loads ("kernel"), once before it by the nodes' own kernel ("once"), or as the
+    # whole-model estimate prefers ("auto") ($ORTFUSE_K_ROPE; search.regions._grow)
+    k_rope: str = field(default_factory=lambda: os.environ.get("ORTFUSE_K_ROPE", "auto") or "auto")
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
     # GPU ($ORTFUSE_PDL=1 turns them on)
     pdl: bool = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_PDL", "")) is True)
@@ -88,6 +93,9 @@ class Options:
         if self.ort_attention not in ORT_ATTENTION_MODES:
             raise InputError(f"ORT attention mode '{self.ort_attention}' (ORTFUSE_ORT_ATTENTION): expected one of "
                              f"{', '.join(ORT_ATTENTION_MODES)}")
+        if self.k_rope not in K_ROPE_MODES:
+            raise InputError(f"K rotation mode '{self.k_rope}' (ORTFUSE_K_ROPE): expected one of "
+                             f"{', '.join(K_ROPE_MODES)}")
         if self.layout not in LAYOUT_MODES:
             raise InputError(f"layout mode '{self.layout}' (ORTFUSE_LAYOUT): expected one of "
                              f"{', '.join(LAYOUT_MODES)}")

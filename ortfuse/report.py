@@ -7,7 +7,7 @@ from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label, us_text
 from ortfuse.rewriter.shapes import merges_into_sizes
 from ortfuse.search import conv, legal, ops
-from ortfuse.search.attention import find_attention
+from ortfuse.search.attention import k_rope_outside, pattern_of
 
 
 def _mb(n: int) -> str:
@@ -56,10 +56,14 @@ def summary(r: OptimizeResult) -> str:
     if gated:
         note.append(f"gated GEMMs:          {gated} GEMMs compute a gated activation's two halves (gate and up "
                     "interleaved) and write its product")
-    fused = {tuple(k.region.nodes) for k in r.kernels if k.region.kind == "attention"}
-    ropes = sum((p.q_rope is not None) + (p.k_rope is not None) for p in find_attention(g)[0] if p.nodes in fused)
+    pats = [pattern_of(g, k.region.nodes) for k in r.kernels if k.region.kind == "attention"]
+    ropes = sum((p.q_rope is not None) + (p.k_rope is not None) for p in pats if p is not None)
     if ropes:
         note.append(f"rotary embeddings:    {ropes} applied by the attention kernels to the Q and K rows they load")
+    outside = sum(1 for p in pats if p is not None and p.softmax in k_rope_outside(g) and p.k_rope is None)
+    if outside:
+        note.append(f"rotated keys:         {outside} attention kernels read K rotated once by a kernel before "
+                    "them (not per query tile)")
     folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
     if folds:
         note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")

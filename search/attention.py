@@ -91,22 +91,52 @@ def find_attention(g: Graph) -> tuple[tuple[AttentionPattern, ...], tuple[Reject
         if n.op_type != "Softmax" or n.domain not in ("", "ai.onnx"):
             continue
         try:
-            select = True
-            pat = _match(g, i, select, runtime=True)
-            if _leaking_selects(g, pat):  # e.g. K and V also returned as a KV cache: stop at the Split
-                select = False
-                pat = _match(g, i, select, runtime=True)
-            if not _targets_rebuilt(g, pat):  # stop at Reshapes whose run-time targets cannot be rebuilt
-                pat = _match(g, i, select, runtime=False)
-            found.append(pat)
+            found.append(_find(g, i, k_rope=True))
         except _NoMatch as e:
             rejects.append(Reject(g.node_label(i), str(e)))
     return tuple(found), tuple(rejects)
 
 
+@per_graph
+def k_rope_outside(g: Graph) -> dict[int, AttentionPattern]:
+    """By Softmax, each pattern of `find_attention` that rotates K, matched again with K's path stopping at the
+    rotary embedding's output: the kernel reads K rotated once by other nodes instead of rotating every K
+    tile it loads (each of a head's query-row units, and each query head of a group, rotates them again)."""
+    out = {}
+    for p in find_attention(g)[0]:
+        if p.k_rope is not None:
+            try:
+                out[p.softmax] = _find(g, p.softmax, k_rope=False)
+            except _NoMatch:
+                pass
+    return out
+
+
+def pattern_of(g: Graph, nodes: Iterable[int]) -> AttentionPattern | None:
+    """The pattern (`find_attention`'s, or one of `k_rope_outside`) whose nodes are exactly `nodes`."""
+    key = tuple(sorted(nodes))
+    return next((p for p in (*find_attention(g)[0], *k_rope_outside(g).values()) if p.nodes == key), None)
+
+
+def _find(g: Graph, sm: int, k_rope: bool) -> AttentionPattern:
+    select = True
+    pat = _match(g, sm, select, runtime=True, k_rope=k_rope)
+    if _leaking_selects(g, pat):  # e.g. K and V also returned as a KV cache: stop at the Split
+        select = False
+        pat = _match(g, sm, select, runtime=True, k_rope=k_rope)
+    if not _targets_rebuilt(g, pat):  # stop at Reshapes whose run-time targets cannot be rebuilt
+        pat = _match(g, sm, select, runtime=False, k_rope=k_rope)
+    return pat
+
+
 def absorbed_selects(g: Graph) -> set[str]:
-    """Names of the Split/Slice nodes that an attention pattern reads through (they cost no kernel)."""
-    return {g.nodes[i].name for p in find_attention(g)[0] for i in p.nodes if g.nodes[i].op_type in SELECT_OPS}
+    """Names of the Split/Slice nodes that an attention pattern reads through (they cost no kernel), and that
+    it still reads through with K's rotary embedding outside it (`k_rope_outside`): a packed projection's
+    Split that K leaves for its rotation is better as a Slice per result (`rewriter.gemm_packing`), so the
+    rotation's kernel reads K through its own Slice where the search takes it out of the attention."""
+    outside = k_rope_outside(g)
+    return {g.nodes[i].name for p in find_attention(g)[0] for i in outside.get(p.softmax, p).nodes
+            if g.nodes[i].op_type in SELECT_OPS and i in p.nodes}
 
 
 def _targets_rebuilt(g: Graph, pat: AttentionPattern) -> bool:
@@ -135,7 +165,7 @@ def _leaking_selects(g: Graph, pat: AttentionPattern) -> bool:
     return False
 
 
-def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionPattern:
+def _match(g: Graph, sm: int, select: bool, runtime: bool = False, k_rope: bool = True) -> AttentionPattern:
     scores = _shape(g, g.nodes[sm].input[0])
     axis = attr(g.nodes[sm], "axis", -1 if g.opset >= 13 else 1)
     if len(scores) < 2 or not -len(scores) <= axis < len(scores) or axis % len(scores) != len(scores) - 1:
@@ -143,7 +173,7 @@ def _match(g: Graph, sm: int, select: bool, runtime: bool = False) -> AttentionP
     qk, score_ops = _scores_back(g, sm)
     prob_ops, pv = _probs_forward(g, sm)
     q_path, q, q_rope = _rotated_path_back(g, g.nodes[qk].input[0], qk, select, runtime)
-    k_path, k, k_rope = _rotated_path_back(g, g.nodes[qk].input[1], qk, select, runtime)
+    k_path, k, k_rope = _rotated_path_back(g, g.nodes[qk].input[1], qk, select, runtime, k_rope)
     v_path, v = _path_back(g, g.nodes[pv].input[1], pv, select, runtime)
     (q_path, q), (k_path, k), (v_path, v) = _joined_paths(g, ((q_path, q), (k_path, k), (v_path, v)), select, runtime)
     out_path, output = _path_forward(g, g.nodes[pv].output[0], runtime)
@@ -339,10 +369,13 @@ def _joined_paths(g: Graph, paths: tuple[tuple[tuple[int, ...], str], ...], sele
     return tuple(out)
 
 
-def _rotated_path_back(g: Graph, t: str, user: int, select: bool,
-                       runtime: bool = False) -> tuple[tuple[int, ...], str, Rope | None]:
-    """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one."""
+def _rotated_path_back(g: Graph, t: str, user: int, select: bool, runtime: bool = False,
+                       rope_ok: bool = True) -> tuple[tuple[int, ...], str, Rope | None]:
+    """`_path_back`, continued through one rotary embedding (`_rope_at`) where the path stops at one (and
+    `rope_ok`)."""
     path, src = _path_back(g, t, user, select, runtime)
+    if not rope_ok:
+        return path, src, None
     users = {path[0]} if path else {user}
     rope = _rope_at(g, src, users) or _partial_rope_at(g, src, users)
     if rope is None:

@@ -22,7 +22,7 @@ from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.mha import is_mha
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
 from ortfuse.search import compute, conv, legal, norm_fold, ops, pool
-from ortfuse.search.attention import AttentionPattern, find_attention
+from ortfuse.search.attention import AttentionPattern, pattern_of
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Ops ORT runs on shape metadata (on the host, or folded at session start): no kernel time.
@@ -44,11 +44,22 @@ def traffic(g: Graph, region: Region) -> Traffic:
 
 def read_bytes(g: Graph, readers: list[onnx.NodeProto], t: str) -> int:
     """Bytes of t that `readers` read: all of it, except a table only Gathers read (an embedding), of
-    which they read the rows they gather: at most their outputs' size."""
+    which they read the rows they gather, or a tensor only unit-step Slices read (one result of a packed
+    projection: K's columns, read by its rotary embedding's kernel), of which they read their blocks: at most
+    their outputs' size."""
     users = [n for n in readers if t in n.input]
-    if users and all(n.op_type == "Gather" and list(n.input).index(t) == 0 and t not in n.input[1:] for n in users):
+    if users and all(list(n.input).index(t) == 0 and t not in n.input[1:] and
+                     (n.op_type == "Gather" or _unit_slice(g, n)) for n in users):
         return min(tensor_bytes(g, t), sum(tensor_bytes(g, n.output[0]) for n in users))
     return tensor_bytes(g, t)
+
+
+def _unit_slice(g: Graph, n: onnx.NodeProto) -> bool:
+    """A Slice (opset 10+: bounds as inputs) whose steps are all 1."""
+    if n.op_type != "Slice" or n.domain not in ("", "ai.onnx") or len(n.input) < 3:
+        return False
+    steps = n.input[4] if len(n.input) > 4 else ""
+    return not steps or steps in g.constants and bool(np.all(np.asarray(g.constants[steps]) == 1))
 
 
 def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
@@ -132,6 +143,7 @@ class AttentionGeometry:
     block_n: int  # keys per tile
     units: int  # blocks' work items: (batch, head) pairs times query-row tiles, grouped-query heads packed
     key_tiles: int  # a unit's key tiles
+    rope_pairs: int = 0  # column pairs of each K tile the kernel rotates (K's rotary embedding in the pattern)
 
     @property
     def work(self) -> float:
@@ -141,7 +153,9 @@ class AttentionGeometry:
 
 
 def _attention_pattern(g: Graph, region: Region) -> AttentionPattern:
-    return next(p for p in find_attention(g)[0] if p.nodes == tuple(region.nodes))
+    p = pattern_of(g, region.nodes)
+    assert p is not None, f"not an attention pattern: {region.nodes}"
+    return p
 
 
 def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
@@ -169,7 +183,8 @@ def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
                 rep = compute.elements(g, n.output[0]) // compute.elements(g, n.input[0])
                 group = rep if rep > 1 and raw[1] % rep == 0 else 1
     units = bh // group * -(-sq * group // bm)
-    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn))
+    pairs = bn * p.k_rope.half if p.k_rope is not None else 0
+    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs)
 
 
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
@@ -359,7 +374,7 @@ class CostModel:
         else the one `attention_split` gives it."""
         tgt, geo = self.target, attention_geometry(g, region)
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
-                                     self._split(geo) if split is None else split, geo.work)
+                                     self._split(geo) if split is None else split, geo.work, geo.rope_pairs)
         return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:
@@ -402,7 +417,8 @@ class CostModel:
         most = tiles.key_split(tgt, geo.d, geo.dv, geo.keys) if geo.mma else 1
         if most < 2:
             return 1
-        at = [tiles.attention_clocks(tgt, True, geo.units, geo.keys, geo.block_n, s, geo.work) for s in (1, most)]
+        at = [tiles.attention_clocks(tgt, True, geo.units, geo.keys, geo.block_n, s, geo.work, geo.rope_pairs)
+              for s in (1, most)]
         return most if at[1] < at[0] else 1
 
     def row_lane_use(self, g: Graph, region: Region) -> float:
@@ -623,6 +639,21 @@ class CostModel:
                     "attention": "attention kernel"}.get(region.kind, "fused kernel")
             return Reject(label, f"{what} estimated at {_figures(times)} as ORT runs it")
         return None
+
+    def rotation_trial(self, g: Graph, pairs: list[tuple[Region, Region]]) -> Optional[str]:
+        """None where rotating K once before the kernel might pay for the (kernel, once) attention regions of
+        `pairs`; else why not, without searching the model that way: at every binding, what the kernels'
+        rotation of K on every tile costs is under what a kernel of its own would (a launch, K read and
+        written, per region)."""
+        figures = []
+        for where, gb in bindings(g):
+            saved = sum(self.attention_us(gb, _at(gb, a, g)) - self.attention_us(gb, _at(gb, b, g)) for a, b in pairs)
+            own = sum(self.target.launch_us + self.time_us(2 * tensor_bytes(gb, _attention_pattern(gb, b).k), 1)
+                      for _, b in pairs)
+            if saved >= own:
+                return None
+            figures.append(f"{saved:.1f} us vs {own:.1f} us{where}")
+        return f"that rotation estimated under the launches and K traffic of rotating K once: {', '.join(figures)}"
 
     def attention_plan_verdict(self, g: Graph, ours: Plan, without: Plan, count: int) -> Optional[str]:
         """None if the plan with `count` attention regions of one kind ours beats the plan with their nodes fused

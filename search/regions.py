@@ -24,6 +24,7 @@ The cost model then keeps the regions that pay."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import onnx
@@ -31,7 +32,7 @@ import onnx
 from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import conv, legal, norm_fold, ops, pool
-from ortfuse.search.attention import AttentionPattern, find_attention
+from ortfuse.search.attention import AttentionPattern, find_attention, k_rope_outside
 from ortfuse.search.cost import CostModel, attention_geometry, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
@@ -84,42 +85,61 @@ def attention_region(g: Graph, pat: AttentionPattern, check: Check) -> Region | 
     return dataclasses.replace(r, traffic=traffic(g, r))
 
 
-def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject]) -> list[tuple[Region, tuple]]:
+@dataclass(frozen=True)
+class _Found:
+    """An attention region the search may take, its kind (the shapes and types of the scores' operands and of
+    V: regions of one kind cost the same, a model's layers), and where K's rotary embedding can stay outside
+    the kernel (`k_rope_outside`), the region without it (`--k-rope auto` tries both)."""
+    region: Region
+    kind: tuple
+    k_once: Optional[Region] = None
+
+
+def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject], k_rope: str) -> list[_Found]:
     """Each attention pattern that lowers and whose kernel the cost model prefers to ORT's unfused ops (fp32
     attention runs on CUDA cores in ours, on TF32 MatMuls in ORT), or every one where `--profile` measures
-    both, with its kind: the shapes and types of the scores' operands and of V (regions of one kind cost the
-    same: a model's layers). The nodes of one refused stay free for the phases after."""
+    both. The nodes of one refused stay free for the phases after. `k_rope`: a K rotated by a rotary
+    embedding is rotated in the kernel ("kernel"), once before it ("once"), or either ("auto")."""
     found, rejects = find_attention(g)
     refusals.extend(rejects)
+    outside = k_rope_outside(g) if k_rope != "kernel" else {}
     out = []
     for pat in found:
-        r = attention_region(g, pat, check)
-        if isinstance(r, Reject):
-            refusals.append(r)
+        alt = outside.get(pat.softmax)
+        r = attention_region(g, pat, check) if k_rope != "once" or alt is None else None
+        k_once = attention_region(g, alt, check) if alt is not None else None
+        if not isinstance(r, Region) and isinstance(k_once, Region):  # the rotation outside is all that lowers
+            r, k_once = k_once, None
+        if not isinstance(r, Region):
+            refusals.append(r if isinstance(r, Reject) else k_once)
             continue
         priced = None if cost.attention_measured else cost.verdict(g, r)
         if priced:
             refusals.append(priced)
             continue
+        if isinstance(k_once, Region) and not cost.attention_measured and cost.verdict(g, k_once):
+            k_once = None
         ts = (*g.nodes[pat.qk].input[:2], g.nodes[pat.pv].input[1])
-        out.append((r, tuple((tuple(g.tensors[t].shape or ()), g.tensors[t].dtype) for t in ts)))
+        kind = tuple((tuple(g.tensors[t].shape or ()), g.tensors[t].dtype) for t in ts)
+        out.append(_Found(r, kind, k_once if isinstance(k_once, Region) else None))
     return out
 
 
 def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optional[Check] = None,
-         tf32: bool = False, ln_fold: str = "auto") -> Plan:
+         tf32: bool = False, ln_fold: str = "auto", k_rope: str = "auto") -> Plan:
     """The regions to fuse. `ln_fold`: LayerNorm prologues where the whole model gains ("auto"), wherever
-    they apply ("on"), or never ("off")."""
+    they apply ("on"), or never ("off"). `k_rope`: K's rotary embedding in the attention kernel ("kernel"),
+    once before it ("once"), or where the whole model gains ("auto"; `_grow`)."""
     cost = cost or CostModel(tgt, tf32)
     check = check or lowering_check(tgt, tf32)
     found = norm_fold.candidates(g) if ln_fold != "off" else {}
     folds = {i: f for i, f in found.items() if isinstance(f, norm_fold.NormFold)}
     unfit = tuple(Reject(f"LayerNorm before {g.node_label(i)}", f) for i, f in found.items() if isinstance(f, str))
-    without = _grow(g, cost, check, {}) if ln_fold != "on" or not folds else None
+    without = _grow(g, cost, check, {}, k_rope) if ln_fold != "on" or not folds else None
     if not folds:
         assert without is not None
         return dataclasses.replace(without, refusals=without.refusals + unfit)
-    folded = _grow(g, cost, check, folds)
+    folded = _grow(g, cost, check, folds, k_rope)
     for _ in range(REGROWS):  # a fold whose GEMM went to ORT took its LayerNorm along: grow again without it
         kept = {i: f for i, f in folds.items() if any(i in r.nodes for r in folded.regions)}
         if len(kept) == len(folds):
@@ -133,10 +153,10 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
                           f"stays out")
         unfit += tuple(dropped(i, f) for i, f in folds.items() if i not in kept)
         folds = kept
-        folded = _grow(g, cost, check, folds)
+        folded = _grow(g, cost, check, folds, k_rope)
     if ln_fold == "on" or not folds:
         return dataclasses.replace(folded, refusals=folded.refusals + unfit)
-    without = without or _grow(g, cost, check, {})
+    without = without or _grow(g, cost, check, {}, k_rope)
     times = cost.plan_times(g, folded, without)
     if cost.pays(times):
         return dataclasses.replace(folded, refusals=folded.refusals + unfit)
@@ -145,7 +165,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     return dataclasses.replace(without, refusals=without.refusals + unfit + (why,))
 
 
-def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"]) -> Plan:
+def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"], k_rope: str) -> Plan:
     """The phases above, with `folds` (by anchor) as LayerNorm prologues. An attention region on CUDA cores
     (fp32: the kernel has no TF32 path; 16-bit heads not multiples of 16) that beats ORT's unfused ops may
     still lose to its nodes fused otherwise: its score ops and Softmax as a row kernel, P·V as a GEMM with
@@ -155,23 +175,50 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     whole-model estimate gains with it (`CostModel.attention_plan_verdict`). The tensor-core kernel was
     measured 2.4-4.3x faster than ORT's ops for its region (BERT fp16, 2026-11-26), and a second search per
     kind would cost half again the optimize time (SmolLM's decode step: 31 s to 49 s), so its kinds are not
-    tried both ways. --profile times each region against ORT's unfused ops instead."""
+    tried both ways. --profile times each region against ORT's unfused ops instead.
+
+    First, each kind whose K a rotary embedding rotates (`_Found.k_once`, with `k_rope` "auto") is tried with
+    K rotated once before the kernel, by whatever the search makes of the rotation's nodes, instead of by the
+    kernel on every K tile it loads (each of a head's query tiles, and each query head of a group, again):
+    the whole-model estimate decides (`CostModel.attention_us` charges the kernel's rotation per tile)."""
     refusals: list[Reject] = []
-    found = _attention(g, cost, check, refusals)
-    kept = [r for r, _ in found]
+    found = _attention(g, cost, check, refusals, k_rope)
+    kind_of = {r: f.kind for f in found for r in (f.region, f.k_once) if r is not None}
+    kept = [f.region for f in found]
     best = _grow_with(g, cost, check, folds, kept, list(refusals))
+    notes: list[Reject] = []
+    for kind in dict.fromkeys(f.kind for f in found if f.k_once is not None):
+        swap = {f.region: f.k_once for f in found if f.kind == kind and f.k_once is not None}
+        where = f"K's rotary embedding in the attention at {g.node_label(next(iter(swap)).nodes[0])}"
+        why = cost.rotation_trial(g, list(swap.items()))
+        if why:
+            notes.append(Reject(where, f"rotated by the kernel on every K tile it loads ({len(swap)} of this kind): "
+                                       f"{why}"))
+            continue
+        trial_kept = [swap.get(r, r) for r in kept]
+        trial = _grow_with(g, cost, check, folds, trial_kept, list(refusals))
+        times = cost.plan_times(g, trial, best)
+        if cost.pays(times):
+            notes.append(Reject(where, f"rotated once before the kernel, not by it on every K tile it loads ({len(swap)} "
+                                       f"of this kind): the whole model estimated at {cost.figures(times)}"))
+            best, kept = trial, trial_kept
+        else:
+            back = [(w, b, a) for w, a, b in times]
+            notes.append(Reject(where, f"rotated by the kernel on every K tile it loads, not once before it "
+                                       f"({len(swap)} of this kind): the whole model estimated at {cost.figures(back)}"))
+    best = dataclasses.replace(best, refusals=best.refusals + tuple(notes))
     if cost.attention_measured:
         return best
     declined: list[Reject] = []
-    for kind in dict.fromkeys(k for _, k in found):
-        mine = [r for r, k in found if k == kind]
+    for kind in dict.fromkeys(f.kind for f in found):
+        mine = [r for r in kept if kind_of[r] == kind]
         if attention_geometry(g, mine[0]).mma:
             continue
         without = _grow_with(g, cost, check, folds, [r for r in kept if r not in mine], list(refusals))
         why = cost.attention_plan_verdict(g, best, without, len(mine))
         if why:  # with the reasons of the kinds declined before this one (each trial starts without them)
             declined += [Reject(f"region at {g.node_label(r.nodes[0])}", why) for r in mine]
-            best = dataclasses.replace(without, refusals=without.refusals + tuple(declined))
+            best = dataclasses.replace(without, refusals=without.refusals + tuple(notes + declined))
             kept = [r for r in kept if r not in mine]
     return best
 

@@ -58,16 +58,16 @@ def rounded_operands(shapes, dtype: int, seed: int, scale: float = 0.3) -> list[
     return out
 
 
-def fused_parity(m: onnx.ModelProto, shapes, check_shapes, kinds, tf32: bool = False, dim_hints=()):
-    """Optimize `m` for sm_80 and sm_90 (`dim_hints`: `--dim-hint` pairs), assert the region kinds, and check
-    every kernel in CPU emulation against ORT CPU on the original model (random non-zero inputs). Returns the
-    OptimizeResult."""
+def fused_parity(m: onnx.ModelProto, shapes, check_shapes, kinds, tf32: bool = False, dim_hints=(), **options):
+    """Optimize `m` for sm_80 and sm_90 (`dim_hints`: `--dim-hint` pairs; `options`: more `Options` fields),
+    assert the region kinds, and check every kernel in CPU emulation against ORT CPU on the original model
+    (random non-zero inputs). Returns the OptimizeResult."""
     from ortfuse.api import compile_model
     from ortfuse.check import check_models
     from ortfuse.config import Options
 
     res = compile_model(m, shapes, "sm_80,sm_90", options=Options(archs=(80, 90), tf32=tf32,
-                                                                  dim_hints=tuple(dim_hints)))
+                                                                  dim_hints=tuple(dim_hints), **options))
     got = sorted(r.kind for r in res.plan.regions)
     assert got == sorted(kinds), (got, [str(r) for r in res.plan.refusals])
     for ck in (k.compiled for k in res.kernels):

@@ -68,3 +68,37 @@ def test_a_rotation_other_than_rotate_half_is_not_absorbed():
     res = fused_parity(m, rope_shapes(4, 2, 64, "batch", "seq"), rope_shapes(4, 2, 64, 2, 37),
                        ["attention", "pointwise", "pointwise"])
     assert "rope(" not in next(k for k in res.kernels if k.region.kind == "attention").compiled.source
+
+
+@pytest.mark.parametrize("dt,head,rot", [(H, 64, 0), (F, 64, 0), (H, 64, 32)])
+def test_k_rotated_once_before_the_kernel(dt, head, rot):
+    # --k-rope once: K's rotation is a kernel of its own (K read and written once), the attention reads the
+    # rotated K and rotates only Q's rows
+    m = rope_attention(dt, head=head, rot=rot)
+    for b, s in ((2, 37), (1, 100)):
+        res = fused_parity(m, rope_shapes(4, 2, head, "batch", "seq", rot), rope_shapes(4, 2, head, b, s, rot),
+                           ["attention", "pointwise"], dim_hints=[("seq", 64)] if dt == F else (), k_rope="once")
+    att = next(r for r in res.plan.regions if r.kind == "attention")
+    rot_ops = next(r for r in res.plan.regions if r.kind == "pointwise")
+    assert [res.graph.nodes[i].op_type for i in att.nodes].count("Neg") == 1
+    assert [res.graph.nodes[i].op_type for i in rot_ops.nodes].count("Neg") == 1
+    assert res.kernels[[k.region.kind for k in res.kernels].index("attention")].compiled.source.count(
+        "rope(const OfzArgs&") == 1
+    assert not any(r.subject.startswith("K's rotary") for r in res.plan.refusals)  # nothing was weighed
+
+
+@pytest.mark.parametrize("seq,once", [(64, False), (4096, True)])
+def test_the_estimate_rotates_k_once_for_long_prompts(seq, once):
+    # --k-rope auto: each of a head's Sq / 64 query tiles (and each of a group's 2 query heads) rotates every K
+    # tile again in the kernel; one rotation kernel costs a launch and K's traffic. At 64 rows a head that is
+    # not worth even trying; at 4096 the whole model gains with K rotated once (our kernel's plans only: there
+    # the estimate would hand the attention to ORT's MultiHeadAttention)
+    m = rope_attention(H, head=64)
+    res = fused_parity(m, rope_shapes(4, 2, 64, "batch", "seq"), rope_shapes(4, 2, 64, 2, 37),
+                       ["attention", "pointwise"] if once else ["attention"], dim_hints=[("seq", seq)],
+                       ort_attention="off")
+    (note,) = [r for r in res.plan.refusals if r.subject.startswith("K's rotary")]
+    if once:
+        assert note.reason.startswith("rotated once before the kernel") and "whole model estimated" in note.reason
+    else:
+        assert "launches and K traffic of rotating K once" in note.reason

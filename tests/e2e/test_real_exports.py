@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from ortfuse.api import compile_model  # noqa: E402
 from ortfuse.check import check_models  # noqa: E402
+from ortfuse.config import Options  # noqa: E402
 from ort_accepts import assert_ort_accepts  # noqa: E402
 
 
@@ -71,10 +72,27 @@ def test_exported_llama(zoo, dtype):
     assert len(gated) == 2 and all(o.count("Slice") == 2 for o in gated) == (dtype == "fp16"), ops
     left = {n.op_type for n in res.model.graph.node}
     assert not {"Slice", "Expand"} & left, left  # rotate_half's run in the kernels, repeat_kv in attention's
-    # Q, K and V from one packed MatMul, split inside the attention kernel: a layer leaves ORT the
+    # Q, K and V from one packed MatMul, sliced inside the attention kernel: a layer leaves ORT the
     # QKV, output and down projections, and (fp32, whose gated pairs would need tensor cores) gate|up packed
     assert sum(n.op_type == "MatMul" for n in res.model.graph.node) == 2 * (3 if dtype == "fp16" else 4) + 1
     assert all(o.count("Expand") == 2 for o in att), att  # K and V read at their own heads
+    rep = check_models(path, res.model, emulate=True)
+    assert rep.ok, "\n".join(rep.lines())
+    assert len(rep.kernels) == len(res.kernels)
+
+
+def test_exported_llama_with_k_rotated_once(zoo):
+    # --k-rope once (what the estimate picks for long prompts): the packed QKV projection's K Slice read by
+    # K's rotation kernel, Q's and V's by the attention kernel, which rotates Q's rows only
+    path = zoo.build("llama", dtype="fp16", tiny=True)
+    res = compile_model(path, None, "sm_90", options=Options(archs=(90,), k_rope="once"))
+    ops = [[res.graph.nodes[i].op_type for i in r.nodes] for r in res.plan.regions]
+    att = [o for o in ops if "Softmax" in o]
+    rot = [o for o in ops if "Neg" in o and "Softmax" not in o]
+    # Q's and V's parts of the packed result, rotate_half's two of Q
+    assert len(att) == len(rot) == 2 and all(o.count("Neg") == 1 and o.count("Slice") == 4 for o in att), att
+    assert all(o.count("Slice") == 3 for o in rot), rot  # K's part of the packed result, rotate_half's two
+    assert not {"Slice", "Split", "Neg"} & {n.op_type for n in res.model.graph.node}
     rep = check_models(path, res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
     assert len(rep.kernels) == len(res.kernels)

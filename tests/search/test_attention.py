@@ -410,3 +410,23 @@ def test_a_causal_rule_over_iotas_is_computed_in_the_kernel_unless_shared(layers
         ops_in = [g.nodes[i].op_type for i in p.nodes]
         assert (ops_in.count("Range") == 2) == (not shared)
         assert p.extra_inputs == (("bias",) if shared else ())
+
+
+def test_k_rope_outside_is_the_pattern_without_k_rotation():
+    # the variant the search weighs (--k-rope): K's path stops at its rotary embedding's output, which the
+    # kernel reads as K; Q's rotation stays in; `pattern_of` finds either by its nodes
+    from helpers import rope_attention
+    from ortfuse.search.attention import k_rope_outside, pattern_of
+
+    g, _ = fold_runtime_shapes(build_graph(rope_attention(TP.FLOAT16), {}))
+    (pat,), _ = find_attention(g)
+    alt = k_rope_outside(g)[pat.softmax]
+    assert pat.k_rope is not None and alt.k_rope is None and alt.q_rope == pat.q_rope
+    assert alt.k == pat.k_rope.out == "k" and pat.k == "xk"
+    left = {g.nodes[i].name or g.nodes[i].op_type for i in set(pat.nodes) - set(alt.nodes)}
+    assert len(left) == 8 and set(alt.nodes) < set(pat.nodes), left  # K's 7 rotation nodes and its Transpose
+    assert pattern_of(g, alt.nodes) == alt and pattern_of(g, pat.nodes) == pat
+    assert pattern_of(g, pat.nodes[1:]) is None
+    # a rotated K that is also returned (a KV cache's present key) is outside the pattern already
+    g2, _ = fold_runtime_shapes(build_graph(rope_attention(TP.FLOAT16, k_out=True), {}))
+    assert not k_rope_outside(g2)

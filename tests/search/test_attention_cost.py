@@ -135,3 +135,27 @@ def test_fp32_attention_left_to_ort_keeps_parity():
     res = fused_parity(m, {}, {"x": (2, 9, 2304), "mask": (2, 1, 1, 9)},
                        ["gemm", "pointwise", "pointwise", "pointwise", "rowreduce"], dim_hints=[("seq", 197)])
     assert any("attention kernel estimated" in r.reason for r in res.plan.refusals)
+
+
+def test_k_rotation_in_the_kernel_is_charged_per_tile():
+    # rotating K in the kernel costs each unit Target.attn_rope_pair_clocks per pair of a K tile it loads: at
+    # 64 query rows a head that is under a rotation kernel's launch and traffic at both batch sizes (not worth
+    # a second search), at 1024 rows (16 units a head, 16 tiles each) over it at batch 32
+    from helpers import rope_attention
+    from ortfuse.search.attention import k_rope_outside
+
+    cm = CostModel(H100)
+    saved = {}
+    for seq in (64, 1024):
+        g, _ = fold_runtime_shapes(build_graph(rope_attention(TP.FLOAT16), {}, {"seq": seq}))
+        (pat,), _ = find_attention(g)
+        alt = k_rope_outside(g)[pat.softmax]
+        inside, once = (Region(0, "attention", p.nodes, tuple(legal.region_io(g, set(p.nodes))[0]), (p.output,), (),
+                               Traffic(0, 0, 0)) for p in (pat, alt))
+        geo = attention_geometry(g, inside)
+        assert geo.rope_pairs == geo.block_n * 32 and attention_geometry(g, once).rope_pairs == 0
+        saved[seq] = cm.attention_us(g, dataclasses.replace(inside, traffic=traffic(g, inside))) - \
+            cm.attention_us(g, dataclasses.replace(once, traffic=traffic(g, once)))
+        why = cm.rotation_trial(g, [(inside, once)])
+        assert (why is None) == (seq == 1024), (seq, why)
+    assert 0 < saved[64] < H100.launch_us and saved[64] < saved[1024], saved  # (batch 1)
