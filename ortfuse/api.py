@@ -355,8 +355,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         say(note)
     # a Split an attention pattern reads through is kept whether or not the pattern's region is taken: with
     # Slices instead, ORT's alternative to the region gains three Slice kernels, and the estimate then takes
-    # the attention the Split form leaves to ORT (ViT-B fp32)
-    graph, packed = pack_sibling_gemms(graph, absorbed_selects, fused_outputs)
+    # the attention the Split form leaves to ORT (ViT-B fp32); not one whose K may leave the attention for its
+    # rotary embedding (`absorbed_selects`)
+    graph, packed = pack_sibling_gemms(graph, lambda g: absorbed_selects(g, opts.k_rope), fused_outputs)
     graph = compact(graph)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")

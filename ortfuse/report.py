@@ -62,8 +62,8 @@ def summary(r: OptimizeResult) -> str:
         note.append(f"rotary embeddings:    {ropes} applied by the attention kernels to the Q and K rows they load")
     outside = sum(1 for p in pats if p is not None and p.softmax in k_rope_outside(g) and p.k_rope is None)
     if outside:
-        note.append(f"rotated keys:         {outside} attention kernels read K rotated once by a kernel before "
-                    "them (not per query tile)")
+        note.append(f"rotated keys:         {outside} attention kernels read K rotated once before them (not on "
+                    "every K tile they load)")
     folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
     if folds:
         note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")

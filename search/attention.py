@@ -129,12 +129,13 @@ def _find(g: Graph, sm: int, k_rope: bool) -> AttentionPattern:
     return pat
 
 
-def absorbed_selects(g: Graph) -> set[str]:
-    """Names of the Split/Slice nodes that an attention pattern reads through (they cost no kernel), and that
-    it still reads through with K's rotary embedding outside it (`k_rope_outside`): a packed projection's
-    Split that K leaves for its rotation is better as a Slice per result (`rewriter.gemm_packing`), so the
-    rotation's kernel reads K through its own Slice where the search takes it out of the attention."""
-    outside = k_rope_outside(g)
+def absorbed_selects(g: Graph, k_rope: str = "auto") -> set[str]:
+    """Names of the Split/Slice nodes that an attention pattern reads through (they cost no kernel), and,
+    unless K's rotary embedding stays in the kernel (`k_rope` "kernel", `--k-rope`), that it still reads
+    through with the rotation outside it (`k_rope_outside`): a packed projection's Split that K leaves for
+    its rotation is better as a Slice per result (`rewriter.gemm_packing`), so the rotation's kernel reads K
+    through its own Slice where the search takes it out of the attention."""
+    outside = k_rope_outside(g) if k_rope != "kernel" else {}
     return {g.nodes[i].name for p in find_attention(g)[0] for i in outside.get(p.softmax, p).nodes
             if g.nodes[i].op_type in SELECT_OPS and i in p.nodes}
 

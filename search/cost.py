@@ -49,17 +49,18 @@ def read_bytes(g: Graph, readers: list[onnx.NodeProto], t: str) -> int:
     their outputs' size."""
     users = [n for n in readers if t in n.input]
     if users and all(list(n.input).index(t) == 0 and t not in n.input[1:] and
-                     (n.op_type == "Gather" or _unit_slice(g, n)) for n in users):
+                     (n.op_type == "Gather" or _unit_slice(g, n)) and
+                     n.output[0] in g.tensors and g.tensors[n.output[0]].shape is not None for n in users):
         return min(tensor_bytes(g, t), sum(tensor_bytes(g, n.output[0]) for n in users))
     return tensor_bytes(g, t)
 
 
 def _unit_slice(g: Graph, n: onnx.NodeProto) -> bool:
-    """A Slice (opset 10+: bounds as inputs) whose steps are all 1."""
+    """A Slice (opset 10+: bounds as inputs) whose steps are all 1 or -1 (contiguous blocks)."""
     if n.op_type != "Slice" or n.domain not in ("", "ai.onnx") or len(n.input) < 3:
         return False
     steps = n.input[4] if len(n.input) > 4 else ""
-    return not steps or steps in g.constants and bool(np.all(np.asarray(g.constants[steps]) == 1))
+    return not steps or steps in g.constants and bool(np.all(np.abs(np.asarray(g.constants[steps])) == 1))
 
 
 def node_bytes(g: Graph, n: onnx.NodeProto) -> int:

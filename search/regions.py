@@ -99,29 +99,31 @@ def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject], 
     """Each attention pattern that lowers and whose kernel the cost model prefers to ORT's unfused ops (fp32
     attention runs on CUDA cores in ours, on TF32 MatMuls in ORT), or every one where `--profile` measures
     both. The nodes of one refused stay free for the phases after. `k_rope`: a K rotated by a rotary
-    embedding is rotated in the kernel ("kernel"), once before it ("once"), or either ("auto")."""
+    embedding is rotated in the kernel ("kernel"), once before it ("once"; in the kernel where only that
+    form is taken), or either ("auto")."""
     found, rejects = find_attention(g)
     refusals.extend(rejects)
     outside = k_rope_outside(g) if k_rope != "kernel" else {}
     out = []
     for pat in found:
         alt = outside.get(pat.softmax)
-        r = attention_region(g, pat, check) if k_rope != "once" or alt is None else None
-        k_once = attention_region(g, alt, check) if alt is not None else None
-        if not isinstance(r, Region) and isinstance(k_once, Region):  # the rotation outside is all that lowers
-            r, k_once = k_once, None
-        if not isinstance(r, Region):
-            refusals.append(r if isinstance(r, Reject) else k_once)
+        forms = [pat] if alt is None else [alt, pat] if k_rope == "once" else [pat, alt]
+        taken: list[Region] = []
+        why: list[Reject] = []
+        for p in forms:
+            r = attention_region(g, p, check)
+            if isinstance(r, Region) and not cost.attention_measured:
+                r = cost.verdict(g, r) or r
+            if isinstance(r, Region):
+                taken.append(r)
+            else:
+                why.append(r)
+        if not taken:  # (each form's reason once)
+            refusals.extend(dict.fromkeys(why))
             continue
-        priced = None if cost.attention_measured else cost.verdict(g, r)
-        if priced:
-            refusals.append(priced)
-            continue
-        if isinstance(k_once, Region) and not cost.attention_measured and cost.verdict(g, k_once):
-            k_once = None
         ts = (*g.nodes[pat.qk].input[:2], g.nodes[pat.pv].input[1])
         kind = tuple((tuple(g.tensors[t].shape or ()), g.tensors[t].dtype) for t in ts)
-        out.append(_Found(r, kind, k_once if isinstance(k_once, Region) else None))
+        out.append(_Found(taken[0], kind, taken[1] if len(taken) > 1 and k_rope == "auto" else None))
     return out
 
 
@@ -186,27 +188,27 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     kind_of = {r: f.kind for f in found for r in (f.region, f.k_once) if r is not None}
     kept = [f.region for f in found]
     best = _grow_with(g, cost, check, folds, kept, list(refusals))
-    notes: list[Reject] = []
+    notes: dict[tuple, Reject] = {}  # by kind: where K is rotated, and why
     for kind in dict.fromkeys(f.kind for f in found if f.k_once is not None):
         swap = {f.region: f.k_once for f in found if f.kind == kind and f.k_once is not None}
         where = f"K's rotary embedding in the attention at {g.node_label(next(iter(swap)).nodes[0])}"
         why = cost.rotation_trial(g, list(swap.items()))
         if why:
-            notes.append(Reject(where, f"rotated by the kernel on every K tile it loads ({len(swap)} of this kind): "
-                                       f"{why}"))
+            notes[kind] = Reject(where, f"rotated by the kernel on every K tile it loads ({len(swap)} of this kind): "
+                                        f"{why}")
             continue
         trial_kept = [swap.get(r, r) for r in kept]
         trial = _grow_with(g, cost, check, folds, trial_kept, list(refusals))
         times = cost.plan_times(g, trial, best)
         if cost.pays(times):
-            notes.append(Reject(where, f"rotated once before the kernel, not by it on every K tile it loads ({len(swap)} "
-                                       f"of this kind): the whole model estimated at {cost.figures(times)}"))
+            notes[kind] = Reject(where, f"rotated once before the kernel, not by it on every K tile it loads "
+                                        f"({len(swap)} of this kind): the whole model estimated at {cost.figures(times)}")
             best, kept = trial, trial_kept
         else:
             back = [(w, b, a) for w, a, b in times]
-            notes.append(Reject(where, f"rotated by the kernel on every K tile it loads, not once before it "
-                                       f"({len(swap)} of this kind): the whole model estimated at {cost.figures(back)}"))
-    best = dataclasses.replace(best, refusals=best.refusals + tuple(notes))
+            notes[kind] = Reject(where, f"rotated by the kernel on every K tile it loads, not once before it "
+                                        f"({len(swap)} of this kind): the whole model estimated at {cost.figures(back)}")
+    best = dataclasses.replace(best, refusals=best.refusals + tuple(notes.values()))
     if cost.attention_measured:
         return best
     declined: list[Reject] = []
@@ -218,7 +220,8 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
         why = cost.attention_plan_verdict(g, best, without, len(mine))
         if why:  # with the reasons of the kinds declined before this one (each trial starts without them)
             declined += [Reject(f"region at {g.node_label(r.nodes[0])}", why) for r in mine]
-            best = dataclasses.replace(without, refusals=without.refusals + tuple(notes + declined))
+            notes.pop(kind, None)  # (no attention kernel of this kind rotates K)
+            best = dataclasses.replace(without, refusals=without.refusals + tuple(notes.values()) + tuple(declined))
             kept = [r for r in kept if r not in mine]
     return best
 

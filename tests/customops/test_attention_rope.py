@@ -102,3 +102,12 @@ def test_the_estimate_rotates_k_once_for_long_prompts(seq, once):
         assert note.reason.startswith("rotated once before the kernel") and "whole model estimated" in note.reason
     else:
         assert "launches and K traffic of rotating K once" in note.reason
+
+
+def test_k_rope_kernel_keeps_the_rotation_in_the_kernel():
+    # --k-rope kernel: no second form weighed, whatever the estimate would say (4096 rows: once, above)
+    m = rope_attention(H, head=64)
+    res = fused_parity(m, rope_shapes(4, 2, 64, "batch", "seq"), rope_shapes(4, 2, 64, 2, 37), ["attention"],
+                       dim_hints=[("seq", 4096)], ort_attention="off", k_rope="kernel")
+    assert not any(r.subject.startswith("K's rotary") for r in res.plan.refusals)
+    assert res.kernels[0].compiled.source.count("rope(const OfzArgs&") == 2

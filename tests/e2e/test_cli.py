@@ -270,6 +270,20 @@ def test_ort_attention_switch(tmp_path, monkeypatch, capsys):
     _bad_setting(monkeypatch, capsys, src, tmp_path, "ORTFUSE_ORT_ATTENTION", "maybe", "ORT attention mode 'maybe'")
 
 
+def test_k_rope_switch(tmp_path, monkeypatch, capsys):
+    # --k-rope once gives K's rotation a kernel of its own (the summary says so), kernel keeps it in the
+    # attention kernel; a bad ORTFUSE_K_ROPE is one line and exit 2
+    from helpers import rope_attention
+    src = _save(rope_attention(TP.FLOAT16), tmp_path / "rope.onnx")
+    for mode, fused in (("once", 2), ("kernel", 1)):
+        dst = tmp_path / f"{mode}.onnx"
+        capsys.readouterr()
+        assert main(["optimize", str(src), str(dst), "--k-rope", mode, "--ort-attention", "off"]) == 0
+        assert sum(n.domain == "ortfuse" for n in onnx.load(str(dst)).graph.node) == fused
+        assert ("attention kernels read K rotated once" in capsys.readouterr().out) == (mode == "once")
+    _bad_setting(monkeypatch, capsys, src, tmp_path, "ORTFUSE_K_ROPE", "twice", "K rotation mode 'twice'")
+
+
 def _bad_setting(monkeypatch, capsys, src, tmp_path, env: str, value: str, says: str) -> None:
     """A bad setting in the environment: one line naming it, exit status 2."""
     monkeypatch.setenv(env, value)

@@ -199,10 +199,21 @@ def test_rotary_embeddings_inside_attention_on_gpu(dt, head, rot, monkeypatch):
     # loads (session 23, CPU only until now)
     _kernel_whatever_the_estimate(monkeypatch)
     m = rope_attention(dt, head=head, rot=rot)
-    res = compile_model(m, None, "sm_90")
+    res = compile_model(m, None, "sm_90", Options(archs=(90,), k_rope="kernel"))
     assert [r.kind for r in res.plan.regions] == ["attention"]
     for b, s in ((1, 128), (3, 77)):
         rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, head, b, s, rot))
+        assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt,rot", [(H, 0), (H, 32)])
+def test_k_rotated_once_before_attention_on_gpu(dt, rot):
+    # --k-rope once: K's rotation its own kernel, Q's in the attention kernel (session 43, CPU only until now)
+    m = rope_attention(dt, head=64, rot=rot)
+    res = compile_model(m, None, "sm_90", Options(archs=(90,), k_rope="once", ort_attention="off"))
+    assert sorted(r.kind for r in res.plan.regions) == ["attention", "pointwise"]
+    for b, s in ((1, 128), (3, 77)):
+        rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, 64, b, s, rot))
         assert rep.ok, "\n".join(rep.lines())
 
 

@@ -85,6 +85,27 @@ def test_traffic_hand_computed():
     assert traffic(g, r) == r.traffic
 
 
+@pytest.mark.parametrize("steps,blocks", [(None, True), ([1], True), ([-1], True), ([2], False)])
+def test_a_tensor_read_through_slices_costs_their_blocks(steps, blocks):
+    # K's columns of a packed QKV result [64, 960] fp16 (192 of 960): unit-step Slices (or reversed) read
+    # their blocks of each row, a Slice of step 2 every sector of its span, charged as the whole tensor
+    from ortfuse.search.cost import read_bytes
+    H = TP.FLOAT16
+    st, en = ([576], [768]) if steps != [-1] else ([767], [575])
+    ins = ["x", "st", "en", "ax"] + (["sp"] if steps else [])
+    m = model([node("Slice", ins, ["k"]), node("Neg", ["k"], ["y"])], [vi("x", H, [64, 960])], [vi("y", H, None)],
+              [const("st", st, np.int64), const("en", en, np.int64), const("ax", [1], np.int64)] +
+              ([const("sp", steps, np.int64)] if steps else []))
+    g = build_graph(m, {})
+    cols = 192 if steps != [2] else 96
+    assert read_bytes(g, list(g.nodes), "x") == 64 * (cols if blocks else 960) * 2
+    # an opset-9 Slice (bounds as attributes) is charged the whole tensor
+    m9 = model([node("Slice", ["x"], ["k"], starts=[576], ends=[768], axes=[1]), node("Neg", ["k"], ["y"])],
+               [vi("x", H, [64, 960])], [vi("y", H, None)], opset=9)
+    g9 = build_graph(m9, {})
+    assert read_bytes(g9, list(g9.nodes), "x") == 64 * 960 * 2
+
+
 def test_outputs_of_different_shapes_refuse_merge():
     m = model([node("Relu", ["x"], ["a"]), node("Reshape", ["a", "shp"], ["b"]), node("Exp", ["b"], ["c"])],
               [vi("x", F, [4, 8])], [vi("a", F, None), vi("c", F, None)], [const("shp", [32], np.int64)])
