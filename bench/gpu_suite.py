@@ -77,11 +77,9 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
     return {"ok": False, "note": f"{type(err).__name__}: {err}"}
 
 
-def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = None,
-              layout: str | None = None, ort_attention: str | None = None) -> dict[str, Any]:
-  """`pdl`, `layout`, `ort_attention`: override those Options (a second build, written beside the first)."""
-  tag = ('' if pdl is None else '.pdl' if pdl else '.nopdl') + ('' if layout is None else f'.layout-{layout}') \
-      + ('' if ort_attention is None else f'.ort-attention-{ort_attention}')
+def _optimize(src: Path, work: Path, profile: bool = True, **overrides: Any) -> dict[str, Any]:
+  """`overrides`: Options fields set otherwise (a second build, written beside the first), e.g. layout="model"."""
+  tag = "".join(f".{k.replace('_', '-')}-{v}" for k, v in overrides.items())
   out = work / f"{src.stem}{tag}.ortfuse.onnx"
   try:
     import onnx
@@ -96,12 +94,7 @@ def _optimize(src: Path, work: Path, profile: bool = True, pdl: bool | None = No
     meta = zoo.read_sidecar(src)
     shapes = zoo.fixed_image_shapes(proto, meta)
     opts = Options(archs=_archs(arch), profile=profile, dim_hints=zoo.dim_hints(proto, meta, shapes))
-    if pdl is not None:
-      opts = dataclasses.replace(opts, pdl=pdl)
-    if layout is not None:
-      opts = dataclasses.replace(opts, layout=layout)
-    if ort_attention is not None:
-      opts = dataclasses.replace(opts, ort_attention=ort_attention)
+    opts = dataclasses.replace(opts, **overrides)
     res = compile_model(str(src), shapes, arch, options=opts)
     seconds = time.perf_counter() - start
     model = res.stubbed  # (its weights stay in the store; `save` streams them out)
@@ -208,13 +201,11 @@ def variant_label(profile: bool = True) -> str:
 def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, work: Path, tiny: bool,
               run_tests: bool, variants: str | None, exporter: str = "torchscript",
               kernels: bool = False, sweep: bool = False, profile: bool = True,
-              beside_pdl: bool = False, beside_layout: str | None = None,
-              beside_ort_attention: str | None = None) -> dict[str, Any]:
+              beside: dict[str, Any] | None = None) -> dict[str, Any]:
   """`profile`: optimize with --profile (measured placement and tiles); without it the rows read
   'NAME no-profile' (the default build: the cost model's placement, the tile model's kernel variants).
-  `beside_pdl`: also build with programmatic dependent launches toggled (`--pdl` against the build's
-  default), timed in the same run as the harness's ortfuse-beside rows; `beside_layout`: also build with
-  that `--layout` mode, the same way; `beside_ort_attention`: with that `--ort-attention` mode."""
+  `beside`: Options fields for a second build (e.g. {"layout": "model"}, {"pdl": True}), timed in the same
+  run as the harness's ortfuse-beside rows."""
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
   report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "env": harness._env(), "entries": []}
@@ -244,22 +235,12 @@ def run_suite(out: Path, models: list[str], dtypes: list[str], batches: str, wor
       start = time.perf_counter()
       entry["parity"] = _parity(src, Path(opt)) if opt else {"ok": None, "note": "no optimized model"}
       entry["parity_s"] = round(time.perf_counter() - start, 1)  # where a step's time goes (device time is scarce)
-      beside = None
-      if beside_pdl and opt:
-        from ortfuse.config import Options
-        entry["beside"] = {"label": "pdl" if not Options().pdl else "no pdl",
-                           **_optimize(src, work, profile, pdl=not Options().pdl)}
-        beside = entry["beside"].get("path")
-      elif beside_layout and opt:
-        entry["beside"] = {"label": f"--layout {beside_layout}",
-                           **_optimize(src, work, profile, layout=beside_layout)}
-        beside = entry["beside"].get("path")
-      elif beside_ort_attention and opt:
-        entry["beside"] = {"label": f"--ort-attention {beside_ort_attention}",
-                           **_optimize(src, work, profile, ort_attention=beside_ort_attention)}
-        beside = entry["beside"].get("path")
+      other = None
+      if beside and opt:
+        entry["beside"] = {"label": beside_label(beside), **_optimize(src, work, profile, **beside)}
+        other = entry["beside"].get("path")
       start = time.perf_counter()
-      entry["bench"] = _bench(src, opt, batches, work, variants, beside)
+      entry["bench"] = _bench(src, opt, batches, work, variants, other)
       entry["bench_s"] = round(time.perf_counter() - start, 1)
       if kernels:
         entry["kernels"] = _kernels(src, work, batches)
@@ -369,6 +350,12 @@ def render(report: dict[str, Any], results: bool = False) -> str:
   return "\n".join(lines) + "\n"
 
 
+def beside_label(overrides: dict[str, Any]) -> str:
+  """The second build's name in the report: its options as flags ("pdl", "no pdl", "--layout model")."""
+  return ", ".join(("pdl" if v else "no pdl") if k == "pdl" else f"--{k.replace('_', '-')} {v}"
+                   for k, v in overrides.items())
+
+
 def beside_lines(report: dict[str, Any]) -> list[str]:
   """Each entry's second build (`--beside-pdl`, `--beside-layout`) against its first, same run: median ms and the
   ratio."""
@@ -470,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--beside-ort-attention", choices=("auto", "on", "off"),
                  help="also build each model with this --ort-attention mode and time it in the same run (harness "
                       "--beside): 'built with --ort-attention MODE beside the row's build' lines")
+  p.add_argument("--beside-k-rope", choices=("auto", "kernel", "once"),
+                 help="also build each model with this --k-rope mode and time it in the same run (harness "
+                      "--beside): 'built with --k-rope MODE beside the row's build' lines")
   p.add_argument("--pdl", action="store_true",
                  help="optimize with programmatic dependent launches (sets ORTFUSE_PDL=1); rows read 'NAME pdl'")
   p.add_argument("--no-profile", action="store_true",
@@ -495,9 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     zoo.wheel_dir().mkdir(parents=True, exist_ok=True)
     for whl in args.wheels.glob("*.whl"):
       shutil.copy2(whl, zoo.wheel_dir() / whl.name)
+  from ortfuse.config import Options
+  beside = {"pdl": not Options().pdl} if args.beside_pdl else {"layout": args.beside_layout} if args.beside_layout \
+      else {"ort_attention": args.beside_ort_attention} if args.beside_ort_attention \
+      else {"k_rope": args.beside_k_rope} if args.beside_k_rope else None
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
-                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, args.beside_pdl,
-                     args.beside_layout, args.beside_ort_attention)
+                     args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, beside)
   _write(args.out, report)
   print((args.out / "report.md").read_text())
   return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+import onnx
+
 from ortfuse.bench import gpu_suite, harness, zoo
 
 
@@ -117,3 +119,21 @@ def test_the_report_says_where_each_rows_time_went():
   text = gpu_suite.render({"entries": [entry]})
   assert "- seconds: build 23.0, optimize 20.8, parity 9.1, bench 40.2" in text
   assert "seconds:" not in gpu_suite.render({"entries": [entry]}, results=True)
+
+
+def test_a_beside_build_is_named_by_its_options(tmp_path, monkeypatch):
+  # the second build's Options overrides name it in the report and reach its compile
+  from helpers import model, node, vi
+  assert gpu_suite.beside_label({"pdl": True}) == "pdl" and gpu_suite.beside_label({"pdl": False}) == "no pdl"
+  assert gpu_suite.beside_label({"k_rope": "once"}) == "--k-rope once"
+  assert gpu_suite.beside_label({"ort_attention": "off"}) == "--ort-attention off"
+  seen = {}
+
+  def fake_compile(src, shapes, arch, options):
+    seen["k_rope"] = options.k_rope
+    raise RuntimeError("stopped after the options")
+  monkeypatch.setattr("ortfuse.api.compile_model", fake_compile)
+  src = tmp_path / "m.onnx"
+  onnx.save(model([node("Relu", ["x"], ["y"])], [vi("x", 1, [2])], [vi("y", 1, None)]), str(src))
+  got = gpu_suite._optimize(src, tmp_path, False, k_rope="once")
+  assert seen == {"k_rope": "once"} and "stopped after the options" in got["note"], got
