@@ -124,11 +124,12 @@ class Target:
     attn_split_clocks: float = 13170.0
     # A K row's rotary embedding applied by the kernel (rotate_rows, on every K tile each unit loads), in issue
     # clocks per rotated pair and thread: sm_90 SASS of SmolLM's fp16 prompt kernel (2026-11-29, not timed),
-    # 231 instructions an iteration of 4 pairs (the cos and sin of both columns loaded, 64-bit index math).
-    # Each of a block's 4 warps issues its pairs on its own scheduler, so a tile's pairs over THREADS add
-    # about that many clocks to a block's chain and to an SM's time alike (16 a thread: ~930 beside a tile's
-    # 6040 / 4000). An estimate from instruction counts, never measured on a GPU.
-    attn_rope_pair_clocks: float = 58.0
+    # 97 instructions an iteration of 4 pairs (16 LDG of cos and sin, 8 LDS and STS, 24 conversions, 16 FMUL /
+    # FFMA; 231 before each thread kept one column pair). Each of a block's 4 warps issues its pairs on its
+    # own scheduler, so a tile's pairs over THREADS add about that many clocks to a block's chain and to an
+    # SM's time alike (16 a thread: ~390 beside a tile's 6040 / 4000). An estimate from instruction counts,
+    # never measured on a GPU.
+    attn_rope_pair_clocks: float = 24.0
     # ORT's MultiHeadAttention (com.microsoft; `rewriter.mha`), in us: fixed + per 64-key tile of a query
     # row's keys + FLOPs (2 B N Sq Sk (D + Dv)) at a rate, for each path ORT takes. Fitted through bench/kernels'
     # device times (L2 flushed; docs/gpu 2026-11-26 H100 s20 and H200 s14, 2026-11-27 H100 s31), each class

@@ -94,18 +94,26 @@ template <class L> struct HasRope<L, decltype((void)&L::rope)> { static constexp
 // Rows s0 .. s0+ROWS-1 of Q or K in shared memory (LD elements apart), rotated in place: columns c and c + H
 // (H = L::rope_half(): D / 2, or R / 2 where only the first R columns rotate) are a pair, each rotated from
 // both (L::rope). Rows at or past `limit` (zero-filled) are left alone. The block's threads share the pairs;
-// the caller synchronizes before and after.
+// the caller synchronizes before and after. Where H divides NT (rotate_half's D / 2 = 32 or 64 of 128
+// threads) each thread keeps one column pair and steps over rows: no division, no per-pair bound branch.
 template <class E, int ROWS, int D, int LD, int NT, class L>
 __device__ __forceinline__ void rotate_rows(E* rows, const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s0,
                                             ofz_i64 limit) {
   const int H = (int)L::rope_half(a);  // a printed constant
-  for (int e = threadIdx.x; e < ROWS * H; e += NT) {
-    const int r = e / H, c = e % H;
-    if (s0 + r >= limit) continue;
+  auto pair = [&](int r, int c) {
     E* const row = rows + r * LD;
     const float x0 = to_f32(row[c]), x1 = to_f32(row[c + H]);
     row[c] = from_f32<E>(L::rope(a, b, h, s0 + r, c, x0, x1));
     row[c + H] = from_f32<E>(L::rope(a, b, h, s0 + r, c + H, x1, x0));
+  };
+  if (NT % H == 0) {
+    const int n = (int)(limit - s0 < ROWS ? limit - s0 : ROWS), c = (int)(threadIdx.x % (unsigned)H);
+    for (int r = (int)(threadIdx.x / (unsigned)H); r < n; r += NT / H) pair(r, c);
+    return;
+  }
+  for (int e = threadIdx.x; e < ROWS * H; e += NT) {
+    const int r = e / H, c = e % H;
+    if (s0 + r < limit) pair(r, c);
   }
 }
 
