@@ -117,6 +117,20 @@ __device__ __forceinline__ void rotate_rows(E* rows, const OfzArgs& a, ofz_i64 b
   }
 }
 
+// f(r, c) for each element of a ROWS x W tile, shared by the block's NT threads. Where W divides NT each thread
+// keeps one column and steps over rows (no division; a row's address advances by a fixed stride), else the
+// elements are dealt out in order.
+template <int ROWS, int W, int NT, class F>
+__device__ __forceinline__ void for_tile(F&& f) {
+  if constexpr (NT % W == 0) {
+    const int c = (int)(threadIdx.x % (unsigned)W);
+#pragma unroll 4
+    for (int r = (int)(threadIdx.x / (unsigned)W); r < ROWS; r += NT / W) f(r, c);
+  } else {
+    for (int e = threadIdx.x; e < ROWS * W; e += NT) f(e / W, e % W);
+  }
+}
+
 // ---- SIMT: any head size up to 128, any storage type -------------------------------------------------------
 // G = ROW_THREADS threads of one warp share a query row: each computes BLOCK_N / G of its scores per key
 // tile and owns DV / G of its output columns (column g + G * c). Q, K, V tiles sit in static shared memory
@@ -147,10 +161,10 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
     const ofz_i64 i = i0 + r;
     const bool row_ok = i < n.sq;
     __syncthreads();  // the previous unit is done with sq
-    for (int e = tid; e < BM * D; e += NT) {
-      const ofz_i64 ie = i0 + e / D;
-      sq[e / D][e % D] = ie < n.sq ? to_f32(q[Q::offset(a, b, h, ie, e % D)]) : 0.0f;
-    }
+    for_tile<BM, D, NT>([&](int rr, int c) {
+      const ofz_i64 ie = i0 + rr;
+      sq[rr][c] = ie < n.sq ? to_f32(q[Q::offset(a, b, h, ie, c)]) : 0.0f;
+    });
     if constexpr (HasRope<Q>::value) {  // (the key loop's first barrier follows)
       __syncthreads();
       rotate_rows<float, BM, D, D + 1, NT, Q>(&sq[0][0], a, b, h, i0, n.sq);
@@ -163,14 +177,14 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
 
     for (ofz_i64 j0 = 0; j0 < n.sk; j0 += BN) {
       __syncthreads();  // sk, sv, sp no longer read by the previous tile
-      for (int e = tid; e < BN * D; e += NT) {
-        const ofz_i64 je = j0 + e / D;
-        sk[e / D][e % D] = je < n.sk ? to_f32(k[K::offset(a, b, h, je, e % D)]) : 0.0f;
-      }
-      for (int e = tid; e < BN * DV; e += NT) {
-        const ofz_i64 je = j0 + e / DV;
-        sv[e / DV][e % DV] = je < n.sk ? to_f32(v[V::offset(a, b, h, je, e % DV)]) : 0.0f;
-      }
+      for_tile<BN, D, NT>([&](int rr, int c) {
+        const ofz_i64 je = j0 + rr;
+        sk[rr][c] = je < n.sk ? to_f32(k[K::offset(a, b, h, je, c)]) : 0.0f;
+      });
+      for_tile<BN, DV, NT>([&](int rr, int c) {
+        const ofz_i64 je = j0 + rr;
+        sv[rr][c] = je < n.sk ? to_f32(v[V::offset(a, b, h, je, c)]) : 0.0f;
+      });
       __syncthreads();
       if constexpr (HasRope<K>::value) {
         rotate_rows<float, BN, D, D + 1, NT, K>(&sk[0][0], a, b, h, j0, n.sk);
