@@ -649,8 +649,7 @@ class CostModel:
         figures = []
         for where, gb in bindings(g):
             saved = sum(self.attention_us(gb, _at(gb, a, g)) - self.attention_us(gb, _at(gb, b, g)) for a, b in pairs)
-            own = sum(self.target.launch_us + self.time_us(2 * tensor_bytes(gb, _attention_pattern(gb, b).k), 1)
-                      for _, b in pairs)
+            own = sum(self.time_us(2 * tensor_bytes(gb, _attention_pattern(gb, b).k), 1) for _, b in pairs)
             if saved >= own:
                 return None
             figures.append(f"{saved:.1f} us vs {own:.1f} us{where}")
