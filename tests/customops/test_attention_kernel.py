@@ -317,3 +317,22 @@ def test_a_bare_scale_is_one_ffma_a_term(tmp_path):
     plain, scaled = (loop(Case("f16", 64, 64, "bshd", sc, "tensor_core", True)) for sc in ("plain", "scaled"))
     assert count(scaled, "FMUL") <= 40 < 90 <= count(plain, "FMUL"), (count(scaled, "FMUL"), count(plain, "FMUL"))
     assert count(scaled, "FFMA") >= 32 and count(scaled, "MUFU.EX2") == 32 + 2
+
+
+def test_simt_tile_copies_keep_one_column_a_thread(tmp_path):
+    # SASS (sm_90; skipped without cuobjdump): the SIMT kernel's Q, K and V copies (loops with global loads and
+    # no FFMA) spend about 9 instructions an element (36 per 4: each thread keeps one column where the head
+    # size divides the block and steps over rows); dealt out in order they cost 33 (signed division, 64-bit
+    # offsets from scratch)
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    sass = sass_or_skip()
+    c = Case("f32", 64, 64, "bshd", "plain", "simt")
+    ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < a]
+    copies = [body for body in ([t for a, t in ins if lo <= a <= hi] for lo, hi in back)
+              if any(re.search(r"\bLDG\b", t) for t in body) and not any("FFMA" in t for t in body)]
+    assert len(copies) == 3, len(copies)  # Q's, K's, V's
+    for body in copies:
+        ldg = sum(1 for t in body if re.search(r"\bLDG\b", t))
+        assert len(body) <= 12 * ldg, (len(body), ldg)

@@ -111,3 +111,25 @@ def test_k_rope_kernel_keeps_the_rotation_in_the_kernel():
                        dim_hints=[("seq", 4096)], ort_attention="off", k_rope="kernel")
     assert not any(r.subject.startswith("K's rotary") for r in res.plan.refusals)
     assert res.kernels[0].compiled.source.count("rope(const OfzArgs&") == 2
+
+
+def test_rotation_loops_keep_one_column_pair_a_thread():
+    # SASS (sm_90; skipped without cuobjdump): a rotation loop without MMAs loads the cos and sin of each pair's
+    # two columns (4 LDG a pair) and spends about 6 instructions per load (97 per 4 pairs: each thread keeps
+    # one column pair and steps over rows); dealing pairs out in order cost 231 (signed division, a bound
+    # branch per pair, 64-bit index math)
+    import re
+    from helpers import sass_or_skip
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    sass = sass_or_skip()
+    res = compile_model(rope_attention(H, head=64), None, "sm_90", Options(archs=(90,), k_rope="kernel"))
+    ins = sass(dict(res.kernels[0].compiled.cubins)[90])
+    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < a]
+    loops = [[t for a, t in ins if lo <= a <= hi] for lo, hi in back]
+    rotations = [body for body in loops if not any("HMMA" in t for t in body) and any("LDG" in t for t in body)]
+    assert len(rotations) == 2, [len(b) for b in loops]  # Q's, K's
+    for body in rotations:
+        ldg = sum(1 for t in body if re.search(r"\bLDG\b", t))
+        assert ldg % 4 == 0 and len(body) <= 7 * ldg, (len(body), ldg)
