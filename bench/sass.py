@@ -64,15 +64,21 @@ class KLoop:
     inner_loops: int  # backward branches inside it: its count is then a lower bound per iteration
 
 
+def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(target, branch address) of every backward branch: each loop's first and last instruction."""
+    out = []
+    for a, t in ins:
+        m = re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            out.append((int(m.group(1), 16), a))
+    return out
+
+
 def k_loop(ins: list[tuple[int, str]], math: str = r"\b(HMMA|FFMA)\b") -> Optional[KLoop]:
     """The innermost backward branch's body that contains an MMA (or FFMA for SIMT kernels); `math`: the
     instructions that count as such (attention: HMMA alone, its FFMAs are the softmax's)."""
     mathops = [a for a, t in ins if re.search(math, t)]
-    back = []  # (target, branch address) of every backward branch
-    for a, t in ins:
-        m = re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)
-        if m and int(m.group(1), 16) < a:
-            back.append((int(m.group(1), 16), a))
+    back = loops(ins)
     best: Optional[tuple[int, int]] = None
     for lo, hi in back:
         if any(lo <= x <= hi for x in mathops) and (best is None or hi - lo < best[1] - best[0]):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import sass_or_skip
+from ortfuse.bench.sass import loops
 from ortfuse.customops.compile import compile_kernel
 from ortfuse.customops.emulate import compile_emulated
 
@@ -282,8 +283,7 @@ def test_tensor_core_key_tile_loop(tmp_path):
     sass = sass_or_skip()
     c = Case("f16", 64, 64, "bshd", "padding", "tensor_core")
     ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
-    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
-            if m and int(m.group(1), 16) < a]
+    back = loops(ins)
     mma = [a for a, t in ins if "HMMA" in t]
     lo, hi = min(((l, h) for l, h in back if sum(l <= x <= h for x in mma) == 64), key=lambda r: r[1] - r[0])
     body = [(a, t) for a, t in ins if lo <= a <= hi]
@@ -306,8 +306,7 @@ def test_a_bare_scale_is_one_ffma_a_term(tmp_path):
 
     def loop(c: Case) -> list[str]:
         ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
-        back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
-                if m and int(m.group(1), 16) < a]
+        back = loops(ins)
         mma = [a for a, t in ins if "HMMA" in t]
         lo, hi = min(((l, h) for l, h in back if sum(l <= x <= h for x in mma) == 64), key=lambda r: r[1] - r[0])
         return [t for a, t in ins if lo <= a <= hi]
@@ -328,8 +327,7 @@ def test_simt_tile_copies_keep_one_column_a_thread(tmp_path):
     sass = sass_or_skip()
     c = Case("f32", 64, 64, "bshd", "plain", "simt")
     ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
-    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
-            if m and int(m.group(1), 16) < a]
+    back = loops(ins)
     copies = [body for body in ([t for a, t in ins if lo <= a <= hi] for lo, hi in back)
               if any(re.search(r"\bLDG\b", t) for t in body) and not any("FFMA" in t for t in body)]
     assert len(copies) == 3, len(copies)  # Q's, K's, V's

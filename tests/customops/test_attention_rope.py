@@ -121,15 +121,14 @@ def test_rotation_loops_keep_one_column_pair_a_thread():
     import re
     from helpers import sass_or_skip
     from ortfuse.api import compile_model
+    from ortfuse.bench.sass import loops
     from ortfuse.config import Options
     sass = sass_or_skip()
     res = compile_model(rope_attention(H, head=64), None, "sm_90", Options(archs=(90,), k_rope="kernel"))
     ins = sass(dict(res.kernels[0].compiled.cubins)[90])
-    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+(?:`\(.*?\)\s+)?0x([0-9a-f]+)", t)]
-            if m and int(m.group(1), 16) < a]
-    loops = [[t for a, t in ins if lo <= a <= hi] for lo, hi in back]
-    rotations = [body for body in loops if not any("HMMA" in t for t in body) and any("LDG" in t for t in body)]
-    assert len(rotations) == 2, [len(b) for b in loops]  # Q's, K's
+    bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops(ins)]
+    rotations = [body for body in bodies if not any("HMMA" in t for t in body) and any("LDG" in t for t in body)]
+    assert len(rotations) == 2, [len(b) for b in bodies]  # Q's, K's
     for body in rotations:
         ldg = sum(1 for t in body if re.search(r"\bLDG\b", t))
         assert ldg % 4 == 0 and len(body) <= 7 * ldg, (len(body), ldg)

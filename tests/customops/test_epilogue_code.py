@@ -17,6 +17,7 @@ from onnx import TensorProto as TP
 from helpers import const, launch_spec, model, node, sass_or_skip, vi
 from ortfuse.api import target_for
 from ortfuse.bench import sweep
+from ortfuse.bench.sass import loops
 from ortfuse.customops.lower import lower
 from ortfuse.customops.printer import render
 from ortfuse.rewriter.shapes import build_graph
@@ -131,8 +132,7 @@ def test_split_k_reduction_reads_a_chunk_of_partial_sums_together(family, shape)
     assert len(reads) == 8 and mem == ["LD.E.128"] * 8, mem
     assert not any(op.startswith("I2F") for op in ins[reads[0] - 40:reads[-1] + 1])  # no run-time division
     assert dict(ck.resources)[90].spill_bytes == 0
-    back = [(int(m.group(1), 16), a) for a, t in code for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
-            if m and int(m.group(1), 16) < a]
+    back = loops(code)
     first = code[reads[0]][0]
     lo, hi = min(((lo, hi) for lo, hi in back if lo <= first <= hi), key=lambda r: r[1] - r[0])
     wide = sum(1 for (a, _), op in zip(code, ins) if lo <= a <= hi and op == "STG.E.128")

@@ -12,6 +12,7 @@ from onnx import TensorProto as TP
 
 from helpers import const, launch_spec, model, node, sass_or_skip, vi
 from ortfuse.api import compile_model, target_for
+from ortfuse.bench.sass import loops
 from ortfuse.customops import tiles as tl
 from ortfuse.config import Options
 from ortfuse.customops.attrs import read_launch
@@ -219,8 +220,7 @@ def test_row_epilogue_sass_is_straight_line(tile, tmp_path):
     ck = compile_kernel(render(spec.kernel), spec.kernel.name, (90,), tmp_path)
     assert max(r.spill_bytes for _, r in ck.resources) == 0, ck.resources
     ins = sass(dict(ck.cubins)[90])
-    back = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", t)]
-            if m and int(m.group(1), 16) < a]
+    back = loops(ins)
     mma = [a for a, t in ins if re.search(r"\bH(G)?MMA\b", t)]
     k_end = min(((lo, hi) for lo, hi in back if any(lo <= x <= hi for x in mma)), key=lambda r: r[1] - r[0])[1]
     after = [(lo, hi) for lo, hi in back if lo > k_end]
