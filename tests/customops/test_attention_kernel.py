@@ -274,15 +274,19 @@ def test_tensor_core_shared_memory_traffic_is_conflict_free(mod, c: Case):
     assert _rel(got, ref) <= 1e-2
 
 
+def _sass(c: Case, tmp_path) -> list[tuple[int, str]]:
+    """The case's kernel compiled for sm_90 and disassembled (the test skipped without NVRTC or cuobjdump)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    sass = sass_or_skip()
+    return sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+
+
 def test_tensor_core_key_tile_loop(tmp_path):
     # The SASS of one key tile (d 64, 64 keys; a thread scores 2 rows x 16 keys): exponentials are one
     # MUFU.EX2 each with no denormal fix-up (ex2.approx.ftz), the K/V copies are unrolled (no loop inside
     # the tile loop), and a mask that is the same for every row (Padding reads mask[b, j]) is 16 loads on
     # a whole tile, where the partial tile's checked path loads per score (32)
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    sass = sass_or_skip()
-    c = Case("f16", 64, 64, "bshd", "padding", "tensor_core")
-    ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+    ins = _sass(Case("f16", 64, 64, "bshd", "padding", "tensor_core"), tmp_path)
     back = loops(ins)
     mma = [a for a, t in ins if "HMMA" in t]
     lo, hi = min(((l, h) for l, h in back if sum(l <= x <= h for x in mma) == 64), key=lambda r: r[1] - r[0])
@@ -301,11 +305,8 @@ def test_a_bare_scale_is_one_ffma_a_term(tmp_path):
     # Scaled (a score that is only qk times a constant, log2_scale): each softmax term is 2^(qk·k - base·k),
     # one FFMA before its MUFU.EX2, where Plain's score multiplies, subtracts the base and multiplies by
     # log2 e. In the key loop: the 32 rescaled accumulators' FMULs (and each row's few) remain
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    sass = sass_or_skip()
-
     def loop(c: Case) -> list[str]:
-        ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+        ins = _sass(c, tmp_path)
         back = loops(ins)
         mma = [a for a, t in ins if "HMMA" in t]
         lo, hi = min(((l, h) for l, h in back if sum(l <= x <= h for x in mma) == 64), key=lambda r: r[1] - r[0])
@@ -323,10 +324,7 @@ def test_simt_tile_copies_keep_one_column_a_thread(tmp_path):
     # no FFMA) spend about 9 instructions an element (36 per 4: each thread keeps one column where the head
     # size divides the block and steps over rows); dealt out in order they cost 33 (signed division, 64-bit
     # offsets from scratch)
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    sass = sass_or_skip()
-    c = Case("f32", 64, 64, "bshd", "plain", "simt")
-    ins = sass(dict(compile_kernel(PRELUDE + _kernel(c), c.entry, (90,), tmp_path).cubins)[90])
+    ins = _sass(Case("f32", 64, 64, "bshd", "plain", "simt"), tmp_path)
     back = loops(ins)
     copies = [body for body in ([t for a, t in ins if lo <= a <= hi] for lo, hi in back)
               if any(re.search(r"\bLDG\b", t) for t in body) and not any("FFMA" in t for t in body)]
