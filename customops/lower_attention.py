@@ -23,6 +23,7 @@ import onnx
 from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.tiles import MMA_BLOCK_M, MMA_MIN_BLOCKS, SIMT_BLOCK_M, THREADS, key_split, mma_smem_bytes
 from ortfuse.customops.invariance import invariant_axes
+from ortfuse.customops.key_bound import key_bound
 from ortfuse.customops.ir import F32, I64, Expr, Var
 from ortfuse.customops.lower import KernelSpec, LoweringError, _Lowerer, _Scope, _storage
 from ortfuse.rewriter.graph import Dim, Graph
@@ -321,6 +322,13 @@ class _AttnLowerer(_Lowerer):
             idx = at(vb, *q_at(vh, vi), vj)  # the same offset in both (search.attention._regroups_batch)
             return self.value(softmax_in, idx if sm_shape == ss else self.reshape_index(idx, ss, sm_shape))
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))
+        # a causal frontier: each unit visits the key tiles before its last row's (not with packed query heads,
+        # whose rows are not in order; a generation step sees every key anyway)
+        bound = key_bound(g, p) if group == 1 else None
+        if bound is not None:
+            vsq, vsk = Var("asq", I64), Var("ask", I64)
+            funcs.append(self.func("S.key_end", (vi, vsq, vsk), lambda: ir.add(
+                ir.add(vi, ir.i64(1 + bound.shift)), ir.Op("sub", (vsk, vsq), I64) if bound.tail else ir.i64(0))))
         funcs += ropes
 
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))

@@ -145,6 +145,7 @@ class AttentionGeometry:
     units: int  # blocks' work items: (batch, head) pairs times query-row tiles, grouped-query heads packed
     key_tiles: int  # a unit's key tiles
     rope_pairs: int = 0  # column pairs of each K tile the kernel rotates (K's rotary embedding in the pattern)
+    visible: float = 1.0  # the share of (unit, key tile) pairs the kernel visits (a causal frontier: key_bound)
 
     @property
     def work(self) -> float:
@@ -185,7 +186,10 @@ def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
                 group = rep if rep > 1 and raw[1] % rep == 0 else 1
     units = bh // group * -(-sq * group // bm)
     pairs = bn * p.k_rope.half if p.k_rope is not None else 0
-    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs)
+    from ortfuse.customops.key_bound import key_bound  # (the lowering's evaluator imports the search)
+    bound = key_bound(g, p) if group == 1 else None
+    visible = bound.visible_share(sq, sk, bm, bn) if bound is not None else 1.0
+    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs, visible)
 
 
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
@@ -375,7 +379,8 @@ class CostModel:
         else the one `attention_split` gives it."""
         tgt, geo = self.target, attention_geometry(g, region)
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
-                                     self._split(geo) if split is None else split, geo.work, geo.rope_pairs)
+                                     self._split(geo) if split is None else split, geo.work, geo.rope_pairs,
+                                     geo.visible)
         return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:
@@ -418,8 +423,8 @@ class CostModel:
         most = tiles.key_split(tgt, geo.d, geo.dv, geo.keys) if geo.mma else 1
         if most < 2:
             return 1
-        at = [tiles.attention_clocks(tgt, True, geo.units, geo.keys, geo.block_n, s, geo.work, geo.rope_pairs)
-              for s in (1, most)]
+        at = [tiles.attention_clocks(tgt, True, geo.units, geo.keys, geo.block_n, s, geo.work, geo.rope_pairs,
+                                     geo.visible) for s in (1, most)]
         return most if at[1] < at[0] else 1
 
     def row_lane_use(self, g: Graph, region: Region) -> float:

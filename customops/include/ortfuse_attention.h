@@ -17,6 +17,10 @@
 //     static float score(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 i, ofz_i64 j, float qk);
 //       the Softmax input for query i and key j; -inf (neg_inf()) masks the entry out. It is only called
 //       for i < Sq and j < Sk, so it may read masks without bounds checks.
+//     static ofz_i64 key_end(const OfzArgs& a, ofz_i64 i, ofz_i64 sq, ofz_i64 sk);   (optional)
+//       a causal frontier (customops/key_bound.py proves it on the graph): score() is -inf at every key
+//       j >= key_end(i) for query row i, and key_end never decreases with i; a unit then visits only the key
+//       tiles before its last row's frontier (flash attention's causal tile skipping)
 //
 // Then a kernel body is one call, e.g. ofz::attn::simt<__half, 64, 64, Q, K, V, O, S>(a, q, k, v, o, dims).
 // Launch rule: block = Tile::THREADS threads; one block computes BLOCK_M query rows of one (b, h), and
@@ -85,6 +89,22 @@ template <class S> struct HasLog2Scale<S, decltype((void)&S::log2_scale)> { stat
 template <class S> __device__ __forceinline__ float log2_unit(const OfzArgs& a) {
   if constexpr (HasLog2Scale<S>::value) return (float)S::log2_scale(a);
   else return LOG2E;
+}
+
+// Whether a score functor has `key_end` (a causal frontier), and the key tiles of BN keys a unit of query rows
+// before i1 visits: every tile, or those before its last row's frontier (none where that is at most 0: every
+// score of the unit is -inf, and its rows are 0 either way).
+template <class S, class = void> struct HasKeyEnd { static constexpr bool value = false; };
+template <class S> struct HasKeyEnd<S, decltype((void)&S::key_end)> { static constexpr bool value = true; };
+template <class S, int BN> __device__ __forceinline__ ofz_i64 unit_key_tiles(const OfzArgs& a, ofz_i64 i1, const Dims& n) {
+  const ofz_i64 all = (n.sk + BN - 1) / BN;
+  if constexpr (HasKeyEnd<S>::value) {
+    const ofz_i64 end = S::key_end(a, (i1 < n.sq ? i1 : n.sq) - 1, n.sq, n.sk);
+    const ofz_i64 tiles = end <= 0 ? 0 : (end + BN - 1) / BN;
+    return tiles < all ? tiles : all;
+  } else {
+    return all;
+  }
 }
 
 // Whether a layout functor has `rope` (a rotary embedding applied to the rows it loads).
@@ -175,7 +195,8 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
 #pragma unroll
     for (int c = 0; c < Tile::COLS; ++c) acc[c] = 0.0f;
 
-    for (ofz_i64 j0 = 0; j0 < n.sk; j0 += BN) {
+    const ofz_i64 keys_end = unit_key_tiles<Score, BN>(a, i0 + BM, n) * BN;
+    for (ofz_i64 j0 = 0; j0 < keys_end; j0 += BN) {
       __syncthreads();  // sk, sv, sp no longer read by the previous tile
       for_tile<BN, D, NT>([&](int rr, int c) {
         const ofz_i64 je = j0 + rr;
@@ -435,19 +456,20 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
   T* const sk = sq + BM * QS;       // [2][BN][QS]
   T* const sv = sk + 2 * BN * QS;   // [2][BN][VS]
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const ofz_i64 tiles_m = (n.sq + BM - 1) / BM, units = n.batch * n.heads * tiles_m, tiles_n = (n.sk + BN - 1) / BN;
+  const ofz_i64 tiles_m = (n.sq + BM - 1) / BM, units = n.batch * n.heads * tiles_m;
   // Keys split across a thread-block cluster (the library launches clusters only while the units fit in one
   // wave of SMs, i.e. at small batches; see split_merge): block `rank` of `splits` takes key tiles
-  // [tn0, tn1) of its cluster's units
+  // [tn0, tn1) of the tiles its cluster's unit visits
   const unsigned splits = cluster_size(), rank = cluster_rank();
   const ofz_i64 first = splits > 1 ? (ofz_i64)cluster_id() : (ofz_i64)blockIdx.x;
   const ofz_i64 step = splits > 1 ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x;
-  const ofz_i64 tn0 = tiles_n * rank / splits, tn1 = tiles_n * (rank + 1) / splits;
   if (splits > kMaxKeySplit || (splits > 1 && Tile::SPLIT_STATE_BYTES > Tile::SMEM_BYTES)) __trap();  // launched wrong
   for (ofz_i64 u = first; u < units; u += step) {
     const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
     const bool row_ok[2] = {rows[0] < n.sq, rows[1] < n.sq};
+    const ofz_i64 tiles_n = unit_key_tiles<Score, BN>(a, i0 + BM, n);
+    const ofz_i64 tn0 = tiles_n * rank / splits, tn1 = tiles_n * (rank + 1) / splits;
     // rows past Sq are scored as the last row (never stored): the score's reads stay in bounds without a
     // per-score row check, and a mask the same for every row is one load per key for both rows
     const ofz_i64 srow[2] = {row_ok[0] ? rows[0] : n.sq - 1, row_ok[1] ? rows[1] : n.sq - 1};

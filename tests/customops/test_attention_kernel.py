@@ -57,6 +57,17 @@ template <int D> struct Causal {  // Where(j <= i, scores * scale, -inf)
     return j > i ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
   }
 };
+template <int D> struct CausalEnd : Causal<D> {  // Causal with its frontier: units skip the tiles past their rows
+  DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i + 1; }
+};
+template <int D> struct CausalTail {  // queries after Sk - Sq cached keys (bottom-right), with the frontier
+  DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64 i, ofz_i64 j, float qk);
+  DEV ofz_i64 key_end(const OfzArgs& a, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i + 1 + sk - sq; }
+};
+template <int D> __device__ __forceinline__ float CausalTail<D>::score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 i,
+                                                                       ofz_i64 j, float qk) {
+  return j > i + (a.dim[2] - a.dim[1]) ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
+}
 """
 
 
@@ -66,7 +77,7 @@ class Case:
     d: int
     dv: int
     layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
-    score: str  # "plain" | "scaled" (plain, as a bare scale) | "padding" | "causal"
+    score: str  # "plain" | "scaled" (plain, as a bare scale) | "padding" | "causal" | "causal_end" | "causal_tail"
     kernel: str = "simt"  # "simt" | "tensor_core"
     affine: bool = False  # tensor_core's AFFINE: K/V/Q copies step one row stride (these layouts are affine)
 
@@ -94,7 +105,10 @@ CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("pl
     for sc in ("padding", "causal")] + [
     Case("f16", 128, 128, "bshd", "padding", "tensor_core"), Case("bf16", 32, 64, "bhsd", "plain", "tensor_core"),
     Case("f16", 16, 16, "bshd", "causal", "tensor_core")] + [
-    Case(dt, d, d, "bshd", "scaled", "tensor_core") for dt in ("f16", "bf16") for d in (16, 64, 128)]
+    Case(dt, d, d, "bshd", "scaled", "tensor_core") for dt in ("f16", "bf16") for d in (16, 64, 128)] + [
+    Case(dt, d, d, "bshd", sc, kernel) for dt, d, kernel in (("f32", 32, "simt"), ("f16", 64, "tensor_core"),
+                                                             ("bf16", 128, "tensor_core"))
+    for sc in ("causal_end", "causal_tail")]
 CASES += [dataclasses.replace(c, affine=True) for c in CASES if c.kernel == "tensor_core"]
 
 
@@ -102,7 +116,8 @@ def _kernel(c: Case) -> str:
     t = STORAGE[c.dtype][0]
     lay = {"bhsd": "Bhsd", "bshd": "Bshd", "kt": "Bshd"}[c.layout]
     k = f"Bhds<{c.d}>" if c.layout == "kt" else f"{lay}<{c.d}, 2>"
-    score = {"plain": "Plain", "scaled": "Scaled", "padding": "Padding", "causal": "Causal"}[c.score]
+    score = {"plain": "Plain", "scaled": "Scaled", "padding": "Padding", "causal": "Causal", "causal_end": "CausalEnd",
+             "causal_tail": "CausalTail"}[c.score]
     return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
             f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
             f"{score}<{c.d}>{', true' if c.affine else ''}>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
@@ -131,10 +146,11 @@ def _layout(x: np.ndarray, layout: str) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
 
 
-def _reference(q, k, v, mask, causal: bool) -> np.ndarray:
+def _reference(q, k, v, mask, causal: bool, tail: bool = False) -> np.ndarray:
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1]) + mask[:, None, None, :]
     if causal:
-        s = np.where(np.arange(s.shape[3])[None, :] > np.arange(s.shape[2])[:, None], -np.inf, s)
+        past = s.shape[3] - s.shape[2] if tail else 0
+        s = np.where(np.arange(s.shape[3])[None, :] > np.arange(s.shape[2])[:, None] + past, -np.inf, s)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     tot = e.sum(-1, keepdims=True)
@@ -161,7 +177,8 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
     got = out.astype(np.float64)
     if lay == "bshd":
         got = got.reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
-    return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask), c.score == "causal")
+    return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask), c.score.startswith("causal"),
+                           c.score == "causal_tail")
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -332,3 +349,44 @@ def test_simt_tile_copies_keep_one_column_a_thread(tmp_path):
     for body in copies:
         ldg = sum(1 for t in body if re.search(r"\bLDG\b", t))
         assert len(body) <= 12 * ldg, (len(body), ldg)
+
+
+FRONTIER = [Case("f32", 32, 32, "bshd", "causal_end"), Case("f16", 64, 64, "bshd", "causal_end", "tensor_core", True),
+            Case("bf16", 128, 128, "bshd", "causal_tail", "tensor_core")]
+
+
+@pytest.mark.parametrize("c,sq,sk,cluster", [
+    (c, sq, sk, cluster) for c in FRONTIER for sq, sk in ((130, 130), (37, 200), (1, 45), (70, 70))
+    for cluster in ((1, 3) if c.kernel == "tensor_core" else (1,)) if c.score == "causal_tail" or sq == sk],
+    ids=lambda x: x.entry if isinstance(x, Case) else str(x))
+def test_a_causal_frontier_skips_the_key_tiles_past_each_unit(mod, c: Case, sq: int, sk: int, cluster: int):
+    # key_end: a unit visits only the key tiles before its last row's frontier. V is NaN at every key past
+    # the frontier of the first unit's rows: P·V would make those rows NaN (0 · NaN) had any of their
+    # tiles been visited; the rows after see some of those keys and are NaN as they must be. The other
+    # outputs match the reference where V is finite. (Clusters are the tensor-core kernel's; a top-left
+    # frontier is taken at Sq = Sk; at 37 over 200 and 1 over 45 no tile lies past the first unit.)
+    past = sk - sq if c.score == "causal_tail" else 0
+    first_end = min(c.block_m, sq) + past  # the first unit's frontier (its last row's + 1)
+    bn = (32 if max(c.d, c.dv) > 64 else 64) if c.kernel == "tensor_core" else (16 if max(c.d, c.dv) > 64 else 32)
+    poisoned = -(-first_end // bn) * bn  # keys of the tiles the first unit never visits
+    rng = np.random.default_rng(5)
+    npt = STORAGE[c.dtype][1]
+    q, k, v = (rng.standard_normal((B, H, s, c.d)).astype(npt) for s in (sq, sk, sk))
+    v_bad = v.copy()
+    v_bad[:, :, poisoned:] = np.nan
+    outs = []
+    for vv in (v, v_bad):
+        store = [_layout(x.astype(np.float64), "bshd").astype(npt) for x in (q, k, vv)]
+        out = np.zeros((B, sq, H * c.dv), dtype=npt)
+        args = [x.view(np.uint16) if c.dtype == "bf16" else x for x in (*store, out)]
+        grid = -(-B * H * sq // c.block_m)
+        mod.launch(c.entry, grid * cluster, 128, [*args, np.zeros((B, sk), np.float32)], [B, sq, sk], c.smem,
+                   cluster=cluster)
+        outs.append(out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3))
+    ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, c.score == "causal_tail")
+    assert _rel(outs[0], ref) <= (1e-5 if c.dtype == "f32" else 1e-2), _rel(outs[0], ref)
+    rows = np.arange(sq)
+    clean = rows + past < poisoned  # rows whose keys are all before the poisoned ones
+    assert clean[: min(c.block_m, sq)].all()
+    assert np.array_equal(outs[1][:, :, clean], outs[0][:, :, clean])
+    assert np.isnan(outs[1][:, :, ~clean]).all()

@@ -1,0 +1,386 @@
+"""Causal frontiers: where an attention's scores are -inf past a diagonal, so its kernel may skip key tiles.
+
+A decoder's mask hides key j from query row i where j > i (a prompt), or j > i + past (queries after a cache):
+every such score is -inf, its softmax term exactly 0, so the tiles of keys past a unit's last row contribute
+nothing and the kernel need not visit them (`ortfuse_attention.h`, `key_end`). The property is proved on the
+graph: the score ops and the cone computing each mask they read (HF's `Where(causal & padding, 0, -inf)`
+made from Range iotas and the padding input, the Trilu of ones TorchScript writes for `is_causal`, ONNX
+Attention's rule) are lowered symbolically at a generic (i, j) by the kernel lowering's own evaluator, and
+the expression is searched for a condition that is false, or a value that is -inf, wherever j > i + c.
+
+Only exact -inf counts: a mask at the dtype's lowest finite value still gives a fully masked row the mean of
+every V row (what ORT computes), so skipping there would change such rows. Nothing found: no frontier, and
+the kernel visits every tile as before."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ortfuse.customops import ir, scalar, target as hw
+from ortfuse.customops.ir import F32, I64, Expr, Var
+from ortfuse.customops.lower import LoweringError, _Lowerer
+from ortfuse.rewriter.graph import Graph, per_graph
+from ortfuse.search import ops
+from ortfuse.search.attention import AttentionPattern
+from ortfuse.search.plan import Region, Traffic
+
+ROW, KEY = "ai", "aj"  # the kernel's score coordinates (lower_attention's names)
+MAX_CONE = 256  # mask nodes followed back from the score ops
+
+
+@dataclass(frozen=True)
+class KeyBound:
+    """Every score of query row i is -inf at keys j > i + shift (+ Sk - Sq where `tail`: queries that follow a
+    cache of Sk - Sq keys, bottom-right aligned)."""
+    tail: bool
+    shift: int
+
+    def end(self, i: int, sq: int, sk: int) -> int:
+        """The first key past row i's frontier."""
+        return i + 1 + self.shift + (sk - sq if self.tail else 0)
+
+    def visible_share(self, sq: int, sk: int, block_m: int, block_n: int) -> float:
+        """The share of (query-row unit, key tile) pairs a kernel with these tiles visits."""
+        tiles = -(-sk // block_n)
+        seen = 0
+        for i0 in range(0, sq, block_m):
+            end = self.end(min(i0 + block_m, sq) - 1, sq, sk)
+            seen += min(tiles, max(0, -(-end // block_n)))
+        return seen / (tiles * -(-sq // block_m)) if sq and sk else 1.0
+
+    def describe(self) -> str:
+        at = "i" + (" + (Sk - Sq)" if self.tail else "") + (f" {'+' if self.shift > 0 else '-'} {abs(self.shift)}"
+                                                            if self.shift else "")
+        return f"scores -inf at keys past {at}"
+
+
+# A linear integer form: {name: coefficient} over the row, the key and runtime dims, and a constant.
+_Lin = tuple[tuple[tuple[str, int], ...], int]
+
+
+def _lin(terms: dict[str, int], const: int) -> _Lin:
+    return tuple(sorted((k, v) for k, v in terms.items() if v)), const
+
+
+def _combine(a: _Lin, b: _Lin, sign: int = 1) -> _Lin:
+    t = dict(a[0])
+    for k, v in b[0]:
+        t[k] = t.get(k, 0) + sign * v
+    return _lin(t, a[1] + sign * b[1])
+
+
+def _scale(a: _Lin, k: int) -> _Lin:
+    return _lin({n: v * k for n, v in a[0]}, a[1] * k)
+
+
+class _Always:
+    """The value is -inf at every (i, j)."""
+
+
+ALWAYS = _Always()
+Frontier = Union[_Lin, _Always, None]  # c: -inf (or false) wherever j > i + c, as a form free of i and j
+
+
+_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+         "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
+         "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "and": lambda a, b: bool(a and b),
+         "or": lambda a, b: bool(a or b), "not": lambda a: not a, "neg": lambda a: -a}
+
+
+def _fold(e: Expr, defs: dict[str, Expr], depth: int = 0) -> Optional[Union[int, bool]]:
+    """The value of an integer or bool expression of constants alone (a Gather's index arithmetic on a
+    constant index), else None."""
+    while isinstance(e, Var) and e.name in defs:
+        e = defs[e.name]
+    if isinstance(e, ir.Const):
+        return e.value if isinstance(e.value, bool) or e.ctype != F32 else None
+    if not isinstance(e, ir.Op) or depth > 32:
+        return None
+    if e.fn == "select":
+        c = _fold(e.args[0], defs, depth + 1)
+        return None if c is None else _fold(e.args[1] if c else e.args[2], defs, depth + 1)
+    rule = _FOLD.get(e.fn)
+    args = [_fold(a, defs, depth + 1) for a in e.args]
+    return None if rule is None or any(a is None for a in args) else rule(*args)
+
+
+def _name_form(name: str) -> _Lin:
+    """A symbolic dim's name as a linear form over names: "past_sequence + sequence", "2*s + 1"; any other
+    name is itself."""
+    terms: dict[str, int] = {}
+    const = 0
+    for part in (x.strip() for x in name.split(" + ")):
+        k, _, base = part.rpartition("*")
+        if part.isdigit():
+            const += int(part)
+        elif k.isdigit() and base and not base.isdigit():
+            terms[base] = terms.get(base, 0) + int(k)
+        else:
+            terms[part] = terms.get(part, 0) + 1
+    return _lin(terms, const)
+
+
+class _Analysis:
+    def __init__(self, defs: dict[str, Expr], dims: dict[str, _Lin]):
+        self.defs, self.dims = defs, dims
+
+    def resolve(self, e: Expr) -> Expr:
+        while True:
+            while isinstance(e, Var) and e.name in self.defs:
+                e = self.defs[e.name]
+            if not (isinstance(e, ir.Op) and e.fn == "select"):
+                return e
+            c = _fold(e.args[0], self.defs)  # a select on a known condition (a Gather's bounds check)
+            if c is None:
+                return e
+            e = e.args[1] if c else e.args[2]
+
+    def linear(self, e: Expr) -> Optional[_Lin]:
+        """e as a linear form over the row, the key and the runtime dims, else None."""
+        e = self.resolve(e)
+        if isinstance(e, ir.Const):
+            v = e.value
+            return _lin({}, int(v)) if not isinstance(v, bool) and float(v).is_integer() and abs(v) < 2 ** 40 \
+                else None
+        if isinstance(e, Var):
+            if e.name in (ROW, KEY):
+                return _lin({e.name: 1}, 0)
+            return self.dims.get(e.name)
+        if not isinstance(e, ir.Op):
+            return None
+        a = [self.linear(x) for x in e.args] if e.fn in ("add", "sub", "mul", "neg", "cast") else []
+        if any(x is None for x in a) or not a:
+            return None
+        if e.fn == "add":
+            return _combine(a[0], a[1])
+        if e.fn == "sub":
+            return _combine(a[0], a[1], -1)
+        if e.fn == "neg":
+            return _scale(a[0], -1)
+        if e.fn == "cast":  # an integer as a float (exact below 2^24) or another integer type
+            inner = self.resolve(e.args[0])
+            return a[0] if inner.ctype != F32 else None
+        x, y = a
+        if not x[0]:
+            return _scale(y, x[1])
+        if not y[0]:
+            return _scale(x, y[1])
+        return None
+
+    def condition(self, e: Expr, negate: bool = False) -> Frontier:
+        """c where (e, or its negation) implies j <= i + c."""
+        e = self.resolve(e)
+        if not isinstance(e, ir.Op):
+            return None
+        f = e.fn
+        if f == "not":
+            return self.condition(e.args[0], not negate)
+        if f in ("and", "or"):
+            a, b = (self.condition(x, negate) for x in e.args)
+            return _either(a, b) if (f == "and") != negate else _both(a, b)
+        if f == "select":  # Where(c, True, False) or Where(c, False, True)
+            ind = self.indicator(e)
+            if ind is not None and {ind[1], ind[2]} == {True, False}:
+                return self.condition(ind[0], negate != (not ind[1]))
+            return None
+        if f in ("ne", "eq"):  # an indicator of a condition tested against one of its two values
+            for x, k in ((e.args[0], e.args[1]), (e.args[1], e.args[0])):
+                ind, k = self.indicator(x), self.resolve(k)
+                if ind is None or not isinstance(k, ir.Const) or ind[1] == ind[2] or k.value not in ind[1:]:
+                    continue
+                return self.condition(ind[0], negate != ((k.value == ind[1]) != (f == "eq")))
+        if f not in ("le", "lt", "ge", "gt", "eq", "ne"):
+            return None
+        x, y = (self.linear(a) for a in e.args)
+        if x is None or y is None:
+            return None
+        d = _combine(x, y, -1)  # the relation is d (op) 0
+        if negate:
+            f = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}[f]
+        forms = {"le": [(d, False)], "lt": [(d, True)], "ge": [(_scale(d, -1), False)],
+                 "gt": [(_scale(d, -1), True)], "eq": [(d, False), (_scale(d, -1), False)], "ne": []}[f]
+        for g, strict in forms:  # g <= 0 (or < 0): a frontier where g = j - i + r
+            t = dict(g[0])
+            if t.pop(KEY, 0) == 1 and t.pop(ROW, 0) == -1:
+                r = _scale(_lin(t, g[1]), -1)
+                return _combine(r, _lin({}, 1), -1) if strict else r
+        return None
+
+    def indicator(self, e: Expr) -> Optional[tuple[Expr, object, object]]:
+        """(c, value where c, value where not c) for Where(c, a, b) of constants or a bool cast to a number."""
+        e = self.resolve(e)
+        if not isinstance(e, ir.Op):
+            return None
+        if e.fn == "cast" and self.resolve(e.args[0]).ctype == "bool":
+            return e.args[0], 1, 0
+        if e.fn == "select":
+            a, b = (self.resolve(x) for x in e.args[1:])
+            if isinstance(a, ir.Const) and isinstance(b, ir.Const):
+                return e.args[0], a.value, b.value
+        return None
+
+    def masked(self, e: Expr) -> Frontier:
+        """c where e is -inf wherever j > i + c."""
+        e = self.resolve(e)
+        if isinstance(e, ir.Const):
+            return ALWAYS if e.ctype == F32 and e.value == -math.inf else None
+        if not isinstance(e, ir.Op):
+            return None
+        f, args = e.fn, e.args
+        if f == "select":
+            cond, x, y = args
+            mx, my = self.masked(x), self.masked(y)
+            return _either(_both(mx, my), _either(_both(self.condition(cond), my),
+                                                  _both(self.condition(cond, True), mx)))
+        if f in ("add", "fmin", "fmin_nan", "min"):
+            return _either(self.masked(args[0]), self.masked(args[1]))
+        if f in ("fmax", "fmax_nan", "max"):
+            return _both(self.masked(args[0]), self.masked(args[1]))
+        if f == "sub":
+            return self.masked(args[0])
+        if f in ("cast", "round_f16", "round_bf16"):
+            return self.masked(args[0]) if e.ctype == F32 else None
+        if f in ("mul", "div"):
+            x, y = (self.resolve(a) for a in args)
+            if f == "mul" and isinstance(x, ir.Const):
+                x, y = y, x
+            if isinstance(y, ir.Const) and isinstance(y.value, float) and 0 < y.value < math.inf:
+                return self.masked(x)
+        return None
+
+
+def _either(a: Frontier, b: Frontier) -> Frontier:
+    """A frontier of a conjunction (either one holds): the tighter where comparable."""
+    if a is None or b is None:
+        return a if b is None else b
+    if isinstance(a, _Always) or isinstance(b, _Always):
+        return ALWAYS
+    return (a if a[1] <= b[1] else b) if a[0] == b[0] else a
+
+
+def _both(a: Frontier, b: Frontier) -> Frontier:
+    """A frontier of a disjunction (both must hold): the looser, where comparable."""
+    if a is None or b is None:
+        return None
+    if isinstance(a, _Always):
+        return b
+    if isinstance(b, _Always):
+        return a
+    return (a if a[1] >= b[1] else b) if a[0] == b[0] else None
+
+
+class _MaskLowerer(_Lowerer):
+    """The kernel lowering's evaluator over the score ops and the masks' cones, the scores a free variable."""
+
+    def __init__(self, g: Graph, region: Region, qk_out: str):
+        super().__init__(g, region, hw.for_cc(90), dict(g.sym_hints))
+        self.qk_out = qk_out
+
+    def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        return Var("qk", F32) if t == self.qk_out else super().value(t, idx)
+
+    def load(self, t: str, idx: tuple[Expr, ...]) -> Expr:
+        """An element of a Shape at a constant index is that dim (a cache's length: HF's query positions)."""
+        i = self.g.producer.get(t)
+        node = self.g.nodes[i] if i is not None else None
+        if node is not None and node.op_type == "Shape" and len(idx) == 1:
+            k, src = _fold(idx[0], self.defs), self.g.tensors.get(node.input[0])
+            if isinstance(k, int) and not isinstance(k, bool) and src is not None and src.shape is not None:
+                dims = src.shape[slice(scalar.attr(node, "start", 0), scalar.attr(node, "end", None))]
+                if 0 <= k < len(dims):
+                    return self.dim(dims[k])
+        return super().load(t, idx)
+
+    def dim(self, d) -> Expr:
+        """Any symbolic dim: one no input binds is still a name (the analysis never runs the code)."""
+        try:
+            return super().dim(d)
+        except LoweringError:
+            self.dims[d] = 10_000 + len(self.dims)
+            return Var(f"d{self.dims[d]}", I64)
+
+    def dim_forms(self) -> dict[str, _Lin]:
+        """Each dim variable as a linear form over dim names ("past_sequence + sequence" - "sequence" is
+        "past_sequence")."""
+        return {f"d{k}": _name_form(name) for name, k in self.dims.items()}
+
+
+def _cone(g: Graph, p: AttentionPattern) -> Optional[tuple[list[int], list[str]]]:
+    """The score ops and every node computing their masks by element-wise, layout and index ops (stopping at
+    graph inputs, constants and other ops, whose tensors are read as unknown values), and those tensors."""
+    nodes = set(p.score_ops)
+    chain = {g.nodes[p.qk].output[0], *(o for i in p.score_ops for o in g.nodes[i].output)}
+    leaves: dict[str, None] = {}
+    stack = [x for i in p.score_ops for _, x in ops.data_inputs(g.nodes[i]) if x not in chain]
+    seen: set[str] = set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        i = g.producer.get(t)
+        n = g.nodes[i] if i is not None else None
+        if n is None or t in g.constants or n.domain not in ("", "ai.onnx") or not (
+                n.op_type in scalar.RULES or n.op_type in ops.LAYOUT or n.op_type in ("Range", "Gather", "Concat",
+                                                                                      "Slice")):
+            const = g.constants.get(t)
+            if const is None or const.size != 1:
+                leaves[t] = None
+            continue
+        nodes.add(i)
+        if len(nodes) > MAX_CONE:
+            return None
+        stack.extend(x for _, x in ops.data_inputs(n))
+    return sorted(nodes), list(leaves)
+
+
+def _classify(c: _Lin, sq: _Lin, sk: _Lin) -> Optional[KeyBound]:
+    if not c[0]:
+        return KeyBound(False, c[1])
+    rest = _combine(c, _combine(sk, sq, -1), -1)
+    return KeyBound(True, rest[1]) if not rest[0] else None
+
+
+@per_graph
+def _memo(g: Graph) -> dict[int, Optional[KeyBound]]:
+    return {}
+
+
+def key_bound(g: Graph, p: AttentionPattern) -> Optional[KeyBound]:
+    """The causal frontier of pattern `p`'s scores, None where none is proved."""
+    memo = _memo(g)
+    if p.softmax not in memo:
+        memo[p.softmax] = _find(g, p)
+    return memo[p.softmax]
+
+
+def _find(g: Graph, p: AttentionPattern) -> Optional[KeyBound]:
+    if not p.score_ops:
+        return None
+    found = _cone(g, p)
+    if found is None:
+        return None
+    nodes, leaves = found
+    qk_out = g.nodes[p.qk].output[0]
+    softmax_in = g.nodes[p.softmax].input[0]
+    region = Region(-1, "pointwise", tuple(nodes), (qk_out, *leaves), (), (), Traffic(0, 0, 0))
+    try:
+        lw = _MaskLowerer(g, region, qk_out)
+        shape = lw._shape(softmax_in)
+        if len(shape) < 2:
+            return None
+        idx = tuple(Var(f"ax{k}", I64) for k in range(len(shape) - 2)) + (Var(ROW, I64), Var(KEY, I64))
+        f = lw.func("score", idx, lambda: lw.value(softmax_in, idx))
+        dims = lw.dim_forms()
+        sq, sk = (_Analysis({}, dims).linear(lw.dim(d)) for d in shape[-2:])
+    except (LoweringError, scalar.UnsupportedOp, ValueError, KeyError, ZeroDivisionError, IndexError):
+        return None
+    if sq is None or sk is None or f.result is None:
+        return None
+    defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
+    c = _Analysis(defs, dims).masked(f.result)
+    return _classify(c, sq, sk) if c is not None and not isinstance(c, _Always) else None
+
+
+__all__ = ["KeyBound", "key_bound"]
