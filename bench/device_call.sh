@@ -112,7 +112,7 @@ for name in "$@"; do
         python3 -m ortfuse.bench.ncu_attention "$am" "${ad:-fp16}" --batch "${ab:-32}" --runs 1 ;;
     bert-wgmma) step "$name" 210 python3 -m ortfuse.bench.gpu_suite "$WORK/bert" --no-tests --wgmma --kernels \
                   --models bert --dtypes fp16 --work "$WORK/bert-work" --variants ort,ort+cudagraph,ort-transformers,ortfuse,ortfuse+cudagraph ;;
-    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-mhaon|-mhaoff|-kropeonce|-kropekernel|-baselines|-ortopt]: one zoo row with
+    suite-*)  # suite-MODEL-DTYPE[-kernels|-nowgmma|-noprofile|-lnfoldoff|-pdl|-layout|-blocks|-mhaon|-mhaoff|-kropeonce|-kropekernel|-nofrontier|-baselines|-ortopt]: one zoo row with
       # --profile (wgmma is the sm_90 default; -kernels adds the per-kernel table, -nowgmma optimizes without
       # wgmma, -noprofile without --profile: the default build; -lnfoldoff the default build with --ln-fold off;
       # -pdl the default build with a --pdl build timed beside it in the same run; -layout the default build
@@ -120,7 +120,8 @@ for name in "$@"; do
       # a --layout blocks build (every stream kept in its blocks' layout where it can be); -mhaon / -mhaoff the same
       # with an --ort-attention on / off build (attention as ORT's MultiHeadAttention wherever it can be / never);
       # -kropeonce / -kropekernel the same with a --k-rope once / kernel build (K's rotary embedding before the
-      # attention kernel / in it);
+      # attention kernel / in it); -nofrontier the same with a build whose attention kernels visit every key
+      # tile (no causal frontier: ORTFUSE_KEY_FRONTIER=0);
       # -baselines the default build beside every baseline, ORT's transformers optimizer and torch.compile
       # included, all in one process; -ortopt the default build beside ORT's transformers optimizer's model and
       # ortfuse applied to that model (session 35: ORT's fused ops written as standard ops), e.g. suite-vit-fp16-kernels
@@ -136,6 +137,7 @@ for name in "$@"; do
       [[ $extra == mhaoff ]] && flags=(--no-profile --beside-ort-attention off)
       [[ $extra == kropeonce ]] && flags=(--no-profile --beside-k-rope once)
       [[ $extra == kropekernel ]] && flags=(--no-profile --beside-k-rope kernel)
+      [[ $extra == nofrontier ]] && flags=(--no-profile --beside-no-key-frontier)
       [[ $extra == baselines ]] && flags=(--no-profile) && variants=()
       [[ $extra == ortopt ]] && flags=(--no-profile) && variants=(--variants ort,ort-transformers,ort-transformers+ortfuse,ortfuse)
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests "${flags[@]}" --models "$model" \

@@ -352,7 +352,8 @@ def render(report: dict[str, Any], results: bool = False) -> str:
 
 def beside_label(overrides: dict[str, Any]) -> str:
   """The second build's name in the report: its options as flags ("pdl", "no pdl", "--layout model")."""
-  return ", ".join(("pdl" if v else "no pdl") if k == "pdl" else f"--{k.replace('_', '-')} {v}"
+  flags = {"pdl": "pdl", "key_frontier": "key frontier"}
+  return ", ".join(("" if v else "no ") + flags[k] if k in flags else f"--{k.replace('_', '-')} {v}"
                    for k, v in overrides.items())
 
 
@@ -460,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--beside-k-rope", choices=("auto", "kernel", "once"),
                  help="also build each model with this --k-rope mode and time it in the same run (harness "
                       "--beside): 'built with --k-rope MODE beside the row's build' lines")
+  p.add_argument("--beside-no-key-frontier", action="store_true",
+                 help="also build each model without causal frontiers (every attention key tile visited) and time "
+                      "it in the same run (harness --beside): 'built with no key frontier beside the row's build'")
   p.add_argument("--pdl", action="store_true",
                  help="optimize with programmatic dependent launches (sets ORTFUSE_PDL=1); rows read 'NAME pdl'")
   p.add_argument("--no-profile", action="store_true",
@@ -488,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
   from ortfuse.config import Options
   beside = {"pdl": not Options().pdl} if args.beside_pdl else {"layout": args.beside_layout} if args.beside_layout \
       else {"ort_attention": args.beside_ort_attention} if args.beside_ort_attention \
-      else {"k_rope": args.beside_k_rope} if args.beside_k_rope else None
+      else {"k_rope": args.beside_k_rope} if args.beside_k_rope \
+      else {"key_frontier": False} if args.beside_no_key_frontier else None
   report = run_suite(args.out, args.models, args.dtypes, args.batches, work, args.tiny, not args.no_tests,
                      args.variants, args.exporter, args.kernels, args.sweep, not args.no_profile, beside)
   _write(args.out, report)

@@ -1,16 +1,19 @@
-"""Causal frontiers: where an attention's scores are -inf past a diagonal, so its kernel may skip key tiles.
+"""Causal frontiers: where an attention's scores are masked past a diagonal, so its kernel may skip key tiles.
 
 A decoder's mask hides key j from query row i where j > i (a prompt), or j > i + past (queries after a cache):
-every such score is -inf, its softmax term exactly 0, so the tiles of keys past a unit's last row contribute
-nothing and the kernel need not visit them (`ortfuse_attention.h`, `key_end`). The property is proved on the
-graph: the score ops and the cone computing each mask they read (HF's `Where(causal & padding, 0, -inf)`
-made from Range iotas and the padding input, the Trilu of ones TorchScript writes for `is_causal`, ONNX
-Attention's rule) are lowered symbolically at a generic (i, j) by the kernel lowering's own evaluator, and
-the expression is searched for a condition that is false, or a value that is -inf, wherever j > i + c.
+every such score is -inf, or a finite mask value far below the row's scores, its softmax term 0, so the
+tiles of keys past a unit's last row contribute nothing and the kernel need not visit them
+(`ortfuse_attention.h`, `key_end`). The property is proved on the graph: the score ops and the cone computing
+each mask they read (HF's `Where(causal & padding, 0, -inf)` made from Range iotas and the padding input,
+the Trilu of ones TorchScript writes for `is_causal`, ONNX Attention's rule) are lowered symbolically at a
+generic (i, j) by the kernel lowering's own evaluator, and the expression is searched for a condition that
+is false, and a value that is masked, wherever j > i + c.
 
-Only exact -inf counts: a mask at the dtype's lowest finite value still gives a fully masked row the mean of
-every V row (what ORT computes), so skipping there would change such rows. Nothing found: no frontier, and
-the kernel visits every tile as before."""
+A mask value counts when it lies at least MASK_DEPTH below the scores (-inf, or a lowest finite value:
+ORT's fp16 converter turns -inf into -65504). With -inf the kernel's result is unchanged on every row. With
+a finite value, a row that sees no key at all (left padding's first rows) averaged every V row in ORT and
+now averages those of the tiles it visits: such rows mean nothing (docs/design.md). Nothing found: no
+frontier, and the kernel visits every tile as before."""
 from __future__ import annotations
 
 import math
@@ -26,6 +29,10 @@ from ortfuse.search.attention import AttentionPattern
 from ortfuse.search.plan import Region, Traffic
 
 ROW, KEY = "ai", "aj"  # the kernel's score coordinates (lower_attention's names)
+# A mask value at least this far below the scores (fp16's lowest -65504, fp32's -3.4e38, BERT's -10000, -inf)
+# gives a term e^(s - max) under 2^-126 (0 in the kernel's flushing exponentials) while the row's scores
+# are within MASK_DEPTH - 88 of each other
+MASK_DEPTH = 1e4
 MAX_CONE = 256  # mask nodes followed back from the score ops
 
 
@@ -220,23 +227,25 @@ class _Analysis:
                 return e.args[0], a.value, b.value
         return None
 
-    def masked(self, e: Expr) -> Frontier:
-        """c where e is -inf wherever j > i + c."""
+    def masked(self, e: Expr) -> Optional[_Masked]:
+        """(c, depth) where e lies `depth` below the scores' own values (at least: the mask's magnitude, inf
+        for -inf) wherever j > i + c."""
         e = self.resolve(e)
         if isinstance(e, ir.Const):
-            return ALWAYS if e.ctype == F32 and e.value == -math.inf else None
+            v = e.value
+            return (ALWAYS, -float(v)) if e.ctype == F32 and v <= -MASK_DEPTH else None
         if not isinstance(e, ir.Op):
             return None
         f, args = e.fn, e.args
         if f == "select":
             cond, x, y = args
             mx, my = self.masked(x), self.masked(y)
-            return _either(_both(mx, my), _either(_both(self.condition(cond), my),
-                                                  _both(self.condition(cond, True), mx)))
+            return _first(_masked_both(mx, my), _masked_under(self.condition(cond), my),
+                          _masked_under(self.condition(cond, True), mx))
         if f in ("add", "fmin", "fmin_nan", "min"):
-            return _either(self.masked(args[0]), self.masked(args[1]))
+            return _first(*sorted((m for m in map(self.masked, args) if m is not None), key=lambda m: -m[1]))
         if f in ("fmax", "fmax_nan", "max"):
-            return _both(self.masked(args[0]), self.masked(args[1]))
+            return _masked_both(self.masked(args[0]), self.masked(args[1]))
         if f == "sub":
             return self.masked(args[0])
         if f in ("cast", "round_f16", "round_bf16"):
@@ -245,9 +254,33 @@ class _Analysis:
             x, y = (self.resolve(a) for a in args)
             if f == "mul" and isinstance(x, ir.Const):
                 x, y = y, x
-            if isinstance(y, ir.Const) and isinstance(y.value, float) and 0 < y.value < math.inf:
-                return self.masked(x)
+            m = self.masked(x)
+            if m is not None and isinstance(y, ir.Const) and isinstance(y.value, float) and 0 < y.value < math.inf:
+                return m[0], m[1] * y.value if f == "mul" else m[1] / y.value
         return None
+
+
+_Masked = tuple[Union[_Lin, _Always], float]
+
+
+def _first(*ms: Optional[_Masked]) -> Optional[_Masked]:
+    return next((m for m in ms if m is not None), None)
+
+
+def _masked_both(a: Optional[_Masked], b: Optional[_Masked]) -> Optional[_Masked]:
+    """Both masked: past both frontiers, as deep as the shallower."""
+    if a is None or b is None:
+        return None
+    c = _both(a[0], b[0])
+    return None if c is None else (c, min(a[1], b[1]))
+
+
+def _masked_under(cond: Frontier, m: Optional[_Masked]) -> Optional[_Masked]:
+    """The masked branch of a select taken past the condition's frontier."""
+    if cond is None or m is None:
+        return None
+    c = _both(cond, m[0])
+    return None if c is None else (c, m[1])
 
 
 def _either(a: Frontier, b: Frontier) -> Frontier:
@@ -379,8 +412,10 @@ def _find(g: Graph, p: AttentionPattern) -> Optional[KeyBound]:
     if sq is None or sk is None or f.result is None:
         return None
     defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
-    c = _Analysis(defs, dims).masked(f.result)
-    return _classify(c, sq, sk) if c is not None and not isinstance(c, _Always) else None
+    m = _Analysis(defs, dims).masked(f.result)
+    if m is None or isinstance(m[0], _Always) or m[1] < MASK_DEPTH:
+        return None
+    return _classify(m[0], sq, sk)
 
 
 __all__ = ["KeyBound", "key_bound"]

@@ -324,7 +324,7 @@ class _AttnLowerer(_Lowerer):
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))
         # a causal frontier: each unit visits the key tiles before its last row's (not with packed query heads,
         # whose rows are not in order; a generation step sees every key anyway)
-        bound = key_bound(g, p) if group == 1 else None
+        bound = key_bound(g, p) if group == 1 and self.tgt.key_frontier else None
         if bound is not None:
             vsq, vsk = Var("asq", I64), Var("ask", I64)
             funcs.append(self.func("S.key_end", (vi, vsq, vsk), lambda: ir.add(

@@ -45,6 +45,8 @@ class Target:
     # launch gap and the next kernel's start overlap the last blocks of the one before. Used where every target
     # arch has it and the user opts in (`--pdl`: not measured yet); api.target_for folds both into this flag.
     pdl: bool = False
+    # attention kernels skip the key tiles past a proven causal frontier (customops.key_bound; Options.key_frontier)
+    key_frontier: bool = True
     # Share of the dense peak our wgmma kernel (cp.async pipeline, no TMA or warp specialization) reaches:
     # measured 0.12-0.23 (H100, 2026-11-25, same sweep; about 1.3x our mma.sync tiles), kept as a ratio as
     # mma_sync_share is (CUTLASS's TMA + warp-specialized kernels reach ~75-80%).

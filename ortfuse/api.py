@@ -101,16 +101,16 @@ def _archs(arch: Union[str, Sequence[str]]) -> tuple[int, ...]:
     return tuple(sorted({parse_arch(a.strip()).cc for a in names if a.strip()}))
 
 
-def target_for(archs: Sequence[int], wgmma: bool = False, pdl: bool = False) -> Target:
+def target_for(archs: Sequence[int], wgmma: bool = False, pdl: bool = False, key_frontier: bool = True) -> Target:
     """The newest arch's table entry with the smallest shared memory and cluster size of all targets: one
     kernel source (and its tiles) must launch on every arch it is compiled for. wgmma kernels only where
     every arch has them and `wgmma` is set (Options.wgmma: unless the user turned them off); programmatic
-    dependent launches likewise (Options.pdl)."""
+    dependent launches likewise (Options.pdl); causal frontiers as Options.key_frontier says."""
     return dataclasses.replace(parse_arch(f"sm_{max(archs)}"),
                                smem_per_block=min(parse_arch(f"sm_{a}").smem_per_block for a in archs),
                                max_cluster=min(parse_arch(f"sm_{a}").max_cluster for a in archs),
                                wgmma=wgmma and all(parse_arch(f"sm_{a}").wgmma for a in archs),
-                               pdl=pdl and all(parse_arch(f"sm_{a}").pdl for a in archs))
+                               pdl=pdl and all(parse_arch(f"sm_{a}").pdl for a in archs), key_frontier=key_frontier)
 
 
 def _shapes(input_shapes: Shapes) -> dict:
@@ -278,7 +278,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     opts = options or Options(archs=archs)
     if options is not None and options.archs != archs:
         opts = dataclasses.replace(options, archs=archs)
-    tgt = target_for(archs, opts.wgmma is not False, opts.pdl)
+    tgt = target_for(archs, opts.wgmma is not False, opts.pdl, opts.key_frontier)
     if opts.wgmma and not tgt.wgmma:
         say("wgmma kernels not used: every target arch must be sm_90 (" + ", ".join(f"sm_{a}" for a in archs) + ")")
 

@@ -80,6 +80,10 @@ class Options:
     # programmatic dependent launches where every target arch is sm_90+ (Target.pdl): off until measured on a
     # GPU ($ORTFUSE_PDL=1 turns them on)
     pdl: bool = field(default_factory=lambda: _tristate(os.environ.get("ORTFUSE_PDL", "")) is True)
+    # attention kernels skip the key tiles past a causal frontier the graph's mask proves (customops.key_bound;
+    # Target.key_frontier): on unless $ORTFUSE_KEY_FRONTIER=0 (a switch to time both builds side by side)
+    key_frontier: bool = field(
+        default_factory=lambda: _tristate(os.environ.get("ORTFUSE_KEY_FRONTIER", "")) is not False)
     # (name, value): typical values of symbolic dims for the cost model, the shapes left symbolic (--dim-hint;
     # a decoder's generation step: sequence=1)
     dim_hints: tuple[tuple[str, int], ...] = ()

@@ -160,12 +160,13 @@ def _attention_pattern(g: Graph, region: Region) -> AttentionPattern:
     return p
 
 
-def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
+def attention_geometry(g: Graph, region: Region, frontier: bool = True) -> AttentionGeometry:
     """The attention kernel's work as `customops.lower_attention` lays it out, symbolic dims at g's hints: the
     tensor-core kernel for 16-bit data and head sizes multiples of 16 (the lowering also needs rows 16-byte
     aligned: a misaligned packing runs SIMT, priced here as tensor cores); grouped-query heads packed into one
     unit's rows where the scores have a static head count, K's path repeats its heads (repeat_kv's Expand)
-    and the query rows leave the tile room (the lowering proves the grouping on the offsets)."""
+    and the query rows leave the tile room (the lowering proves the grouping on the offsets). `frontier`: each
+    unit visits only the key tiles before a proven causal frontier (Target.key_frontier)."""
     p = _attention_pattern(g, region)
     hint = functools.partial(compute.dim_hint, g)
     raw = g.tensors[g.nodes[p.qk].output[0]].shape
@@ -187,7 +188,7 @@ def attention_geometry(g: Graph, region: Region) -> AttentionGeometry:
     units = bh // group * -(-sq * group // bm)
     pairs = bn * p.k_rope.half if p.k_rope is not None else 0
     from ortfuse.customops.key_bound import key_bound  # (the lowering's evaluator imports the search)
-    bound = key_bound(g, p) if group == 1 else None
+    bound = key_bound(g, p) if group == 1 and frontier else None
     visible = bound.visible_share(sq, sk, bm, bn) if bound is not None else 1.0
     return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs, visible)
 
@@ -377,7 +378,7 @@ class CostModel:
         The units are the lowering's: query rows in tiles of BLOCK_M per (batch, head), grouped-query heads
         packed into one unit's rows at a generation step's few rows. `split`: the kernel's key split (split_k),
         else the one `attention_split` gives it."""
-        tgt, geo = self.target, attention_geometry(g, region)
+        tgt, geo = self.target, attention_geometry(g, region, self.target.key_frontier)
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
                                      self._split(geo) if split is None else split, geo.work, geo.rope_pairs,
                                      geo.visible)
@@ -416,7 +417,7 @@ class CostModel:
         """The key split (split_k) of a tensor-core attention kernel: the most the kernel allows
         (`tiles.key_split`) where splitting beats one block's walk over a unit's keys at g's hints, else 1
         (a cluster costs about two key tiles: BERT's 2 tiles a unit lose to it, a decode step's 9 gain)."""
-        return self._split(attention_geometry(g, region))
+        return self._split(attention_geometry(g, region, self.target.key_frontier))
 
     def _split(self, geo: AttentionGeometry) -> int:
         tgt = self.target

@@ -672,3 +672,77 @@ def onnx_rotary(dt: int, form: str = "", heads: int = 3, head: int = 16, rot: in
                               **({"q_num_heads": heads, "kv_num_heads": 1} if three else {}))]
     return model(nodes, [vi("q", dt, shape), vi("k", dt, kv), vi("v", dt, kv)] + ins, [vi("y", dt, shape)],
                  opset=23)
+
+
+CAUSAL_HEADS, CAUSAL_HEAD = 2, 64  # causal_attention's heads and head size
+
+
+def causal_attention(dt: int, form: str = "and", past: bool = False) -> onnx.ModelProto:
+    """Self-attention on q, k, v [B, S, heads * head] (CAUSAL_HEADS, CAUSAL_HEAD) with its mask made in the graph
+    as HF's masking utilities and TorchScript write it. `form`: "and" (Where(j <= i & padding, 0, -inf)),
+    "greater" (Where(j > i, -inf, 0) plus a padding bias), "shifted" (j < i + 3), "window" (j <= i and
+    j > i - 64), "min" (as "and" at the lowest finite float), "shallow" (as "and" at -100: too shallow to
+    zero a term), "padding" (no causal rule), "batch" (j <= i + b:
+    differs per batch item), "trilu" (TorchScript's is_causal: a Trilu of ones, Where(tril == 0, -inf, 0)).
+    `past`: K and V are a past [B, heads, P, head] joined with the new keys, the query positions P + i (HF's
+    cache_position)."""
+    TP, hd = onnx.TensorProto, CAUSAL_HEADS * CAUSAL_HEAD
+    npdt = helper.tensor_dtype_to_np_dtype(dt)
+    low = np.finfo(npdt).min if form == "min" else -100.0 if form == "shallow" else -np.inf
+    n = [node("Reshape", ["q", "shp4"], ["q4"]), node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+         node("Reshape", ["k", "shp4"], ["k4"]), node("Transpose", ["k4"], ["kn"], perm=[0, 2, 1, 3]),
+         node("Reshape", ["v", "shp4"], ["v4"]), node("Transpose", ["v4"], ["vn"], perm=[0, 2, 1, 3])]
+    inputs = [vi(x, dt, ["batch", "seq", hd]) for x in "qkv"]
+    inputs.append(vi("attention_mask", TP.INT64, ["batch", "past + seq" if past else "seq"]))
+    if past:
+        inputs += [vi(x, dt, ["batch", CAUSAL_HEADS, "past", CAUSAL_HEAD]) for x in ("past_k", "past_v")]
+        n += [node("Concat", ["past_k", "kn"], ["kh"], axis=2), node("Concat", ["past_v", "vn"], ["vh"], axis=2),
+              node("Shape", ["past_k"], ["pshape"]), node("Gather", ["pshape", "two"], ["plen"], axis=0)]
+    else:
+        n += [node("Identity", ["kn"], ["kh"]), node("Identity", ["vn"], ["vh"])]
+    n += [node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["qh", "kt"], ["s0"]),
+          node("Mul", ["s0", "scale"], ["s1"]),
+          # iotas: query positions (after the past) and key positions
+          node("Shape", ["q"], ["qshape"]), node("Gather", ["qshape", "one"], ["slen"], axis=0),
+          node("Shape", ["kh"], ["kshape"]), node("Gather", ["kshape", "two"], ["tlen"], axis=0),
+          node("Range", ["zero", "slen", "one"], ["qr0"]), node("Range", ["zero", "tlen", "one"], ["kr"])]
+    n.append(node("Add", ["qr0", "plen"], ["qr"]) if past else node("Identity", ["qr0"], ["qr"]))
+    n += [node("Unsqueeze", ["qr", "ax1"], ["qi"]), node("Unsqueeze", ["kr", "ax0"], ["kj"]),
+          node("Unsqueeze", ["attention_mask", "ax12"], ["am4"]), node("Cast", ["am4"], ["pad"], to=TP.BOOL)]
+    if form in ("and", "min", "shallow", "window", "shifted", "batch"):
+        if form == "shifted":
+            n += [node("Add", ["qi", "three"], ["qi3"]), node("Less", ["kj", "qi3"], ["causal"])]
+        elif form == "batch":  # i + b: a frontier that is not one diagonal for the whole batch
+            n += [node("Shape", ["q"], ["bshape"]), node("Gather", ["bshape", "zero1"], ["blen"], axis=0),
+                  node("Range", ["zero", "blen", "one"], ["br"]), node("Unsqueeze", ["br", "ax123"], ["b4"]),
+                  node("Add", ["qi", "b4"], ["qib"]), node("LessOrEqual", ["kj", "qib"], ["causal"])]
+        else:
+            n.append(node("LessOrEqual", ["kj", "qi"], ["causal"]))
+        if form == "window":
+            n += [node("Sub", ["qi", "width"], ["qi4"]), node("Greater", ["kj", "qi4"], ["inwin"]),
+                  node("And", ["causal", "inwin"], ["causal_w"])]
+        n += [node("And", ["causal_w" if form == "window" else "causal", "pad"], ["keep"]),
+              node("Where", ["keep", "zf", "low"], ["bias"])]
+    elif form == "greater":
+        n += [node("Greater", ["kj", "qi"], ["hide"]), node("Where", ["hide", "low", "zf"], ["cbias"]),
+              node("Where", ["pad", "zf", "low"], ["pbias"]), node("Add", ["cbias", "pbias"], ["bias"])]
+    elif form == "trilu":
+        n += [node("ConstantOfShape", ["sshape"], ["ones"], value=helper.make_tensor("v", TP.FLOAT, [1], [1.0])),
+              node("Trilu", ["ones"], ["tril"], upper=0), node("Equal", ["tril", "zf32"], ["hide"]),
+              node("Where", ["hide", "low", "zf"], ["bias"])]
+    else:
+        n.append(node("Where", ["pad", "zf", "low"], ["bias"]))
+    if form == "trilu":
+        n.append(node("Concat", ["slen1", "slen1"], ["sshape"], axis=0))
+        n.append(node("Unsqueeze", ["slen", "ax0"], ["slen1"]))
+    n += [node("Add", ["s1", "bias"], ["s2"]), node("Softmax", ["s2"], ["p"], axis=-1),
+          node("MatMul", ["p", "vh"], ["o"]), node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]),
+          node("Reshape", ["o4", "shp3"], ["y"])]
+    i64 = np.int64
+    inits = [const("shp4", [0, 0, CAUSAL_HEADS, CAUSAL_HEAD], i64), const("shp3", [0, 0, hd], i64),
+             const("scale", 1 / np.sqrt(CAUSAL_HEAD), npdt), const("zero", 0, i64), const("zero1", [0], i64),
+             const("one", 1, i64), const("two", 2, i64), const("three", 3, i64), const("width", 64, i64),
+             const("ax0", [0], i64), const("ax1", [1], i64), const("ax12", [1, 2], i64),
+             const("ax123", [1, 2, 3], i64), const("zf", 0, npdt), const("low", low, npdt),
+             const("zf32", 0, np.float32)]
+    return model(n, inputs, [vi("y", dt, ["batch", "seq", hd])], inits)

@@ -126,6 +126,7 @@ def test_a_beside_build_is_named_by_its_options(tmp_path, monkeypatch):
   from helpers import model, node, vi
   assert gpu_suite.beside_label({"pdl": True}) == "pdl" and gpu_suite.beside_label({"pdl": False}) == "no pdl"
   assert gpu_suite.beside_label({"k_rope": "once"}) == "--k-rope once"
+  assert gpu_suite.beside_label({"key_frontier": False}) == "no key frontier"
   assert gpu_suite.beside_label({"ort_attention": "off"}) == "--ort-attention off"
   seen = {}
 

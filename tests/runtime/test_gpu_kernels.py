@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto as TP
 
 import ortfuse
-from helpers import (assert_cuda_graph_replay, const, conv_chain, conv_silu_residual, gqa_attention,
+from helpers import (CAUSAL_HEAD, CAUSAL_HEADS, assert_cuda_graph_replay, causal_attention, const, conv_chain,
+                     conv_silu_residual, gqa_attention,
                      merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, onnx_attention,
                      onnx_rotary, resized, rope_attention, rope_shapes, short_rows, vi)
 from ortfuse.api import compile_model
@@ -214,6 +215,24 @@ def test_k_rotated_once_before_attention_on_gpu(dt, rot):
     assert sorted(r.kind for r in res.plan.regions) == ["attention", "pointwise"]
     for b, s in ((1, 128), (3, 77)):
         rep = check_models(m, res.model, provider="cuda", input_shapes=rope_shapes(4, 2, 64, b, s, rot))
+        assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("form,past,dt", [("and", False, H), ("and", True, H), ("greater", False, F),
+                                          ("trilu", False, H)])
+def test_causal_frontier_on_gpu(form, past, dt):
+    # key tiles past each unit's last row skipped (S.key_end, session 44, CPU only until now): 300 rows (five
+    # units, the first visiting one key tile of five), clusters at batch 1, a past of 70 keys
+    hd = CAUSAL_HEADS * CAUSAL_HEAD
+    m = causal_attention(dt, form, past)
+    hints = (("seq", 16),) if dt == F else ()
+    res = compile_model(m, None, "sm_90", Options(archs=(90,), ort_attention="off", dim_hints=hints))
+    assert any(f.name == "S.key_end" for k in res.kernels for f in k.spec.kernel.funcs)
+    for b, s, p in ((1, 300, 70), (3, 77, 5)):
+        shapes = {"q": (b, s, hd), "k": (b, s, hd), "v": (b, s, hd), "attention_mask": (b, s + p if past else s)}
+        if past:
+            shapes.update(past_k=(b, CAUSAL_HEADS, p, CAUSAL_HEAD), past_v=(b, CAUSAL_HEADS, p, CAUSAL_HEAD))
+        rep = check_models(m, res.model, provider="cuda", input_shapes=shapes)
         assert rep.ok, "\n".join(rep.lines())
 
 
