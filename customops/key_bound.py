@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ortfuse.customops import ir, scalar, target as hw
-from ortfuse.customops.ir import F32, I64, Expr, Var
+from ortfuse.customops.ir import F32, I32, I64, Expr, Var
 from ortfuse.customops.lower import LoweringError, _Lowerer
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.search import ops
@@ -144,11 +144,14 @@ class _Analysis:
             e = e.args[1] if c else e.args[2]
 
     def linear(self, e: Expr) -> Optional[_Lin]:
-        """e as a linear form over the row, the key and the runtime dims, else None."""
+        """e as a linear form over the row, the key and the runtime dims, else None. Integers are i64 or i32 (a
+        position past 2^31 is not an attention's) and floats are exact below 2^24 (16M positions): casts to
+        narrower types, which wrap, end the form."""
         e = self.resolve(e)
         if isinstance(e, ir.Const):
             v = e.value
-            return _lin({}, int(v)) if not isinstance(v, bool) and float(v).is_integer() and abs(v) < 2 ** 40 \
+            exact = 2 ** 24 if e.ctype == F32 else 2 ** 31
+            return _lin({}, int(v)) if not isinstance(v, bool) and float(v).is_integer() and abs(v) < exact \
                 else None
         if isinstance(e, Var):
             if e.name in (ROW, KEY):
@@ -165,9 +168,9 @@ class _Analysis:
             return _combine(a[0], a[1], -1)
         if e.fn == "neg":
             return _scale(a[0], -1)
-        if e.fn == "cast":  # an integer as a float (exact below 2^24) or another integer type
+        if e.fn == "cast":  # an integer as a float (exact below 2^24) or as another wide integer type
             inner = self.resolve(e.args[0])
-            return a[0] if inner.ctype != F32 else None
+            return a[0] if inner.ctype in (I64, I32) and e.ctype in (I64, I32, F32) else None
         x, y = a
         if not x[0]:
             return _scale(y, x[1])
@@ -246,8 +249,8 @@ class _Analysis:
             return _first(*sorted((m for m in map(self.masked, args) if m is not None), key=lambda m: -m[1]))
         if f in ("fmax", "fmax_nan", "max"):
             return _masked_both(self.masked(args[0]), self.masked(args[1]))
-        if f == "sub":
-            return self.masked(args[0])
+        if f == "sub":  # (-inf - -inf is NaN)
+            return self.masked(args[0]) if self.masked(args[1]) is None else None
         if f in ("cast", "round_f16", "round_bf16"):
             return self.masked(args[0]) if e.ctype == F32 else None
         if f in ("mul", "div"):

@@ -589,6 +589,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
       }
       __syncthreads();  // this tile's buffers may be refilled
     }
+    if (tn0 == tn1) cp_async_wait<0>();  // a unit with no tile: its copies land before the next unit's are issued
     if (splits > 1) split_merge<DV, NT>(reinterpret_cast<float*>(smem), st, acc, splits, rank, unit);
     // O: a thread's two adjacent columns as one 4-byte word (rows contiguous in d and 16-byte aligned); in a
     // cluster, block `rank` stores the column groups c = rank (mod splits)

@@ -64,6 +64,12 @@ template <int D> struct CausalTail {  // queries after Sk - Sq cached keys (bott
   DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64 i, ofz_i64 j, float qk);
   DEV ofz_i64 key_end(const OfzArgs& a, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i + 1 + sk - sq; }
 };
+template <int D> struct CausalStrict {  // j >= i hidden (row 0 sees no key), with the frontier
+  DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64 i, ofz_i64 j, float qk) {
+    return j >= i ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
+  }
+  DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i; }
+};
 template <int D> __device__ __forceinline__ float CausalTail<D>::score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 i,
                                                                        ofz_i64 j, float qk) {
   return j > i + (a.dim[2] - a.dim[1]) ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
@@ -78,6 +84,7 @@ class Case:
     dv: int
     layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
     score: str  # "plain" | "scaled" (plain, as a bare scale) | "padding" | "causal" | "causal_end" | "causal_tail"
+    #             | "causal_strict"
     kernel: str = "simt"  # "simt" | "tensor_core"
     affine: bool = False  # tensor_core's AFFINE: K/V/Q copies step one row stride (these layouts are affine)
 
@@ -108,7 +115,7 @@ CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("pl
     Case(dt, d, d, "bshd", "scaled", "tensor_core") for dt in ("f16", "bf16") for d in (16, 64, 128)] + [
     Case(dt, d, d, "bshd", sc, kernel) for dt, d, kernel in (("f32", 32, "simt"), ("f16", 64, "tensor_core"),
                                                              ("bf16", 128, "tensor_core"))
-    for sc in ("causal_end", "causal_tail")]
+    for sc in ("causal_end", "causal_tail")] + [Case("f16", 64, 64, "bshd", "causal_strict", "tensor_core")]
 CASES += [dataclasses.replace(c, affine=True) for c in CASES if c.kernel == "tensor_core"]
 
 
@@ -117,7 +124,7 @@ def _kernel(c: Case) -> str:
     lay = {"bhsd": "Bhsd", "bshd": "Bshd", "kt": "Bshd"}[c.layout]
     k = f"Bhds<{c.d}>" if c.layout == "kt" else f"{lay}<{c.d}, 2>"
     score = {"plain": "Plain", "scaled": "Scaled", "padding": "Padding", "causal": "Causal", "causal_end": "CausalEnd",
-             "causal_tail": "CausalTail"}[c.score]
+             "causal_tail": "CausalTail", "causal_strict": "CausalStrict"}[c.score]
     return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
             f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
             f"{score}<{c.d}>{', true' if c.affine else ''}>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
@@ -146,10 +153,10 @@ def _layout(x: np.ndarray, layout: str) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
 
 
-def _reference(q, k, v, mask, causal: bool, tail: bool = False) -> np.ndarray:
+def _reference(q, k, v, mask, causal: bool, tail: bool = False, shift: int = 0) -> np.ndarray:
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1]) + mask[:, None, None, :]
-    if causal:
-        past = s.shape[3] - s.shape[2] if tail else 0
+    if causal:  # key j hidden from query i where j > i + shift (+ Sk - Sq where `tail`)
+        past = (s.shape[3] - s.shape[2] if tail else 0) + shift
         s = np.where(np.arange(s.shape[3])[None, :] > np.arange(s.shape[2])[:, None] + past, -np.inf, s)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
@@ -178,7 +185,7 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
     if lay == "bshd":
         got = got.reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
     return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask), c.score.startswith("causal"),
-                           c.score == "causal_tail")
+                           c.score == "causal_tail", -1 if c.score == "causal_strict" else 0)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -352,19 +359,20 @@ def test_simt_tile_copies_keep_one_column_a_thread(tmp_path):
 
 
 FRONTIER = [Case("f32", 32, 32, "bshd", "causal_end"), Case("f16", 64, 64, "bshd", "causal_end", "tensor_core", True),
-            Case("bf16", 128, 128, "bshd", "causal_tail", "tensor_core")]
+            Case("bf16", 128, 128, "bshd", "causal_tail", "tensor_core"), Case("f32", 32, 32, "bshd", "causal_tail")]
 
 
 @pytest.mark.parametrize("c,sq,sk,cluster", [
-    (c, sq, sk, cluster) for c in FRONTIER for sq, sk in ((130, 130), (37, 200), (1, 45), (70, 70))
+    (c, sq, sk, cluster) for c in FRONTIER for sq, sk in ((130, 130), (37, 200), (1, 45), (70, 70), (130, 131))
     for cluster in ((1, 3) if c.kernel == "tensor_core" else (1,)) if c.score == "causal_tail" or sq == sk],
     ids=lambda x: x.entry if isinstance(x, Case) else str(x))
 def test_a_causal_frontier_skips_the_key_tiles_past_each_unit(mod, c: Case, sq: int, sk: int, cluster: int):
-    # key_end: a unit visits only the key tiles before its last row's frontier. V is NaN at every key past
-    # the frontier of the first unit's rows: P·V would make those rows NaN (0 · NaN) had any of their
-    # tiles been visited; the rows after see some of those keys and are NaN as they must be. The other
-    # outputs match the reference where V is finite. (Clusters are the tensor-core kernel's; a top-left
-    # frontier is taken at Sq = Sk; at 37 over 200 and 1 over 45 no tile lies past the first unit.)
+    # key_end: a unit visits only the key tiles before its last row's frontier. V is NaN at every key of the
+    # tiles past the first unit's frontier: P·V would make its rows NaN (0 · NaN) had it visited one; the
+    # units that visit them are NaN. The outputs with V finite match the reference. (Clusters are the tensor-core kernel's; a top-left
+    # frontier is taken at Sq = Sk; at 37 over 200 and 1 over 45 no tile lies past the first unit; at 130
+    # over 131 the first unit's last row sees the first key of the second tile: a frontier one key short
+    # would skip it, and the reference would differ.)
     past = sk - sq if c.score == "causal_tail" else 0
     first_end = min(c.block_m, sq) + past  # the first unit's frontier (its last row's + 1)
     bn = (32 if max(c.d, c.dv) > 64 else 64) if c.kernel == "tensor_core" else (16 if max(c.d, c.dv) > 64 else 32)
@@ -385,8 +393,22 @@ def test_a_causal_frontier_skips_the_key_tiles_past_each_unit(mod, c: Case, sq: 
         outs.append(out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3))
     ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, c.score == "causal_tail")
     assert _rel(outs[0], ref) <= (1e-5 if c.dtype == "f32" else 1e-2), _rel(outs[0], ref)
-    rows = np.arange(sq)
-    clean = rows + past < poisoned  # rows whose keys are all before the poisoned ones
+    if c.dtype == "f32":  # row by row: a frontier one key short loses one key of a unit's last row
+        assert np.abs(outs[0] - ref).max() <= 1e-5
+    # a unit's rows are clean where the tiles before its last row's frontier end before the poisoned keys;
+    # the others visit a poisoned tile (0 · NaN, or a NaN they see)
+    last = np.minimum((np.arange(sq) // c.block_m + 1) * c.block_m, sq) - 1
+    clean = -(-(last + 1 + past) // bn) * bn <= poisoned
     assert clean[: min(c.block_m, sq)].all()
     assert np.array_equal(outs[1][:, :, clean], outs[0][:, :, clean])
     assert np.isnan(outs[1][:, :, ~clean]).all()
+
+
+@pytest.mark.parametrize("sq,sk,cluster", [(1, 45, 1), (1, 45, 2), (65, 130, 1)])
+def test_a_unit_with_no_visible_key_visits_no_tile(mod, sq: int, sk: int, cluster: int):
+    # j >= i hidden: row 0 sees no key, so a unit of one row has a frontier at 0 and visits nothing (its row is
+    # 0, as every row that sees no key); with 65 rows the first unit's frontier is 63
+    c = Case("f16", 64, 64, "bshd", "causal_strict", "tensor_core", True)
+    got, ref = _run(mod, c, np.zeros((B, sk)), sq, sk, seed=3, cluster=cluster)
+    assert np.isfinite(got).all() and not got[:, :, 0].any()
+    assert _rel(got, ref) <= 1e-2 if sq > 1 else not got.any()
