@@ -67,7 +67,7 @@ def summary(r: OptimizeResult) -> str:
     frontier = sum(1 for k in r.kernels if any(f.name == "S.key_end" for f in k.spec.kernel.funcs))
     if frontier:
         note.append(f"causal frontiers:     {frontier} attention kernels skip the key tiles past their query rows' "
-                    "diagonal (scores masked at -inf there)")
+                    "diagonal (their mask hides every key there)")
     folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
     if folds:
         note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")
