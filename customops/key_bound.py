@@ -20,9 +20,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
+
 from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.ir import F32, I32, I64, Expr, Var
-from ortfuse.customops.lower import LoweringError, _Lowerer
+from ortfuse.customops.lower import LoweringError, _Lowerer, _storage
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.search import ops
 from ortfuse.search.attention import AttentionPattern
@@ -317,7 +319,15 @@ class _MaskLowerer(_Lowerer):
         return Var("qk", F32) if t == self.qk_out else super().value(t, idx)
 
     def load(self, t: str, idx: tuple[Expr, ...]) -> Expr:
-        """An element of a Shape at a constant index is that dim (a cache's length: HF's query positions)."""
+        """An element of a Shape at a constant index is that dim (a cache's length: HF's query positions); an
+        element of a triangular constant is its rule (`_triangle`: a static causal mask, GPT-2's bias buffer)."""
+        const = self.g.constants.get(t)
+        tri = _triangle(const) if const is not None and len(idx) >= 2 else None
+        if tri is not None:
+            k, inside, outside = tri
+            ct = ir.compute_type(_storage(self.g.tensors[t].dtype, f"constant '{t}'"))
+            cond = ir.Op("le", (idx[-1], ir.add(idx[-2], ir.i64(k))), "bool")
+            return ir.Op("select", (cond, ir.const(inside, ct), ir.const(outside, ct)), ct)
         i = self.g.producer.get(t)
         node = self.g.nodes[i] if i is not None else None
         if node is not None and node.op_type == "Shape" and len(idx) == 1:
@@ -340,6 +350,31 @@ class _MaskLowerer(_Lowerer):
         """Each dim variable as a linear form over dim names ("past_sequence + sequence" - "sequence" is
         "past_sequence")."""
         return {f"d{k}": _name_form(name) for name, k in self.dims.items()}
+
+
+def _triangle(a: np.ndarray) -> Optional[tuple[int, object, object]]:
+    """(k, inside, outside) where every [.., r, c] slice of constant `a` is `inside` for c <= r + k and
+    `outside` elsewhere (two values, the same for every leading index), else None."""
+    if a.ndim < 2 or a.size > 1 << 24 or a.shape[-1] < 2:
+        return None
+    rows, cols = a.shape[-2:]
+    flat = a.reshape(-1, rows, cols)
+    m = flat[0]
+    if not (flat == m).all():
+        return None
+    values = np.unique(m)
+    if len(values) != 2:
+        return None
+    for inside, outside in ((values[0], values[1]), (values[1], values[0])):
+        lengths = (m == inside).sum(axis=1)
+        partial = [int(n) - 1 - r for r, n in enumerate(lengths) if 0 < n < cols]
+        if not partial or len(set(partial)) != 1:
+            continue
+        k = partial[0]
+        want = np.arange(cols)[None, :] <= np.arange(rows)[:, None] + k
+        if np.array_equal(m == inside, want):
+            return k, inside.item(), outside.item()
+    return None
 
 
 def _cone(g: Graph, p: AttentionPattern) -> Optional[tuple[list[int], list[str]]]:

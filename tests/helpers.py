@@ -677,13 +677,15 @@ def onnx_rotary(dt: int, form: str = "", heads: int = 3, head: int = 16, rot: in
 CAUSAL_HEADS, CAUSAL_HEAD = 2, 64  # causal_attention's heads and head size
 
 
-def causal_attention(dt: int, form: str = "and", past: bool = False) -> onnx.ModelProto:
+def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq") -> onnx.ModelProto:
     """Self-attention on q, k, v [B, S, heads * head] (CAUSAL_HEADS, CAUSAL_HEAD) with its mask made in the graph
     as HF's masking utilities and TorchScript write it. `form`: "and" (Where(j <= i & padding, 0, -inf)),
     "greater" (Where(j > i, -inf, 0) plus a padding bias), "shifted" (j < i + 3), "window" (j <= i and
     j > i - 64), "min" (as "and" at the lowest finite float), "shallow" (as "and" at -100: too shallow to
     zero a term), "padding" (no causal rule), "batch" (j <= i + b:
-    differs per batch item), "trilu" (TorchScript's is_causal: a Trilu of ones, Where(tril == 0, -inf, 0)).
+    differs per batch item), "trilu" (TorchScript's is_causal: a Trilu of ones, Where(tril == 0, -inf, 0)),
+    "const" (a constant [1, 1, seq, seq] lower triangle of bools at a static `seq`, Where(tril, 0, lowest)
+    plus a padding bias).
     `past`: K and V are a past [B, heads, P, head] joined with the new keys, the query positions P + i (HF's
     cache_position)."""
     TP, hd = onnx.TensorProto, CAUSAL_HEADS * CAUSAL_HEAD
@@ -692,8 +694,8 @@ def causal_attention(dt: int, form: str = "and", past: bool = False) -> onnx.Mod
     n = [node("Reshape", ["q", "shp4"], ["q4"]), node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
          node("Reshape", ["k", "shp4"], ["k4"]), node("Transpose", ["k4"], ["kn"], perm=[0, 2, 1, 3]),
          node("Reshape", ["v", "shp4"], ["v4"]), node("Transpose", ["v4"], ["vn"], perm=[0, 2, 1, 3])]
-    inputs = [vi(x, dt, ["batch", "seq", hd]) for x in "qkv"]
-    inputs.append(vi("attention_mask", TP.INT64, ["batch", "past + seq" if past else "seq"]))
+    inputs = [vi(x, dt, ["batch", seq, hd]) for x in "qkv"]
+    inputs.append(vi("attention_mask", TP.INT64, ["batch", "past + seq" if past else seq]))
     if past:
         inputs += [vi(x, dt, ["batch", CAUSAL_HEADS, "past", CAUSAL_HEAD]) for x in ("past_k", "past_v")]
         n += [node("Concat", ["past_k", "kn"], ["kh"], axis=2), node("Concat", ["past_v", "vn"], ["vh"], axis=2),
@@ -723,6 +725,10 @@ def causal_attention(dt: int, form: str = "and", past: bool = False) -> onnx.Mod
                   node("And", ["causal", "inwin"], ["causal_w"])]
         n += [node("And", ["causal_w" if form == "window" else "causal", "pad"], ["keep"]),
               node("Where", ["keep", "zf", "low"], ["bias"])]
+    elif form == "const":
+        tril = np.tril(np.ones((seq, seq), bool))[None, None]
+        n += [node("Where", ["tril", "zf", "lowest"], ["cbias"]), node("Where", ["pad", "zf", "lowest"], ["pbias"]),
+              node("Add", ["cbias", "pbias"], ["bias"])]
     elif form == "greater":
         n += [node("Greater", ["kj", "qi"], ["hide"]), node("Where", ["hide", "low", "zf"], ["cbias"]),
               node("Where", ["pad", "zf", "low"], ["pbias"]), node("Add", ["cbias", "pbias"], ["bias"])]
@@ -745,4 +751,6 @@ def causal_attention(dt: int, form: str = "and", past: bool = False) -> onnx.Mod
              const("ax0", [0], i64), const("ax1", [1], i64), const("ax12", [1, 2], i64),
              const("ax123", [1, 2, 3], i64), const("zf", 0, npdt), const("low", low, npdt),
              const("zf32", 0, np.float32)]
-    return model(n, inputs, [vi("y", dt, ["batch", "seq", hd])], inits)
+    if form == "const":
+        inits += [const("tril", tril, np.bool_), const("lowest", np.finfo(npdt).min, npdt)]
+    return model(n, inputs, [vi("y", dt, ["batch", seq, hd])], inits)

@@ -96,7 +96,8 @@ template <class S> __device__ __forceinline__ float log2_unit(const OfzArgs& a) 
 // score of the unit is -inf, and its rows are 0 either way).
 template <class S, class = void> struct HasKeyEnd { static constexpr bool value = false; };
 template <class S> struct HasKeyEnd<S, decltype((void)&S::key_end)> { static constexpr bool value = true; };
-template <class S, int BN> __device__ __forceinline__ ofz_i64 unit_key_tiles(const OfzArgs& a, ofz_i64 i1, const Dims& n) {
+template <class S, int BN>
+__device__ __forceinline__ ofz_i64 unit_key_tiles(const OfzArgs& a, ofz_i64 i1, const Dims& n) {
   const ofz_i64 all = (n.sk + BN - 1) / BN;
   if constexpr (HasKeyEnd<S>::value) {
     const ofz_i64 end = S::key_end(a, (i1 < n.sq ? i1 : n.sq) - 1, n.sq, n.sk);
@@ -105,6 +106,13 @@ template <class S, int BN> __device__ __forceinline__ ofz_i64 unit_key_tiles(con
   } else {
     return all;
   }
+}
+
+// A unit's query-row tile: in order, or last first under a causal frontier, where the last tiles visit the most
+// keys: the blocks launched first take the longest units and the short ones fill the wave's tail.
+template <class S> __device__ __forceinline__ ofz_i64 unit_row(ofz_i64 t, ofz_i64 tiles_m) {
+  if constexpr (HasKeyEnd<S>::value) return tiles_m - 1 - t;
+  else return t;
 }
 
 // Whether a layout functor has `rope` (a rotary embedding applied to the rows it loads).
@@ -177,7 +185,7 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
   const int tid = threadIdx.x, r = tid / G, g = tid % G;
   const ofz_i64 tiles_m = (n.sq + BM - 1) / BM, units = n.batch * n.heads * tiles_m;
   for (ofz_i64 u = blockIdx.x; u < units; u += gridDim.x) {
-    const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
+    const ofz_i64 bh = u / tiles_m, i0 = unit_row<Score>(u % tiles_m, tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 i = i0 + r;
     const bool row_ok = i < n.sq;
     __syncthreads();  // the previous unit is done with sq
@@ -465,7 +473,7 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
   const ofz_i64 step = splits > 1 ? (ofz_i64)cluster_count() : (ofz_i64)gridDim.x;
   if (splits > kMaxKeySplit || (splits > 1 && Tile::SPLIT_STATE_BYTES > Tile::SMEM_BYTES)) __trap();  // launched wrong
   for (ofz_i64 u = first; u < units; u += step) {
-    const ofz_i64 bh = u / tiles_m, i0 = (u % tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
+    const ofz_i64 bh = u / tiles_m, i0 = unit_row<Score>(u % tiles_m, tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
     const bool row_ok[2] = {rows[0] < n.sq, rows[1] < n.sq};
     const ofz_i64 tiles_n = unit_key_tiles<Score, BN>(a, i0 + BM, n);

@@ -54,8 +54,10 @@ def test_split_shared_with_a_kv_output_stays_with_ort():
 
 def _with_computed_mask(dt, causal: bool):
     """packed_attention with its mask built in the graph as transformers 5 exports it: [B, 1, S, S] from an
-    int64 key mask `km` [B, S], ANDed with `q_idx >= 0` (always true: the bidirectional mask function) or
-    with `k_idx <= q_idx` (causal), then Where(cond, 0, lowest)."""
+    int64 key mask `key_mask` [B, S], ANDed with `q_idx >= 0` (always true: the bidirectional mask function)
+    or with `k_idx <= q_idx` (causal), then Where(cond, 0, lowest). The feeds pad the key mask's last quarter
+    (not in the first batch item), so every query row sees a key: the causal kernel skips the key tiles past
+    the diagonal, which would change only rows that see none (docs/design.md, "Causal frontiers")."""
     import numpy as np
     from onnx import helper
 
@@ -67,9 +69,9 @@ def _with_computed_mask(dt, causal: bool):
     low = np.finfo(np.float16 if dt == TP.FLOAT16 else np.float32).min
     npdt = helper.tensor_dtype_to_np_dtype(dt)
     nodes = [
-        node("Shape", ["km"], ["kms"]), node("Gather", ["kms", "one"], ["s"], axis=0),
+        node("Shape", ["key_mask"], ["kms"]), node("Gather", ["kms", "one"], ["s"], axis=0),
         node("Range", ["zero", "s", "one"], ["iq"]), node("Unsqueeze", ["iq", "ax13"], ["qi4"]),  # [1, 1, S, 1]
-        node("Cast", ["km"], ["kb"], to=TP.BOOL), node("Unsqueeze", ["kb", "ax12"], ["kb4"]),  # [B, 1, 1, S]
+        node("Cast", ["key_mask"], ["kb"], to=TP.BOOL), node("Unsqueeze", ["kb", "ax12"], ["kb4"]),  # [B, 1, 1, S]
     ]
     if causal:
         nodes += [node("Unsqueeze", ["iq", "ax012"], ["ki4"]), node("LessOrEqual", ["ki4", "qi4"], ["qc"])]
@@ -80,7 +82,7 @@ def _with_computed_mask(dt, causal: bool):
              const("ax12", [1, 2], np.int64), const("ax012", [0, 1, 2], np.int64),
              const("zf", 0.0, npdt), const("low", low, npdt)]
     del g.input[1]
-    g.input.append(vi("km", TP.INT64, ["batch", "seq"]))
+    g.input.append(vi("key_mask", TP.INT64, ["batch", "seq"]))
     new = nodes + list(g.node)
     del g.node[:]
     g.node.extend(new)
@@ -93,10 +95,10 @@ def _with_computed_mask(dt, causal: bool):
 def test_mask_built_per_query_row(dt, causal):
     # the padding mask is the same for every query row, so the kernel reads it at row 0 (the two rows a
     # thread scores share one load per key); the causal one is not, and is read per score. Parity against
-    # ORT either way (the key mask is random 0s and 1s)
+    # ORT either way
     m, hd = _with_computed_mask(dt, causal)
-    shapes = {"x": ("batch", "seq", hd), "km": ("batch", "seq")}
-    res = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"])
+    shapes = {"x": ("batch", "seq", hd), "key_mask": ("batch", "seq")}
+    res = fused_parity(m, shapes, {"x": (2, 37, hd), "key_mask": (2, 37)}, ["attention", "pointwise"])
     src = res.kernels[[r.kind for r in res.plan.regions].index("attention")].compiled.source
     score = src[src.index("struct S"):src.index("return", src.index("struct S"))]
     assert ("ai" in score.split("qk", 2)[-1]) == causal, score
@@ -129,8 +131,8 @@ def test_attention_asks_for_four_blocks_per_sm_only_where_it_needs_to(monkeypatc
     # spills there (GPT-2's did, 44 bytes). Parity in emulation for the kernel that ships
     _registers(monkeypatch, regs, spill)
     m, hd = _with_computed_mask(TP.FLOAT16, causal=True)
-    shapes = {"x": ("batch", "seq", hd), "km": ("batch", "seq")}
-    res = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"])
+    shapes = {"x": ("batch", "seq", hd), "key_mask": ("batch", "seq")}
+    res = fused_parity(m, shapes, {"x": (2, 37, hd), "key_mask": (2, 37)}, ["attention", "pointwise"])
     k = next(k for k in res.kernels if k.region.kind == "attention")
     assert ("__launch_bounds__(128, 4)" in k.compiled.source) == bounded == (k.spec.kernel.min_blocks == 4)
     assert k.retiled == (f"{regs} registers (fewer than 4 blocks per SM); bounded to 4 blocks it does not spill "
@@ -147,7 +149,7 @@ def test_a_bounded_attention_kernel_keeps_the_split_the_cost_model_chose(monkeyp
 
     _registers(monkeypatch, 141)
     m, hd = _with_computed_mask(TP.FLOAT16, causal=True)
-    res = compile_model(m, {"x": ("batch", "seq", hd), "km": ("batch", "seq")}, "sm_90",
+    res = compile_model(m, {"x": ("batch", "seq", hd), "key_mask": ("batch", "seq")}, "sm_90",
                         Options(archs=(90,), dim_hints=(("seq", seq),)))
     k = next(k for k in res.kernels if k.region.kind == "attention")
     assert k.retiled and k.spec.kernel.min_blocks == 4
@@ -168,7 +170,7 @@ def test_keys_split_across_a_cluster_at_small_batches(dt, seq, split):
     from ortfuse.customops.target import for_cc
 
     m, hd = _with_computed_mask(dt, causal=False)
-    shapes = {"x": ("batch", "seq", hd), "km": ("batch", "seq")}
+    shapes = {"x": ("batch", "seq", hd), "key_mask": ("batch", "seq")}
     res = compile_model(m, shapes, "sm_90", Options(archs=(90,), dim_hints=(("seq", seq),)))
     k = next(k for k in res.kernels if k.region.kind == "attention")
     assert k.spec.split_k == split
@@ -176,9 +178,9 @@ def test_keys_split_across_a_cluster_at_small_batches(dt, seq, split):
     sms = for_cc(90).sm_count
     assert [cluster_for(launch.split_k, launch.grid([b, 128]), sms) for b in (2, 64)] == [split, 1]
     for b in (2, 64) if split > 1 else (2,):
-        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (b, 128, hd), "km": (b, 128)})
+        rep = check_models(m, res.model, emulate=True, input_shapes={"x": (b, 128, hd), "key_mask": (b, 128)})
         assert rep.ok, "\n".join(rep.lines())
-    both = fused_parity(m, shapes, {"x": (2, 37, hd), "km": (2, 37)}, ["attention", "pointwise"],
+    both = fused_parity(m, shapes, {"x": (2, 37, hd), "key_mask": (2, 37)}, ["attention", "pointwise"],
                         dim_hints=[("seq", seq)])
     assert next(k for k in both.kernels if k.region.kind == "attention").spec.split_k == 1
 

@@ -38,6 +38,33 @@ def test_the_frontiers_exporters_write(form: str, want):
     assert ("causal frontiers:     1 attention kernels skip" in summary(res)) == (want is not None)
 
 
+def test_a_constant_lower_triangle_is_its_rule():
+    # a static causal mask as a constant (a [1, 1, 70, 70] tril of bools): its elements are read as
+    # j <= i, so the frontier is found and the kernels match ORT (70 rows: two units, the first one tile)
+    dt = TP.FLOAT16
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    m = causal_attention(dt, "const", seq=70)
+    got, res = _bound(m)
+    assert got == KeyBound(False, 0)
+    res = compile_model(m, None, "sm_80,sm_90", options=Options(archs=(80, 90), ort_attention="off"))
+    assert any(f.name == "S.key_end" for k in res.kernels for f in k.spec.kernel.funcs)
+    rep = check_models(m, res.model, emulate=True, input_shapes={"q": [2, 70, 128], "k": [2, 70, 128],
+                                                                  "v": [2, 70, 128], "attention_mask": [2, 70]})
+    assert rep.ok, "\n".join(rep.lines())
+
+
+def test_triangles():
+    from ortfuse.customops.key_bound import _triangle
+    assert _triangle(np.tril(np.ones((4, 6), bool), 1)) == (1, True, False)
+    assert _triangle(np.where(np.tril(np.ones((5, 5), bool)), 0.0, -np.inf)[None]) == (0, 0.0, -np.inf)
+    assert _triangle(np.triu(np.ones((5, 5), bool))) == (-1, False, True)  # the complement of j <= i - 1
+    assert _triangle(np.ones((5, 5), bool)) is None and _triangle(np.eye(5, dtype=bool)) is None
+    two = np.stack([np.tril(np.ones((4, 4))), np.tril(np.ones((4, 4)), -1)])
+    assert _triangle(two) is None  # differs along a leading axis
+
+
 def test_queries_after_a_past_have_a_bottom_right_frontier():
     got, res = _bound(causal_attention(TP.FLOAT16, "and", past=True))
     assert got == KeyBound(True, 0)
