@@ -40,28 +40,30 @@ MAX_CONE = 256  # mask nodes followed back from the score ops
 
 @dataclass(frozen=True)
 class KeyBound:
-    """Every score of query row i is -inf at keys j > i + shift (+ Sk - Sq where `tail`: queries that follow a
-    cache of Sk - Sq keys, bottom-right aligned)."""
+    """Every score of query row i is masked at keys j > i + shift (+ Sk - Sq where `tail`: queries that follow a
+    cache of Sk - Sq keys, bottom-right aligned), and where `low` = (tail, shift) is given, at keys
+    j < i + shift (+ Sk - Sq) too (a sliding window's far side)."""
     tail: bool
     shift: int
+    low: Optional[tuple[bool, int]] = None
 
     def end(self, i: int, sq: int, sk: int) -> int:
         """The first key past row i's frontier."""
         return i + 1 + self.shift + (sk - sq if self.tail else 0)
+
+    def begin(self, i: int, sq: int, sk: int) -> int:
+        """Row i's first key not masked by the far side (0 without one)."""
+        return 0 if self.low is None else i + self.low[1] + (sk - sq if self.low[0] else 0)
 
     def visible_share(self, sq: int, sk: int, block_m: int, block_n: int) -> float:
         """The share of (query-row unit, key tile) pairs a kernel with these tiles visits."""
         tiles = -(-sk // block_n)
         seen = 0
         for i0 in range(0, sq, block_m):
-            end = self.end(min(i0 + block_m, sq) - 1, sq, sk)
-            seen += min(tiles, max(0, -(-end // block_n)))
+            hi = min(tiles, max(0, -(-self.end(min(i0 + block_m, sq) - 1, sq, sk) // block_n)))
+            lo = min(tiles, max(0, self.begin(i0, sq, sk) // block_n))
+            seen += max(0, hi - lo)
         return seen / (tiles * -(-sq // block_m)) if sq and sk else 1.0
-
-    def describe(self) -> str:
-        at = "i" + (" + (Sk - Sq)" if self.tail else "") + (f" {'+' if self.shift > 0 else '-'} {abs(self.shift)}"
-                                                            if self.shift else "")
-        return f"scores -inf at keys past {at}"
 
 
 # A linear integer form: {name: coefficient} over the row, the key and runtime dims, and a constant.
@@ -131,8 +133,10 @@ def _name_form(name: str) -> _Lin:
 
 
 class _Analysis:
-    def __init__(self, defs: dict[str, Expr], dims: dict[str, _Lin]):
-        self.defs, self.dims = defs, dims
+    """`sign` 1: frontiers c with everything masked past j > i + c; -1: the far side, masked at j < i + c."""
+
+    def __init__(self, defs: dict[str, Expr], dims: dict[str, _Lin], sign: int = 1):
+        self.defs, self.dims, self.sign = defs, dims, sign
 
     def resolve(self, e: Expr) -> Expr:
         while True:
@@ -181,7 +185,7 @@ class _Analysis:
         return None
 
     def condition(self, e: Expr, negate: bool = False) -> Frontier:
-        """c where (e, or its negation) implies j <= i + c."""
+        """c where (e, or its negation) implies j <= i + c (j >= i + c for the far side)."""
         e = self.resolve(e)
         if not isinstance(e, ir.Op):
             return None
@@ -190,7 +194,7 @@ class _Analysis:
             return self.condition(e.args[0], not negate)
         if f in ("and", "or"):
             a, b = (self.condition(x, negate) for x in e.args)
-            return _either(a, b) if (f == "and") != negate else _both(a, b)
+            return _either(a, b, self.sign) if (f == "and") != negate else _both(a, b, self.sign)
         if f == "select":  # Where(c, True, False) or Where(c, False, True)
             ind = self.indicator(e)
             if ind is not None and {ind[1], ind[2]} == {True, False}:
@@ -212,11 +216,11 @@ class _Analysis:
             f = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}[f]
         forms = {"le": [(d, False)], "lt": [(d, True)], "ge": [(_scale(d, -1), False)],
                  "gt": [(_scale(d, -1), True)], "eq": [(d, False), (_scale(d, -1), False)], "ne": []}[f]
-        for g, strict in forms:  # g <= 0 (or < 0): a frontier where g = j - i + r
+        for g, strict in forms:  # g <= 0 (or < 0): a frontier where g = sign (j - i) + r
             t = dict(g[0])
-            if t.pop(KEY, 0) == 1 and t.pop(ROW, 0) == -1:
-                r = _scale(_lin(t, g[1]), -1)
-                return _combine(r, _lin({}, 1), -1) if strict else r
+            if t.pop(KEY, 0) == self.sign and t.pop(ROW, 0) == -self.sign:
+                r = _scale(_lin(t, g[1]), -self.sign)  # sign (j - i) <= -r: j <= i - r, or j >= i + r
+                return _combine(r, _lin({}, self.sign), -1) if strict else r
         return None
 
     def indicator(self, e: Expr) -> Optional[tuple[Expr, object, object]]:
@@ -234,7 +238,7 @@ class _Analysis:
 
     def masked(self, e: Expr) -> Optional[_Masked]:
         """(c, depth) where e lies `depth` below the scores' own values (at least: the mask's magnitude, inf
-        for -inf) wherever j > i + c."""
+        for -inf) wherever j > i + c (j < i + c for the far side)."""
         e = self.resolve(e)
         if isinstance(e, ir.Const):
             v = e.value
@@ -245,12 +249,12 @@ class _Analysis:
         if f == "select":
             cond, x, y = args
             mx, my = self.masked(x), self.masked(y)
-            return _first(_masked_both(mx, my), _masked_under(self.condition(cond), my),
-                          _masked_under(self.condition(cond, True), mx))
+            return _first(_masked_both(mx, my, self.sign), _masked_under(self.condition(cond), my, self.sign),
+                          _masked_under(self.condition(cond, True), mx, self.sign))
         if f in ("add", "fmin", "fmin_nan", "min"):
             return _first(*sorted((m for m in map(self.masked, args) if m is not None), key=lambda m: -m[1]))
         if f in ("fmax", "fmax_nan", "max"):
-            return _masked_both(self.masked(args[0]), self.masked(args[1]))
+            return _masked_both(self.masked(args[0]), self.masked(args[1]), self.sign)
         if f == "sub":  # (-inf - -inf is NaN)
             return self.masked(args[0]) if self.masked(args[1]) is None else None
         if f in ("cast", "round_f16", "round_bf16"):
@@ -272,32 +276,33 @@ def _first(*ms: Optional[_Masked]) -> Optional[_Masked]:
     return next((m for m in ms if m is not None), None)
 
 
-def _masked_both(a: Optional[_Masked], b: Optional[_Masked]) -> Optional[_Masked]:
+def _masked_both(a: Optional[_Masked], b: Optional[_Masked], sign: int) -> Optional[_Masked]:
     """Both masked: past both frontiers, as deep as the shallower."""
     if a is None or b is None:
         return None
-    c = _both(a[0], b[0])
+    c = _both(a[0], b[0], sign)
     return None if c is None else (c, min(a[1], b[1]))
 
 
-def _masked_under(cond: Frontier, m: Optional[_Masked]) -> Optional[_Masked]:
+def _masked_under(cond: Frontier, m: Optional[_Masked], sign: int) -> Optional[_Masked]:
     """The masked branch of a select taken past the condition's frontier."""
     if cond is None or m is None:
         return None
-    c = _both(cond, m[0])
+    c = _both(cond, m[0], sign)
     return None if c is None else (c, m[1])
 
 
-def _either(a: Frontier, b: Frontier) -> Frontier:
-    """A frontier of a conjunction (either one holds): the tighter where comparable."""
+def _either(a: Frontier, b: Frontier, sign: int = 1) -> Frontier:
+    """A frontier of a conjunction (either one holds): the tighter where comparable (the smaller c, or the
+    larger on the far side)."""
     if a is None or b is None:
         return a if b is None else b
     if isinstance(a, _Always) or isinstance(b, _Always):
         return ALWAYS
-    return (a if a[1] <= b[1] else b) if a[0] == b[0] else a
+    return (a if a[1] * sign <= b[1] * sign else b) if a[0] == b[0] else a
 
 
-def _both(a: Frontier, b: Frontier) -> Frontier:
+def _both(a: Frontier, b: Frontier, sign: int = 1) -> Frontier:
     """A frontier of a disjunction (both must hold): the looser, where comparable."""
     if a is None or b is None:
         return None
@@ -305,7 +310,7 @@ def _both(a: Frontier, b: Frontier) -> Frontier:
         return b
     if isinstance(b, _Always):
         return a
-    return (a if a[1] >= b[1] else b) if a[0] == b[0] else None
+    return (a if a[1] * sign >= b[1] * sign else b) if a[0] == b[0] else None
 
 
 class _MaskLowerer(_Lowerer):
@@ -450,10 +455,13 @@ def _find(g: Graph, p: AttentionPattern) -> Optional[KeyBound]:
     if sq is None or sk is None or f.result is None:
         return None
     defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
-    m = _Analysis(defs, dims).masked(f.result)
-    if m is None or isinstance(m[0], _Always) or m[1] < MASK_DEPTH:
-        return None
-    return _classify(m[0], sq, sk)
+    sides = []
+    for sign in (1, -1):
+        m = _Analysis(defs, dims, sign).masked(f.result)
+        ok = m is not None and not isinstance(m[0], _Always) and m[1] >= MASK_DEPTH
+        sides.append(_classify(m[0], sq, sk) if ok else None)
+    up, low = sides
+    return None if up is None else KeyBound(up.tail, up.shift, None if low is None else (low.tail, low.shift))
 
 
 __all__ = ["KeyBound", "key_bound"]

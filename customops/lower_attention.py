@@ -327,8 +327,12 @@ class _AttnLowerer(_Lowerer):
         bound = key_bound(g, p) if group == 1 and self.tgt.key_frontier else None
         if bound is not None:
             vsq, vsk = Var("asq", I64), Var("ask", I64)
-            funcs.append(self.func("S.key_end", (vi, vsq, vsk), lambda: ir.add(
-                ir.add(vi, ir.i64(1 + bound.shift)), ir.Op("sub", (vsk, vsq), I64) if bound.tail else ir.i64(0))))
+
+            def key(shift: int, tail: bool) -> Expr:  # i + shift (+ Sk - Sq)
+                return ir.add(ir.add(vi, ir.i64(shift)), ir.Op("sub", (vsk, vsq), I64) if tail else ir.i64(0))
+            funcs.append(self.func("S.key_end", (vi, vsq, vsk), lambda: key(1 + bound.shift, bound.tail)))
+            if bound.low is not None:
+                funcs.append(self.func("S.key_begin", (vi, vsq, vsk), lambda: key(bound.low[1], bound.low[0])))
         funcs += ropes
 
         mma = storage in ("f16", "bf16") and d % 16 == 0 and dv % 16 == 0 and self.aligned(funcs[:4], (d, d, dv, dv))

@@ -18,9 +18,11 @@
 //       the Softmax input for query i and key j; -inf (neg_inf()) masks the entry out. It is only called
 //       for i < Sq and j < Sk, so it may read masks without bounds checks.
 //     static ofz_i64 key_end(const OfzArgs& a, ofz_i64 i, ofz_i64 sq, ofz_i64 sk);   (optional)
-//       a causal frontier (customops/key_bound.py proves it on the graph): score() is -inf at every key
-//       j >= key_end(i) for query row i, and key_end never decreases with i; a unit then visits only the key
-//       tiles before its last row's frontier (flash attention's causal tile skipping)
+//     static ofz_i64 key_begin(const OfzArgs& a, ofz_i64 i, ofz_i64 sq, ofz_i64 sk);   (optional, with key_end)
+//       a causal frontier (customops/key_bound.py proves it on the graph): score() masks every key
+//       j >= key_end(i) for query row i (and every j < key_begin(i): a sliding window's far side), both never
+//       decreasing with i; a unit then visits only the key tiles between its first row's key_begin and its
+//       last row's key_end (flash attention's causal tile skipping)
 //
 // Then a kernel body is one call, e.g. ofz::attn::simt<__half, 64, 64, Q, K, V, O, S>(a, q, k, v, o, dims).
 // Launch rule: block = Tile::THREADS threads; one block computes BLOCK_M query rows of one (b, h), and
@@ -91,21 +93,29 @@ template <class S> __device__ __forceinline__ float log2_unit(const OfzArgs& a) 
   else return LOG2E;
 }
 
-// Whether a score functor has `key_end` (a causal frontier), and the key tiles of BN keys a unit of query rows
-// before i1 visits: every tile, or those before its last row's frontier (none where that is at most 0: every
-// score of the unit is -inf, and its rows are 0 either way).
+// Whether a score functor has `key_end` (a causal frontier) and `key_begin` (its far side), and the key tiles
+// [lo, hi) of BN keys a unit of query rows i0 .. i1 - 1 visits: every tile, or those from its first row's
+// key_begin to its last row's key_end (none where that range is empty: every score of the unit is masked).
 template <class S, class = void> struct HasKeyEnd { static constexpr bool value = false; };
 template <class S> struct HasKeyEnd<S, decltype((void)&S::key_end)> { static constexpr bool value = true; };
+template <class S, class = void> struct HasKeyBegin { static constexpr bool value = false; };
+template <class S> struct HasKeyBegin<S, decltype((void)&S::key_begin)> { static constexpr bool value = true; };
+struct KeyTiles {
+  ofz_i64 lo, hi;
+};
 template <class S, int BN>
-__device__ __forceinline__ ofz_i64 unit_key_tiles(const OfzArgs& a, ofz_i64 i1, const Dims& n) {
+__device__ __forceinline__ KeyTiles unit_key_tiles(const OfzArgs& a, ofz_i64 i0, ofz_i64 i1, const Dims& n) {
   const ofz_i64 all = (n.sk + BN - 1) / BN;
+  KeyTiles t{0, all};
   if constexpr (HasKeyEnd<S>::value) {
     const ofz_i64 end = S::key_end(a, (i1 < n.sq ? i1 : n.sq) - 1, n.sq, n.sk);
-    const ofz_i64 tiles = end <= 0 ? 0 : (end + BN - 1) / BN;
-    return tiles < all ? tiles : all;
-  } else {
-    return all;
+    t.hi = end <= 0 ? 0 : (end + BN - 1) / BN < all ? (end + BN - 1) / BN : all;
   }
+  if constexpr (HasKeyBegin<S>::value) {
+    const ofz_i64 begin = S::key_begin(a, i0, n.sq, n.sk);
+    t.lo = begin <= 0 ? 0 : begin / BN < t.hi ? begin / BN : t.hi;
+  }
+  return t;
 }
 
 // A unit's query-row tile: in order, or last first under a causal frontier, where the last tiles visit the most
@@ -203,8 +213,8 @@ __device__ __forceinline__ void simt(const OfzArgs& a, const T* __restrict__ q, 
 #pragma unroll
     for (int c = 0; c < Tile::COLS; ++c) acc[c] = 0.0f;
 
-    const ofz_i64 keys_end = unit_key_tiles<Score, BN>(a, i0 + BM, n) * BN;
-    for (ofz_i64 j0 = 0; j0 < keys_end; j0 += BN) {
+    const KeyTiles span = unit_key_tiles<Score, BN>(a, i0, i0 + BM, n);
+    for (ofz_i64 j0 = span.lo * BN; j0 < span.hi * BN; j0 += BN) {
       __syncthreads();  // sk, sv, sp no longer read by the previous tile
       for_tile<BN, D, NT>([&](int rr, int c) {
         const ofz_i64 je = j0 + rr;
@@ -476,8 +486,9 @@ __device__ __forceinline__ void tensor_core(const OfzArgs& a, const T* __restric
     const ofz_i64 bh = u / tiles_m, i0 = unit_row<Score>(u % tiles_m, tiles_m) * BM, b = bh / n.heads, h = bh % n.heads;
     const ofz_i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};  // this thread's two query rows
     const bool row_ok[2] = {rows[0] < n.sq, rows[1] < n.sq};
-    const ofz_i64 tiles_n = unit_key_tiles<Score, BN>(a, i0 + BM, n);
-    const ofz_i64 tn0 = tiles_n * rank / splits, tn1 = tiles_n * (rank + 1) / splits;
+    const KeyTiles span = unit_key_tiles<Score, BN>(a, i0, i0 + BM, n);
+    const ofz_i64 tiles_n = span.hi - span.lo;
+    const ofz_i64 tn0 = span.lo + tiles_n * rank / splits, tn1 = span.lo + tiles_n * (rank + 1) / splits;
     // rows past Sq are scored as the last row (never stored): the score's reads stay in bounds without a
     // per-score row check, and a mask the same for every row is one load per key for both rows
     const ofz_i64 srow[2] = {row_ok[0] ? rows[0] : n.sq - 1, row_ok[1] ? rows[1] : n.sq - 1};

@@ -70,6 +70,13 @@ template <int D> struct CausalStrict {  // j >= i hidden (row 0 sees no key), wi
   }
   DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i; }
 };
+template <int D> struct Window {  // keys i - 39 .. i (a sliding window of 40), with both sides of the frontier
+  DEV float score(const OfzArgs&, ofz_i64, ofz_i64, ofz_i64 i, ofz_i64 j, float qk) {
+    return j > i || j < i - 39 ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
+  }
+  DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i + 1; }
+  DEV ofz_i64 key_begin(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i - 39; }
+};
 template <int D> __device__ __forceinline__ float CausalTail<D>::score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 i,
                                                                        ofz_i64 j, float qk) {
   return j > i + (a.dim[2] - a.dim[1]) ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
@@ -84,7 +91,7 @@ class Case:
     dv: int
     layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
     score: str  # "plain" | "scaled" (plain, as a bare scale) | "padding" | "causal" | "causal_end" | "causal_tail"
-    #             | "causal_strict"
+    #             | "causal_strict" | "window"
     kernel: str = "simt"  # "simt" | "tensor_core"
     affine: bool = False  # tensor_core's AFFINE: K/V/Q copies step one row stride (these layouts are affine)
 
@@ -115,7 +122,8 @@ CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("pl
     Case(dt, d, d, "bshd", "scaled", "tensor_core") for dt in ("f16", "bf16") for d in (16, 64, 128)] + [
     Case(dt, d, d, "bshd", sc, kernel) for dt, d, kernel in (("f32", 32, "simt"), ("f16", 64, "tensor_core"),
                                                              ("bf16", 128, "tensor_core"))
-    for sc in ("causal_end", "causal_tail")] + [Case("f16", 64, 64, "bshd", "causal_strict", "tensor_core")]
+    for sc in ("causal_end", "causal_tail")] + [Case("f16", 64, 64, "bshd", "causal_strict", "tensor_core")] + [
+    Case("f32", 32, 32, "bshd", "window"), Case("f16", 64, 64, "bshd", "window", "tensor_core")]
 CASES += [dataclasses.replace(c, affine=True) for c in CASES if c.kernel == "tensor_core"]
 
 
@@ -124,7 +132,7 @@ def _kernel(c: Case) -> str:
     lay = {"bhsd": "Bhsd", "bshd": "Bshd", "kt": "Bshd"}[c.layout]
     k = f"Bhds<{c.d}>" if c.layout == "kt" else f"{lay}<{c.d}, 2>"
     score = {"plain": "Plain", "scaled": "Scaled", "padding": "Padding", "causal": "Causal", "causal_end": "CausalEnd",
-             "causal_tail": "CausalTail", "causal_strict": "CausalStrict"}[c.score]
+             "causal_tail": "CausalTail", "causal_strict": "CausalStrict", "window": "Window"}[c.score]
     return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
             f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
             f"{score}<{c.d}>{', true' if c.affine else ''}>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
@@ -153,11 +161,12 @@ def _layout(x: np.ndarray, layout: str) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
 
 
-def _reference(q, k, v, mask, causal: bool, tail: bool = False, shift: int = 0) -> np.ndarray:
+def _reference(q, k, v, mask, causal: bool, tail: bool = False, shift: int = 0, window: int = 0) -> np.ndarray:
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1]) + mask[:, None, None, :]
-    if causal:  # key j hidden from query i where j > i + shift (+ Sk - Sq where `tail`)
+    if causal:  # key j hidden from query i where j > i + shift (+ Sk - Sq where `tail`), or j <= i - window
         past = (s.shape[3] - s.shape[2] if tail else 0) + shift
-        s = np.where(np.arange(s.shape[3])[None, :] > np.arange(s.shape[2])[:, None] + past, -np.inf, s)
+        i, j = np.arange(s.shape[2])[:, None], np.arange(s.shape[3])[None, :]
+        s = np.where((j > i + past) | ((j <= i - window) if window else False), -np.inf, s)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     tot = e.sum(-1, keepdims=True)
@@ -184,8 +193,9 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
     got = out.astype(np.float64)
     if lay == "bshd":
         got = got.reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
-    return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask), c.score.startswith("causal"),
-                           c.score == "causal_tail", -1 if c.score == "causal_strict" else 0)
+    return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask),
+                           c.score.startswith("causal") or c.score == "window", c.score == "causal_tail",
+                           -1 if c.score == "causal_strict" else 0, 40 if c.score == "window" else 0)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -412,3 +422,32 @@ def test_a_unit_with_no_visible_key_visits_no_tile(mod, sq: int, sk: int, cluste
     got, ref = _run(mod, c, np.zeros((B, sk)), sq, sk, seed=3, cluster=cluster)
     assert np.isfinite(got).all() and not got[:, :, 0].any()
     assert _rel(got, ref) <= 1e-2 if sq > 1 else not got.any()
+
+
+@pytest.mark.parametrize("c,cluster", [(Case("f32", 32, 32, "bshd", "window"), 1)] + [
+    (Case("f16", 64, 64, "bshd", "window", "tensor_core", True), n) for n in (1, 2)],
+    ids=lambda x: x.entry if isinstance(x, Case) else str(x))
+def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: int):
+    # key_begin: a unit starts at the tile of its first row's first visible key. V is NaN at the keys of the
+    # first tile: the units whose first row's window starts past that tile never visit it and stay finite
+    sq = sk = 200
+    bn = 64 if c.kernel == "tensor_core" else 32
+    rng = np.random.default_rng(9)
+    npt = STORAGE[c.dtype][1]
+    q, k, v = (rng.standard_normal((B, H, sq, c.d)).astype(npt) for _ in range(3))
+    outs = []
+    for poison in (False, True):
+        vv = v.copy()
+        if poison:
+            vv[:, :, :bn] = np.nan
+        store = [_layout(x.astype(np.float64), "bshd").astype(npt) for x in (q, k, vv)]
+        out = np.zeros((B, sq, H * c.dv), dtype=npt)
+        mod.launch(c.entry, -(-B * H * sq // c.block_m) * cluster, 128, [*store, out, np.zeros((B, sk), np.float32)],
+                   [B, sq, sk], c.smem, cluster=cluster)
+        outs.append(out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3))
+    ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, window=40)
+    assert np.abs(outs[0] - ref).max() <= (1e-5 if c.dtype == "f32" else 2e-2)
+    first = (np.arange(sq) // c.block_m) * c.block_m  # each row's unit's first row
+    clean = first - 39 >= bn  # the unit's tiles start past the poisoned one
+    assert clean.any() and np.array_equal(outs[1][:, :, clean], outs[0][:, :, clean])
+    assert np.isnan(outs[1][:, :, ~clean]).all()

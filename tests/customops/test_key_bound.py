@@ -24,7 +24,7 @@ def _bound(m: onnx.ModelProto):
 
 
 @pytest.mark.parametrize("form,want", [("and", KeyBound(False, 0)), ("greater", KeyBound(False, 0)),
-                                       ("shifted", KeyBound(False, 2)), ("window", KeyBound(False, 0)),
+                                       ("shifted", KeyBound(False, 2)), ("window", KeyBound(False, 0, (False, -63))),
                                        ("trilu", KeyBound(False, 0)), ("min", KeyBound(False, 0)),
                                        ("shallow", None), ("padding", None), ("batch", None)])
 def test_the_frontiers_exporters_write(form: str, want):
@@ -34,6 +34,7 @@ def test_the_frontiers_exporters_write(form: str, want):
     assert ("key_end(" in src) == (want is not None)
     if want is not None:
         assert f"return (ai + {1 + want.shift}LL);" in src
+        assert ("key_begin(" in src) == (want.low is not None)
     from ortfuse.report import summary
     assert ("causal frontiers:     1 attention kernels skip" in summary(res)) == (want is not None)
 
@@ -79,6 +80,8 @@ def test_visible_share():
     assert KeyBound(True, 0).visible_share(37, 107, 64, 64) == 1.0
     assert KeyBound(False, 0).visible_share(4096, 4096, 64, 64) == pytest.approx((64 * 65 / 2) / 64 ** 2)
     assert KeyBound(False, -200).visible_share(128, 128, 64, 64) == 0.0
+    # a window of 64 keys (j in i - 63 .. i) over 256 rows: units 1-3 start one tile later (2 + 2 + 2 + 1 of 10)
+    assert KeyBound(False, 0, (False, -63)).visible_share(256, 256, 64, 64) == pytest.approx(7 / 16)
 
 
 @pytest.mark.parametrize("form,past,dt", [("and", False, TP.FLOAT16), ("greater", False, TP.FLOAT),
