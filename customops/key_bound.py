@@ -55,15 +55,19 @@ class KeyBound:
         """Row i's first key not masked by the far side (0 without one)."""
         return 0 if self.low is None else i + self.low[1] + (sk - sq if self.low[0] else 0)
 
-    def visible_share(self, sq: int, sk: int, block_m: int, block_n: int) -> float:
-        """The share of (query-row unit, key tile) pairs a kernel with these tiles visits."""
-        tiles = -(-sk // block_n)
-        seen = 0
+    def unit_tiles(self, sq: int, sk: int, block_m: int, block_n: int) -> list[int]:
+        """The key tiles each query-row unit of a head visits (ortfuse_attention.h unit_key_tiles)."""
+        tiles, out = -(-sk // block_n), []
         for i0 in range(0, sq, block_m):
             hi = min(tiles, max(0, -(-self.end(min(i0 + block_m, sq) - 1, sq, sk) // block_n)))
-            lo = min(tiles, max(0, self.begin(i0, sq, sk) // block_n))
-            seen += max(0, hi - lo)
-        return seen / (tiles * -(-sq // block_m)) if sq and sk else 1.0
+            lo = min(hi, max(0, self.begin(i0, sq, sk) // block_n))
+            out.append(hi - lo)
+        return out
+
+    def visible_share(self, sq: int, sk: int, block_m: int, block_n: int) -> float:
+        """The share of (query-row unit, key tile) pairs a kernel with these tiles visits."""
+        seen = self.unit_tiles(sq, sk, block_m, block_n)
+        return sum(seen) / (-(-sk // block_n) * len(seen)) if sq and sk else 1.0
 
 
 # A linear integer form: {name: coefficient} over the row, the key and runtime dims, and a constant.
@@ -223,6 +227,50 @@ class _Analysis:
                 return _combine(r, _lin({}, self.sign), -1) if strict else r
         return None
 
+    def score_like(self, e: Expr) -> bool:
+        """Whether e is the scores themselves: qk under positive scales, casts and a tanh cap (Gemma 2's)."""
+        e = self.resolve(e)
+        if isinstance(e, Var):
+            return e.name == "qk"
+        if not isinstance(e, ir.Op):
+            return False
+        if e.fn in ("cast", "round_f16", "round_bf16", "tanh"):
+            return self.score_like(e.args[0])
+        if e.fn in ("mul", "div"):
+            x, y = (self.resolve(a) for a in e.args)
+            if e.fn == "mul" and isinstance(x, ir.Const):
+                x, y = y, x
+            return isinstance(y, ir.Const) and isinstance(y.value, float) and 0 < y.value < math.inf \
+                and self.score_like(x)
+        return False
+
+    def upper(self, e: Expr) -> Optional[float]:
+        """An upper bound of e built from constants alone (selects, sums, negated constants), else None."""
+        e = self.resolve(e)
+        if isinstance(e, ir.Const):
+            v = e.value
+            return float(v) if not isinstance(v, bool) and float(v) < math.inf else None
+        if not isinstance(e, ir.Op):
+            return None
+        if e.fn == "select":
+            a, b = self.upper(e.args[1]), self.upper(e.args[2])
+            return None if a is None or b is None else max(a, b)
+        if e.fn == "add":
+            a, b = self.upper(e.args[0]), self.upper(e.args[1])
+            return None if a is None or b is None else a + b
+        if e.fn == "neg":  # -x <= -(lower bound of x): only for a select of constants or a constant
+            x = self.resolve(e.args[0])
+            if isinstance(x, ir.Const):
+                return self.upper(ir.Const(-x.value, x.ctype)) if not isinstance(x.value, bool) else None
+            if isinstance(x, ir.Op) and x.fn == "select":
+                a, b = (self.upper(ir.Op("neg", (y,), x.ctype)) for y in x.args[1:])
+                return None if a is None or b is None else max(a, b)
+            return None
+        if e.fn in ("cast", "round_f16", "round_bf16"):
+            a = self.upper(e.args[0])
+            return None if a is None else a + abs(a) * 2.0 ** -8
+        return None
+
     def indicator(self, e: Expr) -> Optional[tuple[Expr, object, object]]:
         """(c, value where c, value where not c) for Where(c, a, b) of constants or a bool cast to a number."""
         e = self.resolve(e)
@@ -251,13 +299,30 @@ class _Analysis:
             mx, my = self.masked(x), self.masked(y)
             return _first(_masked_both(mx, my, self.sign), _masked_under(self.condition(cond), my, self.sign),
                           _masked_under(self.condition(cond, True), mx, self.sign))
-        if f in ("add", "fmin", "fmin_nan", "min"):
-            return _first(*sorted((m for m in map(self.masked, args) if m is not None), key=lambda m: -m[1]))
+        if f == "add":  # a masked operand plus one that cannot lift it back (-inf: anything but +inf or NaN)
+            found = []
+            for x, y in ((args[0], args[1]), (args[1], args[0])):
+                m = self.masked(x)
+                lift = None if m is None else 0.0 if m[1] == math.inf or self.score_like(y) else self.upper(y)
+                if m is not None and lift is not None and m[1] - max(0.0, lift) >= 0:
+                    found.append((m[0], m[1] - max(0.0, lift)))
+            return max(found, key=lambda m: m[1], default=None)
+        if f in ("fmin", "fmin_nan", "min"):  # a clamp lowers the visible scores too: -inf alone survives it
+            return next((m for m in map(self.masked, args) if m is not None and m[1] == math.inf), None)
         if f in ("fmax", "fmax_nan", "max"):
             return _masked_both(self.masked(args[0]), self.masked(args[1]), self.sign)
-        if f == "sub":  # (-inf - -inf is NaN)
-            return self.masked(args[0]) if self.masked(args[1]) is None else None
-        if f in ("cast", "round_f16", "round_bf16"):
+        if f == "sub":  # minus the scores or a constant-built operand (a mask subtracted would lift it back)
+            m, y = self.masked(args[0]), args[1]
+            if m is None or self.score_like(y):
+                return m
+            lift = self.upper(ir.Op("neg", (y,), F32))  # -y <= lift
+            if lift is not None:
+                return (m[0], m[1] - max(0.0, lift)) if m[1] - max(0.0, lift) > 0 else None
+            return m if m[1] == math.inf and self.masked(y) is None else None  # (-inf - -inf is NaN)
+        if f in ("round_f16", "round_bf16"):  # finite values move by up to half an ulp
+            m = self.masked(args[0])
+            return None if m is None else (m[0], m[1] * (1 - 2.0 ** (-9 if f == "round_bf16" else -12)))
+        if f == "cast":
             return self.masked(args[0]) if e.ctype == F32 else None
         if f in ("mul", "div"):
             x, y = (self.resolve(a) for a in args)

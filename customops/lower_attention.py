@@ -322,8 +322,9 @@ class _AttnLowerer(_Lowerer):
             idx = at(vb, *q_at(vh, vi), vj)  # the same offset in both (search.attention._regroups_batch)
             return self.value(softmax_in, idx if sm_shape == ss else self.reshape_index(idx, ss, sm_shape))
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))
-        # a causal frontier: each unit visits the key tiles before its last row's (not with packed query heads,
-        # whose rows are not in order; a generation step sees every key anyway)
+        # a causal frontier: each unit visits the key tiles before its last row's, and from its first row's far
+        # side (not with packed query heads, whose rows are not in order: a generation step sees every key but
+        # a sliding window's far side)
         bound = key_bound(g, p) if group == 1 and self.tgt.key_frontier else None
         if bound is not None:
             vsq, vsk = Var("asq", I64), Var("ask", I64)

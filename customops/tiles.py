@@ -669,16 +669,17 @@ def key_split(tgt: Target, d: int, dv: int, sk_hint: int) -> int:
 
 
 def attention_clocks(tgt: Target, mma: bool, units: int, keys: int, block_n: int, split: int,
-                     work: float = 1.0, rope_pairs: int = 0, visible: float = 1.0) -> float:
+                     work: float = 1.0, rope_pairs: int = 0, visible: float = 1.0, longest: int = 0) -> float:
     """Core clocks of our attention kernel (Target.attn_*): the longer of one block's chain over its share of
     a unit's key tiles (the split the library launches: `runtime_split`, clusters only while the units fit one
-    wave; the last unit visits every tile) and the SMs' time over every unit's tiles; `work`: a tile's work
-    over the fitted tile's; `rope_pairs`: column pairs of a K tile the kernel rotates
-    (`Target.attn_rope_pair_clocks`); `visible`: the share of the units' tiles visited (a causal frontier)."""
+    wave; `longest`: the most tiles a unit visits, 0 for every tile) and the SMs' time over every unit's
+    tiles; `work`: a tile's work over the fitted tile's; `rope_pairs`: column pairs of a K tile the kernel
+    rotates (`Target.attn_rope_pair_clocks`); `visible`: the share of the units' tiles visited (a causal
+    frontier)."""
     tile, per_sm = ((tgt.attn_mma_tile_clocks, tgt.attn_mma_sm_clocks) if mma else
                     (tgt.attn_simt_tile_clocks, tgt.attn_simt_sm_clocks))
     rope = rope_pairs / THREADS * tgt.attn_rope_pair_clocks
-    tiles = -(-keys // block_n)
+    tiles = longest or -(-keys // block_n)
     c = runtime_split(split, units, tgt.sm_count)
     chain = tgt.attn_fixed_clocks + (tgt.attn_split_clocks if c > 1 else 0.0) + -(-tiles // c) * (tile * work + rope)
     return max(chain, units * keys / block_n * visible * (per_sm * work + rope) / tgt.sm_count)  # a last tile's share

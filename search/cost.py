@@ -146,6 +146,7 @@ class AttentionGeometry:
     key_tiles: int  # a unit's key tiles
     rope_pairs: int = 0  # column pairs of each K tile the kernel rotates (K's rotary embedding in the pattern)
     visible: float = 1.0  # the share of (unit, key tile) pairs the kernel visits (a causal frontier: key_bound)
+    longest: int = 0  # the most key tiles one unit visits (0: every tile; less under a sliding window)
 
     @property
     def work(self) -> float:
@@ -189,8 +190,9 @@ def attention_geometry(g: Graph, region: Region, frontier: bool = True) -> Atten
     pairs = bn * p.k_rope.half if p.k_rope is not None else 0
     from ortfuse.customops.key_bound import key_bound  # (the lowering's evaluator imports the search)
     bound = key_bound(g, p) if group == 1 and frontier else None
-    visible = bound.visible_share(sq, sk, bm, bn) if bound is not None else 1.0
-    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs, visible)
+    seen = bound.unit_tiles(sq, sk, bm, bn) if bound is not None and sq and sk else []
+    visible = sum(seen) / (len(seen) * -(-sk // bn)) if seen else 1.0
+    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs, visible, max(seen, default=0))
 
 
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
@@ -381,7 +383,7 @@ class CostModel:
         tgt, geo = self.target, attention_geometry(g, region, self.target.key_frontier)
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
                                      self._split(geo) if split is None else split, geo.work, geo.rope_pairs,
-                                     geo.visible)
+                                     geo.visible, geo.longest)
         return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:
@@ -425,7 +427,7 @@ class CostModel:
         if most < 2:
             return 1
         at = [tiles.attention_clocks(tgt, True, geo.units, geo.keys, geo.block_n, s, geo.work, geo.rope_pairs,
-                                     geo.visible) for s in (1, most)]
+                                     geo.visible, geo.longest) for s in (1, most)]
         return most if at[1] < at[0] else 1
 
     def row_lane_use(self, g: Graph, region: Region) -> float:

@@ -77,6 +77,14 @@ template <int D> struct Window {  // keys i - 39 .. i (a sliding window of 40), 
   DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i + 1; }
   DEV ofz_i64 key_begin(const OfzArgs&, ofz_i64 i, ofz_i64, ofz_i64) { return i - 39; }
 };
+template <int D> struct WindowTail {  // Window after Sk - Sq cached keys
+  DEV float score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 i, ofz_i64 j, float qk) {
+    const ofz_i64 p = i + a.dim[2] - a.dim[1];
+    return j > p || j < p - 39 ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
+  }
+  DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i + 1 + sk - sq; }
+  DEV ofz_i64 key_begin(const OfzArgs&, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i - 39 + sk - sq; }
+};
 template <int D> __device__ __forceinline__ float CausalTail<D>::score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 i,
                                                                        ofz_i64 j, float qk) {
   return j > i + (a.dim[2] - a.dim[1]) ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
@@ -91,7 +99,7 @@ class Case:
     dv: int
     layout: str  # "bhsd" | "bshd" | "kt" (Q, V, O as bshd, K as [B, H, D, Sk])
     score: str  # "plain" | "scaled" (plain, as a bare scale) | "padding" | "causal" | "causal_end" | "causal_tail"
-    #             | "causal_strict" | "window"
+    #             | "causal_strict" | "window" | "window_tail"
     kernel: str = "simt"  # "simt" | "tensor_core"
     affine: bool = False  # tensor_core's AFFINE: K/V/Q copies step one row stride (these layouts are affine)
 
@@ -123,7 +131,8 @@ CASES = [Case("f32", 32, 32, lay, sc) for lay in ("bhsd", "bshd") for sc in ("pl
     Case(dt, d, d, "bshd", sc, kernel) for dt, d, kernel in (("f32", 32, "simt"), ("f16", 64, "tensor_core"),
                                                              ("bf16", 128, "tensor_core"))
     for sc in ("causal_end", "causal_tail")] + [Case("f16", 64, 64, "bshd", "causal_strict", "tensor_core")] + [
-    Case("f32", 32, 32, "bshd", "window"), Case("f16", 64, 64, "bshd", "window", "tensor_core")]
+    Case("f32", 32, 32, "bshd", "window"), Case("f16", 64, 64, "bshd", "window", "tensor_core"),
+    Case("f16", 64, 64, "bshd", "window_tail", "tensor_core")]
 CASES += [dataclasses.replace(c, affine=True) for c in CASES if c.kernel == "tensor_core"]
 
 
@@ -132,7 +141,8 @@ def _kernel(c: Case) -> str:
     lay = {"bhsd": "Bhsd", "bshd": "Bshd", "kt": "Bshd"}[c.layout]
     k = f"Bhds<{c.d}>" if c.layout == "kt" else f"{lay}<{c.d}, 2>"
     score = {"plain": "Plain", "scaled": "Scaled", "padding": "Padding", "causal": "Causal", "causal_end": "CausalEnd",
-             "causal_tail": "CausalTail", "causal_strict": "CausalStrict", "window": "Window"}[c.score]
+             "causal_tail": "CausalTail", "causal_strict": "CausalStrict", "window": "Window",
+             "window_tail": "WindowTail"}[c.score]
     return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
             f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, {lay}<{c.d}, 1>, {k}, {lay}<{c.dv}, 2>, {lay}<{c.dv}, 1>, "
             f"{score}<{c.d}>{', true' if c.affine else ''}>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
@@ -163,10 +173,10 @@ def _layout(x: np.ndarray, layout: str) -> np.ndarray:
 
 def _reference(q, k, v, mask, causal: bool, tail: bool = False, shift: int = 0, window: int = 0) -> np.ndarray:
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1]) + mask[:, None, None, :]
-    if causal:  # key j hidden from query i where j > i + shift (+ Sk - Sq where `tail`), or j <= i - window
-        past = (s.shape[3] - s.shape[2] if tail else 0) + shift
+    if causal:  # key j hidden from query i where j > p + shift, or j <= p - window (p: i, or i + Sk - Sq: `tail`)
         i, j = np.arange(s.shape[2])[:, None], np.arange(s.shape[3])[None, :]
-        s = np.where((j > i + past) | ((j <= i - window) if window else False), -np.inf, s)
+        p = i + (s.shape[3] - s.shape[2] if tail else 0)
+        s = np.where((j > p + shift) | ((j <= p - window) if window else False), -np.inf, s)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     tot = e.sum(-1, keepdims=True)
@@ -194,8 +204,9 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
     if lay == "bshd":
         got = got.reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
     return got, _reference(q, k, v, mask if c.score == "padding" else np.zeros_like(mask),
-                           c.score.startswith("causal") or c.score == "window", c.score == "causal_tail",
-                           -1 if c.score == "causal_strict" else 0, 40 if c.score == "window" else 0)
+                           c.score.startswith("causal") or c.score.startswith("window"),
+                           c.score in ("causal_tail", "window_tail"), -1 if c.score == "causal_strict" else 0,
+                           40 if c.score.startswith("window") else 0)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -424,17 +435,19 @@ def test_a_unit_with_no_visible_key_visits_no_tile(mod, sq: int, sk: int, cluste
     assert _rel(got, ref) <= 1e-2 if sq > 1 else not got.any()
 
 
-@pytest.mark.parametrize("c,cluster", [(Case("f32", 32, 32, "bshd", "window"), 1)] + [
-    (Case("f16", 64, 64, "bshd", "window", "tensor_core", True), n) for n in (1, 2)],
+@pytest.mark.parametrize("c,cluster,sq,sk", [(Case("f32", 32, 32, "bshd", "window"), 1, 200, 200)] + [
+    (Case("f16", 64, 64, "bshd", "window", "tensor_core", True), n, 200, 200) for n in (1, 2)] + [
+    (Case("f16", 64, 64, "bshd", "window_tail", "tensor_core", True), n, sq, 200) for n in (1, 2) for sq in (37, 130)],
     ids=lambda x: x.entry if isinstance(x, Case) else str(x))
-def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: int):
-    # key_begin: a unit starts at the tile of its first row's first visible key. V is NaN at the keys of the
-    # first tile: the units whose first row's window starts past that tile never visit it and stay finite
-    sq = sk = 200
+def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: int, sq: int, sk: int):
+    # key_begin: a unit starts at the tile of its first row's first visible key (after Sk - Sq cached keys for
+    # window_tail). V is NaN at the keys of the first tile: the units whose first row's window starts past that
+    # tile never visit it and stay finite
     bn = 64 if c.kernel == "tensor_core" else 32
     rng = np.random.default_rng(9)
     npt = STORAGE[c.dtype][1]
-    q, k, v = (rng.standard_normal((B, H, sq, c.d)).astype(npt) for _ in range(3))
+    q = rng.standard_normal((B, H, sq, c.d)).astype(npt)
+    k, v = (rng.standard_normal((B, H, sk, c.d)).astype(npt) for _ in range(2))
     outs = []
     for poison in (False, True):
         vv = v.copy()
@@ -445,9 +458,10 @@ def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: i
         mod.launch(c.entry, -(-B * H * sq // c.block_m) * cluster, 128, [*store, out, np.zeros((B, sk), np.float32)],
                    [B, sq, sk], c.smem, cluster=cluster)
         outs.append(out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3))
-    ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, window=40)
+    past = sk - sq if c.score == "window_tail" else 0
+    ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, bool(past), window=40)
     assert np.abs(outs[0] - ref).max() <= (1e-5 if c.dtype == "f32" else 2e-2)
     first = (np.arange(sq) // c.block_m) * c.block_m  # each row's unit's first row
-    clean = first - 39 >= bn  # the unit's tiles start past the poisoned one
+    clean = first - 39 + past >= bn  # the unit's tiles start past the poisoned one
     assert clean.any() and np.array_equal(outs[1][:, :, clean], outs[0][:, :, clean])
     assert np.isnan(outs[1][:, :, ~clean]).all()

@@ -219,10 +219,12 @@ def test_k_rotated_once_before_attention_on_gpu(dt, rot):
 
 
 @pytest.mark.parametrize("form,past,dt", [("and", False, H), ("and", True, H), ("greater", False, F),
-                                          ("trilu", False, H)])
+                                          ("trilu", False, H), ("min", False, H), ("window", False, H),
+                                          ("window", True, H)])
 def test_causal_frontier_on_gpu(form, past, dt):
-    # key tiles past each unit's last row skipped (S.key_end, session 44, CPU only until now): 300 rows (five
-    # units, the first visiting one key tile of five), clusters at batch 1, a past of 70 keys
+    # key tiles past each unit's last row skipped (S.key_end; a window's far side: S.key_begin; session 44, CPU
+    # only until now): 300 rows (five units, the first visiting one key tile of five), clusters at batch 1,
+    # a past of 70 keys
     hd = CAUSAL_HEADS * CAUSAL_HEAD
     m = causal_attention(dt, form, past)
     hints = (("seq", 16),) if dt == F else ()
