@@ -10,10 +10,11 @@ generic (i, j) by the kernel lowering's own evaluator, and the expression is sea
 is false, and a value that is masked, wherever j > i + c.
 
 A mask value counts when it lies at least MASK_DEPTH below the scores (-inf, or a lowest finite value:
-ORT's fp16 converter turns -inf into -65504). With -inf the kernel's result is unchanged on every row. With
-a finite value, a row that sees no key at all (left padding's first rows) averaged every V row in ORT and
-now averages those of the tiles it visits: such rows mean nothing (docs/design.md). Nothing found: no
-frontier, and the kernel visits every tile as before."""
+ORT's fp16 converter turns -inf into -65504). With -inf the kernel's result is unchanged on every row (but
+for NaN or inf inputs at skipped keys). With a finite value, a row that sees no key at all (left padding's
+first rows) is a softmax over every key in ORT and over the keys of the tiles its unit visits here (0 where
+none): such rows mean nothing (docs/design.md). A window's far side (j < i + c masked) is found the same
+way. Nothing found: no frontier, and the kernel visits every tile as before."""
 from __future__ import annotations
 
 import math
