@@ -1,9 +1,9 @@
-"""Causal frontiers (customops/key_bound.py): a mask built in the graph from Range iotas (and a padding input)
-that is -inf past a diagonal lets the attention kernel skip the key tiles past each unit's rows
-(`S.key_end`, ortfuse_attention.h). The analysis is checked on the forms exporters write and on forms that
-must not qualify (a padding mask alone, the lowest finite float, a frontier that depends on the batch);
-whole models are then run in CPU emulation against ORT CPU on the original graph (fp16 1e-2, fp32 1e-5
-normwise, `check --emulate`)."""
+"""Causal frontiers (customops/key_bound.py): a mask built in the graph from Range iotas (and a padding input),
+or a constant triangle, that is -inf (or at least 1e4 below the scores) past a diagonal lets the attention
+kernel skip the key tiles past each unit's rows (`S.key_end`; a sliding window's far side: `S.key_begin`;
+ortfuse_attention.h). The analysis is checked on the forms exporters write and on forms that must not qualify
+(a padding mask alone, a mask of -100, a frontier that depends on the batch); whole models are then run in
+CPU emulation against ORT CPU on the original graph (fp16 1e-2, fp32 1e-5 normwise, `check --emulate`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,6 +14,7 @@ from onnx import TensorProto as TP
 from helpers import CAUSAL_HEAD as HEAD, CAUSAL_HEADS as HEADS, causal_attention
 from ortfuse.customops.key_bound import KeyBound, key_bound
 from ortfuse.search.attention import find_attention
+
 
 def _bound(m: onnx.ModelProto):
     from ortfuse.api import compile_model
