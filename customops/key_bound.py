@@ -245,32 +245,37 @@ class _Analysis:
                 and self.score_like(x)
         return False
 
-    def upper(self, e: Expr) -> Optional[float]:
-        """An upper bound of e built from constants alone (selects, sums, negated constants), else None."""
+    def lift(self, y: Expr, s: int, depth: float) -> Optional[float]:
+        """How far s·y may raise a value masked `depth` deep: 0 for the scores themselves (the depth is measured
+        against them), the positive part of a constant-built bound, 0 for anything but -inf added to -inf (only
+        +inf or NaN lifts it; -inf - -inf is NaN, so a subtracted mask does); None where unknown."""
+        if self.score_like(y):
+            return 0.0
+        b = self.bounds(y)
+        if b is not None:
+            v = b[1] if s > 0 else -b[0]
+            return max(0.0, v) if v < math.inf else None
+        return 0.0 if depth == math.inf and (s > 0 or self.masked(y) is None) else None
+
+    def bounds(self, e: Expr) -> Optional[tuple[float, float]]:
+        """(lowest, highest) of e built from constants alone (selects, sums, negations, roundings), else None."""
         e = self.resolve(e)
         if isinstance(e, ir.Const):
             v = e.value
-            return float(v) if not isinstance(v, bool) and float(v) < math.inf else None
+            return None if isinstance(v, bool) or math.isnan(float(v)) else (float(v), float(v))
         if not isinstance(e, ir.Op):
             return None
-        if e.fn == "select":
-            a, b = self.upper(e.args[1]), self.upper(e.args[2])
-            return None if a is None or b is None else max(a, b)
-        if e.fn == "add":
-            a, b = self.upper(e.args[0]), self.upper(e.args[1])
-            return None if a is None or b is None else a + b
-        if e.fn == "neg":  # -x <= -(lower bound of x): only for a select of constants or a constant
-            x = self.resolve(e.args[0])
-            if isinstance(x, ir.Const):
-                return self.upper(ir.Const(-x.value, x.ctype)) if not isinstance(x.value, bool) else None
-            if isinstance(x, ir.Op) and x.fn == "select":
-                a, b = (self.upper(ir.Op("neg", (y,), x.ctype)) for y in x.args[1:])
-                return None if a is None or b is None else max(a, b)
+        args = [self.bounds(a) for a in e.args[1:]] if e.fn == "select" else [self.bounds(a) for a in e.args]
+        if e.fn not in ("select", "add", "neg", "cast", "round_f16", "round_bf16") or any(a is None for a in args):
             return None
-        if e.fn in ("cast", "round_f16", "round_bf16"):
-            a = self.upper(e.args[0])
-            return None if a is None else a + abs(a) * 2.0 ** -8
-        return None
+        if e.fn == "select":
+            return min(args[0][0], args[1][0]), max(args[0][1], args[1][1])
+        if e.fn == "add":
+            return args[0][0] + args[1][0], args[0][1] + args[1][1]
+        lo, hi = args[0]
+        if e.fn == "neg":
+            return -hi, -lo
+        return lo - abs(lo) * 2.0 ** -8, hi + abs(hi) * 2.0 ** -8  # a rounding moves a value by under 2^-8 of it
 
     def indicator(self, e: Expr) -> Optional[tuple[Expr, object, object]]:
         """(c, value where c, value where not c) for Where(c, a, b) of constants or a bool cast to a number."""
@@ -300,26 +305,18 @@ class _Analysis:
             mx, my = self.masked(x), self.masked(y)
             return _first(_masked_both(mx, my, self.sign), _masked_under(self.condition(cond), my, self.sign),
                           _masked_under(self.condition(cond, True), mx, self.sign))
-        if f == "add":  # a masked operand plus one that cannot lift it back (-inf: anything but +inf or NaN)
+        if f in ("add", "sub"):  # a masked operand plus (minus) one that cannot lift it back
             found = []
-            for x, y in ((args[0], args[1]), (args[1], args[0])):
+            for x, y, s in ((args[0], args[1], 1), (args[1], args[0], 1)) if f == "add" else ((*args, -1),):
                 m = self.masked(x)
-                lift = None if m is None else 0.0 if m[1] == math.inf or self.score_like(y) else self.upper(y)
-                if m is not None and lift is not None and m[1] - max(0.0, lift) >= 0:
-                    found.append((m[0], m[1] - max(0.0, lift)))
+                lift = None if m is None else self.lift(y, s, m[1])
+                if lift is not None and m[1] - lift > 0:
+                    found.append((m[0], m[1] - lift))
             return max(found, key=lambda m: m[1], default=None)
         if f in ("fmin", "fmin_nan", "min"):  # a clamp lowers the visible scores too: -inf alone survives it
             return next((m for m in map(self.masked, args) if m is not None and m[1] == math.inf), None)
         if f in ("fmax", "fmax_nan", "max"):
             return _masked_both(self.masked(args[0]), self.masked(args[1]), self.sign)
-        if f == "sub":  # minus the scores or a constant-built operand (a mask subtracted would lift it back)
-            m, y = self.masked(args[0]), args[1]
-            if m is None or self.score_like(y):
-                return m
-            lift = self.upper(ir.Op("neg", (y,), F32))  # -y <= lift
-            if lift is not None:
-                return (m[0], m[1] - max(0.0, lift)) if m[1] - max(0.0, lift) > 0 else None
-            return m if m[1] == math.inf and self.masked(y) is None else None  # (-inf - -inf is NaN)
         if f in ("round_f16", "round_bf16"):  # finite values move by up to half an ulp
             m = self.masked(args[0])
             return None if m is None else (m[0], m[1] * (1 - 2.0 ** (-9 if f == "round_bf16" else -12)))
@@ -463,9 +460,8 @@ def _cone(g: Graph, p: AttentionPattern) -> Optional[tuple[list[int], list[str]]
         seen.add(t)
         i = g.producer.get(t)
         n = g.nodes[i] if i is not None else None
-        if n is None or t in g.constants or n.domain not in ("", "ai.onnx") or not (
-                n.op_type in scalar.RULES or n.op_type in ops.LAYOUT or n.op_type in ("Range", "Gather", "Concat",
-                                                                                      "Slice")):
+        if n is None or t in g.constants or n.domain not in ("", "ai.onnx") or \
+                ops.kind_of(n.op_type) not in ("elementwise", "layout", "indexing"):
             const = g.constants.get(t)
             if const is None or const.size != 1:
                 leaves[t] = None

@@ -112,10 +112,15 @@ class Case:
         return 32 if self.kernel == "simt" else 64
 
     @property
+    def block_n(self) -> int:  # SimtTile / MmaTile::BLOCK_N
+        wide = max(self.d, self.dv) > 64
+        return (16 if wide else 32) if self.kernel == "simt" else (32 if wide else 64)
+
+    @property
     def smem(self) -> int:  # MmaTile::SMEM_BYTES (the SIMT kernel uses static shared memory)
         if self.kernel == "simt":
             return 0
-        bn = 32 if max(self.d, self.dv) > 64 else 64
+        bn = self.block_n
         return 2 * (64 * (self.d + 8) + 2 * bn * (self.d + 8) + 2 * bn * (self.dv + 8))
 
 
@@ -207,6 +212,17 @@ def _run(mod, c: Case, mask: np.ndarray, sq: int = SQ, sk: int = SK, seed: int =
                            c.score.startswith("causal") or c.score.startswith("window"),
                            c.score in ("causal_tail", "window_tail"), -1 if c.score == "causal_strict" else 0,
                            40 if c.score.startswith("window") else 0)
+
+
+def _launch_bshd(mod, c: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, cluster: int = 1) -> np.ndarray:
+    """The case's kernel on [B, H, S, D] operands of its storage type, laid out [B, S, H*D]; O as [B, H, Sq, Dv]."""
+    sq, sk = q.shape[2], k.shape[2]
+    store = [_layout(x.astype(np.float64), "bshd").astype(x.dtype) for x in (q, k, v)]
+    out = np.zeros((B, sq, H * c.dv), dtype=q.dtype)
+    args = [x.view(np.uint16) if c.dtype == "bf16" else x for x in (*store, out)]
+    mod.launch(c.entry, -(-B * H * sq // c.block_m) * cluster, 128, [*args, np.zeros((B, sk), np.float32)],
+               [B, sq, sk], c.smem, cluster=cluster)
+    return out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -390,28 +406,20 @@ FRONTIER = [Case("f32", 32, 32, "bshd", "causal_end"), Case("f16", 64, 64, "bshd
 def test_a_causal_frontier_skips_the_key_tiles_past_each_unit(mod, c: Case, sq: int, sk: int, cluster: int):
     # key_end: a unit visits only the key tiles before its last row's frontier. V is NaN at every key of the
     # tiles past the first unit's frontier: P·V would make its rows NaN (0 · NaN) had it visited one; the
-    # units that visit them are NaN. The outputs with V finite match the reference. (Clusters are the tensor-core kernel's; a top-left
-    # frontier is taken at Sq = Sk; at 37 over 200 and 1 over 45 no tile lies past the first unit; at 130
-    # over 131 the first unit's last row sees the first key of the second tile: a frontier one key short
-    # would skip it, and the reference would differ.)
+    # units that visit them are NaN. The outputs with V finite match the reference. (Clusters are the
+    # tensor-core kernel's; a top-left frontier is taken at Sq = Sk; at 37 over 200 and 1 over 45 no tile
+    # lies past the first unit; at 130 over 131 the first unit's last row sees the first key of the second
+    # tile: a frontier one key short would skip it, and the reference would differ.)
     past = sk - sq if c.score == "causal_tail" else 0
     first_end = min(c.block_m, sq) + past  # the first unit's frontier (its last row's + 1)
-    bn = (32 if max(c.d, c.dv) > 64 else 64) if c.kernel == "tensor_core" else (16 if max(c.d, c.dv) > 64 else 32)
+    bn = c.block_n
     poisoned = -(-first_end // bn) * bn  # keys of the tiles the first unit never visits
     rng = np.random.default_rng(5)
     npt = STORAGE[c.dtype][1]
     q, k, v = (rng.standard_normal((B, H, s, c.d)).astype(npt) for s in (sq, sk, sk))
     v_bad = v.copy()
     v_bad[:, :, poisoned:] = np.nan
-    outs = []
-    for vv in (v, v_bad):
-        store = [_layout(x.astype(np.float64), "bshd").astype(npt) for x in (q, k, vv)]
-        out = np.zeros((B, sq, H * c.dv), dtype=npt)
-        args = [x.view(np.uint16) if c.dtype == "bf16" else x for x in (*store, out)]
-        grid = -(-B * H * sq // c.block_m)
-        mod.launch(c.entry, grid * cluster, 128, [*args, np.zeros((B, sk), np.float32)], [B, sq, sk], c.smem,
-                   cluster=cluster)
-        outs.append(out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3))
+    outs = [_launch_bshd(mod, c, q, k, vv, cluster) for vv in (v, v_bad)]
     ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, c.score == "causal_tail")
     assert _rel(outs[0], ref) <= (1e-5 if c.dtype == "f32" else 1e-2), _rel(outs[0], ref)
     if c.dtype == "f32":  # row by row: a frontier one key short loses one key of a unit's last row
@@ -443,21 +451,14 @@ def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: i
     # key_begin: a unit starts at the tile of its first row's first visible key (after Sk - Sq cached keys for
     # window_tail). V is NaN at the keys of the first tile: the units whose first row's window starts past that
     # tile never visit it and stay finite
-    bn = 64 if c.kernel == "tensor_core" else 32
+    bn = c.block_n
     rng = np.random.default_rng(9)
     npt = STORAGE[c.dtype][1]
     q = rng.standard_normal((B, H, sq, c.d)).astype(npt)
     k, v = (rng.standard_normal((B, H, sk, c.d)).astype(npt) for _ in range(2))
-    outs = []
-    for poison in (False, True):
-        vv = v.copy()
-        if poison:
-            vv[:, :, :bn] = np.nan
-        store = [_layout(x.astype(np.float64), "bshd").astype(npt) for x in (q, k, vv)]
-        out = np.zeros((B, sq, H * c.dv), dtype=npt)
-        mod.launch(c.entry, -(-B * H * sq // c.block_m) * cluster, 128, [*store, out, np.zeros((B, sk), np.float32)],
-                   [B, sq, sk], c.smem, cluster=cluster)
-        outs.append(out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3))
+    v_bad = v.copy()
+    v_bad[:, :, :bn] = np.nan
+    outs = [_launch_bshd(mod, c, q, k, vv, cluster) for vv in (v, v_bad)]
     past = sk - sq if c.score == "window_tail" else 0
     ref = _reference(*(x.astype(np.float64) for x in (q, k, v)), np.zeros((B, sk)), True, bool(past), window=40)
     assert np.abs(outs[0] - ref).max() <= (1e-5 if c.dtype == "f32" else 2e-2)

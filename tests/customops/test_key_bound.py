@@ -141,3 +141,37 @@ def test_the_switch_keeps_every_tile(monkeypatch):
     assert not any(f.name == "S.key_end" for f in k.spec.kernel.funcs)
     on, off = (CostModel(target_for((90,), True, key_frontier=x)).attention_us(res.graph, k.region) for x in (1, 0))
     assert on < 0.75 * off, (on, off)  # about half the tiles at 4096 rows
+
+
+def test_a_mask_keeps_its_depth_only_where_nothing_can_lift_it():
+    # IR-level: (frontier c, depth) of score expressions; a finite mask plus or minus an operand of unknown or
+    # opposite sign is not masked (it could be lifted back), -inf survives anything but -inf subtracted
+    import math
+
+    from ortfuse.customops import key_bound as kb
+    from ortfuse.customops.ir import F32, I64, Const, Op, Var
+    i, j, qk, ext = Var("ai", I64), Var("aj", I64), Var("qk", F32), Var("ext", F32)
+    causal, pad = Op("le", (j, i), "bool"), Op("ne", (Var("x", I64), Const(0, I64)), "bool")
+
+    def where(c, a, b):
+        return Op("select", (c, Const(a, F32), Const(b, F32)), F32)
+
+    def op(fn, a, b):
+        return Op(fn, (a, b), F32)
+
+    def depth(e):
+        m = kb._Analysis({}, {}, 1).masked(e)
+        return None if m is None else (m[0], m[1])
+    c0 = ((), 0)
+    assert depth(op("add", qk, where(causal, 0.0, -65504.0))) == (c0, 65504.0)
+    assert depth(op("add", op("add", qk, where(causal, 0.0, -1e4)), where(pad, 0.0, -1e4))) == (c0, 1e4)
+    assert depth(op("sub", op("add", qk, where(causal, 0.0, -65504.0)), Const(3.0, F32))) == (c0, 65504.0)
+    assert depth(op("mul", op("add", qk, where(causal, 0.0, -65504.0)), Const(0.125, F32))) == (c0, 8188.0)
+    assert depth(op("sub", op("add", qk, where(causal, 0.0, -65504.0)), ext)) is None
+    assert depth(op("sub", op("add", qk, where(causal, 0.0, -1e4)), where(pad, 0.0, -1e4))) is None
+    assert depth(op("add", op("add", qk, where(causal, 0.0, -1e4)), op("mul", where(pad, 0.0, -1e4),
+                                                                      Const(-1.0, F32)))) is None
+    assert depth(op("fmin", op("add", qk, where(causal, 0.0, -15000.0)), Const(-12000.0, F32))) is None
+    assert depth(op("add", ext, where(causal, 0.0, -math.inf))) == (c0, math.inf)
+    assert depth(op("sub", op("add", qk, where(causal, 0.0, -math.inf)), ext)) == (c0, math.inf)
+    assert depth(op("sub", op("add", qk, where(causal, 0.0, -math.inf)), where(causal, 0.0, -math.inf))) is None
