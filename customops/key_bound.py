@@ -56,18 +56,25 @@ class KeyBound:
         """Row i's first key not masked by the far side (0 without one)."""
         return 0 if self.low is None else i + self.low[1] + (sk - sq if self.low[0] else 0)
 
-    def unit_tiles(self, sq: int, sk: int, block_m: int, block_n: int) -> list[int]:
-        """The key tiles each query-row unit of a head visits (ortfuse_attention.h unit_key_tiles)."""
-        tiles, out = -(-sk // block_n), []
-        for i0 in range(0, sq, block_m):
-            hi = min(tiles, max(0, -(-self.end(min(i0 + block_m, sq) - 1, sq, sk) // block_n)))
-            lo = min(hi, max(0, self.begin(i0, sq, sk) // block_n))
-            out.append(hi - lo)
+    def unit_spans(self, sq: int, sk: int, block_m: int, block_n: int, group: int = 1) -> list[tuple[int, int]]:
+        """The key tiles [lo, hi) each query-row unit of a head visits (ortfuse_attention.h unit_key_tiles);
+        `group`: query heads packed into a unit's rows (G heads' sq rows each)."""
+        tiles, out, rows = -(-sk // block_n), [], sq * group
+        for i0 in range(0, rows, block_m):
+            first, last = i0, min(i0 + block_m, rows) - 1
+            if group > 1:
+                first, last = (first % sq, last % sq) if first // sq == last // sq else (0, sq - 1)
+            hi = min(tiles, max(0, -(-self.end(last, sq, sk) // block_n)))
+            out.append((min(hi, max(0, self.begin(first, sq, sk) // block_n)), hi))
         return out
 
-    def visible_share(self, sq: int, sk: int, block_m: int, block_n: int) -> float:
+    def unit_tiles(self, sq: int, sk: int, block_m: int, block_n: int, group: int = 1) -> list[int]:
+        """How many key tiles each query-row unit of a head visits."""
+        return [hi - lo for lo, hi in self.unit_spans(sq, sk, block_m, block_n, group)]
+
+    def visible_share(self, sq: int, sk: int, block_m: int, block_n: int, group: int = 1) -> float:
         """The share of (query-row unit, key tile) pairs a kernel with these tiles visits."""
-        seen = self.unit_tiles(sq, sk, block_m, block_n)
+        seen = self.unit_tiles(sq, sk, block_m, block_n, group)
         return sum(seen) / (-(-sk // block_n) * len(seen)) if sq and sk else 1.0
 
 

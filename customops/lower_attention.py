@@ -323,10 +323,12 @@ class _AttnLowerer(_Lowerer):
             return self.value(softmax_in, idx if sm_shape == ss else self.reshape_index(idx, ss, sm_shape))
         funcs.append(self.func("S.score", (vb, vh, vi, vj, qk), score))
         # a causal frontier: each unit visits the key tiles before its last row's, and from its first row's far
-        # side (not with packed query heads, whose rows are not in order: a generation step sees every key but
-        # a sliding window's far side)
-        bound = key_bound(g, p) if group == 1 and self.tgt.key_frontier else None
+        # side (packed query heads: rows of a head, `S.group` maps them; a generation step's one row a head
+        # sees every key but a sliding window's far side)
+        bound = key_bound(g, p) if self.tgt.key_frontier else None
         if bound is not None:
+            if group > 1:
+                funcs.append(self.func("S.group", (), lambda: ir.i64(group)))
             vsq, vsk = Var("asq", I64), Var("ask", I64)
 
             def key(shift: int, tail: bool) -> Expr:  # i + shift (+ Sk - Sq)

@@ -147,6 +147,7 @@ class AttentionGeometry:
     rope_pairs: int = 0  # column pairs of each K tile the kernel rotates (K's rotary embedding in the pattern)
     visible: float = 1.0  # the share of (unit, key tile) pairs the kernel visits (a causal frontier: key_bound)
     longest: int = 0  # the most key tiles one unit visits (0: every tile; less under a sliding window)
+    reach: float = 1.0  # the share of a head's key tiles some unit visits (K's and V's DRAM reads: a window's)
 
     @property
     def work(self) -> float:
@@ -189,10 +190,13 @@ def attention_geometry(g: Graph, region: Region, frontier: bool = True) -> Atten
     units = bh // group * -(-sq * group // bm)
     pairs = bn * p.k_rope.half if p.k_rope is not None else 0
     from ortfuse.customops.key_bound import key_bound  # (the lowering's evaluator imports the search)
-    bound = key_bound(g, p) if group == 1 and frontier else None
-    seen = bound.unit_tiles(sq, sk, bm, bn) if bound is not None and sq and sk else []
-    visible = sum(seen) / (len(seen) * -(-sk // bn)) if seen else 1.0
-    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, -(-sk // bn), pairs, visible, max(seen, default=0))
+    bound = key_bound(g, p) if frontier else None
+    spans = bound.unit_spans(sq, sk, bm, bn, group) if bound is not None and sq and sk else []
+    seen, key_tiles = [hi - lo for lo, hi in spans], -(-sk // bn)
+    visible = sum(seen) / (len(seen) * key_tiles) if seen else 1.0
+    reach = (max(hi for _, hi in spans) - min(lo for lo, _ in spans)) / key_tiles if spans else 1.0
+    return AttentionGeometry(mma, d, dv, sk, bm, bn, units, key_tiles, pairs, visible, max(seen, default=0),
+                             min(1.0, reach))
 
 
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
@@ -384,7 +388,11 @@ class CostModel:
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
                                      self._split(geo) if split is None else split, geo.work, geo.rope_pairs,
                                      geo.visible, geo.longest)
-        return max(self.time_us(region.traffic.fused_bytes, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
+        # (K and V outside every unit's tiles are never read: a window's far side in a generation step)
+        p = _attention_pattern(g, region)
+        unread = (1.0 - geo.reach) * (tensor_bytes(g, p.k) + tensor_bytes(g, p.v))
+        dram = max(region.traffic.fused_bytes - unread, 0)
+        return max(self.time_us(dram, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:
         """ORT's MultiHeadAttention (`rewriter.mha`) at g's hints: the path ORT takes for its dtype, bias and

@@ -677,7 +677,8 @@ def onnx_rotary(dt: int, form: str = "", heads: int = 3, head: int = 16, rot: in
 CAUSAL_HEADS, CAUSAL_HEAD = 2, 64  # causal_attention's heads and head size
 
 
-def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq") -> onnx.ModelProto:
+def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", kv_heads: int = CAUSAL_HEADS
+                     ) -> onnx.ModelProto:
     """Self-attention on q, k, v [B, S, heads * head] (CAUSAL_HEADS, CAUSAL_HEAD) with its mask made in the graph
     as HF's masking utilities and TorchScript write it. `form`: "and" (Where(j <= i & padding, 0, -inf)),
     "greater" (Where(j > i, -inf, 0) plus a padding bias), "shifted" (j < i + 3), "window" (j <= i and
@@ -687,21 +688,27 @@ def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq") 
     "const" (a constant [1, 1, seq, seq] lower triangle of bools at a static `seq`, Where(tril, 0, lowest)
     plus a padding bias).
     `past`: K and V are a past [B, heads, P, head] joined with the new keys, the query positions P + i (HF's
-    cache_position)."""
-    TP, hd = onnx.TensorProto, CAUSAL_HEADS * CAUSAL_HEAD
+    cache_position). `kv_heads` below CAUSAL_HEADS: k, v and the past have that many heads, repeated across
+    the query heads after the past (Llama's repeat_kv: Unsqueeze, Expand, Reshape)."""
+    TP, hd, kvd = onnx.TensorProto, CAUSAL_HEADS * CAUSAL_HEAD, kv_heads * CAUSAL_HEAD
     npdt = helper.tensor_dtype_to_np_dtype(dt)
     low = np.finfo(npdt).min if form == "min" else -100.0 if form == "shallow" else -np.inf
     n = [node("Reshape", ["q", "shp4"], ["q4"]), node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
-         node("Reshape", ["k", "shp4"], ["k4"]), node("Transpose", ["k4"], ["kn"], perm=[0, 2, 1, 3]),
-         node("Reshape", ["v", "shp4"], ["v4"]), node("Transpose", ["v4"], ["vn"], perm=[0, 2, 1, 3])]
-    inputs = [vi(x, dt, ["batch", seq, hd]) for x in "qkv"]
+         node("Reshape", ["k", "shp4kv"], ["k4"]), node("Transpose", ["k4"], ["kn"], perm=[0, 2, 1, 3]),
+         node("Reshape", ["v", "shp4kv"], ["v4"]), node("Transpose", ["v4"], ["vn"], perm=[0, 2, 1, 3])]
+    inputs = [vi("q", dt, ["batch", seq, hd])] + [vi(x, dt, ["batch", seq, kvd]) for x in "kv"]
     inputs.append(vi("attention_mask", TP.INT64, ["batch", "past + seq" if past else seq]))
+    kh, vh = ("kc", "vc") if kv_heads != CAUSAL_HEADS else ("kh", "vh")
     if past:
-        inputs += [vi(x, dt, ["batch", CAUSAL_HEADS, "past", CAUSAL_HEAD]) for x in ("past_k", "past_v")]
-        n += [node("Concat", ["past_k", "kn"], ["kh"], axis=2), node("Concat", ["past_v", "vn"], ["vh"], axis=2),
+        inputs += [vi(x, dt, ["batch", kv_heads, "past", CAUSAL_HEAD]) for x in ("past_k", "past_v")]
+        n += [node("Concat", ["past_k", "kn"], [kh], axis=2), node("Concat", ["past_v", "vn"], [vh], axis=2),
               node("Shape", ["past_k"], ["pshape"]), node("Gather", ["pshape", "two"], ["plen"], axis=0)]
     else:
-        n += [node("Identity", ["kn"], ["kh"]), node("Identity", ["vn"], ["vh"])]
+        n += [node("Identity", ["kn"], [kh]), node("Identity", ["vn"], [vh])]
+    if kv_heads != CAUSAL_HEADS:  # repeat_kv
+        for t in ("k", "v"):
+            n += [node("Unsqueeze", [f"{t}c", "ax2"], [f"{t}5"]), node("Expand", [f"{t}5", "rep"], [f"{t}e"]),
+                  node("Reshape", [f"{t}e", "shpkv"], [f"{t}h"])]
     n += [node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["qh", "kt"], ["s0"]),
           node("Mul", ["s0", "scale"], ["s1"]),
           # iotas: query positions (after the past) and key positions
@@ -746,6 +753,9 @@ def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq") 
           node("Reshape", ["o4", "shp3"], ["y"])]
     i64 = np.int64
     inits = [const("shp4", [0, 0, CAUSAL_HEADS, CAUSAL_HEAD], i64), const("shp3", [0, 0, hd], i64),
+             const("shp4kv", [0, 0, kv_heads, CAUSAL_HEAD], i64), const("ax2", [2], i64),
+             const("rep", [1, 1, CAUSAL_HEADS // kv_heads, 1, 1], i64),
+             const("shpkv", [0, CAUSAL_HEADS, -1, CAUSAL_HEAD], i64),
              const("scale", 1 / np.sqrt(CAUSAL_HEAD), npdt), const("zero", 0, i64), const("zero1", [0], i64),
              const("one", 1, i64), const("two", 2, i64), const("three", 3, i64), const("width", 64, i64),
              const("ax0", [0], i64), const("ax1", [1], i64), const("ax12", [1, 2], i64),

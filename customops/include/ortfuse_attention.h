@@ -23,6 +23,9 @@
 //       j >= key_end(i) for query row i (and every j < key_begin(i): a sliding window's far side), both never
 //       decreasing with i; a unit then visits only the key tiles between its first row's key_begin and its
 //       last row's key_end (flash attention's causal tile skipping)
+//     static ofz_i64 group(const OfzArgs& a);   (optional, with key_end: grouped-query heads packed)
+//       G query heads packed into each unit's rows (below): key_end and key_begin then take a head's own row
+//       i and Sq (packed row r is row r % Sq of head r / Sq, sq / G rows a head)
 //
 // Then a kernel body is one call, e.g. ofz::attn::simt<__half, 64, 64, Q, K, V, O, S>(a, q, k, v, o, dims).
 // Launch rule: block = Tile::THREADS threads; one block computes BLOCK_M query rows of one (b, h), and
@@ -100,6 +103,8 @@ template <class S, class = void> struct HasKeyEnd { static constexpr bool value 
 template <class S> struct HasKeyEnd<S, decltype((void)&S::key_end)> { static constexpr bool value = true; };
 template <class S, class = void> struct HasKeyBegin { static constexpr bool value = false; };
 template <class S> struct HasKeyBegin<S, decltype((void)&S::key_begin)> { static constexpr bool value = true; };
+template <class S, class = void> struct HasGroup { static constexpr bool value = false; };
+template <class S> struct HasGroup<S, decltype((void)&S::group)> { static constexpr bool value = true; };
 struct KeyTiles {
   ofz_i64 lo, hi;
 };
@@ -108,12 +113,18 @@ __device__ __forceinline__ KeyTiles unit_key_tiles(const OfzArgs& a, ofz_i64 i0,
   const ofz_i64 all = (n.sk + BN - 1) / BN;
   KeyTiles t{0, all};
   if constexpr (HasKeyEnd<S>::value) {
-    const ofz_i64 end = S::key_end(a, (i1 < n.sq ? i1 : n.sq) - 1, n.sq, n.sk);
+    ofz_i64 first = i0, last = (i1 < n.sq ? i1 : n.sq) - 1, sq = n.sq;
+    if constexpr (HasGroup<S>::value) {  // packed heads: the unit's rows within one head, or every row of one
+      sq = n.sq / S::group(a);
+      if (first / sq == last / sq) first %= sq, last %= sq;
+      else first = 0, last = sq - 1;
+    }
+    const ofz_i64 end = S::key_end(a, last, sq, n.sk);
     t.hi = end <= 0 ? 0 : (end + BN - 1) / BN < all ? (end + BN - 1) / BN : all;
-  }
-  if constexpr (HasKeyBegin<S>::value) {
-    const ofz_i64 begin = S::key_begin(a, i0, n.sq, n.sk);
-    t.lo = begin <= 0 ? 0 : begin / BN < t.hi ? begin / BN : t.hi;
+    if constexpr (HasKeyBegin<S>::value) {
+      const ofz_i64 begin = S::key_begin(a, first, sq, n.sk);
+      t.lo = begin <= 0 ? 0 : begin / BN < t.hi ? begin / BN : t.hi;
+    }
   }
   return t;
 }

@@ -85,6 +85,25 @@ template <int D> struct WindowTail {  // Window after Sk - Sq cached keys
   DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i + 1 + sk - sq; }
   DEV ofz_i64 key_begin(const OfzArgs&, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i - 39 + sk - sq; }
 };
+// Grouped-query heads packed as lower_attention packs them: one K/V head ([B, Sk, D]) serves the H query heads
+// ([B, Sq, H*D]); packed row r of a unit is row r % Sq of query head r / Sq (Dims: 1 head, H * Sq rows)
+template <int D> struct PackedQ {
+  DEV ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64 h, ofz_i64 s, ofz_i64 d) {
+    return (b * a.dim[1] + s % a.dim[1]) * (H * D) + (h * H + s / a.dim[1]) * D + d;
+  }
+};
+template <int D> struct OneKv {
+  DEV ofz_i64 offset(const OfzArgs& a, ofz_i64 b, ofz_i64, ofz_i64 s, ofz_i64 d) { return (b * a.dim[2] + s) * D + d; }
+};
+template <int D> struct PackedWindowTail {  // WindowTail over packed rows: the functors take a head's own row
+  DEV float score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 r, ofz_i64 j, float qk) {
+    const ofz_i64 p = r % a.dim[1] + a.dim[2] - a.dim[1];
+    return j > p || j < p - 39 ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
+  }
+  DEV ofz_i64 group(const OfzArgs&) { return H; }
+  DEV ofz_i64 key_end(const OfzArgs&, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i + 1 + sk - sq; }
+  DEV ofz_i64 key_begin(const OfzArgs&, ofz_i64 i, ofz_i64 sq, ofz_i64 sk) { return i - 39 + sk - sq; }
+};
 template <int D> __device__ __forceinline__ float CausalTail<D>::score(const OfzArgs& a, ofz_i64, ofz_i64, ofz_i64 i,
                                                                        ofz_i64 j, float qk) {
   return j > i + (a.dim[2] - a.dim[1]) ? ofz::attn::neg_inf() : qk * (1.0f / sqrtf((float)D));
@@ -154,7 +173,18 @@ def _kernel(c: Case) -> str:
             f"ofz::attn::Dims{{a.dim[0], H, a.dim[1], a.dim[2]}});\n}}\nOFZ_EMU_ENTRY({c.entry})\n")
 
 
-SOURCE = PRELUDE + "".join(_kernel(c) for c in CASES)
+PACKED = [Case("f32", 32, 32, "bshd", "packed_window_tail"), Case("f16", 64, 64, "bshd", "packed_window_tail", "tensor_core")]
+
+
+def _packed_kernel(c: Case) -> str:
+    t = STORAGE[c.dtype][0]
+    return (f"extern \"C\" __global__ void __launch_bounds__(128) {c.entry}(const OfzArgs a) {{\n"
+            f"  ofz::attn::{c.kernel}<{t}, {c.d}, {c.dv}, PackedQ<{c.d}>, OneKv<{c.d}>, OneKv<{c.dv}>, PackedQ<{c.dv}>, "
+            f"PackedWindowTail<{c.d}>>(a, (const {t}*)a.ptr[0], (const {t}*)a.ptr[1], (const {t}*)a.ptr[2], ({t}*)a.ptr[3], "
+            f"ofz::attn::Dims{{a.dim[0], 1, H * a.dim[1], a.dim[2]}});\n}}\nOFZ_EMU_ENTRY({c.entry})\n")
+
+
+SOURCE = PRELUDE + "".join(_kernel(c) for c in CASES) + "".join(_packed_kernel(c) for c in PACKED)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -466,3 +496,42 @@ def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: i
     clean = first - 39 + past >= bn  # the unit's tiles start past the poisoned one
     assert clean.any() and np.array_equal(outs[1][:, :, clean], outs[0][:, :, clean])
     assert np.isnan(outs[1][:, :, ~clean]).all()
+
+
+@pytest.mark.parametrize("c,cluster,sq,sk", [(c, n, sq, sk) for c in PACKED for n in ((1, 2) if c.kernel == "tensor_core" else (1,))
+                                             for sq, sk in ((1, 200), (1, 41), (37, 200), (37, 100), (130, 200))],
+                         ids=lambda x: x.entry if isinstance(x, Case) else str(x))
+def test_packed_query_heads_skip_the_tiles_outside_a_window(mod, c: Case, cluster: int, sq: int, sk: int):
+    # grouped-query heads packed into a unit's rows (`S::group`): a unit within one head's rows visits the tiles
+    # of those rows' window, a unit across two heads those of every row. V is NaN in the first key tile, then
+    # in the last: a unit's rows stay finite exactly where KeyBound.unit_spans (the cost model's mirror of
+    # the kernel) says it does not visit that tile. A generation step (one row a head) reads only its window's.
+    from ortfuse.customops.key_bound import KeyBound
+    rng = np.random.default_rng(11)
+    npt = STORAGE[c.dtype][1]
+    q = rng.standard_normal((B, H, sq, c.d)).astype(npt)
+    k, v = (rng.standard_normal((B, 1, sk, d)).astype(npt) for d in (c.d, c.dv))
+    bn, tiles = c.block_n, -(-sk // c.block_n)
+
+    def run(vv: np.ndarray) -> np.ndarray:
+        out = np.zeros((B, sq, H * c.dv), dtype=npt)
+        mod.launch(c.entry, -(-B * H * sq // c.block_m) * cluster, 128,
+                   [q.transpose(0, 2, 1, 3).reshape(B, sq, -1).copy(), k[:, 0].copy(), vv[:, 0].copy(), out,
+                    np.zeros((B, sk), np.float32)], [B, sq, sk], c.smem, cluster=cluster)
+        return out.astype(np.float64).reshape(B, sq, H, c.dv).transpose(0, 2, 1, 3)
+
+    got = run(v)
+    kk, vv = (np.repeat(x.astype(np.float64), H, axis=1) for x in (k, v))
+    ref = _reference(q.astype(np.float64), kk, vv, np.zeros((B, sk)), True, True, window=40)
+    assert np.abs(got - ref).max() <= (1e-5 if c.dtype == "f32" else 2e-2)
+    spans = KeyBound(True, 0, (True, -39)).unit_spans(sq, sk, c.block_m, bn, H)
+    unit = (np.arange(H)[:, None] * sq + np.arange(sq)[None, :]) // c.block_m  # [head, row] -> its unit
+    for tile in (0, tiles - 1):
+        bad = v.copy()
+        bad[:, :, tile * bn:(tile + 1) * bn] = np.nan
+        poisoned = run(bad)
+        clean = np.array([[not spans[u][0] <= tile < spans[u][1] for u in row] for row in unit])
+        assert np.array_equal(poisoned[:, clean], got[:, clean])
+        assert np.isnan(poisoned[:, ~clean]).all()
+    if sq == 1:  # a generation step: keys Sk - 40 .. Sk - 1 in every unit
+        assert spans == [((sk - 40) // bn if sk > 40 else 0, tiles)]

@@ -143,6 +143,37 @@ def test_the_switch_keeps_every_tile(monkeypatch):
     assert on < 0.75 * off, (on, off)  # about half the tiles at 4096 rows
 
 
+@pytest.mark.parametrize("form", ["window", "and"])
+def test_packed_query_heads_keep_the_frontier(form: str):
+    # grouped-query heads (one K/V head for both query heads) after a past, planned for a generation step: the
+    # heads are packed into one unit's rows and the kernel gets `S.group` with the frontier, so a step reads
+    # only the window's K and V tiles (2 of 4 at 200 cached keys); the estimate counts those tiles and bytes. The kernels match ORT at a step, a few queries and a prompt (units across both heads).
+    from ortfuse.api import compile_model, target_for
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    from ortfuse.search.cost import CostModel, attention_geometry
+    m = causal_attention(TP.FLOAT16, form, past=True, kv_heads=1)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), ort_attention="off",
+                                                          dim_hints=(("seq", 1), ("past", 200))))
+    (k,) = [k for k in res.kernels if k.region.kind == "attention"]
+    names = {f.name for f in k.spec.kernel.funcs}
+    assert {"S.group", "S.key_end"} <= names and ("S.key_begin" in names) == (form == "window")
+    assert k.spec.units_ceil[0][0][1:] == (HEADS,)  # packed
+    geo = attention_geometry(res.graph, k.region)
+    assert (geo.visible, geo.reach, geo.longest) == ((0.5, 0.5, 2) if form == "window" else (1.0, 1.0, 4))
+    if form == "window":  # at 4096 cached keys a step's unit visits 2 of 65 tiles, not all of them
+        long = compile_model(m, None, "sm_90", options=Options(archs=(90,), ort_attention="off", dim_hints=(
+            ("seq", 1), ("past", 4096))))
+        (r,) = [r for r in long.plan.regions if r.kind == "attention"]
+        on, off = (CostModel(target_for((90,), True, key_frontier=x)).attention_us(long.graph, r) for x in (1, 0))
+        assert on < 0.5 * off, (on, off)
+    for b, s, p in ((2, 1, 200), (1, 3, 150), (2, 70, 100)):
+        shapes = {"q": [b, s, HEADS * HEAD], "k": [b, s, HEAD], "v": [b, s, HEAD], "attention_mask": [b, s + p],
+                  "past_k": [b, 1, p, HEAD], "past_v": [b, 1, p, HEAD]}
+        rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
+
+
 def test_a_mask_keeps_its_depth_only_where_nothing_can_lift_it():
     # IR-level: (frontier c, depth) of score expressions; a finite mask plus or minus an operand of unknown or
     # opposite sign is not masked (it could be lifted back), -inf survives anything but -inf subtracted

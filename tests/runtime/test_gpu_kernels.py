@@ -239,6 +239,23 @@ def test_causal_frontier_on_gpu(form, past, dt):
 
 
 @pytest.mark.parametrize("dt", [H, F])
+def test_packed_heads_window_on_gpu(dt, monkeypatch):
+    # grouped-query heads packed at a generation step keep their window (S.group, session 45, CPU only until
+    # now): one step and three queries after 300 cached keys (keys 237 .. 300 of 5 tiles), a prompt across heads
+    # (check's feeds pad the last quarter of the keys of the second batch item: its step sees a window's part)
+    _kernel_whatever_the_estimate(monkeypatch)
+    m = causal_attention(dt, "window", True, kv_heads=1)
+    res = compile_model(m, None, "sm_90", Options(archs=(90,), ort_attention="off",
+                                                  dim_hints=(("seq", 1), ("past", 300))))
+    assert any(f.name == "S.group" for k in res.kernels for f in k.spec.kernel.funcs)
+    for b, s, p in ((1, 1, 300), (2, 1, 200), (1, 3, 300), (2, 70, 100)):
+        shapes = {"q": (b, s, CAUSAL_HEADS * CAUSAL_HEAD), "k": (b, s, CAUSAL_HEAD), "v": (b, s, CAUSAL_HEAD),
+                  "attention_mask": (b, s + p), "past_k": (b, 1, p, CAUSAL_HEAD), "past_v": (b, 1, p, CAUSAL_HEAD)}
+        rep = check_models(m, res.model, provider="cuda", input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("dt", [H, F])
 def test_nan_guarded_attention_on_gpu(dt):
     # scaled_dot_product_attention's export: rows masked everywhere are 0 in ORT (its Where) and in ours (session 24)
     m, hd = nan_guarded(dt, "-inf")
