@@ -92,6 +92,13 @@ def _torch(name: str) -> Callable[[], tuple[Any, dict]]:
     return make
 
 
+def _torch_decoder(name: str) -> Callable[[], tuple[Any, dict]]:
+    """A plain-PyTorch decoder with a KV cache (`bench.torch_nets`), exported and checked as `_decoder`'s."""
+    make = _torch(name)
+    make.decoder = True  # type: ignore[attr-defined]
+    return make
+
+
 def _at(make: Callable[[], tuple[Any, dict]], **shapes: tuple[int, ...]) -> Callable[[], tuple[Any, dict]]:
     """`make`, whose export only runs at these input shapes (traced constants): the check feeds them."""
     make.shapes = shapes  # type: ignore[attr-defined]
@@ -195,6 +202,7 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "densenet": _torch("densenet"),
     "unet": _torch("unet"),
     "nanogpt": _torch("nanogpt"),
+    "gpt2_legacy_past": _torch_decoder("gpt2_legacy_past"),
     "mistral_past": _decoder("MistralConfig", "MistralForCausalLM", **_LM),
     "qwen3_past": _decoder("Qwen3Config", "Qwen3ForCausalLM", **_LM, head_dim=16),
     "phi3_past": _decoder("Phi3Config", "Phi3ForCausalLM", **_LM, pad_token_id=0),

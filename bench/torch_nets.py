@@ -282,6 +282,66 @@ class NanoGpt(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+# ---- GPT-2 as transformers wrote it before its masking utilities (4.2x-4.3x, the form of many GPT-2 ONNX files
+# in use): a KV cache, each layer's `bias` buffer (a lower triangle over every position) sliced at run time to
+# rows Sk - Sq .. Sk - 1, Where(causal, scores, lowest), an additive padding mask (1 - m) * lowest
+
+class _LegacyGpt2Attention(nn.Module):
+    def __init__(self, d: int, heads: int, positions: int) -> None:
+        super().__init__()
+        self.heads, self.c_attn, self.c_proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        tril = torch.tril(torch.ones(positions, positions, dtype=torch.bool))
+        self.register_buffer("bias", tril.view(1, 1, positions, positions), persistent=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, past_k: torch.Tensor,
+                past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for y in self.c_attn(x).split(d, dim=2))
+        k, v = torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2)
+        w = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], v.size(-1) ** 0.5, dtype=q.dtype)
+        ql, kl = q.size(-2), k.size(-2)
+        causal = self.bias[:, :, kl - ql:kl, :kl]
+        w = torch.where(causal, w, torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype)) + mask
+        y = torch.matmul(w.softmax(dim=-1), v).transpose(1, 2).reshape(b, t, d)
+        return self.c_proj(y), k, v
+
+
+class _LegacyGpt2Block(nn.Module):
+    def __init__(self, d: int, heads: int, positions: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d), _LegacyGpt2Attention(d, heads, positions)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, past_k: torch.Tensor,
+                past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, k, v = self.attn(self.ln_1(x), mask, past_k, past_v)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), k, v
+
+
+class LegacyGpt2(nn.Module):
+    def __init__(self, vocab: int = 100, d: int = 64, heads: int = 4, layers: int = 2, positions: int = 64) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.h = nn.ModuleList(_LegacyGpt2Block(d, heads, positions) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **past: torch.Tensor) -> dict:
+        first = past["past_key_values.0.key"]
+        pos = torch.arange(first.size(-2), first.size(-2) + input_ids.size(-1), device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        low = torch.finfo(x.dtype).min
+        mask = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * low
+        out = {}
+        for i, block in enumerate(self.h):
+            x, out[f"present.{i}.key"], out[f"present.{i}.value"] = block(
+                x, mask, past[f"past_key_values.{i}.key"], past[f"past_key_values.{i}.value"])
+        return {"logits": self.lm_head(self.ln_f(x)), **out}
+
+
 def _randomized(net: nn.Module) -> nn.Module:
     """Normalization statistics and affines drawn at random (fresh ones are the identity, which folds away)."""
     g = torch.Generator().manual_seed(0)
@@ -301,6 +361,11 @@ def make(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         return _randomized(UNet()), {"sample": torch.randn(2, 4, 16, 16), "timestep": torch.tensor([10, 500])}
     if name == "nanogpt":
         return _randomized(NanoGpt()), {"input_ids": torch.randint(0, 100, (2, 16))}
+    if name == "gpt2_legacy_past":  # traced after a past of 5 with 3 new tokens, the second row left-padded
+        mask = torch.ones(2, 8, dtype=torch.int64)
+        mask[1, :2] = 0
+        past = {f"past_key_values.{i}.{kv}": torch.randn(2, 4, 5, 16) for i in range(2) for kv in ("key", "value")}
+        return _randomized(LegacyGpt2()), {"input_ids": torch.randint(0, 100, (2, 3)), "attention_mask": mask, **past}
     cls = {"yolo": Yolo, "mobilenet_v3": MobileNetV3, "shufflenet_v2": ShuffleNetV2, "densenet": DenseNet}[name]
     size = 64 if name == "yolo" else 32
     return _randomized(cls()), {"pixel_values": torch.rand(2, 3, size, size)}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
+import onnx
 
 from ortfuse.customops import ir, scalar, target as hw
 from ortfuse.customops.ir import F32, I32, I64, Expr, Var
@@ -37,6 +38,7 @@ ROW, KEY = "ai", "aj"  # the kernel's score coordinates (lower_attention's names
 # are within MASK_DEPTH - 88 of each other
 MASK_DEPTH = 1e4
 MAX_CONE = 256  # mask nodes followed back from the score ops
+_FLAG_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL})  # `bounds`
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,9 @@ def _name_form(name: str) -> _Lin:
 class _Analysis:
     """`sign` 1: frontiers c with everything masked past j > i + c; -1: the far side, masked at j < i + c."""
 
-    def __init__(self, defs: dict[str, Expr], dims: dict[str, _Lin], sign: int = 1):
-        self.defs, self.dims, self.sign = defs, dims, sign
+    def __init__(self, defs: dict[str, Expr], dims: dict[str, _Lin], sign: int = 1,
+                 flags: frozenset[int] = frozenset()):
+        self.defs, self.dims, self.sign, self.flags = defs, dims, sign, flags  # flags: see `bounds`
 
     def resolve(self, e: Expr) -> Expr:
         while True:
@@ -265,23 +268,35 @@ class _Analysis:
         return 0.0 if depth == math.inf and (s > 0 or self.masked(y) is None) else None
 
     def bounds(self, e: Expr) -> Optional[tuple[float, float]]:
-        """(lowest, highest) of e built from constants alone (selects, sums, negations, roundings), else None."""
+        """(lowest, highest) of e built from constants (selects, sums, differences, products, negations,
+        roundings) and key-padding flags: an element of an integer graph input (kernel argument in `flags`)
+        is 0 or 1, as ORT's own attention fusions take attention_mask (legacy exports' (1 - m) * lowest)."""
         e = self.resolve(e)
         if isinstance(e, ir.Const):
             v = e.value
             return None if isinstance(v, bool) or math.isnan(float(v)) else (float(v), float(v))
+        if isinstance(e, ir.Load):
+            return (0.0, 1.0) if e.arg in self.flags else None
         if not isinstance(e, ir.Op):
             return None
         args = [self.bounds(a) for a in e.args[1:]] if e.fn == "select" else [self.bounds(a) for a in e.args]
-        if e.fn not in ("select", "add", "neg", "cast", "round_f16", "round_bf16") or any(a is None for a in args):
+        if e.fn not in ("select", "add", "sub", "mul", "neg", "cast", "round_f16", "round_bf16") or \
+                any(a is None for a in args):
             return None
         if e.fn == "select":
             return min(args[0][0], args[1][0]), max(args[0][1], args[1][1])
         if e.fn == "add":
             return args[0][0] + args[1][0], args[0][1] + args[1][1]
+        if e.fn == "sub":
+            return args[0][0] - args[1][1], args[0][1] - args[1][0]
+        if e.fn == "mul":
+            products = [x * y for x in args[0] for y in args[1]]
+            return None if any(math.isnan(v) for v in products) else (min(products), max(products))
         lo, hi = args[0]
         if e.fn == "neg":
             return -hi, -lo
+        if e.fn == "cast" and self.resolve(e.args[0]).ctype in (I64, I32) and max(-lo, hi) < 2 ** 24:
+            return lo, hi  # an integer as a float, exactly
         return lo - abs(lo) * 2.0 ** -8, hi + abs(hi) * 2.0 ** -8  # a rounding moves a value by under 2^-8 of it
 
     def indicator(self, e: Expr) -> Optional[tuple[Expr, object, object]]:
@@ -391,7 +406,30 @@ class _MaskLowerer(_Lowerer):
         self.qk_out = qk_out
 
     def value(self, t: str, idx: tuple[Expr, ...]) -> Expr:
-        return Var("qk", F32) if t == self.qk_out else super().value(t, idx)
+        if t == self.qk_out:
+            return Var("qk", F32)
+        node = self.producer.get(t)
+        if node is not None and node.op_type == "Slice" and node.input[1] not in self.g.constants:
+            return self.value(node.input[0], self.run_time_slice(node, idx))
+        return super().value(t, idx)
+
+    def run_time_slice(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> tuple[Expr, ...]:
+        """The input element a Slice with starts computed at run time holds at `idx` (GPT-2's bias buffer
+        sliced from Sk - Sq): each start (unit steps, constant axes) must be a form over dims that is never
+        negative, so ORT reads from it unclamped wherever its output has the inferred length."""
+        axes = self.g.constants.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        steps = self.g.constants.get(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+        if axes is None or (steps is not None and (np.asarray(steps) != 1).any()):
+            raise LoweringError(f"Slice '{node.name}': run-time starts with axes or steps that are not constant")
+        out = list(idx)
+        for k, a in enumerate(np.asarray(axes).reshape(-1).tolist()):
+            start = self.value(node.input[1], (ir.i64(k),))
+            form = _Analysis(self.defs, self.dim_forms()).linear(start)
+            if form is None or form[1] < 0 or any(v < 0 for _, v in form[0]):
+                raise LoweringError(f"Slice '{node.name}': a run-time start that may be negative")
+            a %= len(idx)
+            out[a] = ir.add(out[a], start)
+        return tuple(out)
 
     def load(self, t: str, idx: tuple[Expr, ...]) -> Expr:
         """An element of a Shape at a constant index is that dim (a cache's length: HF's query positions); an
@@ -477,6 +515,8 @@ def _cone(g: Graph, p: AttentionPattern) -> Optional[tuple[list[int], list[str]]
         if len(nodes) > MAX_CONE:
             return None
         stack.extend(x for _, x in ops.data_inputs(n))
+        if n.op_type == "Slice" and len(n.input) > 1 and n.input[1] not in g.constants:
+            stack.append(n.input[1])  # starts computed at run time: their shape arithmetic (`run_time_slice`)
     return sorted(nodes), list(leaves)
 
 
@@ -524,9 +564,11 @@ def _find(g: Graph, p: AttentionPattern) -> Optional[KeyBound]:
     if sq is None or sk is None or f.result is None:
         return None
     defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
+    flags = frozenset(k for k, t in enumerate(region.inputs) if t in g.graph_inputs and t not in g.constants
+                      and g.tensors[t].dtype in _FLAG_TYPES)
     sides = []
     for sign in (1, -1):
-        m = _Analysis(defs, dims, sign).masked(f.result)
+        m = _Analysis(defs, dims, sign, flags).masked(f.result)
         ok = m is not None and not isinstance(m[0], _Always) and m[1] >= MASK_DEPTH
         sides.append(_classify(m[0], sq, sk) if ok else None)
     up, low = sides

@@ -146,7 +146,7 @@ class AttentionGeometry:
     key_tiles: int  # a unit's key tiles
     rope_pairs: int = 0  # column pairs of each K tile the kernel rotates (K's rotary embedding in the pattern)
     visible: float = 1.0  # the share of (unit, key tile) pairs the kernel visits (a causal frontier: key_bound)
-    longest: int = 0  # the most key tiles one unit visits (0: every tile; less under a sliding window)
+    longest: int = 0  # the most key tiles one unit visits (0: every tile; fewer under a window or packed rows)
     reach: float = 1.0  # the share of a head's key tiles some unit visits (K's and V's DRAM reads: a window's)
 
     @property
@@ -388,9 +388,10 @@ class CostModel:
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
                                      self._split(geo) if split is None else split, geo.work, geo.rope_pairs,
                                      geo.visible, geo.longest)
-        # (K and V outside every unit's tiles are never read: a window's far side in a generation step)
-        p = _attention_pattern(g, region)
-        unread = (1.0 - geo.reach) * (tensor_bytes(g, p.k) + tensor_bytes(g, p.v))
+        # (K and V outside every unit's tiles are never read: a window's far side in a generation step; each
+        # tensor once, as `traffic` counts it, and not one that holds Q too)
+        p, members = _attention_pattern(g, region), [g.nodes[i] for i in region.nodes]
+        unread = (1.0 - geo.reach) * sum(read_bytes(g, members, t) for t in {p.k, p.v} - {p.q})
         dram = max(region.traffic.fused_bytes - unread, 0)
         return max(self.time_us(dram, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 

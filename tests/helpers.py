@@ -675,6 +675,7 @@ def onnx_rotary(dt: int, form: str = "", heads: int = 3, head: int = 16, rot: in
 
 
 CAUSAL_HEADS, CAUSAL_HEAD = 2, 64  # causal_attention's heads and head size
+SLICED_MAX = 512  # the "sliced" form's buffer: the most positions (GPT-2's n_positions)
 
 
 def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", kv_heads: int = CAUSAL_HEADS
@@ -686,7 +687,8 @@ def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", 
     zero a term), "padding" (no causal rule), "batch" (j <= i + b:
     differs per batch item), "trilu" (TorchScript's is_causal: a Trilu of ones, Where(tril == 0, -inf, 0)),
     "const" (a constant [1, 1, seq, seq] lower triangle of bools at a static `seq`, Where(tril, 0, lowest)
-    plus a padding bias).
+    plus a padding bias), "sliced" (as "const" from a [1, 1, SLICED_MAX, SLICED_MAX] buffer sliced at run time
+    to rows Sk - Sq .. Sk - 1 and keys 0 .. Sk - 1: GPT-2's `bias` buffer before transformers 4.4x).
     `past`: K and V are a past [B, heads, P, head] joined with the new keys, the query positions P + i (HF's
     cache_position). `kv_heads` below CAUSAL_HEADS: k, v and the past have that many heads, repeated across
     the query heads after the past (Llama's repeat_kv: Unsqueeze, Expand, Reshape)."""
@@ -736,6 +738,14 @@ def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", 
         tril = np.tril(np.ones((seq, seq), bool))[None, None]
         n += [node("Where", ["tril", "zf", "lowest"], ["cbias"]), node("Where", ["pad", "zf", "lowest"], ["pbias"]),
               node("Add", ["cbias", "pbias"], ["bias"])]
+    elif form == "sliced":  # GPT-2's bias buffer before transformers 4.4x: bias[:, :, Sk - Sq:Sk, :Sk]
+        tril = np.tril(np.ones((SLICED_MAX, SLICED_MAX), bool))[None, None]
+        n += [node("Sub", ["tlen", "slen"], ["off"]), node("Unsqueeze", ["off", "ax0"], ["off1"]),
+              node("Unsqueeze", ["tlen", "ax0"], ["tlen1"]),
+              node("Slice", ["tril", "off1", "tlen1", "ax2"], ["rows"]),
+              node("Slice", ["rows", "zero1", "tlen1", "ax3"], ["cm"]),
+              node("Where", ["cm", "zf", "lowest"], ["cbias"]), node("Where", ["pad", "zf", "lowest"], ["pbias"]),
+              node("Add", ["cbias", "pbias"], ["bias"])]
     elif form == "greater":
         n += [node("Greater", ["kj", "qi"], ["hide"]), node("Where", ["hide", "low", "zf"], ["cbias"]),
               node("Where", ["pad", "zf", "low"], ["pbias"]), node("Add", ["cbias", "pbias"], ["bias"])]
@@ -761,6 +771,8 @@ def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", 
              const("ax0", [0], i64), const("ax1", [1], i64), const("ax12", [1, 2], i64),
              const("ax123", [1, 2, 3], i64), const("zf", 0, npdt), const("low", low, npdt),
              const("zf32", 0, np.float32)]
-    if form == "const":
+    if form in ("const", "sliced"):
         inits += [const("tril", tril, np.bool_), const("lowest", np.finfo(npdt).min, npdt)]
+    if form == "sliced":
+        inits.append(const("ax3", [3], i64))
     return model(n, inputs, [vi("y", dt, ["batch", seq, hd])], inits)

@@ -130,3 +130,18 @@ def test_causal_attention_without_a_mask_tensor(tmp_path, exporter, opset):
     assert len(attention) == 2 and all(len(r.inputs) == 1 for r in attention), [r.inputs for r in attention]
     rep = check_models(str(path), res.model, emulate=True)
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_gpt2_as_it_was_exported_before_its_masking_utilities(tmp_path):
+    # bench/torch_nets.py LegacyGpt2 (transformers 4.2x-4.3x GPT-2 with a cache): the bias buffer sliced at run
+    # time from Sk - Sq and the (1 - mask) * lowest padding still give each attention kernel its bottom-right
+    # frontier (customops/key_bound.py); the row checks parity at a prompt after a past and at a step
+    from ortfuse.api import compile_model
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "gpt2_legacy_past", "--dtypes", "fp16", "--out", str(out)]) == 0
+    row = [line for line in out.read_text().splitlines() if line.startswith("| gpt2_legacy_past")]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[4] == "2 / 2" and cells[5] == "ok", cells
+    res = compile_model(coverage.export("gpt2_legacy_past", tmp_path, ("fp16",))["fp16"], None, "sm_90")
+    srcs = [k.compiled.source for k in res.kernels if k.region.kind == "attention"]
+    assert len(srcs) == 2 and all("key_end(" in s and "(ask - asq)" in s for s in srcs)

@@ -503,9 +503,9 @@ def test_a_sliding_window_skips_the_key_tiles_before_it(mod, c: Case, cluster: i
                          ids=lambda x: x.entry if isinstance(x, Case) else str(x))
 def test_packed_query_heads_skip_the_tiles_outside_a_window(mod, c: Case, cluster: int, sq: int, sk: int):
     # grouped-query heads packed into a unit's rows (`S::group`): a unit within one head's rows visits the tiles
-    # of those rows' window, a unit across two heads those of every row. V is NaN in the first key tile, then
-    # in the last: a unit's rows stay finite exactly where KeyBound.unit_spans (the cost model's mirror of
-    # the kernel) says it does not visit that tile. A generation step (one row a head) reads only its window's.
+    # of those rows' window, a unit across heads those of every row. V is NaN in one key tile at a time: a
+    # unit's rows stay finite exactly where KeyBound.unit_spans (the cost model's mirror of the kernel) says
+    # it does not visit that tile. A generation step (one row a head) reads only its window's tiles.
     from ortfuse.customops.key_bound import KeyBound
     rng = np.random.default_rng(11)
     npt = STORAGE[c.dtype][1]
@@ -526,7 +526,7 @@ def test_packed_query_heads_skip_the_tiles_outside_a_window(mod, c: Case, cluste
     assert np.abs(got - ref).max() <= (1e-5 if c.dtype == "f32" else 2e-2)
     spans = KeyBound(True, 0, (True, -39)).unit_spans(sq, sk, c.block_m, bn, H)
     unit = (np.arange(H)[:, None] * sq + np.arange(sq)[None, :]) // c.block_m  # [head, row] -> its unit
-    for tile in (0, tiles - 1):
+    for tile in range(tiles):
         bad = v.copy()
         bad[:, :, tile * bn:(tile + 1) * bn] = np.nan
         poisoned = run(bad)

@@ -57,6 +57,35 @@ def test_a_constant_lower_triangle_is_its_rule():
     assert rep.ok, "\n".join(rep.lines())
 
 
+@pytest.mark.parametrize("past", [False, True])
+def test_a_triangle_sliced_at_run_time_is_its_rule_shifted(past: bool):
+    # GPT-2's bias buffer before transformers 4.4x: a [1, 1, 512, 512] lower triangle sliced to rows Sk - Sq ..
+    # Sk - 1 (starts computed from shapes at run time) and keys 0 .. Sk - 1: row i reads buffer row i + Sk - Sq,
+    # so the frontier is bottom-right (top-left without a past, where Sk - Sq is 0)
+    from ortfuse.check import check_models
+    m = causal_attention(TP.FLOAT16, "sliced", past)
+    got, res = _bound(m)
+    assert got == KeyBound(past, 0)
+    src = next(k.compiled.source for k in res.kernels if k.region.kind == "attention")
+    assert "key_end(" in src and ("(ask - asq)" in src) == past
+    for b, s, p in ((2, 130, 70), (1, 37, 5)):
+        shapes = {"q": [b, s, HEADS * HEAD], "k": [b, s, HEADS * HEAD], "v": [b, s, HEADS * HEAD],
+                  "attention_mask": [b, s + p if past else s]}
+        if past:
+            shapes.update(past_k=[b, HEADS, p, HEAD], past_v=[b, HEADS, p, HEAD])
+        rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
+
+
+def test_a_run_time_start_that_may_be_negative_proves_nothing():
+    # the same buffer sliced from Sq - Sk (minus the past's length): ORT would wrap a negative start, so the
+    # rows read are not i + start and no frontier is claimed
+    m = causal_attention(TP.FLOAT16, "sliced", True)
+    (sub,) = [n for n in m.graph.node if n.op_type == "Sub" and list(n.input) == ["tlen", "slen"]]
+    sub.input[:] = ["slen", "tlen"]
+    assert _bound(m)[0] is None
+
+
 def test_triangles():
     from ortfuse.customops.key_bound import _triangle
     assert _triangle(np.tril(np.ones((4, 6), bool), 1)) == (1, True, False)
@@ -206,3 +235,13 @@ def test_a_mask_keeps_its_depth_only_where_nothing_can_lift_it():
     assert depth(op("add", ext, where(causal, 0.0, -math.inf))) == (c0, math.inf)
     assert depth(op("sub", op("add", qk, where(causal, 0.0, -math.inf)), ext)) == (c0, math.inf)
     assert depth(op("sub", op("add", qk, where(causal, 0.0, -math.inf)), where(causal, 0.0, -math.inf))) is None
+    # a key-padding flag (an element of an integer graph input: kernel argument 1 here) is 0 or 1, so legacy
+    # exports' (1 - m) * lowest adds at most 0; another argument's element could be anything
+    from ortfuse.customops.ir import Load
+
+    def legacy(arg: int):
+        flag = Op("cast", (Load(arg, Var("aj", I64), "i64"),), F32)
+        pad = op("mul", op("sub", Const(1.0, F32), flag), Const(-65504.0, F32))
+        m = kb._Analysis({}, {}, 1, frozenset({1})).masked(op("add", op("add", qk, where(causal, 0.0, -65504.0)), pad))
+        return None if m is None else (m[0], m[1])
+    assert legacy(1) == (c0, 65504.0) and legacy(2) is None

@@ -241,7 +241,8 @@ def test_causal_frontier_on_gpu(form, past, dt):
 @pytest.mark.parametrize("dt", [H, F])
 def test_packed_heads_window_on_gpu(dt, monkeypatch):
     # grouped-query heads packed at a generation step keep their window (S.group, session 45, CPU only until
-    # now): one step and three queries after 300 cached keys (keys 237 .. 300 of 5 tiles), a prompt across heads
+    # now): one step and three queries after 300 cached keys (keys 237 .. 300: 2 of 5 tiles of 64 in fp16, 3 of
+    # 10 of 32 in fp32), a prompt across heads
     # (check's feeds pad the last quarter of the keys of the second batch item: its step sees a window's part)
     _kernel_whatever_the_estimate(monkeypatch)
     m = causal_attention(dt, "window", True, kv_heads=1)
