@@ -16,6 +16,7 @@ import onnx
 from ortfuse.config import Options
 from ortfuse.customops import attrs
 from ortfuse.customops.compile import CompiledKernel, compile_kernel
+from ortfuse.customops.key_bound import key_bound
 from ortfuse.customops.lower import KernelSpec, LoweringError, lower
 from ortfuse.customops.printer import render
 from ortfuse.customops.target import Target, parse_arch
@@ -196,9 +197,11 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
         return graph, []
     found, refused = ort_attention.forms(graph, find_attention(graph)[0])
     notes = [f"attention at {where} stays: not ORT's MultiHeadAttention ({why})" for where, why in refused]
-    for sig in dict.fromkeys(f.signature(graph) for f in found):
+    frontier = cost.target.key_frontier
+    for sig in dict.fromkeys(_attention_kind(graph, f, frontier) for f in found):
         # the forms on the graph as rewritten so far (node indices move; the tensors they read do not)
-        now = [f for f in ort_attention.forms(graph, find_attention(graph)[0])[0] if f.signature(graph) == sig]
+        now = [f for f in ort_attention.forms(graph, find_attention(graph)[0])[0]
+               if _attention_kind(graph, f, frontier) == sig]
         if not now:
             continue
         like = f"{len(now)} attention pattern{'s' if len(now) > 1 else ''} like Softmax '{now[0].softmax}'"
@@ -224,6 +227,15 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
         if taken:
             graph = trial
     return graph, notes
+
+
+def _attention_kind(g: Graph, form: MhaForm, frontier: bool) -> tuple:
+    """Forms one MultiHeadAttention decision serves: the same signature and, where our kernel skips key tiles
+    past a causal frontier, the same frontier (a model's global and sliding-window layers cost it apart)."""
+    if not frontier:
+        return form.signature(g)
+    pat = next((p for p in find_attention(g)[0] if p.softmax in form.nodes), None)
+    return form.signature(g), None if pat is None else key_bound(g, pat)
 
 
 def _attention_measured(tgt: Target, opts: Options, cost: CostModel

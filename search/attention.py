@@ -87,13 +87,22 @@ def find_attention(g: Graph) -> tuple[tuple[AttentionPattern, ...], tuple[Reject
     search, the rewriter's packing check and the lowering all ask)."""
     found: list[AttentionPattern] = []
     rejects: list[Reject] = []
+    owner: dict[int, int] = {}  # node -> the Softmax of the pattern holding it: patterns are disjoint
     for i, n in enumerate(g.nodes):
         if n.op_type != "Softmax" or n.domain not in ("", "ai.onnx"):
             continue
         try:
-            found.append(_find(g, i, k_rope=True))
+            p = _find(g, i, k_rope=True)
         except _NoMatch as e:
             rejects.append(Reject(g.node_label(i), str(e)))
+            continue
+        shared = sorted(set(p.nodes) & owner.keys())
+        if shared:  # (one attention's output read by the next through layout ops alone: no projection between)
+            rejects.append(Reject(g.node_label(i), f"its path shares {g.node_label(shared[0])} with the attention "
+                                                   f"at {g.node_label(owner[shared[0]])}"))
+            continue
+        found.append(p)
+        owner.update(dict.fromkeys(p.nodes, i))
     return tuple(found), tuple(rejects)
 
 

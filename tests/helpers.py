@@ -1,6 +1,8 @@
 """Small model builders shared by the tests (ir_version set on every model)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -676,6 +678,26 @@ def onnx_rotary(dt: int, form: str = "", heads: int = 3, head: int = 16, rot: in
 
 CAUSAL_HEADS, CAUSAL_HEAD = 2, 64  # causal_attention's heads and head size
 SLICED_MAX = 512  # the "sliced" form's buffer: the most positions (GPT-2's n_positions)
+
+
+def stacked_attention(dt: int, forms: Sequence[str], projected: bool = True) -> onnx.ModelProto:
+    """causal_attention blocks of `forms`, each one's output the next one's q (through a [hd, hd] MatMul where
+    `projected`, else directly: two attention patterns joined by layout ops alone); the later blocks' k, v and
+    masks are inputs of their own (prefixed "l1_", ...)."""
+    from onnx import compose
+    hd = CAUSAL_HEADS * CAUSAL_HEAD
+    m = causal_attention(dt, forms[0])
+    w = (np.random.default_rng(0).standard_normal((hd, hd)) / np.sqrt(hd)).astype(helper.tensor_dtype_to_np_dtype(dt))
+    for k, form in enumerate(forms[1:], 1):
+        out = m.graph.output[0].name
+        if projected:
+            proj = model([node("MatMul", ["y", "w"], ["q"])], [vi("y", dt, ["batch", "seq", hd])],
+                         [vi("q", dt, ["batch", "seq", hd])], [const("w", w, w.dtype)])
+            m = compose.merge_models(m, proj, io_map=[(out, "y")], prefix2=f"p{k}_")
+            out = f"p{k}_q"
+        m = compose.merge_models(m, causal_attention(dt, form), io_map=[(out, "q")], prefix2=f"l{k}_")
+    m.ir_version = 10
+    return m
 
 
 def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", kv_heads: int = CAUSAL_HEADS

@@ -430,3 +430,23 @@ def test_k_rope_outside_is_the_pattern_without_k_rotation():
     # a rotated K that is also returned (a KV cache's present key) is outside the pattern already
     g2, _ = fold_runtime_shapes(build_graph(rope_attention(TP.FLOAT16, k_out=True), {}))
     assert not k_rope_outside(g2)
+
+
+def test_attentions_joined_by_layout_ops_alone_stay_disjoint():
+    # one attention's output read as the next one's Q through Transpose/Reshape alone (no projection between):
+    # the second pattern's Q path would take the first one's output layout ops. Patterns are disjoint (a node
+    # is computed by one kernel), so the later one is refused with the shared node, and the model optimizes
+    # (it failed the plan's disjointness check) and matches ORT
+    from helpers import stacked_attention
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    from ortfuse.config import Options
+    m = stacked_attention(TP.FLOAT16, ["and", "and"], projected=False)
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,), ort_attention="off"))
+    found, rejects = find_attention(res.graph)  # (the optimizer's graph: its layout ops folded)
+    assert len(found) == 1 and any("shares" in r.reason and "with the attention at" in r.reason for r in rejects)
+    assert [r.kind for r in res.plan.regions].count("attention") == 1
+    shapes = {x: [2, 37, 128] for x in ("q", "k", "v", "l1_k", "l1_v")}
+    shapes.update(attention_mask=[2, 37], l1_attention_mask=[2, 37])
+    rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
+    assert rep.ok, "\n".join(rep.lines())

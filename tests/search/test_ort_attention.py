@@ -105,3 +105,15 @@ def test_bias_adds_taken_in_where_they_would_stay_ort_kernels():
     assert "Add" not in [n.op_type for n in res.model.graph.node]
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 9, 768)})
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_causal_and_sliding_window_layers_are_decided_apart():
+    # one MultiHeadAttention decision per kind of pattern (a model's layers are one kind), but where our kernel
+    # skips key tiles past a causal frontier a sliding window's layers cost it apart from the causal ones
+    # (Gemma 2's alternate layers): two decisions at 8192 tokens; with the frontier off, one
+    from helpers import stacked_attention
+    m = stacked_attention(TP.FLOAT16, ["and", "window"])
+    for frontier, kinds in ((True, 2), (False, 1)):
+        res = compile_model(m, None, "sm_90", options=Options(archs=(90,), key_frontier=frontier,
+                                                              dim_hints=(("seq", 8192),)))
+        assert len(res.ort_attention) == kinds, res.ort_attention
