@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -297,19 +298,42 @@ class _Analysis:
             return -hi, -lo
         if e.fn == "cast" and self.resolve(e.args[0]).ctype in (I64, I32) and max(-lo, hi) < 2 ** 24:
             return lo, hi  # an integer as a float, exactly
+        inner = self.resolve(e.args[0])
+        if e.fn in ("round_f16", "round_bf16") and isinstance(inner, ir.Op) and inner.fn == "cast" and \
+                self.resolve(inner.args[0]).ctype in (I64, I32) and max(-lo, hi) <= (2 ** 11 if e.fn == "round_f16" else 2 ** 8):
+            return lo, hi  # a small integer, exact in 16 bits
         return lo - abs(lo) * 2.0 ** -8, hi + abs(hi) * 2.0 ** -8  # a rounding moves a value by under 2^-8 of it
 
     def indicator(self, e: Expr) -> Optional[tuple[Expr, object, object]]:
-        """(c, value where c, value where not c) for Where(c, a, b) of constants or a bool cast to a number."""
+        """(c, value where c, value where not c) for Where(c, a, b) of constants or a bool cast to a number, and
+        for such an indicator plus, minus or times a finite constant ((1 - keep) * lowest, `~keep * -1e9`)."""
         e = self.resolve(e)
         if not isinstance(e, ir.Op):
             return None
         if e.fn == "cast" and self.resolve(e.args[0]).ctype == "bool":
             return e.args[0], 1, 0
+        if e.fn in ("round_f16", "round_bf16"):  # (a cast to a 16-bit type): its two values rounded
+            found = self.indicator(e.args[0])
+            if found is None or any(isinstance(v, bool) for v in found[1:]):
+                return None
+            dt = np.float16 if e.fn == "round_f16" else ml_dtypes.bfloat16
+            return found[0], float(dt(found[1])), float(dt(found[2]))
         if e.fn == "select":
             a, b = (self.resolve(x) for x in e.args[1:])
             if isinstance(a, ir.Const) and isinstance(b, ir.Const):
                 return e.args[0], a.value, b.value
+        if e.fn in ("add", "sub", "mul") and e.ctype == F32:
+            x, y = (self.resolve(a) for a in e.args)
+            for ind, k, left in ((x, y, True), (y, x, False)):
+                if not isinstance(k, ir.Const) or isinstance(k.value, bool) or not math.isfinite(float(k.value)):
+                    continue
+                found = self.indicator(ind)
+                if found is None or any(isinstance(v, bool) for v in found[1:]):
+                    continue
+                c, v = found[0], float(k.value)
+                op = {"add": lambda a: a + v, "mul": lambda a: a * v,
+                      "sub": (lambda a: a - v) if left else (lambda a: v - a)}[e.fn]
+                return c, op(float(found[1])), op(float(found[2]))
         return None
 
     def masked(self, e: Expr) -> Optional[_Masked]:
@@ -344,6 +368,9 @@ class _Analysis:
             return None if m is None else (m[0], m[1] * (1 - 2.0 ** (-9 if f == "round_bf16" else -12)))
         if f == "cast":
             return self.masked(args[0]) if e.ctype == F32 else None
+        ind = self.indicator(e) if f in ("add", "sub", "mul") else None
+        if ind is not None:  # a constant-built two-valued mask: as the select of its two values
+            return self.masked(ir.Op("select", (ind[0], ir.Const(ind[1], F32), ir.Const(ind[2], F32)), F32))
         if f in ("mul", "div"):
             x, y = (self.resolve(a) for a in args)
             if f == "mul" and isinstance(x, ir.Const):

@@ -546,6 +546,29 @@ def _merged_input_verdict(g: Graph, inputs: Sequence[str]) -> Optional[str]:
     return None
 
 
+def merged_verdict(g: Graph, nodes: Iterable[int], inputs: Sequence[str]) -> Optional[str]:
+    """`_merged_input_verdict`, and a tensor the region computes whose static dim may be a symbol shape
+    inference minted and merged into that size (`shapes.merge_tainted`: computed from where such a symbol
+    was minted): a broadcast of dims the tool could not compare (Min(256, s) against s) is 1 there at run
+    time, and a kernel built for the size would compute and write that many."""
+    from ortfuse.rewriter.shapes import merge_tainted, merged_sizes
+
+    why = _merged_input_verdict(g, inputs)
+    sizes = merged_sizes(g)
+    if why or not sizes:
+        return why
+    tainted = merge_tainted(g)
+    for i in sorted(nodes):
+        for t in g.nodes[i].output:
+            if not t or t not in g.tensors or (tainted is not None and t not in tainted):
+                continue
+            for axis, d in enumerate(g.tensors[t].shape or ()):
+                if d in sizes:
+                    return (f"'{t}' axis {axis}: shape inference took it for {d}, {MERGED_DIM} (it may be 1 at "
+                            f"run time): left to ORT")
+    return None
+
+
 def gated_reads(g: Graph, nodes: Iterable[int], anchor: int) -> Optional[tuple[onnx.NodeProto, onnx.NodeProto]]:
     """The Slices from column 0 and from column 1 where GEMM `anchor`'s [.., N] result is read in the region
     `nodes` by exactly these two Slices of its last axis, of step 2, and by nothing else (a gated MLP packed by
@@ -579,7 +602,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     inputs, outputs = region_io(g, nodes)
     if not outputs:
         return Reject(label, "computes nothing that is used")
-    why = _merged_input_verdict(g, inputs)
+    why = merged_verdict(g, nodes, inputs)
     if why:
         return Reject(label, why)
     if shape_reads(g, nodes, inputs) is None:

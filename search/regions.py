@@ -79,7 +79,7 @@ def attention_region(g: Graph, pat: AttentionPattern, check: Check) -> Region | 
         return Reject(g.node_label(pat.softmax), f"attention has outputs {outputs}, not just its result")
     shape = g.tensors[pat.output].shape
     r = Region(-1, "attention", pat.nodes, tuple(inputs), tuple(outputs), tuple(shape or ()), Traffic(0, 0, 0))
-    why = legal.host_verdict(g, r.inputs) or check(g, r)
+    why = legal.host_verdict(g, r.inputs) or legal.merged_verdict(g, pat.nodes, r.inputs) or check(g, r)
     if why:
         return Reject(g.node_label(pat.softmax), f"attention not lowered: {why}")
     return dataclasses.replace(r, traffic=traffic(g, r))

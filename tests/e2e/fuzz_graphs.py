@@ -926,3 +926,111 @@ def random_onnx_attention(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple]]
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
     model.ir_version = 10
     return model, shapes
+
+
+CAUSAL_FORMS = ("le", "ge", "not_gt", "lt", "trilu", "sliced", "window", "none")
+
+
+def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], dict]:
+    """(model, {input: shape}, {"past", "form", "value", "scale", "padding"}) of one attention block [n, s, 2 * head] whose mask the
+    graph builds as exporters do, for the causal-frontier analysis (customops/key_bound.py): query positions
+    Range(0, Sq) (after a past of P cached keys: plus P, read through Shape) against key positions Range(0, Sk),
+    compared one of several ways with a diagonal shift c (`CAUSAL_FORMS`: j <= i + c and its rewritings, a Trilu
+    of ones, GPT-2's buffer sliced at run time from Sk - Sq, a sliding window, or no causal rule), as int64 or
+    float positions; with a key-padding mask (bool, or int64 flags added as (1 - m) * low), a mask value from
+    -inf to one too shallow to hide a key (-100), applied by Where or added, and a positive scale after it.
+    Every row keeps a visible key (c >= 0, no padding under a window), so the kernels must match ORT exactly
+    whatever the analysis proves."""
+    rng = np.random.default_rng(seed)
+    dtype = TP.FLOAT16 if rng.random() < 0.6 else TP.FLOAT
+    npdt = helper.tensor_dtype_to_np_dtype(dtype)
+    heads, head = 2, 64 if dtype == TP.FLOAT16 else 32
+    hd = heads * head
+    form = str(rng.choice(CAUSAL_FORMS))
+    past = form not in ("trilu",) and rng.random() < 0.5
+    parts = _Parts(npdt)
+    const, add = parts.const, parts.add
+    i64 = np.int64
+    shp4 = const("shp4", [0, 0, heads, head], i64)
+    inputs = [helper.make_tensor_value_info(x, dtype, ["n", "s", hd]) for x in "qkv"]
+    qh, kn, vn = (add("Transpose", [add("Reshape", [x, shp4], [f"{x}4"])], [f"{x}h"], perm=[0, 2, 1, 3])
+                  for x in "qkv")
+    if past:
+        inputs += [helper.make_tensor_value_info(x, dtype, ["n", heads, "p", head]) for x in ("past_k", "past_v")]
+        kh, vh = (add("Concat", [p, x], [f"{x}c"], axis=2) for p, x in (("past_k", kn), ("past_v", vn)))
+    else:
+        kh, vh = kn, vn
+    s = add("Mul", [add("MatMul", [qh, add("Transpose", [kh], ["kt"], perm=[0, 1, 3, 2])], ["s0"]),
+                    const("scale", 1 / np.sqrt(head))], ["s1"])
+
+    def length(t: str, axis: int, name: str) -> str:  # a dim read through Shape + Gather (a scalar)
+        return add("Gather", [add("Shape", [t], [f"{name}_shape"]), const(f"{name}_ax", axis, i64)], [name], axis=0)
+
+    sq, sk = length(qh, 2, "sq"), length(kh, 2, "sk")
+    zero, one = const("zero", 0, i64), const("one", 1, i64)
+    qi = add("Range", [zero, sq, one], ["qi0"])
+    if past:
+        qi = add("Add", [qi, length("past_k", 2, "plen")], ["qi1"])
+    qi = add("Unsqueeze", [qi, const("ax1", [1], i64)], ["qi"])
+    kj = add("Unsqueeze", [add("Range", [zero, sk, one], ["kj0"]), const("ax0", [0], i64)], ["kj"])
+    if rng.random() < 0.3:  # float positions (compared after a Cast)
+        qi, kj = (add("Cast", [x], [f"{x}f"], to=TP.FLOAT) for x in (qi, kj))
+    pdt = np.float32 if qi.endswith("f") else i64
+    c = int(rng.integers(0, 4))
+    shifted = add("Add", [qi, const("c", c, pdt)], ["qic"])
+    keep = None
+    if form == "le":
+        keep = add("LessOrEqual", [kj, shifted], ["keep"])
+    elif form == "ge":
+        keep = add("GreaterOrEqual", [shifted, kj], ["keep"])
+    elif form == "not_gt":
+        keep = add("Not", [add("Greater", [kj, shifted], ["hide"])], ["keep"])
+    elif form == "lt":
+        keep = add("Less", [kj, add("Add", [shifted, const("c1", 1, pdt)], ["qic1"])], ["keep"])
+    elif form == "trilu":  # torch's is_causal: a Trilu of ones over [Sq, Sk]
+        hw = add("Concat", [add("Unsqueeze", [x, const(f"{x}_u", [0], i64)], [f"{x}1"]) for x in (sq, sk)], ["hw"], axis=0)
+        ones = add("ConstantOfShape", [hw], ["ones"], value=helper.make_tensor("v", TP.FLOAT, [1], [1.0]))
+        keep = add("Cast", [add("Trilu", [ones, const("tri_k", c, i64)], ["tri"], upper=0)], ["keep"], to=TP.BOOL)
+    elif form == "sliced":  # GPT-2's buffer: bias[:, :, Sk - Sq:Sk, :Sk]
+        buf = const("buf", np.tril(np.ones((256, 256), bool), c)[None, None], np.bool_)
+        start = add("Unsqueeze", [add("Sub", [sk, sq], ["off"]), const("u0", [0], i64)], ["off1"])
+        end = add("Unsqueeze", [sk, const("u1", [0], i64)], ["sk1"])
+        rows = add("Slice", [buf, start, end, const("a2", [2], i64)], ["rows"])
+        keep = add("Slice", [rows, const("z1", [0], i64), end, const("a3", [3], i64)], ["keep"])
+    elif form == "window":
+        w = int(rng.choice([5, 40, 64, 100]))
+        near = add("Greater", [kj, add("Sub", [qi, const("w", w, pdt)], ["qiw"])], ["near"])
+        keep = add("And", [add("LessOrEqual", [kj, shifted], ["before"]), near], ["keep"])
+    value = float(rng.choice([-np.inf, np.finfo(npdt).min, -1e4, -100.0] + ([-1e9] if dtype == TP.FLOAT else [])))
+    low = const("low", value, npdt)
+    padding = form != "window" and str(rng.choice(["none", "bool", "flags"]))
+    if padding in ("bool", "flags"):
+        inputs.append(helper.make_tensor_value_info("attention_mask", TP.INT64, ["n", "p + s" if past else "s"]))
+        am = add("Unsqueeze", ["attention_mask", const("ax12", [1, 2], i64)], ["am4"])
+    if padding == "bool":
+        pad = add("Cast", [am], ["pad"], to=TP.BOOL)
+        keep = pad if keep is None else add("And", [keep, pad], ["keep_pad"])
+    if keep is not None:
+        if value != -np.inf and rng.random() < 0.3:  # an indicator times the mask value, added
+            hide = add("Cast", [add("Not", [keep], ["nk"])], ["nkf"], to=dtype)
+            s = add("Add", [s, add("Mul", [hide, low], ["cb"])], ["s2"])
+        elif rng.random() < 0.5:
+            s = add("Where", [keep, s, low], ["s2"])
+        else:
+            s = add("Add", [s, add("Where", [keep, const("zf", 0.0), low], ["cb"])], ["s2"])
+    if padding == "flags":  # legacy exports: (1 - m) * low, added (at a finite low: 0 * -inf is NaN)
+        flags = add("Sub", [const("onef", 1.0), add("Cast", [am], ["amf"], to=dtype)], ["inv"])
+        flow = low if value != -np.inf else const("flow", np.finfo(npdt).min)
+        s = add("Add", [s, add("Mul", [flags, flow], ["pb"])], ["s3"])
+    scale = 0.5 if rng.random() < 0.3 else 1.0
+    if scale != 1.0:
+        s = add("Mul", [s, const("half", scale)], ["s4"])
+    o = add("MatMul", [add("Softmax", [s], ["p"], axis=-1), vh], ["o"])
+    add("Reshape", [add("Transpose", [o], ["o4"], perm=[0, 2, 1, 3]), const("shp3", [0, 0, hd], i64)], ["y"])
+    g = helper.make_graph(parts.nodes, f"mask{seed}", inputs, [helper.make_tensor_value_info("y", dtype, ["n", "s", hd])],
+                          parts.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = 9
+    onnx.checker.check_model(m)
+    shapes = {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}
+    return m, shapes, {"past": past, "form": form, "value": value, "scale": scale, "padding": padding}

@@ -6,8 +6,9 @@ every fourth lets fp32 GEMMs use tf32 and is checked at the tf32 tolerance). Ran
 run-time axis (`random_cache`) must join their kernels and match with the cached part empty; corrupted
 models (`corrupt`) must give our input errors, never a crash. CI runs fixed blocks of seeds;
 ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi, ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi,
-ORTFUSE_FUZZ_BF16_SEEDS=lo:hi and ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS=lo:hi (`random_onnx_attention`: ONNX's
-Attention and RotaryEmbedding, opset 23) run others. The fp16 graphs of the random-graph and attention seeds also run in
+ORTFUSE_FUZZ_BF16_SEEDS=lo:hi, ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS=lo:hi (`random_onnx_attention`: ONNX's
+Attention and RotaryEmbedding, opset 23) and ORTFUSE_FUZZ_MASK_SEEDS=lo:hi (`random_causal_mask`: causal masks
+built as exporters build them, for the key-tile skipping) run others. The fp16 graphs of the random-graph and attention seeds also run in
 bf16 (retyped), where every op has bf16 at the graph's opset.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2. Seeds whose graph has an image input
 and a Conv or window op (Pad, Resize, pools) also run with the image size declared symbolic. On a GPU the
@@ -20,7 +21,7 @@ import pytest
 
 from onnx import TensorProto as TP
 
-from fuzz_graphs import corrupt, random_attention, random_cache, random_model, symbolic_image
+from fuzz_graphs import corrupt, random_attention, random_cache, random_causal_mask, random_model, symbolic_image
 from ort_accepts import assert_ort_accepts
 from ortfuse.api import compile_model
 from ortfuse.bench.bf16 import retyped, without_bf16
@@ -28,11 +29,13 @@ from ortfuse.check import check_models
 from ortfuse.config import Options
 from ortfuse.errors import InputError, UnsupportedError
 from ortfuse.search.cost import CostModel
+from ortfuse.search.legal import MERGED_DIM
 
 _lo, _hi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_SEEDS", "0:24").split(":"))
 _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:8").split(":"))
 _clo, _chi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_CACHE_SEEDS", "0:12").split(":"))
 _blo, _bhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_BF16_SEEDS", "0:24").split(":"))
+_mlo, _mhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_MASK_SEEDS", "0:8").split(":"))
 # seeds with a Conv, and seeds campaigns found a bug with (1059: a size inference merged a symbolic dim into,
 # taken as a fact by a folded Reshape target and by ORT through a declared output shape)
 _image = [s for s in range(_lo, _hi) if symbolic_image(*random_model(s)) is not None] + \
@@ -148,6 +151,35 @@ def test_random_attention_matches_ort(seed: int, monkeypatch) -> None:
             bind = _bind(shapes, n, s)
             rep = check_models(m, out.model, emulate=True, input_shapes=bind, seed=seed)
             assert rep.ok, f"seed {seed}, {bind}\n" + "\n".join(rep.lines())
+
+
+# and seed 14: a padding mask And-ed with GPT-2's buffer sliced at run time, whose broadcast shape inference
+# could not compute (Min(256, s) against s): it minted the And's dims and merged one into the heads' 2 where
+# the mask met the scores, and kernels built for [n, 2, s, s] computed a [n, 1, s, s] mask twice (wrong
+# results until legal.merged_verdict)
+@pytest.mark.parametrize("seed", list(range(_mlo, _mhi)) + [s for s in (14,) if not _mlo <= s < _mhi])
+def test_random_causal_mask_matches_ort(seed: int, monkeypatch) -> None:
+    # the causal-frontier analysis (customops/key_bound.py) on masks built as exporters build them
+    # (`random_causal_mask`): the attention kernel skips the key tiles past what it proves, and must match ORT
+    # at bindings whose units span several key tiles. A causal rule whose mask value hides a key (1e4 deep or
+    # more after the scale) must be proved, so the skipping is what runs: all but the buffer sliced at run time,
+    # whose dims shape inference names Min(256, Sk) here (no position table bounds Sk: no kernel dim matches;
+    # GPT-2's own export is proved, tests/bench/test_coverage.py)
+    m, shapes, info = random_causal_mask(seed)
+    real = CostModel.verdict
+    monkeypatch.setattr(CostModel, "verdict", lambda cm, g, r: None if r.kind == "attention" else real(cm, g, r))
+    monkeypatch.setattr(CostModel, "attention_plan_verdict", lambda *_: None)
+    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="off"))
+    att = [k for k in res.kernels if k.region.kind == "attention"]
+    if not att:  # (the sliced buffer beside a padding mask: shape inference merged the broadcast's dims)
+        assert info["form"] == "sliced" and any(MERGED_DIM in r.reason for r in res.plan.refusals), info
+    proved = any(f.name == "S.key_end" for k in att for f in k.spec.kernel.funcs)
+    if info["form"] != "sliced":
+        assert proved == (info["form"] != "none" and info["value"] * info["scale"] <= -1e4), (info, proved)
+    for n, s, p in ((2, 130, 70), (1, 37, 5), (2, 1, 9)) if info["past"] else ((2, 130, 0), (1, 37, 0)):
+        bind = {x: tuple({"n": n, "s": s, "p": p, "p + s": p + s}.get(d, d) for d in dims) for x, dims in shapes.items()}
+        rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
+        assert rep.ok, f"seed {seed}, {info}, {bind}\n" + "\n".join(rep.lines())
 
 
 @pytest.mark.parametrize("seed", range(_lo, _hi + 16))
