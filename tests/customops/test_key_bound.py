@@ -24,6 +24,18 @@ def _bound(m: onnx.ModelProto):
     return key_bound(res.graph, p), res
 
 
+def _matches_ort(m: onnx.ModelProto, res, past: bool, bindings, kv_heads: int = HEADS) -> None:
+    """The optimized model against ORT CPU on the original, in emulation, at (batch, queries, past) bindings."""
+    from ortfuse.check import check_models
+    for b, s, p in bindings:
+        shapes = {"q": [b, s, HEADS * HEAD], "k": [b, s, kv_heads * HEAD], "v": [b, s, kv_heads * HEAD],
+                  "attention_mask": [b, s + p if past else s]}
+        if past:
+            shapes.update(past_k=[b, kv_heads, p, HEAD], past_v=[b, kv_heads, p, HEAD])
+        rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
+        assert rep.ok, "\n".join(rep.lines())
+
+
 @pytest.mark.parametrize("form,want", [("and", KeyBound(False, 0)), ("greater", KeyBound(False, 0)),
                                        ("shifted", KeyBound(False, 2)), ("window", KeyBound(False, 0, (False, -63))),
                                        ("trilu", KeyBound(False, 0)), ("min", KeyBound(False, 0)),
@@ -62,19 +74,12 @@ def test_a_triangle_sliced_at_run_time_is_its_rule_shifted(past: bool):
     # GPT-2's bias buffer before transformers 4.4x: a [1, 1, 512, 512] lower triangle sliced to rows Sk - Sq ..
     # Sk - 1 (starts computed from shapes at run time) and keys 0 .. Sk - 1: row i reads buffer row i + Sk - Sq,
     # so the frontier is bottom-right (top-left without a past, where Sk - Sq is 0)
-    from ortfuse.check import check_models
     m = causal_attention(TP.FLOAT16, "sliced", past)
     got, res = _bound(m)
     assert got == KeyBound(past, 0)
     src = next(k.compiled.source for k in res.kernels if k.region.kind == "attention")
     assert "key_end(" in src and ("(ask - asq)" in src) == past
-    for b, s, p in ((2, 130, 70), (1, 37, 5)):
-        shapes = {"q": [b, s, HEADS * HEAD], "k": [b, s, HEADS * HEAD], "v": [b, s, HEADS * HEAD],
-                  "attention_mask": [b, s + p if past else s]}
-        if past:
-            shapes.update(past_k=[b, HEADS, p, HEAD], past_v=[b, HEADS, p, HEAD])
-        rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
-        assert rep.ok, "\n".join(rep.lines())
+    _matches_ort(m, res, past, ((2, 130, 70), (1, 37, 5)))
 
 
 def test_a_run_time_start_that_may_be_negative_proves_nothing():
@@ -122,7 +127,6 @@ def test_skipping_kernels_match_ort(form: str, past: bool, dt: int):
     # the feeds pad the last quarter of the keys of every batch item but the first; 130 queries: three units
     # of 64 rows (the first visits one key tile of three, the second two); 37 rows after a past of 5; one row
     from ortfuse.api import compile_model
-    from ortfuse.check import check_models
     from ortfuse.config import Options
     m = causal_attention(dt, form, past)
     # (fp32 planned at 16 rows: at 64 and more its CUDA-core kernel loses to a row kernel + cuBLAS here)
@@ -130,13 +134,7 @@ def test_skipping_kernels_match_ort(form: str, past: bool, dt: int):
     res = compile_model(m, None, "sm_80,sm_90", options=Options(archs=(80, 90), ort_attention="off", dim_hints=hints))
     att = [k for k in res.kernels if k.region.kind == "attention"]
     assert att and "key_end(" in att[0].compiled.source
-    for b, s, p in ((2, 130, 70), (1, 37, 5), (2, 1, 9)):
-        shapes = {"q": [b, s, HEADS * HEAD], "k": [b, s, HEADS * HEAD], "v": [b, s, HEADS * HEAD],
-                  "attention_mask": [b, s + p if past else s]}
-        if past:
-            shapes.update(past_k=[b, HEADS, p, HEAD], past_v=[b, HEADS, p, HEAD])
-        rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
-        assert rep.ok, "\n".join(rep.lines())
+    _matches_ort(m, res, past, ((2, 130, 70), (1, 37, 5), (2, 1, 9)))
 
 
 @pytest.mark.parametrize("form,seq", [("and", 4096), ("and", 128), ("padding", 4096)])
@@ -176,9 +174,9 @@ def test_the_switch_keeps_every_tile(monkeypatch):
 def test_packed_query_heads_keep_the_frontier(form: str):
     # grouped-query heads (one K/V head for both query heads) after a past, planned for a generation step: the
     # heads are packed into one unit's rows and the kernel gets `S.group` with the frontier, so a step reads
-    # only the window's K and V tiles (2 of 4 at 200 cached keys); the estimate counts those tiles and bytes. The kernels match ORT at a step, a few queries and a prompt (units across both heads).
+    # only the window's K and V tiles (2 of 4 at 200 cached keys); the estimate counts those tiles and bytes.
+    # The kernels match ORT at a step, a few queries and a prompt (units across both heads).
     from ortfuse.api import compile_model, target_for
-    from ortfuse.check import check_models
     from ortfuse.config import Options
     from ortfuse.search.cost import CostModel, attention_geometry
     m = causal_attention(TP.FLOAT16, form, past=True, kv_heads=1)
@@ -196,11 +194,7 @@ def test_packed_query_heads_keep_the_frontier(form: str):
         (r,) = [r for r in long.plan.regions if r.kind == "attention"]
         on, off = (CostModel(target_for((90,), True, key_frontier=x)).attention_us(long.graph, r) for x in (1, 0))
         assert on < 0.5 * off, (on, off)
-    for b, s, p in ((2, 1, 200), (1, 3, 150), (2, 70, 100)):
-        shapes = {"q": [b, s, HEADS * HEAD], "k": [b, s, HEAD], "v": [b, s, HEAD], "attention_mask": [b, s + p],
-                  "past_k": [b, 1, p, HEAD], "past_v": [b, 1, p, HEAD]}
-        rep = check_models(m, res.model, emulate=True, input_shapes=shapes)
-        assert rep.ok, "\n".join(rep.lines())
+    _matches_ort(m, res, True, ((2, 1, 200), (1, 3, 150), (2, 70, 100)), kv_heads=1)
 
 
 def test_a_mask_keeps_its_depth_only_where_nothing_can_lift_it():

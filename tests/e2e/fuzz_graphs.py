@@ -932,15 +932,16 @@ CAUSAL_FORMS = ("le", "ge", "not_gt", "lt", "trilu", "sliced", "window", "none")
 
 
 def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], dict]:
-    """(model, {input: shape}, {"past", "form", "value", "scale", "padding"}) of one attention block [n, s, 2 * head] whose mask the
-    graph builds as exporters do, for the causal-frontier analysis (customops/key_bound.py): query positions
-    Range(0, Sq) (after a past of P cached keys: plus P, read through Shape) against key positions Range(0, Sk),
-    compared one of several ways with a diagonal shift c (`CAUSAL_FORMS`: j <= i + c and its rewritings, a Trilu
-    of ones, GPT-2's buffer sliced at run time from Sk - Sq, a sliding window, or no causal rule), as int64 or
-    float positions; with a key-padding mask (bool, or int64 flags added as (1 - m) * low), a mask value from
-    -inf to one too shallow to hide a key (-100), applied by Where or added, and a positive scale after it.
-    Every row keeps a visible key (c >= 0, no padding under a window), so the kernels must match ORT exactly
-    whatever the analysis proves."""
+    """(model, {input: shape}, {"past", "form", "value", "scale", "padding"}) of one attention block
+    [n, s, 2 * head] whose mask the graph builds as exporters do, for the causal-frontier analysis
+    (customops/key_bound.py): query positions Range(0, Sq) (after a past of P cached keys: plus P, read
+    through Shape) against key positions Range(0, Sk), compared one of several ways with a diagonal shift c
+    (`CAUSAL_FORMS`: j <= i + c and its rewritings, a Trilu of ones, GPT-2's buffer sliced at run time from
+    Sk - Sq, a sliding window, or no causal rule), as int64 or float positions; with a key-padding mask (bool,
+    or int64 flags added as (1 - m) * low), a mask value from -inf to one too shallow to hide a key (-100),
+    applied by Where or added (or an indicator times it), and a positive scale after it. Every row keeps a
+    visible key (c >= 0, no padding under a window), so the kernels must match ORT exactly whatever the
+    analysis proves."""
     rng = np.random.default_rng(seed)
     dtype = TP.FLOAT16 if rng.random() < 0.6 else TP.FLOAT
     npdt = helper.tensor_dtype_to_np_dtype(dtype)
@@ -988,7 +989,8 @@ def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], di
     elif form == "lt":
         keep = add("Less", [kj, add("Add", [shifted, const("c1", 1, pdt)], ["qic1"])], ["keep"])
     elif form == "trilu":  # torch's is_causal: a Trilu of ones over [Sq, Sk]
-        hw = add("Concat", [add("Unsqueeze", [x, const(f"{x}_u", [0], i64)], [f"{x}1"]) for x in (sq, sk)], ["hw"], axis=0)
+        hw = add("Concat", [add("Unsqueeze", [x, const(f"{x}_u", [0], i64)], [f"{x}1"]) for x in (sq, sk)], ["hw"],
+                 axis=0)
         ones = add("ConstantOfShape", [hw], ["ones"], value=helper.make_tensor("v", TP.FLOAT, [1], [1.0]))
         keep = add("Cast", [add("Trilu", [ones, const("tri_k", c, i64)], ["tri"], upper=0)], ["keep"], to=TP.BOOL)
     elif form == "sliced":  # GPT-2's buffer: bias[:, :, Sk - Sq:Sk, :Sk]
@@ -1027,8 +1029,8 @@ def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], di
         s = add("Mul", [s, const("half", scale)], ["s4"])
     o = add("MatMul", [add("Softmax", [s], ["p"], axis=-1), vh], ["o"])
     add("Reshape", [add("Transpose", [o], ["o4"], perm=[0, 2, 1, 3]), const("shp3", [0, 0, hd], i64)], ["y"])
-    g = helper.make_graph(parts.nodes, f"mask{seed}", inputs, [helper.make_tensor_value_info("y", dtype, ["n", "s", hd])],
-                          parts.inits)
+    g = helper.make_graph(parts.nodes, f"mask{seed}", inputs,
+                          [helper.make_tensor_value_info("y", dtype, ["n", "s", hd])], parts.inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
     m.ir_version = 9
     onnx.checker.check_model(m)

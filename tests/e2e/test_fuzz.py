@@ -8,8 +8,8 @@ models (`corrupt`) must give our input errors, never a crash. CI runs fixed bloc
 ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi, ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi,
 ORTFUSE_FUZZ_BF16_SEEDS=lo:hi, ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS=lo:hi (`random_onnx_attention`: ONNX's
 Attention and RotaryEmbedding, opset 23) and ORTFUSE_FUZZ_MASK_SEEDS=lo:hi (`random_causal_mask`: causal masks
-built as exporters build them, for the key-tile skipping) run others. The fp16 graphs of the random-graph and attention seeds also run in
-bf16 (retyped), where every op has bf16 at the graph's opset.
+built as exporters build them, for the key-tile skipping) run others. The fp16 graphs of the random-graph and
+attention seeds also run in bf16 (retyped), where every op has bf16 at the graph's opset.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2. Seeds whose graph has an image input
 and a Conv or window op (Pad, Resize, pools) also run with the image size declared symbolic. On a GPU the
 same models also run against stock ORT's CUDA EP."""
@@ -177,7 +177,8 @@ def test_random_causal_mask_matches_ort(seed: int, monkeypatch) -> None:
     if info["form"] != "sliced":
         assert proved == (info["form"] != "none" and info["value"] * info["scale"] <= -1e4), (info, proved)
     for n, s, p in ((2, 130, 70), (1, 37, 5), (2, 1, 9)) if info["past"] else ((2, 130, 0), (1, 37, 0)):
-        bind = {x: tuple({"n": n, "s": s, "p": p, "p + s": p + s}.get(d, d) for d in dims) for x, dims in shapes.items()}
+        at = {"n": n, "s": s, "p": p, "p + s": p + s}
+        bind = {x: tuple(at.get(d, d) for d in dims) for x, dims in shapes.items()}
         rep = check_models(m, res.model, emulate=True, input_shapes=bind, seed=seed)
         assert rep.ok, f"seed {seed}, {info}, {bind}\n" + "\n".join(rep.lines())
 
