@@ -65,9 +65,11 @@ def summary(r: OptimizeResult) -> str:
         note.append(f"rotated keys:         {outside} attention kernels read K rotated once before them (not on "
                     "every K tile they load)")
     frontier = sum(1 for k in r.kernels if any(f.name == "S.key_end" for f in k.spec.kernel.funcs))
+    window = sum(1 for k in r.kernels if any(f.name == "S.key_begin" for f in k.spec.kernel.funcs))
     if frontier:
         note.append(f"causal frontiers:     {frontier} attention kernels skip the key tiles past their query rows' "
-                    "diagonal (their mask hides every key there)")
+                    "diagonal (their mask hides every key there)"
+                    + (f"; {window} also those before a sliding window" if window else ""))
     folds = sum(1 for k in r.kernels if k.spec.ln_fold is not None)
     if folds:
         note.append(f"LayerNorm prologues:  {folds} LayerNorms folded into the GEMMs that read them (--ln-fold)")

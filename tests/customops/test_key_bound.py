@@ -50,6 +50,7 @@ def test_the_frontiers_exporters_write(form: str, want):
         assert ("key_begin(" in src) == (want.low is not None)
     from ortfuse.report import summary
     assert ("causal frontiers:     1 attention kernels skip" in summary(res)) == (want is not None)
+    assert ("1 also those before a sliding window" in summary(res)) == (want is not None and want.low is not None)
 
 
 def test_a_constant_lower_triangle_is_its_rule():
