@@ -18,6 +18,7 @@ way. Nothing found: no frontier, and the kernel visits every tile as before."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -140,11 +141,16 @@ def _name_form(name: str) -> _Lin:
         k, _, base = part.rpartition("*")
         if part.isdigit():
             const += int(part)
-        elif k.isdigit() and base and not base.isdigit():
+        elif k.isdigit() and _NAME.fullmatch(base):
             terms[base] = terms.get(base, 0) + int(k)
-        else:
+        elif _NAME.fullmatch(part):
             terms[part] = terms.get(part, 0) + 1
+        else:  # a difference, a product of names, a Min(...): the whole name is one unknown size
+            return _lin({name: 1}, 0)
     return _lin(terms, const)
+
+
+_NAME = re.compile(r"[A-Za-z_][^\s+\-*/(),]*")  # one symbol: no operators, not a number
 
 
 class _Analysis:
@@ -270,8 +276,9 @@ class _Analysis:
 
     def bounds(self, e: Expr) -> Optional[tuple[float, float]]:
         """(lowest, highest) of e built from constants (selects, sums, differences, products, negations,
-        roundings) and key-padding flags: an element of an integer graph input (kernel argument in `flags`)
-        is 0 or 1, as ORT's own attention fusions take attention_mask (legacy exports' (1 - m) * lowest)."""
+        roundings) and key-padding flags: an element of an integer graph input named a mask (kernel argument
+        in `flags`) is 0 or 1, as ORT's own attention fusions take attention_mask (legacy exports'
+        (1 - m) * lowest); other integer inputs (position ids, cache positions) are unknown."""
         e = self.resolve(e)
         if isinstance(e, ir.Const):
             v = e.value
@@ -296,7 +303,8 @@ class _Analysis:
         lo, hi = args[0]
         if e.fn == "neg":
             return -hi, -lo
-        if e.fn == "cast" and self.resolve(e.args[0]).ctype in (I64, I32) and max(-lo, hi) < 2 ** 24:
+        if e.fn == "cast" and e.ctype in (F32, I64, I32) and self.resolve(e.args[0]).ctype in (I64, I32) and \
+                max(-lo, hi) < 2 ** 24:
             return lo, hi  # an integer as a float, exactly
         inner = self.resolve(e.args[0])
         if e.fn in ("round_f16", "round_bf16") and isinstance(inner, ir.Op) and inner.fn == "cast" and \
@@ -330,10 +338,12 @@ class _Analysis:
                 found = self.indicator(ind)
                 if found is None or any(isinstance(v, bool) for v in found[1:]):
                     continue
-                c, v = found[0], float(k.value)
+                c, v = found[0], np.float32(k.value)
                 op = {"add": lambda a: a + v, "mul": lambda a: a * v,
                       "sub": (lambda a: a - v) if left else (lambda a: v - a)}[e.fn]
-                return c, op(float(found[1])), op(float(found[2]))
+                with np.errstate(all="ignore"):  # (in f32, as the kernel computes them)
+                    a, b = (float(op(np.float32(x))) for x in found[1:])
+                return (c, a, b) if math.isfinite(a) and math.isfinite(b) and a != b else None
         return None
 
     def masked(self, e: Expr) -> Optional[_Masked]:
@@ -351,6 +361,9 @@ class _Analysis:
             mx, my = self.masked(x), self.masked(y)
             return _first(_masked_both(mx, my, self.sign), _masked_under(self.condition(cond), my, self.sign),
                           _masked_under(self.condition(cond, True), mx, self.sign))
+        ind = self.indicator(e) if f in ("add", "sub", "mul") else None
+        if ind is not None:  # a constant-built two-valued mask: as the select of its two values
+            return self.masked(ir.Op("select", (ind[0], ir.Const(ind[1], F32), ir.Const(ind[2], F32)), F32))
         if f in ("add", "sub"):  # a masked operand plus (minus) one that cannot lift it back
             found = []
             for x, y, s in ((args[0], args[1], 1), (args[1], args[0], 1)) if f == "add" else ((*args, -1),):
@@ -368,9 +381,6 @@ class _Analysis:
             return None if m is None else (m[0], m[1] * (1 - 2.0 ** (-9 if f == "round_bf16" else -12)))
         if f == "cast":
             return self.masked(args[0]) if e.ctype == F32 else None
-        ind = self.indicator(e) if f in ("add", "sub", "mul") else None
-        if ind is not None:  # a constant-built two-valued mask: as the select of its two values
-            return self.masked(ir.Op("select", (ind[0], ir.Const(ind[1], F32), ir.Const(ind[2], F32)), F32))
         if f in ("mul", "div"):
             x, y = (self.resolve(a) for a in args)
             if f == "mul" and isinstance(x, ir.Const):
@@ -445,9 +455,11 @@ class _MaskLowerer(_Lowerer):
         sliced from Sk - Sq): each start (unit steps, constant axes) must be a form over dims that is never
         negative, so ORT reads from it unclamped wherever its output has the inferred length."""
         axes = self.g.constants.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-        steps = self.g.constants.get(node.input[4]) if len(node.input) > 4 and node.input[4] else None
-        if axes is None or (steps is not None and (np.asarray(steps) != 1).any()):
-            raise LoweringError(f"Slice '{node.name}': run-time starts with axes or steps that are not constant")
+        given = node.input[4] if len(node.input) > 4 else ""
+        steps = self.g.constants.get(given) if given else np.ones(1, np.int64)
+        if axes is None or steps is None or (np.asarray(steps) != 1).any():
+            raise LoweringError(f"Slice '{node.name}': run-time starts with axes or steps that are not constant "
+                                f"ones")
         out = list(idx)
         for k, a in enumerate(np.asarray(axes).reshape(-1).tolist()):
             start = self.value(node.input[1], (ir.i64(k),))
@@ -592,7 +604,7 @@ def _find(g: Graph, p: AttentionPattern) -> Optional[KeyBound]:
         return None
     defs = {s.var.name: s.value for s in f.body if isinstance(s, ir.Let)}
     flags = frozenset(k for k, t in enumerate(region.inputs) if t in g.graph_inputs and t not in g.constants
-                      and g.tensors[t].dtype in _FLAG_TYPES)
+                      and g.tensors[t].dtype in _FLAG_TYPES and "mask" in t.lower())
     sides = []
     for sign in (1, -1):
         m = _Analysis(defs, dims, sign, flags).masked(f.result)

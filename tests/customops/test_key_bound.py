@@ -240,3 +240,62 @@ def test_a_mask_keeps_its_depth_only_where_nothing_can_lift_it():
         m = kb._Analysis({}, {}, 1, frozenset({1})).masked(op("add", op("add", qk, where(causal, 0.0, -65504.0)), pad))
         return None if m is None else (m[0], m[1])
     assert legacy(1) == (c0, 65504.0) and legacy(2) is None
+
+
+def _edited(m: onnx.ModelProto, after: str, nodes, inits=(), inputs=()) -> onnx.ModelProto:
+    """m with `nodes` inserted after the node producing `after` (which they may rename), and more inputs."""
+    from onnx import numpy_helper
+    g = m.graph
+    at = next(k for k, n in enumerate(g.node) if after in n.output) + 1
+    for k, n in enumerate(nodes):
+        g.node.insert(at + k, n)
+    g.initializer.extend(numpy_helper.from_array(np.asarray(v, dtype=dt), name) for name, v, dt in inits)
+    g.input.extend(inputs)
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_what_must_prove_nothing():
+    # forms found unsound in review (session 45), each a frontier claimed where the model with legitimate
+    # inputs has a visible key past it:
+    from onnx import helper
+    # an integer input that is not a mask (position ids) lifting a finite mask: only inputs named masks are 0/1
+    # flags (with -inf nothing finite lifts it)
+    from onnx import numpy_helper
+    m = causal_attention(TP.FLOAT, "and")
+    next(t for t in m.graph.initializer if t.name == "low").CopyFrom(numpy_helper.from_array(np.float32(-1e5), "low"))
+    next(n for n in m.graph.node if n.output[0] == "s2").input[1] = "bias2"
+    m = _edited(m, "bias", [helper.make_node("Unsqueeze", ["position_ids", "ax12"], ["pos4"]),
+                            helper.make_node("Cast", ["pos4"], ["posf"], to=TP.FLOAT),
+                            helper.make_node("Mul", ["posf", "slope"], ["posb"]),
+                            helper.make_node("Add", ["bias", "posb"], ["bias2"])],
+                [("slope", 1000.0, np.float32)],
+                [helper.make_tensor_value_info("position_ids", TP.INT64, ["batch", "seq"])])
+    assert _bound(m)[0] is None
+    # steps computed at run time (-1: a reversed read of the keys), not unit steps
+    m = causal_attention(TP.FLOAT16, "and")
+    le = next(n for n in m.graph.node if n.op_type == "LessOrEqual")
+    le.input[:], le.output[:] = ["kj", "qit"], ["rev"]
+    m.graph.node.insert(list(m.graph.node).index(le), helper.make_node("Add", ["qi", "tlen"], ["qit"]))
+    m = _edited(m, "rev", [helper.make_node("Unsqueeze", ["tlen", "ax0"], ["tlen1"]),
+                           helper.make_node("Div", ["tlen1", "tlen1"], ["one_rt"]),
+                           helper.make_node("Sub", ["zero1", "one_rt"], ["step_rt"]),
+                           helper.make_node("Slice", ["rev", "tlen1", "imin", "ax1", "step_rt"], ["causal"])],
+                [("imin", [np.iinfo(np.int64).min], np.int64)])
+    assert _bound(m)[0] is None
+    # an indicator whose two values are one in f32: (j > i) + 1e8 == 1e8 holds everywhere
+    m = causal_attention(TP.FLOAT, "and")
+    le = next(n for n in m.graph.node if n.op_type == "LessOrEqual")
+    le.op_type, le.output[0] = "Greater", "hide"
+    m = _edited(m, "hide", [helper.make_node("Cast", ["hide"], ["hidef"], to=TP.FLOAT),
+                            helper.make_node("Add", ["hidef", "big"], ["ind"]),
+                            helper.make_node("Equal", ["ind", "big"], ["causal"])], [("big", 1e8, np.float32)])
+    assert _bound(m)[0] is None
+
+
+def test_dim_names_as_forms():
+    from ortfuse.customops.key_bound import _name_form
+    assert _name_form("past_sequence + sequence") == ((("past_sequence", 1), ("sequence", 1)), 0)
+    assert _name_form("2*s + 1") == ((("s", 2),), 1)
+    for opaque in ("-seq + total", "2*total - 1", "Min(256, s)", "s*t"):  # one unknown size each
+        assert _name_form(opaque) == (((opaque, 1),), 0)
