@@ -306,9 +306,9 @@ class _Analysis:
         if e.fn == "cast" and e.ctype in (F32, I64, I32) and self.resolve(e.args[0]).ctype in (I64, I32) and \
                 max(-lo, hi) < 2 ** 24:
             return lo, hi  # an integer as a float, exactly
-        inner = self.resolve(e.args[0])
+        inner, exact = self.resolve(e.args[0]), 2 ** 11 if e.fn == "round_f16" else 2 ** 8
         if e.fn in ("round_f16", "round_bf16") and isinstance(inner, ir.Op) and inner.fn == "cast" and \
-                self.resolve(inner.args[0]).ctype in (I64, I32) and max(-lo, hi) <= (2 ** 11 if e.fn == "round_f16" else 2 ** 8):
+                self.resolve(inner.args[0]).ctype in (I64, I32) and max(-lo, hi) <= exact:
             return lo, hi  # a small integer, exact in 16 bits
         return lo - abs(lo) * 2.0 ** -8, hi + abs(hi) * 2.0 ** -8  # a rounding moves a value by under 2^-8 of it
 
