@@ -932,14 +932,15 @@ CAUSAL_FORMS = ("le", "ge", "not_gt", "lt", "trilu", "sliced", "window", "none")
 
 
 def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], dict]:
-    """(model, {input: shape}, {"past", "form", "value", "scale", "padding"}) of one attention block
+    """(model, {input: shape}, {"past", "form", "value", "scale", "padding", "kv"}) of one attention block
     [n, s, 2 * head] whose mask the graph builds as exporters do, for the causal-frontier analysis
     (customops/key_bound.py): query positions Range(0, Sq) (after a past of P cached keys: plus P, read
     through Shape) against key positions Range(0, Sk), compared one of several ways with a diagonal shift c
     (`CAUSAL_FORMS`: j <= i + c and its rewritings, a Trilu of ones, GPT-2's buffer sliced at run time from
     Sk - Sq, a sliding window, or no causal rule), as int64 or float positions; with a key-padding mask (bool,
     or int64 flags added as (1 - m) * low), a mask value from -inf to one too shallow to hide a key (-100),
-    applied by Where or added (or an indicator times it), and a positive scale after it. Every row keeps a
+    applied by Where or added (or an indicator times it), and a positive scale after it; K and V of one head
+    for both query heads ("kv" 1: repeat_kv after the cache) for some seeds. Every row keeps a
     visible key (c >= 0, no padding under a window), so the kernels must match ORT exactly whatever the
     analysis proves."""
     rng = np.random.default_rng(seed)
@@ -949,18 +950,26 @@ def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], di
     hd = heads * head
     form = str(rng.choice(CAUSAL_FORMS))
     past = form not in ("trilu",) and rng.random() < 0.5
+    alt = np.random.default_rng(seed + 1_000_003)  # variations added later: older seeds keep their blocks
+    kv = 1 if alt.random() < 0.3 else heads  # one K/V head for both query heads (Llama's repeat_kv)
     parts = _Parts(npdt)
     const, add = parts.const, parts.add
     i64 = np.int64
     shp4 = const("shp4", [0, 0, heads, head], i64)
-    inputs = [helper.make_tensor_value_info(x, dtype, ["n", "s", hd]) for x in "qkv"]
-    qh, kn, vn = (add("Transpose", [add("Reshape", [x, shp4], [f"{x}4"])], [f"{x}h"], perm=[0, 2, 1, 3])
-                  for x in "qkv")
+    shp4kv = const("shp4kv", [0, 0, kv, head], i64)
+    inputs = [helper.make_tensor_value_info("q", dtype, ["n", "s", hd])] + \
+        [helper.make_tensor_value_info(x, dtype, ["n", "s", kv * head]) for x in "kv"]
+    qh, kn, vn = (add("Transpose", [add("Reshape", [x, shp4 if x == "q" else shp4kv], [f"{x}4"])], [f"{x}h"],
+                      perm=[0, 2, 1, 3]) for x in "qkv")
     if past:
-        inputs += [helper.make_tensor_value_info(x, dtype, ["n", heads, "p", head]) for x in ("past_k", "past_v")]
+        inputs += [helper.make_tensor_value_info(x, dtype, ["n", kv, "p", head]) for x in ("past_k", "past_v")]
         kh, vh = (add("Concat", [p, x], [f"{x}c"], axis=2) for p, x in (("past_k", kn), ("past_v", vn)))
     else:
         kh, vh = kn, vn
+    if kv != heads:  # repeat_kv after the cache: Unsqueeze, Expand, Reshape
+        kh, vh = (add("Reshape", [add("Expand", [add("Unsqueeze", [x, const(f"{x}_ax2", [2], i64)], [f"{x}5"]),
+                                                  const(f"{x}_rep", [1, 1, heads // kv, 1, 1], i64)], [f"{x}e"]),
+                                   const(f"{x}_shp", [0, heads, -1, head], i64)], [f"{x}r"]) for x in (kh, vh))
     s = add("Mul", [add("MatMul", [qh, add("Transpose", [kh], ["kt"], perm=[0, 1, 3, 2])], ["s0"]),
                     const("scale", 1 / np.sqrt(head))], ["s1"])
 
@@ -1035,4 +1044,4 @@ def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], di
     m.ir_version = 9
     onnx.checker.check_model(m)
     shapes = {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}
-    return m, shapes, {"past": past, "form": form, "value": value, "scale": scale, "padding": padding}
+    return m, shapes, {"past": past, "form": form, "value": value, "scale": scale, "padding": padding, "kv": kv}

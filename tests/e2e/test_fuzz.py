@@ -169,8 +169,14 @@ def test_random_causal_mask_matches_ort(seed: int, monkeypatch) -> None:
     real = CostModel.verdict
     monkeypatch.setattr(CostModel, "verdict", lambda cm, g, r: None if r.kind == "attention" else real(cm, g, r))
     monkeypatch.setattr(CostModel, "attention_plan_verdict", lambda *_: None)
-    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="off"))
+    # (one K/V head for both query heads: planned for a generation step, so the heads are packed, S.group)
+    hints = (("s", 1),) if info["kv"] == 1 else ()
+    res = compile_model(m, shapes, "sm_90", options=Options(archs=(90,), ort_attention="off", dim_hints=hints))
     att = [k for k in res.kernels if k.region.kind == "attention"]
+    if info["kv"] == 1 and att and (not info["past"] or info["padding"] in ("bool", "flags")):
+        # packed (after a past, where an input declares "p + s": the K path's repeat_kv Reshape rebuilds its
+        # target from declared dims only)
+        assert att[0].spec.units_ceil[0][0][1:] == (2,), att[0].spec.units_ceil
     if not att:  # (the sliced buffer beside a padding mask: shape inference merged the broadcast's dims)
         assert info["form"] == "sliced" and any(MERGED_DIM in r.reason for r in res.plan.refusals), info
     proved = any(f.name == "S.key_end" for k in att for f in k.spec.kernel.funcs)
