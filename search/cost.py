@@ -148,6 +148,7 @@ class AttentionGeometry:
     visible: float = 1.0  # the share of (unit, key tile) pairs the kernel visits (a causal frontier: key_bound)
     longest: int = 0  # the most key tiles one unit visits (0: every tile; fewer under a window or packed rows)
     reach: float = 1.0  # the share of a head's key tiles some unit visits (K's and V's DRAM reads: a window's)
+    kv_bytes: int = 0  # K's and V's bytes the region reads (each tensor once, as `traffic`; not one holding Q)
 
     @property
     def work(self) -> float:
@@ -195,8 +196,10 @@ def attention_geometry(g: Graph, region: Region, frontier: bool = True) -> Atten
     seen, key_tiles = [hi - lo for lo, hi in spans], -(-sk // bn)
     visible = sum(seen) / (len(seen) * key_tiles) if seen else 1.0
     reach = (max(hi for _, hi in spans) - min(lo for lo, _ in spans)) / key_tiles if spans else 1.0
+    members = [g.nodes[i] for i in region.nodes]
+    kv_bytes = sum(read_bytes(g, members, t) for t in {p.k, p.v} - {p.q})
     return AttentionGeometry(mma, d, dv, sk, bm, bn, units, key_tiles, pairs, visible, max(seen, default=0),
-                             min(1.0, reach))
+                             min(1.0, reach), kv_bytes)
 
 
 def bindings(g: Graph) -> tuple[tuple[str, Graph], ...]:
@@ -388,11 +391,8 @@ class CostModel:
         clk = tiles.attention_clocks(tgt, geo.mma, geo.units, geo.keys, geo.block_n,
                                      self._split(geo) if split is None else split, geo.work, geo.rope_pairs,
                                      geo.visible, geo.longest)
-        # (K and V outside every unit's tiles are never read: a window's far side in a generation step; each
-        # tensor once, as `traffic` counts it, and not one that holds Q too)
-        p, members = _attention_pattern(g, region), [g.nodes[i] for i in region.nodes]
-        unread = (1.0 - geo.reach) * sum(read_bytes(g, members, t) for t in {p.k, p.v} - {p.q})
-        dram = max(region.traffic.fused_bytes - unread, 0)
+        # (K and V outside every unit's tiles are never read: a window's far side in a generation step)
+        dram = max(region.traffic.fused_bytes - (1.0 - geo.reach) * geo.kv_bytes, 0)
         return max(self.time_us(dram, 1), tgt.launch_us + clk / (tgt.clock_ghz * 1e3))
 
     def mha_us(self, g: Graph, node: onnx.NodeProto) -> float:

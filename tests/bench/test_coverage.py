@@ -10,6 +10,12 @@ pytest.importorskip("transformers")
 from ortfuse.bench import coverage  # noqa: E402
 
 
+def _cells(out, name: str) -> list[str]:
+    """The cells of model `name`'s first row in the sweep's table at `out`."""
+    row = next(line for line in out.read_text().splitlines() if line.startswith(f"| {name} |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
 def test_one_architecture_end_to_end(tmp_path, capsys):
     out = tmp_path / "coverage.md"
     assert coverage.main(["--models", "distilbert", "--dtypes", "fp16", "bf16", "--out", str(out)]) == 0
@@ -34,8 +40,7 @@ def test_a_decoder_with_a_kv_cache(tmp_path):
     # of 8 at 8 new tokens and at one (a generation step)
     out = tmp_path / "coverage.md"
     assert coverage.main(["--models", "gpt2_past", "--dtypes", "fp16", "--out", str(out)]) == 0
-    row = [line for line in out.read_text().splitlines() if line.startswith("| gpt2_past")]
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    cells = _cells(out, "gpt2_past")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
 
 
@@ -44,8 +49,7 @@ def test_a_plain_pytorch_architecture(tmp_path):
     # the DFL head's Softmax over bins), its Conv + BatchNorm + SiLU layers our GEMM kernels
     out = tmp_path / "coverage.md"
     assert coverage.main(["--models", "yolo", "--dtypes", "fp16", "--out", str(out)]) == 0
-    row = [line for line in out.read_text().splitlines() if line.startswith("| yolo")]
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    cells = _cells(out, "yolo")
     assert cells[5] == "ok" and "gemm" in cells[2], cells
 
 
@@ -54,8 +58,7 @@ def test_a_model_orts_optimizer_fused_first(tmp_path):
     # written as standard ops and fused as in the raw export's row
     out = tmp_path / "coverage.md"
     assert coverage.main(["--models", "distilbert_ortopt", "--dtypes", "fp16", "--out", str(out)]) == 0
-    row = [line for line in out.read_text().splitlines() if line.startswith("| distilbert_ortopt")]
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    cells = _cells(out, "distilbert_ortopt")
     assert cells[5] == "ok" and "4 gemm" in cells[2] and cells[4] == "2 / 2", cells
 
 
@@ -105,8 +108,7 @@ def test_torch_export_of_a_decoder_with_a_kv_cache(tmp_path):
     pytest.importorskip("onnxscript")
     out = tmp_path / "coverage.md"
     assert coverage.main(["--models", "llama_past", "--exporter", "dynamo", "--dtypes", "fp32", "--out", str(out)]) == 0
-    row = [line for line in out.read_text().splitlines() if line.startswith("| llama_past")]
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    cells = _cells(out, "llama_past")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
 
 
@@ -139,8 +141,7 @@ def test_gpt2_as_it_was_exported_before_its_masking_utilities(tmp_path):
     from ortfuse.api import compile_model
     out = tmp_path / "coverage.md"
     assert coverage.main(["--models", "gpt2_legacy_past", "--dtypes", "fp16", "--out", str(out)]) == 0
-    row = [line for line in out.read_text().splitlines() if line.startswith("| gpt2_legacy_past")]
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    cells = _cells(out, "gpt2_legacy_past")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
     res = compile_model(coverage.export("gpt2_legacy_past", tmp_path, ("fp16",))["fp16"], None, "sm_90")
     srcs = [k.compiled.source for k in res.kernels if k.region.kind == "attention"]
