@@ -5,6 +5,7 @@ import re
 
 from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label, us_text
+from ortfuse.rewriter.ort_folding import folded_nodes
 from ortfuse.rewriter.shapes import merges_into_sizes
 from ortfuse.search import conv, legal, ops
 from ortfuse.search.attention import k_rope_outside, pattern_of
@@ -79,6 +80,10 @@ def summary(r: OptimizeResult) -> str:
         note.append(f"dependent launches:   {len(pdl)} kernels may start while the one before finishes (--pdl, sm_90+)"
                     + (f"; {fetch} prefetch their weights into L2 first" if fetch else ""))
     note += _merged_note(r)
+    left = len(folded_nodes(g))
+    if left:
+        note.append(f"constant cones:       {left} ops computed from constants alone left to ORT, which folds them "
+                    "when a session starts")
     return "\n".join(note + [
         f"regions fused:        {len(r.kernels)}" + (f" ({by_kind})" if by_kind else ""),
         f"ops absorbed:         {absorbed} (memory-bound ops fused: {r.memory_bound_fused}/{r.memory_bound_ops} = {pct:.0f}%)",

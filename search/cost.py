@@ -20,6 +20,7 @@ from ortfuse.rewriter.attrs import attr
 from ortfuse.rewriter.gemm_padding import padded_width
 from ortfuse.rewriter.graph import Graph, per_graph
 from ortfuse.rewriter.mha import is_mha
+from ortfuse.rewriter.ort_folding import folded_nodes
 from ortfuse.rewriter.shapes import THROUGHPUT_BATCH, hints_at_batch
 from ortfuse.search import compute, conv, legal, norm_fold, ops, pool
 from ortfuse.search.attention import AttentionPattern, pattern_of
@@ -318,14 +319,14 @@ class CostModel:
                    ) -> list[tuple[str, float, float]]:
         """(binding, plan's time, other's time) for two plans of the same graph, or `other` of `other_g` (the
         same function rewritten, with the same inputs): each region as ours_us, each node outside the regions
-        as ORT runs it (cuBLAS/cuDNN for an anchor, one kernel for any other op; the ops ORT aliases or runs
-        on the host cost nothing)."""
+        as ORT runs it (cuBLAS/cuDNN for an anchor, one kernel for any other op; the ops ORT aliases, runs
+        on the host or folds when a session starts cost nothing)."""
         og = g if other_g is None else other_g
         return [(where, self._plan_us(gb, g, plan), self._plan_us(ob, og, other))
                 for (where, gb), (_, ob) in zip(bindings(g), bindings(og))]
 
     def _plan_us(self, gb: Graph, g: Graph, plan: Plan) -> float:
-        inside = {i for r in plan.regions for i in r.nodes}
+        inside = {i for r in plan.regions for i in r.nodes} | folded_nodes(g)  # ORT folds those at start
         total = sum(self.ours_us(gb, _at(gb, r, g)) for r in plan.regions)
         for i, n in enumerate(g.nodes):
             if i in inside or n.op_type in ops.FREE_IN_ORT or n.op_type in _HOST_OPS:

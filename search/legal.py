@@ -9,6 +9,7 @@ import onnx
 
 from ortfuse.customops import scalar
 from ortfuse.rewriter import _proto
+from ortfuse.rewriter.ort_folding import folded_nodes
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
 from ortfuse.search import conv, norm_fold, ops, pad, pool, resize
 from ortfuse.search.plan import Region, Reject, Traffic
@@ -331,6 +332,15 @@ def host_verdict(g: Graph, inputs: tuple[str, ...] | list[str]) -> Optional[str]
     if _host_placed(g, list(inputs), host_tensors(g)):
         return ("shape arithmetic on host tensors (Shape/Size-derived): ORT's CUDA EP places it on the CPU, "
                 "where a fused node has no kernel")
+    return None
+
+
+def folded_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
+    """Why a region of these nodes must not be fused: ORT computes every one of them once, when a session
+    starts (constants alone feed them: `rewriter.ort_folding`), where a fused node, which ORT cannot fold,
+    would run them and all that follows on every call; or None."""
+    if set(nodes) <= folded_nodes(g):
+        return "computed from constants alone: ORT folds it when a session starts"
     return None
 
 
