@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import zlib
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -18,6 +19,7 @@ from ortfuse.bf16_shadow import Shadow, computes_in_bf16, shadow
 from ortfuse.errors import InputError, ParityError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter import _proto
+from ortfuse.rewriter.canonical import draws
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import save_model
 
@@ -59,13 +61,14 @@ class Diff:
 class CheckReport:
     model: tuple[Diff, ...]
     kernels: tuple[tuple[str, tuple[Diff, ...]], ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()  # how the comparison was set up, where that is not the plain run
 
     @property
     def ok(self) -> bool:
         return all(d.ok for d in self.model) and all(d.ok for _, ds in self.kernels for d in ds)
 
     def lines(self) -> list[str]:
-        out = ["whole model:"] + [f"  {d.line()}" for d in self.model]
+        out = [f"note: {n}" for n in self.notes] + ["whole model:"] + [f"  {d.line()}" for d in self.model]
         for node, diffs in self.kernels:
             out += [f"kernel {node}:"] + [f"  {d.line()}" for d in diffs]
         return out
@@ -170,6 +173,9 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     """Run both models on the same random inputs; with `emulate`, also run every fused kernel of
     `optimized` in CPU emulation on the real tensors it sees and compare with ORT's sub-graph."""
     src, opt = load_model(original), load_model(optimized)
+    (src, drawn), (opt, _) = _seeded(src), _seeded(opt)
+    notes = (f"random draws ({drawn}) given fixed seeds in both models, so that their outputs compare (each "
+             "session draws anew otherwise)",) if drawn else ()
     feeds = random_feeds(src, _with_pins(pinned_shapes(opt), input_shapes or {}), seed)
     fused = [n for n in opt.graph.node if n.domain == "ortfuse"]
     if provider == "cuda":
@@ -218,7 +224,33 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         from ortfuse.customops.emulate import compile_emulated_all
         compile_emulated_all(k.source for n in fused for k in read_launch(n).kernels())  # g++ in parallel
         kernels = tuple((n.name, _emulate_node(n, values, tol32, floors, bodies.get(n.op_type))) for n in fused)
-    return CheckReport(model_diffs, kernels)
+    return CheckReport(model_diffs, kernels, notes)
+
+
+def _seeded(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    """`model`, or a copy in which every node that draws random values without a seed has one, derived from its
+    first output's name (the same in the original and the optimized model, which never fuses a draw), and a
+    count of them by op ("1 RandomUniformLike"; empty where there are none). ORT seeds each such kernel once, so
+    two fresh sessions draw the same values."""
+    def unseeded(nodes: Sequence[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+        for n in nodes:
+            if draws(n.op_type) and n.domain in ("", "ai.onnx") and not any(a.name == "seed" for a in n.attribute) \
+                    and (n.op_type != "Dropout" or len(n.input) > 2 and bool(n.input[2])):  # draws in training
+                yield n
+            for sub in _proto._subgraphs(n):
+                yield from unseeded(sub.node)
+
+    bodies = lambda m: [m.graph.node, *(f.node for f in m.functions)]
+    if not any(True for nodes in bodies(model) for _ in unseeded(nodes)):
+        return model, ""
+    model = _proto.copy_model(model)
+    counts: dict[str, int] = {}
+    for nodes in bodies(model):
+        for n in list(unseeded(nodes)):
+            value = zlib.crc32(n.output[0].encode()) % (1 << 20)
+            n.attribute.append(onnx.helper.make_attribute("seed", value if n.op_type == "Dropout" else float(value)))
+            counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return model, ", ".join(f"{k} {op}" for op, k in sorted(counts.items()))
 
 
 def _judged_against_fp32(diffs: tuple[Diff, ...], src: onnx.ModelProto, feeds: Mapping[str, np.ndarray],

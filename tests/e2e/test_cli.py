@@ -13,6 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto as TP
 
+import helpers
 from helpers import model, node, vi, wrong_gelu
 from ortfuse.cli import main
 from ortfuse.demo import encoder
@@ -312,3 +313,30 @@ def test_a_dim_merged_into_a_size_says_how_to_fuse_what_it_left(tmp_path, capsys
     assert main(["optimize", str(src), str(tmp_path / "out.onnx"), "--input-shape", "x:2x16x8"]) == 0
     out = capsys.readouterr().out
     assert "merged dims" not in out and "regions fused:        1" in out
+
+
+def test_check_seeds_random_draws_so_outputs_compare(tmp_path, capsys):
+    # ViT-MAE's masking: noise drawn per call, its argsort choosing which rows go on; fused work after it.
+    # Unseeded, two sessions draw differently and no output compares; the check seeds both models alike
+    # (the input model is left as it was)
+    nodes = [node("RandomUniformLike", ["x"], ["noise"], dtype=TP.FLOAT),
+             node("ReduceSum", ["noise", "ax"], ["score"], keepdims=0),
+             node("TopK", ["score", "k"], ["v", "keep"], axis=1), node("Unsqueeze", ["keep", "ax"], ["idx"]),
+             node("Expand", ["idx", "shp"], ["idx2"]), node("GatherElements", ["x", "idx2"], ["g"], axis=1),
+             node("Mul", ["g", "g"], ["sq"]), node("Add", ["sq", "g"], ["h"]), node("Tanh", ["h"], ["y"])]
+    m = model(nodes, [vi("x", TP.FLOAT, [2, 6, 8])], [vi("y", TP.FLOAT, [2, 3, 8])],
+              [helpers.const("ax", [2], np.int64), helpers.const("k", [3], np.int64),
+               helpers.const("shp", [2, 3, 8], np.int64)])
+    src = _save(m, tmp_path / "mae.onnx")
+    before = src.read_bytes()
+    dst = tmp_path / "o.onnx"
+    assert main(["optimize", str(src), str(dst)]) == 0
+    capsys.readouterr()
+    assert main(["check", str(src), str(dst), "--emulate"]) == 0
+    out = capsys.readouterr().out
+    assert "parity PASS" in out and "random draws (1 RandomUniformLike) given fixed seeds" in out
+    assert src.read_bytes() == before
+    from ortfuse.check import _seeded
+    seeded, drawn = _seeded(m)
+    assert drawn == "1 RandomUniformLike" and not any(a.name == "seed" for a in m.graph.node[0].attribute)
+    assert _seeded(seeded) == (seeded, "")  # a seeded draw is left as it is
