@@ -35,7 +35,7 @@ from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
-from ortfuse.rewriter.ort_folding import folded_nodes
+from ortfuse.rewriter.ort_folding import left_folded
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.rewriter.weights import WeightStore, materialized
@@ -434,9 +434,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if opts.tf32:  # `ortfuse check` loosens the fp32 tolerance for such models
         onnx.helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, TF32_KEY: "1"})
     store.keep_only([out, graph.model])  # weights the rewrites replaced (the packed GEMMs' parts) go
-    folded = folded_nodes(graph)  # ORT computes those once, when a session starts
-    mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n) and i not in folded]
     fused = {i for k in kernels for i in k.region.nodes}
+    folded = left_folded(graph, fused)  # ORT computes those once, when a session starts
+    mb = [i for i, n in enumerate(graph.nodes) if _counts_as_memory_bound(n) and i not in folded]
     return OptimizeResult(out, graph, the_plan, tuple(kernels), len(graph.nodes), len(out.graph.node), len(mb),
                           sum(1 for i in mb if i in fused), len({e for k in kernels for e, _ in k.all_kernels()}),
                           sum(k.region.traffic.saved_bytes for k in kernels),

@@ -5,7 +5,7 @@ import re
 
 from ortfuse.api import OptimizeResult
 from ortfuse.profile import tile_label, us_text
-from ortfuse.rewriter.ort_folding import folded_nodes
+from ortfuse.rewriter.ort_folding import left_folded
 from ortfuse.rewriter.shapes import merges_into_sizes
 from ortfuse.search import conv, legal, ops
 from ortfuse.search.attention import k_rope_outside, pattern_of
@@ -80,7 +80,7 @@ def summary(r: OptimizeResult) -> str:
         note.append(f"dependent launches:   {len(pdl)} kernels may start while the one before finishes (--pdl, sm_90+)"
                     + (f"; {fetch} prefetch their weights into L2 first" if fetch else ""))
     note += _merged_note(r)
-    left = len(folded_nodes(g))
+    left = len(left_folded(g, {i for k in r.kernels for i in k.region.nodes}))
     if left:
         note.append(f"constant cones:       {left} ops computed from constants alone left to ORT, which folds them "
                     "when a session starts")

@@ -100,18 +100,18 @@ def record_merges(model: onnx.ModelProto, merges: dict) -> None:
     if merges:
         model.metadata_props.add(key=MERGES_KEY, value=json.dumps({str(k): v for k, v in merges.items()}))
         minted = {}
-        for sym in merges:
-            found = MINTED.fullmatch(str(sym))
-            if found:
+        for sym in merges:  # a minted symbol, or each one in an expression (Min(8, Reshape_340_o0__d1))
+            for found in MINTED.finditer(str(sym)):
                 i, k = int(found.group(2)), int(found.group(3))
                 n = model.graph.node[i] if i < len(model.graph.node) else None
                 ok = n is not None and n.op_type == found.group(1) and k < len(n.output)
-                minted[str(sym)] = n.output[k] if ok else ""
+                minted[found.group(0)] = n.output[k] if ok else ""
         model.metadata_props.add(key=MINTED_KEY, value=json.dumps(minted))
 
 
 def minted_by(model: onnx.ModelProto) -> dict:
-    """{merged minted symbol: the tensor it was minted for, or ""} as `record_merges` noted it."""
+    """{merged minted symbol, or one in a merged expression: the tensor it was minted for, or ""} as
+    `record_merges` noted it."""
     return next((json.loads(p.value) for p in model.metadata_props if p.key == MINTED_KEY), {})
 
 

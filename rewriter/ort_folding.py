@@ -5,40 +5,53 @@ each layer's [heads, S, S]) stay nodes, and ORT folds them in memory. A fused no
 cannot fold a custom op, nor anything after it, so they would run on every call.
 
 ORT folds a node when its inputs are all initializers (not ones a user may feed) or folded, it draws no random
-value, has no subgraph, is not a graph output, is not a DequantizeLinear (kept for its quantized kernels), and
-its CPU EP has a kernel for it: an fp16 Gemm or Exp, a bf16 anything, stays a node that runs on each call.
-That last condition is only ORT's to know, so ORT is asked: the candidate nodes, with the constants they read,
-as a model of their own that ORT optimizes at its basic level (where its folding runs), each candidate tensor
-read by a Concat with a graph input (which ORT cannot fold); the tensors that come out as initializers are the
-folded ones."""
+value, has no subgraph, is not a DequantizeLinear (kept for its quantized kernels), and its CPU EP has a kernel
+for it: an fp16 Gemm or Exp, a bf16 Exp, stays a node that runs on every call. That last condition is only
+ORT's to know, so ORT is asked: the candidate nodes, with the constants they read, as a model of their own
+that ORT optimizes at its basic level (where its folding runs), each candidate tensor read by a Concat with a
+graph input (which ORT cannot fold); the tensors the Concats then read as initializers are the folded ones.
+Copies (Transpose, Reshape, Gather, ...) of the common element types fold without asking: the CPU EP has them
+for every such type. Should ORT refuse the probe, each connected group is asked alone; a group ORT still
+refuses, or one reading more than MAX_PROBE_BYTES of constants, counts as not folded (the fusing stays as it
+was before this module)."""
 from __future__ import annotations
 
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import onnx
+from onnx import TensorProto as TP
 from onnx import numpy_helper
 
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.canonical import draws
 from ortfuse.rewriter.graph import Graph, per_graph
 
-_KEPT = frozenset({"DequantizeLinear"})  # ORT's folding skips them unless QDQ handling is off
+MAX_PROBE_BYTES = 1 << 28  # constants one probe may copy into its model (a group reading more is not asked)
+_COPIES = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Gather", "Concat",
+                     "Slice"})
+_COMMON = frozenset({TP.FLOAT, TP.DOUBLE, TP.FLOAT16, TP.BFLOAT16, TP.INT8, TP.INT16, TP.INT32, TP.INT64, TP.UINT8,
+                     TP.UINT16, TP.UINT32, TP.UINT64, TP.BOOL})
+_ANSWERS: OrderedDict[bytes, frozenset[str]] = OrderedDict()  # probe model -> its folded tensors (the search
+# plans several graphs of one model: layouts, packings, attention choices; their constant cones are the same)
 
 
 @per_graph
 def fold_candidates(g: Graph) -> tuple[int, ...]:
-    """Nodes (topological order) whose inputs are all fixed constants or outputs of such nodes: what ORT's
-    folding may compute, before asking whether its CPU EP has their kernels."""
+    """Nodes (topological order) of the default domain whose inputs are all fixed constants or outputs of such
+    nodes: what ORT's folding may compute, before asking whether its CPU EP has their kernels."""
+    overridable = g.fed if g.model.ir_version >= 4 else (lambda _: False)  # IR 3: initializers are inputs too
     made: set[str] = set()
     nodes: list[int] = []
     for i, n in enumerate(g.nodes):
         outs = [o for o in n.output if o]
         ins = [x for x in n.input if x]
-        if not outs or not ins or n.op_type in _KEPT or draws(n.op_type) or _proto.has_subgraph(n) \
-                or any(o in g.graph_outputs or o not in g.tensors for o in outs) \
-                or not all(x in made or (x in g.constants and not g.fed(x)) for x in ins):
+        if n.domain not in ("", "ai.onnx") or not outs or not ins or draws(n.op_type) or _proto.has_subgraph(n) \
+                or any(o not in g.tensors for o in outs) \
+                or not all(x in made or (x in g.constants and not overridable(x)) for x in ins):
             continue
         nodes.append(i)
         made.update(outs)
@@ -47,10 +60,22 @@ def fold_candidates(g: Graph) -> tuple[int, ...]:
 
 @per_graph
 def ort_folded(g: Graph) -> frozenset[str]:
-    """Tensors ORT's constant folding makes initializers when a session starts (empty where ORT refuses the
-    probe: nothing is assumed folded then)."""
-    candidates = fold_candidates(g)
-    return _probe(g, candidates) if candidates else frozenset()
+    """Tensors ORT's constant folding makes initializers when a session starts."""
+    groups = _groups(g, fold_candidates(g))
+    done: set[str] = set()
+    asked: list[list[int]] = []
+    for group in groups:
+        if all(_copies(g, g.nodes[i]) for i in group):
+            done.update(o for i in group for o in g.nodes[i].output if o)
+        elif _leaf_bytes(g, group) <= MAX_PROBE_BYTES:
+            asked.append(group)
+    if asked:
+        together = _ask(g, [i for group in asked for i in group]) \
+            if _leaf_bytes(g, [i for group in asked for i in group]) <= MAX_PROBE_BYTES else None
+        for group in asked if together is None else ():
+            done.update(_ask(g, group) or ())
+        done.update(together or ())
+    return frozenset(done)
 
 
 @per_graph
@@ -62,45 +87,88 @@ def folded_nodes(g: Graph) -> frozenset[int]:
     return frozenset(i for i in fold_candidates(g) if all(o in done for o in g.nodes[i].output if o))
 
 
-def _probe(g: Graph, candidates: tuple[int, ...]) -> frozenset[str]:
+def left_folded(g: Graph, fused: set[int] | frozenset[int]) -> frozenset[int]:
+    """The folded nodes outside the `fused` ones: what ORT folds in the output model (a region never cuts a
+    folded chain: `search.legal.folded_verdict`)."""
+    return folded_nodes(g) - frozenset(fused)
+
+
+def _copies(g: Graph, n: onnx.NodeProto) -> bool:
+    return n.op_type in _COPIES and all(g.tensors[t].dtype in _COMMON for t in [*n.input, *n.output] if t)
+
+
+def _groups(g: Graph, candidates: Sequence[int]) -> list[list[int]]:
+    """The candidates in connected groups (joined by the tensors they make), each in topological order."""
+    group_of: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    producer = {o: i for i in candidates for o in g.nodes[i].output if o}
+    for i in candidates:
+        joined = {group_of[producer[x]] for x in g.nodes[i].input if x in producer}
+        root = min(joined) if joined else i
+        members.setdefault(root, [])
+        for other in joined - {root}:
+            for j in members.pop(other):
+                group_of[j] = root
+                members[root].append(j)
+        members[root].append(i)
+        group_of[i] = root
+    return [sorted(m) for m in members.values()]
+
+
+def _leaf_bytes(g: Graph, nodes: Sequence[int]) -> int:
+    made = {o for i in nodes for o in g.nodes[i].output if o}
+    leaves = {x for i in nodes for x in g.nodes[i].input if x and x not in made}
+    return sum(_proto.dims_bytes(g.tensors[x].dtype, g.tensors[x].shape) or 0
+               if x in g.tensors and g.tensors[x].is_static else 0 for x in leaves)
+
+
+def _ask(g: Graph, indices: Sequence[int]) -> frozenset[str] | None:
+    """What ORT folds of these nodes, or None where it refuses the probe model (cached by that model's
+    structure: node wiring, attributes and the constants' types and shapes, not their values)."""
     import onnxruntime as ort
 
-    nodes = [g.nodes[i] for i in candidates]
+    nodes = [g.nodes[i] for i in indices]
     made = {o for n in nodes for o in n.output if o}
     leaves = sorted({x for n in nodes for x in n.input if x and x not in made})
     probe_nodes: list[onnx.NodeProto] = []
-    inits_extra: list[onnx.TensorProto] = []
     for k, n in enumerate(nodes):
         c = onnx.NodeProto()
         c.CopyFrom(n)
-        c.name = f"n{k}"
+        c.name = f"ortfuse_probe_n{k}"
         probe_nodes.append(c)
-    inputs, outputs = [], []
+    inputs, outputs, extra = [], [], []
     watched: dict[str, str] = {}  # the Concat reading a candidate tensor -> that tensor
     for k, t in enumerate(sorted(made)):
-        shape = g.tensors[t].shape
-        if shape is None:
-            continue  # rank unknown: no Concat to write; the tensor counts as not folded
+        info = g.tensors[t]
+        if info.shape is None or info.dtype not in _COMMON:
+            continue  # no Concat to write (rank unknown, a type Concat lacks): the tensor counts as not folded
         read = t
-        if not shape:  # Concat needs rank 1: an Unsqueeze, which folds with it
-            read = f"probe_u{k}"
+        if not info.shape:  # Concat needs rank 1: an Unsqueeze, which folds with it
+            read = f"ortfuse_probe_u{k}"
             if g.opset >= 13:
-                axes = f"probe_axes{k}"
-                inits_extra.append(numpy_helper.from_array(np.asarray([0], dtype=np.int64), axes))
-                probe_nodes.append(onnx.helper.make_node("Unsqueeze", [t, axes], [read], name=f"u{k}"))
+                extra.append(numpy_helper.from_array(np.asarray([0], np.int64), f"ortfuse_probe_axes{k}"))
+                probe_nodes.append(onnx.helper.make_node("Unsqueeze", [t, f"ortfuse_probe_axes{k}"], [read]))
             else:
-                probe_nodes.append(onnx.helper.make_node("Unsqueeze", [t], [read], name=f"u{k}", axes=[0]))
-        fed, out = f"probe_in{k}", f"probe_out{k}"
-        dtype = g.tensors[t].dtype
-        inputs.append(onnx.helper.make_tensor_value_info(fed, dtype, [f"d{k}_{a}" for a in range(max(len(shape), 1))]))
-        outputs.append(onnx.helper.make_tensor_value_info(out, dtype, None))
-        probe_nodes.append(onnx.helper.make_node("Concat", [read, fed], [out], name=f"c{k}", axis=0))
-        watched[f"c{k}"] = t
-    inits = [numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in leaves] + inits_extra
-    graph = onnx.helper.make_graph(probe_nodes, "ort_folding_probe", inputs, outputs, inits)
+                probe_nodes.append(onnx.helper.make_node("Unsqueeze", [t], [read], axes=[0]))
+        fed, out, name = f"ortfuse_probe_in{k}", f"ortfuse_probe_out{k}", f"ortfuse_probe_c{k}"
+        dims = [f"ortfuse_probe_d{k}_{a}" for a in range(max(len(info.shape), 1))]
+        inputs.append(onnx.helper.make_tensor_value_info(fed, info.dtype, dims))
+        outputs.append(onnx.helper.make_tensor_value_info(out, info.dtype, None))
+        probe_nodes.append(onnx.helper.make_node("Concat", [read, fed], [out], name=name, axis=0))
+        watched[name] = t
+    if not watched:
+        return frozenset()
     opsets = [o for o in g.model.opset_import if o.domain in ("", "ai.onnx")] or \
         [onnx.helper.make_opsetid("", g.opset)]
-    m = onnx.helper.make_model(graph, opset_imports=opsets)
+    shape_only = [onnx.helper.make_tensor_value_info(x, g.tensors[x].dtype, g.tensors[x].shape) for x in leaves]
+    key = onnx.helper.make_model(onnx.helper.make_graph(probe_nodes, "p", inputs + shape_only, outputs),
+                                 opset_imports=opsets).SerializeToString()
+    if key in _ANSWERS:
+        _ANSWERS.move_to_end(key)
+        return _ANSWERS[key]
+    inits = [numpy_helper.from_array(np.asarray(g.constants[x]), x) for x in leaves] + extra
+    m = onnx.helper.make_model(onnx.helper.make_graph(probe_nodes, "ortfuse_folding_probe", inputs, outputs, inits),
+                               opset_imports=opsets)
     m.ir_version = _proto.MAX_IR_VERSION
     with tempfile.TemporaryDirectory(prefix="ortfuse-fold-") as tmp:
         so = ort.SessionOptions()
@@ -111,10 +179,14 @@ def _probe(g: Graph, candidates: tuple[int, ...]) -> frozenset[str]:
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         try:
             ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-            out = onnx.load(so.optimized_model_filepath, load_external_data=False)
-        except Exception:  # noqa: BLE001 -- ORT refused the probe (a kernel it lacks): assume nothing folds
-            return frozenset()
-    # a folded tensor is an initializer the Concat reads (by another name where ORT eliminated its node:
-    # an Identity, an Unsqueeze of an initializer)
-    constant = {t.name for t in out.graph.initializer}
-    return frozenset(watched[n.name] for n in out.graph.node if n.name in watched and n.input[0] in constant)
+            optimized = onnx.load(so.optimized_model_filepath, load_external_data=False)
+        except Exception:  # noqa: BLE001 -- ORT refused the probe (a kernel it lacks, a type): not an answer
+            return None
+    # a folded tensor is an initializer the Concat reads (by another name where ORT eliminated its node: an
+    # Identity, an Unsqueeze of an initializer)
+    constant = {t.name for t in optimized.graph.initializer}
+    answer = frozenset(watched[n.name] for n in optimized.graph.node if n.name in watched and n.input[0] in constant)
+    _ANSWERS[key] = answer
+    if len(_ANSWERS) > 32:
+        _ANSWERS.popitem(last=False)
+    return answer

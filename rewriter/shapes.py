@@ -104,10 +104,15 @@ def merges_into_sizes(g: Graph) -> dict[str, int]:
     return out
 
 
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_EXPRESSION_FUNCTIONS = frozenset({"Min", "Max", "floor", "ceiling", "Mod", "Abs"})  # sympy's, in inferred dims
+
+
 @per_graph
 def merge_tainted(g: Graph) -> frozenset[str] | None:
     """Tensors whose shape may carry a size a symbolic dim was merged into (`merged_sizes`): the outputs of the
-    nodes that minted such a symbol, graph inputs declaring one, and everything computed from them. A tensor
+    nodes that minted such a symbol (or a symbol in such an expression: SAM's window un-partition slices a padded
+    tensor to Min(8, minted)), graph inputs declaring one, and everything computed from them. A tensor
     outside this set has its static dims from inference without that merge (MobileViT's conv outputs, static
     from the image size, though other tensors' merged symbols took the same sizes). None where a merged
     symbol is neither (then every tensor is suspect)."""
@@ -118,12 +123,15 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
         for d in {x.dim_param for x in _dims_of(vi) or [] if x.dim_param}:
             declared.setdefault(d, []).append(vi.name)
     for sym in merges_into_sizes(g):
-        if minted.get(sym) and minted[sym] in g.tensors:
-            seeds.add(minted[sym])
-        elif sym in declared:
-            seeds.update(declared[sym])
-        else:
-            return None  # minted for a tensor the folds removed, or of no known origin
+        for name in [sym] if sym in minted or sym in declared else _SYMBOL.findall(sym):  # an expression's names
+            if name in _EXPRESSION_FUNCTIONS:
+                continue
+            if minted.get(name) and minted[name] in g.tensors:
+                seeds.add(minted[name])
+            elif name in declared:
+                seeds.update(declared[name])
+            else:
+                return None  # minted for a tensor the folds removed, or of no known origin
     tainted, stack = set(seeds), list(seeds)
     while stack:
         for c in g.consumers.get(stack.pop(), ()):

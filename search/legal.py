@@ -335,12 +335,22 @@ def host_verdict(g: Graph, inputs: tuple[str, ...] | list[str]) -> Optional[str]
     return None
 
 
-def folded_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
-    """Why a region of these nodes must not be fused: ORT computes every one of them once, when a session
-    starts (constants alone feed them: `rewriter.ort_folding`), where a fused node, which ORT cannot fold,
-    would run them and all that follows on every call; or None."""
-    if set(nodes) <= folded_nodes(g):
+def folded_verdict(g: Graph, nodes: Iterable[int], outputs: Iterable[str]) -> Optional[str]:
+    """Why a region of these nodes must not be fused, as ORT's constant folding would compute them once, when
+    a session starts (`rewriter.ort_folding`), where a fused node, which ORT cannot fold, runs on every call
+    and keeps ORT from folding what reads it; or None. Refused: a region whose every node ORT folds, and one
+    whose output a node ORT folds reads (a region may compute through folded nodes where only run-time work
+    reads them: a Transpose or a broadcast of a constant costs it no more than reading the folded tensor)."""
+    folded = folded_nodes(g)
+    if not folded:
+        return None
+    inside = set(nodes)
+    if inside <= folded:
         return "computed from constants alone: ORT folds it when a session starts"
+    for t in outputs:
+        reader = next((c for c in g.consumers.get(t, ()) if c in folded and c not in inside), None)
+        if reader is not None:
+            return f"{g.node_label(reader)}, which ORT folds when a session starts, reads its output '{t}'"
     return None
 
 

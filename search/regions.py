@@ -68,7 +68,7 @@ def _candidate(g: Graph, nodes: set[int], check: Check) -> Region | Reject:
     r = legal.classify(g, nodes)
     if isinstance(r, Reject):
         return r
-    why = legal.host_verdict(g, r.inputs) or legal.folded_verdict(g, nodes) or check(g, r)
+    why = legal.host_verdict(g, r.inputs) or legal.folded_verdict(g, nodes, r.outputs) or check(g, r)
     return Reject(f"region at {g.node_label(min(nodes))}", why) if why else r
 
 

@@ -684,6 +684,35 @@ def test_a_merge_taints_only_what_is_computed_from_where_it_happened():
     assert ranges["ry"].input[1] in g2.constants and ranges["rw"].input[1] not in g2.constants
 
 
+def test_a_merged_expression_taints_what_is_computed_from_its_minted_symbols():
+    # SAM's window un-partition: a tensor of minted dims (a Reshape through a Ceil) sliced to its first 8 has
+    # 'Min(8, minted)' there, which an Add with a [1, 8] constant merges into 8. Only what is computed from the
+    # Reshape is suspect; before, any merged expression made every tensor so, and SAM kept all its shape
+    # arithmetic (and its attention) from the search
+    from ortfuse.rewriter.shapes import merge_tainted, merges_into_sizes
+
+    nodes = [node("Relu", ["x"], ["y"]), node("Shape", ["x"], ["s"]), node("Gather", ["s", "i0"], ["b"], axis=0),
+             node("Cast", ["b"], ["bf"], to=TP.FLOAT), node("Ceil", ["bf"], ["bc"]),
+             node("Cast", ["bc"], ["bi"], to=TP.INT64), node("Unsqueeze", ["bi", "ax"], ["b1"]),
+             node("Concat", ["b1", "e8"], ["shp"], axis=0), node("Reshape", ["x", "shp"], ["z"]),
+             node("Slice", ["z", "s0", "e8", "ax1"], ["zs"]), node("Add", ["zs", "c"], ["w"]),
+             node("Shape", ["y"], ["sy"]), node("Gather", ["sy", "i1"], ["ny"], axis=0),
+             node("Shape", ["w"], ["sw"]), node("Gather", ["sw", "i1"], ["nw"], axis=0),
+             node("Range", ["zero", "ny", "one"], ["ry"]), node("Range", ["zero", "nw", "one"], ["rw"])]
+    inits = [const("i0", 0, np.int64), const("i1", 1, np.int64), const("ax", [0], np.int64),
+             const("ax1", [1], np.int64), const("s0", [0], np.int64), const("e8", [8], np.int64),
+             const("c", np.ones((1, 8))), const("zero", 0, np.int64), const("one", 1, np.int64)]
+    outs = [vi("w", TP.FLOAT, None), vi("ry", TP.INT64, None), vi("rw", TP.INT64, None)]
+    g = build_graph(model(nodes, [vi("x", TP.FLOAT, ["batch", 8])], outs, inits), {})
+    merged = merges_into_sizes(g)
+    assert list(merged.values()) == [8] and next(iter(merged)).startswith("Min(8, Reshape_")
+    tainted = merge_tainted(g)
+    assert tainted is not None and {"z", "zs", "w", "sw"} <= tainted and not {"y", "sy"} & tainted
+    g2, _ = fold_small_values(g)
+    ranges = {x.output[0]: x for x in g2.nodes if x.op_type == "Range"}
+    assert ranges["ry"].input[1] in g2.constants and ranges["rw"].input[1] not in g2.constants
+
+
 def _folded_agrees(m, feeds):
     """The model with its small values folded computes what the model does, on `feeds`."""
     g2, _ = fold_small_values(fold_runtime_shapes(build_graph(m, {}))[0])
