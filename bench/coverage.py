@@ -230,6 +230,29 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
                             intermediate_size=128, **_VIT),
     "mamba": _at(_text("MambaConfig", "MambaForCausalLM", hidden_size=64, num_hidden_layers=2, vocab_size=100,
                        state_size=8), input_ids=(2, S), attention_mask=(2, S)),
+    # session 46: SAM's image encoder (windowed attention over padded windows, decomposed relative positions),
+    # ViT-MAE (masking noise drawn on every call), BEiT-style relative bias in Data2Vec, a DPT depth head, and
+    # decoders and encoders of other families
+    "sam_vision": _image("SamVisionConfig", "SamVisionModel", 64, image_size=64, patch_size=8, hidden_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, output_channels=32, window_size=4,
+                         global_attn_indexes=[1], mlp_dim=128),
+    "vit_mae": _image("ViTMAEConfig", "ViTMAEModel", 32, image_size=32, patch_size=8, intermediate_size=128, **_VIT),
+    "data2vec_vision": _image("Data2VecVisionConfig", "Data2VecVisionModel", 32, image_size=32, patch_size=8,
+                              intermediate_size=128, use_relative_position_bias=True, **_VIT),
+    "dpt": _image("DPTConfig", "DPTForDepthEstimation", 32, image_size=32, patch_size=8, intermediate_size=128,
+                  backbone_out_indices=[0, 1], neck_hidden_sizes=[16, 32], fusion_hidden_size=32,
+                  reassemble_factors=[4, 2], **_VIT),
+    "codegen": _text("CodeGenConfig", "CodeGenForCausalLM", n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                     vocab_size=100, n_positions=64),
+    "starcoder2": _text("Starcoder2Config", "Starcoder2ForCausalLM", **_LM),
+    "nemotron": _text("NemotronConfig", "NemotronForCausalLM", **_LM),
+    "xglm": _text("XGLMConfig", "XGLMForCausalLM", d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
+                  vocab_size=100, max_position_embeddings=64),
+    "gpt_neo": _text("GPTNeoConfig", "GPTNeoForCausalLM", hidden_size=64, num_layers=2, num_heads=4,
+                     attention_types=[[["global", "local"], 1]], window_size=8, vocab_size=100,
+                     max_position_embeddings=64),
+    "megatron_bert": _text("MegatronBertConfig", "MegatronBertModel", **_SMALL),
+    "ernie": _text("ErnieConfig", "ErnieModel", **_SMALL),
 }
 
 # Rows `NAME_ortopt`: model NAME run through onnxruntime.transformers' optimizer (python fusions for a GPU, the

@@ -146,3 +146,24 @@ def test_gpt2_as_it_was_exported_before_its_masking_utilities(tmp_path):
     res = compile_model(coverage.export("gpt2_legacy_past", tmp_path, ("fp16",))["fp16"], None, "sm_90")
     srcs = [k.compiled.source for k in res.kernels if k.region.kind == "attention"]
     assert len(srcs) == 2 and all("key_end(" in s and "(ask - asq)" in s for s in srcs)
+
+
+def test_sam_windows_over_merged_expressions(tmp_path):
+    # SAM's window un-partition slices padded windows back to the image: shape inference merges Min(8, minted)
+    # into 8, which once made every tensor suspect and left both attentions (and all shape arithmetic) to ORT
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "sam_vision", "--dtypes", "fp16", "--out", str(out)]) == 0
+    cells = _cells(out, "sam_vision")
+    assert cells[4] == "2 / 2" and cells[5] == "ok", cells
+    assert int(cells[3].split("->")[1]) < 80, cells
+
+
+def test_a_model_that_draws_and_one_with_cones_ort_folds(tmp_path):
+    # ViT-MAE draws its masking noise on every call (the check seeds both models alike); BEiT's relative-position
+    # index and bias come from constants alone, which ORT folds when a session starts: no kernel of ours
+    # computes them (no pointwise region), and parity holds
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "vit_mae", "beit", "--dtypes", "fp32", "--out", str(out)]) == 0
+    mae, beit = _cells(out, "vit_mae"), _cells(out, "beit")
+    assert mae[4] == "2 / 2" and mae[5] == "ok", mae
+    assert beit[4] == "2 / 2" and beit[5] == "ok" and "pointwise" not in beit[2], beit
