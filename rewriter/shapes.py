@@ -446,9 +446,10 @@ def dim_names(text: str, known: Iterable[str] = ()) -> frozenset[str]:
 
 
 def _expr_hint(text: str, base: Mapping[str, int], batch_like: set[str], batch: int = BATCH_HINT) -> int:
-    """Evaluate an expression like "2*sequence_length" with its symbols at their hints."""
+    """Evaluate an expression like "2*sequence_length" with its symbols at their hints, at most MAX_DIM_HINT (a
+    product of six minted dims over 1024, SAM's windows before session 46, came to 2^34)."""
     value = eval_dim(text, base, lambda name: _base_hint(name, batch_like, batch))
-    return value if value is not None and value > 0 else DEFAULT_HINT
+    return min(value, MAX_DIM_HINT) if value is not None and value > 0 else DEFAULT_HINT
 
 
 def eval_dim(text: str, known: Mapping[str, int], default: Callable[[str], int]) -> int | None:

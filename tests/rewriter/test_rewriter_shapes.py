@@ -297,7 +297,8 @@ def test_sym_hints_for_names_that_are_not_identifiers():
 
 @pytest.mark.parametrize("expr, hint", [("batch*sequence", 128), ("2*sequence_length", 256), ("Min(N, 4)", 1),
                                         ("floor(seq/2)", 64), ("seq + past", 256),
-                                        ("__import__('os').getcwd()", 128), ("9**9**9", 128)])
+                                        ("__import__('os').getcwd()", 128), ("9**9**9", 128),
+                                        ("4*floor(a*b*c*d*e*f/1024)", 1 << 20)])  # at most MAX_DIM_HINT
 def test_expression_hints(expr, hint):
     from ortfuse.rewriter.shapes import _expr_hint
 
