@@ -58,7 +58,12 @@ def _bind(shapes: dict[str, tuple], n: int = 2, s: int = 7) -> dict[str, tuple]:
             for k, v in shapes.items()}
 
 
-@pytest.mark.parametrize("seed", range(_lo, _hi))
+# seeds campaigns found a check's blind spot with (739: an fp16 Conv with a Mul prologue, then |conv| + c near
+# zero and a Reciprocal: the fp16 rounding of the GEMM's operands, which the CUDA EP makes too, amplified past 1e-2)
+_regress = [s for s in (739,) if not _lo <= s < _hi]
+
+
+@pytest.mark.parametrize("seed", [*range(_lo, _hi), *_regress])
 def test_random_graph_matches_ort(seed: int) -> None:
     m, shapes = random_model(seed)
     before = m.SerializeToString()
