@@ -108,11 +108,39 @@ _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _EXPRESSION_FUNCTIONS = frozenset({"Min", "Max", "floor", "ceiling", "Mod", "Abs"})  # sympy's, in inferred dims
 
 
+def _origins(sym: str, merges: Mapping[str, object], minted: Mapping[str, str],
+             declared: Mapping[str, list[str]]) -> set[str] | None:
+    """The minted or declared symbols a tensor carrying `sym` may have got it from: sym itself, the names in it
+    (an expression: Min(8, t)), and every symbol inference merged into one of those by name (X -> t: a tensor
+    minted X, now t, meets Min(8, t) through a Slice). None where one is neither (of no known origin)."""
+    merged_into: dict[str, list[str]] = {}
+    for s, into in merges.items():
+        if isinstance(into, str):
+            merged_into.setdefault(into, []).append(s)
+    base: set[str] = set()
+    todo, seen = [sym], set()
+    while todo:
+        s = todo.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        todo.extend(merged_into.get(s, ()))
+        if s in minted or s in declared:
+            base.add(s)
+            continue
+        parts = [n for n in _SYMBOL.findall(s) if n not in _EXPRESSION_FUNCTIONS]
+        if parts == [s] or not parts:
+            return None
+        todo.extend(parts)
+    return base
+
+
 @per_graph
 def merge_tainted(g: Graph) -> frozenset[str] | None:
     """Tensors whose shape may carry a size a symbolic dim was merged into (`merged_sizes`): the outputs of the
     nodes that minted such a symbol (or a symbol in such an expression: SAM's window un-partition slices a padded
-    tensor to Min(8, minted)), graph inputs declaring one, and everything computed from them. A tensor
+    tensor to Min(8, minted); or one merged into those by name: `_origins`), graph inputs declaring one, and
+    everything computed from them. A tensor
     outside this set has its static dims from inference without that merge (MobileViT's conv outputs, static
     from the image size, though other tensors' merged symbols took the same sizes). None where a merged
     symbol is neither (then every tensor is suspect)."""
@@ -123,15 +151,16 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
         for d in {x.dim_param for x in _dims_of(vi) or [] if x.dim_param}:
             declared.setdefault(d, []).append(vi.name)
     for sym in merges_into_sizes(g):
-        for name in [sym] if sym in minted or sym in declared else _SYMBOL.findall(sym):  # an expression's names
-            if name in _EXPRESSION_FUNCTIONS:
-                continue
+        names = _origins(sym, _infer.recorded_merges(g.model), minted, declared)
+        if names is None:
+            return None
+        for name in names:
             if minted.get(name) and minted[name] in g.tensors:
                 seeds.add(minted[name])
             elif name in declared:
                 seeds.update(declared[name])
             else:
-                return None  # minted for a tensor the folds removed, or of no known origin
+                return None  # minted for a tensor the folds removed
     tainted, stack = set(seeds), list(seeds)
     while stack:
         for c in g.consumers.get(stack.pop(), ()):

@@ -713,6 +713,35 @@ def test_a_merged_expression_taints_what_is_computed_from_its_minted_symbols():
     assert ranges["ry"].input[1] in g2.constants and ranges["rw"].input[1] not in g2.constants
 
 
+def test_a_merged_expression_taints_what_was_merged_into_its_names():
+    # z's minted dim meets an input's 't' in an Add and becomes 't'; z sliced to its first 8 is 'Min(8, t)',
+    # merged into 8. z is not computed from the input declaring t, but carries t: it is suspect too (review of
+    # session 46's first version, which folded the Range bound to 8 where it is 1 at n = t = 1)
+    from ortfuse.rewriter.shapes import merge_tainted
+
+    nodes = [node("Shape", ["x"], ["s"]), node("Gather", ["s", "i1"], ["b"], axis=0),
+             node("Cast", ["b"], ["bf"], to=TP.FLOAT), node("Ceil", ["bf"], ["bc"]),
+             node("Cast", ["bc"], ["bi"], to=TP.INT64), node("Unsqueeze", ["bi", "ax"], ["b1"]),
+             node("Concat", ["one1", "b1"], ["shp"], axis=0), node("Reshape", ["x", "shp"], ["z"]),
+             node("Add", ["z", "c"], ["zc"]), node("Slice", ["z", "s0", "e8", "ax1"], ["zs"]),
+             node("Add", ["zs", "k"], ["w"]), node("Shape", ["zs"], ["sz"]), node("Gather", ["sz", "i1"], ["nz"], axis=0),
+             node("Range", ["zero", "nz", "one"], ["rz"])]
+    inits = [const("i1", 1, np.int64), const("ax", [0], np.int64), const("one1", [1], np.int64),
+             const("ax1", [1], np.int64), const("s0", [0], np.int64), const("e8", [8], np.int64),
+             const("k", np.ones((1, 8))), const("zero", 0, np.int64), const("one", 1, np.int64)]
+    outs = [vi("zc", TP.FLOAT, None), vi("w", TP.FLOAT, None), vi("rz", TP.INT64, None)]
+    m = model(nodes, [vi("x", TP.FLOAT, [1, "n"]), vi("c", TP.FLOAT, [1, "t"])], outs, inits)
+    g = build_graph(m, {})
+    tainted = merge_tainted(g)
+    assert tainted is None or {"z", "zs", "sz", "nz", "rz"} <= tainted
+    g2, _ = fold_small_values(g)
+    assert next(x for x in g2.nodes if x.op_type == "Range").input[1] not in g2.constants
+    from ortfuse.api import compile_model
+    from ortfuse.check import check_models
+    rep = check_models(m, compile_model(m, None, "sm_90").model, emulate=True, input_shapes={"x": [1, 1], "c": [1, 1]})
+    assert rep.ok, "\n".join(rep.lines())
+
+
 def _folded_agrees(m, feeds):
     """The model with its small values folded computes what the model does, on `feeds`."""
     g2, _ = fold_small_values(fold_runtime_shapes(build_graph(m, {}))[0])
