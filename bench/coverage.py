@@ -232,7 +232,8 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
                        state_size=8), input_ids=(2, S), attention_mask=(2, S)),
     # session 46: SAM's image encoder (windowed attention over padded windows, decomposed relative positions),
     # ViT-MAE (masking noise drawn on every call), BEiT-style relative bias in Data2Vec, a DPT depth head, and
-    # decoders and encoders of other families
+    # decoders and encoders of other families (ESM's protein encoder, RoFormer's rotary encoder, XLNet's
+    # two-stream relative attention, GLPN's depth head)
     "sam_vision": _image("SamVisionConfig", "SamVisionModel", 64, image_size=64, patch_size=8, hidden_size=64,
                          num_hidden_layers=2, num_attention_heads=4, output_channels=32, window_size=4,
                          global_attn_indexes=[1], mlp_dim=128),
@@ -253,6 +254,15 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
                      max_position_embeddings=64),
     "megatron_bert": _text("MegatronBertConfig", "MegatronBertModel", **_SMALL),
     "ernie": _text("ErnieConfig", "ErnieModel", **_SMALL),
+    "esm": _text("EsmConfig", "EsmModel", **_SMALL, pad_token_id=1, max_position_embeddings=64),
+    "roformer": _text("RoFormerConfig", "RoFormerModel", **_SMALL, embedding_size=64, max_position_embeddings=64),
+    "xlnet": _text("XLNetConfig", "XLNetModel", d_model=64, n_layer=2, n_head=4, d_inner=128, vocab_size=100),
+    "biogpt": _text("BioGptConfig", "BioGptForCausalLM", **_SMALL, max_position_embeddings=64),
+    "rembert": _text("RemBertConfig", "RemBertModel", **_SMALL, input_embedding_size=32, output_embedding_size=32),
+    "luke": _text("LukeConfig", "LukeModel", **_SMALL, entity_vocab_size=10, entity_emb_size=16),
+    "glpn": _image("GLPNConfig", "GLPNForDepthEstimation", 64, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                   hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                   mlp_ratios=[2, 2], decoder_hidden_size=16),
 }
 
 # Rows `NAME_ortopt`: model NAME run through onnxruntime.transformers' optimizer (python fusions for a GPU, the
