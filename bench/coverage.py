@@ -260,6 +260,7 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "biogpt": _text("BioGptConfig", "BioGptForCausalLM", **_SMALL, max_position_embeddings=64),
     "rembert": _text("RemBertConfig", "RemBertModel", **_SMALL, input_embedding_size=32, output_embedding_size=32),
     "luke": _text("LukeConfig", "LukeModel", **_SMALL, entity_vocab_size=10, entity_emb_size=16),
+    "torchvision_vit": _torch("torchvision_vit"),  # nn.MultiheadAttention, as torchvision's ViT uses it
     "glpn": _image("GLPNConfig", "GLPNForDepthEstimation", 64, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
                    hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
                    mlp_ratios=[2, 2], decoder_hidden_size=16),

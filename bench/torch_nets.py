@@ -342,6 +342,48 @@ class LegacyGpt2(nn.Module):
         return {"logits": self.lm_head(self.ln_f(x)), **out}
 
 
+class _MhaBlock(nn.Module):
+    """torchvision's ViT encoder block: LayerNorm, nn.MultiheadAttention (batch first, packed in-projection),
+    residual, LayerNorm, GELU MLP, residual."""
+
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.self_attention = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        y, _ = self.self_attention(y, y, y, need_weights=False)
+        x = x + y
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchvisionVit(nn.Module):
+    """torchvision.models.vit_b_16's structure at 32x32 pixels: an 8x8 patch Conv, a class token, learned
+    positions, two nn.MultiheadAttention blocks, a final LayerNorm (the class token's row out)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, d, 8, 8)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embedding = nn.Parameter(torch.randn(1, 17, d) * 0.02)
+        self.layers = nn.Sequential(_MhaBlock(d), _MhaBlock(d))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # as exported with gradients on (the coverage sweep traces under no_grad, where nn.MultiheadAttention
+        # takes its fused fast path, which the TorchScript exporter refuses)
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            x = self.conv_proj(pixel_values).flatten(2).transpose(1, 2)
+            x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
+            return self.ln(self.layers(x))[:, 0]
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
+
+
 def _randomized(net: nn.Module) -> nn.Module:
     """Normalization statistics and affines drawn at random (fresh ones are the identity, which folds away)."""
     g = torch.Generator().manual_seed(0)
@@ -366,6 +408,7 @@ def make(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         mask[1, :2] = 0
         past = {f"past_key_values.{i}.{kv}": torch.randn(2, 4, 5, 16) for i in range(2) for kv in ("key", "value")}
         return _randomized(LegacyGpt2()), {"input_ids": torch.randint(0, 100, (2, 3)), "attention_mask": mask, **past}
-    cls = {"yolo": Yolo, "mobilenet_v3": MobileNetV3, "shufflenet_v2": ShuffleNetV2, "densenet": DenseNet}[name]
+    cls = {"yolo": Yolo, "mobilenet_v3": MobileNetV3, "shufflenet_v2": ShuffleNetV2, "densenet": DenseNet,
+           "torchvision_vit": TorchvisionVit}[name]
     size = 64 if name == "yolo" else 32
     return _randomized(cls()), {"pixel_values": torch.rand(2, 3, size, size)}
