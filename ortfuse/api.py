@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +124,9 @@ def _shapes(input_shapes: Shapes) -> dict:
     return parse_input_shapes(list(input_shapes))
 
 
+_UNNAMED = re.compile(r"unk__\d+")  # SymbolicShapeInference's name for a dim it could not compute
+
+
 def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> Graph:
     """Shape inference again where the folds made run-time shape arithmetic constant and the first pass could
     not follow it: it minted symbols for the dims (a kernel cannot bind those: Swin's window Pad, whose pads
@@ -130,10 +134,16 @@ def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> G
     resizes its position embeddings to a grid whose side is computed through Pow, and their token count met
     the patches' in an Add; MobileViT's unfold Reshapes take targets computed from the batch, whose one
     run-time entry becomes -1 once the rest folds, `canonical._one_entry_unknown`, one transformer stage a
-    round, the next stage's shapes read from this one's). Rounds go on while they fold something and the
+    round, the next stage's shapes read from this one's), or left it without a dim's name or a rank (torch's
+    nn.MultiheadAttention unflattens its packed projection to a target whose Slice bounds come from a Mod of
+    constants: once folded, the heads' shapes are known). Rounds go on while they fold something and the
     unknowns go away (at most 8); none runs where inference knew every dim (the usual case)."""
-    def unknown(gr: Graph) -> int:
-        return len(merged_sizes(gr)) + len(minted_dims(gr))
+    def unknown(gr: Graph) -> int:  # merged sizes, minted dims, dims nobody could name, ranks nobody knows
+        outputs = [gr.tensors.get(o) for n in gr.nodes if n.domain in ("", "ai.onnx") for o in n.output if o]
+        unnamed = {d for t in outputs if t is not None for d in t.shape or () if isinstance(d, str)
+                   and _UNNAMED.fullmatch(d)}
+        return len(merged_sizes(gr)) + len(minted_dims(gr)) + len(unnamed) + \
+            sum(1 for t in outputs if t is not None and t.shape is None)
 
     before = unknown(graph)
     counts = [before]
