@@ -167,3 +167,13 @@ def test_a_model_that_draws_and_one_with_cones_ort_folds(tmp_path):
     mae, beit = _cells(out, "vit_mae"), _cells(out, "beit")
     assert mae[4] == "2 / 2" and mae[5] == "ok", mae
     assert beit[4] == "2 / 2" and beit[5] == "ok" and "pointwise" not in beit[2], beit
+
+
+def test_torch_multihead_attention(tmp_path):
+    # torchvision's ViT: nn.MultiheadAttention unflattens its packed projection to a target whose Slice bounds
+    # come from a Mod of constants; shape inference leaves the heads without a size until the folds make those
+    # constant and it runs again. Its fp16 model also made ORT's CPU EP crash at ORT_ENABLE_ALL (check's sessions)
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "torchvision_vit", "--dtypes", "fp16", "--out", str(out)]) == 0
+    cells = _cells(out, "torchvision_vit")
+    assert cells[4] == "2 / 2" and cells[5] == "ok", cells
