@@ -247,7 +247,9 @@ def _seeded(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
             for sub in _proto._subgraphs(n):
                 yield from unseeded(sub.node)
 
-    bodies = lambda m: [m.graph.node, *(f.node for f in m.functions)]
+    def bodies(m: onnx.ModelProto) -> list[Sequence[onnx.NodeProto]]:
+        return [m.graph.node, *(f.node for f in m.functions)]
+
     if not any(True for nodes in bodies(model) for _ in unseeded(nodes)):
         return model, ""
     model = _proto.copy_model(model)
@@ -297,8 +299,8 @@ def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, sh: O
                             providers: Sequence[str], feeds: Mapping[str, np.ndarray], names: Sequence[str],
                             ref: Mapping[str, np.ndarray], out: Sequence[np.ndarray],
                             floors: Mapping[str, float]) -> tuple[Diff, ...]:
-    """Failing outputs of an ill-conditioned model: where ORT's own graph optimizations (ORT_ENABLE_ALL against
-    ORT_DISABLE_ALL, the same model and inputs) change a half-precision output by more than its tolerance, the
+    """Failing outputs of an ill-conditioned model: where ORT's own graph optimizations (the session's, ORT_ENABLE_EXTENDED on
+    the CPU, against ORT_DISABLE_ALL, the same model and inputs) change a half-precision output by more than its tolerance, the
     output cannot be held to that tolerance; ours is then held to CONDITIONING_FACTOR times ORT's change."""
     so = ort.SessionOptions()
     so.log_severity_level = 4
