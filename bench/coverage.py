@@ -106,6 +106,8 @@ def _at(make: Callable[[], tuple[Any, dict]], **shapes: tuple[int, ...]) -> Call
 
 
 _VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+_AUDIO = dict(_VIT, intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+              num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)  # wav2vec2's feature encoder, small
 MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "distilbert": _text("DistilBertConfig", "DistilBertModel", dim=64, n_layers=2, n_heads=4, hidden_dim=128,
                         vocab_size=100),
@@ -260,6 +262,14 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "biogpt": _text("BioGptConfig", "BioGptForCausalLM", **_SMALL, max_position_embeddings=64),
     "rembert": _text("RemBertConfig", "RemBertModel", **_SMALL, input_embedding_size=32, output_embedding_size=32),
     "luke": _text("LukeConfig", "LukeModel", **_SMALL, entity_vocab_size=10, entity_emb_size=16),
+    "deberta": _text("DebertaConfig", "DebertaModel", **_SMALL),
+    "layoutlm": _text("LayoutLMConfig", "LayoutLMModel", **_SMALL),
+    "ibert": _text("IBertConfig", "IBertModel", **_SMALL, max_position_embeddings=64),
+    "wavlm": _audio("WavLMConfig", "WavLMModel", "input_values", (2, 800), **_AUDIO, num_buckets=32,
+                    max_bucket_distance=100),
+    "data2vec_audio": _audio("Data2VecAudioConfig", "Data2VecAudioModel", "input_values", (2, 800), **_AUDIO),
+    "sew": _audio("SEWConfig", "SEWModel", "input_values", (2, 800), **_AUDIO, squeeze_factor=2),
+    "unispeech": _audio("UniSpeechConfig", "UniSpeechModel", "input_values", (2, 800), **_AUDIO),
     "torchvision_vit": _torch("torchvision_vit"),  # nn.MultiheadAttention, as torchvision's ViT uses it
     "glpn": _image("GLPNConfig", "GLPNForDepthEstimation", 64, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
                    hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
