@@ -104,10 +104,6 @@ def merges_into_sizes(g: Graph) -> dict[str, int]:
     return out
 
 
-_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_EXPRESSION_FUNCTIONS = frozenset({"Min", "Max", "floor", "ceiling", "Mod", "Abs"})  # sympy's, in inferred dims
-
-
 def _origins(sym: str, merges: Mapping[str, object], minted: Mapping[str, str],
              declared: Mapping[str, list[str]]) -> set[str] | None:
     """The minted or declared symbols a tensor carrying `sym` may have got it from: sym itself, the names in it
@@ -128,8 +124,8 @@ def _origins(sym: str, merges: Mapping[str, object], minted: Mapping[str, str],
         if s in minted or s in declared:
             base.add(s)
             continue
-        parts = [n for n in _SYMBOL.findall(s) if n not in _EXPRESSION_FUNCTIONS]
-        if parts == [s] or not parts:
+        parts = dim_names(s, declared)
+        if not parts or parts == {s}:
             return None
         todo.extend(parts)
     return base
