@@ -16,7 +16,9 @@ from ortfuse.customops.lower import KernelSpec
 from ortfuse.customops.tiles import launch_blocks  # noqa: F401 - the launch rule, re-exported
 from ortfuse.customops.tiles import runtime_split as cluster_for  # noqa: F401 - the launch rule, re-exported
 
-NODE_FORMAT_VERSION = 1
+# the newest node format: 2 is 1 with sym_products (written only by nodes that have them, so older libraries
+# refuse those and read the rest)
+NODE_FORMAT_VERSION = 2
 DOMAIN = "ortfuse"
 
 
@@ -34,13 +36,14 @@ def node_attributes(spec: KernelSpec, ck: CompiledKernel,
     thresholds rising: the library runs the last whose threshold the rows reach (`variant_rows`: the
     product of the first output's dims but its innermost), else the first kernel."""
     shared = [
-        helper.make_attribute("ortfuse_version", NODE_FORMAT_VERSION),
+        helper.make_attribute("ortfuse_version", NODE_FORMAT_VERSION if spec.sym_products else 1),
         _ints("sym_dims", [v for pair in spec.sym_dims for v in pair]),
         _ints("out_dtypes", list(spec.out_dtypes)),
         _ints("out_ranks", [len(s) for s in spec.out_shapes]),
         _ints("out_dims", [d for s in spec.out_shapes for d in s]),
         *([_ints("sym_derived", [v for rule in spec.sym_derived for v in rule])] if spec.sym_derived else []),
         *([_ints("sym_sums", [v for rule in spec.sym_sums for v in rule])] if spec.sym_sums else []),
+        *([_ints("sym_products", spec.sym_products)] if spec.sym_products else []),
         *([_ints("dim_checks", [v for c in spec.dim_checks for v in c])] if spec.dim_checks else []),
     ]
     out = shared + _kernel_attributes(spec, ck, "")
@@ -120,6 +123,7 @@ class Launch:
     multicast: int = 1  # exact blocks per cluster of a TMA GEMM sharing B (the grid counts clusters; 1: none)
     pdl: bool = False  # launched as a programmatic dependent launch on sm_90+ (ir.Kernel.pdl)
     sym_sums: tuple[tuple[int, int], ...] = ()  # (term, term): runtime dims after the derived ones, their sum
+    sym_products: tuple[int, ...] = ()  # the rules of sym_sums that multiply their terms instead
     # further kernels of the node: (rows from, launch), and the terms whose product is the rows
     variants: tuple[tuple[int, "Launch"], ...] = ()
     variant_rows: tuple[int, ...] = ()
@@ -138,7 +142,8 @@ class Launch:
 
     def dims(self, input_shapes: Sequence[Sequence[int]]) -> list[int]:
         """The kernel's runtime dims: bound from the inputs' shapes, then derived (a Conv's output size), then
-        sums (a Concat's span along a run-time axis); other inputs' axes checked against them."""
+        sums (a Concat's span along a run-time axis) or products (run-time axes flattened together); other
+        inputs' axes checked against them."""
         dims = [int(input_shapes[i][axis]) for i, axis in self.sym_dims]
         for t, add, div in self.sym_derived:
             size = t if t >= 0 else dims[-t - 1]
@@ -146,8 +151,9 @@ class Launch:
                 raise ValueError(f"{self.entry}: an image size of {size} is smaller than a Conv's padded kernel "
                                  f"({-add} with padding)")
             dims.append((size + add) // div + 1)
-        for a, b in self.sym_sums:  # a Concat's span along a run-time axis
-            dims.append(sum(self.resolve((a, b), dims)))
+        products = set(self.sym_products)
+        for j, (a, b) in enumerate(self.sym_sums):  # a Concat's span along a run-time axis, or a flattened one
+            dims.append((math.prod if j in products else sum)(self.resolve((a, b), dims)))
         for i, axis, t in self.dim_checks:
             shape, want = input_shapes[i], self.resolve([t], dims)[0]
             if axis >= len(shape) or int(shape[axis]) != want:
@@ -180,8 +186,9 @@ class Launch:
 
 def read_launch(node: onnx.NodeProto) -> Launch:
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-    if a.get("ortfuse_version") != NODE_FORMAT_VERSION:
-        raise ValueError(f"node '{node.name}': ortfuse node format {a.get('ortfuse_version')} is not {NODE_FORMAT_VERSION}")
+    if a.get("ortfuse_version") not in range(1, NODE_FORMAT_VERSION + 1):
+        raise ValueError(f"node '{node.name}': ortfuse node format {a.get('ortfuse_version')} is not 1 to "
+                         f"{NODE_FORMAT_VERSION}")
     first = _read_kernel(node, a, "")
     n = int(a.get("variants", 1))
     if n == 1:
@@ -221,7 +228,7 @@ def _read_kernel(node: onnx.NodeProto, a: dict, sfx: str) -> Launch:
                   tuple(a.get("arg_align", [1] * (len(node.input) + len(node.output)))),
                   tuple(zip(checks[0::3], checks[1::3], checks[2::3])), tuple(zip(tma[0::3], tma[1::3], tma[2::3])),
                   int(a.get("blocks_per_sm", 0)), int(a.get("row_cluster", 1)), int(a.get("multicast", 1)),
-                  bool(a.get("pdl", 0)), tuple(zip(sums[0::2], sums[1::2])))
+                  bool(a.get("pdl", 0)), tuple(zip(sums[0::2], sums[1::2])), tuple(a.get("sym_products", ())))
 
 
 # a kernel's own attributes (`_kernel_attributes`); a variant's carry its suffix

@@ -112,6 +112,8 @@ class KernelSpec:
     # runtime dims after the derived ones: the sum of two terms each (a Concat of run-time spans: a KV cache's
     # past and new tokens)
     sym_sums: tuple[tuple[int, int], ...] = ()
+    # the rules of sym_sums that multiply their two terms instead (a Reshape flattening run-time axes: "79*batch")
+    sym_products: tuple[int, ...] = ()
 
     @property
     def block(self) -> int:
@@ -125,6 +127,7 @@ class _Scope:
         self.names = names
 
 
+MAX_RUNTIME_DIMS = 16  # OFZ_MAX_DIMS, the kernel ABI's (customops/include/ortfuse_args.h)
 _IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 ROW_COLUMN_GROUPS = 4  # a GEMM row epilogue's column loop of at most this many trips is printed straight-line
 # a long row's column loops (each thread at least this many vectors: more rows than threads cover, as a
@@ -178,7 +181,8 @@ class _Lowerer:
         # a Conv's output size on a symbolic image, from its input's: dim n_sym + j is
         # floor((d[src] + add) / div) + 1 for derived[j] = (src term, add, div)
         self.derived: list[tuple[int, int, int]] = []
-        self.sums: list[tuple[int, int]] = []  # after the derived ones (`_sum_of`)
+        self.sums: list[tuple[int, int]] = []  # after the derived ones (`_sum_of`, `_product_dim`)
+        self.products: list[int] = []  # the rules of `sums` that multiply their terms instead
         for i in region.nodes:
             n = graph.nodes[i]
             geo = conv.conv_geometry(graph, n) if n.op_type in ops.CONV else None
@@ -260,8 +264,8 @@ class _Lowerer:
         if d in self.dims:
             return Var(f"d{self.dims[d]}", I64)
         # exporters' derived dims such as "2*seq": products of known dims
-        terms = [p.strip() for p in d.split("*")]
-        if len(terms) > 1 and all(p.isdigit() or p in self.dims for p in terms):
+        terms = self._factors(d)
+        if terms:
             out: Expr = ir.i64(1)
             for p in terms:
                 out = ir.mul(out, ir.i64(int(p)) if p.isdigit() else Var(f"d{self.dims[p]}", I64))
@@ -287,21 +291,50 @@ class _Lowerer:
         self.dims[d] = -self._sum_of(terms) - 1
         return True
 
-    def _sum_of(self, terms: list[int]) -> int:
-        """The term of a new runtime dim that is the sum of `terms` (encoded like `units`): a chain of sym_sums
-        rules, each adding one term."""
+    def _sum_of(self, terms: list[int], product: bool = False) -> int:
+        """The term of a new runtime dim that is the sum (or product) of `terms` (encoded like `units`): a chain
+        of sym_sums rules, each adding (multiplying) one term."""
         acc = terms[0]
         for t in terms[1:]:
+            if product:
+                self.products.append(len(self.sums))
             self.sums.append((acc, t))
             acc = -self.num_dims  # the rule just added is runtime dim num_dims - 1
         return acc
 
+    def _factors(self, d: str) -> Optional[list[str]]:
+        """`d`'s factors where it is a product of sizes and dims the kernel has ("2*seq", "batch*sequence"), each
+        a plain name or number ("2*p + s" is a sum, even where "p + s" is a dim)."""
+        parts = [p.strip() for p in d.split("*")]
+        if len(parts) < 2 or any(c in p for p in parts for c in "+-/() ") or \
+                not all(p.isdigit() or p in self.dims for p in parts):
+            return None
+        return parts
+
+    def _product_dim(self, d: str) -> bool:
+        """Whether `d` is (now) a runtime dim: a product of dims the kernel has and sizes ("79*batch",
+        "batch*sequence": a Reshape that flattens run-time axes together, as torch's MultiheadAttention's
+        output does)."""
+        parts = self._factors(d)
+        if not parts or all(p.isdigit() for p in parts):
+            return False
+        self.dims[d] = -self._sum_of([int(p) if p.isdigit() else -self.dims[p] - 1 for p in parts], True) - 1
+        return True
+
     def encode(self, d: Dim) -> int:
         if isinstance(d, int):
             return d
-        if d in self.dims or self._sum_dim(d):
+        if d in self.dims or self._sum_dim(d) or self._product_dim(d):
             return -self.dims[d] - 1
         raise LoweringError(f"output dim '{d}' is not a dim of any region input")
+
+    def output_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The region's output shapes encoded like `units`, once the kernel is built (they may add sums and
+        products), its runtime dims checked against the kernel ABI's."""
+        shapes = tuple(tuple(self.encode(d) for d in self._shape(o)) for o in self.r.outputs)
+        if self.num_dims > MAX_RUNTIME_DIMS:
+            raise LoweringError(f"more than {MAX_RUNTIME_DIMS} symbolic dims in one kernel")
+        return shapes
 
     @property
     def num_dims(self) -> int:
@@ -1528,11 +1561,10 @@ def _lower_kind(graph: Graph, region: Region, tgt: hw.Target, tf32: bool,
         k, units, per_block = lw.pointwise()
     else:
         k, units, per_block = lw.rowreduce()
-    if lw.num_dims > 16:
-        raise LoweringError("more than 16 symbolic dims in one kernel")
-    shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
+    shapes = lw.output_shapes()
     return KernelSpec(k, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, per_block,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes,
-                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums), dim_checks=tuple(lw.sum_checks),
+                      sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums), sym_products=tuple(lw.products),
+                      dim_checks=tuple(lw.sum_checks),
                       input_perms=tuple(lw.permuted.items()))
 

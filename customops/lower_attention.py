@@ -409,11 +409,9 @@ def lower_attention(graph: Graph, region: Region, tgt: hw.Target, bound: bool = 
     """`bound`: the tensor-core kernel asks ptxas for MMA_MIN_BLOCKS blocks per SM (head sizes up to 64)."""
     lw = _AttnLowerer(graph, region, tgt, bound)
     kernel, units, units_ceil, smem, split = lw.attention()
-    if lw.num_dims > 16:
-        raise LoweringError("more than 16 symbolic dims in one kernel")
-    shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
+    shapes = lw.output_shapes()
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil,
                       split_k=split, sym_derived=tuple(lw.derived), sym_sums=tuple(lw.sums),
-                      dim_checks=tuple(lw.sum_checks))
+                      sym_products=tuple(lw.products), dim_checks=tuple(lw.sum_checks))
 

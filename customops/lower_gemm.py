@@ -794,13 +794,11 @@ def lower_gemm(graph: Graph, region: Region, tgt: hw.Target, tf32: bool = False,
                tile: Optional[tuple[int, ...]] = None) -> KernelSpec:
     lw = _GemmLowerer(graph, region, tgt, tf32, tile)
     kernel, units, units_ceil, smem, ranked, split = lw.gemm()
-    if lw.num_dims > 16:
-        raise LoweringError("more than 16 symbolic dims in one kernel")
-    shapes = tuple(tuple(lw.encode(d) for d in lw._shape(o)) for o in region.outputs)
+    shapes = lw.output_shapes()
     return KernelSpec(kernel, tuple(region.inputs), tuple(region.outputs), tuple(lw.sym_pairs), units, 1,
                       tuple(graph.tensors[o].dtype for o in region.outputs), shapes, smem, units_ceil, ranked, split,
                       tuple(lw.derived), tuple(lw.limits), input_perms=tuple(lw.input_perms), ln_fold=lw.ln_fold,
                       tma=lw.tma, blocks_per_sm=lw.blocks_per_sm, row_cluster=lw.row_cluster, multicast=lw.multicast,
                       tile_us=lw.tile_us, binding_rows=lw.binding_rows, sym_sums=tuple(lw.sums),
-                      dim_checks=tuple(lw.sum_checks))
+                      sym_products=tuple(lw.products), dim_checks=tuple(lw.sum_checks))
 

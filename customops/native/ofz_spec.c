@@ -65,9 +65,9 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                n_in, n_out, OFZ_MAX_TENSORS);
   int64_t version = 0;
   TRY(ofz_attr_int(info, node, "ortfuse_version", &version));
-  if (version != OFZ_NODE_VERSION)
-    return BAD("ortfuse: node '%s' has ortfuse_version %lld; this library reads version %d (rebuild the model "
-               "or the library)", node, (long long)version, OFZ_NODE_VERSION);
+  if (version < 1 || version > OFZ_NODE_VERSION)
+    return BAD("ortfuse: node '%s' has ortfuse_version %lld; this library reads versions 1 to %d (rebuild the "
+               "model or the library)", node, (long long)version, OFZ_NODE_VERSION);
   TRY(ofz_attr_string(info, node, V("entry"), s->entry, sizeof s->entry));
   if (!s->entry[0]) return BAD("ortfuse: node '%s': attribute '%s' is empty", node, V("entry"));
   TRY(ofz_attr_ints(info, node, V("cubin_archs"), s->archs, OFZ_MAX_ARCHS, &s->n_archs));
@@ -135,6 +135,17 @@ OrtStatus* ofz_spec_parse(const OrtKernelInfo* info, const char* node, size_t n_
                s->n_sym + s->n_derived + s->n_sums, OFZ_MAX_DIMS);
   for (size_t j = 0; j < s->n_sums; ++j)  // each reads dims defined before it
     TRY(check_terms_below(s, "sym_sums", &s->sums[2 * j], 2, s->n_sym + s->n_derived + j));
+  int64_t prods[OFZ_MAX_DIMS];
+  size_t n_prods = 0;
+  TRY(ofz_attr_ints_opt(info, node, "sym_products", prods, OFZ_MAX_DIMS, &n_prods));
+  if (n_prods && version < 2)
+    return BAD("ortfuse: node '%s': sym_products needs ortfuse_version 2, the node has %lld", node, (long long)version);
+  for (size_t k = 0; k < n_prods; ++k) {
+    if (prods[k] < 0 || (size_t)prods[k] >= s->n_sums)
+      return BAD("ortfuse: node '%s': sym_products[%zu] = %lld names no sym_sums rule (%zu rules)", node, k,
+                 (long long)prods[k], s->n_sums);
+    s->product[prods[k]] = 1;
+  }
   TRY(ofz_attr_ints(info, node, V("units"), s->units, OFZ_MAX_TERMS, &s->n_units));
   TRY(check_terms(s, "units", s->units, s->n_units));
   TRY(ofz_attr_ints_opt(info, node, V("units_ceil"), s->units_ceil, OFZ_MAX_TERMS, &s->n_ceil));
@@ -352,8 +363,10 @@ OrtStatus* ofz_spec_resolve(const OfzSpec* const* specs, OrtKernelContext* ctx, 
                  s->node, (long long)size, (long long)-r[1]);
     args->dim[s->n_sym + j] = (size + r[1]) / r[2] + 1;
   }
-  for (size_t j = 0; j < s->n_sums; ++j)  // a Concat's span: the sum of its inputs' spans
-    args->dim[s->n_sym + s->n_derived + j] = term(s->sums[2 * j], args) + term(s->sums[2 * j + 1], args);
+  for (size_t j = 0; j < s->n_sums; ++j) {  // a Concat's span (the sum of its inputs'), or run-time axes flattened
+    const int64_t a = term(s->sums[2 * j], args), b = term(s->sums[2 * j + 1], args);
+    args->dim[s->n_sym + s->n_derived + j] = s->product[j] ? a * b : a + b;
+  }
   for (size_t j = 0; j < s->n_checks; ++j) {  // other inputs with the same symbolic dims, or their sums
     const int64_t* c = &s->dim_checks[3 * j];
     if ((size_t)c[0] != have) {  // triples are grouped by input: one shape query each
@@ -473,6 +486,7 @@ OrtStatus* ofz_spec_tma(const OfzSpec* s, OrtKernelContext* ctx, const OfzArgs* 
 
 typedef struct InferDims {
   int64_t sym[2 * OFZ_MAX_DIMS], derived[3 * OFZ_MAX_DIMS], sums[2 * OFZ_MAX_DIMS];
+  unsigned char product[OFZ_MAX_DIMS];  // sums rule j multiplies (sym_products)
   size_t n_sym, n_derived, n_sums, n_in;
   unsigned long long unk[OFZ_MAX_DIMS];  // the name of a bound dim that has none at the input, once given
 } InferDims;
@@ -509,23 +523,29 @@ static OrtStatus* infer_term(OrtShapeInferContext* ctx, InferDims* d, int64_t t,
   return NULL;
 }
 
-// Runtime dim p at shape inference: an input's dim, a derived one computed from its source, or a sum of two
-// terms; its value where known, else -1 and a non-empty name (see above).
+// Runtime dim p at shape inference: an input's dim, a derived one computed from its source, or a sum or product
+// of two terms; its value where known, else -1 and a non-empty name (see above).
 static OrtStatus* infer_dim(OrtShapeInferContext* ctx, InferDims* d, size_t p, int64_t* value, char* name) {
   *value = -1;
   name[0] = '\0';
-  if (p >= d->n_sym + d->n_derived) {  // a sum of two terms
+  if (p >= d->n_sym + d->n_derived) {  // a sum or product of two terms
     const size_t j = p - d->n_sym - d->n_derived;
     if (j >= d->n_sums) return unique_name(name, NULL), NULL;
     int64_t a = -1, b = -1;
     char na[INFER_NAME_MAX], nb[INFER_NAME_MAX];
     TRY(infer_term(ctx, d, d->sums[2 * j], p, &a, na));
     TRY(infer_term(ctx, d, d->sums[2 * j + 1], p, &b, nb));
-    if (a >= 0 && b >= 0) *value = a + b;
+    if (a >= 0 && b >= 0) *value = d->product[j] ? a * b : a + b;
     else {
       if (a >= 0) snprintf(na, sizeof na, "%lld", (long long)a);
       if (b >= 0) snprintf(nb, sizeof nb, "%lld", (long long)b);
-      compose_name(name, "%s+%s", na, nb);
+      if (!d->product[j]) compose_name(name, "%s+%s", na, nb);
+      else {  // a factor that is a sum is parenthesized: "(p+s)*4"
+        char pa[INFER_NAME_MAX + 2], pb[INFER_NAME_MAX + 2];
+        snprintf(pa, sizeof pa, strchr(na, '+') ? "(%s)" : "%s", na);
+        snprintf(pb, sizeof pb, strchr(nb, '+') ? "(%s)" : "%s", nb);
+        compose_name(name, "%s*%s", pa, pb);
+      }
     }
     return NULL;
   }
@@ -575,6 +595,12 @@ OrtStatus* ofz_spec_infer(OrtShapeInferContext* ctx, size_t n_extra, int64_t ext
   TRY(ofz_infer_ints(ctx, "sym_dims", d.sym, 2 * OFZ_MAX_DIMS, &n_sym2));
   TRY(ofz_infer_ints(ctx, "sym_derived", d.derived, 3 * OFZ_MAX_DIMS, &n_der3));
   TRY(ofz_infer_ints(ctx, "sym_sums", d.sums, 2 * OFZ_MAX_DIMS, &n_sum2));
+  int64_t prods[OFZ_MAX_DIMS];
+  size_t n_prods = 0;
+  TRY(ofz_infer_ints(ctx, "sym_products", prods, OFZ_MAX_DIMS, &n_prods));
+  memset(d.product, 0, sizeof d.product);
+  for (size_t k = 0; k < n_prods; ++k)  // (out of range: kernel creation says so)
+    if (prods[k] >= 0 && prods[k] < OFZ_MAX_DIMS) d.product[prods[k]] = 1;
   TRY(ofz_ort.ShapeInferContext_GetInputCount(ctx, &d.n_in));
   d.n_sym = n_sym2 / 2;
   d.n_derived = n_der3 / 3;

@@ -5,7 +5,7 @@
 
 #include "../include/ortfuse_args.h"  // the kernel ABI, one definition for kernels and library
 
-#define OFZ_NODE_VERSION 1
+#define OFZ_NODE_VERSION 2  // the newest format read: 2 is 1 with sym_products (older libraries refuse it)
 #define OFZ_MAX_ARCHS 16
 #define OFZ_MAX_TERMS 64
 #define OFZ_MAX_OUT_DIMS (OFZ_MAX_TENSORS * OFZ_MAX_DIMS)
@@ -30,6 +30,7 @@ typedef struct OfzSpec {
   int64_t derived[3 * OFZ_MAX_DIMS];
   size_t n_sums;  // pairs (term, term): d[n_sym + n_derived + j] = their sum (a Concat's span along its axis)
   int64_t sums[2 * OFZ_MAX_DIMS];
+  unsigned char product[OFZ_MAX_DIMS];  // sym_products: sums rule j multiplies its terms (run-time axes flattened)
   size_t n_units;
   int64_t units[OFZ_MAX_TERMS];
   size_t n_ceil;  // groups (count, term * count, divisor): each multiplies the units by ceil(product / divisor)

@@ -177,3 +177,12 @@ def test_torch_multihead_attention(tmp_path):
     assert coverage.main(["--models", "torchvision_vit", "--dtypes", "fp16", "--out", str(out)]) == 0
     cells = _cells(out, "torchvision_vit")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
+
+
+def test_sequence_first_multihead_attention(tmp_path):
+    # WavLM runs torch's multi_head_attention_forward (sequence first, a gated relative position bias): its output
+    # is flattened to [79 * batch, embed] for the out-projection, a product of run-time dims the node computes
+    out = tmp_path / "coverage.md"
+    assert coverage.main(["--models", "wavlm", "--dtypes", "fp32", "--out", str(out)]) == 0
+    cells = _cells(out, "wavlm")
+    assert cells[4] == "2 / 2" and cells[5] == "ok", cells

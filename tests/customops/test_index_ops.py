@@ -333,3 +333,37 @@ def test_rotary_embedding_is_one_kernel(dt):
     ops = sorted(res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes)
     assert ops == sorted(["Transpose", "Slice", "Slice", "Neg", "Concat", "Mul", "Mul", "Add"])
     assert len(res.model.graph.node) == 1  # the Shape arithmetic went with the fold
+
+
+def _flattened(s) -> onnx.ModelProto:
+    """SiLU of a sequence-first [s, n, 8] tensor, transposed and flattened to [n * s, 8]."""
+    return model([node("Sigmoid", ["x"], ["g"]), node("Mul", ["x", "g"], ["y"]),
+                  node("Transpose", ["y"], ["t"], perm=[1, 0, 2]), node("Reshape", ["t", "flat"], ["z"])],
+                 [vi("x", F, [s, "n", 8])], [vi("z", F, None)], [const("flat", [-1, 8], I64)])
+
+
+@pytest.mark.parametrize("s", [12, "s"])
+def test_an_output_flattening_run_time_axes(s):
+    """torch's MultiheadAttention (WavLM, Swin's windows): a sequence-first [s, n, c] tensor transposed and
+    flattened to [n * s, c] for the out-projection. The kernel's output rows are a product of run-time dims
+    ("12*n", "n*s"), which the node computes (a `sym_products` rule, node format 2)."""
+    for n, s_ in ((3, 12), (1, 12), (0, 12)) if s == 12 else ((3, 7), (2, 1), (0, 4)):
+        res = fused_parity(_flattened(s), None, {"x": (s_, n, 8)}, ["pointwise"])
+    assert len(res.model.graph.node) == 1
+    fused = next(x for x in res.model.graph.node if x.domain == "ortfuse")
+    spec = read_launch(fused)
+    assert spec.sym_products == (0,) and len(spec.sym_sums) == 1
+    assert spec.output_shapes(spec.dims([(12, 3, 8)])) == [[36, 8]]
+    assert next(a.i for a in fused.attribute if a.name == "ortfuse_version") == 2
+
+
+@pytest.mark.gpu
+def test_an_output_flattening_run_time_axes_on_the_cuda_ep():
+    """The product rule in the native library: the output's rows, its shape inference and the grid."""
+    from ortfuse.check import check_models
+
+    m = _flattened("s")
+    res = compile_model(m, None, "sm_90")
+    for n, s in ((3, 7), (2, 1), (0, 4), (5, 40)):
+        rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (s, n, 8)})
+        assert rep.ok, "\n".join(rep.lines())

@@ -119,6 +119,26 @@ def test_shape_inference_computes_sums_from_known_sizes() -> None:
     assert outs["Z"] == ["N+3", 4] and outs["W"] == ["N+3+N", 4]  # from a symbol: its formula
 
 
+# run-time axes flattened together (a Reshape to "79*batch"): d1 = d0 * 3, d2 = d1 + d0 and d3 = d2 * d0, as
+# sym_sums pairs of which sym_products names the multiplying ones (node format 2)
+PRODUCTS = dict(ortfuse_version=2, sym_sums=[-1, 3, -2, -1, -3, -1], sym_products=[0, 2], units=[-2, -4],
+                out_dims=[-2, 4, -4, 4])
+
+
+@pytest.mark.parametrize("n", [0, 1, 6])
+def test_product_dims_multiply_their_terms(n: int) -> None:
+    z, w, plan = run(session(plan_model(**PRODUCTS)), n)
+    assert list(plan[6:10]) == [n, 3 * n, 4 * n, 4 * n * n] and not plan[10:22].any()
+    assert z.shape == (3 * n, 4) and w.shape == (4 * n * n, 4) and plan[5] == 3 * n * 4 * n * n
+
+
+def test_shape_inference_computes_products_from_known_sizes() -> None:
+    outs = {o.name: o.shape for o in session(plan_model(n=5, **PRODUCTS)).get_outputs()}
+    assert outs["Z"] == [15, 4] and outs["W"] == [100, 4]
+    outs = {o.name: o.shape for o in session(plan_model(**PRODUCTS)).get_outputs()}
+    assert outs["Z"] == ["N*3", 4] and outs["W"] == ["(N*3+N)*N", 4]  # a factor that is a sum in parentheses
+
+
 def test_shape_inference_names_every_dim_it_cannot_size() -> None:
     """ORT makes an unnamed output dim dim_value -1, and ONNX's Slice shape inference downstream then aborted the
     process (2026-11-27, H100). A dim without a name at the input gets one of its own, shared by the outputs
@@ -324,7 +344,8 @@ def test_several_dims_of_one_input(sym) -> None:
 
 
 BAD_NODES = [
-    (dict(ortfuse_version=2), "ortfuse_version 2"),
+    (dict(ortfuse_version=3), "ortfuse_version 3; this library reads versions 1 to 2"),
+    (dict(ortfuse_version=0), "ortfuse_version 0"),
     (dict(entry=None), "attribute 'entry'"),
     (dict(entry=""), "'entry' is empty"),
     (dict(block=0), "block = 0"),
@@ -344,6 +365,9 @@ BAD_NODES = [
     (dict(sym_sums=[-1, 3, -1]), "sym_sums has odd length 3"),
     (dict(sym_sums=[-1, -2]), "sym_sums\\[1\\] = -2 names runtime dim 1 but only 1"),
     (dict(sym_sums=[-1, 3], units=[-3]), "units\\[0\\] = -3 names runtime dim 2 but only 2"),
+    (dict(sym_sums=[-1, 3], sym_products=[0]), "sym_products needs ortfuse_version 2, the node has 1"),
+    (dict(ortfuse_version=2, sym_sums=[-1, 3], sym_products=[1]), "sym_products\\[0\\] = 1 names no sym_sums rule"),
+    (dict(ortfuse_version=2, sym_products=[0]), "sym_products\\[0\\] = 0 names no sym_sums rule \\(0 rules\\)"),
     (dict(dim_limits=[2, -1]), "dim_limits group at 0 has count 2"),
     (dict(dim_limits=[1, -1, 0]), "dim_limits limit at 2 = 0"),
     (dict(dim_limits=[1, -9, 5]), "dim_limits\\[0\\] = -9"),
