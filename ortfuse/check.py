@@ -19,7 +19,7 @@ from ortfuse.bf16_shadow import Shadow, computes_in_bf16, shadow
 from ortfuse.errors import InputError, ParityError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter import _proto
-from ortfuse.rewriter.canonical import draws
+from ortfuse.rewriter.constant_cones import draws
 from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.replace import save_model
 

@@ -47,6 +47,7 @@ from onnx import numpy_helper
 
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.attrs import attr
+from ortfuse.rewriter.constant_cones import connected_groups, constant_cone, draws
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble, dim_names, merge_tainted, merged_sizes
 
@@ -450,14 +451,6 @@ def fold_conv_pads(g: Graph) -> tuple[Graph, int]:
 # ---- small values computed from static shapes -----------------------------------------------------------
 
 MAX_SMALL_VALUE = 64  # elements: a folded value is a shape, axes or bounds, never data
-_NONDETERMINISTIC = frozenset({"Bernoulli", "Multinomial", "Dropout"})  # and Random*: a new value each run
-
-
-def draws(op_type: str) -> bool:
-    """An op whose every run draws a new value (two of them are never one value)."""
-    return op_type.startswith("Random") or op_type in _NONDETERMINISTIC
-
-
 def shape_dims(g: Graph, shape_node: onnx.NodeProto) -> Optional[tuple[Dim, ...]]:
     """The (inferred, possibly symbolic) dims a Shape node outputs, its start/end attributes applied."""
     x = g.tensors.get(shape_node.input[0])
@@ -600,39 +593,14 @@ def fold_constant_subgraphs(g: Graph) -> tuple[Graph, int]:
     user may override (listed as graph inputs, IR 4 on), tensors read inside an If/Loop body or of other than
     tensor type. `g` is left untouched."""
     listed = {v.name for v in g.model.graph.input}
-    overridable = listed if g.model.ir_version >= 4 else set()
-    computed: dict[str, int] = {}  # tensor -> the foldable node making it
-    nodes: list[int] = []
-    for i, n in enumerate(g.nodes):  # topological order
-        outs = [o for o in n.output if o]
-        ins = [x for x in n.input if x]
-        if n.domain not in ("", "ai.onnx") or not outs or not ins or n.op_type in _NOT_FOLDED \
-                or draws(n.op_type) \
-                or any(o in g.graph_outputs or _static_bytes(g, o) is None for o in outs) \
-                or _proto.has_subgraph(n) \
-                or not all(x in computed or (x in g.constants and x not in overridable) for x in ins):
-            continue
-        nodes.append(i)
-        computed.update((o, i) for o in outs)
+    nodes = constant_cone(g, lambda n: n.op_type not in _NOT_FOLDED and all(
+        o not in g.graph_outputs and _static_bytes(g, o) is not None for o in n.output if o))
     if not nodes:
         return g, 0
-    parent = {i: i for i in nodes}  # connected groups: union-find over the tensors they share, constants too
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-    first_reader: dict[str, int] = {}
-    for i in nodes:
-        for x in g.nodes[i].input:
-            if x:
-                parent[root(i)] = root(computed.get(x, first_reader.setdefault(x, i)))
+    computed = {o: i for i in nodes for o in g.nodes[i].output if o}  # tensor -> the node making it
     chosen = set(nodes)
-    groups: dict[int, list[int]] = {}
-    for i in nodes:
-        groups.setdefault(root(i), []).append(i)
-    plans = [p for members in groups.values() if (p := _fold_plan(g, members, chosen, computed, listed))]
+    plans = [p for members in connected_groups(g, nodes, through_constants=True)
+             if (p := _fold_plan(g, members, chosen, computed, listed))]
     folded: dict[str, np.ndarray] = {}
     if plans:  # one ORT session for every group; should ORT fail one (or they be too big together), each alone
         leaves = sorted({x for p in plans for x in p.leaves})

@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto
 
 from ortfuse.rewriter.attrs import attr
-from ortfuse.rewriter.canonical import draws
+from ortfuse.rewriter.constant_cones import draws
 from ortfuse.rewriter.graph import Dim, Graph
 
 if TYPE_CHECKING:

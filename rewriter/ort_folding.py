@@ -27,7 +27,7 @@ from onnx import TensorProto as TP
 from onnx import numpy_helper
 
 from ortfuse.rewriter import _proto
-from ortfuse.rewriter.canonical import draws
+from ortfuse.rewriter.constant_cones import connected_groups, constant_cone
 from ortfuse.rewriter.graph import Graph, per_graph
 
 MAX_PROBE_BYTES = 1 << 28  # constants one probe may copy into its model (a group reading more is not asked)
@@ -41,27 +41,15 @@ _ANSWERS: OrderedDict[bytes, frozenset[str]] = OrderedDict()  # probe model -> i
 
 @per_graph
 def fold_candidates(g: Graph) -> tuple[int, ...]:
-    """Nodes (topological order) of the default domain whose inputs are all fixed constants or outputs of such
-    nodes: what ORT's folding may compute, before asking whether its CPU EP has their kernels."""
-    overridable = g.fed if g.model.ir_version >= 4 else (lambda _: False)  # IR 3: initializers are inputs too
-    made: set[str] = set()
-    nodes: list[int] = []
-    for i, n in enumerate(g.nodes):
-        outs = [o for o in n.output if o]
-        ins = [x for x in n.input if x]
-        if n.domain not in ("", "ai.onnx") or not outs or not ins or draws(n.op_type) or _proto.has_subgraph(n) \
-                or any(o not in g.tensors for o in outs) \
-                or not all(x in made or (x in g.constants and not overridable(x)) for x in ins):
-            continue
-        nodes.append(i)
-        made.update(outs)
-    return tuple(nodes)
+    """Nodes (topological order) whose inputs are all fixed constants or outputs of such nodes: what ORT's
+    folding may compute, before asking whether its CPU EP has their kernels."""
+    return tuple(constant_cone(g, lambda n: all(o in g.tensors for o in n.output if o)))
 
 
 @per_graph
 def ort_folded(g: Graph) -> frozenset[str]:
     """Tensors ORT's constant folding makes initializers when a session starts."""
-    groups = _groups(g, fold_candidates(g))
+    groups = connected_groups(g, fold_candidates(g))
     done: set[str] = set()
     asked: list[list[int]] = []
     for group in groups:
@@ -95,24 +83,6 @@ def left_folded(g: Graph, fused: set[int] | frozenset[int]) -> frozenset[int]:
 
 def _copies(g: Graph, n: onnx.NodeProto) -> bool:
     return n.op_type in _COPIES and all(g.tensors[t].dtype in _COMMON for t in [*n.input, *n.output] if t)
-
-
-def _groups(g: Graph, candidates: Sequence[int]) -> list[list[int]]:
-    """The candidates in connected groups (joined by the tensors they make), each in topological order."""
-    group_of: dict[int, int] = {}
-    members: dict[int, list[int]] = {}
-    producer = {o: i for i in candidates for o in g.nodes[i].output if o}
-    for i in candidates:
-        joined = {group_of[producer[x]] for x in g.nodes[i].input if x in producer}
-        root = min(joined) if joined else i
-        members.setdefault(root, [])
-        for other in joined - {root}:
-            for j in members.pop(other):
-                group_of[j] = root
-                members[root].append(j)
-        members[root].append(i)
-        group_of[i] = root
-    return [sorted(m) for m in members.values()]
 
 
 def _leaf_bytes(g: Graph, nodes: Sequence[int]) -> int:
