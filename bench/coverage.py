@@ -271,6 +271,8 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "sew": _audio("SEWConfig", "SEWModel", "input_values", (2, 800), **_AUDIO, squeeze_factor=2),
     "unispeech": _audio("UniSpeechConfig", "UniSpeechModel", "input_values", (2, 800), **_AUDIO),
     "torchvision_vit": _torch("torchvision_vit"),  # nn.MultiheadAttention, as torchvision's ViT uses it
+    # OpenAI CLIP's own text tower: sequence-first nn.MultiheadAttention, a causal mask of its fixed context
+    "clip_text_openai": _at(_torch("clip_text_openai"), input_ids=(2, 16)),
     "glpn": _image("GLPNConfig", "GLPNForDepthEstimation", 64, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
                    hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
                    mlp_ratios=[2, 2], decoder_hidden_size=16),

@@ -384,6 +384,56 @@ class TorchvisionVit(nn.Module):
             torch.backends.mha.set_fastpath_enabled(fast)
 
 
+class _QuickGelu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class _SeqFirstBlock(nn.Module):
+    """OpenAI CLIP's residual attention block: sequence-first [seq, batch, d] activations, nn.MultiheadAttention
+    (not batch first: its output flattened to [seq * batch, d] for the out-projection) under a causal float
+    mask, a QuickGELU MLP."""
+
+    def __init__(self, d: int, heads: int, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads)
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), _QuickGelu(), nn.Linear(4 * d, d))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        x = x + self.attn(y, y, y, need_weights=False, attn_mask=self.mask)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class ClipTextOpenai(nn.Module):
+    """The text tower of OpenAI's CLIP release (its own model code, not transformers'): token and learned
+    position embeddings, the stream permuted to sequence first through two causal blocks and back, a final
+    LayerNorm, the end-of-text token's row (the largest id) projected. Its fixed context (16 here) is the
+    sequence length."""
+
+    def __init__(self, d: int = 64, heads: int = 4, context: int = 16, vocab: int = 100) -> None:
+        super().__init__()
+        mask = torch.full((context, context), float("-inf")).triu(1)
+        self.token_embedding = nn.Embedding(vocab, d)
+        self.positional_embedding = nn.Parameter(torch.randn(context, d) * 0.01)
+        self.blocks = nn.Sequential(*(_SeqFirstBlock(d, heads, mask) for _ in range(2)))
+        self.ln_final = nn.LayerNorm(d)
+        self.text_projection = nn.Parameter(torch.randn(d, d) * d ** -0.5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        fast = torch.backends.mha.get_fastpath_enabled()  # (as TorchvisionVit: the exporter refuses the fast path)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            x = self.token_embedding(input_ids) + self.positional_embedding
+            x = self.blocks(x.permute(1, 0, 2)).permute(1, 0, 2)
+            x = self.ln_final(x)
+            return x[torch.arange(x.shape[0]), input_ids.argmax(dim=-1)] @ self.text_projection
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
+
+
 def _randomized(net: nn.Module) -> nn.Module:
     """Normalization statistics and affines drawn at random (fresh ones are the identity, which folds away)."""
     g = torch.Generator().manual_seed(0)
@@ -403,6 +453,8 @@ def make(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         return _randomized(UNet()), {"sample": torch.randn(2, 4, 16, 16), "timestep": torch.tensor([10, 500])}
     if name == "nanogpt":
         return _randomized(NanoGpt()), {"input_ids": torch.randint(0, 100, (2, 16))}
+    if name == "clip_text_openai":
+        return _randomized(ClipTextOpenai()), {"input_ids": torch.randint(0, 100, (2, 16))}
     if name == "gpt2_legacy_past":  # traced after a past of 5 with 3 new tokens, the second row left-padded
         mask = torch.ones(2, 8, dtype=torch.int64)
         mask[1, :2] = 0

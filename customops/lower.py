@@ -17,7 +17,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Container, Optional
 
 import numpy as np
 import onnx
@@ -165,6 +165,24 @@ def _storage(dtype: int, what: str) -> str:
     return s
 
 
+def dim_factors(d: str, known: Container[str]) -> Optional[list[str]]:
+    """`d`'s factors where it is a product of sizes and `known` dims ("2*seq", "batch*sequence",
+    "64*floor(h/2)"): split at the top level only, and none with another operator there ("2*p + s" is a sum,
+    even where "p + s" is a dim)."""
+    parts, depth, start = [], 0, 0
+    for k, c in enumerate(d):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and c in "+-/":
+            return None
+        if depth == 0 and c == "*":
+            parts.append(d[start:k].strip())
+            start = k + 1
+    parts.append(d[start:].strip())
+    if len(parts) < 2 or not all(p.isdigit() or p in known for p in parts):
+        return None
+    return parts
+
+
 class _Lowerer:
     def __init__(self, graph: Graph, region: Region, tgt: hw.Target, hints: dict[str, int]):
         self.g, self.r, self.tgt, self.hints = graph, region, tgt, hints
@@ -264,7 +282,7 @@ class _Lowerer:
         if d in self.dims:
             return Var(f"d{self.dims[d]}", I64)
         # exporters' derived dims such as "2*seq": products of known dims
-        terms = self._factors(d)
+        terms = dim_factors(d, self.dims)
         if terms:
             out: Expr = ir.i64(1)
             for p in terms:
@@ -302,20 +320,11 @@ class _Lowerer:
             acc = -self.num_dims  # the rule just added is runtime dim num_dims - 1
         return acc
 
-    def _factors(self, d: str) -> Optional[list[str]]:
-        """`d`'s factors where it is a product of sizes and dims the kernel has ("2*seq", "batch*sequence"), each
-        a plain name or number ("2*p + s" is a sum, even where "p + s" is a dim)."""
-        parts = [p.strip() for p in d.split("*")]
-        if len(parts) < 2 or any(c in p for p in parts for c in "+-/() ") or \
-                not all(p.isdigit() or p in self.dims for p in parts):
-            return None
-        return parts
-
     def _product_dim(self, d: str) -> bool:
         """Whether `d` is (now) a runtime dim: a product of dims the kernel has and sizes ("79*batch",
         "batch*sequence": a Reshape that flattens run-time axes together, as torch's MultiheadAttention's
         output does)."""
-        parts = self._factors(d)
+        parts = dim_factors(d, self.dims)
         if not parts or all(p.isdigit() for p in parts):
             return False
         self.dims[d] = -self._sum_of([int(p) if p.isdigit() else -self.dims[p] - 1 for p in parts], True) - 1
@@ -324,7 +333,7 @@ class _Lowerer:
     def encode(self, d: Dim) -> int:
         if isinstance(d, int):
             return d
-        if d in self.dims or self._sum_dim(d) or self._product_dim(d):
+        if d in self.dims or self._product_dim(d) or self._sum_dim(d):  # "8*batch": one product rule
             return -self.dims[d] - 1
         raise LoweringError(f"output dim '{d}' is not a dim of any region input")
 

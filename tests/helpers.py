@@ -32,6 +32,17 @@ def node(op: str, inputs, outputs, **attrs) -> onnx.NodeProto:
     return helper.make_node(op, list(inputs), list(outputs), name=f"{op}_{'_'.join(outputs)}", **attrs)
 
 
+def flattened(s, heads: int = 0) -> onnx.ModelProto:
+    """SiLU of a sequence-first [s, n, 8] fp32 tensor (or [s, n, heads, 8]), transposed and flattened to
+    [n * s (* heads), 8], as torch's MultiheadAttention flattens its output: a product of run-time dims."""
+    inner = [heads, 8] if heads else [8]
+    return model([node("Sigmoid", ["x"], ["g"]), node("Mul", ["x", "g"], ["y"]),
+                  node("Transpose", ["y"], ["t"], perm=[1, 0, *range(2, 2 + len(inner))]),
+                  node("Reshape", ["t", "flat"], ["z"])],
+                 [vi("x", onnx.TensorProto.FLOAT, [s, "n", *inner])], [vi("z", onnx.TensorProto.FLOAT, None)],
+                 [const("flat", [-1, 8], np.int64)])
+
+
 def bf16(x) -> tuple[np.ndarray, np.ndarray]:
     """fp32 -> (bf16 bit patterns as uint16, round to nearest even; the fp32 values they hold)."""
     u = np.asarray(x, dtype=np.float32).view(np.uint32)

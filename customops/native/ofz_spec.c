@@ -540,10 +540,10 @@ static OrtStatus* infer_dim(OrtShapeInferContext* ctx, InferDims* d, size_t p, i
       if (a >= 0) snprintf(na, sizeof na, "%lld", (long long)a);
       if (b >= 0) snprintf(nb, sizeof nb, "%lld", (long long)b);
       if (!d->product[j]) compose_name(name, "%s+%s", na, nb);
-      else {  // a factor that is a sum is parenthesized: "(p+s)*4"
+      else {  // a factor with another operator is parenthesized: "(p+s)*4", "(w - 1)*3"
         char pa[INFER_NAME_MAX + 2], pb[INFER_NAME_MAX + 2];
-        snprintf(pa, sizeof pa, strchr(na, '+') ? "(%s)" : "%s", na);
-        snprintf(pb, sizeof pb, strchr(nb, '+') ? "(%s)" : "%s", nb);
+        snprintf(pa, sizeof pa, strpbrk(na, "+-/ ") ? "(%s)" : "%s", na);
+        snprintf(pb, sizeof pb, strpbrk(nb, "+-/ ") ? "(%s)" : "%s", nb);
         compose_name(name, "%s*%s", pa, pb);
       }
     }

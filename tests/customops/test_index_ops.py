@@ -9,10 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto as TP
 
-from helpers import const, fused_parity, launch_spec, model, node, rotary, vi
+from helpers import const, flattened, fused_parity, launch_spec, model, node, rotary, vi
 from ortfuse.api import compile_model
 from ortfuse.customops.attrs import read_launch
-from ortfuse.customops.lower import lower
+from ortfuse.customops.lower import dim_factors, lower
 from ortfuse.customops.target import parse_arch
 
 F, H = TP.FLOAT, TP.FLOAT16
@@ -335,25 +335,21 @@ def test_rotary_embedding_is_one_kernel(dt):
     assert len(res.model.graph.node) == 1  # the Shape arithmetic went with the fold
 
 
-def _flattened(s) -> onnx.ModelProto:
-    """SiLU of a sequence-first [s, n, 8] tensor, transposed and flattened to [n * s, 8]."""
-    return model([node("Sigmoid", ["x"], ["g"]), node("Mul", ["x", "g"], ["y"]),
-                  node("Transpose", ["y"], ["t"], perm=[1, 0, 2]), node("Reshape", ["t", "flat"], ["z"])],
-                 [vi("x", F, [s, "n", 8])], [vi("z", F, None)], [const("flat", [-1, 8], I64)])
-
-
-@pytest.mark.parametrize("s", [12, "s"])
-def test_an_output_flattening_run_time_axes(s):
+@pytest.mark.parametrize("s,heads", [(12, 0), ("s", 0), ("s", 3)])
+def test_an_output_flattening_run_time_axes(s, heads):
     """torch's MultiheadAttention (WavLM, Swin's windows): a sequence-first [s, n, c] tensor transposed and
     flattened to [n * s, c] for the out-projection. The kernel's output rows are a product of run-time dims
-    ("12*n", "n*s"), which the node computes (a `sym_products` rule, node format 2)."""
+    ("12*n", "n*s", "3*n*s": one `sym_products` rule per factor after the first, node format 2), which the
+    node computes."""
+    inner = (heads, 8) if heads else (8,)
     for n, s_ in ((3, 12), (1, 12), (0, 12)) if s == 12 else ((3, 7), (2, 1), (0, 4)):
-        res = fused_parity(_flattened(s), None, {"x": (s_, n, 8)}, ["pointwise"])
+        res = fused_parity(flattened(s, heads), None, {"x": (s_, n, *inner)}, ["pointwise"])
     assert len(res.model.graph.node) == 1
     fused = next(x for x in res.model.graph.node if x.domain == "ortfuse")
     spec = read_launch(fused)
-    assert spec.sym_products == (0,) and len(spec.sym_sums) == 1
-    assert spec.output_shapes(spec.dims([(12, 3, 8)])) == [[36, 8]]
+    rules = 2 if heads else 1
+    assert spec.sym_products == tuple(range(rules)) and len(spec.sym_sums) == rules
+    assert spec.output_shapes(spec.dims([(12, 5, *inner)])) == [[12 * 5 * (heads or 1), 8]]
     assert next(a.i for a in fused.attribute if a.name == "ortfuse_version") == 2
 
 
@@ -362,8 +358,18 @@ def test_an_output_flattening_run_time_axes_on_the_cuda_ep():
     """The product rule in the native library: the output's rows, its shape inference and the grid."""
     from ortfuse.check import check_models
 
-    m = _flattened("s")
+    m = flattened("s")
     res = compile_model(m, None, "sm_90")
     for n, s in ((3, 7), (2, 1), (0, 4), (5, 40)):
         rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (s, n, 8)})
         assert rep.ok, "\n".join(rep.lines())
+
+
+@pytest.mark.parametrize("d,factors", [
+    ("79*batch", ["79", "batch"]), ("batch*sequence", ["batch", "sequence"]), ("3*n*s", ["3", "n", "s"]),
+    ("64*floor(h/2)", ["64", "floor(h/2)"]), ("floor(h*2)*3", ["floor(h*2)", "3"]),
+    ("2*p + s", None), ("p + s*2", None), ("w - 1*3", None), ("6*batch/2", None), ("batch", None),
+    ("batch*other", None),
+])
+def test_dim_factors_split_products_at_the_top_level(d, factors):
+    assert dim_factors(d, {"batch", "sequence", "n", "s", "p", "p + s", "floor(h/2)", "floor(h*2)", "w"}) == factors

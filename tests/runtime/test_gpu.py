@@ -176,7 +176,7 @@ def test_register_by_hand_on_a_cuda_session() -> None:
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(ortfuse_version=2), "ortfuse_version 2"),
+    (dict(ortfuse_version=3), "ortfuse_version 3"),
     (dict(entry="no_such_kernel"), "cuModuleGetFunction"),
     (dict(smem=1 << 24), "16777216 bytes of shared memory"),
     (dict(sym_dims=[0]), "odd length"),

@@ -137,6 +137,8 @@ def test_shape_inference_computes_products_from_known_sizes() -> None:
     assert outs["Z"] == [15, 4] and outs["W"] == [100, 4]
     outs = {o.name: o.shape for o in session(plan_model(**PRODUCTS)).get_outputs()}
     assert outs["Z"] == ["N*3", 4] and outs["W"] == ["(N*3+N)*N", 4]  # a factor that is a sum in parentheses
+    outs = {o.name: o.shape for o in session(plan_model(n="w - 1", **PRODUCTS)).get_outputs()}
+    assert outs["Z"] == ["(w - 1)*3", 4] and outs["W"] == ["((w - 1)*3+w - 1)*(w - 1)", 4]
 
 
 def test_shape_inference_names_every_dim_it_cannot_size() -> None:
@@ -518,3 +520,23 @@ def test_a_programmatic_dependent_launch_where_the_kernel_asks_and_the_device_ha
 def test_a_bad_pdl_names_the_node() -> None:
     with pytest.raises(Exception, match="plan_node.*pdl = 2, expected 0 or 1"):
         session(plan_model(pdl=2))
+
+
+def test_a_compiled_node_with_products_through_the_library() -> None:
+    """The compiler's node format 2 read by the native library (the probe op takes the compiled node's
+    attributes): [s, n, 3, 8] flattened to [3 * n * s, 8], two product rules."""
+    from helpers import flattened
+
+    from ortfuse.api import compile_model
+
+    fused = next(x for x in compile_model(flattened("s", 3), None, "sm_90").model.graph.node
+                 if x.domain == "ortfuse")
+    node = onnx.helper.make_node("Plan", list(fused.input), [*fused.output, "P"], name="compiled", domain=PROBE[0])
+    node.attribute.extend(fused.attribute)
+    node.attribute.append(onnx.helper.make_attribute("probe_cc", 90))
+    m = model([node], [vi("x", T.FLOAT, ["s", "n", 3, 8])], [vi(fused.output[0], T.FLOAT, None),
+                                                               vi("P", T.INT64, None)], [PROBE])
+    sess = session(m)
+    assert sess.get_outputs()[0].shape == ["3*n*s", 8]
+    z, plan = sess.run(None, {"x": np.ones((7, 2, 3, 8), np.float32)})
+    assert z.shape == (42, 8) and list(plan[6:10]) == [7, 2, 6, 42]
