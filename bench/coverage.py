@@ -99,6 +99,13 @@ def _torch_decoder(name: str) -> Callable[[], tuple[Any, dict]]:
     return make
 
 
+def _fixed(make: Callable[[], tuple[Any, dict]], **shapes: tuple) -> Callable[[], tuple[Any, dict]]:
+    """`make`, optimized with these input shapes fixed (`--input-shape`, names for the dims left symbolic): a
+    model that only runs at one size of a dim its export left symbolic."""
+    make.fixed = shapes  # type: ignore[attr-defined]
+    return make
+
+
 def _at(make: Callable[[], tuple[Any, dict]], **shapes: tuple[int, ...]) -> Callable[[], tuple[Any, dict]]:
     """`make`, whose export only runs at these input shapes (traced constants): the check feeds them."""
     make.shapes = shapes  # type: ignore[attr-defined]
@@ -271,8 +278,9 @@ MODELS: dict[str, Callable[[], tuple[Any, dict]]] = {
     "sew": _audio("SEWConfig", "SEWModel", "input_values", (2, 800), **_AUDIO, squeeze_factor=2),
     "unispeech": _audio("UniSpeechConfig", "UniSpeechModel", "input_values", (2, 800), **_AUDIO),
     "torchvision_vit": _torch("torchvision_vit"),  # nn.MultiheadAttention, as torchvision's ViT uses it
-    # OpenAI CLIP's own text tower: sequence-first nn.MultiheadAttention, a causal mask of its fixed context
-    "clip_text_openai": _at(_torch("clip_text_openai"), input_ids=(2, 16)),
+    # OpenAI CLIP's own text tower: sequence-first nn.MultiheadAttention, a causal mask of its fixed context,
+    # which the sequence must equal (optimized as `--input-shape input_ids:batchx16`)
+    "clip_text_openai": _fixed(_at(_torch("clip_text_openai"), input_ids=(2, 16)), input_ids=("batch", 16)),
     "glpn": _image("GLPNConfig", "GLPNForDepthEstimation", 64, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
                    hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
                    mlp_ratios=[2, 2], decoder_hidden_size=16),
@@ -431,7 +439,7 @@ def run(name: str, dtype: str, path: Path) -> Row:
 
     t0 = time.perf_counter()
     try:
-        res = compile_model(str(path), None, "sm_90")
+        res = compile_model(str(path), getattr(_source(name), "fixed", None), "sm_90")
     except Exception as e:  # noqa: BLE001 -- a row, not a crash of the sweep
         return Row(name, dtype, parity=f"FAIL: optimize: {type(e).__name__}: {e}"[:200],
                    seconds=time.perf_counter() - t0)
