@@ -267,6 +267,21 @@ def output_view(g: Graph, nodes: set[int], t: str, space: tuple[Dim, ...]) -> bo
 _VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})  # keep the elements' row-major order
 
 
+def without_trailing_views(g: Graph, nodes: frozenset[int]) -> Optional[frozenset[int]]:
+    """`nodes` without the view ops (Reshape, Squeeze, ...) they end with, read by none of them, where that
+    leaves a non-empty group that is not only layout ops; else None."""
+    rest = set(nodes)
+    while True:
+        ends = {i for i in rest if g.nodes[i].op_type in _VIEW_OPS and not any(
+            c in rest for o in g.nodes[i].output if o for c in g.consumers.get(o, ()))}
+        if not ends:
+            break
+        rest -= ends
+    if rest == set(nodes) or not rest or all(ops.kind_of(g.nodes[i].op_type) == "layout" for i in rest):
+        return None
+    return frozenset(rest)
+
+
 def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
     """(data inputs in first-use order, outputs) of a group. Scalar constants become literals."""
     produced = {o for i in nodes for o in g.nodes[i].output if o}

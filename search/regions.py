@@ -273,11 +273,12 @@ def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_f
                     stack.extend(group_of[p])
         return a
 
-    def merge(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]] = None) -> bool:
+    def merge(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]] = None,
+              quiet: bool = False) -> bool:
         closed = closure(set(a))
         if closed != a and attempt(closed, label, pays, quiet=True):
             return True
-        return attempt(a, label, pays)
+        return attempt(a, label, pays, quiet)
 
     def attempt(a: set[int], label: str, pays: Optional[Callable[[Region], Optional[str]]],
                 quiet: bool = False) -> bool:
@@ -354,8 +355,21 @@ def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_f
             if grp is None or i in grp:
                 continue
             offered.add(i)
-            merge(set(group_of[i] | grp), f"{g.node_label(i)} + epilogue at {g.node_label(c)}",
-                  beats_split(grp, group_of[i] if i in claimed_folds else None))
+            label, mine = f"{g.node_label(i)} + epilogue at {g.node_label(c)}", group_of[i] if i in claimed_folds else None
+            peeled = legal.without_trailing_views(g, grp)
+            if merge(set(group_of[i] | grp), label, beats_split(grp, mine), quiet=peeled is not None) \
+                    or peeled is None:
+                continue
+            # the group without the Reshapes it ends with (a GEMM stores its own space; ORT aliases a view),
+            # which join it where they flatten run-time axes (`sym_products`): OPT's residual Adds before its
+            # [batch * sequence, hidden] view
+            for n in grp:
+                group_of[n] = peeled if n in peeled else frozenset((n,))
+            if not merge(set(group_of[i] | peeled), f"{label}, its trailing views left to ORT",
+                         beats_split(peeled, mine)):
+                for n in grp:
+                    group_of[n] = grp
+                merge(set(group_of[i] | grp), label, beats_split(grp, mine))  # (refused again: the reason kept)
 
     def pointwise_space(grp: frozenset[int]) -> Optional[tuple]:
         r = legal.classify(g, set(grp))

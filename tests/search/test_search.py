@@ -462,3 +462,23 @@ def test_a_plan_lowers_each_candidate_once(monkeypatch):
         return check
     g2 = build_graph(m, shapes)
     assert plan(g2, for_cc(90), check=unremembered(for_cc(90), False)).regions == p.regions
+
+
+def test_a_gemm_epilogue_leaves_the_view_its_group_ends_with():
+    """OPT: the out-projection, its bias and the residual Add, then a Reshape to [batch * sequence, hidden]
+    before the next projections. The Adds and the Reshape form one group (a product of run-time dims is a
+    kernel's output dim since `sym_products`); the GEMM stores its own space, so it takes the Adds and leaves
+    the Reshape to ORT, which aliases it (before, it took neither, and cuBLAS plus a separate kernel ran)."""
+    from helpers import fused_parity
+
+    rng = np.random.default_rng(5)
+    w = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float16)  # noqa: E731
+    m = model([node("MatMul", ["x", "w1"], ["p"]), node("Add", ["p", "b1"], ["pb"]), node("Add", ["pb", "x"], ["r"]),
+               node("Reshape", ["r", "flat"], ["rf"]), node("MatMul", ["rf", "w2"], ["y"])],
+              [vi("x", TP.FLOAT16, ["batch", "sequence", 64])], [vi("y", TP.FLOAT16, None)],
+              [const("w1", w(64, 64), np.float16), const("b1", w(64), np.float16),
+               const("flat", [-1, 64], np.int64), const("w2", w(64, 48), np.float16)])
+    res = fused_parity(m, None, {"x": (2, 7, 64)}, ["gemm"])  # (the last MatMul, epilogue-free, is cuBLAS's)
+    ops_of = [" ".join(res.graph.nodes[i].op_type for i in r.nodes) for r in res.plan.regions]
+    assert ops_of == ["MatMul Add Add"], ops_of
+    assert any(n.op_type == "Reshape" for n in res.model.graph.node)
