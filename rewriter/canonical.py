@@ -47,7 +47,7 @@ from onnx import numpy_helper
 
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.attrs import attr
-from ortfuse.rewriter.constant_cones import connected_groups, constant_cone, draws
+from ortfuse.rewriter.constant_cones import connected_groups, constant_cone, draws, fixed_constant
 from ortfuse.rewriter.graph import Dim, Graph, TensorInfo
 from ortfuse.rewriter.shapes import assemble, dim_names, merge_tainted, merged_sizes
 
@@ -485,7 +485,7 @@ def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optio
         return None
     if node.op_type == "Slice":
         return _sliced_shape(g, node, _static_dims(g, src, merged))
-    if node.input[1] not in g.constants or attr(node, "axis", 0) != 0:
+    if not fixed_constant(g, node.input[1]) or attr(node, "axis", 0) != 0:
         return None
     dims = _static_dims(g, src, merged)
     idx = np.asarray(g.constants[node.input[1]])
@@ -498,7 +498,7 @@ def _shape_read(g: Graph, node: onnx.NodeProto, merged: frozenset[int]) -> Optio
 def vector_slice(g: Graph, node: onnx.NodeProto) -> Optional[slice]:
     """Slice(v, [start], [end][, [0]][, [1]]) of a 1-D tensor (a shape) with constant arguments, as the Python
     slice that picks the same entries (ONNX clamps a unit-step Slice's bounds as Python does); else None."""
-    args = [np.asarray(g.constants[x]).reshape(-1) if x in g.constants else None for x in node.input[1:5]]
+    args = [np.asarray(g.constants[x]).reshape(-1) if fixed_constant(g, x) else None for x in node.input[1:5]]
     if len(node.input) < 3 or any(a is None or a.size != 1 or a.dtype.kind not in "iu"
                                   for x, a in zip(node.input[1:5], args) if x):
         return None
@@ -543,7 +543,7 @@ def fold_small_values(g: Graph) -> tuple[Graph, int]:
                 known[outs[0]] = v
                 continue
         args = {x: known[x] if x in known else np.asarray(g.constants[x]) for x in dict.fromkeys(n.input)
-                if x and (x in known or x in g.constants)}
+                if x and (x in known or fixed_constant(g, x))}  # (not an initializer a user may feed)
         if len(args) != len({x for x in n.input if x}):
             continue
         res = _run_nodes([n], args, list(n.output), g.opset)

@@ -18,19 +18,23 @@ def draws(op_type: str) -> bool:
     return op_type.startswith("Random") or op_type in _NONDETERMINISTIC
 
 
+def fixed_constant(g: Graph, x: str) -> bool:
+    """A constant a user cannot feed another value for: from IR 4, an initializer not listed as a graph input
+    (in IR 3 every initializer is listed, and ORT folds them all)."""
+    return x in g.constants and not (g.model.ir_version >= 4 and g.fed(x))
+
+
 def constant_cone(g: Graph, admit: Callable[[onnx.NodeProto], bool] = lambda n: True) -> list[int]:
     """Nodes (topological order) of the default domain, with inputs and outputs, that draw no random value, hold
-    no subgraph and read only fixed constants or tensors such nodes make; `admit` refuses more (the cone ends
-    at a node it refuses). Fixed: an initializer a user cannot feed (from IR 4, one not listed as a graph input;
-    in IR 3 every initializer is listed, and ORT folds them all)."""
-    overridable = g.fed if g.model.ir_version >= 4 else (lambda _: False)
+    no subgraph and read only fixed constants (`fixed_constant`) or tensors such nodes make; `admit` refuses
+    more (the cone ends at a node it refuses)."""
     made: set[str] = set()
     nodes: list[int] = []
     for i, n in enumerate(g.nodes):
         ins = [x for x in n.input if x]
         if n.domain not in ("", "ai.onnx") or not any(n.output) or not ins or draws(n.op_type) \
                 or _proto.has_subgraph(n) or not admit(n) \
-                or not all(x in made or (x in g.constants and not overridable(x)) for x in ins):
+                or not all(x in made or fixed_constant(g, x) for x in ins):
             continue
         nodes.append(i)
         made.update(o for o in n.output if o)

@@ -268,17 +268,18 @@ _VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})  # keep th
 
 
 def without_trailing_views(g: Graph, nodes: frozenset[int]) -> Optional[frozenset[int]]:
-    """`nodes` without the view ops (Reshape, Squeeze, ...) they end with, read by none of them, that flatten
-    run-time axes together (an output dim such as "batch*sequence", which a kernel writes since
-    `sym_products`: before, such a view never joined the group), where that leaves a non-empty group that is
-    not only layout ops; else None."""
-    def flattens(i: int) -> bool:
-        shape = g.tensors[g.nodes[i].output[0]].shape if g.nodes[i].output[0] in g.tensors else None
-        return any(isinstance(d, str) and "*" in d for d in shape or ())
+    """`nodes` without the view ops (Reshape, Squeeze, ...) they end with, read by none of them, whose outputs
+    have a product of run-time dims ("batch*sequence", "16*batch": blocks that flatten the batch with the
+    sequence or the windows, whose views are a kernel's outputs since `sym_products`), where that leaves a
+    non-empty group that is not only layout ops; else None. (Only those: peeling any view was estimated 4.7%
+    slower on Funnel, whose GEMMs, once they take their bias, are no longer padded to aligned rows.)"""
+    def product_out(i: int) -> bool:
+        out = g.tensors.get(g.nodes[i].output[0])
+        return out is not None and any(isinstance(d, str) and "*" in d for d in out.shape or ())
 
     rest = set(nodes)
     while True:
-        ends = {i for i in rest if g.nodes[i].op_type in _VIEW_OPS and flattens(i) and not any(
+        ends = {i for i in rest if g.nodes[i].op_type in _VIEW_OPS and product_out(i) and not any(
             c in rest for o in g.nodes[i].output if o for c in g.consumers.get(o, ()))}
         if not ends:
             break

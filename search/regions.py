@@ -238,12 +238,13 @@ def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_f
     plain, _ = _phases(g, cost, check, folds, attention, list(refusals), False)
     times = cost.plan_times(g, peeling, plain)
     if cost.pays(times):
-        chosen, how = peeling, (f"each takes its group without the views it ends with (left to ORT): the whole "
-                                f"model estimated at {cost.figures(times)} without that")
+        chosen, how = peeling, (f"taken without the views they end with (left to ORT): the whole model estimated "
+                                f"at {cost.figures(times)} without that")
     else:
-        chosen, how = plain, (f"none takes a group without the views it ends with: the whole model estimated at "
+        chosen, how = plain, (f"not taken without the views they end with: the whole model estimated at "
                               f"{cost.figures([(w, b, a) for w, a, b in times])} with that")
-    return dataclasses.replace(chosen, refusals=chosen.refusals + (Reject(f"{peels} GEMM epilogues", how),))
+    where = f"{peels} group{'s' if peels > 1 else ''} of GEMM epilogues"
+    return dataclasses.replace(chosen, refusals=chosen.refusals + (Reject(where, how),))
 
 
 def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"],
@@ -377,8 +378,10 @@ def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold
             if grp is None or i in grp:
                 continue
             offered.add(i)
-            label, mine = f"{g.node_label(i)} + epilogue at {g.node_label(c)}", group_of[i] if i in claimed_folds else None
-            peeled = legal.without_trailing_views(g, grp) if peel else None
+            label = f"{g.node_label(i)} + epilogue at {g.node_label(c)}"
+            mine = group_of[i] if i in claimed_folds else None
+            peeled = legal.without_trailing_views(g, grp) \
+                if peel and not any(conv.is_anchor(g, g.nodes[n]) for n in grp) else None
             if merge(set(group_of[i] | grp), label, beats_split(grp, mine), quiet=peeled is not None) \
                     or peeled is None:
                 continue
@@ -387,8 +390,7 @@ def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold
             # [batch * sequence, hidden] view
             for n in grp:
                 group_of[n] = peeled if n in peeled else frozenset((n,))
-            if merge(set(group_of[i] | peeled), f"{label}, its trailing views left to ORT",
-                     beats_split(peeled, mine)):
+            if merge(set(group_of[i] | peeled), label, beats_split(peeled, mine), quiet=True):
                 peels += 1
                 continue
             for n in grp:

@@ -959,3 +959,15 @@ def test_a_chain_on_an_expanded_scalar_moves_before_the_expand():
     assert bypassed == 1 and [x.op_type for x in g.nodes] == ["Add"]
     feeds = {"x": np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)}
     np.testing.assert_allclose(_cpu(g.model, feeds)[0], _cpu(m, feeds)[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("ir,listed,folded", [(8, True, 0), (8, False, 1), (3, True, 1)])
+def test_small_values_of_initializers_a_user_may_feed_stay(ir, listed, folded):
+    """An initializer listed as a graph input (IR 4 on) may be fed another value at run time: a small value
+    computed from it (a Reshape target) is not folded. In IR 3 every initializer is listed and fixed."""
+    m = model([node("Add", ["c", "c"], ["s"]), node("Reshape", ["x", "s"], ["y"])],
+              [vi("x", TP.FLOAT, [2, 4]), *([vi("c", TP.INT64, [2])] if listed else [])], [vi("y", TP.FLOAT, None)],
+              [const("c", [1, 4], np.int64)])
+    m.ir_version = ir
+    g, n = fold_small_values(build_graph(m, {}))
+    assert n == folded and [x.op_type for x in g.nodes] == (["Reshape"] if folded else ["Add", "Reshape"])

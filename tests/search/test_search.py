@@ -482,3 +482,22 @@ def test_a_gemm_epilogue_leaves_the_view_its_group_ends_with():
     ops_of = [" ".join(res.graph.nodes[i].op_type for i in r.nodes) for r in res.plan.regions]
     assert ops_of == ["MatMul Add Add"], ops_of
     assert any(n.op_type == "Reshape" for n in res.model.graph.node)
+
+
+def test_only_views_to_products_of_run_time_dims_are_peeled():
+    """`legal.without_trailing_views` drops the views a group ends with whose outputs have a product of run-time
+    dims (a flattening, or a split of a flattened axis), not a view without one (a Squeeze), nor a group's
+    only non-layout content."""
+    from ortfuse.search import legal
+
+    m = model([node("Reshape", ["x", "flat"], ["xf"]), node("Relu", ["xf"], ["r"]),
+               node("Reshape", ["r", "heads"], ["rh"]), node("Sigmoid", ["x"], ["s"]),
+               node("Reshape", ["s", "flat"], ["sf"]), node("Neg", ["x"], ["n"]), node("Squeeze", ["n", "ax"], ["nq"])],
+              [vi("x", TP.FLOAT, ["batch", "sequence", 1, 64])], [vi(t, TP.FLOAT, None) for t in ("rh", "sf", "nq")],
+              [const("flat", [-1, 64], np.int64), const("heads", [-1, 4, 16], np.int64), const("ax", [2], np.int64)])
+    g = build_graph(m, {})
+    assert g.tensors["sf"].shape == ("batch*sequence", 64) and g.tensors["rh"].shape[0] == "batch*sequence"
+    assert legal.without_trailing_views(g, frozenset({3, 4})) == frozenset({3})  # Sigmoid, then the flattening
+    assert legal.without_trailing_views(g, frozenset({1, 2})) == frozenset({1})  # Relu, then a split of it
+    assert legal.without_trailing_views(g, frozenset({5, 6})) is None  # Neg, then a Squeeze
+    assert legal.without_trailing_views(g, frozenset({0})) is None  # a view alone
