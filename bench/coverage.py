@@ -382,6 +382,7 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
     paths = {"fp32": fp32}
     if "fp16" in dtypes:
         half = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=False)
+        _drop_repeated_nodes(half)
         sort_nodes(half.graph)
         paths["fp16"] = folder / f"{name}-fp16.onnx"
         onnx.save_model(half, str(paths["fp16"]))
@@ -389,6 +390,22 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
         paths["bf16"] = folder / f"{name}-bf16.onnx"
         onnx.save_model(to_bf16(onnx.load(str(fp32))), str(paths["bf16"]))
     return paths
+
+
+def _drop_repeated_nodes(m: Any) -> None:
+    """Keep one of identical nodes: onnxruntime's float16 converter writes the Cast it puts before a node kept
+    in fp32 once per such reader of a tensor, under one name (DPT's torch.export: three `val_302_cast_to_fp32`
+    Casts), which neither onnx's checker nor ORT accepts."""
+    seen: set[bytes] = set()
+    kept = []
+    for n in m.graph.node:
+        key = n.SerializeToString()
+        if key not in seen:
+            seen.add(key)
+            kept.append(n)
+    if len(kept) < len(m.graph.node):
+        del m.graph.node[:]
+        m.graph.node.extend(kept)
 
 
 def _rename_dims(path: Path, names: dict[str, str]) -> None:

@@ -186,3 +186,18 @@ def test_sequence_first_multihead_attention(tmp_path):
     assert coverage.main(["--models", "wavlm", "--dtypes", "fp32", "--out", str(out)]) == 0
     cells = _cells(out, "wavlm")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
+
+
+def test_repeated_nodes_of_the_fp16_converter_are_dropped():
+    # onnxruntime's float16 converter can write one Cast several times under one name (DPT's torch.export)
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    cast = helper.make_node("Cast", ["x"], ["xc"], name="c", to=TP.FLOAT)
+    m = helper.make_model(helper.make_graph([cast, cast, helper.make_node("Relu", ["xc"], ["y"]), cast], "g",
+                                            [helper.make_tensor_value_info("x", TP.FLOAT16, [2])],
+                                            [helper.make_tensor_value_info("y", TP.FLOAT, [2])]))
+    coverage._drop_repeated_nodes(m)
+    assert [n.op_type for n in m.graph.node] == ["Cast", "Relu"]
+    onnx.checker.check_model(m)
