@@ -347,8 +347,8 @@ class _Lowerer:
 
     @property
     def num_dims(self) -> int:
-        """Runtime dims: those bound from input shapes, then the derived ones, then the sums (which `dim` and
-        `encode` add as they meet them)."""
+        """Runtime dims: those bound from input shapes, then the derived ones, then the sums and products
+        (which `dim` and `encode` add as they meet them)."""
         return len(self.sym_pairs) + len(self.derived) + len(self.sums)
 
     def hint(self, d: Dim) -> int:

@@ -230,8 +230,8 @@ def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_f
                attention: list[Region], refusals: list[Reject]) -> Plan:
     """The phases after attention, with `attention`'s regions taken. Where a GEMM took a group without the
     views it ends with (`_phases`), the phases run again without that and the whole-model estimate decides:
-    the views' group may merge on with others instead (Funnel's relative-position terms: 4.7% better
-    estimated without, OPT fp16's residual Adds 5.5% worse)."""
+    the rest of the group may do better merged on with other groups, through the views (OPT fp16's residual
+    Adds were 5.5% slower in the estimate without the peel)."""
     peeling, peels = _phases(g, cost, check, folds, attention, list(refusals), True)
     if not peels:
         return peeling
