@@ -480,6 +480,9 @@ def run(name: str, dtype: str, path: Path) -> Row:
             dims = [d.dim_value or default_dim(d.dim_param) for d in first.type.tensor_type.shape.dim]
             parity = checked([{**b, first.name: [1, *(b.get(first.name) or dims)[1:]]} for b in bindings])
             parity += " at batch 1 (ORT cannot run the export at batch 2)" if parity == "ok" else ""
+    except InputError as e:  # ORT cannot load or run the export itself (at batch 1 either): nothing to compare
+        parity = f"not checked: {e}"[:200]  # with (ORT 1.31.1 at opset 23: no RandomUniformLike(22), an Attention
+        # mask broadcast over the queries refused)
     except Exception as e:  # noqa: BLE001 -- ORT could not run a model: a FAIL row, the sweep goes on
         parity = f"FAIL: check: {type(e).__name__}: {e}"[:200]
     return Row(name, dtype, ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())),

@@ -204,6 +204,20 @@ def test_check_reports_shapes_the_original_cannot_run(tmp_path, capsys):
     assert main(["check", str(src), str(dst), "--input-shape", "x:4x4", "--emulate"]) == 0
 
 
+def test_check_reports_a_model_ort_cannot_load(tmp_path, capsys):
+    # ORT 1.31 has no RandomUniformLike at opset 22 (torch.export's ViT-MAE at opset 23): there is no reference
+    # to compare with, which check says in one line about the input, not as a parity failure
+    m = model([node("RandomUniformLike", ["x"], ["r"], seed=1.0), node("Add", ["x", "r"], ["y"])],
+              [vi("x", TP.FLOAT, [2, 4])], [vi("y", TP.FLOAT, None)], opset=22)
+    src, dst = _save(m, tmp_path / "r.onnx"), tmp_path / "o.onnx"
+    assert main(["optimize", str(src), str(dst)]) == 0
+    capsys.readouterr()
+    assert main(["check", str(src), str(dst)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ortfuse: error: ORT cannot load {src}")
+    assert "RandomUniformLike" in err[0]
+
+
 def test_ln_fold_switch(tmp_path, monkeypatch, capsys):
     # a pre-LN fp16 block: --ln-fold on folds gamma into the weight (a new initializer), off leaves it;
     # a bad ORTFUSE_LN_FOLD is one line and exit 2
