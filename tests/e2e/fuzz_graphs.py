@@ -369,8 +369,10 @@ class _Builder:
             if mode == "reflect":
                 lim[1] = min(1, c - 1)  # ORT refuses a reflect pad of a 1-wide axis (seed 600: one channel)
             pads = [int(self.rng.integers(0, lim[i % 4] + 1)) for i in range(8)]
-            if mode == "constant" and self.rng.random() < 0.3:  # a crop on a spatial side
-                pads[int(self.rng.choice([2, 3, 6, 7]))] = -1
+            if mode == "constant" and self.rng.random() < 0.3:  # a crop on a spatial side, never of a whole
+                side = int(self.rng.choice([2, 3, 6, 7]))  # axis (seed 1208: a Conv then read an empty image,
+                if s[side % 4] + pads[side % 4] + pads[side % 4 + 4] - pads[side] - 1 >= 1:  # which ORT refuses)
+                    pads[side] = -1
             ins = [x, self.const(np.array(pads), "pads", np.int64)]
             if mode == "constant":
                 ins.append(self.const(np.array(float(self.rng.choice([0.0, 0.25, -1.5])))))
