@@ -4,7 +4,8 @@ ShuffleNetV2, DenseNet, a diffusion UNet's blocks and a nanoGPT-style decoder. R
 `ortfuse.bench.coverage`."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -342,6 +343,18 @@ class LegacyGpt2(nn.Module):
         return {"logits": self.lm_head(self.ln_f(x)), **out}
 
 
+@contextlib.contextmanager
+def _mha_slow_path() -> Iterator[None]:
+    """nn.MultiheadAttention as exported with gradients on: the coverage sweep traces under no_grad, where it
+    takes its fused fast path, which the TorchScript exporter refuses."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
 class _MhaBlock(nn.Module):
     """torchvision's ViT encoder block: LayerNorm, nn.MultiheadAttention (batch first, packed in-projection),
     residual, LayerNorm, GELU MLP, residual."""
@@ -372,16 +385,10 @@ class TorchvisionVit(nn.Module):
         self.ln = nn.LayerNorm(d)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        # as exported with gradients on (the coverage sweep traces under no_grad, where nn.MultiheadAttention
-        # takes its fused fast path, which the TorchScript exporter refuses)
-        fast = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
-        try:
+        with _mha_slow_path():
             x = self.conv_proj(pixel_values).flatten(2).transpose(1, 2)
             x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
             return self.ln(self.layers(x))[:, 0]
-        finally:
-            torch.backends.mha.set_fastpath_enabled(fast)
 
 
 class _QuickGelu(nn.Module):
@@ -423,15 +430,11 @@ class ClipTextOpenai(nn.Module):
         self.text_projection = nn.Parameter(torch.randn(d, d) * d ** -0.5)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        fast = torch.backends.mha.get_fastpath_enabled()  # (as TorchvisionVit: the exporter refuses the fast path)
-        torch.backends.mha.set_fastpath_enabled(False)
-        try:
+        with _mha_slow_path():
             x = self.token_embedding(input_ids) + self.positional_embedding
             x = self.blocks(x.permute(1, 0, 2)).permute(1, 0, 2)
             x = self.ln_final(x)
             return x[torch.arange(x.shape[0]), input_ids.argmax(dim=-1)] @ self.text_projection
-        finally:
-            torch.backends.mha.set_fastpath_enabled(fast)
 
 
 def _randomized(net: nn.Module) -> nn.Module:

@@ -10,6 +10,13 @@ pytest.importorskip("transformers")
 from ortfuse.bench import coverage  # noqa: E402
 
 
+def _swept(tmp_path, *args: str):
+    """The table file of a sweep with these arguments (the sweep passing)."""
+    out = tmp_path / "coverage.md"
+    assert coverage.main([*args, "--out", str(out)]) == 0
+    return out
+
+
 def _cells(out, name: str) -> list[str]:
     """The cells of model `name`'s first row in the sweep's table at `out`."""
     row = next(line for line in out.read_text().splitlines() if line.startswith(f"| {name} |"))
@@ -17,8 +24,7 @@ def _cells(out, name: str) -> list[str]:
 
 
 def test_one_architecture_end_to_end(tmp_path, capsys):
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "distilbert", "--dtypes", "fp16", "bf16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "distilbert", "--dtypes", "fp16", "bf16")
     rows = [line for line in out.read_text().splitlines() if line.startswith("| distilbert")]
     assert len(rows) == 2
     half, bf16 = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
@@ -30,16 +36,14 @@ def test_a_failed_export_is_a_row(monkeypatch, tmp_path):
     def broken():
         raise AttributeError("module 'transformers' has no attribute 'NoSuchConfig'")
     monkeypatch.setitem(coverage.MODELS, "distilbert", broken)
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "distilbert", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "distilbert")
     assert "export failed: AttributeError" in out.read_text()
 
 
 def test_a_decoder_with_a_kv_cache(tmp_path):
     # past keys and values in, present ones out, the mask over "past_sequence + sequence": checked after a past
     # of 8 at 8 new tokens and at one (a generation step)
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "gpt2_past", "--dtypes", "fp16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "gpt2_past", "--dtypes", "fp16")
     cells = _cells(out, "gpt2_past")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
 
@@ -47,8 +51,7 @@ def test_a_decoder_with_a_kv_cache(tmp_path):
 def test_a_plain_pytorch_architecture(tmp_path):
     # bench/torch_nets.py: a YOLOv8-style detector (C2f Split/Concat, SPPF MaxPools, an FPN Upsample + Concat,
     # the DFL head's Softmax over bins), its Conv + BatchNorm + SiLU layers our GEMM kernels
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "yolo", "--dtypes", "fp16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "yolo", "--dtypes", "fp16")
     cells = _cells(out, "yolo")
     assert cells[5] == "ok" and "gemm" in cells[2], cells
 
@@ -56,8 +59,7 @@ def test_a_plain_pytorch_architecture(tmp_path):
 def test_a_model_orts_optimizer_fused_first(tmp_path):
     # distilbert through onnxruntime.transformers' optimizer: BiasGelu and SkipLayerNormalization in the input,
     # written as standard ops and fused as in the raw export's row
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "distilbert_ortopt", "--dtypes", "fp16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "distilbert_ortopt", "--dtypes", "fp16")
     cells = _cells(out, "distilbert_ortopt")
     assert cells[5] == "ok" and "4 gemm" in cells[2] and cells[4] == "2 / 2", cells
 
@@ -106,8 +108,7 @@ def test_torch_export_of_a_decoder_with_a_kv_cache(tmp_path):
     # the mask's dim, named "total_sequence" for torch.export, is renamed "past_sequence + sequence" so the
     # check feeds it past + new tokens
     pytest.importorskip("onnxscript")
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "llama_past", "--exporter", "dynamo", "--dtypes", "fp32", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "llama_past", "--exporter", "dynamo", "--dtypes", "fp32")
     cells = _cells(out, "llama_past")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
 
@@ -139,8 +140,7 @@ def test_gpt2_as_it_was_exported_before_its_masking_utilities(tmp_path):
     # time from Sk - Sq and the (1 - mask) * lowest padding still give each attention kernel its bottom-right
     # frontier (customops/key_bound.py); the row checks parity at a prompt after a past and at a step
     from ortfuse.api import compile_model
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "gpt2_legacy_past", "--dtypes", "fp16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "gpt2_legacy_past", "--dtypes", "fp16")
     cells = _cells(out, "gpt2_legacy_past")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
     res = compile_model(coverage.export("gpt2_legacy_past", tmp_path, ("fp16",))["fp16"], None, "sm_90")
@@ -151,8 +151,7 @@ def test_gpt2_as_it_was_exported_before_its_masking_utilities(tmp_path):
 def test_sam_windows_over_merged_expressions(tmp_path):
     # SAM's window un-partition slices padded windows back to the image: shape inference merges Min(8, minted)
     # into 8, which once made every tensor suspect and left both attentions (and all shape arithmetic) to ORT
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "sam_vision", "--dtypes", "fp16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "sam_vision", "--dtypes", "fp16")
     cells = _cells(out, "sam_vision")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
     assert int(cells[3].split("->")[1]) < 80, cells
@@ -162,8 +161,7 @@ def test_a_model_that_draws_and_one_with_cones_ort_folds(tmp_path):
     # ViT-MAE draws its masking noise on every call (the check seeds both models alike); BEiT's relative-position
     # index and bias come from constants alone, which ORT folds when a session starts: no kernel of ours
     # computes them (no pointwise region), and parity holds
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "vit_mae", "beit", "--dtypes", "fp32", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "vit_mae", "beit", "--dtypes", "fp32")
     mae, beit = _cells(out, "vit_mae"), _cells(out, "beit")
     assert mae[4] == "2 / 2" and mae[5] == "ok", mae
     assert beit[4] == "2 / 2" and beit[5] == "ok" and "pointwise" not in beit[2], beit
@@ -173,8 +171,7 @@ def test_torch_multihead_attention(tmp_path):
     # torchvision's ViT: nn.MultiheadAttention unflattens its packed projection to a target whose Slice bounds
     # come from a Mod of constants; shape inference leaves the heads without a size until the folds make those
     # constant and it runs again. Its fp16 model also made ORT's CPU EP crash at ORT_ENABLE_ALL (check's sessions)
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "torchvision_vit", "--dtypes", "fp16", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "torchvision_vit", "--dtypes", "fp16")
     cells = _cells(out, "torchvision_vit")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
 
@@ -182,8 +179,7 @@ def test_torch_multihead_attention(tmp_path):
 def test_sequence_first_multihead_attention(tmp_path):
     # WavLM runs torch's multi_head_attention_forward (sequence first, a gated relative position bias): its output
     # is flattened to [79 * batch, embed] for the out-projection, a product of run-time dims the node computes
-    out = tmp_path / "coverage.md"
-    assert coverage.main(["--models", "wavlm", "--dtypes", "fp32", "--out", str(out)]) == 0
+    out = _swept(tmp_path, "--models", "wavlm", "--dtypes", "fp32")
     cells = _cells(out, "wavlm")
     assert cells[4] == "2 / 2" and cells[5] == "ok", cells
 
