@@ -298,12 +298,23 @@ ORT_OPTIMIZED: dict[str, tuple[str, str, int, int]] = {  # source, model type, n
     "bart_ortopt": ("bart", "bart", 4, 64), "mistral_ortopt": ("mistral", "gpt2", 4, 64),
     "gpt2_past_ortopt": ("gpt2_past", "gpt2", 4, 64),
 }
-NAMES = [*MODELS, *ORT_OPTIMIZED]
+# Rows of models quantized by onnxruntime.quantization, as users quantize for ORT: `int8`, weights to int8 and
+# activations quantized at run time (quantize_dynamic: MatMulInteger, DynamicQuantizeLinear); `qdq`, static int8
+# QuantizeLinear/DequantizeLinear pairs around every op, per-channel weights, calibrated on one random batch
+# (quantize_static, QDQ format); `int4`, 4-bit block-quantized MatMul weights (MatMulNBitsQuantizer: ORT's
+# MatMulNBits), of the fp32 and the fp16 model. The Q/DQ ops and ORT's quantized ops stay ORT's; the rows show
+# what fuses around them, and that the rest stays the same function.
+QUANTIZED: dict[str, tuple[str, str]] = {  # source, method
+    "roberta_int8": ("roberta", "int8"), "roberta_qdq": ("roberta", "qdq"), "mistral_qdq": ("mistral", "qdq"),
+    "mistral_int4": ("mistral", "int4"), "llama_past_int4": ("llama_past", "int4"),
+}
+NAMES = [*MODELS, *ORT_OPTIMIZED, *QUANTIZED]
 
 
 def _source(name: str) -> Callable[[], tuple[Any, dict]]:
-    """The model maker of `name` (of its source model for an `_ortopt` row)."""
-    return MODELS[ORT_OPTIMIZED[name][0] if name in ORT_OPTIMIZED else name]
+    """The model maker of `name` (of its source model for an `_ortopt` or quantized row)."""
+    return MODELS[ORT_OPTIMIZED[name][0] if name in ORT_OPTIMIZED else QUANTIZED[name][0] if name in QUANTIZED
+                  else name]
 
 
 @dataclass(frozen=True)
@@ -341,6 +352,8 @@ def export(name: str, folder: Path, dtypes: Sequence[str] = ("fp32", "fp16"),
 
     if name in ORT_OPTIMIZED:
         return _ort_optimized(name, folder, dtypes, opset, exporter)
+    if name in QUANTIZED:
+        return _quantized(name, folder, dtypes, opset, exporter)
     import torch
 
     torch.manual_seed(0)
@@ -444,6 +457,43 @@ def _ort_optimized(name: str, folder: Path, dtypes: Sequence[str], opset: Option
     return paths
 
 
+def _quantized(name: str, folder: Path, dtypes: Sequence[str], opset: Optional[int], exporter: str) -> dict[str, Path]:
+    """The source model quantized as QUANTIZED says: fp32 for int8 and qdq (ORT's quantizers take fp32), fp32
+    and fp16 for int4."""
+    import onnx
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
+                                          quantize_static)
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from ortfuse.feeds import random_feeds
+
+    source, method = QUANTIZED[name]
+    wanted = [d for d in ("fp32", "fp16") if d in dtypes and (d == "fp32" or method == "int4")]
+    made = {d: folder / f"{source}-{d}.onnx" for d in wanted}  # the source's own rows exported them, when they ran
+    if not all(p.exists() for p in made.values()):
+        made = export(source, folder, wanted, opset, exporter)
+    paths = {}
+    for dtype in wanted:
+        paths[dtype] = folder / f"{name}-{dtype}.onnx"
+        if method == "int8":
+            quantize_dynamic(str(made[dtype]), str(paths[dtype]), weight_type=QuantType.QInt8)
+        elif method == "qdq":
+            class OneBatch(CalibrationDataReader):
+                def __init__(self) -> None:
+                    self.batches = [random_feeds(onnx.load(str(made[dtype])))]
+
+                def get_next(self) -> Optional[dict]:
+                    return self.batches.pop() if self.batches else None
+
+            quantize_static(str(made[dtype]), str(paths[dtype]), OneBatch(), quant_format=QuantFormat.QDQ,
+                            per_channel=True)
+        else:
+            q = MatMulNBitsQuantizer(onnx.load(str(made[dtype])), block_size=32, is_symmetric=True)
+            q.process()
+            q.model.save_model_to_file(str(paths[dtype]), False)
+    return paths
+
+
 def run(name: str, dtype: str, path: Path) -> Row:
     from collections import Counter
 
@@ -491,6 +541,13 @@ def run(name: str, dtype: str, path: Path) -> Row:
                time.perf_counter() - t0)
 
 
+def _not_built(name: str, dtype: str) -> str:
+    if name in QUANTIZED:
+        method = QUANTIZED[name][1]
+        return f"not built ({method} rows are {'fp32 and fp16' if method == 'int4' else 'fp32'} models)"
+    return f"not built ({dtype}: no {dtype} conversion of ORT's fused ops)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ortfuse.bench.coverage", description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=NAMES, choices=NAMES)
@@ -523,8 +580,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             except Exception as e:  # noqa: BLE001 -- this transformers may lack the class or its export
                 rows = [Row(name, "-", parity=f"export failed: {type(e).__name__}: {e}"[:160])]
             else:
-                rows = [run(name, dt, paths[dt]) if dt in paths else Row(name, dt, parity="not built (bf16: no "
-                                                                        "bf16 conversion of ORT's fused ops)")
+                rows = [run(name, dt, paths[dt]) if dt in paths else Row(name, dt, parity=_not_built(name, dt))
                         for dt in args.dtypes]
             for row in rows:
                 failed |= row.failed

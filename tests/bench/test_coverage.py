@@ -64,6 +64,16 @@ def test_a_model_orts_optimizer_fused_first(tmp_path):
     assert cells[5] == "ok" and "4 gemm" in cells[2] and cells[4] == "2 / 2", cells
 
 
+def test_a_model_orts_quantizer_wrote(tmp_path):
+    # Mistral through quantize_static (QDQ, int8): the Q/DQ pairs stay ORT's, the norms around them fuse, and
+    # the output matches with ORT running each model as written (ORT requantizes one chain of the optimized model
+    # only: rewriter.qdq); the bf16 row is not built, and says why
+    out = _swept(tmp_path, "--models", "mistral_qdq", "--dtypes", "fp32", "bf16")
+    cells = _cells(out, "mistral_qdq")
+    assert cells[5] == "ok" and "rowreduce" in cells[2], cells
+    assert "| mistral_qdq | bf16 |  |  |  | not built (qdq rows are fp32 models) |" in out.read_text()
+
+
 def test_only_the_asked_dtypes_are_built(tmp_path):
     paths = coverage.export("distilbert", tmp_path, ["fp32", "bf16"])
     assert set(paths) == {"fp32", "bf16"} and sorted(p.name for p in tmp_path.iterdir()) == \
