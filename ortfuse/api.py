@@ -32,7 +32,7 @@ from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
-from ortfuse.rewriter.qdq import merged_pairs
+from ortfuse.rewriter.qdq import keep_merges_as_input, merged_pairs
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
@@ -88,7 +88,8 @@ class OptimizeResult:
     ort_attention: tuple[str, ...] = ()  # each kind of attention pattern's MultiHeadAttention decision, or why none
     weights: Optional[WeightStore] = None  # the large weights of `stubbed` and `graph` (rewriter.weights)
     contrib: tuple[str, ...] = ()  # each of ORT's fused ops in the input: fused as standard ops, or put back
-    requantized: tuple[str, ...] = ()  # quantize/dequantize pairs ORT merges in the output only (rewriter.qdq)
+    requantized: tuple[str, ...] = ()  # quantize/dequantize chains ORT merges in one of the models only (rewriter.qdq)
+    kept_readers: tuple[str, ...] = ()  # chains whose DequantizeLinear keeps a Shape read for ORT's sake (rewriter.qdq)
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
@@ -312,11 +313,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     model = load_model(model_or_path, store)
     say("inferring shapes")
     graph = build_graph(model, _shapes(input_shapes), dict(opts.dim_hints))
-    def static(t: str) -> bool:  # (ORT folds the Shape reads of such tensors before it merges pairs)
-        info = graph.tensors.get(t)
-        return info is not None and info.is_static
-
-    merged_before = merged_pairs(model, static)
+    static_shapes = {t for t, info in graph.tensors.items() if info.is_static}
+    # (ORT folds the Shape reads of such tensors before it merges quantize/dequantize pairs; pinned dims are
+    # symbolic in the input as it runs without ortfuse)
+    merged_before = merged_pairs(model, static_shapes.__contains__ if not input_shapes else lambda t: False)
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
@@ -445,6 +445,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
     say("rewriting the graph")
     out, back, kernels, the_plan = _rewritten(graph, kernels, the_plan, splits, say)
+    kept_readers, requantized = keep_merges_as_input(merged_before, out, static_shapes.__contains__)
+    if kept_readers:
+        say(f"{len(kept_readers)} DequantizeLinear outputs keep a Shape read, so ORT requantizes as in the input")
     if back:
         say(f"{len(back)} of those ops put back where the search left their standard ops to ORT (or their norm or "
             "GELU)")
@@ -459,7 +462,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                           sum(k.region.traffic.saved_bytes for k in kernels),
                           time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes), store,
                           contrib_notes(out, splits, back),
-                          tuple(line for k, line in merged_pairs(out, static).items() if k not in merged_before))
+                          requantized, kept_readers)
 
 
 def _rewritten(graph: Graph, kernels: list[FusedKernel], plan: Plan, splits: tuple, say: Progress

@@ -81,10 +81,9 @@ def summary(r: OptimizeResult) -> str:
                     + (f"; {fetch} prefetch their weights into L2 first" if fetch else ""))
     note += _merged_note(r)
     if r.requantized:
-        note.append(f"quantization:         ORT merges {len(r.requantized)} chains of two quantize/dequantize pairs "
-                    "at a scale of its own in the output but not in the input (the rewrite removed other readers of "
-                    "their tensors): under ORT's graph optimizations the results differ by that rounding (--report "
-                    "names them)")
+        note.append(f"quantization:         ORT merges {len(r.requantized)} quantize/dequantize chain"
+                    f"{'s' if len(r.requantized) > 1 else ''} at a new scale in one of the two models only (--report "
+                    "names them): under ORT's graph optimizations their results differ by that rounding")
     left = len(left_folded(g, {i for k in r.kernels for i in k.region.nodes}))
     if left:
         note.append(f"constant cones:       {left} ops computed from constants alone left to ORT, which folds them "
@@ -158,10 +157,11 @@ def markdown(r: OptimizeResult, source: str) -> str:
         out += ["", "## ORT's fused attention (rewriter.mha)", ""] + [f"- {x}" for x in r.ort_attention]
     if r.contrib:
         out += ["", "## ORT's fused ops in the input (rewriter.contrib)", ""] + [f"- {x}" for x in r.contrib]
-    if r.requantized:
-        out += ["", "## Quantize/dequantize pairs ORT merges in the output only (rewriter.qdq)", "",
-                "ORT's DoubleQDQPairsRemover requantizes Q1 -> DQ1 -> Q2 -> DQ2 at a scale of its own where DQ1 "
-                "and Q2 have no other reader; the rewrite removed their other readers.", ""] \
-            + [f"- {x}" for x in r.requantized]
+    if r.kept_readers or r.requantized:
+        out += ["", "## Quantize/dequantize chains (rewriter.qdq)", "",
+                "ORT's DoubleQDQPairsRemover merges Q1 -> DQ1 -> Q2 -> DQ2 into one pair at a new scale where DQ1 "
+                "and Q2 have no other reader.", ""]
+        out += [f"- kept as in the input (DQ1 keeps a Shape read the rewrite removed): {x}" for x in r.kept_readers]
+        out += [f"- merged in one model only: {x}" for x in r.requantized]
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

@@ -1,14 +1,20 @@
-"""Quantize/dequantize pairs ONNX Runtime merges at a scale of its own.
+"""Quantize/dequantize pairs ONNX Runtime merges at a new scale, and keeping its merges as the input has them.
 
 ORT's DoubleQDQPairsRemover (ORT_ENABLE_BASIC and above, on every execution provider) turns Q1 -> DQ1 -> Q2 ->
-DQ2 into Q1 -> DQ2 where DQ1 and Q2 have no other reader. Where the two pairs' scales or zero points differ, it
-requantizes at a scale of its own (the intersection of the two ranges), which rounds differently from the model
-as written: a model's results then depend on which tensors have other readers. Casts to the same type and
-Identities between DQ1 and Q2 are removed before it (CastElimination, EliminateIdentity).
+DQ2 into Q1 -> DQ2 where Q1, DQ1 and Q2 have no other reader. Where the two pairs' scales or zero points differ,
+it requantizes at a new scale covering the intersection of both ranges, which rounds otherwise: a quantized
+model's results depend on which tensors have other readers. ORT's eliminations run before it: Casts to the same
+type, Identities and Dropouts between DQ1 and Q2, a Mul or Div by 1 and an Add or Sub of 0, and the Shape reads
+of a tensor whose shape is static (constant folding).
 
-The rewriter removes readers a quantized model had (the Shape reads of a tensor whose shape arithmetic it
-folds), so an optimized model can have such a merge where the input had none. `merged_pairs` finds them, so
-that `optimize` says so and `check` can tell ORT's rounding from ours."""
+The rewriter removes readers a quantized model had (the Shape reads of a tensor whose shape arithmetic it writes
+as constants: a quantized Mistral's embedding), so ORT would merge a chain of the output that it does not merge
+in the input. `keep_merges_as_input` gives such a DQ1 its Shape read back (a Shape of nothing read: ORT runs it,
+on the host, and keeps the chain as the input has it); `merged_pairs` finds the chains, so that `optimize` names
+those it could not keep.
+
+Main graph only (a chain inside an If branch is not looked at), and an Expand to the same shape between DQ1 and
+Q2, which ORT also removes, is not followed."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -19,46 +25,77 @@ import onnx
 from ortfuse.rewriter import _proto
 from ortfuse.rewriter.weights import array_of
 
-_ZERO_POINT_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+_DOMAINS = ("", "ai.onnx", "com.microsoft")  # (ORT's contrib Q/DQ merge as the standard ones do)
+_ZERO_POINT_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+KEPT_READER = "__ortfuse_kept_reader"  # the output suffix of a Shape kept for ORT's sake
 
 
-def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    """Initializers a user cannot feed (from IR 4, those not listed as graph inputs) and Constant nodes' values:
-    what ORT reads as constant initializers."""
-    fed = {i.name for i in model.graph.input} if model.ir_version >= 4 else {i.name for i in model.graph.initializer}
-    out = {t.name: t for t in model.graph.initializer if t.name not in fed}
+def _constants(model: onnx.ModelProto) -> dict[str, tuple[int, object]]:
+    """(element type, TensorProto or numpy scalar) of what ORT reads as constant initializers: initializers a user
+    cannot feed (from IR 4 those not listed as graph inputs; before IR 4 ORT lets none be fed) and Constant nodes'
+    values. Nothing is converted here (the weights are among them)."""
+    fed = {i.name for i in model.graph.input} if model.ir_version >= 4 else set()
+    out: dict[str, tuple[int, object]] = {t.name: (t.data_type, t) for t in model.graph.initializer if t.name not in fed}
     for n in model.graph.node:
         if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
-            value = next((a.t for a in n.attribute if a.name == "value"), None)
-            if value is not None:
-                out[n.output[0]] = value
+            a = next(iter(n.attribute), None)
+            if a is not None and a.name == "value":
+                out[n.output[0]] = (a.t.data_type, a.t)
+            elif a is not None and a.name == "value_float":
+                out[n.output[0]] = (onnx.TensorProto.FLOAT, np.float32(a.f))
     return out
 
 
-def _params(n: onnx.NodeProto, consts: dict[str, onnx.TensorProto]) -> Optional[tuple[str, str, float, int, int]]:
+def _scalar(consts: dict, name: str) -> Optional[tuple[int, float]]:
+    """(element type, value) of a one-element constant; None for anything else."""
+    if name not in consts:
+        return None
+    dt, v = consts[name]
+    if isinstance(v, np.generic):
+        return dt, float(v)
+    if not _proto.fixed_size(v.data_type) or int(np.prod(v.dims)) != 1:
+        return None
+    return dt, float(np.asarray(array_of(v)).reshape(-1)[0])
+
+
+def _params(n: onnx.NodeProto, consts: dict) -> Optional[tuple[str, str, float, int, int]]:
     """A Q or DQ node's (scale name, zero-point name, scale, zero point, zero-point type) where both are scalar
-    constants of the types DoubleQDQPairsRemover handles; None otherwise."""
-    if len(n.input) < 3 or not n.input[2] or n.input[1] not in consts or n.input[2] not in consts:
+    constants of the types the merge handles; None otherwise (it needs an explicit zero point)."""
+    if len(n.input) < 3 or not n.input[2]:
         return None
-    s, z = consts[n.input[1]], consts[n.input[2]]
-    if s.data_type != onnx.TensorProto.FLOAT or z.data_type not in _ZERO_POINT_TYPES:
+    s, z = _scalar(consts, n.input[1]), _scalar(consts, n.input[2])
+    if s is None or z is None or s[0] != onnx.TensorProto.FLOAT or z[0] not in _ZERO_POINT_TYPES:
         return None
-    sv, zv = np.asarray(array_of(s)).reshape(-1), np.asarray(array_of(z)).reshape(-1)
-    if sv.size != 1 or zv.size != 1:
-        return None
-    return n.input[1], n.input[2], float(sv[0]), int(zv[0]), z.data_type
+    return n.input[1], n.input[2], s[1], int(z[1]), z[0]
 
 
 def _same(a: tuple, b: tuple) -> bool:
     return (a[0], a[1]) == (b[0], b[1]) or (a[3] == b[3] and abs(a[2] - b[2]) < 1e-20)
 
 
-def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, str]:
-    """Q2's name (or output) -> a line saying which pairs ORT merges at a scale of its own, for each chain
-    Q1 -> DQ1 -> [Casts to the same type, Identities] -> Q2 -> DQ2 of the main graph that DoubleQDQPairsRemover
-    rewrites and whose pairs' scales or zero points differ. `static(t)`: tensor t's shape is known in full, so
-    ORT's constant folding (which runs first) removes a Shape or Size reading it."""
+def _passes_value(n: onnx.NodeProto, consts: dict) -> bool:
+    """A node ORT removes before merging, as one that passes its input through: a Cast to fp32 (DQ1's type: a
+    merged pair's scale is fp32), an Identity, a Dropout, x * 1, x / 1, x + 0, x - 0."""
+    if n.domain not in ("", "ai.onnx"):
+        return False
+    if n.op_type in ("Identity", "Dropout"):
+        return len([o for o in n.output if o]) == 1
+    if n.op_type == "Cast":
+        return any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in n.attribute)
+    if n.op_type in ("Mul", "Div", "Add", "Sub") and len(n.input) == 2:
+        v = _scalar(consts, n.input[1])
+        return v is not None and v[1] == (1.0 if n.op_type in ("Mul", "Div") else 0.0)
+    return False
+
+
+def _chains(model: onnx.ModelProto, static: Callable[[str], bool]) -> dict[str, tuple[onnx.NodeProto, onnx.NodeProto,
+                                                                                       str]]:
+    """Q2's name (or output) -> (DQ1, Q2, a line naming both pairs) for each chain Q1 -> DQ1 -> [nodes ORT removes]
+    -> Q2 -> DQ2 of the main graph that DoubleQDQPairsRemover rewrites with pairs of different parameters.
+    `static(t)`: tensor t's shape is known in full, so ORT's constant folding removes a Shape or Size of it."""
     g = model.graph
+    if not any(n.op_type == "DequantizeLinear" for n in g.node):
+        return {}
     consts = _constants(model)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
@@ -73,37 +110,49 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
         rs = readers.get(t, [])
         return rs[0] if len(rs) == 1 and t not in outputs else None
 
-    def plain(n: onnx.NodeProto) -> bool:
-        return n.domain in ("", "ai.onnx")
+    def op(n: Optional[onnx.NodeProto], op_type: str) -> bool:
+        return n is not None and n.op_type == op_type and n.domain in _DOMAINS
 
-    found: dict[str, str] = {}
+    found = {}
     for dq1 in g.node:
-        if dq1.op_type != "DequantizeLinear" or not plain(dq1):
+        q1 = producer.get(dq1.input[0]) if op(dq1, "DequantizeLinear") else None
+        if not op(q1, "QuantizeLinear") or only_reader(q1.output[0]) is not dq1:
             continue
-        q1 = producer.get(dq1.input[0])
-        if q1 is None or q1.op_type != "QuantizeLinear" or not plain(q1) or only_reader(q1.output[0]) is not dq1:
-            continue
-        q2 = only_reader(dq1.output[0])  # (DQ1 is fp32: a supported pair's scale is)
-        while q2 is not None and plain(q2) and (q2.op_type == "Identity" or q2.op_type == "Cast" and any(
-                a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in q2.attribute)):
+        q2 = only_reader(dq1.output[0])
+        while q2 is not None and _passes_value(q2, consts):
             q2 = only_reader(q2.output[0])
-        if q2 is None or q2.op_type != "QuantizeLinear" or not plain(q2):
-            continue
-        dq2 = only_reader(q2.output[0])
-        if dq2 is None or dq2.op_type != "DequantizeLinear" or not plain(dq2):
+        dq2 = only_reader(q2.output[0]) if op(q2, "QuantizeLinear") else None
+        if not op(dq2, "DequantizeLinear"):
             continue
         p = [_params(n, consts) for n in (q1, dq1, q2, dq2)]
         if any(x is None for x in p) or not _same(p[0], p[1]) or not _same(p[2], p[3]) or p[1][4] != p[2][4] \
                 or _same(p[1], p[2]):
             continue
-        found[q2.name or q2.output[0]] = (f"'{dq1.name or dq1.output[0]}' (scale {p[1][2]:.4g}, zero point "
-                                          f"{p[1][3]}) -> '{q2.name or q2.output[0]}' (scale {p[2][2]:.4g}, zero "
-                                          f"point {p[2][3]})")
+        found[q2.name or q2.output[0]] = (dq1, q2, f"'{dq1.name or dq1.output[0]}' (scale {p[1][2]:.4g}, zero point "
+                                                   f"{p[1][3]}) -> '{q2.name or q2.output[0]}' (scale {p[2][2]:.4g}, "
+                                                   f"zero point {p[2][3]})")
     return found
 
 
-def new_merges(before: onnx.ModelProto, after: onnx.ModelProto,
-               static: Callable[[str], bool] = lambda t: False) -> tuple[str, ...]:
-    """The merges of `merged_pairs` in `after` that `before` does not have, as lines."""
-    old = merged_pairs(before, static)
-    return tuple(line for k, line in merged_pairs(after, static).items() if k not in old)
+def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, str]:
+    """Q2's name -> a line naming both pairs, for each chain ORT merges at a new scale (`_chains`)."""
+    return {k: line for k, (_, _, line) in _chains(model, static).items()}
+
+
+def keep_merges_as_input(before: dict[str, str], out: onnx.ModelProto,
+                         static: Callable[[str], bool] = lambda t: False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where ORT would merge a chain of `out` (the optimized model, changed in place) that it does not merge in
+    the input (`before`: its `merged_pairs`), gives DQ1 back a Shape read: its output read by nothing, so ORT runs
+    it (on the host, from the tensor's shape alone) and sees DQ1 with two readers, as in the input. Returns the
+    lines of the chains so kept, and of those ORT still merges in one model only: a Shape of a static shape is
+    folded (an input pinned static by `--input-shape`), and a merge of the input's lost in the output."""
+    kept = []
+    for key, (dq1, _, line) in _chains(out, static).items():
+        if key not in before:
+            out.graph.node.append(onnx.helper.make_node("Shape", [dq1.output[0]], [dq1.output[0] + KEPT_READER],
+                                                        name=(dq1.name or dq1.output[0]) + KEPT_READER))
+            kept.append(line)
+    after = merged_pairs(out, static)
+    left = [f"{line} (in the output only)" for k, line in after.items() if k not in before]
+    left += [f"{line} (in the input only)" for k, line in before.items() if k not in after]
+    return tuple(kept), tuple(left)

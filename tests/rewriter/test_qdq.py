@@ -1,38 +1,59 @@
-"""rewriter.qdq: the quantize/dequantize chains ORT requantizes at a scale of its own, found as ORT finds them."""
+"""rewriter.qdq: the quantize/dequantize chains ORT requantizes at a new scale, found as ORT finds them, and kept
+as the input has them where the rewrite removed a reader."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as TP
+from onnx import TensorProto as TP, helper, numpy_helper
 
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
-from ortfuse.report import summary
-from ortfuse.rewriter.qdq import merged_pairs, new_merges
-from tests.helpers import const, model, node, vi
+from ortfuse.report import markdown, summary
+from ortfuse.rewriter.qdq import KEPT_READER, merged_pairs
 
 X = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 2
 
 
-def chain(s2: float = 0.031, z2: int = 7, reader: bool = False, middle: str = "Cast", fed: bool = False,
-          static: bool = True) -> onnx.ModelProto:
-    """x -> Q1 -> DQ1 -> `middle` -> Q2 -> DQ2 -> Relu; with `reader`, DQ1 also feeds a Reshape target through
-    its Shape (a reader the rewriter folds away where the shape is static)."""
-    mid = {"Cast": node("Cast", ["d1"], ["c"], to=TP.FLOAT), "Identity": node("Identity", ["d1"], ["c"]),
-           "Relu": node("Relu", ["d1"], ["c"])}[middle]
-    nodes = [node("QuantizeLinear", ["x", "s1", "z1"], ["q1"]), node("DequantizeLinear", ["q1", "s1", "z1"], ["d1"]),
-             mid, node("QuantizeLinear", ["c", "s2", "z2"], ["q2"]), node("DequantizeLinear", ["q2", "s2", "z2"], ["d2"])]
+def chain(s2: float = 0.031, z2: int = 7, reader: bool = False, middle: tuple[str, ...] = ("Cast",),
+          fed: bool = False, static: bool = True, zero_point=np.int8, domain: str = "", ir: int = 9,
+          opset: int = 18, constant_scale: bool = False) -> onnx.ModelProto:
+    """x -> Q1 -> DQ1 -> `middle` ops -> Q2 -> DQ2 -> Relu; with `reader`, DQ1 also feeds a Reshape target
+    through its Shape (a reader the rewriter writes as a constant)."""
+    mids = {"Cast": lambda a, b: helper.make_node("Cast", [a], [b], to=TP.FLOAT),
+            "Identity": lambda a, b: helper.make_node("Identity", [a], [b]),
+            "Dropout": lambda a, b: helper.make_node("Dropout", [a], [b]),
+            "Mul1": lambda a, b: helper.make_node("Mul", [a, "one"], [b]),
+            "Relu": lambda a, b: helper.make_node("Relu", [a], [b])}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q1"], name="Q1", domain=domain),
+             helper.make_node("DequantizeLinear", ["q1", "s1", "z1"], ["d1"], name="DQ1", domain=domain)]
+    t = "d1"
+    for k, op in enumerate(middle):
+        nodes.append(mids[op](t, f"m{k}"))
+        t = f"m{k}"
+    nodes += [helper.make_node("QuantizeLinear", [t, "s2", "z2"], ["q2"], name="Q2", domain=domain),
+              helper.make_node("DequantizeLinear", ["q2", "s2", "z2"], ["d2"], name="DQ2", domain=domain)]
     if reader:
-        nodes += [node("Shape", ["d1"], ["sh"]), node("Reshape", ["d2", "sh"], ["r"]), node("Relu", ["r"], ["y"])]
+        nodes += [helper.make_node("Shape", ["d1"], ["sh"]), helper.make_node("Reshape", ["d2", "sh"], ["r"]),
+                  helper.make_node("Relu", ["r"], ["y"])]
     else:
-        nodes.append(node("Relu", ["d2"], ["y"]))
-    inits = [const("s1", 0.05), const("z1", 0, np.int8), const("s2", s2), const("z2", z2, np.int8)]
-    inputs = [vi("x", TP.FLOAT, list(X.shape) if static else ["n", 64])]
-    if fed:  # an initializer a user may feed (IR >= 4): not a constant to ORT
-        inputs.append(vi("s2", TP.FLOAT, []))
-    return model(nodes, inputs, [vi("y", TP.FLOAT, None)], inits)
+        nodes.append(helper.make_node("Relu", ["d2"], ["y"]))
+    inits = [numpy_helper.from_array(np.asarray(v, dt), n) for n, v, dt in
+             (("s1", 0.05, np.float32), ("z1", 0, zero_point), ("s2", s2, np.float32), ("z2", z2, zero_point),
+              ("one", 1.0, np.float32))]
+    if constant_scale:  # s2 as a Constant node's value_float
+        inits = [i for i in inits if i.name != "s2"]
+        nodes.insert(0, helper.make_node("Constant", [], ["s2"], value_float=s2))
+    inputs = [helper.make_tensor_value_info("x", TP.FLOAT, list(X.shape) if static else ["n", 64])]
+    if fed or ir < 4:  # listed as graph inputs: fed by a user (IR >= 4), constants all the same (IR 3 lists all)
+        inputs += [helper.make_tensor_value_info(i.name, i.data_type, []) for i in inits if ir < 4 or i.name == "s2"]
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    m = helper.make_model(helper.make_graph(nodes, "t", inputs, [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+                                            inits), opset_imports=opsets)
+    m.ir_version = ir
+    m.graph.output[0].type.CopyFrom(onnx.shape_inference.infer_shapes(m).graph.output[0].type)  # (with a shape)
+    return m
 
 
 def _ort_merges(m: onnx.ModelProto) -> bool:
@@ -47,13 +68,19 @@ def _ort_merges(m: onnx.ModelProto) -> bool:
 
 
 @pytest.mark.parametrize("kw, merged", [
-    ({}, True),  # different scales and zero points, a Cast to the same type between: ORT removes it first
-    ({"middle": "Identity"}, True),
+    ({}, True),  # different scales and zero points, a Cast to fp32 between: ORT removes it first
+    ({"middle": ("Identity", "Cast", "Dropout", "Mul1")}, True),  # all removed first
+    ({"middle": ()}, True),
     ({"reader": True, "static": False}, False),  # DQ1 has another reader
     ({"reader": True}, True),  # ... which ORT's constant folding removes first: the shape it reads is static
     ({"s2": 0.05, "z2": 0}, False),  # the same parameters: ORT merges, exactly
-    ({"middle": "Relu"}, False),  # an op between the pairs
+    ({"middle": ("Relu",)}, False),  # an op between the pairs
     ({"fed": True}, False),  # a scale a user may feed
+    ({"ir": 3}, True),  # ... but not before IR 4, where initializers listed as inputs are constants all the same
+    ({"zero_point": np.uint8, "z2": 130}, True),
+    ({"zero_point": np.int16, "opset": 21}, True),
+    ({"domain": "com.microsoft"}, True),
+    ({"constant_scale": True}, True),
 ])
 def test_merges_are_found_as_ort_makes_them(kw, merged):
     m = chain(**kw)
@@ -61,25 +88,42 @@ def test_merges_are_found_as_ort_makes_them(kw, merged):
     assert _ort_merges(m) == merged  # the finder and ORT agree
 
 
-def test_a_merge_the_rewrite_makes_is_said_and_checked_as_written():
-    # the rewrite writes the Reshape's target as a constant, so DQ1 loses its Shape reader (a run-time shape,
-    # which ORT does not fold) and ORT requantizes the output's chain, not the input's: optimize says so, and
-    # check compares the two models as written
+def test_a_reader_the_rewrite_removes_is_kept_for_ort():
+    # the rewrite writes the Reshape's target as a constant, and DQ1 would lose its Shape read (of a run-time
+    # shape, which ORT does not fold): the output keeps a Shape of d1, read by nothing, so ORT merges neither
+    # model's chain and the two agree under ORT's defaults
     src = chain(reader=True, static=False)
     res = compile_model(src)
-    assert len(res.requantized) == 1 and "'DequantizeLinear_d1' (scale 0.05, zero point 0)" in res.requantized[0]
-    assert new_merges(src, res.model) == res.requantized
-    assert "quantization:         ORT merges 1 chains" in summary(res)
-    assert _ort_merges(res.model) and not _ort_merges(src)
+    assert len(res.kept_readers) == 1 and "'DQ1' (scale 0.05, zero point 0) -> 'Q2'" in res.kept_readers[0]
+    assert res.requantized == () and "quantization:" not in summary(res)
+    assert "- kept as in the input (DQ1 keeps a Shape read" in markdown(res, "src.onnx")
+    kept = [n for n in res.model.graph.node if n.output[0] == "d1" + KEPT_READER]
+    assert len(kept) == 1 and kept[0].op_type == "Shape"
+    assert not _ort_merges(src) and not _ort_merges(res.model)
     rep = check_models(src, res.model, input_shapes={"x": list(X.shape)})
-    assert rep.ok and "ORT merges 1 chains" in rep.model[0].name and rep.model[0].max_abs == 0
+    assert rep.ok and rep.model[0].name == "y" and rep.model[0].max_abs == 0
+    # without it ORT merges the output's chain: check fails, and says why
+    res.model.graph.node.remove(kept[0])
+    assert _ort_merges(res.model)
+    rep = check_models(src, res.model, input_shapes={"x": list(X.shape)})
+    assert not rep.ok and "with its DoubleQDQPairsRemover off in both, max rel 0;" in rep.model[0].name
 
 
-def test_a_merge_ort_makes_in_both_models_is_not_said():
+def test_a_pinned_shape_lets_ort_merge_the_output_only_and_optimize_says_so():
+    # --input-shape makes d1 static in the output: ORT folds the kept Shape there, not in the input as it runs
+    src = chain(reader=True, static=False)
+    res = compile_model(src, {"x": list(X.shape)})
+    assert len(res.requantized) == 1 and res.requantized[0].endswith("(in the output only)")
+    assert "quantization:         ORT merges 1 quantize/dequantize chain at a new scale" in summary(res)
+    assert _ort_merges(res.model) and not _ort_merges(src)
+    assert not check_models(src, res.model).ok
+
+
+def test_a_merge_ort_makes_in_both_models_is_left_alone():
     # a static shape: ORT folds the Shape read in the input too, and merges the pairs of both models alike
     src = chain(reader=True)
     res = compile_model(src)
-    assert res.requantized == () and "quantization:" not in summary(res)
+    assert res.kept_readers == () and res.requantized == () and "quantization:" not in summary(res)
     assert _ort_merges(src) and _ort_merges(res.model)
     rep = check_models(src, res.model)
     assert rep.ok and rep.model[0].name == "y"
