@@ -1047,3 +1047,38 @@ def random_causal_mask(seed: int) -> tuple[onnx.ModelProto, dict[str, tuple], di
     onnx.checker.check_model(m)
     shapes = {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim) for i in inputs}
     return m, shapes, {"past": past, "form": form, "value": value, "scale": scale, "padding": padding, "kv": kv}
+
+
+def random_quantized(seed: int, folder) -> tuple[onnx.ModelProto, dict[str, tuple]] | None:
+    """`random_model(seed)` quantized as users quantize for ORT (onnxruntime.quantization.quantize_static, QDQ
+    format: QuantizeLinear/DequantizeLinear pairs around the ops it quantizes), calibrated on one random batch;
+    int8 or uint8, per-tensor or per-channel weights, symmetric activations or not, by the seed. None for an
+    fp16 seed (ORT's quantizer takes fp32 models). `folder`: where the quantizer's files go."""
+    import os
+
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from ortfuse.feeds import random_feeds
+
+    m, shapes = random_model(seed)
+    if m.graph.input[0].type.tensor_type.elem_type != TP.FLOAT:
+        return None
+    rng = np.random.default_rng(seed + 3_000_017)
+    src, dst = os.path.join(folder, f"fuzz{seed}.onnx"), os.path.join(folder, f"fuzz{seed}-qdq.onnx")
+    onnx.save_model(m, src)
+    bound = {k: [2 if d == "n" else d for d in v] for k, v in shapes.items()}
+
+    class OneBatch(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = [random_feeds(m, bound, seed)]
+
+        def get_next(self):
+            return self.batches.pop() if self.batches else None
+
+    kind = QuantType.QInt8 if rng.random() < 0.5 else QuantType.QUInt8
+    quantize_static(src, dst, OneBatch(), quant_format=QuantFormat.QDQ, per_channel=bool(rng.random() < 0.5),
+                    activation_type=kind, weight_type=QuantType.QInt8,
+                    extra_options={"ActivationSymmetric": bool(rng.random() < 0.3)})
+    q = onnx.load(dst)
+    q.ir_version = min(q.ir_version, 9)
+    return q, shapes

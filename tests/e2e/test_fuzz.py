@@ -7,8 +7,9 @@ run-time axis (`random_cache`) must join their kernels and match with the cached
 models (`corrupt`) must give our input errors, never a crash. CI runs fixed blocks of seeds;
 ORTFUSE_FUZZ_SEEDS=lo:hi, ORTFUSE_FUZZ_ATTENTION_SEEDS=lo:hi, ORTFUSE_FUZZ_CACHE_SEEDS=lo:hi,
 ORTFUSE_FUZZ_BF16_SEEDS=lo:hi, ORTFUSE_FUZZ_ONNX_ATTENTION_SEEDS=lo:hi (`random_onnx_attention`: ONNX's
-Attention and RotaryEmbedding, opset 23) and ORTFUSE_FUZZ_MASK_SEEDS=lo:hi (`random_causal_mask`: causal masks
-built as exporters build them, for the key-tile skipping) run others. The fp16 graphs of the random-graph and
+Attention and RotaryEmbedding, opset 23), ORTFUSE_FUZZ_MASK_SEEDS=lo:hi (`random_causal_mask`: causal masks
+built as exporters build them, for the key-tile skipping) and ORTFUSE_FUZZ_QDQ_SEEDS=lo:hi (`random_quantized`:
+the fp32 random graphs quantized by ORT's quantize_static, QDQ format) run others. The fp16 graphs of the random-graph and
 attention seeds also run in bf16 (retyped), where every op has bf16 at the graph's opset.
 Tolerances are check_models': fp32 normwise relative 1e-5, fp16 1e-2. Seeds whose graph has an image input
 and a Conv or window op (Pad, Resize, pools) also run with the image size declared symbolic. On a GPU the
@@ -21,7 +22,8 @@ import pytest
 
 from onnx import TensorProto as TP
 
-from fuzz_graphs import corrupt, random_attention, random_cache, random_causal_mask, random_model, symbolic_image
+from fuzz_graphs import (corrupt, random_attention, random_cache, random_causal_mask, random_model, random_quantized,
+                         symbolic_image)
 from ort_accepts import assert_ort_accepts
 from ortfuse.api import compile_model
 from ortfuse.bench.bf16 import retyped, without_bf16
@@ -36,6 +38,7 @@ _alo, _ahi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_ATTENTION_SEEDS", "0:
 _clo, _chi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_CACHE_SEEDS", "0:12").split(":"))
 _blo, _bhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_BF16_SEEDS", "0:24").split(":"))
 _mlo, _mhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_MASK_SEEDS", "0:8").split(":"))
+_qlo, _qhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_QDQ_SEEDS", "0:16").split(":"))
 # seeds with a Conv, and seeds campaigns found a bug with (1059: a size inference merged a symbolic dim into,
 # taken as a fact by a folded Reshape target and by ORT through a declared output shape)
 _image = [s for s in range(_lo, _hi) if symbolic_image(*random_model(s)) is not None] + \
@@ -77,6 +80,20 @@ def test_random_graph_matches_ort(seed: int) -> None:
         rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n), seed=seed)
         assert rep.ok, f"seed {seed}, n={n}\n" + "\n".join(rep.lines())
         assert len(rep.kernels) == len(res.kernels)
+
+
+@pytest.mark.parametrize("seed", [s for s in range(_qlo, _qhi) if random_model(s)[0].graph.input[0].type.tensor_type.elem_type
+                                  == TP.FLOAT])  # (ORT's quantizer takes fp32 models)
+def test_random_quantized_graph_matches_ort(seed: int, tmp_path) -> None:
+    # the float ops between the quantizer's pairs fuse; the pairs stay ORT's and must merge as in the input
+    m, shapes = random_quantized(seed, tmp_path)
+    before = m.SerializeToString()
+    res = compile_model(m, shapes)
+    assert m.SerializeToString() == before, "the input model was modified"
+    assert_ort_accepts(res.model)
+    for n in (2, 3):
+        rep = check_models(m, res.model, emulate=True, input_shapes=_bind(shapes, n), seed=seed)
+        assert rep.ok, f"seed {seed}, n={n}\n" + "\n".join(rep.lines())
 
 
 @pytest.mark.parametrize("seed", range(_clo, _chi))
