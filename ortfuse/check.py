@@ -43,6 +43,8 @@ CONDITIONING_FACTOR = 2.0
 # ... but an fp16 kernel output is never held to more than this (one ill-conditioned element widens the
 # tolerance of the whole output: past 5e-2 a kernel scaling its result or dropping a K tile could pass)
 MAX_CONDITIONED_RTOL = 5e-2
+# ... and an fp32 kernel output never to more than this (its sub-graph cancels: x * a + b near 0 after a norm)
+MAX_CONDITIONED_RTOL_FP32 = 1e-3
 
 
 @dataclass(frozen=True)
@@ -453,6 +455,23 @@ def _body_model(body: onnx.FunctionProto, feeds: Mapping[str, np.ndarray]) -> on
                                   opset_imports=list(body.opset_import), ir_version=10)
 
 
+def _fp64_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
+    """A fused node's fp32 sub-graph run by onnx's reference evaluator in fp64: fp32 inputs, Constants,
+    ConstantOfShape values and Casts to fp32 made fp64."""
+    from onnx.reference import ReferenceEvaluator
+    feeds = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in zip(body.input, inputs)}
+    m = _body_model(body, feeds)
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == onnx.TensorProto.FLOAT:
+                a.t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
+            elif n.op_type == "Cast" and a.name == "to" and a.i == onnx.TensorProto.FLOAT:
+                a.i = onnx.TensorProto.DOUBLE
+    with np.errstate(all="ignore"):
+        got = dict(zip(body.output, ReferenceEvaluator(m).run(None, feeds)))
+    return [np.asarray(got[o]) for o in outputs]
+
+
 def _op_by_op(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
     """A fused node's sub-graph run by onnx's reference evaluator, which rounds every half-precision
     intermediate to its type as the CUDA EP stores it (ORT's CPU EP computes half chains in fp32)."""
@@ -526,6 +545,25 @@ def _emulate_node(node: onnx.NodeProto, values: Mapping[str, np.ndarray],
             n = int(np.count_nonzero(outs[i] != values[node.output[i]]))
             diffs[i] = dataclasses.replace(d, name=f"{d.name} (vs op-by-op half precision; ORT's CPU EP, in fp32, "
                                                    f"differs in {n} elements, by up to {diffs[i].max_abs:.0f})")
+    single = [i for i, (d, o) in enumerate(zip(diffs, outs)) if not d.ok and not fed[i] and o.dtype == np.float32]
+    if single and body is not None:
+        # an fp32 output whose sub-graph cancels (a normalized value scaled and shifted to near 0, then a Relu
+        # that keeps only those): ORT's op-by-op fp32 is itself that far from the exact result, and a kernel
+        # rounding elsewhere cannot be held closer to ORT's than ORT is to it. Judged against the sub-graph in
+        # fp64 (onnx's reference evaluator): within the tolerance, or CONDITIONING_FACTOR times ORT's own
+        # distance from it, at most MAX_CONDITIONED_RTOL_FP32.
+        try:
+            exact = _fp64_twin(body, inputs, [body.output[i] for i in single])
+        except Exception:  # noqa: BLE001 -- an op the reference evaluator lacks in fp64: ORT's verdict stands
+            exact = []
+        for i, r in zip(single, exact):
+            t, floor = node.output[i], floors.get(node.output[i], 1e-6)
+            drift = compare(t, values[t], r, 1.0, floor).max_rel
+            if not np.isfinite(drift) or CONDITIONING_FACTOR * drift <= diffs[i].tol:
+                continue
+            d = compare(t, outs[i], r, min(CONDITIONING_FACTOR * drift, MAX_CONDITIONED_RTOL_FP32), floor)
+            diffs[i] = dataclasses.replace(d, name=f"{t} (vs fp64: ORT's fp32 is itself {drift:.3g} from it, ours "
+                                                   f"{diffs[i].max_rel:.3g} from ORT's)")
     half = [i for i, (d, o) in enumerate(zip(diffs, outs))
             if not d.ok and (_is_half(o) or (fed[i] and o.dtype == np.float32))]  # (fp32: cast from half)
     if half and body is not None:

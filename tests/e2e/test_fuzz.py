@@ -40,9 +40,10 @@ _blo, _bhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_BF16_SEEDS", "0:24").
 _mlo, _mhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_MASK_SEEDS", "0:8").split(":"))
 _qlo, _qhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_QDQ_SEEDS", "0:16").split(":"))
 # seeds with a Conv, and seeds campaigns found a bug with (1059: a size inference merged a symbolic dim into,
-# taken as a fact by a folded Reshape target and by ORT through a declared output shape)
+# taken as a fact by a folded Reshape target and by ORT through a declared output shape; 1593: an InstanceNorm
+# scaled and shifted to near 0, then a Relu, where ORT's fp32 is itself 1e-5 from the exact result)
 _image = [s for s in range(_lo, _hi) if symbolic_image(*random_model(s)) is not None] + \
-    [s for s in (1059,) if not _lo <= s < _hi]
+    [s for s in (1059, 1593) if not _lo <= s < _hi]
 
 
 def _in_bf16(make, seed: int):
