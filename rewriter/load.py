@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -121,7 +122,17 @@ def _check(model: onnx.ModelProto, label: str) -> None:
     try:
         _proto.check_model(model, weights=False)
     except onnx.checker.ValidationError as e:
-        raise InputError(f"{label}: invalid ONNX model: {_first_line(e)}") from None
+        raise InputError(f"{label}: invalid ONNX model: {_checker_message(e)}") from None
+
+
+def _checker_message(e: BaseException) -> str:
+    """The checker's complaint on one line, naming the node its context names ("==> Context: Bad node spec for
+    node. Name: X OpType: Y", lines below a complaint that alone does not say which node)."""
+    main, _, context = " ".join(str(e).split()).partition(" ==> Context: ")
+    node = re.search(r"Name: (.*?) OpType: (\S+)", context)
+    if node and node.group(1) not in main:
+        main += f" (node '{node.group(1)}', {node.group(2)})"
+    return main or type(e).__name__
 
 
 def _first_line(e: BaseException) -> str:
