@@ -32,7 +32,7 @@ from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
-from ortfuse.rewriter.qdq import keep_merges_as_input, merged_pairs
+from ortfuse.rewriter.qdq import keep_readers_as_input, merged_pairs, readers
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
@@ -89,7 +89,7 @@ class OptimizeResult:
     weights: Optional[WeightStore] = None  # the large weights of `stubbed` and `graph` (rewriter.weights)
     contrib: tuple[str, ...] = ()  # each of ORT's fused ops in the input: fused as standard ops, or put back
     requantized: tuple[str, ...] = ()  # quantize/dequantize chains ORT merges in one of the models only (rewriter.qdq)
-    kept_readers: tuple[str, ...] = ()  # chains whose DequantizeLinear keeps a Shape read for ORT's sake (rewriter.qdq)
+    kept_readers: tuple[str, ...] = ()  # Q/DQ outputs that keep a second reader (a Size) for ORT's sake (rewriter.qdq)
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
@@ -128,6 +128,19 @@ def _shapes(input_shapes: Shapes) -> dict:
 
 
 _UNNAMED = re.compile(r"unk__\d+")  # SymbolicShapeInference's name for a dim it could not compute
+
+
+def _pinned_symbolic(model: onnx.ModelProto, graph: Graph) -> set[str]:
+    """The graph inputs `--input-shape` made static where the model declares a dim symbolic (or no shape)."""
+    declared = {vi.name: vi.type.tensor_type for vi in model.graph.input}
+    out = set()
+    for t in graph.graph_inputs:
+        tt = declared.get(t)
+        if tt is None or not tt.HasField("shape") or any(not d.HasField("dim_value") for d in tt.shape.dim):
+            info = graph.tensors.get(t)
+            if info is not None and info.is_static:
+                out.add(t)
+    return out
 
 
 def _shapes_settled(graph: Graph, shapes: dict, folded: int, say: Progress) -> Graph:
@@ -313,10 +326,11 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     model = load_model(model_or_path, store)
     say("inferring shapes")
     graph = build_graph(model, _shapes(input_shapes), dict(opts.dim_hints))
+    # (ORT folds the Shape reads of static shapes before it merges quantize/dequantize pairs; a dim pinned by
+    # --input-shape is symbolic in the input as it runs without ortfuse, and so is every tensor computed from it)
     static_shapes = {t for t, info in graph.tensors.items() if info.is_static}
-    # (ORT folds the Shape reads of such tensors before it merges quantize/dequantize pairs; pinned dims are
-    # symbolic in the input as it runs without ortfuse)
-    merged_before = merged_pairs(model, static_shapes.__contains__ if not input_shapes else lambda t: False)
+    static_before = (static_shapes - graph.downstream(_pinned_symbolic(model, graph))).__contains__
+    qdq_readers, merged_before = readers(model, static_before), merged_pairs(model, static_before)
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
@@ -445,9 +459,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         kernels, placements = _profile(graph, tgt, opts, kernels, say)
     say("rewriting the graph")
     out, back, kernels, the_plan = _rewritten(graph, kernels, the_plan, splits, say)
-    kept_readers, requantized = keep_merges_as_input(merged_before, out, static_shapes.__contains__)
+    kept_readers, requantized = keep_readers_as_input(qdq_readers, merged_before, out, static_shapes.__contains__)
     if kept_readers:
-        say(f"{len(kept_readers)} DequantizeLinear outputs keep a Shape read, so ORT requantizes as in the input")
+        say(f"{len(kept_readers)} quantize/dequantize outputs keep a second reader (a Size), so that ORT rewrites "
+            "their pairs as in the input")
     if back:
         say(f"{len(back)} of those ops put back where the search left their standard ops to ORT (or their norm or "
             "GELU)")

@@ -158,10 +158,11 @@ def markdown(r: OptimizeResult, source: str) -> str:
     if r.contrib:
         out += ["", "## ORT's fused ops in the input (rewriter.contrib)", ""] + [f"- {x}" for x in r.contrib]
     if r.kept_readers or r.requantized:
-        out += ["", "## Quantize/dequantize chains (rewriter.qdq)", "",
-                "ORT's DoubleQDQPairsRemover merges Q1 -> DQ1 -> Q2 -> DQ2 into one pair at a new scale where DQ1 "
-                "and Q2 have no other reader.", ""]
-        out += [f"- kept as in the input (DQ1 keeps a Shape read the rewrite removed): {x}" for x in r.kept_readers]
-        out += [f"- merged in one model only: {x}" for x in r.requantized]
+        out += ["", "## Quantize/dequantize nodes (rewriter.qdq)", "",
+                "ORT rewrites a quantized model by its quantize/dequantize nodes' readers (DoubleQDQPairsRemover "
+                "merges two pairs at a new scale, the QDQ selectors make quantized kernels) where a tensor has one "
+                "reader; each one the rewrite left with one keeps a second, a Size of it.", ""]
+        out += [f"- kept: {x}" for x in r.kept_readers]
+        out += [f"- merged at a new scale in one model only: {x}" for x in r.requantized]
     out += ["", "## Not fused", ""] + [f"- {x}" for x in explain(r)]
     return "\n".join(out) + "\n"

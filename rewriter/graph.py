@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, TypeVar
 
 import numpy as np
 import onnx
@@ -62,6 +62,17 @@ class Graph:
     def used(self, name: str) -> bool:
         """A tensor some node reads or the graph returns ("" is an absent optional output: never)."""
         return bool(name) and (bool(self.consumers.get(name)) or name in self.graph_outputs)
+
+    def downstream(self, names: Iterable[str]) -> set[str]:
+        """`names` and every tensor computed from them (subgraphs' outer reads of them included)."""
+        out, todo = set(names), list(names)
+        while todo:
+            for i in self.consumers.get(todo.pop(), ()):
+                for o in self.nodes[i].output:
+                    if o and o not in out:
+                        out.add(o)
+                        todo.append(o)
+        return out
 
     def constant_size(self, name: str) -> Optional[int]:
         """Elements of constant `name`, None where it is none, without converting a weight to numpy."""

@@ -1,17 +1,19 @@
-"""Quantize/dequantize pairs ONNX Runtime merges at a new scale, and keeping its merges as the input has them.
+"""Quantize/dequantize nodes keep the readers ORT's QDQ passes count, as the input has them.
 
-ORT's DoubleQDQPairsRemover (ORT_ENABLE_BASIC and above, on every execution provider) turns Q1 -> DQ1 -> Q2 ->
-DQ2 into Q1 -> DQ2 where Q1, DQ1 and Q2 have no other reader. Where the two pairs' scales or zero points differ,
-it requantizes at a new scale covering the intersection of both ranges, which rounds otherwise: a quantized
-model's results depend on which tensors have other readers. ORT's eliminations run before it: Casts to the same
-type, Identities and Dropouts between DQ1 and Q2, a Mul or Div by 1 and an Add or Sub of 0, and the Shape reads
-of a tensor whose shape is static (constant folding).
+ORT rewrites a quantized model by its QuantizeLinear and DequantizeLinear nodes' readers. DoubleQDQPairsRemover
+(ORT_ENABLE_BASIC and above, every execution provider) turns Q1 -> DQ1 -> Q2 -> DQ2 into Q1 -> DQ2 where Q1,
+DQ1 and Q2 have no other reader; where the pairs' scales or zero points differ, it requantizes at a new scale
+covering both ranges, which rounds otherwise. The QDQ selectors (ORT_ENABLE_EXTENDED, CPU EP) make DQ -> op -> Q
+one quantized kernel (QLinearSoftmax, ...) where DQ has no other reader. Before them, ORT removes Casts to the
+same type, Identities and Dropouts, a Mul or Div by 1 and an Add or Sub of 0, and the Shape reads of a tensor
+whose shape is static (constant folding; a Size read gets a DQ of its own instead).
 
 The rewriter removes readers a quantized model had (the Shape reads of a tensor whose shape arithmetic it writes
-as constants: a quantized Mistral's embedding), so ORT would merge a chain of the output that it does not merge
-in the input. `keep_merges_as_input` gives such a DQ1 its Shape read back (a Shape of nothing read: ORT runs it,
-on the host, and keeps the chain as the input has it); `merged_pairs` finds the chains, so that `optimize` names
-those it could not keep.
+as constants: a quantized Mistral's embedding; a Log on a branch a constant Where never takes), and ORT then
+rounds the output otherwise than the input. `keep_readers_as_input` gives each Q or DQ output that had two
+readers or more and has one left a Size read whose output nothing reads (ORT runs it on the host, from the
+tensor's shape, and never folds it). `merged_pairs` finds the chains DoubleQDQPairsRemover merges at a new
+scale, so that `optimize` names any the output still has and the input does not.
 
 Main graph only (a chain inside an If branch is not looked at), and an Expand to the same shape between DQ1 and
 Q2, which ORT also removes, is not followed."""
@@ -27,7 +29,7 @@ from ortfuse.rewriter.weights import array_of
 
 _DOMAINS = ("", "ai.onnx", "com.microsoft")  # (ORT's contrib Q/DQ merge as the standard ones do)
 _ZERO_POINT_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
-KEPT_READER = "__ortfuse_kept_reader"  # the output suffix of a Shape kept for ORT's sake
+KEPT_READER = "__ortfuse_kept_reader"  # the output suffix of a Size kept for ORT's sake
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, tuple[int, object]]:
@@ -88,19 +90,18 @@ def _passes_value(n: onnx.NodeProto, consts: dict) -> bool:
     return False
 
 
-def _chains(model: onnx.ModelProto, static: Callable[[str], bool]) -> dict[str, tuple[onnx.NodeProto, onnx.NodeProto,
-                                                                                       str]]:
-    """Q2's name (or output) -> (DQ1, Q2, a line naming both pairs) for each chain Q1 -> DQ1 -> [nodes ORT removes]
-    -> Q2 -> DQ2 of the main graph that DoubleQDQPairsRemover rewrites with pairs of different parameters.
-    `static(t)`: tensor t's shape is known in full, so ORT's constant folding removes a Shape or Size of it."""
+def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, str]:
+    """Q2's name (or output) -> a line naming both pairs, for each chain Q1 -> DQ1 -> [nodes ORT removes] -> Q2 ->
+    DQ2 of the main graph that DoubleQDQPairsRemover rewrites with pairs of different parameters.
+    `static(t)`: tensor t's shape is known in full, so ORT's constant folding removes a Shape of it."""
     g = model.graph
     if not any(n.op_type == "DequantizeLinear" for n in g.node):
         return {}
     consts = _constants(model)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
-        if n.op_type in ("Shape", "Size") and n.domain in ("", "ai.onnx") and static(n.input[0]):
-            continue
+        if n.op_type == "Shape" and n.domain in ("", "ai.onnx") and static(n.input[0]):
+            continue  # (a Size of a static shape ORT folds too, but only after giving it a DQ1 of its own)
         for x in _proto.node_reads(n):  # (a subgraph's reads of outer names count, as ORT's implicit inputs do)
             readers.setdefault(x, []).append(n)
     outputs = {o.name for o in g.output}
@@ -128,31 +129,48 @@ def _chains(model: onnx.ModelProto, static: Callable[[str], bool]) -> dict[str, 
         if any(x is None for x in p) or not _same(p[0], p[1]) or not _same(p[2], p[3]) or p[1][4] != p[2][4] \
                 or _same(p[1], p[2]):
             continue
-        found[q2.name or q2.output[0]] = (dq1, q2, f"'{dq1.name or dq1.output[0]}' (scale {p[1][2]:.4g}, zero point "
-                                                   f"{p[1][3]}) -> '{q2.name or q2.output[0]}' (scale {p[2][2]:.4g}, "
-                                                   f"zero point {p[2][3]})")
+        found[q2.name or q2.output[0]] = (f"'{dq1.name or dq1.output[0]}' (scale {p[1][2]:.4g}, zero point "
+                                          f"{p[1][3]}) -> '{q2.name or q2.output[0]}' (scale {p[2][2]:.4g}, "
+                                          f"zero point {p[2][3]})")
     return found
 
 
-def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, str]:
-    """Q2's name -> a line naming both pairs, for each chain ORT merges at a new scale (`_chains`)."""
-    return {k: line for k, (_, _, line) in _chains(model, static).items()}
+def readers(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, int]:
+    """How many readers each QuantizeLinear or DequantizeLinear output of the main graph has as ORT counts them:
+    nodes (a subgraph reading it counts), the graph's outputs; not a Shape of a static shape, which ORT folds
+    first."""
+    g = model.graph
+    out = {o: 0 for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.domain in _DOMAINS
+           for o in n.output[:1]}
+    if not out:
+        return {}
+    for n in g.node:
+        if n.op_type == "Shape" and n.domain in ("", "ai.onnx") and static(n.input[0]):
+            continue
+        for x in _proto.node_reads(n):
+            if x in out:
+                out[x] += 1
+    for o in g.output:
+        if o.name in out:
+            out[o.name] += 1
+    return out
 
 
-def keep_merges_as_input(before: dict[str, str], out: onnx.ModelProto,
-                         static: Callable[[str], bool] = lambda t: False) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Where ORT would merge a chain of `out` (the optimized model, changed in place) that it does not merge in
-    the input (`before`: its `merged_pairs`), gives DQ1 back a Shape read: its output read by nothing, so ORT runs
-    it (on the host, from the tensor's shape alone) and sees DQ1 with two readers, as in the input. Returns the
-    lines of the chains so kept, and of those ORT still merges in one model only: a Shape of a static shape is
-    folded (an input pinned static by `--input-shape`), and a merge of the input's lost in the output."""
+def keep_readers_as_input(before: dict[str, int], merged_before: dict[str, str], out: onnx.ModelProto,
+                          static: Callable[[str], bool] = lambda t: False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Gives each Q or DQ output of `out` (the optimized model, changed in place) that had two readers or more in
+    the input (`before`: its `readers`) and has one left a Size read whose output nothing reads, so ORT sees it
+    read twice, as in the input. Returns a line for each so kept, and one for each chain ORT still merges at a new
+    scale in one model only (`merged_before`: the input's `merged_pairs`)."""
     kept = []
-    for key, (dq1, _, line) in _chains(out, static).items():
-        if key not in before:
-            out.graph.node.append(onnx.helper.make_node("Shape", [dq1.output[0]], [dq1.output[0] + KEPT_READER],
-                                                        name=(dq1.name or dq1.output[0]) + KEPT_READER))
-            kept.append(line)
+    now = readers(out, static)
+    producer = {n.output[0]: n for n in out.graph.node if n.output and n.output[0] in now}
+    for t, k in now.items():
+        if k == 1 and before.get(t, 0) >= 2:
+            n = producer[t]
+            out.graph.node.append(onnx.helper.make_node("Size", [t], [t + KEPT_READER], name=t + KEPT_READER))
+            kept.append(f"{n.op_type} '{n.name or t}' (read {before[t]} times in the input, once in the output)")
     after = merged_pairs(out, static)
-    left = [f"{line} (in the output only)" for k, line in after.items() if k not in before]
-    left += [f"{line} (in the input only)" for k, line in before.items() if k not in after]
+    left = [f"{line} (in the output only)" for k, line in after.items() if k not in merged_before]
+    left += [f"{line} (in the input only)" for k, line in merged_before.items() if k not in after]
     return tuple(kept), tuple(left)

@@ -157,14 +157,7 @@ def merge_tainted(g: Graph) -> frozenset[str] | None:
                 seeds.update(declared[name])
             else:
                 return None  # minted for a tensor the folds removed
-    tainted, stack = set(seeds), list(seeds)
-    while stack:
-        for c in g.consumers.get(stack.pop(), ()):
-            for o in g.nodes[c].output:
-                if o and o not in tainted:
-                    tainted.add(o)
-                    stack.append(o)
-    return frozenset(tainted)
+    return frozenset(g.downstream(seeds))
 
 
 def assemble(m: onnx.ModelProto, tensors: Mapping[str, TensorInfo], opset: int,

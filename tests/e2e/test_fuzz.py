@@ -39,8 +39,11 @@ _clo, _chi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_CACHE_SEEDS", "0:12")
 _blo, _bhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_BF16_SEEDS", "0:24").split(":"))
 _mlo, _mhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_MASK_SEEDS", "0:8").split(":"))
 _qlo, _qhi = (int(v) for v in os.environ.get("ORTFUSE_FUZZ_QDQ_SEEDS", "0:16").split(":"))
-# (ORT's quantizer takes fp32 models: the fp32 seeds of the block)
-_quantized = [s for s in range(_qlo, _qhi) if random_model(s)[0].graph.input[0].type.tensor_type.elem_type == TP.FLOAT]
+# (ORT's quantizer takes fp32 models: the fp32 seeds of the block), and seeds campaigns found a bug with (222,
+# 306: the rewrite left a DequantizeLinear one reader of two or three, and ORT's QDQ selectors then made a
+# quantized kernel of its Softmax or Add in the output only, one quantization step off)
+_quantized = [s for s in range(_qlo, _qhi) if random_model(s)[0].graph.input[0].type.tensor_type.elem_type == TP.FLOAT] \
+    + [s for s in (222, 306) if not _qlo <= s < _qhi]
 # seeds with a Conv, and seeds campaigns found a bug with (1059: a size inference merged a symbolic dim into,
 # taken as a fact by a folded Reshape target and by ORT through a declared output shape; 1593: an InstanceNorm
 # scaled and shifted to near 0, then a Relu, where ORT's fp32 is itself 1e-5 from the exact result)

@@ -1,5 +1,5 @@
-"""rewriter.qdq: the quantize/dequantize chains ORT requantizes at a new scale, found as ORT finds them, and kept
-as the input has them where the rewrite removed a reader."""
+"""rewriter.qdq: the quantize/dequantize chains ORT requantizes at a new scale, found as ORT finds them, and the
+readers ORT's QDQ passes count kept as the input has them where the rewrite removed one."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,15 +90,15 @@ def test_merges_are_found_as_ort_makes_them(kw, merged):
 
 def test_a_reader_the_rewrite_removes_is_kept_for_ort():
     # the rewrite writes the Reshape's target as a constant, and DQ1 would lose its Shape read (of a run-time
-    # shape, which ORT does not fold): the output keeps a Shape of d1, read by nothing, so ORT merges neither
+    # shape, which ORT does not fold): the output keeps a Size of d1, read by nothing, so ORT merges neither
     # model's chain and the two agree under ORT's defaults
     src = chain(reader=True, static=False)
     res = compile_model(src)
-    assert len(res.kept_readers) == 1 and "'DQ1' (scale 0.05, zero point 0) -> 'Q2'" in res.kept_readers[0]
+    assert res.kept_readers == ("DequantizeLinear 'DQ1' (read 2 times in the input, once in the output)",)
     assert res.requantized == () and "quantization:" not in summary(res)
-    assert "- kept as in the input (DQ1 keeps a Shape read" in markdown(res, "src.onnx")
+    assert "- kept: DequantizeLinear 'DQ1' (read 2 times" in markdown(res, "src.onnx")
     kept = [n for n in res.model.graph.node if n.output[0] == "d1" + KEPT_READER]
-    assert len(kept) == 1 and kept[0].op_type == "Shape"
+    assert len(kept) == 1 and kept[0].op_type == "Size"
     assert not _ort_merges(src) and not _ort_merges(res.model)
     rep = check_models(src, res.model, input_shapes={"x": list(X.shape)})
     assert rep.ok and rep.model[0].name == "y" and rep.model[0].max_abs == 0
@@ -109,14 +109,21 @@ def test_a_reader_the_rewrite_removes_is_kept_for_ort():
     assert not rep.ok and "with its DoubleQDQPairsRemover off in both, max rel 0;" in rep.model[0].name
 
 
-def test_a_pinned_shape_lets_ort_merge_the_output_only_and_optimize_says_so():
-    # --input-shape makes d1 static in the output: ORT folds the kept Shape there, not in the input as it runs
-    src = chain(reader=True, static=False)
-    res = compile_model(src, {"x": list(X.shape)})
-    assert len(res.requantized) == 1 and res.requantized[0].endswith("(in the output only)")
-    assert "quantization:         ORT merges 1 quantize/dequantize chain at a new scale" in summary(res)
-    assert _ort_merges(res.model) and not _ort_merges(src)
-    assert not check_models(src, res.model).ok
+@pytest.mark.parametrize("static", [False, True])
+def test_a_reader_is_kept_where_ort_folds_shapes(static):
+    # --input-shape makes d1 static in the output (or the model declares it so), and ORT folds a Shape of a
+    # static shape: the kept Size it does not fold
+    src = chain(reader=True, static=static, middle=("Cast",))
+    src.graph.node[-3].op_type = "Size"  # DQ1's reader in the input is a Size (its own DQ1 copy in ORT: no merge)
+    src.graph.node.insert(len(src.graph.node) - 2, helper.make_node("Unsqueeze", ["sh", "ax"], ["shu"]))
+    src.graph.node[-2].input[1] = "shu"  # Reshape(d2, [Size(d1)]): d2 flattened
+    src.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), "ax"))
+    src.graph.output[0].type.CopyFrom(onnx.helper.make_tensor_type_proto(TP.FLOAT, None))
+    src.graph.output[0].type.CopyFrom(onnx.shape_inference.infer_shapes(src).graph.output[0].type)
+    assert not _ort_merges(src) and not merged_pairs(src, lambda t: static)
+    res = compile_model(src, None if static else {"x": list(X.shape)})
+    assert len(res.kept_readers) == 1 and res.requantized == () and not _ort_merges(res.model)
+    assert check_models(src, res.model, input_shapes={"x": list(X.shape)}).ok
 
 
 def test_a_merge_ort_makes_in_both_models_is_left_alone():
