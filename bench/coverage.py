@@ -307,6 +307,7 @@ ORT_OPTIMIZED: dict[str, tuple[str, str, int, int]] = {  # source, model type, n
 QUANTIZED: dict[str, tuple[str, str]] = {  # source, method
     "roberta_int8": ("roberta", "int8"), "roberta_qdq": ("roberta", "qdq"), "mistral_qdq": ("mistral", "qdq"),
     "mistral_int4": ("mistral", "int4"), "llama_past_int4": ("llama_past", "int4"),
+    "resnet_qdq": ("resnet", "qdq"), "mobilenet_v2_qdq": ("mobilenet_v2", "qdq"), "yolo_qdq": ("yolo", "qdq"),
 }
 NAMES = [*MODELS, *ORT_OPTIMIZED, *QUANTIZED]
 
