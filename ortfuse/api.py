@@ -32,10 +32,10 @@ from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
 from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
-from ortfuse.rewriter.qdq import keep_readers_as_input, merged_pairs, readers
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
+from ortfuse.rewriter.qdq import keep_readers_as_input, merged_pairs, readers
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.ort_folding import left_folded
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
