@@ -98,17 +98,12 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
     if not any(n.op_type == "DequantizeLinear" for n in g.node):
         return {}
     consts = _constants(model)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        if n.op_type == "Shape" and n.domain in ("", "ai.onnx") and static(n.input[0]):
-            continue  # (a Size of a static shape ORT folds too, but only after giving it a DQ1 of its own)
-        for x in _proto.node_reads(n):  # (a subgraph's reads of outer names count, as ORT's implicit inputs do)
-            readers.setdefault(x, []).append(n)
+    read_by = _read_by(g, static)
     outputs = {o.name for o in g.output}
     producer = {o: n for n in g.node for o in n.output if o}
 
     def only_reader(t: str) -> Optional[onnx.NodeProto]:
-        rs = readers.get(t, [])
+        rs = read_by.get(t, [])
         return rs[0] if len(rs) == 1 and t not in outputs else None
 
     def op(n: Optional[onnx.NodeProto], op_type: str) -> bool:
@@ -135,25 +130,28 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
     return found
 
 
-def readers(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, int]:
-    """How many readers each QuantizeLinear or DequantizeLinear output of the main graph has as ORT counts them:
-    nodes (a subgraph reading it counts), the graph's outputs; not a Shape of a static shape, which ORT folds
-    first."""
-    g = model.graph
-    out = {o: 0 for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.domain in _DOMAINS
-           for o in n.output[:1]}
-    if not out:
-        return {}
+def _read_by(g: onnx.GraphProto, static: Callable[[str], bool]) -> dict[str, list[onnx.NodeProto]]:
+    """Each tensor's reading nodes as ORT counts them: a subgraph reading it counts (ORT's implicit inputs); a
+    Shape of a static shape does not, as ORT folds it first (a Size of one it folds too, but only after giving
+    it a DQ of its own)."""
+    out: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         if n.op_type == "Shape" and n.domain in ("", "ai.onnx") and static(n.input[0]):
             continue
         for x in _proto.node_reads(n):
-            if x in out:
-                out[x] += 1
-    for o in g.output:
-        if o.name in out:
-            out[o.name] += 1
+            out.setdefault(x, []).append(n)
     return out
+
+
+def readers(model: onnx.ModelProto, static: Callable[[str], bool] = lambda t: False) -> dict[str, int]:
+    """How many readers each QuantizeLinear or DequantizeLinear output of the main graph has as ORT counts them
+    (`_read_by`; a graph output counts as one)."""
+    g = model.graph
+    outs = [n.output[0] for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.domain in _DOMAINS]
+    if not outs:
+        return {}
+    read_by, returned = _read_by(g, static), {o.name for o in g.output}
+    return {t: len(read_by.get(t, ())) + (t in returned) for t in outs}
 
 
 def keep_readers_as_input(before: dict[str, int], merged_before: dict[str, str], out: onnx.ModelProto,
