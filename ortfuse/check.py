@@ -110,17 +110,26 @@ def compare(name: str, out: np.ndarray, ref: np.ndarray, tol: Optional[float] = 
     return Diff(name, max_abs, max_abs / scale, tol)
 
 
+def _options(level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+             **config: str) -> ort.SessionOptions:
+    """Session options of the check's sessions: ORT quiet (a failing Run is reported once, by _run), `level`, and
+    session config entries. The default level is everything but the layout transformations: at ORT_ENABLE_ALL,
+    ORT 1.31.1's CPU EP kills the process creating a session for some valid models (torch's
+    nn.MultiheadAttention exported and converted to fp16; fuzz seed 1587), which no error handling here can
+    report. The reference is ORT's either way."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.graph_optimization_level = level
+    for k, v in config.items():
+        so.add_session_config_entry(k, v)
+    return so
+
+
 def _session(model: onnx.ModelProto, providers: Sequence, so: Optional[ort.SessionOptions] = None,
              cls: type = ort.InferenceSession) -> ort.InferenceSession:
-    """A session of `cls` on `model`: given its bytes, or over 2 GB (which protobuf cannot serialize) a
-    temporary copy written with external data, removed once ORT has read it."""
-    if so is None:
-        so = ort.SessionOptions()
-        so.log_severity_level = 4  # a failing Run is reported once, by _run
-        # everything but the layout transformations: at ORT_ENABLE_ALL, ORT 1.31.1's CPU EP kills the process
-        # creating a session for some valid models (torch's nn.MultiheadAttention exported and converted to
-        # fp16; fuzz seed 1587), which no error handling here can report. The reference is ORT's either way.
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    """A session of `cls` on `model` (`so`: `_options()` where None): given its bytes, or over 2 GB (which
+    protobuf cannot serialize) a temporary copy written with external data, removed once ORT has read it."""
+    so = so or _options()
     if not _proto.is_large(model):
         return cls(model.SerializeToString(), so, providers=list(providers))
     with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
@@ -223,7 +232,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     if not all(d.ok for d in model_diffs) and computes_in_bf16(src):
         model_diffs = _judged_against_fp32(model_diffs, src, feeds, out_names, ref_vals, out_vals, floors, half_fed)
     if not all(d.ok for d in model_diffs):
-        model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, ref_sess.get_providers(), feeds,
+        model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, providers, feeds,
                                               out_names, ref_vals, out_vals, floors)
     if not all(d.ok for d in model_diffs) and any(n.op_type == "QuantizeLinear" for n in opt.graph.node):
         model_diffs = _explained_by_merges(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
@@ -311,15 +320,13 @@ def _judged_against_fp32(diffs: tuple[Diff, ...], src: onnx.ModelProto, feeds: M
 
 
 def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, sh: Optional[Shadow],
-                            providers: Sequence[str], feeds: Mapping[str, np.ndarray], names: Sequence[str],
+                            providers: Sequence, feeds: Mapping[str, np.ndarray], names: Sequence[str],
                             ref: Mapping[str, np.ndarray], out: Sequence[np.ndarray],
                             floors: Mapping[str, float]) -> tuple[Diff, ...]:
     """Failing outputs of an ill-conditioned model: where ORT's own graph optimizations (the session's, ORT_ENABLE_EXTENDED on
     the CPU, against ORT_DISABLE_ALL, the same model and inputs) change a half-precision output by more than its tolerance, the
     output cannot be held to that tolerance; ours is then held to CONDITIONING_FACTOR times ORT's change."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so = _options(ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     plain = dict(zip(names, _run(_session(src, providers, so), names, feeds, "the original model", InputError, sh)))
     judged = []
     for d, n, o in zip(diffs, names, out):
@@ -333,17 +340,14 @@ def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, sh: O
     return tuple(judged)
 
 
-def _explained_by_merges(diffs: tuple[Diff, ...], ref: tuple, out: tuple, providers: Sequence[str],
+def _explained_by_merges(diffs: tuple[Diff, ...], ref: tuple, out: tuple, providers: Sequence,
                          feeds: Mapping[str, np.ndarray], names: Sequence[str],
                          floors: Mapping[str, float]) -> tuple[Diff, ...]:
     """Failing outputs of a quantized model, each run again with ORT's DoubleQDQPairsRemover off in both models
     (`rewriter.qdq`: ORT merges a chain of one model at a new scale, which `optimize` names where it cannot keep
     the input's merges). An output that then agrees still fails, as it differs under ORT's defaults; its line
     says where the difference comes from."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.add_session_config_entry("session.disable_double_qdq_remover", "1")
+    so = _options(**{"session.disable_double_qdq_remover": "1"})
     (ref_model, ref_sh), (out_model, out_sh, cls) = ref, out
     try:
         unmerged_ref = _run(_session(ref_model, providers, so), names, feeds, "the original model", InputError, ref_sh)
@@ -476,7 +480,6 @@ def _judged_against_fp64(d: Diff, out: np.ndarray, ref: np.ndarray, exact: np.nd
 def _fp64_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
     """A fused node's fp32 sub-graph run by onnx's reference evaluator in fp64: fp32 inputs, Constants,
     ConstantOfShape values and Casts to fp32 made fp64 (its Erf stays fp32-accurate: onnx's rounds to fp32)."""
-    from onnx.reference import ReferenceEvaluator
     feeds = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in zip(body.input, inputs)}
     m = _body_model(body, feeds)
     for n in m.graph.node:
@@ -490,18 +493,22 @@ def _fp64_twin(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: 
                 a.CopyFrom(onnx.helper.make_attribute("value", onnx.numpy_helper.from_array(value)))
             elif n.op_type == "Cast" and a.name == "to" and a.i == onnx.TensorProto.FLOAT:
                 a.i = onnx.TensorProto.DOUBLE
-    with np.errstate(all="ignore"):
-        got = dict(zip(body.output, ReferenceEvaluator(m).run(None, feeds)))
-    return [np.asarray(got[o]) for o in outputs]
+    return _evaluated(m, body, feeds, outputs)
 
 
 def _op_by_op(body: onnx.FunctionProto, inputs: Sequence[np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
     """A fused node's sub-graph run by onnx's reference evaluator, which rounds every half-precision
     intermediate to its type as the CUDA EP stores it (ORT's CPU EP computes half chains in fp32)."""
-    from onnx.reference import ReferenceEvaluator
     feeds = dict(zip(body.input, inputs))
+    return _evaluated(_body_model(body, feeds), body, feeds, outputs)
+
+
+def _evaluated(m: onnx.ModelProto, body: onnx.FunctionProto, feeds: Mapping[str, np.ndarray],
+               outputs: Sequence[str]) -> list[np.ndarray]:
+    """`outputs` (of `body`) of `m`, a model of `body`, run by onnx's reference evaluator on `feeds`."""
+    from onnx.reference import ReferenceEvaluator
     with np.errstate(all="ignore"):  # a Cast of inf to an integer, as the model itself may do
-        got = dict(zip(body.output, ReferenceEvaluator(_body_model(body, feeds)).run(None, feeds)))
+        got = dict(zip(body.output, ReferenceEvaluator(m).run(None, feeds)))
     return [np.asarray(got[o]) for o in outputs]
 
 
