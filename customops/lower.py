@@ -775,8 +775,9 @@ class _Lowerer:
         if op in ops.REDUCTIONS:
             return self.reduction_value(node, idx)
         args: list[Optional[Expr]] = []
-        for x in node.input:
-            args.append(self.value(x, self.broadcast(idx, self._shape(x))) if x else None)
+        for k, x in enumerate(node.input):
+            at = self.per_axis_index(node, idx) if op == "DequantizeLinear" and k > 0 else None
+            args.append(self.value(x, at or self.broadcast(idx, self._shape(x))) if x else None)
         if scalar.sees_stored(node):
             args = [self.as_stored(x, a) if a is not None else None for x, a in zip(node.input, args)]
         out_storage = _storage(self.g.tensors[node.output[pos]].dtype, f"output of {node.op_type}")
@@ -792,6 +793,14 @@ class _Lowerer:
                 raise LoweringError(str(e)) from None
         # and, in half precision, every rounding the CUDA EP does op by op
         return scalar.round_to(out_storage, value) if discrete and out_storage in ("f16", "bf16") else value
+
+    def per_axis_index(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Optional[tuple[Expr, ...]]:
+        """A DequantizeLinear's scale and zero point, one per element of its `axis`, read at that axis's coordinate
+        (not as ONNX broadcasting would align them, with the innermost axis); None for one scale for the tensor."""
+        scale = self._shape(node.input[1])
+        if len(scale) != 1 or scale[0] == 1:
+            return None
+        return (idx[scalar.attr(node, "axis", 1) % len(idx)],)
 
     @functools.cached_property
     def discrete_cone(self) -> frozenset[str]:

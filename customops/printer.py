@@ -25,6 +25,7 @@ FN: dict[str, Callable[[list[str]], str]] = {
     "sub": lambda a: f"({a[0]} - {a[1]})",
     "mul": lambda a: f"({a[0]} * {a[1]})",
     "div": lambda a: f"({a[0]} / {a[1]})",
+    "mul_rn": lambda a: f"__fmul_rn({a[0]}, {a[1]})",  # fp32 only: never contracted into an FMA
     "recip_fast": lambda a: f"__fdividef(1.0f, {a[0]})",  # fp32 only: MUFU.RCP, within 2 ulp, no branch
     "mod": lambda a: f"({a[0]} % {a[1]})",
     "fmod": lambda a: f"fmodf({a[0]}, {a[1]})",

@@ -180,6 +180,17 @@ def _abs(n, a, out):
     return _op("abs" if a[0].ctype == F32 else "iabs", a[0])
 
 
+def _dequantize(n, a, out):
+    """(x - zero_point) * scale as ORT computes it: the difference in int32, converted to fp32 (exact for 8-bit
+    inputs), one rounded product that is never contracted into an FMA with what reads it (a step-exact value
+    for a QuantizeLinear downstream, as ORT's). A per-axis scale is read at the axis's coordinate
+    (`lower.per_axis_index`)."""
+    v = _as(a[0], "i32")
+    if len(a) > 2:
+        v = _op("sub", v, _as(a[2], "i32"))
+    return _op("mul_rn", _as(v, F32), _as(a[1], F32))
+
+
 def _where(n, a, out):
     c, x, y = a
     ct = x.ctype if x.ctype == y.ctype else F32
@@ -216,6 +227,7 @@ RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
     "Or": lambda n, a, out: _op("or", _as(a[0], "bool"), _as(a[1], "bool")),
     "Xor": lambda n, a, out: _op("xor", _as(a[0], "bool"), _as(a[1], "bool")),
     "IsNaN": lambda n, a, out: _op("isnan", a[0], ctype="bool"),
+    "DequantizeLinear": _dequantize,
 }
 
 

@@ -385,8 +385,12 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         if hit is None or hit[0] is not g:
             while len(searched) > 2:
                 del searched[next(iter(searched))]
+            # a DQ the rewrite left with other readers than the input's stays ORT's: `keep_readers_as_input`
+            # gives it back a reader in the output, which it cannot inside a fused node's function
+            now = readers(g.model, static_before)
+            kept = frozenset(t for t, k in now.items() if k != qdq_readers.get(t, k))
             hit = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold,
-                                      k_rope=opts.k_rope))
+                                  k_rope=opts.k_rope, ort_dequantizers=kept))
         searched[id(g)] = hit
         return hit[1]
 

@@ -79,6 +79,11 @@ def _index_bound(model: onnx.ModelProto, name: str) -> int | None:
     return None
 
 
+def _dequantized(model: onnx.ModelProto, name: str) -> bool:
+    """Whether an integer input is read as a DequantizeLinear's quantized data."""
+    return any(n.op_type == "DequantizeLinear" and n.input and n.input[0] == name for n in model.graph.node)
+
+
 def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     shapes = shapes or {}
@@ -107,6 +112,9 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None =
                 m[..., -(m.shape[-1] // 4):] = 0  # some padding on every row
                 m[0] = 1  # and one row with none
             feeds[vi.name] = m
+        elif _dequantized(model, vi.name):  # quantized data: its whole range
+            info = np.iinfo(dt)
+            feeds[vi.name] = rng.integers(info.min, int(info.max) + 1, dims).astype(dt)
         else:
             hi = _index_bound(model, vi.name) or 2
             feeds[vi.name] = rng.integers(0, hi, dims).astype(dt)

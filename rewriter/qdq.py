@@ -94,9 +94,24 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
     """Q2's name (or output) -> a line naming both pairs, for each chain Q1 -> DQ1 -> [nodes ORT removes] -> Q2 ->
     DQ2 of the main graph that DoubleQDQPairsRemover rewrites with pairs of different parameters.
     `static(t)`: tensor t's shape is known in full, so ORT's constant folding removes a Shape of it."""
+    return {q2.name or q2.output[0]: (f"'{dq1.name or dq1.output[0]}' (scale {p1[2]:.4g}, zero point {p1[3]}) -> "
+                                      f"'{q2.name or q2.output[0]}' (scale {p2[2]:.4g}, zero point {p2[3]})")
+            for _, dq1, q2, _, p1, p2, _ in _merged_chains(model, static)}
+
+
+def merged_dequantizers(model: onnx.ModelProto) -> frozenset[str]:
+    """The outputs of the DequantizeLinear nodes of every chain DoubleQDQPairsRemover may merge at a new scale, and
+    of the nodes it removes between them, counting no Shape as a reader (so a superset of `merged_pairs`' chains):
+    a fused kernel must not compute one, or ORT would merge the chain in the input and not in the output."""
+    return frozenset(n.output[0] for c in _merged_chains(model, lambda t: True) for n in (c[1], *c[6], c[3]))
+
+
+def _merged_chains(model: onnx.ModelProto, static: Callable[[str], bool]) -> list[tuple]:
+    """(Q1, DQ1, Q2, DQ2, DQ1's parameters, Q2's, the nodes between DQ1 and Q2) of each chain `merged_pairs`
+    describes."""
     g = model.graph
     if not any(n.op_type == "DequantizeLinear" for n in g.node):
-        return {}
+        return []
     consts = _constants(model)
     read_by = _read_by(g, static)
     outputs = {o.name for o in g.output}
@@ -109,13 +124,14 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
     def op(n: Optional[onnx.NodeProto], op_type: str) -> bool:
         return n is not None and n.op_type == op_type and n.domain in _DOMAINS
 
-    found = {}
+    found = []
     for dq1 in g.node:
         q1 = producer.get(dq1.input[0]) if op(dq1, "DequantizeLinear") else None
         if not op(q1, "QuantizeLinear") or only_reader(q1.output[0]) is not dq1:
             continue
-        q2 = only_reader(dq1.output[0])
+        q2, between = only_reader(dq1.output[0]), []
         while q2 is not None and _passes_value(q2, consts):
+            between.append(q2)
             q2 = only_reader(q2.output[0])
         dq2 = only_reader(q2.output[0]) if op(q2, "QuantizeLinear") else None
         if not op(dq2, "DequantizeLinear"):
@@ -124,9 +140,7 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
         if any(x is None for x in p) or not _same(p[0], p[1]) or not _same(p[2], p[3]) or p[1][4] != p[2][4] \
                 or _same(p[1], p[2]):
             continue
-        found[q2.name or q2.output[0]] = (f"'{dq1.name or dq1.output[0]}' (scale {p[1][2]:.4g}, zero point "
-                                          f"{p[1][3]}) -> '{q2.name or q2.output[0]}' (scale {p[2][2]:.4g}, "
-                                          f"zero point {p[2][3]})")
+        found.append((q1, dq1, q2, dq2, p[1], p[2], tuple(between)))
     return found
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
-from ortfuse.rewriter import _proto
+from ortfuse.rewriter import _proto, qdq
 from ortfuse.rewriter.ort_folding import folded_nodes
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
 from ortfuse.search import conv, norm_fold, ops, pad, pool, resize
@@ -149,10 +149,37 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
 
 
 GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+DEQUANTIZED_TYPES = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT32})
 
 
-def node_verdict(g: Graph, i: int) -> Optional[Reject]:
-    """None if node i may join a fused kernel, else the reason it may not."""
+@per_graph
+def _merged(g: Graph) -> frozenset[str]:
+    return qdq.merged_dequantizers(g.model)
+
+
+def dequantize_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
+    """None where a DequantizeLinear computes in a kernel exactly as ORT's (`scalar._dequantize`): 8-bit or int32
+    input, one scale (and zero point) for the tensor or one per element of `axis` (`lower.per_axis_index`); else
+    why not."""
+    x = g.tensors[n.input[0]]
+    if x.dtype not in DEQUANTIZED_TYPES:
+        return f"dequantizes {onnx.TensorProto.DataType.Name(x.dtype)}: left to ORT"
+    if scalar.attr(n, "block_size", 0):
+        return f"blocked quantization (block_size {scalar.attr(n, 'block_size')}): left to ORT"
+    scale, rank = g.tensors[n.input[1]].shape, len(x.shape or ())
+    if len(scale) > 1:
+        return f"a rank-{len(scale)} scale (blocked quantization): left to ORT"
+    if len(scale) == 1 and scale[0] != 1:
+        axis = scalar.attr(n, "axis", 1)
+        if rank == 0 or not -rank <= axis < rank or scale[0] != x.shape[axis % rank]:
+            return f"a scale of {scale[0]} elements for axis {axis} of a {list(x.shape)} input: left to ORT"
+    return None
+
+
+def node_verdict(g: Graph, i: int, ort_dequantizers: frozenset[str] = frozenset()) -> Optional[Reject]:
+    """None if node i may join a fused kernel, else the reason it may not. `ort_dequantizers`: outputs of
+    DequantizeLinear nodes whose readers the rewrite changed (ORT counts them: `rewriter.qdq`), which stay
+    ORT's so that the output can keep a reader for them as the input has."""
     n = g.nodes[i]
     label = g.node_label(i)
     if n.domain not in ("", "ai.onnx"):
@@ -172,6 +199,16 @@ def node_verdict(g: Graph, i: int) -> Optional[Reject]:
             return Reject(label, f"shape of '{t}' could not be inferred")
         if info.dtype not in scalar.STORAGE:
             return Reject(label, f"'{t}' has element type {onnx.TensorProto.DataType.Name(info.dtype)}, not fused")
+    if any(t in _merged(g) for t in n.output):
+        return Reject(label, "a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it "
+                             "or computes it: left to ORT, which would not merge it inside a fused node")
+    if n.op_type == "DequantizeLinear" and n.output[0] in ort_dequantizers:
+        return Reject(label, "its output has other readers in the input model than here (ORT's quantization passes "
+                             "count them): left to ORT, so that the output keeps them")
+    if n.op_type == "DequantizeLinear":
+        why = dequantize_verdict(g, n)
+        if why:
+            return Reject(label, why)
     if kind == "indexing":
         why = _indexing_verdict(g, n)
         return Reject(label, why) if why else None

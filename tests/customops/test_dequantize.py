@@ -1,0 +1,133 @@
+"""DequantizeLinear in fused kernels: per tensor and per axis, 8-bit and int32 data, fp32 and fp16 scales,
+checked in CPU emulation against ORT CPU on the original model, where a dequantized value must be exact."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP, helper, numpy_helper
+
+from ortfuse.api import compile_model
+from ortfuse.check import check_models
+from ortfuse.config import Options
+from tests.helpers import fused_parity, model as _model
+
+RNG = np.random.default_rng(7)
+
+
+def _ints(shape, dtype) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return RNG.integers(info.min, int(info.max) + 1, shape).astype(dtype)
+
+
+def _exact(rep) -> None:
+    """Every kernel output equals ORT's bit for bit (the check's own tolerance is looser)."""
+    assert rep.ok, "\n".join(rep.lines())
+    assert rep.kernels and all(d.max_abs == 0 for _, ds in rep.kernels for d in ds), "\n".join(rep.lines())
+
+
+def _optimized(m: onnx.ModelProto):
+    return compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+
+
+def quantized_add(dtype=np.int8, zero_point: bool = True, fp16: bool = False) -> onnx.ModelProto:
+    """x (float) -> Q -> DQ, plus DQ of a constant, then Add -> y: the QDQ form of an Add. The Q stays ORT's."""
+    ft = TP.FLOAT16 if fp16 else TP.FLOAT
+    fnp = np.float16 if fp16 else np.float32
+    zp = [numpy_helper.from_array(np.array(3 if dtype == np.int8 else 128, dtype), "zx"),
+          numpy_helper.from_array(np.array(-5 if dtype == np.int8 else 120, dtype), "zc")] if zero_point else []
+    inits = [numpy_helper.from_array(np.array(0.0173, fnp), "sx"), numpy_helper.from_array(np.array(0.0291, fnp), "sc"),
+             numpy_helper.from_array(_ints((6, 40), dtype), "c"), *zp]
+    z = (lambda n: [n]) if zero_point else (lambda n: [])
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", *z("zx")], ["qx"]),
+             helper.make_node("DequantizeLinear", ["qx", "sx", *z("zx")], ["dx"]),
+             helper.make_node("DequantizeLinear", ["c", "sc", *z("zc")], ["dc"]),
+             helper.make_node("Add", ["dx", "dc"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", ft, ["b", 6, 40])],
+                  [helper.make_tensor_value_info("y", ft, None)], inits, opset=19 if fp16 else 18)  # (fp16 DQ: 19)
+
+
+@pytest.mark.parametrize("dtype,zero_point", [(np.int8, True), (np.uint8, True), (np.int8, False)])
+def test_a_quantized_add_is_one_exact_kernel(dtype, zero_point) -> None:
+    m = quantized_add(dtype, zero_point)
+    res = fused_parity(m, {}, {"x": [3, 6, 40]}, ["pointwise"])
+    (r,) = res.plan.regions
+    assert sorted(res.graph.nodes[i].op_type for i in r.nodes) == ["Add", "DequantizeLinear", "DequantizeLinear"]
+    _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [3, 6, 40]}))
+
+
+def test_an_fp16_scale_dequantizes_to_fp16() -> None:
+    m = quantized_add(fp16=True)
+    res = fused_parity(m, {}, {"x": [2, 6, 40]}, ["pointwise"])
+    assert res.model.graph.output[0].type.tensor_type.elem_type == TP.FLOAT16
+
+
+def test_the_dequantized_product_is_never_contracted() -> None:
+    """On the GPU a product feeding an Add may become one FMA, which rounds once where ORT rounds twice: a
+    QuantizeLinear after it could then land a step away. The product is __fmul_rn, which NVRTC never contracts."""
+    res = _optimized(quantized_add())
+    (k,) = res.kernels
+    src = k.compiled.source
+    assert "__fmul_rn(" in src and " * 0.0173" not in src and " * 0.0291" not in src, src
+
+
+@pytest.mark.parametrize("axis", [1, -1, 0])
+def test_per_axis_scales_are_read_along_their_axis(axis: int) -> None:
+    """A constant weight dequantized per channel (axis 1 of [N, C, H, W], as ORT's quantizer does a Conv's
+    along its output channels), times an activation; per-axis scales of the innermost axis and the leading one
+    too. Broadcasting would align a [C] scale with the innermost axis instead."""
+    shape = [2, 5, 3, 7]
+    n = shape[axis]
+    inits = [numpy_helper.from_array(_ints(shape, np.int8), "w"),
+             numpy_helper.from_array((RNG.random(n) * 0.05 + 0.01).astype(np.float32), "s"),
+             numpy_helper.from_array(_ints([n], np.int8) // 8, "z")]
+    nodes = [helper.make_node("DequantizeLinear", ["w", "s", "z"], ["dw"], axis=axis),
+             helper.make_node("Mul", ["x", "dw"], ["p"]), helper.make_node("Relu", ["p"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, shape)],
+               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = fused_parity(m, {}, {}, ["pointwise"])
+    assert "DequantizeLinear" in [res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes]
+    _exact(check_models(m, res.model, emulate=True))
+
+
+def test_an_int32_bias_dequantizes_exactly() -> None:
+    """An int32 bias with its per-channel scale (the QDQ form of a Conv's bias), added to an activation."""
+    inits = [numpy_helper.from_array(RNG.integers(-2 ** 20, 2 ** 20, [16]).astype(np.int32), "b"),
+             numpy_helper.from_array((RNG.random(16) * 1e-4).astype(np.float32), "s")]
+    nodes = [helper.make_node("DequantizeLinear", ["b", "s"], ["db"], axis=0),
+             helper.make_node("Add", ["x", "db"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 16])],
+               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = fused_parity(m, {}, {"x": [9, 16]}, ["pointwise"])
+    _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [9, 16]}))
+
+
+def test_a_quantized_embedding_dequantizes_only_the_rows_it_gathers() -> None:
+    """Gather of a dequantized table: ORT dequantizes the whole table on every call; the kernel only the rows."""
+    inits = [numpy_helper.from_array(_ints([50, 32], np.int8), "table"),
+             numpy_helper.from_array(np.array(0.02, np.float32), "s"),
+             numpy_helper.from_array(np.array(1, np.int8), "z")]
+    nodes = [helper.make_node("DequantizeLinear", ["table", "s", "z"], ["t"]),
+             helper.make_node("Gather", ["t", "ids"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("ids", TP.INT64, ["b", "s"])],
+               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = fused_parity(m, {}, {"ids": [2, 9]}, ["pointwise"])
+    assert "table" in res.plan.regions[0].inputs  # the 8-bit table itself
+
+
+def test_a_quantized_image_is_read_by_the_convolution() -> None:
+    """DQ -> Conv (its weight dequantized per output channel by ORT) -> Relu: the Conv reads the 8-bit image."""
+    w = _ints([8, 4, 3, 3], np.int8)
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "sx"),
+             numpy_helper.from_array(np.array(0, np.uint8), "zx"), numpy_helper.from_array(w, "w"),
+             numpy_helper.from_array((RNG.random(8) * 0.01 + 0.002).astype(np.float32), "sw"),
+             numpy_helper.from_array(np.zeros(8, np.int8), "zw")]
+    nodes = [helper.make_node("DequantizeLinear", ["x", "sx", "zx"], ["dx"]),
+             helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["dw"], axis=0),
+             helper.make_node("Conv", ["dx", "dw"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TP.UINT8, ["n", 4, 10, 10])],
+               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = fused_parity(m, {}, {"x": [2, 4, 10, 10]}, ["gemm"])
+    ops = sorted(res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes)
+    assert ops.count("DequantizeLinear") >= 1 and "Conv" in ops, ops

@@ -1,0 +1,99 @@
+"""search.legal: which DequantizeLinear nodes may join a fused kernel, and why the others stay ORT's."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP, helper, numpy_helper
+
+from ortfuse.api import compile_model
+from ortfuse.check import check_models
+from ortfuse.config import Options
+from tests.helpers import model
+
+
+def _rejects(m: onnx.ModelProto) -> list[str]:
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    return [str(r) for r in res.plan.rejects]
+
+
+def _dq_relu_add(x_type: int, opset: int = 18, **dq) -> onnx.ModelProto:
+    scale = dq.pop("scale", np.array(0.02, np.float32))
+    inits = [numpy_helper.from_array(scale, "s")]
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["d"], name="DQ", **dq),
+             helper.make_node("Relu", ["d"], ["r"]), helper.make_node("Add", ["r", "x"], ["y"])]
+    return model(nodes, [helper.make_tensor_value_info("q", x_type, [4, 32]),
+                         helper.make_tensor_value_info("x", TP.FLOAT, [4, 32])],
+                 [helper.make_tensor_value_info("y", TP.FLOAT, None)], [*inits], opset=opset)
+
+
+def test_blocked_quantization_stays_orts() -> None:
+    m = _dq_relu_add(TP.INT8, opset=21, axis=1, block_size=8, scale=np.full((4, 4), 0.02, np.float32))
+    assert any("'DQ'" in r and "blocked quantization (block_size 8)" in r for r in _rejects(m)), _rejects(m)
+
+
+def test_16_bit_data_stays_orts() -> None:
+    m = _dq_relu_add(TP.INT16, opset=21)
+    assert any("'DQ'" in r and "INT16" in r for r in _rejects(m)), _rejects(m)
+
+
+def _chain(s2: float) -> onnx.ModelProto:
+    """x -> Q1 -> DQ1 -> Q2 -> DQ2 -> Relu -> Add x: ORT's DoubleQDQPairsRemover merges the pairs into one at a
+    new scale where their parameters differ."""
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s1"),
+             numpy_helper.from_array(np.array(s2, np.float32), "s2"),
+             numpy_helper.from_array(np.array(3, np.int8), "z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["q1"], name="Q1"),
+             helper.make_node("DequantizeLinear", ["q1", "s1", "z"], ["d1"], name="DQ1"),
+             helper.make_node("QuantizeLinear", ["d1", "s2", "z"], ["q2"], name="Q2"),
+             helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"], name="DQ2"),
+             helper.make_node("Relu", ["d2"], ["r"]), helper.make_node("Add", ["r", "x"], ["y"])]
+    return model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [4, 32])],
+                 [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+
+
+def test_a_chain_ort_merges_is_left_to_ort() -> None:
+    """Fused, DQ2 would hide the chain from ORT in the output only, and the two models would round otherwise."""
+    m = _chain(0.031)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    fused = {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
+    assert not fused & {"DQ1", "DQ2"}, fused
+    assert any("'DQ2'" in str(r) and "DoubleQDQPairsRemover" in str(r) for r in res.plan.rejects)
+    assert check_models(m, res.model).ok
+
+
+def test_a_chain_of_equal_pairs_is_not_merged_at_a_new_scale() -> None:
+    """Pairs of equal parameters: ORT drops them without rounding otherwise, so DQ2 may be fused."""
+    res = compile_model(_chain(0.02), {}, "sm_90", options=Options(archs=(90,)))
+    assert "DQ2" in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
+
+
+@pytest.mark.parametrize("x_type", [TP.INT8, TP.UINT8, TP.INT32])
+def test_8_bit_and_int32_data_are_fused(x_type: int) -> None:
+    res = compile_model(_dq_relu_add(x_type), {}, "sm_90", options=Options(archs=(90,)))
+    assert [sorted(res.graph.nodes[i].op_type for i in r.nodes) for r in res.plan.regions] == \
+        [["Add", "DequantizeLinear", "Relu"]]
+
+
+def test_a_dequantizer_the_rewrite_took_a_reader_from_stays_orts() -> None:
+    """DQ -> Softmax -> Q as ORT's CPU EP makes one QLinearSoftmax only where the DQ has one reader; here a Shape
+    also reads it, which the rewrite writes as a constant. Fused, the DQ would have one reader in the output's
+    inlined function, where ORT's passes can round otherwise than in the input (fuzz seeds 222 and 306 of
+    `test_random_quantized_graph_matches_ort` fail so); it stays ORT's, and keeps a reader."""
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s1"),
+             numpy_helper.from_array(np.array(1.0 / 256, np.float32), "s2"),
+             numpy_helper.from_array(np.array(-128, np.int8), "z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["q1"]),
+             helper.make_node("DequantizeLinear", ["q1", "s1", "z"], ["d1"], name="DQ1"),
+             helper.make_node("Softmax", ["d1"], ["p"]),
+             helper.make_node("QuantizeLinear", ["p", "s2", "z"], ["q2"]),
+             helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"]),
+             helper.make_node("Shape", ["d1"], ["sh"]), helper.make_node("Reshape", ["d2", "sh"], ["r"]),
+             helper.make_node("Relu", ["r"], ["y"])]
+    m = model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 32])],
+              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert any("'DQ1'" in str(r) and "other readers in the input model" in str(r) for r in res.plan.rejects), \
+        [str(r) for r in res.plan.rejects]
+    rep = check_models(m, res.model, input_shapes={"x": [3, 32]})
+    assert rep.ok, "\n".join(rep.lines())
