@@ -45,6 +45,7 @@ CONDITIONING_FACTOR = 2.0
 MAX_CONDITIONED_RTOL = 5e-2
 # ... and an fp32 kernel output never to more than this (its sub-graph cancels: x * a + b near 0 after a norm)
 MAX_CONDITIONED_RTOL_FP32 = 1e-3
+REF_SUFFIX = "__ortfuse_original"  # a QuantizeLinear output of the original model, given the optimized model's
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,9 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, providers, feeds,
                                               out_names, ref_vals, out_vals, floors)
     if not all(d.ok for d in model_diffs) and any(n.op_type == "QuantizeLinear" for n in opt.graph.node):
+        model_diffs = _judged_step_by_step(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
+                                           providers, feeds, out_names, out_vals, floors)
+    if not all(d.ok for d in model_diffs) and any(n.op_type == "QuantizeLinear" for n in opt.graph.node):
         model_diffs = _explained_by_merges(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
                                            providers, feeds, out_names, floors)
     del ref_sess, out_sess, ref_model, out_model, src  # (their weights: the probe below holds its own)
@@ -337,6 +341,83 @@ def _judged_by_conditioning(diffs: tuple[Diff, ...], src: onnx.ModelProto, sh: O
         redo = compare(n, o, ref[n], CONDITIONING_FACTOR * own.max_rel, floors.get(n, 1e-6))
         judged.append(Diff(f"{n} (ill-conditioned: ORT's own graph optimizations change it by {own.max_rel:.3g})",
                            redo.max_abs, redo.max_rel, redo.tol))
+    return tuple(judged)
+
+
+def _quantizers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """The main graph's QuantizeLinear nodes by output, but for those whose output the graph returns."""
+    returned = {o.name for o in model.graph.output}
+    return {n.output[0]: n for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.domain in ("", "ai.onnx") and n.output[0] not in returned}
+
+
+def _judged_step_by_step(diffs: tuple[Diff, ...], ref: tuple, out: tuple, providers: Sequence,
+                         feeds: Mapping[str, np.ndarray], names: Sequence[str], out_vals: Sequence[np.ndarray],
+                         floors: Mapping[str, float]) -> tuple[Diff, ...]:
+    """Failing outputs of a quantized model, judged from one quantized tensor to the next. A QuantizeLinear
+    (ORT's in both models) rounds its float input to a step: where a kernel's fp32 result is within its
+    tolerance of ORT's but on the other side of a rounding boundary, the quantized tensor is a step off there,
+    and everything computed from it differs by that step, however right the kernel. So:
+    - the original model runs again with each such tensor (a QuantizeLinear's output both models have) taken
+      from the optimized model's run instead of its own QuantizeLinear;
+    - every QuantizeLinear's float input must then agree within the tolerance (the optimized model's value
+      against the original's, both computed from the same quantized tensors before it), and the quantized
+      values a step apart at most;
+    - and the failing output must agree within the tolerance with the original's, given those tensors.
+    The optimized model's run returning its quantized tensors must give the outputs its plain run gave (within
+    the tolerance: returning a tensor can change what ORT's quantization passes do), else the verdict stands."""
+    (ref_model, ref_sh), (out_model, out_sh, cls) = ref, out
+    qs, ref_qs = _quantizers(out_model), _quantizers(ref_model)
+    cut = {t: ref_qs[t] for t in qs if t in ref_qs}
+    if not cut or ref_sh is not None or out_sh is not None:
+        return diffs
+    floats = {t: (qs[t].input[0], n.input[0]) for t, n in cut.items()}  # (optimized's, original's) Q input
+    wanted = [*names, *cut, *(x for x, _ in floats.values())]
+    try:
+        got = dict(zip(wanted, _run(_session(_with_outputs(out_model, wanted[len(names):]), providers, cls=cls),
+                                    wanted, feeds, "the optimized model", ParityError)))
+    except (InputError, ParityError):
+        return diffs
+    if not all(compare(n, got[n], o, d.tol, floors.get(n, 1e-6)).ok for n, o, d in zip(names, out_vals, diffs)):
+        return diffs
+    pinned = _proto.copy_model(ref_model)
+    for n in pinned.graph.node:
+        if n.op_type == "QuantizeLinear" and n.output and n.output[0] in cut:
+            t = n.output[0]
+            n.output[0] = t + REF_SUFFIX
+            dtype = onnx.helper.np_dtype_to_tensor_dtype(got[t].dtype)
+            pinned.graph.input.append(onnx.helper.make_tensor_value_info(t, dtype, list(got[t].shape)))
+            pinned.graph.output.append(onnx.helper.make_tensor_value_info(t + REF_SUFFIX, dtype, None))
+    ref_wanted = [*names, *(t + REF_SUFFIX for t in cut), *(x for _, x in floats.values())]
+    pinned = _with_outputs(pinned, ref_wanted[len(names):])
+    try:
+        given = dict(zip(ref_wanted, _run(_session(pinned, providers), ref_wanted, {**feeds, **{t: got[t] for t in cut}},
+                                          "the original model", InputError)))
+    except (InputError, ParityError):
+        return diffs
+    flips, bad = 0, ""
+    for t, (x_out, x_ref) in floats.items():
+        d = compare(x_out, got[x_out], given[x_ref])
+        steps = np.abs(got[t].astype(np.int64) - given[t + REF_SUFFIX].astype(np.int64))
+        if not d.ok or steps.max(initial=0) > 1:
+            bad = bad or (f"the input of QuantizeLinear '{cut[t].name or t}': max rel {d.max_rel:.3g} (tol {d.tol:g}), "
+                          f"{int(steps.max(initial=0))} steps apart at most")
+        flips += int(np.count_nonzero(steps))
+    judged = []
+    for d, n, o in zip(diffs, names, out_vals):
+        if d.ok:
+            judged.append(d)
+            continue
+        redo = compare(n, o, given[n], d.tol, floors.get(n, 1e-6))
+        if bad:
+            judged.append(dataclasses.replace(d, name=f"{n} (from one quantized tensor to the next, {bad})"))
+        elif not redo.ok:
+            judged.append(dataclasses.replace(d, name=f"{n} (max rel {redo.max_rel:.3g} even given the optimized "
+                                                      f"model's quantized tensors)"))
+        else:
+            judged.append(Diff(f"{n} (quantized: given the optimized model's {len(cut)} quantized tensors, of which "
+                               f"{flips} elements are a step off where their float inputs agree; {d.max_rel:.3g} "
+                               f"from the original's own)", redo.max_abs, redo.max_rel, redo.tol))
     return tuple(judged)
 
 
