@@ -462,11 +462,10 @@ def _quantized(name: str, folder: Path, dtypes: Sequence[str], opset: Optional[i
     """The source model quantized as QUANTIZED says: fp32 for int8 and qdq (ORT's quantizers take fp32), fp32
     and fp16 for int4."""
     import onnx
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
+    from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from ortfuse.feeds import random_feeds
+    from ortfuse.bench import zoo
 
     source, method = QUANTIZED[name]
     wanted = [d for d in ("fp32", "fp16") if d in dtypes and (d == "fp32" or method == "int4")]
@@ -479,15 +478,7 @@ def _quantized(name: str, folder: Path, dtypes: Sequence[str], opset: Optional[i
         if method == "int8":
             quantize_dynamic(str(made[dtype]), str(paths[dtype]), weight_type=QuantType.QInt8)
         elif method == "qdq":
-            class OneBatch(CalibrationDataReader):
-                def __init__(self) -> None:
-                    self.batches = [random_feeds(onnx.load(str(made[dtype])))]
-
-                def get_next(self) -> Optional[dict]:
-                    return self.batches.pop() if self.batches else None
-
-            quantize_static(str(made[dtype]), str(paths[dtype]), OneBatch(), quant_format=QuantFormat.QDQ,
-                            per_channel=True)
+            zoo.quantize_qdq(made[dtype], paths[dtype])
         else:
             q = MatMulNBitsQuantizer(onnx.load(str(made[dtype])), block_size=32, is_symmetric=True)
             q.process()

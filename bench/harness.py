@@ -295,6 +295,8 @@ def _prepare_ort_transformers(ctx: _Ctx) -> str:
   info = zoo.info_from_sidecar(ctx.meta) if ctx.meta else None
   if info is None or info.ort_model_type is None:
     raise _Skip("no onnxruntime.transformers model type fits this model")
+  if ctx.meta.get("dtype") == "qdq":  # (its recipe starts from the fp32 source, which is not this model)
+    raise _Skip("onnxruntime.transformers optimizes float models")
   out = ctx.out_dir / f"{Path(ctx.model_path).stem}.ort-transformers.onnx"
   if not out.exists():
     src = ctx.meta.get("fp32_source") or ctx.model_path   # the usual recipe: fuse in fp32, then convert
@@ -336,6 +338,8 @@ def _torch_runner(ctx: _Ctx, feed_sets: list[dict[str, np.ndarray]]) -> _Runner:
     raise _Skip("needs torch with CUDA")
   if not ctx.meta:
     raise _Skip("no PyTorch source (not a zoo model)")
+  if ctx.meta.get("dtype") == "qdq":
+    raise _Skip("the PyTorch source is the float model, not the quantized one")
   module, info = zoo.torch_module(ctx.meta["zoo"], ctx.meta.get("tiny", False))
   half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(ctx.meta.get("dtype", ""))
   module = module.cuda().eval()

@@ -276,7 +276,9 @@ MODELS: dict[str, _Entry] = {
             "fe2d2eb49c5f88a9e0a6c048e15d6ffdf86235519c2afc535044de433169ec8c", "tf2onnx 1.16.1 (jax2tf), opset 15")),
 }
 DTYPES = ("fp32", "fp16")  # what the zoo builds by default
-ALL_DTYPES = (*DTYPES, "bf16")  # bf16: the fp16 model retyped (bench/bf16.py), built when asked for
+# bf16: the fp16 model retyped (bench/bf16.py); qdq: the fp32 model quantized as users quantize for ORT
+# (`quantize_qdq`); both built when asked for
+ALL_DTYPES = (*DTYPES, "bf16", "qdq")
 
 
 # --- paths and building ------------------------------------------------------------------------------
@@ -354,6 +356,8 @@ def build(name: str, dtype: str = "fp32", tiny: bool = False, force: bool = Fals
   path.parent.mkdir(parents=True, exist_ok=True)
   if dtype in ("fp16", "bf16"):
     return _to_half(build(name, "fp32", tiny, force, exporter), path, dtype)
+  if dtype == "qdq":
+    return _to_qdq(build(name, "fp32", tiny, force, exporter), path)
   if MODELS[name].shipped is not None:
     return _extract(name, tiny, path)
   return _export(name, tiny, path, exporter)
@@ -498,6 +502,36 @@ def _to_half(src: Path, path: Path, dtype: str) -> Path:
   info = meta.pop("info")
   meta.update(dtype=dtype, fp32_source=str(src), half_converter=how,
               half_seconds=round(time.perf_counter() - start, 2))
+  _finish(tmp, path, info, meta)
+  return path
+
+
+def quantize_qdq(src: Path, dst: Path) -> str:
+  """`src` quantized as users quantize a model for ORT: onnxruntime.quantization.quantize_static in the QDQ
+  format (QuantizeLinear/DequantizeLinear pairs around the ops it quantizes), int8 with per-channel weights,
+  calibrated on one batch of random inputs (`ortfuse.feeds.random_feeds`). Returns how, for a sidecar."""
+  import onnx
+  from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+  from ortfuse.feeds import random_feeds
+
+  class OneBatch(CalibrationDataReader):
+    def __init__(self) -> None:
+      self.batches = [random_feeds(onnx.load(str(src), load_external_data=False))]
+
+    def get_next(self) -> dict | None:
+      return self.batches.pop() if self.batches else None
+
+  quantize_static(str(src), str(dst), OneBatch(), quant_format=QuantFormat.QDQ, per_channel=True)
+  return "onnxruntime.quantization.quantize_static(QDQ, per_channel=True), calibrated on one random batch"
+
+
+def _to_qdq(src: Path, path: Path) -> Path:
+  start = time.perf_counter()
+  tmp = path.with_suffix(".tmp.onnx")
+  how = quantize_qdq(src, tmp)
+  meta = dict(read_sidecar(src) or {})
+  info = meta.pop("info")
+  meta.update(dtype="qdq", fp32_source=str(src), quantizer=how, quantize_seconds=round(time.perf_counter() - start, 2))
   _finish(tmp, path, info, meta)
   return path
 

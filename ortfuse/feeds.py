@@ -5,7 +5,6 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ortfuse.errors import InputError
 from ortfuse.rewriter.shapes import dim_names, eval_dim, is_dim_expression
@@ -75,7 +74,7 @@ def _index_bound(model: onnx.ModelProto, name: str) -> int | None:
     for n in model.graph.node:
         if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name and n.input[0] in inits:
             axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-            return int(numpy_helper.to_array(inits[n.input[0]]).shape[axis])
+            return int(inits[n.input[0]].dims[axis])  # (dims: a table kept as external data is not read)
     return None
 
 

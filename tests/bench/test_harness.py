@@ -134,3 +134,20 @@ def test_a_runner_that_counts_its_own_peak_memory_reports_it(tmp_path, monkeypat
                       lambda c, f: harness._Runner(lambda: None, lambda: out, None, lambda: 3.0 * 2 ** 20))
   row, got = harness._measure(ctx, "torch.compile", 1, [{}], None, {"warmup": 1, "runs": 5, "max_seconds": 1.0})
   assert row.note == "" and row.peak_mem_mb == 3.0 and row.median_ms is not None
+
+
+def test_a_quantized_zoo_model_end_to_end_on_cpu(tmp_path):
+  """The zoo's qdq dtype (quantize_static of the fp32 model): optimized (its DequantizeLinear nodes fuse), timed
+  against stock ORT on the CPU fallback; the float baselines say why they do not apply."""
+  from ortfuse.api import compile_model
+  from ortfuse.rewriter.replace import save_model
+  path = zoo.build("bert", "qdq", tiny=True)
+  res = compile_model(str(path), None, "sm_90")
+  fused = [res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes]
+  assert "DequantizeLinear" in fused
+  out = tmp_path / "bert-qdq.ortfuse.onnx"
+  save_model(res.model, out)
+  bench = harness.run_bench(path, optimized_path=out, batches=(2,), provider="cpu", runs=3, warmup=1,
+                            out_dir=tmp_path, variants=["ort", "ort-transformers", "ortfuse"], chart=False)
+  assert bench.row("ortfuse", 2).median_ms > 0 and bench.row("ortfuse", 2).max_abs_diff == 0.0
+  assert "optimizes float models" in bench.row("ort-transformers", 2).note

@@ -89,3 +89,13 @@ def test_tiny_decoder_step_runs_at_any_number_of_new_tokens(zoo_cache):
   assert zoo.dim_hints(model, zoo.read_sidecar(path)) == (("past_sequence", 16), ("sequence", 1))
   bert = zoo.build("bert", tiny=True)
   assert zoo.dim_hints(onnx.load(str(bert)), zoo.read_sidecar(bert)) == (("sequence", 16),)  # tiny: 16 tokens
+
+
+def test_tiny_qdq_is_the_fp32_model_quantized_as_users_do(zoo_cache):
+  path = zoo.build("bert", "qdq", tiny=True)
+  meta = zoo.read_sidecar(path)
+  assert meta["dtype"] == "qdq" and "quantize_static" in meta["quantizer"]
+  ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+  assert {"QuantizeLinear", "DequantizeLinear", "MatMul"} <= ops
+  ref, out = _run(zoo.build("bert", "fp32", tiny=True))[0], _run(path)[0]
+  assert np.isfinite(out).all() and np.abs(out - ref).max() < 0.5 * np.abs(ref).max()  # int8 rounding, same weights
