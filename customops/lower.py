@@ -791,8 +791,10 @@ class _Lowerer:
                 value = scalar.apply(node, args, out_storage)
             except scalar.UnsupportedOp as e:
                 raise LoweringError(str(e)) from None
-        # and, in half precision, every rounding the CUDA EP does op by op
-        return scalar.round_to(out_storage, value) if discrete and out_storage in ("f16", "bf16") else value
+        # and, in half precision, every rounding the CUDA EP does op by op; a dequantized value always, as ORT
+        # stores it (exact: a QuantizeLinear after the region may read it)
+        rounded = discrete or op == "DequantizeLinear"
+        return scalar.round_to(out_storage, value) if rounded and out_storage in ("f16", "bf16") else value
 
     def per_axis_index(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Optional[tuple[Expr, ...]]:
         """A DequantizeLinear's scale and zero point, one per element of its `axis`, read at that axis's coordinate

@@ -111,7 +111,7 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence] | None =
                 m[..., -(m.shape[-1] // 4):] = 0  # some padding on every row
                 m[0] = 1  # and one row with none
             feeds[vi.name] = m
-        elif _dequantized(model, vi.name):  # quantized data: its whole range
+        elif dt.itemsize == 1 and _dequantized(model, vi.name):  # 8-bit quantized data: its whole range
             info = np.iinfo(dt)
             feeds[vi.name] = rng.integers(info.min, int(info.max) + 1, dims).astype(dt)
         else:

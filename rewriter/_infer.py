@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Union
+from typing import Callable, Union
 
 import numpy as np
 import onnx
@@ -150,6 +150,9 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
             own = ssi.dispatcher_.get(op)
             if own is not None:
                 ssi.dispatcher_[op] = lambda node, own=own: None if node.domain in ("", "ai.onnx") else own(node)
+        own_dq = ssi.dispatcher_.get("DequantizeLinear")
+        if own_dq is not None:
+            ssi.dispatcher_["DequantizeLinear"] = lambda node: _dequantize_linear(ssi, node, own_dq)
         own_split = ssi.dispatcher_.get("Split")
         if own_split is not None:
             ssi.dispatcher_["Split"] = lambda node: _split(ssi, node, own_split)
@@ -172,6 +175,16 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
 # asserts on run-time axes with keepdims=0, which fails the whole inference: `_reduce_axes_input` covers both.
 AXES_INPUT_FROM_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
                       "ReduceMin", "ReduceProd", "ReduceSumSquare")
+
+
+def _dequantize_linear(ssi, node: onnx.NodeProto, own: Callable[[onnx.NodeProto], None]) -> None:
+    """The tool's rule types a DequantizeLinear's output as its scale; an `output_dtype` (opset 23) says otherwise
+    (an fp16 result of an fp32 scale, which the tool typed fp32 and a kernel reading it would have loaded so)."""
+    from onnxruntime.tools.symbolic_shape_infer import get_attribute
+    own(node)
+    dtype = get_attribute(node, "output_dtype", 0)
+    if dtype:
+        ssi.known_vi_[node.output[0]].type.tensor_type.elem_type = dtype
 
 
 def _reduce_axes_input(ssi, node: onnx.NodeProto) -> None:

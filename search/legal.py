@@ -149,7 +149,10 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
 
 
 GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
-DEQUANTIZED_TYPES = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT32})
+
+
+MERGED_CHAIN = ("a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it or computes "
+                "it: left to ORT, which would not merge it inside a fused node")
 
 
 @per_graph
@@ -158,12 +161,12 @@ def _merged(g: Graph) -> frozenset[str]:
 
 
 def dequantize_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
-    """None where a DequantizeLinear computes in a kernel exactly as ORT's (`scalar._dequantize`): 8-bit or int32
-    input, one scale (and zero point) for the tensor or one per element of `axis` (`lower.per_axis_index`); else
-    why not."""
+    """None where a DequantizeLinear computes in a kernel exactly as ORT's (`scalar._dequantize`): one scale (and
+    zero point) for the tensor or one per element of `axis` (`lower.per_axis_index`); else why not. Its data is
+    8-bit or int32 (the element types a kernel stores that a DQ reads: `node_verdict` refuses the others)."""
     x = g.tensors[n.input[0]]
-    if x.dtype not in DEQUANTIZED_TYPES:
-        return f"dequantizes {onnx.TensorProto.DataType.Name(x.dtype)}: left to ORT"
+    if g.tensors[n.output[0]].dtype == onnx.TensorProto.BFLOAT16:
+        return "a bfloat16 result: ORT 1.31 has no bfloat16 DequantizeLinear kernel, so it stays ORT's to refuse"
     if scalar.attr(n, "block_size", 0):
         return f"blocked quantization (block_size {scalar.attr(n, 'block_size')}): left to ORT"
     scale, rank = g.tensors[n.input[1]].shape, len(x.shape or ())
@@ -176,10 +179,9 @@ def dequantize_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
     return None
 
 
-def node_verdict(g: Graph, i: int, ort_dequantizers: frozenset[str] = frozenset()) -> Optional[Reject]:
-    """None if node i may join a fused kernel, else the reason it may not. `ort_dequantizers`: outputs of
-    DequantizeLinear nodes whose readers the rewrite changed (ORT counts them: `rewriter.qdq`), which stay
-    ORT's so that the output can keep a reader for them as the input has."""
+def node_verdict(g: Graph, i: int, ort_qdq: Optional[Mapping[str, str]] = None) -> Optional[Reject]:
+    """None if node i may join a fused kernel, else the reason it may not. `ort_qdq`: outputs of nodes that stay
+    ORT's for its quantization passes, which look at the nodes themselves (`rewriter.qdq`), with the reason."""
     n = g.nodes[i]
     label = g.node_label(i)
     if n.domain not in ("", "ai.onnx"):
@@ -199,12 +201,11 @@ def node_verdict(g: Graph, i: int, ort_dequantizers: frozenset[str] = frozenset(
             return Reject(label, f"shape of '{t}' could not be inferred")
         if info.dtype not in scalar.STORAGE:
             return Reject(label, f"'{t}' has element type {onnx.TensorProto.DataType.Name(info.dtype)}, not fused")
-    if any(t in _merged(g) for t in n.output):
-        return Reject(label, "a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it "
-                             "or computes it: left to ORT, which would not merge it inside a fused node")
-    if n.op_type == "DequantizeLinear" and n.output[0] in ort_dequantizers:
-        return Reject(label, "its output has other readers in the input model than here (ORT's quantization passes "
-                             "count them): left to ORT, so that the output keeps them")
+    why = next((ort_qdq[t] for t in n.output if t in (ort_qdq or {})), None)
+    if why is None and any(t in _merged(g) for t in n.output):
+        why = MERGED_CHAIN
+    if why:
+        return Reject(label, why)
     if n.op_type == "DequantizeLinear":
         why = dequantize_verdict(g, n)
         if why:

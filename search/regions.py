@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import onnx
 
@@ -129,21 +129,22 @@ def _attention(g: Graph, cost: CostModel, check: Check, refusals: list[Reject], 
 
 def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optional[Check] = None,
          tf32: bool = False, ln_fold: str = "auto", k_rope: str = "auto",
-         ort_dequantizers: frozenset[str] = frozenset()) -> Plan:
+         ort_qdq: Optional[Mapping[str, str]] = None) -> Plan:
     """The regions to fuse. `ln_fold`: LayerNorm prologues where the whole model gains ("auto"), wherever
     they apply ("on"), or never ("off"). `k_rope`: K's rotary embedding in the attention kernel ("kernel"),
-    once before it ("once"), or where the whole model gains ("auto"; `_grow`). `ort_dequantizers`: the outputs
-    of DequantizeLinear nodes that stay ORT's (`legal.node_verdict`)."""
+    once before it ("once"), or where the whole model gains ("auto"; `_grow`). `ort_qdq`: outputs of nodes
+    that stay ORT's for its quantization passes, with the reason (`legal.node_verdict`)."""
     cost = cost or CostModel(tgt, tf32)
     check = check or lowering_check(tgt, tf32)
+    ort_qdq = ort_qdq or {}
     found = norm_fold.candidates(g) if ln_fold != "off" else {}
     folds = {i: f for i, f in found.items() if isinstance(f, norm_fold.NormFold)}
     unfit = tuple(Reject(f"LayerNorm before {g.node_label(i)}", f) for i, f in found.items() if isinstance(f, str))
-    without = _grow(g, cost, check, {}, k_rope, ort_dequantizers) if ln_fold != "on" or not folds else None
+    without = _grow(g, cost, check, {}, k_rope, ort_qdq) if ln_fold != "on" or not folds else None
     if not folds:
         assert without is not None
         return dataclasses.replace(without, refusals=without.refusals + unfit)
-    folded = _grow(g, cost, check, folds, k_rope, ort_dequantizers)
+    folded = _grow(g, cost, check, folds, k_rope, ort_qdq)
     for _ in range(REGROWS):  # a fold whose GEMM went to ORT took its LayerNorm along: grow again without it
         kept = {i: f for i, f in folds.items() if any(i in r.nodes for r in folded.regions)}
         if len(kept) == len(folds):
@@ -157,10 +158,10 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
                           f"stays out")
         unfit += tuple(dropped(i, f) for i, f in folds.items() if i not in kept)
         folds = kept
-        folded = _grow(g, cost, check, folds, k_rope, ort_dequantizers)
+        folded = _grow(g, cost, check, folds, k_rope, ort_qdq)
     if ln_fold == "on" or not folds:
         return dataclasses.replace(folded, refusals=folded.refusals + unfit)
-    without = without or _grow(g, cost, check, {}, k_rope, ort_dequantizers)
+    without = without or _grow(g, cost, check, {}, k_rope, ort_qdq)
     times = cost.plan_times(g, folded, without)
     if cost.pays(times):
         return dataclasses.replace(folded, refusals=folded.refusals + unfit)
@@ -170,7 +171,7 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
 
 
 def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"], k_rope: str,
-          ort_dequantizers: frozenset[str]) -> Plan:
+          ort_qdq: Mapping[str, str]) -> Plan:
     """The phases above, with `folds` (by anchor) as LayerNorm prologues. An attention region on CUDA cores
     (fp32: the kernel has no TF32 path; 16-bit heads not multiples of 16) that beats ORT's unfused ops may
     still lose to its nodes fused otherwise: its score ops and Softmax as a row kernel, P·V as a GEMM with
@@ -190,7 +191,7 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     found = _attention(g, cost, check, refusals, k_rope)
     kind_of = {r: f.kind for f in found for r in (f.region, f.k_once) if r is not None}
     kept = [f.region for f in found]
-    best = _grow_with(g, cost, check, folds, kept, list(refusals), ort_dequantizers)
+    best = _grow_with(g, cost, check, folds, kept, list(refusals), ort_qdq)
     notes: dict[tuple, Reject] = {}  # by kind: where K is rotated, and why
     for kind in dict.fromkeys(f.kind for f in found if f.k_once is not None):
         swap = {f.region: f.k_once for f in found if f.kind == kind and f.k_once is not None}
@@ -201,7 +202,7 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
                                         f"{why}")
             continue
         trial_kept = [swap.get(r, r) for r in kept]
-        trial = _grow_with(g, cost, check, folds, trial_kept, list(refusals), ort_dequantizers)
+        trial = _grow_with(g, cost, check, folds, trial_kept, list(refusals), ort_qdq)
         times = cost.plan_times(g, trial, best)
         if cost.pays(times):
             notes[kind] = Reject(where, f"rotated once before the kernel, not by it on every K tile it loads "
@@ -220,7 +221,7 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
         if attention_geometry(g, mine[0]).mma:
             continue
         without = _grow_with(g, cost, check, folds, [r for r in kept if r not in mine], list(refusals),
-                             ort_dequantizers)
+                             ort_qdq)
         why = cost.attention_plan_verdict(g, best, without, len(mine))
         if why:  # with the reasons of the kinds declined before this one (each trial starts without them)
             declined += [Reject(f"region at {g.node_label(r.nodes[0])}", why) for r in mine]
@@ -231,15 +232,15 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
 
 
 def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"],
-               attention: list[Region], refusals: list[Reject], ort_dequantizers: frozenset[str]) -> Plan:
+               attention: list[Region], refusals: list[Reject], ort_qdq: Mapping[str, str]) -> Plan:
     """The phases after attention, with `attention`'s regions taken. Where a GEMM took a group without the
     views it ends with (`_phases`), the phases run again without that and the whole-model estimate decides:
     the rest of the group may do better merged on with other groups, through the views (OPT fp16's residual
     Adds were 5.5% slower in the estimate without the peel)."""
-    peeling, peels = _phases(g, cost, check, folds, attention, list(refusals), True, ort_dequantizers)
+    peeling, peels = _phases(g, cost, check, folds, attention, list(refusals), True, ort_qdq)
     if not peels:
         return peeling
-    plain, _ = _phases(g, cost, check, folds, attention, list(refusals), False, ort_dequantizers)
+    plain, _ = _phases(g, cost, check, folds, attention, list(refusals), False, ort_qdq)
     times = cost.plan_times(g, peeling, plain)
     if cost.pays(times):
         chosen, how = peeling, (f"taken without the views they end with (left to ORT): the whole model estimated "
@@ -253,7 +254,7 @@ def _grow_with(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_f
 
 def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"],
             attention: list[Region], refusals: list[Reject], peel: bool,
-            ort_dequantizers: frozenset[str]) -> tuple[Plan, int]:
+            ort_qdq: Mapping[str, str]) -> tuple[Plan, int]:
     """The phases after attention, with `attention`'s regions taken, and how many GEMMs took a group without
     the views it ends with (`peel`)."""
     rejects: list[Reject] = []
@@ -264,7 +265,7 @@ def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold
     for i in range(len(g.nodes)):
         if i in claimed:
             continue
-        why = legal.node_verdict(g, i, ort_dequantizers)
+        why = legal.node_verdict(g, i, ort_qdq)
         if why is not None:
             rejects.append(why)
         elif conv.is_anchor(g, g.nodes[i]):

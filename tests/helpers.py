@@ -809,3 +809,23 @@ def causal_attention(dt: int, form: str = "and", past: bool = False, seq="seq", 
     if form == "sliced":
         inits.append(const("ax3", [3], i64))
     return model(n, inputs, [vi("y", dt, ["batch", seq, hd])], inits)
+
+
+def quantized_add(dtype=np.int8, zero_point: bool = True, fp16: bool = False, batch: bool = True) -> onnx.ModelProto:
+    """x (float) -> Q -> DQ, plus DQ of a constant, then Add -> y: the QDQ form of an Add. The Q stays ORT's.
+    `batch`: x has a leading batch dim (else the Add does not broadcast)."""
+    ft = onnx.TensorProto.FLOAT16 if fp16 else onnx.TensorProto.FLOAT
+    fnp = np.float16 if fp16 else np.float32
+    info = np.iinfo(dtype)
+    zp = [numpy_helper.from_array(np.array(3 if dtype == np.int8 else 128, dtype), "zx"),
+          numpy_helper.from_array(np.array(-5 if dtype == np.int8 else 120, dtype), "zc")] if zero_point else []
+    inits = [numpy_helper.from_array(np.array(0.0173, fnp), "sx"), numpy_helper.from_array(np.array(0.0291, fnp), "sc"),
+             numpy_helper.from_array(np.random.default_rng(7).integers(info.min, int(info.max) + 1, (6, 40)).astype(dtype),
+                                     "c"), *zp]
+    z = (lambda n: [n]) if zero_point else (lambda n: [])
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", *z("zx")], ["qx"]),
+             helper.make_node("DequantizeLinear", ["qx", "sx", *z("zx")], ["dx"]),
+             helper.make_node("DequantizeLinear", ["c", "sc", *z("zc")], ["dc"]),
+             helper.make_node("Add", ["dx", "dc"], ["y"])]
+    return model(nodes, [helper.make_tensor_value_info("x", ft, ["b", 6, 40] if batch else [6, 40])],
+                 [helper.make_tensor_value_info("y", ft, None)], inits, opset=19 if fp16 else 18)  # (fp16 DQ: 19)

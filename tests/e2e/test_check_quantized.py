@@ -7,7 +7,7 @@ import onnx
 from onnx import TensorProto as TP, helper, numpy_helper
 
 from ortfuse.check import check_models
-from tests.helpers import model
+from helpers import model
 
 N = 256
 

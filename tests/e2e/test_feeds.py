@@ -70,3 +70,21 @@ def test_an_empty_past_binds_zero():
     assert feeds["attention_mask"].shape == (2, 4)
     bound = bind_dims(_decoder_inputs(), {"input_ids": [2, 4], "attention_mask": [2, 4]})
     assert bound["past_sequence_length"] == 0 and bound[TOTAL] == 4
+
+
+def test_8_bit_data_a_dequantizer_reads_spans_its_range():
+    """An int8 or uint8 input that a DequantizeLinear reads is quantized data, not an index: its whole range
+    (values in {0, 1} would dequantize to two values); other integer inputs keep theirs."""
+    from onnx import numpy_helper
+    TP = TensorProto
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["d"]),
+             helper.make_node("DequantizeLinear", ["u", "s"], ["e"]), helper.make_node("Cast", ["i"], ["f"], to=TP.FLOAT)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("q", TP.INT8, [64, 64]),
+                                       helper.make_tensor_value_info("u", TP.UINT8, [64, 64]),
+                                       helper.make_tensor_value_info("i", TP.INT8, [8])],
+                          [helper.make_tensor_value_info(t, TP.FLOAT, None) for t in "def"],
+                          [numpy_helper.from_array(np.array(0.1, np.float32), "s")])
+    feeds = random_feeds(helper.make_model(g))
+    assert feeds["q"].min() == -128 and feeds["q"].max() == 127
+    assert feeds["u"].min() == 0 and feeds["u"].max() == 255
+    assert set(np.unique(feeds["i"])) <= {0, 1}

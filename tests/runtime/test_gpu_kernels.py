@@ -13,7 +13,7 @@ import ortfuse
 from helpers import (CAUSAL_HEAD, CAUSAL_HEADS, assert_cuda_graph_replay, causal_attention, const, conv_chain,
                      conv_silu_residual, gqa_attention,
                      merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, onnx_attention,
-                     onnx_rotary, resized, rope_attention, rope_shapes, short_rows, vi)
+                     onnx_rotary, quantized_add, resized, rope_attention, rope_shapes, short_rows, vi)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -169,6 +169,21 @@ def test_half_chain_into_an_integer_cast_matches_the_cuda_ep_exactly():
     x = (np.abs(rng[:, None] - rng[None, :]) + 1).astype(np.float16)  # >= 1: no Log of 0
     cuda = [("CUDAExecutionProvider", {"use_tf32": "0"})]
     want = ort.InferenceSession(m.SerializeToString(), providers=cuda).run(None, {"x": x})[0]
+    sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
+    assert sess.fused_kernels
+    got = sess.run(None, {"x": x})[0]
+    assert np.array_equal(got, want), int(np.count_nonzero(got != want))
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_dequantized_values_match_the_cuda_ep_exactly(fp16):
+    """DQ, DQ -> Add as one kernel: each product rounded once (never contracted into an FMA with the Add) and,
+    in fp16, stored as ORT stores it, so the sum is ORT's bit for bit (a QuantizeLinear after it may read it)."""
+    m = quantized_add(fp16=fp16)
+    res = compile_model(m, None, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["pointwise"]
+    x = np.random.default_rng(3).standard_normal((64, 6, 40)).astype(np.float16 if fp16 else np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, {"x": x})[0]
     sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
     assert sess.fused_kernels
     got = sess.run(None, {"x": x})[0]
