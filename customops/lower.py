@@ -776,7 +776,7 @@ class _Lowerer:
             return self.reduction_value(node, idx)
         args: list[Optional[Expr]] = []
         for k, x in enumerate(node.input):
-            at = self.per_axis_index(node, idx) if op == "DequantizeLinear" and k > 0 else None
+            at = self.per_axis_index(node, idx) if op in scalar.QUANTIZERS and k > 0 else None
             args.append(self.value(x, at or self.broadcast(idx, self._shape(x))) if x else None)
         if scalar.sees_stored(node):
             args = [self.as_stored(x, a) if a is not None else None for x, a in zip(node.input, args)]
@@ -791,18 +791,27 @@ class _Lowerer:
                 value = scalar.apply(node, args, out_storage)
             except scalar.UnsupportedOp as e:
                 raise LoweringError(str(e)) from None
+            if node.output[pos] in self.quantized_cone:  # each sum and product rounded once, as ORT's (no FMA)
+                value = scalar.uncontracted(value)
         # and, in half precision, every rounding the CUDA EP does op by op; a dequantized value always, as ORT
         # stores it (exact: a QuantizeLinear after the region may read it)
         rounded = discrete or op == "DequantizeLinear"
         return scalar.round_to(out_storage, value) if rounded and out_storage in ("f16", "bf16") else value
 
     def per_axis_index(self, node: onnx.NodeProto, idx: tuple[Expr, ...]) -> Optional[tuple[Expr, ...]]:
-        """A DequantizeLinear's scale and zero point, one per element of its `axis`, read at that axis's coordinate
+        """A (De)QuantizeLinear's scale and zero point, one per element of its `axis`, read at that axis's coordinate
         (not as ONNX broadcasting would align them, with the innermost axis); None for one scale for the tensor."""
         scale = self._shape(node.input[1])
         if len(scale) != 1 or scale[0] == 1:
             return None
         return (idx[scalar.attr(node, "axis", 1) % len(idx)],)
+
+    @functools.cached_property
+    def quantized_cone(self) -> frozenset[str]:
+        """Tensors of the region a QuantizeLinear reads through element-wise ops (`legal.exact_verdict`: only
+        ops a kernel computes as ORT's do): part of the discrete cone, and with no FMA contraction either."""
+        seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type == "QuantizeLinear"]
+        return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"))
 
     @functools.cached_property
     def discrete_cone(self) -> frozenset[str]:
@@ -811,14 +820,18 @@ class _Lowerer:
         position buckets: Div, Log, Div, Mul, then a Cast to int64): their Divs are IEEE divisions, as ORT's,
         and half-precision ones are rounded to their storage type op by op, as the CUDA EP stores them (ORT's
         CPU EP computes such a chain in fp32: `ortfuse check` judges a discrete difference against both)."""
-        seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type in scalar.STEP_OPS or (
-            n.op_type == "Cast" and scalar.STORAGE.get(scalar.attr(n, "to")) not in scalar.FLOAT_STORAGE)]
+        return self._cone_of([n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type in scalar.STEP_OPS or (
+            n.op_type == "Cast" and scalar.STORAGE.get(scalar.attr(n, "to")) not in scalar.FLOAT_STORAGE)])
+
+    def _cone_of(self, seeds: list[onnx.NodeProto], kinds: tuple[str, ...] = ("elementwise", "layout")
+                 ) -> frozenset[str]:
+        """Tensors of the region that `seeds` read through ops of `kinds` (`ops.kind_of`)."""
         cone: set[str] = set()
         stack = [x for n in seeds for x in n.input if x]
         while stack:
             t = stack.pop()
             node = self.producer.get(t)
-            if t in cone or node is None or ops.kind_of(node.op_type) not in ("elementwise", "layout"):
+            if t in cone or node is None or ops.kind_of(node.op_type) not in kinds:
                 continue
             cone.add(t)
             stack.extend(x for _, x in ops.data_inputs(node))

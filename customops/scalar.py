@@ -70,6 +70,19 @@ def _div(n, a, out):
     return exact_div(x, d)
 
 
+_RN = {"add": "add_rn", "sub": "sub_rn", "mul": "mul_rn"}
+
+
+def uncontracted(e: Expr) -> Expr:
+    """`e` with its fp32 sums, differences and products each rounded once (`*_rn`: never contracted into an FMA),
+    down to the values other nodes computed (bound variables): as ORT's ops compute them one by one."""
+    if not isinstance(e, Op):
+        return e
+    args = tuple(uncontracted(x) for x in e.args)
+    fn = _RN.get(e.fn, e.fn) if e.ctype == F32 else e.fn
+    return Op(fn, args, e.ctype)
+
+
 def exact_div(x: Expr, d: Expr) -> Expr:
     return _op("div", x, _as(d, x.ctype))
 
@@ -191,6 +204,19 @@ def _dequantize(n, a, out):
     return _op("mul_rn", _as(v, F32), _as(a[1], F32))
 
 
+QUANTIZERS = ("DequantizeLinear", "QuantizeLinear")
+QUANTIZED_RANGE = {"i8": (-128, 127), "u8": (0, 255)}
+
+
+def _quantize(n, a, out):
+    """saturate(rint(x / scale) + zero_point) as ORT's CUDA kernel computes it (`ofz::quantize8`), into the 8-bit
+    output type."""
+    lo, hi = QUANTIZED_RANGE[out]
+    zp = _as(a[2], "i32") if len(a) > 2 else Const(0, "i32")
+    q = Op("quantize8", (_as(a[0], F32), _as(a[1], F32), zp, Const(lo, "i32"), Const(hi, "i32")), "i32")
+    return _as(q, out)
+
+
 def _where(n, a, out):
     c, x, y = a
     ct = x.ctype if x.ctype == y.ctype else F32
@@ -227,11 +253,11 @@ RULES: dict[str, Callable[[onnx.NodeProto, list, str], Expr]] = {
     "Or": lambda n, a, out: _op("or", _as(a[0], "bool"), _as(a[1], "bool")),
     "Xor": lambda n, a, out: _op("xor", _as(a[0], "bool"), _as(a[1], "bool")),
     "IsNaN": lambda n, a, out: _op("isnan", a[0], ctype="bool"),
-    "DequantizeLinear": _dequantize,
+    "DequantizeLinear": _dequantize, "QuantizeLinear": _quantize,
 }
 
 
-STEP_OPS = frozenset({"Floor", "Ceil", "Round", "Sign", "Equal", "Less", "Greater", "LessOrEqual",
+STEP_OPS = frozenset({"Floor", "Ceil", "Round", "Sign", "QuantizeLinear", "Equal", "Less", "Greater", "LessOrEqual",
                       "GreaterOrEqual"})
 
 

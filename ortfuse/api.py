@@ -35,7 +35,7 @@ from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
-from ortfuse.rewriter.qdq import keep_readers_as_input, merged_dequantizers, merged_pairs, readers
+from ortfuse.rewriter.qdq import keep_readers_as_input, merged_chain_outputs, merged_pairs, readers
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.ort_folding import left_folded
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
@@ -334,7 +334,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     static_shapes = {t for t, info in graph.tensors.items() if info.is_static}
     static_before = (static_shapes - graph.downstream(_pinned_symbolic(model, graph))).__contains__
     qdq_readers, merged_before = readers(model, static_before), merged_pairs(model, static_before)
-    merged_in_input = dict.fromkeys(merged_dequantizers(model), MERGED_CHAIN)  # (in the input as ORT runs it)
+    merged_in_input = dict.fromkeys(merged_chain_outputs(model), MERGED_CHAIN)  # (in the input as ORT runs it)
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)

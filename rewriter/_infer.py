@@ -150,9 +150,10 @@ def _symbolic(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, bool, dic
             own = ssi.dispatcher_.get(op)
             if own is not None:
                 ssi.dispatcher_[op] = lambda node, own=own: None if node.domain in ("", "ai.onnx") else own(node)
-        own_dq = ssi.dispatcher_.get("DequantizeLinear")
-        if own_dq is not None:
-            ssi.dispatcher_["DequantizeLinear"] = lambda node: _dequantize_linear(ssi, node, own_dq)
+        for op in ("DequantizeLinear", "QuantizeLinear"):
+            own = ssi.dispatcher_.get(op)
+            if own is not None:
+                ssi.dispatcher_[op] = lambda node, own=own: _output_dtype(ssi, node, own)
         own_split = ssi.dispatcher_.get("Split")
         if own_split is not None:
             ssi.dispatcher_["Split"] = lambda node: _split(ssi, node, own_split)
@@ -177,9 +178,10 @@ AXES_INPUT_FROM_18 = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
                       "ReduceMin", "ReduceProd", "ReduceSumSquare")
 
 
-def _dequantize_linear(ssi, node: onnx.NodeProto, own: Callable[[onnx.NodeProto], None]) -> None:
-    """The tool's rule types a DequantizeLinear's output as its scale; an `output_dtype` (opset 23) says otherwise
-    (an fp16 result of an fp32 scale, which the tool typed fp32 and a kernel reading it would have loaded so)."""
+def _output_dtype(ssi, node: onnx.NodeProto, own: Callable[[onnx.NodeProto], None]) -> None:
+    """The tool's rules type a DequantizeLinear's output as its scale and a QuantizeLinear's as its zero point (else
+    uint8); an `output_dtype` (Q: opset 21, DQ: 23) says otherwise (an fp16 result of an fp32 scale, which the tool
+    typed fp32 and a kernel reading it would have loaded so)."""
     from onnxruntime.tools.symbolic_shape_infer import get_attribute
     own(node)
     dtype = get_attribute(node, "output_dtype", 0)

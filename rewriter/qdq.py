@@ -99,11 +99,11 @@ def merged_pairs(model: onnx.ModelProto, static: Callable[[str], bool] = lambda 
             for _, dq1, q2, _, p1, p2, _ in _merged_chains(model, static)}
 
 
-def merged_dequantizers(model: onnx.ModelProto) -> frozenset[str]:
-    """The outputs of the DequantizeLinear nodes of every chain DoubleQDQPairsRemover may merge at a new scale, and
-    of the nodes it removes between them, counting no Shape as a reader (so a superset of `merged_pairs`' chains):
-    a fused kernel must not compute one, or ORT would merge the chain in the input and not in the output."""
-    return frozenset(n.output[0] for c in _merged_chains(model, lambda t: True) for n in (c[1], *c[6], c[3]))
+def merged_chain_outputs(model: onnx.ModelProto) -> frozenset[str]:
+    """The outputs of every node of every chain DoubleQDQPairsRemover may merge at a new scale (Q1, DQ1, the nodes it
+    removes between them, Q2, DQ2), counting no Shape as a reader (so a superset of `merged_pairs`' chains): a
+    fused kernel must not compute one, or ORT would merge the chain in the input and not in the output."""
+    return frozenset(n.output[0] for c in _merged_chains(model, lambda t: True) for n in (*c[:4], *c[6]))
 
 
 def _merged_chains(model: onnx.ModelProto, static: Callable[[str], bool]) -> list[tuple]:

@@ -149,6 +149,7 @@ def _indexing_verdict(g: Graph, node: onnx.NodeProto) -> Optional[str]:
 
 
 GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+_HALF_TYPES = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
 MERGED_CHAIN = ("a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it or computes "
@@ -157,16 +158,28 @@ MERGED_CHAIN = ("a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQ
 
 @per_graph
 def _merged(g: Graph) -> frozenset[str]:
-    return qdq.merged_dequantizers(g.model)
+    return qdq.merged_chain_outputs(g.model)
 
 
-def dequantize_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
-    """None where a DequantizeLinear computes in a kernel exactly as ORT's (`scalar._dequantize`): one scale (and
-    zero point) for the tensor or one per element of `axis` (`lower.per_axis_index`); else why not. Its data is
-    8-bit or int32 (the element types a kernel stores that a DQ reads: `node_verdict` refuses the others)."""
+def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
+    """None where a DequantizeLinear or QuantizeLinear computes in a kernel exactly as ORT's
+    (`scalar._dequantize`, `scalar._quantize`): one scale (and zero point) for the tensor or one per element of
+    `axis` (`lower.per_axis_index`); else why not. A DQ's data is 8-bit or int32 and a Q's result 8-bit (the
+    element types a kernel stores that they have: `node_verdict` refuses the others); a Q quantizes fp32 (in
+    half precision ORT rounds its input op by op, `exact_verdict`)."""
     x = g.tensors[n.input[0]]
-    if g.tensors[n.output[0]].dtype == onnx.TensorProto.BFLOAT16:
+    if n.op_type == "DequantizeLinear" and g.tensors[n.output[0]].dtype == onnx.TensorProto.BFLOAT16:
         return "a bfloat16 result: ORT 1.31 has no bfloat16 DequantizeLinear kernel, so it stays ORT's to refuse"
+    if n.op_type == "QuantizeLinear":
+        if x.dtype != onnx.TensorProto.FLOAT:
+            return f"quantizes {onnx.TensorProto.DataType.Name(x.dtype)}: only fp32 inputs are quantized in a kernel"
+        scale = g.constants.get(n.input[1])
+        if scale is None:
+            return "its scale is computed at run time: left to ORT"
+        s = np.asarray(scale, np.float64)
+        if not (np.all(np.isfinite(s)) and np.all(s >= np.finfo(np.float32).tiny)):
+            return ("a scale that is not a finite positive number (x / scale is then NaN or infinite for some x, which "
+                    "ORT's CPU and CUDA kernels quantize differently): left to ORT")
     if scalar.attr(n, "block_size", 0):
         return f"blocked quantization (block_size {scalar.attr(n, 'block_size')}): left to ORT"
     scale, rank = g.tensors[n.input[1]].shape, len(x.shape or ())
@@ -176,6 +189,40 @@ def dequantize_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
         axis = scalar.attr(n, "axis", 1)
         if rank == 0 or not -rank <= axis < rank or scale[0] != x.shape[axis % rank]:
             return f"a scale of {scale[0]} elements for axis {axis} of a {list(x.shape)} input: left to ORT"
+    return None
+
+
+# Ops a kernel computes exactly as ORT's ops do, given the same fp32 inputs, where a step op reads them
+# (`lower.discrete_cone`: each sum and product rounded once, IEEE division): arithmetic, selections, copies.
+EXACT_OPS = frozenset({
+    "DequantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip", "Identity", "Where",
+    "Cast", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
+    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Pad", "Range",
+    "MaxPool",
+})
+
+
+def exact_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
+    """None where every QuantizeLinear of the group reads a value the kernel computes exactly as ORT does: only
+    `EXACT_OPS` between it and the group's inputs, on fp32 and integer tensors. A QuantizeLinear rounds to a
+    step: a kernel's ulp elsewhere (a GEMM's other summation order, an exp, fp16 rounded once where ORT rounds
+    op by op) would move an element a step, where the quantized output must equal ORT's."""
+    members = set(nodes)
+    for q in (i for i in members if g.nodes[i].op_type == "QuantizeLinear"):
+        stack, seen = [g.nodes[q].input[0]], set()
+        while stack:
+            t = stack.pop()
+            p = g.producer.get(t)
+            if t in seen or p not in members:
+                continue
+            seen.add(t)
+            n = g.nodes[p]
+            half = [x for x in (*n.input, t) if x in g.tensors and g.tensors[x].dtype in _HALF_TYPES]
+            if n.op_type not in EXACT_OPS or half:
+                why = f"half-precision '{half[0]}'" if half and n.op_type in EXACT_OPS else g.node_label(p)
+                return (f"{g.node_label(q)} quantizes a value computed from {why}, which a kernel computes otherwise "
+                        f"than ORT (an element could move a step): it stays ORT's")
+            stack.extend(x for _, x in ops.data_inputs(n))
     return None
 
 
@@ -206,8 +253,8 @@ def node_verdict(g: Graph, i: int, ort_qdq: Optional[Mapping[str, str]] = None) 
         why = MERGED_CHAIN
     if why:
         return Reject(label, why)
-    if n.op_type == "DequantizeLinear":
-        why = dequantize_verdict(g, n)
+    if n.op_type in scalar.QUANTIZERS:
+        why = quantizer_verdict(g, n)
         if why:
             return Reject(label, why)
     if kind == "indexing":
@@ -682,7 +729,7 @@ def classify(g: Graph, nodes: set[int]) -> Region | Reject:
     inputs, outputs = region_io(g, nodes)
     if not outputs:
         return Reject(label, "computes nothing that is used")
-    why = merged_verdict(g, nodes, inputs)
+    why = merged_verdict(g, nodes, inputs) or exact_verdict(g, nodes)
     if why:
         return Reject(label, why)
     if shape_reads(g, nodes, inputs) is None:

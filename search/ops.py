@@ -7,7 +7,7 @@ ELEMENTWISE = frozenset({
     "Log", "Neg", "Abs", "Cast", "Where", "Clip", "Min", "Max", "Gelu", "LeakyRelu", "Elu",
     "HardSigmoid", "HardSwish", "Softplus", "Mish", "Sin", "Cos", "Floor", "Ceil", "Round", "Sign",
     "Identity", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
-    "IsNaN", "DequantizeLinear",
+    "IsNaN", "DequantizeLinear", "QuantizeLinear",
 })
 # Reductions over the innermost axis, with the row-wise composites exporters and ORT use (InstanceNormalization
 # of a [N, C, L] tensor: GroupNorm as torch exports it, between Reshapes to [N, groups, -1] and back).

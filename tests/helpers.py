@@ -829,3 +829,23 @@ def quantized_add(dtype=np.int8, zero_point: bool = True, fp16: bool = False, ba
              helper.make_node("Add", ["dx", "dc"], ["y"])]
     return model(nodes, [helper.make_tensor_value_info("x", ft, ["b", 6, 40] if batch else [6, 40])],
                  [helper.make_tensor_value_info("y", ft, None)], inits, opset=19 if fp16 else 18)  # (fp16 DQ: 19)
+
+
+def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -> onnx.ModelProto:
+    """DQ(a), DQ(b) -> `middle` -> Q -> y (int8): the QDQ form of an op, with its output quantized. `middle`:
+    "add"; "muladd" (a * b + a: a product an FMA could fuse with the sum); "sigmoid" (of the sum)."""
+    ft, fnp = (onnx.TensorProto.FLOAT16, np.float16) if fp16 else (onnx.TensorProto.FLOAT, np.float32)
+    inits = [numpy_helper.from_array(np.array(0.021, fnp), "sa"), numpy_helper.from_array(np.array(0.013, fnp), "sb"),
+             numpy_helper.from_array(np.array(scale, fnp), "sy"), numpy_helper.from_array(np.array(-3, np.int8), "zy")]
+    nodes = [helper.make_node("DequantizeLinear", ["a", "sa"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "sb"], ["db"])]
+    if middle == "muladd":
+        nodes += [helper.make_node("Mul", ["da", "db"], ["p"]), helper.make_node("Add", ["p", "da"], ["m"])]
+    else:
+        nodes.append(helper.make_node("Add", ["da", "db"], ["m"]))
+        if middle == "sigmoid":
+            nodes.append(helper.make_node("Sigmoid", ["m"], ["m2"]))
+    nodes.append(helper.make_node("QuantizeLinear", [nodes[-1].output[0], "sy", "zy"], ["y"], name="Q"))
+    return model(nodes, [helper.make_tensor_value_info("a", onnx.TensorProto.INT8, ["n", 48]),
+                         helper.make_tensor_value_info("b", onnx.TensorProto.UINT8, ["n", 48])],
+                 [helper.make_tensor_value_info("y", onnx.TensorProto.INT8, None)], inits, opset=19 if fp16 else 18)

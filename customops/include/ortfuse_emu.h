@@ -788,7 +788,11 @@ inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float normcdff(float x) { return 0.5f * erfcf(-x * 0.70710678118654752f); }
 inline double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752); }
 inline float __saturatef(float x) { return x >= 1.0f ? 1.0f : (x > 0.0f ? x : 0.0f); }  // NaN -> 0
-inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rn(float x) {  // as the GPU's cvt.rni.s32.f32: NaN gives 0, out-of-range values saturate
+  if (x != x) return 0;
+  const float r = nearbyintf(x);
+  return r >= 2147483648.0f ? 2147483647 : r < -2147483648.0f ? (-2147483647 - 1) : (int)r;
+}
 inline int __float2int_rz(float x) { return (int)x; }
 inline long long __float2ll_rn(float x) { return (long long)nearbyintf(x); }
 inline long long __float2ll_rz(float x) { return (long long)x; }

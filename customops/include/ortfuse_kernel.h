@@ -194,6 +194,15 @@ template <int N, class T> __device__ __forceinline__ void load_arg_if(bool ok, T
   if (ok) load_vec<N>(static_cast<const T*>(p), out);
 }
 
+// ONNX QuantizeLinear to 8 bits as ORT's CUDA kernel computes it: x / scale (IEEE) rounded half to even to an
+// int32 (__float2int_rn: NaN gives 0, out-of-range values saturate), plus the zero point in int32 arithmetic
+// (which wraps, as ORT's does), clamped to [lo, hi]. ORT's CPU kernel clamps before converting: it differs where
+// x / scale is NaN (there it gives lo) or past 2^31 with a zero point that wraps the sum.
+__device__ __forceinline__ int quantize8(float x, float scale, int zero_point, int lo, int hi) {
+  const int v = (int)((unsigned)__float2int_rn(x / scale) + (unsigned)zero_point);
+  return max(lo, min(hi, v));
+}
+
 // ONNX Max / Min (and Relu, Clip, HardSigmoid built on them) as ORT's CPU and CUDA kernels compute them:
 // a NaN operand gives NaN, where fmaxf / fminf return the other operand. sm_80+: one max.NaN / min.NaN.
 __device__ __forceinline__ float fmax_nan(float a, float b) {

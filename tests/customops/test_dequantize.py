@@ -1,6 +1,9 @@
-"""DequantizeLinear in fused kernels: per tensor and per axis, 8-bit and int32 data, fp32 and fp16 scales,
-checked in CPU emulation against ORT CPU on the original model, where a dequantized value must be exact."""
+"""DequantizeLinear and QuantizeLinear in fused kernels: per tensor and per axis, 8-bit and int32 data, fp32 and
+fp16 scales, checked in CPU emulation against ORT CPU on the original model, where a dequantized value and a
+quantized one must be exact."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnx
@@ -10,7 +13,7 @@ from onnx import TensorProto as TP, helper, numpy_helper
 from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.config import Options
-from helpers import fused_parity, model as _model, quantized_add
+from helpers import fused_parity, model as _model, quantized_add, requantized
 
 RNG = np.random.default_rng(7)
 
@@ -34,8 +37,9 @@ def _optimized(m: onnx.ModelProto):
 def test_a_quantized_add_is_one_exact_kernel(dtype, zero_point) -> None:
     m = quantized_add(dtype, zero_point)
     res = fused_parity(m, {}, {"x": [3, 6, 40]}, ["pointwise"])
-    (r,) = res.plan.regions
-    assert sorted(res.graph.nodes[i].op_type for i in r.nodes) == ["Add", "DequantizeLinear", "DequantizeLinear"]
+    (r,) = res.plan.regions  # (x's QuantizeLinear too: x is read as ORT's Q reads it, so q is exact)
+    assert sorted(res.graph.nodes[i].op_type for i in r.nodes) == ["Add", "DequantizeLinear", "DequantizeLinear",
+                                                                   "QuantizeLinear"]
     _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [3, 6, 40]}))
 
 
@@ -134,3 +138,31 @@ def test_a_quantized_image_is_read_by_the_convolution() -> None:
     res = fused_parity(m, {}, {"x": [2, 4, 10, 10]}, ["gemm"])
     (r,) = res.plan.regions
     assert {res.graph.nodes[i].output[0] for i in r.nodes} == {"dx", "c", "y"}  # the weight's DQ stays ORT's
+
+
+@pytest.mark.parametrize("middle", ["add", "muladd"])
+def test_a_quantized_result_is_exact(middle: str) -> None:
+    """The Q joins the kernel, which writes int8: every sum and product before it rounded once (never an FMA),
+    x / scale an IEEE division rounded half to even, as ORT computes them."""
+    m = requantized(middle)
+    res = fused_parity(m, {}, {"a": [37, 48], "b": [37, 48]}, ["pointwise"])
+    (r,) = res.plan.regions
+    assert "QuantizeLinear" in [res.graph.nodes[i].op_type for i in r.nodes] and r.outputs == ("y",)
+    src = res.kernels[0].compiled.source
+    assert "ofz::quantize8(" in src and "__fadd_rn(" in src
+    assert not re.search(r"const float v\d+ = \(v\d+ [-+*] ", src), src  # no float op an FMA could take
+    _exact(check_models(m, res.model, emulate=True, input_shapes={"a": [37, 48], "b": [37, 48]}))
+
+
+@pytest.mark.parametrize("middle,fp16,scale,why", [
+    ("sigmoid", False, 0.037, "quantizes a value computed from Sigmoid"),
+    ("add", True, 0.037, "quantizes FLOAT16"),
+    ("add", False, float("inf"), "not a finite positive number")])
+def test_a_quantizer_stays_orts_where_a_kernel_could_move_a_step(middle, fp16, scale, why) -> None:
+    """After an op a kernel computes otherwise than ORT (a Sigmoid), in half precision (ORT rounds op by op), or
+    at a scale that makes x / scale NaN (ORT's CPU and CUDA kernels disagree there), the Q stays ORT's."""
+    res = _optimized(requantized(middle, fp16, scale))
+    fused = [res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes]
+    assert "QuantizeLinear" not in fused, fused
+    said = [str(r) for r in (*res.plan.rejects, *res.plan.refusals)]
+    assert any(why in r for r in said), said

@@ -13,7 +13,7 @@ import ortfuse
 from helpers import (CAUSAL_HEAD, CAUSAL_HEADS, assert_cuda_graph_replay, causal_attention, const, conv_chain,
                      conv_silu_residual, gqa_attention,
                      merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, onnx_attention,
-                     onnx_rotary, quantized_add, resized, rope_attention, rope_shapes, short_rows, vi)
+                     onnx_rotary, quantized_add, requantized, resized, rope_attention, rope_shapes, short_rows, vi)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -187,6 +187,32 @@ def test_dequantized_values_match_the_cuda_ep_exactly(fp16):
     sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
     assert sess.fused_kernels
     got = sess.run(None, {"x": x})[0]
+    assert np.array_equal(got, want), int(np.count_nonzero(got != want))
+
+
+def test_quantized_values_match_the_cuda_ep_exactly():
+    """Q in the kernel (`ofz::quantize8`) as ORT's CUDA kernel computes it, at ties, past the int8 range, at
+    infinities and NaN (where ORT's CPU kernel differs); and DQ, DQ -> Mul -> Add -> Q, each op rounded once."""
+    inits = [const("s", 0.05, np.float32), const("z", 3, np.int8)]
+    m = model([node("Neg", ["x"], ["nx"]), node("QuantizeLinear", ["nx", "s", "z"], ["y"])],
+              [vi("x", F, ["n"])], [vi("y", TP.INT8, ["n"])], inits)
+    res = compile_model(m, None, "sm_90")
+    fused = [sorted(res.graph.nodes[i].op_type for i in r.nodes) for r in res.plan.regions]
+    assert fused == [["Neg", "QuantizeLinear"]], fused
+    ties = (np.arange(-200, 200) + 0.5).astype(np.float32) * np.float32(0.05)
+    odd = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 6.4, -6.4, 0.0, -0.0], np.float32)
+    x = np.concatenate([ties, odd, np.random.default_rng(5).standard_normal(4096).astype(np.float32) * 4])
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"])
+    assert sess.fused_kernels
+    got = sess.run(None, {"x": x})[0]
+    assert np.array_equal(got, want), [(float(a), int(g), int(w)) for a, g, w in zip(x, got, want) if g != w][:8]
+    m = requantized("muladd")
+    res = compile_model(m, None, "sm_90")
+    r = np.random.default_rng(6)
+    feeds = {"a": r.integers(-128, 128, (64, 48)).astype(np.int8), "b": r.integers(0, 256, (64, 48)).astype(np.uint8)}
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, feeds)[0]
+    got = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"]).run(None, feeds)[0]
     assert np.array_equal(got, want), int(np.count_nonzero(got != want))
 
 
