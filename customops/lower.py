@@ -781,7 +781,7 @@ class _Lowerer:
         if scalar.sees_stored(node):
             args = [self.as_stored(x, a) if a is not None else None for x, a in zip(node.input, args)]
         out_storage = _storage(self.g.tensors[node.output[pos]].dtype, f"output of {node.op_type}")
-        discrete = node.output[pos] in self.discrete_cone
+        discrete = node.output[pos] in self.discrete_cone or node.output[pos] in self.quantized_cone
         if op == "Div" and (discrete or any(scalar.sees_stored(self.g.nodes[c])
                                             for c in self.g.consumers.get(node.output[0], ()))):
             # a step op (or a Cast) downstream would see the ulp a reciprocal may move: IEEE division

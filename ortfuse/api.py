@@ -44,7 +44,7 @@ from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel
-from ortfuse.search.legal import MERGED_CHAIN
+from ortfuse.search.legal import MERGED_CHAIN, inexact_quantizers
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -128,6 +128,7 @@ def _shapes(input_shapes: Shapes) -> dict:
     return parse_input_shapes(list(input_shapes))
 
 
+REPLANS = 3  # searches again at most, each leaving to ORT the fused Qs that read another kernel's inexact value
 _READERS_CHANGED = ("its output has other readers in the input model than here (ORT's quantization passes count "
                     "them): left to ORT, so that the output keeps them")
 _UNNAMED = re.compile(r"unk__\d+")  # SymbolicShapeInference's name for a dim it could not compute
@@ -394,8 +395,16 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
             now = readers(g.model, static_before)
             changed = {t: _READERS_CHANGED for t, k in now.items() if k != qdq_readers.get(t, k)}
             ort_qdq = {**merged_in_input, **changed}
-            hit = (g, search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold,
-                                  k_rope=opts.k_rope, ort_qdq=ort_qdq))
+            found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
+                                ort_qdq=ort_qdq)
+            for _ in range(REPLANS):  # a fused Q reading another kernel's inexact value goes back to ORT
+                inexact = inexact_quantizers(g, found.regions)
+                if not inexact:
+                    break
+                ort_qdq = {**ort_qdq, **inexact}
+                found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
+                                    ort_qdq=ort_qdq)
+            hit = (g, found)
         searched[id(g)] = hit
         return hit[1]
 

@@ -176,6 +176,9 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
         scale = g.constants.get(n.input[1])
         if scale is None:
             return "its scale is computed at run time: left to ORT"
+        precision = scalar.attr(n, "precision", 0)
+        if g.tensors[n.input[1]].dtype != onnx.TensorProto.FLOAT or precision not in (0, onnx.TensorProto.FLOAT):
+            return "x / scale in another precision than fp32 (its scale's type or `precision`): left to ORT"
         s = np.asarray(scale, np.float64)
         if not (np.all(np.isfinite(s)) and np.all(s >= np.finfo(np.float32).tiny)):
             return ("a scale that is not a finite positive number (x / scale is then NaN or infinite for some x, which "
@@ -194,12 +197,52 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
 
 # Ops a kernel computes exactly as ORT's ops do, given the same fp32 inputs, where a step op reads them
 # (`lower.discrete_cone`: each sum and product rounded once, IEEE division): arithmetic, selections, copies.
+# Not Pad or MaxPool: ORT folds a Pad into the MaxPool after it (its padding then is -inf, not the Pad's value),
+# which a fused node hides from it; and the kernel's MaxPool drops a NaN where cuDNN's keeps it.
 EXACT_OPS = frozenset({
     "DequantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip", "Identity", "Where",
     "Cast", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
-    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Pad", "Range",
-    "MaxPool",
+    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Range",
 })
+
+
+def _inexact(g: Graph, p: int) -> Optional[str]:
+    """Why node p's output may differ from ORT's by an ulp in a kernel (None where it cannot): an op outside
+    EXACT_OPS, a half-precision tensor, or a Div of a constant numerator (ORT's DivMulFusion makes
+    `Mul(y, Div(1, x))` one `Div(y, x)`, rounded once where the kernel rounds twice)."""
+    n = g.nodes[p]
+    half = [x for x in (*n.input, *n.output) if x in g.tensors and g.tensors[x].dtype in _HALF_TYPES]
+    if n.op_type not in EXACT_OPS:
+        return g.node_label(p)
+    if half:
+        return f"half-precision '{half[0]}'"
+    if n.op_type == "Div" and n.input[0] in g.constants:
+        return f"{g.node_label(p)} (a constant divided, which ORT may fuse with a Mul after it)"
+    return None
+
+
+def inexact_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
+    """The QuantizeLinear outputs of `regions` whose value crosses into another fused kernel's inexact op (the
+    region itself is checked by `exact_verdict`; ORT's own ops compute what they compute in the input too),
+    with the reason: `api` plans again with those Qs left to ORT."""
+    owner = {i: r.id for r in regions for i in r.nodes}
+    out = {}
+    for r in regions:
+        for q in (i for i in r.nodes if g.nodes[i].op_type == "QuantizeLinear"):
+            stack, seen = [g.nodes[q].input[0]], set()
+            while stack:
+                t = stack.pop()
+                p = g.producer.get(t)
+                if t in seen or p not in owner:
+                    continue
+                seen.add(t)
+                why = _inexact(g, p) if owner[p] != r.id else None
+                if why:
+                    out[g.nodes[q].output[0]] = (f"quantizes a value computed from {why} in another fused kernel, "
+                                                 "which computes it otherwise than ORT: left to ORT")
+                    break
+                stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
+    return out
 
 
 def exact_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
@@ -217,9 +260,8 @@ def exact_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
                 continue
             seen.add(t)
             n = g.nodes[p]
-            half = [x for x in (*n.input, t) if x in g.tensors and g.tensors[x].dtype in _HALF_TYPES]
-            if n.op_type not in EXACT_OPS or half:
-                why = f"half-precision '{half[0]}'" if half and n.op_type in EXACT_OPS else g.node_label(p)
+            why = _inexact(g, p)
+            if why:
                 return (f"{g.node_label(q)} quantizes a value computed from {why}, which a kernel computes otherwise "
                         f"than ORT (an element could move a step): it stays ORT's")
             stack.extend(x for _, x in ops.data_inputs(n))

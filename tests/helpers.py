@@ -833,7 +833,8 @@ def quantized_add(dtype=np.int8, zero_point: bool = True, fp16: bool = False, ba
 
 def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -> onnx.ModelProto:
     """DQ(a), DQ(b) -> `middle` -> Q -> y (int8): the QDQ form of an op, with its output quantized. `middle`:
-    "add"; "muladd" (a * b + a: a product an FMA could fuse with the sum); "sigmoid" (of the sum)."""
+    "add"; "muladd" (a * b + a: a product an FMA could fuse with the sum); "sigmoid" (of the sum); "reciprocal"
+    (1 / (a + 2) * b)."""
     ft, fnp = (onnx.TensorProto.FLOAT16, np.float16) if fp16 else (onnx.TensorProto.FLOAT, np.float32)
     inits = [numpy_helper.from_array(np.array(0.021, fnp), "sa"), numpy_helper.from_array(np.array(0.013, fnp), "sb"),
              numpy_helper.from_array(np.array(scale, fnp), "sy"), numpy_helper.from_array(np.array(-3, np.int8), "zy")]
@@ -841,6 +842,11 @@ def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -
              helper.make_node("DequantizeLinear", ["b", "sb"], ["db"])]
     if middle == "muladd":
         nodes += [helper.make_node("Mul", ["da", "db"], ["p"]), helper.make_node("Add", ["p", "da"], ["m"])]
+    elif middle == "reciprocal":  # 1 / (a + 2) * b: ORT makes the Div and the Mul one division
+        inits.append(numpy_helper.from_array(np.array(1.0, fnp), "one"))
+        inits.append(numpy_helper.from_array(np.array(2.0, fnp), "two"))
+        nodes += [helper.make_node("Add", ["da", "two"], ["a2"]), helper.make_node("Div", ["one", "a2"], ["r"]),
+                  helper.make_node("Mul", ["r", "db"], ["m"])]
     else:
         nodes.append(helper.make_node("Add", ["da", "db"], ["m"]))
         if middle == "sigmoid":

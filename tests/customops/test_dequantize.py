@@ -156,6 +156,7 @@ def test_a_quantized_result_is_exact(middle: str) -> None:
 
 @pytest.mark.parametrize("middle,fp16,scale,why", [
     ("sigmoid", False, 0.037, "quantizes a value computed from Sigmoid"),
+    ("reciprocal", False, 0.037, "a constant divided"),
     ("add", True, 0.037, "quantizes FLOAT16"),
     ("add", False, float("inf"), "not a finite positive number")])
 def test_a_quantizer_stays_orts_where_a_kernel_could_move_a_step(middle, fp16, scale, why) -> None:
@@ -166,3 +167,46 @@ def test_a_quantizer_stays_orts_where_a_kernel_could_move_a_step(middle, fp16, s
     assert "QuantizeLinear" not in fused, fused
     said = [str(r) for r in (*res.plan.rejects, *res.plan.refusals)]
     assert any(why in r for r in said), said
+
+
+def test_a_division_before_a_copy_is_an_ieee_division() -> None:
+    """DQ, DQ -> Add -> Div(6) -> Slice -> Q: the Div reaches the Q through a Slice (an indexing op), and is
+    still an IEEE division, not a product with 1/6 (which moved 211 of 4096 x 48 elements a step)."""
+    inits = [numpy_helper.from_array(np.array(0.021, np.float32), "sa"),
+             numpy_helper.from_array(np.array(0.013, np.float32), "sb"),
+             numpy_helper.from_array(np.array(6.0, np.float32), "six"),
+             numpy_helper.from_array(np.array(0.037, np.float32), "sy"),
+             numpy_helper.from_array(np.array(-3, np.int8), "zy"),
+             numpy_helper.from_array(np.array([1], np.int64), "st"),
+             numpy_helper.from_array(np.array([48], np.int64), "en"), numpy_helper.from_array(np.array([1], np.int64), "ax")]
+    nodes = [helper.make_node("DequantizeLinear", ["a", "sa"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "sb"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Div", ["m", "six"], ["d"]), helper.make_node("Slice", ["d", "st", "en", "ax"], ["s"]),
+             helper.make_node("QuantizeLinear", ["s", "sy", "zy"], ["y"])]
+    m = _model(nodes, [helper.make_tensor_value_info("a", TP.INT8, ["n", 48]),
+                       helper.make_tensor_value_info("b", TP.UINT8, ["n", 48])],
+               [helper.make_tensor_value_info("y", TP.INT8, None)], inits)
+    shapes = {"a": [4096, 48], "b": [4096, 48]}
+    res = fused_parity(m, {}, shapes, ["pointwise"])
+    assert "QuantizeLinear" in [res.graph.nodes[i].op_type for i in res.plan.regions[0].nodes]
+    _exact(check_models(m, res.model, emulate=True, input_shapes=shapes))
+
+
+def test_the_quantizer_rounds_as_the_cuda_ep_at_ties_infinities_and_nan() -> None:
+    """`ofz::quantize8` in emulation, as ORT's CUDA kernel computes it (`__float2int_rn(x / scale) + zero_point`
+    in int32, clamped): ties to even, infinities and values past 2^31 saturated before the zero point is added
+    (so -inf with a negative zero point wraps to the top, as there), NaN to the zero point."""
+    from helpers import launch_spec
+    inits = [numpy_helper.from_array(np.array(0.5, np.float32), "s"), numpy_helper.from_array(np.array(-3, np.int8), "z")]
+    m = _model([helper.make_node("Neg", ["x"], ["nx"]), helper.make_node("QuantizeLinear", ["nx", "s", "z"], ["y"])],
+               [helper.make_tensor_value_info("x", TP.FLOAT, [12])], [helper.make_tensor_value_info("y", TP.INT8, [12])],
+               inits)
+    (k,) = _optimized(m).kernels
+    x = np.array([-0.25, -0.75, 0.25, 0.75, -1.25, np.nan, np.inf, -np.inf, 1e30, -1e30, -70.0, 70.0], np.float32)
+    out = np.zeros(12, np.int8)
+    launch_spec(k.spec, [x, out], [])
+    # -x / 0.5 = 0.5, 1.5, -0.5, -1.5, 2.5 -> 0, 2, -0, -2, 2 (ties to even), then + -3; NaN -> 0 - 3; -inf (x = inf,
+    # and x = 1e30) -> INT_MIN, which - 3 wraps to INT_MAX - 2 -> 127 (ORT's CPU kernel gives -128 there); +inf ->
+    # INT_MAX - 3 -> 127; 140 - 3 -> 127; -140 - 3 -> -128
+    want = np.array([-3, -1, -3, -5, -1, -3, 127, 127, 127, 127, 127, -128], np.int8)
+    assert np.array_equal(out, want), out

@@ -67,7 +67,7 @@ def test_a_chain_ort_merges_is_left_to_ort() -> None:
     m = _chain(0.031)
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     fused = {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
-    assert not fused & {"DQ1", "DQ2"}, fused
+    assert not fused & {"Q1", "DQ1", "Q2", "DQ2"}, fused
     assert any("'DQ2'" in str(r) and "DoubleQDQPairsRemover" in str(r) for r in res.plan.rejects)
 
 
@@ -81,7 +81,7 @@ def test_a_chain_the_input_merges_is_left_to_ort_where_the_rewrite_breaks_it() -
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
-    assert not {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes} & {"DQ1", "DQ2"}
+    assert not {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes} & {"Q1", "DQ1", "Q2", "DQ2"}
 
 
 def test_a_chain_of_equal_pairs_is_not_merged_at_a_new_scale() -> None:
@@ -116,4 +116,22 @@ def test_a_dequantizer_the_rewrite_took_a_reader_from_stays_orts() -> None:
               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     assert any("'DQ1'" in str(r) and "other readers in the input model" in str(r) for r in res.plan.rejects), \
+        [str(r) for r in res.plan.rejects]
+
+
+def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
+    """Sigmoid's kernel writes sg (a graph output too); the Q of sg would join the next kernel, where it would
+    quantize a value the first kernel computed otherwise than ORT. `api` plans again with that Q left to ORT."""
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s"),
+             numpy_helper.from_array(np.array(1 / 256, np.float32), "s2")]
+    nodes = [helper.make_node("DequantizeLinear", ["a", "s"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "s"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["sg"]), helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Mul", ["dq", "db"], ["y"])]
+    ins = [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"]
+    m = model(nodes, ins, [helper.make_tensor_value_info("y", TP.FLOAT, None),
+                           helper.make_tensor_value_info("sg", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "Q" not in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
+    assert any("'Q'" in str(r) and "in another fused kernel" in str(r) for r in res.plan.rejects), \
         [str(r) for r in res.plan.rejects]
