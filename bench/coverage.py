@@ -302,8 +302,9 @@ ORT_OPTIMIZED: dict[str, tuple[str, str, int, int]] = {  # source, model type, n
 # activations quantized at run time (quantize_dynamic: MatMulInteger, DynamicQuantizeLinear); `qdq`, static int8
 # QuantizeLinear/DequantizeLinear pairs around every op, per-channel weights, calibrated on one random batch
 # (quantize_static, QDQ format); `int4`, 4-bit block-quantized MatMul weights (MatMulNBitsQuantizer: ORT's
-# MatMulNBits), of the fp32 and the fp16 model. The Q/DQ ops and ORT's quantized ops stay ORT's; the rows show
-# what fuses around them, and that the rest stays the same function.
+# MatMulNBits), of the fp32 and the fp16 model. ORT's quantized ops stay ORT's; DequantizeLinear fuses, and
+# QuantizeLinear where its input is exact (docs/design.md); the rows show what fuses, and that the rest stays
+# the same function.
 QUANTIZED: dict[str, tuple[str, str]] = {  # source, method
     "roberta_int8": ("roberta", "int8"), "roberta_qdq": ("roberta", "qdq"), "mistral_qdq": ("mistral", "qdq"),
     "mistral_int4": ("mistral", "int4"), "llama_past_int4": ("llama_past", "int4"),
