@@ -2,7 +2,7 @@
 Only correctness lives here; whether fusing pays is `search.cost`'s call."""
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Container, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -221,6 +221,19 @@ def _inexact(g: Graph, p: int) -> Optional[str]:
     return None
 
 
+def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
+    """The nodes of `within` that QuantizeLinear q's input is computed by (the walk stops where it leaves them)."""
+    stack, seen = [g.nodes[q].input[0]], set()
+    while stack:
+        t = stack.pop()
+        p = g.producer.get(t)
+        if t in seen or p not in within:
+            continue
+        seen.add(t)
+        yield p
+        stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
+
+
 def inexact_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
     """The QuantizeLinear outputs of `regions` whose value crosses into another fused kernel's inexact op (the
     region itself is checked by `exact_verdict`; ORT's own ops compute what they compute in the input too),
@@ -229,19 +242,10 @@ def inexact_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
     out = {}
     for r in regions:
         for q in (i for i in r.nodes if g.nodes[i].op_type == "QuantizeLinear"):
-            stack, seen = [g.nodes[q].input[0]], set()
-            while stack:
-                t = stack.pop()
-                p = g.producer.get(t)
-                if t in seen or p not in owner:
-                    continue
-                seen.add(t)
-                why = _inexact(g, p) if owner[p] != r.id else None
-                if why:
-                    out[g.nodes[q].output[0]] = (f"quantizes a value computed from {why} in another fused kernel, "
-                                                 "which computes it otherwise than ORT: left to ORT")
-                    break
-                stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
+            why = next((w for p in _cone(g, q, owner) if owner[p] != r.id for w in (_inexact(g, p),) if w), None)
+            if why:
+                out[g.nodes[q].output[0]] = (f"quantizes a value computed from {why} in another fused kernel, which "
+                                             "computes it otherwise than ORT: left to ORT")
     return out
 
 
@@ -252,19 +256,10 @@ def exact_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
     op by op) would move an element a step, where the quantized output must equal ORT's."""
     members = set(nodes)
     for q in (i for i in members if g.nodes[i].op_type == "QuantizeLinear"):
-        stack, seen = [g.nodes[q].input[0]], set()
-        while stack:
-            t = stack.pop()
-            p = g.producer.get(t)
-            if t in seen or p not in members:
-                continue
-            seen.add(t)
-            n = g.nodes[p]
-            why = _inexact(g, p)
-            if why:
-                return (f"{g.node_label(q)} quantizes a value computed from {why}, which a kernel computes otherwise "
-                        f"than ORT (an element could move a step): it stays ORT's")
-            stack.extend(x for _, x in ops.data_inputs(n))
+        why = next((w for p in _cone(g, q, members) for w in (_inexact(g, p),) if w), None)
+        if why:
+            return (f"{g.node_label(q)} quantizes a value computed from {why}, which a kernel computes otherwise "
+                    f"than ORT (an element could move a step): it stays ORT's")
     return None
 
 
