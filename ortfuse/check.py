@@ -390,9 +390,10 @@ def _judged_step_by_step(diffs: tuple[Diff, ...], ref: tuple, out: tuple, provid
             pinned.graph.output.append(onnx.helper.make_tensor_value_info(t + REF_SUFFIX, dtype, None))
     ref_wanted = [*names, *(t + REF_SUFFIX for t in cut), *(x for _, x in floats.values())]
     pinned = _with_outputs(pinned, ref_wanted[len(names):])
+    pinned_feeds = {**feeds, **{t: got[t] for t in cut}}
     try:
-        given = dict(zip(ref_wanted, _run(_session(pinned, providers), ref_wanted, {**feeds, **{t: got[t] for t in cut}},
-                                          "the original model", InputError)))
+        given = dict(zip(ref_wanted, _run(_session(pinned, providers), ref_wanted, pinned_feeds, "the original model",
+                                          InputError)))
     except (InputError, ParityError):
         return diffs
     flips, bad = 0, ""

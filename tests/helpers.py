@@ -820,8 +820,8 @@ def quantized_add(dtype=np.int8, zero_point: bool = True, fp16: bool = False, ba
     zp = [numpy_helper.from_array(np.array(3 if dtype == np.int8 else 128, dtype), "zx"),
           numpy_helper.from_array(np.array(-5 if dtype == np.int8 else 120, dtype), "zc")] if zero_point else []
     inits = [numpy_helper.from_array(np.array(0.0173, fnp), "sx"), numpy_helper.from_array(np.array(0.0291, fnp), "sc"),
-             numpy_helper.from_array(np.random.default_rng(7).integers(info.min, int(info.max) + 1, (6, 40)).astype(dtype),
-                                     "c"), *zp]
+             numpy_helper.from_array(
+                 np.random.default_rng(7).integers(info.min, int(info.max) + 1, (6, 40)).astype(dtype), "c"), *zp]
     z = (lambda n: [n]) if zero_point else (lambda n: [])
     nodes = [helper.make_node("QuantizeLinear", ["x", "sx", *z("zx")], ["qx"]),
              helper.make_node("DequantizeLinear", ["qx", "sx", *z("zx")], ["dx"]),

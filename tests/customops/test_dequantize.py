@@ -178,7 +178,8 @@ def test_a_division_before_a_copy_is_an_ieee_division() -> None:
              numpy_helper.from_array(np.array(0.037, np.float32), "sy"),
              numpy_helper.from_array(np.array(-3, np.int8), "zy"),
              numpy_helper.from_array(np.array([1], np.int64), "st"),
-             numpy_helper.from_array(np.array([48], np.int64), "en"), numpy_helper.from_array(np.array([1], np.int64), "ax")]
+             numpy_helper.from_array(np.array([48], np.int64), "en"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax")]
     nodes = [helper.make_node("DequantizeLinear", ["a", "sa"], ["da"]),
              helper.make_node("DequantizeLinear", ["b", "sb"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
              helper.make_node("Div", ["m", "six"], ["d"]), helper.make_node("Slice", ["d", "st", "en", "ax"], ["s"]),
@@ -197,10 +198,11 @@ def test_the_quantizer_rounds_as_the_cuda_ep_at_ties_infinities_and_nan() -> Non
     in int32, clamped): ties to even, infinities and values past 2^31 saturated before the zero point is added
     (so -inf with a negative zero point wraps to the top, as there), NaN to the zero point."""
     from helpers import launch_spec
-    inits = [numpy_helper.from_array(np.array(0.5, np.float32), "s"), numpy_helper.from_array(np.array(-3, np.int8), "z")]
+    inits = [numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+             numpy_helper.from_array(np.array(-3, np.int8), "z")]
     m = _model([helper.make_node("Neg", ["x"], ["nx"]), helper.make_node("QuantizeLinear", ["nx", "s", "z"], ["y"])],
-               [helper.make_tensor_value_info("x", TP.FLOAT, [12])], [helper.make_tensor_value_info("y", TP.INT8, [12])],
-               inits)
+               [helper.make_tensor_value_info("x", TP.FLOAT, [12])],
+               [helper.make_tensor_value_info("y", TP.INT8, [12])], inits)
     (k,) = _optimized(m).kernels
     x = np.array([-0.25, -0.75, 0.25, 0.75, -1.25, np.nan, np.inf, -np.inf, 1e30, -1e30, -70.0, 70.0], np.float32)
     out = np.zeros(12, np.int8)

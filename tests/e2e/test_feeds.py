@@ -78,7 +78,8 @@ def test_8_bit_data_a_dequantizer_reads_spans_its_range():
     from onnx import numpy_helper
     TP = TensorProto
     nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["d"]),
-             helper.make_node("DequantizeLinear", ["u", "s"], ["e"]), helper.make_node("Cast", ["i"], ["f"], to=TP.FLOAT)]
+             helper.make_node("DequantizeLinear", ["u", "s"], ["e"]),
+             helper.make_node("Cast", ["i"], ["f"], to=TP.FLOAT)]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("q", TP.INT8, [64, 64]),
                                        helper.make_tensor_value_info("u", TP.UINT8, [64, 64]),
                                        helper.make_tensor_value_info("i", TP.INT8, [8])],

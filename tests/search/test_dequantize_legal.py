@@ -126,7 +126,8 @@ def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
              numpy_helper.from_array(np.array(1 / 256, np.float32), "s2")]
     nodes = [helper.make_node("DequantizeLinear", ["a", "s"], ["da"]),
              helper.make_node("DequantizeLinear", ["b", "s"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
-             helper.make_node("Sigmoid", ["m"], ["sg"]), helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
+             helper.make_node("Sigmoid", ["m"], ["sg"]),
+             helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
              helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Mul", ["dq", "db"], ["y"])]
     ins = [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"]
     m = model(nodes, ins, [helper.make_tensor_value_info("y", TP.FLOAT, None),
