@@ -781,7 +781,8 @@ class _Lowerer:
         if scalar.sees_stored(node):
             args = [self.as_stored(x, a) if a is not None else None for x, a in zip(node.input, args)]
         out_storage = _storage(self.g.tensors[node.output[pos]].dtype, f"output of {node.op_type}")
-        discrete = node.output[pos] in self.discrete_cone or node.output[pos] in self.quantized_cone
+        quantized = node.output[pos] in self.quantized_cone
+        discrete = quantized or node.output[pos] in self.discrete_cone
         if op == "Div" and (discrete or any(scalar.sees_stored(self.g.nodes[c])
                                             for c in self.g.consumers.get(node.output[0], ()))):
             # a step op (or a Cast) downstream would see the ulp a reciprocal may move: IEEE division
@@ -791,7 +792,7 @@ class _Lowerer:
                 value = scalar.apply(node, args, out_storage)
             except scalar.UnsupportedOp as e:
                 raise LoweringError(str(e)) from None
-            if node.output[pos] in self.quantized_cone:  # each sum and product rounded once, as ORT's (no FMA)
+            if quantized:  # each sum and product rounded once, as ORT's (no FMA)
                 value = scalar.uncontracted(value)
         # and, in half precision, every rounding the CUDA EP does op by op; a dequantized value always, as ORT
         # stores it (exact: a QuantizeLinear after the region may read it)

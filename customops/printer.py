@@ -28,8 +28,8 @@ FN: dict[str, Callable[[list[str]], str]] = {
     # fp32 only, never contracted into an FMA: a product or sum rounded once, as ORT's op rounds it
     "mul_rn": lambda a: f"__fmul_rn({a[0]}, {a[1]})",
     "add_rn": lambda a: f"__fadd_rn({a[0]}, {a[1]})",
-    "quantize8": lambda a: f"ofz::quantize8({a[0]}, {a[1]}, {a[2]}, {a[3]}, {a[4]})",
     "sub_rn": lambda a: f"__fsub_rn({a[0]}, {a[1]})",
+    "quantize8": lambda a: f"ofz::quantize8({a[0]}, {a[1]}, {a[2]}, {a[3]}, {a[4]})",  # scalar._quantize
     "recip_fast": lambda a: f"__fdividef(1.0f, {a[0]})",  # fp32 only: MUFU.RCP, within 2 ulp, no branch
     "mod": lambda a: f"({a[0]} % {a[1]})",
     "fmod": lambda a: f"fmodf({a[0]}, {a[1]})",

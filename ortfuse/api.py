@@ -35,7 +35,7 @@ from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
-from ortfuse.rewriter.qdq import keep_readers_as_input, merged_chain_outputs, merged_pairs, readers
+from ortfuse.rewriter.qdq import keep_readers_as_input, left_to_ort, merged_chain_outputs, merged_pairs, readers
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.ort_folding import left_folded
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
@@ -44,7 +44,7 @@ from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel
-from ortfuse.search.legal import MERGED_CHAIN, inexact_quantizers
+from ortfuse.search.legal import inexact_quantizers
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -128,8 +128,6 @@ def _shapes(input_shapes: Shapes) -> dict:
     return parse_input_shapes(list(input_shapes))
 
 
-_READERS_CHANGED = ("its output has other readers in the input model than here (ORT's quantization passes count "
-                    "them): left to ORT, so that the output keeps them")
 _UNNAMED = re.compile(r"unk__\d+")  # SymbolicShapeInference's name for a dim it could not compute
 
 
@@ -334,7 +332,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     static_shapes = {t for t, info in graph.tensors.items() if info.is_static}
     static_before = (static_shapes - graph.downstream(_pinned_symbolic(model, graph))).__contains__
     qdq_readers, merged_before = readers(model, static_before), merged_pairs(model, static_before)
-    merged_in_input = dict.fromkeys(merged_chain_outputs(model), MERGED_CHAIN)  # (in the input as ORT runs it)
+    merged_in_input = merged_chain_outputs(model)  # (in the input as ORT runs it)
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
@@ -389,11 +387,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         if hit is None or hit[0] is not g:
             while len(searched) > 2:
                 del searched[next(iter(searched))]
-            # a DQ the rewrite left with other readers than the input's stays ORT's: `keep_readers_as_input`
-            # gives it back a reader in the output, which it cannot inside a fused node's function
-            now = readers(g.model, static_before)
-            changed = {t: _READERS_CHANGED for t, k in now.items() if k != qdq_readers.get(t, k)}
-            ort_qdq = {**merged_in_input, **changed}
+            ort_qdq = left_to_ort(g.model, merged_in_input, qdq_readers, static_before)
             found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
                                 ort_qdq=ort_qdq)
             # a fused Q reading another kernel's inexact value goes back to ORT; each search leaves more Qs to ORT,

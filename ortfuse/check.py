@@ -235,10 +235,11 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     if not all(d.ok for d in model_diffs):
         model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, providers, feeds,
                                               out_names, ref_vals, out_vals, floors)
-    if not all(d.ok for d in model_diffs) and any(n.op_type == "QuantizeLinear" for n in opt.graph.node):
+    quantized = any(n.op_type == "QuantizeLinear" for n in opt.graph.node)
+    if not all(d.ok for d in model_diffs) and quantized:
         model_diffs = _judged_step_by_step(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
                                            providers, feeds, out_names, out_vals, floors)
-    if not all(d.ok for d in model_diffs) and any(n.op_type == "QuantizeLinear" for n in opt.graph.node):
+    if not all(d.ok for d in model_diffs) and quantized:
         model_diffs = _explained_by_merges(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
                                            providers, feeds, out_names, floors)
     del ref_sess, out_sess, ref_model, out_model, src  # (their weights: the probe below holds its own)

@@ -106,6 +106,24 @@ def merged_chain_outputs(model: onnx.ModelProto) -> frozenset[str]:
     return frozenset(n.output[0] for c in _merged_chains(model, lambda t: True) for n in (*c[:4], *c[6]))
 
 
+MERGED_CHAIN = ("a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it or computes "
+                "it: left to ORT, which would not merge it inside a fused node")
+READERS_CHANGED = ("its output has other readers in the input model than here (ORT's quantization passes count them): "
+                   "left to ORT, so that the output keeps them")
+
+
+def left_to_ort(model: onnx.ModelProto, merged_before: frozenset[str], readers_before: dict[str, int],
+                static: Callable[[str], bool] = lambda t: False) -> dict[str, str]:
+    """Outputs of the Q/DQ nodes of `model` (the graph searched) that must stay ORT's nodes, with the reason, for
+    ORT's quantization passes, which look at the nodes themselves: every node of a chain DoubleQDQPairsRemover
+    merges in the input (`merged_before`: its `merged_chain_outputs`) or here; and a Q or DQ whose readers the
+    rewrite changed (`readers_before`: the input's `readers`), which `keep_readers_as_input` can give a reader
+    back in the main graph only, not inside a fused node's function."""
+    out = dict.fromkeys(merged_before | merged_chain_outputs(model), MERGED_CHAIN)
+    out.update({t: READERS_CHANGED for t, k in readers(model, static).items() if k != readers_before.get(t, k)})
+    return out
+
+
 def _merged_chains(model: onnx.ModelProto, static: Callable[[str], bool]) -> list[tuple]:
     """(Q1, DQ1, Q2, DQ2, DQ1's parameters, Q2's, the nodes between DQ1 and Q2) of each chain `merged_pairs`
     describes."""

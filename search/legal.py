@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from ortfuse.customops import scalar
-from ortfuse.rewriter import _proto, qdq
+from ortfuse.rewriter import _proto
 from ortfuse.rewriter.ort_folding import folded_nodes
 from ortfuse.rewriter.graph import Dim, Graph, per_graph
 from ortfuse.search import conv, norm_fold, ops, pad, pool, resize
@@ -152,15 +152,6 @@ GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.T
 _HALF_TYPES = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
-MERGED_CHAIN = ("a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it or computes "
-                "it: left to ORT, which would not merge it inside a fused node")
-
-
-@per_graph
-def _merged(g: Graph) -> frozenset[str]:
-    return qdq.merged_chain_outputs(g.model)
-
-
 def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
     """None where a DequantizeLinear or QuantizeLinear computes in a kernel exactly as ORT's
     (`scalar._dequantize`, `scalar._quantize`): one scale (and zero point) for the tensor or one per element of
@@ -265,7 +256,7 @@ def exact_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:
 
 def node_verdict(g: Graph, i: int, ort_qdq: Optional[Mapping[str, str]] = None) -> Optional[Reject]:
     """None if node i may join a fused kernel, else the reason it may not. `ort_qdq`: outputs of nodes that stay
-    ORT's for its quantization passes, which look at the nodes themselves (`rewriter.qdq`), with the reason."""
+    ORT's for its quantization passes, which look at the nodes themselves (`qdq.left_to_ort`), with the reason."""
     n = g.nodes[i]
     label = g.node_label(i)
     if n.domain not in ("", "ai.onnx"):
@@ -286,8 +277,6 @@ def node_verdict(g: Graph, i: int, ort_qdq: Optional[Mapping[str, str]] = None) 
         if info.dtype not in scalar.STORAGE:
             return Reject(label, f"'{t}' has element type {onnx.TensorProto.DataType.Name(info.dtype)}, not fused")
     why = next((ort_qdq[t] for t in n.output if t in (ort_qdq or {})), None)
-    if why is None and any(t in _merged(g) for t in n.output):
-        why = MERGED_CHAIN
     if why:
         return Reject(label, why)
     if n.op_type in scalar.QUANTIZERS:
