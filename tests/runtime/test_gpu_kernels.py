@@ -299,11 +299,14 @@ def test_packed_heads_window_on_gpu(dt, monkeypatch):
 
 @pytest.mark.parametrize("dt", [H, F])
 def test_nan_guarded_attention_on_gpu(dt):
-    # scaled_dot_product_attention's export: rows masked everywhere are 0 in ORT (its Where) and in ours (session 24)
+    # scaled_dot_product_attention's export: rows masked everywhere are 0 in ORT (its Where) and in ours (session 24).
+    # The constant mask is [2, 1, 1, 37], so the model runs at that shape only: compiled for it (over symbolic dims
+    # the search leaves it to ORT, as batch 2 is merged into the symbolic batch; failed so on the H200, session 50)
     m, hd = nan_guarded(dt, "-inf")
-    res = compile_model(m, None, "sm_90")
-    assert [r.kind for r in res.plan.regions] == ["attention"]
-    rep = check_models(m, res.model, provider="cuda", input_shapes={"x": (2, 37, hd)})
+    shapes = {"x": (2, 37, hd)}
+    res = compile_model(m, shapes, "sm_90")
+    assert [r.kind for r in res.plan.regions] == ["attention"], [str(r) for r in res.plan.refusals]
+    rep = check_models(m, res.model, provider="cuda", input_shapes=shapes)
     assert rep.ok, "\n".join(rep.lines())
 
 
