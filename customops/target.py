@@ -85,6 +85,11 @@ class Target:
     # 1.17 / 1.03: 4-35 us lost per fold. With cuBLAS's times for those GEMMs (27-52 us at batch 32) and a row
     # kernel of ~5 us that is 1.5-2.2x per folded GEMM; the smaller is kept. Assumed 1.0 elsewhere.
     ln_fold_floor: float = 1.0
+    # A node ORT's CUDA EP hands to its CPU EP (search.ops.CPU_EP_ONLY) costs the CPU kernel, the copy of its
+    # result to the device (ORT's MemcpyFromHost from pageable memory, which waits for the host) and the
+    # dispatch of both, in us, besides a kernel of ours: assumed, not measured. Such a node also keeps the
+    # session from capturing CUDA graphs, which no figure here prices.
+    host_node_us: float = 15.0
     vector_bytes: int = 16  # widest global load per thread (LDG.128)
     # Shared memory serves one 128-byte wavefront per clock per SM: 32 banks of 4 bytes each (CUDA C++
     # Programming Guide, "Shared Memory"; 128 B/clk/SM on sm_80 through sm_90, e.g. H100's 32.3 TB/s at 144

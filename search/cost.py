@@ -72,6 +72,13 @@ def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
     return sum(read_bytes(g, [n], t) for t in reads) + sum(tensor_bytes(g, t) for t in writes)
 
 
+def cpu_ep_nodes(g: Graph, region: Region) -> list[int]:
+    """The region's nodes ORT's CUDA EP has no kernel for (`ops.CPU_EP_ONLY`): it runs them on the CPU EP and
+    copies their results to the device every run, where the fused kernel computes them on the device."""
+    return [i for i in region.nodes if (n := g.nodes[i]).op_type in ops.CPU_EP_ONLY
+            and n.input and g.tensors[n.input[0]].dtype in ops.CPU_EP_ONLY[n.op_type]]
+
+
 def ort_conv_folds(g: Graph, region: Region) -> list[int]:
     """Region nodes stock ORT folds into its own cuDNN FusedConv on the CUDA EP (ConvActivationFusion:
     fp32 only; Conv -> Relu, or Conv -> Add -> Relu, each link the producer's only consumer). The Conv is
@@ -627,6 +634,7 @@ class CostModel:
         """Estimated time of the region's nodes as stock ORT runs them: cuBLAS/cuDNN for the anchor (with the
         activations ORT folds into its own FusedConv), one kernel per other op."""
         tr = region.traffic
+        host = self.target.host_node_us * len(cpu_ep_nodes(g, region))
         folded = [g.nodes[i] for i in ort_conv_folds(g, region)]
         chain = {g.nodes[a].output[0] for a in (_fold_anchor(g, region),) if a is not None}
         residual = sum(tensor_bytes(g, t) for n in folded if n.op_type == "Add" for t in n.input
@@ -635,18 +643,18 @@ class CostModel:
         launches = tr.unfused_launches - len(folded)
         if region.kind == "attention":  # its two MatMuls at ORT's rate (TF32 for fp32), where over their bytes
             p = _attention_pattern(g, region)
-            return self.time_us(rest, launches) + sum(
+            return host + self.time_us(rest, launches) + sum(
                 max(0.0, us - node_bytes(g, n) / (self.target.dram_gbps * 1e3))
                 for n in (g.nodes[p.qk], g.nodes[p.pv]) for us in (self.gemm_us(g, n)[0],))
         if region.kind not in ("gemm", "gemm_row"):
-            return self.time_us(rest, launches)
+            return host + self.time_us(rest, launches)
         mm_us, mm_bytes = self.gemm_us(g, self._anchor(g, region))
-        return mm_us + self.time_us(max(rest - mm_bytes, 0), launches)
+        return host + mm_us + self.time_us(max(rest - mm_bytes, 0), launches)
 
     def verdict(self, g: Graph, region: Region) -> Optional[Reject]:
         """None if fusing the region pays over the bindings of `bindings` (`_pays`), else why not."""
         label = f"region at {g.node_label(region.nodes[0])}"
-        if region.traffic.unfused_launches < 2:
+        if region.traffic.unfused_launches < 2 and not cpu_ep_nodes(g, region):
             return Reject(label, "replaces a single ORT kernel: no traffic or launch saved")
         folded = ort_conv_folds(g, region)
         if folded and not set(region.nodes) - set(folded) - {_fold_anchor(g, region)}:

@@ -2,6 +2,8 @@
 are element data (kernel arguments) versus shape/axes metadata (constant, folded into index math)."""
 from __future__ import annotations
 
+from onnx import TensorProto as TP
+
 ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Erf", "Tanh", "Sigmoid", "Relu", "Exp",
     "Log", "Neg", "Abs", "Cast", "Where", "Clip", "Min", "Max", "Gelu", "LeakyRelu", "Elu",
@@ -55,6 +57,13 @@ CUDA_HOST_INPUTS: dict[str, frozenset[int]] = {
     "Pad": frozenset({1, 2}), "ConstantOfShape": frozenset({0}), "Tile": frozenset({1}), "CumSum": frozenset({1}),
     **{op: frozenset({1}) for op in AXES_INPUT_REDUCTIONS},
 }
+
+# Ops whose data element types (input 0) ORT's CUDA EP has no kernel for: it hands such a node to the CPU EP,
+# copies its result to the device on every run, and a session with it cannot capture CUDA graphs. A
+# DequantizeLinear of int32 data: the bias quantize_static writes for every Conv and Gemm (ORT's CUDA
+# registrations are int8, uint8, int4 and float8 data: providers/cuda/tensor/quantize_linear.cc). Seen on an
+# H200 (2026-11-29): stock ORT refused CUDA graphs on the zoo's quantized BERT and ResNet-50.
+CPU_EP_ONLY: dict[str, frozenset[int]] = {"DequantizeLinear": frozenset({TP.INT32})}
 
 # Window ops: each output pixel reads a window of its input, like a depthwise Conv (`search.pool`).
 WINDOW = frozenset({"MaxPool", "AveragePool"})

@@ -109,6 +109,26 @@ def test_an_int32_bias_dequantizes_exactly() -> None:
     _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [9, 16]}))
 
 
+def test_a_convolutions_int32_bias_is_dequantized_on_the_device() -> None:
+    """quantize_static's Conv: its int8 weight and int32 bias dequantized per output channel. ORT's CUDA EP has
+    no int32 DequantizeLinear, so stock ORT runs the bias's on the CPU EP every call: it becomes a kernel of its
+    own (exact), where the weight's, which the CUDA EP runs, stays ORT's (one kernel for one)."""
+    w = _ints([8, 4, 3, 3], np.int8)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array((RNG.random(8) * 0.01 + 0.002).astype(np.float32), "sw"),
+             numpy_helper.from_array(RNG.integers(-2 ** 20, 2 ** 20, [8]).astype(np.int32), "b"),
+             numpy_helper.from_array((RNG.random(8) * 1e-4).astype(np.float32), "sb")]
+    nodes = [helper.make_node("DequantizeLinear", ["w", "sw"], ["dw"], axis=0),
+             helper.make_node("DequantizeLinear", ["b", "sb"], ["db"], axis=0),
+             helper.make_node("Conv", ["x", "dw", "db"], ["y"], pads=[1, 1, 1, 1])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 4, 10, 10])],
+               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = _optimized(m)
+    fused = {res.graph.nodes[i].output[0]: r.kind for r in res.plan.regions for i in r.nodes}
+    assert fused.get("db") == "pointwise" and "dw" not in fused, fused
+    assert "region at DequantizeLinear 'dw': replaces a single ORT kernel" in "\n".join(map(str, res.plan.refusals))
+    _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [2, 4, 10, 10]}))
+
+
 def test_a_quantized_embedding_dequantizes_only_the_rows_it_gathers() -> None:
     """Gather of a dequantized table: ORT dequantizes the whole table on every call; the kernel only the rows."""
     inits = [numpy_helper.from_array(_ints([50, 32], np.int8), "table"),
