@@ -33,7 +33,7 @@ from ortfuse.customops.target import Target
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import conv, legal, norm_fold, ops, pool
 from ortfuse.search.attention import AttentionPattern, find_attention, k_rope_outside
-from ortfuse.search.cost import CostModel, attention_geometry, traffic
+from ortfuse.search.cost import CostModel, attention_geometry, tensor_bytes, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Lowering check: raises with a reason when a candidate region is not one kernel.
@@ -168,6 +168,22 @@ def plan(g: Graph, tgt: Target, cost: Optional[CostModel] = None, check: Optiona
     why = Reject(f"{len(folds)} LayerNorm prologues", f"the whole model estimated at {cost.figures(times)} with "
                                                       f"the LayerNorms folded into their GEMMs")
     return dataclasses.replace(without, refusals=without.refusals + unfit + (why,))
+
+
+CONSTANT_KERNEL_BYTES = 1 << 20  # phase 2c: the most bytes one kernel of constants-only groups may write
+
+
+def _from_constants(g: Graph, grp: frozenset[int]) -> bool:
+    """Whether the group reads constants alone (and so computes the same tensors every run)."""
+    made = {o for n in grp for o in g.nodes[n].output}
+    return all(t in g.constants for n in grp for _, t in ops.data_inputs(g.nodes[n]) if t not in made)
+
+
+def _output_bytes(g: Graph, grp: frozenset[int]) -> int:
+    """Bytes of the group's results that nodes outside it or the graph's outputs read."""
+    outs = {o for n in grp for o in g.nodes[n].output if o and (o in g.graph_outputs or any(
+        c not in grp for c in g.consumers.get(o, ())))}
+    return sum(tensor_bytes(g, t) for t in outs)
 
 
 def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.NormFold"], k_rope: str,
@@ -422,6 +438,20 @@ def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold
                 a, b = group_of[min(grp)], group_of[min(other)]  # as merged so far
                 if a != b and pointwise_space(a) == pointwise_space(b):
                     attempt(set(a | b), f"siblings reading {g.node_label(i)}", None, quiet=True)
+
+    # phase 2c: groups computed from constants alone, which ORT does not fold (a DequantizeLinear: an int32 bias's
+    # is a CPU EP node for ORT's CUDA EP, `cost.cpu_ep_nodes`), in one space are one kernel: a quantized CNN's
+    # biases in a launch per channel count. Small outputs only: the merged kernel's results all live from
+    # the start of a run (weights dequantized so would hold every layer's float copy at once).
+    constant: dict[tuple, list[frozenset[int]]] = {}
+    for grp in sorted(set(group_of.values()), key=min):
+        if _from_constants(g, grp) and (space := pointwise_space(grp)) is not None:
+            constant.setdefault(space, []).append(grp)
+    for grps in constant.values():
+        for other in grps[1:]:
+            a, b = group_of[min(grps[0])], group_of[min(other)]
+            if a != b and _output_bytes(g, a | b) <= CONSTANT_KERNEL_BYTES:
+                attempt(set(a | b), f"computed from constants alone with {g.node_label(min(a))}", None, quiet=True)
 
     for i in gemms:  # phase 3: conv chains
         _take_prologue(g, i, group_of, merge, cost, with_traffic, refusals)
