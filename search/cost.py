@@ -72,10 +72,10 @@ def node_bytes(g: Graph, n: onnx.NodeProto) -> int:
     return sum(read_bytes(g, [n], t) for t in reads) + sum(tensor_bytes(g, t) for t in writes)
 
 
-def cpu_ep_nodes(g: Graph, region: Region) -> list[int]:
-    """The region's nodes ORT's CUDA EP has no kernel for (`ops.CPU_EP_ONLY`): it runs them on the CPU EP and
-    copies their results to the device every run, where the fused kernel computes them on the device."""
-    return [i for i in region.nodes if (n := g.nodes[i]).op_type in ops.CPU_EP_ONLY
+def cpu_ep_nodes(g: Graph, nodes: Iterable[int]) -> list[int]:
+    """Those of `nodes` ORT's CUDA EP has no kernel for (`ops.CPU_EP_ONLY`): it runs them on the CPU EP and
+    copies their results to the device every run, where a fused kernel computes them on the device."""
+    return [i for i in nodes if (n := g.nodes[i]).op_type in ops.CPU_EP_ONLY
             and n.input and g.tensors[n.input[0]].dtype in ops.CPU_EP_ONLY[n.op_type]]
 
 
@@ -634,7 +634,7 @@ class CostModel:
         """Estimated time of the region's nodes as stock ORT runs them: cuBLAS/cuDNN for the anchor (with the
         activations ORT folds into its own FusedConv), one kernel per other op."""
         tr = region.traffic
-        host = self.target.host_node_us * len(cpu_ep_nodes(g, region))
+        host = self.target.host_node_us * len(cpu_ep_nodes(g, region.nodes))
         folded = [g.nodes[i] for i in ort_conv_folds(g, region)]
         chain = {g.nodes[a].output[0] for a in (_fold_anchor(g, region),) if a is not None}
         residual = sum(tensor_bytes(g, t) for n in folded if n.op_type == "Add" for t in n.input
@@ -654,7 +654,7 @@ class CostModel:
     def verdict(self, g: Graph, region: Region) -> Optional[Reject]:
         """None if fusing the region pays over the bindings of `bindings` (`_pays`), else why not."""
         label = f"region at {g.node_label(region.nodes[0])}"
-        if region.traffic.unfused_launches < 2 and not cpu_ep_nodes(g, region):
+        if region.traffic.unfused_launches < 2 and not cpu_ep_nodes(g, region.nodes):
             return Reject(label, "replaces a single ORT kernel: no traffic or launch saved")
         folded = ort_conv_folds(g, region)
         if folded and not set(region.nodes) - set(folded) - {_fold_anchor(g, region)}:

@@ -14,7 +14,8 @@
    epilogue, one tile spanning each row) and the cost model says it beats cuBLAS followed by the group
    as its own kernel; element-wise groups left reading one GEMM's result in the same iteration space
    (siblings: a decoder's present key and value, both made from the packed projection) then merge into one
-   kernel, which reads the result once and launches once;
+   kernel, which reads the result once and launches once; groups ORT's CUDA EP would run on its CPU EP (an
+   int32 bias's DequantizeLinear) computed from constants alone in one space are one kernel too;
 3. conv chains: a Conv whose image is computed by a group of element-wise ops (a depthwise Conv with its
    activation, typically: MobileNet's depthwise -> pointwise pair) takes that group into its im2col gather
    when nothing else reads the group's result, so the intermediate image is never written; the cost model
@@ -30,10 +31,11 @@ from typing import Callable, Mapping, Optional
 import onnx
 
 from ortfuse.customops.target import Target
+from ortfuse.rewriter import ort_folding
 from ortfuse.rewriter.graph import Graph
 from ortfuse.search import conv, legal, norm_fold, ops, pool
 from ortfuse.search.attention import AttentionPattern, find_attention, k_rope_outside
-from ortfuse.search.cost import CostModel, attention_geometry, tensor_bytes, traffic
+from ortfuse.search.cost import CostModel, attention_geometry, cpu_ep_nodes, tensor_bytes, traffic
 from ortfuse.search.plan import Plan, Region, Reject, Traffic
 
 # Lowering check: raises with a reason when a candidate region is not one kernel.
@@ -174,7 +176,8 @@ CONSTANT_KERNEL_BYTES = 1 << 20  # phase 2c: the most bytes one kernel of consta
 
 
 def _from_constants(g: Graph, grp: frozenset[int]) -> bool:
-    """Whether the group reads constants alone (and so computes the same tensors every run)."""
+    """Whether the group reads initializers and Constant nodes alone (so nothing it reads is computed in the
+    graph; an initializer a user may feed is still read at run time)."""
     made = {o for n in grp for o in g.nodes[n].output}
     return all(t in g.constants for n in grp for _, t in ops.data_inputs(g.nodes[n]) if t not in made)
 
@@ -439,19 +442,24 @@ def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold
                 if a != b and pointwise_space(a) == pointwise_space(b):
                     attempt(set(a | b), f"siblings reading {g.node_label(i)}", None, quiet=True)
 
-    # phase 2c: groups computed from constants alone, which ORT does not fold (a DequantizeLinear: an int32 bias's
-    # is a CPU EP node for ORT's CUDA EP, `cost.cpu_ep_nodes`), in one space are one kernel: a quantized CNN's
-    # biases in a launch per channel count. Small outputs only: the merged kernel's results all live from
-    # the start of a run (weights dequantized so would hold every layer's float copy at once).
-    constant: dict[tuple, list[frozenset[int]]] = {}
+    # phase 2c: groups that ORT's CUDA EP would run on its CPU EP (an int32 bias's DequantizeLinear,
+    # `cost.cpu_ep_nodes`) and that read constants alone, in one space, are one kernel: a quantized CNN's
+    # biases in a launch per channel count, where ORT ran a CPU node and a copy each. Up to
+    # CONSTANT_KERNEL_BYTES of results a kernel (they all live from the start of a run); groups ORT folds
+    # (none of these: ORT never folds a DequantizeLinear) are left out.
+    folded = ort_folding.folded_nodes(g)
+    hosted: dict[tuple, list[frozenset[int]]] = {}
     for grp in sorted(set(group_of.values()), key=min):
-        if _from_constants(g, grp) and (space := pointwise_space(grp)) is not None:
-            constant.setdefault(space, []).append(grp)
-    for grps in constant.values():
+        if cpu_ep_nodes(g, grp) and not grp & folded and _from_constants(g, grp) \
+                and (space := pointwise_space(grp)) is not None:
+            hosted.setdefault(space, []).append(grp)
+    for grps in hosted.values():
+        into = grps[0]
         for other in grps[1:]:
-            a, b = group_of[min(grps[0])], group_of[min(other)]
-            if a != b and _output_bytes(g, a | b) <= CONSTANT_KERNEL_BYTES:
-                attempt(set(a | b), f"computed from constants alone with {g.node_label(min(a))}", None, quiet=True)
+            a = group_of[min(into)]
+            if _output_bytes(g, a | other) > CONSTANT_KERNEL_BYTES or not attempt(
+                    set(a | other), f"computed from constants alone with {g.node_label(min(a))}", None, quiet=True):
+                into = other  # the next kernel starts here
 
     for i in gemms:  # phase 3: conv chains
         _take_prologue(g, i, group_of, merge, cost, with_traffic, refusals)

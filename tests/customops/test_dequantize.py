@@ -129,19 +129,26 @@ def test_a_convolutions_int32_bias_is_dequantized_on_the_device() -> None:
     _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [2, 4, 10, 10]}))
 
 
-def test_biases_of_one_size_are_dequantized_by_one_kernel() -> None:
-    """Three Convs of 8 channels, each with its int32 bias (16 channels for the last): the two 8-channel biases,
-    computed from constants alone, are one kernel (one launch where ORT ran two CPU nodes and two copies)."""
+@pytest.mark.parametrize("cap", [None, 64])
+def test_biases_of_one_size_are_dequantized_by_one_kernel(cap, monkeypatch) -> None:
+    """Four 1x1 Convs, each with its int8 weight and int32 bias: the three 8-channel biases, computed from
+    constants alone, are one kernel (one launch where ORT ran three CPU nodes and three copies), the 16-channel
+    one another; at a cap of 64 bytes of results a kernel the third 8-channel bias (32 bytes) starts a kernel
+    of its own. The weights' DQs, which the CUDA EP runs, stay ORT's."""
+    from ortfuse.search import regions
+    if cap is not None:
+        monkeypatch.setattr(regions, "CONSTANT_KERNEL_BYTES", cap)
     inits, nodes, x = [], [], "x"
-    for k, oc in enumerate((8, 8, 16)):
-        inits += [numpy_helper.from_array(_ints([oc, 8, 1, 1], np.int8), f"w{k}"),
+    for k, oc in enumerate((8, 8, 16, 8)):
+        ic = 16 if k == 3 else 8
+        inits += [numpy_helper.from_array(_ints([oc, ic, 1, 1], np.int8), f"w{k}"),
                   numpy_helper.from_array((RNG.random(oc) * 0.01 + 0.002).astype(np.float32), f"sw{k}"),
                   numpy_helper.from_array(RNG.integers(-2 ** 20, 2 ** 20, [oc]).astype(np.int32), f"b{k}"),
                   numpy_helper.from_array((RNG.random(oc) * 1e-4).astype(np.float32), f"sb{k}")]
         nodes += [helper.make_node("DequantizeLinear", [f"w{k}", f"sw{k}"], [f"dw{k}"], axis=0),
                   helper.make_node("DequantizeLinear", [f"b{k}", f"sb{k}"], [f"db{k}"], axis=0),
                   helper.make_node("Conv", [x, f"dw{k}", f"db{k}"], [f"c{k}"]),
-                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"] if k < 2 else ["y"])]
+                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"] if k < 3 else ["y"])]
         x = f"r{k}"
     m = _model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 8, 6, 6])],
                [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
@@ -149,6 +156,8 @@ def test_biases_of_one_size_are_dequantized_by_one_kernel() -> None:
     region_of = {res.graph.nodes[i].output[0]: r.id for r in res.plan.regions for i in r.nodes}
     assert region_of.get("db0") is not None and region_of.get("db0") == region_of.get("db1"), region_of
     assert region_of.get("db2") not in (None, region_of["db0"]), region_of
+    assert (region_of.get("db3") == region_of["db0"]) == (cap is None), region_of
+    assert not {"dw0", "dw1", "dw2", "dw3"} & set(region_of), region_of
     _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [2, 8, 6, 6]}))
 
 
