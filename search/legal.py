@@ -188,10 +188,12 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
 
 # Ops a kernel computes exactly as ORT's ops do, given the same fp32 inputs, where a step op reads them
 # (`lower.discrete_cone`: each sum and product rounded once, IEEE division): arithmetic, selections, copies.
+# A QuantizeLinear too: it is only admitted where its own input is exact (`exact_verdict`, `inexact_quantizers`),
+# so a Q whose cone reaches one in another kernel reads ORT's value there (a quantized residual stream).
 # Not Pad or MaxPool: ORT folds a Pad into the MaxPool after it (its padding then is -inf, not the Pad's value),
 # which a fused node hides from it; and the kernel's MaxPool drops a NaN where cuDNN's keeps it.
 EXACT_OPS = frozenset({
-    "DequantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip", "Identity", "Where",
+    "DequantizeLinear", "QuantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip", "Identity", "Where",
     "Cast", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
     "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Range",
 })

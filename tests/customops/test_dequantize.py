@@ -221,6 +221,29 @@ def test_a_quantizer_stays_orts_where_a_kernel_could_move_a_step(middle, fp16, s
     assert any(why in r for r in said), said
 
 
+def test_a_quantized_residual_stream_crosses_kernels_exactly() -> None:
+    """A quantized transformer's residual stream: MatMul -> Q -> DQ -> Add(x) -> Q -> DQ -> MatMul -> Q -> DQ ->
+    Add(the earlier DQ) -> Q. The last Q's value is computed in part from a Q in another kernel, which is ORT's
+    value exactly (its own cone is exact): it joins its kernel, where before it stayed ORT's."""
+    s = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+    inits = [numpy_helper.from_array(_ints([32, 32], np.int8), "w1"), numpy_helper.from_array(_ints([32, 32], np.int8), "w2"),
+             s("sw", 0.01), s("s1", 0.05), s("s2", 0.07), s("s3", 0.04), s("s4", 0.09),
+             numpy_helper.from_array(np.array(2, np.int8), "z")]
+    dq = lambda x, sc, y: helper.make_node("DequantizeLinear", [x, sc, "z"], [y])  # noqa: E731
+    q = lambda x, sc, y: helper.make_node("QuantizeLinear", [x, sc, "z"], [y], name=y)  # noqa: E731
+    nodes = [helper.make_node("DequantizeLinear", ["w1", "sw"], ["dw1"]), helper.make_node("DequantizeLinear", ["w2", "sw"], ["dw2"]),
+             helper.make_node("MatMul", ["x", "dw1"], ["m1"]), q("m1", "s1", "q1"), dq("q1", "s1", "d1"),
+             helper.make_node("Add", ["d1", "x"], ["a1"]), q("a1", "s2", "q2"), dq("q2", "s2", "d2"),
+             helper.make_node("MatMul", ["d2", "dw2"], ["m2"]), q("m2", "s3", "q3"), dq("q3", "s3", "d3"),
+             helper.make_node("Add", ["d3", "d2"], ["a2"]), q("a2", "s4", "q4")]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, ["n", 32])],
+               [helper.make_tensor_value_info("q4", TP.INT8, None)], inits)
+    res = _optimized(m)
+    fused = {res.graph.nodes[i].output[0] for r in res.plan.regions for i in r.nodes}
+    assert {"q2", "q4"} <= fused, (sorted(fused), [str(r) for r in res.plan.refusals])
+    _exact(check_models(m, res.model, emulate=True, input_shapes={"x": [64, 32]}))
+
+
 def test_a_division_before_a_copy_is_an_ieee_division() -> None:
     """DQ, DQ -> Add -> Div(6) -> Slice -> Q: the Div reaches the Q through a Slice (an indexing op), and is
     still an IEEE division, not a product with 1/6 (which moved 211 of 4096 x 48 elements a step)."""
