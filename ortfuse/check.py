@@ -252,7 +252,10 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         floors = _range_floors(probe)
         probe_model, probe_sh = _on_cpu(probe, "the optimized model")
         del probe  # (a bf16 model's shadow holds fp32 copies of its weights: one model in memory, not two)
-        values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"]), names, feeds, optimized,
+        # a quantized model's Q/DQ nodes as the CUDA EP runs them, op by op: ORT's CPU EP would fuse a DQ -> Add ->
+        # Q inside a region into a QLinearAdd, which requantizes otherwise (a step apart at times)
+        so = _options(**{"session.disable_quant_qdq": "1"}) if quantized else None
+        values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"], so), names, feeds, optimized,
                                       ParityError, probe_sh)))
         del probe_model
         bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
