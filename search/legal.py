@@ -193,9 +193,9 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
 # Not Pad or MaxPool: ORT folds a Pad into the MaxPool after it (its padding then is -inf, not the Pad's value),
 # which a fused node hides from it; and the kernel's MaxPool drops a NaN where cuDNN's keeps it.
 EXACT_OPS = frozenset({
-    "DequantizeLinear", "QuantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip", "Identity", "Where",
-    "Cast", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
-    "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Range",
+    "DequantizeLinear", "QuantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip",
+    "Identity", "Where", "Cast", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or",
+    "Xor", "IsNaN", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Range",
 })
 
 

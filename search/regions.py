@@ -447,10 +447,9 @@ def _phases(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold
     # biases in a launch per channel count, where ORT ran a CPU node and a copy each. Up to
     # CONSTANT_KERNEL_BYTES of results a kernel (they all live from the start of a run); groups ORT folds
     # (none of these: ORT never folds a DequantizeLinear) are left out.
-    folded = ort_folding.folded_nodes(g)
     hosted: dict[tuple, list[frozenset[int]]] = {}
     for grp in sorted(set(group_of.values()), key=min):
-        if cpu_ep_nodes(g, grp) and not grp & folded and _from_constants(g, grp) \
+        if cpu_ep_nodes(g, grp) and _from_constants(g, grp) and not grp & ort_folding.folded_nodes(g) \
                 and (space := pointwise_space(grp)) is not None:
             hosted.setdefault(space, []).append(grp)
     for grps in hosted.values():
