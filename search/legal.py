@@ -195,7 +195,8 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
 EXACT_OPS = frozenset({
     "DequantizeLinear", "QuantizeLinear", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Max", "Min", "Clip",
     "Identity", "Where", "Cast", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or",
-    "Xor", "IsNaN", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat", "Range",
+    "Xor", "IsNaN", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten", "Gather", "Slice", "Concat",
+    "Range",
 })
 
 
