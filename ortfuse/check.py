@@ -235,7 +235,8 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     if not all(d.ok for d in model_diffs):
         model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, providers, feeds,
                                               out_names, ref_vals, out_vals, floors)
-    quantized = any(n.op_type == "QuantizeLinear" for n in opt.graph.node)
+    # (the original's: the optimized model's may all be inside fused nodes)
+    quantized = any(n.op_type == "QuantizeLinear" for n in src.graph.node)
     if not all(d.ok for d in model_diffs) and quantized:
         model_diffs = _judged_step_by_step(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
                                            providers, feeds, out_names, out_vals, floors)
@@ -252,8 +253,10 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         floors = _range_floors(probe)
         probe_model, probe_sh = _on_cpu(probe, "the optimized model")
         del probe  # (a bf16 model's shadow holds fp32 copies of its weights: one model in memory, not two)
-        # a quantized model's Q/DQ nodes as the CUDA EP runs them, op by op: ORT's CPU EP would fuse a DQ -> Add ->
-        # Q inside a region into a QLinearAdd, which requantizes otherwise (a step apart at times)
+        # a quantized model's fused sub-graphs computed as written, op by op, as the kernels compute them: ORT's QDQ
+        # passes off. Its CPU EP would make a DQ -> Add -> Q a QLinearAdd, which requantizes otherwise (a step
+        # apart at times); the CUDA EP has no such fusion, but other passes this turns off do run there
+        # (WeightBiasQuantization, QDQ propagation): what they change in the original only `--provider cuda` sees
         so = _options(**{"session.disable_quant_qdq": "1"}) if quantized else None
         values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"], so), names, feeds, optimized,
                                       ParityError, probe_sh)))

@@ -216,7 +216,8 @@ def _inexact(g: Graph, p: int) -> Optional[str]:
 
 
 def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
-    """The nodes of `within` that QuantizeLinear q's input is computed by (the walk stops where it leaves them)."""
+    """The nodes of `within` that QuantizeLinear q's input is computed by (the walk stops where it leaves them,
+    and at another QuantizeLinear: exact where admitted, its own cone is its own verdict's)."""
     stack, seen = [g.nodes[q].input[0]], set()
     while stack:
         t = stack.pop()
@@ -225,7 +226,8 @@ def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
             continue
         seen.add(t)
         yield p
-        stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
+        if g.nodes[p].op_type != "QuantizeLinear":
+            stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
 
 
 def inexact_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:

@@ -51,3 +51,24 @@ def test_an_output_wrong_after_the_last_quantizer_fails() -> None:
             t.CopyFrom(numpy_helper.from_array(np.array(3.01, np.float32), "g"))
     (d,) = check_models(_quantized(), wrong).model
     assert not d.ok and "even given the optimized model's quantized tensors" in d.name, d.line()
+
+
+def test_a_kernel_holding_every_quantizer_is_compared_op_by_op() -> None:
+    """DQ(a) + DQ(b) -> Q, both int8: ORT's CPU EP fuses it into a QLinearAdd, which requantizes otherwise (a step
+    apart in 72 of 65,536 elements at these scales); the CUDA EP, whose arithmetic the kernel follows, runs it op
+    by op. The optimized model's main graph then has no QuantizeLinear left: the kernel is still compared with
+    the op-by-op reference (`session.disable_quant_qdq`), and is exact."""
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    s = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+    nodes = [helper.make_node("DequantizeLinear", ["a", "sa"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "sb"], ["db"]),
+             helper.make_node("Add", ["da", "db"], ["m"]), helper.make_node("QuantizeLinear", ["m", "sy", "zy"], ["y"])]
+    m = model(nodes, [helper.make_tensor_value_info(x, TP.INT8, [N, N]) for x in ("a", "b")],
+              [helper.make_tensor_value_info("y", TP.INT8, [N, N])],
+              [s("sa", 0.0173), s("sb", 0.0291), s("sy", 0.04), numpy_helper.from_array(np.array(0, np.int8), "zy")])
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert not [n for n in res.model.graph.node if n.op_type == "QuantizeLinear"]
+    rep = check_models(m, res.model, emulate=True)
+    assert rep.ok and rep.kernels, "\n".join(rep.lines())
+    assert all(d.max_abs == 0 for _, ds in rep.kernels for d in ds), "\n".join(rep.lines())

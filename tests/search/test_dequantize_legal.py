@@ -136,3 +136,27 @@ def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
     assert "Q" not in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
     assert any("'Q'" in str(r) and "in another fused kernel" in str(r) for r in res.plan.rejects), \
         [str(r) for r in res.plan.rejects]
+
+
+def test_a_quantizer_after_one_left_to_ort_joins_its_kernel() -> None:
+    """As above, then Q -> DQ -> Add -> Q2: once Q is ORT's, Q2 quantizes ORT's values only (its cone stops at Q,
+    whose own verdict is its own), so Q2 joins its kernel instead of staying ORT's with it."""
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s"),
+             numpy_helper.from_array(np.array(1 / 256, np.float32), "s2"),
+             numpy_helper.from_array(np.array(0.03, np.float32), "s3")]
+    nodes = [helper.make_node("DequantizeLinear", ["a", "s"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "s"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["sg"]),
+             helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Add", ["dq", "db"], ["y"]),
+             helper.make_node("QuantizeLinear", ["y", "s3"], ["q2"], name="Q2"),
+             helper.make_node("DequantizeLinear", ["q2", "s3"], ["d2"]), helper.make_node("Mul", ["d2", "da"], ["z"])]
+    ins = [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"]
+    m = model(nodes, ins, [helper.make_tensor_value_info("z", TP.FLOAT, None),
+                           helper.make_tensor_value_info("sg", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    fused = {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
+    assert "Q" not in fused and "Q2" in fused, (sorted(fused), [str(r) for r in res.plan.rejects])
+    from ortfuse.check import check_models
+    rep = check_models(m, res.model, emulate=True)
+    assert rep.ok and [d.max_abs for _, ds in rep.kernels for d in ds if d.name == "z"] == [0.0], "\n".join(rep.lines())
