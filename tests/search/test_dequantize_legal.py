@@ -119,19 +119,24 @@ def test_a_dequantizer_the_rewrite_took_a_reader_from_stays_orts() -> None:
         [str(r) for r in res.plan.rejects]
 
 
+def _after_sigmoid(tail: list[onnx.NodeProto], out: str, scales: tuple[float, ...] = ()) -> onnx.ModelProto:
+    """DQ(a) + DQ(b) -> Sigmoid -> sg (a graph output too) -> Q -> DQ -> dq, then `tail` to `out` (scales s3...)."""
+    inits = [numpy_helper.from_array(np.array(v, np.float32), f"s{k}")
+             for k, v in enumerate((0.02, 1 / 256, *scales), 1)]
+    nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["sg"]),
+             helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), *tail]
+    ins = [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"]
+    return model(nodes, ins, [helper.make_tensor_value_info(out, TP.FLOAT, None),
+                              helper.make_tensor_value_info("sg", TP.FLOAT, None)], inits)
+
+
 def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
     """Sigmoid's kernel writes sg (a graph output too); the Q of sg would join the next kernel, where it would
     quantize a value the first kernel computed otherwise than ORT. `api` plans again with that Q left to ORT."""
-    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s"),
-             numpy_helper.from_array(np.array(1 / 256, np.float32), "s2")]
-    nodes = [helper.make_node("DequantizeLinear", ["a", "s"], ["da"]),
-             helper.make_node("DequantizeLinear", ["b", "s"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
-             helper.make_node("Sigmoid", ["m"], ["sg"]),
-             helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
-             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Mul", ["dq", "db"], ["y"])]
-    ins = [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"]
-    m = model(nodes, ins, [helper.make_tensor_value_info("y", TP.FLOAT, None),
-                           helper.make_tensor_value_info("sg", TP.FLOAT, None)], inits)
+    m = _after_sigmoid([helper.make_node("Mul", ["dq", "db"], ["y"])], "y")
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     assert "Q" not in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
     assert any("'Q'" in str(r) and "in another fused kernel" in str(r) for r in res.plan.rejects), \
@@ -141,19 +146,10 @@ def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
 def test_a_quantizer_after_one_left_to_ort_joins_its_kernel() -> None:
     """As above, then Q -> DQ -> Add -> Q2: once Q is ORT's, Q2 quantizes ORT's values only (its cone stops at Q,
     whose own verdict is its own), so Q2 joins its kernel instead of staying ORT's with it."""
-    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s"),
-             numpy_helper.from_array(np.array(1 / 256, np.float32), "s2"),
-             numpy_helper.from_array(np.array(0.03, np.float32), "s3")]
-    nodes = [helper.make_node("DequantizeLinear", ["a", "s"], ["da"]),
-             helper.make_node("DequantizeLinear", ["b", "s"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
-             helper.make_node("Sigmoid", ["m"], ["sg"]),
-             helper.make_node("QuantizeLinear", ["sg", "s2"], ["q"], name="Q"),
-             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Add", ["dq", "db"], ["y"]),
-             helper.make_node("QuantizeLinear", ["y", "s3"], ["q2"], name="Q2"),
-             helper.make_node("DequantizeLinear", ["q2", "s3"], ["d2"]), helper.make_node("Mul", ["d2", "da"], ["z"])]
-    ins = [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"]
-    m = model(nodes, ins, [helper.make_tensor_value_info("z", TP.FLOAT, None),
-                           helper.make_tensor_value_info("sg", TP.FLOAT, None)], inits)
+    m = _after_sigmoid([helper.make_node("Add", ["dq", "db"], ["y"]),
+                        helper.make_node("QuantizeLinear", ["y", "s3"], ["q2"], name="Q2"),
+                        helper.make_node("DequantizeLinear", ["q2", "s3"], ["d2"]),
+                        helper.make_node("Mul", ["d2", "da"], ["z"])], "z", (0.03,))
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     fused = {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
     assert "Q" not in fused and "Q2" in fused, (sorted(fused), [str(r) for r in res.plan.rejects])
