@@ -114,7 +114,8 @@ def test_a_convolutions_int32_bias_is_dequantized_on_the_device() -> None:
     no int32 DequantizeLinear, so stock ORT runs the bias's on the CPU EP every call: it becomes a kernel of its
     own (exact), where the weight's, which the CUDA EP runs, stays ORT's (one kernel for one)."""
     w = _ints([8, 4, 3, 3], np.int8)
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array((RNG.random(8) * 0.01 + 0.002).astype(np.float32), "sw"),
+    inits = [numpy_helper.from_array(w, "w"),
+             numpy_helper.from_array((RNG.random(8) * 0.01 + 0.002).astype(np.float32), "sw"),
              numpy_helper.from_array(RNG.integers(-2 ** 20, 2 ** 20, [8]).astype(np.int32), "b"),
              numpy_helper.from_array((RNG.random(8) * 1e-4).astype(np.float32), "sb")]
     nodes = [helper.make_node("DequantizeLinear", ["w", "sw"], ["dw"], axis=0),
@@ -226,12 +227,14 @@ def test_a_quantized_residual_stream_crosses_kernels_exactly() -> None:
     Add(the earlier DQ) -> Q. The last Q's value is computed in part from a Q in another kernel, which is ORT's
     value exactly (its own cone is exact): it joins its kernel, where before it stayed ORT's."""
     s = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
-    inits = [numpy_helper.from_array(_ints([32, 32], np.int8), "w1"), numpy_helper.from_array(_ints([32, 32], np.int8), "w2"),
+    inits = [numpy_helper.from_array(_ints([32, 32], np.int8), "w1"),
+             numpy_helper.from_array(_ints([32, 32], np.int8), "w2"),
              s("sw", 0.01), s("s1", 0.05), s("s2", 0.07), s("s3", 0.04), s("s4", 0.09),
              numpy_helper.from_array(np.array(2, np.int8), "z")]
     dq = lambda x, sc, y: helper.make_node("DequantizeLinear", [x, sc, "z"], [y])  # noqa: E731
     q = lambda x, sc, y: helper.make_node("QuantizeLinear", [x, sc, "z"], [y], name=y)  # noqa: E731
-    nodes = [helper.make_node("DequantizeLinear", ["w1", "sw"], ["dw1"]), helper.make_node("DequantizeLinear", ["w2", "sw"], ["dw2"]),
+    nodes = [helper.make_node("DequantizeLinear", ["w1", "sw"], ["dw1"]),
+             helper.make_node("DequantizeLinear", ["w2", "sw"], ["dw2"]),
              helper.make_node("MatMul", ["x", "dw1"], ["m1"]), q("m1", "s1", "q1"), dq("q1", "s1", "d1"),
              helper.make_node("Add", ["d1", "x"], ["a1"]), q("a1", "s2", "q2"), dq("q2", "s2", "d2"),
              helper.make_node("MatMul", ["d2", "dw2"], ["m2"]), q("m2", "s3", "q3"), dq("q3", "s3", "d3"),
