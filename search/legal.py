@@ -422,7 +422,6 @@ def region_io(g: Graph, nodes: set[int]) -> tuple[list[str], list[str]]:
 
 
 SMALL_CONSTANT = 100  # elements: what ORT's CPU fallback counts as a small initializer
-_DEVICE_ONLY = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})  # ORT never moves these to the CPU
 
 
 @per_graph
@@ -452,7 +451,7 @@ def _host_placed(g: Graph, inputs: list[str], host: set[str] | frozenset[str], o
         return False  # not reached by ORT's walk from host tensors
     for t in inputs:
         info = g.tensors.get(t)
-        if info is not None and info.dtype in _DEVICE_ONLY:
+        if info is not None and info.dtype in _HALF_TYPES:  # ORT never moves half-precision tensors to the CPU
             return False
         const = g.constants.get(t)
         if t in g.graph_inputs or (const is not None and const.size <= SMALL_CONSTANT):
