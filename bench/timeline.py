@@ -192,7 +192,7 @@ def _runner(variant: str, model_path: str, optimized: Optional[str], batch: int,
 
 
 def render(model: str, batch: int, results: dict[str, RunFigures], nodes: list[NodeTime], runs: int,
-           top: int = 25) -> str:
+           top: int = 25, skipped: Optional[dict[str, str]] = None) -> str:
     lines = [f"### {Path(model).name}, batch {batch}: one inference on the GPU ({runs} profiled runs, medians)", "",
              "| variant | kernels | span us | busy us | gaps us | overlap us | ortfuse: n / us | library: n / us | "
              "ORT: n / us |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -200,6 +200,8 @@ def render(model: str, batch: int, results: dict[str, RunFigures], nodes: list[N
         cell = lambda g: f"{f.by_group[g][0]} / {f.by_group[g][1]:.1f}" if g in f.by_group else "—"  # noqa: E731
         lines.append(f"| {v} | {f.kernels} | {f.span_us:.1f} | {f.busy_us:.1f} | {f.gap_us:.1f} | "
                      f"{f.overlap_us:.1f} | {cell('ortfuse')} | {cell('library')} | {cell('ORT')} |")
+    for v, why in (skipped or {}).items():
+        lines.append(f"| {v} | not run: {why} | | | | | | | |")
     if nodes:
         lines += ["", f"ortfuse's fused nodes, slowest first (the first {top}; device time and the idle gap "
                   "before their kernels, per inference):", "", "| node | launches | device us | gap before us |",
@@ -229,20 +231,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     nodes: list[NodeTime] = []
     raw: dict[str, list[list[dict[str, Any]]]] = {}
     owner = owners(onnx.load(a.optimized, load_external_data=False)) if a.optimized else {}
+    skipped: dict[str, str] = {}
     for v in variants:
-        runs = profile_runs(_runner(v, a.model, a.optimized, a.batch, a.beside), a.runs)
+        try:
+            run = _runner(v, a.model, a.optimized, a.batch, a.beside)
+        except Exception as e:  # noqa: BLE001 -- ORT refusing a session (graph capture of a partitioned model)
+            if not v.endswith("+cudagraph"):
+                raise
+            skipped[v] = " ".join(str(e).split())[:200]
+            continue
+        runs = profile_runs(run, a.runs)
         results[v] = median_figures(runs)
         raw[v] = [[asdict(k) for k in r] for r in runs]
         if v == "ortfuse":
             nodes = per_node(runs, owner)
-    text = render(a.model, a.batch, results, nodes, a.runs)
+    text = render(a.model, a.batch, results, nodes, a.runs, skipped=skipped)
     print(text)
     if a.md:
         a.md.write_text(text)
     if a.json:
         a.json.write_text(json.dumps({"model": a.model, "optimized": a.optimized, "batch": a.batch,
                                       "figures": {v: asdict(f) for v, f in results.items()},
-                                      "nodes": [asdict(t) for t in nodes], "kernels": raw}, indent=1))
+                                      "nodes": [asdict(t) for t in nodes], "kernels": raw, "skipped": skipped},
+                                     indent=1))
     return 0
 
 

@@ -64,6 +64,38 @@ def test_without_a_cuda_ep_it_says_so(monkeypatch, capsys):
     assert err.value.code == 2 and "needs a working CUDA execution provider" in capsys.readouterr().err
 
 
+def test_a_graph_variant_ort_refuses_is_listed_not_fatal(monkeypatch, tmp_path):
+    # stock ORT cannot capture a quantized model's graph (its int32 DequantizeLinear runs on the CPU EP): the
+    # session fails to create, and the timeline goes on with the other variants
+    import json
+
+    from ortfuse import runtime
+
+    def runner(v, *a):
+        if v == "ort+cudagraph":
+            raise RuntimeError("FAIL : This session cannot use the graph capture feature as requested")
+        return lambda: None
+    monkeypatch.setattr(runtime, "_cuda_usable", lambda providers, options: True)
+    monkeypatch.setattr(tl, "_runner", runner)
+    monkeypatch.setattr(tl, "profile_runs", lambda run, runs: [_run()])
+    assert tl.main(["m.onnx", "--variants", "ort,ort+cudagraph", "--md", str(tmp_path / "t.md"),
+                    "--json", str(tmp_path / "t.json")]) == 0
+    text = (tmp_path / "t.md").read_text()
+    assert "| ort | 4 |" in text and "| ort+cudagraph | not run: FAIL : This session cannot use the graph" in text
+    assert list(json.loads((tmp_path / "t.json").read_text())["skipped"]) == ["ort+cudagraph"]
+
+
+def test_a_failing_plain_variant_still_fails(monkeypatch):
+    from ortfuse import runtime
+
+    def runner(v, *a):
+        raise RuntimeError("no such model")
+    monkeypatch.setattr(runtime, "_cuda_usable", lambda providers, options: True)
+    monkeypatch.setattr(tl, "_runner", runner)
+    with pytest.raises(RuntimeError, match="no such model"):
+        tl.main(["m.onnx", "--variants", "ort"])
+
+
 @pytest.mark.gpu
 def test_a_tiny_model_profiled_on_the_gpu(tmp_path, monkeypatch):
     # CUPTI sees ortfuse's kernels (launched through the driver API, programmatic dependent launches here)
