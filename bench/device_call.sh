@@ -163,6 +163,15 @@ for name in "$@"; do
         H=\$(python3 -c \"import onnx, sys; from ortfuse.bench import zoo; m = onnx.load(sys.argv[1], load_external_data=False); print(' '.join(f'--dim-hint {n}={v}' for n, v in zoo.dim_hints(m, zoo.read_sidecar(sys.argv[1]))))\" \$M) &&
         python3 -m ortfuse optimize \$M $WORK/$name.onnx \$H >/dev/null && python3 -m ortfuse optimize \$M $WORK/$name.pdl.onnx --pdl \$H >/dev/null &&
         python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --beside $WORK/$name.pdl.onnx --batch 1 --md $WORK/$name.md --json $WORK/$name.json" ;;
+    trace-*)  # trace-MODEL-DTYPE: where the default build's values first part from stock ORT's on the GPU
+      # (`ortfuse check --trace`: every tensor both models compute, bit for bit, on the suite's parity inputs,
+      # batch 2); session 51 found BERT QDQ's parity failing on the GPU alone (bit-exact on the CPU)
+      IFS=- read -r _ model dtype <<<"$name"
+      step "$name" 240 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
+        H=\$(python3 -c \"import onnx, sys; from ortfuse.bench import zoo; m = onnx.load(sys.argv[1], load_external_data=False); print(' '.join(f'--dim-hint {n}={v}' for n, v in zoo.dim_hints(m, zoo.read_sidecar(sys.argv[1]))))\" \$M) &&
+        S=\$(python3 -c \"import onnx, sys; from ortfuse.bench import harness, zoo; f = harness.make_feeds(onnx.load(sys.argv[1]), batch=2, meta=zoo.read_sidecar(sys.argv[1])); print(' '.join(f'--input-shape {k}:' + 'x'.join(map(str, v.shape)) for k, v in f.items()))\" \$M) &&
+        python3 -m ortfuse optimize \$M $WORK/$name.onnx \$H >/dev/null &&
+        { python3 -m ortfuse check \$M $WORK/$name.onnx --provider cuda --trace \$S > $WORK/$name.md; cat $WORK/$name.md; }" ;;
     torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
       IFS=- read -r _ _ model dtype <<<"$name"
       step "$name" 300 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
@@ -171,7 +180,7 @@ for name in "$@"; do
   esac
 done
 
-cp "$WORK"/sweep*.md "$WORK"/timeline*.md "$OUT"/ 2>/dev/null
+cp "$WORK"/sweep*.md "$WORK"/timeline*.md "$WORK"/trace*.md "$OUT"/ 2>/dev/null
 cp "$WORK"/bert/results.md "$OUT"/bert-results.md 2>/dev/null
 tar -czf "$OUT/session.tar.gz" -C "$WORK" --exclude=cache --exclude='*.onnx' --exclude='*.onnx.data' . 2>>"$LOG"
 ls -la "$OUT" | tee -a "$LOG"

@@ -81,6 +81,11 @@ def cmd_check(a: argparse.Namespace) -> int:
     from ortfuse.rewriter.shapes import parse_input_shapes
 
     shapes = parse_input_shapes(a.input_shape) if a.input_shape else None
+    if a.trace:
+        from ortfuse.divergence import trace_models
+        tr = trace_models(a.input, a.output, provider=a.provider, input_shapes=shapes, seed=a.seed)
+        print("\n".join(tr.lines()))
+        return 0 if all(d.ok for d in tr.diffs) else 1
     rep = check_models(a.input, a.output, provider=a.provider, emulate=a.emulate, input_shapes=shapes, seed=a.seed)
     print("\n".join(rep.lines()))
     n_kernels = len(rep.kernels)
@@ -170,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("output")
     c.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--emulate", action="store_true", help="also run every fused kernel in CPU emulation")
+    c.add_argument("--trace", action="store_true",
+                   help="instead: where the two models' values first differ (every tensor both compute, in order)")
     c.add_argument("--input-shape", action="append", default=[], metavar="NAME:2x16")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(fn=cmd_check)
