@@ -156,13 +156,15 @@ for name in "$@"; do
       # [".zoo-wheels"] alone (bench/README "GPU suite" fills it here; .devgpu stays on the machine)
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/shipped" --no-tests --wheels .zoo-wheels \
         --models ppocr_det ppocr_rec magika --work "$WORK/shipped-work" "${BASE[@]}" ;;
-    timeline-*)  # timeline-MODEL-DTYPE: one batch-1 inference kernel by kernel (bench/timeline.py): stock ORT,
-      # the default build and a --pdl build beside it, with and without CUDA graphs (kernel time, gaps, overlap)
-      IFS=- read -r _ model dtype <<<"$name"
+    timeline-*)  # timeline-MODEL-DTYPE[-BATCH[-mha]]: one inference kernel by kernel (bench/timeline.py; batch 1
+      # unless given): stock ORT, the default build and beside it a --pdl build (-mha: an --ort-attention on build,
+      # session 51's fp32 attention question), with and without CUDA graphs (kernel time, gaps, overlap)
+      IFS=- read -r _ model dtype tbatch textra <<<"$name"
+      bflag=--pdl; [[ $textra == mha ]] && bflag="--ort-attention on"
       step "$name" 240 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
         H=\$(python3 -c \"import onnx, sys; from ortfuse.bench import zoo; m = onnx.load(sys.argv[1], load_external_data=False); print(' '.join(f'--dim-hint {n}={v}' for n, v in zoo.dim_hints(m, zoo.read_sidecar(sys.argv[1]))))\" \$M) &&
-        python3 -m ortfuse optimize \$M $WORK/$name.onnx \$H >/dev/null && python3 -m ortfuse optimize \$M $WORK/$name.pdl.onnx --pdl \$H >/dev/null &&
-        python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --beside $WORK/$name.pdl.onnx --batch 1 --md $WORK/$name.md --json $WORK/$name.json" ;;
+        python3 -m ortfuse optimize \$M $WORK/$name.onnx \$H >/dev/null && python3 -m ortfuse optimize \$M $WORK/$name.beside.onnx $bflag \$H >/dev/null &&
+        python3 -m ortfuse.bench.timeline \$M --optimized $WORK/$name.onnx --beside $WORK/$name.beside.onnx --batch ${tbatch:-1} --md $WORK/$name.md --json $WORK/$name.json" ;;
     trace-*)  # trace-MODEL-DTYPE: where the default build's values first part from stock ORT's on the GPU
       # (`ortfuse check --trace`: every tensor both models compute, bit for bit, on the suite's parity inputs,
       # batch 2); session 51 found BERT QDQ's parity failing on the GPU alone (bit-exact on the CPU)
