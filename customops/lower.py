@@ -810,9 +810,30 @@ class _Lowerer:
     @functools.cached_property
     def quantized_cone(self) -> frozenset[str]:
         """Tensors of the region a QuantizeLinear reads through element-wise ops (`legal.exact_verdict`: only
-        ops a kernel computes as ORT's do): part of the discrete cone, and with no FMA contraction either."""
+        ops a kernel computes as ORT's do): part of the discrete cone, and with no FMA contraction either. A
+        QuantizeLinear outside the region counts too where it reads one of the region's outputs through such
+        ops (another kernel's, which `legal.inexact_quantizers` admits, or ORT's): a product this kernel
+        contracted into an FMA, or a division it made a reciprocal's product, would reach it an ulp off, and
+        the quantized value a step off."""
         seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type == "QuantizeLinear"]
-        return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"))
+        read = [t for t in self.r.outputs if self._quantized_downstream(t)]
+        return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"), read)
+
+    def _quantized_downstream(self, t: str) -> bool:
+        """Whether a QuantizeLinear outside the region reads tensor `t` through ops of `legal.EXACT_OPS`."""
+        stack, seen = [t], set()
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            for c in self.g.consumers.get(x, ()):
+                n = self.g.nodes[c]
+                if n.op_type == "QuantizeLinear" and n.input and n.input[0] == x:
+                    return True
+                if n.op_type in legal.EXACT_OPS and n.op_type != "QuantizeLinear":
+                    stack.extend(o for o in n.output if o)
+        return False
 
     @functools.cached_property
     def discrete_cone(self) -> frozenset[str]:
@@ -824,11 +845,12 @@ class _Lowerer:
         return self._cone_of([n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type in scalar.STEP_OPS or (
             n.op_type == "Cast" and scalar.STORAGE.get(scalar.attr(n, "to")) not in scalar.FLOAT_STORAGE)])
 
-    def _cone_of(self, seeds: list[onnx.NodeProto], kinds: tuple[str, ...] = ("elementwise", "layout")
-                 ) -> frozenset[str]:
-        """Tensors of the region that `seeds` read through ops of `kinds` (`ops.kind_of`)."""
+    def _cone_of(self, seeds: list[onnx.NodeProto], kinds: tuple[str, ...] = ("elementwise", "layout"),
+                 tensors: tuple[str, ...] | list[str] = ()) -> frozenset[str]:
+        """Tensors of the region that `seeds` (and the region's own `tensors`) read through ops of `kinds`
+        (`ops.kind_of`)."""
         cone: set[str] = set()
-        stack = [x for n in seeds for x in n.input if x]
+        stack = [x for n in seeds for x in n.input if x] + list(tensors)
         while stack:
             t = stack.pop()
             node = self.producer.get(t)

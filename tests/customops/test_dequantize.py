@@ -207,6 +207,26 @@ def test_a_quantized_result_is_exact(middle: str) -> None:
     _exact(check_models(m, res.model, emulate=True, input_shapes={"a": [37, 48], "b": [37, 48]}))
 
 
+@pytest.mark.parametrize("downstream", [True, False])
+def test_a_value_a_quantizer_elsewhere_reads_is_never_contracted(downstream: bool) -> None:
+    """DQ(a) * DQ(b) + DQ(a) in one kernel, read by a QuantizeLinear it does not hold (left to ORT: a negative
+    scale). On the GPU the product and the sum could become one FMA, an ulp off ORT's two roundings, and the Q
+    a step off; they are rounded one by one (`lower.quantized_cone`). Without the Q after it, the kernel keeps
+    plain arithmetic."""
+    m = requantized("muladd", scale=-0.037)
+    if not downstream:  # the float result is the output
+        del m.graph.node[-1]
+        m.graph.output[0].CopyFrom(helper.make_tensor_value_info("m", TP.FLOAT, ["n", 48]))
+    res = _optimized(m)
+    (r,) = res.plan.regions
+    assert "QuantizeLinear" not in [res.graph.nodes[i].op_type for i in r.nodes] and r.outputs == ("m",)
+    src = res.kernels[0].compiled.source
+    plain = re.search(r"const float v\d+ = \(v\d+ [-+*] ", src)
+    assert (plain is None) == downstream, src
+    if downstream:
+        assert "__fadd_rn(" in src and src.count("__fmul_rn(") >= 3, src
+
+
 @pytest.mark.parametrize("middle,fp16,scale,why", [
     ("sigmoid", False, 0.037, "quantizes a value computed from Sigmoid"),
     ("reciprocal", False, 0.037, "a constant divided"),
