@@ -811,8 +811,8 @@ class _Lowerer:
     def quantized_cone(self) -> frozenset[str]:
         """Tensors of the region a QuantizeLinear reads through element-wise ops (`legal.exact_verdict`: only
         ops a kernel computes as ORT's do): part of the discrete cone, and with no FMA contraction either. A
-        QuantizeLinear outside the region counts too where it reads one of the region's outputs through such
-        ops (another kernel's, which `legal.inexact_quantizers` admits, or ORT's): a product this kernel
+        QuantizeLinear outside the region counts too where it reads one of the region's outputs through any ops
+        (another kernel's, which `legal.inexact_quantizers` admits, or ORT's): a product this kernel
         contracted into an FMA, or a division it made a reciprocal's product, would reach it an ulp off, and
         the quantized value a step off."""
         seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type == "QuantizeLinear"]
@@ -820,7 +820,9 @@ class _Lowerer:
         return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"), read)
 
     def _quantized_downstream(self, t: str) -> bool:
-        """Whether a QuantizeLinear outside the region reads tensor `t` through ops of `legal.EXACT_OPS`."""
+        """Whether a QuantizeLinear outside the region reads tensor `t`, through any ops but another Q (ORT's
+        ops pass an ulp on as they are given it; another kernel's too, which `legal.inexact_quantizers` judges
+        by their ops)."""
         stack, seen = [t], set()
         while stack:
             x = stack.pop()
@@ -829,10 +831,11 @@ class _Lowerer:
             seen.add(x)
             for c in self.g.consumers.get(x, ()):
                 n = self.g.nodes[c]
-                if n.op_type == "QuantizeLinear" and n.input and n.input[0] == x:
-                    return True
-                if n.op_type in legal.EXACT_OPS and n.op_type != "QuantizeLinear":
-                    stack.extend(o for o in n.output if o)
+                if n.op_type == "QuantizeLinear":
+                    if n.input and n.input[0] == x:
+                        return True
+                    continue
+                stack.extend(o for o in n.output if o)
         return False
 
     @functools.cached_property

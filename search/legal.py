@@ -215,30 +215,37 @@ def _inexact(g: Graph, p: int) -> Optional[str]:
     return None
 
 
-def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
-    """The nodes of `within` that QuantizeLinear q's input is computed by (the walk stops where it leaves them,
-    and at another QuantizeLinear: exact where admitted, its own cone is its own verdict's)."""
+def _cone(g: Graph, q: int, within: Container[int], through: bool = False) -> Iterator[int]:
+    """The nodes of `within` that QuantizeLinear q's input is computed by (the walk stops at another
+    QuantizeLinear: exact where admitted, its own cone is its own verdict's). It stops where it leaves `within`,
+    or with `through` walks on through the nodes outside (ORT's): ORT computes the same op in both models, so
+    its output equals the original's exactly where its inputs do, and a kernel's value before it matters as
+    much as one read directly."""
     stack, seen = [g.nodes[q].input[0]], set()
     while stack:
         t = stack.pop()
         p = g.producer.get(t)
-        if t in seen or p not in within:
+        if t in seen or p is None or (p not in within and not through):
             continue
         seen.add(t)
-        yield p
+        if p in within:
+            yield p
         if g.nodes[p].op_type != "QuantizeLinear":
             stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
 
 
 def inexact_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
-    """The QuantizeLinear outputs of `regions` whose value crosses into another fused kernel's inexact op (the
-    region itself is checked by `exact_verdict`; ORT's own ops compute what they compute in the input too),
-    with the reason: `api` plans again with those Qs left to ORT."""
+    """The QuantizeLinear outputs of `regions` whose value crosses into another fused kernel's inexact op, directly
+    or through ORT's ops (the region itself is checked by `exact_verdict`; ORT's own ops compute what they
+    compute in the input too, from the values they are given: a MatMul reading a LayerNorm a kernel computed
+    gives another product, and a Q after it another step), with the reason: `api` plans again with those Qs
+    left to ORT."""
     owner = {i: r.id for r in regions for i in r.nodes}
     out = {}
     for r in regions:
         for q in (i for i in r.nodes if g.nodes[i].op_type == "QuantizeLinear"):
-            why = next((w for p in _cone(g, q, owner) if owner[p] != r.id for w in (_inexact(g, p),) if w), None)
+            why = next((w for p in _cone(g, q, owner, through=True) if owner[p] != r.id for w in (_inexact(g, p),)
+                        if w), None)
             if why:
                 out[g.nodes[q].output[0]] = (f"quantizes a value computed from {why} in another fused kernel, which "
                                              "computes it otherwise than ORT: left to ORT")

@@ -143,6 +143,28 @@ def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
         [str(r) for r in res.plan.rejects]
 
 
+def test_a_quantizer_reading_an_inexact_value_through_orts_op_stays_orts() -> None:
+    """As above with ORT's CumSum between Sigmoid's kernel and the Q: ORT's op computes what it is given, so the
+    kernel's Sigmoid reaches the Q through it (an ulp there is a step at the Q), and the Q stays ORT's."""
+    nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["sg"]), helper.make_node("CumSum", ["sg", "axis"], ["cs"]),
+             helper.make_node("QuantizeLinear", ["cs", "s2"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Mul", ["dq", "db"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s1"),
+             numpy_helper.from_array(np.array(1 / 32, np.float32), "s2"),
+             numpy_helper.from_array(np.array(1, np.int64), "axis")]
+    m = model(nodes, [helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"],
+              [helper.make_tensor_value_info("y", TP.FLOAT, None), helper.make_tensor_value_info("sg", TP.FLOAT, None)],
+              inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    fused = {res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes}
+    assert "Sigmoid" in fused and "Mul" in fused, sorted(fused)
+    assert "Q" not in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
+    assert any("'Q'" in str(r) and "in another fused kernel" in str(r) for r in res.plan.rejects), \
+        [str(r) for r in res.plan.rejects]
+
+
 def test_a_quantizer_after_one_left_to_ort_joins_its_kernel() -> None:
     """As above, then Q -> DQ -> Add -> Q2: once Q is ORT's, Q2 quantizes ORT's values only (its cone stops at Q,
     whose own verdict is its own), so Q2 joins its kernel instead of staying ORT's with it."""
