@@ -157,7 +157,7 @@ for name in "$@"; do
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/shipped" --no-tests --wheels .zoo-wheels \
         --models ppocr_det ppocr_rec magika --work "$WORK/shipped-work" "${BASE[@]}" ;;
     timeline-*)  # timeline-MODEL-DTYPE[-BATCH[-mha]]: one inference kernel by kernel (bench/timeline.py; batch 1
-      # unless given): stock ORT, the default build and beside it a --pdl build (-mha: an --ort-attention on build,
+      # unless given; -mha needs the batch): stock ORT, the default build and beside it a --pdl build (-mha: an --ort-attention on build,
       # session 51's fp32 attention question), with and without CUDA graphs (kernel time, gaps, overlap)
       IFS=- read -r _ model dtype tbatch textra <<<"$name"
       bflag=--pdl; [[ $textra == mha ]] && bflag="--ort-attention on"
@@ -173,7 +173,7 @@ for name in "$@"; do
         H=\$(python3 -c \"import onnx, sys; from ortfuse.bench import zoo; m = onnx.load(sys.argv[1], load_external_data=False); print(' '.join(f'--dim-hint {n}={v}' for n, v in zoo.dim_hints(m, zoo.read_sidecar(sys.argv[1]))))\" \$M) &&
         S=\$(python3 -c \"import onnx, sys; from ortfuse.bench import harness, zoo; f = harness.make_feeds(onnx.load(sys.argv[1]), batch=2, meta=zoo.read_sidecar(sys.argv[1])); print(' '.join(f'--input-shape {k}:' + 'x'.join(map(str, v.shape)) for k, v in f.items()))\" \$M) &&
         python3 -m ortfuse optimize \$M $WORK/$name.onnx \$H >/dev/null &&
-        { python3 -m ortfuse check \$M $WORK/$name.onnx --provider cuda --trace \$S > $WORK/$name.md; cat $WORK/$name.md; }" ;;
+        { python3 -m ortfuse check \$M $WORK/$name.onnx --provider cuda --trace \$S > $WORK/$name.md 2>&1; r=\$?; cat $WORK/$name.md; exit \$r; }" ;;
     torch-compile-*)  # torch-compile-MODEL-DTYPE: the torch.compile baseline beside stock ORT (no --profile optimize)
       IFS=- read -r _ _ model dtype <<<"$name"
       step "$name" 300 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
