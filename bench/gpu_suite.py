@@ -72,9 +72,21 @@ def _parity(src: Path, opt: Path) -> dict[str, Any]:
     meta = zoo.read_sidecar(src)
     shapes = {k: v.shape for k, v in harness.make_feeds(onnx.load(str(src)), batch=2, meta=meta).items()}
     report = check_models(str(src), str(opt), provider="cuda", input_shapes=shapes)
-    return {"ok": bool(report.ok), "lines": report.lines()}
+    out: dict[str, Any] = {"ok": bool(report.ok), "lines": report.lines()}
+    if not report.ok:  # where the two models' values first part (`check --trace`), while the machine is here
+      out["trace"] = _trace(src, opt, shapes)
+    return out
   except Exception as err:  # noqa: BLE001 - recorded in the report
     return {"ok": False, "note": f"{type(err).__name__}: {err}"}
+
+
+def _trace(src: Path, opt: Path, shapes: dict[str, Any], limit: int = 30) -> list[str]:
+  """The first lines of `ortfuse check --trace` on the GPU (its origins first), or why it could not run."""
+  try:
+    from ortfuse.divergence import trace_models
+    return trace_models(str(src), str(opt), provider="cuda", input_shapes=shapes).lines(limit=limit)
+  except Exception as err:  # noqa: BLE001 - recorded in the report
+    return [f"trace failed: {type(err).__name__}: {err}"]
 
 
 def _optimize(src: Path, work: Path, profile: bool = True, **overrides: Any) -> dict[str, Any]:
@@ -340,6 +352,10 @@ def render(report: dict[str, Any], results: bool = False) -> str:
       notes = [e.get("error"), e.get("optimize", {}).get("note"), e.get("parity", {}).get("note"),
                e.get("bench", {}).get("error")] + e.get("bench", {}).get("notes", [])
       notes += [f"{r['variant']} b{r['batch']}: {r['note']}" for r in e.get("bench", {}).get("rows", []) if r.get("note")]
+      par = e.get("parity", {})
+      if par.get("ok") is False:  # what failed, and where the values first part (the trace's origins first)
+        notes += [f"parity: {ln.strip()}" for ln in par.get("lines", [])[:8]]
+        notes += [f"trace: {ln.strip()}" for ln in par.get("trace", [])[:16]]
       notes = [n for n in notes if n]
       steps = [(k, e.get(f"{k}_s", e.get(k, {}).get("seconds") if isinstance(e.get(k), dict) else None))
                for k in ("build", "optimize", "parity", "bench")]

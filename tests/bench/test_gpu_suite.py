@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import onnx
 
@@ -119,6 +120,32 @@ def test_the_report_says_where_each_rows_time_went():
   text = gpu_suite.render({"entries": [entry]})
   assert "- seconds: build 23.0, optimize 20.8, parity 9.1, bench 40.2" in text
   assert "seconds:" not in gpu_suite.render({"entries": [entry]}, results=True)
+
+
+def test_a_failing_parity_shows_its_lines_and_the_trace(monkeypatch):
+  # a row failing parity on the GPU: the report says why, and where the values first part, while the machine
+  # that could say it is still there (session 51's quantized BERT failed on the GPU alone)
+  import ortfuse.check as check
+  import ortfuse.divergence as divergence
+
+  class Rep:
+    ok = False
+
+    def lines(self):
+      return ["whole model:", "  FAIL y (from one quantized tensor to the next, ...)"]
+
+  class Tr:
+    def lines(self, limit):
+      return ["3 shared tensors compared, 1 differ", "ORIGIN q (from ortfuse_region_2): 1 of 8 elements differ"]
+  monkeypatch.setattr(check, "check_models", lambda *a, **k: Rep())
+  monkeypatch.setattr(divergence, "trace_models", lambda *a, **k: Tr())
+  monkeypatch.setattr(gpu_suite.harness, "make_feeds", lambda *a, **k: {})
+  monkeypatch.setattr(gpu_suite.zoo, "read_sidecar", lambda *a: {})
+  monkeypatch.setattr("onnx.load", lambda *a, **k: None)
+  par = gpu_suite._parity(Path("m.onnx"), Path("o.onnx"))
+  assert par["ok"] is False and par["trace"][1].startswith("ORIGIN q"), par
+  text = gpu_suite.render({"entries": [{"model": "bert", "dtype": "qdq", "parity": par}]})
+  assert "- parity: FAIL y (from one quantized tensor" in text and "- trace: ORIGIN q (from ortfuse_region_2)" in text
 
 
 def test_a_beside_build_is_named_by_its_options(tmp_path, monkeypatch):
