@@ -815,6 +815,8 @@ class _Lowerer:
         (another kernel's, which `legal.inexact_quantizers` admits, or ORT's): a product this kernel
         contracted into an FMA, or a division it made a reciprocal's product, would reach it an ulp off, and
         the quantized value a step off."""
+        if not any(n.op_type == "QuantizeLinear" for n in self.g.nodes):
+            return frozenset()
         seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type == "QuantizeLinear"]
         read = [t for t in self.r.outputs if self._quantized_downstream(t)]
         return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"), read)
