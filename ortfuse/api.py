@@ -35,7 +35,8 @@ from ortfuse.rewriter.gemm_padding import pad_unaligned_gemms
 from ortfuse.rewriter.graph import Graph
 from ortfuse.rewriter.iota import fold_iota_gathers, isolate_iotas, trilus_as_iotas
 from ortfuse.rewriter.load import load_model
-from ortfuse.rewriter.qdq import keep_readers_as_input, left_to_ort, merged_chain_outputs, merged_pairs, readers
+from ortfuse.rewriter.qdq import (keep_readers_as_input, left_to_ort, merged_chain_outputs, merged_pairs, readers,
+                                  weight_bias_units)
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.ort_folding import left_folded
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
@@ -333,6 +334,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     static_before = (static_shapes - graph.downstream(_pinned_symbolic(model, graph))).__contains__
     qdq_readers, merged_before = readers(model, static_before), merged_pairs(model, static_before)
     merged_in_input = merged_chain_outputs(model)  # (in the input as ORT runs it)
+    weight_bias_in_input = weight_bias_units(model)
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
@@ -387,7 +389,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
         if hit is None or hit[0] is not g:
             while len(searched) > 2:
                 del searched[next(iter(searched))]
-            ort_qdq = left_to_ort(g.model, merged_in_input, qdq_readers, static_before)
+            ort_qdq = left_to_ort(g.model, merged_in_input, qdq_readers, static_before, weight_bias_in_input)
             found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
                                 ort_qdq=ort_qdq)
             # a fused Q reading another kernel's inexact value goes back to ORT; each search leaves more Qs to ORT,

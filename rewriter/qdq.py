@@ -108,18 +108,81 @@ def merged_chain_outputs(model: onnx.ModelProto) -> frozenset[str]:
 
 MERGED_CHAIN = ("a Q -> DQ -> Q -> DQ chain ORT merges at a new scale (DoubleQDQPairsRemover) reads it or computes "
                 "it: left to ORT, which would not merge it inside a fused node")
+WEIGHT_BIAS = ("ORT's WeightBiasQuantization (every execution provider) quantizes the float weight or bias of a Conv, "
+               "ConvTranspose or Gemm between a DequantizeLinear and a QuantizeLinear, where a kernel would compute "
+               "in fp32: the unit stays ORT's, as ORT sees it in the input")
+
+
+def weight_bias_units(model: onnx.ModelProto) -> frozenset[str]:
+    """The outputs of the nodes of every unit ORT's WeightBiasQuantization rewrites (its selector, read in ORT's
+    weight_bias_quantization.cc): a Conv, ConvTranspose or Gemm reading a DequantizeLinear of one scale, whose
+    output reaches a QuantizeLinear through Relu or Clip nodes alone, one reader each, with an fp32 constant
+    weight or a dequantized weight and a 1-D constant bias. ORT quantizes that weight (int8, per tensor) and the
+    bias (int32 at the input's scale times the weight's), so the unit computes otherwise than its float ops; a
+    fused node holding any of its nodes hides it from ORT in the output only. A superset of ORT's units: its
+    per-channel checks, which skip some, are not made. Main graph only."""
+    g = model.graph
+    if not any(n.op_type == "DequantizeLinear" for n in g.node):
+        return frozenset()
+    consts = _constants(model)
+    producer = {o: n for n in g.node for o in n.output if o}
+    readers_of: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for t in dict.fromkeys(t for t in n.input if t):
+            readers_of.setdefault(t, []).append(n)
+
+    def op(n: Optional[onnx.NodeProto], *types: str) -> bool:
+        return n is not None and n.op_type in types and n.domain in ("", "ai.onnx")
+
+    out: set[str] = set()
+    for n in g.node:
+        if not op(n, "Conv", "ConvTranspose", "Gemm") or len(n.input) < 2:
+            continue
+        dq0 = producer.get(n.input[0])
+        if not op(dq0, "DequantizeLinear") or (dq0.input[1] in consts and _scalar(consts, dq0.input[1]) is None):
+            continue
+        chain, cur, q = [], n, None
+        while len([o for o in cur.output if o]) == 1 and len(readers_of.get(cur.output[0], [])) == 1:
+            nxt = readers_of[cur.output[0]][0]
+            if op(nxt, "QuantizeLinear"):
+                q = nxt
+                break
+            if not op(nxt, "Relu", "Clip"):
+                break
+            chain.append(nxt)
+            cur = nxt
+        if q is None:
+            continue
+        dq1 = producer.get(n.input[1])
+        dq1 = dq1 if op(dq1, "DequantizeLinear") else None
+        if dq1 is None and consts.get(n.input[1], (None,))[0] != onnx.TensorProto.FLOAT:
+            continue
+        bias = n.input[2] if len(n.input) > 2 and n.input[2] else None
+        if bias is not None:
+            b = consts.get(bias)
+            if b is None or isinstance(b[1], np.generic) or len(b[1].dims) != 1:
+                continue
+        if dq1 is not None and bias is None:
+            continue
+        out.update(x.output[0] for x in (dq0, n, *chain, q, *((dq1,) if dq1 is not None else ())))
+    return frozenset(out)
+
+
 READERS_CHANGED = ("its output has other readers in the input model than here (ORT's quantization passes count them): "
                    "left to ORT, so that the output keeps them")
 
 
 def left_to_ort(model: onnx.ModelProto, merged_before: frozenset[str], readers_before: dict[str, int],
-                static: Callable[[str], bool] = lambda t: False) -> dict[str, str]:
-    """Outputs of the Q/DQ nodes of `model` (the graph searched) that must stay ORT's nodes, with the reason, for
+                static: Callable[[str], bool] = lambda t: False,
+                weight_bias_before: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Outputs of the nodes of `model` (the graph searched) that must stay ORT's nodes, with the reason, for
     ORT's quantization passes, which look at the nodes themselves: every node of a chain DoubleQDQPairsRemover
-    merges in the input (`merged_before`: its `merged_chain_outputs`) or here; and a Q or DQ whose readers the
-    rewrite changed (`readers_before`: the input's `readers`), which `keep_readers_as_input` can give a reader
-    back in the main graph only, not inside a fused node's function."""
-    out = dict.fromkeys(merged_before | merged_chain_outputs(model), MERGED_CHAIN)
+    merges in the input (`merged_before`: its `merged_chain_outputs`) or here; every node of a unit
+    WeightBiasQuantization rewrites in the input (`weight_bias_before`: its `weight_bias_units`) or here; and a
+    Q or DQ whose readers the rewrite changed (`readers_before`: the input's `readers`), which
+    `keep_readers_as_input` can give a reader back in the main graph only, not inside a fused node's function."""
+    out = dict.fromkeys(weight_bias_before | weight_bias_units(model), WEIGHT_BIAS)
+    out.update(dict.fromkeys(merged_before | merged_chain_outputs(model), MERGED_CHAIN))
     out.update({t: READERS_CHANGED for t, k in readers(model, static).items() if k != readers_before.get(t, k)})
     return out
 

@@ -855,3 +855,47 @@ def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -
     return model(nodes, [helper.make_tensor_value_info("a", onnx.TensorProto.INT8, ["n", 48]),
                          helper.make_tensor_value_info("b", onnx.TensorProto.UINT8, ["n", 48])],
                  [helper.make_tensor_value_info("y", onnx.TensorProto.INT8, None)], inits, opset=19 if fp16 else 18)
+
+
+def weight_bias_unit(weight: str = "float", bias: str = "float", tail: tuple[str, ...] = ("Relu",),
+                     branch: bool = False, input_dq: bool = True, op: str = "Conv") -> onnx.ModelProto:
+    """x -> Q -> DQ -> Conv (or Gemm) -> `tail` -> Q -> DQ -> Sigmoid: `weight` "float" (an fp32 initializer) or
+    "dq" (an int8 one dequantized); `bias` "float", "none" or "2d" (a [O, 1] initializer, for a Gemm's C);
+    `branch`: the Conv's output is also read by a Sigmoid; `input_dq`: the Conv reads x itself."""
+    rng = np.random.default_rng(5)
+    c, o = 8, 16
+    conv = op == "Conv"
+    w_shape = (o, c, 3, 3) if conv else (c, o)
+    w = (rng.standard_normal(w_shape) * 0.2).astype(np.float32)
+    inits = [numpy_helper.from_array(np.array(v, dt), n) for n, v, dt in
+             (("sx", 0.02, np.float32), ("zx", 0, np.int8), ("sy", 0.05, np.float32), ("zy", -10, np.int8),
+              ("sw", 0.004, np.float32))]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["qx"]),
+             helper.make_node("DequantizeLinear", ["qx", "sx", "zx"], ["dx"])]
+    if weight == "dq":
+        inits.append(numpy_helper.from_array(np.clip(np.round(w / 0.004), -127, 127).astype(np.int8), "Wq"))
+        nodes.append(helper.make_node("DequantizeLinear", ["Wq", "sw"], ["W"]))
+    else:
+        inits.append(numpy_helper.from_array(w, "W"))
+    ins = ["dx" if input_dq else "x", "W"]
+    if bias != "none":
+        b = (rng.standard_normal(o) * 0.1).astype(np.float32)
+        inits.append(numpy_helper.from_array(b.reshape(1, o) if bias == "2d" else b, "B"))
+        ins.append("B")
+    nodes.append(helper.make_node(op, ins, ["c"], name="conv", **({"pads": [1, 1, 1, 1]} if conv else {})))
+    t = "c"
+    for k, op_ in enumerate(tail):
+        nodes.append(helper.make_node(op_, [t], [f"t{k}"]))
+        t = f"t{k}"
+    nodes += [helper.make_node("QuantizeLinear", [t, "sy", "zy"], ["qy"], name="Qy"),
+              helper.make_node("DequantizeLinear", ["qy", "sy", "zy"], ["dy"]),
+              helper.make_node("Sigmoid", ["dy"], ["y"])]
+    outs = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)]
+    if branch:
+        nodes.append(helper.make_node("Sigmoid", ["c"], ["y2"]))
+        outs.append(helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, None))
+    x_shape = [2, c, 6, 6] if conv else [4, c]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x_shape)
+    m = helper.make_model(helper.make_graph(nodes, "t", [x], outs, inits), opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    return onnx.shape_inference.infer_shapes(m)

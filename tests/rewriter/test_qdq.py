@@ -12,6 +12,7 @@ from ortfuse.api import compile_model
 from ortfuse.check import check_models
 from ortfuse.report import markdown, summary
 from ortfuse.rewriter.qdq import KEPT_READER, merged_pairs
+from helpers import weight_bias_unit
 
 X = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 2
 
@@ -134,3 +135,49 @@ def test_a_merge_ort_makes_in_both_models_is_left_alone():
     assert _ort_merges(src) and _ort_merges(res.model)
     rep = check_models(src, res.model)
     assert rep.ok and rep.model[0].name == "y"
+
+
+def _ort_quantizes(m: onnx.ModelProto, tmp_path) -> bool:
+    """ORT's own answer: does ORT_ENABLE_BASIC (where WeightBiasQuantization runs) give the Conv a dequantized
+    weight or bias it did not have (its nodes are named after the Conv's)? (A bias quantized at the input's scale
+    times the weight's moves by 4e-5 at most here, too little to change the output reliably.)"""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.optimized_model_filepath = str(tmp_path / "basic.onnx")
+    ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return any(n.op_type == "DequantizeLinear" and n.name.startswith(("conv_weight_dq", "conv_bias_dq"))
+               for n in onnx.load(so.optimized_model_filepath).graph.node)
+
+
+@pytest.mark.parametrize("kw, found", [
+    ({}, True),  # an fp32 weight and bias
+    ({"bias": "none"}, True),  # the weight alone
+    ({"weight": "dq"}, True),  # the bias alone (the weight already quantized)
+    ({"weight": "dq", "bias": "none"}, False),  # nothing to quantize
+    ({"tail": ()}, True), ({"tail": ("Relu", "Clip")}, True),
+    ({"tail": ("Sigmoid",)}, False),  # not a Relu or a Clip before the Q
+    ({"branch": True}, False),  # the Conv's output has another reader
+    ({"input_dq": False}, False),
+    ({"op": "Gemm"}, True), ({"op": "Gemm", "bias": "2d"}, False),  # a Gemm's C of two dims is left alone
+])
+def test_weight_bias_units_are_found_as_ort_quantizes_them(kw, found, tmp_path):
+    from ortfuse.rewriter.qdq import weight_bias_units
+    m = weight_bias_unit(**kw)
+    assert _ort_quantizes(m, tmp_path) == found  # (the model does what the case says it does)
+    got = weight_bias_units(m)
+    assert bool(got) == found, got
+    if found:
+        assert {"dx", "c", "qy"} <= got and ("W" in got) == (kw.get("weight") == "dq"), got
+
+
+def test_a_weight_bias_unit_stays_orts():
+    """Fused, the Conv would compute with its fp32 weight on the CUDA EP, where ORT quantizes it in the input; the
+    unit stays ORT's whole (on the CPU EP a fused node's function is inlined, and ORT quantizes it there too, so
+    only the plan shows the difference: the GPU test runs both)."""
+    m = weight_bias_unit()
+    res = compile_model(m, {}, "sm_90")
+    fused = {res.graph.nodes[i].output[0] for r in res.plan.regions for i in r.nodes}
+    assert not fused & {"dx", "c", "t0", "qy"}, fused
+    assert any("WeightBiasQuantization" in str(r) for r in res.plan.rejects), [str(r) for r in res.plan.rejects]
+    kept = [n.op_type for n in res.model.graph.node if n.domain == ""]
+    assert kept[kept.index("Conv") - 1:kept.index("Conv") + 3] == ["DequantizeLinear", "Conv", "Relu", "QuantizeLinear"]

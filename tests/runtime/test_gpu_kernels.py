@@ -13,7 +13,8 @@ import ortfuse
 from helpers import (CAUSAL_HEAD, CAUSAL_HEADS, assert_cuda_graph_replay, causal_attention, const, conv_chain,
                      conv_silu_residual, gqa_attention,
                      merged_heads_attention, mix_ffn, model, nan_guarded, node, norm_reductions, onnx_attention,
-                     onnx_rotary, quantized_add, requantized, resized, rope_attention, rope_shapes, short_rows, vi)
+                     onnx_rotary, quantized_add, requantized, resized, rope_attention, rope_shapes, short_rows, vi,
+                     weight_bias_unit)
 from ortfuse.api import compile_model
 from ortfuse.bench.groupnorm import group_norm
 from ortfuse.check import check_models, compare
@@ -214,6 +215,18 @@ def test_quantized_values_match_the_cuda_ep_exactly():
     want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, feeds)[0]
     got = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"]).run(None, feeds)[0]
     assert np.array_equal(got, want), int(np.count_nonzero(got != want))
+
+
+def test_a_conv_with_a_float_weight_between_quantizers_matches_the_cuda_ep():
+    """ORT's WeightBiasQuantization quantizes a Conv's fp32 weight and bias between a DQ and a Q on every EP
+    (session 51, CPU only until now): the unit stays ORT's, so the output equals stock ORT's on the CUDA EP bit
+    for bit (a kernel computing in fp32 moved the quantized output by steps)."""
+    m = weight_bias_unit()
+    res = compile_model(m, None, "sm_90")
+    x = np.random.default_rng(4).standard_normal((2, 8, 6, 6)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"]).run(None, {"x": x})[0]
+    got = ortfuse.InferenceSession(res.model, providers=["CUDAExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.array_equal(got, want), float(np.abs(got - want).max())
 
 
 def _kernel_whatever_the_estimate(monkeypatch):
