@@ -44,7 +44,7 @@ from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, 
 from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
-from ortfuse.search.cost import CostModel
+from ortfuse.search.cost import CostModel, at_binding, bindings
 from ortfuse.search.legal import inexact_quantizers
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
@@ -92,6 +92,9 @@ class OptimizeResult:
     contrib: tuple[str, ...] = ()  # each of ORT's fused ops in the input: fused as standard ops, or put back
     requantized: tuple[str, ...] = ()  # quantize/dequantize chains ORT merges in one of the models only (rewriter.qdq)
     kept_readers: tuple[str, ...] = ()  # Q/DQ outputs that keep a second reader (a Size) for ORT's sake (rewriter.qdq)
+    # per fused node, the cost model's (binding, ours us, ORT's us) at each binding it judges by (the hints, batch
+    # 32): what a kernel-by-kernel timeline on a GPU is compared with
+    estimates: tuple[tuple[str, tuple[tuple[str, float, float], ...]], ...] = ()
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
@@ -489,7 +492,20 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                           sum(k.region.traffic.saved_bytes for k in kernels),
                           time.perf_counter() - t0, archs, placements, tuple(layout_notes), tuple(mha_notes), store,
                           contrib_notes(out, splits, back),
-                          requantized, kept_readers)
+                          requantized, kept_readers, _estimates(graph, cost, kernels))
+
+
+def _estimates(graph: Graph, cost: CostModel, kernels: Sequence[FusedKernel]
+               ) -> tuple[tuple[str, tuple[tuple[str, float, float], ...]], ...]:
+    """Each fused node's estimated time as our kernel and as ORT's ops, at each binding the search judges by."""
+    out = []
+    for k in kernels:
+        times = []
+        for where, gb in bindings(graph):
+            r = at_binding(gb, k.region, graph)
+            times.append((where.strip() or "hints", cost.ours_us(gb, r), cost.ort_us(gb, r)))
+        out.append((k.node.name, tuple(times)))
+    return tuple(out)
 
 
 def _rewritten(graph: Graph, kernels: list[FusedKernel], plan: Plan, splits: tuple, say: Progress

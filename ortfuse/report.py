@@ -114,10 +114,12 @@ def explain(r: OptimizeResult) -> list[str]:
 
 
 def markdown(r: OptimizeResult, source: str) -> str:
+    est = dict(r.estimates)
+    where = " / ".join(w for w, _, _ in next(iter(est.values()), ()))
     out = [f"# ortfuse report: {source}", "", "```", summary(r), "```", "", "## Fused regions", "",
            "| node | kind | ops | iteration space | kernel | block | registers (spill bytes) | "
-           "DRAM bytes unfused → fused |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"DRAM bytes unfused → fused | est. us, ours vs ORT's ops ({where or 'hints'}) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for k in r.kernels:
         ops_list = " ".join(r.graph.nodes[i].op_type for i in k.region.nodes)
         t = k.region.traffic
@@ -131,7 +133,8 @@ def markdown(r: OptimizeResult, source: str) -> str:
             split += ", stores staged through shared memory"
         by_size = "".join(f"; from {frm} rows `{vck.entry}` ({vspec.block})" for frm, vspec, vck in k.variants)
         out.append(f"| {k.node.name} | {k.region.kind} | {ops_list} | {k.region.space} | `{k.compiled.entry}`"
-                   f"{by_size} | {k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} |")
+                   f"{by_size} | {k.spec.block}{split} | {res} | {t.unfused_bytes:,} → {t.fused_bytes:,} | "
+                   f"{' / '.join(f'{o:.1f} vs {a:.1f}' for _, o, a in est.get(k.node.name, ())) or '—'} |")
     if r.placements:
         out += ["", "## Measured placement (--profile: median us per call, ORT's kernels vs ours)", "",
                 f"Each cell gives one time per binding ({' / '.join(r.placements[0].bindings)}); 'ORT / kept' "

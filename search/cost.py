@@ -226,9 +226,10 @@ def _at_throughput_batch(g: Graph) -> Optional[Graph]:
     return None if large == dict(g.sym_hints) else dataclasses.replace(g, sym_hints=large)
 
 
-def _at(g: Graph, region: Region, base: Graph) -> Region:
+def at_binding(g: Graph, region: Region, base: Graph) -> Region:
     """`region` with its traffic at g's binding (its own when g is the graph it was built on)."""
     return region if g is base else dataclasses.replace(region, traffic=traffic(g, region))
+
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,7 @@ class CostModel:
 
     def _plan_us(self, gb: Graph, g: Graph, plan: Plan) -> float:
         inside = {i for r in plan.regions for i in r.nodes} | folded_nodes(g)  # ORT folds those at start
-        total = sum(self.ours_us(gb, _at(gb, r, g)) for r in plan.regions)
+        total = sum(self.ours_us(gb, at_binding(gb, r, g)) for r in plan.regions)
         for i, n in enumerate(g.nodes):
             if i in inside or n.op_type in ops.FREE_IN_ORT or n.op_type in _HOST_OPS:
                 continue
@@ -621,7 +622,7 @@ class CostModel:
         node = self._anchor(g, merged)
         times = []
         for where, gb in bindings(g):
-            m, pr, cr = _at(gb, merged, g), _at(gb, prologue, g), _at(gb, conv_region, g)
+            m, pr, cr = at_binding(gb, merged, g), at_binding(gb, prologue, g), at_binding(gb, conv_region, g)
             fused = self.ours_us(gb, m) + self.recompute_us(gb, m, pr)
             alone = (self.gemm_us(gb, node)[0] + self.target.launch_us if len(cr.nodes) == 1
                      else self.ours_us(gb, cr))
@@ -660,7 +661,7 @@ class CostModel:
         if folded and not set(region.nodes) - set(folded) - {_fold_anchor(g, region)}:
             return Reject(label, "stock ORT fuses this itself (cuDNN FusedConv with its Relu, fp32)")
         times = [(where, self.ours_us(gb, r), self.ort_us(gb, r))
-                 for where, gb in bindings(g) for r in (_at(gb, region, g),)]
+                 for where, gb in bindings(g) for r in (at_binding(gb, region, g),)]
         if not _pays(times):
             what = {"gemm": "GEMM + epilogue", "gemm_row": "GEMM + row-wise epilogue",
                     "attention": "attention kernel"}.get(region.kind, "fused kernel")
@@ -674,7 +675,8 @@ class CostModel:
         written, per region)."""
         figures = []
         for where, gb in bindings(g):
-            saved = sum(self.attention_us(gb, _at(gb, a, g)) - self.attention_us(gb, _at(gb, b, g)) for a, b in pairs)
+            saved = sum(self.attention_us(gb, at_binding(gb, a, g)) - self.attention_us(gb, at_binding(gb, b, g))
+                        for a, b in pairs)
             own = sum(self.time_us(2 * tensor_bytes(gb, _attention_pattern(gb, b).k), 1) for _, b in pairs)
             if saved >= own:
                 return None
@@ -700,8 +702,8 @@ class CostModel:
         lib = "our GEMM" if base is not None else "cuDNN" if self._anchor(g, merged).op_type in ops.CONV else "cuBLAS"
         times = []
         for where, gb in bindings(g):
-            m, grp = _at(gb, merged, g), _at(gb, group, g)
-            first = self.ours_us(gb, _at(gb, base, g)) if base is not None else \
+            m, grp = at_binding(gb, merged, g), at_binding(gb, group, g)
+            first = self.ours_us(gb, at_binding(gb, base, g)) if base is not None else \
                 self.gemm_us(gb, self._anchor(gb, m))[0] + self.target.launch_us
             times.append((where, self.ours_us(gb, m), first + self.ours_us(gb, grp)))
         if not _pays(times):

@@ -47,7 +47,16 @@ def test_optimize_then_check_emulate(demo, capsys):
     assert main(["check", str(src), str(dst), "--emulate", "--input-shape", "hidden_states:2x9x64",
                  "--input-shape", "attention_mask:2x9"]) == 0
     assert "parity PASS" in capsys.readouterr().out
-    assert "## Fused regions" in Path(str(dst) + ".md").read_text()
+    report = Path(str(dst) + ".md").read_text()
+    assert "## Fused regions" in report
+    # each fused node's estimate as our kernel and as ORT's ops, at the hints and at batch 32 (what a GPU
+    # timeline of the same nodes is compared with): ours the faster, or the search would not have fused it
+    rows = [ln for ln in report.splitlines() if ln.startswith("| ortfuse_region_")]
+    assert rows and "est. us, ours vs ORT's ops (hints / at batch 32)" in report
+    for ln in rows:
+        cells = ln.rstrip(" |").rsplit("| ", 1)[1].split(" / ")
+        pairs = [tuple(float(v) for v in c.split(" vs ")) for c in cells]
+        assert len(pairs) == 2 and all(0 < o for o, _ in pairs) and any(o < a for o, a in pairs), ln
 
 
 def test_check_detects_a_wrong_kernel(demo, tmp_path, capsys):
