@@ -361,7 +361,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if small:
         say(f"{small} small tensors computed from constants and static dims became constants")
     graph = _shapes_settled(graph, _shapes(input_shapes), folded + small, say)
-    graph, unflattened = unflatten_gemms(graph)
+    graph, unflattened = unflatten_gemms(graph, weight_bias_in_input)  # (ORT quantizes a Gemm's weight, not a MatMul's)
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
     graph, _ = fold_constant_identities(graph)
@@ -416,7 +416,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # Slices instead, ORT's alternative to the region gains three Slice kernels, and the estimate then takes
     # the attention the Split form leaves to ORT (ViT-B fp32); not one whose K may leave the attention for its
     # rotary embedding (`absorbed_selects`)
-    graph, packed = pack_sibling_gemms(graph, lambda g: absorbed_selects(g, opts.k_rope), fused_outputs)
+    graph, packed = pack_sibling_gemms(graph, lambda g: absorbed_selects(g, opts.k_rope), fused_outputs,
+                                       weight_bias_in_input)
     graph = compact(graph)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
@@ -429,7 +430,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # that pays: as --profile measures it, else as the cost model estimates it
     pays = _padding_measured(opts, say) if opts.profile else cost.padding_pays
     graph, aligned = pad_unaligned_gemms(graph, lambda g, i, wide: g.nodes[i].output[0] not in fused_outputs(g)
-                                         and pays(g, i, wide))
+                                         and g.nodes[i].output[0] not in weight_bias_in_input and pays(g, i, wide))
     graph = compact(graph)
     if aligned:
         say(f"{aligned} GEMMs left to cuBLAS with misaligned rows got weights padded to 16-byte rows (and a "

@@ -232,9 +232,11 @@ def _unflatten_plan(g: Graph, i: int) -> Optional[tuple[str, int, int]]:
     return x, users[0], len(inner)
 
 
-def unflatten_gemms(g: Graph) -> tuple[Graph, int]:
-    """(new graph, number of Gemms rewritten). `g` is left untouched."""
-    plans = {i: p for i in range(len(g.nodes)) if (p := _unflatten_plan(g, i)) is not None}
+def unflatten_gemms(g: Graph, as_they_are: frozenset[str] = frozenset()) -> tuple[Graph, int]:
+    """(new graph, number of Gemms rewritten); `as_they_are`: outputs of Gemms left as they are. `g` is left
+    untouched."""
+    plans = {i: p for i in range(len(g.nodes))
+             if g.nodes[i].output[0] not in as_they_are and (p := _unflatten_plan(g, i)) is not None}
     if not plans:
         return g, 0
     m = onnx.ModelProto()

@@ -175,7 +175,8 @@ def _packed_nodes(g: Graph, p: _Pack, m: onnx.ModelProto, tensors: dict[str, Ten
 
 
 def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = None,
-                       fused: Optional[Callable[[Graph], set[str]]] = None) -> tuple[Graph, int]:
+                       fused: Optional[Callable[[Graph], set[str]]] = None,
+                       as_they_are: frozenset[str] = frozenset()) -> tuple[Graph, int]:
     """(new graph, number of MatMuls packed). `keep(packed graph)` names the Split nodes worth keeping. A
     packing whose Split is not named is tried with one Slice per result instead, where `fused(graph)` (the
     outputs of the nodes the search fuses) has none of its MatMuls in `g` (a GEMM with its epilogue fused
@@ -183,8 +184,10 @@ def pack_sibling_gemms(g: Graph, keep: Optional[Callable[[Graph], set[str]]] = N
     its bias, K and V went to cuBLAS), and kept where it has every Slice in that graph (each absorbed by the
     kernel reading it: a decoder's Q and K by their rotary embedding's, V by the attention's); pairs of one
     width still undone are tried interleaved and kept where the search fuses their packed MatMul; the others
-    are undone. `g` is left untouched."""
-    packs = _sibling_packs(g)
+    are undone. `as_they_are`: outputs of nodes that stay as they are (their MatMuls or bias Adds are not
+    packed). `g` is left untouched."""
+    packs = [p for p in _sibling_packs(g)
+             if not any(o in as_they_are for i in (*p.matmuls, *p.adds) for o in g.nodes[i].output)]
     if not packs:
         return g, 0
     packed = _apply_packs(g, packs)

@@ -114,57 +114,86 @@ WEIGHT_BIAS = ("ORT's WeightBiasQuantization (every execution provider) quantize
 
 
 def weight_bias_units(model: onnx.ModelProto) -> frozenset[str]:
-    """The outputs of the nodes of every unit ORT's WeightBiasQuantization rewrites (its selector, read in ORT's
-    weight_bias_quantization.cc): a Conv, ConvTranspose or Gemm reading a DequantizeLinear of one scale, whose
-    output reaches a QuantizeLinear through Relu or Clip nodes alone, one reader each, with an fp32 constant
-    weight or a dequantized weight and a 1-D constant bias. ORT quantizes that weight (int8, per tensor) and the
-    bias (int32 at the input's scale times the weight's), so the unit computes otherwise than its float ops; a
-    fused node holding any of its nodes hides it from ORT in the output only. A superset of ORT's units: its
-    per-channel checks, which skip some, are not made. Main graph only."""
+    """The outputs of the nodes of every unit ORT's WeightBiasQuantization may rewrite in `model` (its selector,
+    read in ORT's weight_bias_quantization.cc): a Conv, ConvTranspose or Gemm reading a DequantizeLinear of one
+    scale, whose output reaches a QuantizeLinear through Relu or Clip nodes with one reader each, with a weight
+    computed from constants or dequantized, and a bias computed from constants. ORT quantizes that weight
+    (int8, per tensor) and the bias (int32 at the input's scale times the weight's), so the unit computes
+    otherwise than its float ops; a fused node holding any of its nodes hides it from ORT in the output only.
+    ORT runs the pass after its other level-1 rewrites, so the walk also passes what those remove or fold first
+    (Identity, Dropout, a Cast, x * 1, x + 0; after a Conv an Add or Mul of a constant and a BatchNormalization,
+    which ORT folds into it; a MatMul then an Add of a constant, which ORT makes a Gemm) and the ops ORT's QDQ
+    propagation moves a Q or DQ across (Reshape, Transpose, Squeeze, Unsqueeze, MaxPool, Pad). Op types are
+    compared alone, as ORT does (a com.microsoft Q counts), and an initializer counts whether or not a graph
+    input lists it. A superset of ORT's units (its per-channel checks are not made), which costs fusion only.
+    Main graph only."""
     g = model.graph
     if not any(n.op_type == "DequantizeLinear" for n in g.node):
         return frozenset()
-    consts = _constants(model)
+    consts = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
     producer = {o: n for n in g.node for o in n.output if o}
     readers_of: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for t in dict.fromkeys(t for t in n.input if t):
             readers_of.setdefault(t, []).append(n)
+    graph_inputs = {i.name for i in g.input} - consts
+    dims = {t.name: tuple(t.dims) for t in g.initializer}
 
-    def op(n: Optional[onnx.NodeProto], *types: str) -> bool:
-        return n is not None and n.op_type in types and n.domain in ("", "ai.onnx")
+    def constant(t: str, seen: frozenset = frozenset()) -> bool:
+        """Computed from constants alone (ORT's constant folding makes it one), not through a DQ (which it keeps)."""
+        if t in consts:
+            return True
+        n = producer.get(t)
+        if n is None or t in graph_inputs or n.op_type == "DequantizeLinear" or t in seen:
+            return False
+        return all(constant(x, seen | {t}) for x in n.input if x)
+
+    passes = ("Identity", "Dropout", "Cast", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "MaxPool", "Pad",
+              "Flatten")
+
+    def removed(n: onnx.NodeProto) -> bool:  # a node ORT removes, folds or moves a Q/DQ across first
+        return n.op_type in passes or (n.op_type in ("Mul", "Div", "Add", "Sub") and len(n.input) == 2 and
+                                       (constant(n.input[0]) or constant(n.input[1])))
 
     out: set[str] = set()
     for n in g.node:
-        if not op(n, "Conv", "ConvTranspose", "Gemm") or len(n.input) < 2:
+        gemm_like = n.op_type == "MatMul" and len(readers_of.get(n.output[0], [])) == 1 and \
+            readers_of[n.output[0]][0].op_type == "Add"
+        if (n.op_type not in ("Conv", "ConvTranspose", "Gemm") and not gemm_like) or len(n.input) < 2:
             continue
-        dq0 = producer.get(n.input[0])
-        if not op(dq0, "DequantizeLinear") or (dq0.input[1] in consts and _scalar(consts, dq0.input[1]) is None):
+        unit, cur = [n], producer.get(n.input[0])
+        while cur is not None and cur.op_type != "DequantizeLinear" and removed(cur) and len(cur.output) == 1:
+            unit.append(cur)
+            cur = producer.get(cur.input[0]) if cur.input else None
+        if cur is None or cur.op_type != "DequantizeLinear":
             continue
-        chain, cur, q = [], n, None
-        while len([o for o in cur.output if o]) == 1 and len(readers_of.get(cur.output[0], [])) == 1:
-            nxt = readers_of[cur.output[0]][0]
-            if op(nxt, "QuantizeLinear"):
+        unit.append(cur)
+        q, at, after = None, n, []
+        while len([o for o in at.output if o]) == 1 and len(readers_of.get(at.output[0], [])) == 1:
+            nxt = readers_of[at.output[0]][0]
+            if nxt.op_type == "QuantizeLinear":
                 q = nxt
                 break
-            if not op(nxt, "Relu", "Clip"):
+            if nxt.op_type not in ("Relu", "Clip", "BatchNormalization") and not removed(nxt):
                 break
-            chain.append(nxt)
-            cur = nxt
+            after.append(nxt)
+            at = nxt
         if q is None:
             continue
-        dq1 = producer.get(n.input[1])
-        dq1 = dq1 if op(dq1, "DequantizeLinear") else None
-        if dq1 is None and consts.get(n.input[1], (None,))[0] != onnx.TensorProto.FLOAT:
-            continue
+        unit += [*after, q]
         bias = n.input[2] if len(n.input) > 2 and n.input[2] else None
-        if bias is not None:
-            b = consts.get(bias)
-            if b is None or isinstance(b[1], np.generic) or len(b[1].dims) != 1:
-                continue
-        if dq1 is not None and bias is None:
+        if bias is not None and (not constant(bias) or len(dims.get(bias, (0,))) != 1):
+            continue  # (ORT quantizes a constant bias of one dim only, and then the unit too)
+        # (ORT folds an Add of a constant or a BatchNormalization into a Conv's bias, and makes MatMul + Add a Gemm)
+        folded = bool(after) and after[0].op_type in ("Add", "Sub", "BatchNormalization")
+        w = producer.get(n.input[1])
+        if w is not None and w.op_type == "DequantizeLinear":
+            if bias is None and not folded:
+                continue  # a dequantized weight and no bias: nothing to quantize
+            unit.append(w)
+        elif not constant(n.input[1]):
             continue
-        out.update(x.output[0] for x in (dq0, n, *chain, q, *((dq1,) if dq1 is not None else ())))
+        out.update(o for x in unit for o in x.output if o)
     return frozenset(out)
 
 
@@ -178,10 +207,11 @@ def left_to_ort(model: onnx.ModelProto, merged_before: frozenset[str], readers_b
     """Outputs of the nodes of `model` (the graph searched) that must stay ORT's nodes, with the reason, for
     ORT's quantization passes, which look at the nodes themselves: every node of a chain DoubleQDQPairsRemover
     merges in the input (`merged_before`: its `merged_chain_outputs`) or here; every node of a unit
-    WeightBiasQuantization rewrites in the input (`weight_bias_before`: its `weight_bias_units`) or here; and a
+    WeightBiasQuantization rewrites in the input (`weight_bias_before`: its `weight_bias_units`; not one the
+    rewrite made, which kept ORT's would be quantized in the output alone); and a
     Q or DQ whose readers the rewrite changed (`readers_before`: the input's `readers`), which
     `keep_readers_as_input` can give a reader back in the main graph only, not inside a fused node's function."""
-    out = dict.fromkeys(weight_bias_before | weight_bias_units(model), WEIGHT_BIAS)
+    out = dict.fromkeys(weight_bias_before, WEIGHT_BIAS)
     out.update(dict.fromkeys(merged_before | merged_chain_outputs(model), MERGED_CHAIN))
     out.update({t: READERS_CHANGED for t, k in readers(model, static).items() if k != readers_before.get(t, k)})
     return out

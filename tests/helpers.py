@@ -860,7 +860,7 @@ def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -
 def weight_bias_unit(weight: str = "float", bias: str = "float", tail: tuple[str, ...] = ("Relu",),
                      branch: bool = False, input_dq: bool = True, op: str = "Conv") -> onnx.ModelProto:
     """x -> Q -> DQ -> Conv (or Gemm) -> `tail` -> Q -> DQ -> Sigmoid: `weight` "float" (an fp32 initializer) or
-    "dq" (an int8 one dequantized); `bias` "float", "none" or "2d" (a [O, 1] initializer, for a Gemm's C);
+    "dq" (an int8 one dequantized); `bias` "float", "none" or "2d" (a [1, O] initializer, for a Gemm's C);
     `branch`: the Conv's output is also read by a Sigmoid; `input_dq`: the Conv reads x itself."""
     rng = np.random.default_rng(5)
     c, o = 8, 16

@@ -181,3 +181,50 @@ def test_a_weight_bias_unit_stays_orts():
     assert any("WeightBiasQuantization" in str(r) for r in res.plan.rejects), [str(r) for r in res.plan.rejects]
     kept = [n.op_type for n in res.model.graph.node if n.domain == ""]
     assert kept[kept.index("Conv") - 1:kept.index("Conv") + 3] == ["DequantizeLinear", "Conv", "Relu", "QuantizeLinear"]
+
+
+def _ort_units(m: onnx.ModelProto, tmp_path, name: str) -> set[str]:
+    """The nodes ORT's BASIC level gives a quantized weight or bias (named after the Conv or Gemm)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+    ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return {n.name for n in onnx.load(so.optimized_model_filepath).graph.node
+            if n.op_type == "DequantizeLinear" and ("_weight_dq" in n.name or "_bias_dq" in n.name)}
+
+
+def _padded_gemm_unit() -> onnx.ModelProto:
+    """DQ -> Gemm (fp32 weight of 250 columns: rows not 16-byte aligned, which the rewrite pads where the GEMM is
+    cuBLAS's) -> Relu -> Q, at 8192 rows."""
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(np.array(v, dt), n) for n, v, dt in
+             (("sx", 0.02, np.float32), ("zx", 0, np.int8), ("sy", 0.05, np.float32), ("zy", -10, np.int8))]
+    inits += [numpy_helper.from_array((rng.standard_normal((256, 250)) * 0.1).astype(np.float32), "W"),
+              numpy_helper.from_array((rng.standard_normal(250) * 0.1).astype(np.float32), "B")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["qx"]),
+             helper.make_node("DequantizeLinear", ["qx", "sx", "zx"], ["dx"]),
+             helper.make_node("Gemm", ["dx", "W", "B"], ["c"], name="gemm"), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("QuantizeLinear", ["r", "sy", "zy"], ["qy"]),
+             helper.make_node("DequantizeLinear", ["qy", "sy", "zy"], ["y"])]
+    m = helper.make_model(helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TP.FLOAT, [8192, 256])],
+                                            [helper.make_tensor_value_info("y", TP.FLOAT, [8192, 250])], inits),
+                          opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    return m
+
+
+@pytest.mark.parametrize("case", ["conv", "conv_bias_only", "gemm_padded", "listed_inputs"])
+def test_ort_quantizes_the_same_units_in_the_output_as_in_the_input(case, tmp_path):
+    """Whatever the rewrite does around a unit (padding a Gemm's misaligned weight, fusing its neighbours), ORT's
+    WeightBiasQuantization finds in the optimized model the units it finds in the input, and no other."""
+    if case == "gemm_padded":
+        m = _padded_gemm_unit()
+    else:
+        m = weight_bias_unit(weight="dq" if case == "conv_bias_only" else "float")
+        if case == "listed_inputs":  # initializers also listed as graph inputs: ORT still quantizes them
+            m.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                                 for i in m.graph.initializer if i.name in ("W", "B"))
+    res = compile_model(m, {}, "sm_90")
+    want = _ort_units(m, tmp_path, "in")
+    assert want, "the case must be one ORT rewrites"
+    assert _ort_units(res.model, tmp_path, "out") == want
