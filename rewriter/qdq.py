@@ -136,17 +136,14 @@ def weight_bias_units(model: onnx.ModelProto) -> frozenset[str]:
     for n in g.node:
         for t in dict.fromkeys(t for t in n.input if t):
             readers_of.setdefault(t, []).append(n)
-    graph_inputs = {i.name for i in g.input} - consts
     dims = {t.name: tuple(t.dims) for t in g.initializer}
-
-    def constant(t: str, seen: frozenset = frozenset()) -> bool:
-        """Computed from constants alone (ORT's constant folding makes it one), not through a DQ (which it keeps)."""
-        if t in consts:
-            return True
-        n = producer.get(t)
-        if n is None or t in graph_inputs or n.op_type == "DequantizeLinear" or t in seen:
-            return False
-        return all(constant(x, seen | {t}) for x in n.input if x)
+    # tensors computed from constants alone (ORT's constant folding makes them constants), not through a DQ
+    # (which it keeps): in one pass, the nodes being in order
+    from_constants = set(consts)
+    for n in g.node:
+        if n.op_type != "DequantizeLinear" and any(n.input) and all(x in from_constants for x in n.input if x):
+            from_constants.update(o for o in n.output if o)
+    constant = from_constants.__contains__
 
     passes = ("Identity", "Dropout", "Cast", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "MaxPool", "Pad",
               "Flatten")
