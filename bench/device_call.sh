@@ -157,8 +157,9 @@ for name in "$@"; do
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/shipped" --no-tests --wheels .zoo-wheels \
         --models ppocr_det ppocr_rec magika --work "$WORK/shipped-work" "${BASE[@]}" ;;
     timeline-*)  # timeline-MODEL-DTYPE[-BATCH[-mha]]: one inference kernel by kernel (bench/timeline.py; batch 1
-      # unless given; -mha needs the batch): stock ORT, the default build and beside it a --pdl build (-mha: an --ort-attention on build,
-      # session 51's fp32 attention question), with and without CUDA graphs (kernel time, gaps, overlap)
+      # unless given; -mha needs the batch): stock ORT, the default build and beside it a --pdl build (-mha: an
+      # --ort-attention on build, session 51's fp32 attention question), with and without CUDA graphs (kernel
+      # time, gaps, overlap)
       IFS=- read -r _ model dtype tbatch textra <<<"$name"
       bflag=--pdl; [[ $textra == mha ]] && bflag="--ort-attention on"
       step "$name" 240 bash -c "M=\$(python3 -c \"from ortfuse.bench import zoo; print(zoo.build('$model', '$dtype', False))\" | tail -1) &&
