@@ -812,7 +812,7 @@ class _Lowerer:
         """Tensors of the region a QuantizeLinear reads through element-wise ops (`legal.exact_verdict`: only
         ops a kernel computes as ORT's do): part of the discrete cone, and with no FMA contraction either. A
         QuantizeLinear outside the region counts too where it reads one of the region's outputs through any ops
-        (another kernel's, which `legal.inexact_quantizers` admits, or ORT's): a product this kernel
+        (another kernel's exact ones, `legal.inexact_before_quantizers`, or ORT's): a product this kernel
         contracted into an FMA, or a division it made a reciprocal's product, would reach it an ulp off, and
         the quantized value a step off."""
         if not any(n.op_type == "QuantizeLinear" for n in self.g.nodes):
@@ -823,8 +823,8 @@ class _Lowerer:
 
     def _quantized_downstream(self, t: str) -> bool:
         """Whether a QuantizeLinear outside the region reads tensor `t`, through any ops but another Q (ORT's
-        ops pass an ulp on as they are given it; another kernel's too, which `legal.inexact_quantizers` judges
-        by their ops)."""
+        ops pass an ulp on as they are given it; another kernel's too, whose ops
+        `legal.inexact_before_quantizers` holds to exact ones)."""
         stack, seen = [t], set()
         while stack:
             x = stack.pop()

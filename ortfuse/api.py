@@ -45,7 +45,7 @@ from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel, at_binding, bindings
-from ortfuse.search.legal import inexact_quantizers
+from ortfuse.search.legal import inexact_before_quantizers
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -395,9 +395,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
             ort_qdq = left_to_ort(g.model, merged_in_input, qdq_readers, static_before, weight_bias_in_input)
             found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
                                 ort_qdq=ort_qdq)
-            # a fused Q reading another kernel's inexact value goes back to ORT; each search leaves more Qs to ORT,
-            # so this ends (one search more for the quantized RoBERTa and ResNet of docs/coverage.md)
-            while inexact := inexact_quantizers(g, found.regions):
+            # a kernel's inexact value that a quantizer reads (through any ops) goes back to ORT; each search leaves
+            # more nodes to ORT, so this ends
+            while inexact := inexact_before_quantizers(g, found.regions):
                 ort_qdq = {**ort_qdq, **inexact}
                 found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
                                     ort_qdq=ort_qdq)

@@ -188,8 +188,8 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
 
 # Ops a kernel computes exactly as ORT's ops do, given the same fp32 inputs, where a step op reads them
 # (`lower.discrete_cone`: each sum and product rounded once, IEEE division): arithmetic, selections, copies.
-# A QuantizeLinear too: it is only admitted where its own input is exact (`exact_verdict`, `inexact_quantizers`),
-# so a Q whose cone reaches one in another kernel reads ORT's value there (a quantized residual stream).
+# A QuantizeLinear too: it is only admitted where its own input is exact (`exact_verdict`), and no kernel computes
+# an inexact value any quantizer reads (`inexact_before_quantizers`), so a Q reads ORT's value everywhere.
 # Not Pad or MaxPool: ORT folds a Pad into the MaxPool after it (its padding then is -inf, not the Pad's value),
 # which a fused node hides from it; and the kernel's MaxPool drops a NaN where cuDNN's keeps it.
 EXACT_OPS = frozenset({
@@ -215,40 +215,54 @@ def _inexact(g: Graph, p: int) -> Optional[str]:
     return None
 
 
-def _cone(g: Graph, q: int, within: Container[int], through: bool = False) -> Iterator[int]:
-    """The nodes of `within` that QuantizeLinear q's input is computed by (the walk stops at another
-    QuantizeLinear: exact where admitted, its own cone is its own verdict's). It stops where it leaves `within`,
-    or with `through` walks on through the nodes outside (ORT's): ORT computes the same op in both models, so
-    its output equals the original's exactly where its inputs do, and a kernel's value before it matters as
-    much as one read directly."""
+def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
+    """The nodes of `within` that QuantizeLinear q's input is computed by, within it (the walk stops at another
+    QuantizeLinear: exact where admitted, its own cone is its own verdict's)."""
     stack, seen = [g.nodes[q].input[0]], set()
     while stack:
         t = stack.pop()
         p = g.producer.get(t)
-        if t in seen or p is None or (p not in within and not through):
+        if t in seen or p is None or p not in within:
             continue
         seen.add(t)
-        if p in within:
-            yield p
-        if g.nodes[p].op_type not in ("QuantizeLinear", "Shape", "Size"):  # (a shape is no value of its input)
+        yield p
+        if g.nodes[p].op_type != "QuantizeLinear":
             stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
 
 
-def inexact_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
-    """The QuantizeLinear outputs of `regions` whose value crosses into another fused kernel's inexact op, directly
-    or through ORT's ops (the region itself is checked by `exact_verdict`; ORT's own ops compute what they
-    compute in the input too, from the values they are given: a MatMul reading a LayerNorm a kernel computed
-    gives another product, and a Q after it another step), with the reason: `api` plans again with those Qs
-    left to ORT."""
+# ops that round a float to a step: a Q, or ORT's dynamic quantizer (its scale from the tensor's min and max)
+_QUANTIZING = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
+
+
+def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
+    """The outputs of fused nodes a kernel computes otherwise than ORT (`_inexact`: a LayerNorm's sums in another
+    order, an exp, a GEMM) whose value reaches a quantizer, fused or ORT's, with the reason: `api` plans again with
+    those nodes left to ORT. An ulp there moves an element a step at the quantizer, where the quantized value must
+    equal ORT's (on the GPU, a LayerNorm kernel read by ORT's Q put the quantized BERT's outputs 0.2 off; on the
+    CPU a fused node runs ORT's own ops, which hid it). The walk goes up from every quantizer through any ops,
+    kernels' and ORT's (ORT computes what it is given: a LayerNorm read by ORT's MatMul reaches the Q after it),
+    and stops at a QuantizeLinear (its value is its own cone's) or a shape (no value of its input); one walk for
+    all quantizers, each tensor once. A quantizer's own kernel holds only exact ops before it (`exact_verdict`)."""
     owner = {i: r.id for r in regions for i in r.nodes}
-    out = {}
-    for r in regions:
-        for q in (i for i in r.nodes if g.nodes[i].op_type == "QuantizeLinear"):
-            why = next((w for p in _cone(g, q, owner, through=True) if owner[p] != r.id for w in (_inexact(g, p),)
-                        if w), None)
-            if why:
-                out[g.nodes[q].output[0]] = (f"quantizes a value computed from {why} in another fused kernel, which "
-                                             "computes it otherwise than ORT: left to ORT")
+    out: dict[str, str] = {}
+    stack = [(n.input[0], q) for q, n in enumerate(g.nodes) if n.op_type in _QUANTIZING and n.input]
+    seen: set[str] = set()
+    while stack:
+        t, q = stack.pop()
+        p = g.producer.get(t)
+        if t in seen or p is None:
+            continue
+        seen.add(t)
+        why = _inexact(g, p) if p in owner else None
+        if why:
+            reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes "
+                      f"{why} otherwise than ORT (an element could move a step): left to ORT")
+            out.update((o, reason) for o in g.nodes[p].output if o)
+            if g.nodes[p].op_type == "Div":  # and the Muls ORT would make one division with it
+                out.update((g.nodes[c].output[0], reason) for c in g.consumers.get(g.nodes[p].output[0], ())
+                           if g.nodes[c].op_type == "Mul" and c in owner)
+        if g.nodes[p].op_type not in ("QuantizeLinear", "Shape", "Size"):
+            stack.extend((x, q) for _, x in ops.data_inputs(g.nodes[p]))
     return out
 
 

@@ -8,7 +8,7 @@ from onnx import TensorProto as TP, helper, numpy_helper
 
 from ortfuse.api import compile_model
 from ortfuse.config import Options
-from helpers import model
+from helpers import model, quantized_layernorm
 
 
 def _rejects(m: onnx.ModelProto) -> list[str]:
@@ -133,19 +133,37 @@ def _after_sigmoid(tail: list[onnx.NodeProto], out: str, scales: tuple[float, ..
                               helper.make_tensor_value_info("sg", TP.FLOAT, None)], inits)
 
 
-def test_a_quantizer_reading_another_kernels_inexact_value_stays_orts() -> None:
-    """Sigmoid's kernel writes sg (a graph output too); the Q of sg would join the next kernel, where it would
-    quantize a value the first kernel computed otherwise than ORT. `api` plans again with that Q left to ORT."""
+def _fused(res) -> set[str]:
+    return {res.graph.nodes[i].name or res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes}
+
+
+def _stays_orts(res, node: str, q: str) -> bool:
+    return any(f"'{node}'" in str(r) and f"reaches QuantizeLinear '{q}'" in str(r) for r in res.plan.rejects)
+
+
+def test_an_inexact_value_a_fused_quantizer_reads_stays_orts() -> None:
+    """Sigmoid's kernel writes sg (a graph output too) and the Q of sg joins the next kernel, which would quantize
+    a value the first kernel computed otherwise than ORT (an exp: an ulp, then a step). `api` plans again with the
+    Sigmoid left to ORT; the Q then quantizes ORT's value and stays fused."""
     m = _after_sigmoid([helper.make_node("Mul", ["dq", "db"], ["y"])], "y")
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
-    assert "Q" not in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
-    assert any("'Q'" in str(r) and "in another fused kernel" in str(r) for r in res.plan.rejects), \
-        [str(r) for r in res.plan.rejects]
+    assert "Sigmoid" not in _fused(res) and "Q" in _fused(res), sorted(_fused(res))
+    assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
 
 
-def test_a_quantizer_reading_an_inexact_value_through_orts_op_stays_orts() -> None:
+def test_a_layernorm_orts_quantizer_reads_stays_orts() -> None:
+    """The quantized BERT's residual stream: DQ + DQ -> Add -> LayerNorm -> Q. The Q cannot join the LayerNorm's
+    kernel (`exact_verdict`); ORT's Q reading the kernel's LayerNorm, whose sums run in another order than ORT's,
+    moved elements a step on the GPU (outputs 0.2 off). The LayerNorm stays ORT's, the Add stays fused."""
+    m = quantized_layernorm()
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "LN" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
+    assert _stays_orts(res, "LN", "Q"), [str(r) for r in res.plan.rejects]
+
+
+def test_an_inexact_value_read_through_orts_op_stays_orts() -> None:
     """As above with ORT's CumSum between Sigmoid's kernel and the Q: ORT's op computes what it is given, so the
-    kernel's Sigmoid reaches the Q through it (an ulp there is a step at the Q), and the Q stays ORT's."""
+    kernel's Sigmoid reaches the Q through it (an ulp there is a step at the Q): the Sigmoid stays ORT's."""
     nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
              helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
              helper.make_node("Sigmoid", ["m"], ["sg"]), helper.make_node("CumSum", ["sg", "axis"], ["cs"]),
@@ -158,23 +176,24 @@ def test_a_quantizer_reading_an_inexact_value_through_orts_op_stays_orts() -> No
               [helper.make_tensor_value_info("y", TP.FLOAT, None), helper.make_tensor_value_info("sg", TP.FLOAT, None)],
               inits)
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
-    fused = {res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes}
-    assert "Sigmoid" in fused and "Mul" in fused, sorted(fused)
-    assert "Q" not in {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
-    assert any("'Q'" in str(r) and "in another fused kernel" in str(r) for r in res.plan.rejects), \
-        [str(r) for r in res.plan.rejects]
+    assert "Sigmoid" not in _fused(res) and "Mul" in _fused(res), sorted(_fused(res))
+    assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
 
 
-def test_a_quantizer_after_one_left_to_ort_joins_its_kernel() -> None:
-    """As above, then Q -> DQ -> Add -> Q2: once Q is ORT's, Q2 quantizes ORT's values only (its cone stops at Q,
-    whose own verdict is its own), so Q2 joins its kernel instead of staying ORT's with it."""
+def test_orts_own_quantizer_keeps_its_input_exact() -> None:
+    """A Q that stays ORT's for its own reason (a scale computed at run time) reads the Sigmoid: the Sigmoid stays
+    ORT's too. Q2 after it quantizes ORT's values only (its cone stops at Q) and joins its kernel, exactly."""
     m = _after_sigmoid([helper.make_node("Add", ["dq", "db"], ["y"]),
                         helper.make_node("QuantizeLinear", ["y", "s3"], ["q2"], name="Q2"),
                         helper.make_node("DequantizeLinear", ["q2", "s3"], ["d2"]),
                         helper.make_node("Mul", ["d2", "da"], ["z"])], "z", (0.03,))
+    m.graph.node.insert(0, helper.make_node("Abs", ["s2in"], ["s2"]))  # the Q's scale, computed at run time
+    m.graph.initializer.remove(next(t for t in m.graph.initializer if t.name == "s2"))
+    m.graph.input.append(helper.make_tensor_value_info("s2in", TP.FLOAT, []))
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
-    fused = {res.graph.nodes[i].name for r in res.plan.regions for i in r.nodes}
-    assert "Q" not in fused and "Q2" in fused, (sorted(fused), [str(r) for r in res.plan.rejects])
+    assert "Q" not in _fused(res) and "Sigmoid" not in _fused(res) and "Q2" in _fused(res), \
+        (sorted(_fused(res)), [str(r) for r in res.plan.rejects])
+    assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
     from ortfuse.check import check_models
     rep = check_models(m, res.model, emulate=True)
     exact = [d.max_abs for _, ds in rep.kernels for d in ds if d.name == "z"] == [0.0]  # Q2's kernel
