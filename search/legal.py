@@ -230,8 +230,9 @@ def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
             stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
 
 
-# ops that round a float to a step: a Q, or ORT's dynamic quantizer (its scale from the tensor's min and max)
-_QUANTIZING = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
+# ops that round their float input (input 0) to steps: a Q, ORT's dynamic quantizers (the scale from the tensor's
+# min and max; com.microsoft's DynamicQuantizeMatMul quantizes its A so)
+_QUANTIZING = frozenset({"QuantizeLinear", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"})
 
 
 def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:

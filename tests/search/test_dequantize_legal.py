@@ -137,8 +137,8 @@ def _fused(res) -> set[str]:
     return {res.graph.nodes[i].name or res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes}
 
 
-def _stays_orts(res, node: str, q: str) -> bool:
-    return any(f"'{node}'" in str(r) and f"reaches QuantizeLinear '{q}'" in str(r) for r in res.plan.rejects)
+def _stays_orts(res, node: str, q: str, op: str = "QuantizeLinear") -> bool:
+    return any(f"'{node}'" in str(r) and f"reaches {op} '{q}'" in str(r) for r in res.plan.rejects)
 
 
 def test_an_inexact_value_a_fused_quantizer_reads_stays_orts() -> None:
@@ -198,3 +198,19 @@ def test_orts_own_quantizer_keeps_its_input_exact() -> None:
     rep = check_models(m, res.model, emulate=True)
     exact = [d.max_abs for _, ds in rep.kernels for d in ds if d.name == "z"] == [0.0]  # Q2's kernel
     assert rep.ok and exact, "\n".join(rep.lines())
+
+
+def test_a_dynamic_quantizers_input_stays_exact() -> None:
+    """quantize_dynamic's DynamicQuantizeLinear (ORT's: its scale from the tensor's min and max, then steps) reads
+    Sigmoid((x + x2) * x) * x + x2: the Sigmoid stays ORT's, the exact ops around it fuse."""
+    nodes = [helper.make_node("Add", ["x", "x2"], ["a"]), helper.make_node("Mul", ["a", "x"], ["s"]),
+             helper.make_node("Sigmoid", ["s"], ["sg"]),
+             helper.make_node("Mul", ["sg", "x"], ["p"]), helper.make_node("Add", ["p", "x2"], ["m"]),
+             helper.make_node("DynamicQuantizeLinear", ["m"], ["y", "ys", "yz"], name="DQL")]
+    m = model(nodes, [helper.make_tensor_value_info(t, TP.FLOAT, [64, 32]) for t in ("x", "x2")],
+              [helper.make_tensor_value_info("y", TP.UINT8, None), helper.make_tensor_value_info("ys", TP.FLOAT, None),
+               helper.make_tensor_value_info("yz", TP.UINT8, None)], [])
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "Sigmoid" not in _fused(res), sorted(_fused(res))
+    assert _stays_orts(res, "sg", "DQL", "DynamicQuantizeLinear") and {"Add", "Mul"} <= _fused(res), \
+        (sorted(_fused(res)), [str(r) for r in res.plan.rejects])
