@@ -45,7 +45,7 @@ from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel, at_binding, bindings
-from ortfuse.search.legal import inexact_before_quantizers
+from ortfuse.search.legal import inexact_before_quantizers, quantizer_readers
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -261,6 +261,11 @@ def _ort_attention_chosen(graph: Graph, plan_of: Callable[[Graph], Plan], cost: 
     return graph, notes
 
 
+def _quantizer_read(g: Graph) -> frozenset[str]:
+    """Outputs of the nodes whose values a quantizer reads (`legal.quantizer_readers`)."""
+    return frozenset(o for i in quantizer_readers(g) for o in g.nodes[i].output if o)
+
+
 def _attention_kind(g: Graph, form: MhaForm, frontier: bool) -> tuple:
     """Forms one MultiHeadAttention decision serves: the same signature and, where our kernel skips key tiles
     past a causal frontier, the same frontier (a model's global and sliding-window layers cost it apart)."""
@@ -398,6 +403,9 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
             # a kernel's inexact value that a quantizer reads (through any ops) goes back to ORT; each search leaves
             # more nodes to ORT, so this ends
             while inexact := inexact_before_quantizers(g, found.regions):
+                if stuck := sorted(inexact.keys() & ort_qdq.keys()):  # kept where the search was told to leave it
+                    raise AssertionError(f"internal error: kernels still compute {stuck[:3]}, which a quantizer "
+                                         "reads and which should stay ORT's")
                 ort_qdq = {**ort_qdq, **inexact}
                 found = search_plan(g, plan_tgt, cost, tf32=opts.tf32, ln_fold=opts.ln_fold, k_rope=opts.k_rope,
                                     ort_qdq=ort_qdq)
@@ -416,8 +424,10 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # Slices instead, ORT's alternative to the region gains three Slice kernels, and the estimate then takes
     # the attention the Split form leaves to ORT (ViT-B fp32); not one whose K may leave the attention for its
     # rotary embedding (`absorbed_selects`)
+    # (GEMMs whose values a quantizer reads stay as they are: cuBLAS may sum a packed or padded GEMM in
+    # another order, and an ulp there moves a quantized element a step; `legal.quantizer_readers`)
     graph, packed = pack_sibling_gemms(graph, lambda g: absorbed_selects(g, opts.k_rope), fused_outputs,
-                                       weight_bias_in_input)
+                                       weight_bias_in_input | _quantizer_read(graph))
     graph = compact(graph)
     if packed:
         say(f"{packed} MatMuls sharing an input became one MatMul per group, split or sliced where kernels read them")
@@ -430,7 +440,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # that pays: as --profile measures it, else as the cost model estimates it
     pays = _padding_measured(opts, say) if opts.profile else cost.padding_pays
     graph, aligned = pad_unaligned_gemms(graph, lambda g, i, wide: g.nodes[i].output[0] not in fused_outputs(g)
-                                         and g.nodes[i].output[0] not in weight_bias_in_input and pays(g, i, wide))
+                                         and g.nodes[i].output[0] not in weight_bias_in_input
+                                         and i not in quantizer_readers(g) and pays(g, i, wide))
     graph = compact(graph)
     if aligned:
         say(f"{aligned} GEMMs left to cuBLAS with misaligned rows got weights padded to 16-byte rows (and a "

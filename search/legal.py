@@ -235,17 +235,13 @@ def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
 _QUANTIZING = frozenset({"QuantizeLinear", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"})
 
 
-def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
-    """The outputs of fused nodes a kernel computes otherwise than ORT (`_inexact`: a LayerNorm's sums in another
-    order, an exp, a GEMM) whose value reaches a quantizer, fused or ORT's, with the reason: `api` plans again with
-    those nodes left to ORT. An ulp there moves an element a step at the quantizer, where the quantized value must
-    equal ORT's (on the GPU, a LayerNorm kernel read by ORT's Q put the quantized BERT's outputs 0.2 off; on the
-    CPU a fused node runs ORT's own ops, which hid it). The walk goes up from every quantizer through any ops,
-    kernels' and ORT's (ORT computes what it is given: a LayerNorm read by ORT's MatMul reaches the Q after it),
-    and stops at a QuantizeLinear (its value is its own cone's) or a shape (no value of its input); one walk for
-    all quantizers, each tensor once. A quantizer's own kernel holds only exact ops before it (`exact_verdict`)."""
-    owner = {i: r.id for r in regions for i in r.nodes}
-    out: dict[str, str] = {}
+@per_graph
+def quantizer_readers(g: Graph) -> dict[int, int]:
+    """Each node whose value a quantizer reads, through any ops up to the previous QuantizeLinear (its value is its
+    own cone's) or a shape (no value of its input), with the quantizer (the first the walk met): one walk up from
+    every quantizer, each tensor once. An ulp in such a node's value moves an element a step at the quantizer, so
+    whatever computes it must compute it exactly as ORT does in the input."""
+    readers: dict[int, int] = {}
     stack = [(n.input[0], q) for q, n in enumerate(g.nodes) if n.op_type in _QUANTIZING and n.input]
     seen: set[str] = set()
     while stack:
@@ -254,16 +250,33 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, 
         if t in seen or p is None:
             continue
         seen.add(t)
-        why = _inexact(g, p) if p in owner else None
-        if why:
-            reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes "
-                      f"{why} otherwise than ORT (an element could move a step): left to ORT")
-            out.update((o, reason) for o in g.nodes[p].output if o)
-            if g.nodes[p].op_type == "Div":  # and the Muls ORT would make one division with it
-                out.update((g.nodes[c].output[0], reason) for c in g.consumers.get(g.nodes[p].output[0], ())
-                           if g.nodes[c].op_type == "Mul" and c in owner)
+        readers.setdefault(p, q)
         if g.nodes[p].op_type not in ("QuantizeLinear", "Shape", "Size"):
             stack.extend((x, q) for _, x in ops.data_inputs(g.nodes[p]))
+    return readers
+
+
+def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
+    """The outputs of fused nodes a kernel computes otherwise than ORT (`_inexact`: a LayerNorm's sums in another
+    order, an exp, a GEMM) whose value reaches a quantizer, fused or ORT's (`quantizer_readers`: through any ops,
+    kernels' and ORT's, since ORT computes what it is given: a LayerNorm read by ORT's MatMul reaches the Q after
+    it), with the reason: `api` plans again with those nodes left to ORT. An ulp there moves an element a step at
+    the quantizer, where the quantized value must equal ORT's (on the GPU, a LayerNorm kernel read by ORT's Q put
+    the quantized BERT's outputs 0.2 off; on the CPU a fused node runs ORT's own ops, which hid it). A Div of a
+    constant numerator takes the Muls reading it along (ORT would make them one division). A quantizer's own
+    kernel holds only exact ops before it (`exact_verdict`)."""
+    owner = {i for r in regions for i in r.nodes}
+    out: dict[str, str] = {}
+    for p, q in quantizer_readers(g).items():
+        why = _inexact(g, p) if p in owner else None
+        if not why:
+            continue
+        reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes {why} "
+                  "otherwise than ORT (an element could move a step): left to ORT")
+        out.update((o, reason) for o in g.nodes[p].output if o)
+        if g.nodes[p].op_type == "Div":  # and the Muls ORT would make one division with it
+            out.update((g.nodes[c].output[0], reason) for c in g.consumers.get(g.nodes[p].output[0], ())
+                       if g.nodes[c].op_type == "Mul" and c in owner)
     return out
 
 

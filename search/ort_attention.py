@@ -13,6 +13,7 @@ import onnx
 
 from ortfuse.rewriter.graph import Dim, Graph
 from ortfuse.rewriter.mha import DTYPES, MhaForm
+from ortfuse.search import legal
 from ortfuse.search.attention import AttentionPattern
 
 
@@ -90,10 +91,16 @@ def _bias_fit(g: Graph, m: str, scores: tuple[Dim, ...], dtype: int) -> Optional
 
 
 def forms(g: Graph, patterns: Iterable[AttentionPattern]) -> tuple[list[MhaForm], list[tuple[str, str]]]:
-    """(forms, (Softmax, reason) for the patterns that have none)."""
+    """(forms, (Softmax, reason) for the patterns that have none). A pattern whose values a quantizer reads keeps
+    ORT's MatMul, Softmax and MatMul: MultiHeadAttention computes them otherwise, and an ulp there moves a
+    quantized element a step (`legal.quantizer_readers`; quantize_dynamic's attention output)."""
     out, refused = [], []
+    readers = legal.quantizer_readers(g)
     for p in patterns:
-        f = mha_form(g, p)
+        q = next((readers[i] for i in p.nodes if i in readers), None)
+        f = mha_form(g, p) if q is None else (f"its values reach {g.node_label(q)}, which rounds them to steps, and "
+                                             "MultiHeadAttention computes them otherwise than ORT's MatMul, Softmax "
+                                             "and MatMul")
         if isinstance(f, str):
             refused.append((g.node_label(p.softmax), f))
         else:

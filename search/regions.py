@@ -207,7 +207,14 @@ def _grow(g: Graph, cost: CostModel, check: Check, folds: dict[int, "norm_fold.N
     kernel on every K tile it loads (each of a head's query tiles, and each query head of a group, again):
     the whole-model estimate decides (`CostModel.attention_us` charges the kernel's rotation per tile)."""
     refusals: list[Reject] = []
-    found = _attention(g, cost, check, refusals, k_rope)
+    found = []
+    for f in _attention(g, cost, check, refusals, k_rope):
+        # a node a quantizer reads must stay ORT's (`legal.inexact_before_quantizers`): the phases leave it so
+        why = next((ort_qdq[o] for i in f.region.nodes for o in g.nodes[i].output if o in ort_qdq), None)
+        if why:
+            refusals.append(Reject(g.node_label(f.region.nodes[0]), f"attention not one kernel: {why}"))
+        else:
+            found.append(f)
     kind_of = {r: f.kind for f in found for r in (f.region, f.k_once) if r is not None}
     kept = [f.region for f in found]
     best = _grow_with(g, cost, check, folds, kept, list(refusals), ort_qdq)

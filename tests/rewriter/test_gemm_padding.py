@@ -176,3 +176,19 @@ def test_an_epilogue_on_misaligned_rows_reads_the_padded_gemm_through_its_slice(
     assert list(w.dims) == [256, 8008]
     rep = check_models(m, res.model, emulate=True, input_shapes={"x": (2, 3, 256)})
     assert rep.ok, "\n".join(rep.lines())
+
+
+def test_a_gemm_a_quantizer_reads_is_not_padded():
+    # cuBLAS may sum the padded GEMM in another order than the GEMM of the input, and an ulp moves the quantized
+    # logits a step: a GEMM whose values a QuantizeLinear reads stays as it is (without the Q it is padded)
+    from ortfuse.api import compile_model
+    from ortfuse.config import Options
+    m = lm_head(TP.FLOAT, k=256, n=8001)
+    m.graph.node[-1].output[0] = "y"
+    m.graph.node.append(node("QuantizeLinear", ["y", "s"], ["logits"]))
+    m.graph.initializer.append(const("s", np.array(0.05, np.float32), np.float32))
+    m.graph.output[0].type.tensor_type.elem_type = TP.UINT8
+    res = compile_model(m, None, "sm_90", options=Options(archs=(90,)))
+    assert [n.op_type for n in res.model.graph.node] == ["LayerNormalization", "MatMul", "QuantizeLinear"]
+    mm = next(n for n in res.model.graph.node if n.op_type == "MatMul")
+    assert list(next(t for t in res.model.graph.initializer if t.name == mm.input[1]).dims) == [256, 8001]

@@ -8,7 +8,7 @@ from onnx import TensorProto as TP, helper, numpy_helper
 
 from ortfuse.api import compile_model
 from ortfuse.config import Options
-from helpers import model, quantized_layernorm
+from helpers import model, plain_attention, quantized_layernorm
 
 
 def _rejects(m: onnx.ModelProto) -> list[str]:
@@ -214,3 +214,41 @@ def test_a_dynamic_quantizers_input_stays_exact() -> None:
     assert "Sigmoid" not in _fused(res), sorted(_fused(res))
     assert _stays_orts(res, "sg", "DQL", "DynamicQuantizeLinear") and {"Add", "Mul"} <= _fused(res), \
         (sorted(_fused(res)), [str(r) for r in res.plan.rejects])
+
+
+def test_an_attention_a_quantizer_reads_stays_orts() -> None:
+    """quantize_dynamic's RoBERTa: the attention's result goes to DynamicQuantizeLinear. The attention kernel
+    (online softmax, its own sums) is not ORT's MatMul -> Softmax -> MatMul, so the pattern is not taken: attention
+    regions, which skip the per-node verdicts, drop such a pattern themselves (before, the re-planning loop never
+    ended: each search took the same attention region again); and ORT's MultiHeadAttention is not offered it."""
+    m = _dynamically_quantized(plain_attention(TP.FLOAT, mask="none"))
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert all(r.kind != "attention" for r in res.plan.regions), [r.kind for r in res.plan.regions]
+    # nor ORT's MultiHeadAttention, which computes it otherwise too (it took the pattern before)
+    assert "MultiHeadAttention" not in [n.op_type for n in res.model.graph.node]
+    assert "Softmax" not in {res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes}
+    said = [str(r) for r in (*res.plan.rejects, *res.plan.refusals)]
+    assert any("attention not one kernel" in r and "DynamicQuantizeLinear 'DQL'" in r for r in said), said
+
+
+def test_projections_a_quantizer_reads_are_not_packed() -> None:
+    """The same with Q, K and V projected from one input: without the quantizer the three MatMuls become one
+    (`pack_sibling_gemms`); with it they stay three, since cuBLAS may sum a packed GEMM in another order."""
+    plain = compile_model(plain_attention(TP.FLOAT, mask="none", proj=True), {}, "sm_90",
+                          options=Options(archs=(90,)))
+    assert [n.op_type for n in plain.model.graph.node].count("MatMul") == 1
+    res = compile_model(_dynamically_quantized(plain_attention(TP.FLOAT, mask="none", proj=True)), {}, "sm_90",
+                        options=Options(archs=(90,)))
+    assert [n.op_type for n in res.model.graph.node].count("MatMul") == 5  # 3 projections, QK and PV
+
+
+def _dynamically_quantized(m: onnx.ModelProto) -> onnx.ModelProto:
+    """`m`'s output y quantized by DynamicQuantizeLinear (quantize_dynamic's form before a MatMulInteger)."""
+    m.graph.node.append(helper.make_node("DynamicQuantizeLinear", ["y"], ["yq", "ys", "yz"], name="DQL"))
+    (y,) = m.graph.output
+    dims = [d.dim_param or d.dim_value for d in y.type.tensor_type.shape.dim]
+    del m.graph.output[:]
+    m.graph.output.extend([helper.make_tensor_value_info("yq", TP.UINT8, dims),
+                           helper.make_tensor_value_info("ys", TP.FLOAT, []),
+                           helper.make_tensor_value_info("yz", TP.UINT8, [])])
+    return m
