@@ -811,20 +811,20 @@ class _Lowerer:
     def quantized_cone(self) -> frozenset[str]:
         """Tensors of the region a QuantizeLinear reads through element-wise ops (`legal.exact_verdict`: only
         ops a kernel computes as ORT's do): part of the discrete cone, and with no FMA contraction either. A
-        QuantizeLinear outside the region counts too where it reads one of the region's outputs through any ops
+        quantizer outside the region counts too where it reads one of the region's outputs through any ops
         (another kernel's exact ones, `legal.inexact_before_quantizers`, or ORT's): a product this kernel
         contracted into an FMA, or a division it made a reciprocal's product, would reach it an ulp off, and
         the quantized value a step off."""
-        if not any(n.op_type == "QuantizeLinear" for n in self.g.nodes):
+        if not any(n.op_type in legal.QUANTIZING for n in self.g.nodes):
             return frozenset()
         seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type == "QuantizeLinear"]
         read = [t for t in self.r.outputs if self._quantized_downstream(t)]
         return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"), read)
 
     def _quantized_downstream(self, t: str) -> bool:
-        """Whether a QuantizeLinear outside the region reads tensor `t`, through any ops but another Q (ORT's
-        ops pass an ulp on as they are given it; another kernel's too, whose ops
-        `legal.inexact_before_quantizers` holds to exact ones)."""
+        """Whether a quantizer outside the region (`legal.QUANTIZING`: a Q, a dynamic quantizer) reads tensor `t`,
+        as its data, scale or zero point, through any ops (ORT's ops pass an ulp on as they are given it; another
+        kernel's too, whose ops `legal.inexact_before_quantizers` holds to exact ones)."""
         stack, seen = [t], set()
         while stack:
             x = stack.pop()
@@ -833,10 +833,8 @@ class _Lowerer:
             seen.add(x)
             for c in self.g.consumers.get(x, ()):
                 n = self.g.nodes[c]
-                if n.op_type == "QuantizeLinear":
-                    if n.input and n.input[0] == x:
-                        return True
-                    continue
+                if n.op_type in legal.QUANTIZING:  # (its data, scale or zero point)
+                    return True
                 stack.extend(o for o in n.output if o)
         return False
 

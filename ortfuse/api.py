@@ -366,7 +366,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     if small:
         say(f"{small} small tensors computed from constants and static dims became constants")
     graph = _shapes_settled(graph, _shapes(input_shapes), folded + small, say)
-    graph, unflattened = unflatten_gemms(graph, weight_bias_in_input)  # (ORT quantizes a Gemm's weight, not a MatMul's)
+    # (ORT quantizes a Gemm's weight, not a MatMul's; and a MatMul + Add rounds where a Gemm's bias does not)
+    graph, unflattened = unflatten_gemms(graph, weight_bias_in_input | _quantizer_read(graph))
     if unflattened:
         say(f"{unflattened} Gemms between flattening Reshapes became MatMuls on the unflattened tensor")
     graph, _ = fold_constant_identities(graph)

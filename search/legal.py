@@ -2,6 +2,7 @@
 Only correctness lives here; whether fusing pays is `search.cost`'s call."""
 from __future__ import annotations
 
+import collections
 from typing import Container, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -210,9 +211,23 @@ def _inexact(g: Graph, p: int) -> Optional[str]:
         return g.node_label(p)
     if half:
         return f"half-precision '{half[0]}'"
-    if n.op_type == "Div" and n.input[0] in g.constants:
-        return f"{g.node_label(p)} (a constant divided, which ORT may fuse with a Mul after it)"
+    if _div_mul(g, p) is not None:
+        return f"{g.node_label(p)} (1 / x, which ORT divides the Mul after it by instead)"
     return None
+
+
+def _div_mul(g: Graph, p: int) -> Optional[int]:
+    """The Mul that ORT's DivMulFusion makes one division with Div node p (`1 / x * y` -> `y / x`, rounded once,
+    where a kernel rounds the reciprocal and the product), or None: p divides a one-element constant equal to 1,
+    its result is no graph output, and its one reader is that Mul (read in ORT's div_mul_fusion.cc)."""
+    n = g.nodes[p]
+    if n.op_type != "Div" or n.output[0] in g.graph_outputs:
+        return None
+    one = g.constants.get(n.input[0])
+    if one is None or np.size(one) != 1 or float(np.asarray(one, np.float64).reshape(-1)[0]) != 1.0:
+        return None
+    edges = [c for c in g.consumers.get(n.output[0], ()) for x in g.nodes[c].input if x == n.output[0]]
+    return edges[0] if len(edges) == 1 and g.nodes[edges[0]].op_type == "Mul" else None
 
 
 def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
@@ -230,29 +245,30 @@ def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
             stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
 
 
-# ops that round their float input (input 0) to steps: a Q, ORT's dynamic quantizers (the scale from the tensor's
-# min and max; com.microsoft's DynamicQuantizeMatMul quantizes its A so)
-_QUANTIZING = frozenset({"QuantizeLinear", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"})
+# ops that round float inputs to steps: a Q, ORT's dynamic quantizers (the scale from the tensor's min and max;
+# com.microsoft's DynamicQuantizeMatMul quantizes its A so)
+QUANTIZING = frozenset({"QuantizeLinear", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"})
 
 
 @per_graph
 def quantizer_readers(g: Graph) -> dict[int, int]:
-    """Each node whose value a quantizer reads, through any ops up to the previous QuantizeLinear (its value is its
-    own cone's) or a shape (no value of its input), with the quantizer (the first the walk met): one walk up from
-    every quantizer, each tensor once. An ulp in such a node's value moves an element a step at the quantizer, so
-    whatever computes it must compute it exactly as ORT does in the input."""
+    """Each node whose value a quantizer reads (its data, scale or zero point), through any ops and any of their
+    inputs up to the previous QuantizeLinear (its value is its own cone's) or a shape (no value of its input),
+    with the nearest such quantizer: one breadth-first walk up from every quantizer, each tensor once. An ulp in
+    such a node's value moves an element a step at the quantizer, so whatever computes it must compute it exactly
+    as ORT does in the input. (Not walked: the subgraphs of If and Loop.)"""
     readers: dict[int, int] = {}
-    stack = [(n.input[0], q) for q, n in enumerate(g.nodes) if n.op_type in _QUANTIZING and n.input]
+    todo = collections.deque((x, q) for q, n in enumerate(g.nodes) if n.op_type in QUANTIZING for x in n.input if x)
     seen: set[str] = set()
-    while stack:
-        t, q = stack.pop()
+    while todo:
+        t, q = todo.popleft()
         p = g.producer.get(t)
         if t in seen or p is None:
             continue
         seen.add(t)
         readers.setdefault(p, q)
         if g.nodes[p].op_type not in ("QuantizeLinear", "Shape", "Size"):
-            stack.extend((x, q) for _, x in ops.data_inputs(g.nodes[p]))
+            todo.extend((x, q) for x in g.nodes[p].input if x)
     return readers
 
 
@@ -262,21 +278,26 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, 
     kernels' and ORT's, since ORT computes what it is given: a LayerNorm read by ORT's MatMul reaches the Q after
     it), with the reason: `api` plans again with those nodes left to ORT. An ulp there moves an element a step at
     the quantizer, where the quantized value must equal ORT's (on the GPU, a LayerNorm kernel read by ORT's Q put
-    the quantized BERT's outputs 0.2 off; on the CPU a fused node runs ORT's own ops, which hid it). A Div of a
-    constant numerator takes the Muls reading it along (ORT would make them one division). A quantizer's own
-    kernel holds only exact ops before it (`exact_verdict`)."""
+    the quantized BERT's outputs 0.2 off; on the CPU a fused node runs ORT's own ops, which hid it). ORT's
+    DivMulFusion makes `1 / x * y` one division: such a Div and its Mul stay ORT's together. A quantizer's own
+    kernel holds only exact ops before it (`exact_verdict`).
+    Premise, not checked beyond DivMulFusion: ORT runs the nodes left to it as it runs them in the input. Its
+    fusions of several ops (a LayerNorm written as its ops, a GELU) cannot span a fused node, so where one of
+    their exact ops is fused and a quantizer reads the result, ORT computes the rest unfused where it fused all."""
     owner = {i for r in regions for i in r.nodes}
     out: dict[str, str] = {}
     for p, q in quantizer_readers(g).items():
+        pair = _div_mul(g, p)
         why = _inexact(g, p) if p in owner else None
-        if not why:
-            continue
-        reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes {why} "
-                  "otherwise than ORT (an element could move a step): left to ORT")
-        out.update((o, reason) for o in g.nodes[p].output if o)
-        if g.nodes[p].op_type == "Div":  # and the Muls ORT would make one division with it
-            out.update((g.nodes[c].output[0], reason) for c in g.consumers.get(g.nodes[p].output[0], ())
-                       if g.nodes[c].op_type == "Mul" and c in owner)
+        if why:
+            reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes {why} "
+                      "otherwise than ORT (an element could move a step): left to ORT")
+            out.update((o, reason) for o in g.nodes[p].output if o)
+        if pair is not None and pair in owner and (why or p not in owner):
+            out[g.nodes[pair].output[0]] = (
+                f"its value reaches {g.node_label(q)}, which rounds it to a step, and ORT divides by the reciprocal "
+                f"{g.node_label(p)} computes instead (DivMulFusion), rounding once where apart they round twice: "
+                "left to ORT with it")
     return out
 
 

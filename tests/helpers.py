@@ -858,18 +858,20 @@ def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -
 
 
 def quantized_layernorm(rows: int | str = 4, width: int = 32) -> onnx.ModelProto:
-    """A quantized residual stream as quantize_static writes BERT's: DQ(a) + DQ(c) -> Add -> LayerNormalization
-    -> Q -> DQ -> y, a, c int8 [rows, width]."""
+    """A quantized residual stream as quantize_static writes BERT's: DQ(a) + DQ(c) -> Add -> Q -> DQ ->
+    LayerNormalization -> Q -> DQ -> y, a, c int8 [rows, width]."""
     rng = np.random.default_rng(3)
-    inits = [numpy_helper.from_array(np.array(v, np.float32), f"s{k}") for k, v in enumerate((0.02, 0.035), 1)]
+    inits = [numpy_helper.from_array(np.array(v, np.float32), f"s{k}") for k, v in enumerate((0.02, 0.03, 0.035), 1)]
     inits += [numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), "g"),
               numpy_helper.from_array(rng.uniform(-0.1, 0.1, width).astype(np.float32), "b"),
               numpy_helper.from_array(np.array(4, np.int8), "z")]
     nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
              helper.make_node("DequantizeLinear", ["c", "s1"], ["dc"]), helper.make_node("Add", ["da", "dc"], ["m"]),
-             helper.make_node("LayerNormalization", ["m", "g", "b"], ["ln"], name="LN", axis=-1),
-             helper.make_node("QuantizeLinear", ["ln", "s2", "z"], ["q"], name="Q"),
-             helper.make_node("DequantizeLinear", ["q", "s2", "z"], ["y"])]
+             helper.make_node("QuantizeLinear", ["m", "s2", "z"], ["mq"]),
+             helper.make_node("DequantizeLinear", ["mq", "s2", "z"], ["md"]),
+             helper.make_node("LayerNormalization", ["md", "g", "b"], ["ln"], name="LN", axis=-1),
+             helper.make_node("QuantizeLinear", ["ln", "s3", "z"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s3", "z"], ["y"])]
     return model(nodes, [helper.make_tensor_value_info(t, onnx.TensorProto.INT8, [rows, width]) for t in "ac"],
                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
 

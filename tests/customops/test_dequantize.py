@@ -229,13 +229,14 @@ def test_a_value_a_quantizer_elsewhere_reads_is_never_contracted(downstream: boo
 
 @pytest.mark.parametrize("middle,fp16,scale,why", [
     ("sigmoid", False, 0.037, "reaches QuantizeLinear 'Q'"),
-    ("reciprocal", False, 0.037, "a constant divided"),
+    ("reciprocal", False, 0.037, "1 / x, which ORT divides the Mul after it by instead"),
     ("add", True, 0.037, "quantizes FLOAT16"),
     ("add", False, float("inf"), "not a finite positive number")])
 def test_a_quantizer_stays_orts_where_a_kernel_could_move_a_step(middle, fp16, scale, why) -> None:
-    """After an op a kernel computes otherwise than ORT (a Sigmoid, which then stays ORT's as well, as does a
-    Div by which ORT would divide once where a kernel multiplies by a reciprocal), in half precision (ORT rounds op
-    by op), or at a scale that makes x / scale NaN (ORT's CPU and CUDA kernels disagree there), the Q stays ORT's."""
+    """After an op a kernel computes otherwise than ORT (a Sigmoid; a reciprocal ORT divides by instead), in half
+    precision (ORT rounds op by op), or at a scale that makes x / scale NaN (ORT's CPU and CUDA kernels disagree
+    there), the Q stays ORT's. The Sigmoid and the reciprocal's Div and Mul then stay ORT's too
+    (`legal.inexact_before_quantizers`), and the Q alone would save nothing: the reason matched is theirs."""
     res = _optimized(requantized(middle, fp16, scale))
     fused = [res.graph.nodes[i].op_type for r in res.plan.regions for i in r.nodes]
     assert "QuantizeLinear" not in fused, fused

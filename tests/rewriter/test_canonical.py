@@ -971,3 +971,16 @@ def test_small_values_of_initializers_a_user_may_feed_stay(ir, listed, folded):
     m.ir_version = ir
     g, n = fold_small_values(build_graph(m, {}))
     assert n == folded and [x.op_type for x in g.nodes] == (["Reshape"] if folded else ["Add", "Reshape"])
+
+
+def test_a_gemm_a_quantizer_reads_stays_a_gemm():
+    # cuBLAS adds a Gemm's bias in its epilogue, where MatMul + Add rounds twice: a Gemm whose values a
+    # QuantizeLinear reads is not unflattened (an ulp moves a quantized element a step); without the Q it is
+    from ortfuse.api import compile_model
+    m = _conv1d(act=False)
+    assert "Gemm" not in [n.op_type for n in compile_model(m, None, "sm_90").model.graph.node]
+    m.graph.node.append(node("QuantizeLinear", ["y", "qs"], ["q"]))
+    m.graph.initializer.append(const("qs", np.array(0.05, np.float32), np.float32))
+    m.graph.output[0].CopyFrom(vi("q", TP.UINT8, ["batch", "seq", 40]))
+    res = compile_model(m, None, "sm_90")
+    assert "Gemm" in [n.op_type for n in res.model.graph.node], [n.op_type for n in res.model.graph.node]

@@ -1,6 +1,9 @@
 """search.legal: which DequantizeLinear nodes may join a fused kernel, and why the others stay ORT's."""
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import numpy as np
 import onnx
 import pytest
@@ -8,6 +11,8 @@ from onnx import TensorProto as TP, helper, numpy_helper
 
 from ortfuse.api import compile_model
 from ortfuse.config import Options
+from ortfuse.rewriter.shapes import build_graph
+from ortfuse.search.legal import inexact_before_quantizers
 from helpers import model, plain_attention, quantized_layernorm
 
 
@@ -214,6 +219,10 @@ def test_a_dynamic_quantizers_input_stays_exact() -> None:
     assert "Sigmoid" not in _fused(res), sorted(_fused(res))
     assert _stays_orts(res, "sg", "DQL", "DynamicQuantizeLinear") and {"Add", "Mul"} <= _fused(res), \
         (sorted(_fused(res)), [str(r) for r in res.plan.rejects])
+    # and each sum and product is rounded once, as ORT's (no FMA: one ulp at the min or max moves the scale)
+    for k in res.kernels:
+        src = k.compiled.source
+        assert not re.search(r"const float v\d+ = \(v\d+ [-+*] ", src) and "__fmul_rn(" in src, src
 
 
 def test_an_attention_a_quantizer_reads_stays_orts() -> None:
@@ -252,3 +261,47 @@ def _dynamically_quantized(m: onnx.ModelProto) -> onnx.ModelProto:
                            helper.make_tensor_value_info("ys", TP.FLOAT, []),
                            helper.make_tensor_value_info("yz", TP.UINT8, [])])
     return m
+
+
+def test_a_quantizers_scale_is_kept_exact_too() -> None:
+    """A per-row scale computed at run time (Mul -> ReduceL2 -> Add) and read by ORT's Q: the scale moves every
+    step of its row, so the ReduceL2 a kernel would sum in its own order stays ORT's."""
+    inits = [numpy_helper.from_array(np.array(0.37, np.float32), "c"),
+             numpy_helper.from_array(np.array(1e-3, np.float32), "eps"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax")]
+    nodes = [helper.make_node("Mul", ["x", "c"], ["xc"]),
+             helper.make_node("ReduceL2", ["xc", "ax"], ["r"], name="L2", keepdims=0),
+             helper.make_node("Add", ["r", "eps"], ["s"]),
+             helper.make_node("QuantizeLinear", ["x", "s"], ["q"], name="Q", axis=0),
+             helper.make_node("DequantizeLinear", ["q", "s"], ["y"], axis=0)]
+    m = model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [512, 768])],
+              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "L2" not in _fused(res) and _stays_orts(res, "L2", "Q"), \
+        (sorted(_fused(res)), [str(r) for r in res.plan.rejects])
+
+
+def test_a_reciprocal_orts_and_its_product_stay_together() -> None:
+    """1 / exp(a + b) * c before a Q: ORT's DivMulFusion makes the Div and the Mul one division, so neither is
+    fused (the Mul fused alone, beside ORT's Div, would round the product apart); where the Div's result is a
+    graph output too ORT does not fuse them, and both may join kernels (an IEEE division is exact)."""
+    def built(div_out: bool) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+                 numpy_helper.from_array(np.array(0.02, np.float32), "s")]
+        nodes = [helper.make_node("Add", ["a", "b"], ["ab"]), helper.make_node("Exp", ["ab"], ["e"]),
+                 helper.make_node("Div", ["one", "e"], ["r"], name="D"),
+                 helper.make_node("Mul", ["r", "c"], ["m"], name="M"), helper.make_node("Relu", ["m"], ["rl"]),
+                 helper.make_node("QuantizeLinear", ["rl", "s"], ["q"], name="Q"),
+                 helper.make_node("DequantizeLinear", ["q", "s"], ["y"])]
+        outs = [helper.make_tensor_value_info("y", TP.FLOAT, None)]
+        if div_out:
+            outs.append(helper.make_tensor_value_info("r", TP.FLOAT, None))
+        return model(nodes, [helper.make_tensor_value_info(t, TP.FLOAT, [64, 32]) for t in "abc"], outs, inits)
+    fused = compile_model(built(False), {}, "sm_90", options=Options(archs=(90,)))
+    assert not {"D", "M"} & _fused(fused), (sorted(_fused(fused)), [str(r) for r in fused.plan.rejects])
+    apart = compile_model(built(True), {}, "sm_90", options=Options(archs=(90,)))
+    assert {"D", "M"} <= _fused(apart), (sorted(_fused(apart)), [str(r) for r in apart.plan.rejects])
+    g = build_graph(built(False), {})
+    mul = next(i for i, n in enumerate(g.nodes) if n.name == "M")
+    why = inexact_before_quantizers(g, [SimpleNamespace(nodes=(mul,))])  # the Mul fused, the Div ORT's
+    assert list(why) == ["m"] and "DivMulFusion" in why["m"], why
