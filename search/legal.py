@@ -190,7 +190,7 @@ def quantizer_verdict(g: Graph, n: onnx.NodeProto) -> Optional[str]:
 # Ops a kernel computes exactly as ORT's ops do, given the same fp32 inputs, where a step op reads them
 # (`lower.discrete_cone`: each sum and product rounded once, IEEE division): arithmetic, selections, copies.
 # A QuantizeLinear too: it is only admitted where its own input is exact (`exact_verdict`), and no kernel computes
-# an inexact value any quantizer reads (`inexact_before_quantizers`), so a Q reads ORT's value everywhere.
+# an inexact value any quantizer reads (`inexact_before_quantizers`).
 # Not Pad or MaxPool: ORT folds a Pad into the MaxPool after it (its padding then is -inf, not the Pad's value),
 # which a fused node hides from it; and the kernel's MaxPool drops a NaN where cuDNN's keeps it.
 EXACT_OPS = frozenset({
