@@ -28,6 +28,11 @@ from ortfuse.rewriter.replace import save_model
 RTOL = {"fp32": 1e-5, "fp16": 1e-2}
 # fp32 models optimized with tf32 GEMMs (metadata "ortfuse.tf32"): 10-bit mantissa operands, normwise
 TF32_RTOL = 5e-3
+# Both models on the CUDA EP: fp32 GEMMs and Convs in fp32 (ORT's default runs them on TF32), and each Conv's
+# cuDNN algorithm by cuDNN's heuristic, which picks the same one for the same convolution every time (ORT's
+# default, EXHAUSTIVE, times the candidates in each session and may pick another in each, summing in another
+# order: a quantized CNN's Qs then differ by a step between two runs of the same model).
+CUDA_PARITY = ("CUDAExecutionProvider", {"use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC"})
 # The smallest scale an output of these ops is measured against. ORT CPU's Sigmoid (MLAS) has an absolute
 # error of up to 1e-7 (measured against float64 on [-20, 0]: 23% relative at -15, 0 below -18), so an
 # output whose values are all saturated near 0 is compared on the scale of the op's range, not of its values.
@@ -210,7 +215,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
     label = os.fspath(original) if isinstance(original, (str, os.PathLike)) else "the original model"
     if provider == "cuda":
         from ortfuse.runtime import InferenceSession
-        providers: list = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+        providers: list = [CUDA_PARITY]
         ref_sess, out_sess = _reference(src, providers, label), _session(opt, providers, cls=InferenceSession)
         ref_model, out_model, ref_sh, out_sh = src, opt, None, None
     elif provider == "cpu":

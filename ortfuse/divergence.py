@@ -23,8 +23,8 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from ortfuse.check import (Diff, _dtypes, _on_cpu, _reference, _run, _seeded, _session, _with_outputs, _with_pins,
-                           compare, pinned_shapes)
+from ortfuse.check import (CUDA_PARITY, Diff, _dtypes, _on_cpu, _reference, _run, _seeded, _session, _with_outputs,
+                           _with_pins, compare, pinned_shapes)
 from ortfuse.errors import InputError, ParityError
 from ortfuse.feeds import random_feeds
 from ortfuse.rewriter.load import load_model
@@ -130,7 +130,7 @@ def trace_models(original, optimized, provider: str = "cpu", input_shapes: Optio
     label = os.fspath(original) if isinstance(original, (str, os.PathLike)) else "the original model"
     if provider == "cuda":
         from ortfuse.runtime import InferenceSession
-        providers: list = [("CUDAExecutionProvider", {"use_tf32": "0"})]
+        providers: list = [CUDA_PARITY]
 
         def both(ref_model: onnx.ModelProto, opt_model: onnx.ModelProto, wanted: list[str]) -> tuple[list, list]:
             rs = _reference(ref_model, providers, label)
