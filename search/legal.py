@@ -241,7 +241,7 @@ def _cone(g: Graph, q: int, within: Container[int]) -> Iterator[int]:
             continue
         seen.add(t)
         yield p
-        if g.nodes[p].op_type != "QuantizeLinear":
+        if g.nodes[p].op_type not in ("QuantizeLinear", "Shape", "Size"):  # (a shape is no value of its input)
             stack.extend(x for _, x in ops.data_inputs(g.nodes[p]))
 
 
