@@ -157,9 +157,10 @@ def test_an_inexact_value_a_fused_quantizer_reads_stays_orts() -> None:
 
 
 def test_a_layernorm_orts_quantizer_reads_stays_orts() -> None:
-    """The quantized BERT's residual stream: DQ + DQ -> Add -> LayerNorm -> Q. The Q cannot join the LayerNorm's
-    kernel (`exact_verdict`); ORT's Q reading the kernel's LayerNorm, whose sums run in another order than ORT's,
-    moved elements a step on the GPU (outputs 0.2 off). The LayerNorm stays ORT's, the Add stays fused."""
+    """The quantized BERT's residual stream: DQ + DQ -> Add -> Q -> DQ -> LayerNorm -> Q. The last Q cannot join
+    the LayerNorm's kernel (`exact_verdict`); ORT's Q reading the kernel's LayerNorm, whose sums run in another
+    order than ORT's, moved elements a step on the GPU (outputs 0.2 off). The LayerNorm stays ORT's, the Add
+    stays fused."""
     m = quantized_layernorm()
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     assert "LN" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
