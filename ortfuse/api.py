@@ -39,13 +39,14 @@ from ortfuse.rewriter.qdq import (keep_readers_as_input, left_to_ort, merged_cha
                                   weight_bias_units)
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.ort_folding import left_folded
+from ortfuse.rewriter.ort_fusions import ort_fusion_units
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.rewriter.weights import WeightStore, materialized
 from ortfuse.search import ops, ort_attention
 from ortfuse.search.attention import absorbed_selects, find_attention
 from ortfuse.search.cost import CostModel, at_binding, bindings
-from ortfuse.search.legal import inexact_before_quantizers, quantizer_readers
+from ortfuse.search.legal import QUANTIZING, inexact_before_quantizers, quantizer_readers
 from ortfuse.search.plan import Plan, Region
 from ortfuse.search.regions import plan as search_plan
 
@@ -343,6 +344,8 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     qdq_readers, merged_before = readers(model, static_before), merged_pairs(model, static_before)
     merged_in_input = merged_chain_outputs(model)  # (in the input as ORT runs it)
     weight_bias_in_input = weight_bias_units(model)
+    # ORT's fusions of several ops in the input, where a quantizer may read them (`legal.inexact_before_quantizers`)
+    fusion_units = ort_fusion_units(model) if any(n.op_type in QUANTIZING for n in model.graph.node) else ()
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
@@ -403,7 +406,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
                                 ort_qdq=ort_qdq)
             # a kernel's inexact value that a quantizer reads (through any ops) goes back to ORT; each search leaves
             # more nodes to ORT, so this ends
-            while inexact := inexact_before_quantizers(g, found.regions):
+            while inexact := inexact_before_quantizers(g, found.regions, fusion_units):
                 if stuck := sorted(inexact.keys() & ort_qdq.keys()):  # kept where the search was told to leave it
                     raise AssertionError(f"internal error: kernels still compute {stuck[:3]}, which a quantizer "
                                          "reads and which should stay ORT's")

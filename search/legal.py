@@ -272,7 +272,8 @@ def quantizer_readers(g: Graph) -> dict[int, int]:
     return readers
 
 
-def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, str]:
+def inexact_before_quantizers(g: Graph, regions: Iterable[Region],
+                              units: Sequence[tuple[str, frozenset[str]]] = ()) -> dict[str, str]:
     """The outputs of fused nodes a kernel computes otherwise than ORT (`_inexact`: a LayerNorm's sums in another
     order, an exp, a GEMM) whose value reaches a quantizer, fused or ORT's (`quantizer_readers`: through any ops,
     kernels' and ORT's, since ORT computes what it is given: a LayerNorm read by ORT's MatMul reaches the Q after
@@ -281,12 +282,22 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region]) -> dict[str, 
     the quantized BERT's outputs 0.2 off; on the CPU a fused node runs ORT's own ops, which hid it). ORT's
     DivMulFusion makes `1 / x * y` one division: such a Div and its Mul stay ORT's together. A quantizer's own
     kernel holds only exact ops before it (`exact_verdict`).
-    Premise, not checked beyond DivMulFusion: ORT runs the nodes left to it as it runs them in the input. Its
-    fusions of several ops (a LayerNorm written as its ops, a GELU) cannot span a fused node, so where one of
-    their exact ops is fused and a quantizer reads the result, ORT computes the rest unfused where it fused all."""
+    ORT runs the nodes left to it as it runs them in the input only where none of its fusions of several ops
+    (`units`: `rewriter.ort_fusions`, a GELU as one Gelu, an Add and a LayerNorm as one SkipLayerNormalization)
+    spans a fused node: a fusion a quantizer reads stays ORT's whole, where a kernel would take part of it (its
+    exact ops too: ORT's fused kernel rounds otherwise than the ops apart)."""
     owner = {i for r in regions for i in r.nodes}
     out: dict[str, str] = {}
-    for p, q in quantizer_readers(g).items():
+    readers = quantizer_readers(g)
+    for op, names in units:
+        nodes = {g.producer[t] for t in names if t in g.producer}
+        q = next((readers[i] for i in sorted(nodes) if i in readers), None)
+        if q is None or not nodes & owner:
+            continue
+        reason = (f"ORT fuses it with {len(nodes) - 1} more nodes into one {op} in the input, whose value reaches "
+                  f"{g.node_label(q)}, which rounds it to a step: left to ORT with them")
+        out.update((o, reason) for i in sorted(nodes & owner) for o in g.nodes[i].output if o)
+    for p, q in readers.items():
         pair = _div_mul(g, p)
         why = _inexact(g, p) if p in owner else None
         if why:

@@ -857,6 +857,29 @@ def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -
                  [helper.make_tensor_value_info("y", onnx.TensorProto.INT8, None)], inits, opset=19 if fp16 else 18)
 
 
+def gelu_mlp(dql: bool = False) -> onnx.ModelProto:
+    """x @ w + bias, then the erf GELU as exporters write it (Div, Erf, Add, Mul, Mul); with `dql` its result goes
+    to DynamicQuantizeLinear, as quantize_dynamic writes the input of the next MatMulInteger."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((32, 48)) * 0.1).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal(48) * 0.1).astype(np.float32), "bias"),
+             numpy_helper.from_array(np.array(1.4142135381698608, np.float32), "sqrt2"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
+             helper.make_node("Add", ["mm", "bias"], ["h"], name="bias_add"),
+             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="div"), helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["p"]),
+             helper.make_node("Mul", ["p", "half"], ["g"])]
+    outs = [helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, ["n", 48])]
+    if dql:
+        nodes.append(helper.make_node("DynamicQuantizeLinear", ["g"], ["y", "ys", "yz"], name="DQL"))
+        outs = [helper.make_tensor_value_info("y", onnx.TensorProto.UINT8, ["n", 48]),
+                helper.make_tensor_value_info("ys", onnx.TensorProto.FLOAT, []),
+                helper.make_tensor_value_info("yz", onnx.TensorProto.UINT8, [])]
+    return model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 32])], outs, inits)
+
+
 def quantized_layernorm(rows: int | str = 4, width: int = 32) -> onnx.ModelProto:
     """A quantized residual stream as quantize_static writes BERT's: DQ(a) + DQ(c) -> Add -> Q -> DQ ->
     LayerNormalization -> Q -> DQ -> y, a, c int8 [rows, width]."""

@@ -13,7 +13,7 @@ from ortfuse.api import compile_model
 from ortfuse.config import Options
 from ortfuse.rewriter.shapes import build_graph
 from ortfuse.search.legal import inexact_before_quantizers
-from helpers import model, plain_attention, quantized_layernorm
+from helpers import gelu_mlp, model, plain_attention, quantized_layernorm
 
 
 def _rejects(m: onnx.ModelProto) -> list[str]:
@@ -306,3 +306,17 @@ def test_a_reciprocal_orts_and_its_product_stay_together() -> None:
     mul = next(i for i, n in enumerate(g.nodes) if n.name == "M")
     why = inexact_before_quantizers(g, [SimpleNamespace(nodes=(mul,))])  # the Mul fused, the Div ORT's
     assert list(why) == ["m"] and "DivMulFusion" in why["m"], why
+
+
+def test_a_fusion_of_orts_a_quantizer_reads_stays_whole() -> None:
+    """quantize_dynamic's MLP: x @ w + bias, the erf GELU, DynamicQuantizeLinear. In the input ORT runs one Gemm
+    and one Gelu (`rewriter.ort_fusions`), each rounding otherwise than the ops apart; a kernel taking the GELU's
+    exact ops (the Erf being ORT's) would leave ORT the Erf alone. So nothing of either fusion is fused; without
+    the quantizer all of it is one kernel."""
+    plain = compile_model(gelu_mlp(), {}, "sm_90", options=Options(archs=(90,)))
+    assert [len(r.nodes) for r in plain.plan.regions] == [7]
+    res = compile_model(gelu_mlp(dql=True), {}, "sm_90", options=Options(archs=(90,)))
+    assert not res.plan.regions, [sorted(res.graph.nodes[i].op_type for i in r.nodes) for r in res.plan.regions]
+    said = [str(r) for r in res.plan.rejects]
+    assert any("'div'" in r and "into one Gelu in the input" in r for r in said), said
+    assert any("'bias_add'" in r and "into one Gemm in the input" in r for r in said), said
