@@ -47,7 +47,9 @@ def ort_fusion_units(model: onnx.ModelProto) -> tuple[tuple[str, frozenset[str]]
     kept = [t for t in inits if not is_stub(t)]
     del inits[:]
     inits.extend(kept)
-    probe.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in stubs)
+    listed = {i.name for i in probe.graph.input}  # (before IR 4, initializers are listed as inputs too)
+    probe.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in stubs if t.name not in listed)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.add_session_config_entry("session.disable_quant_qdq", "1")

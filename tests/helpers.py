@@ -857,11 +857,11 @@ def requantized(middle: str = "add", fp16: bool = False, scale: float = 0.037) -
                  [helper.make_tensor_value_info("y", onnx.TensorProto.INT8, None)], inits, opset=19 if fp16 else 18)
 
 
-def gelu_mlp(dql: bool = False) -> onnx.ModelProto:
-    """x @ w + bias, then the erf GELU as exporters write it (Div, Erf, Add, Mul, Mul); with `dql` its result goes
-    to DynamicQuantizeLinear, as quantize_dynamic writes the input of the next MatMulInteger."""
+def gelu_mlp(dql: bool = False, k: int = 32) -> onnx.ModelProto:
+    """x [n, k] @ w + bias, then the erf GELU as exporters write it (Div, Erf, Add, Mul, Mul); with `dql` its result
+    goes to DynamicQuantizeLinear, as quantize_dynamic writes the input of the next MatMulInteger."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((32, 48)) * 0.1).astype(np.float32), "w"),
+    inits = [numpy_helper.from_array((rng.standard_normal((k, 48)) * 0.1).astype(np.float32), "w"),
              numpy_helper.from_array((rng.standard_normal(48) * 0.1).astype(np.float32), "bias"),
              numpy_helper.from_array(np.array(1.4142135381698608, np.float32), "sqrt2"),
              numpy_helper.from_array(np.array(1.0, np.float32), "one"),
@@ -877,7 +877,7 @@ def gelu_mlp(dql: bool = False) -> onnx.ModelProto:
         outs = [helper.make_tensor_value_info("y", onnx.TensorProto.UINT8, ["n", 48]),
                 helper.make_tensor_value_info("ys", onnx.TensorProto.FLOAT, []),
                 helper.make_tensor_value_info("yz", onnx.TensorProto.UINT8, [])]
-    return model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 32])], outs, inits)
+    return model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", k])], outs, inits)
 
 
 def quantized_layernorm(rows: int | str = 4, width: int = 32) -> onnx.ModelProto:

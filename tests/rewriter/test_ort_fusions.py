@@ -6,7 +6,9 @@ import onnx
 from onnx import TensorProto as TP, helper, numpy_helper
 
 from helpers import gelu_mlp, model
+from ortfuse.rewriter.load import load_model
 from ortfuse.rewriter.ort_fusions import ort_fusion_units
+from ortfuse.rewriter.weights import WeightStore, is_stub
 
 
 def test_orts_gelu_and_gemm_fusions_are_found():
@@ -34,3 +36,11 @@ def test_a_model_ort_refuses_gives_no_units():
     m.graph.node.append(helper.make_node("NoSuchOp", ["g"], ["z"], domain="nowhere"))
     m.opset_import.append(helper.make_opsetid("nowhere", 1))
     assert ort_fusion_units(m) == ()
+
+
+def test_weights_set_aside_are_the_probes_inputs():
+    # a weight over weights.STUB_BYTES is a stub while optimizing (its bytes in the store): the probe declares it an
+    # input, and ORT still fuses around it
+    m = load_model(gelu_mlp(True, k=512), WeightStore())
+    assert [t.name for t in m.graph.initializer if is_stub(t)] == ["w"]
+    assert {op for op, _ in ort_fusion_units(m)} == {"Gemm", "Gelu"}
