@@ -298,18 +298,35 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region],
                   f"{g.node_label(q)}, which rounds it to a step: left to ORT with them")
         out.update((o, reason) for i in sorted(nodes & owner) for o in g.nodes[i].output if o)
     for p, q in readers.items():
-        pair = _div_mul(g, p)
         why = _inexact(g, p) if p in owner else None
         if why:
             reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes {why} "
                       "otherwise than ORT (an element could move a step): left to ORT")
             out.update((o, reason) for o in g.nodes[p].output if o)
-        if pair is not None and pair in owner and (why or p not in owner):
-            out[g.nodes[pair].output[0]] = (
-                f"its value reaches {g.node_label(q)}, which rounds it to a step, and ORT divides by the reciprocal "
-                f"{g.node_label(p)} computes instead (DivMulFusion), rounding once where apart they round twice: "
-                "left to ORT with it")
+        pair = _orts_pair(g, p)
+        if pair is not None and pair[0] in owner and (why or p not in owner):
+            out[g.nodes[pair[0]].output[0]] = (
+                f"its value reaches {g.node_label(q)}, which rounds it to a step, and ORT makes it and "
+                f"{g.node_label(p)} one {pair[1]}, which rounds otherwise than the two apart: left to ORT with it")
     return out
+
+
+def _orts_pair(g: Graph, p: int) -> Optional[tuple[int, str]]:
+    """The node ORT fuses with node p where the CPU EP's probe (`rewriter.ort_fusions`) may not show it, and the
+    fusion: the Mul of a `1 / x` Div (DivMulFusion: `y / x`), the Add that only a last-axis Softmax reads (the CUDA
+    EP's BiasSoftmaxFusion: a superset of its conditions, which also look at how the Add broadcasts)."""
+    n = g.nodes[p]
+    if n.op_type == "Div":
+        mul = _div_mul(g, p)
+        return None if mul is None else (mul, "Div (DivMulFusion)")
+    if n.op_type == "Softmax" and n.input[0] not in g.graph_outputs:
+        add = g.producer.get(n.input[0])
+        rank = len(g.tensors[n.output[0]].shape or ())
+        axis = scalar.attr(n, "axis", -1 if g.opset >= 13 else 1)
+        edges = [c for c in g.consumers.get(n.input[0], ()) for x in g.nodes[c].input if x == n.input[0]]
+        if add is not None and g.nodes[add].op_type == "Add" and edges == [p] and rank and axis % rank == rank - 1:
+            return add, "BiasSoftmax"
+    return None
 
 
 def exact_verdict(g: Graph, nodes: Iterable[int]) -> Optional[str]:

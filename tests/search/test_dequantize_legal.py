@@ -320,3 +320,22 @@ def test_a_fusion_of_orts_a_quantizer_reads_stays_whole() -> None:
     said = [str(r) for r in res.plan.rejects]
     assert any("'div'" in r and "into one Gelu in the input" in r for r in said), said
     assert any("'bias_add'" in r and "into one Gemm in the input" in r for r in said), said
+
+
+def test_a_softmaxs_bias_add_stays_with_it() -> None:
+    """Scores + mask -> Softmax -> Q: the Softmax stays ORT's (inexact), and so does the Add, which the CUDA EP makes
+    one BiasSoftmax with it (a fusion the CPU EP's probe cannot show); the exact ops before the Add still fuse."""
+    inits = [numpy_helper.from_array(np.array(0.125, np.float32), "c"),
+             numpy_helper.from_array(np.array(1 / 256, np.float32), "s")]
+    nodes = [helper.make_node("Mul", ["x", "c"], ["xs"]), helper.make_node("Relu", ["xs"], ["r"]),
+             helper.make_node("Add", ["r", "mask"], ["m"], name="mask_add"), helper.make_node("Softmax", ["m"], ["p"]),
+             helper.make_node("QuantizeLinear", ["p", "s"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s"], ["y"])]
+    m = model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [2, 4, 64, 64]),
+                      helper.make_tensor_value_info("mask", TP.FLOAT, [2, 1, 1, 64])],
+              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "mask_add" not in _fused(res) and "Softmax" not in _fused(res) and {"Mul", "Relu"} <= _fused(res), \
+        sorted(_fused(res))
+    assert any("'mask_add'" in str(r) and "one BiasSoftmax" in str(r) for r in res.plan.rejects), \
+        [str(r) for r in res.plan.rejects]
