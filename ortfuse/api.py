@@ -39,7 +39,7 @@ from ortfuse.rewriter.qdq import (keep_readers_as_input, left_to_ort, merged_cha
                                   weight_bias_units)
 from ortfuse.rewriter.mha import MhaForm, is_mha, to_mha
 from ortfuse.rewriter.ort_folding import left_folded
-from ortfuse.rewriter.ort_fusions import ort_fusion_units
+from ortfuse.rewriter.ort_fusions import ort_fusion_units, with_splits
 from ortfuse.rewriter.replace import FusedNode, replace, save_model
 from ortfuse.rewriter.shapes import build_graph, check_dim_hints, merged_sizes, minted_dims, parse_input_shapes
 from ortfuse.rewriter.weights import WeightStore, materialized
@@ -345,10 +345,16 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     merged_in_input = merged_chain_outputs(model)  # (in the input as ORT runs it)
     weight_bias_in_input = weight_bias_units(model)
     # ORT's fusions of several ops in the input, where a quantizer may read them (`legal.inexact_before_quantizers`)
-    fusion_units = ort_fusion_units(model) if any(n.op_type in QUANTIZING for n in model.graph.node) else ()
+    quantized = any(n.op_type in QUANTIZING for n in model.graph.node)
+    fusion_units = ort_fusion_units(model, {t: info.dtype for t, info in graph.tensors.items()}) if quantized else ()
+    if isinstance(fusion_units, str):
+        say(f"ORT refused the probe of its own fusions ({fusion_units}): those a quantizer reads are not known, and "
+            "a kernel may take part of one")
+        fusion_units = ()
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
+    fusion_units = with_splits(fusion_units, graph.nodes, splits) if quantized else ()
     if splits:
         say(f"{len(splits)} ops the search does not take as they are ({_op_counts(s.original for s in splits)}) "
             "written as the standard ops it fuses")

@@ -1,81 +1,133 @@
 """Which nodes of a model ONNX Runtime's graph optimizer fuses into one node when a session starts: a GELU
-written as Div, Erf, Add, Mul, Mul becomes one Gelu; a LayerNorm written as its ops one LayerNormalization; an
-Add before a LayerNormalization one SkipLayerNormalization; MatMul and a scaling Mul one FusedMatMul; `1 / x * y`
-one Div. The fused kernel rounds otherwise than the ops it replaces, which parity tolerates in float, but not
-where a quantizer reads the value: a kernel of ours taking one of those ops leaves ORT the rest unfused in the
-output, where the input ran them fused (`search.legal.inexact_before_quantizers`).
+written as Div, Erf, Add, Mul, Mul becomes one Gelu (with the bias Add before it one BiasGelu); an Add before a
+LayerNormalization one SkipLayerNormalization; MatMul and a scaling Mul one FusedMatMul; MatMul and a bias Add
+one Gemm; `1 / x * y` one Div. The fused kernel rounds otherwise than the ops it replaces, which parity tolerates
+in float, but not where a quantizer reads the value: a kernel of ours taking one of those ops leaves ORT the rest
+unfused in the output, where the input ran them fused (`search.legal.inexact_before_quantizers`).
 
-Those fusions are ORT's to know, so ORT is asked: the model as a probe (its weights over `weights.STUB_BYTES`
-made graph inputs: the fusions look at small constants, an epsilon or a 0.5, and at shapes) optimized on the CPU
-EP at the extended level, without the QDQ and other CPU-only fusions (MatMulInteger's: the CUDA EP has none of
-them); each node of the optimized model whose op is not the op that wrote its output in the input is a fusion,
-of the input's nodes between its inputs and its outputs. The CPU EP's fusions are the CUDA EP's at this level
-but for a few the CUDA EP adds (BiasSoftmax, ...), which the probe cannot show. A model ORT refuses to optimize
-gives no units."""
+Those fusions are ORT's to know, so ORT is asked: the model as a probe optimized on the CPU EP at the extended
+level, with the CPU EP's own fusions disabled (its QDQ node units, MatMulInteger's, Gemm's activation: the CUDA
+EP makes none of them, and they would take nodes the CUDA EP's fusions take). A node of the optimized model that
+stands for two or more computing nodes of the input (those whose results it no longer has: not shape arithmetic,
+copies of a name, constants or quantizers) is a fusion. The CPU EP's fusions are the CUDA EP's at this level
+but for a few only the CUDA EP makes (BiasSoftmax: `legal._orts_pair`) and the activations ORT's CUDA Conv does
+not take (Sigmoid, ...: reported, which keeps more with ORT than needed). The weights go into the probe up to
+MAX_PROBE_WEIGHT_BYTES (ORT folds a Mul or a BatchNormalization into a Conv's constant weight); a larger model's
+are made inputs, and such folds are not seen."""
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
 
 import onnx
 
 from ortfuse.rewriter import _proto
-from ortfuse.rewriter.weights import is_stub
+from ortfuse.rewriter._infer import infer_dtypes
+from ortfuse.rewriter.weights import filled, is_stub
 
-# ops only the CPU EP's fusions make (ORT's graph_transformer_utils.cc: `cpu_ep` alone): not in the CUDA EP's run
-_CPU_ONLY = frozenset({("com.microsoft", "MatMulIntegerToFloat"), ("com.microsoft", "DynamicQuantizeMatMul"),
-                       ("com.microsoft", "FusedGemm"), ("com.microsoft", "QLinearAdd"),
-                       ("com.microsoft", "QLinearMul"), ("com.microsoft", "QLinearSigmoid"),
-                       ("com.microsoft", "QLinearLeakyRelu"), ("com.microsoft", "QLinearSoftmax"),
-                       ("com.microsoft", "QLinearConcat"), ("com.microsoft", "QLinearAveragePool"),
-                       ("com.microsoft", "QLinearGlobalAveragePool"), ("", "QLinearConv"), ("", "QLinearMatMul"),
-                       ("com.microsoft", "NhwcMaxPool"), ("com.microsoft", "QGemm")})
+MAX_PROBE_WEIGHT_BYTES = 1 << 29
+# the CPU EP's own fusions (ORT's graph_transformer_utils.cc registers them for `cpu_ep` alone)
+_CPU_ONLY = ("QDQSelectorActionTransformer", "QDQS8ToU8Transformer", "GemmActivationFusion",
+             "MatMulIntegerToFloatFusion", "DynamicQuantizeMatMulFusion", "NhwcTransformer", "NchwcTransformer")
+# nodes that count for no computation of a fusion: constants, copies of a name, quantizers (a Q/DQ pair that a
+# transpose is pushed through), data movement (a Transpose another one cancels, a Reshape ORT rewrote)
+_NO_COMPUTE = frozenset({"Constant", "Identity", "Shape", "Size", "QuantizeLinear", "DequantizeLinear",
+                         "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Cast"})
+_MATRIX = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulInteger", "ConvInteger"})
+_POOLS = frozenset({"MaxPool", "AveragePool"})
+_INTEGERS = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL})
+
+Units = tuple[tuple[str, frozenset[str]], ...]
 
 
 def _op(n: onnx.NodeProto) -> tuple[str, str]:
     return ("" if n.domain in ("", "ai.onnx") else n.domain, n.op_type)
 
 
-def ort_fusion_units(model: onnx.ModelProto) -> tuple[tuple[str, frozenset[str]], ...]:
-    """(the fused op, the first outputs of the input's nodes it replaces) for each node ORT's optimizer makes of
-    two or more of `model`'s nodes; () where ORT refuses the probe."""
+def ort_fusion_units(model: onnx.ModelProto, dtypes: Optional[Mapping[str, int]] = None) -> Union[Units, str]:
+    """(the fusion, the first outputs of the input's nodes it stands for) for each fusion ORT's optimizer makes in
+    `model`; or why ORT refused the probe (nothing is known then). `dtypes`: the element type of each tensor
+    (shape inference's, where not given)."""
     import onnxruntime as ort
 
     probe = _proto.copy_model(model)
     inits = probe.graph.initializer
     stubs = [t for t in inits if is_stub(t)]
-    kept = [t for t in inits if not is_stub(t)]
+    inline = sum(_proto.dims_bytes(t.data_type, tuple(t.dims)) or 0 for t in stubs) <= MAX_PROBE_WEIGHT_BYTES
+    kept = [filled(t) if is_stub(t) and inline else t for t in inits if inline or not is_stub(t)]
     del inits[:]
     inits.extend(kept)
-    listed = {i.name for i in probe.graph.input}  # (before IR 4, initializers are listed as inputs too)
-    probe.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                             for t in stubs if t.name not in listed)
+    if not inline:
+        listed = {i.name for i in probe.graph.input}  # (before IR 4, initializers are listed as inputs too)
+        probe.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                 for t in stubs if t.name not in listed)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.add_session_config_entry("session.disable_quant_qdq", "1")
     so.log_severity_level = 4
     with tempfile.TemporaryDirectory(prefix="ortfuse-fusions-") as tmp:
         so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         try:
-            ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"],
+                                 disabled_optimizers=list(_CPU_ONLY))
             done = onnx.load(so.optimized_model_filepath, load_external_data=False)
-        except Exception:  # noqa: BLE001 (ORT refusing the probe: nothing is known, nothing is kept apart)
-            return ()
+        except Exception as e:  # noqa: BLE001 (ORT refusing the probe: its message says why)
+            return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _units(model, done, infer_dtypes(model) if dtypes is None else dtypes)
+
+
+def _units(model: onnx.ModelProto, done: onnx.ModelProto, dtypes: Mapping[str, int]) -> Units:
+    """The fusions `done` (the optimized probe) makes of `model`'s nodes: each node of `done` with the input's
+    nodes whose results it no longer has, walking back from what it writes (see the module's docstring)."""
     writer = {o: n for n in model.graph.node for o in n.output if o}
     present = {o for n in done.graph.node for o in n.output} | {t.name for t in done.graph.initializer} | \
         {i.name for i in done.graph.input}
     units = []
     for n in done.graph.node:
-        outs = [o for o in n.output if o in writer]
-        if not outs or _op(n) in _CPU_ONLY or all(_op(writer[o]) == _op(n) for o in outs):
+        if n.op_type == "Cast":  # (the CPU EP's casts around a half-precision op it lacks: no fusion)
             continue
-        unit, todo = set(), [writer[o] for o in outs]
+        unit: dict[str, onnx.NodeProto] = {}
+        todo = [writer[o] for o in n.output if o in writer]
         while todo:
             w = todo.pop()
-            if w.output[0] in unit:
+            key = next((o for o in w.output if o), "")
+            if key in unit:
                 continue
-            unit.add(w.output[0])
+            unit[key] = w
             todo.extend(writer[x] for x in w.input if x and x in writer and x not in present)
-        if len(unit) > 1:
-            units.append((n.op_type, frozenset(unit)))
+        if not unit:
+            continue
+        computing = {k for k, w in unit.items() if w.op_type not in _NO_COMPUTE and w.domain in ("", "ai.onnx")
+                     and not all(dtypes.get(o) in _INTEGERS for o in w.output if o)}
+        if _op(n) != _op(writer[next(o for o in n.output if o in writer)]):  # a new op: Gelu, Gemm, Div of a Mul
+            if len(computing) > 1:
+                what = n.op_type if n.op_type not in _NO_COMPUTE else \
+                    " + ".join(sorted(unit[k].op_type for k in computing))
+                units.append((what, frozenset(computing)))
+        elif n.op_type in _MATRIX | _POOLS:  # the same op taking a Transpose (transA) or a Pad (its pads)
+            folded = {k for k, w in unit.items() if w.op_type in ("Transpose", "Pad")}
+            if folded:
+                units.append((n.op_type, frozenset(folded | {next(o for o in n.output if o in writer)})))
+        # (else the same op, where ORT moved nodes around it: QDQ propagation's Q/DQ pair before a Slice renames
+        # the tensor the Slice read, which is no fusion)
     return tuple(units)
+
+
+def with_splits(units: Units, g_nodes: Sequence[onnx.NodeProto], splits: Sequence) -> Units:
+    """`units` with the ORT ops ortfuse split into standard ops (`rewriter.contrib`: a Gelu, a
+    SkipLayerNormalization, ...), each one kernel in the input, as units of their split nodes in `g_nodes` (not
+    ONNX's Split, whose Slices copy); units sharing a node merge (ORT made a BiasGelu of an Add and a Gelu
+    the input already had)."""
+    first = {n.name: next((o for o in n.output if o), "") for n in g_nodes if n.name}
+    sets = [(op, set(names)) for op, names in units]
+    for s in splits:
+        if s.original.op_type != "Split":
+            names = {first[x] for part in s.parts for x in part.names if first.get(x)}
+            sets.append((s.original.op_type, names))
+    merged: list[tuple[str, set[str]]] = []
+    for op, names in sets:
+        for other in [m for m in merged if m[1] & names]:
+            merged.remove(other)
+            op, names = f"{other[0]} + {op}", other[1] | names
+        merged.append((op, names))
+    return tuple((op, frozenset(names)) for op, names in merged if len(names) > 1)

@@ -283,9 +283,10 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region],
     DivMulFusion makes `1 / x * y` one division: such a Div and its Mul stay ORT's together. A quantizer's own
     kernel holds only exact ops before it (`exact_verdict`).
     ORT runs the nodes left to it as it runs them in the input only where none of its fusions of several ops
-    (`units`: `rewriter.ort_fusions`, a GELU as one Gelu, an Add and a LayerNorm as one SkipLayerNormalization)
-    spans a fused node: a fusion a quantizer reads stays ORT's whole, where a kernel would take part of it (its
-    exact ops too: ORT's fused kernel rounds otherwise than the ops apart)."""
+    (`units`: `rewriter.ort_fusions`, a GELU as one Gelu, an Add and a LayerNorm as one SkipLayerNormalization;
+    and the ORT ops ortfuse split, `rewriter.contrib`) spans a fused node: one a quantizer reads stays ORT's
+    whole, where a kernel would take part of it (its exact ops too: ORT's fused kernel rounds otherwise than the
+    ops apart)."""
     owner = {i for r in regions for i in r.nodes}
     out: dict[str, str] = {}
     readers = quantizer_readers(g)
@@ -294,7 +295,7 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region],
         q = next((readers[i] for i in sorted(nodes) if i in readers), None)
         if q is None or not nodes & owner:
             continue
-        reason = (f"ORT fuses it with {len(nodes) - 1} more nodes into one {op} in the input, whose value reaches "
+        reason = (f"in the input ORT computes it with {len(nodes) - 1} more nodes as one {op}, whose value reaches "
                   f"{g.node_label(q)}, which rounds it to a step: left to ORT with them")
         out.update((o, reason) for i in sorted(nodes & owner) for o in g.nodes[i].output if o)
     for p, q in readers.items():
