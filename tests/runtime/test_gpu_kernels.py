@@ -483,6 +483,24 @@ def test_zoo_tiny_parity_on_gpu(name, dtype, tmp_path, monkeypatch):
             pytest.fail("\n".join([*rep.lines(), "trace:", *trace]))
 
 
+@pytest.mark.parametrize("name", ["roberta_int8", "roberta_qdq", "mistral_qdq", "resnet_qdq", "yolo_qdq"])
+def test_quantized_coverage_rows_match_the_cuda_ep(name, tmp_path):
+    """Models onnxruntime.quantization wrote (docs/coverage.md's quantized rows), against stock ORT on the CUDA EP:
+    their quantized tensors must come out as ORT's, which holds only if no kernel computes a value a quantizer
+    reads otherwise than ORT, nor takes part of a fusion ORT makes there (`legal.inexact_before_quantizers`,
+    `rewriter.ort_fusions`; session 52, CPU only until run here: on the CPU a fused node runs ORT's own ops)."""
+    pytest.importorskip("transformers")
+    from ortfuse.bench import coverage
+    path = coverage.export(name, tmp_path, ["fp32"])["fp32"]
+    res = compile_model(path, None, "sm_90")
+    assert res.plan.regions
+    rep = check_models(path, res.model, provider="cuda")
+    if not rep.ok:
+        from ortfuse.divergence import trace_models
+        trace = trace_models(path, res.model, provider="cuda").lines(limit=20)
+        pytest.fail("\n".join([*rep.lines(), "trace:", *trace]))
+
+
 def test_decode_step_at_its_hints_on_gpu(tmp_path, monkeypatch):
     """llama_decode optimized at the zoo's sizes, as the suite builds it (session 27: grouped-query heads
     packed into one attention unit, the gated GEMM tiled for one row), on the CUDA EP, the cache empty too."""
