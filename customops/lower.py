@@ -815,28 +815,10 @@ class _Lowerer:
         (another kernel's exact ones, `legal.inexact_before_quantizers`, or ORT's): a product this kernel
         contracted into an FMA, or a division it made a reciprocal's product, would reach it an ulp off, and
         the quantized value a step off."""
-        if not any(n.op_type in legal.QUANTIZING for n in self.g.nodes):
-            return frozenset()
         seeds = [n for n in (self.g.nodes[i] for i in self.r.nodes) if n.op_type == "QuantizeLinear"]
-        read = [t for t in self.r.outputs if self._quantized_downstream(t)]
+        readers = legal.quantizer_readers(self.g)  # (the nodes whose values a quantizer reads, through any ops)
+        read = [t for t in self.r.outputs if self.g.producer.get(t) in readers]
         return self._cone_of(seeds, ("elementwise", "layout", "indexing", "window"), read)
-
-    def _quantized_downstream(self, t: str) -> bool:
-        """Whether a quantizer outside the region (`legal.QUANTIZING`: a Q, a dynamic quantizer) reads tensor `t`,
-        as its data, scale or zero point, through any ops (ORT's ops pass an ulp on as they are given it; another
-        kernel's too, whose ops `legal.inexact_before_quantizers` holds to exact ones)."""
-        stack, seen = [t], set()
-        while stack:
-            x = stack.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            for c in self.g.consumers.get(x, ()):
-                n = self.g.nodes[c]
-                if n.op_type in legal.QUANTIZING:  # (its data, scale or zero point)
-                    return True
-                stack.extend(o for o in n.output if o)
-        return False
 
     @functools.cached_property
     def discrete_cone(self) -> frozenset[str]:

@@ -216,6 +216,11 @@ def _inexact(g: Graph, p: int) -> Optional[str]:
     return None
 
 
+def _reader_edges(g: Graph, t: str) -> list[int]:
+    """The nodes reading tensor t, one entry per input slot (ORT's output edges)."""
+    return [c for c in g.consumers.get(t, ()) for x in g.nodes[c].input if x == t]
+
+
 def _div_mul(g: Graph, p: int) -> Optional[int]:
     """The Mul that ORT's DivMulFusion makes one division with Div node p (`1 / x * y` -> `y / x`, rounded once,
     where a kernel rounds the reciprocal and the product), or None: p divides a one-element constant equal to 1,
@@ -226,7 +231,7 @@ def _div_mul(g: Graph, p: int) -> Optional[int]:
     one = g.constants.get(n.input[0])
     if one is None or np.size(one) != 1 or float(np.asarray(one, np.float64).reshape(-1)[0]) != 1.0:
         return None
-    edges = [c for c in g.consumers.get(n.output[0], ()) for x in g.nodes[c].input if x == n.output[0]]
+    edges = _reader_edges(g, n.output[0])
     return edges[0] if len(edges) == 1 and g.nodes[edges[0]].op_type == "Mul" else None
 
 
@@ -324,8 +329,8 @@ def _orts_pair(g: Graph, p: int) -> Optional[tuple[int, str]]:
         add = g.producer.get(n.input[0])
         rank = len(g.tensors[n.output[0]].shape or ())
         axis = scalar.attr(n, "axis", -1 if g.opset >= 13 else 1)
-        edges = [c for c in g.consumers.get(n.input[0], ()) for x in g.nodes[c].input if x == n.input[0]]
-        if add is not None and g.nodes[add].op_type == "Add" and edges == [p] and rank and axis % rank == rank - 1:
+        if add is not None and g.nodes[add].op_type == "Add" and _reader_edges(g, n.input[0]) == [p] and rank \
+                and axis % rank == rank - 1:
             return add, "BiasSoftmax"
     return None
 
