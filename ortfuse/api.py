@@ -310,6 +310,16 @@ def _attention_measured(tgt: Target, opts: Options, cost: CostModel
     return measure
 
 
+def _fusion_probe_provider() -> str:
+    """"cuda" where a session really gets the CUDA EP (ORT's fusions are then asked of the EP the model will run
+    on), else "cpu" (`rewriter.ort_fusions`)."""
+    from ortfuse import gpu_timer
+    if not gpu_timer.available():  # (no device: not even trying the CUDA EP, whose failure ORT logs loudly)
+        return "cpu"
+    from ortfuse.runtime import CUDA_EP, _cuda_usable
+    return "cuda" if _cuda_usable([CUDA_EP, "CPUExecutionProvider"], None) else "cpu"
+
+
 def _op_counts(nodes: Iterable[onnx.NodeProto]) -> str:
     """'3 SkipLayerNormalization, 2 BiasGelu', most first."""
     return ", ".join(f"{k} {op}" for op, k in collections.Counter(n.op_type for n in nodes).most_common())
@@ -346,11 +356,16 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     weight_bias_in_input = weight_bias_units(model)
     # ORT's fusions of several ops in the input, where a quantizer may read them (`legal.inexact_before_quantizers`)
     quantized = any(n.op_type in QUANTIZING for n in model.graph.node)
-    fusion_units = ort_fusion_units(model, {t: info.dtype for t, info in graph.tensors.items()}) if quantized else ()
+    probe_ep = _fusion_probe_provider() if quantized else "cpu"
+    fusion_units = ort_fusion_units(model, {t: info.dtype for t, info in graph.tensors.items()},
+                                    probe_ep) if quantized else ()
     if isinstance(fusion_units, str):
-        say(f"ORT refused the probe of its own fusions ({fusion_units}): those a quantizer reads are not known, and "
-            "a kernel may take part of one")
+        say(f"ORT refused the probe of its own fusions on the {probe_ep.upper()} EP ({fusion_units}): those a "
+            "quantizer reads are not known, and a kernel may take part of one")
         fusion_units = ()
+    elif quantized:
+        say(f"ORT's own fusions ({len(fusion_units)}) asked of its {probe_ep.upper()} EP"
+            + (" (standing in for the CUDA EP: no GPU here)" if probe_ep == "cpu" else ""))
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)

@@ -13,7 +13,11 @@ copies of a name, constants or quantizers) is a fusion. The CPU EP's fusions are
 but for a few only the CUDA EP makes (BiasSoftmax: `legal._orts_pair`) and the activations ORT's CUDA Conv does
 not take (Sigmoid, ...: reported, which keeps more with ORT than needed). The weights go into the probe up to
 MAX_PROBE_WEIGHT_BYTES (ORT folds a Mul or a BatchNormalization into a Conv's constant weight); a larger model's
-are made inputs, and such folds are not seen."""
+are made inputs, and such folds are not seen.
+
+Where a session really gets the CUDA EP (a GPU at optimize time), the probe runs there instead (`provider="cuda"`):
+every fusion as the CUDA EP makes it, the CPU EP's own ones only where ORT places nodes on the CPU, nothing
+disabled, so the answer is what the user's session does rather than an approximation of it."""
 from __future__ import annotations
 
 import tempfile
@@ -45,11 +49,16 @@ def _op(n: onnx.NodeProto) -> tuple[str, str]:
     return ("" if n.domain in ("", "ai.onnx") else n.domain, n.op_type)
 
 
-def ort_fusion_units(model: onnx.ModelProto, dtypes: Optional[Mapping[str, int]] = None) -> Union[Units, str]:
+def ort_fusion_units(model: onnx.ModelProto, dtypes: Optional[Mapping[str, int]] = None,
+                     provider: str = "cpu") -> Union[Units, str]:
     """(the fusion, the first outputs of the input's nodes it stands for) for each fusion ORT's optimizer makes in
     `model`; or why ORT refused the probe (nothing is known then). `dtypes`: the element type of each tensor
-    (shape inference's, where not given)."""
+    (shape inference's, where not given). `provider`: "cpu" (the CPU EP standing in for the CUDA EP) or "cuda"
+    (the CUDA EP itself; a session that does not get it is a refusal)."""
     import onnxruntime as ort
+
+    if provider not in ("cpu", "cuda"):
+        raise ValueError(f"unknown provider {provider!r}: expected cpu or cuda")
 
     probe = _proto.copy_model(model)
     inits = probe.graph.initializer
@@ -68,8 +77,14 @@ def ort_fusion_units(model: onnx.ModelProto, dtypes: Optional[Mapping[str, int]]
     with tempfile.TemporaryDirectory(prefix="ortfuse-fusions-") as tmp:
         so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         try:
-            ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"],
-                                 disabled_optimizers=list(_CPU_ONLY))
+            if provider == "cuda":
+                sess = ort.InferenceSession(probe.SerializeToString(), so,
+                                            providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+                if "CUDAExecutionProvider" not in sess.get_providers():
+                    return "the session did not get the CUDA execution provider"
+            else:
+                ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"],
+                                     disabled_optimizers=list(_CPU_ONLY))
             done = onnx.load(so.optimized_model_filepath, load_external_data=False)
         except Exception as e:  # noqa: BLE001 (ORT refusing the probe: its message says why)
             return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import onnx
 from onnx import TensorProto as TP, helper, numpy_helper
 
@@ -95,3 +96,21 @@ def test_a_pad_ort_folds_into_a_conv_is_a_unit_and_a_propagated_quantizer_is_non
     m = model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [1, 4, 8, 8])],
               [helper.make_tensor_value_info("q", TP.UINT8, [1, 3, 8, 8])], inits)
     assert ort_fusion_units(m) == (("Conv", frozenset({"p", "c"})),)
+
+
+def test_the_cuda_probe_without_the_cuda_ep_is_a_refusal_not_a_cpu_answer():
+    # `provider="cuda"` asks the CUDA EP itself; where a session cannot get it (this machine, CI), the answer is
+    # a reason (api falls back to the CPU probe, saying so), never the CPU EP's fusions passed off as the CUDA EP's
+    from conftest import cuda_ep_usable
+    if cuda_ep_usable():
+        pytest.skip("the CUDA EP works here: tests/rewriter/test_ort_fusions_gpu.py asks it")
+    why = ort_fusion_units(gelu_mlp(True), provider="cuda")
+    assert isinstance(why, str), why
+    with pytest.raises(ValueError, match="unknown provider"):
+        ort_fusion_units(gelu_mlp(True), provider="rocm")
+
+
+def test_optimize_asks_the_cpu_ep_without_a_gpu():
+    from conftest import cuda_ep_usable
+    from ortfuse import api
+    assert api._fusion_probe_provider() == ("cuda" if cuda_ep_usable() else "cpu")
