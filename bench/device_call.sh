@@ -142,6 +142,13 @@ for name in "$@"; do
       [[ $extra == ortopt ]] && flags=(--no-profile) && variants=(--variants ort,ort-transformers,ort-transformers+ortfuse,ortfuse)
       step "$name" 300 python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests "${flags[@]}" --models "$model" \
         --dtypes "$dtype" --work "$WORK/$name-work" "${variants[@]}" ;;
+    mem-*)  # mem-MODEL-DTYPE: peak memory at batch 32 with every CUDA arena grown by what is asked
+      # (ORTFUSE_BENCH_ARENA=same, bench/harness.py) for stock ORT, the default build and an --ort-attention on
+      # build beside it: session 51's ViT fp32 2,176 MB against ORT's 1,288, a doubling of the arena or not
+      IFS=- read -r _ model dtype <<<"$name"
+      step "$name" 150 env ORTFUSE_BENCH_ARENA=same python3 -m ortfuse.bench.gpu_suite "$WORK/$name" --no-tests \
+        --no-profile --beside-ort-attention on --models "$model" --dtypes "$dtype" --batches 32 \
+        --work "$WORK/$name-work" --variants ort,ortfuse ;;
     mobilenetv2-fp16) step "$name" 200 python3 -m ortfuse.bench.gpu_suite "$WORK/mnv2" --no-tests \
                         --models mobilenetv2 --dtypes fp16 --work "$WORK/mnv2-work" "${BASE[@]}" ;;
     fp32-rows)  # issue 4's fp32 rows, the default build, model after model (the report keeps what finished)

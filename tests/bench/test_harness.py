@@ -151,3 +151,14 @@ def test_a_quantized_zoo_model_end_to_end_on_cpu(tmp_path):
                             out_dir=tmp_path, variants=["ort", "ort-transformers", "ortfuse"], chart=False)
   assert bench.row("ortfuse", 2).median_ms > 0 and bench.row("ortfuse", 2).max_abs_diff == 0.0
   assert "optimizes float models" in bench.row("ort-transformers", 2).note
+
+
+def test_the_arena_knob_reads_same_pow2_or_nothing(monkeypatch):
+  from ortfuse.bench import harness
+  monkeypatch.delenv(harness.ARENA_ENV, raising=False)
+  assert harness._arena_options() == {}
+  monkeypatch.setenv(harness.ARENA_ENV, "same")
+  assert harness._arena_options() == {"arena_extend_strategy": "kSameAsRequested"}
+  monkeypatch.setenv(harness.ARENA_ENV, "twice")
+  with pytest.raises(ValueError, match="expected 'same' or 'pow2'"):
+    harness._arena_options()
