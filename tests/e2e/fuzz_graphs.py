@@ -124,8 +124,8 @@ class _Builder:
         return self.random_const(tuple(1 if d == "n" else d for d in dims))
 
     def positive(self, x: str) -> str:
-        a = self.add("Abs", [x], self.values[x])
-        return self.add("Add", [a, self.const(np.array(0.5))], self.values[x])
+        a = self.add("Abs", [x], self.shape(x))  # (x may be a constant: broadcast_partner's)
+        return self.add("Add", [a, self.const(np.array(0.5))], self.shape(x))
 
     def step(self) -> None:
         x = self.pick()
