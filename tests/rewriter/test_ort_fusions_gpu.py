@@ -89,7 +89,7 @@ def test_stock_orts_cuda_ep_folds_a_relu_into_its_conv():
     assert ("FusedConv", frozenset({"c", "y"})) in set(cuda), f"the CUDA EP's fusions: {cuda}"
 
 
-@pytest.mark.parametrize("name", ["resnet_qdq", "roberta_qdq"])
+@pytest.mark.parametrize("name", ["resnet_qdq", "roberta_qdq", "roberta_int8"])
 def test_quantized_models_cuda_fusions_are_covered(name, tmp_path, record_property):
     pytest.importorskip("transformers")
     from ortfuse.bench import coverage
