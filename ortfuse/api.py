@@ -357,15 +357,18 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     # ORT's fusions of several ops in the input, where a quantizer may read them (`legal.inexact_before_quantizers`)
     quantized = any(n.op_type in QUANTIZING for n in model.graph.node)
     probe_ep = _fusion_probe_provider() if quantized else "cpu"
-    fusion_units = ort_fusion_units(model, {t: info.dtype for t, info in graph.tensors.items()},
-                                    probe_ep) if quantized else ()
+    dtypes = {t: info.dtype for t, info in graph.tensors.items()}
+    fusion_units = ort_fusion_units(model, dtypes, probe_ep) if quantized else ()
+    if isinstance(fusion_units, str) and probe_ep == "cuda":
+        say(f"ORT refused the probe of its own fusions on the CUDA EP ({fusion_units}): the CPU EP stands in")
+        probe_ep, fusion_units = "cpu", ort_fusion_units(model, dtypes, "cpu")
     if isinstance(fusion_units, str):
         say(f"ORT refused the probe of its own fusions on the {probe_ep.upper()} EP ({fusion_units}): those a "
             "quantizer reads are not known, and a kernel may take part of one")
         fusion_units = ()
     elif quantized:
         say(f"ORT's own fusions ({len(fusion_units)}) asked of its {probe_ep.upper()} EP"
-            + (" (standing in for the CUDA EP: no GPU here)" if probe_ep == "cpu" else ""))
+            + (" (standing in for the CUDA EP)" if probe_ep == "cpu" else ""))
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)

@@ -17,7 +17,12 @@ are made inputs, and such folds are not seen.
 
 Where a session really gets the CUDA EP (a GPU at optimize time), the probe runs there instead (`provider="cuda"`):
 every fusion as the CUDA EP makes it, the CPU EP's own ones only where ORT places nodes on the CPU, nothing
-disabled, so the answer is what the user's session does rather than an approximation of it."""
+disabled, so the answer is what the user's session does rather than an approximation of it. (The CPU EP's own
+fusions do run there on nodes ORT places on the CPU: quantize_dynamic's DynamicQuantizeLinear and its uint8
+MatMulInteger have no CUDA kernel in 1.31.1. MatMulIntegerToFloatFusion, which the others build on, starts from
+the float Mul after them, on the CUDA EP there, so the stand-in's disabling them should agree:
+tests/rewriter/test_ort_fusions_gpu.py checks it.) The saved model of a CUDA session holds its copies between
+devices (MemcpyToHost / MemcpyFromHost), dropped before the units are read."""
 from __future__ import annotations
 
 import tempfile
@@ -79,8 +84,11 @@ def ort_fusion_units(model: onnx.ModelProto, dtypes: Optional[Mapping[str, int]]
         try:
             if provider == "cuda":
                 sess = ort.InferenceSession(probe.SerializeToString(), so,
-                                            providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-                if "CUDAExecutionProvider" not in sess.get_providers():
+                                            providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                            enable_fallback=0)
+                got = sess.get_providers()
+                del sess  # (its copy of the weights on the device)
+                if "CUDAExecutionProvider" not in got:
                     return "the session did not get the CUDA execution provider"
             else:
                 ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"],
@@ -91,10 +99,41 @@ def ort_fusion_units(model: onnx.ModelProto, dtypes: Optional[Mapping[str, int]]
     return _units(model, done, infer_dtypes(model) if dtypes is None else dtypes)
 
 
+_COPIES = frozenset({"MemcpyToHost", "MemcpyFromHost"})
+
+
+def _without_copies(done: onnx.ModelProto, names: set[str]) -> None:
+    """`done` without the copies between devices a CUDA session inserts, in place: each joins the two names it
+    links under the one the input model has (`names`: ORT renames the writer's output where the copy writes
+    the input's name), so a fused node is found by what it writes and reads."""
+    rename: dict[str, str] = {}
+    copies = [n for n in done.graph.node if n.op_type in _COPIES]
+    for n in copies:
+        src, dst = n.input[0], n.output[0]
+        if dst in names:
+            rename[src] = dst
+        else:
+            rename[dst] = src
+
+    def final(x: str) -> str:
+        seen = set()
+        while x in rename and x not in seen:  # (copies in a chain)
+            seen.add(x)
+            x = rename[x]
+        return x
+    keep = [n for n in done.graph.node if n.op_type not in _COPIES]
+    for n in keep:
+        n.input[:] = [final(x) if x else x for x in n.input]
+        n.output[:] = [final(x) if x else x for x in n.output]
+    del done.graph.node[:]
+    done.graph.node.extend(keep)
+
+
 def _units(model: onnx.ModelProto, done: onnx.ModelProto, dtypes: Mapping[str, int]) -> Units:
     """The fusions `done` (the optimized probe) makes of `model`'s nodes: each node of `done` with the input's
     nodes whose results it no longer has, walking back from what it writes (see the module's docstring)."""
     writer = {o: n for n in model.graph.node for o in n.output if o}
+    _without_copies(done, set(writer) | {i.name for i in model.graph.input})
     present = {o for n in done.graph.node for o in n.output} | {t.name for t in done.graph.initializer} | \
         {i.name for i in done.graph.input}
     units = []

@@ -1,7 +1,6 @@
 """Shared pytest setup: tests marked `gpu` are skipped unless the CUDA execution provider really works."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -13,26 +12,9 @@ os.environ.setdefault("ORTFUSE_EMU_OPT", "1")
 # Weights over 256 bytes (64 KiB for users) wait in the weight store while a model is optimized
 # (rewriter.weights), so every rewrite the suite runs also runs on stubs. Set in every xdist worker.
 from ortfuse.rewriter import weights as _weights  # noqa: E402
+from helpers import cuda_ep_usable  # noqa: E402
 
 _weights.STUB_BYTES = 256
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_ep_usable() -> bool:
-    """True if an ONNX Runtime session actually gets the CUDA EP (not just lists it as available)."""
-    try:
-        import onnxruntime as ort
-
-        if hasattr(ort, "preload_dlls"):
-            try:
-                ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when installed
-            except Exception:
-                pass
-        from ortfuse.runtime import _cuda_usable
-
-        return _cuda_usable(["CUDAExecutionProvider", "CPUExecutionProvider"], None)
-    except Exception:
-        return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,6 +1,7 @@
 """Small model builders shared by the tests (ir_version set on every model)."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -941,3 +942,21 @@ def weight_bias_unit(weight: str = "float", bias: str = "float", tail: tuple[str
     m = helper.make_model(helper.make_graph(nodes, "t", [x], outs, inits), opset_imports=[helper.make_opsetid("", 18)])
     m.ir_version = 9
     return onnx.shape_inference.infer_shapes(m)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_ep_usable() -> bool:
+    """True if an ONNX Runtime session actually gets the CUDA EP (not just lists it as available)."""
+    try:
+        import onnxruntime as ort
+
+        if hasattr(ort, "preload_dlls"):
+            try:
+                ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when installed
+            except Exception:
+                pass
+        from ortfuse.runtime import _cuda_usable
+
+        return _cuda_usable(["CUDAExecutionProvider", "CPUExecutionProvider"], None)
+    except Exception:
+        return False

@@ -101,7 +101,7 @@ def test_a_pad_ort_folds_into_a_conv_is_a_unit_and_a_propagated_quantizer_is_non
 def test_the_cuda_probe_without_the_cuda_ep_is_a_refusal_not_a_cpu_answer():
     # `provider="cuda"` asks the CUDA EP itself; where a session cannot get it (this machine, CI), the answer is
     # a reason (api falls back to the CPU probe, saying so), never the CPU EP's fusions passed off as the CUDA EP's
-    from conftest import cuda_ep_usable
+    from helpers import cuda_ep_usable
     if cuda_ep_usable():
         pytest.skip("the CUDA EP works here: tests/rewriter/test_ort_fusions_gpu.py asks it")
     why = ort_fusion_units(gelu_mlp(True), provider="cuda")
@@ -111,6 +111,33 @@ def test_the_cuda_probe_without_the_cuda_ep_is_a_refusal_not_a_cpu_answer():
 
 
 def test_optimize_asks_the_cpu_ep_without_a_gpu():
-    from conftest import cuda_ep_usable
+    from helpers import cuda_ep_usable
     from ortfuse import api
     assert api._fusion_probe_provider() == ("cuda" if cuda_ep_usable() else "cpu")
+
+
+def _optimized(m: onnx.ModelProto, tmp_path) -> onnx.ModelProto:
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return onnx.load(so.optimized_model_filepath)
+
+
+def test_copies_between_devices_are_no_fusion_and_hide_none(tmp_path):
+    # a CUDA session's saved model has MemcpyToHost / MemcpyFromHost nodes: the writer's output renamed
+    # ("g_CUDAExecutionProvider") and the copy writing the input's name, or the copy writing a new name its
+    # CPU readers read. Neither may name a unit after the copy, nor split one (as the CUDA probe reads them)
+    m = gelu_mlp(True)
+    done = _optimized(m, tmp_path)
+    gelu = next(n for n in done.graph.node if n.op_type == "Gelu")
+    gelu.output[0] = "g_CUDAExecutionProvider"
+    done.graph.node.append(helper.make_node("MemcpyToHost", ["g_CUDAExecutionProvider"], ["g"]))
+    gemm = next(n for n in done.graph.node if n.op_type == "Gemm")
+    for n in done.graph.node:  # the Gelu reads the Gemm's result through a copy to a new name
+        n.input[:] = ["h_copy" if x == gemm.output[0] else x for x in n.input]
+    done.graph.node.append(helper.make_node("MemcpyFromHost", [gemm.output[0]], ["h_copy"]))
+    units = fusions._units(m, done, {})
+    assert set(units) == {("Gemm", frozenset({"mm", "h"})), ("Gelu", frozenset({"d", "e", "e1", "p", "g"}))}
+    assert not any(n.op_type.startswith("Memcpy") for n in done.graph.node)
