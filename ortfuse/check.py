@@ -258,11 +258,16 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         floors = _range_floors(probe)
         probe_model, probe_sh = _on_cpu(probe, "the optimized model")
         del probe  # (a bf16 model's shadow holds fp32 copies of its weights: one model in memory, not two)
-        # a quantized model's fused sub-graphs computed as written, op by op, as the kernels compute them: ORT's QDQ
-        # passes off. Its CPU EP would make a DQ -> Add -> Q a QLinearAdd, which requantizes otherwise (a step
-        # apart at times); the CUDA EP has no such fusion, but other passes this turns off do run there
-        # (WeightBiasQuantization, QDQ propagation): what they change in the original only `--provider cuda` sees
-        so = _options(**{"session.disable_quant_qdq": "1"}) if quantized else None
+        # a quantized model's fused sub-graphs computed as written, op by op, as the kernels compute them: ORT's
+        # graph optimizer off. Its CPU EP would make a DQ -> Add -> Q a QLinearAdd, which requantizes otherwise (a
+        # step apart at times); the CUDA EP has no such fusion, but other passes this turns off do run there
+        # (WeightBiasQuantization, QDQ propagation): what they change in the original only `--provider cuda` sees.
+        # Off entirely, not only its QDQ passes: ORT 1.31.1's TransposeOptimizer at ORT_ENABLE_BASIC, with those
+        # passes off, returns a graph output read between two Transposes with Q/DQ pairs around them in the
+        # other's shape (QDQ fuzz seeds 2394, 2534: the input model alone shows it, [2, 2, 136] for [2, 136, 2]),
+        # and with them on, a graph output that a Transpose -> Q reads comes out quantized (seeds 453, 603)
+        so = _options(ort.GraphOptimizationLevel.ORT_DISABLE_ALL, **{"session.disable_quant_qdq": "1"}) \
+            if quantized else None
         values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"], so), names, feeds, optimized,
                                       ParityError, probe_sh)))
         del probe_model
