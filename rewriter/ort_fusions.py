@@ -15,14 +15,13 @@ not take (Sigmoid, ...: reported, which keeps more with ORT than needed). The we
 MAX_PROBE_WEIGHT_BYTES (ORT folds a Mul or a BatchNormalization into a Conv's constant weight); a larger model's
 are made inputs, and such folds are not seen.
 
-Where a session really gets the CUDA EP (a GPU at optimize time), the probe runs there instead (`provider="cuda"`):
-every fusion as the CUDA EP makes it, the CPU EP's own ones only where ORT places nodes on the CPU, nothing
-disabled, so the answer is what the user's session does rather than an approximation of it. (The CPU EP's own
-fusions do run there on nodes ORT places on the CPU: quantize_dynamic's DynamicQuantizeLinear and its uint8
-MatMulInteger have no CUDA kernel in 1.31.1. MatMulIntegerToFloatFusion, which the others build on, starts from
-the float Mul after them, on the CUDA EP there, so the stand-in's disabling them should agree:
-tests/rewriter/test_ort_fusions_gpu.py checks it.) The saved model of a CUDA session holds its copies between
-devices (MemcpyToHost / MemcpyFromHost), dropped before the units are read."""
+Where a session really gets the CUDA EP (a GPU at optimize time), the probe runs there instead (`provider="cuda"`),
+nothing disabled: every fusion as the user's session makes it, the CPU EP's own ones on the nodes ORT places on
+the CPU included (quantize_dynamic's DynamicQuantizeLinear and uint8 MatMulInteger have no CUDA kernel in
+1.31.1; MatMulIntegerToFloatFusion, which the others build on, starts from the float Mul after them, which the
+CUDA EP runs, so the stand-in's disabling them should agree: tests/rewriter/test_ort_fusions_gpu.py checks it).
+The saved model of a CUDA session holds its copies between devices (MemcpyToHost / MemcpyFromHost), dropped
+before the units are read."""
 from __future__ import annotations
 
 import tempfile
