@@ -261,9 +261,14 @@ def quantizer_readers(g: Graph) -> dict[int, int]:
     inputs up to the previous QuantizeLinear (its value is its own cone's) or a shape (no value of its input),
     with the nearest such quantizer: one breadth-first walk up from every quantizer, each tensor once. An ulp in
     such a node's value moves an element a step at the quantizer, so whatever computes it must compute it exactly
-    as ORT does in the input. (Not walked: the subgraphs of If and Loop.)"""
+    as ORT does in the input. A node with a quantizer in a subgraph (If, Loop, Scan bodies, at any depth) counts
+    as one for every tensor it reads, its bodies' reads from outside included: the walk does not follow values
+    through the bodies, so any of them may reach the quantizer."""
     readers: dict[int, int] = {}
     todo = collections.deque((x, q) for q, n in enumerate(g.nodes) if n.op_type in QUANTIZING for x in n.input if x)
+    todo.extend((x, q) for q, n in enumerate(g.nodes) if _proto.has_subgraph(n)
+                and any(m.op_type in QUANTIZING for sub in _proto._subgraphs(n) for m in _proto.deep_nodes(sub.node))
+                for x in _proto.node_reads(n) if x)
     seen: set[str] = set()
     while todo:
         t, q = todo.popleft()

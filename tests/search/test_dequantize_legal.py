@@ -186,6 +186,29 @@ def test_an_inexact_value_read_through_orts_op_stays_orts() -> None:
     assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
 
 
+def test_an_inexact_value_a_quantizer_in_a_branch_reads_stays_orts() -> None:
+    """As above with the Q inside an If's branch, reading the Sigmoid's result from the enclosing graph: the walk
+    up from quantizers takes the If as one (it reads sg through its body), so the Sigmoid stays ORT's."""
+    then_q = helper.make_graph([helper.make_node("QuantizeLinear", ["sg", "s2"], ["tq"], name="Q"),
+                                helper.make_node("DequantizeLinear", ["tq", "s2"], ["t_out"])], "then", [],
+                               [helper.make_tensor_value_info("t_out", TP.FLOAT, [4, 32])])
+    else_id = helper.make_graph([helper.make_node("Identity", ["sg"], ["e_out"])], "else", [],
+                                [helper.make_tensor_value_info("e_out", TP.FLOAT, [4, 32])])
+    nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["sg"]),
+             helper.make_node("If", ["c"], ["br"], name="If", then_branch=then_q, else_branch=else_id),
+             helper.make_node("Mul", ["br", "db"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s1"),
+             numpy_helper.from_array(np.array(1 / 32, np.float32), "s2")]
+    m = model(nodes, [*(helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"),
+                      helper.make_tensor_value_info("c", TP.BOOL, [])],
+              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "Sigmoid" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
+    assert _stays_orts(res, "sg", "If", op="If"), [str(r) for r in res.plan.rejects]
+
+
 def test_orts_own_quantizer_keeps_its_input_exact() -> None:
     """A Q that stays ORT's for its own reason (a scale computed at run time) reads the Sigmoid: the Sigmoid stays
     ORT's too. Q2 after it quantizes ORT's values only (its cone stops at Q) and joins its kernel, exactly."""
