@@ -27,7 +27,7 @@ from ortfuse.rewriter.canonical import (bypass_broadcast_expands, bypass_lone_co
                                         explicit_auto_pads, fold_constant_identities, fold_constant_subgraphs,
                                         fold_conv_pads, fold_runtime_shapes, fold_small_values,
                                         merge_regrouped_transposes, sink_constant_expands, unflatten_gemms)
-from ortfuse.rewriter import onnx_attention
+from ortfuse.rewriter import _proto, onnx_attention
 from ortfuse.rewriter.contrib import notes as contrib_notes, restore as restore_contrib_ops, split_contrib_ops
 from ortfuse.rewriter.layout import chain_heads, sink_transposes
 from ortfuse.rewriter.gemm_packing import deinterleave_unfused, interleave_halves, pack_sibling_gemms
@@ -355,7 +355,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     merged_in_input = merged_chain_outputs(model)  # (in the input as ORT runs it)
     weight_bias_in_input = weight_bias_units(model)
     # ORT's fusions of several ops in the input, where a quantizer may read them (`legal.inexact_before_quantizers`)
-    quantized = any(n.op_type in QUANTIZING for n in model.graph.node)
+    quantized = any(n.op_type in QUANTIZING for n in _proto.deep_nodes(model.graph.node))
     probe_ep = _fusion_probe_provider() if quantized else "cpu"
     dtypes = {t: info.dtype for t, info in graph.tensors.items()}
     fusion_units = ort_fusion_units(model, dtypes, probe_ep) if quantized else ()

@@ -132,16 +132,26 @@ def _options(level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_
 
 
 def _session(model: onnx.ModelProto, providers: Sequence, so: Optional[ort.SessionOptions] = None,
-             cls: type = ort.InferenceSession) -> ort.InferenceSession:
-    """A session of `cls` on `model` (`so`: `_options()` where None): given its bytes, or over 2 GB (which
-    protobuf cannot serialize) a temporary copy written with external data, removed once ORT has read it."""
+             cls: type = ort.InferenceSession, disabled: Sequence[str] = ()) -> ort.InferenceSession:
+    """A session of `cls` on `model` (`so`: `_options()` where None; `disabled`: ORT graph transformers left
+    out): given its bytes, or over 2 GB (which protobuf cannot serialize) a temporary copy written with external
+    data, removed once ORT has read it."""
     so = so or _options()
+    kw = {"disabled_optimizers": list(disabled)} if disabled else {}
     if not _proto.is_large(model):
-        return cls(model.SerializeToString(), so, providers=list(providers))
+        return cls(model.SerializeToString(), so, providers=list(providers), **kw)
     with tempfile.TemporaryDirectory(prefix="ortfuse-check-") as tmp:
         path = os.path.join(tmp, "model.onnx")
         save_model(model, path)  # (streamed: the weights are not copied into a clone first)
-        return cls(path, so, providers=list(providers))
+        return cls(path, so, providers=list(providers), **kw)
+
+
+# ORT 1.31.1's TransposeOptimizer (its level-1 instance, and the level-2 one for the CPU EP) on a quantized graph:
+# with the QDQ passes off it returns a graph output read between two Transposes with Q/DQ pairs around them in
+# the other Transpose's shape (QDQ fuzz seeds 2394, 2534: the input model alone gives [2, 2, 136] for
+# [2, 136, 2]); with them on, it puts a Q/DQ pair on a graph output that a Transpose -> Q also reads (seeds 453,
+# 603: docs/design.md)
+TRANSPOSE_OPTIMIZERS = ("TransposeOptimizer", "TransposeOptimizer_CPUExecutionProvider")
 
 
 def _reference(model: onnx.ModelProto, providers: Sequence, label: str) -> ort.InferenceSession:
@@ -241,7 +251,7 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         model_diffs = _judged_by_conditioning(model_diffs, ref_model, ref_sh, providers, feeds,
                                               out_names, ref_vals, out_vals, floors)
     # (the original's: the optimized model's may all be inside fused nodes)
-    quantized = any(n.op_type == "QuantizeLinear" for n in src.graph.node)
+    quantized = any(n.op_type == "QuantizeLinear" for n in _proto.deep_nodes(src.graph.node))
     if not all(d.ok for d in model_diffs) and quantized:
         model_diffs = _judged_step_by_step(model_diffs, (ref_model, ref_sh), (out_model, out_sh, type(out_sess)),
                                            providers, feeds, out_names, out_vals, floors)
@@ -258,18 +268,16 @@ def check_models(original, optimized, provider: str = "cpu", emulate: bool = Fal
         floors = _range_floors(probe)
         probe_model, probe_sh = _on_cpu(probe, "the optimized model")
         del probe  # (a bf16 model's shadow holds fp32 copies of its weights: one model in memory, not two)
-        # a quantized model's fused sub-graphs computed as written, op by op, as the kernels compute them: ORT's
-        # graph optimizer off. Its CPU EP would make a DQ -> Add -> Q a QLinearAdd, which requantizes otherwise (a
-        # step apart at times); the CUDA EP has no such fusion, but other passes this turns off do run there
+        # a quantized model's fused sub-graphs computed as written, op by op, as the kernels compute them: ORT's QDQ
+        # passes off. Its CPU EP would make a DQ -> Add -> Q a QLinearAdd, which requantizes otherwise (a step
+        # apart at times); the CUDA EP has no such fusion, but other passes this turns off do run there
         # (WeightBiasQuantization, QDQ propagation): what they change in the original only `--provider cuda` sees.
-        # Off entirely, not only its QDQ passes: ORT 1.31.1's TransposeOptimizer at ORT_ENABLE_BASIC, with those
-        # passes off, returns a graph output read between two Transposes with Q/DQ pairs around them in the
-        # other's shape (QDQ fuzz seeds 2394, 2534: the input model alone shows it, [2, 2, 136] for [2, 136, 2]),
-        # and with them on, a graph output that a Transpose -> Q reads comes out quantized (seeds 453, 603)
-        so = _options(ort.GraphOptimizationLevel.ORT_DISABLE_ALL, **{"session.disable_quant_qdq": "1"}) \
-            if quantized else None
-        values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"], so), names, feeds, optimized,
-                                      ParityError, probe_sh)))
+        # ORT's other fusions stay on (a kernel computing `1 / x * y` where ORT divides once must show), but not
+        # its TransposeOptimizer, which gives a tensor between two Transposes in the other's shape
+        so = _options(**{"session.disable_quant_qdq": "1"}) if quantized else None
+        values = dict(zip(names, _run(_session(probe_model, ["CPUExecutionProvider"], so,
+                                               disabled=TRANSPOSE_OPTIMIZERS if quantized else ()),
+                                      names, feeds, optimized, ParityError, probe_sh)))
         del probe_model
         bodies = {f.name: f for f in opt.functions if f.domain == "ortfuse"}
         from ortfuse.customops.attrs import read_launch
@@ -444,26 +452,26 @@ def _explained_by_ort_passes(diffs: tuple[Diff, ...], ref: tuple, out: tuple, pr
                              floors: Mapping[str, float]) -> tuple[Diff, ...]:
     """Failing outputs of a quantized model, run again in both models with ORT's DoubleQDQPairsRemover off
     (`rewriter.qdq`: ORT merges a chain of one model at a new scale, which `optimize` names where it cannot keep
-    the input's merges), then with its whole graph optimizer off (its TransposeOptimizer puts a Q/DQ pair on a
-    graph output a Transpose -> Q also reads, where a Reshape in the other model hid the pattern: docs/design.md,
-    QDQ fuzz seed 603). An output that then agrees still fails, as it differs under ORT's defaults; its line says
-    where the difference comes from."""
-    attempts = ((_options(**{"session.disable_double_qdq_remover": "1"}),
+    the input's merges), then with its TransposeOptimizer off (it puts a Q/DQ pair on a graph output a Transpose
+    -> Q also reads, where a Reshape in the other model hid the pattern: `TRANSPOSE_OPTIMIZERS`, QDQ fuzz seed
+    603). An output that then agrees still fails, as it differs under ORT's defaults; its line says where the
+    difference comes from."""
+    attempts = ((_options(**{"session.disable_double_qdq_remover": "1"}), (),
                  "ORT requantizes a quantize/dequantize chain of one model only, at a new scale: with its "
                  "DoubleQDQPairsRemover off in both, max rel {:.3g}; see optimize's report"),
-                (_options(ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
-                 "ORT's graph optimizer rewrites one model otherwise than the other: with it off in both, max rel "
-                 "{:.3g} (ORT 1.31.1's TransposeOptimizer and Q/DQ pairs: docs/design.md)"))
+                (_options(), TRANSPOSE_OPTIMIZERS,
+                 "ORT's TransposeOptimizer rewrites one model otherwise than the other: with it off in both, max "
+                 "rel {:.3g} (its Q/DQ pairs on a graph output: docs/design.md)"))
     (ref_model, ref_sh), (out_model, out_sh, cls) = ref, out
     judged = list(diffs)
     todo = {i for i, d in enumerate(diffs) if not d.ok}
-    for so, why in attempts:
+    for so, disabled, why in attempts:
         if not todo:
             break
         try:
-            again_ref = _run(_session(ref_model, providers, so), names, feeds, "the original model", InputError,
-                             ref_sh)
-            again_out = _run(_session(out_model, providers, so, cls), names, feeds, "the optimized model",
+            again_ref = _run(_session(ref_model, providers, so, disabled=disabled), names, feeds, "the original model",
+                             InputError, ref_sh)
+            again_out = _run(_session(out_model, providers, so, cls, disabled), names, feeds, "the optimized model",
                              ParityError, out_sh)
         except (InputError, ParityError):  # (the verdict stands as it is)
             continue
@@ -471,7 +479,7 @@ def _explained_by_ort_passes(diffs: tuple[Diff, ...], ref: tuple, out: tuple, pr
             d, n = judged[i], names[i]
             again = compare(n, again_out[i], again_ref[i], d.tol, floors.get(n, 1e-6))
             if again.ok:
-                judged[i] = dataclasses.replace(d, name=f"{n} ({why.format(again.max_rel)})")
+                judged[i] = dataclasses.replace(d, name=f"{d.name} ({why.format(again.max_rel)})")
                 todo.discard(i)
     return tuple(judged)
 

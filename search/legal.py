@@ -278,8 +278,13 @@ def quantizer_readers(g: Graph) -> dict[int, int]:
         seen.add(t)
         readers.setdefault(p, q)
         if g.nodes[p].op_type not in ("QuantizeLinear", "Shape", "Size"):
-            todo.extend((x, q) for x in g.nodes[p].input if x)
+            todo.extend((x, q) for x in _proto.node_reads(g.nodes[p]) if x)  # (a body's outer reads too)
     return readers
+
+
+def quantizer_label(g: Graph, q: int) -> str:
+    """The node `quantizer_readers` names, said as a quantizer: a node whose subgraph holds one says so."""
+    return g.node_label(q) + ("" if g.nodes[q].op_type in QUANTIZING else ", whose subgraph quantizes")
 
 
 def inexact_before_quantizers(g: Graph, regions: Iterable[Region],
@@ -306,18 +311,18 @@ def inexact_before_quantizers(g: Graph, regions: Iterable[Region],
         if q is None or not nodes & owner:
             continue
         reason = (f"in the input ORT computes it with {len(nodes) - 1} more nodes as one {op}, whose value reaches "
-                  f"{g.node_label(q)}, which rounds it to a step: left to ORT with them")
+                  f"{quantizer_label(g, q)}, which rounds it to a step: left to ORT with them")
         out.update((o, reason) for i in sorted(nodes & owner) for o in g.nodes[i].output if o)
     for p, q in readers.items():
         why = _inexact(g, p) if p in owner else None
         if why:
-            reason = (f"its value reaches {g.node_label(q)}, which rounds it to a step, and a kernel computes {why} "
-                      "otherwise than ORT (an element could move a step): left to ORT")
+            reason = (f"its value reaches {quantizer_label(g, q)}, which rounds it to a step, and a kernel computes "
+                      f"{why} otherwise than ORT (an element could move a step): left to ORT")
             out.update((o, reason) for o in g.nodes[p].output if o)
         pair = _orts_pair(g, p)
         if pair is not None and pair[0] in owner and (why or p not in owner):
             out[g.nodes[pair[0]].output[0]] = (
-                f"its value reaches {g.node_label(q)}, which rounds it to a step, and ORT makes it and "
+                f"its value reaches {quantizer_label(g, q)}, which rounds it to a step, and ORT makes it and "
                 f"{g.node_label(p)} one {pair[1]}, which rounds otherwise than the two apart: left to ORT with it")
     return out
 

@@ -91,11 +91,11 @@ def test_random_graph_matches_ort(seed: int) -> None:
 def test_a_difference_only_orts_optimizer_makes_is_named(tmp_path) -> None:
     # seed 603: ORT 1.31.1's TransposeOptimizer puts a Q/DQ pair on the graph output a Transpose -> Q also reads,
     # in the output model only (the input's Reshape hid the pattern; on the CUDA EP the fused node's body is no
-    # graph ORT sees). check still fails it, and says so: with the optimizer off in both, the two agree
+    # graph ORT sees). check still fails it, and says so: with its TransposeOptimizer off in both, the two agree
     m, shapes = random_quantized(603, tmp_path)
     rep = check_models(m, compile_model(m, shapes).model, input_shapes=_bind(shapes, 2), seed=603)
     bad = [d for d in rep.model if not d.ok]
-    assert bad and all("ORT's graph optimizer rewrites one model otherwise than the other" in d.name for d in bad)
+    assert bad and all("ORT's TransposeOptimizer rewrites one model otherwise than the other" in d.name for d in bad)
 
 
 @pytest.mark.parametrize("seed", _quantized)

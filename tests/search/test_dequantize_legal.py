@@ -206,7 +206,28 @@ def test_an_inexact_value_a_quantizer_in_a_branch_reads_stays_orts() -> None:
               [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     assert "Sigmoid" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
-    assert _stays_orts(res, "sg", "If", op="If"), [str(r) for r in res.plan.rejects]
+    assert any("'sg'" in str(r) and "reaches If 'If', whose subgraph quantizes" in str(r) for r in res.plan.rejects)
+
+
+def test_an_inexact_value_read_through_a_branch_stays_orts() -> None:
+    """The Q after the If, which returns the Sigmoid's result from its branches (read from the enclosing graph):
+    the walk up from the Q goes on through the If's outer reads, so the Sigmoid stays ORT's."""
+    branch = [helper.make_graph([helper.make_node("Identity", ["sg"], [f"{b}_out"])], b, [],
+                                [helper.make_tensor_value_info(f"{b}_out", TP.FLOAT, [4, 32])]) for b in ("t", "e")]
+    nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
+             helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
+             helper.make_node("Sigmoid", ["m"], ["sg"]),
+             helper.make_node("If", ["c"], ["br"], then_branch=branch[0], else_branch=branch[1]),
+             helper.make_node("QuantizeLinear", ["br", "s2"], ["q"], name="Q"),
+             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Mul", ["dq", "db"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s1"),
+             numpy_helper.from_array(np.array(1 / 32, np.float32), "s2")]
+    m = model(nodes, [*(helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"),
+                      helper.make_tensor_value_info("c", TP.BOOL, [])],
+              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
+    assert "Sigmoid" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
+    assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
 
 
 def test_orts_own_quantizer_keeps_its_input_exact() -> None:
