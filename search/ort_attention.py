@@ -98,9 +98,9 @@ def forms(g: Graph, patterns: Iterable[AttentionPattern]) -> tuple[list[MhaForm]
     readers = legal.quantizer_readers(g)
     for p in patterns:
         q = next((readers[i] for i in p.nodes if i in readers), None)
-        f = mha_form(g, p) if q is None else (f"its values reach {legal.quantizer_label(g, q)}, which rounds them to steps, and "
-                                             "MultiHeadAttention computes them otherwise than ORT's MatMul, Softmax "
-                                             "and MatMul")
+        f = mha_form(g, p) if q is None else (f"its values reach {legal.quantizer_label(g, q)}, which rounds them "
+                                             "to steps, and MultiHeadAttention computes them otherwise than ORT's "
+                                             "MatMul, Softmax and MatMul")
         if isinstance(f, str):
             refused.append((g.node_label(p.softmax), f))
         else:
