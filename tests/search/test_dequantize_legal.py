@@ -186,24 +186,29 @@ def test_an_inexact_value_read_through_orts_op_stays_orts() -> None:
     assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
 
 
-def test_an_inexact_value_a_quantizer_in_a_branch_reads_stays_orts() -> None:
-    """As above with the Q inside an If's branch, reading the Sigmoid's result from the enclosing graph: the walk
-    up from quantizers takes the If as one (it reads sg through its body), so the Sigmoid stays ORT's."""
-    then_q = helper.make_graph([helper.make_node("QuantizeLinear", ["sg", "s2"], ["tq"], name="Q"),
-                                helper.make_node("DequantizeLinear", ["tq", "s2"], ["t_out"])], "then", [],
-                               [helper.make_tensor_value_info("t_out", TP.FLOAT, [4, 32])])
-    else_id = helper.make_graph([helper.make_node("Identity", ["sg"], ["e_out"])], "else", [],
-                                [helper.make_tensor_value_info("e_out", TP.FLOAT, [4, 32])])
+def _sigmoid_into_if(then_nodes: list[onnx.NodeProto], tail: list[onnx.NodeProto]) -> onnx.ModelProto:
+    """DQ(a) + DQ(b) -> Sigmoid -> sg, read from the enclosing graph by an If's branches (then: `then_nodes`
+    ending in t_out; else: Identity), the If's br then `tail` to y; scales s1, s2."""
+    then_b = helper.make_graph(then_nodes, "then", [], [helper.make_tensor_value_info("t_out", TP.FLOAT, [4, 32])])
+    else_b = helper.make_graph([helper.make_node("Identity", ["sg"], ["e_out"])], "else", [],
+                               [helper.make_tensor_value_info("e_out", TP.FLOAT, [4, 32])])
     nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
              helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
              helper.make_node("Sigmoid", ["m"], ["sg"]),
-             helper.make_node("If", ["c"], ["br"], name="If", then_branch=then_q, else_branch=else_id),
-             helper.make_node("Mul", ["br", "db"], ["y"])]
+             helper.make_node("If", ["c"], ["br"], name="If", then_branch=then_b, else_branch=else_b), *tail]
     inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s1"),
              numpy_helper.from_array(np.array(1 / 32, np.float32), "s2")]
-    m = model(nodes, [*(helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"),
-                      helper.make_tensor_value_info("c", TP.BOOL, [])],
-              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    return model(nodes, [*(helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"),
+                         helper.make_tensor_value_info("c", TP.BOOL, [])],
+                 [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+
+
+def test_an_inexact_value_a_quantizer_in_a_branch_reads_stays_orts() -> None:
+    """As above with the Q inside an If's branch, reading the Sigmoid's result from the enclosing graph: the walk
+    up from quantizers takes the If as one (it reads sg through its body), so the Sigmoid stays ORT's."""
+    m = _sigmoid_into_if([helper.make_node("QuantizeLinear", ["sg", "s2"], ["tq"], name="Q"),
+                          helper.make_node("DequantizeLinear", ["tq", "s2"], ["t_out"])],
+                         [helper.make_node("Mul", ["br", "db"], ["y"])])
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     assert "Sigmoid" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
     assert any("'sg'" in str(r) and "reaches If 'If', whose subgraph quantizes" in str(r) for r in res.plan.rejects)
@@ -212,19 +217,10 @@ def test_an_inexact_value_a_quantizer_in_a_branch_reads_stays_orts() -> None:
 def test_an_inexact_value_read_through_a_branch_stays_orts() -> None:
     """The Q after the If, which returns the Sigmoid's result from its branches (read from the enclosing graph):
     the walk up from the Q goes on through the If's outer reads, so the Sigmoid stays ORT's."""
-    branch = [helper.make_graph([helper.make_node("Identity", ["sg"], [f"{b}_out"])], b, [],
-                                [helper.make_tensor_value_info(f"{b}_out", TP.FLOAT, [4, 32])]) for b in ("t", "e")]
-    nodes = [helper.make_node("DequantizeLinear", ["a", "s1"], ["da"]),
-             helper.make_node("DequantizeLinear", ["b", "s1"], ["db"]), helper.make_node("Add", ["da", "db"], ["m"]),
-             helper.make_node("Sigmoid", ["m"], ["sg"]),
-             helper.make_node("If", ["c"], ["br"], then_branch=branch[0], else_branch=branch[1]),
-             helper.make_node("QuantizeLinear", ["br", "s2"], ["q"], name="Q"),
-             helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]), helper.make_node("Mul", ["dq", "db"], ["y"])]
-    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "s1"),
-             numpy_helper.from_array(np.array(1 / 32, np.float32), "s2")]
-    m = model(nodes, [*(helper.make_tensor_value_info(t, TP.INT8, [4, 32]) for t in "ab"),
-                      helper.make_tensor_value_info("c", TP.BOOL, [])],
-              [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    m = _sigmoid_into_if([helper.make_node("Identity", ["sg"], ["t_out"])],
+                         [helper.make_node("QuantizeLinear", ["br", "s2"], ["q"], name="Q"),
+                          helper.make_node("DequantizeLinear", ["q", "s2"], ["dq"]),
+                          helper.make_node("Mul", ["dq", "db"], ["y"])])
     res = compile_model(m, {}, "sm_90", options=Options(archs=(90,)))
     assert "Sigmoid" not in _fused(res) and "Add" in _fused(res), sorted(_fused(res))
     assert _stays_orts(res, "sg", "Q"), [str(r) for r in res.plan.rejects]
