@@ -320,6 +320,24 @@ def _fusion_probe_provider() -> str:
     return "cuda" if _cuda_usable([CUDA_EP, "CPUExecutionProvider"], None) else "cpu"
 
 
+def _orts_fusions(model: onnx.ModelProto, graph: Graph, say: Progress) -> tuple[tuple[str, frozenset[str]], ...]:
+    """ORT's fusions of several ops in `model` (`rewriter.ort_fusions`), asked of the CUDA EP where a session gets
+    it, else of the CPU EP standing in; none where ORT refuses the probe (the log says which happened)."""
+    dtypes = {t: info.dtype for t, info in graph.tensors.items()}
+    ep = _fusion_probe_provider()
+    units = ort_fusion_units(model, dtypes, ep)
+    if isinstance(units, str) and ep == "cuda":
+        say(f"ORT refused the probe of its own fusions on the CUDA EP ({units}): the CPU EP stands in")
+        ep, units = "cpu", ort_fusion_units(model, dtypes, "cpu")
+    if isinstance(units, str):
+        say(f"ORT refused the probe of its own fusions on the {ep.upper()} EP ({units}): those a quantizer reads "
+            "are not known, and a kernel may take part of one")
+        return ()
+    say(f"ORT's own fusions ({len(units)}) asked of its {ep.upper()} EP"
+        + (" (standing in for the CUDA EP)" if ep == "cpu" else ""))
+    return units
+
+
 def _op_counts(nodes: Iterable[onnx.NodeProto]) -> str:
     """'3 SkipLayerNormalization, 2 BiasGelu', most first."""
     return ", ".join(f"{k} {op}" for op, k in collections.Counter(n.op_type for n in nodes).most_common())
@@ -356,19 +374,7 @@ def compile_model(model_or_path: ModelLike, input_shapes: Shapes = None, arch: U
     weight_bias_in_input = weight_bias_units(model)
     # ORT's fusions of several ops in the input, where a quantizer may read them (`legal.inexact_before_quantizers`)
     quantized = any(n.op_type in QUANTIZING for n in _proto.deep_nodes(model.graph.node))
-    probe_ep = _fusion_probe_provider() if quantized else "cpu"
-    dtypes = {t: info.dtype for t, info in graph.tensors.items()}
-    fusion_units = ort_fusion_units(model, dtypes, probe_ep) if quantized else ()
-    if isinstance(fusion_units, str) and probe_ep == "cuda":
-        say(f"ORT refused the probe of its own fusions on the CUDA EP ({fusion_units}): the CPU EP stands in")
-        probe_ep, fusion_units = "cpu", ort_fusion_units(model, dtypes, "cpu")
-    if isinstance(fusion_units, str):
-        say(f"ORT refused the probe of its own fusions on the {probe_ep.upper()} EP ({fusion_units}): those a "
-            "quantizer reads are not known, and a kernel may take part of one")
-        fusion_units = ()
-    elif quantized:
-        say(f"ORT's own fusions ({len(fusion_units)}) asked of its {probe_ep.upper()} EP"
-            + (" (standing in for the CUDA EP)" if probe_ep == "cpu" else ""))
+    fusion_units = _orts_fusions(model, graph, say) if quantized else ()
     del model  # the graph holds its own copy: one copy of the weights less from here on
     check_dim_hints(graph)
     graph, splits = split_contrib_ops(graph)
